@@ -1,0 +1,948 @@
+"""The state fold: what the event log means, and the invariants it must keep.
+
+"What it means" lives in one function, :func:`apply`, a ``match`` over the
+catalog's :data:`~events.catalog.Event` union. Replaying the log from the start
+(or from a snapshot) through :func:`apply` gives the live state; replaying up to
+position *p* gives the state at *p* (invariant 8). Services never change a
+:class:`ClusterState` themselves: they read it, decide, and append events.
+
+Shape of the state
+------------------
+:class:`ClusterState` is a tree of *mutable* msgspec Structs. Mutability is a
+deliberate trade: replay must fold well over 100k events/s in pure Python, so a
+step updates a few dict entries in place instead of copying anything, and its
+cost does not depend on how many shares exist. Only :func:`apply` mutates it.
+Because the tree is made of Structs, ``==`` compares two states field by field,
+:func:`to_builtins` gives a deterministic plain-data form, and
+:func:`snapshot_encode` / :func:`snapshot_decode` store it as msgpack.
+
+* devices, keyed by ``(driver, pool, device)``: totals per capacity
+  (``Quantity``), consumed per capacity as exact integer nanos (admin shares
+  excluded), ``allow_multiple_allocations``, the dedicated holder, and request
+  policies with their versions;
+* shares, keyed by ShareID, with their state, device, consumed amounts, policy
+  snapshot, claim and node; released shares stay (that is what makes a duplicate
+  release recognisable);
+* claims, keyed by ``(namespace, name)``, with phase, allocation version and
+  result, and share ids; device classes, slices, pools, nodes.
+
+Policy versions
+---------------
+Every device has one policy sequence, ``DeviceState.policy_version``. A slice
+that changes the request policy of some capacities (or adds capacities) takes
+the next number for them; ``RequestPolicyChanged`` must carry a number above
+the device's current one. A capacity's policy "at version v" is its latest
+change numbered ``<= v``, so the single ``policy_version`` of a reservation
+identifies the policy of every capacity it was granted under. A reservation
+with :data:`~events.catalog.POLICY_VERSION_UNRECORDED` (upcast from v1) is
+checked against, and records, the policy in force when it is replayed.
+
+Invariants (``InvariantViolation(position, name, detail)``)
+-----------------------------------------------------------
+A step that would break one raises before mutating anything.
+
+* ``capacity``: a reservation on a device that is not published, for a capacity
+  the device does not have, or that would make consumed exceed the total;
+* ``exclusive``: a dedicated device held by a second hold; a shared reservation
+  while a dedicated hold exists, a dedicated one while shares are live; a share
+  on a device that does not allow multiple allocations (or the reverse);
+* ``identity``: a ShareID reserved twice; a release, bind or report for an
+  unknown share; a release whose device or allocation version contradicts the
+  share; a bind of another claim's share;
+* ``policy``: consumed does not satisfy the policy snapshot (validValues, or
+  min / max / step counted from min); a policy version that does not increase;
+* ``readiness``: ``LimitApplied`` for a share that is not reserved or bound, or
+  from another node. Claim readiness is derived: a claim becomes ``ready`` only
+  when every non-admin share of its allocation (every share, for an admin-only
+  claim) has had its limit applied — never from scheduling alone;
+* ``fencing``: ``CapacityReleased`` for a share whose state is unknown (it keeps
+  its capacity until ``NodeFenced`` or ``ShareConfirmed``), or a confirmation of
+  a share that was already fenced;
+* ``order``: a stored envelope whose position does not increase.
+
+Idempotent release: a ``CapacityReleased`` for a share already released with the
+same allocation version is a no-op. Stale commands (a ``ReleaseRequested`` for an
+older allocation, a fence or expiry of an older epoch) are no-ops too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any, Final, Literal, TypeAlias
+
+import msgspec
+
+from events.catalog import (
+    POLICY_VERSION_UNRECORDED,
+    AllocationBound,
+    CapacityReleased,
+    CapacityReserved,
+    ClaimAdmitted,
+    ClaimRejected,
+    ClaimSubmitted,
+    ClaimUnschedulable,
+    DeviceClassApplied,
+    DeviceClassRemoved,
+    Envelope,
+    LimitApplied,
+    LimitFailed,
+    LimitRemoved,
+    NodeFenced,
+    NodeLeaseExpired,
+    ReleaseRequested,
+    RequestPolicyChanged,
+    ResourceSlicePublished,
+    ResourceSliceWithdrawn,
+    ShareConfirmed,
+    ShareMarkedUnknown,
+)
+from events.errors import InvariantViolation
+from events.model import (
+    AllocationResult,
+    CapacityRequestPolicy,
+    DeviceClass,
+    ResourceClaim,
+    ResourceSlice,
+    decode_hook,
+    encode_hook,
+)
+from events.quantities import Quantity
+
+__all__ = [
+    "LIVE_SHARE_STATES",
+    "ClaimKey",
+    "ClaimPhase",
+    "ClaimState",
+    "ClusterState",
+    "DeviceClassState",
+    "DeviceKey",
+    "DeviceState",
+    "NodeState",
+    "PolicyRecord",
+    "PoolState",
+    "ShareState",
+    "ShareStatus",
+    "apply",
+    "fold",
+    "policy_violation",
+    "snapshot_decode",
+    "snapshot_encode",
+    "state_digest",
+    "to_builtins",
+]
+
+DeviceKey: TypeAlias = tuple[str, str, str]
+ClaimKey: TypeAlias = tuple[str, str]
+ClaimPhase: TypeAlias = Literal[
+    "submitted",
+    "admitted",
+    "rejected",
+    "unschedulable",
+    "allocated",
+    "ready",
+    "failed",
+    "releasing",
+    "released",
+]
+ShareStatus: TypeAlias = Literal["reserved", "bound", "ready", "unknown", "releasing", "released"]
+
+#: Share states that hold capacity.
+LIVE_SHARE_STATES: Final = frozenset({"reserved", "bound", "ready", "unknown", "releasing"})
+_LIVE_CLAIM_PHASES: Final = frozenset({"allocated", "ready", "releasing"})
+
+
+# --- state --------------------------------------------------------------------------------
+
+
+class PolicyRecord(msgspec.Struct, kw_only=True):
+    """A capacity's request policy from ``version`` on (``None``: no policy)."""
+
+    version: int
+    policy: CapacityRequestPolicy | None
+
+
+class DeviceState(msgspec.Struct, kw_only=True):
+    """One published device and what is held on it."""
+
+    driver: str
+    pool: str
+    name: str
+    slice: str | None = None
+    node: str | None = None
+    present: bool = True
+    allow_multiple_allocations: bool = False
+    total: dict[str, Quantity] = {}
+    consumed_nanos: dict[str, int] = {}
+    policy_version: int = 1
+    policies: dict[str, CapacityRequestPolicy | None] = {}
+    capacity_policy_versions: dict[str, int] = {}
+    policy_history: dict[str, list[PolicyRecord]] = {}
+    exclusive_holder: ClaimKey | None = None
+    exclusive_share: str | None = None
+    live_shared: int = 0
+
+    def consumed(self) -> dict[str, Quantity]:
+        """Consumed amount per capacity, as quantities in the total's format."""
+        out: dict[str, Quantity] = {}
+        for name, total in self.total.items():
+            out[name] = Quantity(self.consumed_nanos.get(name, 0), total.format)
+        return out
+
+    def free(self, capacity: str) -> Quantity:
+        """Total minus consumed of one capacity."""
+        total = self.total[capacity]
+        return Quantity(total.nanos - self.consumed_nanos.get(capacity, 0), total.format)
+
+    def policy_at(self, capacity: str, version: int) -> CapacityRequestPolicy | None:
+        """The request policy of ``capacity`` in force at policy ``version``."""
+        if version >= self.policy_version:
+            return self.policies.get(capacity)
+        found: CapacityRequestPolicy | None = None
+        for record in self.policy_history.get(capacity, ()):
+            if record.version > version:
+                break
+            found = record.policy
+        return found
+
+
+class ShareState(msgspec.Struct, kw_only=True, gc=False):
+    """One reserved device result (a ShareID), live or released."""
+
+    share_id: str
+    state: ShareStatus
+    claim: ClaimKey
+    request: str
+    allocation_version: int
+    driver: str
+    pool: str
+    device: str
+    node: str | None
+    shared: bool
+    admin_access: bool
+    consumed: dict[str, Quantity]
+    policy_version: int
+    reserved_at: int = 0
+    released_at: int | None = None
+    prior_state: ShareStatus | None = None
+    limit_level: str | None = None
+    actual: dict[str, Quantity] | None = None
+    limit_removed: bool = False
+    last_error: str | None = None
+
+    @property
+    def device_key(self) -> DeviceKey:
+        """``(driver, pool, device)``."""
+        return (self.driver, self.pool, self.device)
+
+    @property
+    def live(self) -> bool:
+        """Whether the share still holds capacity."""
+        return self.state != "released"
+
+
+class ClaimState(msgspec.Struct, kw_only=True):
+    """A ResourceClaim's lifecycle."""
+
+    namespace: str
+    name: str
+    phase: ClaimPhase
+    claim: ResourceClaim | None = None
+    allocation_version: int = 0
+    allocation: AllocationResult | None = None
+    node: str | None = None
+    share_ids: list[str] = []
+    reason: str | None = None
+
+
+class DeviceClassState(msgspec.Struct, kw_only=True):
+    """An applied DeviceClass and how its changes roll out."""
+
+    device_class: DeviceClass
+    rollout: str
+
+
+class PoolState(msgspec.Struct, kw_only=True):
+    """A resource pool: the slices that publish it."""
+
+    driver: str
+    name: str
+    generation: int
+    resource_slice_count: int
+    slices: list[str] = []
+
+
+class NodeState(msgspec.Struct, kw_only=True):
+    """A node agent's lease and the live shares placed on the node."""
+
+    name: str
+    lease: Literal["live", "expired", "fenced"] = "live"
+    lease_epoch: int = 0
+    fenced_epoch: int = 0
+    live_shares: set[str] = set()
+
+
+class ClusterState(msgspec.Struct, kw_only=True):
+    """Everything the log says, folded. Change it only through :func:`apply`."""
+
+    position: int = 0
+    classes: dict[str, DeviceClassState] = {}
+    slices: dict[str, ResourceSlice] = {}
+    pools: dict[tuple[str, str], PoolState] = {}
+    devices: dict[DeviceKey, DeviceState] = {}
+    claims: dict[ClaimKey, ClaimState] = {}
+    shares: dict[str, ShareState] = {}
+    nodes: dict[str, NodeState] = {}
+
+    def device(self, driver: str, pool: str, name: str) -> DeviceState | None:
+        """The device ``driver/pool/name``, if known."""
+        return self.devices.get((driver, pool, name))
+
+    def claim(self, namespace: str, name: str) -> ClaimState | None:
+        """The claim ``namespace/name``, if known."""
+        return self.claims.get((namespace, name))
+
+
+# --- the fold -----------------------------------------------------------------------------
+
+
+def fold(envelopes: Iterable[Envelope], state: ClusterState | None = None) -> ClusterState:
+    """Fold ``envelopes`` in order into ``state`` (a new empty state by default)."""
+    st = ClusterState() if state is None else state
+    for envelope in envelopes:
+        apply(st, envelope)
+    return st
+
+
+def apply(state: ClusterState, envelope: Envelope) -> ClusterState:
+    """Fold one envelope into ``state`` (in place) and return it.
+
+    Raises :class:`InvariantViolation` without changing ``state`` when the event
+    would break an invariant.
+    """
+    position = envelope.position
+    if position and position <= state.position:
+        raise InvariantViolation(position, "order", f"position {position} after {state.position}")
+    event = envelope.event
+    match event:
+        case CapacityReserved():
+            _reserve(state, event, position)
+        case CapacityReleased():
+            _release(state, event, position)
+        case AllocationBound():
+            _bind(state, event, position)
+        case LimitApplied():
+            _limit_applied(state, event, position)
+        case LimitFailed():
+            _limit_failed(state, event, position)
+        case LimitRemoved():
+            _share_for(state, event.share_id, position).limit_removed = True
+        case ReleaseRequested():
+            _release_requested(state, event)
+        case ClaimSubmitted():
+            _claim_submitted(state, event)
+        case ClaimAdmitted():
+            _claim_record(state, event.namespace, event.name).phase = "admitted"
+        case ClaimRejected():
+            claim = _claim_record(state, event.namespace, event.name)
+            claim.phase = "rejected"
+            claim.reason = f"{event.field}: {event.rule}: {event.reason}"
+        case ClaimUnschedulable():
+            claim = _claim_record(state, event.namespace, event.name)
+            claim.phase = "unschedulable"
+            claim.reason = event.reason
+        case NodeLeaseExpired():
+            _lease_expired(state, event)
+        case ShareMarkedUnknown():
+            _mark_unknown(_share_for(state, event.share_id, position))
+        case NodeFenced():
+            _fenced(state, event, position)
+        case ShareConfirmed():
+            _confirmed(state, event, position)
+        case ResourceSlicePublished():
+            _slice_published(state, event.slice)
+        case ResourceSliceWithdrawn():
+            _slice_withdrawn(state, event.name)
+        case RequestPolicyChanged():
+            _policy_changed(state, event, position)
+        case DeviceClassApplied():
+            name = event.device_class.metadata.name
+            state.classes[name] = DeviceClassState(
+                device_class=event.device_class, rollout=event.rollout
+            )
+        case DeviceClassRemoved():
+            state.classes.pop(event.name, None)
+    if position:
+        state.position = position
+    return state
+
+
+# --- reservation and release --------------------------------------------------------------
+
+
+def policy_violation(policy: CapacityRequestPolicy, consumed: Quantity) -> str | None:
+    """Why ``consumed`` breaks ``policy`` (dra-semantics §3.4), or ``None``.
+
+    Stricter than upstream in one place: an amount below ``min`` is a violation,
+    because a correct allocator always rounds it up to ``min``.
+    """
+    if policy.default is not None and consumed == policy.default:
+        return None
+    if policy.valid_values is not None:
+        if consumed in policy.valid_values:
+            return None
+        values = ", ".join(v.canonical() for v in policy.valid_values)
+        return f"{consumed.canonical()} is not one of validValues [{values}]"
+    rng = policy.valid_range
+    if rng is None:
+        return None
+    if consumed < rng.min:
+        return f"{consumed.canonical()} is below min {rng.min.canonical()}"
+    if rng.max is not None and consumed > rng.max:
+        return f"{consumed.canonical()} is above max {rng.max.canonical()}"
+    if rng.step is not None:
+        step = rng.step.value()
+        if step > 0 and (consumed.value() - rng.min.value()) % step:
+            return (
+                f"{consumed.canonical()} is not min {rng.min.canonical()} "
+                f"plus a multiple of step {rng.step.canonical()}"
+            )
+    return None
+
+
+def _reserve(state: ClusterState, ev: CapacityReserved, position: int) -> None:
+    share_id = ev.share_id
+    if share_id in state.shares:
+        raise InvariantViolation(position, "identity", f"share {share_id} reserved twice")
+    key = (ev.driver, ev.pool, ev.device)
+    dev = state.devices.get(key)
+    if dev is None or not dev.present:
+        raise InvariantViolation(position, "capacity", f"device {'/'.join(key)} is not published")
+    claim_key = (ev.namespace, ev.name)
+    claim = state.claims.get(claim_key)
+    if claim is not None and ev.allocation_version < claim.allocation_version:
+        raise InvariantViolation(
+            position,
+            "identity",
+            f"share {share_id}: allocation version {ev.allocation_version} is older than "
+            f"claim's {claim.allocation_version}",
+        )
+    version = ev.policy_version
+    if not ev.admin_access:
+        _check_exclusive(dev, ev, claim_key, position)
+        version = _check_consumption(dev, ev, position)
+        consumed_nanos = dev.consumed_nanos
+        for name, q in ev.consumed.items():
+            consumed_nanos[name] = consumed_nanos.get(name, 0) + q.nanos
+        if ev.shared:
+            dev.live_shared += 1
+        else:
+            dev.exclusive_holder = claim_key
+            dev.exclusive_share = share_id
+    elif version == POLICY_VERSION_UNRECORDED:
+        version = dev.policy_version
+    state.shares[share_id] = ShareState(
+        share_id=share_id,
+        state="reserved",
+        claim=claim_key,
+        request=ev.request,
+        allocation_version=ev.allocation_version,
+        driver=ev.driver,
+        pool=ev.pool,
+        device=ev.device,
+        node=ev.node,
+        shared=ev.shared,
+        admin_access=ev.admin_access,
+        consumed=ev.consumed,
+        policy_version=version,
+        reserved_at=position,
+    )
+    if ev.node is not None:
+        _node(state, ev.node).live_shares.add(share_id)
+    if claim is not None:
+        if ev.allocation_version != claim.allocation_version:
+            claim.allocation_version = ev.allocation_version
+            claim.share_ids = []
+        claim.share_ids.append(share_id)
+
+
+def _check_exclusive(
+    dev: DeviceState, ev: CapacityReserved, claim_key: ClaimKey, position: int
+) -> None:
+    where = f"device {ev.driver}/{ev.pool}/{ev.device}"
+    if ev.shared != dev.allow_multiple_allocations:
+        kind = "shared" if ev.shared else "dedicated"
+        raise InvariantViolation(
+            position,
+            "exclusive",
+            f"{where}: {kind} reservation but allowMultipleAllocations="
+            f"{dev.allow_multiple_allocations}",
+        )
+    if dev.exclusive_holder is not None:
+        holder = "/".join(dev.exclusive_holder)
+        raise InvariantViolation(
+            position,
+            "exclusive",
+            f"{where} is held by claim {holder} (share {dev.exclusive_share}); "
+            f"claim {'/'.join(claim_key)} cannot reserve it",
+        )
+    if not ev.shared and dev.live_shared:
+        raise InvariantViolation(
+            position, "exclusive", f"{where} has {dev.live_shared} live shares"
+        )
+
+
+def _check_consumption(dev: DeviceState, ev: CapacityReserved, position: int) -> int:
+    """Check policy and capacity of a reservation; return its resolved policy version."""
+    version = ev.policy_version
+    if version == POLICY_VERSION_UNRECORDED:
+        version = dev.policy_version
+    elif version > dev.policy_version:
+        raise InvariantViolation(
+            position,
+            "policy",
+            f"share {ev.share_id}: policy version {version} is newer than the device's "
+            f"{dev.policy_version}",
+        )
+    current = version == dev.policy_version
+    for name, q in ev.consumed.items():
+        total = dev.total.get(name)
+        if total is None:
+            raise InvariantViolation(
+                position,
+                "capacity",
+                f"device {ev.driver}/{ev.pool}/{ev.device} has no capacity {name!r}",
+            )
+        policy = dev.policies.get(name) if current else dev.policy_at(name, version)
+        if policy is not None:
+            why = policy_violation(policy, q)
+            if why is not None:
+                raise InvariantViolation(
+                    position, "policy", f"share {ev.share_id}: {name}: {why} (v{version})"
+                )
+        if dev.consumed_nanos.get(name, 0) + q.nanos > total.nanos:
+            used = Quantity(dev.consumed_nanos.get(name, 0), total.format).canonical()
+            raise InvariantViolation(
+                position,
+                "capacity",
+                f"device {ev.driver}/{ev.pool}/{ev.device} {name}: {used} consumed + "
+                f"{q.canonical()} > total {total.canonical()}",
+            )
+    return version
+
+
+def _release(state: ClusterState, ev: CapacityReleased, position: int) -> None:
+    share = state.shares.get(ev.share_id)
+    if share is None:
+        raise InvariantViolation(position, "identity", f"release of unknown share {ev.share_id}")
+    if share.allocation_version != ev.allocation_version:
+        raise InvariantViolation(
+            position,
+            "identity",
+            f"share {ev.share_id} belongs to allocation {share.allocation_version}, "
+            f"release names {ev.allocation_version}",
+        )
+    if share.driver != ev.driver or share.pool != ev.pool or share.device != ev.device:
+        raise InvariantViolation(
+            position,
+            "identity",
+            f"share {ev.share_id} is on {share.driver}/{share.pool}/{share.device}, "
+            f"release names {ev.driver}/{ev.pool}/{ev.device}",
+        )
+    if share.state == "released":
+        return  # idempotent: this allocation version was already released
+    if share.state == "unknown":
+        raise InvariantViolation(
+            position,
+            "fencing",
+            f"share {ev.share_id} is unknown; it keeps its capacity until fenced or confirmed",
+        )
+    if ev.consumed and ev.consumed != share.consumed:
+        raise InvariantViolation(
+            position, "identity", f"share {ev.share_id}: released amounts differ from reserved"
+        )
+    _free(state, share, position)
+    claim = state.claims.get(share.claim)
+    if (
+        claim is not None
+        and claim.allocation_version == share.allocation_version
+        and claim.phase != "failed"
+        and _all_released(state, claim)
+    ):
+        claim.phase = "released"
+
+
+def _free(state: ClusterState, share: ShareState, position: int) -> None:
+    """Give a live share's capacity back and mark it released."""
+    dev = state.devices[(share.driver, share.pool, share.device)]
+    if not share.admin_access:
+        consumed_nanos = dev.consumed_nanos
+        for name, q in share.consumed.items():
+            consumed_nanos[name] -= q.nanos
+        if share.shared:
+            dev.live_shared -= 1
+        elif dev.exclusive_share == share.share_id:
+            dev.exclusive_holder = None
+            dev.exclusive_share = None
+    share.state = "released"
+    share.released_at = position
+    if share.node is not None:
+        node = state.nodes.get(share.node)
+        if node is not None:
+            node.live_shares.discard(share.share_id)
+
+
+def _all_released(state: ClusterState, claim: ClaimState) -> bool:
+    shares = state.shares
+    return all(shares[s].state == "released" for s in claim.share_ids if s in shares)
+
+
+# --- binding and readiness ----------------------------------------------------------------
+
+
+def _share_for(state: ClusterState, share_id: str, position: int) -> ShareState:
+    share = state.shares.get(share_id)
+    if share is None:
+        raise InvariantViolation(position, "identity", f"unknown share {share_id}")
+    return share
+
+
+def _bind(state: ClusterState, ev: AllocationBound, position: int) -> None:
+    key = (ev.namespace, ev.name)
+    shares = [_share_for(state, sid, position) for sid in ev.share_ids]
+    for share in shares:
+        if share.claim != key or share.allocation_version != ev.allocation_version:
+            raise InvariantViolation(
+                position,
+                "identity",
+                f"share {share.share_id} belongs to {'/'.join(share.claim)} allocation "
+                f"{share.allocation_version}, not {'/'.join(key)} allocation "
+                f"{ev.allocation_version}",
+            )
+        if share.state not in ("reserved", "bound", "ready"):
+            raise InvariantViolation(
+                position, "identity", f"share {share.share_id} is {share.state}, cannot bind"
+            )
+    claim = _claim_record(state, ev.namespace, ev.name)
+    for share in shares:
+        if share.state == "reserved":
+            share.state = "bound"
+    claim.phase = "allocated"
+    claim.allocation_version = ev.allocation_version
+    claim.allocation = ev.allocation
+    claim.node = ev.node
+    claim.share_ids = list(ev.share_ids)
+    claim.reason = None
+    _maybe_ready(state, claim)
+
+
+def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None:
+    share = _share_for(state, ev.share_id, position)
+    if share.state not in ("reserved", "bound"):
+        raise InvariantViolation(
+            position, "readiness", f"limit applied to share {ev.share_id} in state {share.state}"
+        )
+    if share.node is not None and share.node != ev.node:
+        raise InvariantViolation(
+            position,
+            "readiness",
+            f"share {ev.share_id} is on node {share.node}, limit reported by {ev.node}",
+        )
+    share.state = "ready"
+    share.limit_level = ev.level
+    share.actual = ev.actual
+    claim = state.claims.get(share.claim)
+    if claim is not None and claim.allocation_version == share.allocation_version:
+        _maybe_ready(state, claim)
+
+
+def _maybe_ready(state: ClusterState, claim: ClaimState) -> None:
+    """Make an allocated claim ready when every share that needs a limit has one."""
+    if claim.phase != "allocated" or not claim.share_ids:
+        return
+    shares = [state.shares[s] for s in claim.share_ids]
+    required = [s for s in shares if not s.admin_access] or shares
+    if all(s.state == "ready" for s in required):
+        claim.phase = "ready"
+
+
+def _limit_failed(state: ClusterState, ev: LimitFailed, position: int) -> None:
+    share = _share_for(state, ev.share_id, position)
+    if share.state == "released":
+        return
+    share.last_error = ev.reason
+    if ev.retryable:
+        return
+    claim = state.claims.get(share.claim)
+    if claim is not None and claim.allocation_version == share.allocation_version:
+        claim.phase = "failed"
+        claim.reason = ev.reason
+
+
+def _release_requested(state: ClusterState, ev: ReleaseRequested) -> None:
+    claim = state.claims.get((ev.namespace, ev.name))
+    if claim is None or claim.allocation_version != ev.allocation_version:
+        return  # stale or unknown: nothing of that allocation to release
+    if claim.phase in ("releasing", "released"):
+        return
+    claim.phase = "releasing"
+    for sid in claim.share_ids:
+        share = state.shares.get(sid)
+        if share is not None and share.state in ("reserved", "bound", "ready"):
+            share.state = "releasing"
+    if _all_released(state, claim):
+        claim.phase = "released"
+
+
+# --- claims -------------------------------------------------------------------------------
+
+
+def _claim_record(state: ClusterState, namespace: str, name: str) -> ClaimState:
+    key = (namespace, name)
+    claim = state.claims.get(key)
+    if claim is None:
+        claim = state.claims[key] = ClaimState(namespace=namespace, name=name, phase="submitted")
+    return claim
+
+
+def _claim_submitted(state: ClusterState, ev: ClaimSubmitted) -> None:
+    meta = ev.claim.metadata
+    claim = _claim_record(state, meta.namespace or "", meta.name)
+    claim.claim = ev.claim
+    if claim.phase not in _LIVE_CLAIM_PHASES:
+        claim.phase = "submitted"
+        claim.reason = None
+
+
+# --- leases and fencing -------------------------------------------------------------------
+
+
+def _node(state: ClusterState, name: str) -> NodeState:
+    node = state.nodes.get(name)
+    if node is None:
+        node = state.nodes[name] = NodeState(name=name)
+    return node
+
+
+def _mark_unknown(share: ShareState) -> None:
+    if share.state not in ("released", "unknown"):
+        share.prior_state = share.state
+        share.state = "unknown"
+
+
+def _lease_expired(state: ClusterState, ev: NodeLeaseExpired) -> None:
+    node = _node(state, ev.node)
+    if ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch:
+        return  # stale
+    node.lease_epoch = ev.epoch
+    node.lease = "expired"
+    for sid in node.live_shares:
+        _mark_unknown(state.shares[sid])
+
+
+def _fenced(state: ClusterState, ev: NodeFenced, position: int) -> None:
+    node = _node(state, ev.node)
+    if ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch:
+        return  # stale
+    node.fenced_epoch = ev.epoch
+    node.lease = "fenced"
+    touched: dict[ClaimKey, None] = {}
+    for sid in sorted(node.live_shares):
+        share = state.shares[sid]
+        _free(state, share, position)
+        touched[share.claim] = None
+    for key in touched:
+        claim = state.claims.get(key)
+        if claim is None or claim.phase in ("released", "failed"):
+            continue
+        if claim.phase == "releasing" and _all_released(state, claim):
+            claim.phase = "released"
+        elif claim.phase != "releasing":
+            claim.phase = "failed"
+            claim.reason = f"node {ev.node} fenced at epoch {ev.epoch}"
+
+
+def _confirmed(state: ClusterState, ev: ShareConfirmed, position: int) -> None:
+    share = _share_for(state, ev.share_id, position)
+    if share.node is not None and share.node != ev.node:
+        raise InvariantViolation(
+            position, "fencing", f"share {ev.share_id} is on {share.node}, not {ev.node}"
+        )
+    if share.state == "released":
+        raise InvariantViolation(
+            position, "fencing", f"share {ev.share_id} confirmed after it was released"
+        )
+    if share.state == "unknown":
+        share.state = share.prior_state or "ready"
+        share.prior_state = None
+    node = state.nodes.get(ev.node)
+    if node is not None and node.lease == "expired":
+        node.lease = "live"
+
+
+# --- inventory ----------------------------------------------------------------------------
+
+
+def _slice_published(state: ClusterState, rslice: ResourceSlice) -> None:
+    spec = rslice.spec
+    name = rslice.metadata.name
+    old = state.slices.get(name)
+    state.slices[name] = rslice
+    pool_key = (spec.driver, spec.pool.name)
+    pool = state.pools.get(pool_key)
+    if pool is None:
+        pool = state.pools[pool_key] = PoolState(
+            driver=spec.driver,
+            name=spec.pool.name,
+            generation=spec.pool.generation,
+            resource_slice_count=spec.pool.resource_slice_count,
+        )
+    elif spec.pool.generation >= pool.generation:
+        pool.generation = spec.pool.generation
+        pool.resource_slice_count = spec.pool.resource_slice_count
+    if name not in pool.slices:
+        pool.slices.append(name)
+        pool.slices.sort()
+    seen: set[str] = set()
+    for device in spec.devices or ():
+        seen.add(device.name)
+        key = (spec.driver, spec.pool.name, device.name)
+        dev = state.devices.get(key)
+        if dev is None:
+            dev = state.devices[key] = DeviceState(
+                driver=spec.driver, pool=spec.pool.name, name=device.name
+            )
+        dev.slice = name
+        dev.node = device.node_name or spec.node_name
+        dev.present = True
+        dev.allow_multiple_allocations = bool(device.allow_multiple_allocations)
+        capacity = device.capacity or {}
+        dev.total = {cap: c.value for cap, c in capacity.items()}
+        _update_policies(dev, {cap: c.request_policy for cap, c in capacity.items()})
+    if old is not None and old.spec.pool.name == spec.pool.name:
+        for device in old.spec.devices or ():
+            if device.name not in seen:
+                gone = state.devices.get((old.spec.driver, old.spec.pool.name, device.name))
+                if gone is not None:
+                    gone.present = False
+
+
+def _update_policies(dev: DeviceState, policies: dict[str, CapacityRequestPolicy | None]) -> None:
+    """Record changed policies under the device's next policy version."""
+    fresh = not dev.policies and not dev.policy_history
+    changed = [
+        cap
+        for cap, policy in policies.items()
+        if cap not in dev.capacity_policy_versions or dev.policies.get(cap) != policy
+    ]
+    if not changed:
+        return
+    version = dev.policy_version if fresh else dev.policy_version + 1
+    for cap in changed:
+        dev.policies[cap] = policies[cap]
+        dev.capacity_policy_versions[cap] = version
+        dev.policy_history.setdefault(cap, []).append(
+            PolicyRecord(version=version, policy=policies[cap])
+        )
+    dev.policy_version = version
+
+
+def _slice_withdrawn(state: ClusterState, name: str) -> None:
+    rslice = state.slices.pop(name, None)
+    if rslice is None:
+        return
+    spec = rslice.spec
+    for device in spec.devices or ():
+        dev = state.devices.get((spec.driver, spec.pool.name, device.name))
+        if dev is not None and dev.slice == name:
+            dev.present = False
+    pool = state.pools.get((spec.driver, spec.pool.name))
+    if pool is not None and name in pool.slices:
+        pool.slices.remove(name)
+        if not pool.slices:
+            del state.pools[(spec.driver, spec.pool.name)]
+
+
+def _policy_changed(state: ClusterState, ev: RequestPolicyChanged, position: int) -> None:
+    dev = state.devices.get((ev.driver, ev.pool, ev.device))
+    if dev is None or ev.capacity not in dev.total:
+        raise InvariantViolation(
+            position,
+            "policy",
+            f"no capacity {ev.capacity!r} on device {ev.driver}/{ev.pool}/{ev.device}",
+        )
+    if ev.policy_version <= dev.policy_version:
+        raise InvariantViolation(
+            position,
+            "policy",
+            f"policy version {ev.policy_version} does not increase device's {dev.policy_version}",
+        )
+    dev.policies[ev.capacity] = ev.policy
+    dev.capacity_policy_versions[ev.capacity] = ev.policy_version
+    dev.policy_history.setdefault(ev.capacity, []).append(
+        PolicyRecord(version=ev.policy_version, policy=ev.policy)
+    )
+    dev.policy_version = ev.policy_version
+
+
+# --- comparison and snapshots -------------------------------------------------------------
+
+
+def _joined_keys(mapping: dict[Any, Any]) -> dict[str, Any]:
+    return {"/".join(k) if isinstance(k, tuple) else k: v for k, v in mapping.items()}
+
+
+def to_builtins(state: ClusterState) -> dict[str, Any]:
+    """A deterministic plain-data form of ``state`` (tuple keys joined with ``/``)."""
+    plain = {
+        "position": state.position,
+        "classes": state.classes,
+        "slices": state.slices,
+        "pools": _joined_keys(state.pools),
+        "devices": _joined_keys(state.devices),
+        "claims": _joined_keys(state.claims),
+        "shares": state.shares,
+        "nodes": state.nodes,
+    }
+    out = msgspec.to_builtins(plain, enc_hook=encode_hook, order="sorted")
+    assert isinstance(out, dict)
+    return out
+
+
+def state_digest(state: ClusterState) -> dict[str, Any]:
+    """A short, comparable summary: counts plus a SHA-256 of :func:`to_builtins`."""
+    body = msgspec.json.encode(to_builtins(state), order="sorted")
+    live = sum(1 for s in state.shares.values() if s.state != "released")
+    return {
+        "position": state.position,
+        "devices": len(state.devices),
+        "claims": len(state.claims),
+        "shares": len(state.shares),
+        "live_shares": live,
+        "sha256": hashlib.sha256(body).hexdigest(),
+    }
+
+
+SNAPSHOT_FORMAT: Final = 1
+
+
+class _Snapshot(msgspec.Struct, kw_only=True):
+    format: int
+    state: ClusterState
+
+
+_SNAPSHOT_ENCODER: Final = msgspec.msgpack.Encoder(enc_hook=encode_hook)
+_SNAPSHOT_DECODER: Final = msgspec.msgpack.Decoder(_Snapshot, dec_hook=decode_hook)
+
+
+def snapshot_encode(state: ClusterState) -> bytes:
+    """msgpack bytes of ``state``, tagged with the snapshot format."""
+    return _SNAPSHOT_ENCODER.encode(_Snapshot(format=SNAPSHOT_FORMAT, state=state))
+
+
+def snapshot_decode(data: bytes) -> ClusterState:
+    """The state stored by :func:`snapshot_encode`; a foreign format raises ``ValueError``."""
+    snap = _SNAPSHOT_DECODER.decode(data)
+    if snap.format != SNAPSHOT_FORMAT:
+        raise ValueError(f"snapshot format {snap.format} is not {SNAPSHOT_FORMAT}")
+    return snap.state

@@ -1,0 +1,893 @@
+"""The allocator: one ResourceClaim in, one decision out. Pure: no I/O.
+
+It follows the upstream structured-parameters allocator of Kubernetes 1.35 for
+consumable capacity (see ``dra-semantics.md`` in the design folder), without the
+v1.34.x defects that page lists:
+
+1. **Pre-checks** turn into :class:`Invalid`: disabled gates (capacity requests and
+   ``distinctAttribute`` need ``DRAConsumableCapacity``, ``firstAvailable`` needs
+   ``DRAPrioritizedList``, ``adminAccess`` needs ``DRAAdminAccess`` and a namespace
+   labelled for it), a missing class, an empty constraint, more than 32 devices,
+   ``All`` over an incomplete or invalid pool, a CEL error met during the search.
+2. **Depth-first search**: requests in order, for each the required number of device
+   slots; every slot tries the candidate devices in order (pools sorted, slices in
+   input order, devices in spec order) and the first complete solution wins.
+   ``firstAvailable`` tries subrequests in order. Backtracking undoes constraint
+   values, dedicated picks and in-call consumption.
+3. **Checks per candidate**, in upstream order: in use (an exclusive hold, or a
+   dedicated pick earlier in this call; admin access ignores holds of other claims),
+   selectors, capacity (:mod:`services.reservation.policy`: every capacity of the
+   device, requested or not, must fit next to allocated and in-call consumption and
+   satisfy its policy), binding conditions and taints when their gates are on, then
+   the constraints.
+4. **Results**: multi-allocatable devices get a fresh ShareID (UUID v4) and
+   ``consumedCapacity`` listing every capacity; dedicated devices get neither.
+
+Allocated state is kept per device, never as a list of shares, so "how much of this
+device is taken" is a dict lookup whatever the number of shares. Candidate lists
+with max-trees (:mod:`services.reservation.candidates`) skip full devices.
+
+Decisions do not change the allocated state; :meth:`Allocator.commit` and
+:meth:`Allocator.release` do, so a caller can decide, persist, then commit.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from events.errors import SelectorError
+from events.model import (
+    ALLOCATION_MODE_ALL,
+    ALLOCATION_MODE_EXACT_COUNT,
+    AllocationResult,
+    DeviceAllocationConfiguration,
+    DeviceAllocationResult,
+    DeviceConstraint,
+    DeviceRequest,
+    DeviceRequestAllocationResult,
+    NodeSelector,
+    NodeSelectorRequirement,
+    NodeSelectorTerm,
+    ResourceClaim,
+)
+from events.quantities import Quantity
+from events.selectors import AttributeValue
+from services.reservation.candidates import UNUSABLE, CandidateList, MaxTree, first_fit
+from services.reservation.inventory import DeviceEntry, DeviceKey, Inventory
+from services.reservation.outcomes import Allocated, Grant, Invalid, Outcome, Unschedulable
+from services.reservation.policy import consumed_amount, describe_policy, violates_policy
+
+MAX_DEVICES_PER_CLAIM = 32
+SEARCH_BUDGET = 200_000  # device checks per decision; upstream bounds the search by a timeout
+
+
+class _InvalidClaimError(Exception):
+    """Raised inside the search for an upstream *error*; becomes :class:`Invalid`."""
+
+
+class _BudgetExhaustedError(Exception):
+    pass
+
+
+# --- allocated state ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AllocatedState:
+    """What is taken: consumption per device and capacity, and exclusive holds.
+
+    Keyed by device, so lookups cost the same with ten shares or ten million.
+    """
+
+    consumed: dict[DeviceKey, dict[str, int]] = field(default_factory=dict)
+    exclusive: dict[DeviceKey, int] = field(default_factory=dict)  # hold counts
+    shares: int = 0
+
+    def add(self, grant: Grant, *, sign: int = 1) -> None:
+        """Record (sign=1) or forget (sign=-1) one non-admin grant."""
+        if grant.admin_access:
+            return
+        if grant.share_id is None:
+            count = self.exclusive.get(grant.device, 0) + sign
+            if count > 0:
+                self.exclusive[grant.device] = count
+            else:
+                self.exclusive.pop(grant.device, None)
+            return
+        self.shares += sign
+        per_device = self.consumed.setdefault(grant.device, {})
+        for name, amount in grant.consumed.items():
+            per_device[name] = per_device.get(name, 0) + sign * amount.nanos
+
+    def consumed_nanos(self, key: DeviceKey, name: str) -> int:
+        per_device = self.consumed.get(key)
+        return per_device.get(name, 0) if per_device else 0
+
+
+def grants_from_claim(claim: ResourceClaim, *, consumable_capacity: bool = True) -> list[Grant]:
+    """The grants an already-allocated claim holds (upstream ``GatherAllocatedState``).
+
+    Admin-access results are ignored. With the consumable-capacity gate off, every
+    result counts as an exclusive hold (upstream ``ListAllAllocatedDevices``).
+    """
+    allocation = claim.status.allocation if claim.status else None
+    results = (allocation.devices.results if allocation and allocation.devices else None) or []
+    grants = []
+    for r in results:
+        if r.admin_access:
+            continue
+        share_id = r.share_id if consumable_capacity else None
+        grants.append(
+            Grant(
+                request=r.request,
+                device=(r.driver, r.pool, r.device),
+                share_id=share_id,
+                admin_access=False,
+                consumed=dict(r.consumed_capacity or {}) if share_id else {},
+            )
+        )
+    return grants
+
+
+# --- one request slot's view of the claim ---------------------------------------------------
+
+
+@dataclass(slots=True)
+class _RequestSpec:
+    """An ``exactly`` request or one ``firstAvailable`` subrequest, normalised."""
+
+    parent: str
+    result_name: str  # "req" or "req/sub"
+    class_name: str
+    selectors: tuple[str, ...]
+    mode: str
+    count: int
+    admin: bool
+    capacity: dict[str, Quantity]
+    tolerations: list[dict[str, object]]
+
+
+@dataclass(slots=True)
+class _Constraint:
+    requests: frozenset[str] | None  # None: all requests
+    attribute: str
+    distinct: bool
+    values: list[AttributeValue] = field(default_factory=list)
+
+    def applies(self, spec: _RequestSpec) -> bool:
+        return (
+            self.requests is None
+            or spec.parent in self.requests
+            or spec.result_name in self.requests
+        )
+
+
+@dataclass(slots=True)
+class _Pick:
+    spec: _RequestSpec
+    device: int
+    consumed: dict[str, Quantity]
+    share: bool
+    applied: list[_Constraint] = field(default_factory=list)
+
+
+# --- the allocator ----------------------------------------------------------------------------
+
+
+class Allocator:
+    """Decisions over one inventory and a mutable allocated state."""
+
+    def __init__(
+        self,
+        inventory: Inventory,
+        allocated: AllocatedState | None = None,
+        *,
+        new_share_id: Callable[[], str] = lambda: str(uuid.uuid4()),
+    ) -> None:
+        self.inventory = inventory
+        self.allocated = allocated if allocated is not None else AllocatedState()
+        self.new_share_id = new_share_id
+        self._lists: dict[tuple[str | None, str, tuple[str, ...]], CandidateList] = {}
+        self._members: dict[int, list[CandidateList]] = {}
+
+    # -- state changes
+    def commit(self, outcome: Allocated) -> None:
+        """Add an allocation's grants to the allocated state."""
+        self._apply(outcome.grants, 1)
+
+    def release(self, outcome: Allocated) -> None:
+        """Remove an allocation's grants from the allocated state."""
+        self._apply(outcome.grants, -1)
+
+    def add_grants(self, grants: Iterable[Grant]) -> None:
+        """Record grants of claims allocated elsewhere (e.g. from the event log)."""
+        self._apply(list(grants), 1)
+
+    def _apply(self, grants: Sequence[Grant], sign: int) -> None:
+        for grant in grants:
+            self.allocated.add(grant, sign=sign)
+            index = self.inventory.by_key.get(grant.device)
+            if index is not None:
+                self._refresh(index)
+
+    def _refresh(self, index: int) -> None:
+        for clist in self._members.get(index, ()):
+            pos = clist.position[index]
+            entry = self.inventory.devices[index]
+            usable = self._usable(entry)
+            if clist.usable is not None:
+                clist.usable.set(pos, 1 if usable else 0)
+            for name, tree in clist.trees.items():
+                tree.set(pos, self._free(entry, name) if usable else UNUSABLE)
+
+    # -- helpers over the state
+    def _usable(self, entry: DeviceEntry) -> bool:
+        return entry.key not in self.allocated.exclusive
+
+    def _free(self, entry: DeviceEntry, name: str) -> int:
+        info = entry.capacities.get(name)
+        if info is None:
+            return UNUSABLE
+        return info.total.nanos - self.allocated.consumed_nanos(entry.key, name)
+
+    def _candidates(self, node: str | None, spec: _RequestSpec) -> CandidateList:
+        key = (node, spec.class_name, spec.selectors)
+        clist = self._lists.get(key)
+        if clist is None:
+            dclass = self.inventory.classes[spec.class_name]
+            expressions = [
+                s.cel.expression for s in (dclass.spec.selectors or []) if s.cel is not None
+            ]
+            expressions.extend(spec.selectors)
+            devices: list[int] = []
+            errors: list[tuple[int, SelectorError]] = []
+            for index in self.inventory.visible_devices(node):
+                outcome = self._matches(index, expressions)
+                if isinstance(outcome, SelectorError):
+                    errors.append((index, outcome))
+                elif outcome:
+                    devices.append(index)
+            clist = CandidateList(devices, errors)
+            clist.usable = MaxTree(
+                [1 if self._usable(self.inventory.devices[d]) else 0 for d in devices]
+            )
+            for index in devices:
+                self._members.setdefault(index, []).append(clist)
+            self._lists[key] = clist
+        return clist
+
+    def _matches(self, index: int, expressions: Sequence[str]) -> bool | SelectorError:
+        for expression in expressions:
+            result = self.inventory.selector_result(index, expression)
+            if result is not True:
+                return result
+        return True
+
+    def _tree(self, clist: CandidateList, name: str) -> MaxTree:
+        tree = clist.trees.get(name)
+        if tree is None:
+            values = []
+            for index in clist.devices:
+                entry = self.inventory.devices[index]
+                values.append(self._free(entry, name) if self._usable(entry) else UNUSABLE)
+            tree = clist.trees[name] = MaxTree(values)
+        return tree
+
+    # -- the decision
+    def allocate(
+        self,
+        claim: ResourceClaim,
+        *,
+        node: str | None = None,
+        any_node: bool = False,
+        admin_access_allowed: bool = False,
+    ) -> Outcome:
+        """Decide one claim on ``node`` (or, with ``any_node``, on the first node that fits)."""
+        ref = f"{claim.metadata.namespace}/{claim.metadata.name}"
+        try:
+            specs, constraints = self._prepare(claim, admin_access_allowed)
+        except _InvalidClaimError as exc:
+            return Invalid(claim=ref, reason=str(exc))
+        nodes: list[str | None] = [node]
+        if any_node and node is None:
+            nodes = list(self.inventory.nodes()) or [None]
+        reasons: list[str] = []
+        for candidate_node in nodes:
+            search = _Search(self, claim, specs, constraints, candidate_node)
+            try:
+                picks = search.run()
+            except _InvalidClaimError as exc:
+                return Invalid(claim=ref, reason=str(exc))
+            if picks is not None:
+                return self._result(claim, ref, candidate_node, picks)
+            reasons.append(search.explain())
+        if len(reasons) == 1:
+            return Unschedulable(claim=ref, reason=reasons[0])
+        return Unschedulable(claim=ref, reason="; ".join(reasons))
+
+    def _prepare(
+        self, claim: ResourceClaim, admin_allowed: bool
+    ) -> tuple[list[list[_RequestSpec]], list[_Constraint]]:
+        gates = self.inventory.gates
+        devices = claim.spec.devices
+        requests: list[DeviceRequest] = (devices.requests if devices else None) or []
+        specs: list[list[_RequestSpec]] = []
+        for req in requests:
+            if req.first_available:
+                if not gates.prioritized_list:
+                    raise _InvalidClaimError(
+                        f"request {req.name}: firstAvailable needs "
+                        "the DRAPrioritizedList feature gate"
+                    )
+                options = [
+                    self._spec(
+                        req.name,
+                        f"{req.name}/{sub.name}",
+                        sub.device_class_name,
+                        sub.selectors,
+                        sub.allocation_mode,
+                        sub.count,
+                        False,
+                        sub.capacity.requests if sub.capacity else None,
+                        sub.tolerations,
+                    )
+                    for sub in req.first_available
+                ]
+            elif req.exactly is not None:
+                ex = req.exactly
+                if ex.admin_access:
+                    if not gates.admin_access:
+                        raise _InvalidClaimError(
+                            f"request {req.name}: adminAccess needs the DRAAdminAccess feature gate"
+                        )
+                    if not admin_allowed:
+                        raise _InvalidClaimError(
+                            f"request {req.name}: adminAccess is only allowed in namespaces "
+                            "labelled resource.kubernetes.io/admin-access=true"
+                        )
+                options = [
+                    self._spec(
+                        req.name,
+                        req.name,
+                        ex.device_class_name,
+                        ex.selectors,
+                        ex.allocation_mode,
+                        ex.count,
+                        bool(ex.admin_access),
+                        ex.capacity.requests if ex.capacity else None,
+                        ex.tolerations,
+                    )
+                ]
+            else:
+                raise _InvalidClaimError(f"request {req.name}: needs exactly or firstAvailable")
+            specs.append(options)
+        minimum = sum(
+            min(o.count if o.mode == ALLOCATION_MODE_EXACT_COUNT else 1 for o in opts)
+            for opts in specs
+        )
+        if minimum > MAX_DEVICES_PER_CLAIM:
+            raise _InvalidClaimError(
+                f"claim needs at least {minimum} devices, more than the maximum of "
+                f"{MAX_DEVICES_PER_CLAIM} allocation results"
+            )
+        constraints = []
+        for i, c in enumerate((devices.constraints if devices else None) or []):
+            constraints.append(self._constraint(i, c))
+        return specs, constraints
+
+    def _spec(
+        self,
+        parent: str,
+        result_name: str,
+        class_name: str,
+        selectors: Sequence[object] | None,
+        mode: str | None,
+        count: int | None,
+        admin: bool,
+        capacity: Mapping[str, Quantity] | None,
+        tolerations: list[dict[str, object]] | None,
+    ) -> _RequestSpec:
+        gates = self.inventory.gates
+        if capacity and not gates.consumable_capacity:
+            raise _InvalidClaimError(
+                f"request {result_name}: capacity requests need "
+                "the DRAConsumableCapacity feature gate"
+            )
+        if class_name not in self.inventory.classes:
+            raise _InvalidClaimError(
+                f"request {result_name}: device class {class_name} does not exist"
+            )
+        mode = mode or ALLOCATION_MODE_EXACT_COUNT
+        if mode == ALLOCATION_MODE_EXACT_COUNT:
+            count = 1 if count is None else count
+            if count <= 0:
+                raise _InvalidClaimError(f"request {result_name}: count must be greater than 0")
+            if count > MAX_DEVICES_PER_CLAIM:
+                raise _InvalidClaimError(
+                    f"request {result_name}: count {count} exceeds the maximum of "
+                    f"{MAX_DEVICES_PER_CLAIM} devices"
+                )
+        elif mode == ALLOCATION_MODE_ALL:
+            count = 0
+        else:
+            raise _InvalidClaimError(f"request {result_name}: unsupported allocation mode {mode!r}")
+        expressions = tuple(
+            s.cel.expression  # type: ignore[attr-defined]
+            for s in selectors or []
+            if getattr(s, "cel", None) is not None
+        )
+        return _RequestSpec(
+            parent,
+            result_name,
+            class_name,
+            expressions,
+            mode,
+            count,
+            admin,
+            dict(capacity or {}),
+            list(tolerations or []),
+        )
+
+    def _constraint(self, i: int, c: DeviceConstraint) -> _Constraint:
+        requests = frozenset(c.requests) if c.requests else None
+        if c.distinct_attribute:
+            if not self.inventory.gates.consumable_capacity:
+                raise _InvalidClaimError(
+                    f"constraints[{i}]: distinctAttribute needs "
+                    "the DRAConsumableCapacity feature gate"
+                )
+            return _Constraint(requests, c.distinct_attribute, True)
+        if c.match_attribute:
+            return _Constraint(requests, c.match_attribute, False)
+        raise _InvalidClaimError(
+            f"constraints[{i}]: empty constraint: set matchAttribute or distinctAttribute"
+        )
+
+    def _result(
+        self, claim: ResourceClaim, ref: str, node: str | None, picks: list[_Pick]
+    ) -> Allocated:
+        results: list[DeviceRequestAllocationResult] = []
+        grants: list[Grant] = []
+        for pick in picks:
+            entry = self.inventory.devices[pick.device]
+            share_id = self.new_share_id() if pick.share else None
+            driver, pool, name = entry.key
+            results.append(
+                DeviceRequestAllocationResult(
+                    request=pick.spec.result_name,
+                    driver=driver,
+                    pool=pool,
+                    device=name,
+                    admin_access=True if pick.spec.admin else None,
+                    share_id=share_id,
+                    consumed_capacity=dict(pick.consumed) if pick.share and pick.consumed else None,
+                )
+            )
+            grants.append(
+                Grant(
+                    request=pick.spec.result_name,
+                    device=entry.key,
+                    share_id=share_id,
+                    admin_access=pick.spec.admin,
+                    consumed=dict(pick.consumed) if pick.share else {},
+                )
+            )
+        allocation = AllocationResult(
+            devices=DeviceAllocationResult(
+                results=results, config=self._configs(claim, picks) or None
+            ),
+            node_selector=self._node_selector(node, picks),
+        )
+        return Allocated(claim=ref, node=node, allocation=allocation, grants=grants)
+
+    def _configs(
+        self, claim: ResourceClaim, picks: list[_Pick]
+    ) -> list[DeviceAllocationConfiguration]:
+        by_class: dict[str, list[str]] = {}
+        for pick in picks:
+            names = by_class.setdefault(pick.spec.class_name, [])
+            if pick.spec.result_name not in names:
+                names.append(pick.spec.result_name)
+        configs: list[DeviceAllocationConfiguration] = []
+        for class_name, names in by_class.items():
+            for cfg in self.inventory.classes[class_name].spec.config or []:
+                configs.append(
+                    DeviceAllocationConfiguration(
+                        source="FromClass", requests=names, opaque=cfg.opaque
+                    )
+                )
+        devices = claim.spec.devices
+        for ccfg in (devices.config if devices else None) or []:
+            configs.append(
+                DeviceAllocationConfiguration(
+                    source="FromClaim", requests=ccfg.requests, opaque=ccfg.opaque
+                )
+            )
+        return configs
+
+    def _node_selector(self, node: str | None, picks: list[_Pick]) -> NodeSelector | None:
+        expressions: list[NodeSelectorRequirement] = []
+        fields: list[NodeSelectorRequirement] = []
+        for pick in picks:
+            entry = self.inventory.devices[pick.device]
+            spec = entry.slice.spec
+            device = entry.device
+            if spec.node_name or device.node_name or device.binds_to_node:
+                name = node or spec.node_name or device.node_name or ""
+                return NodeSelector(
+                    node_selector_terms=[
+                        NodeSelectorTerm(
+                            match_fields=[
+                                NodeSelectorRequirement(
+                                    key="metadata.name", operator="In", values=[name]
+                                )
+                            ]
+                        )
+                    ]
+                )
+            selector = spec.node_selector or device.node_selector
+            if selector is not None:
+                for term in selector.node_selector_terms:
+                    for req in term.match_expressions or []:
+                        if req not in expressions:
+                            expressions.append(req)
+                    for req in term.match_fields or []:
+                        if req not in fields:
+                            fields.append(req)
+        if not expressions and not fields:
+            return None
+        return NodeSelector(
+            node_selector_terms=[
+                NodeSelectorTerm(match_expressions=expressions or None, match_fields=fields or None)
+            ]
+        )
+
+
+# --- the depth-first search -------------------------------------------------------------------
+
+
+class _Search:
+    """One depth-first search for one claim on one node."""
+
+    def __init__(
+        self,
+        allocator: Allocator,
+        claim: ResourceClaim,
+        specs: list[list[_RequestSpec]],
+        constraints: list[_Constraint],
+        node: str | None,
+    ) -> None:
+        self.a = allocator
+        self.inv = allocator.inventory
+        self.claim = claim
+        self.specs = specs
+        self.constraints = constraints
+        self.node = node
+        self.picks: list[_Pick] = []
+        self.in_call: dict[int, dict[str, int]] = {}
+        self.dedicated: set[int] = set()
+        self.budget = SEARCH_BUDGET
+        self.failed_spec: _RequestSpec | None = None
+        self.depth_failed = -1
+        self.invalid_pool_seen: str | None = None
+
+    def run(self) -> list[_Pick] | None:
+        try:
+            ok = self._solve(0)
+        except _BudgetExhaustedError:
+            self.failed_spec = None
+            self.depth_failed = -2
+            return None
+        if ok:
+            return list(self.picks)
+        if self.invalid_pool_seen is not None:
+            raise _InvalidClaimError(self.invalid_pool_seen)
+        return None
+
+    # request level
+    def _solve(self, ri: int) -> bool:
+        if ri == len(self.specs):
+            return True
+        for spec in self.specs[ri]:
+            if spec.mode == ALLOCATION_MODE_ALL:
+                devices = self._all_devices(spec)
+                if devices and self._solve_all(ri, spec, devices, 0):
+                    return True
+                if not devices:
+                    self._note_failure(ri, spec)
+            elif self._solve_slot(ri, spec, 0):
+                return True
+        return False
+
+    def _note_failure(self, ri: int, spec: _RequestSpec) -> None:
+        if ri >= self.depth_failed:
+            self.depth_failed = ri
+            self.failed_spec = spec
+
+    # ExactCount
+    def _solve_slot(self, ri: int, spec: _RequestSpec, slot: int) -> bool:
+        if slot == spec.count:
+            return self._solve(ri + 1)
+        clist = self.a._candidates(self.node, spec)
+        trees: list[tuple[MaxTree, int]] = []
+        if not spec.admin:
+            assert clist.usable is not None
+            trees.append((clist.usable, 1))
+            for name, amount in spec.capacity.items():
+                trees.append((self.a._tree(clist, name), amount.nanos))
+        pos = 0
+        count = len(clist.devices)
+        while pos < count:
+            if trees:
+                pos = first_fit(trees, pos, count)
+                if pos < 0:
+                    break
+            index = clist.devices[pos]
+            self._check_errors(clist, spec, index)
+            pick = self._try(spec, index)
+            if pick is not None and self._push(pick):
+                if self._solve_slot(ri, spec, slot + 1):
+                    return True
+                self._pop()
+            pos += 1
+        self._check_errors(clist, spec, None)
+        self._note_failure(ri, spec)
+        return False
+
+    def _check_errors(self, clist: CandidateList, spec: _RequestSpec, before: int | None) -> None:
+        """Raise the first CEL error the upstream search would have met before ``before``."""
+        for index, error in clist.errors:
+            if before is not None and index > before:
+                return
+            if not self._in_use(spec, index):
+                raise _InvalidClaimError(f"request {spec.result_name}: {error}")
+
+    # All
+    def _all_devices(self, spec: _RequestSpec) -> list[int]:
+        visible = set(self.inv.visible_devices(self.node))
+        for pool in self.inv.pools:
+            if not any(d in visible for d in pool.devices) and not any(
+                self.inv._slice_visible(s, d, self.node)
+                for s in pool.slices
+                for d in (s.spec.devices or [])
+            ):
+                continue
+            if not pool.complete:
+                raise _InvalidClaimError(
+                    f"request {spec.result_name}: asks for all devices, but pool "
+                    f"{pool.driver}/{pool.name} is incomplete (being updated)"
+                )
+            if pool.invalid_reason:
+                raise _InvalidClaimError(
+                    f"request {spec.result_name}: asks for all devices, but {pool.invalid_reason}"
+                )
+        clist = self.a._candidates(self.node, spec)
+        if clist.errors:
+            raise _InvalidClaimError(f"request {spec.result_name}: {clist.errors[0][1]}")
+        return [
+            d for d in clist.devices if self._capacity_fits(spec, self.inv.devices[d], False)[0]
+        ]
+
+    def _solve_all(self, ri: int, spec: _RequestSpec, devices: list[int], slot: int) -> bool:
+        if slot == len(devices):
+            return self._solve(ri + 1)
+        if slot + len(self.picks) >= MAX_DEVICES_PER_CLAIM + 1:
+            raise _InvalidClaimError(
+                f"request {spec.result_name}: needs more than {MAX_DEVICES_PER_CLAIM} devices"
+            )
+        pick = self._try(spec, devices[slot], all_mode=True)
+        if pick is None or not self._push(pick, all_mode=True):
+            self._note_failure(ri, spec)
+            return False
+        if self._solve_all(ri, spec, devices, slot + 1):
+            return True
+        self._pop()
+        return False
+
+    # one candidate
+    def _in_use(self, spec: _RequestSpec, index: int) -> bool:
+        if index in self.dedicated:
+            return True
+        if spec.admin:
+            return False
+        return self.inv.devices[index].key in self.a.allocated.exclusive
+
+    def _try(self, spec: _RequestSpec, index: int, *, all_mode: bool = False) -> _Pick | None:
+        self.budget -= 1
+        if self.budget < 0:
+            raise _BudgetExhaustedError
+        entry = self.inv.devices[index]
+        if self._in_use(spec, index):
+            return None
+        pool = self.inv.pools[entry.pool_index]
+        if not all_mode:
+            if pool.invalid_reason:
+                self.invalid_pool_seen = self.invalid_pool_seen or pool.invalid_reason
+                return None
+            if not pool.complete:
+                return None
+        if entry.device.binding_conditions and not (
+            self.inv.gates.device_binding_conditions and self.inv.gates.device_status
+        ):
+            return None
+        ok, consumed = self._capacity_fits(spec, entry, True)
+        if not ok:
+            return None
+        if self.inv.gates.device_taints and not _tolerates(entry, spec.tolerations):
+            return None
+        return _Pick(spec, index, consumed, entry.multi)
+
+    def _capacity_fits(
+        self, spec: _RequestSpec, entry: DeviceEntry, in_call: bool
+    ) -> tuple[bool, dict[str, Quantity]]:
+        consumed: dict[str, Quantity] = {}
+        if not self.inv.gates.consumable_capacity:
+            return True, consumed
+        for name in spec.capacity:
+            if name not in entry.capacities:
+                return False, consumed
+        allocated = self.a.allocated.consumed.get(entry.key)
+        pending = self.in_call.get(entry.index) if in_call else None
+        for name, info in entry.capacities.items():
+            amount = consumed_amount(info.total, info.policy, spec.capacity.get(name))
+            if violates_policy(amount, info.policy):
+                return False, consumed
+            used = (allocated.get(name, 0) if allocated else 0) + (
+                pending.get(name, 0) if pending else 0
+            )
+            if used + amount.nanos > info.total.nanos:
+                return False, consumed
+            consumed[name] = amount
+        return True, consumed
+
+    # constraints and bookkeeping
+    def _push(self, pick: _Pick, *, all_mode: bool = False) -> bool:
+        entry = self.inv.devices[pick.device]
+        applied: list[_Constraint] = []
+        for constraint in self.constraints:
+            if not constraint.applies(pick.spec):
+                continue
+            value = entry.attribute(constraint.attribute)
+            ok = value is not None and _constraint_accepts(constraint, value)
+            if not ok:
+                for c in applied:
+                    c.values.pop()
+                if all_mode:
+                    raise _InvalidClaimError(
+                        f"request {pick.spec.result_name}: device {'/'.join(entry.key)} "
+                        f"violates the {'distinct' if constraint.distinct else 'match'}Attribute "
+                        f"constraint on {constraint.attribute}"
+                    )
+                return False
+            assert value is not None
+            constraint.values.append(value)
+            applied.append(constraint)
+        if pick.share:
+            pending = self.in_call.setdefault(pick.device, {})
+            for name, amount in pick.consumed.items():
+                pending[name] = pending.get(name, 0) + amount.nanos
+        else:
+            self.dedicated.add(pick.device)
+        pick.applied = applied
+        self.picks.append(pick)
+        return True
+
+    def _pop(self) -> None:
+        pick = self.picks.pop()
+        for constraint in pick.applied:
+            constraint.values.pop()
+        if pick.share:
+            pending = self.in_call[pick.device]
+            for name, amount in pick.consumed.items():
+                pending[name] -= amount.nanos
+        else:
+            self.dedicated.discard(pick.device)
+
+    # explaining a failure
+    def explain(self) -> str:
+        where = f" on node {self.node}" if self.node else ""
+        if self.depth_failed == -2:
+            return f"search gave up after {SEARCH_BUDGET} device checks{where}"
+        spec = self.failed_spec
+        if spec is None:
+            return f"no solution{where}"
+        return f"request {spec.result_name}: " + _diagnose(self, spec) + where
+
+
+def _constraint_accepts(constraint: _Constraint, value: AttributeValue) -> bool:
+    if constraint.distinct:
+        return all(type(v) is not type(value) or v != value for v in constraint.values)
+    if not constraint.values:
+        return True
+    first = constraint.values[0]
+    return type(first) is type(value) and first == value
+
+
+def _tolerates(entry: DeviceEntry, tolerations: list[dict[str, object]]) -> bool:
+    for taint in entry.device.taints or []:
+        effect = taint.get("effect")
+        if effect not in ("NoSchedule", "NoExecute"):
+            continue
+        if not any(_toleration_matches(t, taint) for t in tolerations):
+            return False
+    return True
+
+
+def _toleration_matches(toleration: Mapping[str, object], taint: Mapping[str, object]) -> bool:
+    effect = toleration.get("effect")
+    if effect and effect != taint.get("effect"):
+        return False
+    key = toleration.get("key")
+    operator = toleration.get("operator") or "Equal"
+    if not key:
+        return operator == "Exists"
+    if key != taint.get("key"):
+        return False
+    return operator == "Exists" or toleration.get("value", "") == taint.get("value", "")
+
+
+def _diagnose(search: _Search, spec: _RequestSpec) -> str:
+    """Why no device of the candidate list could take ``spec`` (a failure-path scan)."""
+    inv = search.inv
+    clist = search.a._candidates(search.node, spec)
+    visible = len(inv.visible_devices(search.node))
+    if not clist.devices:
+        return f"none of the {visible} devices reachable matches class {spec.class_name}" + (
+            " and the request's selectors" if spec.selectors else ""
+        )
+    in_use = missing = policy = full = 0
+    policy_detail = full_detail = missing_detail = ""
+    for index in clist.devices:
+        entry = inv.devices[index]
+        if search._in_use(spec, index):
+            in_use += 1
+            continue
+        absent = [n for n in spec.capacity if n not in entry.capacities]
+        if absent:
+            missing += 1
+            missing_detail = missing_detail or f"no capacity {absent[0]}"
+            continue
+        for name, info in entry.capacities.items():
+            amount = consumed_amount(info.total, info.policy, spec.capacity.get(name))
+            if violates_policy(amount, info.policy):
+                policy += 1
+                policy_detail = policy_detail or (
+                    f"{name} {amount} is not allowed by the request policy "
+                    f"({describe_policy(info.policy)})"
+                )
+                break
+            free = info.total.nanos - search.a.allocated.consumed_nanos(entry.key, name)
+            if amount.nanos > free:
+                full += 1
+                full_detail = full_detail or (
+                    f"needs {amount} of {name}, largest free is "
+                    f"{_largest_free(search, spec, clist.devices, name)}"
+                )
+                break
+    parts = []
+    if in_use:
+        parts.append(f"{in_use} in exclusive use")
+    if missing:
+        parts.append(f"{missing} lack the capacity ({missing_detail})")
+    if policy:
+        parts.append(f"{policy} refuse the amount ({policy_detail})")
+    if full:
+        parts.append(f"{full} have too little free ({full_detail})")
+    if not parts:
+        parts.append("the claim's constraints cannot be met together")
+    return f"{len(clist.devices)} devices of class {spec.class_name} match; " + ", ".join(parts)
+
+
+def _largest_free(search: _Search, spec: _RequestSpec, devices: list[int], name: str) -> Quantity:
+    best: Quantity | None = None
+    for index in devices:
+        entry = search.inv.devices[index]
+        info = entry.capacities.get(name)
+        if info is None or search._in_use(spec, index):
+            continue
+        free = info.total - Quantity(search.a.allocated.consumed_nanos(entry.key, name))
+        if best is None or free > best:
+            best = free
+    return best if best is not None else Quantity(0)

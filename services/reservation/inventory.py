@@ -1,0 +1,309 @@
+"""The allocator's read-only view of the inventory: pools, devices, node visibility.
+
+Built once from DeviceClasses and ResourceSlices and then shared by every decision,
+so nothing here is recomputed per claim:
+
+* Pools are gathered per (driver, pool name); only the slices of the highest
+  generation count. A pool is *incomplete* when it has fewer or more slices than its
+  ``resourceSliceCount`` and *invalid* when a device name repeats inside it.
+* Pools are ordered lexicographically by (driver, pool) so that decisions are
+  reproducible (upstream 1.34/1.35 iterates a Go map, i.e. in no defined order;
+  1.36 sorts). Within a pool, slices keep input order and devices keep spec order.
+* Each device gets a dense integer index in that order; allocated state and the
+  search work on indices, never on names.
+* Selector results are memoised per (device, expression): device attributes never
+  change for a given inventory, so a CEL program runs at most once per device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import semver
+
+from events.errors import SelectorError
+from events.features import DEFAULT_GATES, FeatureGates
+from events.model import (
+    CapacityRequestPolicy,
+    Device,
+    DeviceClass,
+    NodeSelector,
+    NodeSelectorRequirement,
+    ResourceSlice,
+)
+from events.quantities import Quantity
+from events.selectors import AttributeValue, DeviceView, compile_selector
+
+DeviceKey = tuple[str, str, str]  # (driver, pool, device)
+
+
+@dataclass(slots=True)
+class CapacityInfo:
+    """One capacity of one device, as published."""
+
+    name: str
+    total: Quantity
+    policy: CapacityRequestPolicy | None
+
+
+@dataclass(slots=True)
+class DeviceEntry:
+    """One device of the inventory with everything a decision needs about it."""
+
+    index: int
+    key: DeviceKey
+    device: Device
+    slice: ResourceSlice
+    pool_index: int
+    capacities: dict[str, CapacityInfo]
+    multi: bool
+    attributes: dict[str, AttributeValue] = field(default_factory=dict)
+    attribute_error: str | None = None
+    _view: DeviceView | None = None
+
+    @property
+    def driver(self) -> str:
+        return self.key[0]
+
+    def attribute(self, qualified: str) -> AttributeValue | None:
+        """A fully qualified attribute, falling back to the bare id in the driver's domain."""
+        value = self.attributes.get(qualified)
+        if value is not None:
+            return value
+        domain, _, ident = qualified.rpartition("/")
+        if domain == self.driver:
+            return self.attributes.get(ident)
+        return None
+
+    def view(self) -> DeviceView:
+        """What CEL sees of this device (built on first use)."""
+        if self._view is None:
+            self._view = _device_view(self)
+        return self._view
+
+
+@dataclass(slots=True)
+class Pool:
+    driver: str
+    name: str
+    generation: int
+    slices: list[ResourceSlice]
+    complete: bool
+    invalid_reason: str | None
+    devices: list[int] = field(default_factory=list)
+
+
+def _split(name: str, driver: str) -> tuple[str, str]:
+    domain, _, ident = name.rpartition("/")
+    return (domain or driver, ident)
+
+
+def _attribute_value(device: Device, name: str) -> AttributeValue:
+    attr = (device.attributes or {})[name]
+    if attr.int_ is not None:
+        return attr.int_
+    if attr.bool_ is not None:
+        return attr.bool_
+    if attr.string is not None:
+        return attr.string
+    if attr.version is not None:
+        return semver.Version.parse(attr.version)
+    raise ValueError(f"attribute {name!r} has no value")
+
+
+def _device_view(entry: DeviceEntry) -> DeviceView:
+    if entry.attribute_error is not None:
+        raise SelectorError("<device attributes>", entry.attribute_error)
+    attributes: dict[str, dict[str, AttributeValue]] = {}
+    for name, value in entry.attributes.items():
+        domain, ident = _split(name, entry.driver)
+        attributes.setdefault(domain, {})[ident] = value
+    capacity: dict[str, dict[str, Quantity]] = {}
+    for name, info in entry.capacities.items():
+        domain, ident = _split(name, entry.driver)
+        capacity.setdefault(domain, {})[ident] = info.total
+    return DeviceView(
+        driver=entry.driver,
+        attributes=attributes,
+        capacity=capacity,
+        allow_multiple_allocations=bool(entry.device.allow_multiple_allocations),
+    )
+
+
+# --- node selection --------------------------------------------------------------------------
+
+
+def _requirement_matches(req: NodeSelectorRequirement, values: Mapping[str, str]) -> bool:
+    present = req.key in values
+    actual = values.get(req.key)
+    wanted = req.values or []
+    match req.operator:
+        case "In":
+            return present and actual in wanted
+        case "NotIn":
+            return not present or actual not in wanted
+        case "Exists":
+            return present
+        case "DoesNotExist":
+            return not present
+        case "Gt" | "Lt":
+            if not present or len(wanted) != 1:
+                return False
+            try:
+                have, limit = int(actual or ""), int(wanted[0])
+            except ValueError:
+                return False
+            return have > limit if req.operator == "Gt" else have < limit
+    return False
+
+
+def node_selector_matches(
+    selector: NodeSelector, node: str, labels: Mapping[str, str] | None = None
+) -> bool:
+    """Kubernetes NodeSelector semantics: terms are ORed, requirements within a term ANDed."""
+    node_labels = {"kubernetes.io/hostname": node, **(labels or {})}
+    fields = {"metadata.name": node}
+    for term in selector.node_selector_terms:
+        exprs = term.match_expressions or []
+        field_reqs = term.match_fields or []
+        if not exprs and not field_reqs:
+            continue
+        if all(_requirement_matches(r, node_labels) for r in exprs) and all(
+            _requirement_matches(r, fields) for r in field_reqs
+        ):
+            return True
+    return False
+
+
+# --- the inventory -------------------------------------------------------------------------
+
+
+class Inventory:
+    """DeviceClasses and ResourceSlices indexed for allocation decisions."""
+
+    def __init__(
+        self,
+        classes: Iterable[DeviceClass],
+        slices: Iterable[ResourceSlice],
+        *,
+        gates: FeatureGates = DEFAULT_GATES,
+        node_labels: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> None:
+        self.gates = gates
+        self.classes: dict[str, DeviceClass] = {c.metadata.name: c for c in classes}
+        self.node_labels: dict[str, Mapping[str, str]] = dict(node_labels or {})
+        self.pools: list[Pool] = []
+        self.devices: list[DeviceEntry] = []
+        self.by_key: dict[DeviceKey, int] = {}
+        self._selector_cache: dict[tuple[int, str], bool | SelectorError] = {}
+        self._visible_cache: dict[str | None, tuple[int, ...]] = {}
+        self._build(list(slices))
+
+    # construction
+    def _build(self, slices: Sequence[ResourceSlice]) -> None:
+        grouped: dict[tuple[str, str], list[ResourceSlice]] = {}
+        for s in slices:
+            grouped.setdefault((s.spec.driver, s.spec.pool.name), []).append(s)
+        for driver, name in sorted(grouped):
+            members = grouped[(driver, name)]
+            generation = max(s.spec.pool.generation for s in members)
+            current = [s for s in members if s.spec.pool.generation == generation]
+            expected = current[0].spec.pool.resource_slice_count
+            complete = len(current) == expected and all(
+                s.spec.pool.resource_slice_count == expected for s in current
+            )
+            pool = Pool(driver, name, generation, current, complete, None)
+            pool_index = len(self.pools)
+            self.pools.append(pool)
+            seen: set[str] = set()
+            for s in current:
+                for device in s.spec.devices or []:
+                    if device.name in seen:
+                        pool.invalid_reason = (
+                            f"pool {driver}/{name}: device name {device.name!r} is not unique"
+                        )
+                        continue
+                    seen.add(device.name)
+                    pool.devices.append(self._add_device(device, s, pool_index))
+
+    def _add_device(self, device: Device, slice_: ResourceSlice, pool_index: int) -> int:
+        index = len(self.devices)
+        key = (slice_.spec.driver, slice_.spec.pool.name, device.name)
+        capacities = {
+            name: CapacityInfo(name, cap.value, cap.request_policy)
+            for name, cap in (device.capacity or {}).items()
+        }
+        multi = bool(device.allow_multiple_allocations) and self.gates.consumable_capacity
+        entry = DeviceEntry(index, key, device, slice_, pool_index, capacities, multi)
+        for name in device.attributes or {}:
+            try:
+                entry.attributes[name] = _attribute_value(device, name)
+            except ValueError as exc:
+                entry.attribute_error = f"device {device.name}: {exc}"
+        self.devices.append(entry)
+        self.by_key[key] = index
+        return index
+
+    # queries
+    def nodes(self) -> list[str]:
+        """Every node named by a slice or by the node labels given, sorted."""
+        names = set(self.node_labels)
+        for pool in self.pools:
+            for s in pool.slices:
+                if s.spec.node_name:
+                    names.add(s.spec.node_name)
+                for device in s.spec.devices or []:
+                    if device.node_name:
+                        names.add(device.node_name)
+        return sorted(names)
+
+    def _slice_visible(self, s: ResourceSlice, device: Device, node: str | None) -> bool:
+        spec = s.spec
+        if spec.all_nodes:
+            return True
+        if spec.per_device_node_selection:
+            if device.all_nodes:
+                return True
+            if node is None:
+                return False
+            if device.node_name:
+                return device.node_name == node
+            if device.node_selector is not None:
+                return node_selector_matches(device.node_selector, node, self.node_labels.get(node))
+            return False
+        if node is None:
+            return False
+        if spec.node_name:
+            return spec.node_name == node
+        if spec.node_selector is not None:
+            return node_selector_matches(spec.node_selector, node, self.node_labels.get(node))
+        return False
+
+    def visible_devices(self, node: str | None) -> tuple[int, ...]:
+        """Indices of the devices reachable from ``node``, in allocation order."""
+        cached = self._visible_cache.get(node)
+        if cached is None:
+            cached = tuple(
+                index
+                for pool in self.pools
+                for index in pool.devices
+                if self._slice_visible(self.devices[index].slice, self.devices[index].device, node)
+            )
+            self._visible_cache[node] = cached
+        return cached
+
+    def selector_result(self, index: int, expression: str) -> bool | SelectorError:
+        """Memoised outcome of one CEL selector on one device."""
+        key = (index, expression)
+        cached = self._selector_cache.get(key)
+        if cached is None:
+            try:
+                selector = compile_selector(
+                    expression, consumable_capacity=self.gates.consumable_capacity
+                )
+                cached = selector.matches(self.devices[index].view())
+            except SelectorError as exc:
+                cached = SelectorError(expression, exc.message)
+            self._selector_cache[key] = cached
+        return cached

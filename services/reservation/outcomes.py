@@ -1,0 +1,51 @@
+"""What one allocation decision returns.
+
+Exactly one of three outcomes, mirroring the upstream allocator's three results:
+
+* :class:`Allocated` — a complete allocation (upstream: a result), with the
+  Kubernetes ``AllocationResult`` and one :class:`Grant` per device result that says
+  what to add to the allocated state;
+* :class:`Unschedulable` — no solution right now (upstream: ``nil, nil``); the claim
+  may fit later, when capacity is released;
+* :class:`Invalid` — the claim cannot be allocated as written (upstream: an error),
+  e.g. a disabled feature, a missing class, a failing CEL selector.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from events.model import AllocationResult
+from events.quantities import Quantity
+
+DeviceKey = tuple[str, str, str]
+
+
+class Grant(msgspec.Struct, frozen=True, kw_only=True):
+    """One device result of an allocation, as the allocated state records it."""
+
+    request: str
+    device: DeviceKey
+    share_id: str | None  # set for multi-allocatable devices (the Kubernetes shareID)
+    admin_access: bool
+    consumed: dict[str, Quantity]  # every capacity of a multi-allocatable device; else {}
+
+
+class Allocated(msgspec.Struct, frozen=True, kw_only=True):
+    claim: str  # namespace/name
+    node: str | None
+    allocation: AllocationResult
+    grants: list[Grant]
+
+
+class Unschedulable(msgspec.Struct, frozen=True, kw_only=True):
+    claim: str
+    reason: str
+
+
+class Invalid(msgspec.Struct, frozen=True, kw_only=True):
+    claim: str
+    reason: str
+
+
+Outcome = Allocated | Unschedulable | Invalid
