@@ -132,12 +132,14 @@ def test_gate_off_makes_capacity_claims_invalid(capsys: pytest.CaptureFixture[st
         ),
         (
             "kind: ResourceSlice\napiVersion: resource.k8s.io/v1\nmetadata: {name: s}\n"
-            "spec: {driver: d.io, nodeName: n, pool: {name: p, generation: x, resourceSliceCount: 1}}",
+            "spec: {driver: d.io, nodeName: n,"
+            " pool: {name: p, generation: x, resourceSliceCount: 1}}",
             "spec.pool.generation",
         ),
         (
             "kind: ResourceSlice\napiVersion: resource.k8s.io/v1\nmetadata: {name: s}\n"
-            "spec: {driver: d.io, nodeName: n, pool: {name: p, generation: 1, resourceSliceCount: 1},"
+            "spec: {driver: d.io, nodeName: n,"
+            " pool: {name: p, generation: 1, resourceSliceCount: 1},"
             " devices: [{name: g, capacity: {memory: {value: 12XB}}}]}",
             "12XB",
         ),
