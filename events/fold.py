@@ -14,7 +14,8 @@ step updates a few dict entries in place instead of copying anything, and its
 cost does not depend on how many shares exist. Only :func:`apply` mutates it.
 Because the tree is made of Structs, ``==`` compares two states field by field,
 :func:`to_builtins` gives a deterministic plain-data form, and
-:func:`snapshot_encode` / :func:`snapshot_decode` store it as msgpack.
+:func:`snapshot_encode` / :func:`snapshot_decode` store it as JSON (msgpack's 64-bit
+integers cannot hold the nanos of a device above ~18 GiB; JSON integers are unbounded).
 
 * devices, keyed by ``(driver, pool, device)``: totals per capacity
   (``Quantity``), consumed per capacity as exact integer nanos (admin shares
@@ -923,21 +924,41 @@ def state_digest(state: ClusterState) -> dict[str, Any]:
     }
 
 
-SNAPSHOT_FORMAT: Final = 1
+SNAPSHOT_FORMAT: Final = 2  # 1 was msgpack, which overflowed on large devices
 
 
 class _Snapshot(msgspec.Struct, kw_only=True):
+    """JSON has only string keys: tuple-keyed maps travel as lists of pairs."""
+
     format: int
-    state: ClusterState
+    position: int
+    classes: dict[str, DeviceClassState]
+    slices: dict[str, ResourceSlice]
+    pools: list[tuple[tuple[str, str], PoolState]]
+    devices: list[tuple[DeviceKey, DeviceState]]
+    claims: list[tuple[ClaimKey, ClaimState]]
+    shares: dict[str, ShareState]
+    nodes: dict[str, NodeState]
 
 
-_SNAPSHOT_ENCODER: Final = msgspec.msgpack.Encoder(enc_hook=encode_hook)
-_SNAPSHOT_DECODER: Final = msgspec.msgpack.Decoder(_Snapshot, dec_hook=decode_hook)
+_SNAPSHOT_ENCODER: Final = msgspec.json.Encoder(enc_hook=encode_hook)
+_SNAPSHOT_DECODER: Final = msgspec.json.Decoder(_Snapshot, dec_hook=decode_hook)
 
 
 def snapshot_encode(state: ClusterState) -> bytes:
-    """msgpack bytes of ``state``, tagged with the snapshot format."""
-    return _SNAPSHOT_ENCODER.encode(_Snapshot(format=SNAPSHOT_FORMAT, state=state))
+    """JSON bytes of ``state``, tagged with the snapshot format."""
+    snap = _Snapshot(
+        format=SNAPSHOT_FORMAT,
+        position=state.position,
+        classes=state.classes,
+        slices=state.slices,
+        pools=list(state.pools.items()),
+        devices=list(state.devices.items()),
+        claims=list(state.claims.items()),
+        shares=state.shares,
+        nodes=state.nodes,
+    )
+    return _SNAPSHOT_ENCODER.encode(snap)
 
 
 def snapshot_decode(data: bytes) -> ClusterState:
@@ -945,4 +966,13 @@ def snapshot_decode(data: bytes) -> ClusterState:
     snap = _SNAPSHOT_DECODER.decode(data)
     if snap.format != SNAPSHOT_FORMAT:
         raise ValueError(f"snapshot format {snap.format} is not {SNAPSHOT_FORMAT}")
-    return snap.state
+    return ClusterState(
+        position=snap.position,
+        classes=snap.classes,
+        slices=snap.slices,
+        pools=dict(snap.pools),
+        devices=dict(snap.devices),
+        claims=dict(snap.claims),
+        shares=snap.shares,
+        nodes=snap.nodes,
+    )

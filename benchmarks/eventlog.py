@@ -1,0 +1,268 @@
+"""Event-log throughput: dracap's store against raw asyncpg on the same database.
+
+One run, one fresh database (created from an administrator URL, migrated, dropped at
+the end unless ``--keep``). It measures, on the same server and connection settings:
+
+* raw single-row ``INSERT`` commits/s and raw batched ``INSERT ... unnest`` rows/s
+  into ``bench_raw`` (``LIKE events INCLUDING ALL``: same columns and indexes);
+* dracap single-event ``append`` calls/s and batched ``append`` events/s (validation,
+  head lock, version check, insert, projections, notify — the whole path);
+* a raw keyset read of every row (no decoding) rows/s, and dracap replay events/s
+  (the same read + ``decode_stored`` + ``Envelope`` + ``events.fold.apply``).
+
+The replay log (``--events``, default 1,000,000) is a valid history — slices, then
+claim lifecycles submitted -> admitted -> reserved -> bound -> ready -> released — made
+by encoding one lifecycle per claim and loading the rows with binary ``COPY``.
+
+Usage::
+
+    .venv/bin/python -m benchmarks.eventlog --events 1000000 \
+        --admin-url postgresql://postgres@127.0.0.1:5432/postgres
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import asyncpg
+
+from events import catalog
+from events.catalog import Event, encode_payload, schema_version_of, tag_of
+from events.fold import ClusterState, apply
+from services.replay.verify import paused_gc
+from services.runtime import migrating
+from services.runtime.eventstore import (
+    EventStore,
+    _init_connection,
+    connect,
+    envelope_of,
+    iter_rows,
+)
+from services.runtime.settings import Settings
+from tests.integration import sample as s
+
+T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+DEVICES = 64
+
+
+def _row(position: int, stream: str, version: int, event: Event) -> tuple[Any, ...]:
+    return (
+        position,
+        uuid.uuid4(),
+        stream,
+        version,
+        tag_of(event),
+        schema_version_of(event),
+        getattr(event, "namespace", None),
+        "bench",
+        "corr",
+        None,
+        T0,
+        encode_payload(event),
+    )
+
+
+def _lifecycle(i: int) -> list[Event]:
+    ns, name = f"ns-{i % 97}", f"claim-{i}"
+    r = s.reserved(ns, name, f"gpu-{i % DEVICES}", "1Gi", share_id=str(uuid.UUID(int=i + 1)))
+    return [
+        catalog.ClaimAdmitted(namespace=ns, name=name),
+        r,
+        s.bound(r),
+        catalog.LimitApplied(
+            share_id=r.share_id, node=s.POOL, level="hard", actual=dict(r.consumed)
+        ),
+        catalog.ReleaseRequested(namespace=ns, name=name, allocation_version=1),
+        s.released(r),
+    ]
+
+
+def history(n: int) -> Iterator[tuple[Any, ...]]:
+    """``n`` stored rows of a valid history (positions 1..n)."""
+    devices = {f"gpu-{d}": {"memory": "80Gi"} for d in range(DEVICES)}
+    first = s.slice_published("bench", devices)
+    position, versions = 1, {"slice:bench": 1}
+    yield _row(1, "slice:bench", 1, first)
+    i = 0
+    while position < n:
+        for event in _lifecycle(i):
+            if position >= n:
+                return
+            position += 1
+            stream = catalog.stream_of(event)
+            versions[stream] = versions.get(stream, 0) + 1
+            yield _row(position, stream, versions[stream], event)
+        i += 1
+
+
+async def _timed(label: str, count: int, work: Callable[[], Awaitable[None]]) -> tuple[str, float]:
+    started = time.perf_counter()
+    await work()
+    rate = count / (time.perf_counter() - started)
+    print(f"  {label:<34} {rate:>12,.0f}/s", flush=True)
+    return label, rate
+
+
+RAW_INSERT = (
+    "INSERT INTO bench_raw SELECT * FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::int[], "
+    "$5::text[], $6::int[], $7::text[], $8::text[], $9::text[], $10::text[], "
+    "$11::timestamptz[], $12::jsonb[])"
+)
+
+
+async def bench_writes(
+    admin: asyncpg.Connection, store: EventStore, single: int, batches: int, batch: int
+) -> dict[str, float]:
+    await admin.execute("CREATE TABLE bench_raw (LIKE events INCLUDING ALL)")
+    await _init_connection(admin)
+    events = [catalog.ClaimAdmitted(namespace="bench", name=f"c{i}") for i in range(batch)]
+    rows = [_row(i + 1, f"claim:bench/c{i}", 1, e) for i, e in enumerate(events)]
+    out: dict[str, float] = {}
+
+    async def raw_single() -> None:
+        for i in range(single):
+            await admin.execute(
+                "INSERT INTO bench_raw VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+                *(10_000_000 + i, uuid.uuid4(), f"raw-{i}", 1, *rows[0][4:]),
+            )
+
+    async def raw_batched() -> None:
+        for b in range(batches):
+            cols = [list(c) for c in zip(*rows, strict=True)]
+            cols[0] = [20_000_000 + b * batch + i for i in range(batch)]
+            cols[1] = [uuid.uuid4() for _ in range(batch)]
+            cols[2] = [f"rawb-{b}-{i}" for i in range(batch)]
+            await admin.execute(RAW_INSERT, *cols)
+
+    async def dracap_single() -> None:
+        for i in range(single):
+            await store.append(f"claim:single/{i}", 0, [events[i % batch]], actor="bench")
+
+    async def dracap_batched() -> None:
+        for b in range(batches):
+            await store.append("claim:bench/batched", b * batch, events, actor="bench")
+
+    for label, count, work in (
+        ("raw single-row INSERT commits", single, raw_single),
+        ("dracap single-event append", single, dracap_single),
+        ("raw batched INSERT rows", batches * batch, raw_batched),
+        ("dracap batched append events", batches * batch, dracap_batched),
+    ):
+        name, rate = await _timed(label, count, work)
+        out[name] = rate
+    return out
+
+
+async def load_history(admin: asyncpg.Connection, n: int) -> None:
+    await admin.execute("TRUNCATE capacity_ledger, device_holds, shares, claims")
+    await admin.execute("ALTER TABLE events DISABLE TRIGGER USER")  # bench database only
+    await admin.execute("DELETE FROM events")
+    await admin.execute("ALTER TABLE events ENABLE TRIGGER USER")
+    started = time.perf_counter()
+    chunk: list[tuple[Any, ...]] = []
+    for row in history(n):
+        chunk.append(row)
+        if len(chunk) == 50_000:
+            await admin.copy_records_to_table("events", records=chunk)
+            chunk = []
+    if chunk:
+        await admin.copy_records_to_table("events", records=chunk)
+    await admin.execute("UPDATE event_log_head SET position = $1", n)
+    await admin.execute("VACUUM ANALYZE events")
+    print(f"  generated + COPY {n:,} events in {time.perf_counter() - started:.1f}s")
+
+
+async def bench_reads(settings: Settings, n: int) -> dict[str, float]:
+    connection = await connect(settings)
+    out: dict[str, float] = {}
+    state = ClusterState()
+    try:
+
+        async def raw_read() -> None:
+            count = 0
+            async for rows in iter_rows(connection, 0, 10_000):
+                count += len(rows)
+            assert count == n, count
+
+        async def replay() -> None:
+            with paused_gc():
+                async for rows in iter_rows(connection, 0, 10_000):
+                    for row in rows:
+                        apply(state, envelope_of(row))
+
+        for label, work in (
+            ("raw keyset read rows", raw_read),
+            ("dracap replay (decode + fold) events", replay),
+        ):
+            name, rate = await _timed(label, n, work)
+            out[name] = rate
+        assert state.position == n
+        out["replay seconds"] = n / out["dracap replay (decode + fold) events"]
+    finally:
+        await connection.close()
+    return out
+
+
+async def main(args: argparse.Namespace) -> None:
+    name = f"dracap_bench_{uuid.uuid4().hex[:8]}"
+    root = await asyncpg.connect(args.admin_url)
+    await root.execute(f"CREATE DATABASE {name}")
+    await root.close()
+    url = args.admin_url.rsplit("/", 1)[0] + "/" + name
+    settings = Settings(database_url=url, pool_max_size=4)
+    try:
+        await migrating.upgrade_async(settings)
+        admin = await asyncpg.connect(url)
+        try:
+            print(f"database {name}; writes:")
+            async with await EventStore.open(settings) as store:
+                results = await bench_writes(admin, store, args.single, args.batches, args.batch)
+            print(f"replay of {args.events:,} events:")
+            await load_history(admin, args.events)
+            results |= await bench_reads(settings, args.events)
+        finally:
+            await admin.close()
+    finally:
+        if not args.keep:
+            root = await asyncpg.connect(args.admin_url)
+            await root.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+            await root.close()
+    report(results)
+
+
+def report(r: dict[str, float]) -> None:
+    batched = r["dracap batched append events"] / r["raw batched INSERT rows"]
+    single = r["dracap single-event append"] / r["raw single-row INSERT commits"]
+    replay = r["dracap replay (decode + fold) events"] / r["raw keyset read rows"]
+    print("\nratios (goal in brackets):")
+    print(f"  single append / raw single INSERT      {single:6.2f}x")
+    print(f"  batched append / raw batched INSERT    {batched:6.2f}x  [>= 0.6]")
+    print(f"  replay / raw read                      {replay:6.2f}x  [>= 0.5]")
+    print(f"  replay time for the log                {r['replay seconds']:6.2f}s  [< 10 s per 1M]")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--events", type=int, default=1_000_000, help="replay log length")
+    parser.add_argument("--single", type=int, default=2_000, help="single-event appends")
+    parser.add_argument("--batches", type=int, default=50, help="batched appends")
+    parser.add_argument("--batch", type=int, default=1_000, help="events per batched append")
+    parser.add_argument(
+        "--admin-url",
+        default=os.environ.get(
+            "DRACAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the benchmark database")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse()))

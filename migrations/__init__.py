@@ -1,0 +1,1 @@
+"""Alembic migrations of dracap's PostgreSQL schema (run through ``services.runtime.migrating``)."""

@@ -1,0 +1,551 @@
+"""The PostgreSQL event store: the append-only log plus the projections it implies.
+
+Appending
+---------
+One append is one transaction that
+
+1. locks the single row of ``event_log_head`` (``UPDATE ... SET position = position
+   + n RETURNING position``) — this serialises appends, and because the lock is held
+   until COMMIT, positions are handed out gap-free *in commit order*: the writer that
+   got position p has committed (and become visible) before any writer can get p + 1,
+   and a rolled-back append rolls the counter back with it. A reader that tails
+   ``position > last_seen`` therefore never skips a late commit;
+2. checks every stream's current version against the caller's expected version
+   (exact, since no other append runs concurrently) and raises
+   :class:`~services.runtime.errors.ConflictError` on a clash —
+   ``UNIQUE(stream, stream_version)`` backs this up;
+3. inserts all rows with one ``INSERT ... SELECT FROM unnest(...)``;
+4. applies the ledger and projection changes of :mod:`events.ledger` (a CHECK
+   violation of the capacity ledger becomes
+   :class:`~services.runtime.errors.CapacityExceeded`, a second hold of a dedicated
+   device a :class:`~services.runtime.errors.ConflictError`);
+5. ``pg_notify('dracap_events', head)``, delivered at commit to
+   :meth:`EventStore.wait_for_new`.
+
+Events are validated before the transaction starts (an encode / strict-decode round
+trip through :mod:`events.catalog`); a bad event raises
+:class:`~services.runtime.errors.InvalidEvent` and nothing is written. Transient
+failures (serialization failure, deadlock, lost connection, timeouts) are retried a
+few times with back-off; everything else is mapped to the typed error tree once.
+
+Reading
+-------
+:meth:`EventStore.read_all` pages through the log by keyset (``position > $1 ORDER BY
+position LIMIT $2``), so memory stays bounded by one batch however long the log is.
+Stored payloads are decoded tolerantly with upcasting (``decode_stored``).
+
+Connections come from an asyncpg pool whose sessions start with the app role
+(``role`` startup parameter, which ``RESET ALL`` does not undo) and the configured
+``statement_timeout``; ``jsonb`` is exchanged as raw bytes, so msgspec's JSON goes to
+the server and back without an extra parse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Final, TypeVar
+
+import asyncpg
+import msgspec
+
+from events import ledger
+from events.catalog import (
+    Envelope,
+    Event,
+    decode_stored,
+    encode_payload,
+    namespace_of,
+    schema_version_of,
+    tag_of,
+)
+from events.errors import CatalogError
+from events.model import decode_hook
+from services.runtime.errors import (
+    ConflictError,
+    InvalidEvent,
+    RetryableError,
+    RuntimeServiceError,
+    map_database_error,
+)
+from services.runtime.projecting import apply_changes
+from services.runtime.settings import Settings
+
+CHANNEL: Final = "dracap_events"
+RETRY_ATTEMPTS: Final = 4
+RETRY_BASE_DELAY_S: Final = 0.02
+
+T = TypeVar("T")
+Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+
+_COLUMNS: Final = (
+    "position, event_id, stream, stream_version, type, schema_version, namespace, actor, "
+    "correlation_id, causation_id, recorded_at, payload"
+)
+_SELECT: Final = (
+    "SELECT position, event_id::text, stream, stream_version, type, schema_version, "
+    "namespace, actor, correlation_id, causation_id, recorded_at, payload FROM events"
+)
+_INSERT: Final = (
+    f"INSERT INTO events ({_COLUMNS}) SELECT * FROM unnest($1::bigint[], $2::uuid[], "
+    "$3::text[], $4::int[], $5::text[], $6::int[], $7::text[], $8::text[], $9::text[], "
+    "$10::text[], $11::timestamptz[], $12::jsonb[])"
+)
+
+
+class Batch(msgspec.Struct, frozen=True):
+    """Events for one stream, appended only if the stream is at ``expected_version``.
+
+    ``expected_version`` is the stream's current version (0: the stream must not exist
+    yet); ``None`` appends whatever the version is.
+    """
+
+    stream: str
+    expected_version: int | None
+    events: Sequence[Event]
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    """A stored snapshot: state folded up to and including ``position``."""
+
+    position: int
+    schema_version: int
+    payload: bytes
+    created_at: datetime.datetime
+
+
+class Metadata(msgspec.Struct, frozen=True, kw_only=True):
+    """Envelope fields shared by all events of one append."""
+
+    actor: str
+    namespace: str | None = None
+    correlation_id: str | None = None
+    causation_id: str | None = None
+
+
+# --- validation ------------------------------------------------------------------------
+
+
+_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+def _decoder(cls: type) -> msgspec.json.Decoder[Any]:
+    decoder = _DECODERS.get(cls)
+    if decoder is None:
+        decoder = _DECODERS[cls] = msgspec.json.Decoder(cls, dec_hook=decode_hook)
+    return decoder
+
+
+def _payload(event: Event) -> bytes:
+    """The stored payload of ``event``; raises InvalidEvent if it is not a valid event.
+
+    The check is a round trip: encode, then decode strictly into the event's own type,
+    which catches wrongly typed fields and invalid quantities (a Struct built in Python
+    is not validated on construction). Encoding a Struct cannot add unknown fields, so
+    the catalog's extra unknown-field check of :func:`events.catalog.decode_event` is
+    not needed here.
+    """
+    try:
+        tag_of(event)
+    except (KeyError, TypeError):
+        raise InvalidEvent(f"not an event of the catalog: {type(event).__name__}") from None
+    try:
+        payload = encode_payload(event)
+        _decoder(type(event)).decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError, TypeError, msgspec.EncodeError) as exc:
+        raise InvalidEvent(f"event {tag_of(event)!r}: {exc}") from exc
+    except CatalogError as exc:
+        raise InvalidEvent(str(exc)) from exc
+    return payload
+
+
+def _envelopes(batches: Sequence[Batch], meta: Metadata) -> list[tuple[Envelope, bytes]]:
+    now = datetime.datetime.now(datetime.UTC)
+    out: list[tuple[Envelope, bytes]] = []
+    for batch in batches:
+        if not batch.stream:
+            raise InvalidEvent("stream name is empty")
+        if batch.expected_version is not None and batch.expected_version < 0:
+            raise InvalidEvent(f"expected version {batch.expected_version} < 0")
+        # With expected_version None the offset from the current version is added
+        # inside the append transaction, once the version is known.
+        for offset, event in enumerate(batch.events, start=1):
+            payload = _payload(event)
+            eid = str(uuid.uuid4())
+            env = Envelope(
+                event_id=eid,
+                stream=batch.stream,
+                stream_version=(batch.expected_version or 0) + offset,
+                namespace=meta.namespace if meta.namespace is not None else namespace_of(event),
+                actor=meta.actor,
+                correlation_id=meta.correlation_id or eid,
+                causation_id=meta.causation_id,
+                recorded_at=now,
+                schema_version=schema_version_of(event),
+                event=event,
+            )
+            out.append((env, payload))
+    return out
+
+
+# --- connection setup ---------------------------------------------------------------------
+
+
+async def _init_connection(connection: asyncpg.Connection) -> None:
+    await connection.set_type_codec(
+        "jsonb",
+        schema="pg_catalog",
+        format="binary",
+        encoder=lambda data: b"\x01" + data,
+        decoder=lambda data: data[1:],
+    )
+
+
+def server_settings(settings: Settings) -> dict[str, str]:
+    """Session parameters of every dracap connection."""
+    out = {"statement_timeout": str(settings.statement_timeout_ms), "application_name": "dracap"}
+    if settings.app_role:
+        out["role"] = settings.app_role
+    return out
+
+
+async def connect(settings: Settings) -> asyncpg.Connection:
+    """One connection set up like the pool's (app role, timeout, jsonb as bytes)."""
+    connection = await asyncpg.connect(
+        settings.database_url, server_settings=server_settings(settings)
+    )
+    await _init_connection(connection)
+    return connection
+
+
+async def _retrying(operation: Callable[[], Awaitable[T]], stream: str | None) -> T:
+    for attempt in range(RETRY_ATTEMPTS):
+        try:
+            return await operation()
+        except RuntimeServiceError:
+            raise
+        except Exception as exc:
+            mapped = map_database_error(exc, stream=stream)
+            if not isinstance(mapped, RetryableError) or attempt == RETRY_ATTEMPTS - 1:
+                raise mapped from exc
+        await asyncio.sleep(RETRY_BASE_DELAY_S * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+# --- the store -----------------------------------------------------------------------------
+
+
+def envelope_of(row: asyncpg.Record) -> Envelope:
+    """The envelope of one stored row (payload decoded tolerantly, with upcasting)."""
+    return Envelope(
+        event_id=row[1],
+        stream=row[2],
+        stream_version=row[3],
+        position=row[0],
+        namespace=row[6],
+        actor=row[7],
+        correlation_id=row[8],
+        causation_id=row[9],
+        recorded_at=row[10],
+        schema_version=row[5],
+        event=decode_stored(row[11], row[4], row[5]),
+    )
+
+
+async def iter_rows(
+    connection: Connection,
+    from_position: int = 0,
+    batch_size: int = 5000,
+    to_position: int | None = None,
+) -> AsyncIterator[list[asyncpg.Record]]:
+    """Pages of raw event rows after ``from_position`` (keyset pagination by position).
+
+    The next page is requested before the current one is handed out, so the server
+    reads it while the caller decodes and folds (at most two pages in memory).
+    """
+    limit = to_position if to_position is not None else 2**63 - 1
+    sql = f"{_SELECT} WHERE position > $1 AND position <= $2 ORDER BY position LIMIT $3"
+
+    def page(after: int) -> asyncio.Task[list[asyncpg.Record]]:
+        return asyncio.ensure_future(connection.fetch(sql, after, limit, batch_size))
+
+    pending: asyncio.Task[list[asyncpg.Record]] | None = page(from_position)
+    try:
+        while pending is not None:
+            rows = await pending
+            pending = None
+            if not rows:
+                return
+            if len(rows) == batch_size:
+                pending = page(rows[-1][0])
+            yield rows
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pending
+
+
+async def iter_envelopes(
+    connection: Connection,
+    from_position: int = 0,
+    batch_size: int = 5000,
+    to_position: int | None = None,
+) -> AsyncIterator[Envelope]:
+    """Envelopes after ``from_position`` in position order, decoded (with upcasting)."""
+    async for rows in iter_rows(connection, from_position, batch_size, to_position):
+        for row in rows:
+            yield envelope_of(row)
+
+
+class EventStore:
+    """Append-only event log with transactional projections (see the module docstring)."""
+
+    def __init__(self, pool: asyncpg.Pool, settings: Settings) -> None:
+        self._pool = pool
+        self._settings = settings
+        self._listener: asyncpg.Connection | None = None
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    @classmethod
+    async def open(cls, settings: Settings) -> EventStore:
+        """A store with a fresh connection pool for ``settings``."""
+        pool = await asyncpg.create_pool(
+            settings.database_url,
+            min_size=settings.pool_min_size,
+            max_size=settings.pool_max_size,
+            init=_init_connection,
+            server_settings=server_settings(settings),
+        )
+        return cls(pool, settings)
+
+    async def close(self) -> None:
+        """Close the listener connection and the pool."""
+        if self._listener is not None:
+            await self._listener.close()
+            self._listener = None
+        await self._pool.close()
+
+    async def __aenter__(self) -> EventStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        """The connection pool (for services that write projection rows of their own)."""
+        return self._pool
+
+    # -- appending ---------------------------------------------------------------------
+
+    async def append(
+        self,
+        stream: str,
+        expected_version: int | None,
+        events: Sequence[Event],
+        *,
+        actor: str,
+        namespace: str | None = None,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+    ) -> list[Envelope]:
+        """Append ``events`` to ``stream`` if it is at ``expected_version``."""
+        meta = Metadata(
+            actor=actor,
+            namespace=namespace,
+            correlation_id=correlation_id,
+            causation_id=causation_id,
+        )
+        return await self.append_many([Batch(stream, expected_version, events)], meta)
+
+    async def append_many(
+        self,
+        batches: Sequence[Batch | tuple[str, int | None, Sequence[Event]]],
+        meta: Metadata,
+    ) -> list[Envelope]:
+        """Append several streams' events atomically: all or nothing."""
+        typed = [b if isinstance(b, Batch) else Batch(*b) for b in batches]
+        streams = [b.stream for b in typed]
+        if len(set(streams)) != len(streams):
+            raise InvalidEvent("a stream appears twice in one append")
+        pending = _envelopes(typed, meta)
+        if not pending:
+            return []
+        first = streams[0] if len(streams) == 1 else None
+        return await _retrying(lambda: self._append_once(typed, pending), first)
+
+    async def _append_once(
+        self, batches: Sequence[Batch], pending: list[tuple[Envelope, bytes]]
+    ) -> list[Envelope]:
+        async with self._pool.acquire() as connection, connection.transaction():
+            head: int = await connection.fetchval(
+                "UPDATE event_log_head SET position = position + $1 RETURNING position",
+                len(pending),
+            )
+            current = await self._check_versions(connection, batches)
+            first = head - len(pending) + 1
+            stored = [
+                msgspec.structs.replace(
+                    env,
+                    position=first + i,
+                    stream_version=env.stream_version + current[env.stream],
+                )
+                for i, (env, _) in enumerate(pending)
+            ]
+            await _insert(connection, stored, [p for _, p in pending])
+            changes = [(c, env.position) for env in stored for c in ledger.changes_of(env.event)]
+            await apply_changes(connection, changes)
+            await connection.execute("SELECT pg_notify($1, $2)", CHANNEL, str(head))
+        return stored
+
+    @staticmethod
+    async def _check_versions(connection: Connection, batches: Sequence[Batch]) -> dict[str, int]:
+        """Raise ConflictError on a clash; return how far each ``None`` stream moved."""
+        rows = await connection.fetch(
+            "SELECT s.stream, (SELECT max(stream_version) FROM events e WHERE e.stream = s.stream)"
+            " FROM unnest($1::text[]) AS s(stream)",
+            [b.stream for b in batches],
+        )
+        current = {row[0]: row[1] or 0 for row in rows}
+        for batch in batches:
+            if batch.expected_version is None:
+                continue
+            if current[batch.stream] != batch.expected_version:
+                raise ConflictError(
+                    f"stream {batch.stream!r} is at version {current[batch.stream]}, "
+                    f"expected {batch.expected_version}",
+                    stream=batch.stream,
+                )
+        return {b.stream: current[b.stream] if b.expected_version is None else 0 for b in batches}
+
+    # -- reading -------------------------------------------------------------------------
+
+    async def head(self) -> int:
+        """Position of the newest committed event (0 for an empty log)."""
+        position: int = await self._pool.fetchval("SELECT position FROM event_log_head")
+        return position
+
+    async def stream_version(self, stream: str) -> int:
+        """Current version of ``stream`` (0 if it has no events)."""
+        version: int | None = await self._pool.fetchval(
+            "SELECT max(stream_version) FROM events WHERE stream = $1", stream
+        )
+        return version or 0
+
+    async def read_stream(self, stream: str, from_version: int = 1) -> list[Envelope]:
+        """All events of ``stream`` from ``from_version`` on, in version order."""
+        rows = await self._pool.fetch(
+            f"{_SELECT} WHERE stream = $1 AND stream_version >= $2 ORDER BY stream_version",
+            stream,
+            from_version,
+        )
+        return [envelope_of(row) for row in rows]
+
+    async def read_rows(
+        self, from_position: int = 0, batch_size: int = 1000, to_position: int | None = None
+    ) -> AsyncIterator[list[asyncpg.Record]]:
+        """Raw rows after ``from_position`` (up to ``to_position``), one batch at a time."""
+        async with self._pool.acquire() as connection:
+            async for rows in iter_rows(connection, from_position, batch_size, to_position):
+                yield rows
+
+    async def read_all(
+        self, from_position: int = 0, batch_size: int = 1000, to_position: int | None = None
+    ) -> AsyncIterator[Envelope]:
+        """Every event after ``from_position`` in position order; memory: one batch."""
+        async for rows in self.read_rows(from_position, batch_size, to_position):
+            for row in rows:
+                yield envelope_of(row)
+
+    # -- tailing -------------------------------------------------------------------------
+
+    def _notified(self, *_: object) -> None:
+        waiters, self._waiters = self._waiters, set()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _listen(self) -> None:
+        if self._listener is None:
+            self._listener = await connect(self._settings)
+            await self._listener.add_listener(CHANNEL, self._notified)
+
+    async def wait_for_new(self, after_position: int, timeout: float) -> int:  # noqa: ASYNC109
+        """Wait until the log's head passes ``after_position`` or ``timeout`` runs out.
+
+        Returns the head position (which equals ``after_position`` on a timeout).
+        """
+        await self._listen()
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            head = await self.head()
+            if head > after_position:
+                return head
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(waiter), timeout)
+            return await self.head()
+        finally:
+            self._waiters.discard(waiter)
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    async def save_snapshot(self, position: int, payload: bytes, schema_version: int = 1) -> None:
+        """Store a snapshot of the state folded up to ``position`` (replacing one there)."""
+        await self._pool.execute(
+            "INSERT INTO snapshots (position, schema_version, payload) VALUES ($1, $2, $3) "
+            "ON CONFLICT (position) DO UPDATE SET payload = EXCLUDED.payload, "
+            "schema_version = EXCLUDED.schema_version, created_at = now()",
+            position,
+            schema_version,
+            payload,
+        )
+
+    async def load_latest_snapshot(self, at_or_before: int | None = None) -> Snapshot | None:
+        """The newest snapshot (at or before ``at_or_before`` when given)."""
+        row = await self._pool.fetchrow(
+            "SELECT position, schema_version, payload, created_at FROM snapshots "
+            "WHERE position <= $1 ORDER BY position DESC LIMIT 1",
+            at_or_before if at_or_before is not None else 2**63 - 1,
+        )
+        if row is None:
+            return None
+        return Snapshot(row[0], row[1], bytes(row[2]), row[3])
+
+
+COPY_THRESHOLD: Final = 64
+_COLUMN_NAMES: Final = [c.strip() for c in _COLUMNS.split(",")]
+
+
+async def _insert(
+    connection: Connection, stored: Sequence[Envelope], payloads: list[bytes]
+) -> None:
+    """Insert the rows: one ``unnest`` statement, or binary COPY for large batches."""
+    columns = _columns(stored, payloads)
+    if len(stored) < COPY_THRESHOLD:
+        await connection.execute(_INSERT, *columns)
+    else:
+        await connection.copy_records_to_table(
+            "events", records=list(zip(*columns, strict=True)), columns=_COLUMN_NAMES
+        )
+
+
+def _columns(stored: Sequence[Envelope], payloads: Sequence[bytes]) -> list[list[Any]]:
+    return [
+        [e.position for e in stored],
+        [e.event_id for e in stored],
+        [e.stream for e in stored],
+        [e.stream_version for e in stored],
+        [tag_of(e.event) for e in stored],
+        [e.schema_version for e in stored],
+        [e.namespace for e in stored],
+        [e.actor for e in stored],
+        [e.correlation_id for e in stored],
+        [e.causation_id for e in stored],
+        [e.recorded_at for e in stored],
+        list(payloads),
+    ]

@@ -1,0 +1,350 @@
+"""SQL for the row changes of :mod:`events.ledger`, run inside the append transaction.
+
+:func:`apply_changes` executes ``(change, position)`` pairs in log order. Runs of
+consecutive changes of a kind whose SQL needs no answer are sent with one
+``executemany`` (a pipelined batch); the others run one by one because what they do
+depends on the rows they find (a release only gives capacity back the first time; a
+claim becomes ``ready`` only when all its shares are).
+
+The statements mirror :mod:`events.fold` step for step for the columns the
+projections keep; ``dracap replay verify`` checks that they agree.
+
+"A claim's shares" is read as the shares of the claim's current allocation version
+(the fold keeps an explicit list, which is the same set for every log dracap writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import groupby
+from typing import Any, Final
+
+import asyncpg
+import msgspec
+
+from events import ledger
+from services.runtime.errors import CapacityExceeded
+
+Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+
+_LIVE_PHASES: Final = "('allocated', 'ready', 'releasing')"
+_CLAIM_SHARES: Final = (
+    "s.namespace = c.namespace AND s.claim = c.name AND s.allocation_version = c.allocation_version"
+)
+
+SET_TOTAL: Final = (
+    "INSERT INTO capacity_ledger (driver, pool, device, capacity, total) "
+    "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (driver, pool, device, capacity) "
+    "DO UPDATE SET total = EXCLUDED.total"
+)
+RESERVE: Final = (
+    "UPDATE capacity_ledger SET allocated = allocated + $5 "
+    "WHERE driver = $1 AND pool = $2 AND device = $3 AND capacity = $4 RETURNING 1"
+)
+HOLD: Final = (
+    "INSERT INTO device_holds (driver, pool, device, share_id, namespace, claim) "
+    "VALUES ($1, $2, $3, $4, $5, $6)"
+)
+INSERT_SHARE: Final = (
+    "WITH s AS (INSERT INTO shares (share_id, namespace, claim, allocation_version, request, "
+    "driver, pool, device, node, shared, admin_access, consumed, amounts, policy_version, "
+    "state, position) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, "
+    "'reserved', $15) RETURNING 1) "
+    "UPDATE claims SET allocation_version = $4 "
+    "WHERE namespace = $2 AND name = $3 AND allocation_version <> $4"
+)
+RELEASE_SHARE: Final = (
+    "WITH r AS (UPDATE shares SET state = 'released', prior_state = NULL, position = $2 "
+    "WHERE share_id = $1 AND state <> 'released' "
+    "RETURNING driver, pool, device, amounts, namespace, claim, allocation_version), "
+    "l AS (UPDATE capacity_ledger c SET allocated = c.allocated - a.value::numeric "
+    "FROM r, jsonb_each_text(r.amounts) AS a WHERE c.driver = r.driver AND c.pool = r.pool "
+    "AND c.device = r.device AND c.capacity = a.key RETURNING 1), "
+    "h AS (DELETE FROM device_holds WHERE share_id = $1 AND EXISTS (SELECT FROM r) "
+    "RETURNING 1) "
+    "SELECT namespace, claim, allocation_version FROM r"
+)
+CLAIM_RELEASED: Final = (
+    "UPDATE claims c SET phase = 'released', position = $3 "
+    "WHERE c.namespace = $1 AND c.name = $2 AND c.allocation_version = $4 "
+    "AND c.phase <> ALL($5::text[]) "
+    f"AND NOT EXISTS (SELECT FROM shares s WHERE {_CLAIM_SHARES} AND s.state <> 'released')"
+)
+BIND_SHARES: Final = (
+    "UPDATE shares SET state = 'bound', position = $2 "
+    "WHERE share_id = ANY($1::uuid[]) AND state = 'reserved'"
+)
+BIND_CLAIM: Final = (
+    "INSERT INTO claims (namespace, name, phase, allocation_version, node, reason, position) "
+    "VALUES ($1, $2, 'allocated', $3, $4, NULL, $5) ON CONFLICT (namespace, name) DO UPDATE "
+    "SET phase = 'allocated', allocation_version = $3, node = $4, reason = NULL, position = $5"
+)
+CLAIM_READY: Final = (
+    "UPDATE claims c SET phase = 'ready', position = $3 "
+    "WHERE c.namespace = $1 AND c.name = $2 AND c.phase = 'allocated' "
+    "AND ($4::int IS NULL OR c.allocation_version = $4) "
+    f"AND EXISTS (SELECT FROM shares s WHERE {_CLAIM_SHARES}) "
+    f"AND NOT EXISTS (SELECT FROM shares s WHERE {_CLAIM_SHARES} AND s.state <> 'ready' "
+    f"AND (NOT s.admin_access OR NOT EXISTS (SELECT FROM shares t WHERE "
+    "t.namespace = c.namespace AND t.claim = c.name AND t.allocation_version = "
+    "c.allocation_version AND NOT t.admin_access)))"
+)
+APPLY_LIMIT: Final = (
+    "UPDATE shares SET state = 'ready', level = $2, position = $3 "
+    "WHERE share_id = $1 AND state IN ('reserved', 'bound') "
+    "RETURNING namespace, claim, allocation_version"
+)
+FAIL_LIMIT: Final = (
+    "UPDATE claims c SET phase = 'failed', reason = $2, position = $3 FROM shares s "
+    "WHERE s.share_id = $1 AND s.state <> 'released' AND c.namespace = s.namespace "
+    "AND c.name = s.claim AND c.allocation_version = s.allocation_version"
+)
+REQUEST_RELEASE: Final = (
+    "WITH c AS (UPDATE claims SET phase = 'releasing', position = $4 WHERE namespace = $1 "
+    "AND name = $2 AND allocation_version = $3 AND phase NOT IN ('releasing', 'released') "
+    "RETURNING 1) "
+    "UPDATE shares SET state = 'releasing', position = $4 WHERE EXISTS (SELECT FROM c) "
+    "AND namespace = $1 AND claim = $2 AND allocation_version = $3 "
+    "AND state IN ('reserved', 'bound', 'ready')"
+)
+UNKNOWN_SHARE: Final = (
+    "UPDATE shares SET prior_state = state, state = 'unknown', position = $2 "
+    "WHERE share_id = $1 AND state NOT IN ('released', 'unknown')"
+)
+LEASE_EXPIRED: Final = (
+    "WITH n AS (INSERT INTO node_epochs (node, lease, lease_epoch) VALUES ($1, 'expired', $2) "
+    "ON CONFLICT (node) DO UPDATE SET lease = 'expired', lease_epoch = $2 "
+    "WHERE node_epochs.lease_epoch <= $2 AND node_epochs.fenced_epoch <= $2 RETURNING 1) "
+    "UPDATE shares SET prior_state = state, state = 'unknown', position = $3 "
+    "WHERE EXISTS (SELECT FROM n) AND node = $1 AND state NOT IN ('released', 'unknown')"
+)
+CONFIRM_SHARE: Final = (
+    "WITH s AS (UPDATE shares SET state = coalesce(prior_state, 'ready'), prior_state = NULL, "
+    "position = $3 WHERE share_id = $1 AND state = 'unknown' RETURNING 1) "
+    "UPDATE node_epochs SET lease = 'live' WHERE node = $2 AND lease = 'expired'"
+)
+FENCE: Final = (
+    "INSERT INTO node_epochs (node, lease, fenced_epoch) VALUES ($1, 'fenced', $2) "
+    "ON CONFLICT (node) DO UPDATE SET lease = 'fenced', fenced_epoch = $2 "
+    "WHERE node_epochs.lease_epoch <= $2 AND node_epochs.fenced_epoch <= $2 RETURNING 1"
+)
+FENCED_SHARES: Final = (
+    "SELECT share_id::text FROM shares WHERE node = $1 AND state <> 'released' ORDER BY share_id"
+)
+FENCED_CLAIM: Final = (
+    "UPDATE claims c SET position = $3, "
+    "phase = CASE WHEN c.phase = 'releasing' THEN 'released' ELSE 'failed' END, "
+    "reason = CASE WHEN c.phase = 'releasing' THEN c.reason ELSE $4 END "
+    "WHERE c.namespace = $1 AND c.name = $2 AND c.phase NOT IN ('released', 'failed') "
+    "AND (c.phase <> 'releasing' OR NOT EXISTS "
+    f"(SELECT FROM shares s WHERE {_CLAIM_SHARES} AND s.state <> 'released'))"
+)
+UPSERT_CLAIM: Final = (
+    "INSERT INTO claims (namespace, name, phase, reason, position) VALUES ($1, $2, $3, $4, $6) "
+    "ON CONFLICT (namespace, name) DO UPDATE SET position = $6, "
+    f"phase = CASE WHEN $3 = 'submitted' AND claims.phase IN {_LIVE_PHASES} THEN claims.phase "
+    "ELSE $3 END, "
+    f"reason = CASE WHEN NOT $5 OR ($3 = 'submitted' AND claims.phase IN {_LIVE_PHASES}) "
+    "THEN claims.reason ELSE $4 END"
+)
+
+_JSON: Final = msgspec.json.Encoder()
+
+
+def _json(amounts: dict[str, Any]) -> bytes:
+    return _JSON.encode({k: str(v) for k, v in amounts.items()})
+
+
+def _args(change: ledger.Change, position: int) -> tuple[Any, ...]:
+    match change:
+        case ledger.SetTotal():
+            return (change.driver, change.pool, change.device, change.capacity, change.total)
+        case ledger.HoldDevice():
+            return (
+                change.driver,
+                change.pool,
+                change.device,
+                change.share_id,
+                change.namespace,
+                change.claim,
+            )
+        case ledger.InsertShare():
+            return (
+                change.share_id,
+                change.namespace,
+                change.claim,
+                change.allocation_version,
+                change.request,
+                change.driver,
+                change.pool,
+                change.device,
+                change.node,
+                change.shared,
+                change.admin_access,
+                _JSON.encode(change.consumed),
+                _json(change.amounts),
+                change.policy_version,
+                position,
+            )
+        case ledger.FailLimit():
+            return (change.share_id, change.reason, position)
+        case ledger.RequestRelease():
+            return (change.namespace, change.name, change.allocation_version, position)
+        case ledger.ConfirmShare():
+            return (change.share_id, change.node, position)
+        case ledger.UpsertClaim():
+            return (
+                change.namespace,
+                change.name,
+                change.phase,
+                change.reason,
+                change.set_reason,
+                position,
+            )
+    raise TypeError(f"no batched SQL for {type(change).__name__}")
+
+
+_BATCHED: Final[dict[type, str]] = {
+    ledger.SetTotal: SET_TOTAL,
+    ledger.HoldDevice: HOLD,
+    ledger.InsertShare: INSERT_SHARE,
+    ledger.FailLimit: FAIL_LIMIT,
+    ledger.ConfirmShare: CONFIRM_SHARE,
+    ledger.UpsertClaim: UPSERT_CLAIM,
+}
+
+
+async def _reserve(connection: Connection, change: ledger.Reserve) -> None:
+    key = (change.driver, change.pool, change.device, change.capacity)
+    if await connection.fetchval(RESERVE, *key, change.amount) is None:
+        raise CapacityExceeded(
+            f"no capacity {change.capacity!r} published for device "
+            f"{change.driver}/{change.pool}/{change.device}"
+        )
+
+
+async def _release(connection: Connection, share_id: str, position: int) -> tuple[str, str] | None:
+    """Release one share; the claim it belonged to, or None if nothing changed."""
+    row = await connection.fetchrow(RELEASE_SHARE, share_id, position)
+    if row is None:
+        return None  # already released (or never reserved): subtract nothing
+    await connection.execute(CLAIM_RELEASED, row[0], row[1], position, row[2], ["failed"])
+    return (row[0], row[1])
+
+
+async def _bind(connection: Connection, change: ledger.BindAllocation, position: int) -> None:
+    await connection.execute(BIND_SHARES, list(change.share_ids), position)
+    await connection.execute(
+        BIND_CLAIM, change.namespace, change.name, change.allocation_version, change.node, position
+    )
+    await connection.execute(CLAIM_READY, change.namespace, change.name, position, None)
+
+
+async def _apply_limit(connection: Connection, change: ledger.ApplyLimit, position: int) -> None:
+    row = await connection.fetchrow(APPLY_LIMIT, change.share_id, change.level, position)
+    if row is not None:
+        await connection.execute(CLAIM_READY, row[0], row[1], position, row[2])
+
+
+async def _request_release(
+    connection: Connection, change: ledger.RequestRelease, position: int
+) -> None:
+    await connection.execute(
+        REQUEST_RELEASE, change.namespace, change.name, change.allocation_version, position
+    )
+    await connection.execute(
+        CLAIM_RELEASED,
+        change.namespace,
+        change.name,
+        position,
+        change.allocation_version,
+        [
+            "failed",
+            "released",
+            "ready",
+            "allocated",
+            "submitted",
+            "admitted",
+            "rejected",
+            "unschedulable",
+        ],
+    )
+
+
+async def _mark_unknown(connection: Connection, change: ledger.MarkUnknown, position: int) -> None:
+    if change.share_id is not None:
+        await connection.execute(UNKNOWN_SHARE, change.share_id, position)
+    elif change.node is not None:
+        await connection.execute(LEASE_EXPIRED, change.node, change.epoch, position)
+
+
+async def _fence(connection: Connection, change: ledger.FenceNode, position: int) -> None:
+    if await connection.fetchval(FENCE, change.node, change.epoch) is None:
+        return  # a stale epoch changes nothing
+    touched: dict[tuple[str, str], None] = {}
+    for row in await connection.fetch(FENCED_SHARES, change.node):
+        row2 = await connection.fetchrow(RELEASE_SHARE, row[0], position)
+        if row2 is not None:
+            touched[(row2[0], row2[1])] = None
+    reason = f"node {change.node} fenced at epoch {change.epoch}"
+    for namespace, name in touched:
+        await connection.execute(FENCED_CLAIM, namespace, name, position, reason)
+
+
+async def _one(connection: Connection, change: ledger.Change, position: int) -> None:
+    match change:
+        case ledger.Reserve():
+            await _reserve(connection, change)
+        case ledger.ReleaseShare():
+            await _release(connection, change.share_id, position)
+        case ledger.BindAllocation():
+            await _bind(connection, change, position)
+        case ledger.ApplyLimit():
+            await _apply_limit(connection, change, position)
+        case ledger.RequestRelease():
+            await _request_release(connection, change, position)
+        case ledger.MarkUnknown():
+            await _mark_unknown(connection, change, position)
+        case ledger.FenceNode():
+            await _fence(connection, change, position)
+        case _:
+            raise TypeError(f"no SQL for {type(change).__name__}")
+
+
+UPSERT_CLAIMS_SET: Final = (
+    "INSERT INTO claims (namespace, name, phase, reason, position) "
+    "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $6::bigint[]) "
+    "ON CONFLICT (namespace, name) DO UPDATE SET position = EXCLUDED.position, "
+    f"phase = CASE WHEN EXCLUDED.phase = 'submitted' AND claims.phase IN {_LIVE_PHASES} "
+    "THEN claims.phase ELSE EXCLUDED.phase END, "
+    "reason = CASE WHEN NOT (($5::bool[])[1]) OR (EXCLUDED.phase = 'submitted' AND "
+    f"claims.phase IN {_LIVE_PHASES}) THEN claims.reason ELSE EXCLUDED.reason END"
+)
+
+
+async def _upsert_claims(connection: Connection, items: list[tuple[Any, ...]]) -> None:
+    """One set-based statement when the run has distinct claims and one reason mode."""
+    keys = {(a[0], a[1]) for a in items}
+    modes = {a[4] for a in items}
+    if len(items) < 8 or len(keys) != len(items) or len(modes) != 1:
+        await connection.executemany(UPSERT_CLAIM, items)
+        return
+    columns = [list(c) for c in zip(*items, strict=True)]
+    columns[4] = [columns[4][0]]
+    await connection.execute(UPSERT_CLAIMS_SET, *columns)
+
+
+async def apply_changes(
+    connection: Connection, changes: Sequence[tuple[ledger.Change, int]]
+) -> None:
+    """Run the SQL of ``(change, position)`` pairs in order; batch runs where possible."""
+    for kind, run in groupby(changes, key=lambda item: type(item[0])):
+        items = list(run)
+        sql = _BATCHED.get(kind)
+        if kind is ledger.UpsertClaim:
+            await _upsert_claims(connection, [_args(c, p) for c, p in items])
+        elif sql is not None:
+            await connection.executemany(sql, [_args(c, p) for c, p in items])
+        else:
+            for change, position in items:
+                await _one(connection, change, position)

@@ -1,0 +1,81 @@
+"""Runtime settings, read once from the environment.
+
+Every process of dracap (services, the CLI, alembic's ``env.py``, the benchmarks)
+builds one :class:`Settings` with :func:`load_settings` and passes it down; nothing
+else reads ``os.environ`` for these values. The variables are:
+
+=============================== ============================================ =========
+variable                        meaning                                      default
+=============================== ============================================ =========
+``DRACAP_DATABASE_URL``         PostgreSQL URL (libpq form)                  local
+``DRACAP_NATS_URL``             NATS server URL                              local
+``DRACAP_STATEMENT_TIMEOUT_MS`` ``statement_timeout`` of every connection    30000
+``DRACAP_POOL_MIN_SIZE``        asyncpg pool minimum size                    1
+``DRACAP_POOL_MAX_SIZE``        asyncpg pool maximum size                    10
+``DRACAP_APP_ROLE``             role the services act as (``SET ROLE``);     dracap_app
+                                empty string: act as the connecting user
+=============================== ============================================ =========
+
+The app role is the one that migrations grant INSERT/SELECT on the event log to and
+nothing more, so a service that runs ``SET ROLE dracap_app`` cannot rewrite history
+even with a bug. Tests connect as an administrator and switch role the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import msgspec
+
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/dracap"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_APP_ROLE = "dracap_app"
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value that cannot be used."""
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """Connection and tuning settings of one dracap process."""
+
+    database_url: str = DEFAULT_DATABASE_URL
+    nats_url: str = DEFAULT_NATS_URL
+    statement_timeout_ms: int = 30_000
+    pool_min_size: int = 1
+    pool_max_size: int = 10
+    app_role: str = DEFAULT_APP_ROLE
+
+    def with_database(self, url: str) -> Settings:
+        """A copy that connects to ``url`` instead."""
+        return msgspec.structs.replace(self, database_url=url)
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: not an integer") from None
+    if value < minimum:
+        raise SettingsError(f"{name}={value}: must be at least {minimum}")
+    return value
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Build :class:`Settings` from ``env`` (default: the process environment)."""
+    env = os.environ if env is None else env
+    settings = Settings(
+        database_url=env.get("DRACAP_DATABASE_URL") or DEFAULT_DATABASE_URL,
+        nats_url=env.get("DRACAP_NATS_URL") or DEFAULT_NATS_URL,
+        statement_timeout_ms=_int(env, "DRACAP_STATEMENT_TIMEOUT_MS", 30_000, 0),
+        pool_min_size=_int(env, "DRACAP_POOL_MIN_SIZE", 1, 0),
+        pool_max_size=_int(env, "DRACAP_POOL_MAX_SIZE", 10, 1),
+        app_role=env.get("DRACAP_APP_ROLE", DEFAULT_APP_ROLE),
+    )
+    if settings.pool_min_size > settings.pool_max_size:
+        raise SettingsError("DRACAP_POOL_MIN_SIZE is larger than DRACAP_POOL_MAX_SIZE")
+    return settings

@@ -1,0 +1,334 @@
+"""Contracts of the event log, run against the real PostgreSQL backend.
+
+The contract is written once (:class:`EventStoreContract`); each backend subclasses it
+and provides a ``store`` fixture (today: PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import msgspec
+import pytest
+
+from events import catalog
+from events.catalog import Envelope
+from events.fold import ClusterState, apply, fold, snapshot_decode, snapshot_encode, to_builtins
+from services.replay import verify as verifying
+from services.runtime import eventstore, projecting
+from services.runtime.errors import (
+    CapacityExceeded,
+    ConflictError,
+    InvalidEvent,
+    map_database_error,
+)
+from services.runtime.eventstore import Batch, EventStore, Metadata, connect
+from services.runtime.settings import Settings
+from tests.integration import sample as s
+from tests.integration import scenario
+from tests.integration.scenario import put
+
+_T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+
+
+async def _count(store: EventStore) -> tuple[int, int]:
+    row = await store.pool.fetchrow("SELECT count(*), coalesce(max(position), 0) FROM events")
+    assert row is not None
+    return row[0], row[1]
+
+
+class EventStoreContract:
+    """Behaviour every event-store backend must show."""
+
+    async def test_append_assigns_versions_and_positions(self, store: EventStore) -> None:
+        envs = await store.append(
+            "claim:a/x",
+            0,
+            [s.claim_submitted("a", "x"), catalog.ClaimAdmitted(namespace="a", name="x")],
+            actor="t",
+        )
+        assert [(e.stream_version, e.position) for e in envs] == [(1, 1), (2, 2)]
+        read = await store.read_stream("claim:a/x")
+        assert [e.event for e in read] == [e.event for e in envs]
+        assert await store.stream_version("claim:a/x") == 2
+
+    async def test_concurrent_same_expected_version_one_wins(self, store: EventStore) -> None:
+        async def attempt(i: int) -> list[Envelope]:
+            return await store.append(
+                "claim:a/race",
+                0,
+                [s.claim_submitted("a", "race"), catalog.ClaimAdmitted(namespace="a", name="race")],
+                actor=f"writer-{i}",
+            )
+
+        results = await asyncio.gather(*(attempt(i) for i in range(12)), return_exceptions=True)
+        wins = [r for r in results if isinstance(r, list)]
+        assert len(wins) == 1
+        assert all(isinstance(r, ConflictError) for r in results if not isinstance(r, list))
+        assert await _count(store) == (2, 2)  # nothing half-written
+        assert await store.head() == 2
+
+    async def test_tailing_reader_sees_late_commit_in_order(
+        self, store: EventStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        gate, entered = asyncio.Event(), asyncio.Event()
+        original = projecting.apply_changes
+
+        async def held(connection: Any, changes: Any) -> None:
+            if any(getattr(c, "name", None) == "slow" for c, _ in changes):
+                entered.set()
+                await gate.wait()  # this writer's transaction stays open: a late commit
+            await original(connection, changes)
+
+        monkeypatch.setattr(eventstore, "apply_changes", held)
+        seen: list[int] = []
+
+        async def tail(total: int) -> None:
+            last = 0
+            while last < total:
+                await store.wait_for_new(last, 0.05)
+                async for rows in store.read_rows(last, 3):
+                    for row in rows:
+                        assert row[0] == last + 1, f"reader skipped from {last} to {row[0]}"
+                        last = row[0]
+                        seen.append(row[0])
+
+        reader = asyncio.create_task(tail(21))
+        slow = asyncio.create_task(
+            store.append(
+                "claim:a/slow", 0, [catalog.ClaimAdmitted(namespace="a", name="slow")], actor="slow"
+            )
+        )
+        await entered.wait()
+        others = [
+            asyncio.create_task(
+                store.append(
+                    f"claim:a/o{i}",
+                    0,
+                    [
+                        catalog.ClaimAdmitted(namespace="a", name=f"o{i}"),
+                        catalog.ClaimAdmitted(namespace="a", name=f"o{i}"),
+                    ],
+                    actor="fast",
+                )
+            )
+            for i in range(10)
+        ]
+        await asyncio.sleep(0.2)
+        assert seen == []  # nobody committed past the open transaction
+        gate.set()
+        await asyncio.gather(slow, *others)
+        await asyncio.wait_for(reader, 10)
+        assert seen == list(range(1, 22))
+        envs = [e async for e in store.read_all(0, 4)]
+        assert envs[0].stream == "claim:a/slow"
+
+    async def test_capacity_exceeded_writes_nothing(self, store: EventStore) -> None:
+        await put(store, s.slice_published(devices={"gpu-0": {"memory": "16Gi"}}))
+        await put(store, s.reserved(name="c1", consumed="10Gi"))
+        before = await _count(store)
+        with pytest.raises(CapacityExceeded):
+            await put(store, s.reserved(name="c2", consumed="8Gi"))
+        assert await _count(store) == before
+        allocated = await store.pool.fetchval("SELECT allocated FROM capacity_ledger")
+        assert allocated == 10 * 2**30
+
+    async def test_unpublished_device_is_refused(self, store: EventStore) -> None:
+        with pytest.raises(CapacityExceeded):
+            await put(store, s.reserved(device="nowhere"))
+        assert await _count(store) == (0, 0)
+
+    async def test_second_exclusive_hold_conflicts(self, store: EventStore) -> None:
+        await put(store, s.slice_published(devices={"gpu-1": {"memory": "40Gi"}}, shared=False))
+        await put(store, s.reserved(name="c1", device="gpu-1", consumed="1Gi", shared=False))
+        with pytest.raises(ConflictError):
+            await put(store, s.reserved(name="c2", device="gpu-1", consumed="1Gi", shared=False))
+        assert await store.pool.fetchval("SELECT count(*) FROM device_holds") == 1
+
+    async def test_bad_input_leaves_log_unchanged(self, store: EventStore) -> None:
+        await put(store, s.claim_submitted())
+        before = await _count(store)
+
+        class Stranger(msgspec.Struct, frozen=True, tag="x.stranger"):
+            name: str
+
+        bad_type: Any = Stranger(name="x")
+        bad_payload: Any = catalog.ClaimAdmitted(namespace=1, name="x")  # type: ignore[arg-type]
+        bad_quantity: Any = msgspec.structs.replace(s.reserved(), consumed={"memory": "lots"})
+        for bad in (bad_type, bad_payload, bad_quantity):
+            with pytest.raises(InvalidEvent):
+                await store.append("claim:team-a/c1", None, [bad], actor="t")
+        with pytest.raises(ConflictError):  # wrong expected version
+            await store.append("claim:team-a/c1", 5, [s.claim_submitted()], actor="t")
+        with pytest.raises(ConflictError):  # one bad batch sinks the whole append
+            await store.append_many(
+                [
+                    Batch("claim:z/new", 0, [catalog.ClaimAdmitted(namespace="z", name="new")]),
+                    Batch("claim:team-a/c1", 0, [s.claim_submitted()]),
+                ],
+                Metadata(actor="t"),
+            )
+        assert await _count(store) == before
+        assert await store.stream_version("claim:z/new") == 0
+
+    async def test_wait_for_new_times_out_then_wakes(self, store: EventStore) -> None:
+        assert await store.wait_for_new(0, 0.05) == 0
+        waiter = asyncio.create_task(store.wait_for_new(0, 5))
+        await asyncio.sleep(0.05)
+        await put(store, s.claim_submitted())
+        assert await asyncio.wait_for(waiter, 5) == 1
+
+
+class TestPostgresEventStore(EventStoreContract):
+    @pytest.fixture
+    async def store(self, settings: Settings) -> AsyncIterator[EventStore]:
+        async with await EventStore.open(settings) as store:
+            yield store
+
+
+# --- database-level guarantees --------------------------------------------------------------
+
+
+@pytest.fixture
+async def app_connection(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
+    connection = await connect(settings)
+    try:
+        assert await connection.fetchval("SELECT current_user") == "dracap_app"
+        yield connection
+    finally:
+        await connection.close()
+
+
+@pytest.fixture
+async def store(settings: Settings) -> AsyncIterator[EventStore]:
+    async with await EventStore.open(settings) as store:
+        yield store
+
+
+async def test_direct_sql_over_capacity_is_refused(
+    store: EventStore, app_connection: asyncpg.Connection
+) -> None:
+    await put(store, s.slice_published(devices={"gpu-0": {"memory": "1Gi"}}))
+    with pytest.raises(asyncpg.CheckViolationError) as info:
+        await app_connection.execute("UPDATE capacity_ledger SET allocated = total + 1")
+    assert isinstance(map_database_error(info.value), CapacityExceeded)
+    with pytest.raises(asyncpg.CheckViolationError):
+        await app_connection.execute("UPDATE capacity_ledger SET allocated = -1")
+
+
+@pytest.mark.parametrize(
+    "sql", ["UPDATE events SET actor = 'evil'", "DELETE FROM events", "TRUNCATE events"]
+)
+async def test_events_are_append_only(
+    store: EventStore, app_connection: asyncpg.Connection, database_url: str, sql: str
+) -> None:
+    await put(store, s.claim_submitted())
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await app_connection.execute(sql)
+    admin = await asyncpg.connect(database_url)  # a superuser: stopped by the trigger
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError, match="append-only"):
+            await admin.execute(sql)
+        assert await admin.fetchval("SELECT count(*) FROM events") == 1
+    finally:
+        await admin.close()
+
+
+# --- replay -----------------------------------------------------------------------------------
+
+
+async def test_replay_equals_projections_at_every_step(
+    store: EventStore, settings: Settings
+) -> None:
+    live = ClusterState()
+    recorded: dict[int, dict[str, Any]] = {}
+
+    async def check(envs: list[Envelope]) -> None:
+        fold(envs, live)
+        recorded[live.position] = to_builtins(live)
+        report = await verifying.verify(settings, from_start=True)
+        assert report.ok, verifying.summary(report)
+
+    await scenario.run(store, check)
+    final = await verifying.verify(settings, from_start=True)
+    assert final.ok and final.folded == live.position, verifying.summary(final)
+
+    connection = await connect(settings)  # replay up to p equals the state recorded at p
+    try:
+        for position, expected in recorded.items():
+            state = await verifying.fold_log(
+                connection, ClusterState(), verifying.Report(), to_position=position
+            )
+            assert to_builtins(state) == expected
+    finally:
+        await connection.close()
+
+
+async def test_snapshot_plus_tail_equals_full_replay(store: EventStore, settings: Settings) -> None:
+    live = ClusterState()
+    snapshot_taken = False
+
+    async def step(envs: list[Envelope]) -> None:
+        nonlocal snapshot_taken
+        fold(envs, live)
+        if not snapshot_taken and live.position > 20:
+            await store.save_snapshot(live.position, snapshot_encode(live))
+            snapshot_taken = True
+
+    await scenario.run(store, step, unit="Mi")  # see test_snapshot_of_large_totals
+    snap = await store.load_latest_snapshot()
+    assert snap is not None and 20 < snap.position < live.position
+    from_snapshot = await verifying.verify(settings)
+    assert from_snapshot.ok and from_snapshot.started_at == snap.position
+    full = await verifying.verify(settings, from_start=True)
+    assert full.ok and full.folded == live.position
+    state = ClusterState()
+    async for envelope in store.read_all(0, 7):
+        apply(state, envelope)
+    assert to_builtins(state) == to_builtins(live)
+
+
+def test_snapshot_of_large_totals() -> None:
+    """Nanos of an 80Gi device exceed 64-bit integers; the snapshot must still round-trip."""
+    events: list[catalog.Event] = [
+        s.slice_published(devices={"gpu-0": {"memory": "80Gi"}}),
+        s.reserved(consumed="20Gi"),
+    ]
+    state = fold(
+        Envelope(
+            event_id=str(i),
+            stream="x",
+            stream_version=i,
+            position=i,
+            actor="t",
+            correlation_id="c",
+            recorded_at=_T0,
+            schema_version=1,
+            event=event,
+        )
+        for i, event in enumerate(events, start=1)
+    )
+    assert to_builtins(snapshot_decode(snapshot_encode(state))) == to_builtins(state)
+
+
+async def test_verify_reports_first_violating_position(
+    store: EventStore, settings: Settings, database_url: str
+) -> None:
+    await put(
+        store,
+        s.slice_published(devices={"gpu-0": {"memory": "8Gi"}}),
+        s.reserved(consumed="1Gi"),
+        s.claim_submitted("x", "y"),
+    )
+    admin = await asyncpg.connect(database_url)
+    try:
+        await admin.execute("UPDATE claims SET phase = 'ready'")
+    finally:
+        await admin.close()
+    report = await verifying.verify(settings, from_start=True)
+    assert not report.ok and report.first_violation == 3
+    assert "first violating position 3" in verifying.summary(report)

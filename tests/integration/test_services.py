@@ -1,0 +1,45 @@
+"""The real-service fixtures work: migrations up and down, NATS with JetStream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+import pytest
+
+from services.runtime import dbcommand
+
+
+async def _tables(url: str) -> set[str]:
+    connection = await asyncpg.connect(url)
+    try:
+        rows = await connection.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        return {row[0] for row in rows}
+    finally:
+        await connection.close()
+
+
+async def test_db_upgrade_then_downgrade(
+    empty_database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DRACAP_DATABASE_URL", empty_database_url)
+    assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0
+    assert {"events", "capacity_ledger", "shares", "claims"} <= await _tables(empty_database_url)
+    assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0  # idempotent
+    assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0
+    assert await _tables(empty_database_url) <= {"alembic_version"}
+    assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0
+    assert "events" in await _tables(empty_database_url)
+    out = capsys.readouterr().out
+    assert "database at 0001" in out and "database at base" in out
+
+
+async def test_nats_with_jetstream(nats_url: str) -> None:
+    import nats
+
+    client = await nats.connect(nats_url)
+    try:
+        info = await client.jetstream().account_info()
+        assert info.limits is not None
+    finally:
+        await client.close()
