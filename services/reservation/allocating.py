@@ -646,14 +646,7 @@ class _Search:
 
     # All
     def _all_devices(self, spec: _RequestSpec) -> list[int]:
-        visible = set(self.inv.visible_devices(self.node))
-        for pool in self.inv.pools:
-            if not any(d in visible for d in pool.devices) and not any(
-                self.inv._slice_visible(s, d, self.node)
-                for s in pool.slices
-                for d in (s.spec.devices or [])
-            ):
-                continue
+        for pool in self.inv.visible_pools(self.node):
             if not pool.complete:
                 raise _InvalidClaimError(
                     f"request {spec.result_name}: asks for all devices, but pool "

@@ -293,6 +293,16 @@ class Inventory:
             self._visible_cache[node] = cached
         return cached
 
+    def visible_pools(self, node: str | None) -> list[Pool]:
+        """Pools with at least one slice (or device) reachable from ``node``."""
+        return [
+            pool
+            for pool in self.pools
+            if any(
+                self._slice_visible(s, d, node) for s in pool.slices for d in s.spec.devices or []
+            )
+        ]
+
     def selector_result(self, index: int, expression: str) -> bool | SelectorError:
         """Memoised outcome of one CEL selector on one device."""
         key = (index, expression)

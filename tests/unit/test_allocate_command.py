@@ -23,6 +23,26 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def gpu_claim_file(tmp_path: Path, name: str, memory: str) -> Path:
+    """A file with one tenant-a claim for ``memory`` of the example GPU class."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(
+        f"""
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {{name: {name}, namespace: tenant-a}}
+spec:
+  devices:
+    requests:
+    - name: gpu
+      exactly:
+        deviceClassName: gpu-memory.dracap.io
+        capacity: {{requests: {{memory: {memory}}}}}
+"""
+    )
+    return path
+
+
 def test_json_report_has_exactly_the_documented_shape(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "-f", str(EXAMPLES), "-o", "json")
     assert code == 0
@@ -58,21 +78,7 @@ def test_claims_see_earlier_claims_and_allocated_status(
     assert code == 0
     allocated = tmp_path / "allocated.yaml"
     allocated.write_text(out)
-    big = tmp_path / "big.yaml"
-    big.write_text(
-        """
-apiVersion: resource.k8s.io/v1
-kind: ResourceClaim
-metadata: {name: big, namespace: tenant-a}
-spec:
-  devices:
-    requests:
-    - name: gpu
-      exactly:
-        deviceClassName: gpu-memory.dracap.io
-        capacity: {requests: {memory: 40Gi}}
-"""
-    )
+    big = gpu_claim_file(tmp_path, "big", "40Gi")
     inventory = [str(EXAMPLES / n) for n in ("gpu-memory.yaml", "vnic-bandwidth.yaml")]
     args = [a for path in inventory for a in ("-f", path)]
     code, out, _ = run(capsys, *args, "-f", str(allocated), "-f", str(big), "--node", "node-a")
@@ -89,21 +95,7 @@ spec:
 def test_above_max_is_unschedulable_with_the_max_in_the_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    claim = tmp_path / "claim.yaml"
-    claim.write_text(
-        """
-apiVersion: resource.k8s.io/v1
-kind: ResourceClaim
-metadata: {name: huge, namespace: tenant-a}
-spec:
-  devices:
-    requests:
-    - name: gpu
-      exactly:
-        deviceClassName: gpu-memory.dracap.io
-        capacity: {requests: {memory: 45Gi}}
-"""
-    )
+    claim = gpu_claim_file(tmp_path, "huge", "45Gi")
     code, out, _ = run(
         capsys, "-f", str(EXAMPLES / "gpu-memory.yaml"), "-f", str(claim), "-o", "json"
     )
