@@ -86,6 +86,7 @@ __all__ = [
     "ClaimRejected",
     "ClaimSubmitted",
     "ClaimUnschedulable",
+    "ClaimWithdrawn",
     "DeviceClassApplied",
     "DeviceClassRemoved",
     "Envelope",
@@ -93,6 +94,8 @@ __all__ = [
     "LimitApplied",
     "LimitFailed",
     "LimitRemoved",
+    "MessageDeadLettered",
+    "NamespaceAccessSet",
     "NodeFenced",
     "NodeLeaseExpired",
     "ReleaseRequested",
@@ -110,6 +113,7 @@ __all__ = [
     "device_stream",
     "encode_event",
     "encode_payload",
+    "namespace_stream",
     "new_envelope",
     "node_stream",
     "schema_version_of",
@@ -344,6 +348,36 @@ class ShareConfirmed(_EventBase, frozen=True, kw_only=True, tag="reclamation.sha
     node: str
 
 
+# --- administration and operations -------------------------------------------------------
+
+
+class NamespaceAccessSet(_EventBase, frozen=True, kw_only=True, tag="admin.namespace_access_set"):
+    """Which DeviceClasses a namespace may use (``"*"``: all), and whether adminAccess."""
+
+    namespace: str
+    classes: list[str]
+    admin_access: bool = False
+
+
+class ClaimWithdrawn(_EventBase, frozen=True, kw_only=True, tag="claims.withdrawn"):
+    """A claim without a live allocation was deleted by its tenant."""
+
+    namespace: str
+    name: str
+
+
+class MessageDeadLettered(
+    _EventBase, frozen=True, kw_only=True, tag="runtime.message_dead_lettered"
+):
+    """A consumer gave up on a message after its maximum deliveries."""
+
+    consumer: str
+    event_id: str
+    position: int
+    deliveries: int
+    reason: str
+
+
 Event: TypeAlias = (
     DeviceClassApplied
     | DeviceClassRemoved
@@ -365,6 +399,9 @@ Event: TypeAlias = (
     | ShareMarkedUnknown
     | NodeFenced
     | ShareConfirmed
+    | NamespaceAccessSet
+    | ClaimWithdrawn
+    | MessageDeadLettered
 )
 
 _EVENT_CLASSES: Final[tuple[type[Event], ...]] = (
@@ -388,6 +425,9 @@ _EVENT_CLASSES: Final[tuple[type[Event], ...]] = (
     ShareMarkedUnknown,
     NodeFenced,
     ShareConfirmed,
+    NamespaceAccessSet,
+    ClaimWithdrawn,
+    MessageDeadLettered,
 )
 
 
@@ -491,6 +531,11 @@ def slice_stream(name: str) -> str:
     return f"slice:{name}"
 
 
+def namespace_stream(name: str) -> str:
+    """``namespace:<name>``."""
+    return f"namespace:{name}"
+
+
 def node_stream(name: str) -> str:
     """``node:<name>``."""
     return f"node:{name}"
@@ -518,8 +563,13 @@ def stream_of(event: Event) -> str:
             | ClaimUnschedulable()
             | AllocationBound()
             | ReleaseRequested()
+            | ClaimWithdrawn()
         ):
             return claim_stream(event.namespace, event.name)
+        case NamespaceAccessSet():
+            return namespace_stream(event.namespace)
+        case MessageDeadLettered():
+            return f"consumer:{event.consumer}"
         case (
             LimitApplied()
             | LimitFailed()

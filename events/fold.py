@@ -69,7 +69,7 @@ older allocation, a fence or expiry of an older epoch) are no-ops too.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
@@ -83,12 +83,15 @@ from events.catalog import (
     ClaimRejected,
     ClaimSubmitted,
     ClaimUnschedulable,
+    ClaimWithdrawn,
     DeviceClassApplied,
     DeviceClassRemoved,
     Envelope,
     LimitApplied,
     LimitFailed,
     LimitRemoved,
+    MessageDeadLettered,
+    NamespaceAccessSet,
     NodeFenced,
     NodeLeaseExpired,
     ReleaseRequested,
@@ -145,6 +148,7 @@ ClaimPhase: TypeAlias = Literal[
     "failed",
     "releasing",
     "released",
+    "withdrawn",
 ]
 ShareStatus: TypeAlias = Literal["reserved", "bound", "ready", "unknown", "releasing", "released"]
 
@@ -283,6 +287,13 @@ class NodeState(msgspec.Struct, kw_only=True):
     live_shares: set[str] = set()
 
 
+class NamespaceState(msgspec.Struct, kw_only=True):
+    """What a namespace may use: DeviceClasses (``"*"`` for all) and adminAccess."""
+
+    classes: list[str] = []
+    admin_access: bool = False
+
+
 class ClusterState(msgspec.Struct, kw_only=True):
     """Everything the log says, folded. Change it only through :func:`apply`."""
 
@@ -294,6 +305,8 @@ class ClusterState(msgspec.Struct, kw_only=True):
     claims: dict[ClaimKey, ClaimState] = {}
     shares: dict[str, ShareState] = {}
     nodes: dict[str, NodeState] = {}
+    namespaces: dict[str, NamespaceState] = {}
+    dead_letters: int = 0
 
     def device(self, driver: str, pool: str, name: str) -> DeviceState | None:
         """The device ``driver/pool/name``, if known."""
@@ -324,55 +337,7 @@ def apply(state: ClusterState, envelope: Envelope) -> ClusterState:
     position = envelope.position
     if position and position <= state.position:
         raise InvariantViolation(position, "order", f"position {position} after {state.position}")
-    event = envelope.event
-    match event:
-        case CapacityReserved():
-            _reserve(state, event, position)
-        case CapacityReleased():
-            _release(state, event, position)
-        case AllocationBound():
-            _bind(state, event, position)
-        case LimitApplied():
-            _limit_applied(state, event, position)
-        case LimitFailed():
-            _limit_failed(state, event, position)
-        case LimitRemoved():
-            _share_for(state, event.share_id, position).limit_removed = True
-        case ReleaseRequested():
-            _release_requested(state, event)
-        case ClaimSubmitted():
-            _claim_submitted(state, event)
-        case ClaimAdmitted():
-            _claim_record(state, event.namespace, event.name).phase = "admitted"
-        case ClaimRejected():
-            claim = _claim_record(state, event.namespace, event.name)
-            claim.phase = "rejected"
-            claim.reason = f"{event.field}: {event.rule}: {event.reason}"
-        case ClaimUnschedulable():
-            claim = _claim_record(state, event.namespace, event.name)
-            claim.phase = "unschedulable"
-            claim.reason = event.reason
-        case NodeLeaseExpired():
-            _lease_expired(state, event)
-        case ShareMarkedUnknown():
-            _mark_unknown(_share_for(state, event.share_id, position))
-        case NodeFenced():
-            _fenced(state, event, position)
-        case ShareConfirmed():
-            _confirmed(state, event, position)
-        case ResourceSlicePublished():
-            _slice_published(state, event.slice)
-        case ResourceSliceWithdrawn():
-            _slice_withdrawn(state, event.name)
-        case RequestPolicyChanged():
-            _policy_changed(state, event, position)
-        case DeviceClassApplied():
-            name = event.device_class.metadata.name
-            state.classes[name] = DeviceClassState(
-                device_class=event.device_class, rollout=event.rollout
-            )
-        case DeviceClassRemoved():
-            state.classes.pop(event.name, None)
+    _STEPS[type(envelope.event)](state, envelope.event, position)
     if position:
         state.position = position
     return state
@@ -904,6 +869,8 @@ def to_builtins(state: ClusterState) -> dict[str, Any]:
         "claims": _joined_keys(state.claims),
         "shares": state.shares,
         "nodes": state.nodes,
+        "namespaces": state.namespaces,
+        "dead_letters": state.dead_letters,
     }
     out = msgspec.to_builtins(plain, enc_hook=encode_hook, order="sorted")
     assert isinstance(out, dict)
@@ -939,6 +906,8 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     claims: list[tuple[ClaimKey, ClaimState]]
     shares: dict[str, ShareState]
     nodes: dict[str, NodeState]
+    namespaces: dict[str, NamespaceState]
+    dead_letters: int
 
 
 _SNAPSHOT_ENCODER: Final = msgspec.json.Encoder(enc_hook=encode_hook)
@@ -957,6 +926,8 @@ def snapshot_encode(state: ClusterState) -> bytes:
         claims=list(state.claims.items()),
         shares=state.shares,
         nodes=state.nodes,
+        namespaces=state.namespaces,
+        dead_letters=state.dead_letters,
     )
     return _SNAPSHOT_ENCODER.encode(snap)
 
@@ -975,4 +946,91 @@ def snapshot_decode(data: bytes) -> ClusterState:
         claims=dict(snap.claims),
         shares=snap.shares,
         nodes=snap.nodes,
+        namespaces=snap.namespaces,
+        dead_letters=snap.dead_letters,
     )
+
+
+# --- the step table ------------------------------------------------------------------
+
+# What each event means: one step per event type. A dict lookup on the event's type
+# instead of a ``match`` over 20 class patterns, because replay folds millions of events
+# and the pattern chain cost more than most steps themselves.
+
+
+def _limit_removed(state: ClusterState, ev: LimitRemoved, position: int) -> None:
+    _share_for(state, ev.share_id, position).limit_removed = True
+
+
+def _claim_admitted(state: ClusterState, ev: ClaimAdmitted, position: int) -> None:
+    _claim_record(state, ev.namespace, ev.name).phase = "admitted"
+
+
+def _claim_rejected(state: ClusterState, ev: ClaimRejected, position: int) -> None:
+    claim = _claim_record(state, ev.namespace, ev.name)
+    claim.phase = "rejected"
+    claim.reason = f"{ev.field}: {ev.rule}: {ev.reason}"
+
+
+def _claim_unschedulable(state: ClusterState, ev: ClaimUnschedulable, position: int) -> None:
+    claim = _claim_record(state, ev.namespace, ev.name)
+    claim.phase = "unschedulable"
+    claim.reason = ev.reason
+
+
+def _share_unknown(state: ClusterState, ev: ShareMarkedUnknown, position: int) -> None:
+    _mark_unknown(_share_for(state, ev.share_id, position))
+
+
+def _class_applied(state: ClusterState, ev: DeviceClassApplied, position: int) -> None:
+    name = ev.device_class.metadata.name
+    state.classes[name] = DeviceClassState(device_class=ev.device_class, rollout=ev.rollout)
+
+
+def _class_removed(state: ClusterState, ev: DeviceClassRemoved, position: int) -> None:
+    state.classes.pop(ev.name, None)
+
+
+def _access_set(state: ClusterState, ev: NamespaceAccessSet, position: int) -> None:
+    state.namespaces[ev.namespace] = NamespaceState(
+        classes=list(ev.classes), admin_access=ev.admin_access
+    )
+
+
+def _claim_withdrawn(state: ClusterState, ev: ClaimWithdrawn, position: int) -> None:
+    claim = _claim_record(state, ev.namespace, ev.name)
+    if claim.phase in ("allocated", "ready", "releasing"):
+        detail = f"claim {ev.namespace}/{ev.name} is {claim.phase}: release it, not withdraw"
+        raise InvariantViolation(position, "identity", detail)
+    claim.phase = "withdrawn"
+
+
+def _dead_lettered(state: ClusterState, ev: MessageDeadLettered, position: int) -> None:
+    state.dead_letters += 1
+
+
+_STEPS: Final[dict[type, Callable[[ClusterState, Any, int], None]]] = {
+    CapacityReserved: _reserve,
+    CapacityReleased: _release,
+    AllocationBound: _bind,
+    LimitApplied: _limit_applied,
+    LimitFailed: _limit_failed,
+    LimitRemoved: _limit_removed,
+    ReleaseRequested: lambda st, ev, pos: _release_requested(st, ev),
+    ClaimSubmitted: lambda st, ev, pos: _claim_submitted(st, ev),
+    ClaimAdmitted: _claim_admitted,
+    ClaimRejected: _claim_rejected,
+    ClaimUnschedulable: _claim_unschedulable,
+    NodeLeaseExpired: lambda st, ev, pos: _lease_expired(st, ev),
+    ShareMarkedUnknown: _share_unknown,
+    NodeFenced: _fenced,
+    ShareConfirmed: _confirmed,
+    ResourceSlicePublished: lambda st, ev, pos: _slice_published(st, ev.slice),
+    ResourceSliceWithdrawn: lambda st, ev, pos: _slice_withdrawn(st, ev.name),
+    RequestPolicyChanged: _policy_changed,
+    DeviceClassApplied: _class_applied,
+    DeviceClassRemoved: _class_removed,
+    NamespaceAccessSet: _access_set,
+    ClaimWithdrawn: _claim_withdrawn,
+    MessageDeadLettered: _dead_lettered,
+}

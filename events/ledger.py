@@ -53,6 +53,7 @@ from events.catalog import (
     ClaimRejected,
     ClaimSubmitted,
     ClaimUnschedulable,
+    ClaimWithdrawn,
     Event,
     LimitApplied,
     LimitFailed,
@@ -325,6 +326,12 @@ def _claim_changes(event: Event) -> list[Change]:
                     name=event.name,
                     phase="unschedulable",
                     reason=event.reason,
+                )
+            ]
+        case ClaimWithdrawn():
+            return [
+                UpsertClaim(
+                    namespace=event.namespace, name=event.name, phase="withdrawn", set_reason=False
                 )
             ]
     return []

@@ -166,6 +166,11 @@ def every_event() -> list[c.Event]:
         c.ShareMarkedUnknown(share_id="s-1", node="node-a"),
         c.NodeFenced(node="node-a", epoch=3),
         c.ShareConfirmed(share_id="s-1", node="node-a"),
+        c.NamespaceAccessSet(namespace="team-a", classes=["gpu.example.com"], admin_access=True),
+        c.ClaimWithdrawn(namespace="team-a", name="train"),
+        c.MessageDeadLettered(
+            consumer="reservation", event_id="e-1", position=7, deliveries=5, reason="boom"
+        ),
     ]
 
 
@@ -175,7 +180,7 @@ IDS = [c.tag_of(e) for e in EVENTS]
 
 def test_every_tag_is_covered() -> None:
     assert sorted(IDS) == sorted(c.EVENT_TYPES)
-    assert len(set(IDS)) == len(IDS) == 20
+    assert len(set(IDS)) == len(IDS) == 23
 
 
 @pytest.mark.parametrize("event", EVENTS, ids=IDS)
