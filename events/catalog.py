@@ -304,6 +304,7 @@ class ReleaseRequested(_EventBase, frozen=True, kw_only=True, tag="reclamation.r
     namespace: str
     name: str
     allocation_version: int
+    node: str | None = None  # where the allocation lives, so that agent's subject carries it
 
 
 class CapacityReleased(_EventBase, frozen=True, kw_only=True, tag="reclamation.capacity_released"):
