@@ -8,7 +8,7 @@ the end unless ``--keep``). It measures, on the same server and connection setti
 * dracap single-event ``append`` calls/s and batched ``append`` events/s (validation,
   head lock, version check, insert, projections, notify — the whole path);
 * a raw keyset read of every row (no decoding) rows/s, and dracap replay events/s
-  (the same read + ``decode_stored`` + ``Envelope`` + ``events.fold.apply``).
+  (the same read + ``decode_stored`` + ``events.fold.apply_event``, as ``replay verify``).
 
 The replay log (``--events``, default 1,000,000) is a valid history — slices, then
 claim lifecycles submitted -> admitted -> reserved -> bound -> ready -> released — made
@@ -35,14 +35,13 @@ import asyncpg
 
 from events import catalog
 from events.catalog import Event, encode_payload, schema_version_of, tag_of
-from events.fold import ClusterState, apply
-from services.replay.verify import paused_gc
+from events.fold import ClusterState
+from services.replay.verify import fold_rows, paused_gc
 from services.runtime import migrating
 from services.runtime.eventstore import (
     EventStore,
     _init_connection,
     connect,
-    envelope_of,
     iter_rows,
 )
 from services.runtime.settings import Settings
@@ -194,8 +193,7 @@ async def bench_reads(settings: Settings, n: int) -> dict[str, float]:
         async def replay() -> None:
             with paused_gc():
                 async for rows in iter_rows(connection, 0, 10_000):
-                    for row in rows:
-                        apply(state, envelope_of(row))
+                    fold_rows(state, rows)
 
         for label, work in (
             ("raw keyset read rows", raw_read),

@@ -87,6 +87,7 @@ from events.catalog import (
     DeviceClassApplied,
     DeviceClassRemoved,
     Envelope,
+    Event,
     LimitApplied,
     LimitFailed,
     LimitRemoved,
@@ -128,6 +129,7 @@ __all__ = [
     "ShareState",
     "ShareStatus",
     "apply",
+    "apply_event",
     "fold",
     "policy_violation",
     "snapshot_decode",
@@ -334,10 +336,17 @@ def apply(state: ClusterState, envelope: Envelope) -> ClusterState:
     Raises :class:`InvariantViolation` without changing ``state`` when the event
     would break an invariant.
     """
-    position = envelope.position
+    return apply_event(state, envelope.event, envelope.position)
+
+
+def apply_event(state: ClusterState, event: Event, position: int) -> ClusterState:
+    """Fold one event stored at ``position`` (0: not stored) into ``state``.
+
+    The same as :func:`apply` without an envelope, for replay loops that read rows.
+    """
     if position and position <= state.position:
         raise InvariantViolation(position, "order", f"position {position} after {state.position}")
-    _STEPS[type(envelope.event)](state, envelope.event, position)
+    _STEPS[type(event)](state, event, position)
     if position:
         state.position = position
     return state

@@ -23,18 +23,19 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from decimal import Decimal
 from typing import Any
 
 import asyncpg
 import msgspec
 
+from events.catalog import decode_stored
 from events.errors import InvariantViolation
-from events.fold import ClusterState, apply, snapshot_decode
+from events.fold import ClusterState, apply_event, snapshot_decode
 from events.ledger import amount
 from events.quantities import Quantity
-from services.runtime.eventstore import connect, envelope_of, iter_rows
+from services.runtime.eventstore import connect, iter_rows
 from services.runtime.settings import Settings
 
 Rows = dict[tuple[str, ...], tuple[Any, ...]]
@@ -217,6 +218,12 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
+def fold_rows(state: ClusterState, rows: Sequence[asyncpg.Record]) -> None:
+    """Fold stored event rows (``eventstore`` column order) without building envelopes."""
+    for row in rows:
+        apply_event(state, decode_stored(row[11], row[4], row[5]), row[0])
+
+
 async def fold_log(
     connection: asyncpg.Connection,
     state: ClusterState,
@@ -228,8 +235,7 @@ async def fold_log(
     with paused_gc():
         async for rows in iter_rows(connection, state.position, to_position=to_position):
             try:
-                for row in rows:
-                    apply(state, envelope_of(row))
+                fold_rows(state, rows)
             except InvariantViolation as exc:
                 report.violation = str(exc)
                 report.violation_position = exc.position

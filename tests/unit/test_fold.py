@@ -585,3 +585,32 @@ def test_random_reserve_release_never_oversubscribes(ops: list[tuple[str, int, o
     for k, digest in enumerate(digests, start=1):
         assert state_digest(fold(log.envelopes[:k])) == digest
     assert fold(log.envelopes) == log.state
+
+
+# --- administration and operations ------------------------------------------------------
+
+
+def test_namespace_access_is_recorded_and_replaced() -> None:
+    log = Log(c.NamespaceAccessSet(namespace="team-a", classes=["gpu.example.com"]))
+    access = log.state.namespaces["team-a"]
+    assert (access.classes, access.admin_access) == (["gpu.example.com"], False)
+    log.add(c.NamespaceAccessSet(namespace="team-a", classes=["*"], admin_access=True))
+    access = log.state.namespaces["team-a"]
+    assert (access.classes, access.admin_access) == (["*"], True)
+
+
+def test_withdrawing_a_claim_without_allocation() -> None:
+    log = shared_log().add(c.ClaimWithdrawn(namespace="team-a", name="train"))
+    assert log.phase() == "withdrawn"
+
+
+def test_withdrawing_an_allocated_claim_is_refused() -> None:
+    log = shared_log().add(reserve("s-1"), bound("train", "s-1"))
+    log.violates(c.ClaimWithdrawn(namespace="team-a", name="train"), "identity")
+
+
+def test_dead_letters_are_counted() -> None:
+    event = c.MessageDeadLettered(
+        consumer="reservation", event_id="e-1", position=3, deliveries=5, reason="boom"
+    )
+    assert Log(event, event).state.dead_letters == 2
