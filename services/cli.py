@@ -29,6 +29,9 @@ COMMAND_MODULES = (
     "services.reservation.command",
     "services.runtime.dbcommand",
     "services.replay.command",
+    "services.up",
+    "services.claims.command",
+    "services.enforcement.command",
 )
 
 

@@ -22,6 +22,10 @@ One append is one transaction that
 5. ``pg_notify('dracap_events', head)``, delivered at commit to
    :meth:`EventStore.wait_for_new`.
 
+A caller that must commit other writes atomically with the events (a consumer's
+idempotency row and checkpoint) passes its own ``connection=``; the same statements
+then run inside the caller's transaction, without the store's retries.
+
 Events are validated before the transaction starts (an encode / strict-decode round
 trip through :mod:`events.catalog`); a bad event raises
 :class:`~services.runtime.errors.InvalidEvent` and nothing is written. Transient
@@ -352,22 +356,37 @@ class EventStore:
         namespace: str | None = None,
         correlation_id: str | None = None,
         causation_id: str | None = None,
+        connection: Connection | None = None,
     ) -> list[Envelope]:
-        """Append ``events`` to ``stream`` if it is at ``expected_version``."""
+        """Append ``events`` to ``stream`` if it is at ``expected_version``.
+
+        ``connection``: as for :meth:`append_many`.
+        """
         meta = Metadata(
             actor=actor,
             namespace=namespace,
             correlation_id=correlation_id,
             causation_id=causation_id,
         )
-        return await self.append_many([Batch(stream, expected_version, events)], meta)
+        return await self.append_many(
+            [Batch(stream, expected_version, events)], meta, connection=connection
+        )
 
     async def append_many(
         self,
         batches: Sequence[Batch | tuple[str, int | None, Sequence[Event]]],
         meta: Metadata,
+        *,
+        connection: Connection | None = None,
     ) -> list[Envelope]:
-        """Append several streams' events atomically: all or nothing."""
+        """Append several streams' events atomically: all or nothing.
+
+        With ``connection`` the append runs on the caller's connection, inside the
+        caller's open transaction (or a transaction of its own if none is open), so it
+        commits or rolls back together with the caller's other writes. It is then not
+        retried — a failed statement aborts the caller's transaction, so retrying is
+        the caller's decision — and errors are mapped to the runtime error tree.
+        """
         typed = [b if isinstance(b, Batch) else Batch(*b) for b in batches]
         streams = [b.stream for b in typed]
         if len(set(streams)) != len(streams):
@@ -376,30 +395,59 @@ class EventStore:
         if not pending:
             return []
         first = streams[0] if len(streams) == 1 else None
+        if connection is not None:
+            return await self._append_on(connection, typed, pending, first)
         return await _retrying(lambda: self._append_once(typed, pending), first)
+
+    async def _append_on(
+        self,
+        connection: Connection,
+        batches: Sequence[Batch],
+        pending: list[tuple[Envelope, bytes]],
+        stream: str | None,
+    ) -> list[Envelope]:
+        """Append on the caller's connection and transaction, errors mapped, no retry."""
+        try:
+            if connection.is_in_transaction():
+                return await self._append_in(connection, batches, pending)
+            async with connection.transaction():
+                return await self._append_in(connection, batches, pending)
+        except RuntimeServiceError:
+            raise
+        except Exception as exc:
+            raise map_database_error(exc, stream=stream) from exc
 
     async def _append_once(
         self, batches: Sequence[Batch], pending: list[tuple[Envelope, bytes]]
     ) -> list[Envelope]:
         async with self._pool.acquire() as connection, connection.transaction():
-            head: int = await connection.fetchval(
-                "UPDATE event_log_head SET position = position + $1 RETURNING position",
-                len(pending),
+            return await self._append_in(connection, batches, pending)
+
+    async def _append_in(
+        self,
+        connection: Connection,
+        batches: Sequence[Batch],
+        pending: list[tuple[Envelope, bytes]],
+    ) -> list[Envelope]:
+        """The statements of one append, in the transaction open on ``connection``."""
+        head: int = await connection.fetchval(
+            "UPDATE event_log_head SET position = position + $1 RETURNING position",
+            len(pending),
+        )
+        current = await self._check_versions(connection, batches)
+        first = head - len(pending) + 1
+        stored = [
+            msgspec.structs.replace(
+                env,
+                position=first + i,
+                stream_version=env.stream_version + current[env.stream],
             )
-            current = await self._check_versions(connection, batches)
-            first = head - len(pending) + 1
-            stored = [
-                msgspec.structs.replace(
-                    env,
-                    position=first + i,
-                    stream_version=env.stream_version + current[env.stream],
-                )
-                for i, (env, _) in enumerate(pending)
-            ]
-            await _insert(connection, stored, [p for _, p in pending])
-            changes = [(c, env.position) for env in stored for c in ledger.changes_of(env.event)]
-            await apply_changes(connection, changes)
-            await connection.execute("SELECT pg_notify($1, $2)", CHANNEL, str(head))
+            for i, (env, _) in enumerate(pending)
+        ]
+        await _insert(connection, stored, [p for _, p in pending])
+        changes = [(c, env.position) for env in stored for c in ledger.changes_of(env.event)]
+        await apply_changes(connection, changes)
+        await connection.execute("SELECT pg_notify($1, $2)", CHANNEL, str(head))
         return stored
 
     @staticmethod

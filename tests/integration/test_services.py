@@ -26,12 +26,16 @@ async def test_db_upgrade_then_downgrade(
     assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0
     assert {"events", "capacity_ledger", "shares", "claims"} <= await _tables(empty_database_url)
     assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0  # idempotent
-    assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0
+    assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0  # one step
+    assert "processed_messages" not in await _tables(empty_database_url)
+    assert "events" in await _tables(empty_database_url)
+    assert await asyncio.to_thread(dbcommand.main, ["downgrade", "base"]) == 0
     assert await _tables(empty_database_url) <= {"alembic_version"}
     assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0
     assert "events" in await _tables(empty_database_url)
     out = capsys.readouterr().out
-    assert "database at 0001" in out and "database at base" in out
+    assert "database at 0002" in out and "database at 0001" in out
+    assert "database at base" in out
 
 
 async def test_nats_with_jetstream(nats_url: str) -> None:

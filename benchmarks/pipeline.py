@@ -1,0 +1,316 @@
+"""Pipeline throughput and latency: ``claims.apply`` -> Ready through the real services.
+
+One run, one fresh database on the given server (created, migrated, dropped at the end
+unless ``--keep``) and one unique subject prefix on the given nats-server. In the same
+run and on the same database it measures:
+
+1. **raw commit rate**: single-row ``INSERT`` autocommits/s on one asyncpg connection
+   (the floor every event-sourced write pays: one WAL flush per commit);
+2. **sustained throughput**: ``--claims`` claims applied through the claims API with
+   ``--concurrency`` requests in flight (closed loop), each counted when its watch
+   update says ``ready`` — claims/s from the first apply to the last Ready;
+3. **latency at half that rate**: claims applied open-loop at 50% of (2) for
+   ``--seconds``; apply->Ready per claim, p50 / p99 / max.
+
+The services are :class:`services.up.Stack` in this process — relay, live state,
+claims API, ``--workers`` reservation workers and one agent (NoneEnforcer) per node —
+exactly what ``dracap up`` runs. The inventory is synthetic: ``--nodes`` nodes of 8
+shareable GPUs with 1000Gi each, so capacity never limits the run; every claim asks
+for 1Gi of memory. Goals: throughput >= 0.25x the raw commit rate, p99 <= 50 ms at
+half the max rate.
+
+Usage::
+
+    .venv/bin/python -m benchmarks.pipeline --claims 2000 --seconds 10
+    .venv/bin/python -m benchmarks.pipeline --embedded   # servers of `dracap up`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from events.subjects import BusNames
+from services.claims.command import ApiClient
+from services.runtime import migrating
+from services.runtime.embedded import embedded_servers
+from services.runtime.settings import Settings
+
+NAMESPACE = "bench"
+DRIVER = "gpu.bench.dracap.io"
+CLASS = "gpu.bench.dracap.io"
+GPUS_PER_NODE = 8
+
+
+# --- inventory and claims ------------------------------------------------------------------
+
+
+def device_class() -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": CLASS},
+        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+    }
+
+
+def resource_slice(node: str) -> dict[str, Any]:
+    devices = [
+        {
+            "name": f"gpu-{i}",
+            "allowMultipleAllocations": True,
+            "capacity": {"memory": {"value": "1000Gi"}},
+        }
+        for i in range(GPUS_PER_NODE)
+    ]
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{node}-bench"},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": node,
+            "pool": {"name": f"{node}-gpus", "generation": 1, "resourceSliceCount": 1},
+            "devices": devices,
+        },
+    }
+
+
+def claim(name: str) -> bytes:
+    request = {
+        "name": "gpu",
+        "exactly": {"deviceClassName": CLASS, "capacity": {"requests": {"memory": "1Gi"}}},
+    }
+    body = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"devices": {"requests": [request]}},
+    }
+    return json.dumps(body).encode()
+
+
+async def load(api: ApiClient, nodes: list[str]) -> None:
+    await api.admin("deviceclasses.apply", json.dumps(device_class()).encode())
+    await api.admin("namespaces.access", {"namespace": NAMESPACE, "classes": ["*"]})
+    for node in nodes:
+        await api.admin("slices.apply", json.dumps(resource_slice(node)).encode())
+
+
+# --- measuring -----------------------------------------------------------------------------
+
+
+class ReadyTracker:
+    """Times each claim from the apply request to the first watch update saying ready."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, float] = {}
+        self.ready: dict[str, float] = {}
+        self.waiters: dict[str, asyncio.Future[None]] = {}
+
+    def on_view(self, view: dict[str, Any]) -> None:
+        name = view.get("name", "")
+        if view.get("ready") and name in self.sent and name not in self.ready:
+            self.ready[name] = time.perf_counter()
+            waiter = self.waiters.pop(name, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    async def apply(self, api: ApiClient, name: str) -> None:
+        waiter = self.waiters[name] = asyncio.get_running_loop().create_future()
+        self.sent[name] = time.perf_counter()
+        reply = await api.claims(NAMESPACE, "apply", claim(name))
+        self.on_view(reply["claim"])
+        await waiter
+
+    def latencies_ms(self, names: list[str]) -> list[float]:
+        return sorted((self.ready[n] - self.sent[n]) * 1000 for n in names if n in self.ready)
+
+
+@contextlib.asynccontextmanager
+async def watching(api: ApiClient, tracker: ReadyTracker) -> AsyncIterator[None]:
+    subject = (await api.claims(NAMESPACE, "watch", {"name": None}))["subject"]
+
+    async def on_message(msg: Any) -> None:
+        tracker.on_view(json.loads(msg.data))
+
+    sub = await api.nc.subscribe(subject, cb=on_message)
+    await api.nc.flush()
+    try:
+        yield
+    finally:
+        await sub.unsubscribe()
+
+
+async def raw_commit_rate(url: str, commits: int) -> float:
+    connection = await asyncpg.connect(url)
+    try:
+        await connection.execute(
+            "CREATE TABLE pipeline_raw (id bigserial PRIMARY KEY, payload jsonb NOT NULL)"
+        )
+        payload = json.dumps({"type": "claims.admitted", "namespace": NAMESPACE, "name": "x" * 40})
+        started = time.perf_counter()
+        for _ in range(commits):
+            await connection.execute("INSERT INTO pipeline_raw (payload) VALUES ($1)", payload)
+        return commits / (time.perf_counter() - started)
+    finally:
+        await connection.close()
+
+
+async def applied(api: ApiClient, tracker: ReadyTracker, name: str) -> None:
+    """Apply ``name`` and wait for Ready; a claim stuck for a minute stops the run."""
+    try:
+        await asyncio.wait_for(tracker.apply(api, name), 60)
+    except TimeoutError:
+        view = (await api.claims(NAMESPACE, "get", {"name": name}))["claim"]
+        raise RuntimeError(
+            f"{name} not ready after 60 s: {view['phase']} {view['reason']}"
+        ) from None
+
+
+async def throughput(
+    api: ApiClient, tracker: ReadyTracker, count: int, concurrency: int, label: str = "tp"
+) -> float:
+    names = iter(f"{label}-{i}" for i in range(count))
+
+    async def lane() -> None:
+        for name in names:
+            await applied(api, tracker, name)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return count / (time.perf_counter() - started)
+
+
+async def latency(
+    api: ApiClient, tracker: ReadyTracker, rate: float, seconds: float
+) -> list[float]:
+    count = max(1, int(rate * seconds))
+    names = [f"lat-{i}" for i in range(count)]
+    started = time.perf_counter()
+    tasks = []
+    for i, name in enumerate(names):
+        delay = started + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(applied(api, tracker, name)))
+    await asyncio.gather(*tasks)
+    return tracker.latencies_ms(names)
+
+
+def percentile(values: list[float], p: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=1000, method="inclusive")[int(p * 10) - 1]
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+async def measure(settings: Settings, args: argparse.Namespace) -> dict[str, float]:
+    from services.up import Stack
+
+    out: dict[str, float] = {}
+    out["raw"] = await raw_commit_rate(settings.database_url, args.commits)
+    print(f"  raw single-connection commits        {out['raw']:>10,.0f}/s", flush=True)
+    names = BusNames(prefix=f"bench{uuid.uuid4().hex[:8]}")
+    nodes = [f"node-{i}" for i in range(args.nodes)]
+    async with (
+        Stack.running(settings, names, nodes=nodes, workers=args.workers),
+        ApiClient.connect(settings.nats_url, names.prefix) as api,
+    ):
+        await load(api, nodes)
+        tracker = ReadyTracker()
+        async with watching(api, tracker):
+            await throughput(api, tracker, min(50, args.claims), args.concurrency, "warm")
+            out["throughput"] = await throughput(api, tracker, args.claims, args.concurrency)
+            print(
+                f"  apply -> Ready, sustained            {out['throughput']:>10,.0f}/s", flush=True
+            )
+            lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
+    out["p50"], out["p99"], out["max"] = percentile(lat, 50), percentile(lat, 99), lat[-1]
+    out["rate"] = out["throughput"] / 2
+    out["samples"] = len(lat)
+    return out
+
+
+@contextlib.asynccontextmanager
+async def fresh_database(args: argparse.Namespace) -> AsyncIterator[Settings]:
+    async with contextlib.AsyncExitStack() as stack:
+        admin_url, nats_url = args.admin_url, args.nats
+        if args.embedded:
+            data = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dracap-bench-")))
+            servers = await stack.enter_async_context(embedded_servers(data))
+            admin_url, nats_url = servers.admin_url, servers.nats_url
+        name = f"dracap_bench_{uuid.uuid4().hex[:8]}"
+        root = await asyncpg.connect(admin_url)
+        await root.execute(f"CREATE DATABASE {name}")
+        await root.close()
+        settings = Settings(
+            database_url=admin_url.rsplit("/", 1)[0] + "/" + name,
+            nats_url=nats_url,
+            pool_max_size=args.pool,
+        )
+        try:
+            await migrating.upgrade_async(settings)
+            yield settings
+        finally:
+            if not args.keep:
+                root = await asyncpg.connect(admin_url)
+                await root.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+                await root.close()
+
+
+def report(r: dict[str, float]) -> None:
+    ratio = r["throughput"] / r["raw"]
+    print(f"\nlatency at {r['rate']:,.0f} claims/s ({r['samples']:.0f} claims):")
+    print(f"  p50 {r['p50']:.1f} ms   p99 {r['p99']:.1f} ms   max {r['max']:.1f} ms")
+    print("\nratios (goal in brackets):")
+    print(f"  throughput / raw commit rate         {ratio:6.2f}x  [>= 0.25]")
+    print(f"  p99 apply->Ready at half max rate    {r['p99']:6.1f} ms [<= 50]")
+
+
+async def main(args: argparse.Namespace) -> None:
+    async with fresh_database(args) as settings:
+        print(f"database {settings.database_url.rsplit('/', 1)[1]}:", flush=True)
+        results = await measure(settings, args)
+    report(results)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--claims", type=int, default=2000, help="claims of the throughput run")
+    parser.add_argument("--concurrency", type=int, default=64, help="applies in flight")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of the latency run")
+    parser.add_argument("--commits", type=int, default=2000, help="raw commits timed")
+    parser.add_argument("--nodes", type=int, default=4, help="nodes (one agent each)")
+    parser.add_argument("--workers", type=int, default=2, help="reservation workers")
+    parser.add_argument("--pool", type=int, default=10, help="asyncpg pool size")
+    parser.add_argument(
+        "--admin-url",
+        default=os.environ.get(
+            "DRACAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+    )
+    parser.add_argument(
+        "--nats", default=os.environ.get("DRACAP_TEST_NATS_URL", "nats://127.0.0.1:4222")
+    )
+    parser.add_argument("--embedded", action="store_true", help="start embedded servers instead")
+    parser.add_argument("--keep", action="store_true", help="keep the benchmark database")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse()))

@@ -1,0 +1,182 @@
+"""NATS subject and stream names: where each event travels on the bus.
+
+Pure names, no I/O: every service, the relay, the CLI and the broker's permission
+file derive their subjects from one :class:`BusNames`, so a subject is spelled in
+exactly one place.
+
+Subject scheme
+--------------
+All names start with a *prefix* (``dracap`` in production; tests take a unique one
+each, so several tests share one nats-server without seeing each other)::
+
+    {prefix}.ev.{category}.{node}.{tag}      one event            (JetStream stream)
+    {prefix}.api.{namespace}.claims.{op}     tenant requests      (core NATS, micro)
+    {prefix}.admin.{op}                      operator requests    (core NATS, micro)
+
+* ``tag`` is the event's catalog tag with its dots kept
+  (``reservation.capacity_reserved``), so a subject always has at least six tokens
+  and filters may end in ``>``.
+* ``category`` is the tag before its first dot (``reservation``): a service that
+  cares about one part of the domain reads ``{prefix}.ev.{category}.>``.
+* ``node`` is the node the event concerns, for the events that carry a ``node``
+  field (:data:`NODE_EVENTS`; ``None`` there means "not bound to a node"), else
+  ``_``. A node agent reads only ``{prefix}.ev.*.{node}.>``; with per-node broker
+  permissions on that filter, one node cannot read another's instructions.
+* Kubernetes node names may contain dots, which would split the token. A node name
+  is therefore written as its *token* (:func:`node_token`): ASCII letters, digits
+  and ``-`` stay as they are, every other byte of its UTF-8 form becomes ``%XX``
+  (``ip-10-0-0-1.ec2.internal`` -> ``ip-10-0-0-1%2Eec2%2Einternal``). Plain node
+  names (the common case) read unchanged, and because ``_`` is always escaped, the
+  bare ``_`` ("no node") can never be a node's token.
+
+The JetStream stream is ``{PREFIX}_EVENTS`` (prefix upper-cased) over
+``{prefix}.ev.>``. The prefix must be a single token usable in a stream name:
+ASCII letters, digits, ``-`` and ``_``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+import msgspec
+
+from events.catalog import (
+    EVENT_TYPES,
+    AllocationBound,
+    CapacityReserved,
+    Envelope,
+    Event,
+    LimitApplied,
+    LimitFailed,
+    LimitRemoved,
+    NodeFenced,
+    NodeLeaseExpired,
+    ReleaseRequested,
+    ShareConfirmed,
+    ShareMarkedUnknown,
+    tag_of,
+)
+
+__all__ = [
+    "NODE_EVENTS",
+    "NODE_TAGS",
+    "NO_NODE",
+    "BusNames",
+    "SubjectError",
+    "node_of",
+    "node_token",
+]
+
+#: Events whose ``node`` field routes them to that node's subjects.
+NODE_EVENTS: Final = (
+    CapacityReserved,
+    AllocationBound,
+    ReleaseRequested,
+    LimitApplied,
+    LimitFailed,
+    LimitRemoved,
+    NodeLeaseExpired,
+    NodeFenced,
+    ShareMarkedUnknown,
+    ShareConfirmed,
+)
+
+#: Tags of :data:`NODE_EVENTS`.
+NODE_TAGS: Final[frozenset[str]] = frozenset(
+    tag for tag, cls in EVENT_TYPES.items() if issubclass(cls, NODE_EVENTS)
+)
+
+#: The node token of events that concern no node.
+NO_NODE: Final = "_"
+
+_PREFIX: Final = re.compile(r"[A-Za-z0-9_-]+")
+_TOKEN_SAFE: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-")
+_FORBIDDEN_IN_TOKEN: Final = re.compile(r"[\s.*>]")
+
+
+class SubjectError(ValueError):
+    """A name cannot be written as (part of) a NATS subject."""
+
+
+def node_token(node: str) -> str:
+    """``node`` as one subject token (see the module docstring)."""
+    if not node:
+        raise SubjectError("node name is empty")
+    raw = node.encode()
+    return "".join(chr(b) if b in _TOKEN_SAFE else f"%{b:02X}" for b in raw)
+
+
+def node_of(event: Event) -> str | None:
+    """The node an event is addressed to, if it is a node event with a node."""
+    if isinstance(event, NODE_EVENTS):
+        return event.node
+    return None
+
+
+def _token(value: str, what: str, *, wildcard: bool = False) -> str:
+    if wildcard and value == "*":
+        return value
+    if not value or _FORBIDDEN_IN_TOKEN.search(value):
+        raise SubjectError(f"{what} {value!r} is not a single subject token")
+    return value
+
+
+def _dotted(value: str, what: str) -> str:
+    """Dotted tokens; ``*`` may stand for a whole token and ``>`` for the last ones."""
+    tokens = value.split(".")
+    for i, token in enumerate(tokens):
+        if token == "*" or (token == ">" and i == len(tokens) - 1):
+            continue
+        if not token or _FORBIDDEN_IN_TOKEN.search(token):
+            raise SubjectError(f"{what} {value!r} is not a valid subject suffix")
+    return value
+
+
+class BusNames(msgspec.Struct, frozen=True):
+    """Every subject and stream name of one dracap installation (see module docstring)."""
+
+    prefix: str = "dracap"
+
+    def __post_init__(self) -> None:
+        if not _PREFIX.fullmatch(self.prefix):
+            raise SubjectError(
+                f"prefix {self.prefix!r}: use ASCII letters, digits, '-' and '_' only"
+            )
+
+    @property
+    def stream(self) -> str:
+        """The JetStream stream holding every event: ``{PREFIX}_EVENTS``."""
+        return f"{self.prefix.upper()}_EVENTS"
+
+    @property
+    def events_subjects(self) -> str:
+        """The stream's subject filter: every event, ``{prefix}.ev.>``."""
+        return f"{self.prefix}.ev.>"
+
+    def event_subject(self, env: Envelope) -> str:
+        """``{prefix}.ev.{category}.{node or '_'}.{tag}`` of an envelope's event."""
+        return self.subject_of(tag_of(env.event), node_of(env.event))
+
+    def subject_of(self, tag: str, node: str | None) -> str:
+        """The event subject for a tag and node (for callers holding stored rows)."""
+        category = tag.split(".", 1)[0]
+        token = node_token(node) if node else NO_NODE
+        return f"{self.prefix}.ev.{category}.{token}.{tag}"
+
+    def node_filter(self, node: str) -> str:
+        """What a node agent reads: every event addressed to ``node``."""
+        return f"{self.prefix}.ev.*.{node_token(node)}.>"
+
+    def category_filter(self, category: str) -> str:
+        """Every event whose tag starts with ``category.``."""
+        return f"{self.prefix}.ev.{_token(category, 'category')}.>"
+
+    def api(self, namespace: str, op: str) -> str:
+        """Tenant request subject; ``namespace`` may be ``*`` (a service's listen filter)."""
+        ns = _token(namespace, "namespace", wildcard=True)
+        return f"{self.prefix}.api.{ns}.claims.{_dotted(op, 'operation')}"
+
+    def admin(self, op: str) -> str:
+        """Operator request subject (``op`` may be dotted: ``slices.apply``)."""
+        return f"{self.prefix}.admin.{_dotted(op, 'operation')}"

@@ -1,0 +1,396 @@
+"""Admission: may this ResourceClaim enter the system? Pure: no I/O.
+
+The tenant API (:mod:`services.claims.api`) hands every ``claims.apply`` request to
+:func:`decide_apply` together with the current fold; the answer says what to record on
+the claim's stream and what to reply. The rules, in the order they are checked (the
+first one that fails decides, so a person gets one precise reason):
+
+=================== ========== ===================================================== ========
+rule (``kind``)     code       what                                                  recorded
+=================== ========== ===================================================== ========
+``size``            invalid    the request body is at most :data:`MAX_MANIFEST_BYTES` no
+``parse``           invalid    YAML/JSON that decodes into exactly one ResourceClaim  no
+                               (a quantity that does not parse is a decode error
+                               naming its field)
+``namespace``       invalid    ``metadata.namespace`` empty or equal to the subject's no
+                               namespace; a tenant never writes another namespace
+``name``            invalid    ``metadata.name`` is a DNS subdomain (it keys streams) no
+``name-conflict``   conflict   no *live* claim of that name exists (live: anything   no
+                               but rejected, withdrawn, released); re-applying the
+                               same spec to a live claim is a no-op that succeeds
+``validation``      invalid    the ``resource.k8s.io/v1`` API rules                  yes
+                               (:func:`events.validation.validate`)
+``status``          invalid    ``status`` is dracap's to write, never the tenant's   yes
+``unknown-class``   rejected   every DeviceClass named exists                        yes
+``class-access``    rejected   the namespace may use the class                       yes
+``admin-access``    rejected   ``adminAccess`` only where the namespace allows it    yes
+``above-maximum``   rejected   a capacity request is at most the largest amount some yes
+                               device of the class grants (policy ``max``,
+                               ``validValues`` or the total); the reason names it
+=================== ========== ===================================================== ========
+
+"Recorded" means ``ClaimSubmitted`` + ``ClaimRejected`` on the claim stream, so the
+tenant can read the verdict with ``claims.get``; an admitted claim records
+``ClaimSubmitted`` + ``ClaimAdmitted`` and nothing else. Requests that cannot be
+attributed to a well-formed claim of the caller's namespace record nothing at all:
+there is no claim to attach them to, and a mismatching namespace must not touch
+another tenant's stream.
+
+Class access: a namespace may use exactly the classes of its latest
+``NamespaceAccessSet`` (``"*"``: every class). **Without such a record a namespace may
+use no class** — deny by default, an administrator opens a namespace with the admin
+endpoint ``namespaces.access``. ``adminAccess`` additionally needs the record's
+``admin_access`` flag.
+
+A request *below* a device's ``min`` is not an error (the allocator rounds it up), and
+a request that no device can take *right now* is the reservation service's business
+(``ClaimUnschedulable``); admission only refuses what can never fit the current
+inventory. A class that selects no device yet, or whose devices lack the capacity,
+is left to the allocator too: devices may still be published.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Final, Literal, TypeAlias
+
+import msgspec
+
+from events.catalog import ClaimAdmitted, ClaimRejected, ClaimSubmitted, Event
+from events.errors import ValidationError
+from events.features import DEFAULT_GATES, FeatureGates
+from events.fold import ClusterState
+from events.manifests import load_documents
+from events.model import ResourceClaim, ResourceClaimStatus
+from events.quantities import Quantity
+from events.validation import DNS_LABEL_RULE, DNS_SUBDOMAIN_RULE, is_dns_label, is_dns_subdomain
+from events.validation import validate as validate_manifest
+from services.reservation.deriving import build_inventory
+from services.reservation.inventory import CapacityInfo, Inventory
+
+__all__ = [
+    "MAX_MANIFEST_BYTES",
+    "TERMINAL_PHASES",
+    "ApplyDecision",
+    "DeviceLimits",
+    "Refusal",
+    "admit",
+    "decide_apply",
+    "evaluate",
+    "read_claim",
+]
+
+#: Largest accepted ``claims.apply`` body (NATS' default max_payload is 1 MiB).
+MAX_MANIFEST_BYTES: Final = 256 * 1024
+#: Claim phases after which the name may be used again.
+TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released"})
+
+ErrorCode: TypeAlias = Literal["invalid", "rejected", "not_found", "conflict"]
+
+
+class Refusal(msgspec.Struct, frozen=True, kw_only=True):
+    """Why a request is refused: the reply's ``error`` plus the rule ``kind`` (a metric label)."""
+
+    code: ErrorCode
+    kind: str
+    field: str | None
+    rule: str | None
+    message: str
+
+
+class ApplyDecision(msgspec.Struct, frozen=True, kw_only=True):
+    """What one ``claims.apply`` leads to.
+
+    ``events`` go to the claim stream (possibly none); ``refusal`` is the error to reply
+    with (``None``: success); ``unchanged`` marks an idempotent re-apply.
+    """
+
+    namespace: str
+    name: str | None = None
+    events: tuple[Event, ...] = ()
+    refusal: Refusal | None = None
+    unchanged: bool = False
+
+
+def _refusal(code: ErrorCode, kind: str, field: str | None, rule: str, detail: str = "") -> Refusal:
+    where = f"{field}: " if field else ""
+    message = f"{where}{rule}" + (f" ({detail})" if detail else "")
+    return Refusal(code=code, kind=kind, field=field, rule=rule, message=message)
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def read_claim(data: bytes, namespace: str) -> ResourceClaim | Refusal:
+    """The one ResourceClaim of a request body, in ``namespace``; or why not."""
+    if not is_dns_label(namespace):
+        return _refusal("invalid", "namespace", "metadata.namespace", DNS_LABEL_RULE, namespace)
+    if len(data) > MAX_MANIFEST_BYTES:
+        return _refusal(
+            "invalid", "size", None, f"the manifest must be at most {MAX_MANIFEST_BYTES} bytes"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return _refusal("invalid", "parse", None, "the manifest must be UTF-8 text", str(exc))
+    try:
+        objects = load_documents(text, "claims.apply", check=False)
+    except ValidationError as exc:
+        return _refusal("invalid", "parse", exc.field, exc.rule, str(exc))
+    if len(objects) != 1:
+        return _refusal(
+            "invalid", "parse", None, f"must hold exactly one ResourceClaim, got {len(objects)}"
+        )
+    claim = objects[0]
+    if not isinstance(claim, ResourceClaim):
+        return _refusal(
+            "invalid", "parse", "kind", f"must be ResourceClaim, got {type(claim).__name__}"
+        )
+    return _in_namespace(claim, namespace)
+
+
+def _in_namespace(claim: ResourceClaim, namespace: str) -> ResourceClaim | Refusal:
+    meta = claim.metadata
+    if meta.namespace and meta.namespace != namespace:
+        return _refusal(
+            "invalid",
+            "namespace",
+            "metadata.namespace",
+            f"must be empty or {namespace!r}, the namespace of the request subject",
+            f"the manifest says {meta.namespace!r}",
+        )
+    if not meta.name:
+        return _refusal("invalid", "name", "metadata.name", "required")
+    if not is_dns_subdomain(meta.name):
+        return _refusal("invalid", "name", "metadata.name", DNS_SUBDOMAIN_RULE, meta.name)
+    if meta.namespace != namespace:
+        claim = msgspec.structs.replace(
+            claim, metadata=msgspec.structs.replace(meta, namespace=namespace)
+        )
+    return claim
+
+
+# --- device limits -------------------------------------------------------------------------
+
+
+def _device_maximum(info: CapacityInfo) -> Quantity:
+    """The largest amount of one capacity a single share of the device may consume."""
+    total, policy = info.total, info.policy
+    if policy is None:
+        return total
+    if policy.valid_range is not None:
+        top = policy.valid_range.max
+        return top if top is not None and top < total else total
+    if policy.valid_values:
+        fitting = [v for v in policy.valid_values if v <= total]
+        return max(fitting) if fitting else Quantity(0)
+    return total
+
+
+class DeviceLimits:
+    """Per (class, capacity): the largest amount any device of the class grants.
+
+    Built over one inventory and memoised; build a new one when the inventory changes.
+    """
+
+    def __init__(self, inventory: Inventory) -> None:
+        self.inventory = inventory
+        self._cache: dict[tuple[str, str], tuple[Quantity, str] | None] = {}
+
+    def largest(self, class_name: str, capacity: str) -> tuple[Quantity, str] | None:
+        """``(amount, device)`` of the most generous device, or ``None`` if none has it."""
+        key = (class_name, capacity)
+        if key not in self._cache:
+            self._cache[key] = self._compute(class_name, capacity)
+        return self._cache[key]
+
+    def _compute(self, class_name: str, capacity: str) -> tuple[Quantity, str] | None:
+        inv = self.inventory
+        dclass = inv.classes.get(class_name)
+        if dclass is None:
+            return None
+        expressions = [s.cel.expression for s in dclass.spec.selectors or [] if s.cel is not None]
+        best: tuple[Quantity, str] | None = None
+        for entry in inv.devices:
+            info = entry.capacities.get(capacity)
+            if info is None:
+                continue
+            if any(inv.selector_result(entry.index, e) is not True for e in expressions):
+                continue
+            amount = _device_maximum(info)
+            if best is None or amount > best[0]:
+                best = (amount, "/".join(entry.key))
+        return best
+
+
+# --- the rules ----------------------------------------------------------------------------
+
+
+class _Request(msgspec.Struct, frozen=True):
+    path: str
+    class_name: str
+    admin: bool
+    capacity: dict[str, Quantity]
+
+
+def _requests(claim: ResourceClaim) -> Iterator[list[_Request]]:
+    """Per request of the claim, its alternatives (one, or the firstAvailable list)."""
+    devices = claim.spec.devices
+    for i, req in enumerate((devices.requests if devices else None) or []):
+        path = f"spec.devices.requests[{i}]"
+        if req.exactly is not None:
+            ex = req.exactly
+            capacity = dict((ex.capacity.requests if ex.capacity else None) or {})
+            yield [
+                _Request(f"{path}.exactly", ex.device_class_name, bool(ex.admin_access), capacity)
+            ]
+        else:
+            yield [
+                _Request(
+                    f"{path}.firstAvailable[{j}]",
+                    sub.device_class_name,
+                    False,
+                    dict((sub.capacity.requests if sub.capacity else None) or {}),
+                )
+                for j, sub in enumerate(req.first_available or [])
+            ]
+
+
+def _access(state: ClusterState, namespace: str, req: _Request) -> Refusal | None:
+    field = f"{req.path}.deviceClassName"
+    if req.class_name not in state.classes:
+        return _refusal(
+            "rejected", "unknown-class", field, f"DeviceClass {req.class_name!r} does not exist"
+        )
+    record = state.namespaces.get(namespace)
+    if record is None:
+        return _refusal(
+            "rejected",
+            "class-access",
+            field,
+            f"namespace {namespace!r} has no access to any DeviceClass",
+            "namespaces may use no class until an administrator grants access "
+            "(admin endpoint namespaces.access)",
+        )
+    if "*" not in record.classes and req.class_name not in record.classes:
+        allowed = ", ".join(sorted(record.classes)) or "none"
+        return _refusal(
+            "rejected",
+            "class-access",
+            field,
+            f"namespace {namespace!r} may not use DeviceClass {req.class_name!r}",
+            f"it may use: {allowed}",
+        )
+    if req.admin and not record.admin_access:
+        return _refusal(
+            "rejected",
+            "admin-access",
+            f"{req.path}.adminAccess",
+            f"adminAccess is not allowed in namespace {namespace!r}",
+        )
+    return None
+
+
+def _above_maximum(req: _Request, limits: DeviceLimits) -> Refusal | None:
+    for name, amount in req.capacity.items():
+        best = limits.largest(req.class_name, name)
+        if best is None or amount <= best[0]:
+            continue
+        top, device = best
+        return _refusal(
+            "rejected",
+            "above-maximum",
+            f"{req.path}.capacity.requests[{name}]",
+            f"must be at most {top}, the largest {name} any device of class "
+            f"{req.class_name} grants",
+            f"requested {amount}; {top} on {device}",
+        )
+    return None
+
+
+def evaluate(
+    state: ClusterState,
+    namespace: str,
+    claim: ResourceClaim,
+    gates: FeatureGates = DEFAULT_GATES,
+    *,
+    limits: DeviceLimits | None = None,
+) -> Refusal | None:
+    """The first admission rule ``claim`` breaks (from ``validation`` on), or ``None``."""
+    try:
+        validate_manifest(claim, gates)
+    except ValidationError as exc:
+        return _refusal("invalid", "validation", exc.field, exc.rule)
+    if claim.status is not None and claim.status != ResourceClaimStatus():
+        return _refusal("invalid", "status", "status", "must not be set: dracap writes it")
+    alternatives = list(_requests(claim))
+    for options in alternatives:
+        for req in options:
+            refused = _access(state, namespace, req)
+            if refused is not None:
+                return refused
+    if any(o.capacity for options in alternatives for o in options):
+        limits = limits or DeviceLimits(build_inventory(state, gates))
+        for options in alternatives:
+            refusals = [_above_maximum(req, limits) for req in options]
+            if all(r is not None for r in refusals):
+                return refusals[0]
+    return None
+
+
+def admit(
+    state: ClusterState,
+    namespace: str,
+    claim: ResourceClaim,
+    gates: FeatureGates = DEFAULT_GATES,
+    *,
+    limits: DeviceLimits | None = None,
+) -> ClaimAdmitted | ClaimRejected:
+    """The admission event for a claim read from ``namespace`` (rules: module docstring)."""
+    return _verdict(namespace, claim, evaluate(state, namespace, claim, gates, limits=limits))
+
+
+def _verdict(
+    namespace: str, claim: ResourceClaim, refused: Refusal | None
+) -> ClaimAdmitted | ClaimRejected:
+    name = claim.metadata.name
+    if refused is None:
+        return ClaimAdmitted(namespace=namespace, name=name)
+    return ClaimRejected(
+        namespace=namespace,
+        name=name,
+        field=refused.field or "<claim>",
+        rule=refused.rule or refused.kind,
+        reason=refused.message,
+    )
+
+
+def decide_apply(
+    state: ClusterState,
+    namespace: str,
+    data: bytes,
+    gates: FeatureGates = DEFAULT_GATES,
+    *,
+    limits: DeviceLimits | None = None,
+) -> ApplyDecision:
+    """Everything ``claims.apply`` decides: read, check the name, admit (module docstring)."""
+    claim = read_claim(data, namespace)
+    if isinstance(claim, Refusal):
+        return ApplyDecision(namespace=namespace, refusal=claim)
+    name = claim.metadata.name
+    current = state.claim(namespace, name)
+    if current is not None and current.phase not in TERMINAL_PHASES:
+        if current.claim is not None and current.claim.spec == claim.spec:
+            return ApplyDecision(namespace=namespace, name=name, unchanged=True)
+        refusal = _refusal(
+            "conflict",
+            "name-conflict",
+            "metadata.name",
+            f"a claim named {name!r} already exists in namespace {namespace!r} "
+            f"(phase {current.phase}) with a different spec",
+            "a claim's spec cannot change; delete it first",
+        )
+        return ApplyDecision(namespace=namespace, name=name, refusal=refusal)
+    refused = evaluate(state, namespace, claim, gates, limits=limits)
+    events: tuple[Event, ...] = (ClaimSubmitted(claim=claim), _verdict(namespace, claim, refused))
+    return ApplyDecision(namespace=namespace, name=name, events=events, refusal=refused)

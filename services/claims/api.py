@@ -1,0 +1,571 @@
+"""The tenant and admin APIs: NATS micro endpoints over the live state and the event log.
+
+Tenant endpoints listen on ``names.api("*", op)`` = ``{prefix}.api.*.claims.{op}`` for
+``op`` in ``apply``, ``get``, ``list``, ``delete``, ``watch``. The namespace is the
+subject's third token and **only** that: a manifest's ``metadata.namespace`` may be
+empty or equal to it, never different (the request is refused naming the field and
+nothing is recorded). The broker's subject permissions give each tenant only its own
+namespace's subjects (invariant 10); this service never trusts a namespace from a
+payload.
+
+Admin endpoints listen on ``names.admin(op)`` for ``deviceclasses.apply``,
+``slices.apply``, ``namespaces.access`` and ``devices.list``.
+
+Every reply is JSON (:mod:`services.claims.views`): ``{"ok": true, ...}`` or
+``{"ok": false, "error": {code, field, rule, message}}`` with code ``invalid``,
+``rejected``, ``not_found`` or ``conflict``. ``docs/services.md`` lists the payloads.
+
+Writes
+------
+Every write is decided on the live state right after ``catch_up()`` and appended with
+the claim stream's expected version (:meth:`LiveState.stream_version`), so two
+concurrent requests about one claim cannot both win: the loser gets ``ConflictError``,
+catches up and decides again (it then sees the winner's claim). What is recorded:
+
+* ``apply``: :func:`services.claims.admission.decide_apply` — ``ClaimSubmitted`` plus
+  ``ClaimAdmitted`` or ``ClaimRejected``, or nothing (undecodable input, wrong
+  namespace, a live claim of that name). Re-applying the same spec is a no-op.
+* ``delete``: an allocated (or ready, or failed but still holding) claim gets
+  ``ReleaseRequested(node=...)``, which the node agent turns into ``LimitRemoved`` +
+  ``CapacityReleased``; a claim without live shares gets ``ClaimWithdrawn``; a claim
+  already releasing is left alone; an unknown, withdrawn or released one is
+  ``not_found``.
+* admin writes are last-writer-wins (no expected version) and skip objects equal to
+  what the log already holds, so re-applying an inventory appends nothing.
+
+Requests are served concurrently (a task per request, at most ``concurrency`` at a
+time); decisions serialise only on the live state's lock.
+
+Watch
+-----
+``watch`` replies with a subject: ``{prefix}.watch.{namespace}.{name}`` for one claim,
+``{prefix}.watch.{namespace}.>`` for all claims of the namespace. The API publishes a
+claim's :class:`~services.claims.views.ClaimView` JSON there (core NATS, no
+persistence) each time an event changes the claim or one of its shares. Watches cost
+nothing on the server side (no registration, nothing to expire); a watcher reads the
+current view with ``get`` after subscribing. Publication is driven by the live state,
+so the live state must be tailed (``LiveState.run``; ``ClaimsApi(tail=True)`` does it
+itself). Several API instances each publish every change (a watcher may see
+duplicates; views are idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import msgspec
+from nats.aio.client import Client
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import Service
+
+from events.catalog import (
+    CapacityReleased,
+    ClaimSubmitted,
+    ClaimWithdrawn,
+    DeviceClassApplied,
+    Envelope,
+    Event,
+    LimitApplied,
+    LimitFailed,
+    LimitRemoved,
+    NamespaceAccessSet,
+    NodeFenced,
+    NodeLeaseExpired,
+    ReleaseRequested,
+    ResourceSlicePublished,
+    ShareConfirmed,
+    ShareMarkedUnknown,
+    claim_stream,
+    class_stream,
+    namespace_stream,
+    slice_stream,
+)
+from events.errors import ValidationError
+from events.features import DEFAULT_GATES, FeatureGates
+from events.fold import ClaimKey, ClaimState, ClusterState
+from events.manifests import load_documents
+from events.model import DeviceClass, Manifest, ResourceSlice
+from events.subjects import BusNames
+from events.validation import DNS_LABEL_RULE, DNS_SUBDOMAIN_RULE, is_dns_label, is_dns_subdomain
+from services.claims.admission import (
+    MAX_MANIFEST_BYTES,
+    DeviceLimits,
+    Refusal,
+    decide_apply,
+)
+from services.claims.views import claim_view, device_views, error_reply, ok_reply
+from services.reservation.deriving import build_inventory
+from services.runtime.errors import ConflictError
+from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.livestate import LiveState
+from services.runtime.metrics import CLAIMS, REJECTIONS
+
+__all__ = ["ADMIN_OPS", "TENANT_OPS", "ClaimsApi"]
+
+log = logging.getLogger("dracap.claims")
+
+TENANT_OPS: Final = ("apply", "get", "list", "delete", "watch")
+ADMIN_OPS: Final = ("deviceclasses.apply", "slices.apply", "namespaces.access", "devices.list")
+_HIDDEN_FROM_LIST: Final = frozenset({"withdrawn", "released"})
+_SHARE_EVENTS: Final = (
+    LimitApplied,
+    LimitFailed,
+    LimitRemoved,
+    CapacityReleased,
+    ShareMarkedUnknown,
+    ShareConfirmed,
+)
+
+
+class _NameRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+
+
+class _WatchRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str | None = None
+
+
+class _AccessRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    namespace: str
+    classes: list[str]
+    admin_access: bool = False
+
+
+class _InvalidRequestError(Exception):
+    """A request payload that cannot be used; becomes an ``invalid`` reply."""
+
+    def __init__(self, field: str | None, rule: str, detail: str = "") -> None:
+        super().__init__(rule)
+        self.field = field
+        self.rule = rule
+        self.detail = detail
+
+
+def _invalid_reply(exc: _InvalidRequestError) -> bytes:
+    where = f"{exc.field}: " if exc.field else ""
+    message = f"{where}{exc.rule}" + (f" ({exc.detail})" if exc.detail else "")
+    return error_reply("invalid", message, field=exc.field, rule=exc.rule)
+
+
+def _refusal_reply(refusal: Refusal) -> bytes:
+    return error_reply(refusal.code, refusal.message, field=refusal.field, rule=refusal.rule)
+
+
+def _decode(data: bytes, typ: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(data or b"{}", type=typ)
+    except msgspec.ValidationError as exc:
+        raise _InvalidRequestError(_field_of(str(exc)), str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise _InvalidRequestError(None, f"the request must be a JSON object: {exc}") from None
+
+
+def _field_of(message: str) -> str | None:
+    if "`$." in message:
+        return message.split("`$.", 1)[1].split("`", 1)[0]
+    if "field `" in message:
+        return message.split("field `", 1)[1].split("`", 1)[0]
+    return None
+
+
+class ClaimsApi:
+    """The tenant and admin endpoints of one API instance (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        live: LiveState,
+        nc: Client,
+        names: BusNames,
+        *,
+        gates: FeatureGates = DEFAULT_GATES,
+        actor: str = "claims-api",
+        max_attempts: int = 8,
+        concurrency: int = 256,
+        tail: bool = False,
+    ) -> None:
+        self.store = store
+        self.live = live
+        self.nc = nc
+        self.names = names
+        self.gates = gates
+        self.actor = actor
+        self.max_attempts = max_attempts
+        self.tail = tail
+        self._slots = asyncio.Semaphore(concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._service: Service | None = None
+        self._limits: tuple[int, DeviceLimits] | None = None
+        self._dirty: dict[ClaimKey, None] = {}
+        self._wake = asyncio.Event()
+        self._unsubscribe = live.subscribe(self._changed)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Register the micro service and its endpoints (idempotent)."""
+        if self._service is not None:
+            return
+        service = await add_service(
+            self.nc,
+            name=f"{self.names.prefix}-claims",
+            version="0.1.0",
+            description="dracap claims and admin API",
+            queue_group=f"{self.names.prefix}-claims",
+        )
+        tenant: dict[str, Callable[[str, bytes], Awaitable[bytes]]] = {
+            "apply": self.apply,
+            "get": self.get,
+            "list": self.list_claims,
+            "delete": self.delete,
+            "watch": self.watch,
+        }
+        for op, fn in tenant.items():
+            await service.add_endpoint(
+                name=f"claims-{op}", subject=self.names.api("*", op), handler=self._tenant(fn)
+            )
+        admin: dict[str, Callable[[bytes], Awaitable[bytes]]] = {
+            "deviceclasses.apply": self.apply_classes,
+            "slices.apply": self.apply_slices,
+            "namespaces.access": self.set_access,
+            "devices.list": self.list_devices,
+        }
+        for op, afn in admin.items():
+            await service.add_endpoint(
+                name=f"admin-{op.replace('.', '-')}",
+                subject=self.names.admin(op),
+                handler=self._admin(afn),
+            )
+        await self.nc.flush()
+        self._service = service
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set: publish watch views (and tail, with ``tail``)."""
+        await self.start()
+        workers = [asyncio.ensure_future(self._publish_changes(stop))]
+        if self.tail:
+            workers.append(asyncio.ensure_future(self.live.run(stop)))
+        try:
+            await stop.wait()
+        finally:
+            self._wake.set()
+            await self.close()
+            for worker in workers:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await worker
+
+    async def close(self) -> None:
+        """Stop the endpoints and finish the requests in flight."""
+        if self._service is not None:
+            await self._service.stop()
+            self._service = None
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._unsubscribe()
+
+    # -- request plumbing ---------------------------------------------------------------
+
+    def _spawn(self, request: Request, work: Callable[[], Awaitable[bytes]]) -> None:
+        async def serve() -> None:
+            async with self._slots:
+                try:
+                    reply = await work()
+                except _InvalidRequestError as exc:
+                    reply = _invalid_reply(exc)
+                except Exception as exc:
+                    log.exception("request on %s failed", request.subject)
+                    reply = error_reply("internal", f"{type(exc).__name__}: {exc}")
+                with contextlib.suppress(Exception):
+                    await request.respond(reply)
+
+        task = asyncio.create_task(serve())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _tenant(self, fn: Callable[[str, bytes], Awaitable[bytes]]) -> Callable[[Request], Any]:
+        async def handler(request: Request) -> None:
+            namespace = request.subject.split(".")[2]
+            self._spawn(request, lambda: fn(namespace, request.data))
+
+        return handler
+
+    def _admin(self, fn: Callable[[bytes], Awaitable[bytes]]) -> Callable[[Request], Any]:
+        async def handler(request: Request) -> None:
+            self._spawn(request, lambda: fn(request.data))
+
+        return handler
+
+    def _device_limits(self, state: ClusterState) -> DeviceLimits:
+        generation = self.live.inventory_generation
+        if self._limits is None or self._limits[0] != generation:
+            self._limits = (generation, DeviceLimits(build_inventory(state, self.gates)))
+        return self._limits[1]
+
+    async def _append(
+        self, stream: str, version: int | None, events: list[Event], namespace: str | None
+    ) -> None:
+        await self.store.append(stream, version, events, actor=self.actor, namespace=namespace)
+
+    # -- tenant operations --------------------------------------------------------------
+
+    async def apply(self, namespace: str, data: bytes) -> bytes:
+        """``claims.apply``: admit or reject a ResourceClaim manifest."""
+        for _ in range(self.max_attempts):
+            await self.live.catch_up()
+            async with self.live.frozen() as state:
+                decision = decide_apply(
+                    state, namespace, data, self.gates, limits=self._device_limits(state)
+                )
+                stream = claim_stream(namespace, decision.name or "")
+                version = await self.live.stream_version(stream) if decision.events else 0
+            if decision.events:
+                try:
+                    await self._append(stream, version, list(decision.events), namespace)
+                except ConflictError:
+                    continue
+                self._count(decision.refusal)
+            elif decision.refusal is not None:
+                REJECTIONS.labels(reason=decision.refusal.kind).inc()
+            if decision.refusal is not None:
+                return _refusal_reply(decision.refusal)
+            assert decision.name is not None
+            await self.live.catch_up()
+            claim = self.live.state.claim(namespace, decision.name)
+            assert claim is not None
+            return ok_reply(claim=claim_view(self.live.state, claim))
+        return error_reply("conflict", "the claim kept changing while it was applied; retry")
+
+    @staticmethod
+    def _count(refusal: Refusal | None) -> None:
+        if refusal is None:
+            CLAIMS.labels(outcome="admitted").inc()
+        else:
+            CLAIMS.labels(outcome="rejected").inc()
+            REJECTIONS.labels(reason=refusal.kind).inc()
+
+    async def get(self, namespace: str, data: bytes) -> bytes:
+        """``claims.get``: the view of one claim."""
+        request: _NameRequest = _decode(data, _NameRequest)
+        await self.live.catch_up()
+        claim = self.live.state.claim(namespace, request.name)
+        if claim is None:
+            return _not_found(namespace, request.name)
+        return ok_reply(claim=claim_view(self.live.state, claim))
+
+    async def list_claims(self, namespace: str, data: bytes) -> bytes:
+        """``claims.list``: every claim of the namespace that is not gone."""
+        await self.live.catch_up()
+        state = self.live.state
+        views = [
+            claim_view(state, claim)
+            for (ns, _), claim in sorted(state.claims.items())
+            if ns == namespace and claim.phase not in _HIDDEN_FROM_LIST
+        ]
+        return ok_reply(claims=views)
+
+    async def delete(self, namespace: str, data: bytes) -> bytes:
+        """``claims.delete``: release an allocated claim, withdraw any other."""
+        request: _NameRequest = _decode(data, _NameRequest)
+        stream = claim_stream(namespace, request.name)
+        for _ in range(self.max_attempts):
+            await self.live.catch_up()
+            async with self.live.frozen() as state:
+                claim = state.claim(namespace, request.name)
+                if claim is None or claim.phase in ("withdrawn", "released"):
+                    return _not_found(namespace, request.name)
+                event = _deletion(state, claim)
+                version = await self.live.stream_version(stream)
+            if event is None:
+                return ok_reply(phase=claim.phase)
+            try:
+                await self._append(stream, version, [event], namespace)
+            except ConflictError:
+                continue
+            return ok_reply(
+                phase="releasing" if isinstance(event, ReleaseRequested) else "withdrawn"
+            )
+        return error_reply("conflict", "the claim kept changing while it was deleted; retry")
+
+    async def watch(self, namespace: str, data: bytes) -> bytes:
+        """``claims.watch``: the subject where changes of the claim(s) are published."""
+        request: _WatchRequest = _decode(data, _WatchRequest)
+        if request.name is not None and not is_dns_subdomain(request.name):
+            raise _InvalidRequestError("name", DNS_SUBDOMAIN_RULE, request.name)
+        return ok_reply(subject=self.watch_subject(namespace, request.name))
+
+    def watch_subject(self, namespace: str, name: str | None) -> str:
+        """Where changes of ``namespace/name`` (``None``: of every claim) are published."""
+        return f"{self.names.prefix}.watch.{namespace}.{name if name else '>'}"
+
+    # -- admin operations ---------------------------------------------------------------
+
+    def _manifests(self, data: bytes, source: str, kind: type[Manifest]) -> list[Any]:
+        if len(data) > 4 * MAX_MANIFEST_BYTES:
+            raise _InvalidRequestError(
+                None, f"the manifests must be at most {4 * MAX_MANIFEST_BYTES} bytes"
+            )
+        try:
+            objects = load_documents(data.decode("utf-8"), source, self.gates)
+        except UnicodeDecodeError as exc:
+            raise _InvalidRequestError(None, "the manifests must be UTF-8 text", str(exc)) from None
+        except ValidationError as exc:
+            raise _InvalidRequestError(exc.field, exc.rule, str(exc)) from None
+        for obj in objects:
+            if not isinstance(obj, kind):
+                raise _InvalidRequestError(
+                    "kind", f"must be {kind.__name__}, got {type(obj).__name__}"
+                )
+        if not objects:
+            raise _InvalidRequestError(None, f"no {kind.__name__} in the request")
+        return objects
+
+    async def _apply_admin(self, batches: list[Batch]) -> None:
+        if batches:
+            await self.store.append_many(batches, Metadata(actor=f"{self.actor}:admin"))
+
+    async def apply_classes(self, data: bytes) -> bytes:
+        """``deviceclasses.apply``: record DeviceClasses that differ from the log's."""
+        classes: list[DeviceClass] = self._manifests(data, "deviceclasses.apply", DeviceClass)
+        await self.live.catch_up()
+        latest = {c.metadata.name: c for c in classes}
+        state = self.live.state
+        changed = [
+            c
+            for name, c in latest.items()
+            if name not in state.classes or state.classes[name].device_class != c
+        ]
+        events = [DeviceClassApplied(device_class=c, rollout="immediate") for c in changed]
+        await self._apply_admin(
+            [Batch(class_stream(e.device_class.metadata.name), None, [e]) for e in events]
+        )
+        return ok_reply(
+            applied=[c.metadata.name for c in changed],
+            unchanged=sorted(set(latest) - {c.metadata.name for c in changed}),
+        )
+
+    async def apply_slices(self, data: bytes) -> bytes:
+        """``slices.apply``: record ResourceSlices that differ from the log's."""
+        slices: list[ResourceSlice] = self._manifests(data, "slices.apply", ResourceSlice)
+        await self.live.catch_up()
+        latest = {s.metadata.name: s for s in slices}
+        state = self.live.state
+        changed = [s for name, s in latest.items() if state.slices.get(name) != s]
+        await self._apply_admin(
+            [
+                Batch(slice_stream(s.metadata.name), None, [ResourceSlicePublished(slice=s)])
+                for s in changed
+            ]
+        )
+        return ok_reply(
+            applied=[s.metadata.name for s in changed],
+            unchanged=sorted(set(latest) - {s.metadata.name for s in changed}),
+        )
+
+    async def set_access(self, data: bytes) -> bytes:
+        """``namespaces.access``: which classes a namespace may use, and adminAccess."""
+        request: _AccessRequest = _decode(data, _AccessRequest)
+        if not is_dns_label(request.namespace):
+            raise _InvalidRequestError("namespace", DNS_LABEL_RULE, request.namespace)
+        for i, name in enumerate(request.classes):
+            if name != "*" and not is_dns_subdomain(name):
+                raise _InvalidRequestError(
+                    f"classes[{i}]", f"must be '*' or a DeviceClass name ({name!r})"
+                )
+        classes = sorted(set(request.classes))
+        await self.live.catch_up()
+        current = self.live.state.namespaces.get(request.namespace)
+        if current is None or (current.classes, current.admin_access) != (
+            classes,
+            request.admin_access,
+        ):
+            event = NamespaceAccessSet(
+                namespace=request.namespace, classes=classes, admin_access=request.admin_access
+            )
+            await self._apply_admin([Batch(namespace_stream(request.namespace), None, [event])])
+        return ok_reply(
+            namespace=request.namespace, classes=classes, admin_access=request.admin_access
+        )
+
+    async def list_devices(self, data: bytes) -> bytes:
+        """``devices.list``: every device with its capacity, shares and tenants."""
+        await self.live.catch_up()
+        return ok_reply(devices=device_views(self.live.state))
+
+    # -- watch publishing ---------------------------------------------------------------
+
+    def _changed(self, env: Envelope) -> None:
+        for key in _claims_touched(self.live.state, env):
+            self._dirty[key] = None
+        if self._dirty:
+            self._wake.set()
+
+    async def _publish_changes(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self._wake.wait()
+            self._wake.clear()
+            dirty, self._dirty = self._dirty, {}
+            state = self.live.state
+            for key in dirty:
+                claim = state.claims.get(key)
+                if claim is None:
+                    continue
+                subject = self.watch_subject(*key)
+                body = msgspec.json.encode(claim_view(state, claim))
+                try:
+                    await self.nc.publish(subject, body)
+                except Exception as exc:  # the bus is reconnecting: watchers re-read
+                    log.warning("watch publish to %s failed: %s", subject, exc)
+
+
+def _not_found(namespace: str, name: str) -> bytes:
+    return error_reply(
+        "not_found", f"claim {name!r} not found in namespace {namespace!r}", field="name"
+    )
+
+
+def _deletion(state: ClusterState, claim: ClaimState) -> Event | None:
+    """The event that deletes ``claim``, or ``None`` when a release is under way."""
+    if claim.phase == "releasing":
+        return None
+    holds = any(
+        state.shares[s].live for s in claim.share_ids if s in state.shares
+    ) and claim.phase in ("allocated", "ready", "failed")
+    if holds:
+        return ReleaseRequested(
+            namespace=claim.namespace,
+            name=claim.name,
+            allocation_version=claim.allocation_version,
+            node=claim.node,
+        )
+    return ClaimWithdrawn(namespace=claim.namespace, name=claim.name)
+
+
+def _claims_touched(state: ClusterState, env: Envelope) -> list[ClaimKey]:
+    """The claims whose view ``env`` may have changed."""
+    event = env.event
+    if isinstance(event, ClaimSubmitted):
+        return [(event.claim.metadata.namespace or "", event.claim.metadata.name)]
+    if isinstance(event, _SHARE_EVENTS):
+        share = state.shares.get(event.share_id)
+        return [share.claim] if share is not None else []
+    if isinstance(event, NodeLeaseExpired | NodeFenced):
+        return sorted(
+            {
+                s.claim
+                for s in state.shares.values()
+                if s.node == event.node and (s.state == "unknown" or s.released_at == env.position)
+            }
+        )
+    namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
+    if (
+        isinstance(namespace, str)
+        and isinstance(name, str)
+        and not isinstance(event, NamespaceAccessSet)
+    ):
+        return [(namespace, name)]
+    return []

@@ -1,0 +1,503 @@
+"""``dracap claim ...`` and ``dracap devices``: the claims API from a terminal.
+
+The CLI holds no state and never touches PostgreSQL: every command is one or a few
+NATS request/reply calls to the claims API (``names.api(namespace, op)``) or the admin
+API (``names.admin(op)``), the subjects of ``docs/services-sketch.md``. Replies are JSON,
+``{"ok": true, ...}`` or ``{"ok": false, "error": {"code", "field", "rule", "message"}}``;
+:class:`ApiClient` turns the second form into :class:`ApiError`, whose ``code`` picks the
+exit code: ``invalid`` -> 2, ``not_found`` -> 3, ``rejected`` / ``conflict`` -> 4. A
+server that does not answer (no ``dracap up`` running, wrong prefix) is exit code 1.
+
+Where the API is
+----------------
+``--nats URL``, else ``DRACAP_NATS_URL``, else the ``nats_url`` of
+``<data-dir>/connection.json`` written by ``dracap up`` (``--data-dir``, default
+``.dracap``). The subject prefix comes from ``--prefix``, else ``connection.json``, else
+``dracap``.
+
+Commands
+--------
+``claim apply -f FILE [-n NS] [--wait]`` decodes the file locally (a file that cannot be
+read or decoded is exit 2 before anything is sent) and applies each ResourceClaim in
+it; ``--wait`` then follows the claim until it is ready (or rejected, failed). ``claim get``,
+``claim list``, ``claim delete`` map one-to-one onto API calls. ``claim watch [NAME]``
+asks the API for a change subject, subscribes, prints the current state and then every
+change until Ctrl-C or ``--timeout``. ``devices`` prints one row per device and
+capacity: total, consumed, free, shares and tenants. All take ``-o table|json|yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import nats
+import nats.errors
+import yaml
+from nats.aio.client import Client
+
+from events import model
+from events.manifests import ManifestError, load_documents
+from events.subjects import BusNames
+
+EXIT_OK: Final = 0
+EXIT_ERROR: Final = 1
+EXIT_BAD_INPUT: Final = 2
+EXIT_NOT_FOUND: Final = 3
+EXIT_REJECTED: Final = 4
+
+DEFAULT_DATA_DIR: Final = ".dracap"
+REQUEST_TIMEOUT_S: Final = 10.0
+_EXIT_BY_CODE: Final = {
+    "invalid": EXIT_BAD_INPUT,
+    "not_found": EXIT_NOT_FOUND,
+    "rejected": EXIT_REJECTED,
+    "conflict": EXIT_REJECTED,
+}
+TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released", "failed"})
+
+
+class CommandError(Exception):
+    """Ends a command with ``exit_code`` after printing the message to stderr."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class ApiError(CommandError):
+    """The API answered ``{"ok": false}``."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        self.code = str(error.get("code", "internal"))
+        self.field = error.get("field")
+        self.rule = error.get("rule")
+        text = str(error.get("message", ""))
+        # the API's message usually names field and rule already; add them only when not
+        where = (
+            f" ({self.field}: {self.rule})" if self.field and str(self.field) not in text else ""
+        )
+        message = f"{self.code}: {text}{where}"
+        super().__init__(message, _EXIT_BY_CODE.get(self.code, EXIT_ERROR))
+
+
+class Connection(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``dracap up`` writes to ``<data-dir>/connection.json``."""
+
+    database_url: str
+    nats_url: str
+    prefix: str = "dracap"
+
+
+def read_connection(data_dir: Path) -> Connection | None:
+    """The connection file of ``data_dir``, or None when there is none."""
+    path = data_dir / "connection.json"
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=Connection)
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError) as exc:
+        raise CommandError(f"{path}: {exc}", EXIT_BAD_INPUT) from exc
+
+
+def resolve_endpoint(args: argparse.Namespace) -> tuple[str, str]:
+    """``(nats_url, prefix)`` from the flags, the environment and connection.json."""
+    saved = read_connection(Path(args.data_dir))
+    url = args.nats or os.environ.get("DRACAP_NATS_URL") or (saved.nats_url if saved else None)
+    if not url:
+        raise CommandError(
+            f"no NATS URL: pass --nats, set DRACAP_NATS_URL or run `dracap up` "
+            f"(which writes {Path(args.data_dir) / 'connection.json'})",
+            EXIT_ERROR,
+        )
+    prefix = args.prefix or (saved.prefix if saved else None) or "dracap"
+    return url, prefix
+
+
+async def _quiet(_: Exception) -> None:
+    """nats-py logs every failed attempt by default; the CLI reports the final error."""
+
+
+class ApiClient:
+    """Request/reply calls to the claims and admin APIs over one NATS connection."""
+
+    def __init__(self, nc: Client, names: BusNames, *, timeout: float = REQUEST_TIMEOUT_S) -> None:
+        self.nc = nc
+        self.names = names
+        self.timeout = timeout
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(cls, url: str, prefix: str) -> AsyncIterator[ApiClient]:
+        try:
+            nc = await nats.connect(
+                url,
+                connect_timeout=3,
+                allow_reconnect=False,
+                max_reconnect_attempts=1,  # 0 would mean "forever" to nats-py
+                reconnect_time_wait=0.1,
+                error_cb=_quiet,
+            )
+        except (OSError, nats.errors.Error) as exc:
+            raise CommandError(
+                f"cannot connect to NATS at {url} ({type(exc).__name__}): is `dracap up` running?",
+                EXIT_ERROR,
+            ) from exc
+        try:
+            yield cls(nc, BusNames(prefix=prefix))
+        finally:
+            await nc.close()
+
+    async def request(self, subject: str, payload: bytes) -> dict[str, Any]:
+        try:
+            reply = await self.nc.request(subject, payload, timeout=self.timeout)
+        except nats.errors.NoRespondersError:
+            raise CommandError(f"no dracap API answers on {subject}", EXIT_ERROR) from None
+        except nats.errors.TimeoutError:
+            raise CommandError(
+                f"no reply on {subject} within {self.timeout}s", EXIT_ERROR
+            ) from None
+        body: dict[str, Any] = json.loads(reply.data)
+        if not body.get("ok"):
+            raise ApiError(body.get("error") or {"code": "internal", "message": "no error"})
+        return body
+
+    async def claims(self, namespace: str, op: str, body: Any = None) -> dict[str, Any]:
+        payload = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
+        return await self.request(self.names.api(namespace, op), payload)
+
+    async def admin(self, op: str, body: Any = None) -> dict[str, Any]:
+        payload = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
+        return await self.request(self.names.admin(op), payload)
+
+
+# --- rendering -----------------------------------------------------------------------------
+
+
+def _consumed(share: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in (share.get("consumed") or {}).items()) or "-"
+
+
+def claim_rows(views: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One row per share (a claim without shares gets one row)."""
+    rows = []
+    for view in views:
+        first = [
+            view.get("namespace", ""),
+            view.get("name", ""),
+            view.get("phase", ""),
+            view.get("node") or "-",
+        ]
+        shares = view.get("shares") or [{}]
+        for i, share in enumerate(shares):
+            device = "/".join(share[k] for k in ("pool", "device") if share.get(k)) or "-"
+            lead = first if i == 0 else ["", "", "", ""]
+            rows.append(
+                [
+                    *lead,
+                    device,
+                    _consumed(share),
+                    share.get("share_id") or "-",
+                    (view.get("reason") or "") if i == 0 else "",
+                ]
+            )
+    return rows
+
+
+CLAIM_HEADER: Final = [
+    "NAMESPACE",
+    "NAME",
+    "PHASE",
+    "NODE",
+    "DEVICE",
+    "CONSUMED",
+    "SHARE",
+    "REASON",
+]
+DEVICE_HEADER: Final = [
+    "NODE",
+    "DRIVER",
+    "POOL/DEVICE",
+    "CAPACITY",
+    "TOTAL",
+    "CONSUMED",
+    "FREE",
+    "SHARES",
+    "TENANTS",
+]
+
+
+def device_rows(devices: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One row per device and capacity name."""
+    rows = []
+    for d in devices:
+        capacity = d.get("capacity") or {"-": {}}
+        tenants = ",".join(d.get("tenants") or []) or "-"
+        for i, (name, c) in enumerate(sorted(capacity.items())):
+            lead = (
+                [d.get("node") or "-", d["driver"], f"{d['pool']}/{d['device']}"]
+                if i == 0
+                else ["", "", ""]
+            )
+            tail = [str(d.get("shares", 0)), tenants] if i == 0 else ["", ""]
+            rows.append(
+                [*lead, name, *(str(c.get(k, "-")) for k in ("total", "consumed", "free")), *tail]
+            )
+    return rows
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def emit(output: str, data: Any, render_table: Callable[[], str]) -> None:
+    if output == "json":
+        print(json.dumps(data, indent=2))
+    elif output == "yaml":
+        sys.stdout.write(yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
+    else:
+        print(render_table())
+    sys.stdout.flush()
+
+
+def emit_claims(output: str, views: list[dict[str, Any]], *, single: bool) -> None:
+    data: Any = views[0] if single and views else views
+    emit(output, data, lambda: table(CLAIM_HEADER, claim_rows(views)))
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+def read_claims(path: str, namespace: str | None) -> list[tuple[str, bytes]]:
+    """``(namespace, JSON manifest)`` of every ResourceClaim in ``path`` ('-': stdin)."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CommandError(f"{path}: cannot read: {exc}", EXIT_BAD_INPUT) from exc
+    try:
+        objects = load_documents(text, path, check=False)
+    except ManifestError as exc:
+        raise CommandError(str(exc), EXIT_BAD_INPUT) from exc
+    claims = []
+    for obj in objects:
+        if not isinstance(obj, model.ResourceClaim):
+            raise CommandError(
+                f"{path}: {type(obj).__name__} {obj.metadata.name}: "
+                "only ResourceClaims can be applied",
+                EXIT_BAD_INPUT,
+            )
+        ns = namespace or obj.metadata.namespace or "default"
+        if obj.metadata.namespace is None:
+            obj = msgspec.structs.replace(
+                obj, metadata=msgspec.structs.replace(obj.metadata, namespace=ns)
+            )
+        claims.append((ns, msgspec.json.encode(model.to_builtins(obj))))
+    if not claims:
+        raise CommandError(f"{path}: no ResourceClaim found", EXIT_BAD_INPUT)
+    return claims
+
+
+async def _apply(api: ApiClient, args: argparse.Namespace) -> int:
+    views = []
+    for namespace, manifest in args.claims:
+        view = (await api.claims(namespace, "apply", manifest))["claim"]
+        if args.wait and not view.get("ready") and view.get("phase") not in TERMINAL_PHASES:
+            view = await wait_ready(api, namespace, view["name"], args.timeout)
+        views.append(view)
+    emit_claims(args.output, views, single=len(views) == 1)
+    if any(v.get("phase") == "rejected" for v in views):
+        return EXIT_REJECTED
+    if args.wait and not all(v.get("ready") for v in views):
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+async def wait_ready(api: ApiClient, namespace: str, name: str, within_s: float) -> dict[str, Any]:
+    """The claim's view once it is Ready or terminal, or the last one seen after ``within_s``."""
+    last: dict[str, Any] = {}
+    async with contextlib.aclosing(follow(api, namespace, name, within_s)) as views:
+        async for view in views:
+            last = view
+            if view.get("ready") or view.get("phase") in TERMINAL_PHASES:
+                break
+    return last
+
+
+async def follow(
+    api: ApiClient, namespace: str, name: str | None, within_s: float | None
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The current view(s), then each change, for ``within_s`` seconds (None: forever)."""
+    subject = (await api.claims(namespace, "watch", {"name": name}))["subject"]
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def on_change(msg: Any) -> None:
+        queue.put_nowait(json.loads(msg.data))
+
+    sub = await api.nc.subscribe(subject, cb=on_change)
+    try:
+        await api.nc.flush()
+        if name is None:
+            current = (await api.claims(namespace, "list"))["claims"]
+        else:
+            current = [(await api.claims(namespace, "get", {"name": name}))["claim"]]
+        seen: dict[tuple[str, str], dict[str, Any]] = {}
+        for view in current:
+            seen[(view["namespace"], view["name"])] = view
+            yield view
+        deadline = None if within_s is None else time.monotonic() + within_s
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            try:
+                view = await asyncio.wait_for(queue.get(), left)
+            except TimeoutError:
+                return
+            key = (view.get("namespace", namespace), view.get("name", ""))
+            if seen.get(key) != view:
+                seen[key] = view
+                yield view
+    finally:
+        await sub.unsubscribe()
+
+
+async def _watch(api: ApiClient, args: argparse.Namespace) -> int:
+    header = args.output == "table"
+    views = follow(api, args.namespace or "default", args.name, args.timeout)
+    async with contextlib.aclosing(views):
+        async for view in views:
+            _print_change(args.output, view, header)
+            header = False
+    return EXIT_OK
+
+
+def _print_change(output: str, view: dict[str, Any], header: bool) -> None:
+    if output == "json":
+        print(json.dumps(view), flush=True)
+    elif output == "yaml":
+        sys.stdout.write("---\n" + yaml.safe_dump(view, sort_keys=False))
+        sys.stdout.flush()
+    else:
+        text = table(CLAIM_HEADER, claim_rows([view]))
+        print(text if header else text.split("\n", 1)[1], flush=True)
+
+
+async def _get(api: ApiClient, args: argparse.Namespace) -> int:
+    view = (await api.claims(args.namespace or "default", "get", {"name": args.name}))["claim"]
+    emit_claims(args.output, [view], single=True)
+    return EXIT_OK
+
+
+async def _list(api: ApiClient, args: argparse.Namespace) -> int:
+    views = (await api.claims(args.namespace or "default", "list"))["claims"]
+    emit_claims(args.output, views, single=False)
+    return EXIT_OK
+
+
+async def _delete(api: ApiClient, args: argparse.Namespace) -> int:
+    namespace = args.namespace or "default"
+    await api.claims(namespace, "delete", {"name": args.name})
+    if args.output == "table":
+        print(f"resourceclaim {namespace}/{args.name} deleted")
+    else:
+        emit(args.output, {"namespace": namespace, "name": args.name, "deleted": True}, str)
+    return EXIT_OK
+
+
+async def _devices(api: ApiClient, args: argparse.Namespace) -> int:
+    devices = (await api.admin("devices.list"))["devices"]
+    emit(args.output, devices, lambda: table(DEVICE_HEADER, device_rows(devices)))
+    return EXIT_OK
+
+
+async def _run_async(args: argparse.Namespace) -> int:
+    url, prefix = resolve_endpoint(args)
+    async with ApiClient.connect(url, prefix) as api:
+        code: int = await args.action(api, args)
+        return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of every command here: run the action, map errors to exit codes."""
+    try:
+        if getattr(args, "filename", None):  # bad input is exit 2 before any connection
+            args.claims = read_claims(args.filename, args.namespace)
+        return asyncio.run(_run_async(args))
+    except CommandError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+# --- registration --------------------------------------------------------------------------
+
+
+def _common(parser: argparse.ArgumentParser, *, namespaced: bool = True) -> None:
+    if namespaced:
+        parser.add_argument("-n", "--namespace", help="the claim's namespace (default: default)")
+    parser.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    parser.add_argument(
+        "--nats",
+        metavar="URL",
+        help="NATS URL (default: DRACAP_NATS_URL, else <data-dir>/connection.json)",
+    )
+    parser.add_argument("--prefix", help="subject prefix (default: connection.json's, else dracap)")
+    parser.add_argument(
+        "--data-dir",
+        default=DEFAULT_DATA_DIR,
+        metavar="DIR",
+        help="where `dracap up` keeps connection.json (default: .dracap)",
+    )
+    parser.set_defaults(func=run)
+
+
+def register(sub: Any) -> None:
+    claim = sub.add_parser("claim", help="apply, get, list, delete and watch ResourceClaims")
+    verbs = claim.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    apply = verbs.add_parser("apply", help="submit the ResourceClaims of a file")
+    apply.add_argument(
+        "-f", "--filename", required=True, metavar="FILE", help="YAML/JSON; '-': stdin"
+    )
+    apply.add_argument("--wait", action="store_true", help="wait until each claim is Ready")
+    apply.add_argument("--timeout", type=float, default=30.0, help="--wait limit in seconds")
+    _common(apply)
+    apply.set_defaults(action=_apply)
+
+    for verb, action, text in (
+        ("get", _get, "show one claim"),
+        ("delete", _delete, "release a claim"),
+    ):
+        parser = verbs.add_parser(verb, help=text)
+        parser.add_argument("name")
+        _common(parser)
+        parser.set_defaults(action=action)
+
+    listing = verbs.add_parser("list", help="the claims of a namespace")
+    _common(listing)
+    listing.set_defaults(action=_list)
+
+    watch = verbs.add_parser("watch", help="print claim states as they change (Ctrl-C stops)")
+    watch.add_argument("name", nargs="?")
+    watch.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    _common(watch)
+    watch.set_defaults(action=_watch)
+
+    devices = sub.add_parser("devices", help="capacity, consumption and tenants of every device")
+    _common(devices, namespaced=False)
+    devices.set_defaults(action=_devices)

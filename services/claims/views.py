@@ -1,0 +1,176 @@
+"""What the APIs reply: claim and device views of the fold, and the reply envelope. Pure.
+
+Every reply of the tenant and admin APIs is one JSON object, either
+``{"ok": true, ...}`` or ``{"ok": false, "error": {code, field, rule, message}}``
+(:func:`ok_reply`, :func:`error_reply`). Views are computed from
+:class:`events.fold.ClusterState` on demand, never stored:
+
+* :class:`ClaimView`: a claim's phase and reason, ``ready`` (true only once the node
+  agent reported every limit applied: invariant 7), its node, the Kubernetes
+  ``AllocationResult`` JSON of the current allocation and one :class:`ShareView` per
+  share of that allocation (ShareID, device, consumed amounts, state, enforcement level).
+* :class:`DeviceView`: per device and capacity the total, what live shares consume and
+  what is free, plus the number of live shares and the namespaces holding them.
+
+Quantities are written in canonical Kubernetes form (``"10Gi"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from events.fold import LIVE_SHARE_STATES, ClaimState, ClusterState, DeviceState
+from events.model import encode_hook
+from events.model import to_builtins as model_builtins
+
+__all__ = [
+    "CapacityView",
+    "ClaimView",
+    "DeviceView",
+    "ErrorView",
+    "ShareView",
+    "claim_view",
+    "device_views",
+    "error_reply",
+    "ok_reply",
+]
+
+
+class ShareView(msgspec.Struct, frozen=True, kw_only=True):
+    """One share (ShareID) of a claim's current allocation."""
+
+    share_id: str
+    driver: str
+    pool: str
+    device: str
+    consumed: dict[str, str]
+    state: str
+    level: str | None
+
+
+class ClaimView(msgspec.Struct, frozen=True, kw_only=True):
+    """A claim as a tenant sees it."""
+
+    namespace: str
+    name: str
+    phase: str
+    reason: str | None
+    ready: bool
+    node: str | None
+    allocation: dict[str, Any] | None
+    shares: list[ShareView]
+
+
+class CapacityView(msgspec.Struct, frozen=True, kw_only=True):
+    """One capacity of one device."""
+
+    total: str
+    consumed: str
+    free: str
+
+
+class DeviceView(msgspec.Struct, frozen=True, kw_only=True):
+    """One published device as an operator sees it."""
+
+    driver: str
+    pool: str
+    device: str
+    node: str | None
+    capacity: dict[str, CapacityView]
+    shares: int
+    tenants: list[str]
+
+
+class ErrorView(msgspec.Struct, frozen=True, kw_only=True):
+    """The ``error`` of a failed reply."""
+
+    code: str
+    field: str | None
+    rule: str | None
+    message: str
+
+
+_ENCODER = msgspec.json.Encoder(enc_hook=encode_hook)
+
+
+def claim_view(state: ClusterState, claim: ClaimState) -> ClaimView:
+    """The view of ``claim`` in ``state``."""
+    shares: list[ShareView] = []
+    for share_id in claim.share_ids:
+        share = state.shares.get(share_id)
+        if share is None:
+            continue
+        shares.append(
+            ShareView(
+                share_id=share_id,
+                driver=share.driver,
+                pool=share.pool,
+                device=share.device,
+                consumed={k: v.canonical() for k, v in sorted(share.consumed.items())},
+                state=share.state,
+                level=share.limit_level,
+            )
+        )
+    allocation = model_builtins(claim.allocation) if claim.allocation is not None else None
+    return ClaimView(
+        namespace=claim.namespace,
+        name=claim.name,
+        phase=claim.phase,
+        reason=claim.reason,
+        ready=claim.phase == "ready",
+        node=claim.node,
+        allocation=allocation,
+        shares=shares,
+    )
+
+
+def _device_view(dev: DeviceState, shares: int, tenants: set[str]) -> DeviceView:
+    consumed = dev.consumed()
+    capacity = {
+        name: CapacityView(
+            total=total.canonical(),
+            consumed=consumed[name].canonical(),
+            free=dev.free(name).canonical(),
+        )
+        for name, total in sorted(dev.total.items())
+    }
+    return DeviceView(
+        driver=dev.driver,
+        pool=dev.pool,
+        device=dev.name,
+        node=dev.node,
+        capacity=capacity,
+        shares=shares,
+        tenants=sorted(tenants),
+    )
+
+
+def device_views(state: ClusterState) -> list[DeviceView]:
+    """Every published device, sorted by driver, pool and name."""
+    counts: dict[tuple[str, str, str], int] = {}
+    tenants: dict[tuple[str, str, str], set[str]] = {}
+    for share in state.shares.values():
+        if share.state in LIVE_SHARE_STATES:
+            key = share.device_key
+            counts[key] = counts.get(key, 0) + 1
+            tenants.setdefault(key, set()).add(share.claim[0])
+    return [
+        _device_view(dev, counts.get(key, 0), tenants.get(key, set()))
+        for key, dev in sorted(state.devices.items())
+        if dev.present
+    ]
+
+
+def ok_reply(**fields: Any) -> bytes:
+    """``{"ok": true, **fields}`` as JSON."""
+    return _ENCODER.encode({"ok": True, **fields})
+
+
+def error_reply(
+    code: str, message: str, *, field: str | None = None, rule: str | None = None
+) -> bytes:
+    """``{"ok": false, "error": {...}}`` as JSON."""
+    error = ErrorView(code=code, field=field, rule=rule, message=message)
+    return _ENCODER.encode({"ok": False, "error": error})

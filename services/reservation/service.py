@@ -1,0 +1,365 @@
+"""The reservation service: admitted claims in, capacity reservations out.
+
+One worker is a :class:`ReservationService`: a few durable JetStream consumers that
+share one handler, over a :class:`~services.runtime.livestate.LiveState`. Several
+workers (in one process or many) bind the *same* durable consumers, so each message
+goes to one of them (a work queue); correctness never depends on that, because every
+decision is appended with expected stream versions.
+
+What wakes it (consumer ``{name}-{category}`` on ``names.category_filter(category)``):
+
+* ``claims``: ``ClaimAdmitted`` — a new claim to place;
+* ``reclamation``: ``CapacityReleased`` and ``NodeFenced`` — capacity came back, so
+  unschedulable claims may fit now;
+* ``inventory``: classes, slices, request policies — the same;
+* ``admin``: ``NamespaceAccessSet`` — adminAccess may have been granted.
+
+Other events of those categories are acknowledged without work.
+
+The decision (:meth:`ReservationService.plan`)
+--------------------------------------------
+Pending claims (phase ``admitted`` or ``unschedulable``) are kept in admission order;
+every trigger goes through all of them, first come first served: each is decided by
+the pure :class:`~services.reservation.allocating.Allocator` and, if it fits, its
+grants are committed *tentatively* so the claims behind it see them. A claim that
+does not fit does not block those behind it (no head-of-line blocking: a smaller
+claim may pass a large one that waits). An ``unschedulable`` claim is only tried
+again when capacity was freed or the inventory changed since its last try (the
+*capacity epoch*), so a busy cluster does not re-decide every waiting claim on every
+admission.
+
+Per allocated claim the plan appends ``CapacityReserved`` on each device's stream
+(expected version: the device stream's version in the live state) and
+``AllocationBound`` on the claim stream (expected version likewise), all in **one**
+``append_many`` on the consumer's transaction; a newly admitted claim that does not
+fit gets ``ClaimUnschedulable`` instead (once: retries that still fail write nothing).
+Dedicated devices get a share id too (the log identifies every result), but their
+Kubernetes ``AllocationResult`` carries none, as upstream.
+
+Concurrency: if another worker (or a release, or the tenant's delete) appended to any
+of those streams since the live state read them, the store raises ``ConflictError``;
+the append ran in a savepoint, so the handler rolls back just that, catches up and
+plans again (up to ``max_attempts``; after that the consumer naks with back-off).
+The database ledger's ``CHECK (allocated <= total)`` and the exclusive-hold key are
+the last line: even a wrong plan can never oversubscribe a device.
+
+Allocator state is kept incrementally: a listener on the live state adds a grant for
+every ``CapacityReserved`` and removes it when the share is released (release or
+fence); the inventory is rebuilt only when an inventory event arrives. The tentative
+commits of a plan are undone before the plan returns, so between plans the
+allocator's state is exactly the log's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from nats.js import JetStreamContext
+
+from events.catalog import (
+    AllocationBound,
+    CapacityReleased,
+    CapacityReserved,
+    ClaimAdmitted,
+    ClaimSubmitted,
+    ClaimUnschedulable,
+    Envelope,
+    Event,
+    NamespaceAccessSet,
+    NodeFenced,
+    claim_stream,
+    device_stream,
+)
+from events.features import DEFAULT_GATES, FeatureGates
+from events.fold import ClaimKey, ClaimState, ClusterState
+from events.model import AllocationResult
+from events.subjects import BusNames
+from services.reservation.allocating import Allocator
+from services.reservation.deriving import build_inventory, grant_of, live_grants
+from services.reservation.outcomes import Allocated, Grant, Invalid
+from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.errors import ConflictError
+from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.livestate import INVENTORY_EVENTS, LiveState
+from services.runtime.metrics import CLAIMS, SCHEDULING_LATENCY
+
+__all__ = ["CATEGORIES", "TRIGGERS", "Plan", "ReservationService"]
+
+log = logging.getLogger("dracap.reservation")
+
+#: The event categories a worker consumes.
+CATEGORIES: Final = ("claims", "reclamation", "inventory", "admin")
+#: Events that make a worker plan.
+TRIGGERS: Final = (ClaimAdmitted, CapacityReleased, NodeFenced, NamespaceAccessSet)
+_PENDING_PHASES: Final = frozenset({"admitted", "unschedulable"})
+_FREEING: Final = (CapacityReleased, NodeFenced, NamespaceAccessSet, *INVENTORY_EVENTS)
+
+
+class Plan:
+    """The events one planning round wants appended, grouped per stream."""
+
+    def __init__(self, live: LiveState) -> None:
+        self._live = live
+        self._streams: dict[str, tuple[int, list[Event]]] = {}
+        self.allocated: list[ClaimKey] = []
+        self.unschedulable: list[ClaimKey] = []
+
+    @property
+    def batches(self) -> list[Batch]:
+        """One batch per stream, at the stream's version in the live state."""
+        return [Batch(s, version, events) for s, (version, events) in self._streams.items()]
+
+    async def add(self, stream: str, event: Event) -> None:
+        """Append ``event`` to ``stream``'s batch (created at the live version)."""
+        if stream not in self._streams:
+            self._streams[stream] = (await self._live.stream_version(stream), [])
+        self._streams[stream][1].append(event)
+
+
+class ReservationService:
+    """One reservation worker (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        live: LiveState,
+        js: JetStreamContext,
+        names: BusNames,
+        *,
+        worker: int = 0,
+        name: str = "reservation",
+        gates: FeatureGates = DEFAULT_GATES,
+        max_attempts: int = 10,
+        new_share_id: Callable[[], str] = lambda: str(uuid.uuid4()),
+    ) -> None:
+        self.store = store
+        self.live = live
+        self.js = js
+        self.names = names
+        self.worker = worker
+        self.name = name
+        self.gates = gates
+        self.max_attempts = max_attempts
+        self.new_share_id = new_share_id
+        self.conflicts = 0  #: appends that lost a race and were planned again
+        self._lock = asyncio.Lock()
+        self._allocator: Allocator | None = None
+        self._counted: dict[str, Grant] = {}
+        self._pending: dict[ClaimKey, datetime.datetime | None] = {}
+        self._tried: dict[ClaimKey, int] = {}
+        self._epoch = 0
+        self._seed(live.state)
+        live.subscribe(self.observe)
+
+    # -- allocator state, kept from the live state -------------------------------------
+
+    def _seed(self, state: ClusterState) -> None:
+        for share_id, grant in live_grants(state):
+            self._counted[share_id] = grant
+        for key, claim in state.claims.items():
+            if claim.phase in _PENDING_PHASES:
+                self._pending[key] = None
+
+    def _allocator_for(self, state: ClusterState) -> Allocator:
+        if self._allocator is None:
+            allocator = Allocator(
+                build_inventory(state, self.gates), new_share_id=self.new_share_id
+            )
+            allocator.add_grants(self._counted.values())
+            self._allocator = allocator
+        return self._allocator
+
+    def _forget(self, share_id: str) -> None:
+        grant = self._counted.pop(share_id, None)
+        if grant is not None and self._allocator is not None:
+            self._allocator.release(_as_allocated([grant]))
+
+    def observe(self, env: Envelope) -> None:
+        """Live-state listener: keep grants, pending claims and the epoch current."""
+        event, state = env.event, self.live.state
+        if isinstance(event, CapacityReserved):
+            share = state.shares.get(event.share_id)
+            if share is not None and share.live and event.share_id not in self._counted:
+                grant = self._counted[event.share_id] = grant_of(share)
+                if self._allocator is not None:
+                    self._allocator.add_grants([grant])
+        elif isinstance(event, CapacityReleased):
+            share = state.shares.get(event.share_id)
+            if share is not None and not share.live:
+                self._forget(event.share_id)
+        elif isinstance(event, NodeFenced):
+            for share_id in [s for s in self._counted if not state.shares[s].live]:
+                self._forget(share_id)
+        if isinstance(event, INVENTORY_EVENTS):
+            self._allocator = None
+        if isinstance(event, _FREEING):
+            self._epoch += 1
+        self._track_claim(env, state)
+
+    def _track_claim(self, env: Envelope, state: ClusterState) -> None:
+        event = env.event
+        if isinstance(event, ClaimSubmitted):
+            key = (event.claim.metadata.namespace or "", event.claim.metadata.name)
+        else:
+            namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
+            if not isinstance(namespace, str) or not isinstance(name, str):
+                return
+            key = (namespace, name)
+        claim = state.claims.get(key)
+        if isinstance(event, ClaimAdmitted):
+            self._pending.pop(key, None)  # re-admission goes to the back of the queue
+            self._tried.pop(key, None)
+        if claim is not None and claim.phase in _PENDING_PHASES:
+            self._pending.setdefault(key, env.recorded_at)
+        else:
+            self._pending.pop(key, None)
+            self._tried.pop(key, None)
+
+    # -- planning -----------------------------------------------------------------------
+
+    async def plan(self) -> Plan:
+        """Decide every pending claim that may fit now, in admission order."""
+        plan = Plan(self.live)
+        async with self.live.frozen() as state:
+            allocator = self._allocator_for(state)
+            tentative: list[Allocated] = []
+            try:
+                for key in list(self._pending):
+                    claim = state.claims.get(key)
+                    if claim is None or claim.claim is None or claim.phase not in _PENDING_PHASES:
+                        continue
+                    if claim.phase == "unschedulable" and self._tried.get(key) == self._epoch:
+                        continue
+                    access = state.namespaces.get(key[0])
+                    outcome = allocator.allocate(
+                        claim.claim,
+                        any_node=True,
+                        admin_access_allowed=access is not None and access.admin_access,
+                    )
+                    if isinstance(outcome, Allocated):
+                        allocator.commit(outcome)
+                        tentative.append(outcome)
+                        await self._reserve(plan, state, claim, outcome)
+                        continue
+                    self._tried[key] = self._epoch
+                    if claim.phase == "admitted":
+                        reason = outcome.reason
+                        if isinstance(outcome, Invalid):
+                            reason = f"cannot be allocated as written: {reason}"
+                        event = ClaimUnschedulable(namespace=key[0], name=key[1], reason=reason)
+                        await plan.add(claim_stream(*key), event)
+                        plan.unschedulable.append(key)
+            finally:
+                for outcome in tentative:
+                    allocator.release(outcome)
+        return plan
+
+    async def _reserve(
+        self, plan: Plan, state: ClusterState, claim: ClaimState, outcome: Allocated
+    ) -> None:
+        version = claim.allocation_version + 1
+        share_ids: list[str] = []
+        for grant in outcome.grants:
+            share_id = grant.share_id or self.new_share_id()
+            share_ids.append(share_id)
+            driver, pool, device = grant.device
+            reserved = CapacityReserved(
+                namespace=claim.namespace,
+                name=claim.name,
+                allocation_version=version,
+                request=grant.request,
+                driver=driver,
+                pool=pool,
+                device=device,
+                node=outcome.node,
+                share_id=share_id,
+                shared=grant.share_id is not None,
+                admin_access=grant.admin_access,
+                consumed=dict(grant.consumed),
+                policy_version=state.devices[grant.device].policy_version,
+            )
+            await plan.add(device_stream(driver, pool, device), reserved)
+        bound = AllocationBound(
+            namespace=claim.namespace,
+            name=claim.name,
+            allocation_version=version,
+            node=outcome.node,
+            allocation=outcome.allocation,
+            share_ids=share_ids,
+        )
+        await plan.add(claim_stream(claim.namespace, claim.name), bound)
+        plan.allocated.append((claim.namespace, claim.name))
+
+    # -- the handler --------------------------------------------------------------------
+
+    async def handle(self, ctx: HandlerContext, env: Envelope) -> Handled:
+        """Plan and append on the consumer's transaction; re-plan on a lost race."""
+        if not isinstance(env.event, TRIGGERS + INVENTORY_EVENTS):
+            return Handled()
+        meta = Metadata(
+            actor=f"{self.name}-{self.worker}",
+            correlation_id=env.correlation_id,
+            causation_id=env.event_id,
+        )
+        async with self._lock:
+            for _ in range(self.max_attempts):
+                await self.live.catch_up(ctx.connection)
+                plan = await self.plan()
+                batches = plan.batches
+                if not batches:
+                    return Handled()
+                try:
+                    async with ctx.connection.transaction():  # a savepoint
+                        await ctx.store.append_many(batches, meta, connection=ctx.connection)
+                except ConflictError as exc:
+                    self.conflicts += 1
+                    log.debug("reservation lost a race, planning again: %s", exc)
+                    continue
+                self._count(plan)
+                return Handled()
+        raise ConflictError(f"reservation still conflicting after {self.max_attempts} attempts")
+
+    def _count(self, plan: Plan) -> None:
+        now = datetime.datetime.now(datetime.UTC)
+        for key in plan.allocated + plan.unschedulable:
+            admitted = self._pending.get(key)
+            if admitted is not None:
+                SCHEDULING_LATENCY.observe(max(0.0, (now - admitted).total_seconds()))
+        if plan.allocated:
+            CLAIMS.labels(outcome="allocated").inc(len(plan.allocated))
+        if plan.unschedulable:
+            CLAIMS.labels(outcome="unschedulable").inc(len(plan.unschedulable))
+
+    # -- running ------------------------------------------------------------------------
+
+    def consumers(self) -> list[Consumer]:
+        """The durable consumers of this worker (shared by every worker of ``name``)."""
+        return [
+            Consumer(
+                self.store,
+                self.js,
+                self.names,
+                name=f"{self.name}-{category}",
+                filter_subject=self.names.category_filter(category),
+                handler=self.handle,
+            )
+            for category in CATEGORIES
+        ]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume until ``stop`` is set."""
+        started = time.perf_counter()
+        await self.live.catch_up()
+        log.info("reservation worker %d ready in %.3fs", self.worker, time.perf_counter() - started)
+        await asyncio.gather(*(c.run(stop) for c in self.consumers()))
+
+
+def _as_allocated(grants: Sequence[Grant]) -> Allocated:
+    """Grants wrapped as an outcome, for the allocator's commit/release."""
+    return Allocated(claim="", node=None, allocation=AllocationResult(), grants=list(grants))

@@ -1,0 +1,102 @@
+"""The JetStream side of the runtime: connecting, and the one stream of events.
+
+Every event of the Postgres log is published once (by :mod:`services.runtime.relaying`)
+to the stream :attr:`BusNames.stream <events.subjects.BusNames.stream>`, which holds
+the subjects ``{prefix}.ev.>``. The stream is the bus, not the source of truth: it can
+be deleted and rebuilt from the log by resetting the relay's checkpoint.
+
+Stream configuration, and why:
+
+* **file storage**: a nats-server restart must not lose what consumers have not read;
+* **limits retention**: consumers come and go (an agent per node), so messages are not
+  removed when one consumer acknowledges them; ``max_age`` bounds the size (default
+  7 days: longer than any consumer should be down);
+* **duplicate window** (default 2 minutes): the server remembers each message's
+  ``Nats-Msg-Id`` (the event id) for this long and acknowledges a second publish of
+  it as a duplicate without storing it. The relay re-publishes at most one window of
+  events after a crash, immediately on restart, so this makes a crash harmless.
+
+:func:`ensure_stream` creates the stream or brings an existing one's settings up to
+date, so every process may call it at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
+from nats.js.errors import BadRequestError, NotFoundError
+
+from events.subjects import BusNames
+
+__all__ = ["DUPLICATE_WINDOW_S", "MAX_AGE_S", "connect_bus", "ensure_stream", "stream_config"]
+
+DUPLICATE_WINDOW_S: Final = 120.0
+MAX_AGE_S: Final = 7 * 24 * 3600.0
+STREAM_NAME_IN_USE: Final = 10058  # JetStream API error code
+
+
+async def connect_bus(
+    url: str, *, name: str = "dracap", connect_timeout: float = 5.0
+) -> tuple[Client, JetStreamContext]:
+    """A NATS connection (reconnecting forever) and its JetStream context."""
+    nc = await nats.connect(
+        url,
+        name=name,
+        connect_timeout=connect_timeout,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+    )
+    return nc, nc.jetstream(timeout=connect_timeout)
+
+
+def stream_config(
+    names: BusNames,
+    *,
+    duplicate_window: float = DUPLICATE_WINDOW_S,
+    max_age: float = MAX_AGE_S,
+) -> StreamConfig:
+    """The configuration of the events stream (see the module docstring)."""
+    return StreamConfig(
+        name=names.stream,
+        subjects=[names.events_subjects],
+        storage=StorageType.FILE,
+        retention=RetentionPolicy.LIMITS,
+        discard=DiscardPolicy.OLD,
+        max_age=max_age,
+        duplicate_window=duplicate_window,
+    )
+
+
+async def ensure_stream(
+    js: JetStreamContext,
+    names: BusNames,
+    *,
+    duplicate_window: float = DUPLICATE_WINDOW_S,
+    max_age: float = MAX_AGE_S,
+) -> StreamInfo:
+    """Create the events stream, or update an existing one to this configuration."""
+    config = stream_config(names, duplicate_window=duplicate_window, max_age=max_age)
+    try:
+        current = await js.stream_info(names.stream)
+    except NotFoundError:
+        try:
+            return await js.add_stream(config)
+        except BadRequestError as exc:  # created concurrently by another process
+            if exc.err_code != STREAM_NAME_IN_USE:
+                raise
+            current = await js.stream_info(names.stream)
+    if _differs(current.config, config):
+        return await js.update_stream(config)
+    return current
+
+
+def _differs(current: StreamConfig, wanted: StreamConfig) -> bool:
+    return (
+        current.subjects != wanted.subjects
+        or current.duplicate_window != wanted.duplicate_window
+        or current.max_age != wanted.max_age
+    )

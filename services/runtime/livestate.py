@@ -1,0 +1,236 @@
+"""A live, in-memory view of the log: the fold kept current for one process.
+
+Every service that decides something (admission, reservation, the node agent) needs
+the cluster as the log describes it *now*. :class:`LiveState` holds one
+:class:`events.fold.ClusterState` and folds into it every event after
+``state.position``:
+
+* :meth:`LiveState.catch_up` reads the log after the current position (one keyset
+  query; nothing comes back when nothing is new) and folds it. Calls are serialised
+  by a lock, so concurrent callers never fold the same event twice; a caller that
+  waited for the lock reads again afterwards, so when ``catch_up`` returns, the state
+  includes every event committed before the call.
+* :meth:`LiveState.run` tails the log (``EventStore.wait_for_new``: LISTEN/NOTIFY with a
+  timeout as a safety net) and folds as events arrive; it keeps the view warm and
+  drives the listeners (the watch publisher of the claims API, the allocated state of
+  the reservation service).
+
+Decisions are optimistic: a service decides on ``live.state`` right after
+``catch_up()`` and appends with the expected versions of the streams it decided on,
+which :meth:`LiveState.stream_version` gives *as of* ``state.position``. If anybody
+appended to one of those streams since, the store raises ``ConflictError``; the
+service catches up and decides again. So the versions here must never be newer than
+the state: they are tracked from the folded envelopes, and for streams that were not
+seen since a snapshot they are read from the database bounded by the state's position.
+
+Listeners (``subscribe``) are plain callables run after each envelope is folded, with
+the envelope; they must be quick and must not raise (an exception is logged and the
+listener is kept). They let a service keep derived indexes incrementally instead of
+recomputing them per decision.
+
+An event the fold refuses (``InvariantViolation``) is *skipped*: the log is the source
+of truth and is never rewritten, so the view records the violation
+(:attr:`LiveState.violations`), logs it, and moves on; ``dracap replay verify`` reports
+the same position. The database's own constraints (capacity ledger CHECK, exclusive
+holds) are what keep such an event from ever oversubscribing a device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, Final
+
+from events.catalog import (
+    DeviceClassApplied,
+    DeviceClassRemoved,
+    Envelope,
+    RequestPolicyChanged,
+    ResourceSlicePublished,
+    ResourceSliceWithdrawn,
+)
+from events.errors import InvariantViolation
+from events.fold import ClusterState, apply, snapshot_decode
+from services.runtime.errors import RuntimeServiceError
+from services.runtime.eventstore import Connection, EventStore, iter_envelopes
+
+__all__ = ["INVENTORY_EVENTS", "Listener", "LiveState"]
+
+log = logging.getLogger("dracap.livestate")
+
+Listener = Callable[[Envelope], None]
+
+#: Events that change what the allocator's inventory is built from.
+INVENTORY_EVENTS: Final = (
+    DeviceClassApplied,
+    DeviceClassRemoved,
+    ResourceSlicePublished,
+    ResourceSliceWithdrawn,
+    RequestPolicyChanged,
+)
+_VIOLATIONS_KEPT: Final = 100
+
+
+class LiveState:
+    """The fold of the log, kept current (see the module docstring)."""
+
+    def __init__(self, store: EventStore, *, batch_size: int = 1000) -> None:
+        self.store = store
+        self.state = ClusterState()
+        self.batch_size = batch_size
+        #: bumped whenever classes, slices or request policies change
+        self.inventory_generation = 0
+        #: the latest fold refusals (position, message), oldest first
+        self.violations: list[tuple[int, str]] = []
+        self._versions: dict[str, int] = {}
+        self._versions_complete = True  # False after starting from a snapshot
+        self._lock = asyncio.Lock()
+        self._listeners: list[Listener] = []
+
+    # -- startup -------------------------------------------------------------------------
+
+    async def load_snapshot(self) -> bool:
+        """Start from the newest stored snapshot (before any catch-up); True if one was used."""
+        if self.state.position:
+            raise RuntimeError("load_snapshot() must come before the first catch_up()")
+        snapshot = await self.store.load_latest_snapshot()
+        if snapshot is None:
+            return False
+        self.state = snapshot_decode(snapshot.payload)
+        self._versions_complete = False
+        self.inventory_generation += 1
+        return True
+
+    # -- listeners -----------------------------------------------------------------------
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener(envelope)`` after every folded envelope; returns an unsubscriber."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with contextlib.suppress(ValueError):
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    # -- stream versions -----------------------------------------------------------------
+
+    async def stream_version(self, stream: str) -> int:
+        """The version of ``stream`` as of ``state.position`` (0: no events yet)."""
+        version = self._versions.get(stream)
+        if version is not None:
+            return version
+        if self._versions_complete:
+            return 0
+        found: int | None = await self.store.pool.fetchval(
+            "SELECT max(stream_version) FROM events WHERE stream = $1 AND position <= $2",
+            stream,
+            self.state.position,
+        )
+        if stream not in self._versions:  # a catch-up may have run meanwhile
+            self._versions[stream] = found or 0
+        return self._versions[stream]
+
+    def known_version(self, stream: str) -> int:
+        """The version of ``stream`` from the folded events only (no database look-up)."""
+        return self._versions.get(stream, 0)
+
+    # -- folding -------------------------------------------------------------------------
+
+    def _fold(self, envelope: Envelope) -> None:
+        try:
+            apply(self.state, envelope)
+        except InvariantViolation as exc:
+            log.error(
+                "fold refused an event; skipping it",
+                extra={"event_id": envelope.event_id, "position": envelope.position},
+                exc_info=False,
+            )
+            self.violations.append((envelope.position, str(exc)))
+            del self.violations[:-_VIOLATIONS_KEPT]
+            self.state.position = max(self.state.position, envelope.position)
+        self._versions[envelope.stream] = envelope.stream_version
+        if isinstance(envelope.event, INVENTORY_EVENTS):
+            self.inventory_generation += 1
+        for listener in tuple(self._listeners):
+            try:
+                listener(envelope)
+            except Exception:
+                log.exception("state listener failed", extra={"event_id": envelope.event_id})
+
+    async def catch_up(self, connection: Connection | None = None) -> int:
+        """Fold every event committed after ``state.position``; returns how many.
+
+        ``connection``: read on it instead of taking one from the pool (a consumer's
+        handler passes its transaction's connection, so a handler never waits for a
+        second pooled connection while holding one). Its transaction must not hold
+        uncommitted appends: they would be folded as if they had happened.
+        """
+        async with self._lock:
+            folded = 0
+            position = self.state.position
+            envelopes = (
+                self.store.read_all(position, self.batch_size)
+                if connection is None
+                else iter_envelopes(connection, position, self.batch_size)
+            )
+            async for envelope in envelopes:
+                self._fold(envelope)
+                folded += 1
+        return folded
+
+    @contextlib.asynccontextmanager
+    async def frozen(self) -> AsyncIterator[ClusterState]:
+        """Hold the state still: no catch-up folds anything until the block ends.
+
+        A decision that awaits something (a stream version from the database) while
+        it reads the state does so inside this block, so the state and the expected
+        versions it appends with stay consistent.
+        """
+        async with self._lock:
+            yield self.state
+
+    async def wait_for(self, position: int, timeout: float) -> bool:  # noqa: ASYNC109
+        """Wait until the state has folded ``position`` (catching up itself); False on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.state.position < position:
+            await self.catch_up()
+            if self.state.position >= position:
+                break
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            await self.store.wait_for_new(self.state.position, min(left, 0.5))
+        return True
+
+    async def run(self, stop: asyncio.Event, *, poll_s: float = 1.0) -> None:
+        """Tail the log until ``stop`` is set (NOTIFY wakes it; ``poll_s`` is the fallback).
+
+        A failing read (database restarting) is logged and retried after ``poll_s``.
+        """
+        while not stop.is_set():
+            try:
+                await self.catch_up()
+                await _first_of(self.store.wait_for_new(self.state.position, poll_s), stop)
+            except (OSError, RuntimeServiceError) as exc:
+                log.warning("live state could not read the log: %s", exc)
+                await _first_of(asyncio.sleep(poll_s), stop)
+
+
+async def _first_of(work: Coroutine[Any, Any, object], stop: asyncio.Event) -> None:
+    """Run ``work`` until it finishes or ``stop`` is set, whichever comes first."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, stopper):
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pending
+    if task.done() and not task.cancelled():
+        task.result()  # re-raise its failure

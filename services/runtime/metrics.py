@@ -1,0 +1,127 @@
+"""Every Prometheus metric of dracap, defined once, and the scrape endpoint.
+
+Services import the metric objects from here and never create their own, so names,
+units and labels stay consistent and one grep shows what an operator can chart.
+Conventions (STYLE.md): the ``dracap_`` prefix, base units (seconds, plain counts,
+ratios in [0, 1]), ``_total`` for counters, and only low-cardinality labels
+(outcome, reason, class, capacity, consumer) — never a claim, share or event id.
+
+The metrics live in a registry of their own (:data:`REGISTRY`) together with the
+standard process, platform and GC collectors; :func:`start_metrics_server` serves it
+over HTTP from a daemon thread. ``dracap_build_info{version}`` is always 1, the
+usual way to publish the running version.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from threading import Thread
+from typing import Final
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+
+__all__ = [
+    "BUILD_INFO",
+    "CAPACITY_ALLOCATED_RATIO",
+    "CLAIMS",
+    "CONSUMER_REDELIVERIES",
+    "DEAD_LETTERS",
+    "ENFORCEMENT_LATENCY",
+    "REGISTRY",
+    "REJECTIONS",
+    "RELAY_LAG",
+    "SCHEDULING_LATENCY",
+    "start_metrics_server",
+    "version",
+]
+
+REGISTRY: Final = CollectorRegistry()
+for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+    REGISTRY.register(_collector)
+
+_LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_SLOW_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+SCHEDULING_LATENCY: Final = Histogram(
+    "dracap_scheduling_latency_seconds",
+    "From a claim's admission to its allocation being bound (or found unschedulable).",
+    buckets=(*_LATENCY_BUCKETS, 5.0, 10.0),
+    registry=REGISTRY,
+)
+CLAIMS: Final = Counter(
+    "dracap_claims_total",
+    "Claims by outcome (admitted, rejected, allocated, unschedulable, ready, released).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+REJECTIONS: Final = Counter(
+    "dracap_rejections_total",
+    "Admission rejections by reason (the rule that refused the claim).",
+    ["reason"],
+    registry=REGISTRY,
+)
+CAPACITY_ALLOCATED_RATIO: Final = Gauge(
+    "dracap_capacity_allocated_ratio",
+    "Allocated / total capacity summed over the devices of a DeviceClass.",
+    ["class", "capacity"],
+    registry=REGISTRY,
+)
+ENFORCEMENT_LATENCY: Final = Histogram(
+    "dracap_enforcement_latency_seconds",
+    "From an allocation being bound to its node agent reporting the limit applied.",
+    buckets=_SLOW_BUCKETS,
+    registry=REGISTRY,
+)
+RELAY_LAG: Final = Gauge(
+    "dracap_relay_lag_events",
+    "Events in the Postgres log that the relay has not yet published to JetStream.",
+    registry=REGISTRY,
+)
+CONSUMER_REDELIVERIES: Final = Counter(
+    "dracap_consumer_redeliveries_total",
+    "Messages a consumer received again (after a nak or an ack timeout).",
+    ["consumer"],
+    registry=REGISTRY,
+)
+DEAD_LETTERS: Final = Counter(
+    "dracap_dead_letters_total",
+    "Messages a consumer gave up on (MessageDeadLettered written, message terminated).",
+    ["consumer"],
+    registry=REGISTRY,
+)
+BUILD_INFO: Final = Gauge(
+    "dracap_build_info",
+    "Always 1; the label carries the running dracap version.",
+    ["version"],
+    registry=REGISTRY,
+)
+
+
+def version() -> str:
+    """The installed dracap version (``0+unknown`` when running from a bare tree)."""
+    try:
+        return metadata.version("dracap")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+BUILD_INFO.labels(version=version()).set(1)
+
+
+def start_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, Thread]:
+    """Serve :data:`REGISTRY` on ``http://addr:port/metrics`` (port 0: any free port).
+
+    Returns the server (``server.server_port`` is the bound port; ``shutdown()``
+    stops it) and its daemon thread.
+    """
+    return start_http_server(port, addr=addr, registry=REGISTRY)

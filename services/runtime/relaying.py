@@ -1,0 +1,236 @@
+"""The outbox relay: the Postgres event log, published in order to JetStream.
+
+Services never publish to the bus; they append to the log (the single source of
+truth) and the relay carries every committed event to the events stream, exactly
+once and in position order. The loop:
+
+1. read the log after the checkpoint, one *window* of rows at a time (keyset paging,
+   the next page already being read while this one is published);
+2. publish the whole window with ``publish_async``: every message is written to the
+   connection at once and up to ``window`` acknowledgements are outstanding; the acks
+   are awaited together, once per window (one round trip per window, never one per
+   message);
+3. when every ack of the window is in, store the checkpoint (``consumer_checkpoints``,
+   consumer ``"relay"``) at the window's last position;
+4. when the log is drained, wait for the store's NOTIFY (or a poll timeout) and go on.
+
+Exactly once: each message carries ``Nats-Msg-Id = event id`` (and
+``Nats-Expected-Stream``). A crash between the acks of a window and its checkpoint
+makes the next relay publish that window again; JetStream recognises the ids within
+its duplicate window (:data:`services.runtime.bus.DUPLICATE_WINDOW_S`) and
+acknowledges them as duplicates without storing them. Only a relay that stays down
+for longer than the duplicate window *after such a crash* can store up to one window
+twice — the consumers' idempotency (``processed_messages``) absorbs that.
+
+Order: messages of one connection are stored in the order they were written, so a
+window lands in position order. After a failed window (a publish error or an ack
+timeout) nothing past the checkpoint is trusted; the relay backs off and publishes
+again from the checkpoint.
+
+Wire form: the envelope JSON of :func:`events.catalog.encode_event`. For rows written
+under the current schema version the stored payload is spliced in unchanged
+(``msgspec.Raw``), which spares a decode and re-encode per event; rows of an older
+schema version are decoded (upcast) and published in the current form, with the
+envelope's ``schema_version`` saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+from collections.abc import Sequence
+from typing import Any, Final
+
+import asyncpg
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.api import Header, PubAck
+
+from events.catalog import SCHEMA_VERSIONS, encode_event, schema_version_of
+from events.subjects import NODE_TAGS, BusNames
+from services.runtime.eventstore import EventStore, envelope_of
+from services.runtime.metrics import RELAY_LAG
+
+__all__ = ["CHECKPOINT", "Outgoing", "Relay", "outgoing"]
+
+CHECKPOINT: Final = "relay"
+_log = logging.getLogger(__name__)
+
+_SAVE_CHECKPOINT: Final = (
+    "INSERT INTO consumer_checkpoints (consumer, position) VALUES ($1, $2) "
+    "ON CONFLICT (consumer) DO UPDATE SET position = GREATEST("
+    "consumer_checkpoints.position, EXCLUDED.position), updated_at = now()"
+)
+
+
+class _WireEnvelope(msgspec.Struct, frozen=True, kw_only=True):
+    """:class:`events.catalog.Envelope` with the stored event JSON kept raw."""
+
+    event_id: str
+    stream: str
+    stream_version: int
+    position: int
+    namespace: str | None
+    actor: str
+    correlation_id: str
+    causation_id: str | None
+    recorded_at: datetime.datetime
+    schema_version: int
+    event: msgspec.Raw
+
+
+class _NodeField(msgspec.Struct):
+    node: str | None = None
+
+
+_ENCODER: Final = msgspec.json.Encoder()
+_NODE_DECODER: Final = msgspec.json.Decoder(_NodeField)
+
+
+class Outgoing(msgspec.Struct, frozen=True):
+    """One message for the bus: subject, envelope JSON, event id and log position."""
+
+    subject: str
+    data: bytes
+    event_id: str
+    position: int
+
+
+def outgoing(names: BusNames, row: asyncpg.Record) -> Outgoing:
+    """The bus message of one stored event row (see "Wire form" above)."""
+    tag, version, payload = row[4], row[5], row[11]
+    if version != SCHEMA_VERSIONS.get(tag):
+        env = envelope_of(row)
+        env = msgspec.structs.replace(env, schema_version=schema_version_of(env.event))
+        return Outgoing(names.event_subject(env), encode_event(env), env.event_id, env.position)
+    node = _NODE_DECODER.decode(payload).node if tag in NODE_TAGS else None
+    wire = _WireEnvelope(
+        event_id=row[1],
+        stream=row[2],
+        stream_version=row[3],
+        position=row[0],
+        namespace=row[6],
+        actor=row[7],
+        correlation_id=row[8],
+        causation_id=row[9],
+        recorded_at=row[10],
+        schema_version=version,
+        event=msgspec.Raw(payload),
+    )
+    return Outgoing(names.subject_of(tag, node), _ENCODER.encode(wire), row[1], row[0])
+
+
+class Relay:
+    """Publishes the event log to JetStream in order, ``window`` messages in flight."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        js: JetStreamContext,
+        names: BusNames,
+        *,
+        window: int = 256,
+        checkpoint: str = CHECKPOINT,
+        ack_timeout: float = 10.0,
+        idle_poll: float = 1.0,
+        retry_delay: float = 0.5,
+    ) -> None:
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        self._store = store
+        self._js = js
+        self._names = names
+        self._window = window
+        self._checkpoint = checkpoint
+        self._ack_timeout = ack_timeout
+        self._idle_poll = idle_poll
+        self._retry_delay = retry_delay
+        self.position = 0  #: the checkpoint: every event up to here is in the stream
+        self.published = 0  #: messages the stream stored
+        self.duplicates = 0  #: messages the stream recognised as already stored
+        self.windows = 0  #: windows published
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Relay until ``stop`` is set; the window in flight is finished first."""
+        self.position = await self.load_checkpoint()
+        while not stop.is_set():
+            try:
+                await self._drain(stop)
+                if not stop.is_set():
+                    await self._wait(stop)
+            except Exception:
+                _log.exception("relay failed after position %d; retrying", self.position)
+                await _sleep_unless(stop, self._retry_delay)
+
+    async def load_checkpoint(self) -> int:
+        """The stored checkpoint (0 when the relay has never run)."""
+        position: int | None = await self._store.pool.fetchval(
+            "SELECT position FROM consumer_checkpoints WHERE consumer = $1", self._checkpoint
+        )
+        return position or 0
+
+    async def _drain(self, stop: asyncio.Event) -> None:
+        head = await self._store.head()
+        async for rows in self._store.read_rows(self.position, batch_size=self._window):
+            messages = [outgoing(self._names, row) for row in rows]
+            await self._publish_window(messages)
+            await self._save_checkpoint(messages[-1].position)
+            head = max(head, self.position)
+            RELAY_LAG.set(head - self.position)
+            if stop.is_set():
+                return
+        RELAY_LAG.set(0)
+
+    async def _publish_window(self, messages: Sequence[Outgoing]) -> None:
+        """Write every message, then await all acknowledgements together."""
+        acks: list[asyncio.Future[PubAck]] = []
+        try:
+            for message in messages:
+                acks.append(await self._publish_async(message))
+            async with asyncio.timeout(self._ack_timeout):
+                results = await asyncio.gather(*acks)
+        finally:
+            for ack in acks:
+                ack.cancel()  # no-op once done; releases the client's pending slot if not
+        duplicates = sum(1 for result in results if result.duplicate)
+        self.duplicates += duplicates
+        self.published += len(results) - duplicates
+        self.windows += 1
+
+    async def _publish_async(self, message: Outgoing) -> asyncio.Future[PubAck]:
+        """Hand one message to the connection; returns the future of its ack."""
+        return await self._js.publish_async(
+            message.subject,
+            message.data,
+            stream=self._names.stream,
+            headers={Header.MSG_ID.value: message.event_id},
+        )
+
+    async def _save_checkpoint(self, position: int) -> None:
+        await self._store.pool.execute(_SAVE_CHECKPOINT, self._checkpoint, position)
+        self.position = position
+
+    async def _wait(self, stop: asyncio.Event) -> None:
+        """Until the log moves past the checkpoint, ``stop`` is set, or a poll passes."""
+        waiter = asyncio.ensure_future(self._store.wait_for_new(self.position, self._idle_poll))
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await _cancel(waiter, stopper)
+        if not waiter.cancelled() and waiter.exception() is not None:
+            waiter.result()  # a failed wait (the database is gone): raise it
+
+
+async def _cancel(*tasks: asyncio.Future[Any]) -> None:
+    """Cancel ``tasks`` and wait for them, without swallowing our own cancellation."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks)
+
+
+async def _sleep_unless(stop: asyncio.Event, delay: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay)

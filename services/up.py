@@ -1,0 +1,436 @@
+"""``dracap up``: the whole control plane in one process, on one machine.
+
+One command starts everything the issue's services need, as asyncio tasks in one
+event loop::
+
+    PostgreSQL (event log) ──relay──> JetStream stream ──> reservation workers
+          ^                                           └──> one node agent per node
+          └── claims API + admin API (NATS micro) <── dracap claim / devices
+
+Where the servers come from
+---------------------------
+``DRACAP_DATABASE_URL`` / ``DRACAP_NATS_URL`` when set; each one that is not set is
+started embedded under ``--data-dir`` (:mod:`services.runtime.embedded`), so the command
+works on a machine with nothing running. The data directory keeps PGDATA and the
+JetStream store, so a second ``dracap up`` on it resumes: the relay continues from its
+checkpoint, consumers from theirs, and every claim is still there because the state is
+the fold of the log.
+
+Start-up order
+--------------
+servers -> migrations (``alembic`` to head, under an advisory lock) -> bus stream ->
+:class:`Stack` (relay, live state, claims API, reservation workers, agents) -> the
+example inventory through the admin API (each ResourceSlice only if its devices are not
+listed yet, so a restart does not append it again) -> ``<data-dir>/connection.json`` ->
+the banner, whose last line starts with ``dracap is ready``.
+
+Supervision
+-----------
+Each service runs as a supervised task: if its ``run(stop)`` raises, the error is logged
+with its traceback and the service is started again after a back-off (0.5 s doubling
+to 30 s). Services keep no state that a restart loses (consumers resume from JetStream
+and the processed-message table, the live state re-folds), so one failing consumer
+degrades the stack instead of ending it.
+
+Stopping
+--------
+SIGINT and SIGTERM set one ``stop`` event. Every task's ``run(stop)`` drains and
+returns; the stack waits for them (cancelling stragglers after a grace period), closes
+the NATS connection and the store, and the embedded servers are stopped last
+(nats-server first, then a fast PostgreSQL shutdown). The servers run in their own
+sessions, so the terminal's Ctrl-C reaches dracap only and the order above holds.
+
+:class:`Stack` is also what the integration tests and ``benchmarks/pipeline.py`` start,
+with their own database and subject prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from events import model
+from events.manifests import ManifestError, load_paths
+from events.subjects import BusNames
+from services.claims.command import ApiClient, CommandError, Connection
+from services.runtime import migrating
+from services.runtime.embedded import EmbeddedError, embedded_servers
+from services.runtime.eventstore import EventStore
+from services.runtime.settings import Settings, SettingsError, load_settings
+
+EXIT_OK: Final = 0
+EXIT_ERROR: Final = 1
+EXIT_BAD_INPUT: Final = 2
+STOP_GRACE_S: Final = 10.0
+RESTART_MIN_S: Final = 0.5
+RESTART_MAX_S: Final = 30.0
+READY_LINE: Final = "dracap is ready"
+
+log = logging.getLogger("dracap.up")
+
+
+class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``dracap up`` was asked to run."""
+
+    data_dir: Path = Path(".dracap")
+    inventory: tuple[str, ...] = ("deploy/examples",)
+    agents: str = "auto"  # "auto": every node of the inventory; "": none; else "a,b"
+    workers: int = 2
+    metrics_port: int = 9400  # 0: no metrics server
+    prefix: str = "dracap"
+
+
+# --- inventory -----------------------------------------------------------------------------
+
+
+class Inventory(msgspec.Struct, frozen=True, kw_only=True):
+    """The DRA objects of ``--inventory`` that ``dracap up`` loads through the admin API."""
+
+    classes: list[model.DeviceClass]
+    slices: list[model.ResourceSlice]
+    namespaces: list[model.Namespace]
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted({s.spec.node_name for s in self.slices if s.spec.node_name})
+
+
+def read_inventory(paths: Sequence[str]) -> Inventory:
+    """DeviceClasses, ResourceSlices and Namespaces of ``paths`` (claims are ignored)."""
+    objects = [obj for _, obj in load_paths(paths)] if paths else []
+    return Inventory(
+        classes=[o for o in objects if isinstance(o, model.DeviceClass)],
+        slices=[o for o in objects if isinstance(o, model.ResourceSlice)],
+        namespaces=[o for o in objects if isinstance(o, model.Namespace)],
+    )
+
+
+def _manifest(obj: model.Manifest) -> bytes:
+    return msgspec.json.encode(model.to_builtins(obj))
+
+
+async def load_inventory(api: ApiClient, inventory: Inventory) -> int:
+    """Apply what is missing; returns how many slices were applied (0: already loaded).
+
+    A slice counts as loaded when the admin API lists every one of its devices. Classes
+    and namespace access are applied together with the first missing slice, so a
+    restart on an already loaded data directory appends nothing.
+    """
+    listed = (await api.admin("devices.list"))["devices"]
+    known = {(d["driver"], d["pool"], d["device"]) for d in listed}
+    missing = [
+        s
+        for s in inventory.slices
+        if any((s.spec.driver, s.spec.pool.name, d.name) not in known for d in s.spec.devices or [])
+    ]
+    if not missing and (listed or not inventory.slices):
+        return 0
+    for device_class in inventory.classes:
+        await api.admin("deviceclasses.apply", _manifest(device_class))
+    for namespace in inventory.namespaces:
+        access = {
+            "namespace": namespace.metadata.name,
+            "classes": ["*"],
+            "admin_access": namespace.allows_admin_access,
+        }
+        await api.admin("namespaces.access", access)
+    for resource_slice in missing:
+        await api.admin("slices.apply", _manifest(resource_slice))
+    return len(missing)
+
+
+# --- the stack -----------------------------------------------------------------------------
+
+
+class Stack:
+    """Relay, live state, claims API, reservation workers and agents as asyncio tasks.
+
+    ``async with Stack.running(settings, names, nodes=[...]) as stack:`` starts them and
+    stops them on exit (see the module docstring for the order).
+    """
+
+    def __init__(self, store: EventStore, nc: Any, js: Any, names: BusNames) -> None:
+        self.store = store
+        self.nc = nc
+        self.js = js
+        self.names = names
+        self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.restarts = 0  #: service failures so far (each was logged and restarted)
+
+    def spawn(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``start()`` as a supervised task: restarted with back-off if it fails."""
+        self.tasks.append(asyncio.create_task(self._supervise(name, start), name=name))
+
+    async def _supervise(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        delay = RESTART_MIN_S
+        while not self.stop.is_set():
+            try:
+                await start()
+                return
+            except Exception:
+                self.restarts += 1
+                log.exception("%s failed; restarting it in %.1fs", name, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), delay)
+            delay = min(delay * 2, RESTART_MAX_S)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def running(
+        cls,
+        settings: Settings,
+        names: BusNames,
+        *,
+        nodes: Sequence[str] = (),
+        workers: int = 2,
+    ) -> AsyncIterator[Stack]:
+        from services.runtime.bus import connect_bus, ensure_stream
+
+        store = await EventStore.open(settings)
+        try:
+            nc, js = await connect_bus(settings.nats_url)
+            try:
+                await ensure_stream(js, names)
+                stack = cls(store, nc, js, names)
+                try:
+                    await start_services(stack, nodes=nodes, workers=workers)
+                    yield stack
+                finally:
+                    await stack.shutdown()
+            finally:
+                await _bounded(nc.drain(), "NATS drain")
+        finally:
+            await _bounded(store.close(), "closing the event store")
+
+    async def shutdown(self) -> None:
+        """Set ``stop``, wait for every task, cancel what is left after the grace period."""
+        self.stop.set()
+        if not self.tasks:
+            return
+        _, pending = await asyncio.wait(self.tasks, timeout=STOP_GRACE_S)
+        for task in pending:
+            log.warning("task %s did not stop in time; cancelling it", task.get_name())
+            task.cancel()
+        results = await asyncio.gather(*self.tasks, return_exceptions=True)
+        for task, result in zip(self.tasks, results, strict=True):
+            if isinstance(result, Exception):
+                log.error("task %s failed: %r", task.get_name(), result)
+        self.tasks.clear()
+
+
+async def _bounded(work: Coroutine[Any, Any, object], what: str) -> None:
+    """Await ``work`` for at most :data:`STOP_GRACE_S`: shutdown must never hang."""
+    try:
+        await asyncio.wait_for(work, STOP_GRACE_S)
+    except TimeoutError:
+        log.warning("%s took longer than %.0fs; going on", what, STOP_GRACE_S)
+
+
+async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) -> None:
+    """Start the relay, the live state, the APIs, reservation workers and agents."""
+    from services.claims.api import ClaimsApi
+    from services.enforcement.agent import Agent
+    from services.enforcement.enforcers import NoneEnforcer
+    from services.reservation.service import ReservationService
+    from services.runtime.livestate import LiveState
+    from services.runtime.relaying import Relay
+
+    store, js, names, stop = stack.store, stack.js, stack.names, stack.stop
+    stack.spawn("relay", functools.partial(Relay(store, js, names).run, stop))
+    live = LiveState(store)
+    await live.catch_up()
+    stack.spawn("livestate", functools.partial(live.run, stop))
+    api = ClaimsApi(store, live, stack.nc, names)
+    await api.start()
+    stack.spawn("claims-api", functools.partial(api.run, stop))
+    for i in range(workers):
+        service = ReservationService(store, live, js, names, worker=i)
+        stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
+    for node in nodes:
+        agent = Agent(store, js, names, node=node, enforcer=NoneEnforcer(), live=live)
+        stack.spawn(f"agent-{node}", functools.partial(agent.run, stop))
+
+
+# --- dracap up -----------------------------------------------------------------------------
+
+
+def _nodes(option: str, inventory: Inventory) -> list[str]:
+    if option == "auto":
+        return inventory.nodes
+    return [n.strip() for n in option.split(",") if n.strip()]
+
+
+def write_connection(data_dir: Path, connection: Connection) -> Path:
+    """Write ``connection.json`` atomically (a reader never sees half a file)."""
+    path = data_dir / "connection.json"
+    partial = path.with_suffix(".json.partial")
+    partial.write_bytes(msgspec.json.format(msgspec.json.encode(connection)) + b"\n")
+    os.replace(partial, path)
+    return path
+
+
+def banner(connection: Connection, data_dir: Path, nodes: Sequence[str], metrics: int) -> str:
+    where = "" if data_dir == Path(".dracap") else f" --data-dir {data_dir}"
+    lines = [
+        f"  event log   {connection.database_url}",
+        f"  NATS        {connection.nats_url} (prefix {connection.prefix})",
+        f"  agents      {', '.join(nodes) or 'none'} (NoneEnforcer)",
+        f"  metrics     http://127.0.0.1:{metrics}/metrics" if metrics else "  metrics     off",
+        "",
+        "Try, from another terminal in this directory:",
+        f"  dracap claim apply -f deploy/examples/claims.yaml --wait{where}",
+        f"  dracap claim list -n tenant-a{where}",
+        f"  dracap claim get train-small -n tenant-a -o yaml{where}",
+        f"  dracap claim watch -n tenant-a{where}",
+        f"  dracap claim delete train-small -n tenant-a{where}",
+        f"  dracap devices{where}",
+        "",
+        f"{READY_LINE} (Ctrl-C stops it; `dracap up` again resumes from the log)",
+    ]
+    return "\n".join(lines)
+
+
+@contextlib.asynccontextmanager
+async def _servers(options: UpOptions, settings: Settings) -> AsyncIterator[Settings]:
+    """``settings`` with the URLs of embedded servers for those not set in the environment."""
+    want_pg = not os.environ.get("DRACAP_DATABASE_URL")
+    want_nats = not os.environ.get("DRACAP_NATS_URL")
+    if not (want_pg or want_nats):
+        yield settings
+        return
+    async with embedded_servers(options.data_dir, postgres=want_pg, nats=want_nats) as servers:
+        yield msgspec.structs.replace(
+            settings,
+            database_url=servers.database_url if want_pg else settings.database_url,
+            nats_url=servers.nats_url if want_nats else settings.nats_url,
+        )
+
+
+async def up(options: UpOptions, stop: asyncio.Event) -> int:
+    """Run everything until ``stop`` is set; returns the exit code."""
+    inventory = read_inventory(options.inventory)
+    nodes = _nodes(options.agents, inventory)
+    names = BusNames(prefix=options.prefix)
+    metrics = _start_metrics(options.metrics_port)
+    try:
+        async with _servers(options, load_settings()) as settings:
+            print(
+                f"migrating the event log to {await migrating.upgrade_async(settings)}", flush=True
+            )
+            async with Stack.running(settings, names, nodes=nodes, workers=options.workers):
+                async with ApiClient.connect(settings.nats_url, names.prefix) as api:
+                    applied = await load_inventory(api, inventory)
+                print(
+                    f"inventory: {applied} slice(s) loaded"
+                    if applied
+                    else "inventory: already loaded",
+                    flush=True,
+                )
+                connection = Connection(
+                    database_url=settings.database_url,
+                    nats_url=settings.nats_url,
+                    prefix=names.prefix,
+                )
+                path = write_connection(options.data_dir, connection)
+                print(f"connection written to {path}", flush=True)
+                print(banner(connection, options.data_dir, nodes, options.metrics_port), flush=True)
+                await stop.wait()
+            print("stopping: services drained", flush=True)
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
+    print("stopped", flush=True)
+    return EXIT_OK
+
+
+def _start_metrics(port: int) -> Any:
+    if not port:
+        return None
+    from services.runtime.metrics import start_metrics_server
+
+    server, _ = start_metrics_server(port, addr="127.0.0.1")
+    return server
+
+
+async def _main(options: UpOptions) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        return await up(options, stop)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    options = UpOptions(
+        data_dir=Path(args.data_dir),
+        inventory=tuple(args.inventory or ["deploy/examples"]),
+        agents=args.agents,
+        workers=args.workers,
+        metrics_port=args.metrics_port,
+        prefix=args.prefix,
+    )
+    try:
+        return asyncio.run(_main(options))
+    except (ManifestError, SettingsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (EmbeddedError, CommandError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "up",
+        help="run the whole control plane in one process (embedded servers if needed)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=".dracap",
+        metavar="DIR",
+        help="embedded server data and connection.json (default: .dracap)",
+    )
+    parser.add_argument(
+        "--inventory",
+        action="append",
+        metavar="PATH",
+        help="DeviceClasses, ResourceSlices and Namespaces to load "
+        "(repeatable; default: deploy/examples)",
+    )
+    parser.add_argument(
+        "--agents",
+        default="auto",
+        metavar="auto|NODE,...",
+        help="node agents to run (auto: every node of the inventory)",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="reservation workers (default 2)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        help="Prometheus port on 127.0.0.1 (0: off; default 9400)",
+    )
+    parser.add_argument("--prefix", default="dracap", help=argparse.SUPPRESS)
+    parser.set_defaults(func=run, inventory=None)

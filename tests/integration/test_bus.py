@@ -1,0 +1,392 @@
+"""The bus against real PostgreSQL and nats-server: relay, consumers, dead letters.
+
+Each test has its own database and its own subject prefix (so its own stream), and
+deletes the stream at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, cast
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from events import catalog as c
+from events.subjects import BusNames
+from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.errors import ConflictError
+from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.metrics import REGISTRY
+from services.runtime.relaying import Relay, outgoing
+from services.runtime.settings import Settings
+
+
+class Bus(msgspec.Struct):
+    store: EventStore
+    nc: Client
+    js: JetStreamContext
+    names: BusNames
+
+
+@pytest.fixture
+async def bus(settings: Settings, nats_url: str) -> AsyncIterator[Bus]:
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
+    nc, js = await connect_bus(nats_url)
+    store = await EventStore.open(settings)
+    try:
+        await ensure_stream(js, names)
+        yield Bus(store, nc, js, names)
+    finally:
+        await js.delete_stream(names.stream)
+        await nc.close()
+        await store.close()
+
+
+async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
+    async with asyncio.timeout(within):
+        while not predicate():  # noqa: ASYNC110 (polls counters of the code under test)
+            await asyncio.sleep(0.02)
+
+
+class Running:
+    """A ``run(stop)`` coroutine as a task, stopped (and awaited) on exit."""
+
+    def __init__(self, run: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+        self.stop = asyncio.Event()
+        self._run = run
+
+    async def __aenter__(self) -> asyncio.Task[None]:
+        self.task: asyncio.Task[None] = asyncio.create_task(self._run(self.stop))  # type: ignore[arg-type]
+        return self.task
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop.set()
+        async with asyncio.timeout(10):
+            await asyncio.wait([self.task])
+        if not self.task.cancelled():
+            self.task.result()
+
+
+def access(i: int) -> c.NamespaceAccessSet:
+    return c.NamespaceAccessSet(namespace=f"ns-{i}", classes=["*"])
+
+
+async def append_burst(store: EventStore, count: int, per_append: int = 50) -> None:
+    meta = Metadata(actor="test")
+    burst = uuid.uuid4().hex[:8]
+    for start in range(0, count, per_append):
+        events = [access(i) for i in range(start, min(count, start + per_append))]
+        await store.append_many([Batch(f"burst:{burst}:{start}", 0, events)], meta)
+
+
+async def stream_messages(b: Bus, expected: int) -> list[Msg]:
+    """Every message of the test's stream, in stream order."""
+    info = await b.js.stream_info(b.names.stream)
+    assert info.state.messages == expected
+    config = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=5.0)
+    sub = await b.js.pull_subscribe(b.names.events_subjects, stream=b.names.stream, config=config)
+    messages: list[Msg] = []
+    while len(messages) < expected:
+        messages += await sub.fetch(min(1000, expected - len(messages)), timeout=5)
+    await sub.unsubscribe()
+    return messages
+
+
+async def assert_stream_is_the_log(b: Bus) -> None:
+    log = [env async for env in b.store.read_all()]
+    messages = await stream_messages(b, len(log))
+    assert [m.headers and m.headers["Nats-Msg-Id"] for m in messages] == [e.event_id for e in log]
+    assert [c.decode_envelope(m.data) for m in messages] == log
+    assert [m.subject for m in messages] == [b.names.event_subject(e) for e in log]
+
+
+def relay(b: Bus, window: int = 64, **kwargs: Any) -> Relay:
+    return Relay(b.store, b.js, b.names, window=window, idle_poll=0.2, **kwargs)
+
+
+# --- relay ----------------------------------------------------------------------------------
+
+
+class RecordingJetStream:
+    """Delegates to the real context; records how the relay publishes."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+        self.async_publishes = 0
+        self.max_pending = 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "publish":
+            raise AssertionError("the relay must not await one publish per message")
+        return getattr(self._js, name)
+
+    async def publish_async(self, *args: Any, **kwargs: Any) -> Any:
+        future = await self._js.publish_async(*args, **kwargs)
+        self.async_publishes += 1
+        self.max_pending = max(self.max_pending, self._js.publish_async_pending())
+        return future
+
+
+async def test_relay_publishes_every_event_once_in_order(bus: Bus) -> None:
+    meta = Metadata(actor="test")
+    await append_burst(bus.store, 300)
+    node_events = [c.LimitRemoved(share_id=f"s-{i}", node="ip-1.zone") for i in range(3)]
+    await bus.store.append_many([Batch("node:ip-1.zone", 0, node_events)], meta)
+    recording = RecordingJetStream(bus.js)
+    r = Relay(bus.store, cast(JetStreamContext, recording), bus.names, window=64, idle_poll=0.2)
+    async with Running(r.run):
+        await until(lambda: r.position == 303)
+        await append_burst(bus.store, 40)  # the relay wakes on NOTIFY and goes on
+        await until(lambda: r.position == 343)
+    await assert_stream_is_the_log(bus)
+    assert r.published == 343 and r.duplicates == 0
+    assert await relay(bus).load_checkpoint() == 343
+    # windowed: all 343 went through publish_async, many acks outstanding at once
+    assert recording.async_publishes == 343
+    assert recording.max_pending > 1
+    assert r.windows == 6  # ceil(303 / 64) + 1: one ack round per window, not per message
+
+
+async def test_relay_crash_between_acks_and_checkpoint_duplicates_nothing(bus: Bus) -> None:
+    class Crashing(Relay):
+        async def _save_checkpoint(self, position: int) -> None:
+            if self.windows == 3:  # acks of the third window are in; die before recording
+                raise asyncio.CancelledError
+            await super()._save_checkpoint(position)
+
+    await append_burst(bus.store, 500)
+    first = Crashing(bus.store, bus.js, bus.names, window=50, idle_poll=0.2)
+    with pytest.raises(asyncio.CancelledError):
+        await first.run(asyncio.Event())
+    assert await relay(bus).load_checkpoint() == 100
+    second = relay(bus, window=50)
+    async with Running(second.run):
+        await until(lambda: second.position == 500)
+    assert second.duplicates == 50  # the third window again, recognised by Nats-Msg-Id
+    assert second.published == 350
+    await assert_stream_is_the_log(bus)
+
+
+async def test_relay_killed_in_the_middle_of_a_burst_resumes(bus: Bus) -> None:
+    first = relay(bus, window=32)
+    async with Running(first.run) as task:
+        writer = asyncio.create_task(append_burst(bus.store, 1200, per_append=40))
+        await until(lambda: first.windows >= 3)
+        task.cancel()  # a kill at an arbitrary point, publishes possibly in flight
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await writer
+    second = relay(bus, window=32)
+    async with Running(second.run):
+        await until(lambda: second.position == 1200)
+    await assert_stream_is_the_log(bus)
+
+
+async def test_wire_form_is_the_envelope(bus: Bus) -> None:
+    await append_burst(bus.store, 1)
+    [row] = [row async for rows in bus.store.read_rows() for row in rows]
+    [env] = [e async for e in bus.store.read_all()]
+    fresh = outgoing(bus.names, row)
+    assert c.decode_envelope(fresh.data) == env
+    assert msgspec.json.decode(fresh.data) == msgspec.json.decode(c.encode_event(env))
+
+
+def test_old_schema_rows_are_published_upcast() -> None:
+    import datetime
+
+    v1 = {
+        "type": "reservation.capacity_reserved",
+        **{"namespace": "team-a", "name": "c1", "allocation_version": 1, "request": "gpu"},
+        **{"driver": "d", "pool": "p", "device": "gpu-0", "node": "node-a", "share_id": None},
+        **{"admin_access": False, "consumed": {"memory": "1Gi"}},
+    }
+    when = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    row: tuple[object, ...] = (7, str(uuid.uuid4()), "device:d/p/gpu-0", 1, v1["type"], 1)
+    row += ("team-a", "test", "corr", None, when, msgspec.json.encode(v1))
+    message = outgoing(BusNames(), cast(Any, row))
+    env = c.decode_envelope(message.data)
+    assert env.schema_version == 2 and env.position == 7
+    assert isinstance(env.event, c.CapacityReserved)
+    assert env.event.shared is False and env.event.share_id  # upcast once, not twice
+    assert message.subject == "dracap.ev.reservation.node-a.reservation.capacity_reserved"
+
+
+# --- consumers ------------------------------------------------------------------------------
+
+
+def echo_handler(calls: list[tuple[str, int]]) -> Callable[..., Awaitable[Handled]]:
+    """Appends one LimitRemoved per event to ``echo:<event id>`` (which must be new)."""
+
+    async def handle(ctx: HandlerContext, env: c.Envelope) -> Handled:
+        calls.append((env.event_id, ctx.delivery))
+        assert ctx.connection.is_in_transaction()
+        event = c.LimitRemoved(share_id=env.event_id, node="echo")
+        return Handled([Batch(f"echo:{env.event_id}", 0, [event])])
+
+    return handle
+
+
+def consumer(b: Bus, handler: Any, name: str = "echo", **kwargs: Any) -> Consumer:
+    options: dict[str, Any] = {"backoff": (0.05,), "poll_interval": 0.2, **kwargs}
+    return Consumer(
+        b.store,
+        b.js,
+        b.names,
+        name=name,
+        filter_subject=b.names.category_filter("admin"),
+        handler=handler,
+        **options,
+    )
+
+
+async def echoes(store: EventStore) -> list[c.Envelope]:
+    return [e async for e in store.read_all() if e.stream.startswith("echo:")]
+
+
+def metric(name: str, consumer: str) -> float:
+    return REGISTRY.get_sample_value(name, {"consumer": consumer}) or 0.0
+
+
+async def test_handler_appends_commit_with_the_checkpoint(bus: Bus) -> None:
+    await append_burst(bus.store, 20)
+    sources = [e async for e in bus.store.read_all()]
+    calls: list[tuple[str, int]] = []
+    r, k = relay(bus), consumer(bus, echo_handler(calls))
+    async with Running(r.run), Running(k.run):
+        await until(lambda: k.handled == 20)
+    out = await echoes(bus.store)
+    assert sorted(e.causation_id or "" for e in out) == sorted(e.event_id for e in sources)
+    by_cause = {e.causation_id: e for e in out}
+    for src in sources:
+        assert by_cause[src.event_id].correlation_id == src.correlation_id
+        assert by_cause[src.event_id].actor == "consumer:echo"
+    pool = bus.store.pool
+    assert (
+        await pool.fetchval("SELECT count(*) FROM processed_messages WHERE consumer = 'echo'") == 20
+    )
+    checkpoint = "SELECT position FROM consumer_checkpoints WHERE consumer = 'echo'"
+    assert await pool.fetchval(checkpoint) == sources[-1].position
+    assert calls == [(e.event_id, 1) for e in sources]
+
+
+async def test_a_failed_transaction_leaves_nothing_and_is_retried(bus: Bus) -> None:
+    calls: list[int] = []
+
+    async def handle(ctx: HandlerContext, env: c.Envelope) -> Handled:
+        calls.append(ctx.delivery)
+        stale = 0 if ctx.delivery > 1 else 7  # a stale expected version the first time
+        event = c.LimitRemoved(share_id=env.event_id, node="echo")
+        return Handled([Batch(f"echo:{env.event_id}", stale, [event])])
+
+    await append_burst(bus.store, 1)
+    before = metric("dracap_consumer_redeliveries_total", "retry")
+    r, k = relay(bus), consumer(bus, handle, name="retry")
+    seen: list[tuple[int, int]] = []
+    original = k._handle
+
+    async def spying(env: c.Envelope, delivery: int) -> bool:
+        try:
+            return await original(env, delivery)
+        except ConflictError:
+            pool = bus.store.pool
+            processed = await pool.fetchval("SELECT count(*) FROM processed_messages")
+            checkpoints = await pool.fetchval(
+                "SELECT count(*) FROM consumer_checkpoints WHERE consumer = 'retry'"
+            )
+            seen.append((processed, checkpoints))
+            raise
+
+    k._handle = spying  # type: ignore[method-assign]
+    async with Running(r.run), Running(k.run):
+        await until(lambda: k.handled == 1)
+    assert seen == [(0, 0)]  # the conflicting attempt wrote neither row nor checkpoint
+    assert calls == [1, 2]
+    assert len(await echoes(bus.store)) == 1
+    assert metric("dracap_consumer_redeliveries_total", "retry") == before + 1
+
+
+class LostAck:
+    """A message whose ack is lost: the broker redelivers it (as after a crash)."""
+
+    def __init__(self, msg: Msg) -> None:
+        self._msg = msg
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._msg, name)
+
+    async def ack(self) -> None:
+        await self._msg.nak()
+
+
+async def test_redelivery_and_replay_change_nothing(bus: Bus) -> None:
+    await append_burst(bus.store, 1)
+    calls: list[tuple[str, int]] = []
+    k = consumer(bus, echo_handler(calls), name="redo")
+    r = relay(bus)
+    async with Running(r.run):
+        await until(lambda: r.position == 1)
+        sub = await k.subscribe()
+        [msg] = await sub.fetch(1, timeout=5)
+        await k.process(cast(Msg, LostAck(msg)))  # handled and committed; the ack is lost
+        [again] = await sub.fetch(1, timeout=5)
+        assert again.metadata.num_delivered == 2
+        await k.process(again)
+        await sub.unsubscribe()
+        # a re-publish of the same envelope past JetStream's dedup (another message id)
+        await bus.js.publish(msg.subject, msg.data, headers={"Nats-Msg-Id": "replay"})
+        async with Running(k.run):
+            await until(lambda: k.skipped == 2)
+    assert msg.headers is not None
+    assert calls == [(msg.headers["Nats-Msg-Id"], 1)]
+    assert (k.handled, k.skipped) == (1, 2)
+    assert len(await echoes(bus.store)) == 1
+    assert await bus.store.head() == 2
+
+
+async def test_always_failing_handler_is_dead_lettered(bus: Bus) -> None:
+    calls: list[int] = []
+
+    async def handle(ctx: HandlerContext, env: c.Envelope) -> Handled:
+        calls.append(ctx.delivery)
+        raise RuntimeError("handler bug")
+
+    await append_burst(bus.store, 1)
+    [source] = [e async for e in bus.store.read_all()]
+    before = metric("dracap_dead_letters_total", "doomed")
+    k = consumer(bus, handle, name="doomed", max_deliver=3, backoff=(0.01, 0.02))
+    async with Running(relay(bus).run), Running(k.run):
+        await until(lambda: k.dead_lettered == 1)
+        await asyncio.sleep(0.3)  # terminated: no further delivery comes
+    assert calls == [1, 2, 3]
+    assert metric("dracap_dead_letters_total", "doomed") == before + 1
+    [letter] = await bus.store.read_stream("consumer:doomed")
+    assert letter.event == c.MessageDeadLettered(
+        consumer="doomed",
+        event_id=source.event_id,
+        position=source.position,
+        deliveries=3,
+        reason="RuntimeError: handler bug",
+    )
+    assert letter.causation_id == source.event_id
+    assert letter.correlation_id == source.correlation_id
+
+
+async def test_undecodable_message_is_dead_lettered_at_once(bus: Bus) -> None:
+    k = consumer(bus, echo_handler([]), name="poison")
+    subject = f"{bus.names.prefix}.ev.admin._.admin.namespace_access_set"
+    message_id = str(uuid.uuid4())
+    await bus.js.publish(subject, b"not json", headers={"Nats-Msg-Id": message_id})
+    async with Running(k.run):
+        await until(lambda: k.dead_lettered == 1)
+    [letter] = await bus.store.read_stream("consumer:poison")
+    assert isinstance(letter.event, c.MessageDeadLettered)
+    assert letter.event.event_id == message_id
+    assert letter.event.reason.startswith("undecodable")

@@ -1,0 +1,504 @@
+"""The whole pipeline on real PostgreSQL and nats-server.
+
+Relay, claims API, two reservation workers and a node agent run in-process as asyncio
+tasks under a unique subject prefix; the inventory goes in through the admin API and
+claims through the tenant API, exactly as a CLI would send them. Every test ends with
+``services.replay.verify``: the fold of the log equals the projections and no
+invariant was broken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from events.catalog import claim_stream, encode_event
+from events.fold import ClusterState
+from events.subjects import BusNames
+from services.claims.api import ClaimsApi
+from services.enforcement.agent import Agent
+from services.enforcement.enforcers import NoneEnforcer
+from services.replay.verify import summary, verify
+from services.reservation.service import ReservationService
+from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.consuming import HandlerContext
+from services.runtime.eventstore import EventStore
+from services.runtime.livestate import LiveState
+from services.runtime.relaying import Relay
+from services.runtime.settings import Settings
+
+GPU = "gpu-memory.dracap.io"
+RACE = "race-memory.dracap.io"
+NODE = "node-a"
+RACE_ROUNDS = 200
+
+INVENTORY_CLASSES = f"""
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata: {{name: {GPU}}}
+spec:
+  selectors: [{{cel: {{expression: device.driver == "gpu.dracap.io"}}}}]
+---
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata: {{name: {RACE}}}
+spec:
+  selectors: [{{cel: {{expression: device.driver == "race.dracap.io"}}}}]
+---
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata: {{name: other.dracap.io}}
+spec: {{}}
+"""
+
+
+def _slice(driver: str, name: str, devices: list[str]) -> str:
+    items = "".join(
+        f"""
+    - name: {d}
+      allowMultipleAllocations: true
+      capacity:
+        memory:
+          value: 40Gi
+          requestPolicy: {{default: 5Gi, validRange: {{min: 5Gi, step: 5Gi, max: 40Gi}}}}"""
+        for d in devices
+    )
+    return f"""
+apiVersion: resource.k8s.io/v1
+kind: ResourceSlice
+metadata: {{name: {name}}}
+spec:
+  driver: {driver}
+  nodeName: {NODE}
+  pool: {{name: {name}, generation: 1, resourceSliceCount: 1}}
+  devices:{items}
+"""
+
+
+INVENTORY_SLICES = (
+    _slice("gpu.dracap.io", "node-a-gpu", ["gpu-0", "gpu-1"])
+    + "---"
+    + _slice("race.dracap.io", "node-a-race", ["race-0"])
+)
+
+
+def claim_manifest(
+    name: str,
+    namespace: str | None,
+    memory: str | None = "10Gi",
+    class_name: str = GPU,
+    **exactly: Any,
+) -> bytes:
+    request: dict[str, Any] = {"deviceClassName": class_name, **exactly}
+    if memory is not None:
+        request["capacity"] = {"requests": {"memory": memory}}
+    meta: dict[str, Any] = {"name": name}
+    if namespace is not None:
+        meta["namespace"] = namespace
+    doc = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": meta,
+        "spec": {"devices": {"requests": [{"name": "mem", "exactly": request}]}},
+    }
+    return yaml.safe_dump(doc).encode()
+
+
+class Pipeline:
+    """The running services of one test, and helpers to talk to them."""
+
+    def __init__(self, settings: Settings, nc: Client, js: JetStreamContext, names: BusNames):
+        self.settings = settings
+        self.nc = nc
+        self.js = js
+        self.names = names
+        self.stores: list[EventStore] = []
+        self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.workers: list[ReservationService] = []
+        self.agents: list[Agent] = []
+        self.view: LiveState | None = None
+
+    async def store(self) -> EventStore:
+        store = await EventStore.open(self.settings)
+        self.stores.append(store)
+        return store
+
+    def spawn(self, work: Awaitable[None]) -> None:
+        self.tasks.append(asyncio.ensure_future(work))
+
+    async def start(self) -> None:
+        self.spawn(Relay(await self.store(), self.js, self.names).run(self.stop))
+        api_store = await self.store()
+        api_live = LiveState(api_store)
+        self.api = ClaimsApi(api_store, api_live, self.nc, self.names, tail=True)
+        await self.api.start()
+        self.spawn(self.api.run(self.stop))
+        for i in range(2):
+            store = await self.store()
+            worker = ReservationService(store, LiveState(store), self.js, self.names, worker=i)
+            self.workers.append(worker)
+            self.spawn(worker.run(self.stop))
+        agent_store = await self.store()
+        agent = Agent(agent_store, self.js, self.names, node=NODE, enforcer=NoneEnforcer())
+        self.agents.append(agent)
+        self.spawn(agent.run(self.stop))
+        self.view = LiveState(await self.store())
+
+    async def close(self) -> None:
+        self.stop.set()
+        done, pending = await asyncio.wait(self.tasks, timeout=15)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            failure = None if task.cancelled() else task.exception()
+            if failure is not None:
+                raise failure
+        for store in self.stores:
+            await store.close()
+
+    # -- API calls
+    async def call(self, subject: str, payload: bytes | dict[str, Any]) -> dict[str, Any]:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        reply = await self.nc.request(subject, body, timeout=10)
+        out: dict[str, Any] = json.loads(reply.data)
+        return out
+
+    async def tenant(self, namespace: str, op: str, payload: bytes | dict[str, Any]) -> Any:
+        return await self.call(self.names.api(namespace, op), payload)
+
+    async def admin(self, op: str, payload: bytes | dict[str, Any]) -> dict[str, Any]:
+        reply = await self.call(self.names.admin(op), payload)
+        assert reply["ok"], reply
+        return reply
+
+    # -- waiting on the log
+    async def state(self) -> ClusterState:
+        assert self.view is not None
+        await self.view.catch_up()
+        return self.view.state
+
+    async def until(self, check: Callable[[ClusterState], bool], within: float = 10) -> None:
+        assert self.view is not None
+        deadline = time.monotonic() + within
+        while not check(await self.state()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError("condition not reached in time")
+            await self.view.store.wait_for_new(self.view.state.position, min(left, 0.2))
+
+    async def idle(self, within: float = 10) -> None:
+        """Wait until the relay published everything and every consumer acked it."""
+        deadline = time.monotonic() + within
+        consumers = [c.name for w in self.workers[:1] for c in w.consumers()]
+        consumers += [a.consumer.name for a in self.agents]
+        while time.monotonic() < deadline:
+            head = await self.stores[0].head()
+            info = await self.js.stream_info(self.names.stream)
+            busy = info.state.last_seq < head
+            for name in consumers:
+                ci = await self.js.consumer_info(self.names.stream, name)
+                busy = busy or bool(ci.num_pending or ci.num_ack_pending)
+            if not busy:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the pipeline did not go idle")
+
+
+@pytest.fixture
+async def pipeline(settings: Settings, nats_url: str) -> AsyncIterator[Pipeline]:
+    settings = msgspec.structs.replace(settings, pool_max_size=4)
+    nc, js = await connect_bus(nats_url)
+    names = BusNames(f"t{uuid.uuid4().hex[:12]}")
+    await ensure_stream(js, names)
+    pipe = Pipeline(settings, nc, js, names)
+    try:
+        await pipe.start()
+        await pipe.admin("deviceclasses.apply", INVENTORY_CLASSES.encode())
+        await pipe.admin("slices.apply", INVENTORY_SLICES.encode())
+        for namespace in ("tenant-a", "tenant-b"):
+            access = {"namespace": namespace, "classes": ["*"], "admin_access": False}
+            await pipe.admin("namespaces.access", access)
+        await pipe.admin("namespaces.access", {"namespace": "tenant-c", "classes": [RACE]})
+        yield pipe
+    finally:
+        await pipe.close()
+        with contextlib.suppress(Exception):
+            await js.delete_stream(names.stream)
+        await nc.close()
+
+
+def phase_is(namespace: str, name: str, *phases: str) -> Callable[[ClusterState], bool]:
+    """A condition: the claim exists and is in one of ``phases``."""
+
+    def check(state: ClusterState) -> bool:
+        claim = state.claim(namespace, name)
+        return claim is not None and claim.phase in phases
+
+    return check
+
+
+async def assert_verified(settings: Settings) -> None:
+    report = await verify(settings, from_start=True)
+    assert report.ok, summary(report)
+
+
+# --- the happy path ------------------------------------------------------------------------
+
+
+async def test_claim_becomes_ready_then_releases(pipeline: Pipeline, settings: Settings) -> None:
+    applied = await pipeline.tenant("tenant-a", "apply", claim_manifest("train", "tenant-a"))
+    assert applied["ok"], applied
+    assert applied["claim"]["namespace"] == "tenant-a" and not applied["claim"]["ready"]
+    await pipeline.until(phase_is("tenant-a", "train", "ready"))
+
+    got = await pipeline.tenant("tenant-a", "get", {"name": "train"})
+    claim = got["claim"]
+    assert claim["ready"] and claim["phase"] == "ready" and claim["node"] == NODE
+    (share,) = claim["shares"]
+    assert uuid.UUID(share["share_id"]).version == 4
+    assert share["consumed"] == {"memory": "10Gi"} and share["level"] == "none"
+    assert share["state"] == "ready" and share["device"] == "gpu-0"
+    (result,) = claim["allocation"]["devices"]["results"]
+    assert result["shareID"] == share["share_id"]
+    assert result["consumedCapacity"] == {"memory": "10Gi"}
+
+    listed = await pipeline.tenant("tenant-a", "list", {})
+    assert [c["name"] for c in listed["claims"]] == ["train"]
+    assert (await pipeline.tenant("tenant-b", "list", {}))["claims"] == []
+    devices = (await pipeline.admin("devices.list", {}))["devices"]
+    gpu0 = next(d for d in devices if d["device"] == "gpu-0")
+    assert gpu0["capacity"]["memory"] == {"total": "40Gi", "consumed": "10Gi", "free": "30Gi"}
+    assert gpu0["shares"] == 1 and gpu0["tenants"] == ["tenant-a"]
+
+    deleted = await pipeline.tenant("tenant-a", "delete", {"name": "train"})
+    assert deleted == {"ok": True, "phase": "releasing"}
+    await pipeline.until(phase_is("tenant-a", "train", "released"))
+    devices = (await pipeline.admin("devices.list", {}))["devices"]
+    gpu0 = next(d for d in devices if d["device"] == "gpu-0")
+    assert gpu0["capacity"]["memory"]["consumed"] == "0" and gpu0["shares"] == 0
+    again = await pipeline.tenant("tenant-a", "delete", {"name": "train"})
+    assert again["error"]["code"] == "not_found"
+    await assert_verified(settings)
+
+
+async def test_watch_publishes_changes(pipeline: Pipeline, settings: Settings) -> None:
+    reply = await pipeline.tenant("tenant-b", "watch", {"name": "w1"})
+    assert reply["subject"].endswith(".watch.tenant-b.w1")
+    phases: list[str] = []
+    ready = asyncio.Event()
+
+    async def seen(msg: Any) -> None:
+        view = json.loads(msg.data)
+        phases.append(view["phase"])
+        if view["ready"]:
+            ready.set()
+
+    subscription = await pipeline.nc.subscribe(reply["subject"], cb=seen)
+    try:
+        assert (await pipeline.tenant("tenant-b", "apply", claim_manifest("w1", None)))["ok"]
+        await asyncio.wait_for(ready.wait(), 10)
+    finally:
+        await subscription.unsubscribe()
+    assert phases[-1] == "ready" and "allocated" in phases
+
+
+# --- the race ------------------------------------------------------------------------------
+
+
+async def test_last_capacity_race(pipeline: Pipeline, settings: Settings) -> None:
+    """Two namespaces ask for the last 10Gi at once: one gets it, never both."""
+    filler = claim_manifest("filler", "tenant-a", "30Gi", RACE)
+    assert (await pipeline.tenant("tenant-a", "apply", filler))["ok"]
+    await pipeline.until(phase_is("tenant-a", "filler", "ready"))
+    device = ("race.dracap.io", "node-a-race", "race-0")
+    wins = {"tenant-a": 0, "tenant-b": 0}
+    started = time.monotonic()
+    for k in range(RACE_ROUNDS):
+        a = claim_manifest(f"r{k}", None, "10Gi", RACE)
+        replies = await asyncio.gather(
+            pipeline.tenant("tenant-a", "apply", a), pipeline.tenant("tenant-b", "apply", a)
+        )
+        assert all(r["ok"] for r in replies), replies
+
+        def decided(state: ClusterState, k: int = k) -> bool:
+            phases = {state.claim(ns, f"r{k}").phase for ns in wins}  # type: ignore[union-attr]
+            return "unschedulable" in phases and phases & {"allocated", "ready"} != set()
+
+        await pipeline.until(decided)
+        state = await pipeline.state()
+        dev = state.devices[device]
+        assert dev.consumed_nanos["memory"] <= dev.total["memory"].nanos
+        assert dev.free("memory").canonical() == "0"
+        winner = next(ns for ns in wins if state.claim(ns, f"r{k}").phase != "unschedulable")  # type: ignore[union-attr]
+        loser = next(ns for ns in wins if ns != winner)
+        wins[winner] += 1
+        assert (await pipeline.tenant(loser, "delete", {"name": f"r{k}"}))["phase"] == "withdrawn"
+        assert (await pipeline.tenant(winner, "delete", {"name": f"r{k}"}))["ok"]
+        await pipeline.until(phase_is(winner, f"r{k}", "released"))
+    elapsed = time.monotonic() - started
+    assert sum(wins.values()) == RACE_ROUNDS
+    state = await pipeline.state()
+    assert not pipeline.view.violations  # type: ignore[union-attr]
+    assert state.devices[device].free("memory").canonical() == "10Gi"
+    print(f"{RACE_ROUNDS} race rounds in {elapsed:.1f}s; wins {wins}")
+    await assert_verified(settings)
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+BAD: list[tuple[str, str, bytes, str, str, str]] = [
+    ("malformed-yaml", "tenant-a", b"kind: [oops\n", "invalid", "line 2 column 1", "invalid YAML"),
+    (
+        "unknown-class",
+        "tenant-a",
+        claim_manifest("c1", "tenant-a", class_name="nope.dracap.io"),
+        "rejected",
+        "spec.devices.requests[0].exactly.deviceClassName",
+        "DeviceClass 'nope.dracap.io' does not exist",
+    ),
+    (
+        "above-every-maximum",
+        "tenant-a",
+        claim_manifest("c2", "tenant-a", "64Gi"),
+        "rejected",
+        "spec.devices.requests[0].exactly.capacity.requests[memory]",
+        "must be at most 40Gi",
+    ),
+    (
+        "quantity-does-not-parse",
+        "tenant-a",
+        claim_manifest("c3", "tenant-a", "ten gigs"),
+        "invalid",
+        "spec.devices.requests[0].exactly.capacity.requests[memory]",
+        "quantity 'ten gigs'",
+    ),
+    (
+        "class-not-allowed",
+        "tenant-c",
+        claim_manifest("c4", "tenant-c"),
+        "rejected",
+        "spec.devices.requests[0].exactly.deviceClassName",
+        "may not use DeviceClass",
+    ),
+    (
+        "no-access-record",
+        "tenant-z",
+        claim_manifest("c5", None),
+        "rejected",
+        "spec.devices.requests[0].exactly.deviceClassName",
+        "has no access to any DeviceClass",
+    ),
+    (
+        "another-namespace",
+        "tenant-a",
+        claim_manifest("c6", "tenant-b"),
+        "invalid",
+        "metadata.namespace",
+        "namespace of the request subject",
+    ),
+    (
+        "admin-access",
+        "tenant-a",
+        claim_manifest("c7", "tenant-a", None, adminAccess=True),
+        "rejected",
+        "spec.devices.requests[0].exactly.adminAccess",
+        "adminAccess is not allowed",
+    ),
+]
+
+
+async def test_bad_input_is_refused_with_field_and_rule(
+    pipeline: Pipeline, settings: Settings
+) -> None:
+    for case, namespace, body, code, field, rule in BAD:
+        head = await pipeline.stores[0].head()
+        reply = await pipeline.tenant(namespace, "apply", body)
+        assert not reply["ok"], case
+        error = reply["error"]
+        assert (error["code"], error["field"]) == (code, field), (case, error)
+        assert rule in error["rule"] + error["message"], (case, error)
+        assert field in error["message"], (case, error)
+        new = [e async for e in pipeline.stores[0].read_all(head)]
+        tags = [type(e.event).__name__ for e in new]
+        if code == "rejected":
+            assert tags == ["ClaimSubmitted", "ClaimRejected"], case
+            assert new[0].stream == claim_stream(namespace, new[1].event.name)  # type: ignore[union-attr]
+            got = await pipeline.tenant(namespace, "get", {"name": new[1].event.name})  # type: ignore[union-attr]
+            assert got["claim"]["phase"] == "rejected" and field in got["claim"]["reason"]
+        else:
+            assert tags == [], case
+    # nothing was recorded in the namespace the mismatching manifest named
+    assert (await pipeline.tenant("tenant-b", "get", {"name": "c6"}))["error"]["code"] == (
+        "not_found"
+    )
+    # a live claim's name cannot take another spec
+    assert (await pipeline.tenant("tenant-a", "apply", claim_manifest("x", None)))["ok"]
+    again = await pipeline.tenant("tenant-a", "apply", claim_manifest("x", None))
+    assert again["ok"]  # same spec: a no-op
+    other = await pipeline.tenant("tenant-a", "apply", claim_manifest("x", None, "20Gi"))
+    assert other["error"]["code"] == "conflict" and other["error"]["field"] == "metadata.name"
+    bad_get = await pipeline.tenant("tenant-a", "get", {"nom": "x"})
+    assert bad_get["error"]["code"] == "invalid"
+    await pipeline.idle()
+    await assert_verified(settings)
+
+
+# --- redelivery ----------------------------------------------------------------------------
+
+
+async def test_redelivery_changes_nothing(pipeline: Pipeline, settings: Settings) -> None:
+    """Every message delivered again (bus duplicates and direct handler calls): no change."""
+    for i, ns in enumerate(["tenant-a", "tenant-b", "tenant-a"]):
+        manifest = claim_manifest(f"d{i}", None, "20Gi", RACE)
+        assert (await pipeline.tenant(ns, "apply", manifest))["ok"]
+        if i == 1:
+            await pipeline.until(phase_is("tenant-b", "d1", "ready"))
+    await pipeline.until(phase_is("tenant-a", "d2", "unschedulable"))
+    assert (await pipeline.tenant("tenant-a", "delete", {"name": "d0"}))["ok"]
+    await pipeline.until(phase_is("tenant-a", "d2", "ready"))
+    await pipeline.idle()
+    head = await pipeline.stores[0].head()
+    envelopes = [e async for e in pipeline.stores[0].read_all(0)]
+    tags = {type(e.event).__name__ for e in envelopes}
+    assert {"ClaimAdmitted", "ClaimUnschedulable", "AllocationBound", "LimitApplied"} <= tags
+    assert {"ReleaseRequested", "LimitRemoved", "CapacityReleased"} <= tags
+
+    # 1. the bus delivers every event again (a new message id defeats JetStream's dedup)
+    for env in envelopes:
+        subject = pipeline.names.event_subject(env)
+        await pipeline.js.publish(
+            subject, encode_event(env), headers={"Nats-Msg-Id": f"again-{env.event_id}"}
+        )
+    await pipeline.idle()
+    assert await pipeline.stores[0].head() == head
+
+    # 2. the handlers themselves, called again without the idempotency record
+    store = pipeline.stores[0]
+    handlers = [w.handle for w in pipeline.workers] + [a.handle for a in pipeline.agents]
+    for env in envelopes:
+        for handle in handlers:
+            async with store.pool.acquire() as connection:
+                transaction = connection.transaction()
+                await transaction.start()
+                try:
+                    ctx = HandlerContext(connection, store, "redelivery-test", 2)
+                    handled = await handle(ctx, env)
+                    assert handled.batches == [], (type(env.event).__name__, handled)
+                    moved = await connection.fetchval("SELECT position FROM event_log_head")
+                    assert moved == head, type(env.event).__name__
+                finally:
+                    await transaction.rollback()
+    assert await store.head() == head
+    await assert_verified(settings)

@@ -1,0 +1,390 @@
+"""Admission rules: one named table row per rule, plus what gets recorded."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from events import catalog as c
+from events.fold import ClusterState, fold
+from events.manifests import load_documents
+from events.model import DeviceClass, ResourceClaim, ResourceSlice
+from services.claims.admission import (
+    MAX_MANIFEST_BYTES,
+    DeviceLimits,
+    admit,
+    decide_apply,
+    read_claim,
+)
+from services.reservation.deriving import build_inventory
+
+CLASS = "gpu-memory.dracap.io"
+INVENTORY = f"""
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata: {{name: {CLASS}}}
+spec:
+  selectors:
+    - cel: {{expression: device.driver == "gpu.dracap.io"}}
+---
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata: {{name: other.dracap.io}}
+spec: {{}}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceSlice
+metadata: {{name: node-a-gpu}}
+spec:
+  driver: gpu.dracap.io
+  nodeName: node-a
+  pool: {{name: node-a, generation: 1, resourceSliceCount: 1}}
+  devices:
+    - name: gpu-0
+      allowMultipleAllocations: true
+      capacity:
+        memory:
+          value: 40Gi
+          requestPolicy: {{default: 5Gi, validRange: {{min: 5Gi, step: 5Gi, max: 40Gi}}}}
+    - name: gpu-1
+      allowMultipleAllocations: true
+      capacity:
+        memory:
+          value: 80Gi
+          requestPolicy: {{default: 5Gi, validRange: {{min: 5Gi, step: 5Gi, max: 60Gi}}}}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceSlice
+metadata: {{name: node-a-nic}}
+spec:
+  driver: nic.dracap.io
+  nodeName: node-a
+  pool: {{name: node-a-nic, generation: 1, resourceSliceCount: 1}}
+  devices:
+    - name: nic-0
+      allowMultipleAllocations: true
+      capacity:
+        memory: {{value: 500Gi}}
+"""
+
+
+def _state() -> ClusterState:
+    events: list[c.Event] = []
+    for obj in load_documents(INVENTORY, "inventory"):
+        if isinstance(obj, DeviceClass):
+            events.append(c.DeviceClassApplied(device_class=obj, rollout="immediate"))
+        elif isinstance(obj, ResourceSlice):
+            events.append(c.ResourceSlicePublished(slice=obj))
+    events.append(c.NamespaceAccessSet(namespace="tenant-a", classes=[CLASS]))
+    events.append(c.NamespaceAccessSet(namespace="ops", classes=["*"], admin_access=True))
+    envelopes = [
+        c.new_envelope(e, stream_version=1, actor="test", position=i + 1)
+        for i, e in enumerate(events)
+    ]
+    return fold(envelopes)
+
+
+STATE = _state()
+
+
+def manifest(
+    *,
+    name: str = "train",
+    namespace: str | None = "tenant-a",
+    class_name: str = CLASS,
+    memory: str | None = "10Gi",
+    admin: bool | None = None,
+) -> dict[str, Any]:
+    exactly: dict[str, Any] = {"deviceClassName": class_name}
+    if memory is not None:
+        exactly["capacity"] = {"requests": {"memory": memory}}
+    if admin is not None:
+        exactly["adminAccess"] = admin
+    meta: dict[str, Any] = {"name": name}
+    if namespace is not None:
+        meta["namespace"] = namespace
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": meta,
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
+    }
+
+
+def as_yaml(doc: dict[str, Any]) -> bytes:
+    return yaml.safe_dump(doc).encode()
+
+
+REQ = "spec.devices.requests[0].exactly"
+
+# (id, namespace, body, code, kind, field, substring of the rule, recorded?)
+CASES: list[tuple[str, str, bytes, str, str, str | None, str, bool]] = [
+    (
+        "malformed-yaml",
+        "tenant-a",
+        b"apiVersion: [unclosed\n",
+        "invalid",
+        "parse",
+        "line 2 column 1",
+        "invalid YAML",
+        False,
+    ),
+    (
+        "not-json-object",
+        "tenant-a",
+        b'["a"]',
+        "invalid",
+        "parse",
+        "<root>",
+        "must be an object",
+        False,
+    ),
+    (
+        "two-documents",
+        "tenant-a",
+        as_yaml(manifest()) + b"---\n" + as_yaml(manifest(name="x")),
+        "invalid",
+        "parse",
+        None,
+        "exactly one ResourceClaim",
+        False,
+    ),
+    (
+        "wrong-kind",
+        "tenant-a",
+        INVENTORY.split("---")[1].encode(),
+        "invalid",
+        "parse",
+        "kind",
+        "must be ResourceClaim",
+        False,
+    ),
+    (
+        "quantity-does-not-parse",
+        "tenant-a",
+        as_yaml(manifest(memory="10 GiB")),
+        "invalid",
+        "parse",
+        f"{REQ}.capacity.requests[memory]",
+        "quantity",
+        False,
+    ),
+    (
+        "namespace-mismatch",
+        "tenant-a",
+        as_yaml(manifest(namespace="tenant-b")),
+        "invalid",
+        "namespace",
+        "metadata.namespace",
+        "namespace of the request subject",
+        False,
+    ),
+    (
+        "bad-name",
+        "tenant-a",
+        as_yaml(manifest(name="Not_A_Name")),
+        "invalid",
+        "name",
+        "metadata.name",
+        "DNS subdomain",
+        False,
+    ),
+    (
+        "too-large",
+        "tenant-a",
+        b"#" * (MAX_MANIFEST_BYTES + 1),
+        "invalid",
+        "size",
+        None,
+        "at most",
+        False,
+    ),
+    (
+        "api-validation",
+        "tenant-a",
+        as_yaml(manifest(memory="-1Gi")),
+        "invalid",
+        "validation",
+        f"{REQ}.capacity.requests[memory]",
+        "must not be negative",
+        True,
+    ),
+    (
+        "unknown-class",
+        "tenant-a",
+        as_yaml(manifest(class_name="nope.dracap.io")),
+        "rejected",
+        "unknown-class",
+        f"{REQ}.deviceClassName",
+        "does not exist",
+        True,
+    ),
+    (
+        "class-not-allowed",
+        "tenant-a",
+        as_yaml(manifest(class_name="other.dracap.io", memory=None)),
+        "rejected",
+        "class-access",
+        f"{REQ}.deviceClassName",
+        "may not use DeviceClass 'other.dracap.io'",
+        True,
+    ),
+    (
+        "namespace-without-access-record",
+        "tenant-z",
+        as_yaml(manifest(namespace=None)),
+        "rejected",
+        "class-access",
+        f"{REQ}.deviceClassName",
+        "has no access to any DeviceClass",
+        True,
+    ),
+    (
+        "admin-access-not-allowed",
+        "tenant-a",
+        as_yaml(manifest(admin=True, memory=None)),
+        "rejected",
+        "admin-access",
+        f"{REQ}.adminAccess",
+        "adminAccess is not allowed",
+        True,
+    ),
+    (
+        "above-every-device-maximum",
+        "tenant-a",
+        as_yaml(manifest(memory="64Gi")),
+        "rejected",
+        "above-maximum",
+        f"{REQ}.capacity.requests[memory]",
+        "must be at most 60Gi",
+        True,
+    ),
+    (
+        "status-set-by-tenant",
+        "tenant-a",
+        as_yaml({**manifest(), "status": {"reservedFor": []}}),
+        "invalid",
+        "status",
+        "status",
+        "dracap writes it",
+        True,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("namespace", "body", "code", "kind", "field", "rule", "recorded"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_refusals(
+    namespace: str,
+    body: bytes,
+    code: str,
+    kind: str,
+    field: str | None,
+    rule: str,
+    recorded: bool,
+) -> None:
+    decision = decide_apply(STATE, namespace, body)
+    refusal = decision.refusal
+    assert refusal is not None
+    assert (refusal.code, refusal.kind, refusal.field) == (code, kind, field)
+    assert rule in (refusal.rule or "")
+    assert (refusal.field or "") in refusal.message
+    if recorded:
+        submitted, rejected = decision.events
+        assert isinstance(submitted, c.ClaimSubmitted)
+        assert isinstance(rejected, c.ClaimRejected)
+        assert submitted.claim.metadata.namespace == namespace
+        assert rejected.field == field
+        assert rule in rejected.rule
+    else:
+        assert decision.events == ()
+
+
+@pytest.mark.parametrize(
+    ("namespace", "doc"),
+    [
+        ("tenant-a", manifest()),
+        ("tenant-a", manifest(namespace=None)),  # namespace taken from the subject
+        ("tenant-a", manifest(memory="1Gi")),  # below min: rounded up, not an error
+        ("tenant-a", manifest(memory="60Gi")),  # exactly the largest maximum
+        ("tenant-a", manifest(memory=None)),  # no capacity request: the policy default
+        ("ops", manifest(namespace="ops", admin=True, memory=None)),
+        ("ops", manifest(namespace="ops", class_name="other.dracap.io", memory=None)),
+    ],
+    ids=["plain", "namespace-from-subject", "below-min", "at-max", "default", "admin", "star"],
+)
+def test_admitted(namespace: str, doc: dict[str, Any]) -> None:
+    decision = decide_apply(STATE, namespace, json.dumps(doc).encode())
+    assert decision.refusal is None
+    submitted, admitted = decision.events
+    assert isinstance(submitted, c.ClaimSubmitted)
+    assert submitted.claim.metadata.namespace == namespace
+    assert admitted == c.ClaimAdmitted(namespace=namespace, name=doc["metadata"]["name"])
+
+
+def _with_claim(phase_events: list[c.Event]) -> ClusterState:
+    state = _state()
+    claim = read_claim(as_yaml(manifest()), "tenant-a")
+    assert isinstance(claim, ResourceClaim)
+    events: list[c.Event] = [c.ClaimSubmitted(claim=claim), *phase_events]
+    for i, event in enumerate(events):
+        fold([c.new_envelope(event, stream_version=1, actor="t", position=100 + i)], state)
+    return state
+
+
+def test_live_claim_name_conflicts_unless_identical() -> None:
+    state = _with_claim([c.ClaimAdmitted(namespace="tenant-a", name="train")])
+    same = decide_apply(state, "tenant-a", as_yaml(manifest()))
+    assert same.unchanged and same.refusal is None and same.events == ()
+    other = decide_apply(state, "tenant-a", as_yaml(manifest(memory="20Gi")))
+    assert other.refusal is not None and other.refusal.code == "conflict"
+    assert other.refusal.field == "metadata.name" and other.events == ()
+
+
+@pytest.mark.parametrize("terminal", ["rejected", "withdrawn"])
+def test_terminal_claim_name_can_be_reused(terminal: str) -> None:
+    ending: c.Event = (
+        c.ClaimRejected(namespace="tenant-a", name="train", field="f", rule="r", reason="x")
+        if terminal == "rejected"
+        else c.ClaimWithdrawn(namespace="tenant-a", name="train")
+    )
+    state = _with_claim([ending])
+    decision = decide_apply(state, "tenant-a", as_yaml(manifest(memory="20Gi")))
+    assert decision.refusal is None
+    assert isinstance(decision.events[1], c.ClaimAdmitted)
+
+
+def test_first_available_rejected_only_when_every_alternative_is_above_maximum() -> None:
+    doc = manifest()
+    alternatives = [
+        {"name": "big", "deviceClassName": CLASS, "capacity": {"requests": {"memory": "70Gi"}}},
+        {"name": "small", "deviceClassName": CLASS, "capacity": {"requests": {"memory": "5Gi"}}},
+    ]
+    doc["spec"]["devices"]["requests"] = [{"name": "gpu", "firstAvailable": alternatives}]
+    assert decide_apply(STATE, "tenant-a", as_yaml(doc)).refusal is None
+    alternatives[1]["capacity"] = {"requests": {"memory": "65Gi"}}
+    refusal = decide_apply(STATE, "tenant-a", as_yaml(doc)).refusal
+    assert refusal is not None and refusal.kind == "above-maximum"
+    assert refusal.field == "spec.devices.requests[0].firstAvailable[0].capacity.requests[memory]"
+
+
+def test_device_limits_follow_the_class_selector() -> None:
+    limits = DeviceLimits(build_inventory(STATE))
+    largest = limits.largest(CLASS, "memory")
+    assert largest is not None
+    assert str(largest[0]) == "60Gi" and largest[1] == "gpu.dracap.io/node-a/gpu-1"
+    assert limits.largest(CLASS, "bandwidth") is None
+
+
+def test_admit_returns_the_event() -> None:
+    claim = read_claim(as_yaml(manifest(memory="64Gi")), "tenant-a")
+    assert isinstance(claim, ResourceClaim)
+    verdict = admit(STATE, "tenant-a", claim)
+    assert isinstance(verdict, c.ClaimRejected)
+    assert "60Gi" in verdict.reason and verdict.field.endswith("requests[memory]")
