@@ -8,7 +8,7 @@ the end unless ``--keep``). It measures, on the same server and connection setti
 * dracap single-event ``append`` calls/s and batched ``append`` events/s (validation,
   head lock, version check, insert, projections, notify — the whole path);
 * a raw keyset read of every row (no decoding) rows/s, and dracap replay events/s
-  (the same read + ``decode_stored`` + ``events.fold.apply_event``, as ``replay verify``).
+  (the same read + ``services.replay.verify.fold_rows``, as ``replay verify``).
 
 The replay log (``--events``, default 1,000,000) is a valid history — slices, then
 claim lifecycles submitted -> admitted -> reserved -> bound -> ready -> released — made

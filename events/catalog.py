@@ -106,6 +106,7 @@ __all__ = [
     "ShareMarkedUnknown",
     "claim_stream",
     "class_stream",
+    "current_decoders",
     "decode_command_envelope",
     "decode_envelope",
     "decode_event",
@@ -714,6 +715,16 @@ def decode_stored(payload: bytes | str, type_tag: str, schema_version: int) -> E
         raise CatalogError(f"event {type_tag!r}: payload is tagged {raw.get('type')!r}")
     result: Event = _convert(_upcast(raw, type_tag, schema_version), cls, type_tag)
     return result
+
+
+def current_decoders() -> dict[str, tuple[int, Callable[[bytes | str], Event]]]:
+    """``tag -> (current schema version, decode)``, for hot replay loops.
+
+    ``decode`` is the tolerant decoder :func:`decode_stored` uses for a payload stored
+    at the current schema version. It raises msgspec's own errors; a caller that gets
+    one should call :func:`decode_stored` for the :class:`CatalogError` it raises.
+    """
+    return {tag: (SCHEMA_VERSIONS[tag], decoder.decode) for tag, decoder in _EVENT_DECODERS.items()}
 
 
 def decode_envelope(data: bytes | str) -> Envelope:

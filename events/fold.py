@@ -135,6 +135,7 @@ __all__ = [
     "snapshot_decode",
     "snapshot_encode",
     "state_digest",
+    "step_of",
     "to_builtins",
 ]
 
@@ -352,6 +353,19 @@ def apply_event(state: ClusterState, event: Event, position: int) -> ClusterStat
     return state
 
 
+Step: TypeAlias = Callable[[ClusterState, Any, int], None]
+
+
+def step_of(cls: type) -> Step:
+    """The step :func:`apply_event` runs for events of class ``cls``.
+
+    For replay loops that dispatch themselves: a step raises
+    :class:`InvariantViolation` before changing anything, but it neither checks nor
+    advances ``state.position`` — the caller does both, exactly as :func:`apply_event`.
+    """
+    return _STEPS[cls]
+
+
 # --- reservation and release --------------------------------------------------------------
 
 
@@ -387,7 +401,8 @@ def policy_violation(policy: CapacityRequestPolicy, consumed: Quantity) -> str |
 
 def _reserve(state: ClusterState, ev: CapacityReserved, position: int) -> None:
     share_id = ev.share_id
-    if share_id in state.shares:
+    shares = state.shares
+    if share_id in shares:
         raise InvariantViolation(position, "identity", f"share {share_id} reserved twice")
     key = (ev.driver, ev.pool, ev.device)
     dev = state.devices.get(key)
@@ -395,50 +410,59 @@ def _reserve(state: ClusterState, ev: CapacityReserved, position: int) -> None:
         raise InvariantViolation(position, "capacity", f"device {'/'.join(key)} is not published")
     claim_key = (ev.namespace, ev.name)
     claim = state.claims.get(claim_key)
-    if claim is not None and ev.allocation_version < claim.allocation_version:
+    allocation_version = ev.allocation_version
+    if claim is not None and allocation_version < claim.allocation_version:
         raise InvariantViolation(
             position,
             "identity",
-            f"share {share_id}: allocation version {ev.allocation_version} is older than "
+            f"share {share_id}: allocation version {allocation_version} is older than "
             f"claim's {claim.allocation_version}",
         )
     version = ev.policy_version
+    shared = ev.shared
     if not ev.admin_access:
-        _check_exclusive(dev, ev, claim_key, position)
+        if (
+            shared != dev.allow_multiple_allocations
+            or dev.exclusive_holder is not None
+            or (not shared and dev.live_shared)
+        ):
+            _check_exclusive(dev, ev, claim_key, position)  # raises: the message is built there
         version = _check_consumption(dev, ev, position)
         consumed_nanos = dev.consumed_nanos
         for name, q in ev.consumed.items():
             consumed_nanos[name] = consumed_nanos.get(name, 0) + q.nanos
-        if ev.shared:
+        if shared:
             dev.live_shared += 1
         else:
             dev.exclusive_holder = claim_key
             dev.exclusive_share = share_id
     elif version == POLICY_VERSION_UNRECORDED:
         version = dev.policy_version
-    state.shares[share_id] = ShareState(
+    node = ev.node
+    shares[share_id] = ShareState(
         share_id=share_id,
         state="reserved",
         claim=claim_key,
         request=ev.request,
-        allocation_version=ev.allocation_version,
+        allocation_version=allocation_version,
         driver=ev.driver,
         pool=ev.pool,
         device=ev.device,
-        node=ev.node,
-        shared=ev.shared,
+        node=node,
+        shared=shared,
         admin_access=ev.admin_access,
         consumed=ev.consumed,
         policy_version=version,
         reserved_at=position,
     )
-    if ev.node is not None:
-        _node(state, ev.node).live_shares.add(share_id)
+    if node is not None:
+        _node(state, node).live_shares.add(share_id)
     if claim is not None:
-        if ev.allocation_version != claim.allocation_version:
-            claim.allocation_version = ev.allocation_version
-            claim.share_ids = []
-        claim.share_ids.append(share_id)
+        if allocation_version != claim.allocation_version:
+            claim.allocation_version = allocation_version
+            claim.share_ids = [share_id]
+        else:
+            claim.share_ids.append(share_id)
 
 
 def _check_exclusive(
@@ -470,33 +494,37 @@ def _check_exclusive(
 def _check_consumption(dev: DeviceState, ev: CapacityReserved, position: int) -> int:
     """Check policy and capacity of a reservation; return its resolved policy version."""
     version = ev.policy_version
+    device_version = dev.policy_version
     if version == POLICY_VERSION_UNRECORDED:
-        version = dev.policy_version
-    elif version > dev.policy_version:
+        version = device_version
+    elif version > device_version:
         raise InvariantViolation(
             position,
             "policy",
             f"share {ev.share_id}: policy version {version} is newer than the device's "
-            f"{dev.policy_version}",
+            f"{device_version}",
         )
-    current = version == dev.policy_version
+    current = version == device_version
+    totals = dev.total
+    policies = dev.policies
+    consumed_nanos = dev.consumed_nanos
     for name, q in ev.consumed.items():
-        total = dev.total.get(name)
+        total = totals.get(name)
         if total is None:
             raise InvariantViolation(
                 position,
                 "capacity",
                 f"device {ev.driver}/{ev.pool}/{ev.device} has no capacity {name!r}",
             )
-        policy = dev.policies.get(name) if current else dev.policy_at(name, version)
+        policy = policies.get(name) if current else dev.policy_at(name, version)
         if policy is not None:
             why = policy_violation(policy, q)
             if why is not None:
                 raise InvariantViolation(
                     position, "policy", f"share {ev.share_id}: {name}: {why} (v{version})"
                 )
-        if dev.consumed_nanos.get(name, 0) + q.nanos > total.nanos:
-            used = Quantity(dev.consumed_nanos.get(name, 0), total.format).canonical()
+        if consumed_nanos.get(name, 0) + q.nanos > total.nanos:
+            used = Quantity(consumed_nanos.get(name, 0), total.format).canonical()
             raise InvariantViolation(
                 position,
                 "capacity",
@@ -517,22 +545,24 @@ def _release(state: ClusterState, ev: CapacityReleased, position: int) -> None:
             f"share {ev.share_id} belongs to allocation {share.allocation_version}, "
             f"release names {ev.allocation_version}",
         )
-    if share.driver != ev.driver or share.pool != ev.pool or share.device != ev.device:
+    if share.device != ev.device or share.pool != ev.pool or share.driver != ev.driver:
         raise InvariantViolation(
             position,
             "identity",
             f"share {ev.share_id} is on {share.driver}/{share.pool}/{share.device}, "
             f"release names {ev.driver}/{ev.pool}/{ev.device}",
         )
-    if share.state == "released":
+    status = share.state
+    if status == "released":
         return  # idempotent: this allocation version was already released
-    if share.state == "unknown":
+    if status == "unknown":
         raise InvariantViolation(
             position,
             "fencing",
             f"share {ev.share_id} is unknown; it keeps its capacity until fenced or confirmed",
         )
-    if ev.consumed and ev.consumed != share.consumed:
+    consumed = ev.consumed
+    if consumed and consumed != share.consumed:
         raise InvariantViolation(
             position, "identity", f"share {ev.share_id}: released amounts differ from reserved"
         )
@@ -542,7 +572,7 @@ def _release(state: ClusterState, ev: CapacityReleased, position: int) -> None:
         claim is not None
         and claim.allocation_version == share.allocation_version
         and claim.phase != "failed"
-        and _all_released(state, claim)
+        and _all_released(state.shares, claim.share_ids)
     ):
         claim.phase = "released"
 
@@ -567,9 +597,13 @@ def _free(state: ClusterState, share: ShareState, position: int) -> None:
             node.live_shares.discard(share.share_id)
 
 
-def _all_released(state: ClusterState, claim: ClaimState) -> bool:
-    shares = state.shares
-    return all(shares[s].state == "released" for s in claim.share_ids if s in shares)
+def _all_released(shares: dict[str, ShareState], share_ids: list[str]) -> bool:
+    """Whether every known share of ``share_ids`` is released."""
+    for sid in share_ids:
+        share = shares.get(sid)
+        if share is not None and share.state != "released":
+            return False
+    return True
 
 
 # --- binding and readiness ----------------------------------------------------------------
@@ -582,46 +616,62 @@ def _share_for(state: ClusterState, share_id: str, position: int) -> ShareState:
     return share
 
 
+_BINDABLE: Final = frozenset({"reserved", "bound", "ready"})
+
+
 def _bind(state: ClusterState, ev: AllocationBound, position: int) -> None:
-    key = (ev.namespace, ev.name)
-    shares = [_share_for(state, sid, position) for sid in ev.share_ids]
+    namespace, name, allocation_version = ev.namespace, ev.name, ev.allocation_version
+    key = (namespace, name)
+    known = state.shares
+    share_ids = ev.share_ids
+    shares: list[ShareState] = []
+    for sid in share_ids:
+        share = known.get(sid)
+        if share is None:
+            raise InvariantViolation(position, "identity", f"unknown share {sid}")
+        shares.append(share)
     for share in shares:
-        if share.claim != key or share.allocation_version != ev.allocation_version:
+        if share.claim != key or share.allocation_version != allocation_version:
             raise InvariantViolation(
                 position,
                 "identity",
                 f"share {share.share_id} belongs to {'/'.join(share.claim)} allocation "
                 f"{share.allocation_version}, not {'/'.join(key)} allocation "
-                f"{ev.allocation_version}",
+                f"{allocation_version}",
             )
-        if share.state not in ("reserved", "bound", "ready"):
+        if share.state not in _BINDABLE:
             raise InvariantViolation(
                 position, "identity", f"share {share.share_id} is {share.state}, cannot bind"
             )
-    claim = _claim_record(state, ev.namespace, ev.name)
+    claim = state.claims.get(key)
+    if claim is None:
+        claim = state.claims[key] = ClaimState(namespace=namespace, name=name, phase="allocated")
     for share in shares:
         if share.state == "reserved":
             share.state = "bound"
-    claim.phase = "allocated"
-    claim.allocation_version = ev.allocation_version
+    claim.allocation_version = allocation_version
     claim.allocation = ev.allocation
     claim.node = ev.node
-    claim.share_ids = list(ev.share_ids)
+    claim.share_ids = list(share_ids)
     claim.reason = None
-    _maybe_ready(state, claim)
+    claim.phase = "ready" if shares and _all_ready(shares) else "allocated"
 
 
 def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None:
-    share = _share_for(state, ev.share_id, position)
-    if share.state not in ("reserved", "bound"):
+    share = state.shares.get(ev.share_id)
+    if share is None:
+        raise InvariantViolation(position, "identity", f"unknown share {ev.share_id}")
+    status = share.state
+    if status != "reserved" and status != "bound":
         raise InvariantViolation(
-            position, "readiness", f"limit applied to share {ev.share_id} in state {share.state}"
+            position, "readiness", f"limit applied to share {ev.share_id} in state {status}"
         )
-    if share.node is not None and share.node != ev.node:
+    node = share.node
+    if node is not None and node != ev.node:
         raise InvariantViolation(
             position,
             "readiness",
-            f"share {ev.share_id} is on node {share.node}, limit reported by {ev.node}",
+            f"share {ev.share_id} is on node {node}, limit reported by {ev.node}",
         )
     share.state = "ready"
     share.limit_level = ev.level
@@ -635,10 +685,23 @@ def _maybe_ready(state: ClusterState, claim: ClaimState) -> None:
     """Make an allocated claim ready when every share that needs a limit has one."""
     if claim.phase != "allocated" or not claim.share_ids:
         return
-    shares = [state.shares[s] for s in claim.share_ids]
-    required = [s for s in shares if not s.admin_access] or shares
-    if all(s.state == "ready" for s in required):
+    shares = state.shares
+    if _all_ready([shares[s] for s in claim.share_ids]):
         claim.phase = "ready"
+
+
+def _all_ready(shares: list[ShareState]) -> bool:
+    """Whether every non-admin share (every share, if all are admin) is ready."""
+    regular = False
+    admin_ready = True
+    for share in shares:
+        if not share.admin_access:
+            if share.state != "ready":
+                return False
+            regular = True
+        elif share.state != "ready":
+            admin_ready = False
+    return regular or admin_ready
 
 
 def _limit_failed(state: ClusterState, ev: LimitFailed, position: int) -> None:
@@ -658,15 +721,22 @@ def _release_requested(state: ClusterState, ev: ReleaseRequested) -> None:
     claim = state.claims.get((ev.namespace, ev.name))
     if claim is None or claim.allocation_version != ev.allocation_version:
         return  # stale or unknown: nothing of that allocation to release
-    if claim.phase in ("releasing", "released"):
+    phase = claim.phase
+    if phase == "releasing" or phase == "released":
         return
-    claim.phase = "releasing"
+    released = True  # whether every known share of the allocation is released
+    shares = state.shares
     for sid in claim.share_ids:
-        share = state.shares.get(sid)
-        if share is not None and share.state in ("reserved", "bound", "ready"):
+        share = shares.get(sid)
+        if share is None:
+            continue
+        status = share.state
+        if status == "reserved" or status == "bound" or status == "ready":
             share.state = "releasing"
-    if _all_released(state, claim):
-        claim.phase = "released"
+            released = False
+        elif status != "released":
+            released = False
+    claim.phase = "released" if released else "releasing"
 
 
 # --- claims -------------------------------------------------------------------------------
@@ -730,7 +800,7 @@ def _fenced(state: ClusterState, ev: NodeFenced, position: int) -> None:
         claim = state.claims.get(key)
         if claim is None or claim.phase in ("released", "failed"):
             continue
-        if claim.phase == "releasing" and _all_released(state, claim):
+        if claim.phase == "releasing" and _all_released(state.shares, claim.share_ids):
             claim.phase = "released"
         elif claim.phase != "releasing":
             claim.phase = "failed"
@@ -972,7 +1042,12 @@ def _limit_removed(state: ClusterState, ev: LimitRemoved, position: int) -> None
 
 
 def _claim_admitted(state: ClusterState, ev: ClaimAdmitted, position: int) -> None:
-    _claim_record(state, ev.namespace, ev.name).phase = "admitted"
+    key = (ev.namespace, ev.name)
+    claim = state.claims.get(key)
+    if claim is None:
+        state.claims[key] = ClaimState(namespace=ev.namespace, name=ev.name, phase="admitted")
+    else:
+        claim.phase = "admitted"
 
 
 def _claim_rejected(state: ClusterState, ev: ClaimRejected, position: int) -> None:
@@ -1018,7 +1093,7 @@ def _dead_lettered(state: ClusterState, ev: MessageDeadLettered, position: int) 
     state.dead_letters += 1
 
 
-_STEPS: Final[dict[type, Callable[[ClusterState, Any, int], None]]] = {
+_STEPS: Final[dict[type, Step]] = {
     CapacityReserved: _reserve,
     CapacityReleased: _release,
     AllocationBound: _bind,

@@ -40,8 +40,9 @@ that ``numeric`` columns compare exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from decimal import Decimal
-from typing import TypeAlias
+from typing import Any, Final, TypeAlias
 
 import msgspec
 
@@ -57,6 +58,8 @@ from events.catalog import (
     Event,
     LimitApplied,
     LimitFailed,
+    LimitRemoved,
+    MessageDeadLettered,
     NodeFenced,
     NodeLeaseExpired,
     ReleaseRequested,
@@ -382,3 +385,37 @@ def projection_changes(event: Event) -> list[Change]:
 def changes_of(event: Event) -> list[Change]:
     """Every row change of ``event``: ledger first, then projections."""
     return ledger_deltas(event) + projection_changes(event)
+
+
+def _admitted(event: ClaimAdmitted) -> list[Change]:
+    return [
+        UpsertClaim(namespace=event.namespace, name=event.name, phase="admitted", set_reason=False)
+    ]
+
+
+def _none(event: Event) -> list[Change]:
+    return []
+
+
+#: :func:`changes_of` by event class, where a shorter path gives the same changes.
+_CHANGES_BY_CLASS: Final[dict[type, Callable[[Any], list[Change]]]] = {
+    ClaimAdmitted: _admitted,
+    LimitRemoved: _none,
+    MessageDeadLettered: _none,
+}
+
+
+def changes_of_many(events: Sequence[Event], positions: Sequence[int]) -> list[tuple[Change, int]]:
+    """``(change, position)`` for every change of ``events`` stored at ``positions``, in order.
+
+    The same as :func:`changes_of` event by event.
+    """
+    out: list[tuple[Change, int]] = []
+    shortcuts = _CHANGES_BY_CLASS
+    for event, position in zip(events, positions, strict=True):
+        changes = shortcuts.get(type(event), changes_of)(event)
+        if len(changes) == 1:
+            out.append((changes[0], position))
+        else:
+            out += [(change, position) for change in changes]
+    return out

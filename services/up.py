@@ -56,7 +56,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
@@ -68,6 +68,9 @@ from services.runtime import migrating
 from services.runtime.embedded import EmbeddedError, embedded_servers
 from services.runtime.eventstore import EventStore
 from services.runtime.settings import Settings, SettingsError, load_settings
+
+if TYPE_CHECKING:
+    from services.runtime.gauges import CapacityGauges
 
 EXIT_OK: Final = 0
 EXIT_ERROR: Final = 1
@@ -168,6 +171,7 @@ class Stack:
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
         self.restarts = 0  #: service failures so far (each was logged and restarted)
+        self.gauges: CapacityGauges | None = None  #: the capacity gauges (set on start)
 
     def spawn(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``start()`` as a supervised task: restarted with back-off if it fails."""
@@ -217,6 +221,8 @@ class Stack:
     async def shutdown(self) -> None:
         """Set ``stop``, wait for every task, cancel what is left after the grace period."""
         self.stop.set()
+        if self.gauges is not None:
+            self.gauges.stop()
         if not self.tasks:
             return
         _, pending = await asyncio.wait(self.tasks, timeout=STOP_GRACE_S)
@@ -244,6 +250,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     from services.enforcement.agent import Agent
     from services.enforcement.enforcers import NoneEnforcer
     from services.reservation.service import ReservationService
+    from services.runtime.gauges import CapacityGauges, initialise_series
     from services.runtime.livestate import LiveState
     from services.runtime.relaying import Relay
 
@@ -251,16 +258,22 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     stack.spawn("relay", functools.partial(Relay(store, js, names).run, stop))
     live = LiveState(store)
     await live.catch_up()
+    stack.gauges = CapacityGauges(live)
+    stack.gauges.start()
     stack.spawn("livestate", functools.partial(live.run, stop))
     api = ClaimsApi(store, live, stack.nc, names)
     await api.start()
     stack.spawn("claims-api", functools.partial(api.run, stop))
+    consumers: set[str] = set()
     for i in range(workers):
         service = ReservationService(store, live, js, names, worker=i)
+        consumers.update(c.name for c in service.consumers())
         stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
     for node in nodes:
         agent = Agent(store, js, names, node=node, enforcer=NoneEnforcer(), live=live)
+        consumers.add(agent.consumer.name)
         stack.spawn(f"agent-{node}", functools.partial(agent.run, stop))
+    initialise_series(sorted(consumers))
 
 
 # --- dracap up -----------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import uuid
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final, TypeVar
 
@@ -58,13 +58,12 @@ import msgspec
 
 from events import ledger
 from events.catalog import (
+    _TAG_BY_CLASS,
     Envelope,
     Event,
     decode_stored,
     encode_payload,
     namespace_of,
-    schema_version_of,
-    tag_of,
 )
 from events.errors import CatalogError
 from events.model import decode_hook
@@ -133,14 +132,29 @@ class Metadata(msgspec.Struct, frozen=True, kw_only=True):
 # --- validation ------------------------------------------------------------------------
 
 
-_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
+class _Kind(msgspec.Struct, frozen=True):
+    """What the store needs of one event class, looked up once per class."""
+
+    tag: str
+    schema_version: int
+    decoder: msgspec.json.Decoder[Any]
+    many: msgspec.json.Decoder[Any]
 
 
-def _decoder(cls: type) -> msgspec.json.Decoder[Any]:
-    decoder = _DECODERS.get(cls)
-    if decoder is None:
-        decoder = _DECODERS[cls] = msgspec.json.Decoder(cls, dec_hook=decode_hook)
-    return decoder
+_KINDS: dict[type, _Kind] = {}
+
+
+def _kind(cls: type) -> _Kind:
+    kind = _KINDS.get(cls)
+    if kind is None:
+        tag = _TAG_BY_CLASS[cls]  # KeyError: not an event of the catalog
+        kind = _KINDS[cls] = _Kind(
+            tag,
+            cls.SCHEMA_VERSION,  # type: ignore[attr-defined]
+            msgspec.json.Decoder(cls, dec_hook=decode_hook),
+            msgspec.json.Decoder(list[cls], dec_hook=decode_hook),  # type: ignore[valid-type]
+        )
+    return kind
 
 
 def _payload(event: Event) -> bytes:
@@ -153,46 +167,118 @@ def _payload(event: Event) -> bytes:
     not needed here.
     """
     try:
-        tag_of(event)
+        kind = _kind(type(event))
     except (KeyError, TypeError):
         raise InvalidEvent(f"not an event of the catalog: {type(event).__name__}") from None
     try:
         payload = encode_payload(event)
-        _decoder(type(event)).decode(payload)
+        kind.decoder.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError, TypeError, msgspec.EncodeError) as exc:
-        raise InvalidEvent(f"event {tag_of(event)!r}: {exc}") from exc
+        raise InvalidEvent(f"event {kind.tag!r}: {exc}") from exc
     except CatalogError as exc:
         raise InvalidEvent(str(exc)) from exc
     return payload
 
 
-def _envelopes(batches: Sequence[Batch], meta: Metadata) -> list[tuple[Envelope, bytes]]:
+def _payloads(events: Sequence[Event]) -> list[bytes]:
+    """:func:`_payload` of every event; one strict decode for a run of one event type.
+
+    Encoding a list gives the same bytes per event as encoding each one; when all
+    events share a class, the payloads are joined into one JSON array and checked
+    with a single decode. Any failure falls back to checking event by event, which
+    raises the same :class:`InvalidEvent` as :func:`_payload`.
+    """
+    cls = type(events[0])
+    kind = _KINDS.get(cls)
+    if kind is None or len(events) < 2 or any(type(e) is not cls for e in events):
+        return [_payload(e) for e in events]
+    try:
+        payloads = [encode_payload(e) for e in events]
+        kind.many.decode(b"[" + b",".join(payloads) + b"]")
+    except Exception:  # the event-by-event check below says what is wrong
+        return [_payload(e) for e in events]
+    return payloads
+
+
+_HEX: Final = "0123456789abcdef"
+#: The hex digit of a UUID's variant nibble (bits ``10xx``) for each random digit.
+_VARIANT: Final = {d: _HEX[(i & 0x3) | 0x8] for i, d in enumerate(_HEX)}
+
+
+def _event_ids(count: int) -> list[str]:
+    """``count`` random (version 4) UUIDs in canonical text form, as ``uuid.uuid4()``.
+
+    One ``os.urandom`` call for all of them instead of one per id.
+    """
+    digits = os.urandom(16 * count).hex()
+    variant = _VARIANT
+    out: list[str] = []
+    for i in range(0, 32 * count, 32):
+        h = digits[i : i + 32]
+        out.append(f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{variant[h[16]]}{h[17:20]}-{h[20:]}")
+    return out
+
+
+class _Pending(msgspec.Struct, frozen=True):
+    """Validated events of one append, before positions are known (column form)."""
+
+    meta: Metadata
+    recorded_at: datetime.datetime
+    events: list[Event]
+    payloads: list[bytes]
+    event_ids: list[str]
+    streams: list[str]
+    versions: list[int]  # stream versions assuming the stream is at 0 for ``None`` batches
+    types: list[str]
+    schema_versions: list[int]
+    namespaces: list[str | None]
+    correlation_ids: list[str]
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+
+def _envelopes(batches: Sequence[Batch], meta: Metadata) -> _Pending:
+    """Validate the events of ``batches``; raise InvalidEvent (nothing written) if bad."""
     now = datetime.datetime.now(datetime.UTC)
-    out: list[tuple[Envelope, bytes]] = []
+    events: list[Event] = []
+    payloads: list[bytes] = []
+    streams: list[str] = []
+    versions: list[int] = []
     for batch in batches:
         if not batch.stream:
             raise InvalidEvent("stream name is empty")
         if batch.expected_version is not None and batch.expected_version < 0:
             raise InvalidEvent(f"expected version {batch.expected_version} < 0")
+        if not batch.events:
+            continue
         # With expected_version None the offset from the current version is added
         # inside the append transaction, once the version is known.
-        for offset, event in enumerate(batch.events, start=1):
-            payload = _payload(event)
-            eid = str(uuid.uuid4())
-            env = Envelope(
-                event_id=eid,
-                stream=batch.stream,
-                stream_version=(batch.expected_version or 0) + offset,
-                namespace=meta.namespace if meta.namespace is not None else namespace_of(event),
-                actor=meta.actor,
-                correlation_id=meta.correlation_id or eid,
-                causation_id=meta.causation_id,
-                recorded_at=now,
-                schema_version=schema_version_of(event),
-                event=event,
-            )
-            out.append((env, payload))
-    return out
+        payloads += _payloads(batch.events)
+        events += batch.events
+        count = len(batch.events)
+        base = batch.expected_version or 0
+        streams += [batch.stream] * count
+        versions += range(base + 1, base + count + 1)
+    kinds = [_KINDS[type(e)] for e in events]  # filled by _payloads
+    ids = _event_ids(len(events))
+    if meta.namespace is not None:
+        namespaces: list[str | None] = [meta.namespace] * len(events)
+    else:
+        namespaces = [namespace_of(e) for e in events]
+    return _Pending(
+        meta=meta,
+        recorded_at=now,
+        events=events,
+        payloads=payloads,
+        event_ids=ids,
+        streams=streams,
+        versions=versions,
+        types=[k.tag for k in kinds],
+        schema_versions=[k.schema_version for k in kinds],
+        namespaces=namespaces,
+        correlation_ids=ids if not meta.correlation_id else [meta.correlation_id] * len(ids),
+    )
 
 
 # --- connection setup ---------------------------------------------------------------------
@@ -392,7 +478,7 @@ class EventStore:
         if len(set(streams)) != len(streams):
             raise InvalidEvent("a stream appears twice in one append")
         pending = _envelopes(typed, meta)
-        if not pending:
+        if not pending.events:
             return []
         first = streams[0] if len(streams) == 1 else None
         if connection is not None:
@@ -403,7 +489,7 @@ class EventStore:
         self,
         connection: Connection,
         batches: Sequence[Batch],
-        pending: list[tuple[Envelope, bytes]],
+        pending: _Pending,
         stream: str | None,
     ) -> list[Envelope]:
         """Append on the caller's connection and transaction, errors mapped, no retry."""
@@ -417,9 +503,7 @@ class EventStore:
         except Exception as exc:
             raise map_database_error(exc, stream=stream) from exc
 
-    async def _append_once(
-        self, batches: Sequence[Batch], pending: list[tuple[Envelope, bytes]]
-    ) -> list[Envelope]:
+    async def _append_once(self, batches: Sequence[Batch], pending: _Pending) -> list[Envelope]:
         async with self._pool.acquire() as connection, connection.transaction():
             return await self._append_in(connection, batches, pending)
 
@@ -427,26 +511,25 @@ class EventStore:
         self,
         connection: Connection,
         batches: Sequence[Batch],
-        pending: list[tuple[Envelope, bytes]],
+        pending: _Pending,
     ) -> list[Envelope]:
         """The statements of one append, in the transaction open on ``connection``."""
+        count = len(pending.events)
         head: int = await connection.fetchval(
             "UPDATE event_log_head SET position = position + $1 RETURNING position",
-            len(pending),
+            count,
         )
         current = await self._check_versions(connection, batches)
-        first = head - len(pending) + 1
-        stored = [
-            msgspec.structs.replace(
-                env,
-                position=first + i,
-                stream_version=env.stream_version + current[env.stream],
-            )
-            for i, (env, _) in enumerate(pending)
-        ]
-        await _insert(connection, stored, [p for _, p in pending])
-        changes = [(c, env.position) for env in stored for c in ledger.changes_of(env.event)]
-        await apply_changes(connection, changes)
+        first = head - count + 1
+        positions = list(range(first, head + 1))
+        versions = pending.versions
+        if any(current.values()):  # a ``None`` batch: move its versions past the current one
+            versions = [v + current[s] for v, s in zip(versions, pending.streams, strict=True)]
+        stored = _stored(pending, positions, versions)
+        await _insert(connection, pending, positions, versions)
+        changes = ledger.changes_of_many(pending.events, positions)
+        if changes:
+            await apply_changes(connection, changes)
         await connection.execute("SELECT pg_notify($1, $2)", CHANNEL, str(head))
         return stored
 
@@ -569,31 +652,61 @@ COPY_THRESHOLD: Final = 64
 _COLUMN_NAMES: Final = [c.strip() for c in _COLUMNS.split(",")]
 
 
+def _stored(pending: _Pending, positions: list[int], versions: list[int]) -> list[Envelope]:
+    """The envelopes of an append, with their positions and stream versions."""
+    meta = pending.meta
+    actor, causation_id, now = meta.actor, meta.causation_id, pending.recorded_at
+    return [
+        Envelope(
+            event_id=eid,
+            stream=stream,
+            stream_version=version,
+            position=position,
+            namespace=namespace,
+            actor=actor,
+            correlation_id=correlation_id,
+            causation_id=causation_id,
+            recorded_at=now,
+            schema_version=schema_version,
+            event=event,
+        )
+        for eid, stream, version, position, namespace, correlation_id, schema_version, event in zip(
+            pending.event_ids,
+            pending.streams,
+            versions,
+            positions,
+            pending.namespaces,
+            pending.correlation_ids,
+            pending.schema_versions,
+            pending.events,
+            strict=True,
+        )
+    ]
+
+
 async def _insert(
-    connection: Connection, stored: Sequence[Envelope], payloads: list[bytes]
+    connection: Connection, pending: _Pending, positions: list[int], versions: list[int]
 ) -> None:
     """Insert the rows: one ``unnest`` statement, or binary COPY for large batches."""
-    columns = _columns(stored, payloads)
-    if len(stored) < COPY_THRESHOLD:
+    count = len(positions)
+    meta = pending.meta
+    columns: list[list[Any]] = [
+        positions,
+        pending.event_ids,
+        pending.streams,
+        versions,
+        pending.types,
+        pending.schema_versions,
+        pending.namespaces,
+        [meta.actor] * count,
+        pending.correlation_ids,
+        [meta.causation_id] * count,
+        [pending.recorded_at] * count,
+        pending.payloads,
+    ]
+    if count < COPY_THRESHOLD:
         await connection.execute(_INSERT, *columns)
     else:
         await connection.copy_records_to_table(
             "events", records=list(zip(*columns, strict=True)), columns=_COLUMN_NAMES
         )
-
-
-def _columns(stored: Sequence[Envelope], payloads: Sequence[bytes]) -> list[list[Any]]:
-    return [
-        [e.position for e in stored],
-        [e.event_id for e in stored],
-        [e.stream for e in stored],
-        [e.stream_version for e in stored],
-        [tag_of(e.event) for e in stored],
-        [e.schema_version for e in stored],
-        [e.namespace for e in stored],
-        [e.actor for e in stored],
-        [e.correlation_id for e in stored],
-        [e.causation_id for e in stored],
-        [e.recorded_at for e in stored],
-        list(payloads),
-    ]

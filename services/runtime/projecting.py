@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import groupby
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import asyncpg
 import msgspec
@@ -342,7 +342,11 @@ async def apply_changes(
         items = list(run)
         sql = _BATCHED.get(kind)
         if kind is ledger.UpsertClaim:
-            await _upsert_claims(connection, [_args(c, p) for c, p in items])
+            upserts = cast(list[tuple[ledger.UpsertClaim, int]], items)
+            await _upsert_claims(
+                connection,
+                [(c.namespace, c.name, c.phase, c.reason, c.set_reason, p) for c, p in upserts],
+            )
         elif sql is not None:
             await connection.executemany(sql, [_args(c, p) for c, p in items])
         else:

@@ -1,10 +1,31 @@
-"""Every metric of the services sketch is served by the metrics endpoint."""
+"""Every metric of the services sketch is served; the capacity gauges follow the state."""
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
+from collections.abc import Callable
 
+import pytest
+from prometheus_client import CollectorRegistry, Gauge
+
+from events.catalog import (
+    DeviceClassApplied,
+    DeviceClassRemoved,
+    Envelope,
+    Event,
+    ResourceSlicePublished,
+)
+from events.model import (
+    CELDeviceSelector,
+    DeviceClass,
+    DeviceClassSpec,
+    DeviceSelector,
+    ObjectMeta,
+)
 from services.runtime import metrics
+from services.runtime.gauges import CLAIM_OUTCOMES, CapacityGauges, initialise_series
+from tests.unit.test_fold import DRIVER, Log, device, release, reserve, rslice, submitted
 
 NAMES = [
     "dracap_scheduling_latency_seconds_bucket",
@@ -38,3 +59,112 @@ def test_metrics_server_serves_every_metric() -> None:
     for name in NAMES:
         assert any(line.startswith(name) for line in lines), name
     assert f'dracap_build_info{{version="{metrics.version()}"}} 1.0' in lines
+
+
+def test_no_claim_or_share_labels() -> None:
+    """Only low-cardinality labels: never a claim, share or event id."""
+    allowed = {"outcome", "reason", "class", "capacity", "consumer", "version"}
+    for name in metrics.__all__:
+        labelnames = getattr(getattr(metrics, name), "_labelnames", None)
+        if labelnames is not None:
+            assert set(labelnames) <= allowed, (name, labelnames)
+
+
+# --- the capacity gauges (services.runtime.gauges) ----------------------------------------
+
+
+def device_class(name: str, expression: str | None) -> DeviceClass:
+    selectors = [DeviceSelector(cel=CELDeviceSelector(expression=expression))] if expression else []
+    return DeviceClass(metadata=ObjectMeta(name=name), spec=DeviceClassSpec(selectors=selectors))
+
+
+class FakeLive:
+    """What CapacityGauges uses of a LiveState: ``state`` and ``subscribe``."""
+
+    def __init__(self, log: Log) -> None:
+        self.log = log
+        self.state = log.state
+        self.listeners: list[Callable[[Envelope], None]] = []
+
+    def subscribe(self, listener: Callable[[Envelope], None]) -> Callable[[], None]:
+        self.listeners.append(listener)
+        return lambda: self.listeners.remove(listener)
+
+    def add(self, event: Event) -> None:
+        self.log.add(event)
+        for listener in self.listeners:
+            listener(self.log.envelopes[-1])
+
+
+def gauge_value(gauge: Gauge, class_name: str, capacity: str) -> float | None:
+    for metric in gauge.collect():
+        for sample in metric.samples:
+            if sample.labels == {"class": class_name, "capacity": capacity}:
+                return float(sample.value)
+    return None
+
+
+def test_allocated_ratio_follows_the_state() -> None:
+    gauge = Gauge("t_ratio", "test", ["class", "capacity"], registry=CollectorRegistry())
+    log = Log(
+        DeviceClassApplied(
+            device_class=device_class("gpu", f'device.driver == "{DRIVER}"'), rollout="immediate"
+        ),
+        DeviceClassApplied(
+            device_class=device_class("none", 'device.driver == "x"'), rollout="immediate"
+        ),
+        ResourceSlicePublished(
+            slice=rslice(device("gpu-0"), device("gpu-1"), device("gpu-2", shared=False))
+        ),
+    )
+    live = FakeLive(log)
+    gauges = CapacityGauges(live, gauge=gauge)  # type: ignore[arg-type]
+    gauges.start()
+    assert gauge_value(gauge, "gpu", "memory") == 0
+    assert gauge_value(gauge, "none", "memory") is None  # selects no device: no series
+
+    live.add(reserve("s1", "20Gi"))
+    gauges.refresh()  # what the scheduled flush does on the event loop
+    assert gauge_value(gauge, "gpu", "memory") == pytest.approx(20 / 240)
+    live.add(reserve("s2", "0", dev="gpu-2", shared=False, claim="other"))
+    gauges.refresh()  # a dedicated device counts as fully allocated
+    assert gauge_value(gauge, "gpu", "memory") == pytest.approx(100 / 240)
+    live.add(release("s1", "20Gi"))
+    gauges.refresh()
+    assert gauge_value(gauge, "gpu", "memory") == pytest.approx(80 / 240)
+
+    live.add(DeviceClassRemoved(name="gpu"))
+    gauges.refresh()
+    assert gauge_value(gauge, "gpu", "memory") is None  # a removed class loses its series
+    gauges.stop()
+    assert live.listeners == []
+
+
+async def test_changes_are_coalesced_on_the_loop() -> None:
+    gauge = Gauge("t_ratio2", "test", ["class", "capacity"], registry=CollectorRegistry())
+    log = Log(
+        DeviceClassApplied(device_class=device_class("gpu", None), rollout="immediate"),
+        ResourceSlicePublished(slice=rslice(device("gpu-0"))),
+    )
+    live = FakeLive(log)
+    gauges = CapacityGauges(live, gauge=gauge)  # type: ignore[arg-type]
+    gauges.start()
+    before = gauges.refreshes
+    for i in range(10):
+        live.add(reserve(f"s{i}", "4Gi"))
+    live.add(submitted())  # not a capacity event: nothing scheduled for it
+    assert gauges.refreshes == before  # nothing recomputed synchronously
+    await asyncio.sleep(0)
+    assert gauges.refreshes == before + 1
+    assert gauge_value(gauge, "gpu", "memory") == pytest.approx(40 / 80)
+
+
+def test_initialise_series_creates_zero_samples() -> None:
+    initialise_series(["unit-consumer"])
+    families = {m.name: m for m in metrics.REGISTRY.collect()}
+    redeliveries = families["dracap_consumer_redeliveries"].samples
+    assert any(s.labels == {"consumer": "unit-consumer"} for s in redeliveries)
+    dead = families["dracap_dead_letters"].samples
+    assert any(s.labels == {"consumer": "unit-consumer"} for s in dead)
+    outcomes = {s.labels.get("outcome") for s in families["dracap_claims"].samples}
+    assert set(CLAIM_OUTCOMES) <= outcomes

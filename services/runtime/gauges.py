@@ -1,0 +1,190 @@
+"""Metrics derived from the live state, not counted by a service.
+
+``dracap_capacity_allocated_ratio{class,capacity}`` is a property of the cluster as the
+log describes it, so no service increments it: :class:`CapacityGauges` listens to a
+:class:`~services.runtime.livestate.LiveState` and recomputes the gauge from the fold
+(:class:`events.fold.ClusterState`) whenever an event changed what is allocated or
+what exists:
+
+* ``CapacityReserved``, ``CapacityReleased`` and ``NodeFenced`` move the consumed
+  amounts;
+* the inventory events (classes, slices, request policies) change which devices a
+  class selects and their totals.
+
+For every DeviceClass and every capacity its devices publish, the value is the sum of
+the consumed amounts over the sum of the totals of the devices the class's CEL
+selectors match (the same selection admission and the allocator use). A device held
+exclusively (a dedicated allocation) counts as fully allocated: nobody else can use
+any of it. A class that selects no device with a capacity has no series; a removed
+class's series are removed.
+
+Changes are coalesced: the listener only marks the gauge stale and schedules one
+recomputation on the event loop, so catching up on thousands of events costs one
+recomputation per batch, not one per event. Class membership (the CEL selectors) is
+re-evaluated only after an inventory event.
+
+:func:`initialise_series` creates the label sets that are known when the stack starts
+(every consumer, every claim outcome) at 0, so a scrape shows each family with a value
+from the start instead of an empty family until the first increment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from typing import Final
+
+from prometheus_client import Gauge
+
+from events.catalog import CapacityReleased, CapacityReserved, Envelope, NodeFenced
+from events.features import DEFAULT_GATES, FeatureGates
+from events.fold import ClusterState, DeviceKey
+from services.reservation.deriving import build_inventory
+from services.runtime.livestate import INVENTORY_EVENTS, LiveState
+from services.runtime.metrics import (
+    CAPACITY_ALLOCATED_RATIO,
+    CLAIMS,
+    CONSUMER_REDELIVERIES,
+    DEAD_LETTERS,
+)
+
+__all__ = [
+    "CLAIM_OUTCOMES",
+    "CapacityGauges",
+    "allocated_ratios",
+    "class_members",
+    "initialise_series",
+]
+
+log = logging.getLogger("dracap.gauges")
+
+#: The outcomes ``dracap_claims_total`` is counted under (see the services that count).
+CLAIM_OUTCOMES: Final = ("admitted", "rejected", "allocated", "unschedulable", "ready", "released")
+
+_CAPACITY_EVENTS: Final = (CapacityReserved, CapacityReleased, NodeFenced)
+
+Ratios = dict[tuple[str, str], float]
+
+
+def class_members(
+    state: ClusterState, gates: FeatureGates = DEFAULT_GATES
+) -> dict[str, list[DeviceKey]]:
+    """For every DeviceClass of ``state``: the devices its selectors match.
+
+    A selector that fails on a device (a CEL runtime error) does not match it, as in
+    admission and the allocator.
+    """
+    inventory = build_inventory(state, gates)
+    out: dict[str, list[DeviceKey]] = {}
+    for name, device_class in inventory.classes.items():
+        expressions = [
+            s.cel.expression for s in device_class.spec.selectors or [] if s.cel is not None
+        ]
+        out[name] = [
+            entry.key
+            for entry in inventory.devices
+            if all(inventory.selector_result(entry.index, e) is True for e in expressions)
+        ]
+    return out
+
+
+def allocated_ratios(state: ClusterState, members: dict[str, list[DeviceKey]]) -> Ratios:
+    """``{(class, capacity): allocated / total}`` over the present devices of each class."""
+    out: Ratios = {}
+    for class_name, keys in members.items():
+        allocated: dict[str, int] = {}
+        total: dict[str, int] = {}
+        for key in keys:
+            dev = state.devices.get(key)
+            if dev is None or not dev.present:
+                continue
+            held = dev.exclusive_share is not None
+            for capacity, amount in dev.total.items():
+                if amount.nanos <= 0:
+                    continue
+                used = amount.nanos if held else dev.consumed_nanos.get(capacity, 0)
+                total[capacity] = total.get(capacity, 0) + amount.nanos
+                allocated[capacity] = allocated.get(capacity, 0) + min(max(used, 0), amount.nanos)
+        for capacity, whole in total.items():
+            out[(class_name, capacity)] = allocated[capacity] / whole
+    return out
+
+
+class CapacityGauges:
+    """Keeps ``dracap_capacity_allocated_ratio`` equal to what ``live.state`` says."""
+
+    def __init__(
+        self,
+        live: LiveState,
+        *,
+        gauge: Gauge = CAPACITY_ALLOCATED_RATIO,
+        gates: FeatureGates = DEFAULT_GATES,
+    ) -> None:
+        self.live = live
+        self.gauge = gauge
+        self.gates = gates
+        self.refreshes = 0  #: recomputations so far
+        self._members: dict[str, list[DeviceKey]] | None = None
+        self._series: set[tuple[str, str]] = set()
+        self._scheduled = False
+        self._unsubscribe: Callable[[], None] | None = None
+
+    def start(self) -> None:
+        """Listen to the live state and set the gauge from its current state now."""
+        if self._unsubscribe is None:
+            self._unsubscribe = self.live.subscribe(self._changed)
+        self._members = None
+        self.refresh()
+
+    def stop(self) -> None:
+        """Stop listening (the series keep their last values)."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def _changed(self, envelope: Envelope) -> None:
+        event = envelope.event
+        if isinstance(event, INVENTORY_EVENTS):
+            self._members = None
+        elif not isinstance(event, _CAPACITY_EVENTS):
+            return
+        if self._scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # folded outside a loop (a synchronous caller): do it now
+            self.refresh()
+            return
+        self._scheduled = True
+        loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        try:
+            self.refresh()
+        except Exception:  # a metric must never break the service that hosts it
+            log.exception("could not recompute the capacity gauges")
+
+    def refresh(self) -> None:
+        """Recompute every series from ``live.state``."""
+        state = self.live.state
+        if self._members is None:
+            self._members = class_members(state, self.gates)
+        ratios = allocated_ratios(state, self._members)
+        for labels in self._series - ratios.keys():
+            self.gauge.remove(*labels)
+        for (class_name, capacity), ratio in ratios.items():
+            self.gauge.labels(class_name, capacity).set(ratio)
+        self._series = set(ratios)
+        self.refreshes += 1
+
+
+def initialise_series(consumers: Iterable[str]) -> None:
+    """Create the known label sets at 0: claim outcomes, and per consumer the
+    redelivery and dead-letter counters (an unset label set is absent from a scrape)."""
+    for outcome in CLAIM_OUTCOMES:
+        CLAIMS.labels(outcome=outcome)
+    for name in consumers:
+        CONSUMER_REDELIVERIES.labels(consumer=name)
+        DEAD_LETTERS.labels(consumer=name)
