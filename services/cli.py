@@ -32,6 +32,7 @@ COMMAND_MODULES = (
     "services.up",
     "services.claims.command",
     "services.enforcement.command",
+    "services.enforcement.prove_command",
 )
 
 
