@@ -89,6 +89,8 @@ __all__ = [
     "ClaimWithdrawn",
     "DeviceClassApplied",
     "DeviceClassRemoved",
+    "EnforcementCheckpointSetAside",
+    "EnforcementReconciled",
     "Envelope",
     "Event",
     "LimitApplied",
@@ -296,6 +298,38 @@ class LimitRemoved(_EventBase, frozen=True, kw_only=True, tag="enforcement.limit
     node: str
 
 
+class EnforcementReconciled(_EventBase, frozen=True, kw_only=True, tag="enforcement.reconciled"):
+    """The node agent, starting, made the node's limits match the log (ShareIDs per outcome).
+
+    ``reapplied``: ready shares whose limit was missing (or different) and was put back;
+    ``removed_orphans``: limits in force that no live share of the node owns, removed;
+    ``kept``: shares whose limit was already in force, left untouched; ``failed``: ready
+    shares whose limit could not be put back (the reason is in the agent's log).
+    """
+
+    node: str
+    reapplied: list[str] = []
+    removed_orphans: list[str] = []
+    kept: list[str] = []
+    failed: list[str] = []
+
+
+class EnforcementCheckpointSetAside(
+    _EventBase, frozen=True, kw_only=True, tag="enforcement.checkpoint_set_aside"
+):
+    """The node agent could not use its checkpoint file and rebuilt it from kernel and log.
+
+    ``reason``: ``unreadable``, ``corrupt``, ``checksum-mismatch`` or ``foreign-version``;
+    ``moved_to``: where the file was moved (``None``: it could not be moved).
+    """
+
+    node: str
+    path: str
+    reason: str
+    detail: str = ""
+    moved_to: str | None = None
+
+
 # --- reclamation --------------------------------------------------------------------------
 
 
@@ -395,6 +429,8 @@ Event: TypeAlias = (
     | LimitApplied
     | LimitFailed
     | LimitRemoved
+    | EnforcementReconciled
+    | EnforcementCheckpointSetAside
     | ReleaseRequested
     | CapacityReleased
     | NodeLeaseExpired
@@ -421,6 +457,8 @@ _EVENT_CLASSES: Final[tuple[type[Event], ...]] = (
     LimitApplied,
     LimitFailed,
     LimitRemoved,
+    EnforcementReconciled,
+    EnforcementCheckpointSetAside,
     ReleaseRequested,
     CapacityReleased,
     NodeLeaseExpired,
@@ -576,6 +614,8 @@ def stream_of(event: Event) -> str:
             LimitApplied()
             | LimitFailed()
             | LimitRemoved()
+            | EnforcementReconciled()
+            | EnforcementCheckpointSetAside()
             | NodeLeaseExpired()
             | ShareMarkedUnknown()
             | NodeFenced()

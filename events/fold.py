@@ -86,6 +86,8 @@ from events.catalog import (
     ClaimWithdrawn,
     DeviceClassApplied,
     DeviceClassRemoved,
+    EnforcementCheckpointSetAside,
+    EnforcementReconciled,
     Envelope,
     Event,
     LimitApplied,
@@ -1093,6 +1095,10 @@ def _dead_lettered(state: ClusterState, ev: MessageDeadLettered, position: int) 
     state.dead_letters += 1
 
 
+def _noted(state: ClusterState, ev: Event, position: int) -> None:
+    """A report that changes no state (the agent's reconciliation, a checkpoint set aside)."""
+
+
 _STEPS: Final[dict[type, Step]] = {
     CapacityReserved: _reserve,
     CapacityReleased: _release,
@@ -1100,6 +1106,8 @@ _STEPS: Final[dict[type, Step]] = {
     LimitApplied: _limit_applied,
     LimitFailed: _limit_failed,
     LimitRemoved: _limit_removed,
+    EnforcementReconciled: _noted,
+    EnforcementCheckpointSetAside: _noted,
     ReleaseRequested: lambda st, ev, pos: _release_requested(st, ev),
     ClaimSubmitted: lambda st, ev, pos: _claim_submitted(st, ev),
     ClaimAdmitted: _claim_admitted,

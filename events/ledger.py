@@ -55,6 +55,8 @@ from events.catalog import (
     ClaimSubmitted,
     ClaimUnschedulable,
     ClaimWithdrawn,
+    EnforcementCheckpointSetAside,
+    EnforcementReconciled,
     Event,
     LimitApplied,
     LimitFailed,
@@ -401,6 +403,8 @@ def _none(event: Event) -> list[Change]:
 _CHANGES_BY_CLASS: Final[dict[type, Callable[[Any], list[Change]]]] = {
     ClaimAdmitted: _admitted,
     LimitRemoved: _none,
+    EnforcementReconciled: _none,
+    EnforcementCheckpointSetAside: _none,
     MessageDeadLettered: _none,
 }
 

@@ -35,11 +35,28 @@ message is redelivered, and the agent then sees the share releasing and leaves i
 
 All events of one message go out in one append, atomically with the consumer's
 checkpoint.
+
+Durable checkpoint. With a :class:`~services.enforcement.checkpointing.Checkpoint`
+every kernel or daemon operation is wrapped: ``mark_started`` (written and fsynced)
+before ``apply``, ``mark_completed`` after; ``mark_removing`` before ``remove``,
+``mark_removed`` after. A checkpoint that cannot be written raises before the kernel
+is touched (the message is nak'd and retried).
+
+Restart. :meth:`Agent.run` first runs the inventory scan (when a scanner is given:
+the enforcers' device maps come from it), then :meth:`Agent.reconcile`: the log, the
+kernel (``Enforcer.observe()``) and the checkpoint are compared
+(:mod:`services.enforcement.reconciling`), missing limits of ready shares are put back,
+limits no live share owns are removed, limits already in force are left alone (no
+second ``LimitApplied``), the checkpoint is rewritten from what is in force now, and
+the outcome is recorded as ``EnforcementReconciled``. A checkpoint the loader had to
+set aside (corrupt, foreign version) is reported as ``EnforcementCheckpointSetAside``
+and rebuilt the same way; only then does the consumer start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import re
@@ -50,6 +67,8 @@ from nats.js import JetStreamContext
 from events.catalog import (
     AllocationBound,
     CapacityReleased,
+    EnforcementCheckpointSetAside,
+    EnforcementReconciled,
     Envelope,
     Event,
     LimitApplied,
@@ -62,9 +81,12 @@ from events.catalog import (
 )
 from events.fold import ShareState
 from events.subjects import BusNames, node_token
-from services.enforcement.enforcers import EnforcementError, Enforcer, ShareLimit
+from services.enforcement.checkpointing import Checkpoint, CheckpointEntry
+from services.enforcement.enforcers import AppliedLimit, EnforcementError, Enforcer, ShareLimit
+from services.enforcement.reconciling import plan_reconcile
+from services.enforcement.scanning import InventoryScanner
 from services.runtime.consuming import Consumer, Handled, HandlerContext
-from services.runtime.eventstore import Batch, EventStore
+from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import LiveState
 from services.runtime.metrics import CLAIMS, ENFORCEMENT_LATENCY
 
@@ -111,6 +133,9 @@ class Agent:
         enforcer: Enforcer,
         live: LiveState | None = None,
         max_deliver: int = 5,
+        checkpoint: Checkpoint | None = None,
+        scanner: InventoryScanner | None = None,
+        scan_interval: float = 60.0,
     ) -> None:
         self.store = store
         self.js = js
@@ -119,6 +144,11 @@ class Agent:
         self.enforcer = enforcer
         self.live = live if live is not None else LiveState(store)
         self.max_deliver = max_deliver
+        self.checkpoint = checkpoint
+        self.scanner = scanner
+        self.scan_interval = scan_interval
+        #: what the last :meth:`reconcile` reported (None: nothing to report)
+        self.reconciled: EnforcementReconciled | None = None
         self.consumer = Consumer(
             store,
             js,
@@ -130,9 +160,144 @@ class Agent:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Consume this node's events until ``stop`` is set."""
+        """Scan, reconcile, then consume this node's events until ``stop`` is set."""
         await self.live.catch_up()
-        await self.consumer.run(stop)
+        if self.scanner is not None:
+            await self.scanner.scan_once()
+        await self.reconcile()
+        scans: asyncio.Task[None] | None = None
+        if self.scanner is not None and self.scan_interval > 0:
+            scans = asyncio.create_task(self.scanner.run(stop, self.scan_interval))
+        try:
+            await self.consumer.run(stop)
+        finally:
+            if scans is not None:
+                scans.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await scans
+
+    # -- restart -------------------------------------------------------------------------
+
+    async def reconcile(self) -> EnforcementReconciled | None:
+        """Make the node's limits match the log (see the module docstring)."""
+        await self.live.catch_up()
+        events: list[Event] = []
+        checkpoint = self.checkpoint
+        if checkpoint is not None and checkpoint.warning is not None:
+            warning = checkpoint.warning
+            log.warning(
+                "checkpoint %s set aside (%s: %s); rebuilding it from the kernel and the log",
+                warning.path,
+                warning.reason,
+                warning.detail,
+            )
+            events.append(
+                EnforcementCheckpointSetAside(
+                    node=self.node,
+                    path=warning.path,
+                    reason=warning.reason,
+                    detail=warning.detail[:2000],
+                    moved_to=warning.set_aside,
+                )
+            )
+        try:
+            observed = await self.enforcer.observe()
+        except EnforcementError as exc:
+            log.error("cannot read the limits in force (%s); not reconciling", exc)
+            await self._report(events)
+            return None
+        entries = dict(checkpoint.entries) if checkpoint is not None else {}
+        if checkpoint is not None and checkpoint.rebooted:
+            log.info("node rebooted since the checkpoint was written: limits are put back")
+        plan = plan_reconcile(self.live.state, self.node, observed, entries)
+        removed: list[str] = []
+        for share_id in plan.orphans + plan.stale:
+            try:
+                await self._remove(share_id)
+            except EnforcementError as exc:
+                log.error("could not remove the orphaned limit of %s: %s", share_id, exc)
+                continue
+            if share_id in observed:
+                removed.append(share_id)
+        in_force = {s: observed[s] for s in plan.kept}
+        reapplied: list[str] = []
+        failed: list[str] = []
+        for share in plan.reapply:
+            try:
+                in_force[share.share_id] = await self._apply(_limit_of(share))
+            except EnforcementError as exc:
+                log.error("could not put back the limit of share %s: %s", share.share_id, exc)
+                failed.append(share.share_id)
+                continue
+            reapplied.append(share.share_id)
+        if checkpoint is not None:
+            await asyncio.to_thread(self._rebuild, checkpoint, in_force, failed)
+        report = EnforcementReconciled(
+            node=self.node,
+            reapplied=reapplied,
+            removed_orphans=removed,
+            kept=plan.kept,
+            failed=failed,
+        )
+        if reapplied or removed or plan.kept or failed:
+            events.append(report)
+            self.reconciled = report
+            log.info(
+                "reconciled node %s: %d kept, %d reapplied, %d orphan(s) removed, %d failed",
+                self.node,
+                len(plan.kept),
+                len(reapplied),
+                len(removed),
+                len(failed),
+            )
+        await self._report(events)
+        return self.reconciled
+
+    def _rebuild(
+        self, checkpoint: Checkpoint, in_force: dict[str, AppliedLimit], failed: list[str]
+    ) -> None:
+        """The checkpoint, rewritten: what is in force now, and what failed (``started``)."""
+        shares = self.live.state.shares
+        now = datetime.datetime.now(datetime.UTC)
+        entries: dict[str, CheckpointEntry] = {}
+        for share_id, applied in in_force.items():
+            limit = _limit_of(shares[share_id])
+            entries[share_id] = CheckpointEntry(
+                share_id=share_id, phase="completed", limit=limit, applied=applied, updated_at=now
+            )
+        for share_id in failed:
+            limit = _limit_of(shares[share_id])
+            entries[share_id] = CheckpointEntry(
+                share_id=share_id, phase="started", limit=limit, updated_at=now
+            )
+        checkpoint.entries = entries
+        checkpoint.warning = None
+        checkpoint.save()
+
+    async def _report(self, events: list[Event]) -> None:
+        if events:
+            batch = Batch(node_stream(self.node), None, events)
+            await self.store.append_many([batch], Metadata(actor=f"agent:{self.node}"))
+
+    # -- the kernel, wrapped in the checkpoint -------------------------------------------
+
+    async def _apply(self, limit: ShareLimit) -> AppliedLimit:
+        checkpoint = self.checkpoint
+        if checkpoint is None:
+            return await self.enforcer.apply(limit)
+        await asyncio.to_thread(checkpoint.mark_started, limit.share_id, limit)
+        applied = await self.enforcer.apply(limit)
+        await asyncio.to_thread(checkpoint.mark_completed, limit.share_id, applied)
+        return applied
+
+    async def _remove(self, share_id: str) -> None:
+        checkpoint = self.checkpoint
+        if checkpoint is None:
+            await self.enforcer.remove(share_id)
+            return
+        await asyncio.to_thread(checkpoint.mark_removing, share_id)
+        await self.enforcer.remove(share_id)
+        await asyncio.to_thread(checkpoint.mark_removed, share_id)
 
     async def handle(self, ctx: HandlerContext, env: Envelope) -> Handled:
         """Apply or remove limits for one message (see the module docstring)."""
@@ -161,7 +326,7 @@ class Agent:
             if share.allocation_version != event.allocation_version:
                 continue
             try:
-                limit = await self.enforcer.apply(_limit_of(share))
+                limit = await self._apply(_limit_of(share))
             except EnforcementError as exc:
                 if exc.retryable and ctx.delivery < self.max_deliver:
                     raise
@@ -207,7 +372,7 @@ class Agent:
                 continue
             if share.allocation_version != event.allocation_version:
                 continue
-            await self.enforcer.remove(share_id)
+            await self._remove(share_id)
             out.add(stream, version, LimitRemoved(share_id=share_id, node=self.node))
             out.add(device_stream(share.driver, share.pool, share.device), None, _released(share))
         if out.streams:

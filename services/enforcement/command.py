@@ -4,8 +4,14 @@ The agent connects to PostgreSQL (the event log) and NATS (the events stream), m
 sure the stream exists, and consumes the events addressed to its node until SIGINT or
 SIGTERM (see :mod:`services.enforcement.agent`). Connection settings come from the
 flags, else from the environment (``DRACAP_DATABASE_URL``, ``DRACAP_NATS_URL``; see
-:mod:`services.runtime.settings`). ``--enforcer none`` (the only one built in so far)
-applies no limit and reports enforcement level ``none``.
+:mod:`services.runtime.settings`). With ``--config`` (an agent configuration,
+``deploy/agent-config.example.yaml``) the node's devices are discovered at start and
+every ``--scan-interval`` seconds and published as ResourceSlices; ``--enforcer tc``
+takes each device's interface from its ``ifName`` attribute and ``--enforcer mps`` each
+GPU's UUID, so both need ``--config``. ``--enforcer none`` (the default) applies no
+limit and reports enforcement level ``none``. ``--checkpoint PATH`` is the durable
+record of what the agent applied (``none``: keep none); on start the agent reconciles
+it with the kernel and the log.
 """
 
 from __future__ import annotations
@@ -16,20 +22,57 @@ import contextlib
 import logging
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
 
 from events.subjects import BusNames, SubjectError
+from services.enforcement import checkpointing
 from services.enforcement.agent import Agent
+from services.enforcement.cdi import DEFAULT_SPEC_DIR, CdiSpecs
+from services.enforcement.discovery import AgentConfig, ConfigError, Inventory, load_config
 from services.enforcement.enforcers import Enforcer, NoneEnforcer
+from services.enforcement.mps import MpsEnforcer, MpsSettings
+from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interfaces_of
+from services.enforcement.tc import TcEnforcer
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.eventstore import EventStore
+from services.runtime.livestate import LiveState
 from services.runtime.settings import SettingsError, load_settings
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_BAD_INPUT = 2
 
-ENFORCERS: dict[str, type[Enforcer]] = {"none": NoneEnforcer}
+ENFORCERS: Final = ("none", "tc", "mps")
+DEFAULT_CHECKPOINT: Final = "/var/lib/dracap/agent/{node}.checkpoint.json"
+
+log = logging.getLogger("dracap.agent")
+
+
+def build_enforcer(args: argparse.Namespace, config: AgentConfig | None) -> Enforcer:
+    """The enforcer ``--enforcer`` names; its device map is filled by each scan."""
+    if args.enforcer == "none":
+        return NoneEnforcer()
+    if config is None:
+        raise ConfigError("--config", f"--enforcer {args.enforcer} needs the agent config")
+    if args.enforcer == "tc":
+        return TcEnforcer({}, default_rate=args.tc_default_rate)
+    return MpsEnforcer(
+        {}, cdi=CdiSpecs(Path(args.cdi_dir)), settings=MpsSettings(root=Path(args.mps_root))
+    )
+
+
+def device_maps(config: AgentConfig, enforcer: Enforcer) -> Callable[[Inventory], None]:
+    """A scan listener that gives the enforcer the devices the scan found."""
+
+    def update(inventory: Inventory) -> None:
+        if isinstance(enforcer, TcEnforcer):
+            enforcer.interfaces = interfaces_of(config, inventory)
+        elif isinstance(enforcer, MpsEnforcer):
+            enforcer.gpus = gpu_uuids_of(config, inventory)
+
+    return update
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -48,8 +91,30 @@ async def serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
     try:
         await ensure_stream(js, names)
-        agent = Agent(store, js, names, node=args.node, enforcer=ENFORCERS[args.enforcer]())
-        logging.getLogger("dracap.agent").info("agent of node %s started", args.node)
+        config = load_config(args.config, args.node) if args.config else None
+        enforcer = build_enforcer(args, config)
+        live = LiveState(store)
+        scanner = None
+        if config is not None:
+            scanner = InventoryScanner(
+                store, live, config, listeners=[device_maps(config, enforcer)]
+            )
+        checkpoint = None
+        if args.checkpoint != "none":
+            path = Path(args.checkpoint or DEFAULT_CHECKPOINT.format(node=args.node))
+            checkpoint = await asyncio.to_thread(checkpointing.load, path)
+        agent = Agent(
+            store,
+            js,
+            names,
+            node=args.node,
+            enforcer=enforcer,
+            live=live,
+            checkpoint=checkpoint,
+            scanner=scanner,
+            scan_interval=args.scan_interval,
+        )
+        log.info("agent of node %s started (enforcer %s)", args.node, args.enforcer)
         await agent.run(stop)
     finally:
         await nc.drain()
@@ -66,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         return asyncio.run(serve(args))
-    except SettingsError as exc:
+    except (SettingsError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
@@ -86,5 +151,35 @@ def register(sub: Any) -> None:
         "--database-url", metavar="URL", help="PostgreSQL URL (default: DRACAP_DATABASE_URL)"
     )
     parser.add_argument("--prefix", default="dracap", help="subject prefix (default: dracap)")
-    parser.add_argument("--enforcer", choices=sorted(ENFORCERS), default="none")
+    parser.add_argument(
+        "--enforcer",
+        choices=ENFORCERS,
+        default="none",
+        help="how limits are made real: none (report level none), tc (bandwidth, HTB), "
+        "mps (GPU memory, CUDA MPS); tc and mps need --config",
+    )
+    parser.add_argument(
+        "--config", metavar="FILE", help="agent config (discovery, pools, sharing rules)"
+    )
+    parser.add_argument(
+        "--scan-interval",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds between inventory scans (default 60; 0: only at start)",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help=f"durable record of applied limits (default {DEFAULT_CHECKPOINT}; none: off)",
+    )
+    parser.add_argument(
+        "--tc-default-rate",
+        type=int,
+        default=10 * 10**9,
+        metavar="BIT/S",
+        help="rate of the unclassified traffic's HTB class (default 10G)",
+    )
+    parser.add_argument("--cdi-dir", default=str(DEFAULT_SPEC_DIR), help="CDI spec directory")
+    parser.add_argument("--mps-root", default="/run/dracap/mps", help="MPS daemons' root")
     parser.set_defaults(func=run)

@@ -1,31 +1,53 @@
 """``dracap prove bandwidth``: show, on this machine, that bandwidth shares hold.
 
-It builds two network namespaces joined by a veth pair, gets ShareIDs and amounts from
-the allocator (one claim per rate on a device whose ``bandwidth`` is twice their sum),
-applies them with the tc enforcer on the sender's veth, measures each share alone
-(baseline) and then all of them at once next to an unclassified saturating neighbour
-and a latency probe in its own 10 Mbit/s class, and times ten ``apply`` calls that
-change a live share's rate. Rates are Kubernetes quantities in bits per second
-(``10M`` = 10^7 bit/s). Needs root (CAP_NET_ADMIN); see
-:mod:`services.enforcement.proving` for the method and ``docs/enforcement-tc.md`` for
-figures.
+It builds two network namespaces joined by a veth pair and allocates the shares
+through the real control plane: the relay, live state, claims and admin APIs and a
+reservation worker run in-process (:class:`services.up.Stack`) with one node agent,
+for node ``prove-node``, whose enforcer is the tc enforcer on the sender's veth. The
+veth is published through the admin API as a shareable device whose ``bandwidth`` is
+twice the sum of the rates; each rate becomes one ResourceClaim applied through the
+tenant API and waited on until Ready (limit applied, level ``hard``), and its ShareID's
+firewall mark tags the traffic. Each share is measured alone (baseline), then all of
+them at once next to an unclassified saturating neighbour and a latency probe in its
+own 10 Mbit/s class; ten enforcer ``apply`` calls that change a live share's rate are
+timed; the claims are deleted at the end and the capacity must come back. Rates are
+Kubernetes quantities in bits per second (``10M`` = 10^7 bit/s). Needs root
+(CAP_NET_ADMIN); see :mod:`services.enforcement.proving` for the method and
+``docs/enforcement-tc.md`` for figures.
 
-Exit codes: 0 — every share within 3 % of its rate over the window and no share pushed
-below its rate by a neighbour; 1 — a goal missed; 2 — bad input or no CAP_NET_ADMIN.
+Servers: ``--database-url`` / ``--nats`` (else ``DRACAP_DATABASE_URL`` /
+``DRACAP_NATS_URL``); each one not given is started embedded in ``--data-dir`` (default:
+a temporary directory, deleted afterwards). The database is migrated to head first.
+``--attach`` runs only the prove node's agent here and uses the services already
+running on those servers (``dracap up``; URLs also from ``<data-dir>/connection.json``).
+
+Exit codes: 0 — every share within 3 % of its rate over the window, no share pushed
+below its rate by a neighbour and the capacity given back; 1 — a goal missed or the
+control plane failed; 2 — bad input or no CAP_NET_ADMIN.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from events.errors import QuantityError
 from events.quantities import Quantity
+from events.subjects import BusNames, SubjectError
+from services.claims.command import CommandError, read_connection
 from services.enforcement.proving import ProofReport, have_net_admin, prove_bandwidth
+from services.runtime.embedded import EmbeddedError, embedded_servers
+from services.runtime.settings import Settings, SettingsError, load_settings
 
 EXIT_OK = 0
 EXIT_MISSED = 1
@@ -43,7 +65,12 @@ def table(report: ProofReport) -> str:
         f"{'share':<10} {'rate':>8} {'alone':>9} {'loaded':>9} {'acc':>7} {'worst s':>8} "
         f"{'1st s':>6} {'kernel':>9} {'drops':>6} {'interf':>7} {'below':>5}"
     )
-    lines = [f"allocation: {report.allocation}; window {report.duration:g} s (Mbit/s)", head]
+    lines = [
+        f"allocation: {report.allocation}",
+        f"services: {report.control_plane}",
+        f"window {report.duration:g} s (Mbit/s)",
+        head,
+    ]
     for s in report.shares:
         lines.append(
             f"{s.share_id[:8]:<10} {_mbit(s.configured):>8} {_mbit(s.alone):>9} "
@@ -61,9 +88,92 @@ def table(report: ProofReport) -> str:
     lines.append(f"unclassified neighbour (default class): {_mbit(report.aggressor_rate)} Mbit/s")
     if ms:
         lines.append(
-            f"apply of a rate change: median {ms[len(ms) // 2]:.1f} ms, max {ms[-1]:.1f} ms"
+            f"apply of a rate change (enforcer): median {ms[len(ms) // 2]:.1f} ms, "
+            f"max {ms[-1]:.1f} ms"
         )
+    ready = sorted([s.ready_ms for s in report.shares] + [report.probe_ready_ms])
+    lines.append(
+        f"claim apply -> Ready (control plane, {len(ready)} claims): "
+        f"median {ready[len(ready) // 2]:.1f} ms, max {ready[-1]:.1f} ms"
+    )
+    lines.append(
+        "capacity after deleting the claims: "
+        + ("all free" if report.capacity_returned else "NOT given back")
+    )
     return "\n".join(lines)
+
+
+@contextlib.asynccontextmanager
+async def servers(args: argparse.Namespace) -> AsyncIterator[tuple[Settings, str]]:
+    """Settings that reach the servers (embedded ones started for URLs not given), and
+    a description of them for the report."""
+    settings = load_settings()
+    database_url = args.database_url or os.environ.get("DRACAP_DATABASE_URL")
+    nats_url = args.nats or os.environ.get("DRACAP_NATS_URL")
+    if args.attach:
+        saved = read_connection(Path(args.data_dir or ".dracap"))
+        database_url = database_url or (saved.database_url if saved else None)
+        nats_url = nats_url or (saved.nats_url if saved else None)
+        if not (database_url and nats_url):
+            raise CommandError(
+                "--attach needs the servers: --database-url and --nats, the DRACAP_* "
+                "variables, or a connection.json of `dracap up` in --data-dir",
+                EXIT_BAD_INPUT,
+            )
+    if database_url and nats_url:
+        yield (
+            msgspec.structs.replace(settings, database_url=database_url, nats_url=nats_url),
+            f"servers {nats_url}, {_redact(database_url)}",
+        )
+        return
+    started = " and ".join(
+        name for name, url in (("PostgreSQL", database_url), ("NATS", nats_url)) if not url
+    )
+    scratch = not args.data_dir
+    data_dir = (
+        Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="dracap-prove-"))
+    )
+    where = f"embedded {started} in " + ("a temporary directory" if scratch else str(data_dir))
+    try:
+        async with embedded_servers(
+            data_dir, postgres=not database_url, nats=not nats_url
+        ) as embedded:
+            database_url = database_url or embedded.database_url
+            nats_url = nats_url or embedded.nats_url
+            yield (
+                msgspec.structs.replace(settings, database_url=database_url, nats_url=nats_url),
+                where,
+            )
+    finally:
+        if scratch:
+            shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _redact(url: str) -> str:
+    """``url`` without a password."""
+    head, at, tail = url.rpartition("@")
+    if not at or ":" not in head.split("//", 1)[-1]:
+        return url
+    scheme, _, user = head.partition("//")
+    return f"{scheme}//{user.split(':', 1)[0]}:***@{tail}"
+
+
+async def _prove(args: argparse.Namespace, rates: list[Quantity]) -> ProofReport:
+    from services.runtime import migrating
+
+    names = BusNames(prefix=args.prefix)
+    async with servers(args) as (settings, where):
+        if not args.attach:
+            await migrating.upgrade_async(settings)
+        return await prove_bandwidth(
+            rates,
+            settings=settings,
+            names=names,
+            start_services=not args.attach,
+            where=where,
+            duration=args.duration,
+            aggressor=not args.no_neighbour,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,14 +190,27 @@ def run(args: argparse.Namespace) -> int:
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    report = asyncio.run(
-        prove_bandwidth(rates, duration=args.duration, aggressor=not args.no_neighbour)
-    )
+    try:
+        BusNames(prefix=args.prefix)
+    except SubjectError as exc:
+        print(f"error: --prefix: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        report = asyncio.run(_prove(args, rates))
+    except (CommandError, SettingsError) as exc:
+        code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
+        print(f"error: {exc}", file=sys.stderr)
+        return int(code)
+    except (EmbeddedError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_MISSED
     if args.output == "json":
         print(msgspec.json.format(msgspec.json.encode(report).decode(), indent=2))
     else:
         print(table(report))
-    ok = all(abs(s.accuracy) <= ACCURACY_GOAL and not s.pushed_below for s in report.shares)
+    ok = report.capacity_returned and all(
+        abs(s.accuracy) <= ACCURACY_GOAL and not s.pushed_below for s in report.shares
+    )
     return EXIT_OK if ok else EXIT_MISSED
 
 
@@ -110,4 +233,20 @@ def register(sub: Any) -> None:
         "--no-neighbour", action="store_true", help="no unclassified saturating neighbour"
     )
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    parser.add_argument(
+        "--database-url", metavar="URL", help="PostgreSQL URL (default: DRACAP_DATABASE_URL)"
+    )
+    parser.add_argument("--nats", metavar="URL", help="NATS URL (default: DRACAP_NATS_URL)")
+    parser.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="embedded servers' data (default: a temporary directory); with --attach, "
+        "where connection.json is (default: .dracap)",
+    )
+    parser.add_argument(
+        "--attach",
+        action="store_true",
+        help="use the services already running on the servers; run only the prove agent",
+    )
+    parser.add_argument("--prefix", default="dracap", help="subject prefix (default: dracap)")
     parser.set_defaults(func=run)

@@ -11,6 +11,18 @@ Design
   ever leaves the namespaces) and deletes both on exit, veth included. The enforcer
   shapes the egress of the sender's veth (``tc -n <tag>-tx``), exactly as it would a
   node's vNIC.
+* **Shares through the control plane.** :func:`prove_bandwidth` runs the real services
+  (:func:`control_plane`: by default :class:`services.up.Stack` in-process — relay, live
+  state, claims and admin APIs, a reservation worker — plus one node agent for
+  ``prove-node`` whose enforcer is the lab's :class:`TcEnforcer`; or only that agent,
+  next to services already running). It publishes a DeviceClass and a ResourceSlice
+  with one shareable device ``veth0`` (capacity ``bandwidth``, attribute ``ifName``)
+  through the admin API, applies one ResourceClaim per rate through the tenant API
+  (pinned to the lab's ``ifName``), waits for each to be Ready — the agent's
+  ``LimitApplied`` at level ``hard`` in the fold — and takes the mark of its ShareID
+  from the enforcer (``mark_of``). At the end it deletes the claims, waits until the
+  device's capacity is all free again and withdraws the device (the slice again,
+  without devices).
 * **Traffic.** Two small Python programs run inside the namespaces through
   ``ip netns exec``: a receiver (one TCP listener per flow, bytes counted in 100 ms bins
   of wall-clock time, plus an echo server for the probe) and a sender (one thread per
@@ -28,13 +40,16 @@ Design
   second, the first-second overshoot (bytes of second one over the rate), drops, the
   mean rate alone (baseline) against the rate with every neighbour saturating
   (interference), and the probe's p50/p99 round trip. The time an ``apply`` takes to
-  change a live share's rate (``tc class replace`` plus the read-back) is measured too.
+  change a live share's rate (``tc class replace`` plus the read-back, on the agent's
+  enforcer directly) is measured too, and per claim the control plane's time from the
+  tenant API's ``apply`` to the claim being Ready.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -42,7 +57,7 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -50,11 +65,11 @@ import msgspec
 
 from events import model
 from events.quantities import Quantity
+from events.subjects import BusNames
+from services.claims.command import TERMINAL_PHASES, ApiClient, ApiError
 from services.enforcement.enforcers import ShareLimit
 from services.enforcement.tc import TcEnforcer
-from services.reservation.allocating import Allocator
-from services.reservation.inventory import Inventory
-from services.reservation.outcomes import Allocated
+from services.runtime.settings import Settings
 
 __all__ = [
     "DRIVER",
@@ -64,9 +79,13 @@ __all__ = [
     "ProbeResult",
     "ProofReport",
     "ShareFigures",
-    "allocate_shares",
+    "apply_until_ready",
+    "claim_manifest",
+    "control_plane",
+    "device_manifests",
     "have_net_admin",
     "prove_bandwidth",
+    "release_claims",
     "run_load",
 ]
 
@@ -377,16 +396,21 @@ async def run_load(
 # -- ``dracap prove bandwidth``
 
 NODE: Final = "prove-node"
+NAMESPACE: Final = "prove"
 CLASS: Final = "bandwidth.dracap.io"
 WARMUP: Final = 1.0
+READY_WITHIN: Final = 30.0
+RELEASE_WITHIN: Final = 30.0
 
 
 class ShareFigures(msgspec.Struct, kw_only=True):
     """What was measured for one share (rates in bit/s, ratios as fractions)."""
 
     share_id: str
+    claim: str  # namespace/name of the ResourceClaim that holds the share
     configured: int
     mark: int
+    ready_ms: float  # claims API apply -> claim Ready (LimitApplied, level hard) in the fold
     alone: float  # mean over the window with no neighbour
     achieved: float  # mean over the window with every neighbour saturating
     accuracy: float  # achieved / configured - 1
@@ -402,103 +426,252 @@ class ProofReport(msgspec.Struct, kw_only=True):
     """The whole proof: shares, the probe, the apply-time of a limit change."""
 
     allocation: str
+    control_plane: str  # where the services ran (in-process stack / attached), the servers
     duration: float
     shares: list[ShareFigures]
     probe_rate: int
+    probe_ready_ms: float
     probe_p50_ms: float | None
     probe_p99_ms: float | None
     probe_samples: int
-    apply_change_ms: list[float]
+    apply_change_ms: list[float]  # enforcer-level: tc class replace + read-back
     aggressor_rate: float  # unclassified neighbour, default class
-
-
-def allocate_shares(tag: str, rates: Sequence[Quantity], link: Quantity) -> list[ShareLimit]:
-    """ShareIDs and amounts from the allocator: one claim per rate on a ``link`` device."""
-    dclass = model.convert(
-        {
-            "apiVersion": model.API_VERSION,
-            "kind": "DeviceClass",
-            "metadata": {"name": CLASS},
-            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
-        },
-        model.DeviceClass,
-    )
-    rslice = model.convert(
-        {
-            "apiVersion": model.API_VERSION,
-            "kind": "ResourceSlice",
-            "metadata": {"name": f"{tag}-slice"},
-            "spec": {
-                "driver": DRIVER,
-                "nodeName": NODE,
-                "pool": {"name": tag, "generation": 1, "resourceSliceCount": 1},
-                "devices": [
-                    {
-                        "name": "veth0",
-                        "allowMultipleAllocations": True,
-                        "capacity": {"bandwidth": {"value": str(link)}},
-                    }
-                ],
-            },
-        },
-        model.ResourceSlice,
-    )
-    allocator = Allocator(Inventory([dclass], [rslice]))
-    limits: list[ShareLimit] = []
-    for i, rate in enumerate(rates):
-        claim = model.convert(
-            {
-                "apiVersion": model.API_VERSION,
-                "kind": "ResourceClaim",
-                "metadata": {"name": f"prove-{i}", "namespace": "prove"},
-                "spec": {
-                    "devices": {
-                        "requests": [
-                            {
-                                "name": "net",
-                                "exactly": {
-                                    "deviceClassName": CLASS,
-                                    "capacity": {"requests": {"bandwidth": str(rate)}},
-                                },
-                            }
-                        ]
-                    }
-                },
-            },
-            model.ResourceClaim,
-        )
-        outcome = allocator.allocate(claim, node=NODE)
-        if not isinstance(outcome, Allocated):
-            raise RuntimeError(f"the allocator refused {rate}: {outcome}")
-        allocator.commit(outcome)
-        for grant in outcome.grants:
-            assert grant.share_id is not None
-            driver, pool, device = grant.device
-            limits.append(
-                ShareLimit(
-                    share_id=grant.share_id,
-                    driver=driver,
-                    pool=pool,
-                    device=device,
-                    consumed=dict(grant.consumed),
-                )
-            )
-    return limits
+    capacity_returned: bool  # after deleting the claims, the device's bandwidth is all free
 
 
 def _bits(q: Quantity) -> int:
     return q.value()
 
 
+def _encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def device_manifests(pair: NetnsPair, link: Quantity) -> tuple[bytes, bytes]:
+    """The DeviceClass and the ResourceSlice (one shareable ``veth0``) of the lab, as JSON."""
+    dclass = {
+        "apiVersion": model.API_VERSION,
+        "kind": "DeviceClass",
+        "metadata": {"name": CLASS},
+        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+    }
+    return _encode(dclass), _slice_manifest(pair, link, generation=1)
+
+
+def _slice_manifest(pair: NetnsPair, link: Quantity | None, *, generation: int) -> bytes:
+    """The lab's ResourceSlice; ``link=None``: no devices (the device is withdrawn)."""
+    devices = (
+        [
+            {
+                "name": "veth0",
+                "allowMultipleAllocations": True,
+                "attributes": {"ifName": {"string": pair.tx_if}},
+                "capacity": {"bandwidth": {"value": str(link)}},
+            }
+        ]
+        if link is not None
+        else []
+    )
+    return _encode(
+        {
+            "apiVersion": model.API_VERSION,
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"{pair.tag}-slice"},
+            "spec": {
+                "driver": DRIVER,
+                "nodeName": NODE,
+                "pool": {"name": pair.tag, "generation": generation, "resourceSliceCount": 1},
+                "devices": devices,
+            },
+        }
+    )
+
+
+def claim_manifest(pair: NetnsPair, name: str, rate: Quantity) -> bytes:
+    """A ResourceClaim for ``rate`` of bandwidth on the lab's device (pinned by ifName)."""
+    return _encode(
+        {
+            "apiVersion": model.API_VERSION,
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": "net",
+                            "exactly": {
+                                "deviceClassName": CLASS,
+                                "selectors": [
+                                    {
+                                        "cel": {
+                                            "expression": f'device.attributes["{DRIVER}"]'
+                                            f'.ifName == "{pair.tx_if}"'
+                                        }
+                                    }
+                                ],
+                                "capacity": {"requests": {"bandwidth": str(rate)}},
+                            },
+                        }
+                    ]
+                }
+            },
+        }
+    )
+
+
+@contextlib.asynccontextmanager
+async def control_plane(
+    settings: Settings,
+    names: BusNames,
+    enforcer: TcEnforcer,
+    *,
+    start_services: bool = True,
+    workers: int = 1,
+) -> AsyncIterator[ApiClient]:
+    """The real services, with one node agent for :data:`NODE` driving ``enforcer``.
+
+    ``start_services``: relay, live state, claims/admin API and reservation workers run
+    in-process (:class:`services.up.Stack`, no agents of its own); else they are already
+    running somewhere on these servers (``dracap up``) and only the agent runs here.
+    Yields a client of the claims and admin APIs.
+    """
+    from services.enforcement.agent import Agent
+    from services.runtime.bus import connect_bus, ensure_stream
+    from services.runtime.eventstore import EventStore
+    from services.up import Stack
+
+    if start_services:
+        async with Stack.running(settings, names, nodes=(), workers=workers) as stack:
+            agent = Agent(stack.store, stack.js, names, node=NODE, enforcer=enforcer)
+            stack.spawn(f"agent-{NODE}", functools.partial(agent.run, stack.stop))
+            async with ApiClient.connect(settings.nats_url, names.prefix) as api:
+                yield api
+        return
+    store = await EventStore.open(settings)
+    try:
+        nc, js = await connect_bus(settings.nats_url, name=f"dracap-prove-{NODE}")
+        try:
+            await ensure_stream(js, names)
+            stop = asyncio.Event()
+            agent = Agent(store, js, names, node=NODE, enforcer=enforcer)
+            task = asyncio.create_task(agent.run(stop), name=f"agent-{NODE}")
+            try:
+                async with ApiClient.connect(settings.nats_url, names.prefix) as api:
+                    yield api
+            finally:
+                stop.set()
+                try:
+                    await asyncio.wait_for(task, 10)
+                except TimeoutError:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        finally:
+            await nc.drain()
+    finally:
+        await store.close()
+
+
+async def apply_until_ready(
+    api: ApiClient, name: str, manifest: bytes, *, within: float = READY_WITHIN
+) -> tuple[dict[str, Any], float]:
+    """Apply a claim through the tenant API; its Ready view and ms from apply to Ready.
+
+    The watch is subscribed before the apply, so no change is missed; a ``get`` every
+    half second covers a lost publication (core NATS). Raises RuntimeError when the
+    claim ends in another terminal phase, a share is not enforced ``hard``, or the
+    claim is not Ready within ``within`` seconds.
+    """
+    subject = (await api.claims(NAMESPACE, "watch", {"name": name}))["subject"]
+    views: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def on_change(msg: Any) -> None:
+        views.put_nowait(json.loads(msg.data))
+
+    sub = await api.nc.subscribe(subject, cb=on_change)
+    try:
+        await api.nc.flush()
+        start = time.perf_counter()
+        view: dict[str, Any] = (await api.claims(NAMESPACE, "apply", manifest))["claim"]
+        deadline = start + within
+        while not view.get("ready"):
+            if view.get("phase") in TERMINAL_PHASES:
+                raise RuntimeError(
+                    f"claim {NAMESPACE}/{name} ended {view.get('phase')}: {view.get('reason')}"
+                )
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise RuntimeError(
+                    f"claim {NAMESPACE}/{name} not Ready within {within:g} s "
+                    f"(phase {view.get('phase')})"
+                )
+            try:
+                view = await asyncio.wait_for(views.get(), min(left, 0.5))
+            except TimeoutError:
+                view = (await api.claims(NAMESPACE, "get", {"name": name}))["claim"]
+        elapsed = (time.perf_counter() - start) * 1000
+    finally:
+        await sub.unsubscribe()
+    shares = view.get("shares") or []
+    if len(shares) != 1 or shares[0].get("level") != "hard":
+        raise RuntimeError(f"claim {NAMESPACE}/{name} is Ready but not enforced hard: {shares}")
+    return view, elapsed
+
+
+async def _device_free(api: ApiClient, pool: str) -> bool:
+    """Whether the lab device's bandwidth is all free (no live share holds any)."""
+    for device in (await api.admin("devices.list"))["devices"]:
+        if (device["driver"], device["pool"], device["device"]) == (DRIVER, pool, "veth0"):
+            capacity = device["capacity"]["bandwidth"]
+            return bool(Quantity.parse(capacity["consumed"]).sign() == 0 and device["shares"] == 0)
+    return False
+
+
+async def release_claims(
+    api: ApiClient, pool: str, claims: Sequence[str], *, within: float = RELEASE_WITHIN
+) -> bool:
+    """Delete ``claims``; whether the device's capacity is all free again within ``within`` s."""
+    for name in claims:
+        with contextlib.suppress(ApiError):  # not_found: never admitted, or released
+            await api.claims(NAMESPACE, "delete", {"name": name})
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if await _device_free(api, pool):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def _limit_of(view: dict[str, Any]) -> ShareLimit:
+    share = view["shares"][0]
+    return ShareLimit(
+        share_id=share["share_id"],
+        driver=share["driver"],
+        pool=share["pool"],
+        device=share["device"],
+        consumed={k: Quantity.parse(v) for k, v in share["consumed"].items()},
+    )
+
+
 async def prove_bandwidth(
     rates: Sequence[Quantity],
     *,
+    settings: Settings,
+    names: BusNames,
+    start_services: bool = True,
+    where: str = "",
     duration: float = 10.0,
     probe_rate: Quantity | None = None,
     aggressor: bool = True,
     changes: int = 10,
 ) -> ProofReport:
-    """Baseline each share alone, then all at once with a probe and a neighbour."""
+    """Allocate through the control plane, baseline each share alone, then all at once.
+
+    The shares are ResourceClaims applied through the tenant API and made real by the
+    node agent of :data:`NODE`, whose enforcer shapes the lab's veth; see
+    :func:`control_plane` for ``start_services``. ``where`` describes the servers for
+    the report.
+    """
     probe_q = probe_rate or Quantity.parse("10M")
     total = sum((_bits(r) for r in rates), _bits(probe_q))
     # The default class (unclassified traffic, the aggressor) gets what the shares leave
@@ -506,79 +679,135 @@ async def prove_bandwidth(
     link = Quantity.from_int(2 * total)
     async with NetnsPair() as pair:
         enforcer = pair.enforcer(default_rate=total)
-        limits = allocate_shares(pair.tag, [*rates, probe_q], link)
-        marks: dict[str, int] = {}
-        for limit in limits:
-            await enforcer.apply(limit)
-            mark = await enforcer.mark_of(limit.share_id)
-            assert mark is not None
-            marks[limit.share_id] = mark
-        shares, probe = limits[:-1], limits[-1]
-        span = WARMUP + duration
-        alone: dict[str, LoadResult] = {}
-        for limit in shares:
-            alone[limit.share_id] = await run_load(
-                pair, [Flow(limit.share_id, marks[limit.share_id], 0.0, span)]
-            )
-        flows = [Flow(s.share_id, marks[s.share_id], 0.0, span) for s in shares]
-        if aggressor:
-            flows.append(Flow("aggressor", 0, 0.0, span))
-        t0 = time.time() + 1.0
-        load = asyncio.create_task(
-            run_load(
-                pair, flows, probe_mark=marks[probe.share_id], probe_window=(WARMUP, span), t0=t0
-            )
-        )
-        # The kernel's own counters over the same window, read while the load runs.
-        await asyncio.sleep(max(0.0, t0 + WARMUP - time.time()))
-        before = {c.minor: c for c in await enforcer.classes(pair.tx_if, stats=True)}
-        await asyncio.sleep(max(0.0, t0 + span - time.time()))
-        after = {c.minor: c for c in await enforcer.classes(pair.tx_if, stats=True)}
-        loaded = await load
-        minors = {f.share_id: f.minor for f in await enforcer.filters(pair.tx_if)}
-        figures: list[ShareFigures] = []
-        for limit in shares:
-            sid = limit.share_id
-            rate = _bits(limit.consumed["bandwidth"])
-            base = alone[sid].rate(sid, WARMUP, span)
-            got = loaded.rate(sid, WARMUP, span)
-            seconds = loaded.per_second(sid, WARMUP, span)
-            c0, c1 = before[minors[sid]], after[minors[sid]]
-            figures.append(
-                ShareFigures(
-                    share_id=sid,
-                    configured=rate,
-                    mark=marks[sid],
-                    alone=base,
-                    achieved=got,
-                    accuracy=got / rate - 1,
-                    worst_second=max((abs(x / rate - 1) for x in seconds), default=0.0),
-                    first_second=loaded.rate(sid, 0.0, 1.0) / rate,
-                    kernel_rate=(c1.bytes - c0.bytes) * 8 / duration,
-                    drops=c1.drops - c0.drops,
-                    interference=(base - got) / base if base else 0.0,
-                    pushed_below=got < rate * 0.97,
+        async with control_plane(settings, names, enforcer, start_services=start_services) as api:
+            dclass, rslice = device_manifests(pair, link)
+            await api.admin("deviceclasses.apply", dclass)
+            await api.admin("namespaces.access", {"namespace": NAMESPACE, "classes": [CLASS]})
+            await api.admin("slices.apply", rslice)
+            applied: list[str] = []
+            withdraw = _slice_manifest(pair, None, generation=2)
+            try:
+                report = await _measure(
+                    pair, api, enforcer, [*rates, probe_q], applied, duration, aggressor, changes
                 )
+            except BaseException:
+                with contextlib.suppress(Exception):  # the first error is the one to see
+                    await release_claims(api, pair.tag, applied, within=5.0)
+                    await api.admin("slices.apply", withdraw)
+                raise
+            # Capacity back: delete every claim, wait for the device to be all free, then
+            # withdraw the device (the slice again, without devices).
+            report.capacity_returned = await release_claims(api, pair.tag, applied)
+            await api.admin("slices.apply", withdraw)
+            services = (
+                "in-process stack (relay, live state, claims API, reservation worker)"
+                if start_services
+                else "attached to the running services"
             )
-        change_ms: list[float] = []
-        target = shares[0]
-        for i in range(changes):
-            amount = target.consumed["bandwidth"] * (2 if i % 2 == 0 else 1)
-            changed = msgspec.structs.replace(
-                target, consumed={**target.consumed, "bandwidth": amount}
-            )
-            start = time.perf_counter()
-            await enforcer.apply(changed)
-            change_ms.append((time.perf_counter() - start) * 1000)
-        p50, p99 = loaded.probe.quantile(0.5), loaded.probe.quantile(0.99)
-        return ProofReport(
-            allocation="allocator + enforcer (no event log / bus)",
-            duration=duration,
-            shares=figures,
-            probe_rate=_bits(probe_q),
-            probe_p50_ms=p50 * 1000 if p50 is not None else None,
-            probe_p99_ms=p99 * 1000 if p99 is not None else None,
-            probe_samples=len(loaded.probe.rtts),
-            apply_change_ms=change_ms,
-            aggressor_rate=loaded.rate("aggressor", WARMUP, span) if aggressor else 0.0,
+            agent = f"agent of {NODE} with TcEnforcer on {pair.tx_if}"
+            report.control_plane = f"{services} + {agent}" + (f"; {where}" if where else "")
+            return report
+
+
+async def _measure(
+    pair: NetnsPair,
+    api: ApiClient,
+    enforcer: TcEnforcer,
+    amounts: Sequence[Quantity],
+    applied: list[str],
+    duration: float,
+    aggressor: bool,
+    changes: int,
+) -> ProofReport:
+    """Claims through the API (names appended to ``applied``), then the measurements."""
+    limits: list[ShareLimit] = []
+    ready_ms: list[float] = []
+    claims: list[str] = []
+    marks: dict[str, int] = {}
+    for i, amount in enumerate(amounts):
+        name = f"{pair.tag}-{i}" if i < len(amounts) - 1 else f"{pair.tag}-probe"
+        applied.append(name)
+        view, ms = await apply_until_ready(api, name, claim_manifest(pair, name, amount))
+        limit = _limit_of(view)
+        mark = await enforcer.mark_of(limit.share_id)
+        if mark is None:
+            raise RuntimeError(f"claim {name} is Ready but share {limit.share_id} has no class")
+        limits.append(limit)
+        ready_ms.append(ms)
+        claims.append(f"{NAMESPACE}/{name}")
+        marks[limit.share_id] = mark
+    shares, probe = limits[:-1], limits[-1]
+    span = WARMUP + duration
+    alone: dict[str, LoadResult] = {}
+    for limit in shares:
+        alone[limit.share_id] = await run_load(
+            pair, [Flow(limit.share_id, marks[limit.share_id], 0.0, span)]
         )
+    flows = [Flow(s.share_id, marks[s.share_id], 0.0, span) for s in shares]
+    if aggressor:
+        flows.append(Flow("aggressor", 0, 0.0, span))
+    t0 = time.time() + 1.0
+    load = asyncio.create_task(
+        run_load(pair, flows, probe_mark=marks[probe.share_id], probe_window=(WARMUP, span), t0=t0)
+    )
+    # The kernel's own counters over the same window, read while the load runs.
+    await asyncio.sleep(max(0.0, t0 + WARMUP - time.time()))
+    before = {c.minor: c for c in await enforcer.classes(pair.tx_if, stats=True)}
+    await asyncio.sleep(max(0.0, t0 + span - time.time()))
+    after = {c.minor: c for c in await enforcer.classes(pair.tx_if, stats=True)}
+    loaded = await load
+    minors = {f.share_id: f.minor for f in await enforcer.filters(pair.tx_if)}
+    figures: list[ShareFigures] = []
+    for i, limit in enumerate(shares):
+        sid = limit.share_id
+        rate = _bits(limit.consumed["bandwidth"])
+        base = alone[sid].rate(sid, WARMUP, span)
+        got = loaded.rate(sid, WARMUP, span)
+        seconds = loaded.per_second(sid, WARMUP, span)
+        c0, c1 = before[minors[sid]], after[minors[sid]]
+        figures.append(
+            ShareFigures(
+                share_id=sid,
+                claim=claims[i],
+                configured=rate,
+                mark=marks[sid],
+                ready_ms=ready_ms[i],
+                alone=base,
+                achieved=got,
+                accuracy=got / rate - 1,
+                worst_second=max((abs(x / rate - 1) for x in seconds), default=0.0),
+                first_second=loaded.rate(sid, 0.0, 1.0) / rate,
+                kernel_rate=(c1.bytes - c0.bytes) * 8 / duration,
+                drops=c1.drops - c0.drops,
+                interference=(base - got) / base if base else 0.0,
+                pushed_below=got < rate * 0.97,
+            )
+        )
+    # Enforcer-level: the time one apply takes to change a live share's rate in the
+    # kernel (the agent's own enforcer, outside the log; the last change restores it).
+    change_ms: list[float] = []
+    target = shares[0]
+    for i in range(changes):
+        amount = target.consumed["bandwidth"] * (2 if i % 2 == 0 else 1)
+        changed = msgspec.structs.replace(target, consumed={**target.consumed, "bandwidth": amount})
+        start = time.perf_counter()
+        await enforcer.apply(changed)
+        change_ms.append((time.perf_counter() - start) * 1000)
+    if changes % 2:
+        await enforcer.apply(target)
+    p50, p99 = loaded.probe.quantile(0.5), loaded.probe.quantile(0.99)
+    return ProofReport(
+        allocation="control plane: claims API -> event log -> relay -> reservation worker "
+        "-> node agent (TcEnforcer)",
+        control_plane="",
+        duration=duration,
+        shares=figures,
+        probe_rate=_bits(probe.consumed["bandwidth"]),
+        probe_ready_ms=ready_ms[-1],
+        probe_p50_ms=p50 * 1000 if p50 is not None else None,
+        probe_p99_ms=p99 * 1000 if p99 is not None else None,
+        probe_samples=len(loaded.probe.rtts),
+        apply_change_ms=change_ms,
+        aggressor_rate=loaded.rate("aggressor", WARMUP, span) if aggressor else 0.0,
+        capacity_returned=False,
+    )

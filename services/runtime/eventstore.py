@@ -398,6 +398,8 @@ class EventStore:
         self._pool = pool
         self._settings = settings
         self._listener: asyncpg.Connection | None = None
+        self._listener_lock = asyncio.Lock()
+        self._closed = False
         self._waiters: set[asyncio.Future[None]] = set()
 
     @classmethod
@@ -414,9 +416,11 @@ class EventStore:
 
     async def close(self) -> None:
         """Close the listener connection and the pool."""
-        if self._listener is not None:
-            await self._listener.close()
-            self._listener = None
+        async with self._listener_lock:
+            self._closed = True
+            if self._listener is not None:
+                await self._listener.close()
+                self._listener = None
         await self._pool.close()
 
     async def __aenter__(self) -> EventStore:
@@ -601,9 +605,19 @@ class EventStore:
                 waiter.set_result(None)
 
     async def _listen(self) -> None:
-        if self._listener is None:
-            self._listener = await connect(self._settings)
-            await self._listener.add_listener(CHANNEL, self._notified)
+        # Several tasks tail one store; the lock makes sure only one of them opens the
+        # LISTEN connection (two racing opens would leak one), and none after close().
+        async with self._listener_lock:
+            if self._closed:
+                raise RetryableError("the event store is closed")
+            if self._listener is None:
+                listener = await connect(self._settings)
+                try:
+                    await listener.add_listener(CHANNEL, self._notified)
+                except BaseException:
+                    await listener.close()
+                    raise
+                self._listener = listener
 
     async def wait_for_new(self, after_position: int, timeout: float) -> int:  # noqa: ASYNC109
         """Wait until the log's head passes ``after_position`` or ``timeout`` runs out.

@@ -152,6 +152,16 @@ def every_event() -> list[c.Event]:
         c.LimitApplied(share_id="s-1", node="node-a", level="hard", actual={"memory": Q("4Gi")}),
         c.LimitFailed(share_id="s-1", node="node-a", retryable=True, reason="mps busy"),
         c.LimitRemoved(share_id="s-1", node="node-a"),
+        c.EnforcementReconciled(
+            node="node-a", reapplied=["s-1"], removed_orphans=["s-9"], kept=["s-2"], failed=[]
+        ),
+        c.EnforcementCheckpointSetAside(
+            node="node-a",
+            path="/var/lib/dracap/agent/checkpoint.json",
+            reason="checksum-mismatch",
+            detail="the checksum does not match the body",
+            moved_to="/var/lib/dracap/agent/checkpoint.json.corrupt-20250101T000000.000000Z",
+        ),
         c.ReleaseRequested(namespace="team-a", name="train", allocation_version=1),
         c.CapacityReleased(
             share_id="s-1",
@@ -180,7 +190,7 @@ IDS = [c.tag_of(e) for e in EVENTS]
 
 def test_every_tag_is_covered() -> None:
     assert sorted(IDS) == sorted(c.EVENT_TYPES)
-    assert len(set(IDS)) == len(IDS) == 23
+    assert len(set(IDS)) == len(IDS) == 25
 
 
 @pytest.mark.parametrize("event", EVENTS, ids=IDS)

@@ -1,0 +1,123 @@
+"""The agent's inventory loop: discovery -> Publisher -> ResourceSlice events in the log.
+
+:class:`InventoryScanner` runs :func:`~services.enforcement.discovery.discover` (in a
+thread: it reads sysfs and calls NVML), hands the inventory to whoever needs it (the
+enforcers' device maps, :func:`interfaces_of` and :func:`gpu_uuids_of`) and appends
+what the :class:`~services.enforcement.publishing.Publisher` says changed
+(``ResourceSlicePublished`` / ``ResourceSliceWithdrawn``, one slice stream each) in one
+append, actor ``agent:<node>``. The publisher starts from the slices the log holds, so
+a restart republishes nothing when nothing changed. A scan that fails (a broken static
+inventory file, an unreadable sysfs) is logged and skipped: what was published stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from events.catalog import stream_of
+from events.subjects import NO_NODE
+from services.enforcement.discovery import AgentConfig, Inventory, InventoryError, discover
+from services.enforcement.publishing import Changes, Publisher
+from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.livestate import LiveState
+
+__all__ = ["InventoryScanner", "gpu_uuids_of", "interfaces_of"]
+
+log = logging.getLogger("dracap.inventory")
+
+InventoryListener = Callable[[Inventory], None]
+
+
+def interfaces_of(config: AgentConfig, inventory: Inventory) -> dict[tuple[str, str, str], str]:
+    """``(driver, pool, device) -> interface`` for every device with an ``ifName``."""
+    out: dict[tuple[str, str, str], str] = {}
+    for driver, devices in inventory.devices.items():
+        pool = config.pool_for(driver)
+        for device in devices:
+            name = device.attributes.get("ifName")
+            if name is not None and name.string:
+                out[(driver, pool, device.name)] = name.string
+    return out
+
+
+def gpu_uuids_of(config: AgentConfig, inventory: Inventory) -> dict[str, str]:
+    """``device -> GPU UUID`` for the GPUs of the configured GPU driver."""
+    out: dict[str, str] = {}
+    for device in inventory.devices.get(config.gpu.driver, []):
+        uuid = device.attributes.get("uuid")
+        if uuid is not None and uuid.string:
+            out[device.name] = uuid.string
+    return out
+
+
+class InventoryScanner:
+    """Discovers the node's devices and publishes them (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        live: LiveState,
+        config: AgentConfig,
+        *,
+        scan: Callable[[AgentConfig], Inventory] = discover,
+        listeners: list[InventoryListener] | None = None,
+    ) -> None:
+        self.store = store
+        self.live = live
+        self.config = config
+        self.scan = scan
+        self.listeners = list(listeners or [])
+        self.publisher: Publisher | None = None
+        self.inventory: Inventory | None = None
+        self.scans = 0
+
+    async def scan_once(self) -> Changes | None:
+        """One scan: discover, tell the listeners, append what changed (None: skipped)."""
+        if self.publisher is None:
+            await self.live.catch_up()
+            self.publisher = Publisher(self.config, self.live.state.slices.values())
+        try:
+            inventory = await asyncio.to_thread(self.scan, self.config)
+        except (InventoryError, OSError) as exc:
+            log.warning("inventory scan skipped, keeping what was published: %s", exc)
+            return None
+        self.inventory = inventory
+        self.scans += 1
+        for listener in self.listeners:
+            listener(inventory)
+        changes = self.publisher.plan(inventory)
+        if changes.changed:
+            await self._append(changes)
+            self.publisher.commit(changes)
+            log.info(
+                "inventory: published %d pool(s) of node %s",
+                len(changes.pools),
+                self.config.node_name,
+            )
+        return changes
+
+    async def run(self, stop: asyncio.Event, interval: float) -> None:
+        """Scan every ``interval`` s until ``stop`` is set (the first scan is the caller's)."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            if stop.is_set():
+                return
+            try:
+                await self.scan_once()
+            except Exception:  # a database hiccup must not end the agent: next scan
+                log.exception("inventory scan failed")
+
+    async def _append(self, changes: Changes) -> None:
+        batches: list[Batch] = []
+        for event in changes.events():
+            stream = stream_of(event)
+            if batches and batches[-1].stream == stream:
+                batches[-1] = Batch(stream, None, [*batches[-1].events, event])
+            else:
+                batches.append(Batch(stream, None, [event]))
+        actor = f"agent:{self.config.node_name or NO_NODE}"
+        await self.store.append_many(batches, Metadata(actor=actor))

@@ -1,0 +1,402 @@
+"""The node agent restarts without disturbing the limits it enforces (tc, a real kernel).
+
+The agent runs as a **subprocess** (``python -m services.cli agent --enforcer tc``)
+against real PostgreSQL and nats-server; the relay, the claims API and a reservation
+worker run in-process under a unique subject prefix (as in ``test_pipeline``). The
+agent's config makes discovery publish a veth interface created for the test in the
+root namespace (its peer lives in a fresh namespace), so the tc enforcer gets its
+device -> interface map from the ``ifName`` attribute, and claims for bandwidth become
+``Ready`` through the whole stack. Then the agent is killed with SIGKILL and restarted:
+
+* with an orphan share (an HTB class and a labelled filter no live share owns) added
+  by hand: the running shares' classes are never removed (the kernel is sampled the
+  whole time), no second ``LimitApplied`` is written, the orphan is removed and
+  ``EnforcementReconciled`` records it;
+* with the checkpoint file corrupted: it is set aside (moved, an
+  ``EnforcementCheckpointSetAside`` event) and rebuilt from kernel and log.
+
+Skipped, with the reason, without CAP_NET_ADMIN (or veth/HTB/cls_bpf).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from events.catalog import (
+    EnforcementCheckpointSetAside,
+    EnforcementReconciled,
+    Envelope,
+    LimitApplied,
+    node_stream,
+)
+from events.fold import ClusterState
+from events.subjects import BusNames
+from services.claims.api import ClaimsApi
+from services.enforcement import checkpointing
+from services.enforcement.tc import (
+    HTB_MAJOR,
+    TcEnforcer,
+    candidate_minors,
+    encode_program,
+    parse_class_text,
+)
+from services.replay.verify import summary, verify
+from services.reservation.service import ReservationService
+from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.eventstore import EventStore
+from services.runtime.livestate import LiveState
+from services.runtime.relaying import Relay
+from services.runtime.settings import Settings
+
+pytest_plugins = ["tests.fixtures.netns"]
+
+DRIVER = "vnic.dracap.io"
+CLASS = "bandwidth.dracap.io"
+NAMESPACE = "tenant-a"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ip(*argv: str) -> None:
+    subprocess.run(["ip", *argv], check=True, capture_output=True, text=True)
+
+
+def _tc(*argv: str) -> str:
+    return subprocess.run(["tc", *argv], check=True, capture_output=True, text=True).stdout
+
+
+def _claim(name: str, bandwidth: str) -> bytes:
+    request = {"deviceClassName": CLASS, "capacity": {"requests": {"bandwidth": bandwidth}}}
+    doc = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"devices": {"requests": [{"name": "net", "exactly": request}]}},
+    }
+    return yaml.safe_dump(doc).encode()
+
+
+class Node:
+    """The test's stack: in-process services, a veth, and the agent as a subprocess."""
+
+    def __init__(
+        self, settings: Settings, nats_url: str, nc: Client, js: JetStreamContext, tmp: Path
+    ) -> None:
+        tag = uuid.uuid4().hex[:8]
+        self.settings = settings
+        self.nats_url = nats_url
+        self.nc = nc
+        self.js = js
+        self.names = BusNames(f"t{tag}")
+        self.node = f"node-{tag}"
+        self.iface = f"dcr{tag}"
+        self.netns = f"dcrns{tag}"
+        self.tmp = tmp
+        self.checkpoint = tmp / "agent.checkpoint.json"
+        self.config = tmp / "agent-config.yaml"
+        self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.stores: list[EventStore] = []
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self.tc = TcEnforcer({(DRIVER, f"{self.node}-vnic", self.iface): self.iface})
+
+    # -- setup
+    def make_link(self) -> None:
+        _ip("netns", "add", self.netns)
+        _ip("link", "add", self.iface, "type", "veth", "peer", "name", f"dcp{self.iface[3:]}")
+        _ip("link", "set", f"dcp{self.iface[3:]}", "netns", self.netns)
+        _ip("link", "set", self.iface, "up")
+
+    def remove_link(self) -> None:
+        subprocess.run(["ip", "link", "del", self.iface], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
+
+    def write_config(self) -> None:
+        config = {
+            "nodeName": self.node,
+            "network": {
+                "driver": DRIVER,
+                "include": [self.iface],
+                "includeVirtual": True,
+                "defaultSpeed": "1G",
+            },
+            "gpu": {"enabled": False},
+            "classes": [
+                {
+                    "driver": DRIVER,
+                    "allowMultipleAllocations": True,
+                    "capacity": {"bandwidth": {"default": "10M", "validValues": ["10M", "20M"]}},
+                }
+            ],
+        }
+        self.config.write_text(yaml.safe_dump(config))
+
+    async def start(self) -> None:
+        await ensure_stream(self.js, self.names)
+        relay_store, api_store, worker_store = [await self._store() for _ in range(3)]
+        self.tasks.append(
+            asyncio.ensure_future(Relay(relay_store, self.js, self.names).run(self.stop))
+        )
+        self.api = ClaimsApi(api_store, LiveState(api_store), self.nc, self.names, tail=True)
+        await self.api.start()
+        self.tasks.append(asyncio.ensure_future(self.api.run(self.stop)))
+        worker = ReservationService(worker_store, LiveState(worker_store), self.js, self.names)
+        self.tasks.append(asyncio.ensure_future(worker.run(self.stop)))
+        self.store = await self._store()
+        self.view = LiveState(self.store)
+        device_class = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": CLASS},
+            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+        }
+        await self.admin("deviceclasses.apply", yaml.safe_dump(device_class).encode())
+        await self.admin("namespaces.access", {"namespace": NAMESPACE, "classes": ["*"]})
+
+    async def _store(self) -> EventStore:
+        store = await EventStore.open(self.settings)
+        self.stores.append(store)
+        return store
+
+    async def close(self) -> None:
+        self.kill_agent()
+        self.stop.set()
+        _, pending = await asyncio.wait(self.tasks, timeout=15) if self.tasks else ((), ())
+        for task in pending:
+            task.cancel()
+        for store in self.stores:
+            await store.close()
+        with contextlib.suppress(Exception):
+            await self.js.delete_stream(self.names.stream)
+
+    # -- the agent subprocess
+    def start_agent(self) -> None:
+        self.starts += 1
+        env = dict(os.environ)
+        env["DRACAP_APP_ROLE"] = self.settings.app_role
+        log = (self.tmp / f"agent-{self.starts}.log").open("wb")
+        argv = [sys.executable, "-m", "services.cli", "agent", "--node", self.node,
+                "--prefix", self.names.prefix, "--database-url", self.settings.database_url,
+                "--nats", self.nats_url, "--enforcer", "tc", "--config", str(self.config),
+                "--checkpoint", str(self.checkpoint), "--scan-interval", "0",
+                "--tc-default-rate", "1000000000"]  # fmt: skip
+        self.agent = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=log)
+        log.close()
+
+    def kill_agent(self) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            os.kill(self.agent.pid, signal.SIGKILL)
+            self.agent.wait(10)
+        self.agent = None
+
+    def agent_log(self) -> str:
+        return "\n".join(
+            p.read_text(errors="replace")[-3000:] for p in sorted(self.tmp.glob("agent-*.log"))
+        )
+
+    # -- talking to the stack
+    async def admin(self, op: str, payload: bytes | dict[str, Any]) -> None:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        reply = json.loads((await self.nc.request(self.names.admin(op), body, timeout=10)).data)
+        assert reply["ok"], reply
+
+    async def apply(self, name: str, bandwidth: str) -> None:
+        body = _claim(name, bandwidth)
+        subject = self.names.api(NAMESPACE, "apply")
+        reply = json.loads((await self.nc.request(subject, body, timeout=10)).data)
+        assert reply["ok"], reply
+
+    async def until(self, check: Callable[[ClusterState], bool], within: float = 20) -> None:
+        deadline = time.monotonic() + within
+        while True:
+            await self.view.catch_up()
+            if check(self.view.state):
+                return
+            if self.agent is not None and self.agent.poll() is not None:
+                raise AssertionError(f"the agent exited:\n{self.agent_log()}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"condition not reached in time; agent:\n{self.agent_log()}")
+            await self.store.wait_for_new(self.view.state.position, min(left, 0.2))
+
+    async def node_events(self) -> list[Envelope]:
+        return await self.store.read_stream(node_stream(self.node))
+
+    async def until_event(self, kind: type[Any], count: int = 1) -> list[Any]:
+        found: list[Any] = []
+
+        def seen(_: ClusterState) -> bool:
+            return len(found) >= count
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            found = [e.event for e in await self.node_events() if isinstance(e.event, kind)]
+            if seen(self.view.state):
+                return found
+            if self.agent is not None and self.agent.poll() is not None:
+                raise AssertionError(f"the agent exited:\n{self.agent_log()}")
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"no {kind.__name__} event; agent:\n{self.agent_log()}")
+
+    def share_ids(self, state: ClusterState, *names: str) -> list[str]:
+        out: list[str] = []
+        for name in names:
+            claim = state.claim(NAMESPACE, name)
+            assert claim is not None
+            out += claim.share_ids
+        return sorted(out)
+
+
+def ready(*names: str) -> Callable[[ClusterState], bool]:
+    def check(state: ClusterState) -> bool:
+        claims = [state.claim(NAMESPACE, n) for n in names]
+        return all(c is not None and c.phase == "ready" for c in claims)
+
+    return check
+
+
+@pytest.fixture
+async def node(settings: Settings, nats_url: str, tmp_path: Path) -> AsyncIterator[Node]:
+    from tests.fixtures.netns import require_net_admin  # registered as a plugin above
+
+    require_net_admin()
+    settings = msgspec.structs.replace(settings, pool_max_size=4)
+    nc, js = await connect_bus(nats_url)
+    stack = Node(settings, nats_url, nc, js, tmp_path)
+    try:
+        stack.make_link()
+        stack.write_config()
+        await stack.start()
+        stack.start_agent()
+        await stack.until(
+            lambda st: any(s.spec.node_name == stack.node for s in st.slices.values())
+        )
+        yield stack
+    finally:
+        await stack.close()
+        stack.remove_link()
+        await nc.close()
+
+
+class KernelSampler:
+    """Reads the interface's HTB classes in a loop; records any moment a class is gone."""
+
+    def __init__(self, iface: str, minors: set[int]) -> None:
+        self.iface = iface
+        self.minors = minors
+        self.samples = 0
+        self.missing: list[set[int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            out = _tc("-j", "class", "show", "dev", self.iface)
+            if out.lstrip().startswith("["):  # iproute2 >= 6.3 prints classes as JSON
+                doc = json.loads(out)
+                held = {int(str(c["handle"]).partition(":")[2], 16) for c in doc if "handle" in c}
+            else:
+                held = {c.minor for c in parse_class_text(out)}
+            if not self.minors <= held:
+                self.missing.append(self.minors - held)
+            self.samples += 1
+            time.sleep(0.01)
+
+    def __enter__(self) -> KernelSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def add_orphan(iface: str, share_id: str, taken: set[int]) -> int:
+    """An HTB class and a labelled filter for ``share_id``, as a lost agent would leave."""
+    minor = next(m for m in candidate_minors(share_id) if m not in taken)
+    handle = f"{HTB_MAJOR:x}:{minor:x}"
+    _tc("class", "add", "dev", iface, "parent", f"{HTB_MAJOR:x}:", "classid", handle,
+        "htb", "rate", "1mbit", "ceil", "1mbit")  # fmt: skip
+    program = encode_program(minor << 16, 0xFFFF << 16, share_id)
+    code = ",".join([str(len(program))] + [f"{c} {t} {f} {k}" for c, t, f, k in program])
+    _tc("filter", "add", "dev", iface, "parent", f"{HTB_MAJOR:x}:", "protocol", "all",
+        "pref", str(minor), "handle", "1", "bpf", "bytecode", code, "classid", handle)  # fmt: skip
+    return minor
+
+
+async def test_restart_keeps_limits_and_removes_orphans(node: Node, settings: Settings) -> None:
+    await node.apply("web", "10M")
+    await node.apply("db", "20M")
+    await node.until(ready("web", "db"))
+    shares = node.share_ids(node.view.state, "web", "db")
+    observed = await node.tc.observe()
+    assert sorted(observed) == shares
+    assert {str(observed[s].actual["bandwidth"]) for s in shares} == {"10M", "20M"}
+    minors = {f.minor for f in await node.tc.filters(node.iface)}
+
+    node.kill_agent()
+    orphan = f"orphan-{uuid.uuid4().hex[:8]}"
+    add_orphan(node.iface, orphan, minors)
+    assert orphan in await node.tc.observe()
+
+    with KernelSampler(node.iface, minors) as sampler:
+        node.start_agent()
+        (report,) = await node.until_event(EnforcementReconciled)
+        await asyncio.sleep(0.5)  # the consumer's redeliveries, if any, are handled
+    assert sampler.samples > 10 and sampler.missing == [], sampler.missing
+    assert isinstance(report, EnforcementReconciled)
+    assert report.kept == shares and report.reapplied == [] and report.failed == []
+    assert report.removed_orphans == [orphan]
+
+    after = await node.tc.observe()
+    assert sorted(after) == shares  # the orphan is gone, the shares still enforced
+    applied = [e.event for e in await node.node_events() if isinstance(e.event, LimitApplied)]
+    assert sorted(e.share_id for e in applied) == shares  # one LimitApplied each, ever
+    saved = checkpointing.load(node.checkpoint)
+    assert saved.warning is None and sorted(saved.entries) == shares
+    assert {e.phase for e in saved.entries.values()} == {"completed"}
+    report_ok = await verify(settings, from_start=True)
+    assert report_ok.ok, summary(report_ok)
+
+
+async def test_corrupt_checkpoint_is_set_aside_and_rebuilt(node: Node) -> None:
+    await node.apply("web", "10M")
+    await node.until(ready("web"))
+    shares = node.share_ids(node.view.state, "web")
+    assert sorted(checkpointing.load(node.checkpoint).entries) == shares
+
+    node.kill_agent()
+    node.checkpoint.write_bytes(b'{"version": 1, "checksum": "sha256:00", "body": {"boot')
+    node.start_agent()
+    (aside,) = await node.until_event(EnforcementCheckpointSetAside)
+    (report,) = await node.until_event(EnforcementReconciled)
+
+    assert isinstance(aside, EnforcementCheckpointSetAside)
+    assert aside.node == node.node and aside.path == str(node.checkpoint)
+    assert aside.reason == "corrupt" and aside.moved_to is not None
+    moved = await asyncio.to_thread(Path(aside.moved_to).read_bytes)
+    assert moved.startswith(b'{"version": 1')
+    assert report.kept == shares and report.reapplied == [] and report.removed_orphans == []
+    assert sorted(await node.tc.observe()) == shares
+    rebuilt = checkpointing.load(node.checkpoint)
+    assert rebuilt.warning is None and sorted(rebuilt.entries) == shares
+    applied = [e.event for e in await node.node_events() if isinstance(e.event, LimitApplied)]
+    assert [e.share_id for e in applied] == shares
