@@ -12,16 +12,20 @@ run and on the same database it measures:
 3. **latency at half that rate**: claims applied open-loop at 50% of (2) for
    ``--seconds``; apply->Ready per claim, p50 / p99 / max.
 
-The services are :class:`services.up.Stack` in this process — relay, live state,
-claims API, ``--workers`` reservation workers and one agent (NoneEnforcer) per node —
-exactly what ``dracap up`` runs. The inventory is synthetic: ``--nodes`` nodes of 8
-shareable GPUs with 1000Gi each, so capacity never limits the run; every claim asks
-for 1Gi of memory. Goals: throughput >= 0.25x the raw commit rate, p99 <= 50 ms at
-half the max rate.
+The system under test is ``dracap up`` itself, started as its own process with the
+URLs of the servers in its environment — relay, live state, claims API, ``--workers``
+reservation workers and one agent (NoneEnforcer) per node, exactly what an operator
+runs. This process is the tenants' side: it applies claims over NATS request/reply
+and follows them on the watch subject, as ``dracap claim`` does, so the load
+generator's own work is not charged to the control plane (nor the reverse). The
+inventory is synthetic (an inventory file handed to ``dracap up``): ``--nodes`` nodes
+of 8 shareable GPUs with 1000Gi each, so capacity never limits the run; every claim
+asks for 1Gi of memory. Goals: throughput >= 0.25x the raw commit rate, p99 <= 50 ms
+at half the max rate.
 
 Usage::
 
-    .venv/bin/python -m benchmarks.pipeline --claims 2000 --seconds 10
+    .venv/bin/python -m benchmarks.pipeline --claims 3000 --seconds 10
     .venv/bin/python -m benchmarks.pipeline --embedded   # servers of `dracap up`
 """
 
@@ -32,7 +36,9 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -47,6 +53,7 @@ from services.claims.command import ApiClient
 from services.runtime import migrating
 from services.runtime.embedded import embedded_servers
 from services.runtime.settings import Settings
+from services.up import READY_LINE
 
 NAMESPACE = "bench"
 DRIVER = "gpu.bench.dracap.io"
@@ -102,11 +109,15 @@ def claim(name: str) -> bytes:
     return json.dumps(body).encode()
 
 
-async def load(api: ApiClient, nodes: list[str]) -> None:
-    await api.admin("deviceclasses.apply", json.dumps(device_class()).encode())
-    await api.admin("namespaces.access", {"namespace": NAMESPACE, "classes": ["*"]})
-    for node in nodes:
-        await api.admin("slices.apply", json.dumps(resource_slice(node)).encode())
+def namespace() -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
+
+
+def write_inventory(path: Path, nodes: list[str]) -> Path:
+    """The synthetic inventory as one JSON ``List``."""
+    documents = [device_class(), namespace(), *(resource_slice(n) for n in nodes)]
+    path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": documents}))
+    return path
 
 
 # --- measuring -----------------------------------------------------------------------------
@@ -195,10 +206,10 @@ async def throughput(
 
 
 async def latency(
-    api: ApiClient, tracker: ReadyTracker, rate: float, seconds: float
+    api: ApiClient, tracker: ReadyTracker, rate: float, seconds: float, label: str = "lat"
 ) -> list[float]:
     count = max(1, int(rate * seconds))
-    names = [f"lat-{i}" for i in range(count)]
+    names = [f"{label}-{i}" for i in range(count)]
     started = time.perf_counter()
     tasks = []
     for i, name in enumerate(names):
@@ -219,27 +230,81 @@ def percentile(values: list[float], p: float) -> float:
 # --- the run -------------------------------------------------------------------------------
 
 
-async def measure(settings: Settings, args: argparse.Namespace) -> dict[str, float]:
-    from services.up import Stack
+@contextlib.asynccontextmanager
+async def dracap_up(
+    settings: Settings, args: argparse.Namespace, names: BusNames, work: Path
+) -> AsyncIterator[None]:
+    """``dracap up`` as its own process on these servers, until the block ends."""
+    nodes = [f"node-{i}" for i in range(args.nodes)]
+    inventory = write_inventory(work / "inventory.json", nodes)
+    env = dict(
+        os.environ,
+        DRACAP_DATABASE_URL=settings.database_url,
+        DRACAP_NATS_URL=settings.nats_url,
+        DRACAP_POOL_MAX_SIZE=str(args.pool),
+    )
+    command = [
+        *(sys.executable, "-m", "services.cli", "up", "--data-dir", str(work / "data")),
+        *("--inventory", str(inventory), "--workers", str(args.workers)),
+        *("--metrics-port", "0", "--prefix", names.prefix),
+    ]
+    process = await asyncio.create_subprocess_exec(
+        *command, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    assert process.stdout is not None
+    output: list[str] = []
+    try:
+        async with asyncio.timeout(120):
+            while True:
+                line = (await process.stdout.readline()).decode()
+                if not line:
+                    raise RuntimeError("dracap up ended:\n" + "".join(output))
+                output.append(line)
+                if line.startswith(READY_LINE):
+                    break
+        drain = asyncio.create_task(_keep_output(process.stdout, args.up_log))
+        yield
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                async with asyncio.timeout(30):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+    drain.cancel()
 
+
+async def _keep_output(stream: asyncio.StreamReader, path: str | None) -> None:
+    """Read ``dracap up``'s output to the end (into ``path`` when given)."""
+    sink = await asyncio.to_thread(open, path or os.devnull, "ab")
+    try:
+        while line := await stream.readline():
+            sink.write(line)
+    finally:
+        sink.close()
+
+
+async def measure(settings: Settings, args: argparse.Namespace) -> dict[str, float]:
     out: dict[str, float] = {}
     out["raw"] = await raw_commit_rate(settings.database_url, args.commits)
     print(f"  raw single-connection commits        {out['raw']:>10,.0f}/s", flush=True)
     names = BusNames(prefix=f"bench{uuid.uuid4().hex[:8]}")
-    nodes = [f"node-{i}" for i in range(args.nodes)]
-    async with (
-        Stack.running(settings, names, nodes=nodes, workers=args.workers),
-        ApiClient.connect(settings.nats_url, names.prefix) as api,
-    ):
-        await load(api, nodes)
-        tracker = ReadyTracker()
-        async with watching(api, tracker):
-            await throughput(api, tracker, min(50, args.claims), args.concurrency, "warm")
-            out["throughput"] = await throughput(api, tracker, args.claims, args.concurrency)
-            print(
-                f"  apply -> Ready, sustained            {out['throughput']:>10,.0f}/s", flush=True
-            )
-            lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
+    with tempfile.TemporaryDirectory(prefix="dracap-bench-") as work:
+        async with (
+            dracap_up(settings, args, names, Path(work)),
+            ApiClient.connect(settings.nats_url, names.prefix) as api,
+        ):
+            tracker = ReadyTracker()
+            async with watching(api, tracker):
+                await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
+                out["throughput"] = await throughput(api, tracker, args.claims, args.concurrency)
+                print(
+                    f"  apply -> Ready, sustained            {out['throughput']:>10,.0f}/s",
+                    flush=True,
+                )
+                lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
     out["p50"], out["p99"], out["max"] = percentile(lat, 50), percentile(lat, 99), lat[-1]
     out["rate"] = out["throughput"] / 2
     out["samples"] = len(lat)
@@ -309,6 +374,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--embedded", action="store_true", help="start embedded servers instead")
     parser.add_argument("--keep", action="store_true", help="keep the benchmark database")
+    parser.add_argument("--up-log", metavar="FILE", help="append dracap up's output to FILE")
     return parser.parse_args(argv)
 
 

@@ -18,10 +18,16 @@ each, so several tests share one nats-server without seeing each other)::
   and filters may end in ``>``.
 * ``category`` is the tag before its first dot (``reservation``): a service that
   cares about one part of the domain reads ``{prefix}.ev.{category}.>``.
-* ``node`` is the node the event concerns, for the events that carry a ``node``
-  field (:data:`NODE_EVENTS`; ``None`` there means "not bound to a node"), else
-  ``_``. A node agent reads only ``{prefix}.ev.*.{node}.>``; with per-node broker
-  permissions on that filter, one node cannot read another's instructions.
+* ``node`` is the node the event is *addressed to* — the node must act on it or learn
+  it about itself: bindings, release requests, lease expiry, fencing, shares marked
+  unknown or confirmed (:data:`NODE_EVENTS`; a ``None`` node there means "not bound
+  to a node") —, else ``_``. A node agent reads only ``{prefix}.ev.*.{node}.>``; with
+  per-node broker permissions on that filter, one node cannot read another's
+  instructions. Events that merely *mention* a node — a reservation on one of its
+  devices, what its agent reported (limits applied, failed or removed, reconcile
+  reports) — travel under ``_``: no agent has to receive, and acknowledge, its own
+  reports or the reservations that precede a binding, which would triple an agent's
+  messages per claim.
 * Kubernetes node names may contain dots, which would split the token. A node name
   is therefore written as its *token* (:func:`node_token`): ASCII letters, digits
   and ``-`` stay as they are, every other byte of its UTF-8 form becomes ``%XX``
@@ -62,6 +68,7 @@ from events.catalog import (
 
 __all__ = [
     "NODE_EVENTS",
+    "NODE_REPORTS",
     "NODE_TAGS",
     "NO_NODE",
     "BusNames",
@@ -70,20 +77,24 @@ __all__ = [
     "node_token",
 ]
 
-#: Events whose ``node`` field routes them to that node's subjects.
+#: Events addressed to a node: their ``node`` field routes them to that node's subjects.
 NODE_EVENTS: Final = (
-    CapacityReserved,
     AllocationBound,
     ReleaseRequested,
+    NodeLeaseExpired,
+    NodeFenced,
+    ShareMarkedUnknown,
+    ShareConfirmed,
+)
+#: Events that carry a ``node`` field only to say where something happened: reported
+#: by (or reserved on) a node, addressed to nobody; they travel under ``_``.
+NODE_REPORTS: Final = (
+    CapacityReserved,
     LimitApplied,
     LimitFailed,
     LimitRemoved,
     EnforcementReconciled,
     EnforcementCheckpointSetAside,
-    NodeLeaseExpired,
-    NodeFenced,
-    ShareMarkedUnknown,
-    ShareConfirmed,
 )
 
 #: Tags of :data:`NODE_EVENTS`.
@@ -112,7 +123,7 @@ def node_token(node: str) -> str:
 
 
 def node_of(event: Event) -> str | None:
-    """The node an event is addressed to, if it is a node event with a node."""
+    """The node an event is addressed to, if it is one of :data:`NODE_EVENTS` with a node."""
     if isinstance(event, NODE_EVENTS):
         return event.node
     return None
@@ -171,6 +182,11 @@ class BusNames(msgspec.Struct, frozen=True):
     def node_filter(self, node: str) -> str:
         """What a node agent reads: every event addressed to ``node``."""
         return f"{self.prefix}.ev.*.{node_token(node)}.>"
+
+    def tag_filter(self, tag: str) -> str:
+        """Every event of one tag, whatever its node: ``{prefix}.ev.{category}.*.{tag}``."""
+        category = _token(tag.split(".", 1)[0], "category")
+        return f"{self.prefix}.ev.{category}.*.{_dotted(tag, 'tag')}"
 
     def category_filter(self, category: str) -> str:
         """Every event whose tag starts with ``category.``."""

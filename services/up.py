@@ -287,6 +287,7 @@ def _nodes(option: str, inventory: Inventory) -> list[str]:
 
 def write_connection(data_dir: Path, connection: Connection) -> Path:
     """Write ``connection.json`` atomically (a reader never sees half a file)."""
+    data_dir.mkdir(parents=True, exist_ok=True)  # servers from the environment made none
     path = data_dir / "connection.json"
     partial = path.with_suffix(".json.partial")
     partial.write_bytes(msgspec.json.format(msgspec.json.encode(connection)) + b"\n")

@@ -17,7 +17,9 @@ Every reply is JSON (:mod:`services.claims.views`): ``{"ok": true, ...}`` or
 
 Writes
 ------
-Every write is decided on the live state right after ``catch_up()`` and appended with
+Every write is decided on the live state right after ``catch_up_seen()`` (every commit
+this process has appended or been notified of is folded — read-your-writes — without
+a read when the tailed state is already there) and appended with
 the claim stream's expected version (:meth:`LiveState.stream_version`), so two
 concurrent requests about one claim cannot both win: the loser gets ``ConflictError``,
 catches up and decides again (it then sees the winner's claim). What is recorded:
@@ -34,7 +36,9 @@ catches up and decides again (it then sees the winner's claim). What is recorded
   what the log already holds, so re-applying an inventory appends nothing.
 
 Requests are served concurrently (a task per request, at most ``concurrency`` at a
-time); decisions serialise only on the live state's lock.
+time); decisions serialise only on the live state's lock, and the tenant writes of
+concurrent requests are committed together (:mod:`services.runtime.committing`), each
+still with its own stream's expected version.
 
 Watch
 -----
@@ -100,6 +104,7 @@ from services.claims.admission import (
 )
 from services.claims.views import claim_view, device_views, error_reply, ok_reply
 from services.reservation.deriving import build_inventory
+from services.runtime.committing import GroupCommitter
 from services.runtime.errors import ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import LiveState
@@ -198,6 +203,7 @@ class ClaimsApi:
         self.max_attempts = max_attempts
         self.tail = tail
         self._slots = asyncio.Semaphore(concurrency)
+        self._committer = GroupCommitter(store, actor)
         self._tasks: set[asyncio.Task[None]] = set()
         self._service: Service | None = None
         self._limits: tuple[int, DeviceLimits] | None = None
@@ -266,6 +272,7 @@ class ClaimsApi:
             self._service = None
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._committer.close()
         self._unsubscribe()
 
     # -- request plumbing ---------------------------------------------------------------
@@ -306,17 +313,22 @@ class ClaimsApi:
             self._limits = (generation, DeviceLimits(build_inventory(state, self.gates)))
         return self._limits[1]
 
-    async def _append(
-        self, stream: str, version: int | None, events: list[Event], namespace: str | None
-    ) -> None:
-        await self.store.append(stream, version, events, actor=self.actor, namespace=namespace)
+    async def _append(self, stream: str, version: int | None, events: list[Event]) -> None:
+        await self._committer.append(stream, version, events)
+
+    async def _fresh(self, attempt: int) -> None:
+        """Catch up before a decision: what is known first, the whole log after a conflict."""
+        if attempt:
+            await self.live.catch_up()  # the winner may be another process, not yet announced
+        else:
+            await self.live.catch_up_seen()
 
     # -- tenant operations --------------------------------------------------------------
 
     async def apply(self, namespace: str, data: bytes) -> bytes:
         """``claims.apply``: admit or reject a ResourceClaim manifest."""
-        for _ in range(self.max_attempts):
-            await self.live.catch_up()
+        for attempt in range(self.max_attempts):
+            await self._fresh(attempt)
             async with self.live.frozen() as state:
                 decision = decide_apply(
                     state, namespace, data, self.gates, limits=self._device_limits(state)
@@ -325,7 +337,7 @@ class ClaimsApi:
                 version = await self.live.stream_version(stream) if decision.events else 0
             if decision.events:
                 try:
-                    await self._append(stream, version, list(decision.events), namespace)
+                    await self._append(stream, version, list(decision.events))
                 except ConflictError:
                     continue
                 self._count(decision.refusal)
@@ -334,7 +346,7 @@ class ClaimsApi:
             if decision.refusal is not None:
                 return _refusal_reply(decision.refusal)
             assert decision.name is not None
-            await self.live.catch_up()
+            await self.live.catch_up_seen()
             claim = self.live.state.claim(namespace, decision.name)
             assert claim is not None
             return ok_reply(claim=claim_view(self.live.state, claim))
@@ -351,7 +363,7 @@ class ClaimsApi:
     async def get(self, namespace: str, data: bytes) -> bytes:
         """``claims.get``: the view of one claim."""
         request: _NameRequest = _decode(data, _NameRequest)
-        await self.live.catch_up()
+        await self.live.catch_up_seen()
         claim = self.live.state.claim(namespace, request.name)
         if claim is None:
             return _not_found(namespace, request.name)
@@ -359,7 +371,7 @@ class ClaimsApi:
 
     async def list_claims(self, namespace: str, data: bytes) -> bytes:
         """``claims.list``: every claim of the namespace that is not gone."""
-        await self.live.catch_up()
+        await self.live.catch_up_seen()
         state = self.live.state
         views = [
             claim_view(state, claim)
@@ -372,8 +384,8 @@ class ClaimsApi:
         """``claims.delete``: release an allocated claim, withdraw any other."""
         request: _NameRequest = _decode(data, _NameRequest)
         stream = claim_stream(namespace, request.name)
-        for _ in range(self.max_attempts):
-            await self.live.catch_up()
+        for attempt in range(self.max_attempts):
+            await self._fresh(attempt)
             async with self.live.frozen() as state:
                 claim = state.claim(namespace, request.name)
                 if claim is None or claim.phase in ("withdrawn", "released"):
@@ -383,7 +395,7 @@ class ClaimsApi:
             if event is None:
                 return ok_reply(phase=claim.phase)
             try:
-                await self._append(stream, version, [event], namespace)
+                await self._append(stream, version, [event])
             except ConflictError:
                 continue
             return ok_reply(
@@ -431,7 +443,7 @@ class ClaimsApi:
     async def apply_classes(self, data: bytes) -> bytes:
         """``deviceclasses.apply``: record DeviceClasses that differ from the log's."""
         classes: list[DeviceClass] = self._manifests(data, "deviceclasses.apply", DeviceClass)
-        await self.live.catch_up()
+        await self.live.catch_up_seen()
         latest = {c.metadata.name: c for c in classes}
         state = self.live.state
         changed = [
@@ -451,7 +463,7 @@ class ClaimsApi:
     async def apply_slices(self, data: bytes) -> bytes:
         """``slices.apply``: record ResourceSlices that differ from the log's."""
         slices: list[ResourceSlice] = self._manifests(data, "slices.apply", ResourceSlice)
-        await self.live.catch_up()
+        await self.live.catch_up_seen()
         latest = {s.metadata.name: s for s in slices}
         state = self.live.state
         changed = [s for name, s in latest.items() if state.slices.get(name) != s]
@@ -477,7 +489,7 @@ class ClaimsApi:
                     f"classes[{i}]", f"must be '*' or a DeviceClass name ({name!r})"
                 )
         classes = sorted(set(request.classes))
-        await self.live.catch_up()
+        await self.live.catch_up_seen()
         current = self.live.state.namespaces.get(request.namespace)
         if current is None or (current.classes, current.admin_access) != (
             classes,
@@ -493,7 +505,7 @@ class ClaimsApi:
 
     async def list_devices(self, data: bytes) -> bytes:
         """``devices.list``: every device with its capacity, shares and tenants."""
-        await self.live.catch_up()
+        await self.live.catch_up_seen()
         return ok_reply(devices=device_views(self.live.state))
 
     # -- watch publishing ---------------------------------------------------------------

@@ -33,8 +33,12 @@ version check (``EventStore.append_many`` checks every batch's expected version,
 or without events). If ``ReleaseRequested`` got in first, the append conflicts, the
 message is redelivered, and the agent then sees the share releasing and leaves it.
 
-All events of one message go out in one append, atomically with the consumer's
-checkpoint.
+The consumer hands the agent its messages in groups (:mod:`services.runtime.consuming`):
+all events of one group go out in one append, atomically with the consumer's
+checkpoint, each event naming the message that caused it. If the group's transaction
+fails (a guard clashed, an enforcer failed), its messages are handled again one by
+one, so the failure stays with its own message; enforcers are idempotent, so a limit
+applied for a group that rolled back is simply applied again.
 
 Durable checkpoint. With a :class:`~services.enforcement.checkpointing.Checkpoint`
 every kernel or daemon operation is wrapped: ``mark_started`` (written and fsynced)
@@ -60,6 +64,7 @@ import contextlib
 import datetime
 import logging
 import re
+from collections.abc import Callable
 from typing import Final
 
 from nats.js import JetStreamContext
@@ -86,7 +91,7 @@ from services.enforcement.enforcers import AppliedLimit, EnforcementError, Enfor
 from services.enforcement.reconciling import plan_reconcile
 from services.enforcement.scanning import InventoryScanner
 from services.runtime.consuming import Consumer, Handled, HandlerContext
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
 from services.runtime.livestate import LiveState
 from services.runtime.metrics import CLAIMS, ENFORCEMENT_LATENCY
 
@@ -105,19 +110,20 @@ def consumer_name(node: str) -> str:
 
 
 class _Events:
-    """Events of one message, grouped per stream (node stream at its expected version)."""
+    """Events of one group of messages, per stream, each with the message that caused it."""
 
     def __init__(self) -> None:
-        self.streams: dict[str, tuple[int | None, list[Event]]] = {}
+        self.streams: dict[str, tuple[int | None, list[Event], list[Cause]]] = {}
 
-    def add(self, stream: str, version: int | None, event: Event | None) -> None:
+    def add(self, stream: str, version: int | None, event: Event | None, cause: Cause) -> None:
         """Add ``event`` (``None``: only check the stream's version) to ``stream``'s batch."""
-        events = self.streams.setdefault(stream, (version, []))[1]
+        _, events, causes = self.streams.setdefault(stream, (version, [], []))
         if event is not None:
             events.append(event)
+            causes.append(cause)
 
     def batches(self) -> list[Batch]:
-        return [Batch(s, v, events) for s, (v, events) in self.streams.items()]
+        return [Batch(s, v, events, causes) for s, (v, events, causes) in self.streams.items()]
 
 
 class Agent:
@@ -155,7 +161,8 @@ class Agent:
             names,
             name=consumer_name(node),
             filter_subject=names.node_filter(node),
-            handler=self.handle,
+            group_handler=self.handle,
+            wants=self.wants,
             max_deliver=max_deliver,
         )
 
@@ -299,26 +306,38 @@ class Agent:
         await self.enforcer.remove(share_id)
         await asyncio.to_thread(checkpoint.mark_removed, share_id)
 
-    async def handle(self, ctx: HandlerContext, env: Envelope) -> Handled:
-        """Apply or remove limits for one message (see the module docstring)."""
+    def wants(self, env: Envelope) -> bool:
+        """The messages this agent acts on: its node's bindings and release requests."""
         event = env.event
-        if isinstance(event, AllocationBound) and event.node == self.node:
-            await self.live.catch_up(ctx.connection)
-            return await self._bound(ctx, env, event)
-        if isinstance(event, ReleaseRequested) and event.node == self.node:
-            await self.live.catch_up(ctx.connection)
-            return await self._release(event)
-        return Handled()
+        return isinstance(event, AllocationBound | ReleaseRequested) and event.node == self.node
+
+    async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
+        """Apply or remove limits for a group of messages (see the module docstring)."""
+        mine = [env for env in envs if self.wants(env)]
+        if not mine:
+            return Handled()
+        await self.live.catch_up(ctx.connection)
+        out = _Events()
+        version = await self.live.stream_version(node_stream(self.node))
+        counted: list[Callable[[], None]] = []
+        for env in mine:
+            if isinstance(env.event, AllocationBound):
+                delivery = ctx.deliveries.get(env.event_id, ctx.delivery)
+                counted += await self._bound(delivery, env, env.event, out, version)
+            elif isinstance(env.event, ReleaseRequested):
+                counted += await self._release(env, env.event, out, version)
+        return Handled(batches=out.batches(), actor=f"agent:{self.node}", on_commit=counted)
 
     def _mine(self, share: ShareState | None) -> bool:
         return share is not None and share.node in (None, self.node)
 
-    async def _bound(self, ctx: HandlerContext, env: Envelope, event: AllocationBound) -> Handled:
+    async def _bound(
+        self, delivery: int, env: Envelope, event: AllocationBound, out: _Events, version: int
+    ) -> list[Callable[[], None]]:
         state = self.live.state
-        out = _Events()
         stream = node_stream(self.node)
-        version = await self.live.stream_version(stream)
-        applied = 0
+        cause = Cause.of(env)
+        applied = failures = 0
         for share_id in event.share_ids:
             share = state.shares.get(share_id)
             if share is None or not self._mine(share) or share.state not in _APPLICABLE:
@@ -328,44 +347,49 @@ class Agent:
             try:
                 limit = await self._apply(_limit_of(share))
             except EnforcementError as exc:
-                if exc.retryable and ctx.delivery < self.max_deliver:
+                if exc.retryable and delivery < self.max_deliver:
                     raise
                 log.error("limit of share %s failed: %s", share_id, exc)
                 failed = LimitFailed(
                     share_id=share_id, node=self.node, retryable=exc.retryable, reason=str(exc)
                 )
-                out.add(stream, version, failed)
+                out.add(stream, version, failed, cause)
+                failures += 1
                 continue
-            out.add(
-                stream,
-                version,
-                LimitApplied(
-                    share_id=share_id, node=self.node, level=limit.level, actual=limit.actual
-                ),
+            applied_event = LimitApplied(
+                share_id=share_id, node=self.node, level=limit.level, actual=limit.actual
             )
+            out.add(stream, version, applied_event, cause)
             applied += 1
-        if out.streams:
+        if applied or failures:
             # A guard, no events: append only while the claim stream is where we read it,
             # so a ReleaseRequested that raced us is seen (LimitApplied must never follow
             # it: the share would be "releasing", invariant 7). On a clash the consumer
             # naks and the redelivery finds the share releasing and skips it.
             guard = claim_stream(event.namespace, event.name)
-            out.add(guard, await self.live.stream_version(guard), None)
-        if applied:
-            age = datetime.datetime.now(datetime.UTC) - env.recorded_at
-            ENFORCEMENT_LATENCY.observe(max(0.0, age.total_seconds()))
-            if applied == len(event.share_ids):
-                CLAIMS.labels(outcome="ready").inc()
-        return Handled(batches=out.batches(), actor=f"agent:{self.node}")
+            out.add(guard, await self.live.stream_version(guard), None, cause)
+        if not applied:
+            return []
+        age = max(0.0, (datetime.datetime.now(datetime.UTC) - env.recorded_at).total_seconds())
+        ready = applied == len(event.share_ids)
 
-    async def _release(self, event: ReleaseRequested) -> Handled:
+        def count() -> None:
+            ENFORCEMENT_LATENCY.observe(age)
+            if ready:
+                CLAIMS.labels(outcome="ready").inc()
+
+        return [count]
+
+    async def _release(
+        self, env: Envelope, event: ReleaseRequested, out: _Events, version: int
+    ) -> list[Callable[[], None]]:
         state = self.live.state
         claim = state.claim(event.namespace, event.name)
         if claim is None or claim.allocation_version != event.allocation_version:
-            return Handled()
-        out = _Events()
+            return []
         stream = node_stream(self.node)
-        version = await self.live.stream_version(stream)
+        cause = Cause.of(env)
+        released = False
         for share_id in claim.share_ids:
             share = state.shares.get(share_id)
             if share is None or not self._mine(share) or share.state not in _RELEASABLE:
@@ -373,11 +397,13 @@ class Agent:
             if share.allocation_version != event.allocation_version:
                 continue
             await self._remove(share_id)
-            out.add(stream, version, LimitRemoved(share_id=share_id, node=self.node))
-            out.add(device_stream(share.driver, share.pool, share.device), None, _released(share))
-        if out.streams:
-            CLAIMS.labels(outcome="released").inc()
-        return Handled(batches=out.batches(), actor=f"agent:{self.node}")
+            out.add(stream, version, LimitRemoved(share_id=share_id, node=self.node), cause)
+            device = device_stream(share.driver, share.pool, share.device)
+            out.add(device, None, _released(share), cause)
+            released = True
+        if not released:
+            return []
+        return [CLAIMS.labels(outcome="released").inc]
 
 
 def _limit_of(share: ShareState) -> ShareLimit:

@@ -6,15 +6,19 @@ workers (in one process or many) bind the *same* durable consumers, so each mess
 goes to one of them (a work queue); correctness never depends on that, because every
 decision is appended with expected stream versions.
 
-What wakes it (consumer ``{name}-{category}`` on ``names.category_filter(category)``):
+What wakes it (consumer ``{name}-{feed}``, :data:`FEEDS`):
 
-* ``claims``: ``ClaimAdmitted`` — a new claim to place;
-* ``reclamation``: ``CapacityReleased`` and ``NodeFenced`` — capacity came back, so
-  unschedulable claims may fit now;
-* ``inventory``: classes, slices, request policies — the same;
-* ``admin``: ``NamespaceAccessSet`` — adminAccess may have been granted.
+* ``admissions``: ``ClaimAdmitted`` (the consumer filters on that one tag: the hot path
+  delivers a worker nothing else) — a new claim to place;
+* ``reclamation`` (the category): ``CapacityReleased`` and ``NodeFenced`` — capacity
+  came back, so unschedulable claims may fit now;
+* ``inventory`` (the category): classes, slices, request policies — the same;
+* ``admin`` (the category): ``NamespaceAccessSet`` — adminAccess may have been granted.
 
-Other events of those categories are acknowledged without work.
+Other events of those categories are acknowledged without a transaction (``wants``).
+The consumers commit in groups (:mod:`services.runtime.consuming`): the messages that
+arrived while the previous group was handled are planned for *once*, in one
+transaction — which is also why a burst of admissions costs few transactions.
 
 The decision (:meth:`ReservationService.plan`)
 --------------------------------------------
@@ -36,11 +40,15 @@ fit gets ``ClaimUnschedulable`` instead (once: retries that still fail write not
 Dedicated devices get a share id too (the log identifies every result), but their
 Kubernetes ``AllocationResult`` carries none, as upstream.
 
-Concurrency: if another worker (or a release, or the tenant's delete) appended to any
-of those streams since the live state read them, the store raises ``ConflictError``;
-the append ran in a savepoint, so the handler rolls back just that, catches up and
-plans again (up to ``max_attempts``; after that the consumer naks with back-off).
-The database ledger's ``CHECK (allocated <= total)`` and the exclusive-hold key are
+Concurrency: planning rounds are serialised across all workers (in this process or
+others) by a transaction-scoped advisory lock taken before the worker catches up, so
+a worker plans on a state that includes the previous round's commit — several
+workers give availability, not parallel planning (a round plans *every* pending
+claim; two rounds at once would only collide). If anything else (a release, the
+tenant's delete) appended to one of the streams since the live state read them, the
+store raises ``ConflictError``: the transaction rolls back and the consumer handles
+the messages again (alone, then by redelivery with back-off), each time on a fresh
+view. The database ledger's ``CHECK (allocated <= total)`` and the exclusive-hold key are
 the last line: even a wrong plan can never oversubscribe a device.
 
 Allocator state is kept incrementally: a listener on the live state adds a grant for
@@ -85,41 +93,60 @@ from services.reservation.deriving import build_inventory, grant_of, live_grants
 from services.reservation.outcomes import Allocated, Grant, Invalid
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.errors import ConflictError
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
 from services.runtime.livestate import INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import CLAIMS, SCHEDULING_LATENCY
 
-__all__ = ["CATEGORIES", "TRIGGERS", "Plan", "ReservationService"]
+__all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService"]
 
 log = logging.getLogger("dracap.reservation")
 
-#: The event categories a worker consumes.
-CATEGORIES: Final = ("claims", "reclamation", "inventory", "admin")
+#: What a worker consumes: feed name -> the tag (with a dot) or category it reads.
+FEEDS: Final = {
+    "admissions": "claims.admitted",  # ClaimAdmitted's tag
+    "reclamation": "reclamation",
+    "inventory": "inventory",
+    "admin": "admin",
+}
 #: Events that make a worker plan.
 TRIGGERS: Final = (ClaimAdmitted, CapacityReleased, NodeFenced, NamespaceAccessSet)
+#: The advisory lock (transaction scope) that serialises planning rounds of all workers.
+PLANNER_LOCK: Final = 0x64726163_61700001  # "dracap" + 1
 _PENDING_PHASES: Final = frozenset({"admitted", "unschedulable"})
 _FREEING: Final = (CapacityReleased, NodeFenced, NamespaceAccessSet, *INVENTORY_EVENTS)
 
 
 class Plan:
-    """The events one planning round wants appended, grouped per stream."""
+    """The events one planning round wants appended, grouped per stream.
 
-    def __init__(self, live: LiveState) -> None:
+    Every event carries its :class:`Cause`: the ``ClaimAdmitted`` message of its claim
+    when that message is among those being handled, else the first trigger of them.
+    """
+
+    def __init__(self, live: LiveState, causes: Callable[[ClaimKey], Cause]) -> None:
         self._live = live
-        self._streams: dict[str, tuple[int, list[Event]]] = {}
+        self._causes = causes
+        self._streams: dict[str, tuple[int, list[Event], list[Cause]]] = {}
         self.allocated: list[ClaimKey] = []
         self.unschedulable: list[ClaimKey] = []
 
     @property
     def batches(self) -> list[Batch]:
-        """One batch per stream, at the stream's version in the live state."""
-        return [Batch(s, version, events) for s, (version, events) in self._streams.items()]
+        """One batch per stream, at the stream's version in the live state.
 
-    async def add(self, stream: str, event: Event) -> None:
-        """Append ``event`` to ``stream``'s batch (created at the live version)."""
+        Device streams come first: every ``CapacityReserved`` of the round precedes
+        every ``AllocationBound``, so the store projects each kind in one statement.
+        """
+        streams = sorted(self._streams.items(), key=lambda item: not item[0].startswith("device:"))
+        return [Batch(s, version, events, causes) for s, (version, events, causes) in streams]
+
+    async def add(self, stream: str, event: Event, claim: ClaimKey) -> None:
+        """Append ``event`` (about ``claim``) to ``stream``'s batch, made at the live version."""
         if stream not in self._streams:
-            self._streams[stream] = (await self._live.stream_version(stream), [])
-        self._streams[stream][1].append(event)
+            self._streams[stream] = (await self._live.stream_version(stream), [], [])
+        _, events, causes = self._streams[stream]
+        events.append(event)
+        causes.append(self._causes(claim))
 
 
 class ReservationService:
@@ -135,7 +162,6 @@ class ReservationService:
         worker: int = 0,
         name: str = "reservation",
         gates: FeatureGates = DEFAULT_GATES,
-        max_attempts: int = 10,
         new_share_id: Callable[[], str] = lambda: str(uuid.uuid4()),
     ) -> None:
         self.store = store
@@ -145,7 +171,6 @@ class ReservationService:
         self.worker = worker
         self.name = name
         self.gates = gates
-        self.max_attempts = max_attempts
         self.new_share_id = new_share_id
         self.conflicts = 0  #: appends that lost a race and were planned again
         self._lock = asyncio.Lock()
@@ -223,9 +248,9 @@ class ReservationService:
 
     # -- planning -----------------------------------------------------------------------
 
-    async def plan(self) -> Plan:
+    async def plan(self, causes: Callable[[ClaimKey], Cause]) -> Plan:
         """Decide every pending claim that may fit now, in admission order."""
-        plan = Plan(self.live)
+        plan = Plan(self.live, causes)
         async with self.live.frozen() as state:
             allocator = self._allocator_for(state)
             tentative: list[Allocated] = []
@@ -253,7 +278,7 @@ class ReservationService:
                         if isinstance(outcome, Invalid):
                             reason = f"cannot be allocated as written: {reason}"
                         event = ClaimUnschedulable(namespace=key[0], name=key[1], reason=reason)
-                        await plan.add(claim_stream(*key), event)
+                        await plan.add(claim_stream(*key), event, key)
                         plan.unschedulable.append(key)
             finally:
                 for outcome in tentative:
@@ -284,7 +309,9 @@ class ReservationService:
                 consumed=dict(grant.consumed),
                 policy_version=state.devices[grant.device].policy_version,
             )
-            await plan.add(device_stream(driver, pool, device), reserved)
+            await plan.add(
+                device_stream(driver, pool, device), reserved, (claim.namespace, claim.name)
+            )
         bound = AllocationBound(
             namespace=claim.namespace,
             name=claim.name,
@@ -293,37 +320,49 @@ class ReservationService:
             allocation=outcome.allocation,
             share_ids=share_ids,
         )
-        await plan.add(claim_stream(claim.namespace, claim.name), bound)
+        await plan.add(
+            claim_stream(claim.namespace, claim.name), bound, (claim.namespace, claim.name)
+        )
         plan.allocated.append((claim.namespace, claim.name))
 
     # -- the handler --------------------------------------------------------------------
 
-    async def handle(self, ctx: HandlerContext, env: Envelope) -> Handled:
-        """Plan and append on the consumer's transaction; re-plan on a lost race."""
-        if not isinstance(env.event, TRIGGERS + INVENTORY_EVENTS):
+    async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
+        """Plan once for a group of messages and append on the consumer's transaction.
+
+        A lost race (``ConflictError``) rolls back just the append's savepoint; the
+        worker catches up and plans again.
+        """
+        triggers = [e for e in envs if isinstance(e.event, TRIGGERS + INVENTORY_EVENTS)]
+        if not triggers:
             return Handled()
-        meta = Metadata(
-            actor=f"{self.name}-{self.worker}",
-            correlation_id=env.correlation_id,
-            causation_id=env.event_id,
-        )
+        admissions = {
+            (e.event.namespace, e.event.name): Cause.of(e)
+            for e in triggers
+            if isinstance(e.event, ClaimAdmitted)
+        }
+        first = Cause.of(triggers[0])
+
+        def cause(key: ClaimKey) -> Cause:
+            return admissions.get(key, first)
+
+        meta = Metadata(actor=f"{self.name}-{self.worker}")
         async with self._lock:
-            for _ in range(self.max_attempts):
-                await self.live.catch_up(ctx.connection)
-                plan = await self.plan()
-                batches = plan.batches
-                if not batches:
-                    return Handled()
-                try:
-                    async with ctx.connection.transaction():  # a savepoint
-                        await ctx.store.append_many(batches, meta, connection=ctx.connection)
-                except ConflictError as exc:
-                    self.conflicts += 1
-                    log.debug("reservation lost a race, planning again: %s", exc)
-                    continue
-                self._count(plan)
+            # One planner at a time, in any process: a round plans every pending claim,
+            # so two at once would only fight over the same devices and claims.
+            await ctx.connection.execute("SELECT pg_advisory_xact_lock($1)", PLANNER_LOCK)
+            await self.live.catch_up(ctx.connection)
+            plan = await self.plan(cause)
+            batches = plan.batches
+            if not batches:
                 return Handled()
-        raise ConflictError(f"reservation still conflicting after {self.max_attempts} attempts")
+            try:
+                await ctx.store.append_many(batches, meta, connection=ctx.connection)
+            except ConflictError:
+                self.conflicts += 1
+                raise  # the consumer handles the messages again, on a fresh view
+            self._count(plan)
+            return Handled()
 
     def _count(self, plan: Plan) -> None:
         now = datetime.datetime.now(datetime.UTC)
@@ -345,11 +384,16 @@ class ReservationService:
                 self.store,
                 self.js,
                 self.names,
-                name=f"{self.name}-{category}",
-                filter_subject=self.names.category_filter(category),
-                handler=self.handle,
+                name=f"{self.name}-{feed}",
+                filter_subject=(
+                    self.names.tag_filter(source)
+                    if "." in source
+                    else self.names.category_filter(source)
+                ),
+                group_handler=self.handle,
+                wants=_wanted,
             )
-            for category in CATEGORIES
+            for feed, source in FEEDS.items()
         ]
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -358,6 +402,10 @@ class ReservationService:
         await self.live.catch_up()
         log.info("reservation worker %d ready in %.3fs", self.worker, time.perf_counter() - started)
         await asyncio.gather(*(c.run(stop) for c in self.consumers()))
+
+
+def _wanted(env: Envelope) -> bool:
+    return isinstance(env.event, TRIGGERS + INVENTORY_EVENTS)
 
 
 def _as_allocated(grants: Sequence[Grant]) -> Allocated:

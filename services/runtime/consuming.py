@@ -1,29 +1,55 @@
-"""Durable, idempotent consumers of the events stream.
+"""Durable, idempotent consumers of the events stream, with group commit.
 
-A service that reacts to events is a :data:`Handler`: it gets the event's envelope
-and a :class:`HandlerContext` (a Postgres connection inside an open transaction, and
-the store) and returns what it wants written, :class:`Handled`. :class:`Consumer`
+A service that reacts to events gives a handler: per message (:data:`Handler`: the
+envelope and a :class:`HandlerContext`, a Postgres connection inside an open
+transaction, and the store), or per *group* of messages (:data:`GroupHandler`: a list
+of envelopes). It returns what it wants written, :class:`Handled`. :class:`Consumer`
 does the rest, for one JetStream durable pull consumer (explicit ack) per service.
 
-Per message, in **one** Postgres transaction:
+Receiving
+---------
+The consumer keeps pull requests outstanding on a private inbox (``batch`` messages,
+expiring after ``poll_interval``; a new request goes out when fewer than half a batch
+are still asked for), so messages flow in as the stream gets them and a lone message
+is handled at once — nats-py's ``fetch(n)`` would hold it until ``n`` had arrived or
+the request expired. Whatever has arrived when the previous group is done forms the
+next group (at most ``max_group`` messages): under load, groups grow by themselves
+and one transaction carries many messages; when idle, each message goes alone.
 
-1. ``INSERT INTO processed_messages (consumer, event_id) ... ON CONFLICT DO NOTHING``;
-   no row inserted means the message was handled before (a redelivery after a lost
-   ack, a replay): the transaction ends and the message is acknowledged, nothing
-   else happens. A concurrent redelivery of a message still being handled waits on
-   the key's lock and then finds the row;
-2. the handler runs (it may read through ``context.connection``);
-3. its batches are appended with ``EventStore.append_many(..., connection=...)``;
-4. ``consumer_checkpoints`` moves to the message's log position (never back: naks
-   let later messages overtake earlier ones, so the checkpoint is a high-water mark
-   for lag, not a resume point — JetStream's durable consumer is the resume point).
+Handling a group, in **one** Postgres transaction
+-------------------------------------------------
+1. ``INSERT INTO processed_messages (consumer, event_id) ... ON CONFLICT DO NOTHING
+   RETURNING event_id``: the messages whose row was not inserted were handled before
+   (a redelivery after a lost ack, a replay) and are only acknowledged. A concurrent
+   redelivery of a message still being handled waits on the key's lock and then
+   finds the row;
+2. the handler runs on the new messages (it may read through ``context.connection``);
+3. its batches are appended with ``EventStore.append_many(..., connection=...)``.
+   In a group of several messages every batch must say, per event, which message
+   caused it (:class:`~services.runtime.eventstore.Cause`); for a single message the
+   append's metadata says it.
 
-The transaction commits, then the message is acknowledged. A crash before the commit
-leaves nothing behind and JetStream redelivers; a crash between commit and ack makes
-the redelivery a no-op by step 1. So delivery is at least once, and the effects are
-exactly once.
+After the commit, ``consumer_checkpoints`` follows to the highest log position among
+the new messages — stored off the hot path by
+:class:`~services.runtime.highwater.HighWaterMark`, since it is a high-water mark for
+lag, not a resume point (naks let later messages overtake earlier ones; JetStream's
+durable consumer is the resume point, ``processed_messages`` the exactly-once).
 
-Failures: any exception of the handler or the append (a
+The transaction commits, then every message is acknowledged. A crash before the
+commit leaves nothing behind and JetStream redelivers; a crash between commit and ack
+makes the redelivery a no-op by step 1. So delivery is at least once, and the effects
+are exactly once.
+
+A consumer with a per-message handler uses groups of one: each message is its own
+transaction, exactly as described. ``wants`` (optional) names the envelopes a
+handler acts on; the others are acknowledged without a transaction.
+
+Failures
+--------
+If a group's transaction fails for any reason, nothing of it was written, and each of
+its messages is handled again *alone*, so one bad message cannot hold back the others
+and every failure is attributed to its own message. For a single message, any
+exception of the handler or the append (a
 :class:`~services.runtime.errors.ConflictError` included: the handler decided on a
 stale view and re-reads on the next try) rolls the transaction back and naks the
 message with a delay from ``backoff`` (by delivery count). On delivery number
@@ -41,23 +67,32 @@ the dead-lettering is tried again. A message delivered more than ``max_deliver``
 times without an outcome (it crashed its consumer each time) is dead-lettered
 without running the handler again.
 
-Stopping: :meth:`Consumer.run` checks ``stop`` between fetches (a fetch waits at
-most ``poll_interval``), finishes every message already fetched, and returns; no
-message is left half done, none is nak'd just because the process stops.
+Stopping
+--------
+:meth:`Consumer.run` checks ``stop`` between groups (waiting for a message takes at
+most ``poll_interval``), finishes the group in hand, stops asking for more, and naks
+(without delay) what had arrived but was not started, so another worker of the same
+durable gets it at once; no message is left half done.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
+import json
 import logging
+import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Final
 
 import msgspec
 import nats.errors
+from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 
@@ -65,9 +100,10 @@ from events.catalog import Envelope, MessageDeadLettered, decode_envelope
 from events.errors import CatalogError
 from events.subjects import BusNames
 from services.runtime.eventstore import Batch, Connection, EventStore, Metadata
+from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS
 
-__all__ = ["Consumer", "Handled", "Handler", "HandlerContext"]
+__all__ = ["Consumer", "GroupHandler", "Handled", "Handler", "HandlerContext"]
 
 _log = logging.getLogger(__name__)
 
@@ -75,34 +111,43 @@ _MARK_PROCESSED: Final = (
     "INSERT INTO processed_messages (consumer, event_id) VALUES ($1, $2) "
     "ON CONFLICT DO NOTHING RETURNING true"
 )
-_SAVE_CHECKPOINT: Final = (
-    "INSERT INTO consumer_checkpoints (consumer, position) VALUES ($1, $2) "
-    "ON CONFLICT (consumer) DO UPDATE SET position = GREATEST("
-    "consumer_checkpoints.position, EXCLUDED.position), updated_at = now()"
+_MARK_MANY: Final = (
+    "INSERT INTO processed_messages (consumer, event_id) SELECT $1, unnest($2::uuid[]) "
+    "ON CONFLICT DO NOTHING RETURNING event_id::text"
 )
+#: JetStream's pull API (``$JS.API`` is the default API prefix, no domain).
+_PULL_SUBJECT: Final = "$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+#: Status codes that end a pull request: no messages, request timeout, conflict.
+_REQUEST_ENDED: Final = frozenset({"404", "408", "409"})
 
 
 class Handled(msgspec.Struct):
     """What a handler wants written, atomically with the consumer's checkpoint.
 
-    ``actor`` defaults to ``consumer:<name>``.
+    ``actor`` defaults to ``consumer:<name>``. ``on_commit``: callables run once the
+    transaction has committed (metrics of what was written: a transaction rolled back
+    and handled again must not count twice).
     """
 
     batches: list[Batch] = []
     actor: str | None = None
+    on_commit: list[Callable[[], None]] = []
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HandlerContext:
-    """What a handler may use while its message's transaction is open."""
+    """What a handler may use while its messages' transaction is open."""
 
     connection: Connection  #: inside the transaction; reads see the handler's view
     store: EventStore
     consumer: str  #: the consumer's name
-    delivery: int  #: 1 on the first delivery
+    delivery: int  #: 1 on the first delivery; in a group, the lowest of the group
+    #: the delivery count of each message handled, by event id
+    deliveries: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 Handler = Callable[[HandlerContext, Envelope], Awaitable[Handled]]
+GroupHandler = Callable[[HandlerContext, list[Envelope]], Awaitable[Handled]]
 
 
 class _DeadLetter(msgspec.Struct, frozen=True):
@@ -110,6 +155,82 @@ class _DeadLetter(msgspec.Struct, frozen=True):
     position: int
     correlation_id: str | None
     reason: str
+
+
+class _Incoming(msgspec.Struct):
+    """One received message, decoded."""
+
+    msg: Msg
+    env: Envelope
+    delivery: int
+
+
+class _Puller:
+    """Pull requests kept outstanding on a private inbox (see "Receiving" above)."""
+
+    def __init__(
+        self, nc: Client, stream: str, durable: str, *, batch: int, expires: float
+    ) -> None:
+        self._nc = nc
+        self._subject = _PULL_SUBJECT.format(stream=stream, durable=durable)
+        self._batch = batch
+        self._expires = expires
+        #: per request still open, oldest first: [messages still to come, expiry time]
+        self._open: collections.deque[list[float]] = collections.deque()
+        self._inbox = nc.new_inbox()
+        self._sub: Subscription | None = None
+        self._ready: collections.deque[Msg] = collections.deque()
+        self._arrival = asyncio.Event()
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(self._inbox, cb=self._arrived)
+
+    async def _arrived(self, msg: Msg) -> None:
+        status = (msg.headers or {}).get(Header.STATUS.value) if not msg.data else None
+        if status is None:
+            if self._open:
+                self._open[0][0] -= 1
+                if self._open[0][0] <= 0:
+                    self._open.popleft()
+            self._ready.append(msg)
+        elif status in _REQUEST_ENDED and self._open:
+            self._open.popleft()
+        self._arrival.set()
+
+    async def _ask(self) -> None:
+        now = time.monotonic()
+        while self._open and self._open[0][1] < now:  # its end status never came
+            self._open.popleft()
+        if sum(r[0] for r in self._open) > self._batch // 2:
+            return
+        expires_ns = int(self._expires * 1e9)
+        request = json.dumps({"batch": self._batch, "expires": expires_ns}).encode()
+        await self._nc.publish(self._subject, request, reply=self._inbox)
+        self._open.append([self._batch, now + self._expires + 1.0])
+
+    async def next(self, timeout: float, most: int) -> list[Msg]:  # noqa: ASYNC109
+        """The messages that have arrived (waiting up to ``timeout`` for the first)."""
+        deadline = time.monotonic() + timeout
+        while not self._ready:
+            await self._ask()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            self._arrival.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrival.wait(), left)
+        ready = self._ready
+        out = [ready.popleft() for _ in range(min(most, len(ready)))]
+        await self._ask()  # keep the flow going while this group is handled
+        return out
+
+    async def stop(self) -> list[Msg]:
+        """Stop receiving; returns the messages that had arrived but were not taken."""
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await sub.unsubscribe()
+        left, self._ready = list(self._ready), collections.deque()
+        return left
 
 
 class Consumer:
@@ -123,21 +244,30 @@ class Consumer:
         *,
         name: str,
         filter_subject: str,
-        handler: Handler,
+        handler: Handler | None = None,
+        group_handler: GroupHandler | None = None,
+        wants: Callable[[Envelope], bool] | None = None,
         max_deliver: int = 5,
         backoff: Sequence[float] = (0.1, 0.5, 2, 5),
-        batch: int = 16,
+        batch: int = 256,
+        max_group: int = 128,
         ack_wait: float = 30.0,
         poll_interval: float = 1.0,
     ) -> None:
         if max_deliver < 1 or not backoff:
             raise ValueError("max_deliver must be at least 1 and backoff not empty")
+        if (handler is None) == (group_handler is None):
+            raise ValueError("give exactly one of handler and group_handler")
+        if batch < 1 or max_group < 1:
+            raise ValueError("batch and max_group must be at least 1")
         self._store = store
         self._js = js
         self._names = names
         self.name = name
         self._filter = filter_subject
-        self._handler = handler
+        self._group: GroupHandler = group_handler or _one_at_a_time(handler)  # type: ignore[arg-type]
+        self._max_group = max_group if group_handler is not None else 1
+        self._wants = wants
         self._max_deliver = max_deliver
         self._backoff = tuple(backoff)
         self._batch = batch
@@ -145,20 +275,36 @@ class Consumer:
         self._poll = poll_interval
         self.handled = 0  #: messages handled (committed and acked)
         self.skipped = 0  #: redeliveries found already handled
+        self.ignored = 0  #: messages ``wants`` declined (acked without a transaction)
         self.dead_lettered = 0
+        self.groups = 0  #: transactions that handled more than one message
+        self._mark = HighWaterMark(store, name)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Fetch, handle and acknowledge until ``stop`` is set; then drain and return."""
-        subscription = await self.subscribe()
+        """Receive, handle and acknowledge until ``stop`` is set; then drain and return."""
+        await self._ensure_consumer()
+        nc = self._js._nc  # nats-py has no public accessor for the context's connection
+        puller = _Puller(nc, self._names.stream, self.name, batch=self._batch, expires=self._poll)
+        await puller.start()
+        done = asyncio.Event()
+        keeper = asyncio.create_task(self._mark.run(done))
         try:
             while not stop.is_set():
-                for msg in await self._fetch(subscription):
-                    await self.process(msg)
+                try:
+                    msgs = await puller.next(self._poll, self._max_group)
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+                    _log.warning("consumer %s: bus connection unavailable", self.name)
+                    await asyncio.sleep(self._poll)
+                    continue
+                if msgs:
+                    await self.process_group(msgs)
         finally:
-            await subscription.unsubscribe()
+            for msg in await puller.stop():
+                await _quietly(msg.nak())  # another worker takes it at once
+            done.set()
+            await keeper
 
-    async def subscribe(self) -> JetStreamContext.PullSubscription:
-        """Create (or update) the durable consumer and bind a pull subscription to it."""
+    async def _ensure_consumer(self) -> None:
         config = ConsumerConfig(
             durable_name=self.name,
             ack_policy=AckPolicy.EXPLICIT,
@@ -168,20 +314,50 @@ class Consumer:
             max_deliver=-1,  # the limit is ours: see the module docstring
         )
         await self._js.add_consumer(self._names.stream, config)
+
+    async def subscribe(self) -> JetStreamContext.PullSubscription:
+        """Create (or update) the durable consumer and bind a nats-py pull subscription."""
+        await self._ensure_consumer()
         return await self._js.pull_subscribe_bind(durable=self.name, stream=self._names.stream)
 
-    async def _fetch(self, subscription: JetStreamContext.PullSubscription) -> list[Msg]:
-        try:
-            return await subscription.fetch(self._batch, timeout=self._poll)
-        except TimeoutError:  # nats.errors.TimeoutError, or asyncio's from a pull's deadline
-            return []
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
-            _log.warning("consumer %s: bus connection unavailable", self.name)
-            await asyncio.sleep(self._poll)
-            return []
+    # -- a group ------------------------------------------------------------------------
 
-    async def process(self, msg: Msg) -> None:
-        """Handle one message to its outcome: ack, nak with delay, or dead letter."""
+    async def process_group(self, msgs: Sequence[Msg]) -> None:
+        """Handle received messages: together in one transaction where possible."""
+        group: list[_Incoming] = []
+        for msg in msgs:
+            incoming = await self._admit(msg)
+            if incoming is None:
+                continue
+            if self._wants is not None and not self._wants(incoming.env):
+                await msg.ack()
+                self.ignored += 1
+                continue
+            group.append(incoming)
+        if len(group) == 1:
+            await self._process_one(group[0])
+            return
+        if not group:
+            return
+        try:
+            fresh = await self._handle_group([(i.env, i.delivery) for i in group])
+        except Exception as exc:
+            _log.debug(
+                "consumer %s: group of %d failed (%r); one by one", self.name, len(group), exc
+            )
+            for incoming in group:
+                await self._process_one(incoming)
+            return
+        self.groups += 1
+        for incoming in group:
+            await incoming.msg.ack()
+            if incoming.env.event_id in fresh:
+                self.handled += 1
+            else:
+                self.skipped += 1
+
+    async def _admit(self, msg: Msg) -> _Incoming | None:
+        """Decode ``msg``; dead-letter it (and return None) if it cannot be handled."""
         delivery = msg.metadata.num_delivered
         if delivery > 1:
             CONSUMER_REDELIVERIES.labels(consumer=self.name).inc()
@@ -190,11 +366,21 @@ class Consumer:
         except CatalogError as exc:
             event_id = (msg.headers or {}).get(Header.MSG_ID.value, "")
             await self._give_up(msg, _DeadLetter(event_id, 0, None, f"undecodable: {exc}"))
-            return
+            return None
         if delivery > self._max_deliver:
             reason = f"delivered {delivery} times without an outcome"
             await self._give_up(msg, self._dead_letter(env, reason))
-            return
+            return None
+        return _Incoming(msg, env, delivery)
+
+    async def process(self, msg: Msg) -> None:
+        """Handle one message to its outcome: ack, nak with delay, or dead letter."""
+        incoming = await self._admit(msg)
+        if incoming is not None:
+            await self._process_one(incoming)
+
+    async def _process_one(self, incoming: _Incoming) -> None:
+        msg, env, delivery = incoming.msg, incoming.env, incoming.delivery
         try:
             fresh = await self._handle(env, delivery)
         except Exception as exc:
@@ -207,21 +393,41 @@ class Consumer:
             self.skipped += 1
 
     async def _handle(self, env: Envelope, delivery: int) -> bool:
-        """The message's transaction; False when it had been handled before."""
+        """One message's transaction; False when it had been handled before."""
+        return bool(await self._handle_group([(env, delivery)]))
+
+    async def _handle_group(self, group: Sequence[tuple[Envelope, int]]) -> set[str]:
+        """The transaction of (envelope, delivery) pairs; returns the event ids that were new."""
+        deliveries = {env.event_id: delivery for env, delivery in group}
+        envs = list({env.event_id: env for env, _ in group}.values())  # no event twice
         async with self._store.pool.acquire() as connection, connection.transaction():
-            if not await connection.fetchval(_MARK_PROCESSED, self.name, env.event_id):
-                return False
-            context = HandlerContext(connection, self._store, self.name, delivery)
-            handled = await self._handler(context, env)
+            rows = await connection.fetch(_MARK_MANY, self.name, [e.event_id for e in envs])
+            fresh = {row[0] for row in rows}
+            todo = [e for e in envs if e.event_id in fresh]
+            if not todo:
+                return fresh
+            mine = {e.event_id: deliveries[e.event_id] for e in todo}
+            context = HandlerContext(connection, self._store, self.name, min(mine.values()), mine)
+            handled = await self._group(context, todo)
             if handled.batches:
-                meta = Metadata(
-                    actor=handled.actor or f"consumer:{self.name}",
-                    correlation_id=env.correlation_id,
-                    causation_id=env.event_id,
+                await self._store.append_many(
+                    handled.batches, self._metadata(handled, todo), connection=connection
                 )
-                await self._store.append_many(handled.batches, meta, connection=connection)
-            await connection.execute(_SAVE_CHECKPOINT, self.name, env.position)
-        return True
+        self._mark.advance(max(e.position for e in todo))
+        for committed in handled.on_commit:
+            committed()
+        return fresh
+
+    def _metadata(self, handled: Handled, todo: Sequence[Envelope]) -> Metadata:
+        actor = handled.actor or f"consumer:{self.name}"
+        if len(todo) == 1:
+            env = todo[0]
+            return Metadata(
+                actor=actor, correlation_id=env.correlation_id, causation_id=env.event_id
+            )
+        if any(b.causes is None and b.events for b in handled.batches):
+            raise TypeError(f"consumer {self.name}: a group's batches must give their causes")
+        return Metadata(actor=actor)
 
     async def _failed(self, msg: Msg, env: Envelope, delivery: int, exc: Exception) -> None:
         if delivery >= self._max_deliver:
@@ -284,7 +490,7 @@ class Consumer:
                 return False  # handled (or dead-lettered) by an earlier delivery
             batch = Batch(f"consumer:{self.name}", None, [event])
             await self._store.append_many([batch], meta, connection=connection)
-            await connection.execute(_SAVE_CHECKPOINT, self.name, letter.position)
+            await connection.execute(SAVE_CHECKPOINT, self.name, letter.position)
         return True
 
 
@@ -294,3 +500,20 @@ def _is_uuid(value: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _one_at_a_time(handler: Handler) -> GroupHandler:
+    """A per-message handler as a group handler (its consumer makes groups of one)."""
+
+    async def handle(context: HandlerContext, envs: list[Envelope]) -> Handled:
+        [env] = envs
+        return await handler(context, env)
+
+    return handle
+
+
+async def _quietly(work: Awaitable[object]) -> None:
+    try:
+        await work
+    except Exception as exc:  # the connection is going away: the ack wait redelivers
+        _log.debug("nak on stop failed: %r", exc)

@@ -32,6 +32,8 @@ import asyncio
 import asyncpg
 
 LEDGER_CAPACITY_CHECK = "capacity_ledger_within_total"
+#: SQLSTATE of ``dracap_append`` (migration 0003) when a stream is not at the expected version.
+STALE_VERSION_SQLSTATE = "DR001"
 LEDGER_NONNEGATIVE_CHECK = "capacity_ledger_nonnegative"
 STREAM_VERSION_UNIQUE = "events_stream_version_key"
 
@@ -92,6 +94,9 @@ def map_database_error(exc: BaseException, *, stream: str | None = None) -> Runt
         if exc.constraint_name in (LEDGER_CAPACITY_CHECK, LEDGER_NONNEGATIVE_CHECK):
             return CapacityExceeded(f"capacity ledger refused the write: {exc}", stream=stream)
         return PermanentError(f"check constraint failed: {exc}")
+    if getattr(exc, "sqlstate", None) == STALE_VERSION_SQLSTATE:  # raised by dracap_append
+        stale = getattr(exc, "detail", None) or stream
+        return ConflictError(str(getattr(exc, "message", exc)), stream=stale)
     if isinstance(exc, asyncpg.UniqueViolationError):
         return ConflictError(f"unique constraint {exc.constraint_name} violated", stream=stream)
     if isinstance(exc, asyncpg.ExclusionViolationError):

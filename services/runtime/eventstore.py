@@ -2,25 +2,35 @@
 
 Appending
 ---------
-One append is one transaction that
+One append is one transaction. Its log part is serialised by the single row of
+``event_log_head``: the append's ``UPDATE ... SET position = position + n RETURNING
+position`` takes the row lock, held until COMMIT, so positions are handed out gap-free
+*in commit order* — the writer that got position p has committed (and become
+visible) before any writer can get p + 1, and a rolled-back append rolls the counter
+back with it. A reader that tails ``position > last_seen`` never skips a late commit.
 
-1. locks the single row of ``event_log_head`` (``UPDATE ... SET position = position
-   + n RETURNING position``) — this serialises appends, and because the lock is held
-   until COMMIT, positions are handed out gap-free *in commit order*: the writer that
-   got position p has committed (and become visible) before any writer can get p + 1,
-   and a rolled-back append rolls the counter back with it. A reader that tails
-   ``position > last_seen`` therefore never skips a late commit;
-2. checks every stream's current version against the caller's expected version
-   (exact, since no other append runs concurrently) and raises
-   :class:`~services.runtime.errors.ConflictError` on a clash —
-   ``UNIQUE(stream, stream_version)`` backs this up;
-3. inserts all rows with one ``INSERT ... SELECT FROM unnest(...)``;
-4. applies the ledger and projection changes of :mod:`events.ledger` (a CHECK
+Everything done while holding that lock delays every other writer, so an append of
+fewer than :data:`COPY_THRESHOLD` events runs:
+
+1. the ledger and projection changes of :mod:`events.ledger` *first*, with
+   placeholder positions (``ordinal - 2**50``: negative, in log order) — a CHECK
    violation of the capacity ledger becomes
    :class:`~services.runtime.errors.CapacityExceeded`, a second hold of a dedicated
-   device a :class:`~services.runtime.errors.ConflictError`);
-5. ``pg_notify('dracap_events', head)``, delivered at commit to
-   :meth:`EventStore.wait_for_new`.
+   device a :class:`~services.runtime.errors.ConflictError`; an append whose
+   projections can refuse on their own checks the expected versions just before, so
+   a plan made on a stale view fails as a conflict;
+2. then ``dracap_append`` (migration 0003) in one round trip: lock the head, check
+   every stream's version against the expected one (exact: no other append runs
+   concurrently; SQLSTATE ``DR001`` -> ``ConflictError``), insert the rows, turn the
+   placeholders into real positions, ``pg_notify('dracap_events', head)`` — delivered
+   at commit to :meth:`EventStore.wait_for_new`, which learns the head from the
+   payload.
+
+Row locks are held until commit too, so appends that touch the same projection row
+reach the head lock in the order they wrote the row: projection rows change in log
+order (docs/event-log.md says why in full). A bulk append (``COPY_THRESHOLD`` events
+or more) takes the lock first, checks, writes the rows with binary COPY, then projects
+with real positions and notifies — no second write of every projected row.
 
 A caller that must commit other writes atomically with the events (a consumer's
 idempotency row and checkpoint) passes its own ``connection=``; the same statements
@@ -92,11 +102,18 @@ _SELECT: Final = (
     "SELECT position, event_id::text, stream, stream_version, type, schema_version, "
     "namespace, actor, correlation_id, causation_id, recorded_at, payload FROM events"
 )
-_INSERT: Final = (
-    f"INSERT INTO events ({_COLUMNS}) SELECT * FROM unnest($1::bigint[], $2::uuid[], "
-    "$3::text[], $4::int[], $5::text[], $6::int[], $7::text[], $8::text[], $9::text[], "
-    "$10::text[], $11::timestamptz[], $12::jsonb[])"
-)
+
+
+class Cause(msgspec.Struct, frozen=True):
+    """Why one event was written: the flow it belongs to and the event that caused it."""
+
+    correlation_id: str | None
+    causation_id: str | None
+
+    @classmethod
+    def of(cls, env: Envelope) -> Cause:
+        """The cause of an event written in reaction to ``env``."""
+        return cls(env.correlation_id, env.event_id)
 
 
 class Batch(msgspec.Struct, frozen=True):
@@ -104,11 +121,16 @@ class Batch(msgspec.Struct, frozen=True):
 
     ``expected_version`` is the stream's current version (0: the stream must not exist
     yet); ``None`` appends whatever the version is.
+
+    ``causes``: one :class:`Cause` per event, for an append that carries the reactions
+    to several messages at once (a consumer's group commit); ``None`` takes the
+    correlation and causation ids of the append's :class:`Metadata`.
     """
 
     stream: str
     expected_version: int | None
     events: Sequence[Event]
+    causes: Sequence[Cause] | None = None
 
 
 class Snapshot(msgspec.Struct, frozen=True):
@@ -233,6 +255,7 @@ class _Pending(msgspec.Struct, frozen=True):
     schema_versions: list[int]
     namespaces: list[str | None]
     correlation_ids: list[str]
+    causation_ids: list[str | None]
 
     def __len__(self) -> int:
         return len(self.events)
@@ -245,6 +268,7 @@ def _envelopes(batches: Sequence[Batch], meta: Metadata) -> _Pending:
     payloads: list[bytes] = []
     streams: list[str] = []
     versions: list[int] = []
+    causes: list[Cause | None] = []
     for batch in batches:
         if not batch.stream:
             raise InvalidEvent("stream name is empty")
@@ -252,6 +276,11 @@ def _envelopes(batches: Sequence[Batch], meta: Metadata) -> _Pending:
             raise InvalidEvent(f"expected version {batch.expected_version} < 0")
         if not batch.events:
             continue
+        if batch.causes is not None and len(batch.causes) != len(batch.events):
+            raise InvalidEvent(
+                f"stream {batch.stream!r}: {len(batch.causes)} causes for "
+                f"{len(batch.events)} events"
+            )
         # With expected_version None the offset from the current version is added
         # inside the append transaction, once the version is known.
         payloads += _payloads(batch.events)
@@ -260,12 +289,18 @@ def _envelopes(batches: Sequence[Batch], meta: Metadata) -> _Pending:
         base = batch.expected_version or 0
         streams += [batch.stream] * count
         versions += range(base + 1, base + count + 1)
+        causes += batch.causes if batch.causes is not None else [None] * count
     kinds = [_KINDS[type(e)] for e in events]  # filled by _payloads
     ids = _event_ids(len(events))
     if meta.namespace is not None:
         namespaces: list[str | None] = [meta.namespace] * len(events)
     else:
         namespaces = [namespace_of(e) for e in events]
+    correlation_ids = [
+        (c.correlation_id if c is not None else meta.correlation_id) or eid
+        for c, eid in zip(causes, ids, strict=True)
+    ]
+    causation_ids = [c.causation_id if c is not None else meta.causation_id for c in causes]
     return _Pending(
         meta=meta,
         recorded_at=now,
@@ -277,7 +312,8 @@ def _envelopes(batches: Sequence[Batch], meta: Metadata) -> _Pending:
         types=[k.tag for k in kinds],
         schema_versions=[k.schema_version for k in kinds],
         namespaces=namespaces,
-        correlation_ids=ids if not meta.correlation_id else [meta.correlation_id] * len(ids),
+        correlation_ids=correlation_ids,
+        causation_ids=causation_ids,
     )
 
 
@@ -292,6 +328,17 @@ async def _init_connection(connection: asyncpg.Connection) -> None:
         encoder=lambda data: b"\x01" + data,
         decoder=lambda data: data[1:],
     )
+
+
+async def _keep_session(connection: asyncpg.Connection) -> None:
+    """The pool's reset on release: nothing beyond asyncpg's own local clean-up.
+
+    asyncpg's default reset sends ``RESET ALL; UNLISTEN *; CLOSE ALL; ...`` on every
+    release, a round trip per pooled operation. dracap's pooled sessions never change
+    session state (no ``SET``, no ``LISTEN`` — the listener has its own connection —,
+    no advisory locks, no cursors held across a release), and asyncpg still rolls back
+    a transaction left open before this runs, so the query would undo nothing.
+    """
 
 
 def server_settings(settings: Settings) -> dict[str, str]:
@@ -401,6 +448,7 @@ class EventStore:
         self._listener_lock = asyncio.Lock()
         self._closed = False
         self._waiters: set[asyncio.Future[None]] = set()
+        self._known_head = 0  # the highest head announced by NOTIFY (or read at LISTEN)
 
     @classmethod
     async def open(cls, settings: Settings) -> EventStore:
@@ -410,6 +458,7 @@ class EventStore:
             min_size=settings.pool_min_size,
             max_size=settings.pool_max_size,
             init=_init_connection,
+            reset=_keep_session,
             server_settings=server_settings(settings),
         )
         return cls(pool, settings)
@@ -509,7 +558,9 @@ class EventStore:
 
     async def _append_once(self, batches: Sequence[Batch], pending: _Pending) -> list[Envelope]:
         async with self._pool.acquire() as connection, connection.transaction():
-            return await self._append_in(connection, batches, pending)
+            stored = await self._append_in(connection, batches, pending)
+        self._known_head = max(self._known_head, stored[-1].position)  # committed
+        return stored
 
     async def _append_in(
         self,
@@ -517,25 +568,71 @@ class EventStore:
         batches: Sequence[Batch],
         pending: _Pending,
     ) -> list[Envelope]:
-        """The statements of one append, in the transaction open on ``connection``."""
+        """The statements of one append, in the transaction open on ``connection``.
+
+        Below :data:`COPY_THRESHOLD` events: projections first, with placeholder
+        positions, then ``dracap_append`` (see "Appending" above), so the head lock is
+        held for one round trip and the commit. Bulk appends take the lock first and
+        write the rows with binary COPY and the projections with their real positions
+        (no second write of every projected row).
+        """
+        count = len(pending.events)
+        if count >= COPY_THRESHOLD:
+            return await self._append_bulk(connection, batches, pending)
+        changes = ledger.changes_of_many(pending.events, _placeholders(count))
+        if any(isinstance(c, _REFUSABLE) for c, _ in changes) and any(
+            b.expected_version is not None for b in batches
+        ):
+            # A plan made on a stale view must fail as a conflict, not as the capacity
+            # refusal its projection would hit first: check the versions before (the
+            # exact check under the head lock follows).
+            await self._check_versions(connection, batches)
+        if changes:
+            await apply_changes(connection, changes)
+        row = await connection.fetchrow(
+            _APPEND,
+            count,
+            [b.stream for b in batches],
+            [b.expected_version for b in batches],
+            pending.event_ids,
+            pending.streams,
+            pending.versions,
+            pending.types,
+            pending.schema_versions,
+            pending.namespaces,
+            pending.meta.actor,
+            pending.correlation_ids,
+            pending.causation_ids,
+            pending.recorded_at,
+            pending.payloads,
+            CHANNEL,
+            bool(changes),
+        )
+        assert row is not None  # the function returns exactly one row
+        head: int = row[0]
+        current = {
+            b.stream: version if b.expected_version is None else 0
+            for b, version in zip(batches, row[1], strict=True)
+        }
+        return _stored(pending, list(range(head - count + 1, head + 1)), _moved(pending, current))
+
+    async def _append_bulk(
+        self, connection: Connection, batches: Sequence[Batch], pending: _Pending
+    ) -> list[Envelope]:
+        """A bulk append: lock, check, COPY, project, notify (statement by statement)."""
         count = len(pending.events)
         head: int = await connection.fetchval(
-            "UPDATE event_log_head SET position = position + $1 RETURNING position",
-            count,
+            "UPDATE event_log_head SET position = position + $1 RETURNING position", count
         )
         current = await self._check_versions(connection, batches)
-        first = head - count + 1
-        positions = list(range(first, head + 1))
-        versions = pending.versions
-        if any(current.values()):  # a ``None`` batch: move its versions past the current one
-            versions = [v + current[s] for v, s in zip(versions, pending.streams, strict=True)]
-        stored = _stored(pending, positions, versions)
+        positions = list(range(head - count + 1, head + 1))
+        versions = _moved(pending, current)
         await _insert(connection, pending, positions, versions)
         changes = ledger.changes_of_many(pending.events, positions)
         if changes:
             await apply_changes(connection, changes)
         await connection.execute("SELECT pg_notify($1, $2)", CHANNEL, str(head))
-        return stored
+        return _stored(pending, positions, versions)
 
     @staticmethod
     async def _check_versions(connection: Connection, batches: Sequence[Batch]) -> dict[str, int]:
@@ -598,7 +695,23 @@ class EventStore:
 
     # -- tailing -------------------------------------------------------------------------
 
-    def _notified(self, *_: object) -> None:
+    @property
+    def known_head(self) -> int:
+        """The newest head this store has heard of (NOTIFY), without asking the database."""
+        return self._known_head
+
+    def committed_head(self) -> int | None:
+        """A head every commit this process has seen is at or below; None if not listening.
+
+        The newest of: what NOTIFY announced, and what this store itself appended and
+        committed (its own NOTIFY may still be on the way). ``None`` until
+        :meth:`wait_for_new` has started the listener.
+        """
+        return self._known_head if self._listener is not None else None
+
+    def _notified(self, _connection: object, _pid: int, _channel: str, payload: object) -> None:
+        with contextlib.suppress(ValueError):  # not ours: wake the waiters anyway
+            self._known_head = max(self._known_head, int(str(payload)))
         waiters, self._waiters = self._waiters, set()
         for waiter in waiters:
             if not waiter.done():
@@ -614,28 +727,38 @@ class EventStore:
                 listener = await connect(self._settings)
                 try:
                     await listener.add_listener(CHANNEL, self._notified)
+                    # Listening from here on: the head read now plus every NOTIFY after
+                    # it is the head at any later moment.
+                    position: int = await listener.fetchval("SELECT position FROM event_log_head")
                 except BaseException:
                     await listener.close()
                     raise
+                self._known_head = max(self._known_head, position)
                 self._listener = listener
 
     async def wait_for_new(self, after_position: int, timeout: float) -> int:  # noqa: ASYNC109
         """Wait until the log's head passes ``after_position`` or ``timeout`` runs out.
 
-        Returns the head position (which equals ``after_position`` on a timeout).
+        Returns the head position (``after_position`` or less on a timeout). The head
+        comes from the NOTIFY payloads (each append announces its new head), so a
+        waiter costs no query; only a wait that times out reads the head from the
+        database, in case a notification was lost with a broken listener connection.
         """
         await self._listen()
+        if self._known_head > after_position:
+            return self._known_head
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.add(waiter)
         try:
-            head = await self.head()
-            if head > after_position:
-                return head
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(waiter), timeout)
-            return await self.head()
         finally:
             self._waiters.discard(waiter)
+        if self._known_head > after_position:
+            return self._known_head
+        head = await self.head()
+        self._known_head = max(self._known_head, head)
+        return head
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -662,14 +785,40 @@ class EventStore:
         return Snapshot(row[0], row[1], bytes(row[2]), row[3])
 
 
-COPY_THRESHOLD: Final = 64
+#: Appends of fewer events go through ``dracap_append``; larger ones (bulk loads) use
+#: binary COPY with the head lock taken first.
+COPY_THRESHOLD: Final = 256
+_APPEND: Final = (
+    "SELECT head, currents FROM dracap_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
+    "$11, $12, $13, $14, $15, $16)"
+)
+#: Placeholder positions are ``ordinal - _PLACEHOLDER_BASE`` (negative, in log order).
+_PLACEHOLDER_BASE: Final = 1 << 50
+
+
+#: Changes whose SQL can refuse an append on its own (capacity ledger, exclusive hold).
+_REFUSABLE: Final = (ledger.Reserve, ledger.HoldDevice)
+
+
+def _moved(pending: _Pending, current: dict[str, int]) -> list[int]:
+    """Stream versions with ``None`` batches moved past their stream's current version."""
+    if not any(current.values()):
+        return pending.versions
+    return [v + current[s] for v, s in zip(pending.versions, pending.streams, strict=True)]
+
+
+def _placeholders(count: int) -> list[int]:
+    """Stand-in positions of an append's events before the head is locked."""
+    return list(range(1 - _PLACEHOLDER_BASE, count + 1 - _PLACEHOLDER_BASE))
+
+
 _COLUMN_NAMES: Final = [c.strip() for c in _COLUMNS.split(",")]
 
 
 def _stored(pending: _Pending, positions: list[int], versions: list[int]) -> list[Envelope]:
     """The envelopes of an append, with their positions and stream versions."""
     meta = pending.meta
-    actor, causation_id, now = meta.actor, meta.causation_id, pending.recorded_at
+    actor, now = meta.actor, pending.recorded_at
     return [
         Envelope(
             event_id=eid,
@@ -684,13 +833,24 @@ def _stored(pending: _Pending, positions: list[int], versions: list[int]) -> lis
             schema_version=schema_version,
             event=event,
         )
-        for eid, stream, version, position, namespace, correlation_id, schema_version, event in zip(
+        for (
+            eid,
+            stream,
+            version,
+            position,
+            namespace,
+            correlation_id,
+            causation_id,
+            schema_version,
+            event,
+        ) in zip(
             pending.event_ids,
             pending.streams,
             versions,
             positions,
             pending.namespaces,
             pending.correlation_ids,
+            pending.causation_ids,
             pending.schema_versions,
             pending.events,
             strict=True,
@@ -701,7 +861,7 @@ def _stored(pending: _Pending, positions: list[int], versions: list[int]) -> lis
 async def _insert(
     connection: Connection, pending: _Pending, positions: list[int], versions: list[int]
 ) -> None:
-    """Insert the rows: one ``unnest`` statement, or binary COPY for large batches."""
+    """Insert the rows of a bulk append with binary COPY."""
     count = len(positions)
     meta = pending.meta
     columns: list[list[Any]] = [
@@ -714,13 +874,10 @@ async def _insert(
         pending.namespaces,
         [meta.actor] * count,
         pending.correlation_ids,
-        [meta.causation_id] * count,
+        pending.causation_ids,
         [pending.recorded_at] * count,
         pending.payloads,
     ]
-    if count < COPY_THRESHOLD:
-        await connection.execute(_INSERT, *columns)
-    else:
-        await connection.copy_records_to_table(
-            "events", records=list(zip(*columns, strict=True)), columns=_COLUMN_NAMES
-        )
+    await connection.copy_records_to_table(
+        "events", records=list(zip(*columns, strict=True)), columns=_COLUMN_NAMES
+    )

@@ -6,10 +6,14 @@ the cluster as the log describes it *now*. :class:`LiveState` holds one
 ``state.position``:
 
 * :meth:`LiveState.catch_up` reads the log after the current position (one keyset
-  query; nothing comes back when nothing is new) and folds it. Calls are serialised
-  by a lock, so concurrent callers never fold the same event twice; a caller that
-  waited for the lock reads again afterwards, so when ``catch_up`` returns, the state
-  includes every event committed before the call.
+  query; nothing comes back when nothing is new) and folds it. Reads are serialised
+  by a lock, so concurrent callers never fold the same event twice; a decision in
+  :meth:`LiveState.frozen` only delays the *folding* of what was read, never the
+  read itself, so decisions and reads do not queue behind each other; a caller that
+  waited for the lock reads again afterwards — unless a read that *began after its
+  call* completed meanwhile: that read saw everything this one would, so many
+  concurrent callers share one query. When ``catch_up`` returns, the state includes
+  every event committed before the call.
 * :meth:`LiveState.run` tails the log (``EventStore.wait_for_new``: LISTEN/NOTIFY with a
   timeout as a safety net) and folds as events arrive; it keeps the view warm and
   drives the listeners (the watch publisher of the claims API, the allocated state of
@@ -54,7 +58,7 @@ from events.catalog import (
 from events.errors import InvariantViolation
 from events.fold import ClusterState, apply, snapshot_decode
 from services.runtime.errors import RuntimeServiceError
-from services.runtime.eventstore import Connection, EventStore, iter_envelopes
+from services.runtime.eventstore import Connection, EventStore, envelope_of, iter_rows
 
 __all__ = ["INVENTORY_EVENTS", "Listener", "LiveState"]
 
@@ -86,7 +90,10 @@ class LiveState:
         self.violations: list[tuple[int, str]] = []
         self._versions: dict[str, int] = {}
         self._versions_complete = True  # False after starting from a snapshot
-        self._lock = asyncio.Lock()
+        self._read_lock = asyncio.Lock()  # one log read at a time (callers share it)
+        self._fold_lock = asyncio.Lock()  # held by frozen() and while a page is folded
+        self._reads_started = 0  # log reads begun by catch_up (numbered from 1)
+        self._reads_done = 0  # the number of the latest read that completed
         self._listeners: list[Listener] = []
 
     # -- startup -------------------------------------------------------------------------
@@ -168,18 +175,46 @@ class LiveState:
         second pooled connection while holding one). Its transaction must not hold
         uncommitted appends: they would be folded as if they had happened.
         """
-        async with self._lock:
+        ticket = self._reads_started + 1  # the first read that starts after this call
+        async with self._read_lock:
+            if self._reads_done >= ticket:
+                return 0  # a read that began after this call has folded everything
+            self._reads_started += 1
+            read = self._reads_started
             folded = 0
             position = self.state.position
-            envelopes = (
-                self.store.read_all(position, self.batch_size)
+            pages = (
+                self.store.read_rows(position, self.batch_size)
                 if connection is None
-                else iter_envelopes(connection, position, self.batch_size)
+                else iter_rows(connection, position, self.batch_size)
             )
-            async for envelope in envelopes:
-                self._fold(envelope)
-                folded += 1
+            async for rows in pages:
+                envelopes = [envelope_of(row) for row in rows]
+                async with self._fold_lock:  # not while a decision holds the state still
+                    for envelope in envelopes:
+                        self._fold(envelope)
+                folded += len(envelopes)
+            self._reads_done = read
         return folded
+
+    async def catch_up_to(self, position: int | None) -> int:
+        """Fold at least up to ``position`` (``None``: everything, as :meth:`catch_up`).
+
+        Reads nothing when the state is already there — the common case for a tailed
+        state, where most callers used to queue for a read that found nothing new.
+        """
+        if position is not None and self.state.position >= position:
+            return 0
+        return await self.catch_up()
+
+    async def catch_up_seen(self) -> int:
+        """Fold every commit this process knows of (:meth:`EventStore.committed_head`).
+
+        Read-your-writes for a request handler: its own appends, and everything the
+        log announced, are folded; a commit whose notification is still on its way is
+        not waited for. Without a listener it is :meth:`catch_up`.
+        """
+        return await self.catch_up_to(self.store.committed_head())
 
     @contextlib.asynccontextmanager
     async def frozen(self) -> AsyncIterator[ClusterState]:
@@ -187,9 +222,10 @@ class LiveState:
 
         A decision that awaits something (a stream version from the database) while
         it reads the state does so inside this block, so the state and the expected
-        versions it appends with stay consistent.
+        versions it appends with stay consistent. Reading the log does not wait for
+        it — only folding what was read does.
         """
-        async with self._lock:
+        async with self._fold_lock:
             yield self.state
 
     async def wait_for(self, position: int, timeout: float) -> bool:  # noqa: ASYNC109

@@ -2,9 +2,13 @@
 
 :func:`apply_changes` executes ``(change, position)`` pairs in log order. Runs of
 consecutive changes of a kind whose SQL needs no answer are sent with one
-``executemany`` (a pipelined batch); the others run one by one because what they do
-depends on the rows they find (a release only gives capacity back the first time; a
-claim becomes ``ready`` only when all its shares are).
+``executemany`` (a pipelined batch). The hot runs of a group commit — reservations
+(ledger, holds, shares), bindings, applied limits — are set-based statements over
+``unnest`` arrays, a fixed number of round trips however many claims the append
+carries (each function says why the result equals log order). The rest run one by
+one because what they do depends on the rows they find (a release only gives
+capacity back the first time). Every round trip here is made while the append holds
+the log's head lock, so their number bounds how fast the log can grow.
 
 The statements mirror :mod:`events.fold` step for step for the columns the
 projections keep; ``dracap replay verify`` checks that they agree.
@@ -334,14 +338,123 @@ async def _upsert_claims(connection: Connection, items: list[tuple[Any, ...]]) -
     await connection.execute(UPSERT_CLAIMS_SET, *columns)
 
 
+RESERVE_MANY: Final = (
+    "WITH v AS (SELECT driver, pool, device, capacity, sum(amount) AS amount FROM "
+    "unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::numeric[]) "
+    "AS u(driver, pool, device, capacity, amount) GROUP BY 1, 2, 3, 4) "
+    "UPDATE capacity_ledger c SET allocated = c.allocated + v.amount FROM v "
+    "WHERE c.driver = v.driver AND c.pool = v.pool AND c.device = v.device "
+    "AND c.capacity = v.capacity RETURNING c.driver, c.pool, c.device, c.capacity"
+)
+BIND_SHARES_MANY: Final = (
+    "UPDATE shares s SET state = 'bound', position = v.position "
+    "FROM unnest($1::uuid[], $2::bigint[]) AS v(share_id, position) "
+    "WHERE s.share_id = v.share_id AND s.state = 'reserved'"
+)
+APPLY_LIMITS: Final = (
+    "UPDATE shares s SET state = 'ready', level = v.level, position = v.position "
+    "FROM unnest($1::uuid[], $2::text[], $3::bigint[]) AS v(share_id, level, position) "
+    "WHERE s.share_id = v.share_id AND s.state IN ('reserved', 'bound') "
+    "RETURNING s.namespace, s.claim, s.allocation_version, v.position"
+)
+
+#: Kinds whose changes touch disjoint tables and may run grouped by kind (see below).
+_RESERVING: Final = (ledger.Reserve, ledger.HoldDevice, ledger.InsertShare)
+
+
+async def _reserve_many(connection: Connection, changes: Sequence[ledger.Reserve]) -> None:
+    """Every Reserve of a run in one statement (amounts summed per ledger row)."""
+    if len(changes) == 1:
+        await _reserve(connection, changes[0])
+        return
+    columns = list(
+        zip(*((c.driver, c.pool, c.device, c.capacity, c.amount) for c in changes), strict=True)
+    )
+    found = {tuple(r) for r in await connection.fetch(RESERVE_MANY, *map(list, columns))}
+    for change in changes:
+        if (change.driver, change.pool, change.device, change.capacity) not in found:
+            await _reserve(connection, change)  # raises: no such capacity
+
+
+async def _reserving(connection: Connection, items: list[tuple[ledger.Change, int]]) -> None:
+    """A run of Reserve / HoldDevice / InsertShare: one statement (or batch) per kind.
+
+    The three write different tables (capacity ledger, device holds, shares) and a
+    reservation only ever *adds* to the ledger, so running them kind by kind ends in
+    the same rows as running them in log order, and fails (over capacity, a second
+    hold) exactly when that would.
+    """
+    reserves = [c for c, _ in items if isinstance(c, ledger.Reserve)]
+    if reserves:
+        await _reserve_many(connection, reserves)
+    for kind in (ledger.HoldDevice, ledger.InsertShare):
+        rows = [_args(c, p) for c, p in items if isinstance(c, kind)]
+        if rows:
+            await connection.executemany(_BATCHED[kind], rows)
+
+
+async def _bind_many(connection: Connection, items: list[tuple[ledger.Change, int]]) -> None:
+    """A run of BindAllocation for distinct claims: three statements for all of them."""
+    binds = cast(list[tuple[ledger.BindAllocation, int]], items)
+    if len({(c.namespace, c.name) for c, _ in binds}) != len(binds):
+        for change, position in binds:
+            await _bind(connection, change, position)
+        return
+    shares = [(s, p) for c, p in binds for s in c.share_ids]
+    if shares:
+        await connection.execute(BIND_SHARES_MANY, [s for s, _ in shares], [p for _, p in shares])
+    await connection.executemany(
+        BIND_CLAIM, [(c.namespace, c.name, c.allocation_version, c.node, p) for c, p in binds]
+    )
+    await connection.executemany(CLAIM_READY, [(c.namespace, c.name, p, None) for c, p in binds])
+
+
+async def _apply_limits(connection: Connection, items: list[tuple[ledger.Change, int]]) -> None:
+    """A run of ApplyLimit for distinct shares: one update, then the claims made ready.
+
+    A claim is checked once, at the highest position among its shares of the run —
+    where, in log order, its last share became ready.
+    """
+    applies = cast(list[tuple[ledger.ApplyLimit, int]], items)
+    if len(applies) == 1 or len({c.share_id for c, _ in applies}) != len(applies):
+        for change, position in applies:
+            await _apply_limit(connection, change, position)
+        return
+    rows = await connection.fetch(
+        APPLY_LIMITS,
+        [c.share_id for c, _ in applies],
+        [c.level for c, _ in applies],
+        [p for _, p in applies],
+    )
+    claims: dict[tuple[str, str, int], int] = {}
+    for namespace, claim, version, position in rows:
+        key = (namespace, claim, version)
+        claims[key] = max(position, claims.get(key, 0))
+    if claims:
+        await connection.executemany(
+            CLAIM_READY, [(n, c, p, v) for (n, c, v), p in sorted(claims.items())]
+        )
+
+
+def _run_of(item: tuple[ledger.Change, int]) -> type:
+    kind = type(item[0])
+    return ledger.Reserve if kind in _RESERVING else kind
+
+
 async def apply_changes(
     connection: Connection, changes: Sequence[tuple[ledger.Change, int]]
 ) -> None:
     """Run the SQL of ``(change, position)`` pairs in order; batch runs where possible."""
-    for kind, run in groupby(changes, key=lambda item: type(item[0])):
+    for kind, run in groupby(changes, key=_run_of):
         items = list(run)
         sql = _BATCHED.get(kind)
-        if kind is ledger.UpsertClaim:
+        if kind is ledger.Reserve:
+            await _reserving(connection, items)
+        elif kind is ledger.BindAllocation:
+            await _bind_many(connection, items)
+        elif kind is ledger.ApplyLimit:
+            await _apply_limits(connection, items)
+        elif kind is ledger.UpsertClaim:
             upserts = cast(list[tuple[ledger.UpsertClaim, int]], items)
             await _upsert_claims(
                 connection,

@@ -10,17 +10,22 @@ once and in position order. The loop:
    connection at once and up to ``window`` acknowledgements are outstanding; the acks
    are awaited together, once per window (one round trip per window, never one per
    message);
-3. when every ack of the window is in, store the checkpoint (``consumer_checkpoints``,
-   consumer ``"relay"``) at the window's last position;
+3. when every ack of the window is in, the relay's position moves to the window's
+   last event and the next window is read at once; a companion task stores the
+   position as the checkpoint (``consumer_checkpoints``, consumer ``"relay"``;
+   :mod:`services.runtime.highwater`) as often as it can, off the publishing path
+   (a commit per window would put a WAL flush between every two windows);
 4. when the log is drained, wait for the store's NOTIFY (or a poll timeout) and go on.
 
 Exactly once: each message carries ``Nats-Msg-Id = event id`` (and
-``Nats-Expected-Stream``). A crash between the acks of a window and its checkpoint
-makes the next relay publish that window again; JetStream recognises the ids within
-its duplicate window (:data:`services.runtime.bus.DUPLICATE_WINDOW_S`) and
-acknowledges them as duplicates without storing them. Only a relay that stays down
-for longer than the duplicate window *after such a crash* can store up to one window
-twice — the consumers' idempotency (``processed_messages``) absorbs that.
+``Nats-Expected-Stream``). A crash after some acks but before the checkpoint caught
+up makes the next relay publish those events again — the windows published since the
+last stored checkpoint, normally one or two; JetStream recognises the ids within its
+duplicate window (:data:`services.runtime.bus.DUPLICATE_WINDOW_S`) and acknowledges
+them as duplicates without storing them. Only a relay that stays down for longer than
+the duplicate window *after such a crash* can store those events twice — the
+consumers' idempotency (``processed_messages``) absorbs that. On a clean stop the
+final position is stored before :meth:`Relay.run` returns.
 
 Order: messages of one connection are stored in the order they were written, so a
 window lands in position order. After a failed window (a publish error or an ack
@@ -51,18 +56,13 @@ from nats.js.api import Header, PubAck
 from events.catalog import SCHEMA_VERSIONS, encode_event, schema_version_of
 from events.subjects import NODE_TAGS, BusNames
 from services.runtime.eventstore import EventStore, envelope_of
+from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import RELAY_LAG
 
 __all__ = ["CHECKPOINT", "Outgoing", "Relay", "outgoing"]
 
 CHECKPOINT: Final = "relay"
 _log = logging.getLogger(__name__)
-
-_SAVE_CHECKPOINT: Final = (
-    "INSERT INTO consumer_checkpoints (consumer, position) VALUES ($1, $2) "
-    "ON CONFLICT (consumer) DO UPDATE SET position = GREATEST("
-    "consumer_checkpoints.position, EXCLUDED.position), updated_at = now()"
-)
 
 
 class _WireEnvelope(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,7 +147,8 @@ class Relay:
         self._ack_timeout = ack_timeout
         self._idle_poll = idle_poll
         self._retry_delay = retry_delay
-        self.position = 0  #: the checkpoint: every event up to here is in the stream
+        self.position = 0  #: every event up to here is in the stream
+        self._mark = HighWaterMark(store, checkpoint)
         self.published = 0  #: messages the stream stored
         self.duplicates = 0  #: messages the stream recognised as already stored
         self.windows = 0  #: windows published
@@ -155,14 +156,34 @@ class Relay:
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until ``stop`` is set; the window in flight is finished first."""
         self.position = await self.load_checkpoint()
-        while not stop.is_set():
-            try:
-                await self._drain(stop)
-                if not stop.is_set():
-                    await self._wait(stop)
-            except Exception:
-                _log.exception("relay failed after position %d; retrying", self.position)
-                await _sleep_unless(stop, self._retry_delay)
+        # a lambda, so a subclass's or a test's _save_checkpoint is the one called
+        mark = self._mark = HighWaterMark(
+            self._store, self._checkpoint, save=lambda p: self._save_checkpoint(p)
+        )
+        mark.position = mark.saved = self.position
+        done = asyncio.Event()
+        keeper = asyncio.create_task(mark.run(done))
+        try:
+            while not stop.is_set():
+                try:
+                    await self._drain(stop)
+                    if not stop.is_set():
+                        await self._wait(stop)
+                except Exception:
+                    _log.exception("relay failed after position %d; retrying", self.position)
+                    await _sleep_unless(stop, self._retry_delay)
+        except BaseException:  # cancelled: the process is going down, no final store
+            keeper.cancel()
+            raise
+        finally:
+            done.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper  # on a clean stop: stores the final position
+
+    @property
+    def saved(self) -> int:
+        """The stored checkpoint (at most :attr:`position`)."""
+        return self._mark.saved
 
     async def load_checkpoint(self) -> int:
         """The stored checkpoint (0 when the relay has never run)."""
@@ -172,12 +193,12 @@ class Relay:
         return position or 0
 
     async def _drain(self, stop: asyncio.Event) -> None:
-        head = await self._store.head()
         async for rows in self._store.read_rows(self.position, batch_size=self._window):
             messages = [outgoing(self._names, row) for row in rows]
             await self._publish_window(messages)
-            await self._save_checkpoint(messages[-1].position)
-            head = max(head, self.position)
+            self.position = messages[-1].position
+            self._mark.advance(self.position)
+            head = max(self._store.known_head, self.position)
             RELAY_LAG.set(head - self.position)
             if stop.is_set():
                 return
@@ -209,8 +230,7 @@ class Relay:
         )
 
     async def _save_checkpoint(self, position: int) -> None:
-        await self._store.pool.execute(_SAVE_CHECKPOINT, self._checkpoint, position)
-        self.position = position
+        await self._store.pool.execute(SAVE_CHECKPOINT, self._checkpoint, position)
 
     async def _wait(self, stop: asyncio.Event) -> None:
         """Until the log moves past the checkpoint, ``stop`` is set, or a poll passes."""

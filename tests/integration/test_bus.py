@@ -7,6 +7,7 @@ deletes the stream at the end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
@@ -21,9 +22,10 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from events import catalog as c
 from events.subjects import BusNames
 from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.committing import GroupCommitter
 from services.runtime.consuming import Consumer, Handled, HandlerContext
-from services.runtime.errors import ConflictError
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.errors import ConflictError, InvalidEvent
+from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
 from services.runtime.metrics import REGISTRY
 from services.runtime.relaying import Relay, outgoing
 from services.runtime.settings import Settings
@@ -156,22 +158,27 @@ async def test_relay_publishes_every_event_once_in_order(bus: Bus) -> None:
 
 
 async def test_relay_crash_between_acks_and_checkpoint_duplicates_nothing(bus: Bus) -> None:
-    class Crashing(Relay):
+    class Stalled(Relay):
         async def _save_checkpoint(self, position: int) -> None:
-            if self.windows == 3:  # acks of the third window are in; die before recording
-                raise asyncio.CancelledError
+            if position > 100:  # the checkpoint never gets past 100: acks outrun it
+                await asyncio.Event().wait()
             await super()._save_checkpoint(position)
 
     await append_burst(bus.store, 500)
-    first = Crashing(bus.store, bus.js, bus.names, window=50, idle_poll=0.2)
-    with pytest.raises(asyncio.CancelledError):
-        await first.run(asyncio.Event())
-    assert await relay(bus).load_checkpoint() == 100
+    first = Stalled(bus.store, bus.js, bus.names, window=50, idle_poll=0.2)
+    task = asyncio.create_task(first.run(asyncio.Event()))
+    await until(lambda: first.position == 500)
+    task.cancel()  # the process dies: no clean stop, no final checkpoint
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    checkpoint = await relay(bus).load_checkpoint()
+    assert 0 < checkpoint <= 100 and checkpoint % 50 == 0
     second = relay(bus, window=50)
     async with Running(second.run):
         await until(lambda: second.position == 500)
-    assert second.duplicates == 50  # the third window again, recognised by Nats-Msg-Id
-    assert second.published == 350
+    # everything past the checkpoint again, each recognised by its Nats-Msg-Id
+    assert second.duplicates == 500 - checkpoint
+    assert second.published == 0
     await assert_stream_is_the_log(bus)
 
 
@@ -216,7 +223,7 @@ def test_old_schema_rows_are_published_upcast() -> None:
     assert env.schema_version == 2 and env.position == 7
     assert isinstance(env.event, c.CapacityReserved)
     assert env.event.shared is False and env.event.share_id  # upcast once, not twice
-    assert message.subject == "dracap.ev.reservation.node-a.reservation.capacity_reserved"
+    assert message.subject == "dracap.ev.reservation._.reservation.capacity_reserved"
 
 
 # --- consumers ------------------------------------------------------------------------------
@@ -390,3 +397,97 @@ async def test_undecodable_message_is_dead_lettered_at_once(bus: Bus) -> None:
     assert isinstance(letter.event, c.MessageDeadLettered)
     assert letter.event.event_id == message_id
     assert letter.event.reason.startswith("undecodable")
+
+
+# --- group commit ---------------------------------------------------------------------------
+
+
+def echo_group(sizes: list[int], poison: set[str]) -> Callable[..., Awaitable[Handled]]:
+    """A group handler: one echo per envelope, each naming its cause; raises on poison."""
+
+    async def handle(ctx: HandlerContext, envs: list[c.Envelope]) -> Handled:
+        sizes.append(len(envs))
+        if poison & {e.event_id for e in envs}:
+            raise RuntimeError("poison in the group")
+        batches = [
+            Batch(
+                f"echo:{env.event_id}",
+                0,
+                [c.LimitRemoved(share_id=env.event_id, node="echo")],
+                [Cause.of(env)],
+            )
+            for env in envs
+        ]
+        return Handled(batches)
+
+    return handle
+
+
+async def test_groups_commit_together_and_a_failing_group_goes_one_by_one(bus: Bus) -> None:
+    sizes: list[int] = []
+    poison: set[str] = set()
+    await append_burst(bus.store, 30)
+    r = relay(bus)
+    k = Consumer(
+        bus.store,
+        bus.js,
+        bus.names,
+        name="grouped",
+        filter_subject=bus.names.category_filter("admin"),
+        group_handler=echo_group(sizes, poison),
+        max_deliver=2,
+        backoff=(0.05,),
+        poll_interval=0.2,
+    )
+    async with Running(r.run):
+        await until(lambda: r.position == 30)
+        async with Running(k.run):
+            await until(lambda: k.handled == 30)
+            assert k.groups >= 1 and max(sizes) > 1  # several messages, one transaction
+            await append_burst(bus.store, 30)
+            sources = [e async for e in bus.store.read_all()]
+            bad = next(e for e in sources[30:] if e.stream.startswith("burst:"))
+            poison.add(bad.event_id)
+            await until(lambda: k.handled == 59 and k.dead_lettered == 1)
+    echoed = {e.causation_id: e for e in await echoes(bus.store)}
+    burst = [e for e in sources if e.stream.startswith("burst:")]
+    assert set(echoed) == {e.event_id for e in burst} - {bad.event_id}
+    for source in burst:
+        if source.event_id != bad.event_id:  # each event names its own cause
+            assert echoed[source.event_id].correlation_id == source.correlation_id
+    assert 1 in sizes  # the failed group was handled again one message at a time
+    [letter] = await bus.store.read_stream("consumer:grouped")
+    assert isinstance(letter.event, c.MessageDeadLettered)
+    assert letter.event.event_id == bad.event_id
+
+
+async def test_group_committer_gives_each_caller_its_own_outcome(bus: Bus) -> None:
+    committer = GroupCommitter(bus.store, "test")
+    await committer.append("gc:stale", 0, [access(0)])
+
+    async def write(i: int) -> object:
+        try:
+            return await committer.append(f"gc:{i}", 0, [access(i)])
+        except ConflictError as exc:
+            return exc
+
+    together = await asyncio.gather(*(write(i) for i in range(15)))
+    assert all(isinstance(r, list) and len(r) == 1 for r in together), together
+    assert committer.groups >= 1  # concurrent callers shared a transaction
+    stale = committer.append("gc:stale", 0, [access(99)])  # the stream is at 1: refused
+    results = await asyncio.gather(
+        *(write(i) for i in range(15, 20)), stale, return_exceptions=True
+    )
+    assert all(isinstance(r, list) and len(r) == 1 for r in results[:5]), results
+    assert isinstance(results[5], ConflictError)
+    assert committer.alone >= 1  # the group with the stale write was redone one by one
+    assert await bus.store.head() == 21  # nothing half-written, nothing lost
+    versions = {e.stream: e.stream_version async for e in bus.store.read_all()}
+    assert versions == {"gc:stale": 1, **{f"gc:{i}": 1 for i in range(20)}}
+
+
+async def test_causes_must_match_the_events(bus: Bus) -> None:
+    batch = Batch("causes:x", 0, [access(0), access(1)], [Cause("corr", "cause")])
+    with pytest.raises(InvalidEvent, match="1 causes for 2 events"):
+        await bus.store.append_many([batch], Metadata(actor="test"))
+    assert await bus.store.head() == 0

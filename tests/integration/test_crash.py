@@ -317,10 +317,11 @@ def trap_handler(trap: Trap) -> Callable[[ReservationService], None]:
     def wrap(worker: ReservationService) -> None:
         original = worker.handle
 
-        async def handle(ctx: HandlerContext, env: Envelope) -> Handled:
-            handled = await original(ctx, env)
+        async def handle(ctx: HandlerContext, envs: list[Envelope]) -> Handled:
+            handled = await original(ctx, envs)
             written = await ctx.connection.fetch(
-                "SELECT event_id::text FROM events WHERE causation_id = $1", env.event_id
+                "SELECT event_id::text FROM events WHERE causation_id = ANY($1::text[])",
+                [env.event_id for env in envs],
             )
             if written and not trap.sprung.is_set():
                 trap.reached += 1
@@ -428,7 +429,7 @@ async def test_killed_worker_loses_and_duplicates_nothing(
 async def test_worker_killed_inside_its_transaction(cluster: Cluster, settings: Settings) -> None:
     # the first incarnation is replaced by one with a trap in its handler
     await cluster.worker_run.kill()
-    trap = Trap(after=KILL_AFTER // 3)
+    trap = Trap(after=2)  # the second transaction that wrote reservations (groups: few)
     cluster.worker, cluster.worker_run = await cluster.start_worker(trap_handler(trap))
     submitting = asyncio.create_task(burst(cluster))
     await asyncio.wait_for(trap.sprung.wait(), 20)

@@ -19,7 +19,6 @@ from events import catalog
 from events.catalog import Envelope
 from events.fold import ClusterState, apply, fold, snapshot_decode, snapshot_encode, to_builtins
 from services.replay import verify as verifying
-from services.runtime import eventstore, projecting
 from services.runtime.errors import (
     CapacityExceeded,
     ConflictError,
@@ -72,19 +71,17 @@ class EventStoreContract:
         assert await _count(store) == (2, 2)  # nothing half-written
         assert await store.head() == 2
 
-    async def test_tailing_reader_sees_late_commit_in_order(
-        self, store: EventStore, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
+    async def test_tailing_reader_sees_late_commit_in_order(self, store: EventStore) -> None:
         gate, entered = asyncio.Event(), asyncio.Event()
-        original = projecting.apply_changes
 
-        async def held(connection: Any, changes: Any) -> None:
-            if any(getattr(c, "name", None) == "slow" for c, _ in changes):
+        async def slow_writer() -> None:
+            # the append holds the head lock; its transaction stays open: a late commit
+            async with store.pool.acquire() as connection, connection.transaction():
+                event = catalog.ClaimAdmitted(namespace="a", name="slow")
+                await store.append("claim:a/slow", 0, [event], actor="slow", connection=connection)
                 entered.set()
-                await gate.wait()  # this writer's transaction stays open: a late commit
-            await original(connection, changes)
+                await gate.wait()
 
-        monkeypatch.setattr(eventstore, "apply_changes", held)
         seen: list[int] = []
 
         async def tail(total: int) -> None:
@@ -98,11 +95,7 @@ class EventStoreContract:
                         seen.append(row[0])
 
         reader = asyncio.create_task(tail(21))
-        slow = asyncio.create_task(
-            store.append(
-                "claim:a/slow", 0, [catalog.ClaimAdmitted(namespace="a", name="slow")], actor="slow"
-            )
-        )
+        slow = asyncio.create_task(slow_writer())
         await entered.wait()
         others = [
             asyncio.create_task(

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from events.subjects import BusNames
 from services.claims.command import ApiClient, ApiError
 from services.replay.verify import summary, verify
-from services.reservation.service import CATEGORIES
+from services.reservation.service import FEEDS
 from services.runtime.bus import connect_bus
 from services.runtime.metrics import start_metrics_server
 from services.runtime.settings import Settings
@@ -148,7 +148,7 @@ async def test_every_required_metric_has_a_value(
     assert has(after, "dracap_relay_lag_events")
     assert value(after, "dracap_relay_lag_events") == 0
     # per consumer: redeliveries and dead letters exist from the start, none dead-lettered
-    ours = [f"reservation-{c}" for c in CATEGORIES] + [f"agent-{NODE}"]
+    ours = [f"reservation-{feed}" for feed in FEEDS] + [f"agent-{NODE}"]
     for consumer in ours:
         assert has(after, "dracap_consumer_redeliveries_total", consumer=consumer), consumer
         assert has(after, "dracap_dead_letters_total", consumer=consumer), consumer

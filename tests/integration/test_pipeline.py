@@ -494,7 +494,7 @@ async def test_redelivery_changes_nothing(pipeline: Pipeline, settings: Settings
                 await transaction.start()
                 try:
                     ctx = HandlerContext(connection, store, "redelivery-test", 2)
-                    handled = await handle(ctx, env)
+                    handled = await handle(ctx, [env])
                     assert handled.batches == [], (type(env.event).__name__, handled)
                     moved = await connection.fetchval("SELECT position FROM event_log_head")
                     assert moved == head, type(env.event).__name__

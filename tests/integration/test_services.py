@@ -26,7 +26,9 @@ async def test_db_upgrade_then_downgrade(
     assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0
     assert {"events", "capacity_ledger", "shares", "claims"} <= await _tables(empty_database_url)
     assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0  # idempotent
-    assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0  # one step
+    assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0  # one step: 0003
+    assert "processed_messages" in await _tables(empty_database_url)
+    assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0  # and 0002
     assert "processed_messages" not in await _tables(empty_database_url)
     assert "events" in await _tables(empty_database_url)
     assert await asyncio.to_thread(dbcommand.main, ["downgrade", "base"]) == 0
@@ -34,7 +36,8 @@ async def test_db_upgrade_then_downgrade(
     assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0
     assert "events" in await _tables(empty_database_url)
     out = capsys.readouterr().out
-    assert "database at 0002" in out and "database at 0001" in out
+    assert "database at 0003" in out and "database at 0002" in out
+    assert "database at 0001" in out
     assert "database at base" in out
 
 

@@ -123,3 +123,15 @@ def test_device_table() -> None:
         "node-a", "gpu.dracap.io", "node-a-gpus/gpu-0", "memory", "40Gi", "10Gi", "30Gi", "1",
         "tenant-a",
     ]  # fmt: skip
+
+
+def test_connection_file_is_written_into_a_new_data_directory(tmp_path: Path) -> None:
+    # servers from the environment: nothing embedded created the directory before
+    from services.claims.command import Connection, read_connection
+    from services.up import write_connection
+
+    data_dir = tmp_path / "not" / "yet"
+    connection = Connection(database_url="postgresql://db/x", nats_url="nats://n:4222")
+    path = write_connection(data_dir, connection)
+    assert path == data_dir / "connection.json"
+    assert read_connection(data_dir) == connection

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from events import catalog as c
-from events.subjects import NODE_EVENTS, BusNames, SubjectError, node_of, node_token
+from events.subjects import NODE_EVENTS, NODE_REPORTS, BusNames, SubjectError, node_of, node_token
 from tests.unit.test_catalog import every_event
 
 EVENTS = every_event()
@@ -52,11 +52,25 @@ def test_every_event_has_a_valid_subject_in_the_stream(event: c.Event) -> None:
     assert subject.endswith("." + tag)
     assert matches(NAMES.events_subjects, subject)
     assert matches(NAMES.category_filter(tag.split(".")[0]), subject)
+    assert matches(NAMES.tag_filter(tag), subject)
+    other = next(t for t in c.EVENT_TYPES if t != tag)
+    assert not matches(NAMES.tag_filter(other), subject)
 
 
-def test_node_events_are_exactly_the_events_with_a_node_field() -> None:
+def test_every_event_with_a_node_field_is_addressed_or_a_report() -> None:
     with_node = {cls for cls in c.EVENT_TYPES.values() if "node" in cls.__struct_fields__}
-    assert set(NODE_EVENTS) == with_node
+    assert set(NODE_EVENTS) | set(NODE_REPORTS) == with_node
+    assert not set(NODE_EVENTS) & set(NODE_REPORTS)
+    # what an agent acts on is addressed to its node; what it reports is not
+    assert {c.AllocationBound, c.ReleaseRequested} <= set(NODE_EVENTS)
+    assert {c.CapacityReserved, c.LimitApplied, c.LimitRemoved} <= set(NODE_REPORTS)
+
+
+@pytest.mark.parametrize("event", [e for e in EVENTS if isinstance(e, NODE_REPORTS)], ids=str)
+def test_node_reports_travel_under_the_placeholder(event: c.Event) -> None:
+    subject = NAMES.event_subject(_env(_with_node(event, "node-a")))
+    assert subject.split(".")[3] == "_"
+    assert not matches(NAMES.node_filter("node-a"), subject)
 
 
 @pytest.mark.parametrize("event", [e for e in EVENTS if isinstance(e, NODE_EVENTS)], ids=str)
@@ -123,3 +137,15 @@ def test_api_and_admin_subjects() -> None:
         NAMES.admin("a..b")
     with pytest.raises(SubjectError):
         NAMES.category_filter("a.b")
+
+
+def test_reservation_feeds_read_their_triggers() -> None:
+    from services.reservation.service import FEEDS, TRIGGERS
+
+    subjects = [NAMES.event_subject(_env(e)) for e in EVENTS if isinstance(e, TRIGGERS)]
+    filters = [
+        NAMES.tag_filter(source) if "." in source else NAMES.category_filter(source)
+        for source in FEEDS.values()
+    ]
+    for subject in subjects:
+        assert any(matches(f, subject) for f in filters), subject

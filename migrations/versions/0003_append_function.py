@@ -1,0 +1,135 @@
+"""The core of an append as one server-side function: one round trip under the head lock.
+
+Revision ID: 0003
+Revises: 0002
+Create Date: 2026-11-29
+
+Design: every append serialises on the row lock of ``event_log_head`` from its
+``UPDATE`` until ``COMMIT`` (:mod:`services.runtime.eventstore`). Sent as separate
+statements — lock the head, read the streams' versions, insert the rows, project,
+notify — each is a client round trip made while *every other writer waits*, and on a
+busy event loop a round trip costs far more than the statement. So the store now runs
+the projections *before* taking the head lock, writing placeholder positions
+(``ordinal - 2**50``: negative, in log order), and ``dracap_append`` does the rest in
+the server in one call: lock the head, read and check the versions, insert the rows,
+turn the placeholders of ``shares`` and ``claims`` into the real positions, notify.
+The head lock is then held for one round trip plus the commit.
+
+Why this keeps the log order: every lock is held until commit. Two appends that
+touch the same projection row are ordered by that row's lock, and the one that gets
+it first also gets the head lock first (the other cannot reach its own head update
+before the first commits), so rows change in log order; appends that touch no common
+row commute. Only the transaction's own uncommitted rows can have a negative
+position (committed ones never do, other transactions' are invisible), found through
+the partial indexes added here.
+
+The version read inside the function follows the ``UPDATE`` that took the lock, and
+each plpgsql statement takes a fresh snapshot (``READ COMMITTED``), so it sees every
+append committed before the lock was granted: the check against the expected versions
+is exact. A mismatch raises SQLSTATE ``DR001`` (``ConflictError`` by
+:func:`services.runtime.errors.map_database_error`, the stream name in the detail),
+which aborts the transaction (or the caller's savepoint) with nothing written.
+Streams appended with no expected version get their versions moved past the current
+one. The function returns the new head and each stream's version before the append.
+
+``SECURITY INVOKER`` (the default): it runs with the application role's own rights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from alembic import op
+
+revision: str = "0003"
+down_revision: str | None = "0002"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+FUNCTION = """
+CREATE FUNCTION dracap_append(
+    p_count int,
+    p_streams text[],
+    p_expected int[],
+    p_event_ids uuid[],
+    p_event_streams text[],
+    p_versions int[],
+    p_types text[],
+    p_schema_versions int[],
+    p_namespaces text[],
+    p_actor text,
+    p_correlation_ids text[],
+    p_causation_ids text[],
+    p_recorded_at timestamptz,
+    p_payloads jsonb[],
+    p_channel text,
+    p_fix boolean
+) RETURNS TABLE (head bigint, currents int[])
+LANGUAGE plpgsql VOLATILE AS $$
+-- (no percent signs in this body: the migration driver treats them as placeholders)
+DECLARE
+    v_head bigint;
+    v_current int[];
+    v_offset int[];
+BEGIN
+    UPDATE event_log_head SET position = position + p_count RETURNING position INTO v_head;
+    SELECT array_agg(
+               coalesce((SELECT max(e.stream_version) FROM events e WHERE e.stream = s.stream), 0)
+               ORDER BY s.ord)
+      INTO v_current
+      FROM unnest(p_streams) WITH ORDINALITY AS s(stream, ord);
+    FOR i IN 1 .. coalesce(array_length(p_streams, 1), 0) LOOP
+        IF p_expected[i] IS NOT NULL AND p_expected[i] <> v_current[i] THEN
+            RAISE EXCEPTION USING ERRCODE = 'DR001', DETAIL = p_streams[i],
+                MESSAGE = 'stream ' || quote_literal(p_streams[i]) || ' is at version '
+                          || v_current[i] || ', expected ' || p_expected[i];
+        END IF;
+    END LOOP;
+    SELECT array_agg(CASE WHEN p_expected[s.ord] IS NULL THEN v_current[s.ord] ELSE 0 END
+                     ORDER BY s.ord)
+      INTO v_offset
+      FROM unnest(p_streams) WITH ORDINALITY AS s(stream, ord);
+    INSERT INTO events (position, event_id, stream, stream_version, type, schema_version,
+                        namespace, actor, correlation_id, causation_id, recorded_at, payload)
+    SELECT v_head - p_count + u.ord, u.event_id, u.stream,
+           u.version + v_offset[array_position(p_streams, u.stream)],
+           u.type, u.schema_version, u.namespace, p_actor, u.correlation_id,
+           u.causation_id, p_recorded_at, u.payload
+      FROM unnest(p_event_ids, p_event_streams, p_versions, p_types, p_schema_versions,
+                  p_namespaces, p_correlation_ids, p_causation_ids, p_payloads)
+           WITH ORDINALITY AS u(event_id, stream, version, type, schema_version, namespace,
+                                correlation_id, causation_id, payload, ord);
+    IF p_fix THEN
+        UPDATE shares SET position = position + PLACEHOLDER_BASE + v_head - p_count
+         WHERE position < 0;
+        UPDATE claims SET position = position + PLACEHOLDER_BASE + v_head - p_count
+         WHERE position < 0;
+    END IF;
+    PERFORM pg_notify(p_channel, v_head::text);
+    RETURN QUERY SELECT v_head, v_current;
+END
+$$
+"""
+
+SIGNATURE = (
+    "dracap_append(int, text[], int[], uuid[], text[], int[], text[], int[], text[], text, "
+    "text[], text[], timestamptz, jsonb[], text, boolean)"
+)
+#: ``services.runtime.eventstore._PLACEHOLDER_BASE``, copied: a revision never changes.
+PLACEHOLDER_BASE = 1 << 50
+INDEXES = {
+    "shares_placeholder_idx": "shares",
+    "claims_placeholder_idx": "claims",
+}
+
+
+def upgrade() -> None:
+    op.execute(FUNCTION.replace("PLACEHOLDER_BASE", str(PLACEHOLDER_BASE)))
+    for index, table in INDEXES.items():
+        op.execute(f"CREATE INDEX {index} ON {table} (position) WHERE position < 0")
+
+
+def downgrade() -> None:
+    for index in INDEXES:
+        op.execute(f"DROP INDEX IF EXISTS {index}")
+    op.execute(f"DROP FUNCTION IF EXISTS {SIGNATURE}")

@@ -1,0 +1,91 @@
+"""A position kept in ``consumer_checkpoints``, stored off the hot path.
+
+The relay and every consumer record how far they got. Writing that row inside each
+unit of work puts a commit (the relay) or a row lock (several workers of one durable
+consumer update the same row) on the path of every message: the second worker's
+transaction waits for the first one's commit just to move a number. What the row is
+for does not need that: for the relay it is where to resume after a crash, and
+resuming a little earlier is harmless (JetStream drops the re-published ids); for a
+consumer it is a high-water mark for lag — exactly-once comes from
+``processed_messages``, resuming from JetStream's durable consumer.
+
+:class:`HighWaterMark` therefore takes positions as they are reached
+(:meth:`HighWaterMark.advance`, no I/O) and a companion task (:meth:`HighWaterMark.run`)
+stores the newest one whenever it moved — one small autocommit at a time, never two
+at once, ``GREATEST`` so a row never goes back. On a clean stop the last position is
+stored before ``run`` returns; a crash loses at most what moved since the last store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from services.runtime.eventstore import EventStore
+
+__all__ = ["SAVE_CHECKPOINT", "HighWaterMark"]
+
+log = logging.getLogger("dracap.highwater")
+
+SAVE_CHECKPOINT: Final = (
+    "INSERT INTO consumer_checkpoints (consumer, position) VALUES ($1, $2) "
+    "ON CONFLICT (consumer) DO UPDATE SET position = GREATEST("
+    "consumer_checkpoints.position, EXCLUDED.position), updated_at = now()"
+)
+
+
+class HighWaterMark:
+    """The position of ``name``: advanced in memory, stored by :meth:`run`."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        name: str,
+        *,
+        save: Callable[[int], Awaitable[None]] | None = None,
+        retry_delay: float = 0.5,
+    ) -> None:
+        self._store = store
+        self.name = name
+        self._save = save or self.store_position
+        self._retry_delay = retry_delay
+        self.position = 0  #: the highest position reached
+        self.saved = 0  #: the highest position stored
+        self._moved = asyncio.Event()
+
+    def advance(self, position: int) -> None:
+        """Note that everything up to ``position`` is done (never moves back)."""
+        if position > self.position:
+            self.position = position
+            self._moved.set()
+
+    async def store_position(self, position: int) -> None:
+        """Store ``position`` now (``GREATEST``: the row never moves back)."""
+        await self._store.pool.execute(SAVE_CHECKPOINT, self.name, position)
+
+    async def run(self, done: asyncio.Event) -> None:
+        """Store the position whenever it moved, until ``done`` is set; then once more."""
+        while True:
+            if not done.is_set():
+                waiter = asyncio.ensure_future(self._moved.wait())
+                stopper = asyncio.ensure_future(done.wait())
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                for task in (waiter, stopper):
+                    task.cancel()
+            self._moved.clear()
+            position = self.position
+            if position > self.saved:
+                try:
+                    await self._save(position)
+                except Exception:
+                    log.exception("%s: could not store position %d", self.name, position)
+                    if done.is_set():
+                        return
+                    self._moved.set()
+                    await asyncio.sleep(self._retry_delay)
+                    continue
+                self.saved = max(self.saved, position)
+            if done.is_set():
+                return
