@@ -117,6 +117,7 @@ log = logging.getLogger("dracap.claims")
 TENANT_OPS: Final = ("apply", "get", "list", "delete", "watch")
 ADMIN_OPS: Final = ("deviceclasses.apply", "slices.apply", "namespaces.access", "devices.list")
 _HIDDEN_FROM_LIST: Final = frozenset({"withdrawn", "released"})
+_NODE_WIDE: Final = (NodeLeaseExpired, NodeFenced)  # a tuple: no union object per call
 _SHARE_EVENTS: Final = (
     LimitApplied,
     LimitFailed,
@@ -565,7 +566,7 @@ def _claims_touched(state: ClusterState, env: Envelope) -> list[ClaimKey]:
     if isinstance(event, _SHARE_EVENTS):
         share = state.shares.get(event.share_id)
         return [share.claim] if share is not None else []
-    if isinstance(event, NodeLeaseExpired | NodeFenced):
+    if isinstance(event, _NODE_WIDE):
         return sorted(
             {
                 s.claim

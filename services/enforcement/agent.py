@@ -100,6 +100,7 @@ __all__ = ["Agent", "consumer_name"]
 log = logging.getLogger("dracap.agent")
 
 _DURABLE_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_-]")
+_WORK: Final = (AllocationBound, ReleaseRequested)
 _APPLICABLE: Final = frozenset({"reserved", "bound"})
 _RELEASABLE: Final = frozenset({"reserved", "bound", "ready", "releasing"})
 
@@ -309,7 +310,7 @@ class Agent:
     def wants(self, env: Envelope) -> bool:
         """The messages this agent acts on: its node's bindings and release requests."""
         event = env.event
-        return isinstance(event, AllocationBound | ReleaseRequested) and event.node == self.node
+        return isinstance(event, _WORK) and event.node == self.node
 
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
         """Apply or remove limits for a group of messages (see the module docstring)."""

@@ -75,6 +75,8 @@ INVENTORY_EVENTS: Final = (
     RequestPolicyChanged,
 )
 _VIOLATIONS_KEPT: Final = 100
+#: How long catch_up_to() waits for the tailer before it reads the log itself.
+TAIL_WAIT_S: Final = 0.5
 
 
 class LiveState:
@@ -95,6 +97,8 @@ class LiveState:
         self._reads_started = 0  # log reads begun by catch_up (numbered from 1)
         self._reads_done = 0  # the number of the latest read that completed
         self._listeners: list[Listener] = []
+        self._tailing = False  # run() is tailing the log
+        self._position_waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     # -- startup -------------------------------------------------------------------------
 
@@ -194,18 +198,39 @@ class LiveState:
                     for envelope in envelopes:
                         self._fold(envelope)
                 folded += len(envelopes)
+                if self._position_waiters:
+                    self._wake_position_waiters()
             self._reads_done = read
         return folded
 
     async def catch_up_to(self, position: int | None) -> int:
         """Fold at least up to ``position`` (``None``: everything, as :meth:`catch_up`).
 
-        Reads nothing when the state is already there — the common case for a tailed
-        state, where most callers used to queue for a read that found nothing new.
+        Reads nothing when the state is already there. While :meth:`run` tails the log,
+        a caller that is behind waits for the tailer to fold ``position`` (it reads as
+        soon as the commit is announced) instead of queueing a read of its own; after
+        :data:`TAIL_WAIT_S` it reads itself.
         """
         if position is not None and self.state.position >= position:
             return 0
+        if position is not None and self._tailing:
+            waiter = asyncio.get_running_loop().create_future()
+            self._position_waiters.append((position, waiter))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, TAIL_WAIT_S)
+            if self.state.position >= position:
+                return 0
         return await self.catch_up()
+
+    def _wake_position_waiters(self) -> None:
+        reached, waiting = self.state.position, []
+        for position, waiter in self._position_waiters:
+            if position <= reached:
+                if not waiter.done():
+                    waiter.set_result(None)
+            elif not waiter.done():
+                waiting.append((position, waiter))
+        self._position_waiters = waiting
 
     async def catch_up_seen(self) -> int:
         """Fold every commit this process knows of (:meth:`EventStore.committed_head`).
@@ -247,13 +272,17 @@ class LiveState:
 
         A failing read (database restarting) is logged and retried after ``poll_s``.
         """
-        while not stop.is_set():
-            try:
-                await self.catch_up()
-                await _first_of(self.store.wait_for_new(self.state.position, poll_s), stop)
-            except (OSError, RuntimeServiceError) as exc:
-                log.warning("live state could not read the log: %s", exc)
-                await _first_of(asyncio.sleep(poll_s), stop)
+        self._tailing = True
+        try:
+            while not stop.is_set():
+                try:
+                    await self.catch_up()
+                    await _first_of(self.store.wait_for_new(self.state.position, poll_s), stop)
+                except (OSError, RuntimeServiceError) as exc:
+                    log.warning("live state could not read the log: %s", exc)
+                    await _first_of(asyncio.sleep(poll_s), stop)
+        finally:
+            self._tailing = False
 
 
 async def _first_of(work: Coroutine[Any, Any, object], stop: asyncio.Event) -> None:

@@ -325,3 +325,34 @@ async def test_verify_reports_first_violating_position(
     report = await verifying.verify(settings, from_start=True)
     assert not report.ok and report.first_violation == 3
     assert "first violating position 3" in verifying.summary(report)
+
+
+# --- the live state -------------------------------------------------------------------------
+
+
+async def test_catch_up_to_waits_for_the_tailer_instead_of_reading(store: EventStore) -> None:
+    from services.runtime.livestate import LiveState
+
+    live = LiveState(store)
+    meta = Metadata(actor="test")
+    stop = asyncio.Event()
+    tailer = asyncio.create_task(live.run(stop, poll_s=5.0))
+    try:
+        await asyncio.sleep(0.1)  # the tailer listens
+        reads = live._reads_started
+        [env] = await store.append_many(
+            [Batch("claim:t/a", 0, [catalog.ClaimAdmitted(namespace="t", name="a")])], meta
+        )
+        assert store.committed_head() == env.position  # its own commit, before any NOTIFY
+        assert await live.catch_up_to(store.committed_head()) == 0  # folded by the tailer
+        assert live.state.position >= env.position
+        assert live._reads_started == reads + 1  # the tailer's read, none of the caller's
+    finally:
+        stop.set()
+        await tailer
+    # without a tailer the caller reads itself
+    [env] = await store.append_many(
+        [Batch("claim:t/b", 0, [catalog.ClaimAdmitted(namespace="t", name="b")])], meta
+    )
+    assert await live.catch_up_to(env.position) == 1
+    assert live.state.claim("t", "b") is not None
