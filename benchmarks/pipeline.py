@@ -26,6 +26,7 @@ at half the max rate.
 Usage::
 
     .venv/bin/python -m benchmarks.pipeline --claims 3000 --seconds 10
+    .venv/bin/python -m benchmarks.pipeline --rates 10,30,60,100   # the latency curve too
     .venv/bin/python -m benchmarks.pipeline --embedded   # servers of `dracap up`
 """
 
@@ -305,6 +306,13 @@ async def measure(settings: Settings, args: argparse.Namespace) -> dict[str, flo
                     flush=True,
                 )
                 lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
+                for rate in args.rates:  # the curve below the half rate
+                    at = await latency(api, tracker, rate, args.seconds, f"r{rate:g}")
+                    p50, p99 = percentile(at, 50), percentile(at, 99)
+                    print(
+                        f"  at {rate:>6g} claims/s: p50 {p50:6.1f} ms   p99 {p99:6.1f} ms",
+                        flush=True,
+                    )
     out["p50"], out["p99"], out["max"] = percentile(lat, 50), percentile(lat, 99), lat[-1]
     out["rate"] = out["throughput"] / 2
     out["samples"] = len(lat)
@@ -375,6 +383,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--embedded", action="store_true", help="start embedded servers instead")
     parser.add_argument("--keep", action="store_true", help="keep the benchmark database")
     parser.add_argument("--up-log", metavar="FILE", help="append dracap up's output to FILE")
+    parser.add_argument(
+        "--rates",
+        type=lambda text: [float(r) for r in text.split(",") if r],
+        default=[],
+        metavar="R,R,...",
+        help="also measure apply->Ready at these fixed rates (claims/s)",
+    )
     return parser.parse_args(argv)
 
 

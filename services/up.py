@@ -67,6 +67,7 @@ from services.claims.command import ApiClient, CommandError, Connection
 from services.runtime import migrating
 from services.runtime.embedded import EmbeddedError, embedded_servers
 from services.runtime.eventstore import EventStore
+from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.settings import Settings, SettingsError, load_settings
 
 if TYPE_CHECKING:
@@ -379,6 +380,7 @@ def _start_metrics(port: int) -> Any:
 
 
 async def _main(options: UpOptions) -> int:
+    tune_for_long_lived_state()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -28,7 +28,7 @@ from typing import Any, Final
 
 from events.subjects import BusNames, SubjectError
 from services.enforcement import checkpointing
-from services.enforcement.agent import Agent
+from services.enforcement.agent import Agent, consumer_name
 from services.enforcement.cdi import DEFAULT_SPEC_DIR, CdiSpecs
 from services.enforcement.discovery import AgentConfig, ConfigError, Inventory, load_config
 from services.enforcement.enforcers import Enforcer, NoneEnforcer
@@ -37,7 +37,10 @@ from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interf
 from services.enforcement.tc import TcEnforcer
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.eventstore import EventStore
+from services.runtime.gauges import initialise_series
+from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.livestate import LiveState
+from services.runtime.metrics import start_metrics_server
 from services.runtime.settings import SettingsError, load_settings
 
 EXIT_OK = 0
@@ -77,6 +80,7 @@ def device_maps(config: AgentConfig, enforcer: Enforcer) -> Callable[[Inventory]
 
 async def serve(args: argparse.Namespace) -> int:
     """Run the agent until a signal arrives."""
+    tune_for_long_lived_state()
     settings = load_settings()
     if args.database_url:
         settings = settings.with_database(args.database_url)
@@ -84,6 +88,10 @@ async def serve(args: argparse.Namespace) -> int:
     names = BusNames(args.prefix)
     store = await EventStore.open(settings)
     nc, js = await connect_bus(nats_url, name=f"dracap-agent-{args.node}")
+    server = None
+    if args.metrics_port:
+        server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
+        initialise_series([consumer_name(args.node)])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -117,6 +125,8 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("agent of node %s started (enforcer %s)", args.node, args.enforcer)
         await agent.run(stop)
     finally:
+        if server is not None:
+            server.shutdown()
         await nc.drain()
         await store.close()
     return EXIT_OK
@@ -182,4 +192,17 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--cdi-dir", default=str(DEFAULT_SPEC_DIR), help="CDI spec directory")
     parser.add_argument("--mps-root", default="/run/dracap/mps", help="MPS daemons' root")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9401,
+        help="Prometheus port (0: off; default 9401, beside dracap up's 9400)",
+    )
+    parser.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 for a scraper "
+        "on another machine)",
+    )
     parser.set_defaults(func=run)

@@ -25,10 +25,12 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -190,6 +192,9 @@ class Node:
     # -- the agent subprocess
     def start_agent(self) -> None:
         self.starts += 1
+        with socket.socket() as probe:  # a free port for the agent's metrics endpoint
+            probe.bind(("127.0.0.1", 0))
+            self.metrics_port = probe.getsockname()[1]
         env = dict(os.environ)
         env["DRACAP_APP_ROLE"] = self.settings.app_role
         log = (self.tmp / f"agent-{self.starts}.log").open("wb")
@@ -197,7 +202,8 @@ class Node:
                 "--prefix", self.names.prefix, "--database-url", self.settings.database_url,
                 "--nats", self.nats_url, "--enforcer", "tc", "--config", str(self.config),
                 "--checkpoint", str(self.checkpoint), "--scan-interval", "0",
-                "--tc-default-rate", "1000000000"]  # fmt: skip
+                "--tc-default-rate", "1000000000",
+                "--metrics-port", str(self.metrics_port)]  # fmt: skip
         self.agent = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=log)
         log.close()
 
@@ -346,6 +352,11 @@ async def test_restart_keeps_limits_and_removes_orphans(node: Node, settings: Se
     await node.apply("web", "10M")
     await node.apply("db", "20M")
     await node.until(ready("web", "db"))
+    # the standalone agent serves its own metrics: two limits applied, two claims ready
+    url = f"http://127.0.0.1:{node.metrics_port}/metrics"
+    text = (await asyncio.to_thread(urllib.request.urlopen, url, timeout=5)).read().decode()
+    assert "dracap_enforcement_latency_seconds_count 2.0" in text
+    assert 'dracap_claims_total{outcome="ready"} 2.0' in text
     shares = node.share_ids(node.view.state, "web", "db")
     observed = await node.tc.observe()
     assert sorted(observed) == shares
