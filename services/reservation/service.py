@@ -357,7 +357,11 @@ class ReservationService:
             if not batches:
                 return Handled()
             try:
-                await ctx.store.append_many(batches, meta, connection=ctx.connection)
+                # No version pre-check: only planners consume capacity, and this one
+                # holds the planner lock and has caught up since the previous round.
+                await ctx.store.append_many(
+                    batches, meta, connection=ctx.connection, precheck=False
+                )
             except ConflictError:
                 self.conflicts += 1
                 raise  # the consumer handles the messages again, on a fresh view

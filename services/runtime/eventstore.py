@@ -256,6 +256,7 @@ class _Pending(msgspec.Struct, frozen=True):
     namespaces: list[str | None]
     correlation_ids: list[str]
     causation_ids: list[str | None]
+    precheck: bool = True  # see EventStore.append_many
 
     def __len__(self) -> int:
         return len(self.events)
@@ -517,6 +518,7 @@ class EventStore:
         meta: Metadata,
         *,
         connection: Connection | None = None,
+        precheck: bool = True,
     ) -> list[Envelope]:
         """Append several streams' events atomically: all or nothing.
 
@@ -525,12 +527,20 @@ class EventStore:
         commits or rolls back together with the caller's other writes. It is then not
         retried — a failed statement aborts the caller's transaction, so retrying is
         the caller's decision — and errors are mapped to the runtime error tree.
+
+        ``precheck``: an append whose projections can refuse on their own (capacity
+        ledger, exclusive holds) first checks the expected versions, so a plan made on
+        a stale view fails as ``ConflictError`` rather than ``CapacityExceeded``. A
+        caller that knows no one else consumed capacity since it read (the reservation
+        planner, holding the planner lock after catching up) may skip that round trip.
         """
         typed = [b if isinstance(b, Batch) else Batch(*b) for b in batches]
         streams = [b.stream for b in typed]
         if len(set(streams)) != len(streams):
             raise InvalidEvent("a stream appears twice in one append")
         pending = _envelopes(typed, meta)
+        if not precheck:
+            pending = msgspec.structs.replace(pending, precheck=False)
         if not pending.events:
             return []
         first = streams[0] if len(streams) == 1 else None
@@ -580,8 +590,10 @@ class EventStore:
         if count >= COPY_THRESHOLD:
             return await self._append_bulk(connection, batches, pending)
         changes = ledger.changes_of_many(pending.events, _placeholders(count))
-        if any(isinstance(c, _REFUSABLE) for c, _ in changes) and any(
-            b.expected_version is not None for b in batches
+        if (
+            pending.precheck
+            and any(isinstance(c, _REFUSABLE) for c, _ in changes)
+            and any(b.expected_version is not None for b in batches)
         ):
             # A plan made on a stale view must fail as a conflict, not as the capacity
             # refusal its projection would hit first: check the versions before (the

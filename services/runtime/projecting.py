@@ -346,10 +346,44 @@ RESERVE_MANY: Final = (
     "WHERE c.driver = v.driver AND c.pool = v.pool AND c.device = v.device "
     "AND c.capacity = v.capacity RETURNING c.driver, c.pool, c.device, c.capacity"
 )
-BIND_SHARES_MANY: Final = (
-    "UPDATE shares s SET state = 'bound', position = v.position "
+#: A whole reservation run in one statement: ledger amounts (summed per row), the new
+#: shares, their claims' allocation version. Three tables, so the CTEs cannot see or
+#: disturb each other; returns the ledger rows found (a missing one is refused).
+RESERVE_RUN: Final = (
+    "WITH v AS (SELECT driver, pool, device, capacity, sum(amount) AS amount FROM "
+    "unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::numeric[]) "
+    "AS u(driver, pool, device, capacity, amount) GROUP BY 1, 2, 3, 4), "
+    "r AS (UPDATE capacity_ledger c SET allocated = c.allocated + v.amount FROM v "
+    "WHERE c.driver = v.driver AND c.pool = v.pool AND c.device = v.device "
+    "AND c.capacity = v.capacity RETURNING c.driver, c.pool, c.device, c.capacity), "
+    "s AS (INSERT INTO shares (share_id, namespace, claim, allocation_version, request, "
+    "driver, pool, device, node, shared, admin_access, consumed, amounts, policy_version, "
+    "state, position) SELECT share_id, namespace, claim, allocation_version, request, "
+    "driver, pool, device, node, shared, admin_access, consumed, amounts, policy_version, "
+    "'reserved', position FROM unnest($6::uuid[], $7::text[], $8::text[], $9::int[], "
+    "$10::text[], $11::text[], $12::text[], $13::text[], $14::text[], $15::bool[], "
+    "$16::bool[], $17::jsonb[], $18::jsonb[], $19::int[], $20::bigint[]) AS n(share_id, "
+    "namespace, claim, allocation_version, request, driver, pool, device, node, shared, "
+    "admin_access, consumed, amounts, policy_version, position)), "
+    "c AS (UPDATE claims SET allocation_version = a.allocation_version FROM (SELECT "
+    "DISTINCT namespace, claim, allocation_version FROM unnest($7::text[], $8::text[], "
+    "$9::int[]) AS x(namespace, claim, allocation_version)) a WHERE claims.namespace = "
+    "a.namespace AND claims.name = a.claim AND claims.allocation_version <> "
+    "a.allocation_version) "
+    "SELECT driver, pool, device, capacity FROM r"
+)
+#: A run of bindings for distinct claims: their shares bound and the claims upserted,
+#: in one statement (shares and claims: disjoint tables).
+BIND_RUN: Final = (
+    "WITH s AS (UPDATE shares t SET state = 'bound', position = v.position "
     "FROM unnest($1::uuid[], $2::bigint[]) AS v(share_id, position) "
-    "WHERE s.share_id = v.share_id AND s.state = 'reserved'"
+    "WHERE t.share_id = v.share_id AND t.state = 'reserved') "
+    "INSERT INTO claims (namespace, name, phase, allocation_version, node, reason, position) "
+    "SELECT namespace, name, 'allocated', allocation_version, node, NULL, position FROM "
+    "unnest($3::text[], $4::text[], $5::int[], $6::text[], $7::bigint[]) AS b(namespace, "
+    "name, allocation_version, node, position) ON CONFLICT (namespace, name) DO UPDATE "
+    "SET phase = 'allocated', allocation_version = EXCLUDED.allocation_version, "
+    "node = EXCLUDED.node, reason = NULL, position = EXCLUDED.position"
 )
 APPLY_LIMITS: Final = (
     "UPDATE shares s SET state = 'ready', level = v.level, position = v.position "
@@ -385,26 +419,52 @@ async def _reserving(connection: Connection, items: list[tuple[ledger.Change, in
     hold) exactly when that would.
     """
     reserves = [c for c, _ in items if isinstance(c, ledger.Reserve)]
-    if reserves:
-        await _reserve_many(connection, reserves)
-    for kind in (ledger.HoldDevice, ledger.InsertShare):
-        rows = [_args(c, p) for c, p in items if isinstance(c, kind)]
-        if rows:
-            await connection.executemany(_BATCHED[kind], rows)
+    holds = [_args(c, p) for c, p in items if isinstance(c, ledger.HoldDevice)]
+    shares = [_args(c, p) for c, p in items if isinstance(c, ledger.InsertShare)]
+    if holds:
+        await connection.executemany(_BATCHED[ledger.HoldDevice], holds)
+    versions: dict[tuple[str, str], set[int]] = {}
+    for share in shares:
+        versions.setdefault((share[1], share[2]), set()).add(share[3])
+    if len(reserves) < 2 or any(len(v) > 1 for v in versions.values()):
+        if reserves:
+            await _reserve_many(connection, reserves)
+        if shares:
+            await connection.executemany(_BATCHED[ledger.InsertShare], shares)
+        return
+    ledger_columns = [
+        list(c)
+        for c in zip(
+            *((r.driver, r.pool, r.device, r.capacity, r.amount) for r in reserves), strict=True
+        )
+    ]
+    share_columns = (
+        [list(c) for c in zip(*shares, strict=True)] if shares else [[] for _ in range(15)]
+    )
+    rows = await connection.fetch(RESERVE_RUN, *ledger_columns, *share_columns)
+    found = {tuple(r) for r in rows}
+    for change in reserves:
+        if (change.driver, change.pool, change.device, change.capacity) not in found:
+            await _reserve(connection, change)  # raises: no such capacity
 
 
 async def _bind_many(connection: Connection, items: list[tuple[ledger.Change, int]]) -> None:
-    """A run of BindAllocation for distinct claims: three statements for all of them."""
+    """A run of BindAllocation for distinct claims: two statements for all of them."""
     binds = cast(list[tuple[ledger.BindAllocation, int]], items)
     if len({(c.namespace, c.name) for c, _ in binds}) != len(binds):
         for change, position in binds:
             await _bind(connection, change, position)
         return
     shares = [(s, p) for c, p in binds for s in c.share_ids]
-    if shares:
-        await connection.execute(BIND_SHARES_MANY, [s for s, _ in shares], [p for _, p in shares])
-    await connection.executemany(
-        BIND_CLAIM, [(c.namespace, c.name, c.allocation_version, c.node, p) for c, p in binds]
+    await connection.execute(
+        BIND_RUN,
+        [s for s, _ in shares],
+        [p for _, p in shares],
+        [c.namespace for c, _ in binds],
+        [c.name for c, _ in binds],
+        [c.allocation_version for c, _ in binds],
+        [c.node for c, _ in binds],
+        [p for _, p in binds],
     )
     await connection.executemany(CLAIM_READY, [(c.namespace, c.name, p, None) for c, p in binds])
 
