@@ -6,27 +6,15 @@ Create Date: 2026-11-29
 
 Design: every append serialises on the row lock of ``event_log_head`` from its
 ``UPDATE`` until ``COMMIT`` (:mod:`services.runtime.eventstore`). Sent as separate
-statements — lock the head, read the streams' versions, insert the rows, project,
-notify — each is a client round trip made while *every other writer waits*, and on a
-busy event loop a round trip costs far more than the statement. So the store now runs
-the projections *before* taking the head lock, writing placeholder positions
-(``ordinal - 2**50``: negative, in log order), and ``dracap_append`` does the rest in
-the server in one call: lock the head, read and check the versions, insert the rows,
-turn the placeholders of ``shares`` and ``claims`` into the real positions, notify.
-The head lock is then held for one round trip plus the commit.
+statements — lock the head, read the streams' versions, insert the rows, notify —
+each is a client round trip made while *every other writer waits*, and on a busy
+event loop a round trip costs far more than the statement. ``dracap_append`` runs
+the four in the server, in one call.
 
-Why this keeps the log order: every lock is held until commit. Two appends that
-touch the same projection row are ordered by that row's lock, and the one that gets
-it first also gets the head lock first (the other cannot reach its own head update
-before the first commits), so rows change in log order; appends that touch no common
-row commute. Only the transaction's own uncommitted rows can have a negative
-position (committed ones never do, other transactions' are invisible), found through
-the partial indexes added here.
-
-The version read inside the function follows the ``UPDATE`` that took the lock, and
-each plpgsql statement takes a fresh snapshot (``READ COMMITTED``), so it sees every
-append committed before the lock was granted: the check against the expected versions
-is exact. A mismatch raises SQLSTATE ``DR001`` (``ConflictError`` by
+The version read follows the ``UPDATE`` that took the lock, and each plpgsql
+statement takes a fresh snapshot (``READ COMMITTED``), so it sees every append
+committed before the lock was granted: the check against the expected versions is
+exact. A mismatch raises SQLSTATE ``DR001`` (``ConflictError`` by
 :func:`services.runtime.errors.map_database_error`, the stream name in the detail),
 which aborts the transaction (or the caller's savepoint) with nothing written.
 Streams appended with no expected version get their versions moved past the current
@@ -62,8 +50,7 @@ CREATE FUNCTION dracap_append(
     p_causation_ids text[],
     p_recorded_at timestamptz,
     p_payloads jsonb[],
-    p_channel text,
-    p_fix boolean
+    p_channel text
 ) RETURNS TABLE (head bigint, currents int[])
 LANGUAGE plpgsql VOLATILE AS $$
 -- (no percent signs in this body: the migration driver treats them as placeholders)
@@ -99,12 +86,6 @@ BEGIN
                   p_namespaces, p_correlation_ids, p_causation_ids, p_payloads)
            WITH ORDINALITY AS u(event_id, stream, version, type, schema_version, namespace,
                                 correlation_id, causation_id, payload, ord);
-    IF p_fix THEN
-        UPDATE shares SET position = position + PLACEHOLDER_BASE + v_head - p_count
-         WHERE position < 0;
-        UPDATE claims SET position = position + PLACEHOLDER_BASE + v_head - p_count
-         WHERE position < 0;
-    END IF;
     PERFORM pg_notify(p_channel, v_head::text);
     RETURN QUERY SELECT v_head, v_current;
 END
@@ -113,23 +94,13 @@ $$
 
 SIGNATURE = (
     "dracap_append(int, text[], int[], uuid[], text[], int[], text[], int[], text[], text, "
-    "text[], text[], timestamptz, jsonb[], text, boolean)"
+    "text[], text[], timestamptz, jsonb[], text)"
 )
-#: ``services.runtime.eventstore._PLACEHOLDER_BASE``, copied: a revision never changes.
-PLACEHOLDER_BASE = 1 << 50
-INDEXES = {
-    "shares_placeholder_idx": "shares",
-    "claims_placeholder_idx": "claims",
-}
 
 
 def upgrade() -> None:
-    op.execute(FUNCTION.replace("PLACEHOLDER_BASE", str(PLACEHOLDER_BASE)))
-    for index, table in INDEXES.items():
-        op.execute(f"CREATE INDEX {index} ON {table} (position) WHERE position < 0")
+    op.execute(FUNCTION)
 
 
 def downgrade() -> None:
-    for index in INDEXES:
-        op.execute(f"DROP INDEX IF EXISTS {index}")
     op.execute(f"DROP FUNCTION IF EXISTS {SIGNATURE}")

@@ -357,11 +357,7 @@ class ReservationService:
             if not batches:
                 return Handled()
             try:
-                # No version pre-check: only planners consume capacity, and this one
-                # holds the planner lock and has caught up since the previous round.
-                await ctx.store.append_many(
-                    batches, meta, connection=ctx.connection, precheck=False
-                )
+                await ctx.store.append_many(batches, meta, connection=ctx.connection)
             except ConflictError:
                 self.conflicts += 1
                 raise  # the consumer handles the messages again, on a fresh view

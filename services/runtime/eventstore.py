@@ -10,27 +10,18 @@ visible) before any writer can get p + 1, and a rolled-back append rolls the cou
 back with it. A reader that tails ``position > last_seen`` never skips a late commit.
 
 Everything done while holding that lock delays every other writer, so an append of
-fewer than :data:`COPY_THRESHOLD` events runs:
-
-1. the ledger and projection changes of :mod:`events.ledger` *first*, with
-   placeholder positions (``ordinal - 2**50``: negative, in log order) — a CHECK
-   violation of the capacity ledger becomes
-   :class:`~services.runtime.errors.CapacityExceeded`, a second hold of a dedicated
-   device a :class:`~services.runtime.errors.ConflictError`; an append whose
-   projections can refuse on their own checks the expected versions just before, so
-   a plan made on a stale view fails as a conflict;
-2. then ``dracap_append`` (migration 0003) in one round trip: lock the head, check
-   every stream's version against the expected one (exact: no other append runs
-   concurrently; SQLSTATE ``DR001`` -> ``ConflictError``), insert the rows, turn the
-   placeholders into real positions, ``pg_notify('dracap_events', head)`` — delivered
-   at commit to :meth:`EventStore.wait_for_new`, which learns the head from the
-   payload.
-
-Row locks are held until commit too, so appends that touch the same projection row
-reach the head lock in the order they wrote the row: projection rows change in log
-order (docs/event-log.md says why in full). A bulk append (``COPY_THRESHOLD`` events
-or more) takes the lock first, checks, writes the rows with binary COPY, then projects
-with real positions and notifies — no second write of every projected row.
+fewer than :data:`COPY_THRESHOLD` events does the log part in one round trip,
+``dracap_append`` (migration 0003): lock the head, check every stream's version
+against the expected one (exact: no other append runs concurrently; SQLSTATE
+``DR001`` -> :class:`~services.runtime.errors.ConflictError`), insert the rows,
+``pg_notify('dracap_events', head)`` — delivered at commit to
+:meth:`EventStore.wait_for_new`, which learns the head from the payload. Then the
+ledger and projection changes of :mod:`events.ledger` run with the real positions (a
+CHECK violation of the capacity ledger becomes
+:class:`~services.runtime.errors.CapacityExceeded`, a second hold of a dedicated
+device a :class:`~services.runtime.errors.ConflictError`), in set-based statements
+(:mod:`services.runtime.projecting`). A bulk append (``COPY_THRESHOLD`` events or
+more) runs the same steps as separate statements, with binary COPY.
 
 A caller that must commit other writes atomically with the events (a consumer's
 idempotency row and checkpoint) passes its own ``connection=``; the same statements
@@ -256,7 +247,6 @@ class _Pending(msgspec.Struct, frozen=True):
     namespaces: list[str | None]
     correlation_ids: list[str]
     causation_ids: list[str | None]
-    precheck: bool = True  # see EventStore.append_many
 
     def __len__(self) -> int:
         return len(self.events)
@@ -518,7 +508,6 @@ class EventStore:
         meta: Metadata,
         *,
         connection: Connection | None = None,
-        precheck: bool = True,
     ) -> list[Envelope]:
         """Append several streams' events atomically: all or nothing.
 
@@ -527,20 +516,12 @@ class EventStore:
         commits or rolls back together with the caller's other writes. It is then not
         retried — a failed statement aborts the caller's transaction, so retrying is
         the caller's decision — and errors are mapped to the runtime error tree.
-
-        ``precheck``: an append whose projections can refuse on their own (capacity
-        ledger, exclusive holds) first checks the expected versions, so a plan made on
-        a stale view fails as ``ConflictError`` rather than ``CapacityExceeded``. A
-        caller that knows no one else consumed capacity since it read (the reservation
-        planner, holding the planner lock after catching up) may skip that round trip.
         """
         typed = [b if isinstance(b, Batch) else Batch(*b) for b in batches]
         streams = [b.stream for b in typed]
         if len(set(streams)) != len(streams):
             raise InvalidEvent("a stream appears twice in one append")
         pending = _envelopes(typed, meta)
-        if not precheck:
-            pending = msgspec.structs.replace(pending, precheck=False)
         if not pending.events:
             return []
         first = streams[0] if len(streams) == 1 else None
@@ -580,27 +561,14 @@ class EventStore:
     ) -> list[Envelope]:
         """The statements of one append, in the transaction open on ``connection``.
 
-        Below :data:`COPY_THRESHOLD` events: projections first, with placeholder
-        positions, then ``dracap_append`` (see "Appending" above), so the head lock is
-        held for one round trip and the commit. Bulk appends take the lock first and
-        write the rows with binary COPY and the projections with their real positions
-        (no second write of every projected row).
+        Below :data:`COPY_THRESHOLD` events the log part is one call of
+        ``dracap_append`` (lock, check, insert, notify); bulk appends run those steps
+        as statements, with binary COPY. The projections follow, with the real
+        positions, while the head lock is held.
         """
         count = len(pending.events)
         if count >= COPY_THRESHOLD:
             return await self._append_bulk(connection, batches, pending)
-        changes = ledger.changes_of_many(pending.events, _placeholders(count))
-        if (
-            pending.precheck
-            and any(isinstance(c, _REFUSABLE) for c, _ in changes)
-            and any(b.expected_version is not None for b in batches)
-        ):
-            # A plan made on a stale view must fail as a conflict, not as the capacity
-            # refusal its projection would hit first: check the versions before (the
-            # exact check under the head lock follows).
-            await self._check_versions(connection, batches)
-        if changes:
-            await apply_changes(connection, changes)
         row = await connection.fetchrow(
             _APPEND,
             count,
@@ -618,7 +586,6 @@ class EventStore:
             pending.recorded_at,
             pending.payloads,
             CHANNEL,
-            bool(changes),
         )
         assert row is not None  # the function returns exactly one row
         head: int = row[0]
@@ -626,7 +593,11 @@ class EventStore:
             b.stream: version if b.expected_version is None else 0
             for b, version in zip(batches, row[1], strict=True)
         }
-        return _stored(pending, list(range(head - count + 1, head + 1)), _moved(pending, current))
+        positions = list(range(head - count + 1, head + 1))
+        changes = ledger.changes_of_many(pending.events, positions)
+        if changes:
+            await apply_changes(connection, changes)
+        return _stored(pending, positions, _moved(pending, current))
 
     async def _append_bulk(
         self, connection: Connection, batches: Sequence[Batch], pending: _Pending
@@ -802,14 +773,8 @@ class EventStore:
 COPY_THRESHOLD: Final = 256
 _APPEND: Final = (
     "SELECT head, currents FROM dracap_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
-    "$11, $12, $13, $14, $15, $16)"
+    "$11, $12, $13, $14, $15)"
 )
-#: Placeholder positions are ``ordinal - _PLACEHOLDER_BASE`` (negative, in log order).
-_PLACEHOLDER_BASE: Final = 1 << 50
-
-
-#: Changes whose SQL can refuse an append on its own (capacity ledger, exclusive hold).
-_REFUSABLE: Final = (ledger.Reserve, ledger.HoldDevice)
 
 
 def _moved(pending: _Pending, current: dict[str, int]) -> list[int]:
@@ -817,11 +782,6 @@ def _moved(pending: _Pending, current: dict[str, int]) -> list[int]:
     if not any(current.values()):
         return pending.versions
     return [v + current[s] for v, s in zip(pending.versions, pending.streams, strict=True)]
-
-
-def _placeholders(count: int) -> list[int]:
-    """Stand-in positions of an append's events before the head is locked."""
-    return list(range(1 - _PLACEHOLDER_BASE, count + 1 - _PLACEHOLDER_BASE))
 
 
 _COLUMN_NAMES: Final = [c.strip() for c in _COLUMNS.split(",")]
