@@ -330,8 +330,8 @@ class ReservationService:
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
         """Plan once for a group of messages and append on the consumer's transaction.
 
-        A lost race (``ConflictError``) rolls back just the append's savepoint; the
-        worker catches up and plans again.
+        A lost race (``ConflictError``) rolls the transaction back; the consumer
+        handles the messages again (see the module docstring).
         """
         triggers = [e for e in envs if isinstance(e.event, TRIGGERS + INVENTORY_EVENTS)]
         if not triggers:
