@@ -71,9 +71,12 @@ class HighWaterMark:
             if not done.is_set():
                 waiter = asyncio.ensure_future(self._moved.wait())
                 stopper = asyncio.ensure_future(done.wait())
-                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                for task in (waiter, stopper):
-                    task.cancel()
+                try:
+                    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for task in (waiter, stopper):
+                        task.cancel()
+                    await asyncio.wait({waiter, stopper})
             self._moved.clear()
             position = self.position
             if position > self.saved:
