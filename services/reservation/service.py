@@ -348,9 +348,9 @@ class ReservationService:
 
         meta = Metadata(actor=f"{self.name}-{self.worker}")
         async with self._lock:
-            # One planner at a time, in any process: a round plans every pending claim,
-            # so two at once would only fight over the same devices and claims.
-            await ctx.connection.execute("SELECT pg_advisory_xact_lock($1)", PLANNER_LOCK)
+            # The consumer took PLANNER_LOCK with the idempotency rows: one planner at a
+            # time, in any process (a round plans every pending claim, so two at once
+            # would only fight over the same devices and claims).
             await self.live.catch_up(ctx.connection)
             plan = await self.plan(cause)
             batches = plan.batches
@@ -392,6 +392,7 @@ class ReservationService:
                 ),
                 group_handler=self.handle,
                 wants=_wanted,
+                lock_key=PLANNER_LOCK,
             )
             for feed, source in FEEDS.items()
         ]

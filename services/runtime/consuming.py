@@ -42,7 +42,10 @@ are exactly once.
 
 A consumer with a per-message handler uses groups of one: each message is its own
 transaction, exactly as described. ``wants`` (optional) names the envelopes a
-handler acts on; the others are acknowledged without a transaction.
+handler acts on; the others are acknowledged without a transaction. ``lock_key``
+(optional) takes that transaction-scoped advisory lock in step 1's statement, for
+handlers that must not run concurrently anywhere (the reservation planner): the
+handler's first read then already sees everything committed before the lock.
 
 Failures
 --------
@@ -114,6 +117,14 @@ _MARK_PROCESSED: Final = (
 _MARK_MANY: Final = (
     "INSERT INTO processed_messages (consumer, event_id) SELECT $1, unnest($2::uuid[]) "
     "ON CONFLICT DO NOTHING RETURNING event_id::text"
+)
+#: The same, after taking a transaction-scoped advisory lock ($3) in the same round trip.
+#: The lock comes first (the CTE is evaluated before any row is inserted); the uniqueness
+#: check of ON CONFLICT reads the latest committed rows, not the statement's snapshot.
+_LOCK_AND_MARK: Final = (
+    "WITH l AS (SELECT pg_advisory_xact_lock($3)) "
+    "INSERT INTO processed_messages (consumer, event_id) SELECT $1, unnest($2::uuid[]) "
+    "FROM l ON CONFLICT DO NOTHING RETURNING event_id::text"
 )
 #: JetStream's pull API (``$JS.API`` is the default API prefix, no domain).
 _PULL_SUBJECT: Final = "$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
@@ -247,6 +258,7 @@ class Consumer:
         handler: Handler | None = None,
         group_handler: GroupHandler | None = None,
         wants: Callable[[Envelope], bool] | None = None,
+        lock_key: int | None = None,
         max_deliver: int = 5,
         backoff: Sequence[float] = (0.1, 0.5, 2, 5),
         batch: int = 256,
@@ -268,6 +280,7 @@ class Consumer:
         self._group: GroupHandler = group_handler or _one_at_a_time(handler)  # type: ignore[arg-type]
         self._max_group = max_group if group_handler is not None else 1
         self._wants = wants
+        self._lock_key = lock_key
         self._max_deliver = max_deliver
         self._backoff = tuple(backoff)
         self._batch = batch
@@ -401,7 +414,11 @@ class Consumer:
         deliveries = {env.event_id: delivery for env, delivery in group}
         envs = list({env.event_id: env for env, _ in group}.values())  # no event twice
         async with self._store.pool.acquire() as connection, connection.transaction():
-            rows = await connection.fetch(_MARK_MANY, self.name, [e.event_id for e in envs])
+            ids = [e.event_id for e in envs]
+            if self._lock_key is None:
+                rows = await connection.fetch(_MARK_MANY, self.name, ids)
+            else:
+                rows = await connection.fetch(_LOCK_AND_MARK, self.name, ids, self._lock_key)
             fresh = {row[0] for row in rows}
             todo = [e for e in envs if e.event_id in fresh]
             if not todo:

@@ -73,10 +73,9 @@ class HighWaterMark:
                 stopper = asyncio.ensure_future(done.wait())
                 try:
                     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
+                finally:  # no await here: this may run while the coroutine is closed
                     for task in (waiter, stopper):
                         task.cancel()
-                    await asyncio.wait({waiter, stopper})
             self._moved.clear()
             position = self.position
             if position > self.saved:

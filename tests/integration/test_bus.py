@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
@@ -491,3 +492,35 @@ async def test_causes_must_match_the_events(bus: Bus) -> None:
     with pytest.raises(InvalidEvent, match="1 causes for 2 events"):
         await bus.store.append_many([batch], Metadata(actor="test"))
     assert await bus.store.head() == 0
+
+
+async def test_lock_key_serialises_handlers_across_consumers(bus: Bus) -> None:
+    spans: list[tuple[float, float]] = []
+
+    async def slow(ctx: HandlerContext, envs: list[c.Envelope]) -> Handled:
+        entered = asyncio.get_running_loop().time()
+        await asyncio.sleep(0.15)  # long enough for the other consumer to try to enter
+        spans.append((entered, asyncio.get_running_loop().time()))
+        return Handled()
+
+    def planner(name: str) -> Consumer:
+        return Consumer(
+            bus.store,
+            bus.js,
+            bus.names,
+            name=name,
+            filter_subject=bus.names.category_filter("admin"),
+            group_handler=slow,
+            lock_key=4242,
+            max_group=1,
+            poll_interval=0.2,
+        )
+
+    await append_burst(bus.store, 4)
+    first, second = planner("planner-a"), planner("planner-b")  # each gets every event
+    async with Running(relay(bus).run), Running(first.run), Running(second.run):
+        await until(lambda: first.handled == 4 and second.handled == 4)
+    spans.sort()
+    assert len(spans) == 8
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start >= end, spans  # never two handlers inside the lock at once
