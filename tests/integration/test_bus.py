@@ -243,14 +243,16 @@ def echo_handler(calls: list[tuple[str, int]]) -> Callable[..., Awaitable[Handle
 
 
 def consumer(b: Bus, handler: Any, name: str = "echo", **kwargs: Any) -> Consumer:
+    """A consumer of the admin category; ``handler`` None: give ``group_handler=``."""
     options: dict[str, Any] = {"backoff": (0.05,), "poll_interval": 0.2, **kwargs}
+    if handler is not None:
+        options["handler"] = handler
     return Consumer(
         b.store,
         b.js,
         b.names,
         name=name,
         filter_subject=b.names.category_filter("admin"),
-        handler=handler,
         **options,
     )
 
@@ -429,17 +431,7 @@ async def test_groups_commit_together_and_a_failing_group_goes_one_by_one(bus: B
     poison: set[str] = set()
     await append_burst(bus.store, 30)
     r = relay(bus)
-    k = Consumer(
-        bus.store,
-        bus.js,
-        bus.names,
-        name="grouped",
-        filter_subject=bus.names.category_filter("admin"),
-        group_handler=echo_group(sizes, poison),
-        max_deliver=2,
-        backoff=(0.05,),
-        poll_interval=0.2,
-    )
+    k = consumer(bus, None, name="grouped", group_handler=echo_group(sizes, poison), max_deliver=2)
     async with Running(r.run):
         await until(lambda: r.position == 30)
         async with Running(k.run):
@@ -504,17 +496,7 @@ async def test_lock_key_serialises_handlers_across_consumers(bus: Bus) -> None:
         return Handled()
 
     def planner(name: str) -> Consumer:
-        return Consumer(
-            bus.store,
-            bus.js,
-            bus.names,
-            name=name,
-            filter_subject=bus.names.category_filter("admin"),
-            group_handler=slow,
-            lock_key=4242,
-            max_group=1,
-            poll_interval=0.2,
-        )
+        return consumer(bus, None, name=name, group_handler=slow, lock_key=4242, max_group=1)
 
     await append_burst(bus.store, 4)
     first, second = planner("planner-a"), planner("planner-b")  # each gets every event
