@@ -173,7 +173,6 @@ class ReservationService:
         self.gates = gates
         self.new_share_id = new_share_id
         self.conflicts = 0  #: appends that lost a race and were planned again
-        self._lock = asyncio.Lock()
         self._allocator: Allocator | None = None
         self._counted: dict[str, Grant] = {}
         self._pending: dict[ClaimKey, datetime.datetime | None] = {}
@@ -347,33 +346,40 @@ class ReservationService:
             return admissions.get(key, first)
 
         meta = Metadata(actor=f"{self.name}-{self.worker}")
-        async with self._lock:
-            # The consumer took PLANNER_LOCK with the idempotency rows: one planner at a
-            # time, in any process (a round plans every pending claim, so two at once
-            # would only fight over the same devices and claims).
-            await self.live.catch_up(ctx.connection)
-            plan = await self.plan(cause)
-            batches = plan.batches
-            if not batches:
-                return Handled()
-            try:
-                await ctx.store.append_many(batches, meta, connection=ctx.connection)
-            except ConflictError:
-                self.conflicts += 1
-                raise  # the consumer handles the messages again, on a fresh view
-            self._count(plan)
+        # The consumer took PLANNER_LOCK with the idempotency rows: one planner at a
+        # time, in any process (a round plans every pending claim, so two at once
+        # would only fight over the same devices and claims).
+        await self.live.catch_up(ctx.connection)
+        plan = await self.plan(cause)
+        batches = plan.batches
+        if not batches:
             return Handled()
+        try:
+            await ctx.store.append_many(batches, meta, connection=ctx.connection)
+        except ConflictError:
+            self.conflicts += 1
+            raise  # the consumer handles the messages again, on a fresh view
+        return Handled(on_commit=[self._counter(plan)])
 
-    def _count(self, plan: Plan) -> None:
+    def _counter(self, plan: Plan) -> Callable[[], None]:
+        """The metrics of ``plan``, measured now and counted once it has committed."""
         now = datetime.datetime.now(datetime.UTC)
-        for key in plan.allocated + plan.unschedulable:
-            admitted = self._pending.get(key)
-            if admitted is not None:
-                SCHEDULING_LATENCY.observe(max(0.0, (now - admitted).total_seconds()))
-        if plan.allocated:
-            CLAIMS.labels(outcome="allocated").inc(len(plan.allocated))
-        if plan.unschedulable:
-            CLAIMS.labels(outcome="unschedulable").inc(len(plan.unschedulable))
+        waits = [
+            max(0.0, (now - admitted).total_seconds())
+            for key in plan.allocated + plan.unschedulable
+            if (admitted := self._pending.get(key)) is not None
+        ]
+        allocated, unschedulable = len(plan.allocated), len(plan.unschedulable)
+
+        def count() -> None:
+            for wait in waits:
+                SCHEDULING_LATENCY.observe(wait)
+            if allocated:
+                CLAIMS.labels(outcome="allocated").inc(allocated)
+            if unschedulable:
+                CLAIMS.labels(outcome="unschedulable").inc(unschedulable)
+
+        return count
 
     # -- running ------------------------------------------------------------------------
 

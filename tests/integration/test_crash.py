@@ -31,7 +31,6 @@ import asyncio
 import collections
 import contextlib
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -64,6 +63,7 @@ from services.runtime.livestate import LiveState
 from services.runtime.metrics import CONSUMER_REDELIVERIES
 from services.runtime.relaying import Relay
 from services.runtime.settings import Settings
+from tests.integration.waiting import bus_idle, state_reaches
 
 CLAIMS = 100
 DEVICES = 10  # 10 x 50Gi = exactly 100 claims of 5Gi
@@ -227,28 +227,12 @@ class Cluster:
         return self.view.state
 
     async def until(self, check: Callable[[ClusterState], bool], within: float = 20) -> None:
-        deadline = time.monotonic() + within
-        while not check(await self.state()):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError("condition not reached in time")
-            await self.view.store.wait_for_new(self.view.state.position, min(left, 0.2))
+        await state_reaches(self.view, check, within)
 
     async def idle(self, within: float = 20) -> None:
         """The relay published everything and every consumer acknowledged it."""
         consumers = [c.name for c in self.worker.consumers()] + [self.agent.consumer.name]
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            head = await self.stores[0].head()
-            info = await self.js.stream_info(self.names.stream)
-            busy = info.state.last_seq < head
-            for name in consumers:
-                ci = await self.js.consumer_info(self.names.stream, name)
-                busy = busy or bool(ci.num_pending or ci.num_ack_pending)
-            if not busy:
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError("the pipeline did not go idle")
+        await bus_idle(self.stores[0], self.js, self.names, consumers, within)
 
 
 @pytest.fixture

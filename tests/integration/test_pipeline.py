@@ -37,6 +37,7 @@ from services.runtime.eventstore import EventStore
 from services.runtime.livestate import LiveState
 from services.runtime.relaying import Relay
 from services.runtime.settings import Settings
+from tests.integration.waiting import bus_idle, state_reaches
 
 GPU = "gpu-memory.dracap.io"
 RACE = "race-memory.dracap.io"
@@ -191,29 +192,13 @@ class Pipeline:
 
     async def until(self, check: Callable[[ClusterState], bool], within: float = 10) -> None:
         assert self.view is not None
-        deadline = time.monotonic() + within
-        while not check(await self.state()):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError("condition not reached in time")
-            await self.view.store.wait_for_new(self.view.state.position, min(left, 0.2))
+        await state_reaches(self.view, check, within)
 
     async def idle(self, within: float = 10) -> None:
         """Wait until the relay published everything and every consumer acked it."""
-        deadline = time.monotonic() + within
         consumers = [c.name for w in self.workers[:1] for c in w.consumers()]
         consumers += [a.consumer.name for a in self.agents]
-        while time.monotonic() < deadline:
-            head = await self.stores[0].head()
-            info = await self.js.stream_info(self.names.stream)
-            busy = info.state.last_seq < head
-            for name in consumers:
-                ci = await self.js.consumer_info(self.names.stream, name)
-                busy = busy or bool(ci.num_pending or ci.num_ack_pending)
-            if not busy:
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError("the pipeline did not go idle")
+        await bus_idle(self.stores[0], self.js, self.names, consumers, within)
 
 
 @pytest.fixture
