@@ -135,7 +135,7 @@ POLICY_VERSION_UNRECORDED: Final = 0
 SHARE_ID_NAMESPACE: Final = uuid.UUID("6f1c7a52-4d0b-5d6e-9a51-2c3b8e0f7d14")
 
 
-class _EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+class _EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
     """Common configuration of every event: frozen, keyword-only, tagged by ``type``."""
 
     SCHEMA_VERSION: ClassVar[int] = 1
@@ -497,7 +497,7 @@ def schema_version_of(event: Event) -> int:
 # --- envelope -----------------------------------------------------------------------------
 
 
-class Envelope(msgspec.Struct, frozen=True, kw_only=True):
+class Envelope(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One event with its bookkeeping.
 
     ``position`` is the global log position (0 until the store assigns it);

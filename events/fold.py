@@ -251,7 +251,7 @@ class ShareState(msgspec.Struct, kw_only=True, gc=False):
         return self.state != "released"
 
 
-class ClaimState(msgspec.Struct, kw_only=True):
+class ClaimState(msgspec.Struct, kw_only=True, gc=False):
     """A ResourceClaim's lifecycle."""
 
     namespace: str

@@ -80,7 +80,7 @@ def amount(quantity: Quantity) -> Decimal:
     return Decimal(quantity.nanos).scaleb(-9)
 
 
-class _Change(msgspec.Struct, frozen=True, kw_only=True):
+class _Change(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Common base of every change."""
 
 

@@ -19,12 +19,13 @@ another node's instructions. Its view of shares comes from a
   (device stream).
 
 Exactly once: the consumer records the message in ``processed_messages`` in the same
-transaction as these events, so a redelivery is skipped; the handler also checks each
-share's state in the live state (a share already ready or released is left alone),
-and appends to the node stream with its expected version, so a second agent for the
-same node (or a fence) racing it makes one of them re-read. ``CapacityReleased`` is
-itself idempotent in the fold and the ledger (invariant 5). Enforcers are idempotent,
-so applying again after a crash before the commit is harmless.
+commit as these events (one statement, ``one_statement``), so a redelivery is skipped;
+the handler also checks each share's state in the live state (a share already ready
+or released is left alone), and appends to the node stream with its expected version,
+so a second agent for the same node (or a fence) racing it makes one of them re-read.
+``CapacityReleased`` is itself idempotent in the fold and the ledger (invariant 5).
+Enforcers are idempotent, so applying again after a crash before the commit is
+harmless.
 
 ``LimitApplied`` also races the tenant's delete: the fold refuses a limit applied to a
 share that is already ``releasing``. So the append that carries ``LimitApplied``
@@ -35,10 +36,10 @@ message is redelivered, and the agent then sees the share releasing and leaves i
 
 The consumer hands the agent its messages in groups (:mod:`services.runtime.consuming`):
 all events of one group go out in one append, atomically with the consumer's
-checkpoint, each event naming the message that caused it. If the group's transaction
-fails (a guard clashed, an enforcer failed), its messages are handled again one by
-one, so the failure stays with its own message; enforcers are idempotent, so a limit
-applied for a group that rolled back is simply applied again.
+records, each event naming the message that caused it. If the group's append fails
+(a guard clashed, an enforcer failed), its messages are handled again one by one, so
+the failure stays with its own message; enforcers are idempotent, so a limit applied
+for a group whose append failed is simply applied again.
 
 Durable checkpoint. With a :class:`~services.enforcement.checkpointing.Checkpoint`
 every kernel or daemon operation is wrapped: ``mark_started`` (written and fsynced)
@@ -164,6 +165,7 @@ class Agent:
             filter_subject=names.node_filter(node),
             group_handler=self.handle,
             wants=self.wants,
+            one_statement=True,
             max_deliver=max_deliver,
         )
 
@@ -317,7 +319,15 @@ class Agent:
         mine = [env for env in envs if self.wants(env)]
         if not mine:
             return Handled()
-        await self.live.catch_up(ctx.connection)
+        # Folded up to these messages and every commit this process made or heard of
+        # (its own last append included; a tailed view usually is there already) —
+        # without a listener, whatever is committed. Anything newer it misses makes
+        # the append's expected versions clash.
+        seen = self.store.committed_head()
+        if seen is None:
+            await self.live.catch_up(ctx.connection)
+        else:
+            await self.live.catch_up_to(max(seen, *(env.position for env in mine)))
         out = _Events()
         version = await self.live.stream_version(node_stream(self.node))
         counted: list[Callable[[], None]] = []

@@ -33,7 +33,7 @@ from events.quantities import Quantity
 __all__ = ["AppliedLimit", "EnforcementError", "Enforcer", "NoneEnforcer", "ShareLimit"]
 
 
-class ShareLimit(msgspec.Struct, frozen=True, kw_only=True):
+class ShareLimit(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The limit one share needs: where it lives and how much it may consume."""
 
     share_id: str
@@ -44,7 +44,7 @@ class ShareLimit(msgspec.Struct, frozen=True, kw_only=True):
     admin_access: bool = False
 
 
-class AppliedLimit(msgspec.Struct, frozen=True, kw_only=True):
+class AppliedLimit(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What an enforcer put in place for one share."""
 
     level: EnforcementLevel

@@ -21,7 +21,7 @@ from events.quantities import Quantity
 DeviceKey = tuple[str, str, str]
 
 
-class Grant(msgspec.Struct, frozen=True, kw_only=True):
+class Grant(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One device result of an allocation, as the allocated state records it."""
 
     request: str

@@ -17,8 +17,9 @@ What wakes it (consumer ``{name}-{feed}``, :data:`FEEDS`):
 
 Other events of those categories are acknowledged without a transaction (``wants``).
 The consumers commit in groups (:mod:`services.runtime.consuming`): the messages that
-arrived while the previous group was handled are planned for *once*, in one
-transaction — which is also why a burst of admissions costs few transactions.
+arrived while the previous group was handled are planned for *once*, and the plan and
+the group's ``processed_messages`` rows commit in one statement (``one_statement``) —
+which is also why a burst of admissions costs few commits.
 
 The decision (:meth:`ReservationService.plan`)
 --------------------------------------------
@@ -35,21 +36,22 @@ admission.
 Per allocated claim the plan appends ``CapacityReserved`` on each device's stream
 (expected version: the device stream's version in the live state) and
 ``AllocationBound`` on the claim stream (expected version likewise), all in **one**
-``append_many`` on the consumer's transaction; a newly admitted claim that does not
+append, which the consumer commits with its records; a newly admitted claim that does not
 fit gets ``ClaimUnschedulable`` instead (once: retries that still fail write nothing).
 Dedicated devices get a share id too (the log identifies every result), but their
 Kubernetes ``AllocationResult`` carries none, as upstream.
 
 Concurrency: planning rounds are serialised across all workers (in this process or
-others) by a transaction-scoped advisory lock taken before the worker catches up, so
-a worker plans on a state that includes the previous round's commit — several
-workers give availability, not parallel planning (a round plans *every* pending
-claim; two rounds at once would only collide). If anything else (a release, the
-tenant's delete) appended to one of the streams since the live state read them, the
-store raises ``ConflictError``: the transaction rolls back and the consumer handles
-the messages again (alone, then by redelivery with back-off), each time on a fresh
-view. The database ledger's ``CHECK (allocated <= total)`` and the exclusive-hold key are
-the last line: even a wrong plan can never oversubscribe a device.
+others) by an advisory lock (:data:`PLANNER_LOCK`, the consumer's ``lock_key``) taken
+before the worker catches up and released after its append committed, so a worker
+plans on a state that includes the previous round's commit — several workers give
+availability, not parallel planning (a round plans *every* pending claim; two rounds
+at once would only collide). If anything else (a release, the tenant's delete)
+appended to one of the streams since the live state read them, the store raises
+``ConflictError``: nothing is written and the consumer handles the messages again
+(alone, then by redelivery with back-off), each time on a fresh view. The database
+ledger's ``CHECK (allocated <= total)`` and the exclusive-hold key are the last
+line: even a wrong plan can never oversubscribe a device.
 
 Allocator state is kept incrementally: a listener on the live state adds a grant for
 every ``CapacityReserved`` and removes it when the share is released (release or
@@ -92,8 +94,7 @@ from services.reservation.allocating import Allocator
 from services.reservation.deriving import build_inventory, grant_of, live_grants
 from services.reservation.outcomes import Allocated, Grant, Invalid
 from services.runtime.consuming import Consumer, Handled, HandlerContext
-from services.runtime.errors import ConflictError
-from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
+from services.runtime.eventstore import Batch, Cause, EventStore
 from services.runtime.livestate import INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import CLAIMS, SCHEDULING_LATENCY
 
@@ -110,7 +111,7 @@ FEEDS: Final = {
 }
 #: Events that make a worker plan.
 TRIGGERS: Final = (ClaimAdmitted, CapacityReleased, NodeFenced, NamespaceAccessSet)
-#: The advisory lock (transaction scope) that serialises planning rounds of all workers.
+#: The advisory lock that serialises planning rounds of all workers.
 PLANNER_LOCK: Final = 0x64726163_61700001  # "dracap" + 1
 _PENDING_PHASES: Final = frozenset({"admitted", "unschedulable"})
 _FREEING: Final = (CapacityReleased, NodeFenced, NamespaceAccessSet, *INVENTORY_EVENTS)
@@ -172,7 +173,6 @@ class ReservationService:
         self.name = name
         self.gates = gates
         self.new_share_id = new_share_id
-        self.conflicts = 0  #: appends that lost a race and were planned again
         self._allocator: Allocator | None = None
         self._counted: dict[str, Grant] = {}
         self._pending: dict[ClaimKey, datetime.datetime | None] = {}
@@ -327,10 +327,10 @@ class ReservationService:
     # -- the handler --------------------------------------------------------------------
 
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
-        """Plan once for a group of messages and append on the consumer's transaction.
+        """Plan once for a group of messages; the consumer commits the plan.
 
-        A lost race (``ConflictError``) rolls the transaction back; the consumer
-        handles the messages again (see the module docstring).
+        A lost race (``ConflictError``) writes nothing; the consumer handles the
+        messages again (see the module docstring).
         """
         triggers = [e for e in envs if isinstance(e.event, TRIGGERS + INVENTORY_EVENTS)]
         if not triggers:
@@ -345,21 +345,21 @@ class ReservationService:
         def cause(key: ClaimKey) -> Cause:
             return admissions.get(key, first)
 
-        meta = Metadata(actor=f"{self.name}-{self.worker}")
-        # The consumer took PLANNER_LOCK with the idempotency rows: one planner at a
-        # time, in any process (a round plans every pending claim, so two at once
-        # would only fight over the same devices and claims).
-        await self.live.catch_up(ctx.connection)
+        # The consumer holds PLANNER_LOCK while this runs and until its append has
+        # committed: one planner at a time, in any process (a round plans every
+        # pending claim, so two at once would only fight over the same devices and
+        # claims). Catching up under the lock sees every earlier planner's commit.
+        if ctx.locked_head is not None:
+            await self.live.catch_up_to(ctx.locked_head)
+        else:
+            await self.live.catch_up(ctx.connection)
         plan = await self.plan(cause)
         batches = plan.batches
         if not batches:
             return Handled()
-        try:
-            await ctx.store.append_many(batches, meta, connection=ctx.connection)
-        except ConflictError:
-            self.conflicts += 1
-            raise  # the consumer handles the messages again, on a fresh view
-        return Handled(on_commit=[self._counter(plan)])
+        return Handled(
+            batches=batches, actor=f"{self.name}-{self.worker}", on_commit=[self._counter(plan)]
+        )
 
     def _counter(self, plan: Plan) -> Callable[[], None]:
         """The metrics of ``plan``, measured now and counted once it has committed."""
@@ -399,6 +399,7 @@ class ReservationService:
                 group_handler=self.handle,
                 wants=_wanted,
                 lock_key=PLANNER_LOCK,
+                one_statement=True,
             )
             for feed, source in FEEDS.items()
         ]

@@ -47,6 +47,26 @@ handler acts on; the others are acknowledged without a transaction. ``lock_key``
 handlers that must not run concurrently anywhere (the reservation planner): the
 handler's first read then already sees everything committed before the lock.
 
+One statement (``one_statement=True``)
+--------------------------------------
+For a handler that writes nothing itself — everything it wants written is in
+``Handled.batches``, and running it twice for a message is harmless (it decides from
+a live view, and a stale decision is refused by the expected versions) — the group
+commits without an explicit transaction: the handler runs first, on a plain pooled
+connection, then **one** autocommitted statement (``dracap_append_projected``,
+migration 0004) records the ``processed_messages`` rows, appends and projects. That
+statement holds the log's head lock only for the server's own work (a transaction
+would hold it across the ``COMMIT`` round trip, with every other writer waiting), and
+the group costs one round trip instead of five. If a message of the group had been
+handled before, the statement raises
+:class:`~services.runtime.errors.AlreadyHandled`, writes nothing, and the group goes
+through the transaction above, which sorts the new from the old. A group whose
+handler wants nothing written records its rows with one ``INSERT``. With a
+``lock_key`` the lock is then a session lock (``dracap_lock``), taken before the
+handler and released after the commit; it also tells the handler the log's head at
+the moment it was granted (``HandlerContext.locked_head``), so the handler can wait
+for its live view to reach it instead of reading the log.
+
 Failures
 --------
 If a group's transaction fails for any reason, nothing of it was written, and each of
@@ -88,7 +108,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Final
 
 import msgspec
@@ -102,7 +122,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 from events.catalog import Envelope, MessageDeadLettered, decode_envelope
 from events.errors import CatalogError
 from events.subjects import BusNames
-from services.runtime.eventstore import Batch, Connection, EventStore, Metadata
+from services.runtime.errors import AlreadyHandled
+from services.runtime.eventstore import Batch, Connection, EventStore, Metadata, Processed
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS
 
@@ -147,14 +168,20 @@ class Handled(msgspec.Struct):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HandlerContext:
-    """What a handler may use while its messages' transaction is open."""
+    """What a handler may use while its messages are handled."""
 
-    connection: Connection  #: inside the transaction; reads see the handler's view
+    #: inside the group's transaction — or, with ``one_statement``, a plain connection
+    #: (nothing the handler writes through it commits with the group)
+    connection: Connection
     store: EventStore
     consumer: str  #: the consumer's name
     delivery: int  #: 1 on the first delivery; in a group, the lowest of the group
     #: the delivery count of each message handled, by event id
     deliveries: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: with ``one_statement`` and a ``lock_key``: the log's head when the lock was
+    #: granted (the view must be folded that far); ``None`` when the connection's
+    #: transaction holds the lock (read on it instead)
+    locked_head: int | None = None
 
 
 Handler = Callable[[HandlerContext, Envelope], Awaitable[Handled]]
@@ -259,6 +286,7 @@ class Consumer:
         group_handler: GroupHandler | None = None,
         wants: Callable[[Envelope], bool] | None = None,
         lock_key: int | None = None,
+        one_statement: bool = False,
         max_deliver: int = 5,
         backoff: Sequence[float] = (0.1, 0.5, 2, 5),
         batch: int = 256,
@@ -281,6 +309,7 @@ class Consumer:
         self._max_group = max_group if group_handler is not None else 1
         self._wants = wants
         self._lock_key = lock_key
+        self._one_statement = one_statement
         self._max_deliver = max_deliver
         self._backoff = tuple(backoff)
         self._batch = batch
@@ -410,9 +439,71 @@ class Consumer:
         return bool(await self._handle_group([(env, delivery)]))
 
     async def _handle_group(self, group: Sequence[tuple[Envelope, int]]) -> set[str]:
-        """The transaction of (envelope, delivery) pairs; returns the event ids that were new."""
+        """Handle (envelope, delivery) pairs and commit; returns the event ids that were new."""
         deliveries = {env.event_id: delivery for env, delivery in group}
         envs = list({env.event_id: env for env, _ in group}.values())  # no event twice
+        if self._one_statement:
+            try:
+                return await self._in_one_statement(envs, deliveries)
+            except AlreadyHandled:
+                pass  # a redelivery among them: the transaction below sorts them out
+        return await self._in_transaction(envs, deliveries)
+
+    async def _in_one_statement(self, envs: list[Envelope], deliveries: dict[str, int]) -> set[str]:
+        """The handler first, then one autocommitted append that records every message."""
+        ids = [e.event_id for e in envs]
+        async with self._store.pool.acquire() as connection, self._locked(connection) as head:
+            context = HandlerContext(
+                connection, self._store, self.name, min(deliveries.values()), deliveries, head
+            )
+            handled = await self._group(context, envs)
+            if any(b.events for b in handled.batches):
+                await self._store.append_many(
+                    handled.batches,
+                    self._metadata(handled, envs),
+                    connection=connection,
+                    processed=Processed(self.name, ids),
+                )
+            elif len(await connection.fetch(_MARK_MANY, self.name, ids)) != len(ids):
+                raise AlreadyHandled(f"consumer {self.name}: handled before")  # nothing written
+        self._committed(handled, envs)
+        return set(ids)
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, connection: Connection) -> AsyncIterator[int | None]:
+        """Hold ``lock_key`` as a session lock on ``connection`` for the block (if any).
+
+        Yields the log's head as of the moment the lock was granted (``None`` without a
+        lock): a handler's view must include it to see its predecessor's commit.
+        """
+        if self._lock_key is None:
+            yield None
+            return
+        try:
+            yield await connection.fetchval("SELECT dracap_lock($1)", self._lock_key)
+        except Exception:
+            await self._unlock(connection)
+            raise
+        except BaseException:  # cancelled: the session may be mid-statement
+            connection.terminate()  # the server drops the lock with the session
+            raise
+        await self._unlock(connection)
+
+    async def _unlock(self, connection: Connection) -> None:
+        """Release ``lock_key``; a session that cannot is closed (the pool resets nothing)."""
+        try:
+            await connection.execute("SELECT pg_advisory_unlock($1)", self._lock_key)
+        except BaseException:
+            connection.terminate()
+            raise
+
+    def _committed(self, handled: Handled, envs: Sequence[Envelope]) -> None:
+        self._mark.advance(max(e.position for e in envs))
+        for committed in handled.on_commit:
+            committed()
+
+    async def _in_transaction(self, envs: list[Envelope], deliveries: dict[str, int]) -> set[str]:
+        """Record, handle and append in one transaction (see the module docstring)."""
         async with self._store.pool.acquire() as connection, connection.transaction():
             ids = [e.event_id for e in envs]
             if self._lock_key is None:
@@ -430,9 +521,7 @@ class Consumer:
                 await self._store.append_many(
                     handled.batches, self._metadata(handled, todo), connection=connection
                 )
-        self._mark.advance(max(e.position for e in todo))
-        for committed in handled.on_commit:
-            committed()
+        self._committed(handled, todo)
         return fresh
 
     def _metadata(self, handled: Handled, todo: Sequence[Envelope]) -> Metadata:

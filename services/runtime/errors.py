@@ -11,7 +11,8 @@ Callers decide what to do by type, never by message text::
     └── ConflictError         somebody else changed the same thing first: a stream
         │                     version clash, a unique violation (a second exclusive
         │                     hold of a dedicated device, a duplicate event id)
-        └── CapacityExceeded  the ledger's CHECK (allocated <= total) refused the write
+        ├── CapacityExceeded  the ledger's CHECK (allocated <= total) refused the write
+        └── AlreadyHandled    a consumer's message was recorded as handled before
 
 ``CapacityExceeded`` is a :class:`ConflictError` rather than a permanent error: it
 means that the decision was taken on a stale view of the ledger (the allocator never
@@ -34,6 +35,10 @@ import asyncpg
 LEDGER_CAPACITY_CHECK = "capacity_ledger_within_total"
 #: SQLSTATE of ``dracap_append`` (migration 0003) when a stream is not at the expected version.
 STALE_VERSION_SQLSTATE = "DR001"
+#: SQLSTATE of ``dracap_project`` (migration 0004) for a capacity no slice published.
+UNKNOWN_CAPACITY_SQLSTATE = "DR002"
+#: SQLSTATE of ``dracap_append_projected`` (0004) when a message was handled before.
+ALREADY_HANDLED_SQLSTATE = "DR003"
 LEDGER_NONNEGATIVE_CHECK = "capacity_ledger_nonnegative"
 STREAM_VERSION_UNIQUE = "events_stream_version_key"
 
@@ -70,6 +75,10 @@ class CapacityExceeded(ConflictError):  # noqa: N818
     """The capacity ledger refused a reservation: ``allocated`` would pass ``total``."""
 
 
+class AlreadyHandled(ConflictError):  # noqa: N818
+    """An append that records consumed messages found one recorded before; nothing written."""
+
+
 _RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.SerializationError,
     asyncpg.DeadlockDetectedError,
@@ -94,6 +103,10 @@ def map_database_error(exc: BaseException, *, stream: str | None = None) -> Runt
         if exc.constraint_name in (LEDGER_CAPACITY_CHECK, LEDGER_NONNEGATIVE_CHECK):
             return CapacityExceeded(f"capacity ledger refused the write: {exc}", stream=stream)
         return PermanentError(f"check constraint failed: {exc}")
+    if getattr(exc, "sqlstate", None) == ALREADY_HANDLED_SQLSTATE:
+        return AlreadyHandled(str(getattr(exc, "message", exc)), stream=stream)
+    if getattr(exc, "sqlstate", None) == UNKNOWN_CAPACITY_SQLSTATE:  # raised by dracap_project
+        return CapacityExceeded(str(getattr(exc, "message", exc)), stream=stream)
     if getattr(exc, "sqlstate", None) == STALE_VERSION_SQLSTATE:  # raised by dracap_append
         stale = getattr(exc, "detail", None) or stream
         return ConflictError(str(getattr(exc, "message", exc)), stream=stale)

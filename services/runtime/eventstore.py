@@ -68,7 +68,9 @@ from events.catalog import (
 )
 from events.errors import CatalogError
 from events.model import decode_hook
+from services.runtime import projecting
 from services.runtime.errors import (
+    AlreadyHandled,
     ConflictError,
     InvalidEvent,
     RetryableError,
@@ -105,6 +107,17 @@ class Cause(msgspec.Struct, frozen=True):
     def of(cls, env: Envelope) -> Cause:
         """The cause of an event written in reaction to ``env``."""
         return cls(env.correlation_id, env.event_id)
+
+
+class Processed(msgspec.Struct, frozen=True):
+    """Bus messages an append records as handled by ``consumer`` (``processed_messages``).
+
+    The append then also fails, with :class:`~services.runtime.errors.AlreadyHandled`
+    and nothing written, if any of ``event_ids`` had been recorded for ``consumer``.
+    """
+
+    consumer: str
+    event_ids: list[str]
 
 
 class Batch(msgspec.Struct, frozen=True):
@@ -247,6 +260,7 @@ class _Pending(msgspec.Struct, frozen=True):
     namespaces: list[str | None]
     correlation_ids: list[str]
     causation_ids: list[str | None]
+    processed: Processed | None = None
 
     def __len__(self) -> int:
         return len(self.events)
@@ -439,6 +453,9 @@ class EventStore:
         self._listener_lock = asyncio.Lock()
         self._closed = False
         self._waiters: set[asyncio.Future[None]] = set()
+        #: appends of fewer events run in the server (:meth:`_append_small`), the others
+        #: statement by statement with COPY; tests lower it to exercise the bulk path
+        self.copy_threshold = COPY_THRESHOLD
         self._known_head = 0  # the highest head announced by NOTIFY (or read at LISTEN)
 
     @classmethod
@@ -508,6 +525,7 @@ class EventStore:
         meta: Metadata,
         *,
         connection: Connection | None = None,
+        processed: Processed | None = None,
     ) -> list[Envelope]:
         """Append several streams' events atomically: all or nothing.
 
@@ -516,12 +534,15 @@ class EventStore:
         commits or rolls back together with the caller's other writes. It is then not
         retried — a failed statement aborts the caller's transaction, so retrying is
         the caller's decision — and errors are mapped to the runtime error tree.
+        ``processed``: bus messages recorded as handled in the same commit.
         """
         typed = [b if isinstance(b, Batch) else Batch(*b) for b in batches]
         streams = [b.stream for b in typed]
         if len(set(streams)) != len(streams):
             raise InvalidEvent("a stream appears twice in one append")
         pending = _envelopes(typed, meta)
+        if processed is not None:
+            pending = msgspec.structs.replace(pending, processed=processed)
         if not pending.events:
             return []
         first = streams[0] if len(streams) == 1 else None
@@ -540,16 +561,25 @@ class EventStore:
         try:
             if connection.is_in_transaction():
                 return await self._append_in(connection, batches, pending)
-            async with connection.transaction():
-                return await self._append_in(connection, batches, pending)
+            if len(pending.events) < self.copy_threshold:  # one statement: committed
+                stored = await self._append_small(connection, batches, pending)
+            else:
+                async with connection.transaction():
+                    stored = await self._append_bulk(connection, batches, pending)
+            self._known_head = max(self._known_head, stored[-1].position)
+            return stored
         except RuntimeServiceError:
             raise
         except Exception as exc:
             raise map_database_error(exc, stream=stream) from exc
 
     async def _append_once(self, batches: Sequence[Batch], pending: _Pending) -> list[Envelope]:
-        async with self._pool.acquire() as connection, connection.transaction():
-            stored = await self._append_in(connection, batches, pending)
+        async with self._pool.acquire() as connection:
+            if len(pending.events) < self.copy_threshold:  # one statement: commits by itself
+                stored = await self._append_small(connection, batches, pending)
+            else:
+                async with connection.transaction():
+                    stored = await self._append_bulk(connection, batches, pending)
         self._known_head = max(self._known_head, stored[-1].position)  # committed
         return stored
 
@@ -559,16 +589,25 @@ class EventStore:
         batches: Sequence[Batch],
         pending: _Pending,
     ) -> list[Envelope]:
-        """The statements of one append, in the transaction open on ``connection``.
-
-        Below :data:`COPY_THRESHOLD` events the log part is one call of
-        ``dracap_append`` (lock, check, insert, notify); bulk appends run those steps
-        as statements, with binary COPY. The projections follow, with the real
-        positions, while the head lock is held.
-        """
-        count = len(pending.events)
-        if count >= COPY_THRESHOLD:
+        """The statements of one append on ``connection`` (small or bulk, see the module)."""
+        if len(pending.events) >= self.copy_threshold:
             return await self._append_bulk(connection, batches, pending)
+        return await self._append_small(connection, batches, pending)
+
+    async def _append_small(
+        self,
+        connection: Connection,
+        batches: Sequence[Batch],
+        pending: _Pending,
+    ) -> list[Envelope]:
+        """One call of ``dracap_append_projected``: lock, check, insert, project, notify.
+
+        Outside a transaction the statement commits in the server as it ends, so the
+        head lock is never held across a client round trip.
+        """
+        count, processed = len(pending.events), pending.processed
+        offsets = range(1, count + 1)
+        ops = projecting.server_ops(ledger.changes_of_many(pending.events, offsets))
         row = await connection.fetchrow(
             _APPEND,
             count,
@@ -586,6 +625,8 @@ class EventStore:
             pending.recorded_at,
             pending.payloads,
             CHANNEL,
+            ops,
+            *((None, None) if processed is None else (processed.consumer, processed.event_ids)),
         )
         assert row is not None  # the function returns exactly one row
         head: int = row[0]
@@ -594,16 +635,17 @@ class EventStore:
             for b, version in zip(batches, row[1], strict=True)
         }
         positions = list(range(head - count + 1, head + 1))
-        changes = ledger.changes_of_many(pending.events, positions)
-        if changes:
-            await apply_changes(connection, changes)
         return _stored(pending, positions, _moved(pending, current))
 
     async def _append_bulk(
         self, connection: Connection, batches: Sequence[Batch], pending: _Pending
     ) -> list[Envelope]:
         """A bulk append: lock, check, COPY, project, notify (statement by statement)."""
-        count = len(pending.events)
+        count, processed = len(pending.events), pending.processed
+        if processed is not None:
+            marked = await connection.fetch(_MARK, processed.consumer, processed.event_ids)
+            if len(marked) != len(processed.event_ids):
+                raise AlreadyHandled(f"consumer {processed.consumer!r} had handled some before")
         head: int = await connection.fetchval(
             "UPDATE event_log_head SET position = position + $1 RETURNING position", count
         )
@@ -772,8 +814,12 @@ class EventStore:
 #: binary COPY with the head lock taken first.
 COPY_THRESHOLD: Final = 256
 _APPEND: Final = (
-    "SELECT head, currents FROM dracap_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
-    "$11, $12, $13, $14, $15)"
+    "SELECT head, currents FROM dracap_append_projected($1, $2, $3, $4, $5, $6, $7, $8, $9, "
+    "$10, $11, $12, $13, $14, $15, $16, $17, $18)"
+)
+_MARK: Final = (
+    "INSERT INTO processed_messages (consumer, event_id) SELECT $1, unnest($2::uuid[]) "
+    "ON CONFLICT DO NOTHING RETURNING event_id"
 )
 
 

@@ -155,8 +155,12 @@ UPSERT_CLAIM: Final = (
 _JSON: Final = msgspec.json.Encoder()
 
 
+def _strings(amounts: dict[str, Any]) -> dict[str, str]:
+    return {k: str(v) for k, v in amounts.items()}
+
+
 def _json(amounts: dict[str, Any]) -> bytes:
-    return _JSON.encode({k: str(v) for k, v in amounts.items()})
+    return _JSON.encode(_strings(amounts))
 
 
 def _args(change: ledger.Change, position: int) -> tuple[Any, ...]:
@@ -525,3 +529,58 @@ async def apply_changes(
         else:
             for change, position in items:
                 await _one(connection, change, position)
+
+
+# -- the same changes, for the server (migration 0004) -----------------------------------
+
+
+def _op(change: ledger.Change) -> list[Any]:
+    """``[kind, arg, ...]`` of ``change`` for ``dracap_project`` (the offset goes second)."""
+    match change:
+        case ledger.SetTotal():
+            return ["set_total", *_args(change, 0)[:4], str(change.total)]
+        case ledger.Reserve():
+            key = (change.driver, change.pool, change.device, change.capacity)
+            return ["reserve", *key, str(change.amount)]
+        case ledger.HoldDevice():
+            return ["hold", *_args(change, 0)]
+        case ledger.InsertShare():
+            row = list(_args(change, 0)[:-1])  # the position comes from the offset
+            row[11], row[12] = dict(change.consumed), _strings(change.amounts)
+            return ["insert_share", *row]
+        case ledger.ReleaseShare():
+            return ["release_share", change.share_id]
+        case ledger.BindAllocation():
+            claim = (change.namespace, change.name, change.allocation_version, change.node)
+            return ["bind", *claim, list(change.share_ids)]
+        case ledger.ApplyLimit():
+            return ["apply_limit", change.share_id, change.level]
+        case ledger.FailLimit():
+            return ["fail_limit", change.share_id, change.reason]
+        case ledger.RequestRelease():
+            return ["request_release", *_args(change, 0)[:3]]
+        case ledger.MarkUnknown():
+            return ["mark_unknown", change.share_id, change.node, change.epoch]
+        case ledger.ConfirmShare():
+            return ["confirm_share", change.share_id, change.node]
+        case ledger.FenceNode():
+            return ["fence", change.node, change.epoch]
+        case ledger.UpsertClaim():
+            return ["upsert_claim", *_args(change, 0)[:5]]
+    raise TypeError(f"no server-side projection for {type(change).__name__}")
+
+
+def server_ops(changes: Sequence[tuple[ledger.Change, int]]) -> bytes:
+    """The JSON ``ops`` argument of ``dracap_project`` for ``(change, offset)`` pairs.
+
+    Each op is ``[kind, offset, arg, ...]`` with the arguments of the client-side
+    statement of that change, in the same order; the server applies them one by one
+    in the order given (log order), which is the reference semantics the set-based
+    runs above reproduce.
+    """
+    ops = []
+    for change, offset in changes:
+        op = _op(change)
+        op.insert(1, offset)
+        ops.append(op)
+    return _JSON.encode(ops)

@@ -27,6 +27,7 @@ from services.runtime.committing import GroupCommitter
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.errors import ConflictError, InvalidEvent
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
+from services.runtime.highwater import HighWaterMark
 from services.runtime.metrics import REGISTRY
 from services.runtime.relaying import Relay, outgoing
 from services.runtime.settings import Settings
@@ -230,12 +231,14 @@ def test_old_schema_rows_are_published_upcast() -> None:
 # --- consumers ------------------------------------------------------------------------------
 
 
-def echo_handler(calls: list[tuple[str, int]]) -> Callable[..., Awaitable[Handled]]:
+def echo_handler(
+    calls: list[tuple[str, int]], *, in_transaction: bool = True
+) -> Callable[..., Awaitable[Handled]]:
     """Appends one LimitRemoved per event to ``echo:<event id>`` (which must be new)."""
 
     async def handle(ctx: HandlerContext, env: c.Envelope) -> Handled:
         calls.append((env.event_id, ctx.delivery))
-        assert ctx.connection.is_in_transaction()
+        assert ctx.connection.is_in_transaction() == in_transaction
         event = c.LimitRemoved(share_id=env.event_id, node="echo")
         return Handled([Batch(f"echo:{env.event_id}", 0, [event])])
 
@@ -336,10 +339,12 @@ class LostAck:
         await self._msg.nak()
 
 
-async def test_redelivery_and_replay_change_nothing(bus: Bus) -> None:
+@pytest.mark.parametrize("one_statement", [False, True])
+async def test_redelivery_and_replay_change_nothing(bus: Bus, one_statement: bool) -> None:
     await append_burst(bus.store, 1)
     calls: list[tuple[str, int]] = []
-    k = consumer(bus, echo_handler(calls), name="redo")
+    handler = echo_handler(calls, in_transaction=not one_statement)
+    k = consumer(bus, handler, name="redo", one_statement=one_statement)
     r = relay(bus)
     async with Running(r.run):
         await until(lambda: r.position == 1)
@@ -355,7 +360,11 @@ async def test_redelivery_and_replay_change_nothing(bus: Bus) -> None:
         async with Running(k.run):
             await until(lambda: k.skipped == 2)
     assert msg.headers is not None
-    assert calls == [(msg.headers["Nats-Msg-Id"], 1)]
+    first = (msg.headers["Nats-Msg-Id"], 1)
+    if one_statement:  # the handler runs before the records are checked; nothing is kept
+        assert calls[0] == first and len(calls) == 3, calls
+    else:
+        assert calls == [first]
     assert (k.handled, k.skipped) == (1, 2)
     assert len(await echoes(bus.store)) == 1
     assert await bus.store.head() == 2
@@ -486,17 +495,34 @@ async def test_causes_must_match_the_events(bus: Bus) -> None:
     assert await bus.store.head() == 0
 
 
-async def test_lock_key_serialises_handlers_across_consumers(bus: Bus) -> None:
+ADVISORY_LOCKS = (
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+
+@pytest.mark.parametrize("one_statement", [False, True])
+async def test_lock_key_serialises_handlers_across_consumers(bus: Bus, one_statement: bool) -> None:
     spans: list[tuple[float, float]] = []
+    heads: list[int | None] = []
 
     async def slow(ctx: HandlerContext, envs: list[c.Envelope]) -> Handled:
         entered = asyncio.get_running_loop().time()
+        heads.append(ctx.locked_head)
         await asyncio.sleep(0.15)  # long enough for the other consumer to try to enter
         spans.append((entered, asyncio.get_running_loop().time()))
         return Handled()
 
     def planner(name: str) -> Consumer:
-        return consumer(bus, None, name=name, group_handler=slow, lock_key=4242, max_group=1)
+        return consumer(
+            bus,
+            None,
+            name=name,
+            group_handler=slow,
+            lock_key=4242,
+            max_group=1,
+            one_statement=one_statement,
+        )
 
     await append_burst(bus.store, 4)
     first, second = planner("planner-a"), planner("planner-b")  # each gets every event
@@ -506,3 +532,75 @@ async def test_lock_key_serialises_handlers_across_consumers(bus: Bus) -> None:
     assert len(spans) == 8
     for (_, end), (start, _) in itertools.pairwise(spans):
         assert start >= end, spans  # never two handlers inside the lock at once
+    # a session lock tells the handler the head it must see; none is left behind
+    head = await bus.store.head()
+    assert heads == ([head] * 8 if one_statement else [None] * 8)
+    assert await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
+
+
+async def test_one_statement_group_commits_records_and_events_together(bus: Bus) -> None:
+    sizes: list[int] = []
+    await append_burst(bus.store, 40)
+    r = relay(bus)
+    k = consumer(
+        bus, None, name="single", group_handler=echo_group(sizes, set()), one_statement=True
+    )
+    async with Running(r.run):
+        await until(lambda: r.position == 40)
+        async with Running(k.run):
+            await until(lambda: k.handled == 40)
+    assert max(sizes) > 1  # groups of several messages, each group one statement
+    sources = [e async for e in bus.store.read_all() if e.stream.startswith("burst:")]
+    echoed = {e.causation_id for e in await echoes(bus.store)}
+    assert echoed == {e.event_id for e in sources}
+    recorded = await bus.store.pool.fetchval(
+        "SELECT count(*) FROM processed_messages WHERE consumer = 'single'"
+    )
+    assert recorded == 40
+
+
+async def test_one_statement_lock_goes_with_a_cancelled_handler(bus: Bus) -> None:
+    entered = asyncio.Event()
+
+    async def stuck(ctx: HandlerContext, envs: list[c.Envelope]) -> Handled:
+        entered.set()
+        await asyncio.sleep(60)
+        return Handled()
+
+    await append_burst(bus.store, 1)
+    k = consumer(bus, None, name="stuck", group_handler=stuck, lock_key=4343, one_statement=True)
+    async with Running(relay(bus).run):
+        task = asyncio.create_task(k.run(asyncio.Event()))
+        await asyncio.wait_for(entered.wait(), 10)
+        assert await bus.store.pool.fetchval(ADVISORY_LOCKS) == 1
+        task.cancel()  # a killed worker: its session (and lock) must not go back to the pool
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    for _ in range(50):
+        if await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
+    async with bus.store.pool.acquire() as connection:  # free for the next taker
+        assert await connection.fetchval("SELECT pg_try_advisory_lock(4343)")
+        assert await connection.fetchval("SELECT pg_advisory_unlock(4343)")
+
+
+async def test_high_water_mark_stores_at_most_once_per_interval(bus: Bus) -> None:
+    stored: list[int] = []
+
+    async def save(position: int) -> None:
+        stored.append(position)
+
+    mark = HighWaterMark(bus.store, "hwm", save=save, interval=0.1)
+    done = asyncio.Event()
+    keeper = asyncio.create_task(mark.run(done))
+    started = asyncio.get_running_loop().time()
+    for position in range(1, 301):  # 300 advances, a millisecond or more apart
+        mark.advance(position)
+        await asyncio.sleep(0.001)
+    elapsed = asyncio.get_running_loop().time() - started
+    done.set()
+    await keeper
+    assert stored == sorted(stored) and stored[-1] == 300  # the last one on the way out
+    assert 2 <= len(stored) <= elapsed / 0.1 + 2, (stored, elapsed)  # not one per advance

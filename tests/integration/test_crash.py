@@ -7,9 +7,12 @@ connection, as a dead process would), then a fresh instance (new store, new live
 state, new connection: a restarted process) is started:
 
 * ``worker``: the reservation worker, at a random point of its loop;
-* ``worker-in-transaction``: the reservation worker *inside* a handler's transaction,
-  after its reservations were appended and before the commit; they must be rolled
-  back and written again, once, after the message is redelivered;
+* ``worker-between-plan-and-commit``: the reservation worker after its handler
+  planned reservations and before the consumer committed them; nothing of them may
+  be left, and they are planned again, once, after the messages are redelivered;
+* ``worker-between-commit-and-ack``: after the plan committed (one statement with the
+  consumer's ``processed_messages`` rows) and before the acks; the redelivered
+  messages are found handled and nothing is written twice;
 * ``relay``: the relay, at a random point;
 * ``relay-after-acks``: the relay after JetStream acknowledged a window and before
   the checkpoint was stored: the restarted relay publishes that window again and
@@ -74,6 +77,7 @@ NAMESPACE = "tenant-a"
 ACK_WAIT_S = 2.0
 KILL_AFTER = 30  # claims allocated before the victim is killed
 CONCURRENCY = 20  # tenant requests in flight during the burst
+PACE_S = 0.1  # each request slot waits this long after its reply: ~200 claims/s
 
 DEVICE_CLASS = f"""
 apiVersion: resource.k8s.io/v1
@@ -271,12 +275,17 @@ def all_ready(state: ClusterState) -> bool:
 
 
 async def burst(cluster: Cluster) -> None:
-    """Apply every claim, CONCURRENCY requests at a time."""
+    """Apply every claim, CONCURRENCY requests at a time, paced to last ~PACE_S * 5.
+
+    Unpaced, the pipeline can place all of them between two looks of the test, and
+    the kill would no longer fall in the middle of the burst.
+    """
     gate = asyncio.Semaphore(CONCURRENCY)
 
     async def apply(i: int) -> None:
         async with gate:
             await cluster.call(cluster.names.api(NAMESPACE, "apply"), manifest(f"c{i:03d}"))
+            await asyncio.sleep(PACE_S)
 
     await asyncio.gather(*(apply(i) for i in range(CLAIMS)))
 
@@ -288,33 +297,58 @@ class Trap:
         self.after = after  #: spring on the after-th time the point is reached
         self.reached = 0
         self.sprung = asyncio.Event()
-        self.written: list[str] = []  #: event ids the trapped transaction had written
+        self.planned: list[str] = []  #: share ids of the reservations planned, not committed
+        self.written: list[str] = []  #: event ids the trapped worker had committed
 
     async def spring(self) -> None:
         self.sprung.set()
         await asyncio.sleep(60)  # cancelled by the test long before
 
 
-def trap_handler(trap: Trap) -> Callable[[ReservationService], None]:
-    """Spring inside the handler's transaction, after it appended its reservations."""
+def trap_plan(trap: Trap) -> Callable[[ReservationService], None]:
+    """Spring after the handler planned reservations, before they are committed."""
 
     def wrap(worker: ReservationService) -> None:
         original = worker.handle
 
         async def handle(ctx: HandlerContext, envs: list[Envelope]) -> Handled:
             handled = await original(ctx, envs)
-            written = await ctx.connection.fetch(
-                "SELECT event_id::text FROM events WHERE causation_id = ANY($1::text[])",
-                [env.event_id for env in envs],
-            )
-            if written and not trap.sprung.is_set():
+            planned = [
+                e.share_id
+                for batch in handled.batches
+                for e in batch.events
+                if isinstance(e, CapacityReserved)
+            ]
+            if planned and not trap.sprung.is_set():
                 trap.reached += 1
                 if trap.reached >= trap.after:
-                    trap.written = [r[0] for r in written]
+                    trap.planned = planned
                     await trap.spring()
             return handled
 
         worker.handle = handle  # type: ignore[method-assign]
+
+    return wrap
+
+
+def trap_commit(trap: Trap) -> Callable[[ReservationService], None]:
+    """Spring after the worker's reservations committed, before the messages are acked."""
+
+    def wrap(worker: ReservationService) -> None:
+        original = worker.store.append_many
+
+        async def append_many(*args: Any, **kwargs: Any) -> list[Envelope]:
+            stored = await original(*args, **kwargs)
+            if not trap.sprung.is_set() and any(
+                isinstance(e.event, CapacityReserved) for e in stored
+            ):
+                trap.reached += 1
+                if trap.reached >= trap.after:
+                    trap.written = [e.event_id for e in stored]
+                    await trap.spring()
+            return stored
+
+        worker.store.append_many = append_many  # type: ignore[method-assign]
 
     return wrap
 
@@ -410,26 +444,48 @@ async def test_killed_worker_loses_and_duplicates_nothing(
     await check_exactly_once(cluster, settings)
 
 
-async def test_worker_killed_inside_its_transaction(cluster: Cluster, settings: Settings) -> None:
-    # the first incarnation is replaced by one with a trap in its handler
+async def kill_when_trapped(
+    cluster: Cluster, trap: Trap, wrap: Callable[[ReservationService], None]
+) -> tuple[asyncio.Task[None], float]:
+    """Replace the worker by a trapped one, burst, kill it where the trap holds it.
+
+    Returns the burst still submitting and the redeliveries counted before the kill.
+    """
     await cluster.worker_run.kill()
-    trap = Trap(after=2)  # the second transaction that wrote reservations (groups: few)
-    cluster.worker, cluster.worker_run = await cluster.start_worker(trap_handler(trap))
+    cluster.worker, cluster.worker_run = await cluster.start_worker(wrap)
     submitting = asyncio.create_task(burst(cluster))
     await asyncio.wait_for(trap.sprung.wait(), 20)
     redelivered = redeliveries()
     await cluster.worker_run.kill()
-    assert await unfinished(cluster) > 0
-    assert trap.written, "the trapped transaction had written nothing"
+    assert await unfinished(cluster) > 0, "the burst was over before the kill"
+    return submitting, redelivered
+
+
+async def test_worker_killed_between_plan_and_commit(cluster: Cluster, settings: Settings) -> None:
+    trap = Trap(after=2)  # the second plan with reservations (groups: few)
+    submitting, redelivered = await kill_when_trapped(cluster, trap, trap_plan(trap))
+    assert trap.planned, "the trapped plan reserved nothing"
+    state = await cluster.state()
+    assert not set(trap.planned) & set(state.shares), "an uncommitted plan left shares"
+    cluster.worker, cluster.worker_run = await cluster.start_worker()
+    await submitting
+    await check_exactly_once(cluster, settings)
+    # the messages whose plan was lost came back after the ack wait
+    assert redeliveries() > redelivered
+
+
+async def test_worker_killed_between_commit_and_ack(cluster: Cluster, settings: Settings) -> None:
+    trap = Trap(after=2)
+    submitting, redelivered = await kill_when_trapped(cluster, trap, trap_commit(trap))
+    assert trap.written, "the trapped commit had written nothing"
     async with cluster.stores[0].pool.acquire() as connection:
         survived = await connection.fetchval(
             "SELECT count(*) FROM events WHERE event_id = ANY($1::uuid[])", trap.written
         )
-    assert survived == 0, "a cancelled transaction left events behind"
+    assert survived == len(trap.written), "a committed plan was lost"
     cluster.worker, cluster.worker_run = await cluster.start_worker()
     await submitting
-    await check_exactly_once(cluster, settings)
-    # the message whose transaction was cancelled came back after the ack wait
+    await check_exactly_once(cluster, settings)  # the redelivery wrote nothing again
     assert redeliveries() > redelivered
 
 

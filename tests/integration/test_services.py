@@ -19,6 +19,18 @@ async def _tables(url: str) -> set[str]:
         await connection.close()
 
 
+async def _functions(url: str) -> set[str]:
+    connection = await asyncpg.connect(url)
+    try:
+        rows = await connection.fetch(
+            "SELECT proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE n.nspname = 'public' AND proname LIKE 'dracap\\_%'"
+        )
+        return {row[0] for row in rows}
+    finally:
+        await connection.close()
+
+
 async def test_db_upgrade_then_downgrade(
     empty_database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -27,8 +39,10 @@ async def test_db_upgrade_then_downgrade(
     assert {"events", "capacity_ledger", "shares", "claims"} <= await _tables(empty_database_url)
     assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0  # idempotent
     assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0  # one step: 0003
-    assert "processed_messages" in await _tables(empty_database_url)
+    assert await _functions(empty_database_url) == {"dracap_append", "dracap_events_append_only"}
     assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0  # and 0002
+    assert "processed_messages" in await _tables(empty_database_url)
+    assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0  # and 0001
     assert "processed_messages" not in await _tables(empty_database_url)
     assert "events" in await _tables(empty_database_url)
     assert await asyncio.to_thread(dbcommand.main, ["downgrade", "base"]) == 0
@@ -36,7 +50,8 @@ async def test_db_upgrade_then_downgrade(
     assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0
     assert "events" in await _tables(empty_database_url)
     out = capsys.readouterr().out
-    assert "database at 0003" in out and "database at 0002" in out
+    assert "database at 0004" in out and "database at 0003" in out
+    assert "database at 0002" in out
     assert "database at 0001" in out
     assert "database at base" in out
 
