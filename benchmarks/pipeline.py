@@ -64,6 +64,7 @@ NAMESPACE = "bench"
 DRIVER = "gpu.bench.dracap.io"
 CLASS = "gpu.bench.dracap.io"
 GPUS_PER_NODE = 8
+READY = b'"ready":true'  # how a ready ClaimView reads on the watch subject (compact JSON)
 
 
 # --- inventory and claims ------------------------------------------------------------------
@@ -160,7 +161,8 @@ async def watching(api: ApiClient, tracker: ReadyTracker) -> AsyncIterator[None]
     subject = (await api.claims(NAMESPACE, "watch", {"name": None}))["subject"]
 
     async def on_message(msg: Any) -> None:
-        tracker.on_view(json.loads(msg.data))
+        if READY in msg.data:  # most updates are not the one waited for: skip the parse
+            tracker.on_view(json.loads(msg.data))
 
     sub = await api.nc.subscribe(subject, cb=on_message)
     await api.nc.flush()

@@ -293,7 +293,7 @@ class Allocator:
         nodes: list[str | None] = [node]
         if any_node and node is None:
             nodes = list(self.inventory.nodes()) or [None]
-        reasons: list[str] = []
+        failed: list[_Search] = []  # explained only if no node fits (the scan is not free)
         for candidate_node in nodes:
             search = _Search(self, claim, specs, constraints, candidate_node)
             try:
@@ -302,7 +302,8 @@ class Allocator:
                 return Invalid(claim=ref, reason=str(exc))
             if picks is not None:
                 return self._result(claim, ref, candidate_node, picks)
-            reasons.append(search.explain())
+            failed.append(search)
+        reasons = [search.explain() for search in failed]
         if len(reasons) == 1:
             return Unschedulable(claim=ref, reason=reasons[0])
         return Unschedulable(claim=ref, reason="; ".join(reasons))
