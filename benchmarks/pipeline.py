@@ -393,11 +393,17 @@ async def main(args: argparse.Namespace) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--claims", type=int, default=2000, help="claims of the throughput run")
-    parser.add_argument("--concurrency", type=int, default=64, help="applies in flight")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=256,
+        help="applies in flight in the throughput run (enough to saturate: a closed loop "
+        "with too few measures in-flight / latency, not capacity)",
+    )
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the latency run")
     parser.add_argument("--commits", type=int, default=2000, help="raw commits timed")
     parser.add_argument("--nodes", type=int, default=4, help="nodes (one agent each)")
-    parser.add_argument("--workers", type=int, default=2, help="reservation workers")
+    parser.add_argument("--workers", type=int, default=1, help="reservation workers")
     parser.add_argument("--pool", type=int, default=10, help="asyncpg pool size")
     parser.add_argument(
         "--admin-url",

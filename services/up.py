@@ -64,7 +64,7 @@ from events import model
 from events.manifests import ManifestError, load_paths
 from events.subjects import BusNames
 from services.claims.command import ApiClient, CommandError, Connection
-from services.runtime import migrating
+from services.runtime import eventloop, migrating
 from services.runtime.embedded import EmbeddedError, embedded_servers
 from services.runtime.eventstore import EventStore
 from services.runtime.gctuning import tune_for_long_lived_state
@@ -90,7 +90,7 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     data_dir: Path = Path(".dracap")
     inventory: tuple[str, ...] = ("deploy/examples",)
     agents: str = "auto"  # "auto": every node of the inventory; "": none; else "a,b"
-    workers: int = 2
+    workers: int = 1
     metrics_port: int = 9400  # 0: no metrics server
     prefix: str = "dracap"
 
@@ -199,7 +199,7 @@ class Stack:
         names: BusNames,
         *,
         nodes: Sequence[str] = (),
-        workers: int = 2,
+        workers: int = 1,
     ) -> AsyncIterator[Stack]:
         from services.runtime.bus import connect_bus, ensure_stream
 
@@ -407,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         prefix=args.prefix,
     )
     try:
-        return asyncio.run(_main(options))
+        return eventloop.run(_main(options))
     except (ManifestError, SettingsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -441,7 +441,13 @@ def register(sub: Any) -> None:
         metavar="auto|NODE,...",
         help="node agents to run (auto: every node of the inventory)",
     )
-    parser.add_argument("--workers", type=int, default=2, help="reservation workers (default 2)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="reservation workers (default 1: planning rounds take turns on one lock, so "
+        "a second worker in the same process adds lock hand-offs, not capacity)",
+    )
     parser.add_argument(
         "--metrics-port",
         type=int,

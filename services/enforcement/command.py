@@ -35,6 +35,7 @@ from services.enforcement.enforcers import Enforcer, NoneEnforcer
 from services.enforcement.mps import MpsEnforcer, MpsSettings
 from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interfaces_of
 from services.enforcement.tc import TcEnforcer
+from services.runtime import eventloop
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.eventstore import EventStore
 from services.runtime.gauges import initialise_series
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        return asyncio.run(serve(args))
+        return eventloop.run(serve(args))
     except (SettingsError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -486,6 +486,9 @@ async def test_group_committer_gives_each_caller_its_own_outcome(bus: Bus) -> No
     assert await bus.store.head() == 21  # nothing half-written, nothing lost
     versions = {e.stream: e.stream_version async for e in bus.store.read_all()}
     assert versions == {"gc:stale": 1, **{f"gc:{i}": 1 for i in range(20)}}
+    # writes to one stream never share a group or race in two: each sees the last
+    chain = await asyncio.gather(*(committer.append("gc:chain", v, [access(v)]) for v in range(6)))
+    assert [envs[0].stream_version for envs in chain] == [1, 2, 3, 4, 5, 6]
 
 
 async def test_causes_must_match_the_events(bus: Bus) -> None:

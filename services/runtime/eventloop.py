@@ -1,0 +1,45 @@
+"""The event loop the long-running service processes run on.
+
+``dracap up`` and ``dracap agent`` spend most of their time moving small messages
+between Postgres, NATS and Python: a claim costs a few statements and bus messages,
+each a socket write and a wake-up. With the standard library's selector loop that
+plumbing — its transports are Python code — took a quarter of a service process's
+CPU in ``benchmarks/pipeline.py``. uvloop runs the same asyncio API on libuv, with
+the transports in C; asyncpg and nats-py use it as they use the standard loop.
+
+:func:`run` is :func:`asyncio.run` on uvloop where uvloop is installed (a dependency
+on Linux), else on the standard loop; ``DRACAP_EVENT_LOOP=asyncio`` forces the
+standard one (to rule the loop out when chasing a problem).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["loop_name", "run"]
+
+T = TypeVar("T")
+
+
+def loop_name() -> str:
+    """``"uvloop"`` or ``"asyncio"``: what :func:`run` will use."""
+    if os.environ.get("DRACAP_EVENT_LOOP", "").strip().lower() == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to completion on the service event loop (see the module docstring)."""
+    if loop_name() == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(main)
+    return asyncio.run(main)
