@@ -62,10 +62,14 @@ handled before, the statement raises
 :class:`~services.runtime.errors.AlreadyHandled`, writes nothing, and the group goes
 through the transaction above, which sorts the new from the old. A group whose
 handler wants nothing written records its rows with one ``INSERT``. With a
-``lock_key`` the lock is then a session lock (``dracap_lock``), taken before the
-handler and released after the commit; it also tells the handler the log's head at
-the moment it was granted (``HandlerContext.locked_head``), so the handler can wait
-for its live view to reach it instead of reading the log.
+``lock_key`` the lock is then a session lock (``dracap_lock``) on a connection the
+consumer keeps between groups while messages keep arriving — for at most
+:data:`LOCK_HOLD_S` at a time, so other workers get their turn — and releases when
+it is idle, before a fallback transaction (which takes the lock itself) and on stop.
+``dracap_lock`` also returns the log's head at the moment the lock was granted;
+``HandlerContext.locked_head`` is that head, then the head after each of the
+consumer's own commits while it keeps the lock, so the handler can wait for its live
+view to reach it instead of reading the log.
 
 Failures
 --------
@@ -108,11 +112,13 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Final
 
 import msgspec
 import nats.errors
+from asyncpg import Record
+from asyncpg.pool import PoolConnectionProxy
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -195,6 +201,19 @@ class _DeadLetter(msgspec.Struct, frozen=True):
     reason: str
 
 
+#: How long a consumer keeps its ``lock_key`` across groups while messages keep coming.
+LOCK_HOLD_S: Final = 0.05
+
+
+@dataclasses.dataclass(slots=True)
+class _HeldLock:
+    """``lock_key`` held as a session lock between groups (see ``_hold_lock``)."""
+
+    connection: PoolConnectionProxy[Record]
+    head: int | None  #: what a handler must see: the head at the grant, then own commits
+    since: float  #: monotonic time of the grant
+
+
 class _Incoming(msgspec.Struct):
     """One received message, decoded."""
 
@@ -262,6 +281,11 @@ class _Puller:
         await self._ask()  # keep the flow going while this group is handled
         return out
 
+    @property
+    def waiting(self) -> int:
+        """Messages that have arrived and wait to be taken."""
+        return len(self._ready)
+
     async def stop(self) -> list[Msg]:
         """Stop receiving; returns the messages that had arrived but were not taken."""
         if self._sub is not None:
@@ -310,6 +334,7 @@ class Consumer:
         self._wants = wants
         self._lock_key = lock_key
         self._one_statement = one_statement
+        self._held: _HeldLock | None = None
         self._max_deliver = max_deliver
         self._backoff = tuple(backoff)
         self._batch = batch
@@ -340,7 +365,13 @@ class Consumer:
                     continue
                 if msgs:
                     await self.process_group(msgs)
+                held = self._held
+                if held is not None and (
+                    not puller.waiting or time.monotonic() - held.since > LOCK_HOLD_S
+                ):
+                    await self.let_go()  # idle, or others' turn
         finally:
+            await self.let_go()
             for msg in await puller.stop():
                 await _quietly(msg.nak())  # another worker takes it at once
             done.set()
@@ -447,55 +478,80 @@ class Consumer:
                 return await self._in_one_statement(envs, deliveries)
             except AlreadyHandled:
                 pass  # a redelivery among them: the transaction below sorts them out
+        await self.let_go()  # the transaction takes the lock itself
         return await self._in_transaction(envs, deliveries)
 
     async def _in_one_statement(self, envs: list[Envelope], deliveries: dict[str, int]) -> set[str]:
         """The handler first, then one autocommitted append that records every message."""
-        ids = [e.event_id for e in envs]
-        async with self._store.pool.acquire() as connection, self._locked(connection) as head:
-            context = HandlerContext(
-                connection, self._store, self.name, min(deliveries.values()), deliveries, head
-            )
-            handled = await self._group(context, envs)
-            if any(b.events for b in handled.batches):
-                await self._store.append_many(
-                    handled.batches,
-                    self._metadata(handled, envs),
-                    connection=connection,
-                    processed=Processed(self.name, ids),
-                )
-            elif len(await connection.fetch(_MARK_MANY, self.name, ids)) != len(ids):
-                raise AlreadyHandled(f"consumer {self.name}: handled before")  # nothing written
-        self._committed(handled, envs)
-        return set(ids)
-
-    @contextlib.asynccontextmanager
-    async def _locked(self, connection: Connection) -> AsyncIterator[int | None]:
-        """Hold ``lock_key`` as a session lock on ``connection`` for the block (if any).
-
-        Yields the log's head as of the moment the lock was granted (``None`` without a
-        lock): a handler's view must include it to see its predecessor's commit.
-        """
         if self._lock_key is None:
-            yield None
-            return
+            async with self._store.pool.acquire() as connection:
+                await self._commit_group(connection, None, envs, deliveries)
+            return {e.event_id for e in envs}
+        held = await self._hold_lock()
         try:
-            yield await connection.fetchval("SELECT dracap_lock($1)", self._lock_key)
+            held.head = await self._commit_group(held.connection, held.head, envs, deliveries)
         except Exception:
-            await self._unlock(connection)
+            await self.let_go()
             raise
         except BaseException:  # cancelled: the session may be mid-statement
-            connection.terminate()  # the server drops the lock with the session
+            self._held = None
+            held.connection.terminate()  # the server drops the lock with the session
+            await self._store.pool.release(held.connection)
             raise
-        await self._unlock(connection)
+        return {e.event_id for e in envs}
 
-    async def _unlock(self, connection: Connection) -> None:
-        """Release ``lock_key``; a session that cannot is closed (the pool resets nothing)."""
+    async def _commit_group(
+        self,
+        connection: Connection,
+        head: int | None,
+        envs: list[Envelope],
+        deliveries: dict[str, int],
+    ) -> int | None:
+        """Handle ``envs`` and commit them in one statement; the head after the commit."""
+        ids = [e.event_id for e in envs]
+        context = HandlerContext(
+            connection, self._store, self.name, min(deliveries.values()), deliveries, head
+        )
+        handled = await self._group(context, envs)
+        if any(b.events for b in handled.batches):
+            stored = await self._store.append_many(
+                handled.batches,
+                self._metadata(handled, envs),
+                connection=connection,
+                processed=Processed(self.name, ids),
+            )
+            head = max(head or 0, stored[-1].position)
+        elif len(await connection.fetch(_MARK_MANY, self.name, ids)) != len(ids):
+            raise AlreadyHandled(f"consumer {self.name}: handled before")  # nothing written
+        self._committed(handled, envs)
+        return head
+
+    async def _hold_lock(self) -> _HeldLock:
+        """``lock_key`` as a session lock on a connection kept between groups."""
+        if self._held is not None:
+            return self._held
+        connection = await self._store.pool.acquire()
         try:
-            await connection.execute("SELECT pg_advisory_unlock($1)", self._lock_key)
+            head = await connection.fetchval("SELECT dracap_lock($1)", self._lock_key)
         except BaseException:
-            connection.terminate()
+            connection.terminate()  # the lock may have been granted as the call failed
+            await self._store.pool.release(connection)
             raise
+        self._held = _HeldLock(connection, head, time.monotonic())
+        return self._held
+
+    async def let_go(self) -> None:
+        """Release ``lock_key`` (if held) and its connection; a session that cannot is closed."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        try:
+            await held.connection.execute("SELECT pg_advisory_unlock($1)", self._lock_key)
+        except BaseException:
+            held.connection.terminate()  # the pool resets nothing: the lock must not stay
+            raise
+        finally:
+            await self._store.pool.release(held.connection)
 
     def _committed(self, handled: Handled, envs: Sequence[Envelope]) -> None:
         self._mark.advance(max(e.position for e in envs))

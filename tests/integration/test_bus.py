@@ -531,6 +531,11 @@ async def test_lock_key_serialises_handlers_across_consumers(bus: Bus, one_state
     first, second = planner("planner-a"), planner("planner-b")  # each gets every event
     async with Running(relay(bus).run), Running(first.run), Running(second.run):
         await until(lambda: first.handled == 4 and second.handled == 4)
+        for _ in range(40):  # idle consumers give the lock back, still running
+            if await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
     spans.sort()
     assert len(spans) == 8
     for (_, end), (start, _) in itertools.pairwise(spans):
