@@ -8,25 +8,28 @@ run and on the same database it measures:
    (the floor every event-sourced write pays: one WAL flush per commit);
 2. **sustained throughput**: ``--claims`` claims applied through the claims API with
    ``--concurrency`` requests in flight (closed loop), each counted when its watch
-   update says ``ready`` — claims/s from the first apply to the last Ready;
+   update says ``ready`` — claims/s from the first apply to the last Ready. A closed
+   loop measures in-flight / latency until it has enough in flight to saturate the
+   services: 64 gave ~1,300/s with the service process at ~65 % of a core, 256 gives
+   the capacity (~1,600-1,900/s here), and the default is 256;
 3. **latency at half that rate**: claims applied open-loop at 50% of (2) for
    ``--seconds``; apply->Ready per claim, p50 / p99 / max.
 
-The system under test is ``dracap up`` itself, started as its own process with the
-URLs of the servers in its environment — relay, live state, claims API, ``--workers``
-reservation workers and one agent (NoneEnforcer) per node, exactly what an operator
-runs. This process is the tenants' side: it applies claims over NATS request/reply
-and follows them on the watch subject, as ``dracap claim`` does, so the load
-generator's own work is not charged to the control plane (nor the reverse). The
-inventory is synthetic (an inventory file handed to ``dracap up``): ``--nodes`` nodes
-of 8 shareable GPUs with 1000Gi each, so capacity never limits the run; every claim
-asks for 1Gi of memory. Goals: throughput >= 0.25x the raw commit rate, p99 <= 50 ms
-at half the max rate.
+The system under test is ``dracap up`` itself, started as its own process with the URLs
+of the servers in its environment — relay, live state, claims API, ``--workers``
+reservation workers (default 1, as ``dracap up``) and one agent (NoneEnforcer) per node,
+exactly what an operator runs. This process is the tenants' side: it applies claims over
+NATS request/reply and follows them on the watch subject, as ``dracap claim`` does, so
+the load generator's own work is not charged to the control plane (nor the reverse). The
+inventory is synthetic (an inventory file handed to ``dracap up``): ``--nodes`` nodes of
+8 shareable GPUs with 1000Gi each, so capacity never limits the run; every claim asks
+for 1Gi of memory. Goals: throughput >= 0.25x the raw commit rate, p99 <= 50 ms at half
+the max rate.
 
 Usage::
 
-    .venv/bin/python -m benchmarks.pipeline --claims 3000 --seconds 10
-    .venv/bin/python -m benchmarks.pipeline --rates 10,30,60,100   # the latency curve too
+    .venv/bin/python -m benchmarks.pipeline --claims 4000 --seconds 10
+    .venv/bin/python -m benchmarks.pipeline --rates 100,300,500,700   # the latency curve too
     .venv/bin/python -m benchmarks.pipeline --embedded   # servers of `dracap up`
 """
 
