@@ -27,6 +27,7 @@ import pytest
 from events.subjects import BusNames
 from services import cli
 from services.claims.command import ApiClient
+from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
 from services.up import READY_LINE, Stack, load_inventory, read_inventory
 
@@ -62,6 +63,11 @@ async def stack_flags(settings: Settings, nats_url: str) -> AsyncIterator[list[s
             assert await load_inventory(api, inventory) == len(inventory.slices)
             assert await load_inventory(api, inventory) == 0  # already loaded
         yield ["--nats", nats_url, "--prefix", names.prefix]
+    nc, js = await connect_bus(nats_url)  # the test's stream goes with it
+    try:
+        await js.delete_stream(names.stream)
+    finally:
+        await nc.close()
 
 
 async def dracap(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
