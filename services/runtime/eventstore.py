@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final, TypeVar
@@ -79,6 +80,8 @@ from services.runtime.errors import (
 )
 from services.runtime.projecting import apply_changes
 from services.runtime.settings import Settings
+
+_log = logging.getLogger(__name__)
 
 CHANNEL: Final = "dracap_events"
 RETRY_ATTEMPTS: Final = 4
@@ -456,6 +459,7 @@ class EventStore:
         #: appends of fewer events run in the server (:meth:`_append_small`), the others
         #: statement by statement with COPY; tests lower it to exercise the bulk path
         self.copy_threshold = COPY_THRESHOLD
+        self._commit_listeners: list[Callable[[list[Envelope]], None]] = []
         self._known_head = 0  # the highest head announced by NOTIFY (or read at LISTEN)
 
     @classmethod
@@ -566,7 +570,7 @@ class EventStore:
             else:
                 async with connection.transaction():
                     stored = await self._append_bulk(connection, batches, pending)
-            self._known_head = max(self._known_head, stored[-1].position)
+            self._committed(stored)
             return stored
         except RuntimeServiceError:
             raise
@@ -580,8 +584,30 @@ class EventStore:
             else:
                 async with connection.transaction():
                     stored = await self._append_bulk(connection, batches, pending)
-        self._known_head = max(self._known_head, stored[-1].position)  # committed
+        self._committed(stored)
         return stored
+
+    def on_commit(self, listener: Callable[[list[Envelope]], None]) -> Callable[[], None]:
+        """Call ``listener(envelopes)`` after each append this store commits itself.
+
+        Appends made inside a caller's transaction are not reported (the store does not
+        see that commit). Returns an unsubscriber.
+        """
+        self._commit_listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with contextlib.suppress(ValueError):
+                self._commit_listeners.remove(listener)
+
+        return unsubscribe
+
+    def _committed(self, stored: list[Envelope]) -> None:
+        self._known_head = max(self._known_head, stored[-1].position)
+        for listener in tuple(self._commit_listeners):
+            try:
+                listener(stored)
+            except Exception:
+                _log.exception("commit listener failed")
 
     async def _append_in(
         self,

@@ -17,6 +17,14 @@ once and in position order. The loop:
    (a commit per window would put a WAL flush between every two windows);
 4. when the log is drained, wait for the store's NOTIFY (or a poll timeout) and go on.
 
+Hand-over: appends that this process's own store commits (one statement, or its own
+transaction) are handed to the relay as they commit (``EventStore.on_commit``). When
+the next position to publish is among them, the relay publishes them from memory,
+without the NOTIFY wake-up and the read — in ``dracap up`` that is nearly every event
+of the claim path, one round trip less per hop. Anything else (another process's
+appends, appends inside a consumer's transaction, a gap) is read from the log as
+above; the order, the windows and the checkpoint are the same either way.
+
 Exactly once: each message carries ``Nats-Msg-Id = event id`` (and
 ``Nats-Expected-Stream``). A crash after some acks but before the checkpoint caught
 up makes the next relay publish those events again — the windows published since the
@@ -36,7 +44,9 @@ Wire form: the envelope JSON of :func:`events.catalog.encode_event`. For rows wr
 under the current schema version the stored payload is spliced in unchanged
 (``msgspec.Raw``), which spares a decode and re-encode per event; rows of an older
 schema version are decoded (upcast) and published in the current form, with the
-envelope's ``schema_version`` saying so.
+envelope's ``schema_version`` saying so. Handed-over envelopes are encoded from the
+event itself (:func:`encode_event`): the same JSON, with the payload's keys in the
+event's order instead of ``jsonb``'s.
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 
-from events.catalog import SCHEMA_VERSIONS, encode_event, schema_version_of
+from events.catalog import SCHEMA_VERSIONS, Envelope, encode_event, schema_version_of
 from events.subjects import NODE_TAGS, BusNames
 from services.runtime.eventstore import EventStore, envelope_of
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
@@ -122,6 +132,11 @@ def outgoing(names: BusNames, row: asyncpg.Record) -> Outgoing:
     return Outgoing(names.subject_of(tag, node), _ENCODER.encode(wire), row[1], row[0])
 
 
+def outgoing_envelope(names: BusNames, env: Envelope) -> Outgoing:
+    """The bus message of an envelope this process appended (same form as from its row)."""
+    return Outgoing(names.event_subject(env), encode_event(env), env.event_id, env.position)
+
+
 class Relay:
     """Publishes the event log to JetStream in order, ``window`` messages in flight."""
 
@@ -152,6 +167,10 @@ class Relay:
         self.published = 0  #: messages the stream stored
         self.duplicates = 0  #: messages the stream recognised as already stored
         self.windows = 0  #: windows published
+        self.handed_over = 0  #: messages published from this process's appends, unread
+        #: this process's committed appends not yet published, by position
+        self._offered: dict[int, Envelope] = {}
+        self._wake = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until ``stop`` is set; the window in flight is finished first."""
@@ -163,6 +182,7 @@ class Relay:
         mark.position = mark.saved = self.position
         done = asyncio.Event()
         keeper = asyncio.create_task(mark.run(done))
+        handover = self._store.on_commit(self._offer)
         try:
             while not stop.is_set():
                 try:
@@ -176,6 +196,8 @@ class Relay:
             keeper.cancel()
             raise
         finally:
+            handover()
+            self._offered.clear()
             done.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper  # on a clean stop: stores the final position
@@ -193,16 +215,50 @@ class Relay:
         return position or 0
 
     async def _drain(self, stop: asyncio.Event) -> None:
-        async for rows in self._store.read_rows(self.position, batch_size=self._window):
-            messages = [outgoing(self._names, row) for row in rows]
-            await self._publish_window(messages)
-            self.position = messages[-1].position
-            self._mark.advance(self.position)
-            head = max(self._store.known_head, self.position)
-            RELAY_LAG.set(head - self.position)
-            if stop.is_set():
-                return
-        RELAY_LAG.set(0)
+        self._wake.clear()  # an offer from here on wakes the next wait at once
+        while not stop.is_set():
+            offered = self._take_offered()
+            if offered:  # this process's own appends, next in line: no read
+                await self._publish_window(offered)
+                self._advance(offered[-1].position)
+                self.handed_over += len(offered)
+                continue
+            if self._store.known_head <= self.position:
+                break  # nothing committed past us that we heard of
+            async for rows in self._store.read_rows(self.position, batch_size=self._window):
+                messages = [outgoing(self._names, row) for row in rows]
+                await self._publish_window(messages)
+                self._advance(messages[-1].position)
+                if stop.is_set():
+                    return
+            self._offered = {p: e for p, e in self._offered.items() if p > self.position}
+        RELAY_LAG.set(max(0, self._store.known_head - self.position))
+
+    def _advance(self, position: int) -> None:
+        self.position = position
+        self._mark.advance(position)
+        RELAY_LAG.set(max(self._store.known_head, position) - position)
+
+    def _offer(self, envelopes: list[Envelope]) -> None:
+        """Commit listener: keep this process's appends to publish without reading them."""
+        if len(self._offered) > 4 * self._window:
+            return  # far behind: the log is read instead
+        for env in envelopes:
+            if env.position > self.position:
+                self._offered[env.position] = env
+        self._wake.set()
+
+    def _take_offered(self) -> list[Outgoing]:
+        """The offered envelopes that come next, in order, up to a window."""
+        out: list[Outgoing] = []
+        following = self.position + 1
+        while len(out) < self._window:
+            env = self._offered.pop(following, None)
+            if env is None:
+                break
+            out.append(outgoing_envelope(self._names, env))
+            following += 1
+        return out
 
     async def _publish_window(self, messages: Sequence[Outgoing]) -> None:
         """Write every message, then await all acknowledgements together."""
@@ -233,13 +289,15 @@ class Relay:
         await self._store.pool.execute(SAVE_CHECKPOINT, self._checkpoint, position)
 
     async def _wait(self, stop: asyncio.Event) -> None:
-        """Until the log moves past the checkpoint, ``stop`` is set, or a poll passes."""
+        """Until the log moves past the checkpoint, an append is offered, ``stop`` is set,
+        or a poll passes."""
         waiter = asyncio.ensure_future(self._store.wait_for_new(self.position, self._idle_poll))
+        woken = asyncio.ensure_future(self._wake.wait())
         stopper = asyncio.ensure_future(stop.wait())
         try:
-            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({waiter, woken, stopper}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await _cancel(waiter, stopper)
+            await _cancel(waiter, woken, stopper)
         if not waiter.cancelled() and waiter.exception() is not None:
             waiter.result()  # a failed wait (the database is gone): raise it
 

@@ -159,6 +159,33 @@ async def test_relay_publishes_every_event_once_in_order(bus: Bus) -> None:
     assert r.windows == 6  # ceil(303 / 64) + 1: one ack round per window, not per message
 
 
+async def test_relay_hands_over_own_appends_and_reads_the_others(
+    bus: Bus, settings: Settings
+) -> None:
+    """This process's appends go out from memory; another process's are read; one order."""
+
+    class Slow(Relay):  # appends pile up while a window is out: gaps in the hand-over
+        async def _publish_window(self, messages: Any) -> None:
+            await asyncio.sleep(0.02)
+            await super()._publish_window(messages)
+
+    other = await EventStore.open(settings)  # another process, as far as the relay knows
+    meta = Metadata(actor="test")
+    try:
+        r = Slow(bus.store, bus.js, bus.names, window=8, idle_poll=0.2)
+        async with Running(r.run):
+            await until(lambda: r.position == 0 and bus.store.committed_head() is not None)
+            for i in range(30):
+                store = bus.store if i % 3 else other  # every third append is foreign
+                await store.append_many([Batch(f"mix:{i}", 0, [access(i), access(i + 1)])], meta)
+            await until(lambda: r.position == 60)
+    finally:
+        await other.close()
+    await assert_stream_is_the_log(bus)
+    assert r.published == 60 and r.duplicates == 0
+    assert 0 < r.handed_over < 60  # own appends were handed over, foreign ones read
+
+
 async def test_relay_crash_between_acks_and_checkpoint_duplicates_nothing(bus: Bus) -> None:
     class Stalled(Relay):
         async def _save_checkpoint(self, position: int) -> None:
