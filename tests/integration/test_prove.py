@@ -13,15 +13,19 @@ Skipped, with the reason, without CAP_NET_ADMIN (tests/fixtures/netns.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
 
 import msgspec
+import nats.js.errors
 import pytest
 
+from events.subjects import BusNames
 from services import cli
 from services.enforcement.proving import ProofReport, ShareFigures
+from services.runtime.bus import connect_bus
 
 pytest_plugins = ["tests.fixtures.netns"]
 
@@ -47,7 +51,13 @@ async def test_prove_bandwidth_through_the_control_plane(
     ]  # fmt: skip
     capsys.readouterr()
     started = time.monotonic()
-    code = await asyncio.to_thread(cli.main, argv)
+    try:
+        code = await asyncio.to_thread(cli.main, argv)
+    finally:
+        nc, js = await connect_bus(nats_url)  # the run's stream goes with the test
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js.delete_stream(BusNames(prefix).stream)
+        await nc.close()
     took = time.monotonic() - started
     out, err = capsys.readouterr()
     assert code in (0, 1), err  # 1: a 3 % goal missed over the short window; 2: no run
