@@ -570,7 +570,7 @@ class EventStore:
             else:
                 async with connection.transaction():
                     stored = await self._append_bulk(connection, batches, pending)
-            self._committed(stored)
+            self._committed(stored, pending)
             return stored
         except RuntimeServiceError:
             raise
@@ -584,14 +584,15 @@ class EventStore:
             else:
                 async with connection.transaction():
                     stored = await self._append_bulk(connection, batches, pending)
-        self._committed(stored)
+        self._committed(stored, pending)
         return stored
 
     def on_commit(self, listener: Callable[[list[Envelope]], None]) -> Callable[[], None]:
         """Call ``listener(envelopes)`` after each append this store commits itself.
 
-        Appends made inside a caller's transaction are not reported (the store does not
-        see that commit). Returns an unsubscriber.
+        The envelopes are what a reader of the log would get (events decoded from the
+        stored payloads). Appends made inside a caller's transaction are not reported
+        (the store does not see that commit). Returns an unsubscriber.
         """
         self._commit_listeners.append(listener)
 
@@ -601,11 +602,20 @@ class EventStore:
 
         return unsubscribe
 
-    def _committed(self, stored: list[Envelope]) -> None:
+    def _committed(self, stored: list[Envelope], pending: _Pending) -> None:
         self._known_head = max(self._known_head, stored[-1].position)
+        if not self._commit_listeners:
+            return
+        # as a reader of the log gets them: each event decoded from its stored payload
+        logged = [
+            msgspec.structs.replace(env, event=decode_stored(payload, tag, version))
+            for env, payload, tag, version in zip(
+                stored, pending.payloads, pending.types, pending.schema_versions, strict=True
+            )
+        ]
         for listener in tuple(self._commit_listeners):
             try:
-                listener(stored)
+                listener(logged)
             except Exception:
                 _log.exception("commit listener failed")
 

@@ -75,6 +75,8 @@ INVENTORY_EVENTS: Final = (
     RequestPolicyChanged,
 )
 _VIOLATIONS_KEPT: Final = 100
+#: Handed-over envelopes kept at most (beyond that the tailer reads the log instead).
+_OFFERED_KEPT: Final = 4096
 #: How long catch_up_to() waits for the tailer before it reads the log itself.
 TAIL_WAIT_S: Final = 0.5
 
@@ -99,6 +101,9 @@ class LiveState:
         self._listeners: list[Listener] = []
         self._tailing = False  # run() is tailing the log
         self._position_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        #: this process's committed appends not folded yet, by position (see run())
+        self._offered: dict[int, Envelope] = {}
+        self._offered_wake = asyncio.Event()
 
     # -- startup -------------------------------------------------------------------------
 
@@ -270,19 +275,72 @@ class LiveState:
     async def run(self, stop: asyncio.Event, *, poll_s: float = 1.0) -> None:
         """Tail the log until ``stop`` is set (NOTIFY wakes it; ``poll_s`` is the fallback).
 
-        A failing read (database restarting) is logged and retried after ``poll_s``.
+        The appends this process's store commits are handed over as they commit
+        (``EventStore.on_commit``) and folded without reading them back when they come
+        next; whatever else was announced (other processes, a gap) is read. A failing
+        read (database restarting) is logged and retried after ``poll_s``.
         """
         self._tailing = True
+        handover = self.store.on_commit(self._offer)
         try:
+            read = True  # the first round reads whatever is there
             while not stop.is_set():
                 try:
-                    await self.catch_up()
-                    await _first_of(self.store.wait_for_new(self.state.position, poll_s), stop)
+                    self._offered_wake.clear()
+                    await self._fold_offered()
+                    if read or self.store.known_head > self.state.position:
+                        await self.catch_up()  # others' commits (or a gap): read them
+                    read = False
+                    await _first_of(self._next_commit(poll_s), stop)
                 except (OSError, RuntimeServiceError) as exc:
                     log.warning("live state could not read the log: %s", exc)
+                    read = True
                     await _first_of(asyncio.sleep(poll_s), stop)
         finally:
+            handover()
+            self._offered.clear()
             self._tailing = False
+
+    async def _next_commit(self, poll_s: float) -> None:
+        """Until a commit is announced (NOTIFY), handed over, or ``poll_s`` passes."""
+        waiter = asyncio.ensure_future(self.store.wait_for_new(self.state.position, poll_s))
+        woken = asyncio.ensure_future(self._offered_wake.wait())
+        try:
+            await asyncio.wait({waiter, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (waiter, woken):
+                task.cancel()
+            await asyncio.wait({waiter, woken})
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
+            waiter.result()  # a failed wait (the database is gone): raise it
+
+    def _offer(self, envelopes: list[Envelope]) -> None:
+        """Commit listener: this process's appends, to fold without reading them back."""
+        if len(self._offered) > _OFFERED_KEPT:
+            return  # far behind: the log is read instead
+        for env in envelopes:
+            if env.position > self.state.position:
+                self._offered[env.position] = env
+        self._offered_wake.set()
+
+    async def _fold_offered(self) -> int:
+        """Fold the handed-over envelopes that come next (serialised with reads)."""
+        if not self._offered:
+            return 0
+        async with self._read_lock:
+            following, envelopes = self.state.position + 1, []
+            while (env := self._offered.pop(following, None)) is not None:
+                envelopes.append(env)
+                following += 1
+            for stale in [p for p in self._offered if p <= self.state.position]:
+                del self._offered[stale]
+            if envelopes:
+                async with self._fold_lock:
+                    for env in envelopes:
+                        self._fold(env)
+                if self._position_waiters:
+                    self._wake_position_waiters()
+        return len(envelopes)
 
 
 async def _first_of(work: Coroutine[Any, Any, object], stop: asyncio.Event) -> None:

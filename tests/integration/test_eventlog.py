@@ -334,13 +334,16 @@ async def test_verify_reports_first_violating_position(
 # --- the live state -------------------------------------------------------------------------
 
 
-async def test_catch_up_to_waits_for_the_tailer_instead_of_reading(store: EventStore) -> None:
+async def test_catch_up_to_waits_for_the_tailer_instead_of_reading(
+    store: EventStore, settings: Settings
+) -> None:
     from services.runtime.livestate import LiveState
 
     live = LiveState(store)
     meta = Metadata(actor="test")
     stop = asyncio.Event()
     tailer = asyncio.create_task(live.run(stop, poll_s=5.0))
+    other = await EventStore.open(settings)  # another process's store
     try:
         await asyncio.sleep(0.1)  # the tailer listens
         reads = live._reads_started
@@ -350,10 +353,18 @@ async def test_catch_up_to_waits_for_the_tailer_instead_of_reading(store: EventS
         assert store.committed_head() == env.position  # its own commit, before any NOTIFY
         assert await live.catch_up_to(store.committed_head()) == 0  # folded by the tailer
         assert live.state.position >= env.position
-        assert live._reads_started == reads + 1  # the tailer's read, none of the caller's
+        assert live._reads_started == reads  # handed over: no read at all
+        # another process's commit is announced, and the tailer reads it
+        [foreign] = await other.append_many(
+            [Batch("claim:t/c", 0, [catalog.ClaimAdmitted(namespace="t", name="c")])], meta
+        )
+        assert await live.wait_for(foreign.position, 5.0)
+        assert live.state.claim("t", "c") is not None
+        assert live._reads_started >= reads + 1
     finally:
         stop.set()
         await tailer
+        await other.close()
     # without a tailer the caller reads itself
     [env] = await store.append_many(
         [Batch("claim:t/b", 0, [catalog.ClaimAdmitted(namespace="t", name="b")])], meta
