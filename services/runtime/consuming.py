@@ -522,7 +522,9 @@ class Consumer:
             )
             head = max(head or 0, stored[-1].position)
         elif len(await connection.fetch(_MARK_MANY, self.name, ids)) != len(ids):
-            raise AlreadyHandled(f"consumer {self.name}: handled before")  # nothing written
+            # some had been handled before: the others are recorded now, and nothing
+            # else was to be written; the transactional path acknowledges them all
+            raise AlreadyHandled(f"consumer {self.name}: handled before")
         self._committed(handled, envs)
         return head
 
