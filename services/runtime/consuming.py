@@ -129,7 +129,14 @@ from events.catalog import Envelope, MessageDeadLettered, decode_envelope
 from events.errors import CatalogError
 from events.subjects import BusNames
 from services.runtime.errors import AlreadyHandled
-from services.runtime.eventstore import Batch, Connection, EventStore, Metadata, Processed
+from services.runtime.eventstore import (
+    MARK_PROCESSED,
+    Batch,
+    Connection,
+    EventStore,
+    Metadata,
+    Processed,
+)
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS
 
@@ -140,10 +147,6 @@ _log = logging.getLogger(__name__)
 _MARK_PROCESSED: Final = (
     "INSERT INTO processed_messages (consumer, event_id) VALUES ($1, $2) "
     "ON CONFLICT DO NOTHING RETURNING true"
-)
-_MARK_MANY: Final = (
-    "INSERT INTO processed_messages (consumer, event_id) SELECT $1, unnest($2::uuid[]) "
-    "ON CONFLICT DO NOTHING RETURNING event_id::text"
 )
 #: The same, after taking a transaction-scoped advisory lock ($3) in the same round trip.
 #: The lock comes first (the CTE is evaluated before any row is inserted); the uniqueness
@@ -521,7 +524,7 @@ class Consumer:
                 processed=Processed(self.name, ids),
             )
             head = max(head or 0, stored[-1].position)
-        elif len(await connection.fetch(_MARK_MANY, self.name, ids)) != len(ids):
+        elif len(await connection.fetch(MARK_PROCESSED, self.name, ids)) != len(ids):
             # some had been handled before: the others are recorded now, and nothing
             # else was to be written; the transactional path acknowledges them all
             raise AlreadyHandled(f"consumer {self.name}: handled before")
@@ -565,7 +568,7 @@ class Consumer:
         async with self._store.pool.acquire() as connection, connection.transaction():
             ids = [e.event_id for e in envs]
             if self._lock_key is None:
-                rows = await connection.fetch(_MARK_MANY, self.name, ids)
+                rows = await connection.fetch(MARK_PROCESSED, self.name, ids)
             else:
                 rows = await connection.fetch(_LOCK_AND_MARK, self.name, ids, self._lock_key)
             fresh = {row[0] for row in rows}

@@ -565,13 +565,7 @@ class EventStore:
         try:
             if connection.is_in_transaction():
                 return await self._append_in(connection, batches, pending)
-            if len(pending.events) < self.copy_threshold:  # one statement: committed
-                stored = await self._append_small(connection, batches, pending)
-            else:
-                async with connection.transaction():
-                    stored = await self._append_bulk(connection, batches, pending)
-            self._committed(stored, pending)
-            return stored
+            return await self._append_committing(connection, batches, pending)
         except RuntimeServiceError:
             raise
         except Exception as exc:
@@ -579,11 +573,17 @@ class EventStore:
 
     async def _append_once(self, batches: Sequence[Batch], pending: _Pending) -> list[Envelope]:
         async with self._pool.acquire() as connection:
-            if len(pending.events) < self.copy_threshold:  # one statement: commits by itself
-                stored = await self._append_small(connection, batches, pending)
-            else:
-                async with connection.transaction():
-                    stored = await self._append_bulk(connection, batches, pending)
+            return await self._append_committing(connection, batches, pending)
+
+    async def _append_committing(
+        self, connection: Connection, batches: Sequence[Batch], pending: _Pending
+    ) -> list[Envelope]:
+        """An append that commits here (no caller's transaction), then reports the commit."""
+        if len(pending.events) < self.copy_threshold:  # one statement: commits by itself
+            stored = await self._append_small(connection, batches, pending)
+        else:
+            async with connection.transaction():
+                stored = await self._append_bulk(connection, batches, pending)
         self._committed(stored, pending)
         return stored
 
@@ -679,7 +679,7 @@ class EventStore:
         """A bulk append: lock, check, COPY, project, notify (statement by statement)."""
         count, processed = len(pending.events), pending.processed
         if processed is not None:
-            marked = await connection.fetch(_MARK, processed.consumer, processed.event_ids)
+            marked = await connection.fetch(MARK_PROCESSED, processed.consumer, processed.event_ids)
             if len(marked) != len(processed.event_ids):
                 raise AlreadyHandled(f"consumer {processed.consumer!r} had handled some before")
         head: int = await connection.fetchval(
@@ -853,9 +853,10 @@ _APPEND: Final = (
     "SELECT head, currents FROM dracap_append_projected($1, $2, $3, $4, $5, $6, $7, $8, $9, "
     "$10, $11, $12, $13, $14, $15, $16, $17, $18)"
 )
-_MARK: Final = (
+#: Record bus messages as handled by a consumer; returns the ids that were new.
+MARK_PROCESSED: Final = (
     "INSERT INTO processed_messages (consumer, event_id) SELECT $1, unnest($2::uuid[]) "
-    "ON CONFLICT DO NOTHING RETURNING event_id"
+    "ON CONFLICT DO NOTHING RETURNING event_id::text"
 )
 
 
