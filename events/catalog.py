@@ -211,13 +211,23 @@ class ClaimAdmitted(_EventBase, frozen=True, kw_only=True, tag="claims.admitted"
 
 
 class ClaimRejected(_EventBase, frozen=True, kw_only=True, tag="claims.rejected"):
-    """Admission refused the claim; ``field``/``rule`` say why."""
+    """Admission refused the claim; ``field``/``rule`` say why.
+
+    ``reason`` adds what the rule alone does not say (the amounts, what the namespace
+    may use); empty when nothing. (Events recorded before that held the whole message,
+    field and rule included; :attr:`summary` shows them as they were.)
+    """
 
     namespace: str
     name: str
     field: str
     rule: str
     reason: str
+
+    @property
+    def summary(self) -> str:
+        """The claim's reason as the fold and the projections record it."""
+        return f"{self.field}: {self.rule}" + (f": {self.reason}" if self.reason else "")
 
 
 # --- reservation --------------------------------------------------------------------------

@@ -1055,7 +1055,7 @@ def _claim_admitted(state: ClusterState, ev: ClaimAdmitted, position: int) -> No
 def _claim_rejected(state: ClusterState, ev: ClaimRejected, position: int) -> None:
     claim = _claim_record(state, ev.namespace, ev.name)
     claim.phase = "rejected"
-    claim.reason = f"{ev.field}: {ev.rule}: {ev.reason}"
+    claim.reason = ev.summary
 
 
 def _claim_unschedulable(state: ClusterState, ev: ClaimUnschedulable, position: int) -> None:

@@ -318,10 +318,12 @@ def _claim_changes(event: Event) -> list[Change]:
                 )
             ]
         case ClaimRejected():
-            reason = f"{event.field}: {event.rule}: {event.reason}"
             return [
                 UpsertClaim(
-                    namespace=event.namespace, name=event.name, phase="rejected", reason=reason
+                    namespace=event.namespace,
+                    name=event.name,
+                    phase="rejected",
+                    reason=event.summary,
                 )
             ]
         case ClaimUnschedulable():

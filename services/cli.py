@@ -5,9 +5,15 @@
 are shared by all commands:
 
 * 0 — done;
-* 1 — an invariant was violated (``replay verify``) or an internal error occurred;
-* 2 — bad input: a file that cannot be read or decoded, a bad flag;
+* 1 — an invariant was violated (``replay verify``), an internal error occurred, or a
+  server is not known or cannot be reached;
+* 2 — bad input: a file that cannot be read or decoded (``connection.json`` too), a bad
+  flag, a claim larger than the API takes;
 * 3 — not found; 4 — rejected by the control plane.
+
+Every command finds its servers the same way (:mod:`services.runtime.endpoints`), and
+an expected failure — no server configured or reachable, a missing database — is one
+line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Final
+
+from services.runtime.endpoints import ConnectionFileError, EndpointError
+from services.runtime.settings import SettingsError
 
 EXIT_OK = 0
 EXIT_VIOLATION = 1
@@ -23,26 +33,38 @@ EXIT_BAD_INPUT = 2
 EXIT_NOT_FOUND = 3
 EXIT_REJECTED = 4
 
-# Modules that contribute sub-commands; each has ``register(subparsers) -> None`` and sets
-# ``func`` (a callable taking the parsed namespace and returning an exit code).
-COMMAND_MODULES = (
-    "services.reservation.command",
-    "services.runtime.dbcommand",
-    "services.replay.command",
-    "services.up",
-    "services.claims.command",
-    "services.enforcement.command",
-    "services.enforcement.prove_command",
-)
+#: Each command word and the module that adds it: ``register(subparsers) -> None`` adds
+#: the module's commands and sets ``func`` (taking the parsed namespace, returning an
+#: exit code). Only the module of the command asked for is imported, so a command does
+#: not pay for (or depend on) the imports of the others; help without a command lists all.
+COMMANDS: Final = {
+    "allocate": "services.reservation.command",
+    "db": "services.runtime.dbcommand",
+    "replay": "services.replay.command",
+    "up": "services.up",
+    "claim": "services.claims.command",
+    "devices": "services.claims.command",
+    "agent": "services.enforcement.command",
+    "prove": "services.enforcement.prove_command",
+}
+COMMAND_MODULES: Final = tuple(dict.fromkeys(COMMANDS.values()))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _modules_for(argv: Sequence[str]) -> tuple[str, ...]:
+    """The module of the command word in ``argv``; every module when there is none."""
+    word = next((arg for arg in argv if not arg.startswith("-")), None)
+    module = COMMANDS.get(word or "")
+    return (module,) if module else COMMAND_MODULES
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of ``argv``'s command (of every command when ``argv`` names none)."""
     parser = argparse.ArgumentParser(
         prog="dracap",
         description="Share GPU memory and vNIC bandwidth between Kubernetes tenants (DRA).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in _modules_for(argv or ()):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -54,13 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return EXIT_BAD_INPUT
-    code: int = func(args)
+    try:
+        code: int = func(args)
+    except (EndpointError, SettingsError) as exc:  # expected: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        bad_input = isinstance(exc, ConnectionFileError | SettingsError)
+        return EXIT_BAD_INPUT if bad_input else EXIT_VIOLATION
     return code
 
 

@@ -13,7 +13,15 @@ Where the API is
 ``--nats URL``, else ``DRACAP_NATS_URL``, else the ``nats_url`` of
 ``<data-dir>/connection.json`` written by ``dracap up`` (``--data-dir``, default
 ``.dracap``). The subject prefix comes from ``--prefix``, else ``connection.json``, else
-``dracap``.
+``dracap``. Every command resolves its servers this way
+(:mod:`services.runtime.endpoints`).
+
+Size
+----
+The API takes at most :data:`~events.manifests.MAX_MANIFEST_BYTES` (256 KiB) per claim.
+``claim apply`` checks each claim it is about to send against that limit (exit 2, naming
+the claim and its size, before anything is sent), and a request larger than the
+server's ``max_payload`` is exit 2 too.
 
 Commands
 --------
@@ -32,7 +40,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -46,8 +53,16 @@ import yaml
 from nats.aio.client import Client
 
 from events import model
-from events.manifests import ManifestError, load_documents
+from events.manifests import MAX_MANIFEST_BYTES, ManifestError, load_documents
 from events.subjects import BusNames
+from services.runtime.endpoints import (
+    Connection,
+    add_endpoint_arguments,
+    endpoints_from_args,
+    reaching,
+)
+
+__all__ = ["ApiClient", "ApiError", "CommandError", "Connection", "read_claims", "register"]
 
 EXIT_OK: Final = 0
 EXIT_ERROR: Final = 1
@@ -55,7 +70,6 @@ EXIT_BAD_INPUT: Final = 2
 EXIT_NOT_FOUND: Final = 3
 EXIT_REJECTED: Final = 4
 
-DEFAULT_DATA_DIR: Final = ".dracap"
 REQUEST_TIMEOUT_S: Final = 10.0
 _EXIT_BY_CODE: Final = {
     "invalid": EXIT_BAD_INPUT,
@@ -90,39 +104,6 @@ class ApiError(CommandError):
         super().__init__(message, _EXIT_BY_CODE.get(self.code, EXIT_ERROR))
 
 
-class Connection(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``dracap up`` writes to ``<data-dir>/connection.json``."""
-
-    database_url: str
-    nats_url: str
-    prefix: str = "dracap"
-
-
-def read_connection(data_dir: Path) -> Connection | None:
-    """The connection file of ``data_dir``, or None when there is none."""
-    path = data_dir / "connection.json"
-    try:
-        return msgspec.json.decode(path.read_bytes(), type=Connection)
-    except FileNotFoundError:
-        return None
-    except (OSError, msgspec.DecodeError) as exc:
-        raise CommandError(f"{path}: {exc}", EXIT_BAD_INPUT) from exc
-
-
-def resolve_endpoint(args: argparse.Namespace) -> tuple[str, str]:
-    """``(nats_url, prefix)`` from the flags, the environment and connection.json."""
-    saved = read_connection(Path(args.data_dir))
-    url = args.nats or os.environ.get("DRACAP_NATS_URL") or (saved.nats_url if saved else None)
-    if not url:
-        raise CommandError(
-            f"no NATS URL: pass --nats, set DRACAP_NATS_URL or run `dracap up` "
-            f"(which writes {Path(args.data_dir) / 'connection.json'})",
-            EXIT_ERROR,
-        )
-    prefix = args.prefix or (saved.prefix if saved else None) or "dracap"
-    return url, prefix
-
-
 async def _quiet(_: Exception) -> None:
     """nats-py logs every failed attempt by default; the CLI reports the final error."""
 
@@ -138,7 +119,7 @@ class ApiClient:
     @classmethod
     @contextlib.asynccontextmanager
     async def connect(cls, url: str, prefix: str) -> AsyncIterator[ApiClient]:
-        try:
+        with reaching("NATS", url):
             nc = await nats.connect(
                 url,
                 connect_timeout=3,
@@ -147,25 +128,28 @@ class ApiClient:
                 reconnect_time_wait=0.1,
                 error_cb=_quiet,
             )
-        except (OSError, nats.errors.Error) as exc:
-            raise CommandError(
-                f"cannot connect to NATS at {url} ({type(exc).__name__}): is `dracap up` running?",
-                EXIT_ERROR,
-            ) from exc
         try:
             yield cls(nc, BusNames(prefix=prefix))
         finally:
             await nc.close()
 
     async def request(self, subject: str, payload: bytes) -> dict[str, Any]:
-        try:
-            reply = await self.nc.request(subject, payload, timeout=self.timeout)
-        except nats.errors.NoRespondersError:
-            raise CommandError(f"no dracap API answers on {subject}", EXIT_ERROR) from None
-        except nats.errors.TimeoutError:
-            raise CommandError(
-                f"no reply on {subject} within {self.timeout}s", EXIT_ERROR
-            ) from None
+        url = self.nc.connected_url
+        with reaching("NATS", url.geturl() if url else "?"):  # the server went away meanwhile
+            try:
+                reply = await self.nc.request(subject, payload, timeout=self.timeout)
+            except nats.errors.NoRespondersError:
+                raise CommandError(f"no dracap API answers on {subject}", EXIT_ERROR) from None
+            except nats.errors.MaxPayloadError:
+                raise CommandError(
+                    f"the request to {subject} is {len(payload)} bytes, more than the server "
+                    f"accepts (max_payload {self.nc.max_payload} bytes)",
+                    EXIT_BAD_INPUT,
+                ) from None
+            except nats.errors.TimeoutError:
+                raise CommandError(
+                    f"no reply on {subject} within {self.timeout}s", EXIT_ERROR
+                ) from None
         body: dict[str, Any] = json.loads(reply.data)
         if not body.get("ok"):
             raise ApiError(body.get("error") or {"code": "internal", "message": "no error"})
@@ -305,7 +289,15 @@ def read_claims(path: str, namespace: str | None) -> list[tuple[str, bytes]]:
             obj = msgspec.structs.replace(
                 obj, metadata=msgspec.structs.replace(obj.metadata, namespace=ns)
             )
-        claims.append((ns, msgspec.json.encode(model.to_builtins(obj))))
+        manifest = msgspec.json.encode(model.to_builtins(obj))
+        if len(manifest) > MAX_MANIFEST_BYTES:
+            raise CommandError(
+                f"{path}: ResourceClaim {ns}/{obj.metadata.name}: {len(manifest)} bytes; "
+                f"a claim must be at most {MAX_MANIFEST_BYTES} bytes "
+                f"({MAX_MANIFEST_BYTES // 1024} KiB, the API's limit)",
+                EXIT_BAD_INPUT,
+            )
+        claims.append((ns, manifest))
     if not claims:
         raise CommandError(f"{path}: no ResourceClaim found", EXIT_BAD_INPUT)
     return claims
@@ -410,11 +402,12 @@ async def _list(api: ApiClient, args: argparse.Namespace) -> int:
 
 async def _delete(api: ApiClient, args: argparse.Namespace) -> int:
     namespace = args.namespace or "default"
-    await api.claims(namespace, "delete", {"name": args.name})
+    phase = (await api.claims(namespace, "delete", {"name": args.name})).get("phase")
     if args.output == "table":
         print(f"resourceclaim {namespace}/{args.name} deleted")
     else:
-        emit(args.output, {"namespace": namespace, "name": args.name, "deleted": True}, str)
+        done = {"namespace": namespace, "name": args.name, "deleted": True, "phase": phase}
+        emit(args.output, done, str)
     return EXIT_OK
 
 
@@ -425,8 +418,8 @@ async def _devices(api: ApiClient, args: argparse.Namespace) -> int:
 
 
 async def _run_async(args: argparse.Namespace) -> int:
-    url, prefix = resolve_endpoint(args)
-    async with ApiClient.connect(url, prefix) as api:
+    endpoints = endpoints_from_args(args)
+    async with ApiClient.connect(endpoints.nats(), endpoints.prefix) as api:
         code: int = await args.action(api, args)
         return code
 
@@ -451,18 +444,7 @@ def _common(parser: argparse.ArgumentParser, *, namespaced: bool = True) -> None
     if namespaced:
         parser.add_argument("-n", "--namespace", help="the claim's namespace (default: default)")
     parser.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
-    parser.add_argument(
-        "--nats",
-        metavar="URL",
-        help="NATS URL (default: DRACAP_NATS_URL, else <data-dir>/connection.json)",
-    )
-    parser.add_argument("--prefix", help="subject prefix (default: connection.json's, else dracap)")
-    parser.add_argument(
-        "--data-dir",
-        default=DEFAULT_DATA_DIR,
-        metavar="DIR",
-        help="where `dracap up` keeps connection.json (default: .dracap)",
-    )
+    add_endpoint_arguments(parser, nats=True)
     parser.set_defaults(func=run)
 
 

@@ -2,16 +2,17 @@
 
 The agent connects to PostgreSQL (the event log) and NATS (the events stream), makes
 sure the stream exists, and consumes the events addressed to its node until SIGINT or
-SIGTERM (see :mod:`services.enforcement.agent`). Connection settings come from the
-flags, else from the environment (``DRACAP_DATABASE_URL``, ``DRACAP_NATS_URL``; see
-:mod:`services.runtime.settings`). With ``--config`` (an agent configuration,
-``deploy/agent-config.example.yaml``) the node's devices are discovered at start and
-every ``--scan-interval`` seconds and published as ResourceSlices; ``--enforcer tc``
-takes each device's interface from its ``ifName`` attribute and ``--enforcer mps`` each
-GPU's UUID, so both need ``--config``. ``--enforcer none`` (the default) applies no
-limit and reports enforcement level ``none``. ``--checkpoint PATH`` is the durable
-record of what the agent applied (``none``: keep none); on start the agent reconciles
-it with the kernel and the log.
+SIGTERM (see :mod:`services.enforcement.agent`). The servers are found like every
+command finds them (:mod:`services.runtime.endpoints`): ``--database-url`` / ``--nats``,
+else ``DRACAP_DATABASE_URL`` / ``DRACAP_NATS_URL``, else ``<data-dir>/connection.json``
+of ``dracap up``; one that cannot be reached at start is one line and exit 1. With
+``--config`` (an agent configuration, ``deploy/agent-config.example.yaml``) the node's
+devices are discovered at start and every ``--scan-interval`` seconds and published as
+ResourceSlices; ``--enforcer tc`` takes each device's interface from its ``ifName``
+attribute and ``--enforcer mps`` each GPU's UUID, so both need ``--config``.
+``--enforcer none`` (the default) applies no limit and reports enforcement level
+``none``. ``--checkpoint PATH`` is the durable record of what the agent applied
+(``none``: keep none); on start the agent reconciles it with the kernel and the log.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interf
 from services.enforcement.tc import TcEnforcer
 from services.runtime import eventloop
 from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import EventStore
 from services.runtime.gauges import initialise_series
 from services.runtime.gctuning import tune_for_long_lived_state
@@ -82,13 +84,18 @@ def device_maps(config: AgentConfig, enforcer: Enforcer) -> Callable[[Inventory]
 async def serve(args: argparse.Namespace) -> int:
     """Run the agent until a signal arrives."""
     tune_for_long_lived_state()
-    settings = load_settings()
-    if args.database_url:
-        settings = settings.with_database(args.database_url)
-    nats_url = args.nats or settings.nats_url
-    names = BusNames(args.prefix)
-    store = await EventStore.open(settings)
-    nc, js = await connect_bus(nats_url, name=f"dracap-agent-{args.node}")
+    endpoints = endpoints_from_args(args)
+    database_url, nats_url = endpoints.database(), endpoints.nats()
+    settings = endpoints.settings(load_settings())
+    names = BusNames(endpoints.prefix)
+    with reaching("PostgreSQL", database_url):
+        store = await EventStore.open(settings)
+    try:
+        with reaching("NATS", nats_url):
+            nc, js = await connect_bus(nats_url, name=f"dracap-agent-{args.node}")
+    except BaseException:
+        await store.close()
+        raise
     server = None
     if args.metrics_port:
         server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
@@ -136,7 +143,7 @@ async def serve(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``dracap agent``."""
     try:
-        BusNames(args.prefix).node_filter(args.node)
+        BusNames(endpoints_from_args(args).prefix).node_filter(args.node)
     except SubjectError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -157,11 +164,7 @@ def register(sub: Any) -> None:
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     parser.add_argument("--node", required=True, help="the node this agent runs on")
-    parser.add_argument("--nats", metavar="URL", help="NATS URL (default: DRACAP_NATS_URL)")
-    parser.add_argument(
-        "--database-url", metavar="URL", help="PostgreSQL URL (default: DRACAP_DATABASE_URL)"
-    )
-    parser.add_argument("--prefix", default="dracap", help="subject prefix (default: dracap)")
+    add_endpoint_arguments(parser, database=True, nats=True)
     parser.add_argument(
         "--enforcer",
         choices=ENFORCERS,

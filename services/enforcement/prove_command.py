@@ -19,7 +19,8 @@ Servers: ``--database-url`` / ``--nats`` (else ``DRACAP_DATABASE_URL`` /
 ``DRACAP_NATS_URL``); each one not given is started embedded in ``--data-dir`` (default:
 a temporary directory, deleted afterwards). The database is migrated to head first.
 ``--attach`` runs only the prove node's agent here and uses the services already
-running on those servers (``dracap up``; URLs also from ``<data-dir>/connection.json``).
+running on those servers (``dracap up``), found as every command finds them
+(:mod:`services.runtime.endpoints`, ``<data-dir>/connection.json`` included).
 
 Exit codes: 0 — every share within 3 % of its rate over the window, no share pushed
 below its rate by a neighbour and the capacity given back; 1 — a goal missed or the
@@ -31,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import shutil
 import sys
 import tempfile
@@ -44,9 +44,10 @@ import msgspec
 from events.errors import QuantityError
 from events.quantities import Quantity
 from events.subjects import BusNames, SubjectError
-from services.claims.command import CommandError, read_connection
+from services.claims.command import CommandError
 from services.enforcement.proving import ProofReport, have_net_admin, prove_bandwidth
 from services.runtime.embedded import EmbeddedError, embedded_servers
+from services.runtime.endpoints import DEFAULT_DATA_DIR, redact, resolve_endpoints
 from services.runtime.settings import Settings, SettingsError, load_settings
 
 EXIT_OK = 0
@@ -108,22 +109,18 @@ async def servers(args: argparse.Namespace) -> AsyncIterator[tuple[Settings, str
     """Settings that reach the servers (embedded ones started for URLs not given), and
     a description of them for the report."""
     settings = load_settings()
-    database_url = args.database_url or os.environ.get("DRACAP_DATABASE_URL")
-    nats_url = args.nats or os.environ.get("DRACAP_NATS_URL")
-    if args.attach:
-        saved = read_connection(Path(args.data_dir or ".dracap"))
-        database_url = database_url or (saved.database_url if saved else None)
-        nats_url = nats_url or (saved.nats_url if saved else None)
-        if not (database_url and nats_url):
-            raise CommandError(
-                "--attach needs the servers: --database-url and --nats, the DRACAP_* "
-                "variables, or a connection.json of `dracap up` in --data-dir",
-                EXIT_BAD_INPUT,
-            )
-    if database_url and nats_url:
+    endpoints = resolve_endpoints(
+        args.data_dir or DEFAULT_DATA_DIR,
+        database_url=args.database_url,
+        nats_url=args.nats,
+        saved=args.attach,  # without --attach, the servers not named are started here
+    )
+    database_url, nats_url = endpoints.database_url, endpoints.nats_url
+    if args.attach or (database_url and nats_url):
+        database_url, nats_url = endpoints.database(), endpoints.nats()
         yield (
             msgspec.structs.replace(settings, database_url=database_url, nats_url=nats_url),
-            f"servers {nats_url}, {_redact(database_url)}",
+            f"servers {nats_url}, {redact(database_url)}",
         )
         return
     started = " and ".join(
@@ -147,15 +144,6 @@ async def servers(args: argparse.Namespace) -> AsyncIterator[tuple[Settings, str
     finally:
         if scratch:
             shutil.rmtree(data_dir, ignore_errors=True)
-
-
-def _redact(url: str) -> str:
-    """``url`` without a password."""
-    head, at, tail = url.rpartition("@")
-    if not at or ":" not in head.split("//", 1)[-1]:
-        return url
-    scheme, _, user = head.partition("//")
-    return f"{scheme}//{user.split(':', 1)[0]}:***@{tail}"
 
 
 async def _prove(args: argparse.Namespace, rates: list[Quantity]) -> ProofReport:

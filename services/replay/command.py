@@ -1,7 +1,12 @@
 """``dracap replay verify [--from-start]``: check invariant 8 against the live database.
 
-Exit status 0 when the fold of the log equals the projections, 1 (the CLI's
-"invariant violated") otherwise; the summary names the first violating position.
+The database is found like every command finds its servers
+(:mod:`services.runtime.endpoints`: ``--database-url``, else ``DRACAP_DATABASE_URL``,
+else ``<data-dir>/connection.json`` of ``dracap up``), so it verifies the log that
+``dracap up`` writes. Exit status 0 when the fold of the log equals the projections,
+1 (the CLI's "invariant violated") otherwise; the summary names the first violating
+position. A database that cannot be reached, or has no dracap schema, is one line on
+stderr and exit 1.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import argparse
 import asyncio
 
 from services.replay.verify import summary, verify
+from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.settings import load_settings
 
 EXIT_OK = 0
@@ -17,7 +23,10 @@ EXIT_VIOLATION = 1
 
 
 def _verify(args: argparse.Namespace) -> int:
-    report = asyncio.run(verify(load_settings(), from_start=args.from_start))
+    database_url = endpoints_from_args(args).database()
+    settings = load_settings().with_database(database_url)
+    with reaching("PostgreSQL", database_url):
+        report = asyncio.run(verify(settings, from_start=args.from_start))
     print(summary(report))
     return EXIT_OK if report.ok else EXIT_VIOLATION
 
@@ -32,4 +41,5 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="fold from position 0 instead of the newest snapshot",
     )
+    add_endpoint_arguments(check, database=True)
     check.set_defaults(func=_verify)

@@ -123,7 +123,8 @@ def with_status(claim: model.ResourceClaim, outcome: Outcome) -> model.ResourceC
     )
 
 
-def _table(rows: Sequence[ReportRow]) -> str:
+def render_table(rows: Sequence[ReportRow]) -> str:
+    """The report as the table ``dracap allocate`` prints by default."""
     lines = [f"{'CLAIM':<32} {'OUTCOME':<14} DETAIL"]
     for row in rows:
         if row.outcome == "allocated" and isinstance(row.allocation, dict):
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.output == "yaml":
         sys.stdout.write(dump_yaml([with_status(claim, outcome) for claim, outcome in decisions]))
     else:
-        print(_table(report_rows(decisions)))
+        print(render_table(report_rows(decisions)))
     return EXIT_OK
 
 

@@ -1,30 +1,43 @@
 """``dracap db upgrade|downgrade|current``: schema migrations from the command line.
 
 ``services/cli.py`` calls :func:`register` with its top-level subparsers. Each verb
-sets ``func`` on the namespace; the function returns the process exit code.
+sets ``func`` on the namespace; the function returns the process exit code. The
+database is found like every command finds its servers
+(:mod:`services.runtime.endpoints`: ``--database-url``, else ``DRACAP_DATABASE_URL``,
+else ``<data-dir>/connection.json``); one that cannot be reached is one line on
+stderr and exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from services.runtime import migrating
-from services.runtime.settings import load_settings
+from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
+from services.runtime.settings import Settings, load_settings
+
+
+def _on_database(args: argparse.Namespace, action: Callable[[Settings], str | None]) -> str:
+    """Run ``action`` on the database the flags, environment or connection.json name."""
+    database_url = endpoints_from_args(args).database()
+    with reaching("PostgreSQL", database_url):
+        return action(load_settings().with_database(database_url)) or "base"
 
 
 def _upgrade(args: argparse.Namespace) -> int:
-    print(f"database at {migrating.upgrade(load_settings(), args.revision) or 'base'}")
+    print(f"database at {_on_database(args, lambda s: migrating.upgrade(s, args.revision))}")
     return 0
 
 
 def _downgrade(args: argparse.Namespace) -> int:
-    print(f"database at {migrating.downgrade(load_settings(), args.revision) or 'base'}")
+    print(f"database at {_on_database(args, lambda s: migrating.downgrade(s, args.revision))}")
     return 0
 
 
 def _current(args: argparse.Namespace) -> int:
-    print(migrating.current_revision(load_settings()) or "base")
+    print(_on_database(args, migrating.current_revision))
     return 0
 
 
@@ -40,15 +53,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     down.set_defaults(func=_downgrade)
     current = verbs.add_parser("current", help="print the current revision")
     current.set_defaults(func=_current)
+    for verb in (up, down, current):
+        add_endpoint_arguments(verb, database=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point (``python -m services.runtime.dbcommand upgrade``)."""
-    parser = argparse.ArgumentParser(prog="dracap")
-    register(parser.add_subparsers(dest="noun", required=True))
-    args = parser.parse_args(["db", *(sys.argv[1:] if argv is None else argv)])
-    code: int = args.func(args)
-    return code
+    from services import cli
+
+    return cli.main(["db", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,12 +25,15 @@ from typing import Any
 import msgspec
 import pytest
 
+from events import model
 from events.subjects import BusNames
 from services import cli
-from services.claims.command import ApiClient
+from services.claims import api as api_module
+from services.claims.command import ApiClient, ApiError, CommandError
 from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
 from services.up import READY_LINE, Stack, load_inventory, read_inventory
+from tests.fixtures.services import database_url_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "examples"
@@ -157,6 +161,174 @@ async def test_list_and_watch(
     code, out = await dracap(capsys, *watch, *stack_flags)
     assert code == 0
     assert json.loads(out.splitlines()[0])["phase"] == "ready"
+
+
+# --- rejections, deletes, inventory updates, oversized requests ------------------------------
+
+MEMORY_FIELD = "spec.devices.requests[0].exactly.capacity.requests[memory]"
+
+
+async def dracap_err(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """:func:`dracap`, with stderr too."""
+    capsys.readouterr()
+    code = await asyncio.to_thread(cli.main, list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+async def test_a_claim_above_the_maximum_is_rejected_naming_field_and_rule_once(
+    stack_flags: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    manifest = tmp_path / "big.yaml"
+    manifest.write_text(TRAIN_SMALL.replace("train-small", "too-big").replace("10Gi", "45Gi"))
+    code, _, err = await dracap_err(capsys, "claim", "apply", "-f", str(manifest), *stack_flags)
+    assert code == cli.EXIT_REJECTED, err
+    assert err.count(MEMORY_FIELD) == 1 and "at most 40Gi" in err and "45Gi" in err
+    get = ("claim", "get", "too-big", "-n", "tenant-a")
+    code, out, _ = await dracap_err(capsys, *get, "-o", "json", *stack_flags)
+    view = json.loads(out)
+    assert view["phase"] == "rejected"
+    assert view["reason"].count(MEMORY_FIELD) == 1 and view["reason"].count("at most 40Gi") == 1
+    code, out, _ = await dracap_err(capsys, *get, *stack_flags)
+    assert out.count(MEMORY_FIELD) == 1
+
+
+async def _phase(capsys: pytest.CaptureFixture[str], flags: list[str], name: str) -> str:
+    code, out = await dracap(capsys, "claim", "get", name, "-n", "tenant-a", "-o", "json", *flags)
+    assert code == 0, out
+    phase: str = json.loads(out)["phase"]
+    return phase
+
+
+async def test_a_second_delete_answers_the_phase(
+    stack_flags: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    manifest = tmp_path / "claim.yaml"
+    manifest.write_text(TRAIN_SMALL)
+    code, _ = await dracap(capsys, "claim", "apply", "-f", str(manifest), "--wait", *stack_flags)
+    assert code == 0
+    delete = ["claim", "delete", "train-small", "-n", "tenant-a", *stack_flags]
+    codes = await asyncio.gather(*(asyncio.to_thread(cli.main, delete) for _ in range(2)))
+    assert codes == [0, 0]
+    deadline = time.monotonic() + 15
+    while await _phase(capsys, stack_flags, "train-small") != "released":
+        assert time.monotonic() < deadline, "the claim was not released"
+        await asyncio.sleep(0.05)
+    code, out = await dracap(capsys, *delete, "-o", "json")  # long after: still not "not found"
+    assert code == 0, out
+    assert json.loads(out)["phase"] == "released"
+    code, _ = await dracap(capsys, "claim", "delete", "never-was", "-n", "tenant-a", *stack_flags)
+    assert code == cli.EXIT_NOT_FOUND
+
+
+def _shrunk_slice(pool: str, device: str, memory: str) -> bytes:
+    """The example ResourceSlice of ``pool`` with ``device``'s memory total set to ``memory``."""
+    [rslice] = [s for s in read_inventory([str(EXAMPLES)]).slices if s.spec.pool.name == pool]
+    data = model.to_builtins(rslice)
+    for entry in data["spec"]["devices"]:
+        if entry["name"] == device:
+            entry["capacity"]["memory"] = {"value": memory}
+    return json.dumps(data).encode()
+
+
+async def _slice_update_is_rejected(
+    stack_flags: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    manifest = tmp_path / "claim.yaml"
+    manifest.write_text(TRAIN_SMALL)
+    code, _ = await dracap(capsys, "claim", "apply", "-f", str(manifest), "--wait", *stack_flags)
+    assert code == 0
+    code, out = await dracap(
+        capsys, "claim", "get", "train-small", "-n", "tenant-a", "-o", "json", *stack_flags
+    )
+    [share] = json.loads(out)["shares"]
+    nats_url, prefix = stack_flags[1], stack_flags[3]
+    async with ApiClient.connect(nats_url, prefix) as api:
+        shrunk = _shrunk_slice(share["pool"], share["device"], "5Gi")
+        with pytest.raises(ApiError) as caught:
+            await api.admin("slices.apply", shrunk)
+        devices = (await api.admin("devices.list"))["devices"]
+    error = caught.value
+    assert error.code == "rejected" and error.exit_code == cli.EXIT_REJECTED
+    assert re.fullmatch(r"spec\.devices\[\d+\]\.capacity\[memory\]\.value", error.field or "")
+    message = str(error)
+    assert f"{share['pool']}/{share['device']} memory" in message
+    assert "total 5Gi asked, 10Gi allocated" in message
+    assert "INSERT" not in message and "capacity_ledger" not in message
+    [held] = [d for d in devices if (d["pool"], d["device"]) == (share["pool"], share["device"])]
+    assert held["capacity"]["memory"]["total"] == "40Gi"  # nothing was recorded
+
+
+async def test_shrinking_a_device_below_its_allocation_is_rejected(
+    stack_flags: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    await _slice_update_is_rejected(stack_flags, capsys, tmp_path)
+    nats_url, prefix = stack_flags[1], stack_flags[3]
+    async with ApiClient.connect(nats_url, prefix) as api:  # an invalid one: said once too
+        with pytest.raises(ApiError) as caught:
+            await api.admin("slices.apply", _shrunk_slice("node-a-gpus", "gpu-0", "5 GiB"))
+    field = "spec.devices[0].capacity[memory].value"
+    assert caught.value.code == "invalid" and str(caught.value).count(field) == 1
+
+
+async def test_the_ledger_refusing_a_shrink_is_the_same_rejection(
+    stack_flags: list[str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a reservation committed after the API decided: the first check sees the state from
+    # before it (None), so the capacity ledger's CHECK is what refuses the append
+    real = api_module.below_allocated
+    seen: list[int] = []
+
+    def stale_first(state: Any, slices: Any) -> Any:
+        seen.append(1)
+        return None if len(seen) == 1 else real(state, slices)
+
+    monkeypatch.setattr(api_module, "below_allocated", stale_first)
+    await _slice_update_is_rejected(stack_flags, capsys, tmp_path)
+    assert len(seen) == 2
+
+
+async def test_a_request_above_the_servers_max_payload_is_bad_input(nats_url: str) -> None:
+    async with ApiClient.connect(nats_url, f"t{uuid.uuid4().hex[:10]}") as api:
+        with pytest.raises(CommandError) as caught:
+            await api.admin("slices.apply", b"x" * (api.nc.max_payload + 1))
+    assert caught.value.exit_code == cli.EXIT_BAD_INPUT
+    assert "max_payload" in str(caught.value)
+
+
+# --- finding the database -----------------------------------------------------------------
+
+
+@pytest.fixture
+def no_server_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DRACAP_DATABASE_URL", raising=False)
+    monkeypatch.delenv("DRACAP_NATS_URL", raising=False)
+
+
+@pytest.mark.usefixtures("no_server_variables")
+async def test_replay_verify_and_db_read_the_connection_file(
+    database_url: str, nats_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    connection = {"database_url": database_url, "nats_url": nats_url}
+    (tmp_path / "connection.json").write_text(json.dumps(connection))
+    code, out = await dracap(capsys, "db", "current", "--data-dir", str(tmp_path))
+    assert code == 0 and out.strip() not in ("", "base")
+    code, out = await dracap(capsys, "replay", "verify", "--data-dir", str(tmp_path))
+    assert code == 0 and "OK" in out
+
+
+@pytest.mark.usefixtures("no_server_variables")
+async def test_a_missing_database_or_schema_is_one_line(
+    postgres_admin_url: str, empty_database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = database_url_for(postgres_admin_url, f"dracap_gone_{uuid.uuid4().hex[:8]}")
+    for url, says in ((missing, "does not exist"), (empty_database_url, "dracap db upgrade")):
+        code, out, err = await dracap_err(capsys, "replay", "verify", "--database-url", url)
+        assert code == cli.EXIT_VIOLATION and out == ""
+        assert err.count("\n") == 1 and err.startswith("error: PostgreSQL at ") and says in err
 
 
 # --- dracap up as a user runs it ----------------------------------------------------------

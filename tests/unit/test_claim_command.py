@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -17,10 +16,6 @@ kind: ResourceClaim
 metadata: {name: c1}
 spec: {devices: {requests: [{name: gpu, exactly: {deviceClassName: gpu}}]}}
 """
-
-
-def _args(tmp_path: Path, **kw: str | None) -> argparse.Namespace:
-    return argparse.Namespace(**{"nats": None, "prefix": None, "data_dir": str(tmp_path), **kw})
 
 
 def test_read_claims_fills_the_namespace(tmp_path: Path) -> None:
@@ -48,27 +43,36 @@ def test_bad_files_are_exit_2(tmp_path: Path, text: str, message: str) -> None:
     assert caught.value.exit_code == cli.EXIT_BAD_INPUT
 
 
+def test_a_claim_larger_than_the_api_takes_is_exit_2_before_sending(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a 5 MB claim: nats-py would refuse it with MaxPayloadError (exit 1, a traceback)
+    big = tmp_path / "big.yaml"
+    selector = "device.driver == '" + "x" * 5000 + "'"
+    requests = [
+        {
+            "name": f"r{i}",
+            "exactly": {"deviceClassName": "gpu", "selectors": [{"cel": {"expression": selector}}]},
+        }
+        for i in range(1000)
+    ]
+    big.write_text(
+        CLAIM.replace(
+            "{devices: {requests: [{name: gpu, exactly: {deviceClassName: gpu}}]}}",
+            json.dumps({"devices": {"requests": requests}}),
+        )
+    )
+    assert big.stat().st_size > 5_000_000
+    argv = ["claim", "apply", "-f", str(big), "--nats", "nats://127.0.0.1:1"]
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "default/c1" in err and "at most 262144 bytes (256 KiB" in err
+
+
 def test_missing_file_is_exit_2(tmp_path: Path) -> None:
     assert cli.main(["claim", "apply", "-f", str(tmp_path / "none.yaml"),
                      "--nats", "nats://127.0.0.1:1"]) == cli.EXIT_BAD_INPUT  # fmt: skip
-
-
-def test_endpoint_from_flag_environment_and_connection_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("DRACAP_NATS_URL", raising=False)
-    with pytest.raises(command.CommandError, match="no NATS URL"):
-        command.resolve_endpoint(_args(tmp_path))
-    (tmp_path / "connection.json").write_text(
-        json.dumps({"database_url": "postgresql://x", "nats_url": "nats://h:1", "prefix": "p"})
-    )
-    assert command.resolve_endpoint(_args(tmp_path)) == ("nats://h:1", "p")
-    monkeypatch.setenv("DRACAP_NATS_URL", "nats://env:2")
-    assert command.resolve_endpoint(_args(tmp_path)) == ("nats://env:2", "p")
-    assert command.resolve_endpoint(_args(tmp_path, nats="nats://f:3", prefix="q")) == (
-        "nats://f:3",
-        "q",
-    )
 
 
 def test_no_server_is_exit_1(tmp_path: Path) -> None:
@@ -127,7 +131,7 @@ def test_device_table() -> None:
 
 def test_connection_file_is_written_into_a_new_data_directory(tmp_path: Path) -> None:
     # servers from the environment: nothing embedded created the directory before
-    from services.claims.command import Connection, read_connection
+    from services.runtime.endpoints import Connection, read_connection
     from services.up import write_connection
 
     data_dir = tmp_path / "not" / "yet"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import yaml
 
-from events import model
+from events import manifests, model
 from events.errors import ValidationError
 from events.features import FeatureGates
 from events.manifests import ManifestError, dump_yaml, load_documents, load_paths
@@ -118,6 +121,98 @@ def test_examples_need_consumable_capacity() -> None:
 )
 def test_document_shapes(text: str, count: int) -> None:
     assert len(load_documents(text, "x.yaml")) == count
+
+
+def _as_json(text: str) -> str:
+    return json.dumps(yaml.safe_load(text))
+
+
+def test_json_objects_separated_by_dashes_are_yaml() -> None:
+    # valid YAML that kubectl reads; the JSON sniffing must not refuse it
+    text = f"{_as_json(NAMESPACE)}\n---\n{_as_json(SLICE)}\n"
+    assert text.startswith("{")
+    objects = load_documents(text, "docs.json")
+    assert [type(o).__name__ for o in objects] == ["Namespace", "ResourceSlice"]
+    assert objects == load_documents(f"{NAMESPACE}---\n{SLICE}", "docs.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "rule", "where"),
+    [
+        pytest.param('{"kind": ', "invalid JSON", "line 1 column 10", id="json-cut-short"),
+        pytest.param(
+            '{"apiVersion": "v1"}\n---\n{"kind": [\n',
+            "invalid YAML",
+            "line 4 column 1",
+            id="second-document-broken",
+        ),
+    ],
+)
+def test_the_parser_that_read_further_reports(text: str, rule: str, where: str) -> None:
+    with pytest.raises(ManifestError) as info:
+        load_documents(text, "x.json")
+    assert info.value.field == where and info.value.rule.startswith(rule)
+
+
+YAML_FEATURES = """\
+base: &b {x: 1, y: "two", z: true, t: 2024-01-02, n: null, f: 1.5, q: "40Gi"}
+merged:
+  <<: *b
+  y: three
+list: [*b, *b]
+1: an int key
+---
+loop: &r [*r]
+"""
+SAME_WITHOUT_LIBYAML = """
+import sys, yaml
+del yaml.CSafeLoader  # as on a platform where PyYAML was built without libyaml
+from events import manifests
+assert manifests._ManifestLoader.__mro__[1] is yaml.SafeLoader
+docs = manifests._parse(sys.stdin.read(), "x.yaml")
+print(repr(docs[0]))
+"""
+
+
+@pytest.mark.skipif(not yaml.__with_libyaml__, reason="PyYAML built without libyaml")
+def test_libyaml_parses_where_pyyaml_has_it() -> None:
+    assert issubclass(manifests._ManifestLoader, yaml.CSafeLoader)
+
+
+def test_yaml_features_read_as_the_safe_loader_reads_them() -> None:
+    expected = list(yaml.safe_load_all(YAML_FEATURES))
+    got = manifests._parse(YAML_FEATURES, "x.yaml")
+    assert got[0] == expected[0]
+    assert got[1]["loop"][0] is got[1]["loop"]  # a recursive alias still loads
+    # and the pure-Python fallback reads the same
+    done = subprocess.run(
+        [sys.executable, "-c", SAME_WITHOUT_LIBYAML],
+        input=YAML_FEATURES,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.stdout.strip() == repr(expected[0])
+
+
+def _bomb(levels: int) -> str:
+    """Anchors that each repeat the previous one ten times ("billion laughs")."""
+    lines = ['l0: &l0 ["x","x","x","x","x","x","x","x","x","x"]']
+    for i in range(1, levels):
+        refs = ",".join([f"*l{i - 1}"] * 10)
+        lines.append(f"l{i}: &l{i} [{refs}]")
+    return "\n".join(lines) + "\n"
+
+
+def test_aliases_that_expand_past_the_document_are_refused() -> None:
+    with pytest.raises(ManifestError, match="aliases expand the document past 10 times"):
+        manifests._parse(_bomb(9), "bomb.yaml")  # 10^9 strings, had it been built
+
+
+def test_a_few_aliases_are_fine() -> None:
+    [doc] = manifests._parse(_bomb(3), "few.yaml")
+    assert len(doc["l2"]) == 10 and doc["l2"][0][0] == ["x"] * 10
 
 
 # --- errors --------------------------------------------------------------------------------

@@ -1,0 +1,138 @@
+"""Every command finds its servers the same way, and says in one line when it cannot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services import cli
+from services.runtime import endpoints
+from services.runtime.endpoints import (
+    ConnectionFileError,
+    NoEndpoint,
+    ServerUnavailable,
+    reaching,
+    resolve_endpoints,
+)
+
+SAVED = {"database_url": "postgresql://up/db", "nats_url": "nats://up:1", "prefix": "p"}
+#: Nothing listens on port 1 of the loopback address.
+DEAD_PG = "postgresql://postgres@127.0.0.1:1/x"
+DEAD_NATS = "nats://127.0.0.1:1"
+
+
+@pytest.fixture(autouse=True)
+def _no_server_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DRACAP_DATABASE_URL", raising=False)
+    monkeypatch.delenv("DRACAP_NATS_URL", raising=False)
+
+
+def _save(data_dir: Path, content: object) -> None:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    text = content if isinstance(content, str) else json.dumps(content)
+    (data_dir / "connection.json").write_text(text)
+
+
+def test_flag_then_environment_then_connection_file(tmp_path: Path) -> None:
+    _save(tmp_path, SAVED)
+    saved = resolve_endpoints(tmp_path, env={})
+    assert (saved.database(), saved.nats(), saved.prefix) == (
+        "postgresql://up/db",
+        "nats://up:1",
+        "p",
+    )
+    env = {"DRACAP_DATABASE_URL": "postgresql://env/db", "DRACAP_NATS_URL": "nats://env:2"}
+    from_env = resolve_endpoints(tmp_path, env=env)
+    assert (from_env.database(), from_env.nats(), from_env.prefix) == (
+        "postgresql://env/db",
+        "nats://env:2",
+        "p",
+    )
+    flags = resolve_endpoints(
+        tmp_path, database_url="postgresql://f/db", nats_url="nats://f:3", prefix="q", env=env
+    )
+    assert (flags.database(), flags.nats(), flags.prefix) == (
+        "postgresql://f/db",
+        "nats://f:3",
+        "q",
+    )
+
+
+def test_no_built_in_address(tmp_path: Path) -> None:
+    found = resolve_endpoints(tmp_path / "none", env={})
+    assert found.prefix == "dracap"
+    with pytest.raises(NoEndpoint, match=r"--database-url.*DRACAP_DATABASE_URL.*connection\.json"):
+        found.database()
+    with pytest.raises(NoEndpoint, match=r"--nats.*DRACAP_NATS_URL"):
+        found.nats()
+
+
+def test_connection_file_is_read_only_when_needed(tmp_path: Path) -> None:
+    _save(tmp_path, "{not json")
+    given = resolve_endpoints(
+        tmp_path, database_url="postgresql://f/db", nats_url="nats://f:3", prefix="q", env={}
+    )
+    assert given.database() == "postgresql://f/db"
+    with pytest.raises(ConnectionFileError, match=r"connection\.json"):
+        resolve_endpoints(tmp_path, env={})
+    assert resolve_endpoints(tmp_path, saved=False, env={}).database_url is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", "verify"],
+        ["db", "current"],
+        ["db", "upgrade"],
+        ["claim", "get", "x"],
+        ["devices"],
+    ],
+)
+def test_every_command_reads_the_connection_file_of_data_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    # connection.json names servers that do not answer: each command must try exactly those
+    _save(tmp_path, {**SAVED, "database_url": DEAD_PG, "nats_url": DEAD_NATS})
+    assert cli.main([*argv, "--data-dir", str(tmp_path)]) == cli.EXIT_VIOLATION
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert "127.0.0.1:1" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["replay", "verify"], ["db", "current"], ["devices"]])
+def test_no_server_anywhere_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    assert cli.main([*argv, "--data-dir", str(tmp_path)]) == cli.EXIT_VIOLATION
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no " in err and "URL" in err
+
+
+def test_an_unreadable_connection_file_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _save(tmp_path, "{not json")
+    assert cli.main(["replay", "verify", "--data-dir", str(tmp_path)]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "connection.json" in err
+
+
+def test_reaching_names_the_server_without_its_password() -> None:
+    with (
+        pytest.raises(ServerUnavailable) as caught,
+        reaching("PostgreSQL", "postgresql://u:s3cret@h/db"),
+    ):
+        raise ConnectionRefusedError(111, "Connect call failed")
+    message = str(caught.value)
+    assert message.startswith("PostgreSQL at postgresql://u:***@h/db: ")
+    assert "s3cret" not in message
+    with pytest.raises(KeyError), reaching("NATS", DEAD_NATS):  # a bug is not "unavailable"
+        raise KeyError("x")
+
+
+def test_redact() -> None:
+    assert endpoints.redact("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
+    assert endpoints.redact("postgresql://u@h/db") == "postgresql://u@h/db"
+    assert endpoints.redact("nats://h:4222") == "nats://h:4222"
