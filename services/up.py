@@ -18,19 +18,32 @@ the fold of the log.
 
 Start-up order
 --------------
-servers -> migrations (``alembic`` to head, under an advisory lock) -> bus stream ->
-:class:`Stack` (relay, live state, claims API, reservation workers, agents) -> the
-example inventory through the admin API (each ResourceSlice only if its devices are not
-listed yet, so a restart does not append it again) -> ``<data-dir>/connection.json`` ->
-the banner, whose last line starts with ``dracap is ready``.
+servers (and their watchdog) -> migrations (``alembic`` to head, under an advisory
+lock) -> bus stream -> :class:`Stack` (relay, live state, claims API, reservation
+workers, agents) -> the example inventory through the admin API (each ResourceSlice only
+if its devices are not listed yet, so a restart does not append it again) ->
+``<data-dir>/connection.json`` -> the banner, whose last line starts with ``dracap is
+ready`` -> the health checks (until then ``/readyz`` says "starting"). The banner's
+hints name dracap as it can be run from here (:func:`invocation`).
 
 Supervision
 -----------
 Each service runs as a supervised task: if its ``run(stop)`` raises, the error is logged
 with its traceback and the service is started again after a back-off (0.5 s doubling
-to 30 s). Services keep no state that a restart loses (consumers resume from JetStream
-and the processed-message table, the live state re-folds), so one failing consumer
-degrades the stack instead of ending it.
+to 30 s; cut short and started over when a health check passes again, so a service
+that failed during an outage restarts as soon as the server is back). Services keep no
+state that a restart loses (consumers resume from JetStream and the processed-message
+table, the live state re-folds), so one failing consumer degrades the stack instead of
+ending it.
+
+The embedded servers are supervised too (:mod:`services.runtime.supervising`): one
+that dies is started again on its port, with back-off, at most
+``--max-server-restarts`` times within 10 minutes; past that ``dracap up`` stops and
+exits with status 1 and one line saying which server and why. The services are not
+restarted for it: their clients reconnect. While the servers are away, the health
+monitor (:mod:`services.runtime.health`) logs one line per change of state and keeps
+the retries of everything else out of the log; ``/healthz`` and ``/readyz`` on the
+metrics port say what is down.
 
 Stopping
 --------
@@ -52,6 +65,8 @@ import contextlib
 import functools
 import logging
 import os
+import shlex
+import shutil
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -68,7 +83,10 @@ from services.runtime import eventloop, migrating
 from services.runtime.embedded import EmbeddedError, embedded_servers
 from services.runtime.eventstore import EventStore
 from services.runtime.gctuning import tune_for_long_lived_state
+from services.runtime.health import HealthMonitor, PostgresProbe, nats_probe, serve
+from services.runtime.outages import one_line, quiet_outages
 from services.runtime.settings import Settings, SettingsError, load_settings
+from services.runtime.supervising import RestartLimitError, RestartPolicy, Watchdog
 
 if TYPE_CHECKING:
     from services.runtime.gauges import CapacityGauges
@@ -80,6 +98,7 @@ STOP_GRACE_S: Final = 10.0
 RESTART_MIN_S: Final = 0.5
 RESTART_MAX_S: Final = 30.0
 READY_LINE: Final = "dracap is ready"
+HEALTH_CHECKS: Final = ("postgres", "nats", "services")
 
 log = logging.getLogger("dracap.up")
 
@@ -91,7 +110,8 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     inventory: tuple[str, ...] = ("deploy/examples",)
     agents: str = "auto"  # "auto": every node of the inventory; "": none; else "a,b"
     workers: int = 1
-    metrics_port: int = 9400  # 0: no metrics server
+    metrics_port: int = 9400  # 0: no metrics server (and no health endpoints)
+    max_server_restarts: int = 5  # of one embedded server within 10 minutes; 0: never
     prefix: str = "dracap"
 
 
@@ -172,6 +192,8 @@ class Stack:
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
         self.restarts = 0  #: service failures so far (each was logged and restarted)
+        self.failing: dict[str, str] = {}  #: services waiting to be restarted, and why
+        self._retry = asyncio.Event()  # set by retry_now(): back-offs end early
         self.gauges: CapacityGauges | None = None  #: the capacity gauges (set on start)
 
     def spawn(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -184,12 +206,38 @@ class Stack:
             try:
                 await start()
                 return
-            except Exception:
+            except Exception as exc:
                 self.restarts += 1
+                self.failing[name] = one_line(exc)
                 log.exception("%s failed; restarting it in %.1fs", name, delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), delay)
-            delay = min(delay * 2, RESTART_MAX_S)
+            retried = await self._back_off(delay)
+            self.failing.pop(name, None)
+            delay = RESTART_MIN_S if retried else min(delay * 2, RESTART_MAX_S)
+
+    async def _back_off(self, delay: float) -> bool:
+        """Wait ``delay``, or less on stop or :meth:`retry_now`; whether retry_now ended it."""
+        retry = self._retry
+        waits = {asyncio.ensure_future(self.stop.wait()), asyncio.ensure_future(retry.wait())}
+        try:
+            await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+        return retry.is_set()
+
+    def retry_now(self, check: str = "") -> None:
+        """End every service's back-off now and start it over (``check``, a health check
+        that passes again, is not needed): a service that failed while a server was
+        away must not wait out a delay that grew during the outage."""
+        self._retry.set()
+        self._retry = asyncio.Event()
+
+    async def trouble(self) -> str | None:
+        """Why not every service runs (None when they all do): the ``services`` check."""
+        problems = [f"{name} restarting after {why}" for name, why in self.failing.items()]
+        if not self.stop.is_set():
+            problems += [f"{task.get_name()} ended" for task in self.tasks if task.done()]
+        return "; ".join(problems) or None
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -215,7 +263,7 @@ class Stack:
                 finally:
                     await stack.shutdown()
             finally:
-                await _bounded(nc.drain(), "NATS drain")
+                await _bounded(_close_bus(nc), "closing the NATS connection")
         finally:
             await _bounded(store.close(), "closing the event store")
 
@@ -243,6 +291,14 @@ async def _bounded(work: Coroutine[Any, Any, object], what: str) -> None:
         await asyncio.wait_for(work, STOP_GRACE_S)
     except TimeoutError:
         log.warning("%s took longer than %.0fs; going on", what, STOP_GRACE_S)
+
+
+async def _close_bus(nc: Any) -> None:
+    """Drain a connected client; close one that is not (draining needs the server)."""
+    if nc.is_connected:
+        await nc.drain()
+    else:
+        await nc.close()
 
 
 async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) -> None:
@@ -296,73 +352,181 @@ def write_connection(data_dir: Path, connection: Connection) -> Path:
     return path
 
 
-def banner(connection: Connection, data_dir: Path, nodes: Sequence[str], metrics: int) -> str:
-    where = "" if data_dir == Path(".dracap") else f" --data-dir {data_dir}"
+def invocation() -> str:
+    """This dracap as it can be run from the current directory, for the printed hints.
+
+    ``dracap`` when that name on ``PATH`` is this very script; else the script's path
+    (``.venv/bin/dracap`` when the venv is not activated), or ``python -m MODULE`` when
+    started that way.
+    """
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return f"{_shell_path(sys.executable)} -m {spec.name.removesuffix('.__main__')}"
+    script = os.path.abspath(sys.argv[0])
+    name = os.path.basename(script)
+    if not os.path.isfile(script):  # python -c, an embedding: nothing better to say
+        return "dracap"
+    found = shutil.which(name)
+    if found is not None and os.path.samefile(found, script):
+        return name
+    return _shell_path(script)
+
+
+def _shell_path(path: str) -> str:
+    """``path`` relative to the current directory when below it, quoted for a shell."""
+    relative = os.path.relpath(os.path.abspath(path))
+    if relative.startswith(os.pardir):
+        return shlex.quote(os.path.abspath(path))  # not below: the absolute path
+    return shlex.quote(relative if os.sep in relative else f".{os.sep}{relative}")
+
+
+def banner(
+    connection: Connection,
+    data_dir: Path,
+    nodes: Sequence[str],
+    metrics: int,
+    command: str = "dracap",
+) -> str:
+    where = "" if data_dir == Path(".dracap") else f" --data-dir {shlex.quote(str(data_dir))}"
+    base = f"http://127.0.0.1:{metrics}"
     lines = [
         f"  event log   {connection.database_url}",
         f"  NATS        {connection.nats_url} (prefix {connection.prefix})",
         f"  agents      {', '.join(nodes) or 'none'} (NoneEnforcer)",
-        f"  metrics     http://127.0.0.1:{metrics}/metrics" if metrics else "  metrics     off",
+        f"  metrics     {base}/metrics" if metrics else "  metrics     off",
+        f"  health      {base}/healthz, {base}/readyz" if metrics else "  health      off",
         "",
         "Try, from another terminal in this directory:",
-        f"  dracap claim apply -f deploy/examples/claims.yaml --wait{where}",
-        f"  dracap claim list -n tenant-a{where}",
-        f"  dracap claim get train-small -n tenant-a -o yaml{where}",
-        f"  dracap claim watch -n tenant-a{where}",
-        f"  dracap claim delete train-small -n tenant-a{where}",
-        f"  dracap devices{where}",
+        f"  {command} claim apply -f deploy/examples/claims.yaml --wait{where}",
+        f"  {command} claim list -n tenant-a{where}",
+        f"  {command} claim get train-small -n tenant-a -o yaml{where}",
+        f"  {command} claim watch -n tenant-a{where}",
+        f"  {command} claim delete train-small -n tenant-a{where}",
+        f"  {command} devices{where}",
         "",
-        f"{READY_LINE} (Ctrl-C stops it; `dracap up` again resumes from the log)",
+        f"{READY_LINE} (Ctrl-C stops it; `{command} up` again resumes from the log)",
     ]
     return "\n".join(lines)
 
 
+Supervisor = asyncio.Task[None] | None  # the embedded servers' watchdog, if any
+
+
 @contextlib.asynccontextmanager
-async def _servers(options: UpOptions, settings: Settings) -> AsyncIterator[Settings]:
-    """``settings`` with the URLs of embedded servers for those not set in the environment."""
+async def _servers(
+    options: UpOptions, settings: Settings, monitor: HealthMonitor
+) -> AsyncIterator[tuple[Settings, Supervisor]]:
+    """``settings`` with the URLs of embedded servers for those not set in the
+    environment, and the task that supervises them."""
     want_pg = not os.environ.get("DRACAP_DATABASE_URL")
     want_nats = not os.environ.get("DRACAP_NATS_URL")
     if not (want_pg or want_nats):
-        yield settings
+        yield settings, None
         return
     async with embedded_servers(options.data_dir, postgres=want_pg, nats=want_nats) as servers:
-        yield msgspec.structs.replace(
-            settings,
-            database_url=servers.database_url if want_pg else settings.database_url,
-            nats_url=servers.nats_url if want_nats else settings.nats_url,
-        )
+        policy = RestartPolicy(limit=options.max_server_restarts)
+        monitor.watchdog = watchdog = Watchdog(servers.processes, policy)
+        async with _supervised(watchdog) as task:
+            yield (
+                msgspec.structs.replace(
+                    settings,
+                    database_url=servers.database_url if want_pg else settings.database_url,
+                    nats_url=servers.nats_url if want_nats else settings.nats_url,
+                ),
+                task,
+            )
+
+
+@contextlib.asynccontextmanager
+async def _supervised(watchdog: Watchdog) -> AsyncIterator[asyncio.Task[None]]:
+    """Run ``watchdog`` while inside; its :class:`RestartLimitError` wins over any other error."""
+    done = asyncio.Event()
+    task = asyncio.create_task(watchdog.run(done), name="watchdog")
+    try:
+        yield task
+    finally:
+        done.set()
+        await asyncio.wait({task})
+        failure = None if task.cancelled() else task.exception()
+        if isinstance(failure, RestartLimitError):
+            raise failure
+
+
+@contextlib.asynccontextmanager
+async def _health_checks(
+    monitor: HealthMonitor, stack: Stack, settings: Settings
+) -> AsyncIterator[None]:
+    """Check PostgreSQL, NATS and the services of ``stack`` while inside."""
+    postgres = PostgresProbe(settings.database_url)
+    monitor.register("postgres", postgres)
+    monitor.register("nats", nats_probe(stack.nc, stack.js, stack.names.stream))
+    monitor.register("services", stack.trouble)
+    monitor.on_recovery(stack.retry_now)
+    done = asyncio.Event()
+    task = asyncio.create_task(monitor.run(done), name="health")
+    try:
+        yield
+    finally:
+        done.set()
+        await task
+        await postgres.close()
+
+
+async def _until_stopped(stop: asyncio.Event, supervisor: Supervisor) -> None:
+    """Wait for ``stop``; raises :class:`RestartLimitError` as soon as the supervisor does."""
+    stopped = asyncio.ensure_future(stop.wait())
+    waits: set[asyncio.Future[Any]] = {stopped} if supervisor is None else {stopped, supervisor}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if supervisor is not None and supervisor.done():
+        supervisor.result()
+
+
+async def _open_for_use(
+    options: UpOptions, settings: Settings, names: BusNames, inventory: Inventory
+) -> None:
+    """Load the inventory, write ``connection.json`` and print the banner."""
+    async with ApiClient.connect(settings.nats_url, names.prefix) as api:
+        applied = await load_inventory(api, inventory)
+    print(
+        f"inventory: {applied} slice(s) loaded" if applied else "inventory: already loaded",
+        flush=True,
+    )
+    connection = Connection(
+        database_url=settings.database_url, nats_url=settings.nats_url, prefix=names.prefix
+    )
+    path = write_connection(options.data_dir, connection)
+    print(f"connection written to {path}", flush=True)
+    nodes = _nodes(options.agents, inventory)  # the agents Stack.running started
+    text = banner(connection, options.data_dir, nodes, options.metrics_port, invocation())
+    print(text, flush=True)
 
 
 async def up(options: UpOptions, stop: asyncio.Event) -> int:
-    """Run everything until ``stop`` is set; returns the exit code."""
+    """Run everything until ``stop`` is set; returns the exit code.
+
+    Raises :class:`RestartLimitError` when an embedded server died more often than allowed.
+    """
     inventory = read_inventory(options.inventory)
     nodes = _nodes(options.agents, inventory)
     names = BusNames(prefix=options.prefix)
-    metrics = _start_metrics(options.metrics_port)
+    monitor = HealthMonitor(HEALTH_CHECKS)
+    metrics = _start_metrics(options.metrics_port, monitor)
     try:
-        async with _servers(options, load_settings()) as settings:
-            print(
-                f"migrating the event log to {await migrating.upgrade_async(settings)}", flush=True
-            )
-            async with Stack.running(settings, names, nodes=nodes, workers=options.workers):
-                async with ApiClient.connect(settings.nats_url, names.prefix) as api:
-                    applied = await load_inventory(api, inventory)
-                print(
-                    f"inventory: {applied} slice(s) loaded"
-                    if applied
-                    else "inventory: already loaded",
-                    flush=True,
-                )
-                connection = Connection(
-                    database_url=settings.database_url,
-                    nats_url=settings.nats_url,
-                    prefix=names.prefix,
-                )
-                path = write_connection(options.data_dir, connection)
-                print(f"connection written to {path}", flush=True)
-                print(banner(connection, options.data_dir, nodes, options.metrics_port), flush=True)
-                await stop.wait()
-            print("stopping: services drained", flush=True)
+        with quiet_outages(monitor.outage):
+            async with _servers(options, load_settings(), monitor) as (settings, supervisor):
+                head = await migrating.upgrade_async(settings)
+                print(f"migrating the event log to {head}", flush=True)
+                async with Stack.running(
+                    settings, names, nodes=nodes, workers=options.workers
+                ) as stack:
+                    await _open_for_use(options, settings, names, inventory)
+                    async with _health_checks(monitor, stack, settings):
+                        await _until_stopped(stop, supervisor)
+                print("stopping: services drained", flush=True)
     finally:
         if metrics is not None:
             metrics.shutdown()
@@ -370,12 +534,14 @@ async def up(options: UpOptions, stop: asyncio.Event) -> int:
     return EXIT_OK
 
 
-def _start_metrics(port: int) -> Any:
+def _start_metrics(port: int, monitor: HealthMonitor) -> Any:
+    """The metrics server with ``/healthz`` and ``/readyz`` (None when ``port`` is 0)."""
     if not port:
         return None
     from services.runtime.metrics import start_metrics_server
 
     server, _ = start_metrics_server(port, addr="127.0.0.1")
+    serve(server, monitor)
     return server
 
 
@@ -404,6 +570,7 @@ def run(args: argparse.Namespace) -> int:
         agents=args.agents,
         workers=args.workers,
         metrics_port=args.metrics_port,
+        max_server_restarts=args.max_server_restarts,
         prefix=args.prefix,
     )
     try:
@@ -452,7 +619,15 @@ def register(sub: Any) -> None:
         "--metrics-port",
         type=int,
         default=9400,
-        help="Prometheus port on 127.0.0.1 (0: off; default 9400)",
+        help="Prometheus metrics, /healthz and /readyz on 127.0.0.1 (0: off; default 9400)",
+    )
+    parser.add_argument(
+        "--max-server-restarts",
+        type=int,
+        default=5,
+        metavar="N",
+        help="restarts of a dying embedded server within 10 minutes before dracap up "
+        "gives up and exits with status 1 (0: never restart; default 5)",
     )
     parser.add_argument("--prefix", default="dracap", help=argparse.SUPPRESS)
     parser.set_defaults(func=run, inventory=None)

@@ -18,10 +18,19 @@ Stream configuration, and why:
 
 :func:`ensure_stream` creates the stream or brings an existing one's settings up to
 date, so every process may call it at start-up.
+
+:func:`connect_bus` reconnects forever and logs the connection's changes of state
+only: a lost connection is one warning, its return one info line. nats-py's default
+error callback would log every failed reconnect attempt with its traceback, twice a
+second for as long as the server is away; here such errors are debug lines
+(:func:`services.runtime.outages.is_unreachable`). Any other error reported to the
+callback — an exception of a subscription's handler, say — is logged with its
+traceback, as nats-py would: that one is a bug.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Final
 
 import nats
@@ -31,6 +40,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import BadRequestError, NotFoundError
 
 from events.subjects import BusNames
+from services.runtime.outages import is_unreachable, one_line
 
 __all__ = ["DUPLICATE_WINDOW_S", "MAX_AGE_S", "connect_bus", "ensure_stream", "stream_config"]
 
@@ -38,18 +48,46 @@ DUPLICATE_WINDOW_S: Final = 120.0
 MAX_AGE_S: Final = 7 * 24 * 3600.0
 STREAM_NAME_IN_USE: Final = 10058  # JetStream API error code
 
+_log = logging.getLogger(__name__)
+
+
+class _ConnectionLog:
+    """nats-py's callbacks for one connection: a line per change of state, no tracebacks."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self.nc: Client | None = None  #: set once connected
+
+    async def disconnected(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:  # our own close() says nothing
+            _log.warning("NATS %s: connection lost; reconnecting", self._url)
+
+    async def reconnected(self) -> None:
+        _log.info("NATS %s: reconnected", self._url)
+
+    async def error(self, exc: Exception) -> None:
+        if is_unreachable(exc):  # a lost connection or a failed reconnect attempt
+            _log.debug("NATS %s: %s", self._url, one_line(exc))
+        else:
+            _log.error("NATS %s: %s", self._url, one_line(exc), exc_info=exc)
+
 
 async def connect_bus(
     url: str, *, name: str = "dracap", connect_timeout: float = 5.0
 ) -> tuple[Client, JetStreamContext]:
     """A NATS connection (reconnecting forever) and its JetStream context."""
+    events = _ConnectionLog(url)
     nc = await nats.connect(
         url,
         name=name,
         connect_timeout=connect_timeout,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
+        error_cb=events.error,
+        disconnected_cb=events.disconnected,
+        reconnected_cb=events.reconnected,
     )
+    events.nc = nc
     return nc, nc.jetstream(timeout=connect_timeout)
 
 

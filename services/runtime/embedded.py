@@ -34,6 +34,11 @@ Design
   stopped (``pg_ctl stop -m fast``; SIGTERM to the pid in ``nats.pid`` if that process
   is a nats-server on this store) before starting; two live ``dracap up`` on one data
   directory are refused by the lock file.
+* **Restartable.** Each server says whether it still runs (:meth:`EmbeddedServer.alive`,
+  a zombie counts as gone) and why not (:meth:`EmbeddedServer.down_reason`), and
+  ``start()`` may be called again after it died: it comes back on the *same* port, so
+  the URLs handed out stay valid and clients reconnect by themselves. Deciding when
+  to restart is :mod:`services.runtime.supervising`'s job.
 
 Everything here is synchronous (subprocesses and files); async callers use
 :func:`embedded_servers`, which runs the blocking steps in a worker thread.
@@ -53,10 +58,9 @@ import sys
 import time
 import warnings
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Final
-
-import msgspec
+from typing import IO, Final, Protocol
 
 PG_SYSTEM_USER: Final = "embedded_postgres"
 PG_SUPERUSER: Final = "postgres"
@@ -69,12 +73,40 @@ class EmbeddedError(RuntimeError):
     """A server could not be started or stopped; the message names its log file."""
 
 
-class Servers(msgspec.Struct, frozen=True, kw_only=True):
-    """URLs of the running embedded servers."""
+class EmbeddedServer(Protocol):
+    """What a supervisor needs of one embedded server."""
+
+    @property
+    def name(self) -> str:
+        """``postgres`` or ``nats``: the label of its metrics and health check."""
+        ...
+
+    @property
+    def log(self) -> Path:
+        """The server's own log file."""
+        ...
+
+    def alive(self) -> bool:
+        """Whether the server process still runs."""
+        ...
+
+    def down_reason(self) -> str:
+        """Why the server is not running, for a log line (``alive()`` being False)."""
+        ...
+
+    def start(self) -> str:
+        """Start it (again, on the same port); returns its URL."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Servers:
+    """URLs of the running embedded servers, and the servers themselves (to supervise)."""
 
     database_url: str
     admin_url: str
     nats_url: str
+    processes: tuple[EmbeddedServer, ...] = ()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -83,6 +115,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is not a zombie waiting to be reaped."""
+    try:
+        os.kill(pid, 0)
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except (ProcessLookupError, PermissionError, FileNotFoundError):
+        return False
+    return stat_line.rpartition(")")[2].split()[0] != "Z"
 
 
 def _wait_for_port(port: int, alive: subprocess.Popen[bytes] | None, deadline: float) -> bool:
@@ -146,6 +188,8 @@ def _run_as_root_helper(path: Path) -> str:
 class EmbeddedPostgres:
     """One PostgreSQL cluster in ``<data-dir>/postgres``, run through ``pg_ctl``."""
 
+    name: Final = "postgres"
+
     def __init__(self, data_dir: Path, *, port: int | None = None) -> None:
         self.pgdata = data_dir / "postgres"
         self.log = data_dir / "postgres.log"
@@ -180,16 +224,37 @@ class EmbeddedPostgres:
             self._user = _run_as_root_helper(self.pgdata)
             shutil.chown(self.log, self._user, self._user)
 
-    def _running(self) -> bool:
-        pid_file = self.pgdata / "postmaster.pid"
-        if not pid_file.exists():
-            return False
+    def _postmaster_pid(self) -> int | None:
         try:
-            pid = int(pid_file.read_text().split()[0])
-            os.kill(pid, 0)
-        except (ValueError, IndexError, ProcessLookupError, PermissionError):
-            return False
-        return True
+            return int((self.pgdata / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _running(self) -> bool:
+        pid = self._postmaster_pid()
+        return pid is not None and _pid_alive(pid)
+
+    def alive(self) -> bool:
+        """Whether the postmaster named by ``postmaster.pid`` runs."""
+        return self._running()
+
+    def _await_reaping(self) -> None:
+        """Wait (bounded) until a dead postmaster is no zombie any more.
+
+        PostgreSQL's own lock-file check takes a zombie for a running postmaster and
+        refuses to start, so a restart right after a kill would fail once for nothing.
+        """
+        pid = self._postmaster_pid()
+        if pid is None or _pid_alive(pid):
+            return
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def down_reason(self) -> str:
+        """Which postmaster is gone (or that none was started)."""
+        pid = self._postmaster_pid()
+        return "not running" if pid is None else f"postmaster (pid {pid}) is gone"
 
     def start(self) -> str:
         """Initialise (first time only) and start the cluster; returns the admin URL."""
@@ -205,6 +270,7 @@ class EmbeddedPostgres:
             )
         if self._running():
             self._run("pg_ctl", "-w", "-m", "fast", "stop", timeout=STOP_TIMEOUT_S)
+        self._await_reaping()
         self.port = self.port or free_port()
         options = f"-h 127.0.0.1 -p {self.port} -k '' -c fsync=on"
         self._run(
@@ -268,6 +334,8 @@ def nats_server_binary() -> Path:
 class EmbeddedNats:
     """nats-server with JetStream, its store in ``<data-dir>/nats``."""
 
+    name: Final = "nats"
+
     def __init__(self, data_dir: Path, *, port: int | None = None) -> None:
         self.store = data_dir / "nats"
         self.log = data_dir / "nats.log"
@@ -286,6 +354,8 @@ class EmbeddedNats:
         self._stop_leftover()
         self.port = self.port or free_port()
         offset = self.log.stat().st_size if self.log.exists() else 0
+        if self._log_handle is not None:  # a restart after the server died
+            self._log_handle.close()
         self._log_handle = self.log.open("ab")
         command = [
             str(nats_server_binary()),
@@ -314,6 +384,22 @@ class EmbeddedNats:
             self.stop()
             raise EmbeddedError(f"nats-server did not become ready; see {self.log}")
         return self.url
+
+    def alive(self) -> bool:
+        """Whether the nats-server this object started still runs."""
+        return self._process is not None and self._process.poll() is None
+
+    def down_reason(self) -> str:
+        """How the server ended: its exit code or the signal that killed it."""
+        code = None if self._process is None else self._process.poll()
+        if code is None:
+            return "not running"
+        if code >= 0:
+            return f"exited with code {code}"
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
 
     def _stop_leftover(self) -> None:
         """Stop a nats-server on this store left running by a killed ``dracap up``."""
@@ -386,7 +472,15 @@ def running_servers(
                 database_url = pg.ensure_database(database)
             if nats:
                 nats_url = bus.start()
-            yield Servers(database_url=database_url, admin_url=admin_url, nats_url=nats_url)
+            started: list[EmbeddedServer] = [pg] if postgres else []
+            if nats:
+                started.append(bus)
+            yield Servers(
+                database_url=database_url,
+                admin_url=admin_url,
+                nats_url=nats_url,
+                processes=tuple(started),
+            )
         finally:
             bus.stop()
             if postgres:

@@ -4,7 +4,7 @@ Services import the metric objects from here and never create their own, so name
 units and labels stay consistent and one grep shows what an operator can chart.
 Conventions (STYLE.md): the ``dracap_`` prefix, base units (seconds, plain counts,
 ratios in [0, 1]), ``_total`` for counters, and only low-cardinality labels
-(outcome, reason, class, capacity, consumer) — never a claim, share or event id.
+(outcome, reason, class, capacity, consumer, server, check) — never a claim, share or event id.
 
 The metrics live in a registry of their own (:data:`REGISTRY`) together with the
 standard process, platform and GC collectors; :func:`start_metrics_server` serves it
@@ -36,11 +36,15 @@ __all__ = [
     "CLAIMS",
     "CONSUMER_REDELIVERIES",
     "DEAD_LETTERS",
+    "EMBEDDED_SERVER_RESTARTS",
     "ENFORCEMENT_LATENCY",
+    "HEALTH_CHECK_UP",
     "REGISTRY",
     "REJECTIONS",
     "RELAY_LAG",
     "SCHEDULING_LATENCY",
+    "SELECTOR_JOBS",
+    "UNCONFIRMED_MESSAGES",
     "start_metrics_server",
     "version",
 ]
@@ -87,6 +91,18 @@ RELAY_LAG: Final = Gauge(
     "Events in the Postgres log that the relay has not yet published to JetStream.",
     registry=REGISTRY,
 )
+EMBEDDED_SERVER_RESTARTS: Final = Counter(
+    "dracap_embedded_server_restarts_total",
+    "Times dracap up started an embedded server (postgres, nats) again after it died.",
+    ["server"],
+    registry=REGISTRY,
+)
+HEALTH_CHECK_UP: Final = Gauge(
+    "dracap_health_check_up",
+    "1 while a readiness check of dracap up passes (postgres, nats, services), else 0.",
+    ["check"],
+    registry=REGISTRY,
+)
 CONSUMER_REDELIVERIES: Final = Counter(
     "dracap_consumer_redeliveries_total",
     "Messages a consumer received again (after a nak or an ack timeout).",
@@ -96,6 +112,18 @@ CONSUMER_REDELIVERIES: Final = Counter(
 DEAD_LETTERS: Final = Counter(
     "dracap_dead_letters_total",
     "Messages a consumer gave up on (MessageDeadLettered written, message terminated).",
+    ["consumer"],
+    registry=REGISTRY,
+)
+SELECTOR_JOBS: Final = Counter(
+    "dracap_selector_jobs_total",
+    "Tenant selectors evaluated in the worker process, by outcome (evaluated, deadline).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+UNCONFIRMED_MESSAGES: Final = Counter(
+    "dracap_unconfirmed_messages_total",
+    "Bus messages a consumer dropped because the log does not hold them as sent.",
     ["consumer"],
     registry=REGISTRY,
 )

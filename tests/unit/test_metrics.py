@@ -63,7 +63,7 @@ def test_metrics_server_serves_every_metric() -> None:
 
 def test_no_claim_or_share_labels() -> None:
     """Only low-cardinality labels: never a claim, share or event id."""
-    allowed = {"outcome", "reason", "class", "capacity", "consumer", "version"}
+    allowed = {"outcome", "reason", "class", "capacity", "consumer", "version", "server", "check"}
     for name in metrics.__all__:
         labelnames = getattr(getattr(metrics, name), "_labelnames", None)
         if labelnames is not None:

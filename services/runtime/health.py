@@ -1,0 +1,319 @@
+"""Health of ``dracap up``: checks, one log line per change, ``/healthz`` and ``/readyz``.
+
+Checks
+------
+:class:`HealthMonitor` runs its named checks together every :data:`CHECK_INTERVAL_S`,
+each bounded by :data:`CHECK_TIMEOUT_S`. A check (:data:`Probe`) is an async callable
+that returns ``None`` when healthy and a one-line reason when not; an exception it
+raises is the reason (``Type: message``). ``dracap up`` declares three:
+
+* ``postgres`` — ``SELECT 1`` on a connection of the monitor's own
+  (:class:`PostgresProbe`, reopened after a failure), so a busy pool never reads as an
+  outage;
+* ``nats`` — the services' NATS connection is connected and JetStream answers for the
+  events stream (:func:`nats_probe`);
+* ``services`` — every supervised service of the stack runs (``Stack.trouble``).
+
+A check declared but not registered yet (during start-up) reads as down, "starting".
+
+One line per change
+-------------------
+A check's changes of state are logged once each — ``postgres is down: <reason>``
+(warning), ``postgres is up again (down 4.2 s)`` (info) — and exported as
+``dracap_health_check_up{check}``; a check that passes again also runs the
+:meth:`HealthMonitor.on_recovery` callbacks (``dracap up`` ends its services'
+back-offs there). Everything else that fails *because* a server is
+away would log once per retry; ``dracap up`` keeps those lines out of its log while
+:meth:`HealthMonitor.outage` says so (:mod:`services.runtime.outages`).
+
+Endpoints
+---------
+:func:`serve` adds two paths to the metrics server (every other path still serves the
+metrics). They are answered on the HTTP server's thread from the monitor's last round,
+never by probing on request:
+
+* ``/healthz`` — 200 while the process is alive and supervising: no round is older
+  than :data:`STALE_LIVENESS_S` (the event loop is not stuck) and the watchdog of the
+  embedded servers has not given up; else 503.
+* ``/readyz`` — 200 when every check passed in the last round, and that round is at
+  most :data:`STALE_READINESS_S` old; else 503.
+
+Both bodies are JSON (:class:`Liveness`, :class:`Readiness`) and name what is down::
+
+    {"ready":false,"down":["nats"],"checks":{"postgres":{"up":true,"reason":null},
+     "nats":{"up":false,"reason":"not connected (reconnecting)"},"services":{...}}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Final
+from wsgiref.simple_server import WSGIServer
+
+import asyncpg
+import msgspec
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from services.runtime.metrics import HEALTH_CHECK_UP
+from services.runtime.outages import one_line
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIEnvironment
+
+    from services.runtime.supervising import Watchdog
+
+__all__ = [
+    "CHECK_INTERVAL_S",
+    "CHECK_TIMEOUT_S",
+    "CheckState",
+    "HealthMonitor",
+    "Liveness",
+    "PostgresProbe",
+    "Probe",
+    "Readiness",
+    "nats_probe",
+    "serve",
+]
+
+log = logging.getLogger("dracap.health")
+
+CHECK_INTERVAL_S: Final = 0.5
+CHECK_TIMEOUT_S: Final = 2.0
+STALE_READINESS_S: Final = 5.0
+STALE_LIVENESS_S: Final = 30.0
+
+#: A check: ``None`` when healthy, else why not (one line).
+Probe = Callable[[], Awaitable[str | None]]
+
+
+class CheckState(msgspec.Struct, frozen=True):
+    """One check's outcome in the last round."""
+
+    up: bool
+    reason: str | None = None  #: why it is down
+
+
+class Readiness(msgspec.Struct, frozen=True):
+    """The body of ``/readyz``."""
+
+    ready: bool
+    down: list[str]  #: the checks that did not pass
+    checks: dict[str, CheckState]
+
+
+class Liveness(msgspec.Struct, frozen=True):
+    """The body of ``/healthz``."""
+
+    alive: bool
+    reason: str | None = None  #: why not
+    supervising: list[str] = []  #: embedded servers the watchdog keeps running
+    restarting: dict[str, str] = {}  #: embedded servers being restarted, and why
+    restarts: dict[str, int] = {}  #: restarts of each embedded server so far
+
+
+class _Round(msgspec.Struct, frozen=True):
+    """What one round found (read from the HTTP thread: replaced, never changed)."""
+
+    at: float  #: ``time.monotonic()`` at its end
+    checks: dict[str, CheckState]
+    restarting: dict[str, str]
+    restarts: dict[str, int]
+
+
+_STARTING: Final = CheckState(up=False, reason="starting")
+_STATUS: Final = {200: "200 OK", 503: "503 Service Unavailable"}
+
+
+class HealthMonitor:
+    """Runs the checks, logs their changes, and answers liveness and readiness."""
+
+    def __init__(
+        self,
+        checks: Sequence[str],
+        *,
+        interval: float = CHECK_INTERVAL_S,
+        timeout: float = CHECK_TIMEOUT_S,
+    ) -> None:
+        self._probes: dict[str, Probe | None] = dict.fromkeys(checks)
+        self._states: dict[str, CheckState] = dict.fromkeys(checks, _STARTING)
+        self._since: dict[str, float] = {}  # when each check last changed (once checked)
+        self._interval = interval
+        self._timeout = timeout
+        self._round: _Round | None = None
+        self._outage = False
+        self._recovery: list[Callable[[str], None]] = []
+        self.watchdog: Watchdog | None = None  #: the embedded servers' watchdog, if any
+
+    def register(self, name: str, probe: Probe) -> None:
+        """Attach the probe of a declared check."""
+        if name not in self._probes:
+            raise ValueError(f"check {name!r} was not declared")
+        self._probes[name] = probe
+
+    def on_recovery(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(name)`` whenever a check passes again after failing."""
+        self._recovery.append(callback)
+
+    def outage(self) -> bool:
+        """Whether a check was down in the last round (a ``QuietOutages`` question)."""
+        return self._outage
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """A round every ``interval`` until ``stop`` is set."""
+        while not stop.is_set():
+            await self.check_once()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._interval)
+
+    async def check_once(self) -> None:
+        """Run every registered check once, log what changed, publish the round."""
+        names = [name for name, probe in self._probes.items() if probe is not None]
+        results = await asyncio.gather(*(self._check(name) for name in names))
+        for name, reason in zip(names, results, strict=True):
+            self._record(name, reason)
+        self._outage = any(not self._states[name].up for name in names)
+        watchdog = self.watchdog
+        self._round = _Round(
+            at=time.monotonic(),
+            checks=dict(self._states),
+            restarting=dict(watchdog.down) if watchdog else {},
+            restarts=dict(watchdog.restarts) if watchdog else {},
+        )
+
+    async def _check(self, name: str) -> str | None:
+        probe = self._probes[name]
+        assert probe is not None
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await probe()
+        except TimeoutError:
+            return f"no answer within {self._timeout:.0f} s"
+        except Exception as exc:
+            return one_line(exc)
+
+    def _record(self, name: str, reason: str | None) -> None:
+        """Keep a check's outcome; a change of up/down is one log line and the gauge."""
+        old, now = self._states[name], time.monotonic()
+        self._states[name] = CheckState(up=reason is None, reason=reason)
+        if name in self._since and old.up == (reason is None):
+            return
+        changed = self._since.get(name)
+        self._since[name] = now
+        HEALTH_CHECK_UP.labels(check=name).set(1 if reason is None else 0)
+        if reason is not None:
+            log.warning("%s is down: %s", name, reason)
+        elif changed is not None:
+            log.info("%s is up again (down %.1f s)", name, now - changed)
+            for callback in self._recovery:
+                callback(name)
+
+    # -- answers (called from the HTTP server's thread) -------------------------------
+
+    def readiness(self) -> tuple[int, Readiness]:
+        """``/readyz``: 200 when every check passed in a recent round, else 503."""
+        last = self._round
+        checks = dict(self._states) if last is None else dict(last.checks)
+        if last is not None and (age := time.monotonic() - last.at) > STALE_READINESS_S:
+            checks["monitor"] = CheckState(up=False, reason=f"last checked {age:.0f} s ago")
+        down = [name for name, state in checks.items() if not state.up]
+        return (503 if down else 200), Readiness(ready=not down, down=down, checks=checks)
+
+    def liveness(self) -> tuple[int, Liveness]:
+        """``/healthz``: 200 while the process runs its rounds and supervises, else 503."""
+        last, watchdog = self._round, self.watchdog
+        reason = watchdog.gave_up if watchdog else None
+        if reason is None and last is not None:
+            age = time.monotonic() - last.at
+            if age > STALE_LIVENESS_S:
+                reason = f"no health round for {age:.0f} s (event loop blocked?)"
+        body = Liveness(
+            alive=reason is None,
+            reason=reason,
+            supervising=[s.name for s in watchdog.servers] if watchdog else [],
+            restarting=dict(last.restarting) if last else {},
+            restarts=dict(last.restarts) if last else {},
+        )
+        return (200 if reason is None else 503), body
+
+
+# --- probes --------------------------------------------------------------------------------
+
+
+class PostgresProbe:
+    """``SELECT 1`` on a connection of its own, opened again after any failure."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._connection: asyncpg.Connection | None = None
+
+    async def __call__(self) -> str | None:
+        try:
+            if self._connection is None or self._connection.is_closed():
+                self._connection = await asyncpg.connect(
+                    self._url,
+                    timeout=CHECK_TIMEOUT_S,
+                    server_settings={"application_name": "dracap-health"},
+                )
+            await self._connection.fetchval("SELECT 1")
+        except BaseException:
+            self._drop()
+            raise
+        return None
+
+    def _drop(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.terminate()
+
+    async def close(self) -> None:
+        """Close the probe's connection."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await connection.close(timeout=CHECK_TIMEOUT_S)
+
+
+def nats_probe(nc: Client, js: JetStreamContext, stream: str) -> Probe:
+    """Connected, and JetStream answers for ``stream``."""
+
+    async def probe() -> str | None:
+        if not nc.is_connected:
+            return "not connected (reconnecting)" if nc.is_reconnecting else "not connected"
+        await js.stream_info(stream)
+        return None
+
+    return probe
+
+
+# --- endpoints -----------------------------------------------------------------------------
+
+
+def serve(server: WSGIServer, monitor: HealthMonitor) -> None:
+    """Answer ``/healthz`` and ``/readyz`` on the metrics ``server``; the rest as before."""
+    metrics = server.get_app()
+    assert metrics is not None, "the metrics server has no application"
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO")
+        answer: tuple[int, Readiness | Liveness]
+        if path == "/healthz":
+            answer = monitor.liveness()
+        elif path == "/readyz":
+            answer = monitor.readiness()
+        else:
+            return metrics(environ, start_response)
+        body = msgspec.json.encode(answer[1]) + b"\n"
+        headers = [
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+            ("Cache-Control", "no-store"),
+        ]
+        start_response(_STATUS[answer[0]], headers)
+        return [body]
+
+    server.set_app(app)

@@ -1,0 +1,277 @@
+"""``dracap up`` looks after its embedded servers: killed, restarted, the tour works again.
+
+Each test runs ``dracap up`` as a user does — a subprocess with no server URLs in its
+environment, so it starts its own PostgreSQL and nats-server under a temporary data
+directory — and kills one of those servers with SIGKILL. ``dracap up`` must start it
+again (or, with restarts off, exit with status 1 and one line), serve the tour again
+within 30 s using the commands its banner printed, say what is down on ``/readyz``
+meanwhile, and keep its log short: one line per change of state, no tracebacks.
+
+Nothing here sleeps for a fixed time: every step waits for a condition (a line in the
+log, an HTTP answer, a command that succeeds), with a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from services.runtime.embedded import free_port
+from services.up import READY_LINE
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "deploy" / "examples"
+START_S = 90.0  # initdb and two servers on a loaded 2-core machine
+RECOVER_S = 30.0  # the issue's bound: back to serving, or exited, within 30 s
+#: The log written from a kill until recovery stays under this (today: about 1 KB;
+#: before supervision, reconnect tracebacks came at about 2 KB/s without end).
+QUIET_LOG_BYTES = 4096
+#: A claim of its own for a second tour (the example claims are applied by the first).
+EXTRA_CLAIM = """
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: after-restart, namespace: tenant-a}
+spec:
+  devices:
+    requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu-memory.dracap.io
+          capacity: {requests: {memory: 5Gi}}
+"""
+
+T = TypeVar("T")
+
+
+def _eventually(check: Callable[[], T | None], within: float, what: str) -> T:
+    """Poll ``check`` until it returns something other than None (or False)."""
+    deadline = time.monotonic() + within
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within:.0f} s: {what}")
+        time.sleep(0.1)
+
+
+class Up:
+    """``dracap up`` on embedded servers in ``data_dir``; its output goes to a file."""
+
+    def __init__(self, tmp_path: Path, *extra: str) -> None:
+        self.data_dir = tmp_path / "dracap"
+        self.log = tmp_path / "up.log"
+        self.metrics_port = free_port()
+        command = [sys.executable, "-m", "services.cli", "up", "--data-dir", str(self.data_dir)]
+        command += ["--inventory", str(EXAMPLES), "--metrics-port", str(self.metrics_port)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DRACAP_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(
+                [*command, *extra], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def text(self, since: int = 0) -> str:
+        with self.log.open("rb") as handle:
+            handle.seek(since)
+            return handle.read().decode(errors="replace")
+
+    def size(self) -> int:
+        return self.log.stat().st_size
+
+    def wait_ready(self) -> str:
+        """The banner, once ``dracap up`` printed its ready line."""
+
+        def ready() -> str | None:
+            assert self.process.poll() is None, f"dracap up exited:\n{self.text()}"
+            text = self.text()
+            return text if f"\n{READY_LINE}" in text else None
+
+        return _eventually(ready, START_S, "dracap up prints its ready line")
+
+    def hint(self, banner: str, words: str) -> list[str]:
+        """The command of the banner's hint that contains ``words``, as argv."""
+        [line] = [line for line in banner.splitlines() if words in line]
+        return shlex.split(line)
+
+    def get(self, path: str) -> tuple[int, dict[str, Any]]:
+        """GET ``path`` of the metrics port: status and JSON body."""
+        url = f"http://127.0.0.1:{self.metrics_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    def metric(self, sample: str) -> float | None:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith(sample + " "):
+                    return float(line.split()[-1])
+        return None
+
+    def kill(self, server: str) -> None:
+        """SIGKILL the embedded ``postgres`` (its postmaster) or ``nats`` server."""
+        if server == "nats":
+            pid = int((self.data_dir / "nats.pid").read_text())
+        else:
+            pid = int((self.data_dir / "postgres" / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        """SIGINT; a ``dracap up`` that does not stop is killed, and its servers with it."""
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            for server in ("nats", "postgres"):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    self.kill(server)
+
+
+@pytest.fixture
+def up_factory(tmp_path: Path) -> Iterator[Callable[..., Up]]:
+    started: list[Up] = []
+
+    def start(*extra: str) -> Up:
+        up = Up(tmp_path, *extra)
+        started.append(up)
+        return up
+
+    yield start
+    for up in started:
+        up.stop()
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRACAP_")}
+    return subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RECOVER_S, check=False
+    )
+
+
+def _tour(up: Up, banner: str, manifest: Path | None = None) -> str:
+    """Apply claims with the banner's own ``claim apply`` hint until they are all ready."""
+    argv = [*up.hint(banner, "claim apply"), "--timeout", "10"]
+    if manifest is not None:
+        argv[argv.index("-f") + 1] = str(manifest)
+
+    def applied() -> str | None:
+        try:
+            done = _run(argv)
+        except subprocess.TimeoutExpired:
+            return None
+        return done.stdout if done.returncode == 0 and "ready" in done.stdout else None
+
+    return _eventually(applied, RECOVER_S, f"{shlex.join(argv)} succeeds")
+
+
+def _ready(up: Up) -> None:
+    _eventually(lambda: up.get("/readyz")[0] == 200, RECOVER_S, "/readyz says 200")
+
+
+def _assert_quiet(log: str, check: str, max_bytes: int = QUIET_LOG_BYTES) -> None:
+    """No tracebacks, a short log; each change of the check's state said once."""
+    assert "Traceback" not in log, log
+    assert len(log.encode()) < max_bytes, log
+    downs, ups = log.count(f"{check} is down:"), log.count(f"{check} is up again")
+    assert downs >= 1 and downs == ups, log
+
+
+@pytest.mark.parametrize("server", ["nats", "postgres"])
+def test_a_killed_server_is_restarted_and_the_tour_works_again(
+    up_factory: Callable[..., Up], tmp_path: Path, server: str
+) -> None:
+    up = up_factory()
+    banner = up.wait_ready()
+    _tour(up, banner)  # the example claims, through the printed hint
+    _ready(up)
+    mark = up.size()
+
+    up.kill(server)
+    manifest = tmp_path / "extra.yaml"
+    manifest.write_text(EXTRA_CLAIM)
+    out = _tour(up, banner, manifest)
+    assert "after-restart" in out and "ready" in out
+
+    _ready(up)
+    assert up.process.poll() is None
+    log = up.text(mark)
+    _assert_quiet(log, server)
+    assert f"embedded {server}: " in log and "restarting it" in log
+    restarts = f'dracap_embedded_server_restarts_total{{server="{server}"}}'
+    assert up.metric(restarts) == 1.0
+
+
+def test_readyz_names_a_dead_server_until_it_runs_again(
+    up_factory: Callable[..., Up], tmp_path: Path
+) -> None:
+    up = up_factory("--max-server-restarts", "50")
+    banner = up.wait_ready()
+    _ready(up)
+    # PostgreSQL reads its configuration only when it starts: a broken line keeps the
+    # running server as it is, and makes every restart fail until it is taken out.
+    config = up.data_dir / "postgres" / "postgresql.auto.conf"
+    original = config.read_text()
+    config.write_text(original + "\nthis is not a setting\n")
+    mark = up.size()
+    up.kill("postgres")
+
+    def down() -> dict[str, Any] | None:
+        status, body = up.get("/readyz")
+        return body if status == 503 and "postgres" in body["down"] else None
+
+    body = _eventually(down, RECOVER_S, "/readyz says 503 naming postgres")
+    assert body["ready"] is False and body["checks"]["postgres"]["reason"]
+    assert body["checks"]["nats"]["up"] is True
+    _eventually(lambda: "did not start again" in up.text(mark), RECOVER_S, "a restart fails")
+    status, live = up.get("/healthz")
+    assert status == 200 and live["alive"] is True and "postgres" in live["supervising"]
+    assert down() is not None  # still down: every restart fails
+
+    config.write_text(original)
+    _ready(up)
+    manifest = tmp_path / "extra.yaml"
+    manifest.write_text(EXTRA_CLAIM)
+    _tour(up, banner, manifest)
+    log = up.text(mark)
+    _assert_quiet(log, "postgres", max_bytes=4 * QUIET_LOG_BYTES)  # a line per failed start
+    assert log.count("embedded postgres: running again") == 1
+
+
+def test_with_restarts_off_a_dead_server_ends_it_with_one_line(
+    up_factory: Callable[..., Up],
+) -> None:
+    up = up_factory("--max-server-restarts", "0")
+    up.wait_ready()
+    mark = up.size()
+    up.kill("nats")
+    try:
+        code = up.process.wait(RECOVER_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"dracap up still runs:\n{up.text(mark)}") from None
+    log = up.text(mark)
+    assert code == 1, log
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, log
+    assert "embedded nats: killed by SIGKILL" in errors[0] and "restarts are off" in errors[0]
+    assert "Traceback" not in log
+    assert not (up.data_dir / "postgres" / "postmaster.pid").exists()  # stopped cleanly
