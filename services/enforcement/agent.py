@@ -6,17 +6,22 @@ consumer ``agent-<node>``, so with per-node broker permissions a node never sees
 another node's instructions. Its view of shares comes from a
 :class:`~services.runtime.livestate.LiveState`.
 
-* ``AllocationBound`` -> for each share of the allocation that is still ``reserved``
-  or ``bound``: :meth:`Enforcer.apply` -> ``LimitApplied(level, actual)``. The claim
+* ``AllocationBound`` -> for each share of the allocation that is ``bound`` in the
+  folded log: :meth:`Enforcer.apply` -> ``LimitApplied(level, actual)``. The claim
   becomes ``Ready`` in the fold only when every share has its limit (invariant 7);
   scheduling alone never makes it ready. A failing enforcer gives ``LimitFailed``:
   a retryable failure is first retried through redelivery (the handler raises, the
   consumer naks with back-off) and recorded only on the last delivery; a permanent
   one is recorded at once and fails the claim.
-* ``ReleaseRequested`` -> for each share of that allocation version that still holds
-  capacity and is not ``unknown`` (the reclamation service owns those):
+* ``ReleaseRequested`` -> when the folded log has the claim ``releasing`` at that
+  allocation version, for each of its shares on this node that is ``releasing`` (not
+  ``unknown``: the reclamation service owns those):
   :meth:`Enforcer.remove` -> ``LimitRemoved`` (node stream) + ``CapacityReleased``
   (device stream).
+
+The message only says *where to look*: the consumer drops what the log does not hold
+(:mod:`services.runtime.confirming`), and the handler acts only where the folded state
+demands it, so neither a forged nor a stale message can tear down or set up a limit.
 
 Exactly once: the consumer records the message in ``processed_messages`` in the same
 commit as these events (one statement, ``one_statement``), so a redelivery is skipped;
@@ -91,6 +96,7 @@ from services.enforcement.checkpointing import Checkpoint, CheckpointEntry
 from services.enforcement.enforcers import AppliedLimit, EnforcementError, Enforcer, ShareLimit
 from services.enforcement.reconciling import plan_reconcile
 from services.enforcement.scanning import InventoryScanner
+from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
 from services.runtime.livestate import LiveState
@@ -102,8 +108,9 @@ log = logging.getLogger("dracap.agent")
 
 _DURABLE_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_-]")
 _WORK: Final = (AllocationBound, ReleaseRequested)
-_APPLICABLE: Final = frozenset({"reserved", "bound"})
-_RELEASABLE: Final = frozenset({"reserved", "bound", "ready", "releasing"})
+#: Share states in which the folded log demands an action (not the message alone).
+_APPLICABLE: Final = frozenset({"bound"})
+_RELEASABLE: Final = frozenset({"releasing"})
 
 
 def consumer_name(node: str) -> str:
@@ -166,6 +173,7 @@ class Agent:
             group_handler=self.handle,
             wants=self.wants,
             one_statement=True,
+            confirmation=LogConfirmation(store, self.live),
             max_deliver=max_deliver,
         )
 
@@ -396,7 +404,11 @@ class Agent:
     ) -> list[Callable[[], None]]:
         state = self.live.state
         claim = state.claim(event.namespace, event.name)
-        if claim is None or claim.allocation_version != event.allocation_version:
+        if (
+            claim is None
+            or claim.phase != "releasing"
+            or claim.allocation_version != event.allocation_version
+        ):
             return []
         stream = node_stream(self.node)
         cause = Cause.of(env)

@@ -16,6 +16,15 @@ the request expired. Whatever has arrived when the previous group is done forms 
 next group (at most ``max_group`` messages): under load, groups grow by themselves
 and one transaction carries many messages; when idle, each message goes alone.
 
+Confirming
+----------
+A bus message is a notification, never a fact: before anything else, every message
+received is checked against the log (:mod:`services.runtime.confirming`). One the log
+does not hold as sent — at its position, with its id and payload — is terminated
+unhandled and counted (``dracap_unconfirmed_messages_total``); it never reaches the
+handler, ``processed_messages`` or the dead letters. Pass ``confirmation`` built on
+the service's live view to answer most messages without a query.
+
 Handling a group, in **one** Postgres transaction
 -------------------------------------------------
 1. ``INSERT INTO processed_messages (consumer, event_id) ... ON CONFLICT DO NOTHING
@@ -86,6 +95,12 @@ message with a delay from ``backoff`` (by delivery count). On delivery number
 ``dracap_dead_letters_total``. A message that cannot even be decoded is
 dead-lettered at once.
 
+A failure that says a server cannot be reached
+(:func:`~services.runtime.outages.is_unreachable`: PostgreSQL restarting, say) is not
+the message's fault: it is nak'd with the longest back-off and that delivery does not
+count towards ``max_deliver`` (nor towards the delivery a handler sees), so an outage
+of any length dead-letters nothing.
+
 The JetStream consumer itself is created with *unlimited* deliveries: the limit is
 enforced here, where the dead letter is written. Were the server to stop
 redelivering at the same count, a dead letter that failed to be written (the
@@ -128,6 +143,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 from events.catalog import Envelope, MessageDeadLettered, decode_envelope
 from events.errors import CatalogError
 from events.subjects import BusNames
+from services.runtime.confirming import WARN_EVERY_S, LogConfirmation
 from services.runtime.errors import AlreadyHandled
 from services.runtime.eventstore import (
     MARK_PROCESSED,
@@ -138,7 +154,8 @@ from services.runtime.eventstore import (
     Processed,
 )
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
-from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS
+from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES
+from services.runtime.outages import is_unreachable, one_line
 
 __all__ = ["Consumer", "GroupHandler", "Handled", "Handler", "HandlerContext"]
 
@@ -204,6 +221,8 @@ class _DeadLetter(msgspec.Struct, frozen=True):
     reason: str
 
 
+#: Event ids whose outage-failed deliveries a consumer remembers (the oldest go first).
+_EXCUSED_KEPT: Final = 10_000
 #: How long a consumer keeps its ``lock_key`` across groups while messages keep coming.
 LOCK_HOLD_S: Final = 0.05
 
@@ -314,6 +333,7 @@ class Consumer:
         wants: Callable[[Envelope], bool] | None = None,
         lock_key: int | None = None,
         one_statement: bool = False,
+        confirmation: LogConfirmation | None = None,
         max_deliver: int = 5,
         backoff: Sequence[float] = (0.1, 0.5, 2, 5),
         batch: int = 256,
@@ -337,6 +357,7 @@ class Consumer:
         self._wants = wants
         self._lock_key = lock_key
         self._one_statement = one_statement
+        self._confirmation = confirmation or LogConfirmation(store)
         self._held: _HeldLock | None = None
         self._max_deliver = max_deliver
         self._backoff = tuple(backoff)
@@ -347,6 +368,10 @@ class Consumer:
         self.skipped = 0  #: redeliveries found already handled
         self.ignored = 0  #: messages ``wants`` declined (acked without a transaction)
         self.dead_lettered = 0
+        self.unconfirmed = 0  #: messages the log does not hold as sent (terminated)
+        self._excused: dict[str, int] = {}  # event id -> deliveries lost to an outage
+        self._unconfirmed_unlogged = 0  # dropped since the last warning
+        self._unconfirmed_logged_at = -WARN_EVERY_S
         self.groups = 0  #: transactions that handled more than one message
         self._mark = HighWaterMark(store, name)
 
@@ -401,9 +426,11 @@ class Consumer:
     async def process_group(self, msgs: Sequence[Msg]) -> None:
         """Handle received messages: together in one transaction where possible."""
         group: list[_Incoming] = []
-        for msg in msgs:
-            incoming = await self._admit(msg)
-            if incoming is None:
+        for incoming in await self._confirmed(msgs):
+            msg = incoming.msg
+            if incoming.delivery > self._max_deliver:
+                reason = f"delivered {incoming.delivery} times without an outcome"
+                await self._give_up(msg, self._dead_letter(incoming.env, reason))
                 continue
             if self._wants is not None and not self._wants(incoming.env):
                 await msg.ack()
@@ -432,37 +459,106 @@ class Consumer:
             else:
                 self.skipped += 1
 
-    async def _admit(self, msg: Msg) -> _Incoming | None:
-        """Decode ``msg``; dead-letter it (and return None) if it cannot be handled."""
-        delivery = msg.metadata.num_delivered
-        if delivery > 1:
-            CONSUMER_REDELIVERIES.labels(consumer=self.name).inc()
+    async def _confirmed(self, msgs: Sequence[Msg]) -> list[_Incoming]:
+        """Decode ``msgs`` and keep those the log confirms (see :mod:`.confirming`).
+
+        An undecodable message the log holds is dead-lettered; one it does not hold,
+        and every decoded message it does not hold as sent, is dropped and counted.
+        """
+        decoded: list[_Incoming] = []
+        for msg in msgs:
+            if msg.metadata.num_delivered > 1:
+                CONSUMER_REDELIVERIES.labels(consumer=self.name).inc()
+            try:
+                env = decode_envelope(msg.data)
+            except CatalogError as exc:
+                await self._undecodable(msg, exc)
+                continue
+            decoded.append(_Incoming(msg, env, self._delivery(msg, env.event_id)))
+        if not decoded:
+            return []
         try:
-            env = decode_envelope(msg.data)
-        except CatalogError as exc:
-            event_id = (msg.headers or {}).get(Header.MSG_ID.value, "")
+            verdicts = await self._confirmation.confirm([i.env for i in decoded])
+        except Exception as exc:
+            if not is_unreachable(exc):
+                raise
+            for incoming in decoded:  # the log cannot be asked now: later, uncounted
+                await self._excuse(incoming.msg, incoming.env.event_id, exc)
+            return []
+        confirmed: list[_Incoming] = []
+        for incoming, held in zip(decoded, verdicts, strict=True):
+            if held:
+                confirmed.append(incoming)
+            else:
+                await self._drop_unconfirmed(incoming.msg, incoming.env.event_id)
+        return confirmed
+
+    async def _undecodable(self, msg: Msg, exc: CatalogError) -> None:
+        """Dead-letter an undecodable message the log holds; drop any other one."""
+        event_id = (msg.headers or {}).get(Header.MSG_ID.value, "")
+        try:
+            held = await self._confirmation.holds(event_id)
+        except Exception as failure:
+            if not is_unreachable(failure):
+                raise
+            await self._excuse(msg, event_id, failure)
+            return
+        if held:
             await self._give_up(msg, _DeadLetter(event_id, 0, None, f"undecodable: {exc}"))
-            return None
-        if delivery > self._max_deliver:
-            reason = f"delivered {delivery} times without an outcome"
-            await self._give_up(msg, self._dead_letter(env, reason))
-            return None
-        return _Incoming(msg, env, delivery)
+        else:
+            await self._drop_unconfirmed(msg, event_id or "(no id)")
+
+    def _delivery(self, msg: Msg, event_id: str) -> int:
+        """The delivery count, less the deliveries a server outage made fail."""
+        return msg.metadata.num_delivered - self._excused.get(event_id, 0)
+
+    async def _excuse(self, msg: Msg, event_id: str, exc: BaseException) -> None:
+        """A server is unreachable: try the message again later; the try does not count.
+
+        Otherwise an outage longer than the back-offs would dead-letter every message
+        that was in flight when it began.
+        """
+        self._excused[event_id] = self._excused.pop(event_id, 0) + 1
+        while len(self._excused) > _EXCUSED_KEPT:
+            del self._excused[next(iter(self._excused))]
+        _log.warning(
+            "consumer %s: event %s waits for a server (%s)", self.name, event_id, one_line(exc)
+        )
+        await _quietly(msg.nak(delay=self._backoff[-1]))
+
+    async def _drop_unconfirmed(self, msg: Msg, event_id: str) -> None:
+        """Terminate a message the log does not confirm; count it, log now and then."""
+        await _quietly(msg.term())
+        self.unconfirmed += 1
+        self._unconfirmed_unlogged += 1
+        UNCONFIRMED_MESSAGES.labels(consumer=self.name).inc()
+        now = time.monotonic()
+        if now - self._unconfirmed_logged_at >= WARN_EVERY_S:
+            _log.warning(
+                "consumer %s: dropped %d message(s) the log does not hold as sent (latest: %s)",
+                self.name,
+                self._unconfirmed_unlogged,
+                event_id[:64],
+            )
+            self._unconfirmed_logged_at = now
+            self._unconfirmed_unlogged = 0
 
     async def process(self, msg: Msg) -> None:
-        """Handle one message to its outcome: ack, nak with delay, or dead letter."""
-        incoming = await self._admit(msg)
-        if incoming is not None:
-            await self._process_one(incoming)
+        """Handle one message to its outcome: ack, nak with delay, dead letter or drop."""
+        await self.process_group([msg])
 
     async def _process_one(self, incoming: _Incoming) -> None:
         msg, env, delivery = incoming.msg, incoming.env, incoming.delivery
         try:
             fresh = await self._handle(env, delivery)
         except Exception as exc:
-            await self._failed(msg, env, delivery, exc)
+            if is_unreachable(exc):
+                await self._excuse(msg, env.event_id, exc)
+            else:
+                await self._failed(msg, env, delivery, exc)
             return
         await msg.ack()
+        self._excused.pop(env.event_id, None)
         if fresh:
             self.handled += 1
         else:

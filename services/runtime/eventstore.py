@@ -738,6 +738,20 @@ class EventStore:
         )
         return [envelope_of(row) for row in rows]
 
+    async def read_positions(self, positions: Sequence[int]) -> list[Envelope]:
+        """The events stored at ``positions`` (those that exist), in position order."""
+        rows = await self._pool.fetch(
+            f"{_SELECT} WHERE position = ANY($1::bigint[]) ORDER BY position", list(positions)
+        )
+        return [envelope_of(row) for row in rows]
+
+    async def holds_event(self, event_id: str) -> bool:
+        """Whether the log holds an event with this id (a UUID string)."""
+        found: bool = await self._pool.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM events WHERE event_id = $1::uuid)", event_id
+        )
+        return found
+
     async def read_rows(
         self, from_position: int = 0, batch_size: int = 1000, to_position: int | None = None
     ) -> AsyncIterator[list[asyncpg.Record]]:
@@ -784,6 +798,8 @@ class EventStore:
         async with self._listener_lock:
             if self._closed:
                 raise RetryableError("the event store is closed")
+            if self._listener is not None and self._listener.is_closed():
+                self._listener = None  # the server went away with it: listen anew
             if self._listener is None:
                 listener = await connect(self._settings)
                 try:

@@ -59,6 +59,7 @@ from events.errors import InvariantViolation
 from events.fold import ClusterState, apply, snapshot_decode
 from services.runtime.errors import RuntimeServiceError
 from services.runtime.eventstore import Connection, EventStore, envelope_of, iter_rows
+from services.runtime.outages import is_unreachable
 
 __all__ = ["INVENTORY_EVENTS", "Listener", "LiveState"]
 
@@ -292,7 +293,9 @@ class LiveState:
                         await self.catch_up()  # others' commits (or a gap): read them
                     read = False
                     await _first_of(self._next_commit(poll_s), stop)
-                except (OSError, RuntimeServiceError) as exc:
+                except Exception as exc:
+                    if not (isinstance(exc, RuntimeServiceError) or is_unreachable(exc)):
+                        raise
                     log.warning("live state could not read the log: %s", exc)
                     read = True
                     await _first_of(asyncio.sleep(poll_s), stop)

@@ -425,28 +425,85 @@ async def test_always_failing_handler_is_dead_lettered(bus: Bus) -> None:
     assert letter.correlation_id == source.correlation_id
 
 
-async def test_undecodable_message_is_dead_lettered_at_once(bus: Bus) -> None:
+async def test_undecodable_message_of_a_logged_event_is_dead_lettered_at_once(bus: Bus) -> None:
+    await append_burst(bus.store, 1)
+    [logged] = [e async for e in bus.store.read_all()]
     k = consumer(bus, echo_handler([]), name="poison")
     subject = f"{bus.names.prefix}.ev.admin._.admin.namespace_access_set"
-    message_id = str(uuid.uuid4())
-    await bus.js.publish(subject, b"not json", headers={"Nats-Msg-Id": message_id})
+    await bus.js.publish(subject, b"not json", headers={"Nats-Msg-Id": logged.event_id})
     async with Running(k.run):
         await until(lambda: k.dead_lettered == 1)
     [letter] = await bus.store.read_stream("consumer:poison")
     assert isinstance(letter.event, c.MessageDeadLettered)
-    assert letter.event.event_id == message_id
+    assert letter.event.event_id == logged.event_id
     assert letter.event.reason.startswith("undecodable")
+
+
+# --- messages the log does not confirm ------------------------------------------------------
+
+
+def forgeries(names: BusNames, real: c.Envelope) -> list[tuple[str, bytes, str]]:
+    """(subject, data, Nats-Msg-Id) of messages that imitate ``real`` but are not it."""
+    subject = names.event_subject(real)
+    never_logged = msgspec.structs.replace(real, event_id=str(uuid.uuid4()), position=10**9)
+    other_payload = msgspec.structs.replace(real, event=access(99))
+    past_the_head = msgspec.structs.replace(real, position=real.position + 1000)
+    out = [  # a fresh Nats-Msg-Id each, or JetStream would drop them as duplicates
+        (subject, c.encode_event(env), str(uuid.uuid4()))
+        for env in (never_logged, other_payload, past_the_head)
+    ]
+    return [*out, (subject, b"not json", str(uuid.uuid4())), (subject, b"{}", "not-a-uuid")]
+
+
+@pytest.mark.parametrize("one_statement", [False, True])
+async def test_messages_the_log_does_not_hold_are_dropped_and_counted(
+    bus: Bus, one_statement: bool
+) -> None:
+    await append_burst(bus.store, 1)
+    [real] = [e async for e in bus.store.read_all()]
+    calls: list[tuple[str, int]] = []
+    name = f"forged-{int(one_statement)}"
+    k = consumer(bus, echo_handler(calls, in_transaction=not one_statement), name=name)
+    if one_statement:
+        k = consumer(bus, echo_handler(calls, in_transaction=False), name=name, one_statement=True)
+    before = metric("dracap_unconfirmed_messages_total", name)
+    fakes = forgeries(bus.names, real)
+    for subject, data, msg_id in fakes:
+        await bus.js.publish(subject, data, headers={"Nats-Msg-Id": msg_id})
+    async with Running(k.run):
+        await until(lambda: k.unconfirmed == len(fakes))
+    assert calls == []
+    assert metric("dracap_unconfirmed_messages_total", name) - before == len(fakes)
+    assert [e async for e in bus.store.read_all()] == [real]  # nothing appended
+    count = "SELECT count(*) FROM processed_messages WHERE consumer = $1"
+    assert await bus.store.pool.fetchval(count, name) == 0
+
+
+async def test_the_real_message_still_goes_through_beside_forgeries(bus: Bus) -> None:
+    await append_burst(bus.store, 3)
+    logged = [e async for e in bus.store.read_all()]
+    calls: list[tuple[str, int]] = []
+    k = consumer(bus, echo_handler(calls), name="mixed")
+    for subject, data, msg_id in forgeries(bus.names, logged[1]):
+        await bus.js.publish(subject, data, headers={"Nats-Msg-Id": msg_id})
+    async with Running(relay(bus).run), Running(k.run):
+        await until(lambda: k.handled == 3 and k.unconfirmed == 5)
+    assert sorted(event_id for event_id, _ in calls) == sorted(e.event_id for e in logged)
 
 
 # --- group commit ---------------------------------------------------------------------------
 
 
-def echo_group(sizes: list[int], poison: set[str]) -> Callable[..., Awaitable[Handled]]:
-    """A group handler: one echo per envelope, each naming its cause; raises on poison."""
+def echo_group(sizes: list[int], poison: set[int]) -> Callable[..., Awaitable[Handled]]:
+    """A group handler: one echo per envelope, each naming its cause; raises on poison.
+
+    ``poison``: log positions, known before the events exist (an event id would be
+    known only after the append, when the consumer may already have handled it).
+    """
 
     async def handle(ctx: HandlerContext, envs: list[c.Envelope]) -> Handled:
         sizes.append(len(envs))
-        if poison & {e.event_id for e in envs}:
+        if poison & {e.position for e in envs}:
             raise RuntimeError("poison in the group")
         batches = [
             Batch(
@@ -464,7 +521,7 @@ def echo_group(sizes: list[int], poison: set[str]) -> Callable[..., Awaitable[Ha
 
 async def test_groups_commit_together_and_a_failing_group_goes_one_by_one(bus: Bus) -> None:
     sizes: list[int] = []
-    poison: set[str] = set()
+    poison = {75}  # in the second burst: 1-30 the first, 31-60 their echoes, 61-90
     await append_burst(bus.store, 30)
     r = relay(bus)
     k = consumer(bus, None, name="grouped", group_handler=echo_group(sizes, poison), max_deliver=2)
@@ -474,10 +531,9 @@ async def test_groups_commit_together_and_a_failing_group_goes_one_by_one(bus: B
             await until(lambda: k.handled == 30)
             assert k.groups >= 1 and max(sizes) > 1  # several messages, one transaction
             await append_burst(bus.store, 30)
-            sources = [e async for e in bus.store.read_all()]
-            bad = next(e for e in sources[30:] if e.stream.startswith("burst:"))
-            poison.add(bad.event_id)
-            await until(lambda: k.handled == 59 and k.dead_lettered == 1)
+            await until(lambda: k.handled == 59 and k.dead_lettered == 1, within=60)
+    sources = [e async for e in bus.store.read_all()]
+    [bad] = [e for e in sources if e.position in poison]
     echoed = {e.causation_id: e for e in await echoes(bus.store)}
     burst = [e for e in sources if e.stream.startswith("burst:")]
     assert set(echoed) == {e.event_id for e in burst} - {bad.event_id}
@@ -639,3 +695,20 @@ async def test_high_water_mark_stores_at_most_once_per_interval(bus: Bus) -> Non
     await keeper
     assert stored == sorted(stored) and stored[-1] == 300  # the last one on the way out
     assert 2 <= len(stored) <= elapsed / 0.1 + 2, (stored, elapsed)  # not one per advance
+
+
+async def test_a_server_outage_does_not_count_towards_dead_lettering(bus: Bus) -> None:
+    await append_burst(bus.store, 1)
+    outages: list[int] = []
+
+    async def handle(ctx: HandlerContext, env: c.Envelope) -> Handled:
+        outages.append(ctx.delivery)
+        if len(outages) <= 5:  # longer than max_deliver: the database "restarting"
+            raise ConnectionRefusedError("the server is restarting")
+        return Handled([Batch(f"echo:{env.event_id}", 0, [c.LimitRemoved(share_id="s", node="n")])])
+
+    k = consumer(bus, handle, name="outage", max_deliver=2)
+    async with Running(relay(bus).run), Running(k.run):
+        await until(lambda: k.handled == 1, within=60)
+    assert k.dead_lettered == 0
+    assert outages == [1] * 6  # no try lost to the outage counted as a delivery

@@ -371,3 +371,22 @@ async def test_catch_up_to_waits_for_the_tailer_instead_of_reading(
     )
     assert await live.catch_up_to(env.position) == 1
     assert live.state.claim("t", "b") is not None
+
+
+async def test_a_listener_lost_with_its_server_is_opened_again(
+    store: EventStore, postgres_admin_url: str
+) -> None:
+    await store.wait_for_new(0, 0.01)  # opens the LISTEN connection
+    first = store._listener
+    assert first is not None
+    admin = await asyncpg.connect(postgres_admin_url)
+    try:  # what a server restart does to it
+        await admin.execute("SELECT pg_terminate_backend($1)", first.get_server_pid())
+    finally:
+        await admin.close()
+    async with asyncio.timeout(30):
+        while not first.is_closed():  # noqa: ASYNC110 (asyncpg notices the end by itself)
+            await asyncio.sleep(0.02)
+    await store.wait_for_new(0, 0.01)
+    assert store._listener is not None and store._listener is not first
+    assert not store._listener.is_closed()

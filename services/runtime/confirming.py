@@ -1,0 +1,104 @@
+"""Bus messages confirmed against the log before anyone acts on them.
+
+A message on the events stream is a *notification*, never a fact. The relay is meant to
+be the only publisher there, but a NATS account that can publish to the stream's
+subjects (a misconfigured permission, a stolen credential) could inject an envelope
+that was never written to PostgreSQL — a ``ReleaseRequested`` that makes an agent tear
+down another tenant's limit, say. So every consumer asks the log first:
+
+* a message is **confirmed** when the log holds, at the message's position, an event
+  with the same id, stream, stream version and payload (the whole envelope is
+  compared; only ``schema_version`` may differ, because the relay upcasts old rows);
+* anything else is **unconfirmed**: the consumer terminates it without running its
+  handler, counts ``dracap_unconfirmed_messages_total{consumer}`` and logs it (at
+  most one line per :data:`WARN_EVERY_S` per consumer, with the number dropped since).
+
+Where the log is read: the relay publishes an event only after it has committed, so a
+read issued after the message arrived sees it. A consumer with a
+:class:`~services.runtime.livestate.LiveState` keeps the envelopes its view folded
+most recently (:data:`RECENT_KEPT`), which answers nearly every message without a
+query — by the time an agent or a planner gets a message, its own view has usually
+folded the event already; the rest (and every consumer without a view) cost one
+``SELECT`` per group of messages (:meth:`EventStore.read_positions`).
+
+A message that cannot even be decoded is confirmed by its ``Nats-Msg-Id`` alone (the
+relay sets it to the event id): the log holding that id means a real event this
+consumer cannot read (a newer producer, say) — it is dead-lettered as before; an id
+the log does not hold makes it unconfirmed.
+
+This is the rule "act only on what the log says" at the door; the handlers add the
+second half of it — they decide from the folded state, never from the message alone
+(an agent removes a limit only when the claim is ``releasing`` at that allocation
+version).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Final
+
+import msgspec
+
+from events.catalog import Envelope
+from services.runtime.eventstore import EventStore
+from services.runtime.livestate import LiveState
+
+__all__ = ["RECENT_KEPT", "WARN_EVERY_S", "LogConfirmation", "same_event"]
+
+#: Folded envelopes kept for confirmation without a query.
+RECENT_KEPT: Final = 16_384
+#: Unconfirmed messages are logged at most this often per consumer.
+WARN_EVERY_S: Final = 10.0
+_MAX_POSITION: Final = 2**63 - 1
+
+
+def same_event(sent: Envelope, logged: Envelope | None) -> bool:
+    """Whether ``sent`` (from the bus) is the event the log holds as ``logged``."""
+    if logged is None or sent.event_id != logged.event_id:
+        return False
+    if sent.schema_version != logged.schema_version:
+        sent = msgspec.structs.replace(sent, schema_version=logged.schema_version)
+    return sent == logged
+
+
+class LogConfirmation:
+    """Confirms bus messages against the log (see the module docstring)."""
+
+    def __init__(
+        self, store: EventStore, live: LiveState | None = None, *, kept: int = RECENT_KEPT
+    ) -> None:
+        self._store = store
+        self._kept = kept
+        self._recent: dict[int, Envelope] = {}
+        if live is not None:
+            live.subscribe(self._folded)
+
+    def _folded(self, env: Envelope) -> None:
+        recent = self._recent
+        recent[env.position] = env
+        while len(recent) > self._kept:  # folded in position order: the first is the oldest
+            del recent[next(iter(recent))]
+
+    async def confirm(self, envs: Sequence[Envelope]) -> list[bool]:
+        """For each envelope, whether the log holds it as sent."""
+        logged: dict[int, Envelope] = {}
+        missing: set[int] = set()
+        for env in envs:
+            known = self._recent.get(env.position)
+            if known is not None:
+                logged[env.position] = known
+            elif 0 < env.position <= _MAX_POSITION:
+                missing.add(env.position)
+        if missing:
+            for env in await self._store.read_positions(sorted(missing)):
+                logged[env.position] = env
+        return [same_event(e, logged.get(e.position)) for e in envs]
+
+    async def holds(self, event_id: str) -> bool:
+        """Whether the log holds an event with the id an undecodable message carried."""
+        try:
+            uuid.UUID(event_id)
+        except ValueError:
+            return False
+        return await self._store.holds_event(event_id)
