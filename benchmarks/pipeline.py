@@ -118,13 +118,16 @@ def claim(name: str) -> bytes:
     return json.dumps(body).encode()
 
 
-def namespace() -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
+def namespace(name: str = NAMESPACE) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
 
 
-def write_inventory(path: Path, nodes: list[str]) -> Path:
+def write_inventory(
+    path: Path, nodes: list[str], namespaces: tuple[str, ...] = (NAMESPACE,)
+) -> Path:
     """The synthetic inventory as one JSON ``List``."""
-    documents = [device_class(), namespace(), *(resource_slice(n) for n in nodes)]
+    tenants = [namespace(n) for n in namespaces]
+    documents = [device_class(), *tenants, *(resource_slice(n) for n in nodes)]
     path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": documents}))
     return path
 
@@ -242,11 +245,15 @@ def percentile(values: list[float], p: float) -> float:
 
 @contextlib.asynccontextmanager
 async def dracap_up(
-    settings: Settings, args: argparse.Namespace, names: BusNames, work: Path
+    settings: Settings,
+    args: argparse.Namespace,
+    names: BusNames,
+    work: Path,
+    namespaces: tuple[str, ...] = (NAMESPACE,),
 ) -> AsyncIterator[None]:
     """``dracap up`` as its own process on these servers, until the block ends."""
     nodes = [f"node-{i}" for i in range(args.nodes)]
-    inventory = write_inventory(work / "inventory.json", nodes)
+    inventory = write_inventory(work / "inventory.json", nodes, namespaces)
     env = dict(
         os.environ,
         DRACAP_DATABASE_URL=settings.database_url,

@@ -7,6 +7,8 @@ catch the whole package with one clause and still tell the kinds apart by type::
     ├── QuantityError          a string that is not a Kubernetes quantity
     ├── ValidationError        a manifest or command that breaks an API rule
     ├── SelectorError          a CEL selector that does not compile or evaluate
+    │   ├── SelectorCostExceeded   an evaluation that went over its cost budget
+    │   └── SelectorDeadlineExceeded   an evaluation stopped at its wall-clock deadline
     ├── CatalogError           an event that is not part of the catalog
     └── InvariantViolation     a fold step that would break an invariant
 
@@ -53,6 +55,18 @@ class SelectorError(EventsError):
         super().__init__(f"CEL selector {expression!r}: {message}")
         self.expression = expression
         self.message = message
+
+
+class SelectorCostExceeded(SelectorError):  # noqa: N818 (the name says what happened)
+    """A CEL selector's evaluation spent more than the cost units it was allowed."""
+
+    def __init__(self, expression: str, message: str, limit: int) -> None:
+        super().__init__(expression, message)
+        self.limit = limit
+
+
+class SelectorDeadlineExceeded(SelectorError):  # noqa: N818 (as above)
+    """A CEL selector's evaluation was stopped at a wall-clock deadline (dracap's own)."""
 
 
 class CatalogError(EventsError, ValueError):

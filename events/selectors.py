@@ -30,13 +30,14 @@ runtime is celpy's interpreter; its transpiling runner is not used because it re
 extension functions through module globals and is not thread-safe.
 
 Limits: an expression longer than :data:`MAX_EXPRESSION_LENGTH` characters does not
-compile. Upstream also caps the *runtime cost* of one evaluation at
-:data:`MAX_COST` units; cel-python has no cost tracking, so instead the compile step
-estimates the iterations of (nested) comprehensions -- literal lists count their
-elements, anything derived from ``device`` counts as the API maximum of
-:data:`MAX_ENTRIES_PER_MAP` entries -- and rejects expressions above the limit. Every
-other construct is bounded by the expression length, and CEL has no side effects, so
-an evaluation cannot do more than read the device.
+compile, nor does one whose *estimated* cost is above :data:`MAX_COST` units or cannot
+be bounded; every evaluation is metered and stops with
+:class:`~events.errors.SelectorCostExceeded` once its *actual* cost passes the limit
+it runs under (:data:`MAX_COST` unless the caller asks for less). Both are upstream's
+rules, in cel-go's cost units (:mod:`events.celcost`). cel-python needs tens of
+microseconds per unit, so a selector near the limit runs for many seconds: a service
+that evaluates tenants' selectors keeps the expensive ones off its event loop
+(:mod:`services.runtime.selectorpool`).
 
 Performance: :func:`compile_selector` is cached on ``(expression, flag)``. Converting
 a :class:`DeviceView` into celpy values is done once per view object and stored in a
@@ -62,13 +63,15 @@ import semver
 from celpy import celtypes
 from celpy.celparser import CELParseError
 from celpy.evaluation import CELEvalError, base_functions, bool_eq
+from lark.exceptions import UnexpectedCharacters, UnexpectedToken
 
-from events.errors import QuantityError, SelectorError
+from events import celcost
+from events.errors import QuantityError, SelectorCostExceeded, SelectorError
 from events.quantities import Quantity
 
 __all__ = [
+    "INLINE_COMPILE_CHARS",
     "MAX_COST",
-    "MAX_ENTRIES_PER_MAP",
     "MAX_EXPRESSION_LENGTH",
     "AttributeValue",
     "CelQuantity",
@@ -77,6 +80,10 @@ __all__ = [
     "Selector",
     "activation_for",
     "compile_selector",
+    "is_checked",
+    "is_compiled",
+    "record_verdict",
+    "selector_problem",
     "split_qualified_name",
 ]
 
@@ -86,11 +93,12 @@ AttributeValue = bool | int | str | semver.Version
 MAX_EXPRESSION_LENGTH: Final = 10 * 1024
 """Upstream ``CELSelectorExpressionMaxLength``."""
 
-MAX_COST: Final = 1_000_000
-"""Upstream ``CELSelectorExpressionMaxCost``; here a cap on estimated iterations."""
+INLINE_COMPILE_CHARS: Final = 256
+"""Longer tenant expressions are compiled away from a service's event loop (parsing costs
+cel-python some 40-80 µs per character)."""
 
-MAX_ENTRIES_PER_MAP: Final = 32
-"""Upstream ``ResourceSliceMaxAttributesAndCapacitiesPerDevice``."""
+MAX_COST: Final = 1_000_000
+"""Upstream ``CELSelectorExpressionMaxCost``: the estimate's and each evaluation's limit."""
 
 _NANOS_PER_UNIT: Final = 10**9
 _INT64_MIN: Final = -(2**63)
@@ -505,18 +513,6 @@ def _bare_ident(tree: lark.Tree[Any]) -> str | None:
     return str(node.children[0])
 
 
-def _list_literal_size(tree: lark.Tree[Any]) -> int | None:
-    """Return the element count if ``tree`` is a list literal."""
-    node = tree
-    while node.data != "list_lit":
-        subtrees = list(_children(node))
-        if len(subtrees) != 1 or len(node.children) != 1:
-            return None
-        node = subtrees[0]
-    exprs = list(_children(node))
-    return len(list(_children(exprs[0]))) if exprs else 0
-
-
 def _macro_parts(tree: lark.Tree[Any]) -> tuple[lark.Tree[Any], list[lark.Tree[Any]]] | None:
     """For ``range.macro(var, body)`` return ``(range, [var, body...])``."""
     if tree.data != "member_dot_arg" or len(tree.children) != 3:
@@ -526,19 +522,6 @@ def _macro_parts(tree: lark.Tree[Any]) -> tuple[lark.Tree[Any], list[lark.Tree[A
         return None
     assert isinstance(target, lark.Tree)
     return target, list(_children(exprlist))
-
-
-def _iterations(tree: lark.Tree[Any], factor: int) -> int:
-    """Estimate the comprehension iterations of ``tree``, each nested level multiplying."""
-    parts = _macro_parts(tree)
-    if parts is None:
-        return sum(_iterations(child, factor) for child in _children(tree))
-    target, args = parts
-    size = _list_literal_size(target)
-    if size is None:
-        size = MAX_ENTRIES_PER_MAP
-    inner = factor * size
-    return inner + _iterations(target, factor) + sum(_iterations(arg, inner) for arg in args[1:])
 
 
 def _check_tree(tree: lark.Tree[Any], consumable_capacity: bool) -> str | None:
@@ -572,7 +555,16 @@ def _check_tree(tree: lark.Tree[Any], consumable_capacity: bool) -> str | None:
             assert isinstance(target, lark.Tree)
             if _bare_ident(target) == _DEVICE and str(name_token) not in fields:
                 return f"undefined field {str(name_token)!r} of device"
-    cost = _iterations(tree, 1)
+    return None
+
+
+def _cost_problem(cost: int | None) -> str | None:
+    """Why an estimated cost is refused, or None."""
+    if cost is None:
+        return (
+            "the cost cannot be bounded (a comprehension over a list of unknown size, "
+            "or a string operation on a string of unknown length)"
+        )
     if cost > MAX_COST:
         return f"estimated cost {cost} exceeds the limit of {MAX_COST}"
     return None
@@ -595,40 +587,128 @@ def _describe(ex: BaseException) -> str:
     return text
 
 
+def _syntax_error(ex: CELParseError) -> str:
+    """``syntax error at line L, column C: unexpected ...`` from the parser's error."""
+    where = f"syntax error at line {ex.line}, column {ex.column}"
+    cause = ex.__cause__ or ex.__context__
+    if isinstance(cause, UnexpectedCharacters):
+        return f"{where}: unexpected character {cause.char!r}"
+    if isinstance(cause, UnexpectedToken):
+        token = str(cause.token)
+        return f"{where}: unexpected {repr(token) if token else 'end of expression'}"
+    return where
+
+
 class Selector:
-    """One compiled selector expression; immutable and safe to share."""
+    """One compiled selector expression; immutable and safe to share.
 
-    __slots__ = ("_program", "consumable_capacity", "expression")
+    ``estimated_cost``: the worst case of one evaluation, in cost units.
+    """
 
-    def __init__(self, expression: str, consumable_capacity: bool, program: celpy.Runner) -> None:
+    __slots__ = ("_program", "consumable_capacity", "estimated_cost", "expression")
+
+    def __init__(
+        self,
+        expression: str,
+        consumable_capacity: bool,
+        program: celpy.Runner,
+        estimated_cost: int,
+    ) -> None:
         self.expression = expression
         self.consumable_capacity = consumable_capacity
+        self.estimated_cost = estimated_cost
         self._program = program
 
     def __repr__(self) -> str:
         return f"Selector({self.expression!r})"
 
-    def matches(self, device: DeviceView) -> bool:
-        """Evaluate against ``device``; raise :class:`SelectorError` on any failure."""
+    def matches(self, device: DeviceView, *, cost_limit: int = MAX_COST) -> bool:
+        """Evaluate against ``device``; raise :class:`SelectorError` on any failure.
+
+        The evaluation stops with :class:`SelectorCostExceeded` once it has spent more
+        than ``cost_limit`` units.
+        """
+        return self.evaluate(device, cost_limit=cost_limit)[0]
+
+    def evaluate(self, device: DeviceView, *, cost_limit: int = MAX_COST) -> tuple[bool, int]:
+        """:meth:`matches`, and the actual cost of the evaluation."""
+        budget = celcost.Budget(cost_limit)
         try:
-            result: object = self._program.evaluate(cast(Any, activation_for(device)))
+            result = celcost.run(self._program, activation_for(device), budget)
+        except celcost.OverBudget:
+            raise SelectorCostExceeded(
+                self.expression, f"actual cost exceeded the limit of {cost_limit}", cost_limit
+            ) from None
         except Exception as ex:
             raise SelectorError(self.expression, _describe(ex)) from ex
         if type(result) is bool or isinstance(result, celtypes.BoolType):
-            return bool(result)
+            return bool(result), budget.spent
         raise SelectorError(
             self.expression, f"must evaluate to bool, not {type(result).__name__}: {result!r}"
         )
 
 
+_CACHED: Final = 4096
+_compiled: dict[tuple[str, bool], Selector | SelectorError] = {}
+_verdicts: dict[tuple[str, bool], str | None] = {}
+
+
+def _remember(cache: dict[tuple[str, bool], Any], key: tuple[str, bool], value: object) -> None:
+    cache[key] = value
+    if len(cache) > _CACHED:
+        del cache[next(iter(cache))]  # the oldest entry
+
+
 def compile_selector(expression: str, *, consumable_capacity: bool = True) -> Selector:
-    """Compile ``expression`` (cached); raise :class:`SelectorError` if it is invalid."""
-    return _compile(expression, bool(consumable_capacity))
+    """Compile ``expression`` (cached, errors too); raise :class:`SelectorError` if invalid."""
+    key = (expression, bool(consumable_capacity))
+    found = _compiled.get(key)
+    if found is None:
+        try:
+            found = _compile(*key)
+        except SelectorError as exc:
+            found = exc
+        _remember(_compiled, key, found)
+    if isinstance(found, SelectorError):
+        raise SelectorError(found.expression, found.message)
+    return found
 
 
-@functools.lru_cache(maxsize=4096)
+def is_compiled(expression: str, *, consumable_capacity: bool = True) -> bool:
+    """Whether :func:`compile_selector` answers ``expression`` from its cache."""
+    return (expression, bool(consumable_capacity)) in _compiled
+
+
+def is_checked(expression: str, *, consumable_capacity: bool = True) -> bool:
+    """Whether :func:`selector_problem` answers ``expression`` without compiling it."""
+    key = (expression, bool(consumable_capacity))
+    return key in _verdicts or key in _compiled
+
+
+def selector_problem(expression: str, *, consumable_capacity: bool = True) -> str | None:
+    """Why ``expression`` does not compile (the compiler's message), or None.
+
+    A verdict reached in another process (:func:`record_verdict`) is taken as it is, so
+    a service can have long expressions compiled away from its event loop; without
+    one, the expression is compiled here.
+    """
+    key = (expression, bool(consumable_capacity))
+    if key in _verdicts:
+        return _verdicts[key]
+    try:
+        compile_selector(expression, consumable_capacity=consumable_capacity)
+    except SelectorError as exc:
+        return exc.message
+    return None
+
+
+def record_verdict(expression: str, problem: str | None, *, consumable_capacity: bool) -> None:
+    """Remember what compiling ``expression`` elsewhere said (see :func:`selector_problem`)."""
+    _remember(_verdicts, (expression, bool(consumable_capacity)), problem)
+
+
 def _compile(expression: str, consumable_capacity: bool) -> Selector:
-    """The cached body of :func:`compile_selector`."""
+    """The uncached body of :func:`compile_selector`."""
     if len(expression) > MAX_EXPRESSION_LENGTH:
         raise SelectorError(
             expression,
@@ -637,11 +717,12 @@ def _compile(expression: str, consumable_capacity: bool) -> Selector:
     try:
         tree = _ENV.compile(expression)
     except CELParseError as ex:
-        raise SelectorError(expression, f"compilation failed: {ex}") from ex
+        raise SelectorError(expression, f"compilation failed: {_syntax_error(ex)}") from ex
     except Exception as ex:
         raise SelectorError(expression, f"compilation failed: {_describe(ex)}") from ex
-    problem = _check_tree(tree, consumable_capacity)
+    cost = celcost.estimate(tree)
+    problem = _check_tree(tree, consumable_capacity) or _cost_problem(cost)
     if problem is not None:
         raise SelectorError(expression, f"compilation failed: {problem}")
     program = _ENV.program(tree, functions=cast(Any, _FUNCTIONS))
-    return Selector(expression, consumable_capacity, program)
+    return Selector(expression, consumable_capacity, program, cost or 0)

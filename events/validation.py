@@ -20,8 +20,9 @@ Design:
   meaning on its way in.
 * Quantities are compared exactly; the multiple-of-step checks of a ``validRange``
   use the integer ``Quantity.value()`` (rounded up), as upstream does.
-* CEL expressions are only measured here (at most 10 Ki); compiling them is the job
-  of the selector module.
+* CEL expressions are measured (at most 10 Ki) and compiled, as upstream's validation
+  does: a syntax error, an undeclared name or an estimated cost above the limit
+  (:mod:`events.selectors`) is refused at the expression's field.
 
 Decisions where the API is silent are listed in ``docs/validation.md``.
 """
@@ -38,6 +39,7 @@ from events import model
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.quantities import Quantity
+from events.selectors import selector_problem
 
 __all__ = [
     "ALLOCATION_CONFIG_MAX",
@@ -287,6 +289,9 @@ def _cel(c: _Checker, field: str, expression: str) -> None:
     size = len(expression.encode())
     if size > CEL_EXPRESSION_MAX_LENGTH:
         c.fail(field, f"must be at most {CEL_EXPRESSION_MAX_LENGTH} bytes, got {size}")
+    problem = selector_problem(expression, consumable_capacity=c.gates.consumable_capacity)
+    if problem is not None:
+        c.fail(field, problem)
 
 
 def _opaque(c: _Checker, field: str, opaque: model.OpaqueDeviceConfiguration | None) -> None:

@@ -60,7 +60,7 @@ from events.catalog import ClaimAdmitted, ClaimRejected, ClaimSubmitted, Event
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClusterState
-from events.manifests import load_documents
+from events.manifests import MAX_MANIFEST_BYTES, load_documents
 from events.model import ResourceClaim, ResourceClaimStatus
 from events.quantities import Quantity
 from events.validation import DNS_LABEL_RULE, DNS_SUBDOMAIN_RULE, is_dns_label, is_dns_subdomain
@@ -80,8 +80,6 @@ __all__ = [
     "read_claim",
 ]
 
-#: Largest accepted ``claims.apply`` body (NATS' default max_payload is 1 MiB).
-MAX_MANIFEST_BYTES: Final = 256 * 1024
 #: Claim phases after which the name may be used again.
 TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released"})
 
@@ -89,13 +87,18 @@ ErrorCode: TypeAlias = Literal["invalid", "rejected", "not_found", "conflict"]
 
 
 class Refusal(msgspec.Struct, frozen=True, kw_only=True):
-    """Why a request is refused: the reply's ``error`` plus the rule ``kind`` (a metric label)."""
+    """Why a request is refused: the reply's ``error`` plus the rule ``kind`` (a metric label).
+
+    ``message`` says it all (field, rule and ``detail``); ``detail`` is what the field
+    and rule do not say, recorded as ``ClaimRejected.reason``.
+    """
 
     code: ErrorCode
     kind: str
     field: str | None
     rule: str | None
     message: str
+    detail: str = ""
 
 
 class ApplyDecision(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,7 +118,7 @@ class ApplyDecision(msgspec.Struct, frozen=True, kw_only=True):
 def _refusal(code: ErrorCode, kind: str, field: str | None, rule: str, detail: str = "") -> Refusal:
     where = f"{field}: " if field else ""
     message = f"{where}{rule}" + (f" ({detail})" if detail else "")
-    return Refusal(code=code, kind=kind, field=field, rule=rule, message=message)
+    return Refusal(code=code, kind=kind, field=field, rule=rule, message=message, detail=detail)
 
 
 # --- reading -------------------------------------------------------------------------------
@@ -136,7 +139,7 @@ def read_claim(data: bytes, namespace: str) -> ResourceClaim | Refusal:
     try:
         objects = load_documents(text, "claims.apply", check=False)
     except ValidationError as exc:
-        return _refusal("invalid", "parse", exc.field, exc.rule, str(exc))
+        return _refusal("invalid", "parse", exc.field, exc.rule, exc.obj)
     if len(objects) != 1:
         return _refusal(
             "invalid", "parse", None, f"must hold exactly one ResourceClaim, got {len(objects)}"
@@ -361,7 +364,7 @@ def _verdict(
         name=name,
         field=refused.field or "<claim>",
         rule=refused.rule or refused.kind,
-        reason=refused.message,
+        reason=refused.detail,
     )
 
 
@@ -394,3 +397,15 @@ def decide_apply(
     refused = evaluate(state, namespace, claim, gates, limits=limits)
     events: tuple[Event, ...] = (ClaimSubmitted(claim=claim), _verdict(namespace, claim, refused))
     return ApplyDecision(namespace=namespace, name=name, events=events, refusal=refused)
+
+
+def selector_expressions(claim: ResourceClaim) -> list[str]:
+    """Every CEL expression of the claim's requests and their alternatives."""
+    devices = claim.spec.devices
+    expressions: list[str] = []
+    for request in (devices.requests if devices else None) or []:
+        selector_lists = [request.exactly.selectors] if request.exactly is not None else []
+        selector_lists += [sub.selectors for sub in request.first_available or []]
+        for selectors in selector_lists:
+            expressions += [s.cel.expression for s in selectors or [] if s.cel is not None]
+    return expressions

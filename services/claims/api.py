@@ -30,10 +30,15 @@ catches up and decides again (it then sees the winner's claim). What is recorded
 * ``delete``: an allocated (or ready, or failed but still holding) claim gets
   ``ReleaseRequested(node=...)``, which the node agent turns into ``LimitRemoved`` +
   ``CapacityReleased``; a claim without live shares gets ``ClaimWithdrawn``; a claim
-  already releasing is left alone; an unknown, withdrawn or released one is
-  ``not_found``.
+  already releasing, withdrawn or released is left alone and its phase is the answer
+  (a second delete, concurrent or late, finds the caller's wish done); only a claim
+  that never existed is ``not_found``.
 * admin writes are last-writer-wins (no expected version) and skip objects equal to
   what the log already holds, so re-applying an inventory appends nothing.
+  ``slices.apply`` is ``rejected`` when a new total is below what live shares hold on
+  the device (naming device, capacity, the total asked and the amount allocated):
+  decided on the live state, and the same answer when the capacity ledger's CHECK
+  refuses the append because a reservation won the race.
 
 Requests are served concurrently (a task per request, at most ``concurrency`` at a
 time); decisions serialise only on the live state's lock, and the tenant writes of
@@ -94,6 +99,8 @@ from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClaimKey, ClaimState, ClusterState
 from events.manifests import load_documents
 from events.model import DeviceClass, Manifest, ResourceSlice
+from events.quantities import Quantity
+from events.selectors import INLINE_COMPILE_CHARS, is_checked, record_verdict
 from events.subjects import BusNames
 from events.validation import DNS_LABEL_RULE, DNS_SUBDOMAIN_RULE, is_dns_label, is_dns_subdomain
 from services.claims.admission import (
@@ -101,14 +108,17 @@ from services.claims.admission import (
     DeviceLimits,
     Refusal,
     decide_apply,
+    read_claim,
+    selector_expressions,
 )
 from services.claims.views import claim_view, device_views, error_reply, ok_reply
 from services.reservation.deriving import build_inventory
 from services.runtime.committing import GroupCommitter
-from services.runtime.errors import ConflictError
+from services.runtime.errors import CapacityExceeded, ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import LiveState
 from services.runtime.metrics import CLAIMS, REJECTIONS
+from services.runtime.selectorpool import SelectorPool
 
 __all__ = ["ADMIN_OPS", "TENANT_OPS", "ClaimsApi"]
 
@@ -117,6 +127,8 @@ log = logging.getLogger("dracap.claims")
 TENANT_OPS: Final = ("apply", "get", "list", "delete", "watch")
 ADMIN_OPS: Final = ("deviceclasses.apply", "slices.apply", "namespaces.access", "devices.list")
 _HIDDEN_FROM_LIST: Final = frozenset({"withdrawn", "released"})
+#: A delete of a claim in these phases has nothing left to do: it answers the phase.
+_DELETED_PHASES: Final = frozenset({"releasing", "withdrawn", "released"})
 _NODE_WIDE: Final = (NodeLeaseExpired, NodeFenced)  # a tuple: no union object per call
 _SHARE_EVENTS: Final = (
     LimitApplied,
@@ -194,8 +206,11 @@ class ClaimsApi:
         max_attempts: int = 8,
         concurrency: int = 256,
         tail: bool = False,
+        selectors: SelectorPool | None = None,
     ) -> None:
         self.store = store
+        #: where tenants' long selector expressions are compiled (not on this loop)
+        self.selectors = selectors if selectors is not None else SelectorPool()
         self.live = live
         self.nc = nc
         self.names = names
@@ -274,6 +289,7 @@ class ClaimsApi:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._committer.close()
+        await self.selectors.close()
         self._unsubscribe()
 
     # -- request plumbing ---------------------------------------------------------------
@@ -328,6 +344,7 @@ class ClaimsApi:
 
     async def apply(self, namespace: str, data: bytes) -> bytes:
         """``claims.apply``: admit or reject a ResourceClaim manifest."""
+        await self._check_selectors(namespace, data)
         for attempt in range(self.max_attempts):
             await self._fresh(attempt)
             async with self.live.frozen() as state:
@@ -352,6 +369,28 @@ class ClaimsApi:
             assert claim is not None
             return ok_reply(claim=claim_view(self.live.state, claim))
         return error_reply("conflict", "the claim kept changing while it was applied; retry")
+
+    async def _check_selectors(self, namespace: str, data: bytes) -> None:
+        """Have the claim's long selector expressions compiled in the pool, off this loop.
+
+        Admission then takes the pool's verdicts (:func:`events.selectors.record_verdict`)
+        instead of parsing them here: 10 KiB of CEL costs cel-python half a second.
+        """
+        if b"expression" not in data:
+            return
+        claim = read_claim(data, namespace)
+        if isinstance(claim, Refusal):
+            return  # admission refuses it again, without reaching the selectors
+        flag = self.gates.consumable_capacity
+        long = [
+            e
+            for e in selector_expressions(claim)
+            if len(e) > INLINE_COMPILE_CHARS and not is_checked(e, consumable_capacity=flag)
+        ]
+        if long:
+            verdicts = await self.selectors.check(long, owner=namespace, consumable_capacity=flag)
+            for expression, problem in verdicts.items():
+                record_verdict(expression, problem, consumable_capacity=flag)
 
     @staticmethod
     def _count(refusal: Refusal | None) -> None:
@@ -389,7 +428,7 @@ class ClaimsApi:
             await self._fresh(attempt)
             async with self.live.frozen() as state:
                 claim = state.claim(namespace, request.name)
-                if claim is None or claim.phase in ("withdrawn", "released"):
+                if claim is None:
                     return _not_found(namespace, request.name)
                 event = _deletion(state, claim)
                 version = await self.live.stream_version(stream)
@@ -427,7 +466,7 @@ class ClaimsApi:
         except UnicodeDecodeError as exc:
             raise _InvalidRequestError(None, "the manifests must be UTF-8 text", str(exc)) from None
         except ValidationError as exc:
-            raise _InvalidRequestError(exc.field, exc.rule, str(exc)) from None
+            raise _InvalidRequestError(exc.field, exc.rule, exc.obj) from None
         for obj in objects:
             if not isinstance(obj, kind):
                 raise _InvalidRequestError(
@@ -462,18 +501,30 @@ class ClaimsApi:
         )
 
     async def apply_slices(self, data: bytes) -> bytes:
-        """``slices.apply``: record ResourceSlices that differ from the log's."""
+        """``slices.apply``: record ResourceSlices that differ from the log's.
+
+        Rejected when a new total is below what is allocated on the device: decided on
+        the live state, and again (on the state read afresh) when the capacity ledger
+        refuses the append because a reservation committed in between.
+        """
         slices: list[ResourceSlice] = self._manifests(data, "slices.apply", ResourceSlice)
         await self.live.catch_up_seen()
         latest = {s.metadata.name: s for s in slices}
         state = self.live.state
         changed = [s for name, s in latest.items() if state.slices.get(name) != s]
-        await self._apply_admin(
-            [
-                Batch(slice_stream(s.metadata.name), None, [ResourceSlicePublished(slice=s)])
-                for s in changed
-            ]
-        )
+        refusal = below_allocated(state, changed)
+        if refusal is not None:
+            return _refusal_reply(refusal)
+        try:
+            await self._apply_admin(
+                [
+                    Batch(slice_stream(s.metadata.name), None, [ResourceSlicePublished(slice=s)])
+                    for s in changed
+                ]
+            )
+        except CapacityExceeded:
+            await self.live.catch_up()
+            return _refusal_reply(below_allocated(self.live.state, changed) or _LEDGER_REFUSED)
         return ok_reply(
             applied=[s.metadata.name for s in changed],
             unchanged=sorted(set(latest) - {s.metadata.name for s in changed}),
@@ -535,6 +586,59 @@ class ClaimsApi:
                     log.warning("watch publish to %s failed: %s", subject, exc)
 
 
+def below_allocated(state: ClusterState, slices: list[ResourceSlice]) -> Refusal | None:
+    """The first capacity of ``slices`` whose new total is below what ``state`` has allocated.
+
+    Allocated is what live, non-admin shares consume (the capacity ledger's
+    ``allocated``); a device the slices do not list keeps its total and is not checked.
+    """
+    for rslice in slices:
+        spec = rslice.spec
+        for i, device in enumerate(spec.devices or ()):
+            current = state.device(spec.driver, spec.pool.name, device.name)
+            if current is None:
+                continue
+            for name, capacity in sorted((device.capacity or {}).items()):
+                allocated = current.consumed_nanos.get(name, 0)
+                if allocated > capacity.value.nanos:
+                    held = Quantity(allocated, capacity.value.format)
+                    return _below_allocated(rslice, i, name, capacity.value, held)
+    return None
+
+
+def _below_allocated(
+    rslice: ResourceSlice, index: int, capacity: str, asked: Quantity, held: Quantity
+) -> Refusal:
+    spec = rslice.spec
+    device = f"{spec.driver}/{spec.pool.name}/{(spec.devices or [])[index].name}"
+    field = f"spec.devices[{index}].capacity[{capacity}].value"
+    rule = "must not be below what live shares hold on the device"
+    detail = (
+        f"device {device} {capacity}: total {asked} asked, {held} allocated; "
+        "release or move the shares first"
+    )
+    return Refusal(
+        code="rejected",
+        kind="below-allocated",
+        field=field,
+        rule=rule,
+        message=f"ResourceSlice {rslice.metadata.name}: {field}: {rule} ({detail})",
+        detail=detail,
+    )
+
+
+#: The ledger refused new totals, yet the state read afterwards shows no device below
+#: them (the reservation was released again in between): the same rejection, unnamed.
+_LEDGER_REFUSED: Final = Refusal(
+    code="rejected",
+    kind="below-allocated",
+    field=None,
+    rule="a new total must not be below what live shares hold on the device",
+    message="the capacity ledger refused the new totals: a device would hold less than "
+    "its live shares were allocated; read the devices and retry",
+)
+
+
 def _not_found(namespace: str, name: str) -> bytes:
     return error_reply(
         "not_found", f"claim {name!r} not found in namespace {namespace!r}", field="name"
@@ -542,8 +646,8 @@ def _not_found(namespace: str, name: str) -> bytes:
 
 
 def _deletion(state: ClusterState, claim: ClaimState) -> Event | None:
-    """The event that deletes ``claim``, or ``None`` when a release is under way."""
-    if claim.phase == "releasing":
+    """The event that deletes ``claim``; ``None`` when it is being or has been deleted."""
+    if claim.phase in _DELETED_PHASES:
         return None
     holds = any(
         state.shares[s].live for s in claim.share_ids if s in state.shares

@@ -55,8 +55,15 @@ from events.model import (
 from events.quantities import Quantity
 from events.selectors import AttributeValue
 from services.reservation.candidates import UNUSABLE, CandidateList, MaxTree, first_fit
-from services.reservation.inventory import DeviceEntry, DeviceKey, Inventory
-from services.reservation.outcomes import Allocated, Grant, Invalid, Outcome, Unschedulable
+from services.reservation.inventory import DeviceEntry, DeviceKey, Inventory, SelectorsPending
+from services.reservation.outcomes import (
+    Allocated,
+    Deferred,
+    Grant,
+    Invalid,
+    Outcome,
+    Unschedulable,
+)
 from services.reservation.policy import consumed_amount, describe_policy, violates_policy
 
 MAX_DEVICES_PER_CLAIM = 32
@@ -238,17 +245,10 @@ class Allocator:
         if clist is None:
             dclass = self.inventory.classes[spec.class_name]
             expressions = [
-                s.cel.expression for s in (dclass.spec.selectors or []) if s.cel is not None
+                (s.cel.expression, True) for s in (dclass.spec.selectors or []) if s.cel is not None
             ]
-            expressions.extend(spec.selectors)
-            devices: list[int] = []
-            errors: list[tuple[int, SelectorError]] = []
-            for index in self.inventory.visible_devices(node):
-                outcome = self._matches(index, expressions)
-                if isinstance(outcome, SelectorError):
-                    errors.append((index, outcome))
-                elif outcome:
-                    devices.append(index)
+            expressions.extend((e, False) for e in spec.selectors)
+            devices, errors = self._select(self.inventory.visible_devices(node), expressions)
             clist = CandidateList(devices, errors)
             clist.usable = MaxTree(
                 [1 if self._usable(self.inventory.devices[d]) else 0 for d in devices]
@@ -258,12 +258,29 @@ class Allocator:
             self._lists[key] = clist
         return clist
 
-    def _matches(self, index: int, expressions: Sequence[str]) -> bool | SelectorError:
-        for expression in expressions:
-            result = self.inventory.selector_result(index, expression)
-            if result is not True:
-                return result
-        return True
+    def _select(
+        self, indices: Sequence[int], expressions: Sequence[tuple[str, bool]]
+    ) -> tuple[list[int], list[tuple[int, SelectorError]]]:
+        """The devices every expression matches, and the first error of each other one.
+
+        The class's selectors (trusted) come first, then the request's; a device is
+        tried on an expression only if every earlier one matched it, as upstream does.
+        May raise :class:`SelectorsPending` (a tenant's heavy selector).
+        """
+        survivors = list(indices)
+        errors: list[tuple[int, SelectorError]] = []
+        for expression, trusted in expressions:
+            results = self.inventory.filter(expression, survivors, trusted=trusted)
+            matched: list[int] = []
+            for index in survivors:
+                result = results[index]
+                if result is True:
+                    matched.append(index)
+                elif isinstance(result, SelectorError):
+                    errors.append((index, result))
+            survivors = matched
+        errors.sort(key=lambda item: item[0])
+        return survivors, errors
 
     def _tree(self, clist: CandidateList, name: str) -> MaxTree:
         tree = clist.trees.get(name)
@@ -286,6 +303,19 @@ class Allocator:
     ) -> Outcome:
         """Decide one claim on ``node`` (or, with ``any_node``, on the first node that fits)."""
         ref = f"{claim.metadata.namespace}/{claim.metadata.name}"
+        try:
+            return self._allocate(claim, ref, node, any_node, admin_access_allowed)
+        except SelectorsPending as pending:
+            return Deferred(claim=ref, expression=pending.expression)
+
+    def _allocate(
+        self,
+        claim: ResourceClaim,
+        ref: str,
+        node: str | None,
+        any_node: bool,
+        admin_access_allowed: bool,
+    ) -> Outcome:
         try:
             specs, constraints = self._prepare(claim, admin_access_allowed)
         except _InvalidClaimError as exc:

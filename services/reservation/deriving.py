@@ -63,10 +63,12 @@ def current_slices(state: ClusterState) -> list[ResourceSlice]:
     return out
 
 
-def build_inventory(state: ClusterState, gates: FeatureGates = DEFAULT_GATES) -> Inventory:
+def build_inventory(
+    state: ClusterState, gates: FeatureGates = DEFAULT_GATES, *, inline_budget: int | None = None
+) -> Inventory:
     """The allocator's inventory for the classes and slices of ``state``."""
     classes = [c.device_class for c in state.classes.values()]
-    return Inventory(classes, current_slices(state), gates=gates)
+    return Inventory(classes, current_slices(state), gates=gates, inline_budget=inline_budget)
 
 
 def grant_of(share: ShareState) -> Grant:

@@ -13,6 +13,15 @@ so nothing here is recomputed per claim:
   search work on indices, never on names.
 * Selector results are memoised per (device, expression): device attributes never
   change for a given inventory, so a CEL program runs at most once per device.
+* A tenant's selector may spend at most :attr:`Inventory.inline_budget` cost units
+  over one candidate set here (:meth:`Inventory.filter`); an expression that needs
+  more is *heavy*: its results must come from elsewhere (the reservation service
+  evaluates it in a worker process and records them with
+  :meth:`Inventory.record_results`); so is a long expression this process has not
+  compiled yet (parsing it would cost the decision as much). Until they are in,
+  :meth:`Inventory.filter` raises :class:`SelectorsPending` and lists what is missing
+  in :attr:`Inventory.wanted`. Without a budget (``dracap allocate``, admission) every
+  selector is evaluated here.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from dataclasses import dataclass, field
 
 import semver
 
-from events.errors import SelectorError
+from events.errors import SelectorCostExceeded, SelectorError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.model import (
     CapacityRequestPolicy,
@@ -33,9 +42,26 @@ from events.model import (
     ResourceSlice,
 )
 from events.quantities import Quantity
-from events.selectors import AttributeValue, DeviceView, compile_selector
+from events.selectors import (
+    INLINE_COMPILE_CHARS,
+    MAX_COST,
+    AttributeValue,
+    DeviceView,
+    Selector,
+    compile_selector,
+    is_compiled,
+)
 
 DeviceKey = tuple[str, str, str]  # (driver, pool, device)
+SelectorResult = bool | SelectorError
+
+
+class SelectorsPending(Exception):  # noqa: N818 (a state, not a failure)
+    """A heavy selector's results are not in yet (see the module docstring)."""
+
+    def __init__(self, expression: str) -> None:
+        super().__init__(f"selector {expression[:80]!r} is being evaluated")
+        self.expression = expression
 
 
 @dataclass(slots=True)
@@ -189,15 +215,22 @@ class Inventory:
         *,
         gates: FeatureGates = DEFAULT_GATES,
         node_labels: Mapping[str, Mapping[str, str]] | None = None,
+        inline_budget: int | None = None,
     ) -> None:
         self.gates = gates
+        #: cost units a tenant's selector may spend here per candidate set (None: any)
+        self.inline_budget = inline_budget
+        #: heavy expressions whose results are missing, with the devices that lack them
+        self.wanted: dict[str, set[int]] = {}
+        self._heavy: set[str] = set()
         self.classes: dict[str, DeviceClass] = {c.metadata.name: c for c in classes}
         self.node_labels: dict[str, Mapping[str, str]] = dict(node_labels or {})
         self.pools: list[Pool] = []
         self.devices: list[DeviceEntry] = []
         self.by_key: dict[DeviceKey, int] = {}
-        self._selector_cache: dict[tuple[int, str], bool | SelectorError] = {}
+        self._selector_cache: dict[tuple[int, str], SelectorResult] = {}
         self._visible_cache: dict[str | None, tuple[int, ...]] = {}
+        self._nodes: list[str] | None = None
         self._build(list(slices))
 
     # construction
@@ -248,6 +281,11 @@ class Inventory:
     # queries
     def nodes(self) -> list[str]:
         """Every node named by a slice or by the node labels given, sorted."""
+        if self._nodes is None:
+            self._nodes = self._node_names()
+        return self._nodes
+
+    def _node_names(self) -> list[str]:
         names = set(self.node_labels)
         for pool in self.pools:
             for s in pool.slices:
@@ -303,17 +341,92 @@ class Inventory:
             )
         ]
 
-    def selector_result(self, index: int, expression: str) -> bool | SelectorError:
-        """Memoised outcome of one CEL selector on one device."""
+    def selector_result(self, index: int, expression: str) -> SelectorResult:
+        """Memoised outcome of one CEL selector on one device (evaluated here)."""
         key = (index, expression)
         cached = self._selector_cache.get(key)
         if cached is None:
             try:
-                selector = compile_selector(
-                    expression, consumable_capacity=self.gates.consumable_capacity
-                )
-                cached = selector.matches(self.devices[index].view())
+                cached = self._compile(expression).matches(self.devices[index].view())
             except SelectorError as exc:
                 cached = SelectorError(expression, exc.message)
             self._selector_cache[key] = cached
         return cached
+
+    def _compile(self, expression: str) -> Selector:
+        return compile_selector(expression, consumable_capacity=self.gates.consumable_capacity)
+
+    def filter(
+        self, expression: str, indices: Sequence[int], *, trusted: bool
+    ) -> dict[int, SelectorResult]:
+        """The outcome of ``expression`` on each of ``indices`` (see the module docstring).
+
+        ``trusted`` (a DeviceClass's selector, written by the operator) is evaluated
+        here whatever it costs; a tenant's selector within :attr:`inline_budget`.
+        Raises :class:`SelectorsPending` when a heavy expression lacks results.
+        """
+        cache = self._selector_cache
+        out: dict[int, SelectorResult] = {}
+        missing: list[int] = []
+        for index in indices:
+            known = cache.get((index, expression))
+            if known is None:
+                missing.append(index)
+            else:
+                out[index] = known
+        budget = None if trusted else self.inline_budget
+        if not missing or budget is None:
+            out.update((index, self.selector_result(index, expression)) for index in missing)
+            return out
+        left = missing
+        if expression not in self._heavy and not self._too_long(expression):
+            try:
+                selector = self._compile(expression)
+            except SelectorError:  # every device gets the compile error
+                out.update((index, self.selector_result(index, expression)) for index in missing)
+                return out
+            left = self._spend(selector, missing, budget, out)
+        if left:
+            self._heavy.add(expression)
+            self.wanted.setdefault(expression, set()).update(left)
+            raise SelectorsPending(expression)
+        return out
+
+    def _too_long(self, expression: str) -> bool:
+        """A tenant's long expression not compiled yet is compiled with its evaluation."""
+        flag = self.gates.consumable_capacity
+        return len(expression) > INLINE_COMPILE_CHARS and not is_compiled(
+            expression, consumable_capacity=flag
+        )
+
+    def _spend(
+        self, selector: Selector, indices: list[int], budget: int, out: dict[int, SelectorResult]
+    ) -> list[int]:
+        """Evaluate here until ``budget`` units are spent; returns the devices left over."""
+        if selector.estimated_cost > budget:
+            return indices
+        for position, index in enumerate(indices):
+            limit = min(budget, MAX_COST)
+            result: SelectorResult
+            try:
+                result, spent = selector.evaluate(self.devices[index].view(), cost_limit=limit)
+            except SelectorCostExceeded as exc:
+                if exc.limit >= MAX_COST:
+                    result, spent = SelectorError(selector.expression, exc.message), limit
+                else:
+                    return indices[position:]
+            except SelectorError as exc:
+                result, spent = SelectorError(selector.expression, exc.message), 0
+            self._selector_cache[(index, selector.expression)] = out[index] = result
+            budget -= spent
+        return []
+
+    def record_results(self, expression: str, results: Mapping[int, SelectorResult]) -> None:
+        """Results of a heavy expression computed elsewhere."""
+        for index, result in results.items():
+            self._selector_cache[(index, expression)] = result
+        wanted = self.wanted.get(expression)
+        if wanted is not None:
+            wanted.difference_update(results)
+            if not wanted:
+                del self.wanted[expression]

@@ -1,6 +1,6 @@
 """What one allocation decision returns.
 
-Exactly one of three outcomes, mirroring the upstream allocator's three results:
+One of three outcomes, mirroring the upstream allocator's three results:
 
 * :class:`Allocated` — a complete allocation (upstream: a result), with the
   Kubernetes ``AllocationResult`` and one :class:`Grant` per device result that says
@@ -9,6 +9,11 @@ Exactly one of three outcomes, mirroring the upstream allocator's three results:
   may fit later, when capacity is released;
 * :class:`Invalid` — the claim cannot be allocated as written (upstream: an error),
   e.g. a disabled feature, a missing class, a failing CEL selector.
+
+and a fourth that upstream does not need, because cel-go is fast: :class:`Deferred` —
+no decision yet, a tenant's selector is too expensive to evaluate in the decision and
+its results are being computed elsewhere (only when the inventory has an inline
+budget; see :mod:`services.reservation.inventory`).
 """
 
 from __future__ import annotations
@@ -48,4 +53,10 @@ class Invalid(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
-Outcome = Allocated | Unschedulable | Invalid
+class Deferred(msgspec.Struct, frozen=True, kw_only=True):
+    claim: str
+    expression: str  # the selector whose results are missing
+    reason: str = "a selector of the claim is being evaluated"
+
+
+Outcome = Allocated | Unschedulable | Invalid | Deferred

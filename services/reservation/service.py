@@ -67,7 +67,7 @@ import datetime
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 from nats.js import JetStreamContext
@@ -86,17 +86,23 @@ from events.catalog import (
     claim_stream,
     device_stream,
 )
+from events.errors import SelectorDeadlineExceeded, SelectorError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClaimKey, ClaimState, ClusterState
 from events.model import AllocationResult
+from events.selectors import DeviceView
 from events.subjects import BusNames
 from services.reservation.allocating import Allocator
 from services.reservation.deriving import build_inventory, grant_of, live_grants
-from services.reservation.outcomes import Allocated, Grant, Invalid
+from services.reservation.inventory import SelectorResult
+from services.reservation.outcomes import Allocated, Deferred, Grant, Invalid
+from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
-from services.runtime.eventstore import Batch, Cause, EventStore
+from services.runtime.errors import ConflictError, RuntimeServiceError
+from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
 from services.runtime.livestate import INVENTORY_EVENTS, LiveState
-from services.runtime.metrics import CLAIMS, SCHEDULING_LATENCY
+from services.runtime.metrics import CLAIMS, SCHEDULING_LATENCY, SELECTOR_JOBS
+from services.runtime.selectorpool import SelectorPool
 
 __all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService"]
 
@@ -113,6 +119,10 @@ FEEDS: Final = {
 TRIGGERS: Final = (ClaimAdmitted, CapacityReleased, NodeFenced, NamespaceAccessSet)
 #: The advisory lock that serialises planning rounds of all workers.
 PLANNER_LOCK: Final = 0x64726163_61700001  # "dracap" + 1
+#: Cost units a tenant's selector may spend in the decision per candidate set; beyond
+#: that it is evaluated in the selector pool (cel-python: 35-80 µs per unit, so the
+#: decision spends at most about 7-16 ms on one tenant selector per candidate set).
+INLINE_BUDGET: Final = 200
 _PENDING_PHASES: Final = frozenset({"admitted", "unschedulable"})
 _FREEING: Final = (CapacityReleased, NodeFenced, NamespaceAccessSet, *INVENTORY_EVENTS)
 
@@ -164,6 +174,8 @@ class ReservationService:
         name: str = "reservation",
         gates: FeatureGates = DEFAULT_GATES,
         new_share_id: Callable[[], str] = lambda: str(uuid.uuid4()),
+        inline_budget: int = INLINE_BUDGET,
+        selectors: SelectorPool | None = None,
     ) -> None:
         self.store = store
         self.live = live
@@ -178,8 +190,17 @@ class ReservationService:
         self._pending: dict[ClaimKey, datetime.datetime | None] = {}
         self._tried: dict[ClaimKey, int] = {}
         self._epoch = 0
+        self.inline_budget = inline_budget
+        #: where tenants' expensive selectors are evaluated (services.runtime.selectorpool)
+        self.selectors = selectors if selectors is not None else SelectorPool()
+        self._deferred: dict[ClaimKey, Cause] = {}  # waiting for a selector, and why planned
+        self._owners: dict[str, str] = {}  # heavy expression -> namespace that asked for it
+        self._evaluating: set[str] = set()  # heavy expressions being evaluated now
+        self._jobs: set[asyncio.Task[None]] = set()
+        self._replan = asyncio.Event()
         self._seed(live.state)
         live.subscribe(self.observe)
+        self._confirmation = LogConfirmation(store, live)
 
     # -- allocator state, kept from the live state -------------------------------------
 
@@ -192,9 +213,8 @@ class ReservationService:
 
     def _allocator_for(self, state: ClusterState) -> Allocator:
         if self._allocator is None:
-            allocator = Allocator(
-                build_inventory(state, self.gates), new_share_id=self.new_share_id
-            )
+            inventory = build_inventory(state, self.gates, inline_budget=self.inline_budget)
+            allocator = Allocator(inventory, new_share_id=self.new_share_id)
             allocator.add_grants(self._counted.values())
             self._allocator = allocator
         return self._allocator
@@ -244,6 +264,7 @@ class ReservationService:
         else:
             self._pending.pop(key, None)
             self._tried.pop(key, None)
+            self._deferred.pop(key, None)
 
     # -- planning -----------------------------------------------------------------------
 
@@ -270,7 +291,13 @@ class ReservationService:
                         allocator.commit(outcome)
                         tentative.append(outcome)
                         await self._reserve(plan, state, claim, outcome)
+                        self._deferred.pop(key, None)
                         continue
+                    if isinstance(outcome, Deferred):  # decided once its selector is in
+                        self._deferred.setdefault(key, causes(key))
+                        self._owners.setdefault(outcome.expression, key[0])
+                        continue
+                    self._deferred.pop(key, None)
                     self._tried[key] = self._epoch
                     if claim.phase == "admitted":
                         reason = outcome.reason
@@ -354,6 +381,7 @@ class ReservationService:
         else:
             await self.live.catch_up(ctx.connection)
         plan = await self.plan(cause)
+        self._evaluate_wanted()
         batches = plan.batches
         if not batches:
             return Handled()
@@ -381,6 +409,87 @@ class ReservationService:
 
         return count
 
+    # -- tenants' expensive selectors ---------------------------------------------------
+
+    def _evaluate_wanted(self) -> None:
+        """Send the heavy selectors the last plan lacked to the pool (once each)."""
+        allocator = self._allocator
+        if allocator is None:
+            return
+        for expression, indices in list(allocator.inventory.wanted.items()):
+            if expression in self._evaluating:
+                continue
+            self._evaluating.add(expression)
+            owner = self._owners.get(expression, "")
+            job = asyncio.create_task(self._evaluate(allocator, expression, sorted(indices), owner))
+            self._jobs.add(job)
+            job.add_done_callback(self._jobs.discard)
+
+    async def _evaluate(
+        self, allocator: Allocator, expression: str, indices: list[int], owner: str
+    ) -> None:
+        inventory = allocator.inventory
+        results: dict[int, SelectorResult] = {}
+        devices: list[tuple[int, DeviceView]] = []
+        for index in indices:
+            try:
+                devices.append((index, inventory.devices[index].view()))
+            except SelectorError as exc:  # the device's own attributes are malformed
+                results[index] = SelectorError(expression, exc.message)
+        try:
+            results.update(
+                await self.selectors.evaluate(
+                    expression,
+                    devices,
+                    owner=owner,
+                    consumable_capacity=self.gates.consumable_capacity,
+                )
+            )
+        finally:
+            self._evaluating.discard(expression)
+            self._owners.pop(expression, None)
+        if self._allocator is allocator and results:  # the same inventory: still valid
+            inventory.record_results(expression, results)
+            deadline = any(isinstance(r, SelectorDeadlineExceeded) for r in results.values())
+            SELECTOR_JOBS.labels(outcome="deadline" if deadline else "evaluated").inc()
+        self._replan.set()
+
+    async def _replanner(self, stop: asyncio.Event) -> None:
+        """Plan again whenever evaluated selectors came in (see :meth:`replan`)."""
+        while not stop.is_set():
+            await _first(self._replan.wait(), stop)
+            if stop.is_set():
+                return
+            self._replan.clear()
+            try:
+                await self.replan()
+            except ConflictError:
+                self._replan.set()  # a concurrent append: plan again on a fresh view
+            except (OSError, RuntimeServiceError) as exc:
+                log.warning("could not plan after a selector evaluation: %s", exc)
+                await _first(asyncio.sleep(1.0), stop)
+                self._replan.set()
+
+    async def replan(self) -> None:
+        """One planning round without a message, under the planner lock."""
+        async with self.store.pool.acquire() as connection:
+            head = await connection.fetchval("SELECT dracap_lock($1)", PLANNER_LOCK)
+            try:
+                await self.live.catch_up_to(head)
+                plan = await self.plan(self._deferred_cause)
+                self._evaluate_wanted()
+                if plan.batches:
+                    actor = f"{self.name}-{self.worker}"
+                    await self.store.append_many(
+                        plan.batches, Metadata(actor=actor), connection=connection
+                    )
+                    self._counter(plan)()
+            finally:
+                await connection.execute("SELECT pg_advisory_unlock($1)", PLANNER_LOCK)
+
+    def _deferred_cause(self, key: ClaimKey) -> Cause:
+        return self._deferred.get(key) or Cause(None, None)
+
     # -- running ------------------------------------------------------------------------
 
     def consumers(self) -> list[Consumer]:
@@ -400,6 +509,7 @@ class ReservationService:
                 wants=_wanted,
                 lock_key=PLANNER_LOCK,
                 one_statement=True,
+                confirmation=self._confirmation,
             )
             for feed, source in FEEDS.items()
         ]
@@ -409,7 +519,23 @@ class ReservationService:
         started = time.perf_counter()
         await self.live.catch_up()
         log.info("reservation worker %d ready in %.3fs", self.worker, time.perf_counter() - started)
-        await asyncio.gather(*(c.run(stop) for c in self.consumers()))
+        try:
+            await asyncio.gather(*(c.run(stop) for c in self.consumers()), self._replanner(stop))
+        finally:
+            await self.selectors.close()
+            for job in list(self._jobs):
+                job.cancel()
+            await asyncio.gather(*self._jobs, return_exceptions=True)
+
+
+async def _first(work: Awaitable[object], stop: asyncio.Event) -> None:
+    """Wait for ``work`` or ``stop``, whichever comes first."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    for pending in (task, stopper):
+        pending.cancel()
+    await asyncio.gather(task, stopper, return_exceptions=True)
 
 
 def _wanted(env: Envelope) -> bool:

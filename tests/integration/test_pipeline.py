@@ -23,7 +23,20 @@ import yaml
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from events.catalog import claim_stream, encode_event
+from events.catalog import (
+    AllocationBound,
+    CapacityReleased,
+    CapacityReserved,
+    ClaimAdmitted,
+    Envelope,
+    LimitApplied,
+    LimitRemoved,
+    NamespaceAccessSet,
+    NodeFenced,
+    ReleaseRequested,
+    claim_stream,
+    encode_event,
+)
 from events.fold import ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
@@ -35,7 +48,9 @@ from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.consuming import HandlerContext
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import LiveState
+from services.runtime.metrics import REGISTRY
 from services.runtime.relaying import Relay
+from services.runtime.selectorpool import SelectorPool
 from services.runtime.settings import Settings
 from tests.integration.waiting import bus_idle, state_reaches
 
@@ -148,7 +163,11 @@ class Pipeline:
         self.spawn(self.api.run(self.stop))
         for i in range(2):
             store = await self.store()
-            worker = ReservationService(store, LiveState(store), self.js, self.names, worker=i)
+            # a long deadline: an expensive selector keeps the pool busy for the whole test
+            pool = SelectorPool(deadline_s=120, job_budget_s=240)
+            worker = ReservationService(
+                store, LiveState(store), self.js, self.names, worker=i, selectors=pool
+            )
             self.workers.append(worker)
             self.spawn(worker.run(self.stop))
         agent_store = await self.store()
@@ -274,7 +293,7 @@ async def test_claim_becomes_ready_then_releases(pipeline: Pipeline, settings: S
     gpu0 = next(d for d in devices if d["device"] == "gpu-0")
     assert gpu0["capacity"]["memory"]["consumed"] == "0" and gpu0["shares"] == 0
     again = await pipeline.tenant("tenant-a", "delete", {"name": "train"})
-    assert again["error"]["code"] == "not_found"
+    assert again == {"ok": True, "phase": "released"}  # the wish is done: not "not found"
     await assert_verified(settings)
 
 
@@ -293,10 +312,14 @@ async def test_watch_publishes_changes(pipeline: Pipeline, settings: Settings) -
     subscription = await pipeline.nc.subscribe(reply["subject"], cb=seen)
     try:
         assert (await pipeline.tenant("tenant-b", "apply", claim_manifest("w1", None)))["ok"]
-        await asyncio.wait_for(ready.wait(), 10)
+        await asyncio.wait_for(ready.wait(), 30)
     finally:
         await subscription.unsubscribe()
-    assert phases[-1] == "ready" and "allocated" in phases
+    # in life-cycle order, ending ready; a fast pipeline may fold several changes into one
+    # view, so which intermediate phases were seen is not fixed
+    order = ["submitted", "admitted", "allocated", "ready"]
+    assert phases[-1] == "ready"
+    assert [order.index(p) for p in phases] == sorted(order.index(p) for p in phases)
 
 
 # --- the race ------------------------------------------------------------------------------
@@ -487,3 +510,138 @@ async def test_redelivery_changes_nothing(pipeline: Pipeline, settings: Settings
                     await transaction.rollback()
     assert await store.head() == head
     await assert_verified(settings)
+
+
+# --- forged messages -----------------------------------------------------------------------
+
+
+def _subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` one token, ``>`` the rest."""
+    wanted, tokens = pattern.split("."), subject.split(".")
+    for i, token in enumerate(wanted):
+        if token == ">":
+            return len(tokens) > i
+        if i >= len(tokens) or token not in ("*", tokens[i]):
+            return False
+    return len(wanted) == len(tokens)
+
+
+def forged_envelopes(real: list[Envelope], victim: tuple[str, str]) -> list[Envelope]:
+    """Envelopes of every event type a consumer acts on, none of them in the log."""
+    by_type = {type(e.event): e for e in real}
+    bound = by_type[AllocationBound]
+    reserved = by_type[CapacityReserved]
+    assert isinstance(bound.event, AllocationBound) and isinstance(reserved.event, CapacityReserved)
+    share, version = reserved.event.share_id, bound.event.allocation_version
+    device = {k: getattr(reserved.event, k) for k in ("driver", "pool", "device")}
+    consumed = reserved.event.consumed
+    events: list[Any] = [
+        ReleaseRequested(
+            namespace=victim[0], name=victim[1], allocation_version=version, node=NODE
+        ),
+        msgspec.structs.replace(bound.event, allocation_version=version + 1),
+        LimitApplied(share_id=share, node=NODE, level="none", actual={}),
+        LimitRemoved(share_id=share, node=NODE),
+        CapacityReleased(
+            share_id=share,
+            allocation_version=version,
+            consumed=consumed,
+            admin_access=False,
+            **device,
+        ),
+        ClaimAdmitted(namespace=victim[0], name="never-submitted"),
+        NodeFenced(node=NODE, epoch=7),
+        NamespaceAccessSet(namespace="tenant-c", classes=["*"], admin_access=True),
+    ]
+    head = max(e.position for e in real)
+    forged = [
+        msgspec.structs.replace(
+            bound, event=event, event_id=str(uuid.uuid4()), position=head + 1 + i, stream="x:y"
+        )
+        for i, event in enumerate(events)
+    ]
+    # a real event's id and position with another payload
+    return [*forged, msgspec.structs.replace(bound, event=events[1])]
+
+
+async def test_forged_events_on_the_bus_change_nothing(
+    pipeline: Pipeline, settings: Settings
+) -> None:
+    """Events published straight onto the bus, never logged: dropped, counted, no effect."""
+    assert (await pipeline.tenant("tenant-a", "apply", claim_manifest("victim", None)))["ok"]
+    await pipeline.until(phase_is("tenant-a", "victim", "ready"))
+    await pipeline.idle()
+    store = pipeline.stores[0]
+    real = [e async for e in store.read_all()]
+    before = await pipeline.state()
+    consumed_before = dict(before.devices[("gpu.dracap.io", "node-a-gpu", "gpu-0")].consumed_nanos)
+    consumers = [c for w in pipeline.workers[:1] for c in w.consumers()]
+    consumers += [a.consumer for a in pipeline.agents]
+    counted_before = sum(metric_of(c.name) for c in consumers)
+
+    expected = 0
+    for env in forged_envelopes(real, ("tenant-a", "victim")):
+        subject = pipeline.names.event_subject(env)
+        expected += sum(_subject_matches(c._filter, subject) for c in consumers)
+        headers = {"Nats-Msg-Id": str(uuid.uuid4())}
+        await pipeline.js.publish(subject, encode_event(env), headers=headers)
+    assert expected >= 9  # every forged message reaches at least one consumer
+
+    async with asyncio.timeout(20):
+        while sum(metric_of(c.name) for c in consumers) - counted_before < expected:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    await pipeline.idle()
+    assert sum(metric_of(c.name) for c in consumers) - counted_before == expected
+    assert [e async for e in store.read_all()] == real  # nothing appended
+    after = await pipeline.state()
+    victim = after.claim("tenant-a", "victim")
+    assert victim is not None and victim.phase == "ready"
+    assert all(after.shares[s].state == "ready" for s in victim.share_ids)
+    assert after.devices[("gpu.dracap.io", "node-a-gpu", "gpu-0")].consumed_nanos == consumed_before
+    await assert_verified(settings)
+
+
+def metric_of(consumer: str) -> float:
+    sample = REGISTRY.get_sample_value("dracap_unconfirmed_messages_total", {"consumer": consumer})
+    return sample or 0.0
+
+
+# --- one tenant's expensive selector ---------------------------------------------------------
+
+
+def _nested(n: int) -> str:
+    items = "[" + ",".join(str(i) for i in range(1, n + 1)) + "]"
+    return f"{items}.all(x, {items}.all(y, x*y >= 0))"
+
+
+async def test_an_expensive_selector_delays_nobody_else(pipeline: Pipeline) -> None:
+    """Tenant A's selector just under the cost limit runs in the pool; B's claims go on."""
+    heavy = claim_manifest("heavy", None, selectors=[{"cel": {"expression": _nested(370)}}])
+    assert (await pipeline.tenant("tenant-a", "apply", heavy))["ok"]
+    pools = [w.selectors for w in pipeline.workers]
+    async with asyncio.timeout(30):
+        while not any(p.busy for p in pools):  # noqa: ASYNC110 (the pool's own flag)
+            await asyncio.sleep(0.02)
+
+    names = [f"b{i}" for i in range(10)]
+    replies = await asyncio.gather(
+        *(pipeline.tenant("tenant-b", "apply", claim_manifest(n, None, "5Gi")) for n in names)
+    )
+    assert all(r["ok"] for r in replies), replies
+    await pipeline.until(lambda st: all(phase_is("tenant-b", n, "ready")(st) for n in names), 30)
+
+    # the expensive claim is still being evaluated: not decided, the loop was never held
+    state = await pipeline.state()
+    assert state.claim("tenant-a", "heavy").phase == "admitted"  # type: ignore[union-attr]
+    assert any(p.busy for p in pools)
+
+
+async def test_a_deferred_claim_is_decided_once_its_selector_is_in(pipeline: Pipeline) -> None:
+    """Above the inline budget, below any deadline: evaluated in the pool, then planned."""
+    before = REGISTRY.get_sample_value("dracap_selector_jobs_total", {"outcome": "evaluated"}) or 0
+    selector = {"cel": {"expression": f"{_nested(12)} && device.driver == 'gpu.dracap.io'"}}
+    body = claim_manifest("deferred", None, selectors=[selector])
+    assert (await pipeline.tenant("tenant-a", "apply", body))["ok"]
+    await pipeline.until(phase_is("tenant-a", "deferred", "ready"), 60)
+    after = REGISTRY.get_sample_value("dracap_selector_jobs_total", {"outcome": "evaluated"})
+    assert (after or 0) > before

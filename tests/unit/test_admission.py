@@ -10,6 +10,7 @@ import yaml
 
 from events import catalog as c
 from events.fold import ClusterState, fold
+from events.ledger import UpsertClaim, projection_changes
 from events.manifests import load_documents
 from events.model import DeviceClass, ResourceClaim, ResourceSlice
 from services.claims.admission import (
@@ -97,8 +98,11 @@ def manifest(
     class_name: str = CLASS,
     memory: str | None = "10Gi",
     admin: bool | None = None,
+    selectors: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     exactly: dict[str, Any] = {"deviceClassName": class_name}
+    if selectors:
+        exactly["selectors"] = [{"cel": {"expression": e}} for e in selectors]
     if memory is not None:
         exactly["capacity"] = {"requests": {"memory": memory}}
     if admin is not None:
@@ -119,6 +123,8 @@ def as_yaml(doc: dict[str, Any]) -> bytes:
 
 
 REQ = "spec.devices.requests[0].exactly"
+_ITEMS = "[" + ",".join(str(i) for i in range(1, 401)) + "]"
+NESTED_400 = f"{_ITEMS}.all(x, {_ITEMS}.all(y, x*y >= 0))"
 
 # (id, namespace, body, code, kind, field, substring of the rule, recorded?)
 CASES: list[tuple[str, str, bytes, str, str, str | None, str, bool]] = [
@@ -210,6 +216,36 @@ CASES: list[tuple[str, str, bytes, str, str, str | None, str, bool]] = [
         "validation",
         f"{REQ}.capacity.requests[memory]",
         "must not be negative",
+        True,
+    ),
+    (
+        "selector-does-not-compile",
+        "tenant-a",
+        as_yaml(manifest(selectors=("device.driver ==",))),
+        "invalid",
+        "validation",
+        f"{REQ}.selectors[0].cel.expression",
+        "compilation failed: syntax error at line 1, column 15: unexpected end of expression",
+        True,
+    ),
+    (
+        "selector-names-an-unknown-field",
+        "tenant-a",
+        as_yaml(manifest(selectors=('device.driver == "x"', "device.nodeName == 1"))),
+        "invalid",
+        "validation",
+        f"{REQ}.selectors[1].cel.expression",
+        "undefined field 'nodeName' of device",
+        True,
+    ),
+    (
+        "selector-above-the-cost-limit",
+        "tenant-a",
+        as_yaml(manifest(selectors=(NESTED_400,))),
+        "invalid",
+        "validation",
+        f"{REQ}.selectors[0].cel.expression",
+        "estimated cost 1125611 exceeds the limit of 1000000",
         True,
     ),
     (
@@ -388,3 +424,40 @@ def test_admit_returns_the_event() -> None:
     verdict = admit(STATE, "tenant-a", claim)
     assert isinstance(verdict, c.ClaimRejected)
     assert "60Gi" in verdict.reason and verdict.field.endswith("requests[memory]")
+
+
+@pytest.mark.parametrize(
+    ("memory", "detail"),
+    [("64Gi", "requested 64Gi; 60Gi on gpu.dracap.io/node-a/gpu-1"), ("-1Gi", None)],
+)
+def test_a_rejected_claim_names_its_field_and_rule_once(memory: str, detail: str | None) -> None:
+    state = _state()
+    decision = decide_apply(state, "tenant-a", as_yaml(manifest(memory=memory)))
+    assert decision.refusal is not None
+    events = list(decision.events)
+    for i, event in enumerate(events):
+        fold([c.new_envelope(event, stream_version=i + 1, actor="t", position=100 + i)], state)
+    claim = state.claim("tenant-a", "train")
+    assert claim is not None and claim.phase == "rejected" and claim.reason is not None
+    field, rule = decision.refusal.field, decision.refusal.rule
+    assert field is not None and rule is not None
+    expected = f"{field}: {rule}" + (f": {detail}" if detail else "")
+    assert claim.reason == expected
+    assert claim.reason.count(field) == 1
+    # the projection the store writes says the same as the fold
+    [change] = [ch for ch in projection_changes(events[1]) if isinstance(ch, UpsertClaim)]
+    assert change.reason == claim.reason
+
+
+@pytest.mark.parametrize(
+    ("namespace", "body", "field", "rule"),
+    [pytest.param(case[1], case[2], case[5], case[6], id=case[0]) for case in CASES],
+)
+def test_a_refusal_message_says_field_and_rule_once(
+    namespace: str, body: bytes, field: str | None, rule: str
+) -> None:
+    refusal = decide_apply(STATE, namespace, body).refusal
+    assert refusal is not None and refusal.rule is not None
+    assert refusal.message.count(refusal.rule) == 1
+    if field is not None:
+        assert refusal.message.startswith(f"{field}: ")

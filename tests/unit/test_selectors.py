@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import semver
 
-from events.errors import SelectorError
+from events.errors import SelectorCostExceeded, SelectorError
 from events.quantities import Quantity
 from events.selectors import (
+    MAX_COST,
     MAX_EXPRESSION_LENGTH,
     DeviceView,
     activation_for,
@@ -262,3 +263,83 @@ def test_view_built_directly() -> None:
     selector = compile_selector('device.attributes["gpu.example.com"].model == "h100"')
     assert selector.matches(view)
     assert not compile_selector("device.allowMultipleAllocations").matches(view)
+
+
+# --- cost: the estimate and the runtime budget ------------------------------------------------
+
+
+def _nested(n: int) -> str:
+    """``[1..n].all(x, [1..n].all(y, x*y >= 0))`` with the lists written out."""
+    items = "[" + ",".join(str(i) for i in range(1, n + 1)) + "]"
+    return f"{items}.all(x, {items}.all(y, x*y >= 0))"
+
+
+@pytest.mark.parametrize(
+    ("expression", "cost"),
+    [
+        ("true", 0),
+        ("device.driver", 2),  # an identifier and a selection
+        (f'device.driver == "{DRIVER}"', 4),  # ... and the comparison of short strings
+        (f'{D}.cores > 100 && {D}.model == "a100"', 10),  # && costs its operands only
+        ("[1, 2, 3].all(x, x > 0)", 26),  # list 10, result 1, 3 x (step 3 + body 2)
+        ("[1, 2, 3].map(x, x * 2)", 63),  # list 10, base 11, 3 x (step 12 + body 2)
+        ("2 in [1, 2, 3]", 13),  # list 10, the look-up: one unit per element
+    ],
+)
+def test_estimated_cost_follows_the_cel_go_rules(expression: str, cost: int) -> None:
+    assert compile_selector(expression).estimated_cost == cost
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        f'device.driver == "{DRIVER}"',
+        f'{D}.cores > 100 && {D}.model.startsWith("a")',
+        'device.attributes.all(domain, device.attributes[domain].all(k, k != ""))',
+        "[1, 2, 3].map(x, x * 2).filter(y, y > 2).exists_one(z, z == 4)",
+        f"{D}.model.matches('^a[0-9]+$') || {D}.cores == 1",
+        _nested(20),
+        'device.capacity.exists(d, device.capacity[d].exists(c, c == "memory"))',
+    ],
+)
+def test_an_evaluation_never_costs_more_than_its_estimate(expression: str) -> None:
+    selector = compile_selector(expression)
+    _, spent = selector.evaluate(_device())
+    assert 0 < spent <= selector.estimated_cost
+
+
+def test_just_under_the_limit_compiles_and_just_over_does_not() -> None:
+    assert 900_000 < compile_selector(_nested(370)).estimated_cost <= MAX_COST
+    with pytest.raises(SelectorError, match=r"estimated cost 1016131 exceeds the limit of 1000000"):
+        compile_selector(_nested(380))
+
+
+def test_a_comprehension_over_a_range_of_unknown_size_does_not_compile() -> None:
+    with pytest.raises(SelectorError, match="cannot be bounded"):
+        compile_selector(f"{D}.model.parts.all(p, p == 1)")
+
+
+@pytest.mark.parametrize(
+    "expression", [_nested(40), f"false || {_nested(40)}", f"{_nested(40)} || true"]
+)
+def test_an_evaluation_stops_when_its_budget_is_spent(expression: str) -> None:
+    selector = compile_selector(expression)
+    assert selector.matches(_device())  # within the default limit
+    with pytest.raises(SelectorCostExceeded) as info:
+        selector.matches(_device(), cost_limit=500)
+    assert info.value.limit == 500
+    assert "actual cost exceeded the limit of 500" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("device.driver ==", "syntax error at line 1, column 15: unexpected end of expression"),
+        ("device.driver == 'a", 'syntax error at line 1, column 18: unexpected character "\'"'),
+        ("device driver", "syntax error at line 1, column 8: unexpected 'driver'"),
+    ],
+)
+def test_syntax_errors_say_where_and_what(expression: str, message: str) -> None:
+    with pytest.raises(SelectorError) as info:
+        compile_selector(expression)
+    assert info.value.message == f"compilation failed: {message}"
