@@ -76,7 +76,7 @@ async def run(settings: Settings, args: argparse.Namespace) -> dict[str, float]:
                     for i in range(args.noisy):
                         reply = await api.claims(NOISY, "apply", expensive_claim(i))
                         assert reply["ok"], reply
-                    await asyncio.sleep(1.0)  # the pool has taken the first job
+                    await asyncio.sleep(3.0)  # the worker has started and taken the first job
                     await _phase(api, tracker, args, "loaded", out)
                     states = [
                         (await api.claims(NOISY, "get", {"name": f"expensive-{i}"}))["claim"]

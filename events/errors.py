@@ -52,7 +52,8 @@ class SelectorError(EventsError):
     """A CEL selector failed to compile or to evaluate."""
 
     def __init__(self, expression: str, message: str) -> None:
-        super().__init__(f"CEL selector {expression!r}: {message}")
+        shown = expression if len(expression) <= 120 else expression[:100] + "..."
+        super().__init__(f"CEL selector {shown!r}: {message}")
         self.expression = expression
         self.message = message
 

@@ -52,6 +52,7 @@ names already split, and :meth:`DeviceView.from_qualified_names` does the split.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
@@ -649,14 +650,18 @@ class Selector:
 
 
 _CACHED: Final = 4096
-_compiled: dict[tuple[str, bool], Selector | SelectorError] = {}
-_verdicts: dict[tuple[str, bool], str | None] = {}
+_compiled: collections.OrderedDict[tuple[str, bool], Selector | SelectorError] = (
+    collections.OrderedDict()
+)
+_verdicts: collections.OrderedDict[tuple[str, bool], str | None] = collections.OrderedDict()
 
 
-def _remember(cache: dict[tuple[str, bool], Any], key: tuple[str, bool], value: object) -> None:
+def _remember(
+    cache: collections.OrderedDict[tuple[str, bool], Any], key: tuple[str, bool], value: object
+) -> None:
     cache[key] = value
     if len(cache) > _CACHED:
-        del cache[next(iter(cache))]  # the oldest entry
+        cache.popitem(last=False)  # the oldest entry
 
 
 def compile_selector(expression: str, *, consumable_capacity: bool = True) -> Selector:

@@ -34,6 +34,7 @@ version).
 
 from __future__ import annotations
 
+import collections
 import uuid
 from collections.abc import Sequence
 from typing import Final
@@ -71,14 +72,17 @@ class LogConfirmation:
         self._store = store
         self._kept = kept
         self._recent: dict[int, Envelope] = {}
+        self._order: collections.deque[int] = collections.deque()  # positions, oldest first
         if live is not None:
             live.subscribe(self._folded)
 
     def _folded(self, env: Envelope) -> None:
-        recent = self._recent
-        recent[env.position] = env
-        while len(recent) > self._kept:  # folded in position order: the first is the oldest
-            del recent[next(iter(recent))]
+        # (a deque, not the dict's own order: taking a dict's first key after many
+        # deletions scans the holes they leave, every time)
+        self._recent[env.position] = env
+        self._order.append(env.position)
+        if len(self._order) > self._kept:
+            self._recent.pop(self._order.popleft(), None)
 
     async def confirm(self, envs: Sequence[Envelope]) -> list[bool]:
         """For each envelope, whether the log holds it as sent."""

@@ -290,12 +290,18 @@ class _Puller:
     async def next(self, timeout: float, most: int) -> list[Msg]:  # noqa: ASYNC109
         """The messages that have arrived (waiting up to ``timeout`` for the first)."""
         deadline = time.monotonic() + timeout
-        while not self._ready:
+        while True:
+            # cleared before looking, never after: a message that arrives while the
+            # request below is being sent must not wait for the timeout
+            self._arrival.clear()
+            if self._ready:
+                break
             await self._ask()
+            if self._ready:
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 return []
-            self._arrival.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrival.wait(), left)
         ready = self._ready
@@ -369,7 +375,8 @@ class Consumer:
         self.ignored = 0  #: messages ``wants`` declined (acked without a transaction)
         self.dead_lettered = 0
         self.unconfirmed = 0  #: messages the log does not hold as sent (terminated)
-        self._excused: dict[str, int] = {}  # event id -> deliveries lost to an outage
+        #: event id -> deliveries lost to an outage (oldest first)
+        self._excused: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._unconfirmed_unlogged = 0  # dropped since the last warning
         self._unconfirmed_logged_at = -WARN_EVERY_S
         self.groups = 0  #: transactions that handled more than one message
@@ -520,7 +527,7 @@ class Consumer:
         """
         self._excused[event_id] = self._excused.pop(event_id, 0) + 1
         while len(self._excused) > _EXCUSED_KEPT:
-            del self._excused[next(iter(self._excused))]
+            self._excused.popitem(last=False)
         _log.warning(
             "consumer %s: event %s waits for a server (%s)", self.name, event_id, one_line(exc)
         )

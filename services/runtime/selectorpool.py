@@ -52,6 +52,7 @@ from typing import Final, Literal
 
 from events.errors import SelectorDeadlineExceeded, SelectorError
 from events.selectors import DeviceView, compile_selector, selector_problem
+from services.runtime.outages import one_line
 
 __all__ = ["DEADLINE_S", "JOB_BUDGET_S", "SelectorPool"]
 
@@ -185,7 +186,8 @@ class SelectorPool:
             try:
                 await asyncio.to_thread(self._work, job)
             except Exception as exc:  # the worker could not be started or talked to
-                log.error("selector worker failed: %s", exc)
+                if not self._closed:  # (closing kills it mid-job: that is no failure)
+                    log.error("selector worker failed: %s", one_line(exc))
                 for key, _ in job.items:
                     if key not in job.answers:
                         job.stopped.setdefault(
