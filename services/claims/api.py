@@ -209,8 +209,9 @@ class ClaimsApi:
         selectors: SelectorPool | None = None,
     ) -> None:
         self.store = store
-        #: where tenants' long selector expressions are compiled (not on this loop)
-        self.selectors = selectors if selectors is not None else SelectorPool()
+        #: where tenants' long selector expressions are compiled (not on this loop); at the
+        #: usual priority: a compile is bounded (10 KiB, 2 s) and the tenant waits for it
+        self.selectors = selectors if selectors is not None else SelectorPool(niceness=0)
         self.live = live
         self.nc = nc
         self.names = names

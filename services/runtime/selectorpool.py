@@ -13,25 +13,31 @@ has the heavy ones evaluated here while the claim waits
 The pool
 --------
 One worker process (started on first use with the ``spawn`` method, so it inherits no
-event loop, socket or lock of the service, and run at the lowest CPU priority, so the
-services' own processes and the servers win every contest for a core) does one *job*
+event loop, socket or lock of the service; once started it lowers its CPU priority to
+``niceness``, by default the lowest, so the services' own processes and the servers
+win every contest for a core) does one *job*
 at a time: compile a list of expressions, or evaluate one expression over a list of
 devices, answering item by item. Jobs wait in one queue per owner (the tenant's
 namespace) and are taken round robin, so a tenant who submits many expensive claims
 delays its own, not another tenant's.
 
 Two limits make the runtime budget, besides the cost limit every evaluation has
-(:data:`events.selectors.MAX_COST` units, counted by the worker):
+(:data:`events.selectors.MAX_COST` units, counted by the worker). Both count the
+worker's *CPU* time, so a worker that a busy machine gives little of it (it runs at the
+lowest priority) is not held to account for the wait; the worker keeps them itself
+(:mod:`services.runtime.selectorworker`, a CPU-time timer that interrupts the
+evaluation):
 
 * :attr:`SelectorPool.deadline_s` per item (one expression compiled, or evaluated on
-  one device): an item still running then is stopped by killing the worker, which is
-  restarted for the rest of the job; that item's result is an error naming the
-  deadline (:class:`~events.errors.SelectorDeadlineExceeded`);
-* :attr:`SelectorPool.job_budget_s` per job, counting the worker's time only (not its
-  start): once spent, the items not done yet get the same kind of error untried.
+  one device): the item is stopped and its result is an error naming the deadline
+  (:class:`~events.errors.SelectorDeadlineExceeded`);
+* :attr:`SelectorPool.job_budget_s` per job: once spent, the items not done yet get the
+  same kind of error untried.
 
 Both are dracap's own: with cel-go the cost limit alone bounds an evaluation to
-milliseconds. The blocking conversation with the worker runs in a thread
+milliseconds. A worker that stops answering altogether (stuck in C code) is killed
+after :attr:`SelectorPool.stuck_s` of wall-clock time and started again for the rest
+of the job. The blocking conversation with the worker runs in a thread
 (``asyncio.to_thread``) that waits on the pipe, so the event loop never waits for it.
 """
 
@@ -43,31 +49,33 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Final, Literal
 
 from events.errors import SelectorDeadlineExceeded, SelectorError
-from events.selectors import DeviceView, compile_selector, selector_problem
+from events.selectors import DeviceView
 from services.runtime.outages import one_line
+from services.runtime.selectorworker import serve
 
 __all__ = ["DEADLINE_S", "JOB_BUDGET_S", "SelectorPool"]
 
 log = logging.getLogger("dracap.selectors")
 
-#: How long one item (one expression compiled, or evaluated on one device) may run.
+#: CPU seconds one item (one expression compiled, or evaluated on one device) may use.
 DEADLINE_S: Final = 2.0
-#: How long one job may keep the worker.
+#: CPU seconds one job may use.
 JOB_BUDGET_S: Final = 10.0
+#: Wall-clock seconds to wait for one item before the worker is taken for stuck (the
+#: CPU limits are the worker's own; this only catches a worker that stopped answering).
+STUCK_S: Final = 120.0
 #: How long the worker may take to start and say it is ready.
 _START_S: Final = 60.0
-_LOWEST_PRIORITY: Final = 19
+#: The worker's niceness once it has started: evaluations yield every core to the services.
+LOWEST_PRIORITY: Final = 19
 
 Kind = Literal["check", "evaluate"]
-_WORK: Final = {"check": "compilation", "evaluate": "evaluation"}
 _DONE: Final = {"check": "compiled", "evaluate": "evaluated"}
 #: An item's outcome as the worker reports it: (value, error message or None).
 _Answer = tuple[object, str | None]
@@ -88,9 +96,16 @@ class SelectorPool:
     """One worker process for tenants' selectors (see the module docstring)."""
 
     def __init__(
-        self, *, deadline_s: float = DEADLINE_S, job_budget_s: float = JOB_BUDGET_S
+        self,
+        *,
+        deadline_s: float = DEADLINE_S,
+        job_budget_s: float = JOB_BUDGET_S,
+        niceness: int = LOWEST_PRIORITY,
+        stuck_s: float = STUCK_S,
     ) -> None:
         self.deadline_s = deadline_s
+        self.niceness = niceness
+        self.stuck_s = stuck_s
         self.job_budget_s = job_budget_s
         self._queues: dict[str, collections.deque[_Job]] = {}
         self._owners: collections.deque[str] = collections.deque()  # round-robin order
@@ -100,7 +115,7 @@ class SelectorPool:
         self._conn: multiprocessing.connection.Connection | None = None
         self._closed = False
         self.busy = False  #: a job is being worked on now
-        self.restarts = 0  #: workers killed over a deadline or a spent budget
+        self.restarts = 0  #: workers killed because they stopped answering
 
     # -- the two kinds of job --------------------------------------------------------------
 
@@ -201,43 +216,33 @@ class SelectorPool:
     # -- in the thread ---------------------------------------------------------------------
 
     def _work(self, job: _Job) -> None:
-        """Have the worker do ``job``, enforcing both limits (blocking)."""
-        left = self.job_budget_s
+        """Have the worker do ``job`` (blocking); the worker keeps both CPU limits."""
         todo = list(job.items)
         while todo and not self._closed:
-            if left <= 0:
-                spent = (
-                    f"not {_DONE[job.kind]}: the job's runtime budget of {self.job_budget_s}s "
-                    "is spent"
-                )
-                for key, _ in todo:
-                    job.stopped[key] = spent
-                return
             conn = self._connection()
-            began = time.monotonic()
-            conn.send((job.kind, job.expression, job.consumable_capacity, todo))
-            todo = self._collect(conn, job, todo, began + left)
-            left -= time.monotonic() - began
+            limits = (self.deadline_s, self.job_budget_s)
+            conn.send((job.kind, job.expression, job.consumable_capacity, limits, todo))
+            todo = self._collect(conn, job, todo)
 
     def _collect(
-        self,
-        conn: multiprocessing.connection.Connection,
-        job: _Job,
-        todo: list[tuple[int, object]],
-        until: float,
+        self, conn: multiprocessing.connection.Connection, job: _Job, todo: list[tuple[int, object]]
     ) -> list[tuple[int, object]]:
-        """Receive answers in order; on a deadline kill the worker; returns what is left."""
+        """Receive answers in order; kill a worker that stops answering; returns what is left."""
         for position, (key, _) in enumerate(todo):
-            wait = max(0.0, min(self.deadline_s, until - time.monotonic()))
-            if not conn.poll(wait):
-                self._kill(over_deadline=True)
-                limit = "deadline" if wait == self.deadline_s else "job's runtime budget"
-                job.stopped[key] = f"{_WORK[job.kind]} stopped after {wait:.2g}s (the {limit})"
+            if not conn.poll(self.stuck_s):
+                self._kill(stuck=True)
+                job.stopped[key] = (
+                    f"not {_DONE[job.kind]}: the selector worker did not answer within "
+                    f"{self.stuck_s:.3g}s and was restarted"
+                )
                 return todo[position + 1 :]
-            got, value, message = conn.recv()
+            got, value, message, stopped = conn.recv()
             if got != key:
                 raise RuntimeError(f"the selector worker answered for {got}, not {key}")
-            job.answers[key] = (value, message)
+            if stopped:
+                job.stopped[key] = message
+            else:
+                job.answers[key] = (value, message)
         return []
 
     def _connection(self) -> multiprocessing.connection.Connection:
@@ -246,26 +251,23 @@ class SelectorPool:
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
         process = context.Process(
-            target=_serve, args=(child,), name="dracap-selectors", daemon=True
+            target=serve, args=(child, self.niceness), name="dracap-selectors", daemon=True
         )
         process.start()
         child.close()
-        if process.pid is not None:
-            with contextlib.suppress(OSError):  # lower its priority before its imports run
-                os.setpriority(os.PRIO_PROCESS, process.pid, _LOWEST_PRIORITY)
         if not parent.poll(_START_S) or parent.recv() != "ready":
             process.kill()
             raise RuntimeError("the selector worker did not start")
         self._process, self._conn = process, parent
         return parent
 
-    def _kill(self, *, over_deadline: bool = False) -> None:
+    def _kill(self, *, stuck: bool = False) -> None:
         process, conn = self._process, self._conn
         self._process = self._conn = None
         if process is not None:
             process.kill()
             process.join(5)
-            self.restarts += over_deadline
+            self.restarts += stuck
         if conn is not None:
             conn.close()
 
@@ -289,30 +291,3 @@ class SelectorPool:
 def _bare(view: DeviceView) -> DeviceView:
     """The view without its cached CEL form (smaller to send, rebuilt in the worker)."""
     return DeviceView(view.driver, view.attributes, view.capacity, view.allow_multiple_allocations)
-
-
-def _serve(conn: multiprocessing.connection.Connection) -> None:
-    """The worker process: answer each job item by item, until the pipe closes."""
-    conn.send("ready")
-    while True:
-        try:
-            kind, expression, consumable_capacity, items = conn.recv()
-        except (EOFError, OSError):
-            return
-        if kind == "check":
-            for key, text in items:
-                conn.send(
-                    (key, None, selector_problem(text, consumable_capacity=consumable_capacity))
-                )
-            continue
-        try:
-            selector = compile_selector(expression, consumable_capacity=consumable_capacity)
-        except SelectorError as exc:
-            for key, _ in items:
-                conn.send((key, False, exc.message))
-            continue
-        for key, view in items:
-            try:
-                conn.send((key, selector.matches(view), None))
-            except SelectorError as exc:
-                conn.send((key, False, exc.message))
