@@ -58,8 +58,11 @@ __all__ = [
     "MAX_STRING_VALUE",
     "Budget",
     "CostedEvaluator",
+    "Interrupted",
     "OverBudget",
+    "clear_interrupt",
     "estimate",
+    "interrupt",
 ]
 
 MAX_ENTRIES_PER_MAP: Final = 32
@@ -357,10 +360,22 @@ class OverBudget(BaseException):
     """The evaluation used up its budget (see the module docstring)."""
 
 
+class Interrupted(BaseException):
+    """The evaluation was asked to stop from outside (:func:`interrupt`)."""
+
+
 class Budget:
-    """The cost units an evaluation may still spend."""
+    """The cost units an evaluation may still spend.
+
+    Every charge is also where an evaluation notices :func:`interrupt`: the evaluator
+    stops between two nodes, never in the middle of one of cel-python's own steps (an
+    exception raised at an arbitrary point — by a signal handler, say — can be swallowed
+    by C code that ignores errors, and the evaluation goes on with a wrong value).
+    """
 
     __slots__ = ("limit", "spent")
+    #: set by :func:`interrupt`, from a signal handler of the process
+    stop_requested = False
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -371,6 +386,18 @@ class Budget:
         self.spent += units
         if self.spent > self.limit:
             raise OverBudget
+        if Budget.stop_requested:
+            raise Interrupted
+
+
+def interrupt() -> None:
+    """Make the evaluation running in this process stop at its next node (see Budget)."""
+    Budget.stop_requested = True
+
+
+def clear_interrupt() -> None:
+    """Before the next evaluation: no stop requested."""
+    Budget.stop_requested = False
 
 
 #: What visiting a node of the parse tree costs (nodes with operands only when they

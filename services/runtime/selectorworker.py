@@ -3,10 +3,10 @@
 Kept apart from the pool so that a worker starts by importing only the selector module.
 
 The worker keeps the pool's two limits in *CPU* time (``time.process_time`` and a
-``SIGPROF`` interval timer): an item still running when its share of CPU is spent is
-interrupted by the timer's signal — between two Python steps of the evaluator, which is
-where cel-python spends its time — and answered as stopped; the worker goes on with
-the next item. CPU time, not wall-clock time: the worker runs at the lowest priority,
+``SIGPROF`` interval timer): an evaluation still running when its share of CPU is spent
+is stopped at its next node (:func:`events.celcost.interrupt`) and answered as stopped;
+the worker goes on with the next item. A compile is not interrupted (the length limit
+bounds it to about a second). CPU time, not wall-clock time: the worker runs at the lowest priority,
 and on a busy machine it may wait long for a core without anybody's selector being to
 blame.
 
@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from events import celcost
 from events.errors import SelectorError
 from events.selectors import DeviceView, Selector, compile_selector, selector_problem
 
@@ -38,31 +39,29 @@ _WORK = {"check": "compilation", "evaluate": "evaluation"}
 _DONE = {"check": "compiled", "evaluate": "evaluated"}
 
 
-class _CpuSpent(BaseException):
-    """The item's CPU time ran out (a BaseException: no ``except Exception`` eats it)."""
-
-
 class _Timer:
-    """A ``SIGPROF`` timer armed only around one item."""
+    """A ``SIGPROF`` timer armed only around one item.
+
+    Its handler raises nothing: it asks the evaluator to stop
+    (:func:`events.celcost.interrupt`), which it does at its next node.
+    """
 
     def __init__(self) -> None:
-        self.armed = False
         signal.signal(signal.SIGPROF, self._expired)
 
-    def _expired(self, _signum: int, _frame: FrameType | None) -> None:
-        if self.armed:  # a signal delivered just after disarming is ignored
-            self.armed = False
-            raise _CpuSpent
+    @staticmethod
+    def _expired(_signum: int, _frame: FrameType | None) -> None:
+        celcost.interrupt()
 
     @contextlib.contextmanager
     def limit(self, seconds: float) -> Iterator[None]:
-        self.armed = True
+        celcost.clear_interrupt()
         signal.setitimer(signal.ITIMER_PROF, max(seconds, 0.001))
         try:
             yield
         finally:
-            self.armed = False
             signal.setitimer(signal.ITIMER_PROF, 0)
+            celcost.clear_interrupt()
 
 
 def serve(conn: Connection, niceness: int) -> None:
@@ -127,7 +126,7 @@ def _job(
         try:
             with timer.limit(allowed):
                 value, message = work(payload)
-        except _CpuSpent:
+        except celcost.Interrupted:
             which = "deadline" if allowed == deadline else "job's budget"
             stopped = f"{_WORK[kind]} stopped after {allowed:.3g}s of CPU time (the {which})"
             conn.send((key, None, stopped, True))

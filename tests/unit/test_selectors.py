@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import semver
 
+from events import celcost
 from events.errors import SelectorCostExceeded, SelectorError
 from events.quantities import Quantity
 from events.selectors import (
@@ -343,3 +346,26 @@ def test_syntax_errors_say_where_and_what(expression: str, message: str) -> None
     with pytest.raises(SelectorError) as info:
         compile_selector(expression)
     assert info.value.message == f"compilation failed: {message}"
+
+
+def test_an_interrupted_evaluation_stops_cleanly_at_any_moment() -> None:
+    """A CPU-time signal asks the evaluator to stop: always a clean stop, never a wrong value.
+
+    (Raising in the signal handler instead let C code swallow the exception now and then:
+    the evaluation went on and answered a type error.)
+    """
+    selector = compile_selector(_nested(200))
+    previous = signal.signal(signal.SIGPROF, lambda *_: celcost.interrupt())
+    try:
+        for i in range(40):
+            celcost.clear_interrupt()
+            signal.setitimer(signal.ITIMER_PROF, 0.01 + (i % 7) * 0.007)
+            try:
+                with pytest.raises(celcost.Interrupted):
+                    selector.matches(_device())
+            finally:
+                signal.setitimer(signal.ITIMER_PROF, 0)
+    finally:
+        signal.signal(signal.SIGPROF, previous)
+        celcost.clear_interrupt()
+    assert compile_selector(_nested(20)).matches(_device())
