@@ -12,7 +12,10 @@ The consumer keeps pull requests outstanding on a private inbox (``batch`` messa
 expiring after ``poll_interval``; a new request goes out when fewer than half a batch
 are still asked for), so messages flow in as the stream gets them and a lone message
 is handled at once — nats-py's ``fetch(n)`` would hold it until ``n`` had arrived or
-the request expired. Whatever has arrived when the previous group is done forms the
+the request expired. Each request has a reply subject of its own under the inbox, on
+which its end status (expired, no messages) comes; a request is renewed shortly before
+it expires, whether or not its end status ever comes, so there is always one at the
+server. Whatever has arrived when the previous group is done forms the
 next group (at most ``max_group`` messages): under load, groups grow by themselves
 and one transaction carries many messages; when idle, each message goes alone.
 
@@ -125,6 +128,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -175,6 +179,10 @@ _LOCK_AND_MARK: Final = (
 )
 #: JetStream's pull API (``$JS.API`` is the default API prefix, no domain).
 _PULL_SUBJECT: Final = "$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+#: A pull request about to expire is renewed this long before: the next one is already
+#: at the server when it ends (its end status may never come — seen with nats-server
+#: 2.10 — and messages must not wait for the poll interval meanwhile).
+_RENEW_S: Final = 0.1
 #: Status codes that end a pull request: no messages, request timeout, conflict.
 _REQUEST_ENDED: Final = frozenset({"404", "408", "409"})
 
@@ -254,38 +262,50 @@ class _Puller:
         self._subject = _PULL_SUBJECT.format(stream=stream, durable=durable)
         self._batch = batch
         self._expires = expires
-        #: per request still open, oldest first: [messages still to come, expiry time]
-        self._open: collections.deque[list[float]] = collections.deque()
+        #: per request still open, oldest first, by its reply token:
+        #: [messages still to come, when the server expires it]
+        self._open: dict[str, list[float]] = {}
+        self._asked = 0  # requests sent (each gets its own reply subject)
         self._inbox = nc.new_inbox()
         self._sub: Subscription | None = None
         self._ready: collections.deque[Msg] = collections.deque()
         self._arrival = asyncio.Event()
 
     async def start(self) -> None:
-        self._sub = await self._nc.subscribe(self._inbox, cb=self._arrived)
+        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._arrived)
 
     async def _arrived(self, msg: Msg) -> None:
         status = (msg.headers or {}).get(Header.STATUS.value) if not msg.data else None
-        if status is None:
-            if self._open:
-                self._open[0][0] -= 1
-                if self._open[0][0] <= 0:
-                    self._open.popleft()
+        if status is None:  # a message: it keeps its own subject, so count the oldest
+            oldest = next(iter(self._open), None)
+            if oldest is not None:
+                self._open[oldest][0] -= 1
+                if self._open[oldest][0] <= 0:
+                    del self._open[oldest]
             self._ready.append(msg)
-        elif status in _REQUEST_ENDED and self._open:
-            self._open.popleft()
+        elif status in _REQUEST_ENDED:  # a status comes on the request's reply subject
+            self._open.pop(msg.subject.rpartition(".")[2], None)
         self._arrival.set()
 
     async def _ask(self) -> None:
         now = time.monotonic()
-        while self._open and self._open[0][1] < now:  # its end status never came
-            self._open.popleft()
-        if sum(r[0] for r in self._open) > self._batch // 2:
+        for token in [t for t, (_, expiry) in self._open.items() if expiry < now]:
+            del self._open[token]  # expired at the server, and its end status never came
+        live = (left for left, expiry in self._open.values() if expiry - _RENEW_S > now)
+        if sum(live) > self._batch // 2:
             return
         expires_ns = int(self._expires * 1e9)
         request = json.dumps({"batch": self._batch, "expires": expires_ns}).encode()
-        await self._nc.publish(self._subject, request, reply=self._inbox)
-        self._open.append([self._batch, now + self._expires + 1.0])
+        token = str(self._asked)
+        self._asked += 1
+        self._open[token] = [self._batch, now + self._expires]
+        await self._nc.publish(self._subject, request, reply=f"{self._inbox}.{token}")
+
+    def _renew_in(self) -> float:
+        """Seconds until the next request not yet renewed is due (inf: none)."""
+        now = time.monotonic()
+        due = (expiry - _RENEW_S for _, expiry in self._open.values() if expiry - _RENEW_S > now)
+        return min(due, default=math.inf) - now
 
     async def next(self, timeout: float, most: int) -> list[Msg]:  # noqa: ASYNC109
         """The messages that have arrived (waiting up to ``timeout`` for the first)."""
@@ -302,8 +322,8 @@ class _Puller:
             left = deadline - time.monotonic()
             if left <= 0:
                 return []
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._arrival.wait(), left)
+            with contextlib.suppress(TimeoutError):  # woken to renew a request in time
+                await asyncio.wait_for(self._arrival.wait(), min(left, self._renew_in()))
         ready = self._ready
         out = [ready.popleft() for _ in range(min(most, len(ready)))]
         await self._ask()  # keep the flow going while this group is handled
