@@ -61,6 +61,7 @@ duplicates; views are idempotent).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -125,6 +126,8 @@ __all__ = ["ADMIN_OPS", "TENANT_OPS", "ClaimsApi"]
 log = logging.getLogger("dracap.claims")
 
 TENANT_OPS: Final = ("apply", "get", "list", "delete", "watch")
+#: Applies of one namespace that may wait for the selector pool at once (see apply).
+CHECKS_PER_NAMESPACE: Final = 4
 ADMIN_OPS: Final = ("deviceclasses.apply", "slices.apply", "namespaces.access", "devices.list")
 _HIDDEN_FROM_LIST: Final = frozenset({"withdrawn", "released"})
 #: A delete of a claim in these phases has nothing left to do: it answers the phase.
@@ -220,6 +223,7 @@ class ClaimsApi:
         self.max_attempts = max_attempts
         self.tail = tail
         self._slots = asyncio.Semaphore(concurrency)
+        self._checking: collections.Counter[str] = collections.Counter()  # by namespace
         self._committer = GroupCommitter(store, actor)
         self._tasks: set[asyncio.Task[None]] = set()
         self._service: Service | None = None
@@ -345,7 +349,9 @@ class ClaimsApi:
 
     async def apply(self, namespace: str, data: bytes) -> bytes:
         """``claims.apply``: admit or reject a ResourceClaim manifest."""
-        await self._check_selectors(namespace, data)
+        busy = await self._check_selectors(namespace, data)
+        if busy is not None:
+            return busy
         for attempt in range(self.max_attempts):
             await self._fresh(attempt)
             async with self.live.frozen() as state:
@@ -371,27 +377,45 @@ class ClaimsApi:
             return ok_reply(claim=claim_view(self.live.state, claim))
         return error_reply("conflict", "the claim kept changing while it was applied; retry")
 
-    async def _check_selectors(self, namespace: str, data: bytes) -> None:
+    async def _check_selectors(self, namespace: str, data: bytes) -> bytes | None:
         """Have the claim's long selector expressions compiled in the pool, off this loop.
 
         Admission then takes the pool's verdicts (:func:`events.selectors.record_verdict`)
-        instead of parsing them here: 10 KiB of CEL costs cel-python half a second.
+        instead of parsing them here: 10 KiB of CEL costs cel-python half a second. A
+        namespace may have :data:`CHECKS_PER_NAMESPACE` applies waiting for the pool;
+        one more is answered ``conflict`` (retry) at once, so that one tenant's applies
+        cannot take every request slot of the API while they wait. Returns that reply.
         """
         if b"expression" not in data:
-            return
+            return None
         claim = read_claim(data, namespace)
         if isinstance(claim, Refusal):
-            return  # admission refuses it again, without reaching the selectors
+            return None  # admission refuses it again, without reaching the selectors
         flag = self.gates.consumable_capacity
         long = [
             e
             for e in selector_expressions(claim)
             if len(e) > INLINE_COMPILE_CHARS and not is_checked(e, consumable_capacity=flag)
         ]
-        if long:
+        if not long:
+            return None
+        if self._checking[namespace] >= CHECKS_PER_NAMESPACE:
+            return error_reply(
+                "conflict",
+                f"namespace {namespace!r} has {CHECKS_PER_NAMESPACE} claims whose selectors "
+                "are being compiled; retry when they are done",
+                rule=f"at most {CHECKS_PER_NAMESPACE} applies with long selectors in flight",
+            )
+        self._checking[namespace] += 1
+        try:
             verdicts = await self.selectors.check(long, owner=namespace, consumable_capacity=flag)
-            for expression, problem in verdicts.items():
-                record_verdict(expression, problem, consumable_capacity=flag)
+        finally:
+            self._checking[namespace] -= 1
+            if not self._checking[namespace]:
+                del self._checking[namespace]
+        for expression, problem in verdicts.items():
+            record_verdict(expression, problem, consumable_capacity=flag)
+        return None
 
     @staticmethod
     def _count(refusal: Refusal | None) -> None:

@@ -653,3 +653,40 @@ async def test_a_deferred_claim_is_decided_once_its_selector_is_in(pipeline: Pip
     await pipeline.until(phase_is("tenant-a", "deferred", "ready"), 60)
     after = REGISTRY.get_sample_value("dracap_selector_jobs_total", {"outcome": "evaluated"})
     assert (after or 0) > before
+
+
+class GatedPool(SelectorPool):
+    """The real pool, whose compile checks wait for a gate (to hold them in flight)."""
+
+    def __init__(self) -> None:
+        super().__init__(niceness=0)
+        self.gate = asyncio.Event()
+
+    async def check(self, *args: Any, **kwargs: Any) -> dict[str, str | None]:
+        await self.gate.wait()
+        return await super().check(*args, **kwargs)
+
+
+async def test_one_tenant_cannot_hold_every_api_slot_with_long_selectors(
+    pipeline: Pipeline,
+) -> None:
+    await pipeline.api.selectors.close()
+    pool = pipeline.api.selectors = GatedPool()
+    long_selector = "device.driver == 'gpu.dracap.io' && " + " && ".join(["true"] * 60)
+
+    def body(i: int) -> bytes:
+        selector = {"cel": {"expression": f"{long_selector} && {i} == {i}"}}
+        return claim_manifest(f"long-{i}", None, selectors=[selector])
+
+    waiting = [
+        asyncio.ensure_future(pipeline.tenant("tenant-a", "apply", body(i))) for i in range(5)
+    ]
+    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED, timeout=30)
+    [refused] = [task.result() for task in done]
+    assert refused["error"]["code"] == "conflict"
+    assert "has 4 claims whose selectors are being compiled" in refused["error"]["message"]
+    # another tenant is not held up meanwhile
+    assert (await pipeline.tenant("tenant-b", "apply", claim_manifest("other", None)))["ok"]
+    pool.gate.set()
+    replies = [await task for task in waiting if task not in done]
+    assert len(replies) == 4 and all(r["ok"] for r in replies), replies
