@@ -193,7 +193,8 @@ class ReservationService:
         self.inline_budget = inline_budget
         #: where tenants' expensive selectors are evaluated (services.runtime.selectorpool)
         self.selectors = selectors if selectors is not None else SelectorPool()
-        self._deferred: dict[ClaimKey, Cause] = {}  # waiting for a selector, and why planned
+        #: claims waiting for a selector's results: why they were planned, and the selector
+        self._deferred: dict[ClaimKey, tuple[Cause, str]] = {}
         self._owners: dict[str, str] = {}  # heavy expression -> namespace that asked for it
         self._evaluating: set[str] = set()  # heavy expressions being evaluated now
         self._jobs: set[asyncio.Task[None]] = set()
@@ -281,6 +282,9 @@ class ReservationService:
                         continue
                     if claim.phase == "unschedulable" and self._tried.get(key) == self._epoch:
                         continue
+                    waiting = self._deferred.get(key)
+                    if waiting is not None and waiting[1] in self._evaluating:
+                        continue  # its selector is still being evaluated: nothing new to try
                     access = state.namespaces.get(key[0])
                     outcome = allocator.allocate(
                         claim.claim,
@@ -294,7 +298,8 @@ class ReservationService:
                         self._deferred.pop(key, None)
                         continue
                     if isinstance(outcome, Deferred):  # decided once its selector is in
-                        self._deferred.setdefault(key, causes(key))
+                        cause = waiting[0] if waiting is not None else causes(key)
+                        self._deferred[key] = (cause, outcome.expression)
                         self._owners.setdefault(outcome.expression, key[0])
                         continue
                     self._deferred.pop(key, None)
@@ -488,7 +493,8 @@ class ReservationService:
                 await connection.execute("SELECT pg_advisory_unlock($1)", PLANNER_LOCK)
 
     def _deferred_cause(self, key: ClaimKey) -> Cause:
-        return self._deferred.get(key) or Cause(None, None)
+        waiting = self._deferred.get(key)
+        return waiting[0] if waiting is not None else Cause(None, None)
 
     # -- running ------------------------------------------------------------------------
 
