@@ -335,6 +335,11 @@ class KernelSampler:
         self._thread.join(5)
 
 
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
+
+
 def add_orphan(iface: str, share_id: str, taken: set[int]) -> int:
     """An HTB class and a labelled filter for ``share_id``, as a lost agent would leave."""
     minor = next(m for m in candidate_minors(share_id) if m not in taken)
@@ -353,9 +358,12 @@ async def test_restart_keeps_limits_and_removes_orphans(node: Node, settings: Se
     await node.apply("db", "20M")
     await node.until(ready("web", "db"))
     # the standalone agent serves its own metrics: two limits applied, two claims ready
+    # (counted once the agent's commit has returned: a moment after the log says ready)
     url = f"http://127.0.0.1:{node.metrics_port}/metrics"
-    text = (await asyncio.to_thread(urllib.request.urlopen, url, timeout=5)).read().decode()
-    assert "dracap_enforcement_latency_seconds_count 2.0" in text
+    counted = "dracap_enforcement_latency_seconds_count 2.0"
+    async with asyncio.timeout(30):
+        while counted not in (text := await asyncio.to_thread(_get, url)):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
     assert 'dracap_claims_total{outcome="ready"} 2.0' in text
     shares = node.share_ids(node.view.state, "web", "db")
     observed = await node.tc.observe()

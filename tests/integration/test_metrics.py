@@ -108,12 +108,18 @@ async def test_every_required_metric_has_a_value(
             await api.claims("tenant-a", "apply", claim_manifest("nope", "tenant-a", "64Gi"))
         await wait_ready(api, "tenant-a", "train")
 
-        deadline = time.monotonic() + 10
-        while True:  # the gauges and the relay lag follow the log asynchronously
-            after = scrape(metrics_port)
-            settled = value(after, "dracap_relay_lag_events") == 0 and value(
-                after, "dracap_capacity_allocated_ratio", **{"class": GPU, "capacity": "memory"}
-            ) == pytest.approx(10 / 80)
+        deadline = time.monotonic() + 30
+        while True:  # the gauges, the relay lag and what is counted after a commit follow
+            after = scrape(metrics_port)  # the log asynchronously
+            counted = "dracap_enforcement_latency_seconds_count"
+            settled = (
+                value(after, "dracap_relay_lag_events") == 0
+                and value(
+                    after, "dracap_capacity_allocated_ratio", **{"class": GPU, "capacity": "memory"}
+                )
+                == pytest.approx(10 / 80)
+                and value(after, counted) > value(before, counted)
+            )
             if settled or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)
