@@ -160,7 +160,7 @@ async def bench_writes(
 
 
 async def load_history(admin: asyncpg.Connection, n: int) -> None:
-    await admin.execute("TRUNCATE capacity_ledger, device_holds, shares, claims")
+    await admin.execute("TRUNCATE capacity_ledger, device_holds, held_shares, node_epochs")
     await admin.execute("ALTER TABLE events DISABLE TRIGGER USER")  # bench database only
     await admin.execute("DELETE FROM events")
     await admin.execute("ALTER TABLE events ENABLE TRIGGER USER")

@@ -92,6 +92,7 @@ __all__ = [
     "EnforcementCheckpointSetAside",
     "EnforcementReconciled",
     "Envelope",
+    "EnvelopeHead",
     "Event",
     "LimitApplied",
     "LimitFailed",
@@ -100,6 +101,7 @@ __all__ = [
     "NamespaceAccessSet",
     "NodeFenced",
     "NodeLeaseExpired",
+    "RawEnvelope",
     "ReleaseRequested",
     "RequestPolicyChanged",
     "ResourceSlicePublished",
@@ -507,12 +509,14 @@ def schema_version_of(event: Event) -> int:
 # --- envelope -----------------------------------------------------------------------------
 
 
-class Envelope(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """One event with its bookkeeping.
+class EnvelopeHead(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """An envelope's bookkeeping, the one definition of its fields.
 
     ``position`` is the global log position (0 until the store assigns it);
     ``stream_version`` is 1-based within ``stream``; ``schema_version`` is the
-    version of ``event``'s payload as it was written.
+    version of the event's payload as it was written. Subclasses add ``event``
+    in the form they carry it: decoded (:class:`Envelope`), raw JSON
+    (:class:`RawEnvelope`), or not at all (a shell while decoding).
     """
 
     event_id: str
@@ -525,7 +529,18 @@ class Envelope(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     causation_id: str | None = None
     recorded_at: datetime.datetime
     schema_version: int
+
+
+class Envelope(EnvelopeHead, frozen=True, kw_only=True, gc=False):
+    """One event with its bookkeeping."""
+
     event: Event
+
+
+class RawEnvelope(EnvelopeHead, frozen=True, kw_only=True, gc=False):
+    """An envelope whose event is kept as the JSON it was stored as (the relay's form)."""
+
+    event: msgspec.Raw
 
 
 def new_envelope(
@@ -806,23 +821,13 @@ def decode_envelope(data: bytes | str) -> Envelope:
     return Envelope(**{f: getattr(shell, f) for f in _SHELL_FIELDS}, event=event)
 
 
-class _EnvelopeShell(msgspec.Struct, frozen=True, kw_only=True):
+class _EnvelopeShell(EnvelopeHead, frozen=True, kw_only=True):
     """An envelope without its event, for decoding upcast envelopes."""
 
-    event_id: str
-    stream: str
-    stream_version: int
-    position: int = 0
-    namespace: str | None = None
-    actor: str
-    correlation_id: str
-    causation_id: str | None = None
-    recorded_at: datetime.datetime
-    schema_version: int
     event: None = None
 
 
-_SHELL_FIELDS: Final = tuple(f for f in _EnvelopeShell.__struct_fields__ if f != "event")
+_SHELL_FIELDS: Final = EnvelopeHead.__struct_fields__
 
 
 def _strict_event(raw: Any, where: str) -> Event:

@@ -132,7 +132,9 @@ __all__ = [
     "ShareStatus",
     "apply",
     "apply_event",
+    "counts_capacity",
     "fold",
+    "holds_device",
     "policy_violation",
     "snapshot_decode",
     "snapshot_encode",
@@ -401,6 +403,16 @@ def policy_violation(policy: CapacityRequestPolicy, consumed: Quantity) -> str |
     return None
 
 
+def counts_capacity(ev: CapacityReserved) -> bool:
+    """Whether a reservation consumes capacity: admin shares never do."""
+    return not ev.admin_access
+
+
+def holds_device(ev: CapacityReserved) -> bool:
+    """Whether a reservation holds its device exclusively: a dedicated, non-admin one."""
+    return not ev.shared and not ev.admin_access
+
+
 def _reserve(state: ClusterState, ev: CapacityReserved, position: int) -> None:
     share_id = ev.share_id
     shares = state.shares
@@ -422,7 +434,7 @@ def _reserve(state: ClusterState, ev: CapacityReserved, position: int) -> None:
         )
     version = ev.policy_version
     shared = ev.shared
-    if not ev.admin_access:
+    if counts_capacity(ev):
         if (
             shared != dev.allow_multiple_allocations
             or dev.exclusive_holder is not None
@@ -433,7 +445,7 @@ def _reserve(state: ClusterState, ev: CapacityReserved, position: int) -> None:
         consumed_nanos = dev.consumed_nanos
         for name, q in ev.consumed.items():
             consumed_nanos[name] = consumed_nanos.get(name, 0) + q.nanos
-        if shared:
+        if not holds_device(ev):
             dev.live_shared += 1
         else:
             dev.exclusive_holder = claim_key

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from alembic import context, op
+from alembic import op
+
+from migrations.roles import app_role, quote
 
 revision: str = "0001"
 down_revision: str | None = None
@@ -193,20 +195,6 @@ CREATE TABLE node_leases (
 )
 
 
-def _app_role() -> str:
-    settings = context.config.attributes.get("settings")
-    role = getattr(settings, "app_role", None)
-    if role is None:
-        from services.runtime.settings import load_settings
-
-        role = load_settings().app_role
-    return str(role)
-
-
-def _quote(identifier: str) -> str:
-    return '"' + identifier.replace('"', '""') + '"'
-
-
 def _create_role(role: str) -> None:
     literal = role.replace("'", "''")
     op.execute(
@@ -214,11 +202,11 @@ def _create_role(role: str) -> None:
         DO $$
         BEGIN
             IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{literal}') THEN
-                CREATE ROLE {_quote(role)} NOLOGIN;
+                CREATE ROLE {quote(role)} NOLOGIN;
             END IF;
             IF NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
                AND NOT pg_has_role(current_user, '{literal}', 'MEMBER') THEN
-                EXECUTE 'GRANT {_quote(role).replace("'", "''")} TO ' || quote_ident(current_user);
+                EXECUTE 'GRANT {quote(role).replace("'", "''")} TO ' || quote_ident(current_user);
             END IF;
         END
         $$;
@@ -227,7 +215,7 @@ def _create_role(role: str) -> None:
 
 
 def _grant(role: str) -> None:
-    q = _quote(role)
+    q = quote(role)
     op.execute(f"GRANT USAGE ON SCHEMA public TO {q}")
     op.execute(f"GRANT SELECT, INSERT ON events TO {q}")
     op.execute(f"GRANT SELECT, UPDATE ON event_log_head TO {q}")
@@ -238,19 +226,19 @@ def _grant(role: str) -> None:
 def upgrade() -> None:
     for statement in SCHEMA:
         op.execute(statement)
-    role = _app_role()
+    role = app_role()
     if role:
         _create_role(role)
         _grant(role)
 
 
 def downgrade() -> None:
-    role = _app_role()
+    role = app_role()
     if role:
         op.execute(
             f"DO $$ BEGIN IF EXISTS (SELECT FROM pg_roles WHERE rolname = "
             f"'{role.replace(chr(39), chr(39) * 2)}') THEN "
-            f"REVOKE ALL ON {', '.join(TABLES)} FROM {_quote(role)}; END IF; END $$;"
+            f"REVOKE ALL ON {', '.join(TABLES)} FROM {quote(role)}; END IF; END $$;"
         )
     for table in reversed(TABLES):
         op.execute(f"DROP TABLE IF EXISTS {table}")

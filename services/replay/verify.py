@@ -1,17 +1,18 @@
-"""Replay verification: the fold of the whole log must equal the live projections.
+"""Replay verification: the fold of the whole log must equal the database's guard rows.
 
-Invariant 8 says that folding the log gives exactly what the projections hold. This
-module checks it:
+Invariant 8 says that folding the log gives exactly what the database holds. The
+database keeps only the rows its guards need (:mod:`events.guards`); this module
+checks that they say what the fold says:
 
-1. open one ``REPEATABLE READ`` read-only transaction, so the log and the projection
+1. open one ``REPEATABLE READ`` read-only transaction, so the log and the guard
    rows are read as of the same instant even while services keep appending;
 2. start from the newest snapshot (or from an empty state with ``from_start``), then
    fold every later event with :func:`events.fold.apply`, paging through the log by
    position; an :class:`~events.errors.InvariantViolation` stops the replay at its
    position;
-3. derive the projection rows the folded state implies (:func:`expected_projections`)
-   and compare them with the rows in ``capacity_ledger``, ``device_holds``,
-   ``shares`` and ``claims`` (:func:`actual_projections`).
+3. derive the guard rows the folded state implies (:func:`expected_rows`) and
+   compare them with the rows in ``capacity_ledger``, ``device_holds``,
+   ``held_shares`` and ``node_epochs`` (:func:`actual_rows`).
 
 The result is a :class:`Report`; its ``first_violation`` is the smallest position at
 which something is wrong (the failing event, or the last event that touched a row
@@ -33,16 +34,17 @@ import msgspec
 from events.catalog import EVENT_TYPES, Event, current_decoders, decode_stored
 from events.errors import InvariantViolation
 from events.fold import ClusterState, Step, apply_event, snapshot_decode, step_of
-from events.ledger import amount
+from events.guards import amount
 from events.quantities import Quantity
 from services.runtime.eventstore import connect, iter_rows
+from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
 from services.runtime.settings import Settings
 
 Rows = dict[tuple[str, ...], tuple[Any, ...]]
 
 
 class Mismatch(msgspec.Struct, frozen=True, kw_only=True):
-    """One projection row that differs from the fold."""
+    """One guard row that differs from the fold."""
 
     table: str
     key: tuple[str, ...]
@@ -64,7 +66,7 @@ class Report(msgspec.Struct, kw_only=True):
 
     @property
     def ok(self) -> bool:
-        """True when the replay succeeded and every projection row agrees."""
+        """True when the replay succeeded and every guard row agrees."""
         return self.violation is None and not self.mismatches
 
     @property
@@ -76,12 +78,12 @@ class Report(msgspec.Struct, kw_only=True):
         return min(positions) if positions else None
 
 
-def _canonical(consumed: dict[str, Quantity]) -> str:
-    return msgspec.json.encode({k: consumed[k].canonical() for k in sorted(consumed)}).decode()
+def _amounts(consumed: dict[str, Quantity]) -> tuple[tuple[str, Decimal], ...]:
+    return tuple(sorted((name, amount(q).normalize()) for name, q in consumed.items()))
 
 
-def expected_projections(state: ClusterState) -> dict[str, Rows]:
-    """The projection rows that ``state`` implies, keyed like :func:`actual_projections`."""
+def expected_rows(state: ClusterState) -> dict[str, Rows]:
+    """The guard rows that ``state`` implies, keyed like :func:`actual_rows`."""
     ledger: Rows = {}
     holds: Rows = {}
     for (driver, pool, device), dev in state.devices.items():
@@ -90,68 +92,58 @@ def expected_projections(state: ClusterState) -> dict[str, Rows]:
             ledger[(driver, pool, device, cap)] = (amount(total), allocated)
         if dev.exclusive_share is not None:
             holds[(driver, pool, device)] = (dev.exclusive_share,)
-    shares: Rows = {
-        (sid,): (
-            s.state,
-            s.claim[0],
-            s.claim[1],
-            s.allocation_version,
-            s.driver,
-            s.pool,
-            s.device,
-            s.node,
-            s.admin_access,
-            s.shared,
-            _canonical(s.consumed),
-            s.limit_level,
-        )
+    held: Rows = {
+        (sid,): (s.driver, s.pool, s.device, s.node, _amounts(s.consumed))
         for sid, s in state.shares.items()
+        if s.live and not s.admin_access
     }
-    claims: Rows = {
-        key: (c.phase, c.allocation_version, c.node, c.reason) for key, c in state.claims.items()
+    epochs: Rows = {
+        (name,): (max(node.lease_epoch, node.fenced_epoch),)
+        for name, node in state.nodes.items()
+        if max(node.lease_epoch, node.fenced_epoch) > 0
     }
-    return {"capacity_ledger": ledger, "device_holds": holds, "shares": shares, "claims": claims}
+    return {
+        "capacity_ledger": ledger,
+        "device_holds": holds,
+        "held_shares": held,
+        "node_epochs": epochs,
+    }
 
 
+def _held(record: asyncpg.Record) -> tuple[Any, ...]:
+    amounts = msgspec.json.decode(record[5], type=dict[str, Decimal])
+    pairs = tuple(sorted((name, value.normalize()) for name, value in amounts.items()))
+    return (record[1], record[2], record[3], record[4], pairs)
+
+
+#: Per guard table: the query (key columns first, the last column the position that
+#: last touched the row, if the table keeps one) and how a row is compared.
 _QUERIES: dict[str, tuple[str, Callable[[asyncpg.Record], tuple[Any, ...]]]] = {
     "capacity_ledger": (
-        "SELECT driver, pool, device, capacity, total, allocated, NULL FROM capacity_ledger",
+        "SELECT driver, pool, device, capacity, total, allocated, position FROM capacity_ledger",
         lambda r: (r[4].normalize(), r[5].normalize()),
     ),
     "device_holds": (
-        "SELECT driver, pool, device, share_id::text, NULL FROM device_holds",
+        "SELECT h.driver, h.pool, h.device, h.share_id::text, s.position FROM device_holds h "
+        "LEFT JOIN held_shares s USING (share_id)",
         lambda r: (r[3],),
     ),
-    "shares": (
-        "SELECT share_id::text, state, namespace, claim, allocation_version, driver, pool, "
-        "device, node, admin_access, shared, consumed, level, position FROM shares",
-        lambda r: (
-            r[1],
-            r[2],
-            r[3],
-            r[4],
-            r[5],
-            r[6],
-            r[7],
-            r[8],
-            r[9],
-            r[10],
-            msgspec.json.encode(msgspec.json.decode(r[11]), order="sorted").decode(),
-            r[12],
-        ),
+    "held_shares": (
+        "SELECT share_id::text, driver, pool, device, node, amounts, position FROM held_shares",
+        _held,
     ),
-    "claims": (
-        "SELECT namespace, name, phase, allocation_version, node, reason, position FROM claims",
-        lambda r: (r[2], r[3], r[4], r[5]),
+    "node_epochs": (
+        "SELECT node, epoch, NULL FROM node_epochs WHERE epoch > 0",
+        lambda r: (r[1],),
     ),
 }
-_KEY_WIDTH = {"capacity_ledger": 4, "device_holds": 3, "shares": 1, "claims": 2}
+_KEY_WIDTH = {"capacity_ledger": 4, "device_holds": 3, "held_shares": 1, "node_epochs": 1}
 
 
-async def actual_projections(
+async def actual_rows(
     connection: asyncpg.Connection,
 ) -> tuple[dict[str, Rows], dict[tuple[str, tuple[str, ...]], int | None]]:
-    """The projection rows in the database, and the last position that touched each."""
+    """The guard rows in the database, and the last position that touched each."""
     tables: dict[str, Rows] = {}
     positions: dict[tuple[str, tuple[str, ...]], int | None] = {}
     for table, (sql, project) in _QUERIES.items():
@@ -225,7 +217,7 @@ _REPLAY: Final[dict[str, tuple[int, Callable[[bytes | str], Event], Step]]] = {
 
 
 def fold_rows(state: ClusterState, rows: Sequence[asyncpg.Record]) -> None:
-    """Fold stored event rows (``eventstore`` column order) without building envelopes.
+    """Fold stored event rows (:mod:`services.runtime.rows` order) without building envelopes.
 
     The same as ``apply_event(state, decode_stored(payload, type, schema_version),
     position)`` for each row, with the per-row lookups done once per event type: a
@@ -235,17 +227,17 @@ def fold_rows(state: ClusterState, rows: Sequence[asyncpg.Record]) -> None:
     """
     table = _REPLAY
     for row in rows:
-        tag = row[4]
+        tag, version, payload = row[TYPE], row[SCHEMA_VERSION], row[PAYLOAD]
         entry = table.get(tag)
-        if entry is None or entry[0] != row[5]:
-            apply_event(state, decode_stored(row[11], tag, row[5]), row[0])
+        if entry is None or entry[0] != version:
+            apply_event(state, decode_stored(payload, tag, version), row[POSITION])
             continue
         _, decode, step = entry
         try:
-            event = decode(row[11])
+            event = decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
-            event = decode_stored(row[11], tag, row[5])
-        position = row[0]
+            event = decode_stored(payload, tag, version)
+        position = row[POSITION]
         if position:
             if position <= state.position:
                 raise InvariantViolation(
@@ -279,7 +271,7 @@ async def fold_log(
 
 
 async def verify(settings: Settings, *, from_start: bool = False) -> Report:
-    """Fold the log and compare it with the projections (see the module docstring)."""
+    """Fold the log and compare it with the guard rows (see the module docstring)."""
     started = time.perf_counter()
     report = Report()
     connection = await connect(settings)
@@ -289,8 +281,8 @@ async def verify(settings: Settings, *, from_start: bool = False) -> Report:
             state = await _initial_state(connection, from_start)
             state = await fold_log(connection, state, report, to_position=report.head)
             if report.violation is None:
-                actual, positions = await actual_projections(connection)
-                report.mismatches = compare(expected_projections(state), actual, positions)
+                actual, positions = await actual_rows(connection)
+                report.mismatches = compare(expected_rows(state), actual, positions)
     finally:
         await connection.close()
     report.seconds = time.perf_counter() - started
@@ -310,12 +302,12 @@ def summary(report: Report, limit: int = 10) -> str:
     for m in report.mismatches[:limit]:
         lines.append(
             f"MISMATCH {m.table} {'/'.join(m.key)} (last touched at {m.position}): "
-            f"fold={m.expected} projection={m.actual}"
+            f"fold={m.expected} database={m.actual}"
         )
     if len(report.mismatches) > limit:
         lines.append(f"... and {len(report.mismatches) - limit} more mismatches")
     if report.ok:
-        lines.append("OK: projections equal the fold of the log")
+        lines.append("OK: the guard rows equal the fold of the log")
     else:
         lines.append(f"FAILED: first violating position {report.first_violation}")
     return "\n".join(lines)

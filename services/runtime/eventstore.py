@@ -1,4 +1,4 @@
-"""The PostgreSQL event store: the append-only log plus the projections it implies.
+"""The PostgreSQL event store: the append-only log and the guards of its invariants.
 
 Appending
 ---------
@@ -10,18 +10,20 @@ visible) before any writer can get p + 1, and a rolled-back append rolls the cou
 back with it. A reader that tails ``position > last_seen`` never skips a late commit.
 
 Everything done while holding that lock delays every other writer, so an append of
-fewer than :data:`COPY_THRESHOLD` events does the log part in one round trip,
-``dracap_append`` (migration 0003): lock the head, check every stream's version
-against the expected one (exact: no other append runs concurrently; SQLSTATE
-``DR001`` -> :class:`~services.runtime.errors.ConflictError`), insert the rows,
-``pg_notify('dracap_events', head)`` — delivered at commit to
-:meth:`EventStore.wait_for_new`, which learns the head from the payload. Then the
-ledger and projection changes of :mod:`events.ledger` run with the real positions (a
-CHECK violation of the capacity ledger becomes
+fewer than :data:`COPY_THRESHOLD` events is one statement, ``dracap_append_guarded``
+(migration 0005): lock the head, check every stream's version against the expected
+one (exact: no other append runs concurrently; SQLSTATE ``DR001`` ->
+:class:`~services.runtime.errors.ConflictError`), insert the rows, apply the events'
+guards (:mod:`events.guards`: the capacity ledger, held shares, exclusive holds and
+node epochs; a CHECK violation of the ledger becomes
 :class:`~services.runtime.errors.CapacityExceeded`, a second hold of a dedicated
-device a :class:`~services.runtime.errors.ConflictError`), in set-based statements
-(:mod:`services.runtime.projecting`). A bulk append (``COPY_THRESHOLD`` events or
-more) runs the same steps as separate statements, with binary COPY.
+device a :class:`~services.runtime.errors.ConflictError`), and
+``pg_notify('dracap_events', head)`` — delivered at commit to
+:meth:`EventStore.wait_for_new`, which learns the head from the payload. Outside a
+transaction the statement commits as it ends, so the head lock is never held across a
+client round trip. A bulk append (``COPY_THRESHOLD`` events or more) runs the same
+steps as statements in one transaction, with binary COPY and the same
+``dracap_guard`` function: there is one implementation of the guards.
 
 A caller that must commit other writes atomically with the events (a consumer's
 idempotency row and checkpoint) passes its own ``connection=``; the same statements
@@ -58,7 +60,6 @@ from typing import Any, Final, TypeVar
 import asyncpg
 import msgspec
 
-from events import ledger
 from events.catalog import (
     _TAG_BY_CLASS,
     Envelope,
@@ -68,8 +69,8 @@ from events.catalog import (
     namespace_of,
 )
 from events.errors import CatalogError
+from events.guards import encode_guards, guards_of_many
 from events.model import decode_hook
-from services.runtime import projecting
 from services.runtime.errors import (
     AlreadyHandled,
     ConflictError,
@@ -78,7 +79,7 @@ from services.runtime.errors import (
     RuntimeServiceError,
     map_database_error,
 )
-from services.runtime.projecting import apply_changes
+from services.runtime.rows import COLUMNS, SELECT, copy_records, envelope_of
 from services.runtime.settings import Settings
 
 _log = logging.getLogger(__name__)
@@ -89,15 +90,6 @@ RETRY_BASE_DELAY_S: Final = 0.02
 
 T = TypeVar("T")
 Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
-
-_COLUMNS: Final = (
-    "position, event_id, stream, stream_version, type, schema_version, namespace, actor, "
-    "correlation_id, causation_id, recorded_at, payload"
-)
-_SELECT: Final = (
-    "SELECT position, event_id::text, stream, stream_version, type, schema_version, "
-    "namespace, actor, correlation_id, causation_id, recorded_at, payload FROM events"
-)
 
 
 class Cause(msgspec.Struct, frozen=True):
@@ -383,23 +375,6 @@ async def _retrying(operation: Callable[[], Awaitable[T]], stream: str | None) -
 # --- the store -----------------------------------------------------------------------------
 
 
-def envelope_of(row: asyncpg.Record) -> Envelope:
-    """The envelope of one stored row (payload decoded tolerantly, with upcasting)."""
-    return Envelope(
-        event_id=row[1],
-        stream=row[2],
-        stream_version=row[3],
-        position=row[0],
-        namespace=row[6],
-        actor=row[7],
-        correlation_id=row[8],
-        causation_id=row[9],
-        recorded_at=row[10],
-        schema_version=row[5],
-        event=decode_stored(row[11], row[4], row[5]),
-    )
-
-
 async def iter_rows(
     connection: Connection,
     from_position: int = 0,
@@ -412,7 +387,7 @@ async def iter_rows(
     reads it while the caller decodes and folds (at most two pages in memory).
     """
     limit = to_position if to_position is not None else 2**63 - 1
-    sql = f"{_SELECT} WHERE position > $1 AND position <= $2 ORDER BY position LIMIT $3"
+    sql = f"{SELECT} WHERE position > $1 AND position <= $2 ORDER BY position LIMIT $3"
 
     def page(after: int) -> asyncio.Task[list[asyncpg.Record]]:
         return asyncio.ensure_future(connection.fetch(sql, after, limit, batch_size))
@@ -447,7 +422,7 @@ async def iter_envelopes(
 
 
 class EventStore:
-    """Append-only event log with transactional projections (see the module docstring)."""
+    """Append-only event log with the database's guards (see the module docstring)."""
 
     def __init__(self, pool: asyncpg.Pool, settings: Settings) -> None:
         self._pool = pool
@@ -456,8 +431,8 @@ class EventStore:
         self._listener_lock = asyncio.Lock()
         self._closed = False
         self._waiters: set[asyncio.Future[None]] = set()
-        #: appends of fewer events run in the server (:meth:`_append_small`), the others
-        #: statement by statement with COPY; tests lower it to exercise the bulk path
+        #: appends of fewer events are one statement, the others statements with COPY
+        #: (see :meth:`_write`); tests lower it to exercise the bulk path
         self.copy_threshold = COPY_THRESHOLD
         self._commit_listeners: list[Callable[[list[Envelope]], None]] = []
         self._known_head = 0  # the highest head announced by NOTIFY (or read at LISTEN)
@@ -492,7 +467,7 @@ class EventStore:
 
     @property
     def pool(self) -> asyncpg.Pool:
-        """The connection pool (for services that write projection rows of their own)."""
+        """The connection pool (for services that read or write tables of their own)."""
         return self._pool
 
     # -- appending ---------------------------------------------------------------------
@@ -550,40 +525,21 @@ class EventStore:
         if not pending.events:
             return []
         first = streams[0] if len(streams) == 1 else None
-        if connection is not None:
-            return await self._append_on(connection, typed, pending, first)
-        return await _retrying(lambda: self._append_once(typed, pending), first)
-
-    async def _append_on(
-        self,
-        connection: Connection,
-        batches: Sequence[Batch],
-        pending: _Pending,
-        stream: str | None,
-    ) -> list[Envelope]:
-        """Append on the caller's connection and transaction, errors mapped, no retry."""
+        if connection is None:
+            return await _retrying(lambda: self._append_pooled(typed, pending), first)
         try:
-            if connection.is_in_transaction():
-                return await self._append_in(connection, batches, pending)
-            return await self._append_committing(connection, batches, pending)
+            stored = await self._write(connection, typed, pending)
         except RuntimeServiceError:
             raise
         except Exception as exc:
-            raise map_database_error(exc, stream=stream) from exc
+            raise map_database_error(exc, stream=first) from exc
+        if not connection.is_in_transaction():
+            self._committed(stored, pending)
+        return stored
 
-    async def _append_once(self, batches: Sequence[Batch], pending: _Pending) -> list[Envelope]:
+    async def _append_pooled(self, batches: Sequence[Batch], pending: _Pending) -> list[Envelope]:
         async with self._pool.acquire() as connection:
-            return await self._append_committing(connection, batches, pending)
-
-    async def _append_committing(
-        self, connection: Connection, batches: Sequence[Batch], pending: _Pending
-    ) -> list[Envelope]:
-        """An append that commits here (no caller's transaction), then reports the commit."""
-        if len(pending.events) < self.copy_threshold:  # one statement: commits by itself
-            stored = await self._append_small(connection, batches, pending)
-        else:
-            async with connection.transaction():
-                stored = await self._append_bulk(connection, batches, pending)
+            stored = await self._write(connection, batches, pending)
         self._committed(stored, pending)
         return stored
 
@@ -619,31 +575,24 @@ class EventStore:
             except Exception:
                 _log.exception("commit listener failed")
 
-    async def _append_in(
-        self,
-        connection: Connection,
-        batches: Sequence[Batch],
-        pending: _Pending,
+    async def _write(
+        self, connection: Connection, batches: Sequence[Batch], pending: _Pending
     ) -> list[Envelope]:
-        """The statements of one append on ``connection`` (small or bulk, see the module)."""
-        if len(pending.events) >= self.copy_threshold:
-            return await self._append_bulk(connection, batches, pending)
-        return await self._append_small(connection, batches, pending)
+        """One append on ``connection``: lock, check, insert, guards, notify.
 
-    async def _append_small(
-        self,
-        connection: Connection,
-        batches: Sequence[Batch],
-        pending: _Pending,
-    ) -> list[Envelope]:
-        """One call of ``dracap_append_projected``: lock, check, insert, project, notify.
-
-        Outside a transaction the statement commits in the server as it ends, so the
-        head lock is never held across a client round trip.
+        Fewer than :attr:`copy_threshold` events: one call of ``dracap_append_guarded``,
+        which outside a transaction commits in the server as it ends, so the head lock
+        is never held across a client round trip. More: the same steps as statements
+        in a transaction (the caller's, or one of its own), the rows sent with COPY.
         """
         count, processed = len(pending.events), pending.processed
-        offsets = range(1, count + 1)
-        ops = projecting.server_ops(ledger.changes_of_many(pending.events, offsets))
+        guards = guards_of_many(pending.events)
+        encoded = encode_guards(guards) if guards else None
+        if count >= self.copy_threshold:
+            if connection.is_in_transaction():
+                return await _copy(connection, batches, pending, encoded)
+            async with connection.transaction():
+                return await _copy(connection, batches, pending, encoded)
         row = await connection.fetchrow(
             _APPEND,
             count,
@@ -661,7 +610,7 @@ class EventStore:
             pending.recorded_at,
             pending.payloads,
             CHANNEL,
-            ops,
+            encoded,
             *((None, None) if processed is None else (processed.consumer, processed.event_ids)),
         )
         assert row is not None  # the function returns exactly one row
@@ -672,48 +621,6 @@ class EventStore:
         }
         positions = list(range(head - count + 1, head + 1))
         return _stored(pending, positions, _moved(pending, current))
-
-    async def _append_bulk(
-        self, connection: Connection, batches: Sequence[Batch], pending: _Pending
-    ) -> list[Envelope]:
-        """A bulk append: lock, check, COPY, project, notify (statement by statement)."""
-        count, processed = len(pending.events), pending.processed
-        if processed is not None:
-            marked = await connection.fetch(MARK_PROCESSED, processed.consumer, processed.event_ids)
-            if len(marked) != len(processed.event_ids):
-                raise AlreadyHandled(f"consumer {processed.consumer!r} had handled some before")
-        head: int = await connection.fetchval(
-            "UPDATE event_log_head SET position = position + $1 RETURNING position", count
-        )
-        current = await self._check_versions(connection, batches)
-        positions = list(range(head - count + 1, head + 1))
-        versions = _moved(pending, current)
-        await _insert(connection, pending, positions, versions)
-        changes = ledger.changes_of_many(pending.events, positions)
-        if changes:
-            await apply_changes(connection, changes)
-        await connection.execute("SELECT pg_notify($1, $2)", CHANNEL, str(head))
-        return _stored(pending, positions, versions)
-
-    @staticmethod
-    async def _check_versions(connection: Connection, batches: Sequence[Batch]) -> dict[str, int]:
-        """Raise ConflictError on a clash; return how far each ``None`` stream moved."""
-        rows = await connection.fetch(
-            "SELECT s.stream, (SELECT max(stream_version) FROM events e WHERE e.stream = s.stream)"
-            " FROM unnest($1::text[]) AS s(stream)",
-            [b.stream for b in batches],
-        )
-        current = {row[0]: row[1] or 0 for row in rows}
-        for batch in batches:
-            if batch.expected_version is None:
-                continue
-            if current[batch.stream] != batch.expected_version:
-                raise ConflictError(
-                    f"stream {batch.stream!r} is at version {current[batch.stream]}, "
-                    f"expected {batch.expected_version}",
-                    stream=batch.stream,
-                )
-        return {b.stream: current[b.stream] if b.expected_version is None else 0 for b in batches}
 
     # -- reading -------------------------------------------------------------------------
 
@@ -732,7 +639,7 @@ class EventStore:
     async def read_stream(self, stream: str, from_version: int = 1) -> list[Envelope]:
         """All events of ``stream`` from ``from_version`` on, in version order."""
         rows = await self._pool.fetch(
-            f"{_SELECT} WHERE stream = $1 AND stream_version >= $2 ORDER BY stream_version",
+            f"{SELECT} WHERE stream = $1 AND stream_version >= $2 ORDER BY stream_version",
             stream,
             from_version,
         )
@@ -741,7 +648,7 @@ class EventStore:
     async def read_positions(self, positions: Sequence[int]) -> list[Envelope]:
         """The events stored at ``positions`` (those that exist), in position order."""
         rows = await self._pool.fetch(
-            f"{_SELECT} WHERE position = ANY($1::bigint[]) ORDER BY position", list(positions)
+            f"{SELECT} WHERE position = ANY($1::bigint[]) ORDER BY position", list(positions)
         )
         return [envelope_of(row) for row in rows]
 
@@ -866,7 +773,7 @@ class EventStore:
 #: binary COPY with the head lock taken first.
 COPY_THRESHOLD: Final = 256
 _APPEND: Final = (
-    "SELECT head, currents FROM dracap_append_projected($1, $2, $3, $4, $5, $6, $7, $8, $9, "
+    "SELECT head, currents FROM dracap_append_guarded($1, $2, $3, $4, $5, $6, $7, $8, $9, "
     "$10, $11, $12, $13, $14, $15, $16, $17, $18)"
 )
 #: Record bus messages as handled by a consumer; returns the ids that were new.
@@ -881,9 +788,6 @@ def _moved(pending: _Pending, current: dict[str, int]) -> list[int]:
     if not any(current.values()):
         return pending.versions
     return [v + current[s] for v, s in zip(pending.versions, pending.streams, strict=True)]
-
-
-_COLUMN_NAMES: Final = [c.strip() for c in _COLUMNS.split(",")]
 
 
 def _stored(pending: _Pending, positions: list[int], versions: list[int]) -> list[Envelope]:
@@ -929,26 +833,58 @@ def _stored(pending: _Pending, positions: list[int], versions: list[int]) -> lis
     ]
 
 
-async def _insert(
-    connection: Connection, pending: _Pending, positions: list[int], versions: list[int]
-) -> None:
-    """Insert the rows of a bulk append with binary COPY."""
-    count = len(positions)
-    meta = pending.meta
-    columns: list[list[Any]] = [
-        positions,
-        pending.event_ids,
-        pending.streams,
-        versions,
-        pending.types,
-        pending.schema_versions,
-        pending.namespaces,
-        [meta.actor] * count,
-        pending.correlation_ids,
-        pending.causation_ids,
-        [pending.recorded_at] * count,
-        pending.payloads,
-    ]
-    await connection.copy_records_to_table(
-        "events", records=list(zip(*columns, strict=True)), columns=_COLUMN_NAMES
+async def _copy(
+    connection: Connection, batches: Sequence[Batch], pending: _Pending, guards: bytes | None
+) -> list[Envelope]:
+    """A bulk append inside the open transaction: the steps of ``dracap_append_guarded``
+    as statements, the rows sent with binary COPY."""
+    count, processed = len(pending.events), pending.processed
+    if processed is not None:
+        marked = await connection.fetch(MARK_PROCESSED, processed.consumer, processed.event_ids)
+        if len(marked) != len(processed.event_ids):
+            raise AlreadyHandled(f"consumer {processed.consumer!r} had handled some before")
+    head: int = await connection.fetchval(
+        "UPDATE event_log_head SET position = position + $1 RETURNING position", count
     )
+    current = await _check_versions(connection, batches)
+    positions = list(range(head - count + 1, head + 1))
+    versions = _moved(pending, current)
+    records = copy_records(
+        positions=positions,
+        event_ids=pending.event_ids,
+        streams=pending.streams,
+        versions=versions,
+        types=pending.types,
+        schema_versions=pending.schema_versions,
+        namespaces=pending.namespaces,
+        actor=pending.meta.actor,
+        correlation_ids=pending.correlation_ids,
+        causation_ids=pending.causation_ids,
+        recorded_at=pending.recorded_at,
+        payloads=pending.payloads,
+    )
+    await connection.copy_records_to_table("events", records=records, columns=list(COLUMNS))
+    if guards is not None:
+        await connection.execute("SELECT dracap_guard($1, $2)", head - count, guards)
+    await connection.execute("SELECT pg_notify($1, $2)", CHANNEL, str(head))
+    return _stored(pending, positions, versions)
+
+
+async def _check_versions(connection: Connection, batches: Sequence[Batch]) -> dict[str, int]:
+    """Raise ConflictError on a clash; return how far each ``None`` stream moved."""
+    rows = await connection.fetch(
+        "SELECT s.stream, (SELECT max(stream_version) FROM events e WHERE e.stream = s.stream)"
+        " FROM unnest($1::text[]) AS s(stream)",
+        [b.stream for b in batches],
+    )
+    current = {row[0]: row[1] or 0 for row in rows}
+    for batch in batches:
+        if batch.expected_version is None:
+            continue
+        if current[batch.stream] != batch.expected_version:
+            raise ConflictError(
+                f"stream {batch.stream!r} is at version {current[batch.stream]}, "
+                f"expected {batch.expected_version}",
+                stream=batch.stream,
+            )
+    return {b.stream: current[b.stream] if b.expected_version is None else 0 for b in batches}

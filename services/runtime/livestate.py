@@ -58,8 +58,9 @@ from events.catalog import (
 from events.errors import InvariantViolation
 from events.fold import ClusterState, apply, snapshot_decode
 from services.runtime.errors import RuntimeServiceError
-from services.runtime.eventstore import Connection, EventStore, envelope_of, iter_rows
+from services.runtime.eventstore import Connection, EventStore, iter_rows
 from services.runtime.outages import is_unreachable
+from services.runtime.rows import envelope_of
 
 __all__ = ["INVENTORY_EVENTS", "Listener", "LiveState"]
 

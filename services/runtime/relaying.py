@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 from collections.abc import Sequence
 from typing import Any, Final
@@ -65,7 +64,8 @@ from nats.js.api import Header, PubAck
 
 from events.catalog import SCHEMA_VERSIONS, Envelope, encode_event, schema_version_of
 from events.subjects import NODE_TAGS, BusNames
-from services.runtime.eventstore import EventStore, envelope_of
+from services.runtime import rows
+from services.runtime.eventstore import EventStore
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import RELAY_LAG
 
@@ -73,22 +73,6 @@ __all__ = ["CHECKPOINT", "Outgoing", "Relay", "outgoing"]
 
 CHECKPOINT: Final = "relay"
 _log = logging.getLogger(__name__)
-
-
-class _WireEnvelope(msgspec.Struct, frozen=True, kw_only=True):
-    """:class:`events.catalog.Envelope` with the stored event JSON kept raw."""
-
-    event_id: str
-    stream: str
-    stream_version: int
-    position: int
-    namespace: str | None
-    actor: str
-    correlation_id: str
-    causation_id: str | None
-    recorded_at: datetime.datetime
-    schema_version: int
-    event: msgspec.Raw
 
 
 class _NodeField(msgspec.Struct):
@@ -110,26 +94,16 @@ class Outgoing(msgspec.Struct, frozen=True):
 
 def outgoing(names: BusNames, row: asyncpg.Record) -> Outgoing:
     """The bus message of one stored event row (see "Wire form" above)."""
-    tag, version, payload = row[4], row[5], row[11]
+    tag, version = row[rows.TYPE], row[rows.SCHEMA_VERSION]
     if version != SCHEMA_VERSIONS.get(tag):
-        env = envelope_of(row)
+        env = rows.envelope_of(row)
         env = msgspec.structs.replace(env, schema_version=schema_version_of(env.event))
-        return Outgoing(names.event_subject(env), encode_event(env), env.event_id, env.position)
-    node = _NODE_DECODER.decode(payload).node if tag in NODE_TAGS else None
-    wire = _WireEnvelope(
-        event_id=row[1],
-        stream=row[2],
-        stream_version=row[3],
-        position=row[0],
-        namespace=row[6],
-        actor=row[7],
-        correlation_id=row[8],
-        causation_id=row[9],
-        recorded_at=row[10],
-        schema_version=version,
-        event=msgspec.Raw(payload),
+        return outgoing_envelope(names, env)
+    wire = rows.raw_envelope_of(row)
+    node = _NODE_DECODER.decode(row[rows.PAYLOAD]).node if tag in NODE_TAGS else None
+    return Outgoing(
+        names.subject_of(tag, node), _ENCODER.encode(wire), wire.event_id, wire.position
     )
-    return Outgoing(names.subject_of(tag, node), _ENCODER.encode(wire), row[1], row[0])
 
 
 def outgoing_envelope(names: BusNames, env: Envelope) -> Outgoing:
@@ -225,8 +199,8 @@ class Relay:
                 continue
             if self._store.known_head <= self.position:
                 break  # nothing committed past us that we heard of
-            async for rows in self._store.read_rows(self.position, batch_size=self._window):
-                messages = [outgoing(self._names, row) for row in rows]
+            async for page in self._store.read_rows(self.position, batch_size=self._window):
+                messages = [outgoing(self._names, row) for row in page]
                 await self._publish_window(messages)
                 self._advance(messages[-1].position)
                 if stop.is_set():

@@ -99,3 +99,7 @@ async def run(
             share_id=rb.share_id, node="node-a", retryable=False, reason="mps daemon down"
         ),
     )
+    await step(  # a fence older than the lease it follows is stale: nothing is released
+        catalog.NodeLeaseExpired(node="node-a", epoch=3),
+        catalog.NodeFenced(node="node-a", epoch=2),
+    )

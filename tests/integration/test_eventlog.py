@@ -323,12 +323,12 @@ async def test_verify_reports_first_violating_position(
     )
     admin = await asyncpg.connect(database_url)
     try:
-        await admin.execute("UPDATE claims SET phase = 'ready'")
+        await admin.execute("UPDATE held_shares SET amounts = '{\"memory\": \"2\"}'")
     finally:
         await admin.close()
     report = await verifying.verify(settings, from_start=True)
-    assert not report.ok and report.first_violation == 3
-    assert "first violating position 3" in verifying.summary(report)
+    assert not report.ok and report.first_violation == 2
+    assert "first violating position 2" in verifying.summary(report)
 
 
 # --- the live state -------------------------------------------------------------------------

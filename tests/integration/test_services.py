@@ -36,9 +36,15 @@ async def test_db_upgrade_then_downgrade(
 ) -> None:
     monkeypatch.setenv("DRACAP_DATABASE_URL", empty_database_url)
     assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0
-    assert {"events", "capacity_ledger", "shares", "claims"} <= await _tables(empty_database_url)
+    guards = {"events", "capacity_ledger", "device_holds", "held_shares", "node_epochs"}
+    assert guards <= await _tables(empty_database_url)
+    assert not {"shares", "claims"} & await _tables(empty_database_url)
     assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0  # idempotent
-    assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0  # one step: 0003
+    assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0  # one step: 0004
+    assert {"shares", "claims"} <= await _tables(empty_database_url)
+    assert "held_shares" not in await _tables(empty_database_url)
+    assert "dracap_append_projected" in await _functions(empty_database_url)
+    assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0  # and 0003
     assert await _functions(empty_database_url) == {"dracap_append", "dracap_events_append_only"}
     assert await asyncio.to_thread(dbcommand.main, ["downgrade"]) == 0  # and 0002
     assert "processed_messages" in await _tables(empty_database_url)
@@ -50,7 +56,8 @@ async def test_db_upgrade_then_downgrade(
     assert await asyncio.to_thread(dbcommand.main, ["upgrade"]) == 0
     assert "events" in await _tables(empty_database_url)
     out = capsys.readouterr().out
-    assert "database at 0004" in out and "database at 0003" in out
+    assert "database at 0005" in out and "database at 0004" in out
+    assert "database at 0003" in out
     assert "database at 0002" in out
     assert "database at 0001" in out
     assert "database at base" in out

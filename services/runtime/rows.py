@@ -1,0 +1,130 @@
+"""The row codec of the ``events`` table: one place that knows its column order.
+
+A stored event is one row of twelve columns (:data:`COLUMNS`). Readers select them in
+that order (:data:`SELECT`) and writers copy them in that order (:func:`copy_records`,
+the bulk path's binary ``COPY``); :func:`envelope_of` turns a row into the
+:class:`~events.catalog.Envelope` every service folds, :func:`raw_envelope_of` into
+the relay's :class:`~events.catalog.RawEnvelope`, which keeps the stored JSON of the
+event as it is. Hot loops (replay) index rows with the named positions below rather
+than building objects per row.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any, Final, TypeVar
+
+import asyncpg
+import msgspec
+
+from events.catalog import Envelope, RawEnvelope, decode_stored
+
+#: The columns of ``events``, in the order every read and bulk write uses.
+COLUMNS: Final = (
+    "position",
+    "event_id",
+    "stream",
+    "stream_version",
+    "type",
+    "schema_version",
+    "namespace",
+    "actor",
+    "correlation_id",
+    "causation_id",
+    "recorded_at",
+    "payload",
+)
+POSITION: Final = 0
+EVENT_ID: Final = 1
+TYPE: Final = 4
+SCHEMA_VERSION: Final = 5
+PAYLOAD: Final = 11
+
+#: ``SELECT`` of every column in :data:`COLUMNS` order (event ids as text).
+SELECT: Final = (
+    "SELECT "
+    + ", ".join("event_id::text" if c == "event_id" else c for c in COLUMNS)
+    + " FROM events"
+)
+
+#: A stored row as asyncpg returns it (or any sequence in :data:`COLUMNS` order).
+Row = asyncpg.Record | Sequence[Any]
+E = TypeVar("E", Envelope, RawEnvelope)
+
+
+def _envelope(cls: type[E], row: Row, event: Any) -> E:
+    (
+        position,
+        event_id,
+        stream,
+        stream_version,
+        _type,
+        schema_version,
+        namespace,
+        actor,
+        correlation_id,
+        causation_id,
+        recorded_at,
+        _payload,
+    ) = row
+    return cls(
+        event_id=event_id,
+        stream=stream,
+        stream_version=stream_version,
+        position=position,
+        namespace=namespace,
+        actor=actor,
+        correlation_id=correlation_id,
+        causation_id=causation_id,
+        recorded_at=recorded_at,
+        schema_version=schema_version,
+        event=event,
+    )
+
+
+def envelope_of(row: Row) -> Envelope:
+    """The envelope of one stored row (payload decoded tolerantly, with upcasting)."""
+    event = decode_stored(row[PAYLOAD], row[TYPE], row[SCHEMA_VERSION])
+    return _envelope(Envelope, row, event)
+
+
+def raw_envelope_of(row: Row) -> RawEnvelope:
+    """The envelope of one stored row with the event's JSON as stored."""
+    return _envelope(RawEnvelope, row, msgspec.Raw(row[PAYLOAD]))
+
+
+def copy_records(
+    *,
+    positions: Sequence[int],
+    event_ids: Sequence[str],
+    streams: Sequence[str],
+    versions: Sequence[int],
+    types: Sequence[str],
+    schema_versions: Sequence[int],
+    namespaces: Sequence[str | None],
+    actor: str,
+    correlation_ids: Sequence[str],
+    causation_ids: Sequence[str | None],
+    recorded_at: datetime.datetime,
+    payloads: Sequence[bytes],
+) -> list[tuple[Any, ...]]:
+    """Rows in :data:`COLUMNS` order for a binary ``COPY`` into ``events``."""
+    count = len(positions)
+    return list(
+        zip(
+            positions,
+            event_ids,
+            streams,
+            versions,
+            types,
+            schema_versions,
+            namespaces,
+            [actor] * count,
+            correlation_ids,
+            causation_ids,
+            [recorded_at] * count,
+            payloads,
+            strict=True,
+        )
+    )
