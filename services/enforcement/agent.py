@@ -24,7 +24,7 @@ The message only says *where to look*: the consumer drops what the log does not 
 demands it, so neither a forged nor a stale message can tear down or set up a limit.
 
 Exactly once: the consumer records the message in ``processed_messages`` in the same
-commit as these events (one statement, ``one_statement``), so a redelivery is skipped;
+commit as these events (one statement), so a redelivery is skipped;
 the handler also checks each share's state in the live state (a share already ready
 or released is left alone), and appends to the node stream with its expected version,
 so a second agent for the same node (or a fence) racing it makes one of them re-read.
@@ -172,7 +172,6 @@ class Agent:
             filter_subject=names.node_filter(node),
             group_handler=self.handle,
             wants=self.wants,
-            one_statement=True,
             confirmation=LogConfirmation(store, self.live),
             max_deliver=max_deliver,
         )

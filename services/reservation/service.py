@@ -18,7 +18,7 @@ What wakes it (consumer ``{name}-{feed}``, :data:`FEEDS`):
 Other events of those categories are acknowledged without a transaction (``wants``).
 The consumers commit in groups (:mod:`services.runtime.consuming`): the messages that
 arrived while the previous group was handled are planned for *once*, and the plan and
-the group's ``processed_messages`` rows commit in one statement (``one_statement``) —
+the group's ``processed_messages`` rows commit in one statement —
 which is also why a burst of admissions costs few commits.
 
 The decision (:meth:`ReservationService.plan`)
@@ -514,7 +514,6 @@ class ReservationService:
                 group_handler=self.handle,
                 wants=_wanted,
                 lock_key=PLANNER_LOCK,
-                one_statement=True,
                 confirmation=self._confirmation,
             )
             for feed, source in FEEDS.items()

@@ -1,8 +1,8 @@
 """Durable, idempotent consumers of the events stream, with group commit.
 
 A service that reacts to events gives a handler: per message (:data:`Handler`: the
-envelope and a :class:`HandlerContext`, a Postgres connection inside an open
-transaction, and the store), or per *group* of messages (:data:`GroupHandler`: a list
+envelope and a :class:`HandlerContext`: a Postgres connection to read through, and
+the store), or per *group* of messages (:data:`GroupHandler`: a list
 of envelopes). It returns what it wants written, :class:`Handled`. :class:`Consumer`
 does the rest, for one JetStream durable pull consumer (explicit ack) per service.
 
@@ -17,7 +17,7 @@ which its end status (expired, no messages) comes; a request is renewed shortly 
 it expires, whether or not its end status ever comes, so there is always one at the
 server. Whatever has arrived when the previous group is done forms the
 next group (at most ``max_group`` messages): under load, groups grow by themselves
-and one transaction carries many messages; when idle, each message goes alone.
+and one commit carries many messages; when idle, each message goes alone.
 
 Confirming
 ----------
@@ -28,18 +28,27 @@ unhandled and counted (``dracap_unconfirmed_messages_total``); it never reaches 
 handler, ``processed_messages`` or the dead letters. Pass ``confirmation`` built on
 the service's live view to answer most messages without a query.
 
-Handling a group, in **one** Postgres transaction
--------------------------------------------------
-1. ``INSERT INTO processed_messages (consumer, event_id) ... ON CONFLICT DO NOTHING
-   RETURNING event_id``: the messages whose row was not inserted were handled before
-   (a redelivery after a lost ack, a replay) and are only acknowledged. A concurrent
-   redelivery of a message still being handled waits on the key's lock and then
-   finds the row;
-2. the handler runs on the new messages (it may read through ``context.connection``);
-3. its batches are appended with ``EventStore.append_many(..., connection=...)``.
-   In a group of several messages every batch must say, per event, which message
-   caused it (:class:`~services.runtime.eventstore.Cause`); for a single message the
-   append's metadata says it.
+Handling a group, committed in **one** statement
+------------------------------------------------
+A handler writes nothing itself: everything it wants written is in
+``Handled.batches``, and running it twice for a message is harmless (it decides from
+a live view, and a stale decision is refused by the expected versions). So a group
+commits without an explicit transaction:
+
+1. the handler runs on the group, with a plain pooled connection to read through;
+2. **one** autocommitted statement (``dracap_append_guarded``, migration 0005) records
+   the messages in ``processed_messages``, appends the handler's events and applies
+   their guards. It holds the log's head lock only for the server's own work (a
+   transaction would hold it across the ``COMMIT`` round trip, with every other writer
+   waiting), and the group costs one round trip. A group whose handler wants nothing
+   written only records its messages (one ``INSERT``);
+3. if a message of the group had been recorded before (a redelivery after a lost ack,
+   a replay), the statement raises :class:`~services.runtime.errors.AlreadyHandled`
+   and writes nothing; the consumer asks which were recorded, acknowledges those, and
+   handles the rest again from step 1. In a group of several messages every batch
+   must say, per event, which message caused it
+   (:class:`~services.runtime.eventstore.Cause`); for a single message the append's
+   metadata says it.
 
 After the commit, ``consumer_checkpoints`` follows to the highest log position among
 the new messages — stored off the hot path by
@@ -47,50 +56,30 @@ the new messages — stored off the hot path by
 lag, not a resume point (naks let later messages overtake earlier ones; JetStream's
 durable consumer is the resume point, ``processed_messages`` the exactly-once).
 
-The transaction commits, then every message is acknowledged. A crash before the
-commit leaves nothing behind and JetStream redelivers; a crash between commit and ack
-makes the redelivery a no-op by step 1. So delivery is at least once, and the effects
-are exactly once.
+Then every message is acknowledged. A crash before the commit leaves nothing behind
+and JetStream redelivers; a crash between commit and ack makes the redelivery a no-op
+by step 3. So delivery is at least once, and the effects are exactly once.
 
-A consumer with a per-message handler uses groups of one: each message is its own
-transaction, exactly as described. ``wants`` (optional) names the envelopes a
-handler acts on; the others are acknowledged without a transaction. ``lock_key``
-(optional) takes that transaction-scoped advisory lock in step 1's statement, for
-handlers that must not run concurrently anywhere (the reservation planner): the
-handler's first read then already sees everything committed before the lock.
+A consumer with a per-message handler uses groups of one. ``wants`` (optional) names
+the envelopes a handler acts on; the others are acknowledged without a commit.
 
-One statement (``one_statement=True``)
---------------------------------------
-For a handler that writes nothing itself — everything it wants written is in
-``Handled.batches``, and running it twice for a message is harmless (it decides from
-a live view, and a stale decision is refused by the expected versions) — the group
-commits without an explicit transaction: the handler runs first, on a plain pooled
-connection, then **one** autocommitted statement (``dracap_append_projected``,
-migration 0004) records the ``processed_messages`` rows, appends and projects. That
-statement holds the log's head lock only for the server's own work (a transaction
-would hold it across the ``COMMIT`` round trip, with every other writer waiting), and
-the group costs one round trip instead of five. If a message of the group had been
-handled before, the statement raises
-:class:`~services.runtime.errors.AlreadyHandled`, writes nothing, and the group goes
-through the transaction above, which sorts the new from the old. A group whose
-handler wants nothing written records its rows with one ``INSERT``. With a
-``lock_key`` the lock is then a session lock (``dracap_lock``) on a connection the
-consumer keeps between groups while messages keep arriving — for at most
-:data:`LOCK_HOLD_S` at a time, so other workers get their turn — and releases when
-it is idle, before a fallback transaction (which takes the lock itself) and on stop.
-``dracap_lock`` also returns the log's head at the moment the lock was granted;
-``HandlerContext.locked_head`` is that head, then the head after each of the
-consumer's own commits while it keeps the lock, so the handler can wait for its live
-view to reach it instead of reading the log.
+``lock_key`` (optional) serialises the handlers of every consumer that names it,
+anywhere (the reservation planner): the lock is a session lock (``dracap_lock``) on
+a connection the consumer keeps between groups while messages keep arriving — for at
+most :data:`LOCK_HOLD_S` at a time, so other workers get their turn — and releases
+when it is idle, on a failure and on stop. ``dracap_lock`` also returns the log's
+head at the moment the lock was granted; ``HandlerContext.locked_head`` is that head,
+then the head after each of the consumer's own commits while it keeps the lock, so
+the handler can wait for its live view to reach it instead of reading the log.
 
 Failures
 --------
-If a group's transaction fails for any reason, nothing of it was written, and each of
+If a group's commit fails for any reason, nothing of it was written, and each of
 its messages is handled again *alone*, so one bad message cannot hold back the others
 and every failure is attributed to its own message. For a single message, any
 exception of the handler or the append (a
 :class:`~services.runtime.errors.ConflictError` included: the handler decided on a
-stale view and re-reads on the next try) rolls the transaction back and naks the
+stale view and re-reads on the next try) leaves nothing written and naks the
 message with a delay from ``backoff`` (by delivery count). On delivery number
 ``max_deliver`` the consumer gives up: it appends ``MessageDeadLettered`` (stream
 ``consumer:<name>``, causation = the message's event id) together with the
@@ -169,13 +158,10 @@ _MARK_PROCESSED: Final = (
     "INSERT INTO processed_messages (consumer, event_id) VALUES ($1, $2) "
     "ON CONFLICT DO NOTHING RETURNING true"
 )
-#: The same, after taking a transaction-scoped advisory lock ($3) in the same round trip.
-#: The lock comes first (the CTE is evaluated before any row is inserted); the uniqueness
-#: check of ON CONFLICT reads the latest committed rows, not the statement's snapshot.
-_LOCK_AND_MARK: Final = (
-    "WITH l AS (SELECT pg_advisory_xact_lock($3)) "
-    "INSERT INTO processed_messages (consumer, event_id) SELECT $1, unnest($2::uuid[]) "
-    "FROM l ON CONFLICT DO NOTHING RETURNING event_id::text"
+#: Which of a group's messages a consumer recorded as handled before.
+HANDLED_BEFORE: Final = (
+    "SELECT event_id::text FROM processed_messages WHERE consumer = $1 "
+    "AND event_id = ANY($2::uuid[])"
 )
 #: JetStream's pull API (``$JS.API`` is the default API prefix, no domain).
 _PULL_SUBJECT: Final = "$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
@@ -191,8 +177,8 @@ class Handled(msgspec.Struct):
     """What a handler wants written, atomically with the consumer's checkpoint.
 
     ``actor`` defaults to ``consumer:<name>``. ``on_commit``: callables run once the
-    transaction has committed (metrics of what was written: a transaction rolled back
-    and handled again must not count twice).
+    group has committed (metrics of what was written: a commit that failed and was
+    handled again must not count twice).
     """
 
     batches: list[Batch] = []
@@ -204,17 +190,16 @@ class Handled(msgspec.Struct):
 class HandlerContext:
     """What a handler may use while its messages are handled."""
 
-    #: inside the group's transaction — or, with ``one_statement``, a plain connection
-    #: (nothing the handler writes through it commits with the group)
+    #: a plain connection to read through (nothing the handler writes through it
+    #: commits with the group: what it wants written goes in ``Handled.batches``)
     connection: Connection
     store: EventStore
     consumer: str  #: the consumer's name
     delivery: int  #: 1 on the first delivery; in a group, the lowest of the group
     #: the delivery count of each message handled, by event id
     deliveries: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    #: with ``one_statement`` and a ``lock_key``: the log's head when the lock was
-    #: granted (the view must be folded that far); ``None`` when the connection's
-    #: transaction holds the lock (read on it instead)
+    #: with a ``lock_key``: the log's head when the lock was granted, then after each
+    #: of the consumer's own commits (the view must be folded that far); else ``None``
     locked_head: int | None = None
 
 
@@ -358,7 +343,6 @@ class Consumer:
         group_handler: GroupHandler | None = None,
         wants: Callable[[Envelope], bool] | None = None,
         lock_key: int | None = None,
-        one_statement: bool = False,
         confirmation: LogConfirmation | None = None,
         max_deliver: int = 5,
         backoff: Sequence[float] = (0.1, 0.5, 2, 5),
@@ -382,7 +366,6 @@ class Consumer:
         self._max_group = max_group if group_handler is not None else 1
         self._wants = wants
         self._lock_key = lock_key
-        self._one_statement = one_statement
         self._confirmation = confirmation or LogConfirmation(store)
         self._held: _HeldLock | None = None
         self._max_deliver = max_deliver
@@ -392,14 +375,14 @@ class Consumer:
         self._poll = poll_interval
         self.handled = 0  #: messages handled (committed and acked)
         self.skipped = 0  #: redeliveries found already handled
-        self.ignored = 0  #: messages ``wants`` declined (acked without a transaction)
+        self.ignored = 0  #: messages ``wants`` declined (acked without a commit)
         self.dead_lettered = 0
         self.unconfirmed = 0  #: messages the log does not hold as sent (terminated)
         #: event id -> deliveries lost to an outage (oldest first)
         self._excused: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._unconfirmed_unlogged = 0  # dropped since the last warning
         self._unconfirmed_logged_at = -WARN_EVERY_S
-        self.groups = 0  #: transactions that handled more than one message
+        self.groups = 0  #: commits that handled more than one message
         self._mark = HighWaterMark(store, name)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -451,7 +434,7 @@ class Consumer:
     # -- a group ------------------------------------------------------------------------
 
     async def process_group(self, msgs: Sequence[Msg]) -> None:
-        """Handle received messages: together in one transaction where possible."""
+        """Handle received messages: together in one commit where possible."""
         group: list[_Incoming] = []
         for incoming in await self._confirmed(msgs):
             msg = incoming.msg
@@ -592,30 +575,42 @@ class Consumer:
             self.skipped += 1
 
     async def _handle(self, env: Envelope, delivery: int) -> bool:
-        """One message's transaction; False when it had been handled before."""
+        """One message's commit; False when it had been handled before."""
         return bool(await self._handle_group([(env, delivery)]))
 
     async def _handle_group(self, group: Sequence[tuple[Envelope, int]]) -> set[str]:
-        """Handle (envelope, delivery) pairs and commit; returns the event ids that were new."""
+        """Handle (envelope, delivery) pairs and commit; returns the event ids that were new.
+
+        A message recorded before (a redelivery) makes the commit write nothing; those
+        are then left out and the rest is handled again (the records only grow, so
+        this ends).
+        """
         deliveries = {env.event_id: delivery for env, delivery in group}
         envs = list({env.event_id: env for env, _ in group}.values())  # no event twice
-        if self._one_statement:
+        while envs:
             try:
-                return await self._in_one_statement(envs, deliveries)
+                return await self._commit(envs, deliveries)
             except AlreadyHandled:
-                pass  # a redelivery among them: the transaction below sorts them out
-        await self.let_go()  # the transaction takes the lock itself
-        return await self._in_transaction(envs, deliveries)
+                before = await self._store.pool.fetch(
+                    HANDLED_BEFORE, self.name, [e.event_id for e in envs]
+                )
+                seen = {row[0] for row in before}
+                envs = [e for e in envs if e.event_id not in seen]
+        return set()
 
-    async def _in_one_statement(self, envs: list[Envelope], deliveries: dict[str, int]) -> set[str]:
-        """The handler first, then one autocommitted append that records every message."""
+    async def _commit(self, envs: list[Envelope], deliveries: dict[str, int]) -> set[str]:
+        """Handle ``envs`` and commit in one statement, under ``lock_key`` if there is one."""
         if self._lock_key is None:
             async with self._store.pool.acquire() as connection:
-                await self._commit_group(connection, None, envs, deliveries)
-            return {e.event_id for e in envs}
+                fresh, _ = await self._commit_group(connection, None, envs, deliveries)
+            return fresh
         held = await self._hold_lock()
         try:
-            held.head = await self._commit_group(held.connection, held.head, envs, deliveries)
+            fresh, held.head = await self._commit_group(
+                held.connection, held.head, envs, deliveries
+            )
+        except AlreadyHandled:
+            raise  # nothing was written; the lock stays for the next try
         except Exception:
             await self.let_go()
             raise
@@ -624,7 +619,7 @@ class Consumer:
             held.connection.terminate()  # the server drops the lock with the session
             await self._store.pool.release(held.connection)
             raise
-        return {e.event_id for e in envs}
+        return fresh
 
     async def _commit_group(
         self,
@@ -632,8 +627,8 @@ class Consumer:
         head: int | None,
         envs: list[Envelope],
         deliveries: dict[str, int],
-    ) -> int | None:
-        """Handle ``envs`` and commit them in one statement; the head after the commit."""
+    ) -> tuple[set[str], int | None]:
+        """Handle ``envs``, commit them; the ids recorded now and the head after the commit."""
         ids = [e.event_id for e in envs]
         context = HandlerContext(
             connection, self._store, self.name, min(deliveries.values()), deliveries, head
@@ -646,13 +641,12 @@ class Consumer:
                 connection=connection,
                 processed=Processed(self.name, ids),
             )
+            fresh = set(ids)
             head = max(head or 0, stored[-1].position)
-        elif len(await connection.fetch(MARK_PROCESSED, self.name, ids)) != len(ids):
-            # some had been handled before: the others are recorded now, and nothing
-            # else was to be written; the transactional path acknowledges them all
-            raise AlreadyHandled(f"consumer {self.name}: handled before")
-        self._committed(handled, envs)
-        return head
+        else:  # nothing to append: record the messages; those recorded before were done
+            fresh = {row[0] for row in await connection.fetch(MARK_PROCESSED, self.name, ids)}
+        self._committed(handled, [e for e in envs if e.event_id in fresh])
+        return fresh, head
 
     async def _hold_lock(self) -> _HeldLock:
         """``lock_key`` as a session lock on a connection kept between groups."""
@@ -682,31 +676,10 @@ class Consumer:
             await self._store.pool.release(held.connection)
 
     def _committed(self, handled: Handled, envs: Sequence[Envelope]) -> None:
-        self._mark.advance(max(e.position for e in envs))
+        if envs:
+            self._mark.advance(max(e.position for e in envs))
         for committed in handled.on_commit:
             committed()
-
-    async def _in_transaction(self, envs: list[Envelope], deliveries: dict[str, int]) -> set[str]:
-        """Record, handle and append in one transaction (see the module docstring)."""
-        async with self._store.pool.acquire() as connection, connection.transaction():
-            ids = [e.event_id for e in envs]
-            if self._lock_key is None:
-                rows = await connection.fetch(MARK_PROCESSED, self.name, ids)
-            else:
-                rows = await connection.fetch(_LOCK_AND_MARK, self.name, ids, self._lock_key)
-            fresh = {row[0] for row in rows}
-            todo = [e for e in envs if e.event_id in fresh]
-            if not todo:
-                return fresh
-            mine = {e.event_id: deliveries[e.event_id] for e in todo}
-            context = HandlerContext(connection, self._store, self.name, min(mine.values()), mine)
-            handled = await self._group(context, todo)
-            if handled.batches:
-                await self._store.append_many(
-                    handled.batches, self._metadata(handled, todo), connection=connection
-                )
-        self._committed(handled, todo)
-        return fresh
 
     def _metadata(self, handled: Handled, todo: Sequence[Envelope]) -> Metadata:
         actor = handled.actor or f"consumer:{self.name}"

@@ -258,14 +258,12 @@ def test_old_schema_rows_are_published_upcast() -> None:
 # --- consumers ------------------------------------------------------------------------------
 
 
-def echo_handler(
-    calls: list[tuple[str, int]], *, in_transaction: bool = True
-) -> Callable[..., Awaitable[Handled]]:
+def echo_handler(calls: list[tuple[str, int]]) -> Callable[..., Awaitable[Handled]]:
     """Appends one LimitRemoved per event to ``echo:<event id>`` (which must be new)."""
 
     async def handle(ctx: HandlerContext, env: c.Envelope) -> Handled:
         calls.append((env.event_id, ctx.delivery))
-        assert ctx.connection.is_in_transaction() == in_transaction
+        assert not ctx.connection.is_in_transaction()  # what it writes goes in Handled
         event = c.LimitRemoved(share_id=env.event_id, node="echo")
         return Handled([Batch(f"echo:{env.event_id}", 0, [event])])
 
@@ -366,12 +364,10 @@ class LostAck:
         await self._msg.nak()
 
 
-@pytest.mark.parametrize("one_statement", [False, True])
-async def test_redelivery_and_replay_change_nothing(bus: Bus, one_statement: bool) -> None:
+async def test_redelivery_and_replay_change_nothing(bus: Bus) -> None:
     await append_burst(bus.store, 1)
     calls: list[tuple[str, int]] = []
-    handler = echo_handler(calls, in_transaction=not one_statement)
-    k = consumer(bus, handler, name="redo", one_statement=one_statement)
+    k = consumer(bus, echo_handler(calls), name="redo")
     r = relay(bus)
     async with Running(r.run):
         await until(lambda: r.position == 1)
@@ -388,10 +384,8 @@ async def test_redelivery_and_replay_change_nothing(bus: Bus, one_statement: boo
             await until(lambda: k.skipped == 2)
     assert msg.headers is not None
     first = (msg.headers["Nats-Msg-Id"], 1)
-    if one_statement:  # the handler runs before the records are checked; nothing is kept
-        assert calls[0] == first and len(calls) == 3, calls
-    else:
-        assert calls == [first]
+    # the handler runs before the records are checked; nothing of the later runs is kept
+    assert calls[0] == first and len(calls) == 3, calls
     assert (k.handled, k.skipped) == (1, 2)
     assert len(await echoes(bus.store)) == 1
     assert await bus.store.head() == 2
@@ -455,17 +449,12 @@ def forgeries(names: BusNames, real: c.Envelope) -> list[tuple[str, bytes, str]]
     return [*out, (subject, b"not json", str(uuid.uuid4())), (subject, b"{}", "not-a-uuid")]
 
 
-@pytest.mark.parametrize("one_statement", [False, True])
-async def test_messages_the_log_does_not_hold_are_dropped_and_counted(
-    bus: Bus, one_statement: bool
-) -> None:
+async def test_messages_the_log_does_not_hold_are_dropped_and_counted(bus: Bus) -> None:
     await append_burst(bus.store, 1)
     [real] = [e async for e in bus.store.read_all()]
     calls: list[tuple[str, int]] = []
-    name = f"forged-{int(one_statement)}"
-    k = consumer(bus, echo_handler(calls, in_transaction=not one_statement), name=name)
-    if one_statement:
-        k = consumer(bus, echo_handler(calls, in_transaction=False), name=name, one_statement=True)
+    name = "forged"
+    k = consumer(bus, echo_handler(calls), name=name)
     before = metric("dracap_unconfirmed_messages_total", name)
     fakes = forgeries(bus.names, real)
     for subject, data, msg_id in fakes:
@@ -587,8 +576,7 @@ ADVISORY_LOCKS = (
 )
 
 
-@pytest.mark.parametrize("one_statement", [False, True])
-async def test_lock_key_serialises_handlers_across_consumers(bus: Bus, one_statement: bool) -> None:
+async def test_lock_key_serialises_handlers_across_consumers(bus: Bus) -> None:
     spans: list[tuple[float, float]] = []
     heads: list[int | None] = []
 
@@ -607,7 +595,6 @@ async def test_lock_key_serialises_handlers_across_consumers(bus: Bus, one_state
             group_handler=slow,
             lock_key=4242,
             max_group=1,
-            one_statement=one_statement,
         )
 
     await append_burst(bus.store, 4)
@@ -625,17 +612,15 @@ async def test_lock_key_serialises_handlers_across_consumers(bus: Bus, one_state
         assert start >= end, spans  # never two handlers inside the lock at once
     # a session lock tells the handler the head it must see; none is left behind
     head = await bus.store.head()
-    assert heads == ([head] * 8 if one_statement else [None] * 8)
+    assert heads == [head] * 8
     assert await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
 
 
-async def test_one_statement_group_commits_records_and_events_together(bus: Bus) -> None:
+async def test_a_group_commits_records_and_events_together(bus: Bus) -> None:
     sizes: list[int] = []
     await append_burst(bus.store, 40)
     r = relay(bus)
-    k = consumer(
-        bus, None, name="single", group_handler=echo_group(sizes, set()), one_statement=True
-    )
+    k = consumer(bus, None, name="single", group_handler=echo_group(sizes, set()))
     async with Running(r.run):
         await until(lambda: r.position == 40)
         async with Running(k.run):
@@ -650,7 +635,7 @@ async def test_one_statement_group_commits_records_and_events_together(bus: Bus)
     assert recorded == 40
 
 
-async def test_one_statement_lock_goes_with_a_cancelled_handler(bus: Bus) -> None:
+async def test_the_lock_goes_with_a_cancelled_handler(bus: Bus) -> None:
     entered = asyncio.Event()
 
     async def stuck(ctx: HandlerContext, envs: list[c.Envelope]) -> Handled:
@@ -659,7 +644,7 @@ async def test_one_statement_lock_goes_with_a_cancelled_handler(bus: Bus) -> Non
         return Handled()
 
     await append_burst(bus.store, 1)
-    k = consumer(bus, None, name="stuck", group_handler=stuck, lock_key=4343, one_statement=True)
+    k = consumer(bus, None, name="stuck", group_handler=stuck, lock_key=4343)
     async with Running(relay(bus).run):
         task = asyncio.create_task(k.run(asyncio.Event()))
         await asyncio.wait_for(entered.wait(), 10)
