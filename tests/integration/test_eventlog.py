@@ -323,7 +323,7 @@ async def test_verify_reports_first_violating_position(
     )
     admin = await asyncpg.connect(database_url)
     try:
-        await admin.execute("UPDATE held_shares SET amounts = '{\"memory\": \"2\"}'")
+        await admin.execute('UPDATE held_shares SET amounts = \'{"memory": "2"}\'')
     finally:
         await admin.close()
     report = await verifying.verify(settings, from_start=True)
