@@ -312,7 +312,6 @@ async def test_claim_becomes_ready_then_releases(pipeline: Pipeline, settings: S
     await assert_verified(settings)
 
 
-
 class FailingEnforcer(NoneEnforcer):
     """Raises ``errors`` from ``apply``, one per call, then applies as NoneEnforcer does."""
 
@@ -342,6 +341,7 @@ async def test_the_type_of_an_enforcement_error_decides_retry_or_failure(
     claim = (await pipeline.state()).claim("tenant-a", "never")
     assert claim is not None and claim.reason == "no such GPU"
     await assert_verified(settings)
+
 
 async def test_watch_publishes_changes(pipeline: Pipeline, settings: Settings) -> None:
     reply = await pipeline.tenant("tenant-b", "watch", {"name": "w1"})
