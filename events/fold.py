@@ -104,7 +104,7 @@ from events.catalog import (
     ShareConfirmed,
     ShareMarkedUnknown,
 )
-from events.errors import InvariantViolation
+from events.errors import InvariantViolation, SnapshotError
 from events.model import (
     AllocationResult,
     CapacityRequestPolicy,
@@ -1014,10 +1014,13 @@ def snapshot_encode(state: ClusterState) -> bytes:
 
 
 def snapshot_decode(data: bytes) -> ClusterState:
-    """The state stored by :func:`snapshot_encode`; a foreign format raises ``ValueError``."""
-    snap = _SNAPSHOT_DECODER.decode(data)
+    """The state stored by :func:`snapshot_encode`; raises :class:`SnapshotError`."""
+    try:
+        snap = _SNAPSHOT_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise SnapshotError(f"snapshot does not decode: {exc}") from exc
     if snap.format != SNAPSHOT_FORMAT:
-        raise ValueError(f"snapshot format {snap.format} is not {SNAPSHOT_FORMAT}")
+        raise SnapshotError(f"snapshot format {snap.format} is not {SNAPSHOT_FORMAT}")
     return ClusterState(
         position=snap.position,
         classes=snap.classes,
