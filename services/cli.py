@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from services.runtime.endpoints import ConnectionFileError, EndpointError
+from services.runtime.errors import RetryableError
 from services.runtime.settings import SettingsError
 
 EXIT_OK = 0
@@ -85,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     try:
         code: int = func(args)
-    except (EndpointError, SettingsError) as exc:  # expected: one line, no traceback
+    except (EndpointError, RetryableError, SettingsError) as exc:  # expected: one line
         print(f"error: {exc}", file=sys.stderr)
         bad_input = isinstance(exc, ConnectionFileError | SettingsError)
         return EXIT_BAD_INPUT if bad_input else EXIT_VIOLATION
