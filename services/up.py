@@ -78,7 +78,8 @@ import msgspec
 from events import model
 from events.manifests import ManifestError, load_paths
 from events.subjects import BusNames
-from services.claims.command import ApiClient, CommandError, Connection
+from services.claims.command import ApiClient, Connection
+from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop, migrating
 from services.runtime.embedded import EmbeddedError, embedded_servers
 from services.runtime.eventstore import EventStore
@@ -91,9 +92,6 @@ from services.runtime.supervising import RestartLimitError, RestartPolicy, Watch
 if TYPE_CHECKING:
     from services.runtime.gauges import CapacityGauges
 
-EXIT_OK: Final = 0
-EXIT_ERROR: Final = 1
-EXIT_BAD_INPUT: Final = 2
 STOP_GRACE_S: Final = 10.0
 RESTART_MIN_S: Final = 0.5
 RESTART_MAX_S: Final = 30.0
@@ -531,7 +529,7 @@ async def up(options: UpOptions, stop: asyncio.Event) -> int:
         if metrics is not None:
             metrics.shutdown()
     print("stopped", flush=True)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _start_metrics(port: int, monitor: HealthMonitor) -> Any:
@@ -577,10 +575,10 @@ def run(args: argparse.Namespace) -> int:
         return eventloop.run(_main(options))
     except (ManifestError, SettingsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     except (EmbeddedError, CommandError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return ExitCode.ERROR
 
 
 def register(sub: Any) -> None:

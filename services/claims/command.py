@@ -55,6 +55,7 @@ from nats.aio.client import Client
 from events import model
 from events.manifests import MAX_MANIFEST_BYTES, ManifestError, load_documents
 from events.subjects import BusNames
+from services.exitcodes import CommandError, ExitCode
 from services.runtime.endpoints import (
     Connection,
     add_endpoint_arguments,
@@ -64,28 +65,14 @@ from services.runtime.endpoints import (
 
 __all__ = ["ApiClient", "ApiError", "CommandError", "Connection", "read_claims", "register"]
 
-EXIT_OK: Final = 0
-EXIT_ERROR: Final = 1
-EXIT_BAD_INPUT: Final = 2
-EXIT_NOT_FOUND: Final = 3
-EXIT_REJECTED: Final = 4
-
 REQUEST_TIMEOUT_S: Final = 10.0
 _EXIT_BY_CODE: Final = {
-    "invalid": EXIT_BAD_INPUT,
-    "not_found": EXIT_NOT_FOUND,
-    "rejected": EXIT_REJECTED,
-    "conflict": EXIT_REJECTED,
+    "invalid": ExitCode.BAD_INPUT,
+    "not_found": ExitCode.NOT_FOUND,
+    "rejected": ExitCode.REJECTED,
+    "conflict": ExitCode.REJECTED,
 }
 TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released", "failed"})
-
-
-class CommandError(Exception):
-    """Ends a command with ``exit_code`` after printing the message to stderr."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class ApiError(CommandError):
@@ -101,7 +88,7 @@ class ApiError(CommandError):
             f" ({self.field}: {self.rule})" if self.field and str(self.field) not in text else ""
         )
         message = f"{self.code}: {text}{where}"
-        super().__init__(message, _EXIT_BY_CODE.get(self.code, EXIT_ERROR))
+        super().__init__(message, _EXIT_BY_CODE.get(self.code, ExitCode.ERROR))
 
 
 async def _quiet(_: Exception) -> None:
@@ -139,16 +126,16 @@ class ApiClient:
             try:
                 reply = await self.nc.request(subject, payload, timeout=self.timeout)
             except nats.errors.NoRespondersError:
-                raise CommandError(f"no dracap API answers on {subject}", EXIT_ERROR) from None
+                raise CommandError(f"no dracap API answers on {subject}", ExitCode.ERROR) from None
             except nats.errors.MaxPayloadError:
                 raise CommandError(
                     f"the request to {subject} is {len(payload)} bytes, more than the server "
                     f"accepts (max_payload {self.nc.max_payload} bytes)",
-                    EXIT_BAD_INPUT,
+                    ExitCode.BAD_INPUT,
                 ) from None
             except nats.errors.TimeoutError:
                 raise CommandError(
-                    f"no reply on {subject} within {self.timeout}s", EXIT_ERROR
+                    f"no reply on {subject} within {self.timeout}s", ExitCode.ERROR
                 ) from None
         body: dict[str, Any] = json.loads(reply.data)
         if not body.get("ok"):
@@ -271,18 +258,18 @@ def read_claims(path: str, namespace: str | None) -> list[tuple[str, bytes]]:
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise CommandError(f"{path}: cannot read: {exc}", EXIT_BAD_INPUT) from exc
+        raise CommandError(f"{path}: cannot read: {exc}", ExitCode.BAD_INPUT) from exc
     try:
         objects = load_documents(text, path, check=False)
     except ManifestError as exc:
-        raise CommandError(str(exc), EXIT_BAD_INPUT) from exc
+        raise CommandError(str(exc), ExitCode.BAD_INPUT) from exc
     claims = []
     for obj in objects:
         if not isinstance(obj, model.ResourceClaim):
             raise CommandError(
                 f"{path}: {type(obj).__name__} {obj.metadata.name}: "
                 "only ResourceClaims can be applied",
-                EXIT_BAD_INPUT,
+                ExitCode.BAD_INPUT,
             )
         ns = namespace or obj.metadata.namespace or "default"
         if obj.metadata.namespace is None:
@@ -295,11 +282,11 @@ def read_claims(path: str, namespace: str | None) -> list[tuple[str, bytes]]:
                 f"{path}: ResourceClaim {ns}/{obj.metadata.name}: {len(manifest)} bytes; "
                 f"a claim must be at most {MAX_MANIFEST_BYTES} bytes "
                 f"({MAX_MANIFEST_BYTES // 1024} KiB, the API's limit)",
-                EXIT_BAD_INPUT,
+                ExitCode.BAD_INPUT,
             )
         claims.append((ns, manifest))
     if not claims:
-        raise CommandError(f"{path}: no ResourceClaim found", EXIT_BAD_INPUT)
+        raise CommandError(f"{path}: no ResourceClaim found", ExitCode.BAD_INPUT)
     return claims
 
 
@@ -312,10 +299,10 @@ async def _apply(api: ApiClient, args: argparse.Namespace) -> int:
         views.append(view)
     emit_claims(args.output, views, single=len(views) == 1)
     if any(v.get("phase") == "rejected" for v in views):
-        return EXIT_REJECTED
+        return ExitCode.REJECTED
     if args.wait and not all(v.get("ready") for v in views):
-        return EXIT_ERROR
-    return EXIT_OK
+        return ExitCode.ERROR
+    return ExitCode.OK
 
 
 async def wait_ready(api: ApiClient, namespace: str, name: str, within_s: float) -> dict[str, Any]:
@@ -374,7 +361,7 @@ async def _watch(api: ApiClient, args: argparse.Namespace) -> int:
         async for view in views:
             _print_change(args.output, view, header)
             header = False
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _print_change(output: str, view: dict[str, Any], header: bool) -> None:
@@ -391,13 +378,13 @@ def _print_change(output: str, view: dict[str, Any], header: bool) -> None:
 async def _get(api: ApiClient, args: argparse.Namespace) -> int:
     view = (await api.claims(args.namespace or "default", "get", {"name": args.name}))["claim"]
     emit_claims(args.output, [view], single=True)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 async def _list(api: ApiClient, args: argparse.Namespace) -> int:
     views = (await api.claims(args.namespace or "default", "list"))["claims"]
     emit_claims(args.output, views, single=False)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 async def _delete(api: ApiClient, args: argparse.Namespace) -> int:
@@ -408,13 +395,13 @@ async def _delete(api: ApiClient, args: argparse.Namespace) -> int:
     else:
         done = {"namespace": namespace, "name": args.name, "deleted": True, "phase": phase}
         emit(args.output, done, str)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 async def _devices(api: ApiClient, args: argparse.Namespace) -> int:
     devices = (await api.admin("devices.list"))["devices"]
     emit(args.output, devices, lambda: table(DEVICE_HEADER, device_rows(devices)))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 async def _run_async(args: argparse.Namespace) -> int:
@@ -425,16 +412,13 @@ async def _run_async(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of every command here: run the action, map errors to exit codes."""
+    """Entry point of every command here (a :class:`CommandError` is ``cli.main``'s to report)."""
     try:
         if getattr(args, "filename", None):  # bad input is exit 2 before any connection
             args.claims = read_claims(args.filename, args.namespace)
         return asyncio.run(_run_async(args))
-    except CommandError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
     except KeyboardInterrupt:
-        return EXIT_OK
+        return ExitCode.OK
 
 
 # --- registration --------------------------------------------------------------------------

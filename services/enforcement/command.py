@@ -36,6 +36,7 @@ from services.enforcement.enforcers import Enforcer, NoneEnforcer
 from services.enforcement.mps import MpsEnforcer, MpsSettings
 from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interfaces_of
 from services.enforcement.tc import TcEnforcer
+from services.exitcodes import ExitCode
 from services.runtime import eventloop
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
@@ -45,10 +46,6 @@ from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.livestate import LiveState
 from services.runtime.metrics import start_metrics_server
 from services.runtime.settings import SettingsError, load_settings
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_BAD_INPUT = 2
 
 ENFORCERS: Final = ("none", "tc", "mps")
 DEFAULT_CHECKPOINT: Final = "/var/lib/dracap/agent/{node}.checkpoint.json"
@@ -137,7 +134,7 @@ async def serve(args: argparse.Namespace) -> int:
             server.shutdown()
         await nc.drain()
         await store.close()
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,14 +143,14 @@ def run(args: argparse.Namespace) -> int:
         BusNames(endpoints_from_args(args).prefix).node_filter(args.node)
     except SubjectError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     try:
         return eventloop.run(serve(args))
     except (SettingsError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
-        return EXIT_OK
+        return ExitCode.OK
 
 
 def register(sub: Any) -> None:

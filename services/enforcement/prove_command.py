@@ -22,9 +22,10 @@ a temporary directory, deleted afterwards). The database is migrated to head fir
 running on those servers (``dracap up``), found as every command finds them
 (:mod:`services.runtime.endpoints`, ``<data-dir>/connection.json`` included).
 
-Exit codes: 0 — every share within 3 % of its rate over the window, no share pushed
-below its rate by a neighbour and the capacity given back; 1 — a goal missed or the
-control plane failed; 2 — bad input or no CAP_NET_ADMIN.
+Exit codes (:mod:`services.exitcodes`): 0 — every share within 3 % of its rate over the
+window, no share pushed below its rate by a neighbour and the capacity given back;
+5 — one of those goals missed (the limits do not hold as reported); 1 — the run
+failed (a server, the control plane or the lab); 2 — bad input or no CAP_NET_ADMIN.
 """
 
 from __future__ import annotations
@@ -44,15 +45,12 @@ import msgspec
 from events.errors import QuantityError
 from events.quantities import Quantity
 from events.subjects import BusNames, SubjectError
-from services.claims.command import CommandError
 from services.enforcement.proving import ProofReport, have_net_admin, prove_bandwidth
+from services.exitcodes import ExitCode
 from services.runtime.embedded import EmbeddedError, embedded_servers
 from services.runtime.endpoints import DEFAULT_DATA_DIR, redact, resolve_endpoints
 from services.runtime.settings import Settings, SettingsError, load_settings
 
-EXIT_OK = 0
-EXIT_MISSED = 1
-EXIT_BAD_INPUT = 2
 ACCURACY_GOAL = 0.03
 
 
@@ -170,28 +168,27 @@ def run(args: argparse.Namespace) -> int:
         rates = [Quantity.parse(r.strip()) for r in args.rates.split(",") if r.strip()]
     except QuantityError as exc:
         print(f"error: --rates: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     if not rates or any(r.sign() <= 0 for r in rates) or args.duration < 2:
         print("error: need positive --rates and --duration >= 2", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     why = have_net_admin()
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     try:
         BusNames(prefix=args.prefix)
     except SubjectError as exc:
         print(f"error: --prefix: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     try:
         report = asyncio.run(_prove(args, rates))
-    except (CommandError, SettingsError) as exc:
-        code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
+    except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return int(code)
+        return ExitCode.BAD_INPUT
     except (EmbeddedError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_MISSED
+        return ExitCode.ERROR
     if args.output == "json":
         print(msgspec.json.format(msgspec.json.encode(report).decode(), indent=2))
     else:
@@ -199,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     ok = report.capacity_returned and all(
         abs(s.accuracy) <= ACCURACY_GOAL and not s.pushed_below for s in report.shares
     )
-    return EXIT_OK if ok else EXIT_MISSED
+    return ExitCode.OK if ok else ExitCode.INVARIANT_VIOLATED
 
 
 def register(sub: Any) -> None:

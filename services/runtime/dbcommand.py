@@ -14,6 +14,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from services.exitcodes import ExitCode
 from services.runtime import migrating
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.settings import Settings, load_settings
@@ -28,17 +29,17 @@ def _on_database(args: argparse.Namespace, action: Callable[[Settings], str | No
 
 def _upgrade(args: argparse.Namespace) -> int:
     print(f"database at {_on_database(args, lambda s: migrating.upgrade(s, args.revision))}")
-    return 0
+    return ExitCode.OK
 
 
 def _downgrade(args: argparse.Namespace) -> int:
     print(f"database at {_on_database(args, lambda s: migrating.downgrade(s, args.revision))}")
-    return 0
+    return ExitCode.OK
 
 
 def _current(args: argparse.Namespace) -> int:
     print(_on_database(args, migrating.current_revision))
-    return 0
+    return ExitCode.OK
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

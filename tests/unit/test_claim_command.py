@@ -9,6 +9,7 @@ import pytest
 
 from services import cli
 from services.claims import command
+from services.exitcodes import ExitCode
 
 CLAIM = """
 apiVersion: resource.k8s.io/v1
@@ -40,7 +41,7 @@ def test_bad_files_are_exit_2(tmp_path: Path, text: str, message: str) -> None:
     path.write_text(text)
     with pytest.raises(command.CommandError, match=message) as caught:
         command.read_claims(str(path), None)
-    assert caught.value.exit_code == cli.EXIT_BAD_INPUT
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
 
 
 def test_a_claim_larger_than_the_api_takes_is_exit_2_before_sending(
@@ -64,7 +65,7 @@ def test_a_claim_larger_than_the_api_takes_is_exit_2_before_sending(
     )
     assert big.stat().st_size > 5_000_000
     argv = ["claim", "apply", "-f", str(big), "--nats", "nats://127.0.0.1:1"]
-    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert cli.main(argv) == ExitCode.BAD_INPUT
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "default/c1" in err and "at most 262144 bytes (256 KiB" in err
@@ -72,7 +73,7 @@ def test_a_claim_larger_than_the_api_takes_is_exit_2_before_sending(
 
 def test_missing_file_is_exit_2(tmp_path: Path) -> None:
     assert cli.main(["claim", "apply", "-f", str(tmp_path / "none.yaml"),
-                     "--nats", "nats://127.0.0.1:1"]) == cli.EXIT_BAD_INPUT  # fmt: skip
+                     "--nats", "nats://127.0.0.1:1"]) == ExitCode.BAD_INPUT  # fmt: skip
 
 
 def test_no_server_is_exit_1(tmp_path: Path) -> None:
