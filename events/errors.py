@@ -10,6 +10,7 @@ catch the whole package with one clause and still tell the kinds apart by type::
     ├── SelectorError          a CEL selector that does not compile or evaluate
     │   ├── SelectorCostExceeded   an evaluation that went over its cost budget
     │   └── SelectorDeadlineExceeded   an evaluation stopped at its wall-clock deadline
+    ├── SelectorsPending       a heavy selector's results are not in yet (events.inventory)
     ├── SubjectError           a name that cannot be part of a NATS subject
     ├── CatalogError           an event that is not part of the catalog
     ├── SnapshotError          a stored fold snapshot that cannot be restored

@@ -118,6 +118,8 @@ from events.quantities import Quantity
 
 __all__ = [
     "LIVE_SHARE_STATES",
+    "REUSABLE_PHASES",
+    "TERMINAL_PHASES",
     "ClaimKey",
     "ClaimPhase",
     "ClaimState",
@@ -160,6 +162,12 @@ ShareStatus: TypeAlias = Literal["reserved", "bound", "ready", "unknown", "relea
 #: Share states that hold capacity.
 LIVE_SHARE_STATES: Final = frozenset({"reserved", "bound", "ready", "unknown", "releasing"})
 _LIVE_CLAIM_PHASES: Final = frozenset({"allocated", "ready", "releasing"})
+#: Claim phases that no event of the services moves a claim out of: only the tenant's
+#: next apply or delete does. A watcher waiting for Ready can stop at any of them.
+TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released", "failed"})
+#: Terminal phases after which the claim's name may be applied again with another spec
+#: (a failed claim is deleted first: it may still hold its shares).
+REUSABLE_PHASES: Final = TERMINAL_PHASES - {"failed"}
 
 
 # --- state --------------------------------------------------------------------------------

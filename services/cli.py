@@ -36,7 +36,7 @@ COMMANDS: Final = {
     "claim": "services.claims.command",
     "devices": "services.claims.command",
     "agent": "services.enforcement.command",
-    "prove": "services.enforcement.prove_command",
+    "prove": "services.prove",
 }
 COMMAND_MODULES: Final = tuple(dict.fromkeys(COMMANDS.values()))
 

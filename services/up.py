@@ -78,10 +78,11 @@ import msgspec
 from events import model
 from events.manifests import ManifestError, load_paths
 from events.subjects import BusNames
-from services.claims.command import ApiClient, Connection
 from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop, migrating
+from services.runtime.apiclient import ApiClient
 from services.runtime.embedded import EmbeddedError, embedded_servers
+from services.runtime.endpoints import Connection
 from services.runtime.eventstore import EventStore
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.health import HealthMonitor, PostgresProbe, nats_probe, serve

@@ -2,11 +2,13 @@
 
 The CLI holds no state and never touches PostgreSQL: every command is one or a few
 NATS request/reply calls to the claims API (``names.api(namespace, op)``) or the admin
-API (``names.admin(op)``), the subjects of ``docs/services-sketch.md``. Replies are JSON,
-``{"ok": true, ...}`` or ``{"ok": false, "error": {"code", "field", "rule", "message"}}``;
-:class:`ApiClient` turns the second form into :class:`ApiError`, whose ``code`` picks the
-exit code: ``invalid`` -> 2, ``not_found`` -> 3, ``rejected`` / ``conflict`` -> 4. A
-server that does not answer (no ``dracap up`` running, wrong prefix) is exit code 1.
+API (``names.admin(op)``), the subjects of :class:`events.subjects.BusNames`; payloads
+are in ``docs/services.md``. Replies are JSON, ``{"ok": true, ...}`` or ``{"ok": false,
+"error": {"code", "field", "rule", "message"}}``;
+:class:`~services.runtime.apiclient.ApiClient` turns the second form into an
+``ApiError``, whose ``code`` picks the exit code (:mod:`services.exitcodes`):
+``invalid`` -> 2, ``not_found`` -> 3, ``rejected`` / ``conflict`` -> 4. A server that
+does not answer (no ``dracap up`` running, wrong prefix) is exit code 1.
 
 Where the API is
 ----------------
@@ -42,113 +44,21 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-import nats
-import nats.errors
 import yaml
-from nats.aio.client import Client
 
 from events import model
+from events.fold import TERMINAL_PHASES
 from events.manifests import MAX_MANIFEST_BYTES, ManifestError, load_documents
-from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
-from services.runtime.endpoints import (
-    Connection,
-    add_endpoint_arguments,
-    endpoints_from_args,
-    reaching,
-)
+from services.runtime.apiclient import ApiClient
+from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args
 
-__all__ = ["ApiClient", "ApiError", "CommandError", "Connection", "read_claims", "register"]
-
-REQUEST_TIMEOUT_S: Final = 10.0
-_EXIT_BY_CODE: Final = {
-    "invalid": ExitCode.BAD_INPUT,
-    "not_found": ExitCode.NOT_FOUND,
-    "rejected": ExitCode.REJECTED,
-    "conflict": ExitCode.REJECTED,
-}
-TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released", "failed"})
-
-
-class ApiError(CommandError):
-    """The API answered ``{"ok": false}``."""
-
-    def __init__(self, error: dict[str, Any]) -> None:
-        self.code = str(error.get("code", "internal"))
-        self.field = error.get("field")
-        self.rule = error.get("rule")
-        text = str(error.get("message", ""))
-        # the API's message usually names field and rule already; add them only when not
-        where = (
-            f" ({self.field}: {self.rule})" if self.field and str(self.field) not in text else ""
-        )
-        message = f"{self.code}: {text}{where}"
-        super().__init__(message, _EXIT_BY_CODE.get(self.code, ExitCode.ERROR))
-
-
-async def _quiet(_: Exception) -> None:
-    """nats-py logs every failed attempt by default; the CLI reports the final error."""
-
-
-class ApiClient:
-    """Request/reply calls to the claims and admin APIs over one NATS connection."""
-
-    def __init__(self, nc: Client, names: BusNames, *, timeout: float = REQUEST_TIMEOUT_S) -> None:
-        self.nc = nc
-        self.names = names
-        self.timeout = timeout
-
-    @classmethod
-    @contextlib.asynccontextmanager
-    async def connect(cls, url: str, prefix: str) -> AsyncIterator[ApiClient]:
-        with reaching("NATS", url):
-            nc = await nats.connect(
-                url,
-                connect_timeout=3,
-                allow_reconnect=False,
-                max_reconnect_attempts=1,  # 0 would mean "forever" to nats-py
-                reconnect_time_wait=0.1,
-                error_cb=_quiet,
-            )
-        try:
-            yield cls(nc, BusNames(prefix=prefix))
-        finally:
-            await nc.close()
-
-    async def request(self, subject: str, payload: bytes) -> dict[str, Any]:
-        url = self.nc.connected_url
-        with reaching("NATS", url.geturl() if url else "?"):  # the server went away meanwhile
-            try:
-                reply = await self.nc.request(subject, payload, timeout=self.timeout)
-            except nats.errors.NoRespondersError:
-                raise CommandError(f"no dracap API answers on {subject}", ExitCode.ERROR) from None
-            except nats.errors.MaxPayloadError:
-                raise CommandError(
-                    f"the request to {subject} is {len(payload)} bytes, more than the server "
-                    f"accepts (max_payload {self.nc.max_payload} bytes)",
-                    ExitCode.BAD_INPUT,
-                ) from None
-            except nats.errors.TimeoutError:
-                raise CommandError(
-                    f"no reply on {subject} within {self.timeout}s", ExitCode.ERROR
-                ) from None
-        body: dict[str, Any] = json.loads(reply.data)
-        if not body.get("ok"):
-            raise ApiError(body.get("error") or {"code": "internal", "message": "no error"})
-        return body
-
-    async def claims(self, namespace: str, op: str, body: Any = None) -> dict[str, Any]:
-        payload = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
-        return await self.request(self.names.api(namespace, op), payload)
-
-    async def admin(self, op: str, body: Any = None) -> dict[str, Any]:
-        payload = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
-        return await self.request(self.names.admin(op), payload)
+__all__ = ["read_claims", "register"]
 
 
 # --- rendering -----------------------------------------------------------------------------

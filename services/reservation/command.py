@@ -24,11 +24,11 @@ import msgspec
 from events import model
 from events.errors import ValidationError
 from events.features import ALL_GATES, DEFAULT_GATES, FeatureGates, parse_feature_gates
+from events.inventory import Inventory
 from events.manifests import ManifestError, dump_yaml, load_paths
 from events.validation import validate
 from services.exitcodes import ExitCode
 from services.reservation.allocating import Allocator, grants_from_claim
-from services.reservation.inventory import Inventory
 from services.reservation.outcomes import Allocated, Invalid, Outcome
 
 

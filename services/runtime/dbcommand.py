@@ -1,6 +1,8 @@
 """``dracap db upgrade|downgrade|current``: schema migrations from the command line.
 
-``services/cli.py`` calls :func:`register` with its top-level subparsers. Each verb
+``services/cli.py`` calls :func:`register` with its top-level subparsers (``dracap db
+...``, or ``python -m services.cli db ...`` without the console script; this module
+has no entry point of its own, since the runtime imports nothing above it). Each verb
 sets ``func`` on the namespace; the function returns the process exit code. The
 database is found like every command finds its servers
 (:mod:`services.runtime.endpoints`: ``--database-url``, else ``DRACAP_DATABASE_URL``,
@@ -11,7 +13,6 @@ stderr and exit 1.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 
 from services.exitcodes import ExitCode
@@ -56,14 +57,3 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     current.set_defaults(func=_current)
     for verb in (up, down, current):
         add_endpoint_arguments(verb, database=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m services.runtime.dbcommand upgrade``)."""
-    from services import cli
-
-    return cli.main(["db", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -29,8 +29,8 @@ from events import model
 from events.subjects import BusNames
 from services import cli
 from services.claims import api as api_module
-from services.claims.command import ApiClient, ApiError, CommandError
-from services.exitcodes import ExitCode
+from services.exitcodes import CommandError, ExitCode
+from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
 from services.up import READY_LINE, Stack, load_inventory, read_inventory

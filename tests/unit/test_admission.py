@@ -10,6 +10,7 @@ import yaml
 
 from events import catalog as c
 from events.fold import ClusterState, fold
+from events.inventory import build_inventory
 from events.ledger import UpsertClaim, projection_changes
 from events.manifests import load_documents
 from events.model import DeviceClass, ResourceClaim, ResourceSlice
@@ -20,7 +21,6 @@ from services.claims.admission import (
     decide_apply,
     read_claim,
 )
-from services.reservation.deriving import build_inventory
 
 CLASS = "gpu-memory.dracap.io"
 INVENTORY = f"""

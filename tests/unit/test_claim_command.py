@@ -9,7 +9,8 @@ import pytest
 
 from services import cli
 from services.claims import command
-from services.exitcodes import ExitCode
+from services.exitcodes import CommandError, ExitCode
+from services.runtime.apiclient import ApiError
 
 CLAIM = """
 apiVersion: resource.k8s.io/v1
@@ -39,7 +40,7 @@ def test_read_claims_fills_the_namespace(tmp_path: Path) -> None:
 def test_bad_files_are_exit_2(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(text)
-    with pytest.raises(command.CommandError, match=message) as caught:
+    with pytest.raises(CommandError, match=message) as caught:
         command.read_claims(str(path), None)
     assert caught.value.exit_code == ExitCode.BAD_INPUT
 
@@ -83,7 +84,7 @@ def test_no_server_is_exit_1(tmp_path: Path) -> None:
 
 def test_api_errors_map_to_exit_codes() -> None:
     for code, exit_code in (("invalid", 2), ("not_found", 3), ("rejected", 4), ("odd", 1)):
-        assert command.ApiError({"code": code, "message": "m"}).exit_code == exit_code
+        assert ApiError({"code": code, "message": "m"}).exit_code == exit_code
 
 
 def test_claim_table_has_one_row_per_share() -> None:
