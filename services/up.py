@@ -117,7 +117,7 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
 # --- inventory -----------------------------------------------------------------------------
 
 
-class Inventory(msgspec.Struct, frozen=True, kw_only=True):
+class InventoryManifests(msgspec.Struct, frozen=True, kw_only=True):
     """The DRA objects of ``--inventory`` that ``dracap up`` loads through the admin API."""
 
     classes: list[model.DeviceClass]
@@ -129,10 +129,10 @@ class Inventory(msgspec.Struct, frozen=True, kw_only=True):
         return sorted({s.spec.node_name for s in self.slices if s.spec.node_name})
 
 
-def read_inventory(paths: Sequence[str]) -> Inventory:
+def read_inventory(paths: Sequence[str]) -> InventoryManifests:
     """DeviceClasses, ResourceSlices and Namespaces of ``paths`` (claims are ignored)."""
     objects = [obj for _, obj in load_paths(paths)] if paths else []
-    return Inventory(
+    return InventoryManifests(
         classes=[o for o in objects if isinstance(o, model.DeviceClass)],
         slices=[o for o in objects if isinstance(o, model.ResourceSlice)],
         namespaces=[o for o in objects if isinstance(o, model.Namespace)],
@@ -143,7 +143,7 @@ def _manifest(obj: model.Manifest) -> bytes:
     return msgspec.json.encode(model.to_builtins(obj))
 
 
-async def load_inventory(api: ApiClient, inventory: Inventory) -> int:
+async def load_inventory(api: ApiClient, inventory: InventoryManifests) -> int:
     """Apply what is missing; returns how many slices were applied (0: already loaded).
 
     A slice counts as loaded when the admin API lists every one of its devices. Classes
@@ -335,7 +335,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
 # --- dracap up -----------------------------------------------------------------------------
 
 
-def _nodes(option: str, inventory: Inventory) -> list[str]:
+def _nodes(option: str, inventory: InventoryManifests) -> list[str]:
     if option == "auto":
         return inventory.nodes
     return [n.strip() for n in option.split(",") if n.strip()]
@@ -485,7 +485,7 @@ async def _until_stopped(stop: asyncio.Event, supervisor: Supervisor) -> None:
 
 
 async def _open_for_use(
-    options: UpOptions, settings: Settings, names: BusNames, inventory: Inventory
+    options: UpOptions, settings: Settings, names: BusNames, inventory: InventoryManifests
 ) -> None:
     """Load the inventory, write ``connection.json`` and print the banner."""
     async with ApiClient.connect(settings.nats_url, names.prefix) as api:

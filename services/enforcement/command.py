@@ -31,7 +31,7 @@ from events.subjects import BusNames, SubjectError
 from services.enforcement import checkpointing
 from services.enforcement.agent import Agent, consumer_name
 from services.enforcement.cdi import DEFAULT_SPEC_DIR, CdiSpecs
-from services.enforcement.discovery import AgentConfig, ConfigError, Inventory, load_config
+from services.enforcement.discovery import AgentConfig, ConfigError, ScanResult, load_config
 from services.enforcement.enforcers import Enforcer, NoneEnforcer
 from services.enforcement.mps import MpsEnforcer, MpsSettings
 from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interfaces_of
@@ -66,10 +66,10 @@ def build_enforcer(args: argparse.Namespace, config: AgentConfig | None) -> Enfo
     )
 
 
-def device_maps(config: AgentConfig, enforcer: Enforcer) -> Callable[[Inventory], None]:
+def device_maps(config: AgentConfig, enforcer: Enforcer) -> Callable[[ScanResult], None]:
     """A scan listener that gives the enforcer the devices the scan found."""
 
-    def update(inventory: Inventory) -> None:
+    def update(inventory: ScanResult) -> None:
         if isinstance(enforcer, TcEnforcer):
             enforcer.interfaces = interfaces_of(config, inventory)
         elif isinstance(enforcer, MpsEnforcer):
