@@ -139,10 +139,6 @@ def read_inventory(paths: Sequence[str]) -> InventoryManifests:
     )
 
 
-def _manifest(obj: model.Manifest) -> bytes:
-    return msgspec.json.encode(model.to_builtins(obj))
-
-
 async def load_inventory(api: ApiClient, inventory: InventoryManifests) -> int:
     """Apply what is missing; returns how many slices were applied (0: already loaded).
 
@@ -160,7 +156,7 @@ async def load_inventory(api: ApiClient, inventory: InventoryManifests) -> int:
     if not missing and (listed or not inventory.slices):
         return 0
     for device_class in inventory.classes:
-        await api.admin("deviceclasses.apply", _manifest(device_class))
+        await api.admin("deviceclasses.apply", model.encode_json(device_class))
     for namespace in inventory.namespaces:
         access = {
             "namespace": namespace.metadata.name,
@@ -169,7 +165,7 @@ async def load_inventory(api: ApiClient, inventory: InventoryManifests) -> int:
         }
         await api.admin("namespaces.access", access)
     for resource_slice in missing:
-        await api.admin("slices.apply", _manifest(resource_slice))
+        await api.admin("slices.apply", model.encode_json(resource_slice))
     return len(missing)
 
 

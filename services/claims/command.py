@@ -186,7 +186,7 @@ def read_claims(path: str, namespace: str | None) -> list[tuple[str, bytes]]:
             obj = msgspec.structs.replace(
                 obj, metadata=msgspec.structs.replace(obj.metadata, namespace=ns)
             )
-        manifest = msgspec.json.encode(model.to_builtins(obj))
+        manifest = model.encode_json(obj)
         if len(manifest) > MAX_MANIFEST_BYTES:
             raise CommandError(
                 f"{path}: ResourceClaim {ns}/{obj.metadata.name}: {len(manifest)} bytes; "
