@@ -27,9 +27,9 @@ code  name                  meaning
                             below it, or capacity not given back)
 ====  ====================  =========================================================
 
-Codes 0 to 4 keep the meanings they always had; 5 is new: "invariant violated" used to share 1
-with "internal error", which left a script unable to tell a broken log from a
-database that was down.
+A broken guarantee (``replay verify``, ``prove bandwidth``) used to share 1 with an
+internal error, which left a script unable to tell a broken log from a database that
+was down; it is 5 now. Every other meaning kept its code.
 
 :class:`CommandError` ends a command with one of these codes after one line on
 stderr. This module imports nothing from dracap, so every layer may use it.
