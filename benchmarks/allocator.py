@@ -29,9 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from events import model
+from events.inventory import Inventory
 from events.quantities import Quantity
 from services.reservation.allocating import Allocator
-from services.reservation.inventory import Inventory
 from services.reservation.outcomes import Allocated, Grant
 
 DRIVER = "gpu.bench.io"

@@ -1,17 +1,27 @@
 """The state fold: what the event log means, and the invariants it must keep.
 
-"What it means" lives in one function, :func:`apply`, a ``match`` over the
-catalog's :data:`~events.catalog.Event` union. Replaying the log from the start
-(or from a snapshot) through :func:`apply` gives the live state; replaying up to
-position *p* gives the state at *p* (invariant 8). Services never change a
-:class:`ClusterState` themselves: they read it, decide, and append events.
+"What it means" lives in one table, ``_STEPS`` (at the end of this module): for
+every class of the catalog's :data:`~events.catalog.Event` union, one *step*
+``step(state, event, position)`` that checks the invariants the event touches and
+then changes the state in place. :func:`apply` and :func:`apply_event` look the step
+up by ``type(event)`` — a dict lookup rather than a ``match`` over two dozen class
+patterns, because replay folds millions of events and the pattern chain cost more
+than most steps do. Every step takes the same three arguments, whether it needs the
+position or not, so the table holds the step functions themselves and
+:func:`step_of` can hand one to a replay loop that dispatches by itself. A new event
+type adds a class to the catalog, a step here and its row in the table.
+
+Replaying the log from the start (or from a snapshot) through :func:`apply` gives the
+live state; replaying up to position *p* gives the state at *p* (invariant 8).
+Services never change a :class:`ClusterState` themselves: they read it, decide, and
+append events.
 
 Shape of the state
 ------------------
 :class:`ClusterState` is a tree of *mutable* msgspec Structs. Mutability is a
 deliberate trade: replay must fold well over 100k events/s in pure Python, so a
 step updates a few dict entries in place instead of copying anything, and its
-cost does not depend on how many shares exist. Only :func:`apply` mutates it.
+cost does not depend on how many shares exist. Only the fold's steps mutate it.
 Because the tree is made of Structs, ``==`` compares two states field by field,
 :func:`to_builtins` gives a deterministic plain-data form, and
 :func:`snapshot_encode` / :func:`snapshot_decode` store it as JSON (msgpack's 64-bit
@@ -104,7 +114,7 @@ from events.catalog import (
     ShareConfirmed,
     ShareMarkedUnknown,
 )
-from events.errors import InvariantViolation
+from events.errors import InvariantViolation, SnapshotError
 from events.model import (
     AllocationResult,
     CapacityRequestPolicy,
@@ -118,6 +128,8 @@ from events.quantities import Quantity
 
 __all__ = [
     "LIVE_SHARE_STATES",
+    "REUSABLE_PHASES",
+    "TERMINAL_PHASES",
     "ClaimKey",
     "ClaimPhase",
     "ClaimState",
@@ -162,6 +174,12 @@ ShareStatus: TypeAlias = Literal["reserved", "bound", "ready", "unknown", "relea
 #: Share states that hold capacity.
 LIVE_SHARE_STATES: Final = frozenset({"reserved", "bound", "ready", "unknown", "releasing"})
 _LIVE_CLAIM_PHASES: Final = frozenset({"allocated", "ready", "releasing"})
+#: Claim phases that no event of the services moves a claim out of: only the tenant's
+#: next apply or delete does. A watcher waiting for Ready can stop at any of them.
+TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released", "failed"})
+#: Terminal phases after which the claim's name may be applied again with another spec
+#: (a failed claim is deleted first: it may still hold its shares).
+REUSABLE_PHASES: Final = TERMINAL_PHASES - {"failed"}
 
 
 # --- state --------------------------------------------------------------------------------
@@ -731,7 +749,7 @@ def _limit_failed(state: ClusterState, ev: LimitFailed, position: int) -> None:
         claim.reason = ev.reason
 
 
-def _release_requested(state: ClusterState, ev: ReleaseRequested) -> None:
+def _release_requested(state: ClusterState, ev: ReleaseRequested, position: int) -> None:
     claim = state.claims.get((ev.namespace, ev.name))
     if claim is None or claim.allocation_version != ev.allocation_version:
         return  # stale or unknown: nothing of that allocation to release
@@ -764,7 +782,7 @@ def _claim_record(state: ClusterState, namespace: str, name: str) -> ClaimState:
     return claim
 
 
-def _claim_submitted(state: ClusterState, ev: ClaimSubmitted) -> None:
+def _claim_submitted(state: ClusterState, ev: ClaimSubmitted, position: int) -> None:
     meta = ev.claim.metadata
     claim = _claim_record(state, meta.namespace or "", meta.name)
     claim.claim = ev.claim
@@ -789,7 +807,7 @@ def _mark_unknown(share: ShareState) -> None:
         share.state = "unknown"
 
 
-def _lease_expired(state: ClusterState, ev: NodeLeaseExpired) -> None:
+def _lease_expired(state: ClusterState, ev: NodeLeaseExpired, position: int) -> None:
     node = _node(state, ev.node)
     if ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch:
         return  # stale
@@ -842,7 +860,8 @@ def _confirmed(state: ClusterState, ev: ShareConfirmed, position: int) -> None:
 # --- inventory ----------------------------------------------------------------------------
 
 
-def _slice_published(state: ClusterState, rslice: ResourceSlice) -> None:
+def _slice_published(state: ClusterState, ev: ResourceSlicePublished, position: int) -> None:
+    rslice = ev.slice
     spec = rslice.spec
     name = rslice.metadata.name
     old = state.slices.get(name)
@@ -906,7 +925,8 @@ def _update_policies(dev: DeviceState, policies: dict[str, CapacityRequestPolicy
     dev.policy_version = version
 
 
-def _slice_withdrawn(state: ClusterState, name: str) -> None:
+def _slice_withdrawn(state: ClusterState, ev: ResourceSliceWithdrawn, position: int) -> None:
+    name = ev.name
     rslice = state.slices.pop(name, None)
     if rslice is None:
         return
@@ -1026,10 +1046,13 @@ def snapshot_encode(state: ClusterState) -> bytes:
 
 
 def snapshot_decode(data: bytes) -> ClusterState:
-    """The state stored by :func:`snapshot_encode`; a foreign format raises ``ValueError``."""
-    snap = _SNAPSHOT_DECODER.decode(data)
+    """The state stored by :func:`snapshot_encode`; raises :class:`SnapshotError`."""
+    try:
+        snap = _SNAPSHOT_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise SnapshotError(f"snapshot does not decode: {exc}") from exc
     if snap.format != SNAPSHOT_FORMAT:
-        raise ValueError(f"snapshot format {snap.format} is not {SNAPSHOT_FORMAT}")
+        raise SnapshotError(f"snapshot format {snap.format} is not {SNAPSHOT_FORMAT}")
     return ClusterState(
         position=snap.position,
         classes=snap.classes,
@@ -1046,9 +1069,8 @@ def snapshot_decode(data: bytes) -> ClusterState:
 
 # --- the step table ------------------------------------------------------------------
 
-# What each event means: one step per event type. A dict lookup on the event's type
-# instead of a ``match`` over 20 class patterns, because replay folds millions of events
-# and the pattern chain cost more than most steps themselves.
+# What each event means: one step per event class, each ``(state, event, position)``
+# (see the module docstring for why a table and not a ``match``).
 
 
 def _limit_removed(state: ClusterState, ev: LimitRemoved, position: int) -> None:
@@ -1120,17 +1142,17 @@ _STEPS: Final[dict[type, Step]] = {
     LimitRemoved: _limit_removed,
     EnforcementReconciled: _noted,
     EnforcementCheckpointSetAside: _noted,
-    ReleaseRequested: lambda st, ev, pos: _release_requested(st, ev),
-    ClaimSubmitted: lambda st, ev, pos: _claim_submitted(st, ev),
+    ReleaseRequested: _release_requested,
+    ClaimSubmitted: _claim_submitted,
     ClaimAdmitted: _claim_admitted,
     ClaimRejected: _claim_rejected,
     ClaimUnschedulable: _claim_unschedulable,
-    NodeLeaseExpired: lambda st, ev, pos: _lease_expired(st, ev),
+    NodeLeaseExpired: _lease_expired,
     ShareMarkedUnknown: _share_unknown,
     NodeFenced: _fenced,
     ShareConfirmed: _confirmed,
-    ResourceSlicePublished: lambda st, ev, pos: _slice_published(st, ev.slice),
-    ResourceSliceWithdrawn: lambda st, ev, pos: _slice_withdrawn(st, ev.name),
+    ResourceSlicePublished: _slice_published,
+    ResourceSliceWithdrawn: _slice_withdrawn,
     RequestPolicyChanged: _policy_changed,
     DeviceClassApplied: _class_applied,
     DeviceClassRemoved: _class_removed,

@@ -65,6 +65,7 @@ from events.catalog import (
     ShareMarkedUnknown,
     tag_of,
 )
+from events.errors import SubjectError
 
 __all__ = [
     "NODE_EVENTS",
@@ -108,10 +109,6 @@ NO_NODE: Final = "_"
 _PREFIX: Final = re.compile(r"[A-Za-z0-9_-]+")
 _TOKEN_SAFE: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-")
 _FORBIDDEN_IN_TOKEN: Final = re.compile(r"[\s.*>]")
-
-
-class SubjectError(ValueError):
-    """A name cannot be written as (part of) a NATS subject."""
 
 
 def node_token(node: str) -> str:

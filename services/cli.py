@@ -1,18 +1,13 @@
 """``dracap``: the command line.
 
 ``dracap NOUN VERB`` style; every feature module adds its own sub-commands through a
-``register(subparsers)`` function, so this file only wires them together. Exit codes
-are shared by all commands:
-
-* 0 — done;
-* 1 — an invariant was violated (``replay verify``), an internal error occurred, or a
-  server is not known or cannot be reached;
-* 2 — bad input: a file that cannot be read or decoded (``connection.json`` too), a bad
-  flag, a claim larger than the API takes;
-* 3 — not found; 4 — rejected by the control plane.
+``register(subparsers)`` function, so this file only wires them together. Every
+command exits with a code of the one table in :mod:`services.exitcodes` (0 done,
+1 error, 2 bad input, 3 not found, 4 rejected, 5 invariant violated).
 
 Every command finds its servers the same way (:mod:`services.runtime.endpoints`), and
-an expected failure — no server configured or reachable, a missing database — is one
+an expected failure — no server configured or reachable, a missing database, a server
+that does not answer in time, a :class:`~services.exitcodes.CommandError` — is one
 line on stderr, never a traceback.
 """
 
@@ -24,14 +19,10 @@ import sys
 from collections.abc import Sequence
 from typing import Final
 
+from services.exitcodes import CommandError, ExitCode
 from services.runtime.endpoints import ConnectionFileError, EndpointError
+from services.runtime.errors import RetryableError
 from services.runtime.settings import SettingsError
-
-EXIT_OK = 0
-EXIT_VIOLATION = 1
-EXIT_BAD_INPUT = 2
-EXIT_NOT_FOUND = 3
-EXIT_REJECTED = 4
 
 #: Each command word and the module that adds it: ``register(subparsers) -> None`` adds
 #: the module's commands and sets ``func`` (taking the parsed namespace, returning an
@@ -45,7 +36,7 @@ COMMANDS: Final = {
     "claim": "services.claims.command",
     "devices": "services.claims.command",
     "agent": "services.enforcement.command",
-    "prove": "services.enforcement.prove_command",
+    "prove": "services.prove",
 }
 COMMAND_MODULES: Final = tuple(dict.fromkeys(COMMANDS.values()))
 
@@ -82,13 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     try:
         code: int = func(args)
-    except (EndpointError, SettingsError) as exc:  # expected: one line, no traceback
+    except CommandError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except (EndpointError, RetryableError, SettingsError) as exc:  # expected: one line
         print(f"error: {exc}", file=sys.stderr)
         bad_input = isinstance(exc, ConnectionFileError | SettingsError)
-        return EXIT_BAD_INPUT if bad_input else EXIT_VIOLATION
+        return ExitCode.BAD_INPUT if bad_input else ExitCode.ERROR
     return code
 
 

@@ -78,9 +78,11 @@ import msgspec
 from events import model
 from events.manifests import ManifestError, load_paths
 from events.subjects import BusNames
-from services.claims.command import ApiClient, CommandError, Connection
+from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop, migrating
+from services.runtime.apiclient import ApiClient
 from services.runtime.embedded import EmbeddedError, embedded_servers
+from services.runtime.endpoints import Connection
 from services.runtime.eventstore import EventStore
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.health import HealthMonitor, PostgresProbe, nats_probe, serve
@@ -91,9 +93,6 @@ from services.runtime.supervising import RestartLimitError, RestartPolicy, Watch
 if TYPE_CHECKING:
     from services.runtime.gauges import CapacityGauges
 
-EXIT_OK: Final = 0
-EXIT_ERROR: Final = 1
-EXIT_BAD_INPUT: Final = 2
 STOP_GRACE_S: Final = 10.0
 RESTART_MIN_S: Final = 0.5
 RESTART_MAX_S: Final = 30.0
@@ -118,7 +117,7 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
 # --- inventory -----------------------------------------------------------------------------
 
 
-class Inventory(msgspec.Struct, frozen=True, kw_only=True):
+class InventoryManifests(msgspec.Struct, frozen=True, kw_only=True):
     """The DRA objects of ``--inventory`` that ``dracap up`` loads through the admin API."""
 
     classes: list[model.DeviceClass]
@@ -130,21 +129,17 @@ class Inventory(msgspec.Struct, frozen=True, kw_only=True):
         return sorted({s.spec.node_name for s in self.slices if s.spec.node_name})
 
 
-def read_inventory(paths: Sequence[str]) -> Inventory:
+def read_inventory(paths: Sequence[str]) -> InventoryManifests:
     """DeviceClasses, ResourceSlices and Namespaces of ``paths`` (claims are ignored)."""
     objects = [obj for _, obj in load_paths(paths)] if paths else []
-    return Inventory(
+    return InventoryManifests(
         classes=[o for o in objects if isinstance(o, model.DeviceClass)],
         slices=[o for o in objects if isinstance(o, model.ResourceSlice)],
         namespaces=[o for o in objects if isinstance(o, model.Namespace)],
     )
 
 
-def _manifest(obj: model.Manifest) -> bytes:
-    return msgspec.json.encode(model.to_builtins(obj))
-
-
-async def load_inventory(api: ApiClient, inventory: Inventory) -> int:
+async def load_inventory(api: ApiClient, inventory: InventoryManifests) -> int:
     """Apply what is missing; returns how many slices were applied (0: already loaded).
 
     A slice counts as loaded when the admin API lists every one of its devices. Classes
@@ -161,7 +156,7 @@ async def load_inventory(api: ApiClient, inventory: Inventory) -> int:
     if not missing and (listed or not inventory.slices):
         return 0
     for device_class in inventory.classes:
-        await api.admin("deviceclasses.apply", _manifest(device_class))
+        await api.admin("deviceclasses.apply", model.encode_json(device_class))
     for namespace in inventory.namespaces:
         access = {
             "namespace": namespace.metadata.name,
@@ -170,7 +165,7 @@ async def load_inventory(api: ApiClient, inventory: Inventory) -> int:
         }
         await api.admin("namespaces.access", access)
     for resource_slice in missing:
-        await api.admin("slices.apply", _manifest(resource_slice))
+        await api.admin("slices.apply", model.encode_json(resource_slice))
     return len(missing)
 
 
@@ -336,7 +331,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
 # --- dracap up -----------------------------------------------------------------------------
 
 
-def _nodes(option: str, inventory: Inventory) -> list[str]:
+def _nodes(option: str, inventory: InventoryManifests) -> list[str]:
     if option == "auto":
         return inventory.nodes
     return [n.strip() for n in option.split(",") if n.strip()]
@@ -486,7 +481,7 @@ async def _until_stopped(stop: asyncio.Event, supervisor: Supervisor) -> None:
 
 
 async def _open_for_use(
-    options: UpOptions, settings: Settings, names: BusNames, inventory: Inventory
+    options: UpOptions, settings: Settings, names: BusNames, inventory: InventoryManifests
 ) -> None:
     """Load the inventory, write ``connection.json`` and print the banner."""
     async with ApiClient.connect(settings.nats_url, names.prefix) as api:
@@ -531,7 +526,7 @@ async def up(options: UpOptions, stop: asyncio.Event) -> int:
         if metrics is not None:
             metrics.shutdown()
     print("stopped", flush=True)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _start_metrics(port: int, monitor: HealthMonitor) -> Any:
@@ -577,10 +572,10 @@ def run(args: argparse.Namespace) -> int:
         return eventloop.run(_main(options))
     except (ManifestError, SettingsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     except (EmbeddedError, CommandError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return ExitCode.ERROR
 
 
 def register(sub: Any) -> None:

@@ -15,7 +15,7 @@ order, one by one, with the same statements as the client-side path
 (:mod:`services.runtime.projecting`). ``ops`` is one JSON array; each op is
 ``[kind, offset, arg, ...]``, the event's position being ``base + offset`` and the
 arguments those of the client-side statement, in its order. A capacity that no slice
-published raises SQLSTATE ``DR002`` (``CapacityExceeded``); the ledger's checks and
+published raises SQLSTATE ``DR002`` (``CapacityNotPublished``); the ledger's checks and
 the holds' keys raise as they do for the client.
 
 ``dracap_append_projected(..., ops, consumer, processed)`` is ``dracap_append``

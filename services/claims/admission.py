@@ -52,25 +52,23 @@ is left to the allocator too: devices may still be published.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Final, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
 import msgspec
 
 from events.catalog import ClaimAdmitted, ClaimRejected, ClaimSubmitted, Event
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import ClusterState
+from events.fold import REUSABLE_PHASES, ClusterState
+from events.inventory import CapacityInfo, Inventory, build_inventory
 from events.manifests import MAX_MANIFEST_BYTES, load_documents
 from events.model import ResourceClaim, ResourceClaimStatus
 from events.quantities import Quantity
 from events.validation import DNS_LABEL_RULE, DNS_SUBDOMAIN_RULE, is_dns_label, is_dns_subdomain
 from events.validation import validate as validate_manifest
-from services.reservation.deriving import build_inventory
-from services.reservation.inventory import CapacityInfo, Inventory
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
-    "TERMINAL_PHASES",
     "ApplyDecision",
     "DeviceLimits",
     "Refusal",
@@ -79,9 +77,6 @@ __all__ = [
     "evaluate",
     "read_claim",
 ]
-
-#: Claim phases after which the name may be used again.
-TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released"})
 
 ErrorCode: TypeAlias = Literal["invalid", "rejected", "not_found", "conflict"]
 
@@ -382,7 +377,7 @@ def decide_apply(
         return ApplyDecision(namespace=namespace, refusal=claim)
     name = claim.metadata.name
     current = state.claim(namespace, name)
-    if current is not None and current.phase not in TERMINAL_PHASES:
+    if current is not None and current.phase not in REUSABLE_PHASES:
         if current.claim is not None and current.claim.spec == claim.spec:
             return ApplyDecision(namespace=namespace, name=name, unchanged=True)
         refusal = _refusal(

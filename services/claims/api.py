@@ -98,6 +98,7 @@ from events.catalog import (
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClaimKey, ClaimState, ClusterState
+from events.inventory import build_inventory
 from events.manifests import load_documents
 from events.model import DeviceClass, Manifest, ResourceSlice
 from events.quantities import Quantity
@@ -113,7 +114,6 @@ from services.claims.admission import (
     selector_expressions,
 )
 from services.claims.views import claim_view, device_views, error_reply, ok_reply
-from services.reservation.deriving import build_inventory
 from services.runtime.committing import GroupCommitter
 from services.runtime.errors import CapacityExceeded, ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata

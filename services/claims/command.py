@@ -2,11 +2,13 @@
 
 The CLI holds no state and never touches PostgreSQL: every command is one or a few
 NATS request/reply calls to the claims API (``names.api(namespace, op)``) or the admin
-API (``names.admin(op)``), the subjects of ``docs/services-sketch.md``. Replies are JSON,
-``{"ok": true, ...}`` or ``{"ok": false, "error": {"code", "field", "rule", "message"}}``;
-:class:`ApiClient` turns the second form into :class:`ApiError`, whose ``code`` picks the
-exit code: ``invalid`` -> 2, ``not_found`` -> 3, ``rejected`` / ``conflict`` -> 4. A
-server that does not answer (no ``dracap up`` running, wrong prefix) is exit code 1.
+API (``names.admin(op)``), the subjects of :class:`events.subjects.BusNames`; payloads
+are in ``docs/services.md``. Replies are JSON, ``{"ok": true, ...}`` or ``{"ok": false,
+"error": {"code", "field", "rule", "message"}}``;
+:class:`~services.runtime.apiclient.ApiClient` turns the second form into an
+``ApiError``, whose ``code`` picks the exit code (:mod:`services.exitcodes`):
+``invalid`` -> 2, ``not_found`` -> 3, ``rejected`` / ``conflict`` -> 4. A server that
+does not answer (no ``dracap up`` running, wrong prefix) is exit code 1.
 
 Where the API is
 ----------------
@@ -42,126 +44,21 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-import nats
-import nats.errors
 import yaml
-from nats.aio.client import Client
 
 from events import model
+from events.fold import TERMINAL_PHASES
 from events.manifests import MAX_MANIFEST_BYTES, ManifestError, load_documents
-from events.subjects import BusNames
-from services.runtime.endpoints import (
-    Connection,
-    add_endpoint_arguments,
-    endpoints_from_args,
-    reaching,
-)
+from services.exitcodes import CommandError, ExitCode
+from services.runtime.apiclient import ApiClient
+from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args
 
-__all__ = ["ApiClient", "ApiError", "CommandError", "Connection", "read_claims", "register"]
-
-EXIT_OK: Final = 0
-EXIT_ERROR: Final = 1
-EXIT_BAD_INPUT: Final = 2
-EXIT_NOT_FOUND: Final = 3
-EXIT_REJECTED: Final = 4
-
-REQUEST_TIMEOUT_S: Final = 10.0
-_EXIT_BY_CODE: Final = {
-    "invalid": EXIT_BAD_INPUT,
-    "not_found": EXIT_NOT_FOUND,
-    "rejected": EXIT_REJECTED,
-    "conflict": EXIT_REJECTED,
-}
-TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released", "failed"})
-
-
-class CommandError(Exception):
-    """Ends a command with ``exit_code`` after printing the message to stderr."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-class ApiError(CommandError):
-    """The API answered ``{"ok": false}``."""
-
-    def __init__(self, error: dict[str, Any]) -> None:
-        self.code = str(error.get("code", "internal"))
-        self.field = error.get("field")
-        self.rule = error.get("rule")
-        text = str(error.get("message", ""))
-        # the API's message usually names field and rule already; add them only when not
-        where = (
-            f" ({self.field}: {self.rule})" if self.field and str(self.field) not in text else ""
-        )
-        message = f"{self.code}: {text}{where}"
-        super().__init__(message, _EXIT_BY_CODE.get(self.code, EXIT_ERROR))
-
-
-async def _quiet(_: Exception) -> None:
-    """nats-py logs every failed attempt by default; the CLI reports the final error."""
-
-
-class ApiClient:
-    """Request/reply calls to the claims and admin APIs over one NATS connection."""
-
-    def __init__(self, nc: Client, names: BusNames, *, timeout: float = REQUEST_TIMEOUT_S) -> None:
-        self.nc = nc
-        self.names = names
-        self.timeout = timeout
-
-    @classmethod
-    @contextlib.asynccontextmanager
-    async def connect(cls, url: str, prefix: str) -> AsyncIterator[ApiClient]:
-        with reaching("NATS", url):
-            nc = await nats.connect(
-                url,
-                connect_timeout=3,
-                allow_reconnect=False,
-                max_reconnect_attempts=1,  # 0 would mean "forever" to nats-py
-                reconnect_time_wait=0.1,
-                error_cb=_quiet,
-            )
-        try:
-            yield cls(nc, BusNames(prefix=prefix))
-        finally:
-            await nc.close()
-
-    async def request(self, subject: str, payload: bytes) -> dict[str, Any]:
-        url = self.nc.connected_url
-        with reaching("NATS", url.geturl() if url else "?"):  # the server went away meanwhile
-            try:
-                reply = await self.nc.request(subject, payload, timeout=self.timeout)
-            except nats.errors.NoRespondersError:
-                raise CommandError(f"no dracap API answers on {subject}", EXIT_ERROR) from None
-            except nats.errors.MaxPayloadError:
-                raise CommandError(
-                    f"the request to {subject} is {len(payload)} bytes, more than the server "
-                    f"accepts (max_payload {self.nc.max_payload} bytes)",
-                    EXIT_BAD_INPUT,
-                ) from None
-            except nats.errors.TimeoutError:
-                raise CommandError(
-                    f"no reply on {subject} within {self.timeout}s", EXIT_ERROR
-                ) from None
-        body: dict[str, Any] = json.loads(reply.data)
-        if not body.get("ok"):
-            raise ApiError(body.get("error") or {"code": "internal", "message": "no error"})
-        return body
-
-    async def claims(self, namespace: str, op: str, body: Any = None) -> dict[str, Any]:
-        payload = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
-        return await self.request(self.names.api(namespace, op), payload)
-
-    async def admin(self, op: str, body: Any = None) -> dict[str, Any]:
-        payload = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
-        return await self.request(self.names.admin(op), payload)
+__all__ = ["read_claims", "register"]
 
 
 # --- rendering -----------------------------------------------------------------------------
@@ -271,35 +168,35 @@ def read_claims(path: str, namespace: str | None) -> list[tuple[str, bytes]]:
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise CommandError(f"{path}: cannot read: {exc}", EXIT_BAD_INPUT) from exc
+        raise CommandError(f"{path}: cannot read: {exc}", ExitCode.BAD_INPUT) from exc
     try:
         objects = load_documents(text, path, check=False)
     except ManifestError as exc:
-        raise CommandError(str(exc), EXIT_BAD_INPUT) from exc
+        raise CommandError(str(exc), ExitCode.BAD_INPUT) from exc
     claims = []
     for obj in objects:
         if not isinstance(obj, model.ResourceClaim):
             raise CommandError(
                 f"{path}: {type(obj).__name__} {obj.metadata.name}: "
                 "only ResourceClaims can be applied",
-                EXIT_BAD_INPUT,
+                ExitCode.BAD_INPUT,
             )
         ns = namespace or obj.metadata.namespace or "default"
         if obj.metadata.namespace is None:
             obj = msgspec.structs.replace(
                 obj, metadata=msgspec.structs.replace(obj.metadata, namespace=ns)
             )
-        manifest = msgspec.json.encode(model.to_builtins(obj))
+        manifest = model.encode_json(obj)
         if len(manifest) > MAX_MANIFEST_BYTES:
             raise CommandError(
                 f"{path}: ResourceClaim {ns}/{obj.metadata.name}: {len(manifest)} bytes; "
                 f"a claim must be at most {MAX_MANIFEST_BYTES} bytes "
                 f"({MAX_MANIFEST_BYTES // 1024} KiB, the API's limit)",
-                EXIT_BAD_INPUT,
+                ExitCode.BAD_INPUT,
             )
         claims.append((ns, manifest))
     if not claims:
-        raise CommandError(f"{path}: no ResourceClaim found", EXIT_BAD_INPUT)
+        raise CommandError(f"{path}: no ResourceClaim found", ExitCode.BAD_INPUT)
     return claims
 
 
@@ -312,10 +209,10 @@ async def _apply(api: ApiClient, args: argparse.Namespace) -> int:
         views.append(view)
     emit_claims(args.output, views, single=len(views) == 1)
     if any(v.get("phase") == "rejected" for v in views):
-        return EXIT_REJECTED
+        return ExitCode.REJECTED
     if args.wait and not all(v.get("ready") for v in views):
-        return EXIT_ERROR
-    return EXIT_OK
+        return ExitCode.ERROR
+    return ExitCode.OK
 
 
 async def wait_ready(api: ApiClient, namespace: str, name: str, within_s: float) -> dict[str, Any]:
@@ -374,7 +271,7 @@ async def _watch(api: ApiClient, args: argparse.Namespace) -> int:
         async for view in views:
             _print_change(args.output, view, header)
             header = False
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _print_change(output: str, view: dict[str, Any], header: bool) -> None:
@@ -391,13 +288,13 @@ def _print_change(output: str, view: dict[str, Any], header: bool) -> None:
 async def _get(api: ApiClient, args: argparse.Namespace) -> int:
     view = (await api.claims(args.namespace or "default", "get", {"name": args.name}))["claim"]
     emit_claims(args.output, [view], single=True)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 async def _list(api: ApiClient, args: argparse.Namespace) -> int:
     views = (await api.claims(args.namespace or "default", "list"))["claims"]
     emit_claims(args.output, views, single=False)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 async def _delete(api: ApiClient, args: argparse.Namespace) -> int:
@@ -408,13 +305,13 @@ async def _delete(api: ApiClient, args: argparse.Namespace) -> int:
     else:
         done = {"namespace": namespace, "name": args.name, "deleted": True, "phase": phase}
         emit(args.output, done, str)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 async def _devices(api: ApiClient, args: argparse.Namespace) -> int:
     devices = (await api.admin("devices.list"))["devices"]
     emit(args.output, devices, lambda: table(DEVICE_HEADER, device_rows(devices)))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 async def _run_async(args: argparse.Namespace) -> int:
@@ -425,16 +322,13 @@ async def _run_async(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of every command here: run the action, map errors to exit codes."""
+    """Entry point of every command here (a :class:`CommandError` is ``cli.main``'s to report)."""
     try:
         if getattr(args, "filename", None):  # bad input is exit 2 before any connection
             args.claims = read_claims(args.filename, args.namespace)
         return asyncio.run(_run_async(args))
-    except CommandError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
     except KeyboardInterrupt:
-        return EXIT_OK
+        return ExitCode.OK
 
 
 # --- registration --------------------------------------------------------------------------

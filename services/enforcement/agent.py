@@ -93,7 +93,13 @@ from events.catalog import (
 from events.fold import ShareState
 from events.subjects import BusNames, node_token
 from services.enforcement.checkpointing import Checkpoint, CheckpointEntry
-from services.enforcement.enforcers import AppliedLimit, EnforcementError, Enforcer, ShareLimit
+from services.enforcement.enforcers import (
+    AppliedLimit,
+    EnforcementError,
+    Enforcer,
+    RetryableEnforcementError,
+    ShareLimit,
+)
 from services.enforcement.reconciling import plan_reconcile
 from services.enforcement.scanning import InventoryScanner
 from services.runtime.confirming import LogConfirmation
@@ -365,11 +371,12 @@ class Agent:
             try:
                 limit = await self._apply(_limit_of(share))
             except EnforcementError as exc:
-                if exc.retryable and delivery < self.max_deliver:
+                retryable = isinstance(exc, RetryableEnforcementError)
+                if retryable and delivery < self.max_deliver:
                     raise
                 log.error("limit of share %s failed: %s", share_id, exc)
                 failed = LimitFailed(
-                    share_id=share_id, node=self.node, retryable=exc.retryable, reason=str(exc)
+                    share_id=share_id, node=self.node, retryable=retryable, reason=str(exc)
                 )
                 out.add(stream, version, failed, cause)
                 failures += 1

@@ -31,11 +31,12 @@ from events.subjects import BusNames, SubjectError
 from services.enforcement import checkpointing
 from services.enforcement.agent import Agent, consumer_name
 from services.enforcement.cdi import DEFAULT_SPEC_DIR, CdiSpecs
-from services.enforcement.discovery import AgentConfig, ConfigError, Inventory, load_config
+from services.enforcement.discovery import AgentConfig, ConfigError, ScanResult, load_config
 from services.enforcement.enforcers import Enforcer, NoneEnforcer
 from services.enforcement.mps import MpsEnforcer, MpsSettings
 from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interfaces_of
 from services.enforcement.tc import TcEnforcer
+from services.exitcodes import ExitCode
 from services.runtime import eventloop
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
@@ -45,10 +46,6 @@ from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.livestate import LiveState
 from services.runtime.metrics import start_metrics_server
 from services.runtime.settings import SettingsError, load_settings
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_BAD_INPUT = 2
 
 ENFORCERS: Final = ("none", "tc", "mps")
 DEFAULT_CHECKPOINT: Final = "/var/lib/dracap/agent/{node}.checkpoint.json"
@@ -69,10 +66,10 @@ def build_enforcer(args: argparse.Namespace, config: AgentConfig | None) -> Enfo
     )
 
 
-def device_maps(config: AgentConfig, enforcer: Enforcer) -> Callable[[Inventory], None]:
+def device_maps(config: AgentConfig, enforcer: Enforcer) -> Callable[[ScanResult], None]:
     """A scan listener that gives the enforcer the devices the scan found."""
 
-    def update(inventory: Inventory) -> None:
+    def update(inventory: ScanResult) -> None:
         if isinstance(enforcer, TcEnforcer):
             enforcer.interfaces = interfaces_of(config, inventory)
         elif isinstance(enforcer, MpsEnforcer):
@@ -137,7 +134,7 @@ async def serve(args: argparse.Namespace) -> int:
             server.shutdown()
         await nc.drain()
         await store.close()
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,14 +143,14 @@ def run(args: argparse.Namespace) -> int:
         BusNames(endpoints_from_args(args).prefix).node_filter(args.node)
     except SubjectError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     try:
         return eventloop.run(serve(args))
     except (SettingsError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
-        return EXIT_OK
+        return ExitCode.OK
 
 
 def register(sub: Any) -> None:

@@ -75,11 +75,11 @@ __all__ = [
     "DeviceClassConfig",
     "DiscoveredDevice",
     "GpuConfig",
-    "Inventory",
     "InventoryError",
     "NetworkConfig",
     "NvmlModule",
     "PolicyConfig",
+    "ScanResult",
     "check_config",
     "discover",
     "discover_gpus",
@@ -273,7 +273,7 @@ class DiscoveredDevice(msgspec.Struct, frozen=True, kw_only=True):
 
 
 @dataclass
-class Inventory:
+class ScanResult:
     """What one scan found: devices per driver (in name order) and what was left out."""
 
     devices: dict[str, list[DiscoveredDevice]] = field(default_factory=dict)
@@ -571,7 +571,7 @@ def discover(
     *,
     sysfs_root: str | Path | None = None,
     nvml: Callable[[], NvmlModule | None] = import_nvml,
-) -> Inventory:
+) -> ScanResult:
     """Scan every configured source; raises :class:`InventoryError` for a broken file."""
     root = Path(sysfs_root if sysfs_root is not None else config.sysfs_root)
     found: list[DiscoveredDevice] = []
@@ -584,7 +584,7 @@ def discover(
         found += discover_gpus(config.gpu, root, nvml)
     if config.inventory_file:
         found += load_static_inventory(config.inventory_file)
-    inventory = Inventory(problems=problems)
+    inventory = ScanResult(problems=problems)
     for driver, devices in _by_driver(found).items():
         inventory.devices[driver] = _named(devices, inventory.problems)
     for problem in inventory.problems:

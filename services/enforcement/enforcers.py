@@ -11,9 +11,18 @@ enforced; it asks an :class:`Enforcer`:
 * ``remove(share_id)`` takes it away (idempotent: removing an unknown share is fine);
 * ``observe()`` lists what is in force now, so an agent that restarts can reconcile.
 
-A failure raises :class:`EnforcementError`; ``retryable`` says whether the same call
-may succeed later (the agent then reports ``LimitFailed(retryable=True)`` and the
-message is redelivered) or never will (``retryable=False`` fails the claim).
+A failure raises an :class:`EnforcementError`, and its type says what to do::
+
+    EnforcementError               root: catch it to handle any failure of an enforcer
+    ├── RetryableEnforcementError  the same call may succeed later (daemon still
+    │                              starting, tc busy): the agent lets the message be
+    │                              redelivered, then reports ``LimitFailed(retryable=True)``
+    └── PermanentEnforcementError  the same call will fail again (unknown device, a
+                                   limit the mechanism cannot express): the agent
+                                   reports ``LimitFailed(retryable=False)``, which
+                                   fails the claim
+
+The type is the whole classification: nothing reads a flag or the message text.
 
 dracap never claims QoS it cannot prove: :class:`NoneEnforcer`, the default where no
 mechanism exists (and in tests), reports level ``none`` with no amounts in force. The
@@ -30,7 +39,15 @@ import msgspec
 from events.catalog import EnforcementLevel
 from events.quantities import Quantity
 
-__all__ = ["AppliedLimit", "EnforcementError", "Enforcer", "NoneEnforcer", "ShareLimit"]
+__all__ = [
+    "AppliedLimit",
+    "EnforcementError",
+    "Enforcer",
+    "NoneEnforcer",
+    "PermanentEnforcementError",
+    "RetryableEnforcementError",
+    "ShareLimit",
+]
 
 
 class ShareLimit(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -52,11 +69,15 @@ class AppliedLimit(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 class EnforcementError(Exception):
-    """An enforcer could not apply or remove a limit."""
+    """An enforcer could not apply, remove or observe a limit (raise a subclass)."""
 
-    def __init__(self, message: str, *, retryable: bool) -> None:
-        super().__init__(message)
-        self.retryable = retryable
+
+class RetryableEnforcementError(EnforcementError):
+    """A transient failure: the same call may succeed later."""
+
+
+class PermanentEnforcementError(EnforcementError):
+    """The limit cannot be put in place as asked; repeating the call changes nothing."""
 
 
 class Enforcer(Protocol):

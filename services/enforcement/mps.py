@@ -37,12 +37,14 @@ apply(limit)
     Any other reply is a mismatch.
 
 Failures (:class:`~services.enforcement.enforcers.EnforcementError`)
-    *retryable*: the daemon did not start or is not ready yet, a control command timed
-    out (daemon busy) or could not reach a daemon that is not running.
-    *permanent*: unknown device, a limit that cannot be expressed, a command the live
-    daemon refused (invalid limit, unknown GPU), a read-back that does not match, or a
-    different limit for a share whose daemon already has a server running
-    (``set_default_*`` only affects servers started later). A permanent failure tears
+    *retryable* (``RetryableEnforcementError``): the daemon did not start or is not
+    ready yet, a control command timed out (daemon busy) or could not reach a daemon
+    that is not running.
+    *permanent* (``PermanentEnforcementError``): unknown device, a limit that cannot
+    be expressed, a command the live daemon refused (invalid limit, unknown GPU), a
+    read-back that does not match, or a different limit for a share whose daemon
+    already has a server running (``set_default_*`` only affects servers started
+    later). A permanent failure tears
     the share's daemon and directories down again.
 
 remove(share_id)
@@ -80,7 +82,13 @@ from typing import Final
 
 from events.quantities import Format, Quantity
 from services.enforcement.cdi import CdiShare, CdiSpecs, check_share_id, gpu_uuid_of
-from services.enforcement.enforcers import AppliedLimit, EnforcementError, ShareLimit
+from services.enforcement.enforcers import (
+    AppliedLimit,
+    EnforcementError,
+    PermanentEnforcementError,
+    RetryableEnforcementError,
+    ShareLimit,
+)
 
 __all__ = ["MpsEnforcer", "MpsSettings", "mib_of", "parse_limit_reply"]
 
@@ -110,15 +118,14 @@ def mib_of(limit: ShareLimit, capacity: str = "memory") -> int:
     """The share's consumed ``capacity`` in whole MiB, rounded down (never above it)."""
     amount = limit.consumed.get(capacity)
     if amount is None:
-        raise EnforcementError(
-            f"share {limit.share_id} consumes no {capacity!r} capacity", retryable=False
+        raise PermanentEnforcementError(
+            f"share {limit.share_id} consumes no {capacity!r} capacity",
         )
     mib = amount.nanos // (10**9 * MIB)
     if mib < 1:
-        raise EnforcementError(
+        raise PermanentEnforcementError(
             f"share {limit.share_id}: {amount} of {capacity} is below 1Mi, which MPS cannot "
             "express",
-            retryable=False,
         )
     return mib
 
@@ -218,20 +225,18 @@ class MpsEnforcer:
         """Run the share's daemon with its limit, verify it, publish its CDI spec."""
         uuid = self.gpus.get(limit.device)
         if uuid is None:
-            raise EnforcementError(
+            raise PermanentEnforcementError(
                 f"share {limit.share_id}: device {limit.device!r} has no known GPU UUID",
-                retryable=False,
             )
         mib = mib_of(limit, self.settings.capacity)
         share = self._share(limit.share_id)
         async with self._lock(share.share_id):
             try:
                 return await self._apply(share, limit, uuid, mib)
-            except EnforcementError as exc:
-                if not exc.retryable:
-                    log.warning("share %s: tearing down after %s", share.share_id, exc)
-                    with contextlib.suppress(EnforcementError, OSError):
-                        await self._teardown(share)
+            except PermanentEnforcementError as exc:
+                log.warning("share %s: tearing down after %s", share.share_id, exc)
+                with contextlib.suppress(EnforcementError, OSError):
+                    await self._teardown(share)
                 raise
 
     async def remove(self, share_id: str) -> None:
@@ -268,10 +273,9 @@ class MpsEnforcer:
             await self._set_limit(share, uuid, mib, had=current)
             reply = await self._get_limit(share, uuid)
             if not _confirms(parse_limit_reply(reply), mib):
-                raise EnforcementError(
+                raise PermanentEnforcementError(
                     f"share {share.share_id}: the daemon reads back {reply.strip()!r} for "
                     f"{uuid}, not {mib}M",
-                    retryable=False,
                 )
         self.cdi.write(
             CdiShare(
@@ -308,20 +312,20 @@ class MpsEnforcer:
                     start_new_session=True,
                 )
         except OSError as exc:
-            raise EnforcementError(f"cannot run {binary}: {exc}", retryable=True) from exc
+            raise RetryableEnforcementError(f"cannot run {binary}: {exc}") from exc
         try:
             code = await asyncio.wait_for(proc.wait(), self.settings.start_timeout_s)
         except TimeoutError as exc:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
-            raise EnforcementError(
-                f"share {share.share_id}: {binary} -d did not return", retryable=True
+            raise RetryableEnforcementError(
+                f"share {share.share_id}: {binary} -d did not return",
             ) from exc
         if code != 0:
             said = out_path.read_text(encoding="utf-8", errors="replace").strip()[:300]
-            raise EnforcementError(
-                f"share {share.share_id}: {binary} -d exited {code}: {said}", retryable=True
+            raise RetryableEnforcementError(
+                f"share {share.share_id}: {binary} -d exited {code}: {said}",
             )
 
     async def _wait_ready(self, share: _Share) -> None:
@@ -329,9 +333,8 @@ class MpsEnforcer:
         deadline = loop.time() + self.settings.start_timeout_s
         while not share.running():
             if loop.time() >= deadline:
-                raise EnforcementError(
+                raise RetryableEnforcementError(
                     f"share {share.share_id}: the MPS control daemon is still starting",
-                    retryable=True,
                 )
             await asyncio.sleep(self.settings.poll_interval_s)
 
@@ -342,10 +345,9 @@ class MpsEnforcer:
         self, share: _Share, uuid: str, mib: int, *, had: tuple[int, int] | None
     ) -> None:
         if had is not None and await self._has_server(share):
-            raise EnforcementError(
+            raise PermanentEnforcementError(
                 f"share {share.share_id}: the daemon already serves clients with another "
                 f"limit ({had[0]}Mi); a new default would not reach them",
-                retryable=False,
             )
         reply = await self._command(share, f"set_default_device_pinned_mem_limit {uuid} {mib}M")
         if reply.strip():
@@ -359,19 +361,17 @@ class MpsEnforcer:
         try:
             return await self._run_control(share, command)
         except TimeoutError as exc:
-            raise EnforcementError(
+            raise RetryableEnforcementError(
                 f"share {share.share_id}: {command.split()[0]} timed out (daemon busy)",
-                retryable=True,
             ) from exc
         except _CommandFailedError as exc:
             alive = share.running()
             what = "refused" if alive else "failed (daemon not running)"
-            raise EnforcementError(
-                f"share {share.share_id}: {what}: {exc}", retryable=not alive
-            ) from exc
+            error = PermanentEnforcementError if alive else RetryableEnforcementError
+            raise error(f"share {share.share_id}: {what}: {exc}") from exc
         except OSError as exc:
-            raise EnforcementError(
-                f"cannot run {self.settings.control_binary}: {exc}", retryable=True
+            raise RetryableEnforcementError(
+                f"cannot run {self.settings.control_binary}: {exc}",
             ) from exc
 
     async def _run_control(self, share: _Share, command: str) -> str:
@@ -408,9 +408,8 @@ class MpsEnforcer:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
                 if not await self._wait_exit(pid):
-                    raise EnforcementError(
+                    raise RetryableEnforcementError(
                         f"share {share.share_id}: the MPS control daemon (pid {pid}) does not stop",
-                        retryable=True,
                     )
         await asyncio.to_thread(shutil.rmtree, share.dir, ignore_errors=True)
 
@@ -429,7 +428,7 @@ class MpsEnforcer:
         try:
             return _Share(self.settings.root, share_id)
         except ValueError as exc:
-            raise EnforcementError(str(exc), retryable=False) from exc
+            raise PermanentEnforcementError(str(exc)) from exc
 
     def _lock(self, share_id: str) -> asyncio.Lock:
         return self._locks.setdefault(share_id, asyncio.Lock())

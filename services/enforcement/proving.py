@@ -1,6 +1,6 @@
 """Proving bandwidth limits: network namespaces, a traffic generator, measurements.
 
-``dracap prove bandwidth`` (:mod:`services.enforcement.prove_command`) and the tc
+``dracap prove bandwidth`` (:mod:`services.prove`) and the tc
 integration tests use this module to show, on the machine they run on, that a share's
 HTB class really delivers its rate — no more, no less — whatever its neighbours do.
 
@@ -11,14 +11,17 @@ Design
   ever leaves the namespaces) and deletes both on exit, veth included. The enforcer
   shapes the egress of the sender's veth (``tc -n <tag>-tx``), exactly as it would a
   node's vNIC.
-* **Shares through the control plane.** :func:`prove_bandwidth` runs the real services
-  (:func:`control_plane`: by default :class:`services.up.Stack` in-process — relay, live
-  state, claims and admin APIs, a reservation worker — plus one node agent for
-  ``prove-node`` whose enforcer is the lab's :class:`TcEnforcer`; or only that agent,
-  next to services already running). It publishes a DeviceClass and a ResourceSlice
-  with one shareable device ``veth0`` (capacity ``bandwidth``, attribute ``ifName``)
-  through the admin API, applies one ResourceClaim per rate through the tenant API
-  (pinned to the lab's ``ifName``), waits for each to be Ready — the agent's
+* **Shares through the control plane.** :func:`prove_bandwidth` applies its claims
+  through the real services it is handed (:data:`ControlPlane`; ``dracap prove``
+  composes them in :func:`services.prove.control_plane`: by default
+  :class:`services.up.Stack` in-process — relay, live state, claims and admin APIs, a
+  reservation worker — plus one node agent for ``prove-node`` whose enforcer is the
+  lab's :class:`TcEnforcer`; or only that agent, next to services already running).
+  Composing services belongs to the layer above them, so the enforcement package
+  imports no other service. It publishes a DeviceClass and a ResourceSlice with one
+  shareable device ``veth0`` (capacity ``bandwidth``, attribute ``ifName``) through
+  the admin API, applies one ResourceClaim per rate through the tenant API (pinned to
+  the lab's ``ifName``), waits for each to be Ready — the agent's
   ``LimitApplied`` at level ``hard`` in the fold — and takes the mark of its ShareID
   from the enforcer (``mark_of``). At the end it deletes the claims, waits until the
   device's capacity is all free again and withdraws the device (the slice again,
@@ -49,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import math
 import os
@@ -57,22 +59,23 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import msgspec
 
 from events import model
+from events.fold import TERMINAL_PHASES
 from events.quantities import Quantity
-from events.subjects import BusNames
-from services.claims.command import TERMINAL_PHASES, ApiClient, ApiError
 from services.enforcement.enforcers import ShareLimit
 from services.enforcement.tc import TcEnforcer
-from services.runtime.settings import Settings
+from services.runtime.apiclient import ApiClient, ApiError
 
 __all__ = [
     "DRIVER",
+    "ControlPlane",
     "Flow",
     "LoadResult",
     "NetnsPair",
@@ -81,7 +84,6 @@ __all__ = [
     "ShareFigures",
     "apply_until_ready",
     "claim_manifest",
-    "control_plane",
     "device_manifests",
     "have_net_admin",
     "prove_bandwidth",
@@ -402,6 +404,11 @@ WARMUP: Final = 1.0
 READY_WITHIN: Final = 30.0
 RELEASE_WITHIN: Final = 30.0
 
+#: What :func:`prove_bandwidth` applies its claims through: given the lab's enforcer,
+#: the services with one node agent for :data:`NODE` driving it, as a client of their
+#: APIs (:func:`services.prove.control_plane`).
+ControlPlane: TypeAlias = Callable[[TcEnforcer], AbstractAsyncContextManager[ApiClient]]
+
 
 class ShareFigures(msgspec.Struct, kw_only=True):
     """What was measured for one share (rates in bit/s, ratios as fractions)."""
@@ -519,59 +526,6 @@ def claim_manifest(pair: NetnsPair, name: str, rate: Quantity) -> bytes:
     )
 
 
-@contextlib.asynccontextmanager
-async def control_plane(
-    settings: Settings,
-    names: BusNames,
-    enforcer: TcEnforcer,
-    *,
-    start_services: bool = True,
-    workers: int = 1,
-) -> AsyncIterator[ApiClient]:
-    """The real services, with one node agent for :data:`NODE` driving ``enforcer``.
-
-    ``start_services``: relay, live state, claims/admin API and reservation workers run
-    in-process (:class:`services.up.Stack`, no agents of its own); else they are already
-    running somewhere on these servers (``dracap up``) and only the agent runs here.
-    Yields a client of the claims and admin APIs.
-    """
-    from services.enforcement.agent import Agent
-    from services.runtime.bus import connect_bus, ensure_stream
-    from services.runtime.eventstore import EventStore
-    from services.up import Stack
-
-    if start_services:
-        async with Stack.running(settings, names, nodes=(), workers=workers) as stack:
-            agent = Agent(stack.store, stack.js, names, node=NODE, enforcer=enforcer)
-            stack.spawn(f"agent-{NODE}", functools.partial(agent.run, stack.stop))
-            async with ApiClient.connect(settings.nats_url, names.prefix) as api:
-                yield api
-        return
-    store = await EventStore.open(settings)
-    try:
-        nc, js = await connect_bus(settings.nats_url, name=f"dracap-prove-{NODE}")
-        try:
-            await ensure_stream(js, names)
-            stop = asyncio.Event()
-            agent = Agent(store, js, names, node=NODE, enforcer=enforcer)
-            task = asyncio.create_task(agent.run(stop), name=f"agent-{NODE}")
-            try:
-                async with ApiClient.connect(settings.nats_url, names.prefix) as api:
-                    yield api
-            finally:
-                stop.set()
-                try:
-                    await asyncio.wait_for(task, 10)
-                except TimeoutError:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-        finally:
-            await nc.drain()
-    finally:
-        await store.close()
-
-
 async def apply_until_ready(
     api: ApiClient, name: str, manifest: bytes, *, within: float = READY_WITHIN
 ) -> tuple[dict[str, Any], float]:
@@ -656,9 +610,8 @@ def _limit_of(view: dict[str, Any]) -> ShareLimit:
 async def prove_bandwidth(
     rates: Sequence[Quantity],
     *,
-    settings: Settings,
-    names: BusNames,
-    start_services: bool = True,
+    control_plane: ControlPlane,
+    services: str,
     where: str = "",
     duration: float = 10.0,
     probe_rate: Quantity | None = None,
@@ -667,10 +620,10 @@ async def prove_bandwidth(
 ) -> ProofReport:
     """Allocate through the control plane, baseline each share alone, then all at once.
 
-    The shares are ResourceClaims applied through the tenant API and made real by the
-    node agent of :data:`NODE`, whose enforcer shapes the lab's veth; see
-    :func:`control_plane` for ``start_services``. ``where`` describes the servers for
-    the report.
+    The shares are ResourceClaims applied through the tenant API of ``control_plane``
+    and made real by its node agent of :data:`NODE`, whose enforcer shapes the lab's
+    veth. ``services`` and ``where`` describe the services and the servers for the
+    report.
     """
     probe_q = probe_rate or Quantity.parse("10M")
     total = sum((_bits(r) for r in rates), _bits(probe_q))
@@ -679,7 +632,7 @@ async def prove_bandwidth(
     link = Quantity.from_int(2 * total)
     async with NetnsPair() as pair:
         enforcer = pair.enforcer(default_rate=total)
-        async with control_plane(settings, names, enforcer, start_services=start_services) as api:
+        async with control_plane(enforcer) as api:
             dclass, rslice = device_manifests(pair, link)
             await api.admin("deviceclasses.apply", dclass)
             await api.admin("namespaces.access", {"namespace": NAMESPACE, "classes": [CLASS]})
@@ -699,11 +652,6 @@ async def prove_bandwidth(
             # withdraw the device (the slice again, without devices).
             report.capacity_returned = await release_claims(api, pair.tag, applied)
             await api.admin("slices.apply", withdraw)
-            services = (
-                "in-process stack (relay, live state, claims API, reservation worker)"
-                if start_services
-                else "attached to the running services"
-            )
             agent = f"agent of {NODE} with TcEnforcer on {pair.tx_if}"
             report.control_plane = f"{services} + {agent}" + (f"; {where}" if where else "")
             return report

@@ -1,6 +1,6 @@
 """Publishing the node's inventory: discovered devices -> ResourceSlices -> events.
 
-:class:`Publisher` turns each scan's :class:`~services.enforcement.discovery.Inventory`
+:class:`Publisher` turns each scan's :class:`~services.enforcement.discovery.ScanResult`
 into the ResourceSlices of the node's pools and says what changed since the last
 publication, as catalog events (:meth:`Changes.events`: ``ResourceSlicePublished``
 and ``ResourceSliceWithdrawn``) for the agent to append.
@@ -65,8 +65,8 @@ from services.enforcement.discovery import (
     AgentConfig,
     DeviceClassConfig,
     DiscoveredDevice,
-    Inventory,
     PolicyConfig,
+    ScanResult,
 )
 
 __all__ = [
@@ -228,7 +228,7 @@ class Publisher:
         state = self._pools.get((driver, pool_name(self.config, driver)))
         return 0 if state is None else state.generation
 
-    def plan(self, inventory: Inventory) -> Changes:
+    def plan(self, inventory: ScanResult) -> Changes:
         """What publishing ``inventory`` would change; nothing is recorded."""
         problems = list(inventory.problems)
         changes: list[PoolChange] = []
@@ -249,7 +249,7 @@ class Publisher:
                 state.slices.pop(name, None)
             state.slices.update({s.metadata.name: s for s in change.published})
 
-    def update(self, inventory: Inventory) -> Changes:
+    def update(self, inventory: ScanResult) -> Changes:
         """:meth:`plan` then :meth:`commit`."""
         changes = self.plan(inventory)
         self.commit(changes)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from events.catalog import stream_of
 from events.subjects import NO_NODE
-from services.enforcement.discovery import AgentConfig, Inventory, InventoryError, discover
+from services.enforcement.discovery import AgentConfig, InventoryError, ScanResult, discover
 from services.enforcement.publishing import Changes, Publisher
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import LiveState
@@ -28,10 +28,10 @@ __all__ = ["InventoryScanner", "gpu_uuids_of", "interfaces_of"]
 
 log = logging.getLogger("dracap.inventory")
 
-InventoryListener = Callable[[Inventory], None]
+ScanListener = Callable[[ScanResult], None]
 
 
-def interfaces_of(config: AgentConfig, inventory: Inventory) -> dict[tuple[str, str, str], str]:
+def interfaces_of(config: AgentConfig, inventory: ScanResult) -> dict[tuple[str, str, str], str]:
     """``(driver, pool, device) -> interface`` for every device with an ``ifName``."""
     out: dict[tuple[str, str, str], str] = {}
     for driver, devices in inventory.devices.items():
@@ -43,7 +43,7 @@ def interfaces_of(config: AgentConfig, inventory: Inventory) -> dict[tuple[str, 
     return out
 
 
-def gpu_uuids_of(config: AgentConfig, inventory: Inventory) -> dict[str, str]:
+def gpu_uuids_of(config: AgentConfig, inventory: ScanResult) -> dict[str, str]:
     """``device -> GPU UUID`` for the GPUs of the configured GPU driver."""
     out: dict[str, str] = {}
     for device in inventory.devices.get(config.gpu.driver, []):
@@ -62,8 +62,8 @@ class InventoryScanner:
         live: LiveState,
         config: AgentConfig,
         *,
-        scan: Callable[[AgentConfig], Inventory] = discover,
-        listeners: list[InventoryListener] | None = None,
+        scan: Callable[[AgentConfig], ScanResult] = discover,
+        listeners: list[ScanListener] | None = None,
     ) -> None:
         self.store = store
         self.live = live
@@ -71,7 +71,7 @@ class InventoryScanner:
         self.scan = scan
         self.listeners = list(listeners or [])
         self.publisher: Publisher | None = None
-        self.inventory: Inventory | None = None
+        self.inventory: ScanResult | None = None
         self.scans = 0
 
     async def scan_once(self) -> Changes | None:

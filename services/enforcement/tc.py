@@ -64,9 +64,12 @@ Design
   its minor.
 * **Errors.** A device missing from the mapping, an interface missing from the kernel,
   a missing/zero/oversized ``bandwidth``, a foreign root qdisc or a missing ``tc``
-  binary raise :class:`EnforcementError` with ``retryable=False``; any other ``tc``
-  failure (busy, out of memory, a timeout, a read-back that does not match) is
-  ``retryable=True``. Admin-access shares consume nothing and get no class (level
+  binary raise :class:`~services.enforcement.enforcers.PermanentEnforcementError`;
+  any other ``tc`` failure (busy, out of memory, a timeout, a read-back that does not
+  match) raises :class:`~services.enforcement.enforcers.RetryableEnforcementError`.
+  A missing interface can only be told from ``tc``'s stderr (``Cannot find device``):
+  ``_missing_device`` reads it at the boundary, and from there on the error's type
+  carries the verdict. Admin-access shares consume nothing and get no class (level
   ``none``).
 
 ``tc`` runs through asyncio subprocesses (``tc -n NETNS`` when ``netns`` is given, which
@@ -89,7 +92,13 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from events.quantities import Quantity
-from services.enforcement.enforcers import AppliedLimit, EnforcementError, ShareLimit
+from services.enforcement.enforcers import (
+    AppliedLimit,
+    EnforcementError,
+    PermanentEnforcementError,
+    RetryableEnforcementError,
+    ShareLimit,
+)
 
 __all__ = [
     "CAPACITY",
@@ -389,7 +398,7 @@ class TcEnforcer:
                 except _TcError as exc:
                     if _missing_device(exc):
                         continue
-                    raise EnforcementError(str(exc), retryable=True) from exc
+                    raise RetryableEnforcementError(str(exc)) from exc
 
     async def observe(self) -> dict[str, AppliedLimit]:
         """Every share with a class and a filter in the kernel now, with the kernel's rate."""
@@ -401,7 +410,7 @@ class TcEnforcer:
             except _TcError as exc:
                 if _missing_device(exc):
                     continue
-                raise EnforcementError(str(exc), retryable=True) from exc
+                raise RetryableEnforcementError(str(exc)) from exc
             for f in filters:
                 cls = classes.get(f.minor)
                 if cls is not None:
@@ -438,31 +447,27 @@ class TcEnforcer:
     def _interface_of(self, limit: ShareLimit) -> str:
         iface = self.interfaces.get((limit.driver, limit.pool, limit.device))
         if iface is None:
-            raise EnforcementError(
+            raise PermanentEnforcementError(
                 f"no network interface is configured for device "
                 f"{limit.driver}/{limit.pool}/{limit.device} on this node",
-                retryable=False,
             )
         return iface
 
     def _rate_of(self, limit: ShareLimit) -> int:
         amount = limit.consumed.get(self.capacity)
         if amount is None or amount.sign() <= 0:
-            raise EnforcementError(
+            raise PermanentEnforcementError(
                 f"share {limit.share_id} has no positive {self.capacity!r} capacity "
                 f"(bits per second) to enforce",
-                retryable=False,
             )
         rate = -(-amount.value() // 8)  # bit/s -> byte/s, rounded up
         if rate > _MAX_RATE_BYTES:
-            raise EnforcementError(
+            raise PermanentEnforcementError(
                 f"{self.capacity} {amount} of share {limit.share_id} is too large for HTB",
-                retryable=False,
             )
         if not 0 < len(limit.share_id.encode()) <= MAX_SHARE_ID_BYTES:
-            raise EnforcementError(
+            raise PermanentEnforcementError(
                 f"ShareID {limit.share_id!r} is longer than {MAX_SHARE_ID_BYTES} bytes",
-                retryable=False,
             )
         return rate
 
@@ -479,10 +484,9 @@ class TcEnforcer:
         if kind == "htb" and handle == ROOT:
             return
         if kind is not None and kind not in REPLACEABLE_ROOTS:
-            raise EnforcementError(
+            raise PermanentEnforcementError(
                 f"interface {iface} already has a root qdisc {kind} {handle} that dracap "
                 f"did not create; remove it or give dracap another interface",
-                retryable=False,
             )
         await self._run("qdisc", "replace", "dev", iface, "root", "handle", ROOT, "htb",
                         "default", f"{DEFAULT_MINOR:x}")  # fmt: skip
@@ -545,7 +549,7 @@ class TcEnforcer:
         for minor in candidate_minors(share_id):
             if minor not in taken:
                 return minor  # free, or a class orphaned by a crash: adopted
-        raise EnforcementError(f"no free HTB class on {iface} for {share_id}", retryable=True)
+        raise RetryableEnforcementError(f"no free HTB class on {iface} for {share_id}")
 
     def _mark(self, minor: int) -> int:
         return (minor << self.mark_shift) & _U32
@@ -562,12 +566,11 @@ class TcEnforcer:
 
     def _error(self, iface: str, exc: _TcError) -> EnforcementError:
         if _missing_device(exc):
-            return EnforcementError(
+            return PermanentEnforcementError(
                 f"network interface {iface} does not exist on this node"
                 + (f" (netns {self.netns})" if self.netns else ""),
-                retryable=False,
             )
-        return EnforcementError(f"tc failed on {iface}: {exc}", retryable=True)
+        return RetryableEnforcementError(f"tc failed on {iface}: {exc}")
 
     async def _run(self, *args: str) -> str:
         argv = [self.tc, *(["-n", self.netns] if self.netns else []), *args]
@@ -576,8 +579,8 @@ class TcEnforcer:
                 *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
             )
         except FileNotFoundError as exc:
-            raise EnforcementError(
-                f"the tc command ({self.tc}) is not installed", retryable=False
+            raise PermanentEnforcementError(
+                f"the tc command ({self.tc}) is not installed",
             ) from exc
         try:
             out, err = await asyncio.wait_for(proc.communicate(), self.timeout)

@@ -4,9 +4,9 @@ The database is found like every command finds its servers
 (:mod:`services.runtime.endpoints`: ``--database-url``, else ``DRACAP_DATABASE_URL``,
 else ``<data-dir>/connection.json`` of ``dracap up``), so it verifies the log that
 ``dracap up`` writes. Exit status 0 when the fold of the log equals the projections,
-1 (the CLI's "invariant violated") otherwise; the summary names the first violating
+5 (``ExitCode.INVARIANT_VIOLATED``) otherwise; the summary names the first violating
 position. A database that cannot be reached, or has no dracap schema, is one line on
-stderr and exit 1.
+stderr and exit 1 (``ExitCode.ERROR``): not knowing is not a violation.
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.exitcodes import ExitCode
 from services.replay.verify import summary, verify
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.settings import load_settings
-
-EXIT_OK = 0
-EXIT_VIOLATION = 1
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -28,7 +26,7 @@ def _verify(args: argparse.Namespace) -> int:
     with reaching("PostgreSQL", database_url):
         report = asyncio.run(verify(settings, from_start=args.from_start))
     print(summary(report))
-    return EXIT_OK if report.ok else EXIT_VIOLATION
+    return ExitCode.OK if report.ok else ExitCode.INVARIANT_VIOLATED
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

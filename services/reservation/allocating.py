@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from events.errors import SelectorError
+from events.fold import DeviceKey
+from events.inventory import DeviceEntry, Inventory, SelectorsPending
 from events.model import (
     ALLOCATION_MODE_ALL,
     ALLOCATION_MODE_EXACT_COUNT,
@@ -55,7 +57,6 @@ from events.model import (
 from events.quantities import Quantity
 from events.selectors import AttributeValue
 from services.reservation.candidates import UNUSABLE, CandidateList, MaxTree, first_fit
-from services.reservation.inventory import DeviceEntry, DeviceKey, Inventory, SelectorsPending
 from services.reservation.outcomes import (
     Allocated,
     Deferred,

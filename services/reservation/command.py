@@ -24,14 +24,12 @@ import msgspec
 from events import model
 from events.errors import ValidationError
 from events.features import ALL_GATES, DEFAULT_GATES, FeatureGates, parse_feature_gates
+from events.inventory import Inventory
 from events.manifests import ManifestError, dump_yaml, load_paths
 from events.validation import validate
+from services.exitcodes import ExitCode
 from services.reservation.allocating import Allocator, grants_from_claim
-from services.reservation.inventory import Inventory
 from services.reservation.outcomes import Allocated, Invalid, Outcome
-
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
 
 
 class ReportRow(msgspec.Struct, kw_only=True):
@@ -149,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         gates = parse_feature_gates(args.feature_gates or "")
     except ValidationError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     try:
         objects = load_paths(args.filename, check=False)
         for source, obj in objects:
@@ -161,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ManifestError(source, None, exc.field, exc.rule, obj=exc.obj) from exc
     except ManifestError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     decisions = allocate_manifests(objects, node=args.node, gates=gates)
     if args.output == "json":
         rows = report_rows(decisions)
@@ -170,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(dump_yaml([with_status(claim, outcome) for claim, outcome in decisions]))
     else:
         print(render_table(report_rows(decisions)))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def register(sub: Any) -> None:

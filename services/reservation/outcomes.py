@@ -13,7 +13,7 @@ One of three outcomes, mirroring the upstream allocator's three results:
 and a fourth that upstream does not need, because cel-go is fast: :class:`Deferred` —
 no decision yet, a tenant's selector is too expensive to evaluate in the decision and
 its results are being computed elsewhere (only when the inventory has an inline
-budget; see :mod:`services.reservation.inventory`).
+budget; see :mod:`events.inventory`).
 """
 
 from __future__ import annotations

@@ -89,12 +89,12 @@ from events.catalog import (
 from events.errors import SelectorDeadlineExceeded, SelectorError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClaimKey, ClaimState, ClusterState
+from events.inventory import SelectorResult, build_inventory
 from events.model import AllocationResult
 from events.selectors import DeviceView
 from events.subjects import BusNames
 from services.reservation.allocating import Allocator
-from services.reservation.deriving import build_inventory, grant_of, live_grants
-from services.reservation.inventory import SelectorResult
+from services.reservation.deriving import grant_of, live_grants
 from services.reservation.outcomes import Allocated, Deferred, Grant, Invalid
 from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext

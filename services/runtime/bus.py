@@ -17,7 +17,9 @@ Stream configuration, and why:
   events after a crash, immediately on restart, so this makes a crash harmless.
 
 :func:`ensure_stream` creates the stream or brings an existing one's settings up to
-date, so every process may call it at start-up.
+date, so every process may call it at start-up. What goes wrong there reaches the
+caller as an error of the runtime tree (:func:`services.runtime.errors.map_bus_error`):
+retryable (JetStream not answering yet), permanent, or a conflict.
 
 :func:`connect_bus` reconnects forever and logs the connection's changes of state
 only: a lost connection is one warning, its return one info line. nats-py's default
@@ -34,12 +36,14 @@ import logging
 from typing import Final
 
 import nats
+import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import BadRequestError, NotFoundError
 
 from events.subjects import BusNames
+from services.runtime.errors import map_bus_error
 from services.runtime.outages import is_unreachable, one_line
 
 __all__ = ["DUPLICATE_WINDOW_S", "MAX_AGE_S", "connect_bus", "ensure_stream", "stream_config"]
@@ -116,17 +120,29 @@ async def ensure_stream(
     duplicate_window: float = DUPLICATE_WINDOW_S,
     max_age: float = MAX_AGE_S,
 ) -> StreamInfo:
-    """Create the events stream, or update an existing one to this configuration."""
+    """Create the events stream, or update an existing one to this configuration.
+
+    A failure is an error of the runtime tree (:func:`~services.runtime.errors.map_bus_error`).
+    """
     config = stream_config(names, duplicate_window=duplicate_window, max_age=max_age)
     try:
-        current = await js.stream_info(names.stream)
+        return await _ensure(js, config)
+    except (nats.errors.Error, OSError) as exc:
+        raise map_bus_error(exc, subject=names.events_subjects) from exc
+
+
+async def _ensure(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+    name = config.name
+    assert name is not None
+    try:
+        current = await js.stream_info(name)
     except NotFoundError:
         try:
             return await js.add_stream(config)
         except BadRequestError as exc:  # created concurrently by another process
             if exc.err_code != STREAM_NAME_IN_USE:
                 raise
-            current = await js.stream_info(names.stream)
+            current = await js.stream_info(name)
     if _differs(current.config, config):
         return await js.update_stream(config)
     return current

@@ -1,6 +1,8 @@
 """``dracap db upgrade|downgrade|current``: schema migrations from the command line.
 
-``services/cli.py`` calls :func:`register` with its top-level subparsers. Each verb
+``services/cli.py`` calls :func:`register` with its top-level subparsers (``dracap db
+...``, or ``python -m services.cli db ...`` without the console script; this module
+has no entry point of its own, since the runtime imports nothing above it). Each verb
 sets ``func`` on the namespace; the function returns the process exit code. The
 database is found like every command finds its servers
 (:mod:`services.runtime.endpoints`: ``--database-url``, else ``DRACAP_DATABASE_URL``,
@@ -11,9 +13,9 @@ stderr and exit 1.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 
+from services.exitcodes import ExitCode
 from services.runtime import migrating
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.settings import Settings, load_settings
@@ -28,17 +30,17 @@ def _on_database(args: argparse.Namespace, action: Callable[[Settings], str | No
 
 def _upgrade(args: argparse.Namespace) -> int:
     print(f"database at {_on_database(args, lambda s: migrating.upgrade(s, args.revision))}")
-    return 0
+    return ExitCode.OK
 
 
 def _downgrade(args: argparse.Namespace) -> int:
     print(f"database at {_on_database(args, lambda s: migrating.downgrade(s, args.revision))}")
-    return 0
+    return ExitCode.OK
 
 
 def _current(args: argparse.Namespace) -> int:
     print(_on_database(args, migrating.current_revision))
-    return 0
+    return ExitCode.OK
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,14 +57,3 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     current.set_defaults(func=_current)
     for verb in (up, down, current):
         add_endpoint_arguments(verb, database=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m services.runtime.dbcommand upgrade``)."""
-    from services import cli
-
-    return cli.main(["db", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

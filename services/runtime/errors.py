@@ -4,13 +4,18 @@ Callers decide what to do by type, never by message text::
 
     RuntimeServiceError
     ├── RetryableError        transient: serialization failure, deadlock, lost
-    │                         connection, statement timeout; the same call may succeed
+    │                         connection, statement timeout, a NATS request nobody
+    │                         answered (yet); the same call may succeed
     ├── PermanentError        the same call will fail the same way again
     │   ├── InvalidEvent      an event is not part of the catalog or fails validation
-    │   └── NotFound          the thing asked for does not exist
+    │   ├── NotFound          the thing asked for does not exist (a JetStream stream)
+    │   ├── CapacityNotPublished  a reservation names a device capacity that no
+    │   │                     published slice has (SQLSTATE DR002)
+    │   └── EndpointError     a server cannot be found or reached (runtime.endpoints)
     └── ConflictError         somebody else changed the same thing first: a stream
         │                     version clash, a unique violation (a second exclusive
-        │                     hold of a dedicated device, a duplicate event id)
+        │                     hold of a dedicated device, a duplicate event id), a
+        │                     JetStream publish with a wrong expected last sequence
         ├── CapacityExceeded  the ledger's CHECK (allocated <= total) refused the write
         └── AlreadyHandled    a consumer's message was recorded as handled before
 
@@ -19,25 +24,33 @@ means that the decision was taken on a stale view of the ledger (the allocator n
 proposes more than the free capacity it saw), so the right reaction is the same as for
 a version clash — re-read the state, decide again. Retrying the *same* write blindly
 would fail again, which is why conflicts are not :class:`RetryableError`.
+``CapacityNotPublished`` is not a shortage: the reservation names a capacity the
+ledger has never heard of, so no amount of re-reading makes that write succeed.
 
 :func:`map_database_error` turns an ``asyncpg`` exception into this tree by its class
-(which asyncpg derives from the SQLSTATE), so the mapping does not depend on the
-server's message language or wording. Constraint names are matched exactly to tell
-the capacity CHECK from other CHECKs.
+(which asyncpg derives from the SQLSTATE) and by dracap's own SQLSTATEs, so the mapping
+does not depend on the server's message language or wording. Constraint names are
+matched exactly to tell the capacity CHECK from other CHECKs. :func:`map_bus_error` does
+the same for ``nats-py``: by exception class, and for JetStream API errors by their
+numeric ``err_code``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Final
 
 import asyncpg
+import nats.errors
+import nats.js.errors
 
 LEDGER_CAPACITY_CHECK = "capacity_ledger_within_total"
 #: SQLSTATE of ``dracap_append`` (migration 0003) when a stream is not at the expected version.
 STALE_VERSION_SQLSTATE = "DR001"
-#: SQLSTATE of ``dracap_project`` (migration 0004) for a capacity no slice published.
+#: SQLSTATE of ``dracap_guard`` (migration 0005) when a reservation names a capacity no slice
+#: published; it means exactly that, and nothing else.
 UNKNOWN_CAPACITY_SQLSTATE = "DR002"
-#: SQLSTATE of ``dracap_append_projected`` (0004) when a message was handled before.
+#: SQLSTATE of ``dracap_append_guarded`` (0005) when a message was handled before.
 ALREADY_HANDLED_SQLSTATE = "DR003"
 LEDGER_NONNEGATIVE_CHECK = "capacity_ledger_nonnegative"
 STREAM_VERSION_UNIQUE = "events_stream_version_key"
@@ -61,6 +74,14 @@ class InvalidEvent(PermanentError, ValueError):  # noqa: N818 (names from the de
 
 class NotFound(PermanentError, LookupError):  # noqa: N818
     """The object asked for does not exist."""
+
+
+class CapacityNotPublished(PermanentError):  # noqa: N818
+    """A reservation names a device capacity that no published slice has."""
+
+    def __init__(self, message: str, *, stream: str | None = None) -> None:
+        super().__init__(message)
+        self.stream = stream
 
 
 class ConflictError(RuntimeServiceError):
@@ -105,8 +126,8 @@ def map_database_error(exc: BaseException, *, stream: str | None = None) -> Runt
         return PermanentError(f"check constraint failed: {exc}")
     if getattr(exc, "sqlstate", None) == ALREADY_HANDLED_SQLSTATE:
         return AlreadyHandled(str(getattr(exc, "message", exc)), stream=stream)
-    if getattr(exc, "sqlstate", None) == UNKNOWN_CAPACITY_SQLSTATE:  # raised by dracap_project
-        return CapacityExceeded(str(getattr(exc, "message", exc)), stream=stream)
+    if getattr(exc, "sqlstate", None) == UNKNOWN_CAPACITY_SQLSTATE:
+        return CapacityNotPublished(str(getattr(exc, "message", exc)), stream=stream)
     if getattr(exc, "sqlstate", None) == STALE_VERSION_SQLSTATE:  # raised by dracap_append
         stale = getattr(exc, "detail", None) or stream
         return ConflictError(str(getattr(exc, "message", exc)), stream=stale)
@@ -119,6 +140,39 @@ def map_database_error(exc: BaseException, *, stream: str | None = None) -> Runt
     return PermanentError(f"database error: {type(exc).__name__}: {exc}")
 
 
-def is_retryable(exc: BaseException) -> bool:
-    """Whether ``exc`` (raw or mapped) is worth retrying unchanged."""
-    return isinstance(map_database_error(exc), RetryableError)
+#: JetStream API error codes (``err_code``) of a write that lost a race: the stream's
+#: last sequence or message id was not the one the publish expected, or a stream of
+#: that name was created by somebody else first.
+BUS_CONFLICT_CODES: Final = frozenset({10058, 10070, 10071})
+
+_BUS_RETRYABLE: Final[tuple[type[BaseException], ...]] = (
+    nats.errors.TimeoutError,  # also flush, drain and fetch timeouts
+    nats.errors.NoRespondersError,  # nobody subscribed (yet): JetStream or a service
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionDrainingError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoServersError,
+    nats.errors.StaleConnectionError,  # UnexpectedEOF too
+    nats.errors.SlowConsumerError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.ServiceUnavailableError,  # 503: JetStream not ready
+    nats.js.errors.ServerError,  # 500
+    ConnectionError,
+    OSError,
+    TimeoutError,
+)
+
+
+def map_bus_error(exc: BaseException, *, subject: str | None = None) -> RuntimeServiceError:
+    """The runtime error for a NATS / JetStream exception (by type and ``err_code``)."""
+    if isinstance(exc, RuntimeServiceError):
+        return exc
+    where = f" ({subject})" if subject else ""
+    text = f"{type(exc).__name__}: {exc}{where}"
+    if isinstance(exc, nats.js.errors.APIError) and exc.err_code in BUS_CONFLICT_CODES:
+        return ConflictError(f"bus write lost a race: {text}", stream=subject)
+    if isinstance(exc, nats.js.errors.NotFoundError):
+        return NotFound(f"not found on the bus: {text}")
+    if isinstance(exc, _BUS_RETRYABLE):
+        return RetryableError(f"transient bus failure: {text}")
+    return PermanentError(f"bus error: {text}")

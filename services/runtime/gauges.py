@@ -40,7 +40,7 @@ from prometheus_client import Gauge
 from events.catalog import CapacityReleased, CapacityReserved, Envelope, NodeFenced
 from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClusterState, DeviceKey
-from services.reservation.deriving import build_inventory
+from events.inventory import build_inventory
 from services.runtime.livestate import INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import (
     CAPACITY_ALLOCATED_RATIO,

@@ -8,7 +8,7 @@ stall everybody (invariant 11: no tenant can stall another). So a service never
 spends more than a small budget on a tenant's selector on its loop: the claims API has
 long expressions compiled here before it admits a claim, and the reservation service
 has the heavy ones evaluated here while the claim waits
-(:mod:`services.reservation.inventory`), and everybody else's claims go on.
+(:mod:`events.inventory`), and everybody else's claims go on.
 
 The pool
 --------

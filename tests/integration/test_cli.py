@@ -29,7 +29,8 @@ from events import model
 from events.subjects import BusNames
 from services import cli
 from services.claims import api as api_module
-from services.claims.command import ApiClient, ApiError, CommandError
+from services.exitcodes import CommandError, ExitCode
+from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
 from services.up import READY_LINE, Stack, load_inventory, read_inventory
@@ -133,19 +134,19 @@ async def test_exit_codes(
     stack_flags: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     code, _ = await dracap(capsys, "claim", "get", "nope", "-n", "tenant-a", *stack_flags)
-    assert code == cli.EXIT_NOT_FOUND
+    assert code == ExitCode.NOT_FOUND
     code, _ = await dracap(capsys, "claim", "delete", "nope", "-n", "tenant-a", *stack_flags)
-    assert code == cli.EXIT_NOT_FOUND
+    assert code == ExitCode.NOT_FOUND
 
     outsider = tmp_path / "outsider.yaml"  # a namespace without access to any class
     outsider.write_text(TRAIN_SMALL.replace("tenant-a", "tenant-z"))
     code, out = await dracap(capsys, "claim", "apply", "-f", str(outsider), *stack_flags)
-    assert code == cli.EXIT_REJECTED, out
+    assert code == ExitCode.REJECTED, out
 
     broken = tmp_path / "broken.yaml"
     broken.write_text("kind: ResourceClaim\nmetadata: [")
     code, _ = await dracap(capsys, "claim", "apply", "-f", str(broken), *stack_flags)
-    assert code == cli.EXIT_BAD_INPUT
+    assert code == ExitCode.BAD_INPUT
 
 
 async def test_list_and_watch(
@@ -182,7 +183,7 @@ async def test_a_claim_above_the_maximum_is_rejected_naming_field_and_rule_once(
     manifest = tmp_path / "big.yaml"
     manifest.write_text(TRAIN_SMALL.replace("train-small", "too-big").replace("10Gi", "45Gi"))
     code, _, err = await dracap_err(capsys, "claim", "apply", "-f", str(manifest), *stack_flags)
-    assert code == cli.EXIT_REJECTED, err
+    assert code == ExitCode.REJECTED, err
     assert err.count(MEMORY_FIELD) == 1 and "at most 40Gi" in err and "45Gi" in err
     get = ("claim", "get", "too-big", "-n", "tenant-a")
     code, out, _ = await dracap_err(capsys, *get, "-o", "json", *stack_flags)
@@ -218,7 +219,7 @@ async def test_a_second_delete_answers_the_phase(
     assert code == 0, out
     assert json.loads(out)["phase"] == "released"
     code, _ = await dracap(capsys, "claim", "delete", "never-was", "-n", "tenant-a", *stack_flags)
-    assert code == cli.EXIT_NOT_FOUND
+    assert code == ExitCode.NOT_FOUND
 
 
 def _shrunk_slice(pool: str, device: str, memory: str) -> bytes:
@@ -249,7 +250,7 @@ async def _slice_update_is_rejected(
             await api.admin("slices.apply", shrunk)
         devices = (await api.admin("devices.list"))["devices"]
     error = caught.value
-    assert error.code == "rejected" and error.exit_code == cli.EXIT_REJECTED
+    assert error.code == "rejected" and error.exit_code == ExitCode.REJECTED
     assert re.fullmatch(r"spec\.devices\[\d+\]\.capacity\[memory\]\.value", error.field or "")
     message = str(error)
     assert f"{share['pool']}/{share['device']} memory" in message
@@ -295,7 +296,7 @@ async def test_a_request_above_the_servers_max_payload_is_bad_input(nats_url: st
     async with ApiClient.connect(nats_url, f"t{uuid.uuid4().hex[:10]}") as api:
         with pytest.raises(CommandError) as caught:
             await api.admin("slices.apply", b"x" * (api.nc.max_payload + 1))
-    assert caught.value.exit_code == cli.EXIT_BAD_INPUT
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
     assert "max_payload" in str(caught.value)
 
 
@@ -327,7 +328,7 @@ async def test_a_missing_database_or_schema_is_one_line(
     missing = database_url_for(postgres_admin_url, f"dracap_gone_{uuid.uuid4().hex[:8]}")
     for url, says in ((missing, "does not exist"), (empty_database_url, "dracap db upgrade")):
         code, out, err = await dracap_err(capsys, "replay", "verify", "--database-url", url)
-        assert code == cli.EXIT_VIOLATION and out == ""
+        assert code == ExitCode.ERROR and out == ""
         assert err.count("\n") == 1 and err.startswith("error: PostgreSQL at ") and says in err
 
 

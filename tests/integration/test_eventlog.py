@@ -21,6 +21,7 @@ from events.fold import ClusterState, apply, fold, snapshot_decode, snapshot_enc
 from services.replay import verify as verifying
 from services.runtime.errors import (
     CapacityExceeded,
+    CapacityNotPublished,
     ConflictError,
     InvalidEvent,
     map_database_error,
@@ -131,7 +132,7 @@ class EventStoreContract:
         assert allocated == 10 * 2**30
 
     async def test_unpublished_device_is_refused(self, store: EventStore) -> None:
-        with pytest.raises(CapacityExceeded):
+        with pytest.raises(CapacityNotPublished):
             await put(store, s.reserved(device="nowhere"))
         assert await _count(store) == (0, 0)
 

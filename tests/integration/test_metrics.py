@@ -20,9 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from events.subjects import BusNames
-from services.claims.command import ApiClient, ApiError
 from services.replay.verify import summary, verify
 from services.reservation.service import FEEDS
+from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
 from services.runtime.metrics import start_metrics_server
 from services.runtime.settings import Settings

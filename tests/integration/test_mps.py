@@ -21,7 +21,11 @@ import pytest
 
 from events.quantities import Quantity
 from services.enforcement.cdi import CdiSpecs
-from services.enforcement.enforcers import EnforcementError, ShareLimit
+from services.enforcement.enforcers import (
+    PermanentEnforcementError,
+    RetryableEnforcementError,
+    ShareLimit,
+)
 from services.enforcement.mps import MpsEnforcer, MpsSettings, mib_of, parse_limit_reply
 from tests.unit.test_cdi import check_spec
 
@@ -205,17 +209,15 @@ async def test_gib_display_of_the_driver_is_accepted(world: World) -> None:
 
 
 async def test_unknown_device_is_permanent(world: World) -> None:
-    with pytest.raises(EnforcementError, match="no known GPU UUID") as caught:
+    with pytest.raises(PermanentEnforcementError, match="no known GPU UUID"):
         await world.enforcer.apply(limit(device="gpu-7"))
-    assert not caught.value.retryable
     assert world.calls() == []
 
 
 async def test_gpu_unknown_to_the_driver_is_permanent_and_cleaned_up(world: World) -> None:
     world.monkeypatch.setenv("FAKE_MPS_GPUS", UUID_1)
-    with pytest.raises(EnforcementError, match="refused") as caught:
+    with pytest.raises(PermanentEnforcementError, match="refused"):
         await world.enforcer.apply(limit())
-    assert not caught.value.retryable
     assert not world.cdi.path_of(SHARE).exists()
     assert not (world.root / SHARE).exists()  # daemon quit, dirs gone
     assert world.commands()[-1] == "quit"
@@ -223,33 +225,29 @@ async def test_gpu_unknown_to_the_driver_is_permanent_and_cleaned_up(world: Worl
 
 async def test_refused_limit_is_permanent(world: World) -> None:
     world.mode("refuse-limit")
-    with pytest.raises(EnforcementError, match="Invalid memory limit") as caught:
+    with pytest.raises(PermanentEnforcementError, match="Invalid memory limit"):
         await world.enforcer.apply(limit())
-    assert not caught.value.retryable
     assert not world.cdi.path_of(SHARE).exists()
 
 
 async def test_wrong_read_back_is_permanent(world: World) -> None:
     world.mode("wrong-readback")
-    with pytest.raises(EnforcementError, match="reads back '5120M'") as caught:
+    with pytest.raises(PermanentEnforcementError, match="reads back '5120M'"):
         await world.enforcer.apply(limit())
-    assert not caught.value.retryable
     assert not world.cdi.path_of(SHARE).exists()
 
 
 async def test_daemon_that_fails_to_start_is_retryable(world: World) -> None:
     world.mode("start-fails")
-    with pytest.raises(EnforcementError, match="already running") as caught:
+    with pytest.raises(RetryableEnforcementError, match="already running"):
         await world.enforcer.apply(limit())
-    assert caught.value.retryable
     assert not world.cdi.path_of(SHARE).exists()
 
 
 async def test_daemon_still_starting_is_retryable_then_succeeds(world: World) -> None:
     world.mode("never-ready")
-    with pytest.raises(EnforcementError, match="still starting") as caught:
+    with pytest.raises(RetryableEnforcementError, match="still starting"):
         await world.enforcer.apply(limit())
-    assert caught.value.retryable
     assert not world.cdi.path_of(SHARE).exists()
     world.kill_daemons()
     world.mode()
@@ -262,24 +260,21 @@ async def test_busy_daemon_is_retryable(world: World) -> None:
     world.enforcer.settings = MpsSettings(
         root=world.root, control_binary=str(FAKE), command_timeout_s=0.3, poll_interval_s=0.01
     )
-    with pytest.raises(EnforcementError, match="timed out") as caught:
+    with pytest.raises(RetryableEnforcementError, match="timed out"):
         await world.enforcer.apply(limit())
-    assert caught.value.retryable
 
 
 async def test_missing_control_binary_is_retryable(world: World, tmp_path: Path) -> None:
     world.enforcer.settings = MpsSettings(root=world.root, control_binary=str(tmp_path / "none"))
-    with pytest.raises(EnforcementError, match="cannot run") as caught:
+    with pytest.raises(RetryableEnforcementError, match="cannot run"):
         await world.enforcer.apply(limit())
-    assert caught.value.retryable
 
 
 async def test_changed_limit_with_clients_connected_is_permanent(world: World) -> None:
     await world.enforcer.apply(limit("10Gi"))
     world.monkeypatch.setenv("FAKE_MPS_SERVERS", "4242")
-    with pytest.raises(EnforcementError, match="already serves clients") as caught:
+    with pytest.raises(PermanentEnforcementError, match="already serves clients"):
         await world.enforcer.apply(limit("5Gi"))
-    assert not caught.value.retryable
 
 
 async def test_changed_limit_without_clients_is_set_again(world: World) -> None:
@@ -299,16 +294,14 @@ async def test_limits_that_cannot_be_expressed_are_permanent(
     world.enforcer.settings = MpsSettings(
         root=world.root, control_binary=str(FAKE), capacity=capacity
     )
-    with pytest.raises(EnforcementError, match=match) as caught:
+    with pytest.raises(PermanentEnforcementError, match=match):
         await world.enforcer.apply(limit(memory))
-    assert not caught.value.retryable
     assert world.calls() == []
 
 
 async def test_unsafe_share_id_is_refused(world: World) -> None:
-    with pytest.raises(EnforcementError, match="not a valid CDI device name") as caught:
+    with pytest.raises(PermanentEnforcementError, match="not a valid CDI device name"):
         await world.enforcer.apply(limit(share_id="../../etc"))
-    assert not caught.value.retryable
 
 
 def test_bad_gpu_uuid_is_refused_at_construction(tmp_path: Path) -> None:

@@ -41,7 +41,14 @@ from events.fold import ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent
-from services.enforcement.enforcers import NoneEnforcer
+from services.enforcement.enforcers import (
+    AppliedLimit,
+    EnforcementError,
+    NoneEnforcer,
+    PermanentEnforcementError,
+    RetryableEnforcementError,
+    ShareLimit,
+)
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
 from services.runtime.bus import connect_bus, ensure_stream
@@ -302,6 +309,37 @@ async def test_claim_becomes_ready_then_releases(pipeline: Pipeline, settings: S
     assert gpu0["capacity"]["memory"]["consumed"] == "0"
     again = await pipeline.tenant("tenant-a", "delete", {"name": "train"})
     assert again == {"ok": True, "phase": "released"}  # the wish is done: not "not found"
+    await assert_verified(settings)
+
+
+class FailingEnforcer(NoneEnforcer):
+    """Raises ``errors`` from ``apply``, one per call, then applies as NoneEnforcer does."""
+
+    def __init__(self, *errors: EnforcementError) -> None:
+        super().__init__()
+        self.errors = list(errors)
+
+    async def apply(self, limit: ShareLimit) -> AppliedLimit:
+        if self.errors:
+            raise self.errors.pop(0)
+        return await super().apply(limit)
+
+
+async def test_the_type_of_an_enforcement_error_decides_retry_or_failure(
+    pipeline: Pipeline, settings: Settings
+) -> None:
+    agent = pipeline.agents[0]
+    agent.enforcer = FailingEnforcer(RetryableEnforcementError("daemon still starting"))
+    assert (await pipeline.tenant("tenant-a", "apply", claim_manifest("again", "tenant-a")))["ok"]
+    await pipeline.until(phase_is("tenant-a", "again", "ready"))
+    (share,) = [s for s in (await pipeline.state()).shares.values() if s.claim[1] == "again"]
+    assert share.last_error is None  # retried through redelivery, never recorded
+
+    agent.enforcer = FailingEnforcer(PermanentEnforcementError("no such GPU"))
+    assert (await pipeline.tenant("tenant-a", "apply", claim_manifest("never", "tenant-a")))["ok"]
+    await pipeline.until(phase_is("tenant-a", "never", "failed"))
+    claim = (await pipeline.state()).claim("tenant-a", "never")
+    assert claim is not None and claim.reason == "no such GPU"
     await assert_verified(settings)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from events.quantities import Quantity
-from services.enforcement.enforcers import EnforcementError, ShareLimit
+from services.enforcement.enforcers import PermanentEnforcementError, ShareLimit
 from services.enforcement.proving import Flow, NetnsPair, run_load
 from services.enforcement.tc import (
     HTB_MAJOR,
@@ -70,9 +70,8 @@ async def test_unknown_device_is_permanent() -> None:
         device="other",
         consumed={"bandwidth": Quantity.parse("1M")},
     )
-    with pytest.raises(EnforcementError) as err:
+    with pytest.raises(PermanentEnforcementError) as err:
         await enforcer.apply(limit)
-    assert not err.value.retryable
     assert "d/p/other" in str(err.value)
 
 
@@ -126,9 +125,8 @@ async def test_interface_missing_in_kernel_is_permanent(netns_pair: NetnsPair) -
         device="nic",
         consumed={"bandwidth": Quantity.parse("1M")},
     )
-    with pytest.raises(EnforcementError) as err:
+    with pytest.raises(PermanentEnforcementError) as err:
         await enforcer.apply(limit)
-    assert not err.value.retryable
     assert "nosuchnic0 does not exist" in str(err.value)
     assert await enforcer.observe() == {}
 

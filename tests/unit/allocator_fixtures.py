@@ -8,8 +8,8 @@ from typing import Any
 
 from events import model
 from events.features import DEFAULT_GATES, FeatureGates
+from events.inventory import Inventory
 from services.reservation.allocating import Allocator, grants_from_claim
-from services.reservation.inventory import Inventory
 from services.reservation.outcomes import Allocated, Outcome
 
 DRIVER = "gpu.test.io"

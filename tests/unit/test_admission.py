@@ -10,6 +10,7 @@ import yaml
 
 from events import catalog as c
 from events.fold import ClusterState, fold
+from events.inventory import build_inventory
 from events.manifests import load_documents
 from events.model import DeviceClass, ResourceClaim, ResourceSlice
 from services.claims.admission import (
@@ -19,7 +20,6 @@ from services.claims.admission import (
     decide_apply,
     read_claim,
 )
-from services.reservation.deriving import build_inventory
 
 CLASS = "gpu-memory.dracap.io"
 INVENTORY = f"""

@@ -1,15 +1,94 @@
-"""The layering is a checked contract: events/ and the allocator stay pure (no I/O)."""
+"""The layering is a checked contract, not a paragraph (import-linter, ``pyproject.toml``).
+
+* ``events/`` is pure, and so are the allocator's and admission's decisions;
+* the services (claims, enforcement, replay, reservation) do not import each other:
+  what two of them share lives in ``events/`` (pure) or ``services/runtime/``;
+* ``services/runtime/`` imports no service, nor the commands that compose services;
+* ``services/`` is layered: ``cli`` > ``prove`` > ``up`` > the services > ``runtime``
+  > ``exitcodes``, and every sub-package must be declared in a layer.
+
+The tree must keep every contract, and each contract must catch the import it exists
+to forbid: the second test copies the sources, adds one such import, and expects the
+contract to break.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 from importlinter.cli import lint_imports
 
 ROOT = Path(__file__).resolve().parents[2]
+CONTRACTS = {
+    "events-pure",
+    "decisions-pure",
+    "services-independent",
+    "runtime-imports-no-service",
+    "services-layers",
+}
+LINT_ONE = """
+import sys
+from importlinter.cli import lint_imports
+sys.exit(lint_imports(config_filename="pyproject.toml", limit_to_contracts=(sys.argv[1],),
+                      no_cache=True))
+"""
 
 
 def test_import_contracts_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
     assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True) == 0
+
+
+def test_every_contract_is_declared() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    declared = {c["id"] for c in config["tool"]["importlinter"]["contracts"]}
+    assert declared == CONTRACTS
+
+
+def _lint_copy(tmp_path: Path, contract: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # the copy, not the installed tree
+    return subprocess.run(
+        [sys.executable, "-c", LINT_ONE, contract],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "contract"),
+    [
+        ("events/fold.py", "import services.runtime.errors", "events-pure"),
+        ("services/reservation/allocating.py", "import nats", "decisions-pure"),
+        ("services/claims/admission.py", "import services.reservation", "services-independent"),
+        ("services/enforcement/proving.py", "import services.claims", "services-independent"),
+        ("services/runtime/gauges.py", "import services.reservation", "runtime-imports-no-service"),
+        ("services/runtime/dbcommand.py", "import services.cli", "runtime-imports-no-service"),
+        ("services/enforcement/proving.py", "import services.up", "services-layers"),
+        ("services/exitcodes.py", "import services.runtime.errors", "services-layers"),
+        ("services/billing/__init__.py", "", "services-layers"),  # a package in no layer
+    ],
+)  # fmt: skip
+def test_a_contract_breaks_when_its_import_comes_back(
+    tmp_path: Path, module: str, line: str, contract: str
+) -> None:
+    ignore = shutil.ignore_patterns("__pycache__")
+    for package in ("events", "services"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    assert _lint_copy(tmp_path, contract).returncode == 0  # the copy is as clean as the tree
+    target = tmp_path / module
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("a", encoding="utf-8") as source:
+        source.write(f"\n{line}\n")
+    linted = _lint_copy(tmp_path, contract)
+    assert linted.returncode != 0, linted.stdout
+    assert "BROKEN" in linted.stdout

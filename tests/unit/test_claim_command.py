@@ -9,6 +9,8 @@ import pytest
 
 from services import cli
 from services.claims import command
+from services.exitcodes import CommandError, ExitCode
+from services.runtime.apiclient import ApiError
 
 CLAIM = """
 apiVersion: resource.k8s.io/v1
@@ -38,9 +40,9 @@ def test_read_claims_fills_the_namespace(tmp_path: Path) -> None:
 def test_bad_files_are_exit_2(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(text)
-    with pytest.raises(command.CommandError, match=message) as caught:
+    with pytest.raises(CommandError, match=message) as caught:
         command.read_claims(str(path), None)
-    assert caught.value.exit_code == cli.EXIT_BAD_INPUT
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
 
 
 def test_a_claim_larger_than_the_api_takes_is_exit_2_before_sending(
@@ -64,7 +66,7 @@ def test_a_claim_larger_than_the_api_takes_is_exit_2_before_sending(
     )
     assert big.stat().st_size > 5_000_000
     argv = ["claim", "apply", "-f", str(big), "--nats", "nats://127.0.0.1:1"]
-    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert cli.main(argv) == ExitCode.BAD_INPUT
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "default/c1" in err and "at most 262144 bytes (256 KiB" in err
@@ -72,7 +74,7 @@ def test_a_claim_larger_than_the_api_takes_is_exit_2_before_sending(
 
 def test_missing_file_is_exit_2(tmp_path: Path) -> None:
     assert cli.main(["claim", "apply", "-f", str(tmp_path / "none.yaml"),
-                     "--nats", "nats://127.0.0.1:1"]) == cli.EXIT_BAD_INPUT  # fmt: skip
+                     "--nats", "nats://127.0.0.1:1"]) == ExitCode.BAD_INPUT  # fmt: skip
 
 
 def test_no_server_is_exit_1(tmp_path: Path) -> None:
@@ -82,7 +84,7 @@ def test_no_server_is_exit_1(tmp_path: Path) -> None:
 
 def test_api_errors_map_to_exit_codes() -> None:
     for code, exit_code in (("invalid", 2), ("not_found", 3), ("rejected", 4), ("odd", 1)):
-        assert command.ApiError({"code": code, "message": "m"}).exit_code == exit_code
+        assert ApiError({"code": code, "message": "m"}).exit_code == exit_code
 
 
 def test_claim_table_has_one_row_per_share() -> None:

@@ -36,9 +36,9 @@ from services.enforcement.discovery import (
     ConfigError,
     DiscoveredDevice,
     GpuConfig,
-    Inventory,
     InventoryError,
     NetworkConfig,
+    ScanResult,
     check_config,
     discover,
     discover_gpus,
@@ -511,12 +511,12 @@ def test_disappeared_device_is_republished_without_it_and_empty_pool_withdrawn(
     assert not publisher.update(discover(cfg, sysfs_root=sysfs, nvml=no_nvml)).changed
 
 
-def devices_of(driver: str, count: int) -> Inventory:
+def devices_of(driver: str, count: int) -> ScanResult:
     found = [
         DiscoveredDevice(driver=driver, name=f"dev-{i:03d}", capacity={"lanes": Q("4")})
         for i in range(count)
     ]
-    return Inventory(devices={driver: found})
+    return ScanResult(devices={driver: found})
 
 
 def test_big_pools_are_cut_into_slices_of_128_and_shrink_cleanly() -> None:

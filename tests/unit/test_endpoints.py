@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from services import cli
+from services.exitcodes import ExitCode
 from services.runtime import endpoints
 from services.runtime.endpoints import (
     ConnectionFileError,
@@ -95,7 +96,7 @@ def test_every_command_reads_the_connection_file_of_data_dir(
 ) -> None:
     # connection.json names servers that do not answer: each command must try exactly those
     _save(tmp_path, {**SAVED, "database_url": DEAD_PG, "nats_url": DEAD_NATS})
-    assert cli.main([*argv, "--data-dir", str(tmp_path)]) == cli.EXIT_VIOLATION
+    assert cli.main([*argv, "--data-dir", str(tmp_path)]) == ExitCode.ERROR
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
     assert "127.0.0.1:1" in err and "Traceback" not in err
@@ -105,7 +106,7 @@ def test_every_command_reads_the_connection_file_of_data_dir(
 def test_no_server_anywhere_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
-    assert cli.main([*argv, "--data-dir", str(tmp_path)]) == cli.EXIT_VIOLATION
+    assert cli.main([*argv, "--data-dir", str(tmp_path)]) == ExitCode.ERROR
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no " in err and "URL" in err
 
@@ -114,7 +115,7 @@ def test_an_unreadable_connection_file_is_bad_input(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _save(tmp_path, "{not json")
-    assert cli.main(["replay", "verify", "--data-dir", str(tmp_path)]) == cli.EXIT_BAD_INPUT
+    assert cli.main(["replay", "verify", "--data-dir", str(tmp_path)]) == ExitCode.BAD_INPUT
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "connection.json" in err
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 
 import pytest
@@ -18,6 +19,7 @@ from events.fold import (
     snapshot_decode,
     snapshot_encode,
     state_digest,
+    step_of,
     to_builtins,
 )
 from events.model import (
@@ -614,3 +616,13 @@ def test_dead_letters_are_counted() -> None:
         consumer="reservation", event_id="e-1", position=3, deliveries=5, reason="boom"
     )
     assert Log(event, event).state.dead_letters == 2
+
+
+# --- dispatch ---------------------------------------------------------------------------
+
+
+def test_every_event_class_has_one_step_of_the_same_signature() -> None:
+    for cls in c.EVENT_TYPES.values():
+        step = step_of(cls)
+        assert step.__name__ != "<lambda>", cls  # the step itself, no adapter
+        assert list(inspect.signature(step).parameters) == ["state", "ev", "position"], cls

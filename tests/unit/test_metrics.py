@@ -1,4 +1,4 @@
-"""Every metric of the services sketch is served; the capacity gauges follow the state."""
+"""Every metric of docs/operations.md is served; the capacity gauges follow the state."""
 
 from __future__ import annotations
 

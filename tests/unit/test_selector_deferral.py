@@ -10,8 +10,8 @@ and without a budget (``dracap allocate``) so is everything.
 from __future__ import annotations
 
 from events.errors import SelectorDeadlineExceeded
+from events.inventory import Inventory
 from services.reservation.allocating import Allocator
-from services.reservation.inventory import Inventory
 from services.reservation.outcomes import Deferred, Invalid
 from tests.unit.allocator_fixtures import (
     DRIVER,

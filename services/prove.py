@@ -22,9 +22,15 @@ a temporary directory, deleted afterwards). The database is migrated to head fir
 running on those servers (``dracap up``), found as every command finds them
 (:mod:`services.runtime.endpoints`, ``<data-dir>/connection.json`` included).
 
-Exit codes: 0 — every share within 3 % of its rate over the window, no share pushed
-below its rate by a neighbour and the capacity given back; 1 — a goal missed or the
-control plane failed; 2 — bad input or no CAP_NET_ADMIN.
+It sits beside ``services/up.py``, above the services: :func:`control_plane` composes
+the in-process stack with a node agent, which no service package may do (the
+import-linter layers in ``pyproject.toml``); :mod:`services.enforcement.proving` only
+uses what it is handed.
+
+Exit codes (:mod:`services.exitcodes`): 0 — every share within 3 % of its rate over the
+window, no share pushed below its rate by a neighbour and the capacity given back;
+5 — one of those goals missed (the limits do not hold as reported); 1 — the run
+failed (a server, the control plane or the lab); 2 — bad input or no CAP_NET_ADMIN.
 """
 
 from __future__ import annotations
@@ -32,27 +38,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import shutil
 import sys
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
 from events.errors import QuantityError
 from events.quantities import Quantity
 from events.subjects import BusNames, SubjectError
-from services.claims.command import CommandError
-from services.enforcement.proving import ProofReport, have_net_admin, prove_bandwidth
+from services.enforcement.proving import (
+    NODE,
+    ProofReport,
+    have_net_admin,
+    prove_bandwidth,
+)
+from services.enforcement.tc import TcEnforcer
+from services.exitcodes import ExitCode
+from services.runtime.apiclient import ApiClient
 from services.runtime.embedded import EmbeddedError, embedded_servers
 from services.runtime.endpoints import DEFAULT_DATA_DIR, redact, resolve_endpoints
 from services.runtime.settings import Settings, SettingsError, load_settings
 
-EXIT_OK = 0
-EXIT_MISSED = 1
-EXIT_BAD_INPUT = 2
 ACCURACY_GOAL = 0.03
 
 
@@ -146,6 +157,63 @@ async def servers(args: argparse.Namespace) -> AsyncIterator[tuple[Settings, str
             shutil.rmtree(data_dir, ignore_errors=True)
 
 
+IN_PROCESS: Final = "in-process stack (relay, live state, claims API, reservation worker)"
+ATTACHED: Final = "attached to the running services"
+
+
+@contextlib.asynccontextmanager
+async def control_plane(
+    settings: Settings,
+    names: BusNames,
+    enforcer: TcEnforcer,
+    *,
+    start_services: bool = True,
+    workers: int = 1,
+) -> AsyncIterator[ApiClient]:
+    """The real services, with one node agent for :data:`NODE` driving ``enforcer``.
+
+    ``start_services``: relay, live state, claims/admin API and reservation workers run
+    in-process (:class:`services.up.Stack`, no agents of its own); else they are already
+    running somewhere on these servers (``dracap up``) and only the agent runs here.
+    Yields a client of the claims and admin APIs.
+    """
+    from services.enforcement.agent import Agent
+    from services.runtime.bus import connect_bus, ensure_stream
+    from services.runtime.eventstore import EventStore
+    from services.up import Stack
+
+    if start_services:
+        async with Stack.running(settings, names, nodes=(), workers=workers) as stack:
+            agent = Agent(stack.store, stack.js, names, node=NODE, enforcer=enforcer)
+            stack.spawn(f"agent-{NODE}", functools.partial(agent.run, stack.stop))
+            async with ApiClient.connect(settings.nats_url, names.prefix) as api:
+                yield api
+        return
+    store = await EventStore.open(settings)
+    try:
+        nc, js = await connect_bus(settings.nats_url, name=f"dracap-prove-{NODE}")
+        try:
+            await ensure_stream(js, names)
+            stop = asyncio.Event()
+            agent = Agent(store, js, names, node=NODE, enforcer=enforcer)
+            task = asyncio.create_task(agent.run(stop), name=f"agent-{NODE}")
+            try:
+                async with ApiClient.connect(settings.nats_url, names.prefix) as api:
+                    yield api
+            finally:
+                stop.set()
+                try:
+                    await asyncio.wait_for(task, 10)
+                except TimeoutError:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        finally:
+            await nc.drain()
+    finally:
+        await store.close()
+
+
 async def _prove(args: argparse.Namespace, rates: list[Quantity]) -> ProofReport:
     from services.runtime import migrating
 
@@ -155,9 +223,10 @@ async def _prove(args: argparse.Namespace, rates: list[Quantity]) -> ProofReport
             await migrating.upgrade_async(settings)
         return await prove_bandwidth(
             rates,
-            settings=settings,
-            names=names,
-            start_services=not args.attach,
+            control_plane=functools.partial(
+                control_plane, settings, names, start_services=not args.attach
+            ),
+            services=ATTACHED if args.attach else IN_PROCESS,
             where=where,
             duration=args.duration,
             aggressor=not args.no_neighbour,
@@ -170,28 +239,27 @@ def run(args: argparse.Namespace) -> int:
         rates = [Quantity.parse(r.strip()) for r in args.rates.split(",") if r.strip()]
     except QuantityError as exc:
         print(f"error: --rates: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     if not rates or any(r.sign() <= 0 for r in rates) or args.duration < 2:
         print("error: need positive --rates and --duration >= 2", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     why = have_net_admin()
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     try:
         BusNames(prefix=args.prefix)
     except SubjectError as exc:
         print(f"error: --prefix: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     try:
         report = asyncio.run(_prove(args, rates))
-    except (CommandError, SettingsError) as exc:
-        code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
+    except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return int(code)
+        return ExitCode.BAD_INPUT
     except (EmbeddedError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_MISSED
+        return ExitCode.ERROR
     if args.output == "json":
         print(msgspec.json.format(msgspec.json.encode(report).decode(), indent=2))
     else:
@@ -199,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     ok = report.capacity_returned and all(
         abs(s.accuracy) <= ACCURACY_GOAL and not s.pushed_below for s in report.shares
     )
-    return EXIT_OK if ok else EXIT_MISSED
+    return ExitCode.OK if ok else ExitCode.INVARIANT_VIOLATED
 
 
 def register(sub: Any) -> None:

@@ -1,4 +1,10 @@
-"""The allocator's read-only view of the inventory: pools, devices, node visibility.
+"""The published devices, indexed: pools, devices, node visibility, selector results.
+
+Admission (the largest amount a class's devices grant), the capacity gauges (the
+devices a class selects) and the allocator (everything else) all need the same view
+of the DeviceClasses and ResourceSlices the log holds, with the same CEL semantics. It
+is pure, so it lives with the contract; :func:`build_inventory` derives it from the
+fold's :class:`~events.fold.ClusterState`.
 
 Built once from DeviceClasses and ResourceSlices and then shared by every decision,
 so nothing here is recomputed per claim:
@@ -22,6 +28,10 @@ so nothing here is recomputed per claim:
   :meth:`Inventory.filter` raises :class:`SelectorsPending` and lists what is missing
   in :attr:`Inventory.wanted`. Without a budget (``dracap allocate``, admission) every
   selector is evaluated here.
+* A ``RequestPolicyChanged`` event changes a capacity's request policy in the fold
+  without a new slice, so :func:`build_inventory` hands the slices over with every
+  device's *current* policies (:func:`current_slices`); otherwise the allocator would
+  round amounts under a policy the fold no longer accepts.
 """
 
 from __future__ import annotations
@@ -29,13 +39,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import semver
 
-from events.errors import SelectorCostExceeded, SelectorError
+from events.errors import EventsError, SelectorCostExceeded, SelectorError
 from events.features import DEFAULT_GATES, FeatureGates
+from events.fold import ClusterState, DeviceKey
 from events.model import (
     CapacityRequestPolicy,
     Device,
+    DeviceCapacity,
     DeviceClass,
     NodeSelector,
     NodeSelectorRequirement,
@@ -52,11 +65,22 @@ from events.selectors import (
     is_compiled,
 )
 
-DeviceKey = tuple[str, str, str]  # (driver, pool, device)
+__all__ = [
+    "CapacityInfo",
+    "DeviceEntry",
+    "Inventory",
+    "Pool",
+    "SelectorResult",
+    "SelectorsPending",
+    "build_inventory",
+    "current_slices",
+    "node_selector_matches",
+]
+
 SelectorResult = bool | SelectorError
 
 
-class SelectorsPending(Exception):  # noqa: N818 (a state, not a failure)
+class SelectorsPending(EventsError):  # noqa: N818 (a state, not a failure)
     """A heavy selector's results are not in yet (see the module docstring)."""
 
     def __init__(self, expression: str) -> None:
@@ -430,3 +454,43 @@ class Inventory:
             wanted.difference_update(results)
             if not wanted:
                 del self.wanted[expression]
+
+
+# --- from the fold ---------------------------------------------------------------------
+
+
+def _current_device(state: ClusterState, driver: str, pool: str, device: Device) -> Device:
+    dev = state.devices.get((driver, pool, device.name))
+    if dev is None or not device.capacity:
+        return device
+    capacity: dict[str, DeviceCapacity] = {}
+    changed = False
+    for name, cap in device.capacity.items():
+        policy = dev.policies.get(name, cap.request_policy)
+        if name in dev.capacity_policy_versions and policy != cap.request_policy:
+            cap = msgspec.structs.replace(cap, request_policy=policy)
+            changed = True
+        capacity[name] = cap
+    return msgspec.structs.replace(device, capacity=capacity) if changed else device
+
+
+def current_slices(state: ClusterState) -> list[ResourceSlice]:
+    """The published slices, each device carrying the request policies in force now."""
+    out: list[ResourceSlice] = []
+    for rslice in state.slices.values():
+        spec = rslice.spec
+        devices = spec.devices or []
+        current = [_current_device(state, spec.driver, spec.pool.name, d) for d in devices]
+        if any(a is not b for a, b in zip(current, devices, strict=True)):
+            spec = msgspec.structs.replace(spec, devices=current)
+            rslice = msgspec.structs.replace(rslice, spec=spec)
+        out.append(rslice)
+    return out
+
+
+def build_inventory(
+    state: ClusterState, gates: FeatureGates = DEFAULT_GATES, *, inline_budget: int | None = None
+) -> Inventory:
+    """The allocator's inventory for the classes and slices of ``state``."""
+    classes = [c.device_class for c in state.classes.values()]
+    return Inventory(classes, current_slices(state), gates=gates, inline_budget=inline_budget)

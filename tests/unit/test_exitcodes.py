@@ -1,0 +1,66 @@
+"""One table of exit codes: each code one meaning, used by every command, documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from services import cli
+from services.exitcodes import ExitCode
+from services.replay import command as replay_command
+from services.replay.verify import Report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_table() -> None:
+    assert {code.name: code.value for code in ExitCode} == {
+        "OK": 0,
+        "ERROR": 1,
+        "BAD_INPUT": 2,
+        "NOT_FOUND": 3,
+        "REJECTED": 4,
+        "INVARIANT_VIOLATED": 5,
+    }
+
+
+def test_no_other_module_defines_exit_codes() -> None:
+    defining = re.compile(r"^\s*_?EXIT_[A-Z_]+\s*(:[^=]*)?=\s*\d", re.MULTILINE)
+    found = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "services").rglob("*.py")
+        if defining.search(path.read_text(encoding="utf-8"))
+    ]
+    assert found == []
+
+
+def test_the_readme_documents_every_code() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for code in ExitCode:
+        assert re.search(rf"^\| {code.value} \| `{code.name}` \|", readme, re.MULTILINE), code
+
+
+@pytest.mark.parametrize(("ok", "expected"), [(True, 0), (False, 5)])
+def test_a_violation_is_not_an_internal_error(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    ok: bool,
+    expected: int,
+) -> None:
+    async def verify(*_: object, **__: object) -> Report:
+        return Report() if ok else Report(violation="capacity", violation_position=7)
+
+    monkeypatch.setattr(replay_command, "verify", verify)
+    argv = ["replay", "verify", "--database-url", "postgresql://nobody@127.0.0.1:1/none"]
+    assert cli.main(argv) == expected
+    assert ("OK" if ok else "FAILED") in capsys.readouterr().out
+
+
+def test_a_database_that_does_not_answer_is_an_error_not_a_violation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["replay", "verify", "--database-url", "postgresql://nobody@127.0.0.1:1/none"]
+    assert cli.main(argv) == ExitCode.ERROR
+    assert capsys.readouterr().err.startswith("error: PostgreSQL at ")
