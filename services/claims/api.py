@@ -17,12 +17,12 @@ Every reply is JSON (:mod:`services.claims.views`): ``{"ok": true, ...}`` or
 
 Writes
 ------
-Every write is decided on the live state right after ``catch_up_seen()`` (every commit
+Every write is decided on the live state right after ``live.fresh(SEEN)`` (every commit
 this process has appended or been notified of is folded — read-your-writes — without
 a read when the tailed state is already there) and appended with
 the claim stream's expected version (:meth:`LiveState.stream_version`), so two
 concurrent requests about one claim cannot both win: the loser gets ``ConflictError``,
-catches up and decides again (it then sees the winner's claim). What is recorded:
+asks for ``fresh(HEAD)`` and decides again (it then sees the winner's claim). What is recorded:
 
 * ``apply``: :func:`services.claims.admission.decide_apply` — ``ClaimSubmitted`` plus
   ``ClaimAdmitted`` or ``ClaimRejected``, or nothing (undecodable input, wrong
@@ -117,7 +117,7 @@ from services.reservation.deriving import build_inventory
 from services.runtime.committing import GroupCommitter
 from services.runtime.errors import CapacityExceeded, ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata
-from services.runtime.livestate import LiveState
+from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, REJECTIONS
 from services.runtime.selectorpool import SelectorPool
 
@@ -339,11 +339,9 @@ class ClaimsApi:
         await self._committer.append(stream, version, events)
 
     async def _fresh(self, attempt: int) -> None:
-        """Catch up before a decision: what is known first, the whole log after a conflict."""
-        if attempt:
-            await self.live.catch_up()  # the winner may be another process, not yet announced
-        else:
-            await self.live.catch_up_seen()
+        """Before a decision: what is known first, the whole log after a conflict."""
+        # after a conflict the winner may be another process, not announced yet
+        await self.live.fresh(HEAD if attempt else SEEN)
 
     # -- tenant operations --------------------------------------------------------------
 
@@ -371,7 +369,7 @@ class ClaimsApi:
             if decision.refusal is not None:
                 return _refusal_reply(decision.refusal)
             assert decision.name is not None
-            await self.live.catch_up_seen()
+            await self.live.fresh(SEEN)
             claim = self.live.state.claim(namespace, decision.name)
             assert claim is not None
             return ok_reply(claim=claim_view(self.live.state, claim))
@@ -428,7 +426,7 @@ class ClaimsApi:
     async def get(self, namespace: str, data: bytes) -> bytes:
         """``claims.get``: the view of one claim."""
         request: _NameRequest = _decode(data, _NameRequest)
-        await self.live.catch_up_seen()
+        await self.live.fresh(SEEN)
         claim = self.live.state.claim(namespace, request.name)
         if claim is None:
             return _not_found(namespace, request.name)
@@ -436,7 +434,7 @@ class ClaimsApi:
 
     async def list_claims(self, namespace: str, data: bytes) -> bytes:
         """``claims.list``: every claim of the namespace that is not gone."""
-        await self.live.catch_up_seen()
+        await self.live.fresh(SEEN)
         state = self.live.state
         views = [
             claim_view(state, claim)
@@ -508,7 +506,7 @@ class ClaimsApi:
     async def apply_classes(self, data: bytes) -> bytes:
         """``deviceclasses.apply``: record DeviceClasses that differ from the log's."""
         classes: list[DeviceClass] = self._manifests(data, "deviceclasses.apply", DeviceClass)
-        await self.live.catch_up_seen()
+        await self.live.fresh(SEEN)
         latest = {c.metadata.name: c for c in classes}
         state = self.live.state
         changed = [
@@ -533,7 +531,7 @@ class ClaimsApi:
         refuses the append because a reservation committed in between.
         """
         slices: list[ResourceSlice] = self._manifests(data, "slices.apply", ResourceSlice)
-        await self.live.catch_up_seen()
+        await self.live.fresh(SEEN)
         latest = {s.metadata.name: s for s in slices}
         state = self.live.state
         changed = [s for name, s in latest.items() if state.slices.get(name) != s]
@@ -548,7 +546,7 @@ class ClaimsApi:
                 ]
             )
         except CapacityExceeded:
-            await self.live.catch_up()
+            await self.live.fresh(HEAD)
             return _refusal_reply(below_allocated(self.live.state, changed) or _LEDGER_REFUSED)
         return ok_reply(
             applied=[s.metadata.name for s in changed],
@@ -566,7 +564,7 @@ class ClaimsApi:
                     f"classes[{i}]", f"must be '*' or a DeviceClass name ({name!r})"
                 )
         classes = sorted(set(request.classes))
-        await self.live.catch_up_seen()
+        await self.live.fresh(SEEN)
         current = self.live.state.namespaces.get(request.namespace)
         if current is None or (current.classes, current.admin_access) != (
             classes,
@@ -582,7 +580,7 @@ class ClaimsApi:
 
     async def list_devices(self, data: bytes) -> bytes:
         """``devices.list``: every device with its capacity, shares and tenants."""
-        await self.live.catch_up_seen()
+        await self.live.fresh(SEEN)
         return ok_reply(devices=device_views(self.live.state))
 
     # -- watch publishing ---------------------------------------------------------------

@@ -99,7 +99,7 @@ from services.enforcement.scanning import InventoryScanner
 from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
-from services.runtime.livestate import LiveState
+from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, ENFORCEMENT_LATENCY
 
 __all__ = ["Agent", "consumer_name"]
@@ -179,7 +179,7 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Scan, reconcile, then consume this node's events until ``stop`` is set."""
-        await self.live.catch_up()
+        await self.live.fresh(HEAD)
         if self.scanner is not None:
             await self.scanner.scan_once()
         await self.reconcile()
@@ -198,7 +198,7 @@ class Agent:
 
     async def reconcile(self) -> EnforcementReconciled | None:
         """Make the node's limits match the log (see the module docstring)."""
-        await self.live.catch_up()
+        await self.live.fresh(HEAD)
         events: list[Event] = []
         checkpoint = self.checkpoint
         if checkpoint is not None and checkpoint.warning is not None:
@@ -328,14 +328,10 @@ class Agent:
         if not mine:
             return Handled()
         # Folded up to these messages and every commit this process made or heard of
-        # (its own last append included; a tailed view usually is there already) —
-        # without a listener, whatever is committed. Anything newer it misses makes
-        # the append's expected versions clash.
-        seen = self.store.committed_head()
-        if seen is None:
-            await self.live.catch_up(ctx.connection)
-        else:
-            await self.live.catch_up_to(max(seen, *(env.position for env in mine)))
+        # (its own last append included; a tailed view usually is there already).
+        # Anything newer it misses makes the append's expected versions clash.
+        positions = [env.position for env in mine]
+        await self.live.fresh(SEEN, *positions, connection=ctx.connection)
         out = _Events()
         version = await self.live.stream_version(node_stream(self.node))
         counted: list[Callable[[], None]] = []

@@ -43,8 +43,9 @@ Kubernetes ``AllocationResult`` carries none, as upstream.
 
 Concurrency: planning rounds are serialised across all workers (in this process or
 others) by an advisory lock (:data:`PLANNER_LOCK`, the consumer's ``lock_key``) taken
-before the worker catches up and released after its append committed, so a worker
-plans on a state that includes the previous round's commit — several workers give
+before the worker asks for a fresh state (``LiveState.fresh`` at the lock's head) and
+released after its append committed, so a worker plans on a state that includes the
+previous round's commit — several workers give
 availability, not parallel planning (a round plans *every* pending claim; two rounds
 at once would only collide). If anything else (a release, the tenant's delete)
 appended to one of the streams since the live state read them, the store raises
@@ -100,7 +101,7 @@ from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.errors import ConflictError, RuntimeServiceError
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
-from services.runtime.livestate import INVENTORY_EVENTS, LiveState
+from services.runtime.livestate import HEAD, INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import CLAIMS, SCHEDULING_LATENCY, SELECTOR_JOBS
 from services.runtime.selectorpool import SelectorPool
 
@@ -380,11 +381,9 @@ class ReservationService:
         # The consumer holds PLANNER_LOCK while this runs and until its append has
         # committed: one planner at a time, in any process (a round plans every
         # pending claim, so two at once would only fight over the same devices and
-        # claims). Catching up under the lock sees every earlier planner's commit.
-        if ctx.locked_head is not None:
-            await self.live.catch_up_to(ctx.locked_head)
-        else:
-            await self.live.catch_up(ctx.connection)
+        # claims). A state fresh as of the lock sees every earlier planner's commit.
+        at_least = HEAD if ctx.locked_head is None else ctx.locked_head
+        await self.live.fresh(at_least, connection=ctx.connection)
         plan = await self.plan(cause)
         self._evaluate_wanted()
         batches = plan.batches
@@ -480,7 +479,7 @@ class ReservationService:
         async with self.store.pool.acquire() as connection:
             head = await connection.fetchval("SELECT dracap_lock($1)", PLANNER_LOCK)
             try:
-                await self.live.catch_up_to(head)
+                await self.live.fresh(head, connection=connection)
                 plan = await self.plan(self._deferred_cause)
                 self._evaluate_wanted()
                 if plan.batches:
@@ -523,7 +522,7 @@ class ReservationService:
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set."""
         started = time.perf_counter()
-        await self.live.catch_up()
+        await self.live.fresh(HEAD)
         log.info("reservation worker %d ready in %.3fs", self.worker, time.perf_counter() - started)
         try:
             await asyncio.gather(*(c.run(stop) for c in self.consumers()), self._replanner(stop))
