@@ -74,6 +74,7 @@ class Log:
     def __init__(self, *events: c.Event) -> None:
         self.envelopes: list[c.Envelope] = []
         self._versions: collections.Counter[str] = collections.Counter()
+        self._share_ids = share_ids("held-")  # shares reserved by reserve(), held-1, …
         self.add(*events)
 
     def add(self, *events: c.Event) -> list[c.Envelope]:
@@ -112,17 +113,19 @@ class Log:
         for rc in claims:
             self.extend(admitted(rc))
         state = self.state()
-        allocator = allocator_of(state, prefix="held-")
-        decided = decide_round(state, allocator, backlog_of(state), share_ids("held-id-"))
+        allocator = allocator_of(state, new_share_id=self._share_ids)
+        decided = decide_round(state, allocator, backlog_of(state), self._share_ids)
         return self.extend(e for _, events, _ in decided.by_stream() for e in events)
 
 
 def allocator_of(
-    state: ClusterState, inline_budget: int | None = None, prefix: str = "share-"
+    state: ClusterState,
+    inline_budget: int | None = None,
+    new_share_id: Callable[[], str] | None = None,
 ) -> Allocator:
     """The reservation service's allocator for ``state``: its inventory and live grants."""
     inv = build_inventory(state, inline_budget=inline_budget)
-    alloc = Allocator(inv, new_share_id=share_ids(prefix))
+    alloc = Allocator(inv, new_share_id=new_share_id or share_ids())
     alloc.add_grants(grant for _, grant in live_grants(state))
     return alloc
 
