@@ -44,14 +44,14 @@ Concurrency: planning rounds are serialised across all workers (in this process 
 others) by an advisory lock (:data:`PLANNER_LOCK`, the consumer's ``lock_key``) taken
 before the worker asks for a fresh state (``LiveState.fresh`` at the lock's head) and
 released after its append committed, so a worker plans on a state that includes the
-previous round's commit — several workers give
-availability, not parallel planning (a round plans *every* pending claim; two rounds
-at once would only collide). If anything else (a release, the tenant's delete)
-appended to one of the streams since the live state read them, the store raises
-``ConflictError``: nothing is written and the consumer handles the messages again
-(alone, then by redelivery with back-off), each time on a fresh view. The database
-ledger's ``CHECK (allocated <= total)`` and the exclusive-hold key are the last
-line: even a wrong plan can never oversubscribe a device.
+previous round's commit — several workers give availability, not parallel planning
+(a round plans *every* pending claim; two rounds at once would only collide). If
+anything else (a release, the tenant's delete) appended to one of the streams since
+the live state read them, the store raises ``ConflictError``: nothing is written and
+the consumer handles the messages again (alone, then by redelivery with back-off),
+each time on a fresh view. The database ledger's ``CHECK (allocated <= total)`` and
+the exclusive-hold key are the last line: even a wrong plan can never oversubscribe
+a device.
 
 Allocator state is kept incrementally: a listener on the live state adds a grant for
 every ``CapacityReserved`` and removes it when the share is released (release or

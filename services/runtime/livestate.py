@@ -246,16 +246,15 @@ class LiveState:
         """Whether a read is needed (HEAD), and the position to reach."""
         read, position = False, 0
         for mark in marks:
-            if mark is HEAD:
+            if mark is Mark.HEAD:
                 read = True
-            elif mark is SEEN:
+            elif mark is Mark.SEEN:
                 seen = self.store.committed_head()
                 if seen is None:
                     read = True  # not listening: nothing is known, so read what is there
                 else:
                     position = max(position, seen)
             else:
-                assert isinstance(mark, int)
                 position = max(position, mark)
         return read, position
 
