@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchmarks import pipeline
 from events.subjects import BusNames
-from services.claims.command import ApiClient
+from services.runtime.apiclient import ApiClient
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.settings import Settings
 

@@ -55,8 +55,8 @@ import asyncpg
 import nats.js.errors
 
 from events.subjects import BusNames
-from services.claims.command import ApiClient
 from services.runtime import migrating
+from services.runtime.apiclient import ApiClient
 from services.runtime.bus import connect_bus
 from services.runtime.embedded import embedded_servers
 from services.runtime.gctuning import tune_for_long_lived_state

@@ -303,13 +303,13 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     from services.enforcement.enforcers import NoneEnforcer
     from services.reservation.service import ReservationService
     from services.runtime.gauges import CapacityGauges, initialise_series
-    from services.runtime.livestate import LiveState
+    from services.runtime.livestate import HEAD, LiveState
     from services.runtime.relaying import Relay
 
     store, js, names, stop = stack.store, stack.js, stack.names, stack.stop
     stack.spawn("relay", functools.partial(Relay(store, js, names).run, stop))
     live = LiveState(store)
-    await live.catch_up()
+    await live.fresh(HEAD)
     stack.gauges = CapacityGauges(live)
     stack.gauges.start()
     stack.spawn("livestate", functools.partial(live.run, stop))

@@ -17,12 +17,15 @@ Every reply is JSON (:mod:`services.claims.views`): ``{"ok": true, ...}`` or
 
 Writes
 ------
-Every write is decided on the live state right after ``catch_up_seen()`` (every commit
-this process has appended or been notified of is folded — read-your-writes — without
-a read when the tailed state is already there) and appended with
-the claim stream's expected version (:meth:`LiveState.stream_version`), so two
-concurrent requests about one claim cannot both win: the loser gets ``ConflictError``,
-catches up and decides again (it then sees the winner's claim). What is recorded:
+Every write is a pure decision (:func:`services.claims.admission.decide_apply`, the
+others in :mod:`services.claims.adminwrites`) on the live state, asked for with
+``live.fresh(SEEN)`` (every commit this process has appended or been notified of is
+folded — read-your-writes — without a read when the tailed state is already there).
+Tenant writes are appended with the claim stream's expected version
+(:meth:`LiveState.stream_version`), so two concurrent requests about one claim cannot
+both win: the loser gets ``ConflictError``, asks for ``fresh(HEAD)`` (the winner may be
+another process, not announced yet) and decides again (it then sees the winner's
+claim). What is recorded:
 
 * ``apply``: :func:`services.claims.admission.decide_apply` — ``ClaimSubmitted`` plus
   ``ClaimAdmitted`` or ``ClaimRejected``, or nothing (undecodable input, wrong
@@ -39,6 +42,8 @@ catches up and decides again (it then sees the winner's claim). What is recorded
   the device (naming device, capacity, the total asked and the amount allocated):
   decided on the live state, and the same answer when the capacity ledger's CHECK
   refuses the append because a reservation won the race.
+
+:mod:`services.claims.adminwrites` holds the rules of delete and the admin writes.
 
 Requests are served concurrently (a task per request, at most ``concurrency`` at a
 time); decisions serialise only on the live state's lock, and the tenant writes of
@@ -76,8 +81,6 @@ from nats.micro.service import Service
 from events.catalog import (
     CapacityReleased,
     ClaimSubmitted,
-    ClaimWithdrawn,
-    DeviceClassApplied,
     Envelope,
     Event,
     LimitApplied,
@@ -86,25 +89,29 @@ from events.catalog import (
     NamespaceAccessSet,
     NodeFenced,
     NodeLeaseExpired,
-    ReleaseRequested,
-    ResourceSlicePublished,
     ShareConfirmed,
     ShareMarkedUnknown,
     claim_stream,
-    class_stream,
-    namespace_stream,
-    slice_stream,
+    stream_of,
 )
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import ClaimKey, ClaimState, ClusterState
+from events.fold import ClaimKey, ClusterState
 from events.inventory import build_inventory
 from events.manifests import load_documents
 from events.model import DeviceClass, Manifest, ResourceSlice
-from events.quantities import Quantity
 from events.selectors import INLINE_COMPILE_CHARS, is_checked, record_verdict
 from events.subjects import BusNames
 from events.validation import DNS_LABEL_RULE, DNS_SUBDOMAIN_RULE, is_dns_label, is_dns_subdomain
+from services.claims.adminwrites import (
+    AdminWrite,
+    access_classes,
+    decide_access,
+    decide_classes,
+    decide_delete,
+    decide_slices,
+    ledger_refusal,
+)
 from services.claims.admission import (
     MAX_MANIFEST_BYTES,
     DeviceLimits,
@@ -117,7 +124,7 @@ from services.claims.views import claim_view, device_views, error_reply, ok_repl
 from services.runtime.committing import GroupCommitter
 from services.runtime.errors import CapacityExceeded, ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata
-from services.runtime.livestate import LiveState
+from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, REJECTIONS
 from services.runtime.selectorpool import SelectorPool
 
@@ -130,8 +137,6 @@ TENANT_OPS: Final = ("apply", "get", "list", "delete", "watch")
 CHECKS_PER_NAMESPACE: Final = 4
 ADMIN_OPS: Final = ("deviceclasses.apply", "slices.apply", "namespaces.access", "devices.list")
 _HIDDEN_FROM_LIST: Final = frozenset({"withdrawn", "released"})
-#: A delete of a claim in these phases has nothing left to do: it answers the phase.
-_DELETED_PHASES: Final = frozenset({"releasing", "withdrawn", "released"})
 _NODE_WIDE: Final = (NodeLeaseExpired, NodeFenced)  # a tuple: no union object per call
 _SHARE_EVENTS: Final = (
     LimitApplied,
@@ -339,11 +344,9 @@ class ClaimsApi:
         await self._committer.append(stream, version, events)
 
     async def _fresh(self, attempt: int) -> None:
-        """Catch up before a decision: what is known first, the whole log after a conflict."""
-        if attempt:
-            await self.live.catch_up()  # the winner may be another process, not yet announced
-        else:
-            await self.live.catch_up_seen()
+        """Before a decision: what is known first, the whole log after a conflict."""
+        # after a conflict the winner may be another process, not announced yet
+        await self.live.fresh(HEAD if attempt else SEEN)
 
     # -- tenant operations --------------------------------------------------------------
 
@@ -371,10 +374,10 @@ class ClaimsApi:
             if decision.refusal is not None:
                 return _refusal_reply(decision.refusal)
             assert decision.name is not None
-            await self.live.catch_up_seen()
-            claim = self.live.state.claim(namespace, decision.name)
+            state = await self.live.fresh(SEEN)
+            claim = state.claim(namespace, decision.name)
             assert claim is not None
-            return ok_reply(claim=claim_view(self.live.state, claim))
+            return ok_reply(claim=claim_view(state, claim))
         return error_reply("conflict", "the claim kept changing while it was applied; retry")
 
     async def _check_selectors(self, namespace: str, data: bytes) -> bytes | None:
@@ -428,16 +431,15 @@ class ClaimsApi:
     async def get(self, namespace: str, data: bytes) -> bytes:
         """``claims.get``: the view of one claim."""
         request: _NameRequest = _decode(data, _NameRequest)
-        await self.live.catch_up_seen()
-        claim = self.live.state.claim(namespace, request.name)
+        state = await self.live.fresh(SEEN)
+        claim = state.claim(namespace, request.name)
         if claim is None:
             return _not_found(namespace, request.name)
-        return ok_reply(claim=claim_view(self.live.state, claim))
+        return ok_reply(claim=claim_view(state, claim))
 
     async def list_claims(self, namespace: str, data: bytes) -> bytes:
         """``claims.list``: every claim of the namespace that is not gone."""
-        await self.live.catch_up_seen()
-        state = self.live.state
+        state = await self.live.fresh(SEEN)
         views = [
             claim_view(state, claim)
             for (ns, _), claim in sorted(state.claims.items())
@@ -452,20 +454,17 @@ class ClaimsApi:
         for attempt in range(self.max_attempts):
             await self._fresh(attempt)
             async with self.live.frozen() as state:
-                claim = state.claim(namespace, request.name)
-                if claim is None:
-                    return _not_found(namespace, request.name)
-                event = _deletion(state, claim)
-                version = await self.live.stream_version(stream)
-            if event is None:
-                return ok_reply(phase=claim.phase)
-            try:
-                await self._append(stream, version, [event])
-            except ConflictError:
-                continue
-            return ok_reply(
-                phase="releasing" if isinstance(event, ReleaseRequested) else "withdrawn"
-            )
+                deletion = decide_delete(state, namespace, request.name)
+                event = deletion.event
+                version = await self.live.stream_version(stream) if event is not None else 0
+            if not deletion.found:
+                return _not_found(namespace, request.name)
+            if event is not None:
+                try:
+                    await self._append(stream, version, [event])
+                except ConflictError:
+                    continue
+            return ok_reply(phase=deletion.phase)
         return error_reply("conflict", "the claim kept changing while it was deleted; retry")
 
     async def watch(self, namespace: str, data: bytes) -> bytes:
@@ -501,59 +500,35 @@ class ClaimsApi:
             raise _InvalidRequestError(None, f"no {kind.__name__} in the request")
         return objects
 
-    async def _apply_admin(self, batches: list[Batch]) -> None:
-        if batches:
+    async def _record(self, write: AdminWrite) -> None:
+        """Append an admin write's events, each on its own stream, last writer wins."""
+        if write.events:
+            batches = [Batch(stream_of(event), None, [event]) for event in write.events]
             await self.store.append_many(batches, Metadata(actor=f"{self.actor}:admin"))
 
     async def apply_classes(self, data: bytes) -> bytes:
         """``deviceclasses.apply``: record DeviceClasses that differ from the log's."""
         classes: list[DeviceClass] = self._manifests(data, "deviceclasses.apply", DeviceClass)
-        await self.live.catch_up_seen()
-        latest = {c.metadata.name: c for c in classes}
-        state = self.live.state
-        changed = [
-            c
-            for name, c in latest.items()
-            if name not in state.classes or state.classes[name].device_class != c
-        ]
-        events = [DeviceClassApplied(device_class=c, rollout="immediate") for c in changed]
-        await self._apply_admin(
-            [Batch(class_stream(e.device_class.metadata.name), None, [e]) for e in events]
-        )
-        return ok_reply(
-            applied=[c.metadata.name for c in changed],
-            unchanged=sorted(set(latest) - {c.metadata.name for c in changed}),
-        )
+        write = decide_classes(await self.live.fresh(SEEN), classes)
+        await self._record(write)
+        return ok_reply(applied=list(write.applied), unchanged=list(write.unchanged))
 
     async def apply_slices(self, data: bytes) -> bytes:
         """``slices.apply``: record ResourceSlices that differ from the log's.
 
         Rejected when a new total is below what is allocated on the device: decided on
-        the live state, and again (on the state read afresh) when the capacity ledger
+        the live state, and again (on a state read afresh) when the capacity ledger
         refuses the append because a reservation committed in between.
         """
         slices: list[ResourceSlice] = self._manifests(data, "slices.apply", ResourceSlice)
-        await self.live.catch_up_seen()
-        latest = {s.metadata.name: s for s in slices}
-        state = self.live.state
-        changed = [s for name, s in latest.items() if state.slices.get(name) != s]
-        refusal = below_allocated(state, changed)
-        if refusal is not None:
-            return _refusal_reply(refusal)
+        write = decide_slices(await self.live.fresh(SEEN), slices)
+        if write.refusal is not None:
+            return _refusal_reply(write.refusal)
         try:
-            await self._apply_admin(
-                [
-                    Batch(slice_stream(s.metadata.name), None, [ResourceSlicePublished(slice=s)])
-                    for s in changed
-                ]
-            )
+            await self._record(write)
         except CapacityExceeded:
-            await self.live.catch_up()
-            return _refusal_reply(below_allocated(self.live.state, changed) or _LEDGER_REFUSED)
-        return ok_reply(
-            applied=[s.metadata.name for s in changed],
-            unchanged=sorted(set(latest) - {s.metadata.name for s in changed}),
-        )
+            return _refusal_reply(ledger_refusal(await self.live.fresh(HEAD), write))
+        return ok_reply(applied=list(write.applied), unchanged=list(write.unchanged))
 
     async def set_access(self, data: bytes) -> bytes:
         """``namespaces.access``: which classes a namespace may use, and adminAccess."""
@@ -565,25 +540,18 @@ class ClaimsApi:
                 raise _InvalidRequestError(
                     f"classes[{i}]", f"must be '*' or a DeviceClass name ({name!r})"
                 )
-        classes = sorted(set(request.classes))
-        await self.live.catch_up_seen()
-        current = self.live.state.namespaces.get(request.namespace)
-        if current is None or (current.classes, current.admin_access) != (
-            classes,
-            request.admin_access,
-        ):
-            event = NamespaceAccessSet(
-                namespace=request.namespace, classes=classes, admin_access=request.admin_access
-            )
-            await self._apply_admin([Batch(namespace_stream(request.namespace), None, [event])])
+        state = await self.live.fresh(SEEN)
+        write = decide_access(state, request.namespace, request.classes, request.admin_access)
+        await self._record(write)
         return ok_reply(
-            namespace=request.namespace, classes=classes, admin_access=request.admin_access
+            namespace=request.namespace,
+            classes=access_classes(request.classes),
+            admin_access=request.admin_access,
         )
 
     async def list_devices(self, data: bytes) -> bytes:
         """``devices.list``: every device with its capacity, shares and tenants."""
-        await self.live.catch_up_seen()
-        return ok_reply(devices=device_views(self.live.state))
+        return ok_reply(devices=device_views(await self.live.fresh(SEEN)))
 
     # -- watch publishing ---------------------------------------------------------------
 
@@ -611,80 +579,10 @@ class ClaimsApi:
                     log.warning("watch publish to %s failed: %s", subject, exc)
 
 
-def below_allocated(state: ClusterState, slices: list[ResourceSlice]) -> Refusal | None:
-    """The first capacity of ``slices`` whose new total is below what ``state`` has allocated.
-
-    Allocated is what live, non-admin shares consume (the capacity ledger's
-    ``allocated``); a device the slices do not list keeps its total and is not checked.
-    """
-    for rslice in slices:
-        spec = rslice.spec
-        for i, device in enumerate(spec.devices or ()):
-            current = state.device(spec.driver, spec.pool.name, device.name)
-            if current is None:
-                continue
-            for name, capacity in sorted((device.capacity or {}).items()):
-                allocated = current.consumed_nanos.get(name, 0)
-                if allocated > capacity.value.nanos:
-                    held = Quantity(allocated, capacity.value.format)
-                    return _below_allocated(rslice, i, name, capacity.value, held)
-    return None
-
-
-def _below_allocated(
-    rslice: ResourceSlice, index: int, capacity: str, asked: Quantity, held: Quantity
-) -> Refusal:
-    spec = rslice.spec
-    device = f"{spec.driver}/{spec.pool.name}/{(spec.devices or [])[index].name}"
-    field = f"spec.devices[{index}].capacity[{capacity}].value"
-    rule = "must not be below what live shares hold on the device"
-    detail = (
-        f"device {device} {capacity}: total {asked} asked, {held} allocated; "
-        "release or move the shares first"
-    )
-    return Refusal(
-        code="rejected",
-        kind="below-allocated",
-        field=field,
-        rule=rule,
-        message=f"ResourceSlice {rslice.metadata.name}: {field}: {rule} ({detail})",
-        detail=detail,
-    )
-
-
-#: The ledger refused new totals, yet the state read afterwards shows no device below
-#: them (the reservation was released again in between): the same rejection, unnamed.
-_LEDGER_REFUSED: Final = Refusal(
-    code="rejected",
-    kind="below-allocated",
-    field=None,
-    rule="a new total must not be below what live shares hold on the device",
-    message="the capacity ledger refused the new totals: a device would hold less than "
-    "its live shares were allocated; read the devices and retry",
-)
-
-
 def _not_found(namespace: str, name: str) -> bytes:
     return error_reply(
         "not_found", f"claim {name!r} not found in namespace {namespace!r}", field="name"
     )
-
-
-def _deletion(state: ClusterState, claim: ClaimState) -> Event | None:
-    """The event that deletes ``claim``; ``None`` when it is being or has been deleted."""
-    if claim.phase in _DELETED_PHASES:
-        return None
-    holds = any(
-        state.shares[s].live for s in claim.share_ids if s in state.shares
-    ) and claim.phase in ("allocated", "ready", "failed")
-    if holds:
-        return ReleaseRequested(
-            namespace=claim.namespace,
-            name=claim.name,
-            allocation_version=claim.allocation_version,
-            node=claim.node,
-        )
-    return ClaimWithdrawn(namespace=claim.namespace, name=claim.name)
 
 
 def _claims_touched(state: ClusterState, env: Envelope) -> list[ClaimKey]:

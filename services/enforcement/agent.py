@@ -23,6 +23,14 @@ The message only says *where to look*: the consumer drops what the log does not 
 (:mod:`services.runtime.confirming`), and the handler acts only where the folded state
 demands it, so neither a forged nor a stale message can tear down or set up a limit.
 
+The rules live in :mod:`services.enforcement.decisions` as pure functions; the handler
+is the loop around them. It asks for a state fresh enough for its messages
+(``LiveState.fresh(SEEN, *positions)``: its own earlier appends and the messages
+folded), holds it still while :func:`~services.enforcement.decisions.decide_work` says
+which limits to apply and remove and the expected versions are read on that same
+state, then — with the state free to move on — runs the enforcers, and hands their
+outcomes to :func:`~services.enforcement.decisions.record`, which says what to append.
+
 Exactly once: the consumer records the message in ``processed_messages`` in the same
 commit as these events (one statement), so a redelivery is skipped;
 the handler also checks each share's state in the live state (a share already ready
@@ -70,29 +78,35 @@ import contextlib
 import datetime
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from nats.js import JetStreamContext
 
 from events.catalog import (
     AllocationBound,
-    CapacityReleased,
-    EnforcementCheckpointSetAside,
     EnforcementReconciled,
     Envelope,
     Event,
-    LimitApplied,
-    LimitFailed,
-    LimitRemoved,
     ReleaseRequested,
-    claim_stream,
-    device_stream,
     node_stream,
 )
-from events.fold import ShareState
 from events.subjects import BusNames, node_token
-from services.enforcement.checkpointing import Checkpoint, CheckpointEntry
+from services.enforcement.checkpointing import Checkpoint
+from services.enforcement.decisions import (
+    Enforce,
+    Failed,
+    Task,
+    Written,
+    decide_work,
+    limit_of,
+    rebuilt_entries,
+    reconciled,
+    record,
+    retry_later,
+    set_aside,
+    streams_to_check,
+)
 from services.enforcement.enforcers import (
     AppliedLimit,
     EnforcementError,
@@ -105,7 +119,7 @@ from services.enforcement.scanning import InventoryScanner
 from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
-from services.runtime.livestate import LiveState
+from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, ENFORCEMENT_LATENCY
 
 __all__ = ["Agent", "consumer_name"]
@@ -114,31 +128,11 @@ log = logging.getLogger("dracap.agent")
 
 _DURABLE_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_-]")
 _WORK: Final = (AllocationBound, ReleaseRequested)
-#: Share states in which the folded log demands an action (not the message alone).
-_APPLICABLE: Final = frozenset({"bound"})
-_RELEASABLE: Final = frozenset({"releasing"})
 
 
 def consumer_name(node: str) -> str:
     """The durable consumer of ``node``'s agent (a JetStream-safe name)."""
     return "agent-" + _DURABLE_UNSAFE.sub("_", node_token(node))
-
-
-class _Events:
-    """Events of one group of messages, per stream, each with the message that caused it."""
-
-    def __init__(self) -> None:
-        self.streams: dict[str, tuple[int | None, list[Event], list[Cause]]] = {}
-
-    def add(self, stream: str, version: int | None, event: Event | None, cause: Cause) -> None:
-        """Add ``event`` (``None``: only check the stream's version) to ``stream``'s batch."""
-        _, events, causes = self.streams.setdefault(stream, (version, [], []))
-        if event is not None:
-            events.append(event)
-            causes.append(cause)
-
-    def batches(self) -> list[Batch]:
-        return [Batch(s, v, events, causes) for s, (v, events, causes) in self.streams.items()]
 
 
 class Agent:
@@ -184,7 +178,7 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Scan, reconcile, then consume this node's events until ``stop`` is set."""
-        await self.live.catch_up()
+        await self.live.fresh(HEAD)
         if self.scanner is not None:
             await self.scanner.scan_once()
         await self.reconcile()
@@ -203,7 +197,7 @@ class Agent:
 
     async def reconcile(self) -> EnforcementReconciled | None:
         """Make the node's limits match the log (see the module docstring)."""
-        await self.live.catch_up()
+        state = await self.live.fresh(HEAD)
         events: list[Event] = []
         checkpoint = self.checkpoint
         if checkpoint is not None and checkpoint.warning is not None:
@@ -214,15 +208,7 @@ class Agent:
                 warning.reason,
                 warning.detail,
             )
-            events.append(
-                EnforcementCheckpointSetAside(
-                    node=self.node,
-                    path=warning.path,
-                    reason=warning.reason,
-                    detail=warning.detail[:2000],
-                    moved_to=warning.set_aside,
-                )
-            )
+            events.append(set_aside(self.node, warning))
         try:
             observed = await self.enforcer.observe()
         except EnforcementError as exc:
@@ -232,7 +218,7 @@ class Agent:
         entries = dict(checkpoint.entries) if checkpoint is not None else {}
         if checkpoint is not None and checkpoint.rebooted:
             log.info("node rebooted since the checkpoint was written: limits are put back")
-        plan = plan_reconcile(self.live.state, self.node, observed, entries)
+        plan = plan_reconcile(state, self.node, observed, entries)
         removed: list[str] = []
         for share_id in plan.orphans + plan.stale:
             try:
@@ -240,62 +226,37 @@ class Agent:
             except EnforcementError as exc:
                 log.error("could not remove the orphaned limit of %s: %s", share_id, exc)
                 continue
-            if share_id in observed:
-                removed.append(share_id)
+            removed.append(share_id)
         in_force = {s: observed[s] for s in plan.kept}
         reapplied: list[str] = []
         failed: list[str] = []
         for share in plan.reapply:
             try:
-                in_force[share.share_id] = await self._apply(_limit_of(share))
+                in_force[share.share_id] = await self._apply(limit_of(share))
             except EnforcementError as exc:
                 log.error("could not put back the limit of share %s: %s", share.share_id, exc)
                 failed.append(share.share_id)
                 continue
             reapplied.append(share.share_id)
         if checkpoint is not None:
-            await asyncio.to_thread(self._rebuild, checkpoint, in_force, failed)
-        report = EnforcementReconciled(
-            node=self.node,
-            reapplied=reapplied,
-            removed_orphans=removed,
-            kept=plan.kept,
-            failed=failed,
-        )
-        if reapplied or removed or plan.kept or failed:
+            now = datetime.datetime.now(datetime.UTC)
+            checkpoint.entries = rebuilt_entries(state.shares, in_force, failed, now)
+            checkpoint.warning = None
+            await asyncio.to_thread(checkpoint.save)
+        report = reconciled(self.node, plan, observed, removed, reapplied, failed)
+        if report is not None:
             events.append(report)
             self.reconciled = report
             log.info(
                 "reconciled node %s: %d kept, %d reapplied, %d orphan(s) removed, %d failed",
                 self.node,
-                len(plan.kept),
-                len(reapplied),
-                len(removed),
-                len(failed),
+                len(report.kept),
+                len(report.reapplied),
+                len(report.removed_orphans),
+                len(report.failed),
             )
         await self._report(events)
         return self.reconciled
-
-    def _rebuild(
-        self, checkpoint: Checkpoint, in_force: dict[str, AppliedLimit], failed: list[str]
-    ) -> None:
-        """The checkpoint, rewritten: what is in force now, and what failed (``started``)."""
-        shares = self.live.state.shares
-        now = datetime.datetime.now(datetime.UTC)
-        entries: dict[str, CheckpointEntry] = {}
-        for share_id, applied in in_force.items():
-            limit = _limit_of(shares[share_id])
-            entries[share_id] = CheckpointEntry(
-                share_id=share_id, phase="completed", limit=limit, applied=applied, updated_at=now
-            )
-        for share_id in failed:
-            limit = _limit_of(shares[share_id])
-            entries[share_id] = CheckpointEntry(
-                share_id=share_id, phase="started", limit=limit, updated_at=now
-            )
-        checkpoint.entries = entries
-        checkpoint.warning = None
-        checkpoint.save()
 
     async def _report(self, events: list[Event]) -> None:
         if events:
@@ -333,126 +294,71 @@ class Agent:
         if not mine:
             return Handled()
         # Folded up to these messages and every commit this process made or heard of
-        # (its own last append included; a tailed view usually is there already) —
-        # without a listener, whatever is committed. Anything newer it misses makes
-        # the append's expected versions clash.
-        seen = self.store.committed_head()
-        if seen is None:
-            await self.live.catch_up(ctx.connection)
-        else:
-            await self.live.catch_up_to(max(seen, *(env.position for env in mine)))
-        out = _Events()
-        version = await self.live.stream_version(node_stream(self.node))
-        counted: list[Callable[[], None]] = []
-        for env in mine:
-            if isinstance(env.event, AllocationBound):
-                delivery = ctx.deliveries.get(env.event_id, ctx.delivery)
-                counted += await self._bound(delivery, env, env.event, out, version)
-            elif isinstance(env.event, ReleaseRequested):
-                counted += await self._release(env, env.event, out, version)
-        return Handled(batches=out.batches(), actor=f"agent:{self.node}", on_commit=counted)
+        # (its own last append included; a tailed view usually is there already).
+        # Anything newer it misses makes the append's expected versions clash.
+        positions = [env.position for env in mine]
+        await self.live.fresh(SEEN, *positions, connection=ctx.connection)
+        async with self.live.frozen() as state:
+            tasks = decide_work(state, self.node, mine)
+            streams = streams_to_check(self.node, tasks)
+            versions = {stream: await self.live.stream_version(stream) for stream in streams}
+        outcomes = await self._enforce(ctx, tasks)
+        written = record(self.node, tasks, outcomes, versions)
+        return Handled(
+            batches=_batches(written, mine),
+            actor=f"agent:{self.node}",
+            on_commit=_counters(written, mine),
+        )
 
-    def _mine(self, share: ShareState | None) -> bool:
-        return share is not None and share.node in (None, self.node)
+    async def _enforce(
+        self, ctx: HandlerContext, tasks: Sequence[Task]
+    ) -> dict[str, AppliedLimit | Failed]:
+        """Run the enforcers for ``tasks``; the outcome of each apply, by share id.
 
-    async def _bound(
-        self, delivery: int, env: Envelope, event: AllocationBound, out: _Events, version: int
-    ) -> list[Callable[[], None]]:
-        state = self.live.state
-        stream = node_stream(self.node)
-        cause = Cause.of(env)
-        applied = failures = 0
-        for share_id in event.share_ids:
-            share = state.shares.get(share_id)
-            if share is None or not self._mine(share) or share.state not in _APPLICABLE:
-                continue
-            if share.allocation_version != event.allocation_version:
-                continue
-            try:
-                limit = await self._apply(_limit_of(share))
-            except EnforcementError as exc:
-                retryable = isinstance(exc, RetryableEnforcementError)
-                if retryable and delivery < self.max_deliver:
-                    raise
-                log.error("limit of share %s failed: %s", share_id, exc)
-                failed = LimitFailed(
-                    share_id=share_id, node=self.node, retryable=retryable, reason=str(exc)
-                )
-                out.add(stream, version, failed, cause)
-                failures += 1
-                continue
-            applied_event = LimitApplied(
-                share_id=share_id, node=self.node, level=limit.level, actual=limit.actual
-            )
-            out.add(stream, version, applied_event, cause)
-            applied += 1
-        if applied or failures:
-            # A guard, no events: append only while the claim stream is where we read it,
-            # so a ReleaseRequested that raced us is seen (LimitApplied must never follow
-            # it: the share would be "releasing", invariant 7). On a clash the consumer
-            # naks and the redelivery finds the share releasing and skips it.
-            guard = claim_stream(event.namespace, event.name)
-            out.add(guard, await self.live.stream_version(guard), None, cause)
-        if not applied:
-            return []
-        age = max(0.0, (datetime.datetime.now(datetime.UTC) - env.recorded_at).total_seconds())
-        ready = applied == len(event.share_ids)
+        A failure left to redelivery (:func:`retry_later`) and a failed removal raise:
+        the consumer naks the messages and nothing is recorded.
+        """
+        outcomes: dict[str, AppliedLimit | Failed] = {}
+        for task in tasks:
+            if isinstance(task, Enforce):
+                delivery = ctx.deliveries.get(task.message, ctx.delivery)
+                for limit in task.limits:
+                    try:
+                        outcomes[limit.share_id] = await self._apply(limit)
+                    except EnforcementError as exc:
+                        retryable = isinstance(exc, RetryableEnforcementError)
+                        if retry_later(retryable, delivery, self.max_deliver):
+                            raise
+                        log.error("limit of share %s failed: %s", limit.share_id, exc)
+                        outcomes[limit.share_id] = Failed(retryable=retryable, reason=str(exc))
+            else:
+                for released in task.released:
+                    await self._remove(released.share_id)
+        return outcomes
 
-        def count() -> None:
+
+def _batches(written: Written, messages: Sequence[Envelope]) -> list[Batch]:
+    """The append of ``written``, each event caused by its message."""
+    causes = {env.event_id: Cause.of(env) for env in messages}
+    return [
+        Batch(stream, version, events, [causes[m] for m in caused_by])
+        for stream, (version, events, caused_by) in written.streams.items()
+    ]
+
+
+def _counters(written: Written, messages: Sequence[Envelope]) -> list[Callable[[], None]]:
+    """The metrics of ``written``, measured now and counted once it has committed."""
+    now = datetime.datetime.now(datetime.UTC)
+    recorded = {env.event_id: env.recorded_at for env in messages}
+    counted: list[Callable[[], None]] = []
+    for message, ready in written.ready.items():
+        age = max(0.0, (now - recorded[message]).total_seconds())
+
+        def count(age: float = age, ready: bool = ready) -> None:
             ENFORCEMENT_LATENCY.observe(age)
             if ready:
                 CLAIMS.labels(outcome="ready").inc()
 
-        return [count]
-
-    async def _release(
-        self, env: Envelope, event: ReleaseRequested, out: _Events, version: int
-    ) -> list[Callable[[], None]]:
-        state = self.live.state
-        claim = state.claim(event.namespace, event.name)
-        if (
-            claim is None
-            or claim.phase != "releasing"
-            or claim.allocation_version != event.allocation_version
-        ):
-            return []
-        stream = node_stream(self.node)
-        cause = Cause.of(env)
-        released = False
-        for share_id in claim.share_ids:
-            share = state.shares.get(share_id)
-            if share is None or not self._mine(share) or share.state not in _RELEASABLE:
-                continue
-            if share.allocation_version != event.allocation_version:
-                continue
-            await self._remove(share_id)
-            out.add(stream, version, LimitRemoved(share_id=share_id, node=self.node), cause)
-            device = device_stream(share.driver, share.pool, share.device)
-            out.add(device, None, _released(share), cause)
-            released = True
-        if not released:
-            return []
-        return [CLAIMS.labels(outcome="released").inc]
-
-
-def _limit_of(share: ShareState) -> ShareLimit:
-    return ShareLimit(
-        share_id=share.share_id,
-        driver=share.driver,
-        pool=share.pool,
-        device=share.device,
-        consumed=dict(share.consumed),
-        admin_access=share.admin_access,
-    )
-
-
-def _released(share: ShareState) -> CapacityReleased:
-    return CapacityReleased(
-        share_id=share.share_id,
-        driver=share.driver,
-        pool=share.pool,
-        device=share.device,
-        allocation_version=share.allocation_version,
-        consumed=dict(share.consumed),
-        admin_access=share.admin_access,
-    )
+        counted.append(count)
+    counted += [CLAIMS.labels(outcome="released").inc for _ in written.released]
+    return counted

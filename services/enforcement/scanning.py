@@ -22,7 +22,7 @@ from events.subjects import NO_NODE
 from services.enforcement.discovery import AgentConfig, InventoryError, ScanResult, discover
 from services.enforcement.publishing import Changes, Publisher
 from services.runtime.eventstore import Batch, EventStore, Metadata
-from services.runtime.livestate import LiveState
+from services.runtime.livestate import HEAD, LiveState
 
 __all__ = ["InventoryScanner", "gpu_uuids_of", "interfaces_of"]
 
@@ -77,8 +77,8 @@ class InventoryScanner:
     async def scan_once(self) -> Changes | None:
         """One scan: discover, tell the listeners, append what changed (None: skipped)."""
         if self.publisher is None:
-            await self.live.catch_up()
-            self.publisher = Publisher(self.config, self.live.state.slices.values())
+            state = await self.live.fresh(HEAD)
+            self.publisher = Publisher(self.config, state.slices.values())
         try:
             inventory = await asyncio.to_thread(self.scan, self.config)
         except (InventoryError, OSError) as exc:

@@ -21,43 +21,43 @@ arrived while the previous group was handled are planned for *once*, and the pla
 the group's ``processed_messages`` rows commit in one statement —
 which is also why a burst of admissions costs few commits.
 
-The decision (:meth:`ReservationService.plan`)
---------------------------------------------
-Pending claims (phase ``admitted`` or ``unschedulable``) are kept in admission order;
-every trigger goes through all of them, first come first served: each is decided by
-the pure :class:`~services.reservation.allocating.Allocator` and, if it fits, its
-grants are committed *tentatively* so the claims behind it see them. A claim that
-does not fit does not block those behind it (no head-of-line blocking: a smaller
-claim may pass a large one that waits). An ``unschedulable`` claim is only tried
-again when capacity was freed or the inventory changed since its last try (the
-*capacity epoch*), so a busy cluster does not re-decide every waiting claim on every
-admission.
+The decision
+------------
+A round is the pure :func:`services.reservation.rounds.decide_round` (its module
+docstring lists the rules): pending claims (phase ``admitted`` or ``unschedulable``)
+in admission order, first come first served, each decided by the pure
+:class:`~services.reservation.allocating.Allocator` with the grants of the claims
+before it committed tentatively; an ``unschedulable`` claim is tried again only when
+the *capacity epoch* moved since its last try. The service's part
+(:meth:`ReservationService.plan`) is the loop around it: it hands the round the state
+(held still with ``LiveState.frozen``), the allocator and its backlog, reads the
+expected versions of the streams the round writes on that same state, and remembers
+what the round says about the claims (tried at this epoch, waiting for a selector).
 
-Per allocated claim the plan appends ``CapacityReserved`` on each device's stream
+Per allocated claim the round appends ``CapacityReserved`` on each device's stream
 (expected version: the device stream's version in the live state) and
 ``AllocationBound`` on the claim stream (expected version likewise), all in **one**
-append, which the consumer commits with its records; a newly admitted claim that does not
-fit gets ``ClaimUnschedulable`` instead (once: retries that still fail write nothing).
-Dedicated devices get a share id too (the log identifies every result), but their
-Kubernetes ``AllocationResult`` carries none, as upstream.
+append, which the consumer commits with its records; a newly admitted claim that does
+not fit gets ``ClaimUnschedulable`` instead.
 
 Concurrency: planning rounds are serialised across all workers (in this process or
 others) by an advisory lock (:data:`PLANNER_LOCK`, the consumer's ``lock_key``) taken
-before the worker catches up and released after its append committed, so a worker
-plans on a state that includes the previous round's commit — several workers give
-availability, not parallel planning (a round plans *every* pending claim; two rounds
-at once would only collide). If anything else (a release, the tenant's delete)
-appended to one of the streams since the live state read them, the store raises
-``ConflictError``: nothing is written and the consumer handles the messages again
-(alone, then by redelivery with back-off), each time on a fresh view. The database
-ledger's ``CHECK (allocated <= total)`` and the exclusive-hold key are the last
-line: even a wrong plan can never oversubscribe a device.
+before the worker asks for a fresh state (``LiveState.fresh`` at the lock's head) and
+released after its append committed, so a worker plans on a state that includes the
+previous round's commit — several workers give availability, not parallel planning
+(a round plans *every* pending claim; two rounds at once would only collide). If
+anything else (a release, the tenant's delete) appended to one of the streams since
+the live state read them, the store raises ``ConflictError``: nothing is written and
+the consumer handles the messages again (alone, then by redelivery with back-off),
+each time on a fresh view. The database ledger's ``CHECK (allocated <= total)`` and
+the exclusive-hold key are the last line: even a wrong plan can never oversubscribe
+a device.
 
 Allocator state is kept incrementally: a listener on the live state adds a grant for
 every ``CapacityReserved`` and removes it when the share is released (release or
-fence); the inventory is rebuilt only when an inventory event arrives. The tentative
-commits of a plan are undone before the plan returns, so between plans the
-allocator's state is exactly the log's.
+fence); the inventory is rebuilt only when an inventory event arrives. A round undoes
+its tentative commits before it returns, so between rounds the allocator's state is
+exactly the log's.
 """
 
 from __future__ import annotations
@@ -67,42 +67,39 @@ import datetime
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 from nats.js import JetStreamContext
 
 from events.catalog import (
-    AllocationBound,
     CapacityReleased,
     CapacityReserved,
     ClaimAdmitted,
     ClaimSubmitted,
-    ClaimUnschedulable,
     Envelope,
-    Event,
     NamespaceAccessSet,
     NodeFenced,
-    claim_stream,
-    device_stream,
 )
 from events.errors import SelectorDeadlineExceeded, SelectorError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import ClaimKey, ClaimState, ClusterState
+from events.fold import ClaimKey, ClusterState
 from events.inventory import SelectorResult, build_inventory
 from events.model import AllocationResult
 from events.selectors import DeviceView
 from events.subjects import BusNames
 from services.reservation.allocating import Allocator
 from services.reservation.deriving import grant_of, live_grants
-from services.reservation.outcomes import Allocated, Deferred, Grant, Invalid
+from services.reservation.outcomes import Allocated, Grant
+from services.reservation.rounds import PENDING_PHASES, Backlog, Round, decide_round
 from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.errors import ConflictError, RuntimeServiceError
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
-from services.runtime.livestate import INVENTORY_EVENTS, LiveState
+from services.runtime.livestate import HEAD, INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import CLAIMS, SCHEDULING_LATENCY, SELECTOR_JOBS
 from services.runtime.selectorpool import SelectorPool
+from services.runtime.waiting import first_of
 
 __all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService"]
 
@@ -123,41 +120,26 @@ PLANNER_LOCK: Final = 0x64726163_61700001  # "dracap" + 1
 #: that it is evaluated in the selector pool (cel-python: 35-80 µs per unit, so the
 #: decision spends at most about 7-16 ms on one tenant selector per candidate set).
 INLINE_BUDGET: Final = 200
-_PENDING_PHASES: Final = frozenset({"admitted", "unschedulable"})
 _FREEING: Final = (CapacityReleased, NodeFenced, NamespaceAccessSet, *INVENTORY_EVENTS)
 
 
 class Plan:
-    """The events one planning round wants appended, grouped per stream.
+    """The append one planning round wants: its events, per stream, at the versions read.
 
     Every event carries its :class:`Cause`: the ``ClaimAdmitted`` message of its claim
     when that message is among those being handled, else the first trigger of them.
     """
 
-    def __init__(self, live: LiveState, causes: Callable[[ClaimKey], Cause]) -> None:
-        self._live = live
-        self._causes = causes
-        self._streams: dict[str, tuple[int, list[Event], list[Cause]]] = {}
-        self.allocated: list[ClaimKey] = []
-        self.unschedulable: list[ClaimKey] = []
-
-    @property
-    def batches(self) -> list[Batch]:
-        """One batch per stream, at the stream's version in the live state.
-
-        Device streams come first: every ``CapacityReserved`` of the round precedes
-        every ``AllocationBound``, so the store projects each kind in one statement.
-        """
-        streams = sorted(self._streams.items(), key=lambda item: not item[0].startswith("device:"))
-        return [Batch(s, version, events, causes) for s, (version, events, causes) in streams]
-
-    async def add(self, stream: str, event: Event, claim: ClaimKey) -> None:
-        """Append ``event`` (about ``claim``) to ``stream``'s batch, made at the live version."""
-        if stream not in self._streams:
-            self._streams[stream] = (await self._live.stream_version(stream), [], [])
-        _, events, causes = self._streams[stream]
-        events.append(event)
-        causes.append(self._causes(claim))
+    def __init__(
+        self, decided: Round, versions: Mapping[str, int], causes: Callable[[ClaimKey], Cause]
+    ) -> None:
+        self.decided = decided
+        self.batches = [
+            Batch(stream, versions[stream], events, [causes(claim) for claim in claims])
+            for stream, events, claims in decided.by_stream()
+        ]
+        self.allocated = decided.allocated
+        self.unschedulable = decided.unschedulable
 
 
 class ReservationService:
@@ -209,7 +191,7 @@ class ReservationService:
         for share_id, grant in live_grants(state):
             self._counted[share_id] = grant
         for key, claim in state.claims.items():
-            if claim.phase in _PENDING_PHASES:
+            if claim.phase in PENDING_PHASES:
                 self._pending[key] = None
 
     def _allocator_for(self, state: ClusterState) -> Allocator:
@@ -260,7 +242,7 @@ class ReservationService:
         if isinstance(event, ClaimAdmitted):
             self._pending.pop(key, None)  # re-admission goes to the back of the queue
             self._tried.pop(key, None)
-        if claim is not None and claim.phase in _PENDING_PHASES:
+        if claim is not None and claim.phase in PENDING_PHASES:
             self._pending.setdefault(key, env.recorded_at)
         else:
             self._pending.pop(key, None)
@@ -270,91 +252,35 @@ class ReservationService:
     # -- planning -----------------------------------------------------------------------
 
     async def plan(self, causes: Callable[[ClaimKey], Cause]) -> Plan:
-        """Decide every pending claim that may fit now, in admission order."""
-        plan = Plan(self.live, causes)
+        """One round on the live state (:func:`decide_round`), as an append."""
         async with self.live.frozen() as state:
-            allocator = self._allocator_for(state)
-            tentative: list[Allocated] = []
-            try:
-                for key in list(self._pending):
-                    claim = state.claims.get(key)
-                    if claim is None or claim.claim is None or claim.phase not in _PENDING_PHASES:
-                        continue
-                    if claim.phase == "unschedulable" and self._tried.get(key) == self._epoch:
-                        continue
-                    waiting = self._deferred.get(key)
-                    if waiting is not None and waiting[1] in self._evaluating:
-                        continue  # its selector is still being evaluated: nothing new to try
-                    access = state.namespaces.get(key[0])
-                    outcome = allocator.allocate(
-                        claim.claim,
-                        any_node=True,
-                        admin_access_allowed=access is not None and access.admin_access,
-                    )
-                    if isinstance(outcome, Allocated):
-                        allocator.commit(outcome)
-                        tentative.append(outcome)
-                        await self._reserve(plan, state, claim, outcome)
-                        self._deferred.pop(key, None)
-                        continue
-                    if isinstance(outcome, Deferred):  # decided once its selector is in
-                        cause = waiting[0] if waiting is not None else causes(key)
-                        self._deferred[key] = (cause, outcome.expression)
-                        self._owners.setdefault(outcome.expression, key[0])
-                        continue
-                    self._deferred.pop(key, None)
-                    self._tried[key] = self._epoch
-                    if claim.phase == "admitted":
-                        reason = outcome.reason
-                        if isinstance(outcome, Invalid):
-                            reason = f"cannot be allocated as written: {reason}"
-                        event = ClaimUnschedulable(namespace=key[0], name=key[1], reason=reason)
-                        await plan.add(claim_stream(*key), event, key)
-                        plan.unschedulable.append(key)
-            finally:
-                for outcome in tentative:
-                    allocator.release(outcome)
-        return plan
+            decided = decide_round(
+                state, self._allocator_for(state), self._backlog(), self.new_share_id
+            )
+            versions = {s: await self.live.stream_version(s) for s in decided.writes}
+        self._remember(decided, causes)
+        return Plan(decided, versions, causes)
 
-    async def _reserve(
-        self, plan: Plan, state: ClusterState, claim: ClaimState, outcome: Allocated
-    ) -> None:
-        version = claim.allocation_version + 1
-        share_ids: list[str] = []
-        for grant in outcome.grants:
-            share_id = grant.share_id or self.new_share_id()
-            share_ids.append(share_id)
-            driver, pool, device = grant.device
-            reserved = CapacityReserved(
-                namespace=claim.namespace,
-                name=claim.name,
-                allocation_version=version,
-                request=grant.request,
-                driver=driver,
-                pool=pool,
-                device=device,
-                node=outcome.node,
-                share_id=share_id,
-                shared=grant.share_id is not None,
-                admin_access=grant.admin_access,
-                consumed=dict(grant.consumed),
-                policy_version=state.devices[grant.device].policy_version,
-            )
-            await plan.add(
-                device_stream(driver, pool, device), reserved, (claim.namespace, claim.name)
-            )
-        bound = AllocationBound(
-            namespace=claim.namespace,
-            name=claim.name,
-            allocation_version=version,
-            node=outcome.node,
-            allocation=outcome.allocation,
-            share_ids=share_ids,
+    def _backlog(self) -> Backlog:
+        return Backlog(
+            order=list(self._pending),
+            epoch=self._epoch,
+            tried=self._tried,
+            waiting={key: expression for key, (_, expression) in self._deferred.items()},
+            evaluating=self._evaluating,
         )
-        await plan.add(
-            claim_stream(claim.namespace, claim.name), bound, (claim.namespace, claim.name)
-        )
-        plan.allocated.append((claim.namespace, claim.name))
+
+    def _remember(self, decided: Round, causes: Callable[[ClaimKey], Cause]) -> None:
+        """Keep what ``decided`` says about claims for the rounds after it."""
+        for key in decided.settled:
+            self._deferred.pop(key, None)
+        for key in decided.tried:
+            self._tried[key] = self._epoch
+        for key, expression in decided.deferred.items():
+            waiting = self._deferred.get(key)
+            cause = waiting[0] if waiting is not None else causes(key)
+            self._deferred[key] = (cause, expression)
+            self._owners.setdefault(expression, key[0])
 
     # -- the handler --------------------------------------------------------------------
 
@@ -380,11 +306,9 @@ class ReservationService:
         # The consumer holds PLANNER_LOCK while this runs and until its append has
         # committed: one planner at a time, in any process (a round plans every
         # pending claim, so two at once would only fight over the same devices and
-        # claims). Catching up under the lock sees every earlier planner's commit.
-        if ctx.locked_head is not None:
-            await self.live.catch_up_to(ctx.locked_head)
-        else:
-            await self.live.catch_up(ctx.connection)
+        # claims). A state fresh as of the lock sees every earlier planner's commit.
+        at_least = HEAD if ctx.locked_head is None else ctx.locked_head
+        await self.live.fresh(at_least, connection=ctx.connection)
         plan = await self.plan(cause)
         self._evaluate_wanted()
         batches = plan.batches
@@ -462,7 +386,7 @@ class ReservationService:
     async def _replanner(self, stop: asyncio.Event) -> None:
         """Plan again whenever evaluated selectors came in (see :meth:`replan`)."""
         while not stop.is_set():
-            await _first(self._replan.wait(), stop)
+            await first_of(self._replan.wait(), stop.wait())
             if stop.is_set():
                 return
             self._replan.clear()
@@ -472,7 +396,7 @@ class ReservationService:
                 self._replan.set()  # a concurrent append: plan again on a fresh view
             except (OSError, RuntimeServiceError) as exc:
                 log.warning("could not plan after a selector evaluation: %s", exc)
-                await _first(asyncio.sleep(1.0), stop)
+                await first_of(asyncio.sleep(1.0), stop.wait())
                 self._replan.set()
 
     async def replan(self) -> None:
@@ -480,7 +404,7 @@ class ReservationService:
         async with self.store.pool.acquire() as connection:
             head = await connection.fetchval("SELECT dracap_lock($1)", PLANNER_LOCK)
             try:
-                await self.live.catch_up_to(head)
+                await self.live.fresh(head, connection=connection)
                 plan = await self.plan(self._deferred_cause)
                 self._evaluate_wanted()
                 if plan.batches:
@@ -522,7 +446,7 @@ class ReservationService:
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set."""
         started = time.perf_counter()
-        await self.live.catch_up()
+        await self.live.fresh(HEAD)
         log.info("reservation worker %d ready in %.3fs", self.worker, time.perf_counter() - started)
         try:
             await asyncio.gather(*(c.run(stop) for c in self.consumers()), self._replanner(stop))
@@ -531,16 +455,6 @@ class ReservationService:
             for job in list(self._jobs):
                 job.cancel()
             await asyncio.gather(*self._jobs, return_exceptions=True)
-
-
-async def _first(work: Awaitable[object], stop: asyncio.Event) -> None:
-    """Wait for ``work`` or ``stop``, whichever comes first."""
-    task = asyncio.ensure_future(work)
-    stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    for pending in (task, stopper):
-        pending.cancel()
-    await asyncio.gather(task, stopper, return_exceptions=True)
 
 
 def _wanted(env: Envelope) -> bool:

@@ -3,34 +3,66 @@
 Every service that decides something (admission, reservation, the node agent) needs
 the cluster as the log describes it *now*. :class:`LiveState` holds one
 :class:`events.fold.ClusterState` and folds into it every event after
-``state.position``:
+``state.position``.
 
-* :meth:`LiveState.catch_up` reads the log after the current position (one keyset
-  query; nothing comes back when nothing is new) and folds it. Reads are serialised
-  by a lock, so concurrent callers never fold the same event twice; a decision in
-  :meth:`LiveState.frozen` only delays the *folding* of what was read, never the
-  read itself, so decisions and reads do not queue behind each other; a caller that
-  waited for the lock reads again afterwards — unless a read that *began after its
-  call* completed meanwhile: that read saw everything this one would, so many
-  concurrent callers share one query. When ``catch_up`` returns, the state includes
-  every event committed before the call.
-* :meth:`LiveState.run` tails the log (``EventStore.wait_for_new``: LISTEN/NOTIFY with a
-  timeout as a safety net) and folds as events arrive; it keeps the view warm and
-  drives the listeners (the watch publisher of the claims API, the allocated state of
-  the reservation service).
+Freshness: one way to ask
+-------------------------
+``state = await live.fresh(at_least, *also, connection=None, timeout=None)`` returns
+the state folded at least as far as each mark asks:
 
-Decisions are optimistic: a service decides on ``live.state`` right after
-``catch_up()`` and appends with the expected versions of the streams it decided on,
-which :meth:`LiveState.stream_version` gives *as of* ``state.position``. If anybody
-appended to one of those streams since, the store raises ``ConflictError``; the
-service catches up and decides again. So the versions here must never be newer than
+* a **position** ``p`` (an ``int``): every event up to ``p`` — a lock's head, a
+  message's position, an append's envelope;
+* :data:`SEEN`: every commit this process knows of (``EventStore.committed_head``: its
+  own appends and what NOTIFY announced) — read-your-writes for a request handler; a
+  commit whose notification is still on its way is not waited for. A store that is
+  not listening knows of nothing, so SEEN is then HEAD;
+* :data:`HEAD`: everything committed before the call (a read of the log).
+
+How it gets there, cheapest first:
+
+* nothing, when the state is already there (the tailer usually is);
+* while :meth:`LiveState.run` tails the log, a caller behind a position waits for the
+  tailer to fold it (it reads as soon as the commit is announced, or takes it from
+  the commit hand-over) instead of queueing a read of its own; after
+  :data:`TAIL_WAIT_S` it reads itself;
+* a read: one keyset query after the current position. Reads are serialised, so
+  concurrent callers never fold an event twice, and *shared*: a caller that waited for
+  another's read reads again only if that read began before its call — a read that
+  began after the call saw everything this one would, so many concurrent callers cost
+  one query. ``connection`` makes a read happen on the caller's connection (a
+  consumer's handler holding one need not wait for a second from the pool); it must
+  not hold uncommitted appends, they would be folded as if they had happened.
+
+A position is taken to be committed already (a lock's head, a message's position):
+one read reaches it. With ``timeout`` the call also waits for a position still to
+come and raises ``TimeoutError`` if the log has not reached it by then; without, the
+state is returned as the read found it.
+
+Decisions
+---------
+Decisions are optimistic: a service decides on the state right after ``fresh`` and
+appends with the expected versions of the streams it decided on, which
+:meth:`LiveState.stream_version` gives *as of* ``state.position``. If anybody appended
+to one of those streams since, the store raises ``ConflictError``; the service asks
+for a fresher state and decides again. So the versions here must never be newer than
 the state: they are tracked from the folded envelopes, and for streams that were not
-seen since a snapshot they are read from the database bounded by the state's position.
+seen since a snapshot they are read from the database bounded by the state's
+position. A decision that reads versions (which may await that look-up) does so inside
+:meth:`LiveState.frozen`, which holds folding still — never reading the log, so
+decisions and reads do not queue behind each other.
+
+Tailing
+-------
+:meth:`LiveState.run` tails the log (``EventStore.wait_for_new``: LISTEN/NOTIFY with a
+timeout as a safety net) and folds as events arrive; it keeps the view warm and drives
+the listeners. This process's own committed appends come through the commit hand-over
+(:mod:`services.runtime.handover`) and are folded without reading them back.
 
 Listeners (``subscribe``) are plain callables run after each envelope is folded, with
 the envelope; they must be quick and must not raise (an exception is logged and the
 listener is kept). They let a service keep derived indexes incrementally instead of
-recomputing them per decision.
+recomputing them per decision (the watch publisher of the claims API, the allocated
+state of the reservation service).
 
 An event the fold refuses (``InvariantViolation``) is *skipped*: the log is the source
 of truth and is never rewritten, so the view records the violation
@@ -43,9 +75,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, Final
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Final, TypeAlias
 
 from events.catalog import (
     DeviceClassApplied,
@@ -59,14 +92,29 @@ from events.errors import InvariantViolation
 from events.fold import ClusterState, apply, snapshot_decode
 from services.runtime.errors import RuntimeServiceError
 from services.runtime.eventstore import Connection, EventStore, iter_rows
+from services.runtime.handover import Handover
 from services.runtime.outages import is_unreachable
 from services.runtime.rows import envelope_of
+from services.runtime.waiting import first_of
 
-__all__ = ["INVENTORY_EVENTS", "Listener", "LiveState"]
+__all__ = ["HEAD", "INVENTORY_EVENTS", "SEEN", "Freshness", "Listener", "LiveState", "Mark"]
 
 log = logging.getLogger("dracap.livestate")
 
 Listener = Callable[[Envelope], None]
+
+
+class Mark(enum.Enum):
+    """How fresh a state :meth:`LiveState.fresh` gives, besides a position."""
+
+    HEAD = "head"  #: everything committed before the call
+    SEEN = "seen"  #: every commit this process knows of
+
+
+HEAD: Final = Mark.HEAD
+SEEN: Final = Mark.SEEN
+#: What :meth:`LiveState.fresh` accepts: a log position or a :class:`Mark`.
+Freshness: TypeAlias = int | Mark
 
 #: Events that change what the allocator's inventory is built from.
 INVENTORY_EVENTS: Final = (
@@ -79,7 +127,7 @@ INVENTORY_EVENTS: Final = (
 _VIOLATIONS_KEPT: Final = 100
 #: Handed-over envelopes kept at most (beyond that the tailer reads the log instead).
 _OFFERED_KEPT: Final = 4096
-#: How long catch_up_to() waits for the tailer before it reads the log itself.
+#: How long fresh() waits for the tailer to fold a position before it reads the log.
 TAIL_WAIT_S: Final = 0.5
 
 
@@ -98,21 +146,20 @@ class LiveState:
         self._versions_complete = True  # False after starting from a snapshot
         self._read_lock = asyncio.Lock()  # one log read at a time (callers share it)
         self._fold_lock = asyncio.Lock()  # held by frozen() and while a page is folded
-        self._reads_started = 0  # log reads begun by catch_up (numbered from 1)
+        self._reads_started = 0  # log reads begun (numbered from 1)
         self._reads_done = 0  # the number of the latest read that completed
         self._listeners: list[Listener] = []
         self._tailing = False  # run() is tailing the log
         self._position_waiters: list[tuple[int, asyncio.Future[None]]] = []
-        #: this process's committed appends not folded yet, by position (see run())
-        self._offered: dict[int, Envelope] = {}
-        self._offered_wake = asyncio.Event()
+        #: this process's committed appends not folded yet (see run())
+        self._handover = Handover(lambda: self.state.position, kept=_OFFERED_KEPT)
 
     # -- startup -------------------------------------------------------------------------
 
     async def load_snapshot(self) -> bool:
         """Start from the newest stored snapshot (before any catch-up); True if one was used."""
         if self.state.position:
-            raise RuntimeError("load_snapshot() must come before the first catch_up()")
+            raise RuntimeError("load_snapshot() must come before the first fresh()")
         snapshot = await self.store.load_latest_snapshot()
         if snapshot is None:
             return False
@@ -178,14 +225,42 @@ class LiveState:
             except Exception:
                 log.exception("state listener failed", extra={"event_id": envelope.event_id})
 
-    async def catch_up(self, connection: Connection | None = None) -> int:
-        """Fold every event committed after ``state.position``; returns how many.
+    # -- freshness -----------------------------------------------------------------------
 
-        ``connection``: read on it instead of taking one from the pool (a consumer's
-        handler passes its transaction's connection, so a handler never waits for a
-        second pooled connection while holding one). Its transaction must not hold
-        uncommitted appends: they would be folded as if they had happened.
-        """
+    async def fresh(
+        self,
+        at_least: Freshness,
+        *also: Freshness,
+        connection: Connection | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (also waits for commits to come)
+    ) -> ClusterState:
+        """The state, folded at least as far as every mark asks (see the module docstring)."""
+        read, position = self._resolve((at_least, *also))
+        behind = self.state.position < position
+        if read or (behind and not await self._tailer_reaches(position, TAIL_WAIT_S)):
+            await self._read(connection)
+        if self.state.position < position and timeout is not None:
+            await self._wait_for_commit(position, timeout, connection)
+        return self.state
+
+    def _resolve(self, marks: Iterable[Freshness]) -> tuple[bool, int]:
+        """Whether a read is needed (HEAD), and the position to reach."""
+        read, position = False, 0
+        for mark in marks:
+            if mark is Mark.HEAD:
+                read = True
+            elif mark is Mark.SEEN:
+                seen = self.store.committed_head()
+                if seen is None:
+                    read = True  # not listening: nothing is known, so read what is there
+                else:
+                    position = max(position, seen)
+            else:
+                position = max(position, mark)
+        return read, position
+
+    async def _read(self, connection: Connection | None) -> int:
+        """Fold every event committed after ``state.position``; returns how many."""
         ticket = self._reads_started + 1  # the first read that starts after this call
         async with self._read_lock:
             if self._reads_done >= ticket:
@@ -210,24 +285,15 @@ class LiveState:
             self._reads_done = read
         return folded
 
-    async def catch_up_to(self, position: int | None) -> int:
-        """Fold at least up to ``position`` (``None``: everything, as :meth:`catch_up`).
-
-        Reads nothing when the state is already there. While :meth:`run` tails the log,
-        a caller that is behind waits for the tailer to fold ``position`` (it reads as
-        soon as the commit is announced) instead of queueing a read of its own; after
-        :data:`TAIL_WAIT_S` it reads itself.
-        """
-        if position is not None and self.state.position >= position:
-            return 0
-        if position is not None and self._tailing:
-            waiter = asyncio.get_running_loop().create_future()
-            self._position_waiters.append((position, waiter))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiter, TAIL_WAIT_S)
-            if self.state.position >= position:
-                return 0
-        return await self.catch_up()
+    async def _tailer_reaches(self, position: int, within: float) -> bool:
+        """Wait up to ``within`` seconds for the tailer to fold ``position`` (False: no tailer)."""
+        if not self._tailing:
+            return False
+        waiter = asyncio.get_running_loop().create_future()
+        self._position_waiters.append((position, waiter))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(waiter, within)
+        return self.state.position >= position
 
     def _wake_position_waiters(self) -> None:
         reached, waiting = self.state.position, []
@@ -239,18 +305,25 @@ class LiveState:
                 waiting.append((position, waiter))
         self._position_waiters = waiting
 
-    async def catch_up_seen(self) -> int:
-        """Fold every commit this process knows of (:meth:`EventStore.committed_head`).
-
-        Read-your-writes for a request handler: its own appends, and everything the
-        log announced, are folded; a commit whose notification is still on its way is
-        not waited for. Without a listener it is :meth:`catch_up`.
-        """
-        return await self.catch_up_to(self.store.committed_head())
+    async def _wait_for_commit(
+        self, position: int, within: float, connection: Connection | None
+    ) -> None:
+        """Until ``position`` is folded (it may not be committed yet); TimeoutError after."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while self.state.position < position:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"the log did not reach position {position} in {within}s")
+            if self._tailing:
+                await self._tailer_reaches(position, min(left, TAIL_WAIT_S))
+            else:
+                await self.store.wait_for_new(self.state.position, min(left, TAIL_WAIT_S))
+                await self._read(connection)
 
     @contextlib.asynccontextmanager
     async def frozen(self) -> AsyncIterator[ClusterState]:
-        """Hold the state still: no catch-up folds anything until the block ends.
+        """Hold the state still: nothing is folded until the block ends.
 
         A decision that awaits something (a stream version from the database) while
         it reads the state does so inside this block, so the state and the expected
@@ -260,84 +333,45 @@ class LiveState:
         async with self._fold_lock:
             yield self.state
 
-    async def wait_for(self, position: int, timeout: float) -> bool:  # noqa: ASYNC109
-        """Wait until the state has folded ``position`` (catching up itself); False on timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self.state.position < position:
-            await self.catch_up()
-            if self.state.position >= position:
-                break
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            await self.store.wait_for_new(self.state.position, min(left, 0.5))
-        return True
+    # -- tailing -------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event, *, poll_s: float = 1.0) -> None:
         """Tail the log until ``stop`` is set (NOTIFY wakes it; ``poll_s`` is the fallback).
 
-        The appends this process's store commits are handed over as they commit
-        (``EventStore.on_commit``) and folded without reading them back when they come
-        next; whatever else was announced (other processes, a gap) is read. A failing
-        read (database restarting) is logged and retried after ``poll_s``.
+        The appends this process's store commits are handed over as they commit and
+        folded without reading them back when they come next; whatever else was
+        announced (other processes, a gap) is read. A failing read (database
+        restarting) is logged and retried after ``poll_s``.
         """
         self._tailing = True
-        handover = self.store.on_commit(self._offer)
+        offered = self._handover.offered
         try:
-            read = True  # the first round reads whatever is there
-            while not stop.is_set():
-                try:
-                    self._offered_wake.clear()
-                    await self._fold_offered()
-                    if read or self.store.known_head > self.state.position:
-                        await self.catch_up()  # others' commits (or a gap): read them
-                    read = False
-                    await _first_of(self._next_commit(poll_s), stop)
-                except Exception as exc:
-                    if not (isinstance(exc, RuntimeServiceError) or is_unreachable(exc)):
-                        raise
-                    log.warning("live state could not read the log: %s", exc)
-                    read = True
-                    await _first_of(asyncio.sleep(poll_s), stop)
+            with self._handover.attached(self.store):
+                read = True  # the first round reads whatever is there
+                while not stop.is_set():
+                    try:
+                        offered.clear()
+                        await self._fold_offered()
+                        if read or self.store.known_head > self.state.position:
+                            await self._read(None)  # others' commits (or a gap): read them
+                        read = False
+                        next_commit = self.store.wait_for_new(self.state.position, poll_s)
+                        await first_of(next_commit, offered.wait(), stop.wait())
+                    except Exception as exc:
+                        if not (isinstance(exc, RuntimeServiceError) or is_unreachable(exc)):
+                            raise
+                        log.warning("live state could not read the log: %s", exc)
+                        read = True
+                        await first_of(asyncio.sleep(poll_s), stop.wait())
         finally:
-            handover()
-            self._offered.clear()
             self._tailing = False
-
-    async def _next_commit(self, poll_s: float) -> None:
-        """Until a commit is announced (NOTIFY), handed over, or ``poll_s`` passes."""
-        waiter = asyncio.ensure_future(self.store.wait_for_new(self.state.position, poll_s))
-        woken = asyncio.ensure_future(self._offered_wake.wait())
-        try:
-            await asyncio.wait({waiter, woken}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (waiter, woken):
-                task.cancel()
-            await asyncio.wait({waiter, woken})
-        if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
-            waiter.result()  # a failed wait (the database is gone): raise it
-
-    def _offer(self, envelopes: list[Envelope]) -> None:
-        """Commit listener: this process's appends, to fold without reading them back."""
-        if len(self._offered) > _OFFERED_KEPT:
-            return  # far behind: the log is read instead
-        for env in envelopes:
-            if env.position > self.state.position:
-                self._offered[env.position] = env
-        self._offered_wake.set()
 
     async def _fold_offered(self) -> int:
         """Fold the handed-over envelopes that come next (serialised with reads)."""
-        if not self._offered:
+        if not self._handover:
             return 0
         async with self._read_lock:
-            following, envelopes = self.state.position + 1, []
-            while (env := self._offered.pop(following, None)) is not None:
-                envelopes.append(env)
-                following += 1
-            for stale in [p for p in self._offered if p <= self.state.position]:
-                del self._offered[stale]
+            envelopes = self._handover.take()
             if envelopes:
                 async with self._fold_lock:
                     for env in envelopes:
@@ -345,19 +379,3 @@ class LiveState:
                 if self._position_waiters:
                     self._wake_position_waiters()
         return len(envelopes)
-
-
-async def _first_of(work: Coroutine[Any, Any, object], stop: asyncio.Event) -> None:
-    """Run ``work`` until it finishes or ``stop`` is set, whichever comes first."""
-    task = asyncio.ensure_future(work)
-    stopper = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, stopper):
-            if not pending.done():
-                pending.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pending
-    if task.done() and not task.cancelled():
-        task.result()  # re-raise its failure

@@ -23,7 +23,9 @@ the next position to publish is among them, the relay publishes them from memory
 without the NOTIFY wake-up and the read — in ``dracap up`` that is nearly every event
 of the claim path, one round trip less per hop. Anything else (another process's
 appends, appends inside a consumer's transaction, a gap) is read from the log as
-above; the order, the windows and the checkpoint are the same either way.
+above; the order, the windows and the checkpoint are the same either way. The buffer
+between the store and the relay is a :class:`~services.runtime.handover.Handover`
+(shared with the live state's tailer), holding at most four windows.
 
 Exactly once: each message carries ``Nats-Msg-Id = event id`` (and
 ``Nats-Expected-Stream``). A crash after some acks but before the checkpoint caught
@@ -55,7 +57,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
 import asyncpg
 import msgspec
@@ -66,8 +68,10 @@ from events.catalog import SCHEMA_VERSIONS, Envelope, encode_event, schema_versi
 from events.subjects import NODE_TAGS, BusNames
 from services.runtime import rows
 from services.runtime.eventstore import EventStore
+from services.runtime.handover import Handover
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import RELAY_LAG
+from services.runtime.waiting import first_of
 
 __all__ = ["CHECKPOINT", "Outgoing", "Relay", "outgoing"]
 
@@ -142,9 +146,8 @@ class Relay:
         self.duplicates = 0  #: messages the stream recognised as already stored
         self.windows = 0  #: windows published
         self.handed_over = 0  #: messages published from this process's appends, unread
-        #: this process's committed appends not yet published, by position
-        self._offered: dict[int, Envelope] = {}
-        self._wake = asyncio.Event()
+        #: this process's committed appends not yet published
+        self._handover = Handover(lambda: self.position, kept=4 * window)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until ``stop`` is set; the window in flight is finished first."""
@@ -156,25 +159,27 @@ class Relay:
         mark.position = mark.saved = self.position
         done = asyncio.Event()
         keeper = asyncio.create_task(mark.run(done))
-        handover = self._store.on_commit(self._offer)
         try:
-            while not stop.is_set():
-                try:
-                    await self._drain(stop)
-                    if not stop.is_set():
-                        await self._wait(stop)
-                except Exception:
-                    _log.exception("relay failed after position %d; retrying", self.position)
-                    await _sleep_unless(stop, self._retry_delay)
+            with self._handover.attached(self._store):
+                await self._relay(stop)
         except BaseException:  # cancelled: the process is going down, no final store
             keeper.cancel()
             raise
         finally:
-            handover()
-            self._offered.clear()
             done.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper  # on a clean stop: stores the final position
+
+    async def _relay(self, stop: asyncio.Event) -> None:
+        """Drain and wait until ``stop`` is set, retrying after a failure."""
+        while not stop.is_set():
+            try:
+                await self._drain(stop)
+                if not stop.is_set():
+                    await self._wait(stop)
+            except Exception:
+                _log.exception("relay failed after position %d; retrying", self.position)
+                await first_of(asyncio.sleep(self._retry_delay), stop.wait())
 
     @property
     def saved(self) -> int:
@@ -189,7 +194,7 @@ class Relay:
         return position or 0
 
     async def _drain(self, stop: asyncio.Event) -> None:
-        self._wake.clear()  # an offer from here on wakes the next wait at once
+        self._handover.offered.clear()  # an offer from here on wakes the next wait at once
         while not stop.is_set():
             offered = self._take_offered()
             if offered:  # this process's own appends, next in line: no read
@@ -205,7 +210,7 @@ class Relay:
                 self._advance(messages[-1].position)
                 if stop.is_set():
                     return
-            self._offered = {p: e for p, e in self._offered.items() if p > self.position}
+            self._handover.discard_passed()
         RELAY_LAG.set(max(0, self._store.known_head - self.position))
 
     def _advance(self, position: int) -> None:
@@ -213,26 +218,9 @@ class Relay:
         self._mark.advance(position)
         RELAY_LAG.set(max(self._store.known_head, position) - position)
 
-    def _offer(self, envelopes: list[Envelope]) -> None:
-        """Commit listener: keep this process's appends to publish without reading them."""
-        if len(self._offered) > 4 * self._window:
-            return  # far behind: the log is read instead
-        for env in envelopes:
-            if env.position > self.position:
-                self._offered[env.position] = env
-        self._wake.set()
-
     def _take_offered(self) -> list[Outgoing]:
         """The offered envelopes that come next, in order, up to a window."""
-        out: list[Outgoing] = []
-        following = self.position + 1
-        while len(out) < self._window:
-            env = self._offered.pop(following, None)
-            if env is None:
-                break
-            out.append(outgoing_envelope(self._names, env))
-            following += 1
-        return out
+        return [outgoing_envelope(self._names, e) for e in self._handover.take(self._window)]
 
     async def _publish_window(self, messages: Sequence[Outgoing]) -> None:
         """Write every message, then await all acknowledgements together."""
@@ -265,24 +253,8 @@ class Relay:
     async def _wait(self, stop: asyncio.Event) -> None:
         """Until the log moves past the checkpoint, an append is offered, ``stop`` is set,
         or a poll passes."""
-        waiter = asyncio.ensure_future(self._store.wait_for_new(self.position, self._idle_poll))
-        woken = asyncio.ensure_future(self._wake.wait())
-        stopper = asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait({waiter, woken, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            await _cancel(waiter, woken, stopper)
-        if not waiter.cancelled() and waiter.exception() is not None:
-            waiter.result()  # a failed wait (the database is gone): raise it
-
-
-async def _cancel(*tasks: asyncio.Future[Any]) -> None:
-    """Cancel ``tasks`` and wait for them, without swallowing our own cancellation."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.wait(tasks)
-
-
-async def _sleep_unless(stop: asyncio.Event, delay: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), delay)
+        await first_of(
+            self._store.wait_for_new(self.position, self._idle_poll),
+            self._handover.offered.wait(),
+            stop.wait(),
+        )

@@ -64,7 +64,7 @@ from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.eventstore import EventStore
-from services.runtime.livestate import LiveState
+from services.runtime.livestate import HEAD, LiveState
 from services.runtime.relaying import Relay
 from services.runtime.settings import Settings
 
@@ -233,8 +233,7 @@ class Node:
     async def until(self, check: Callable[[ClusterState], bool], within: float = 20) -> None:
         deadline = time.monotonic() + within
         while True:
-            await self.view.catch_up()
-            if check(self.view.state):
+            if check(await self.view.fresh(HEAD)):
                 return
             if self.agent is not None and self.agent.poll() is not None:
                 raise AssertionError(f"the agent exited:\n{self.agent_log()}")

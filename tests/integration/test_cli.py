@@ -28,7 +28,7 @@ import pytest
 from events import model
 from events.subjects import BusNames
 from services import cli
-from services.claims import api as api_module
+from services.claims import adminwrites
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
@@ -280,14 +280,14 @@ async def test_the_ledger_refusing_a_shrink_is_the_same_rejection(
 ) -> None:
     # a reservation committed after the API decided: the first check sees the state from
     # before it (None), so the capacity ledger's CHECK is what refuses the append
-    real = api_module.below_allocated
+    real = adminwrites.below_allocated
     seen: list[int] = []
 
     def stale_first(state: Any, slices: Any) -> Any:
         seen.append(1)
         return None if len(seen) == 1 else real(state, slices)
 
-    monkeypatch.setattr(api_module, "below_allocated", stale_first)
+    monkeypatch.setattr(adminwrites, "below_allocated", stale_first)
     await _slice_update_is_rejected(stack_flags, capsys, tmp_path)
     assert len(seen) == 2
 

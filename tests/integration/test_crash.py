@@ -62,7 +62,7 @@ from services.reservation.service import ReservationService
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.eventstore import EventStore
-from services.runtime.livestate import LiveState
+from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import CONSUMER_REDELIVERIES
 from services.runtime.relaying import Relay
 from services.runtime.settings import Settings
@@ -227,8 +227,7 @@ class Cluster:
         return out
 
     async def state(self) -> ClusterState:
-        await self.view.catch_up()
-        return self.view.state
+        return await self.view.fresh(HEAD)
 
     async def until(self, check: Callable[[ClusterState], bool], within: float = 20) -> None:
         await state_reaches(self.view, check, within)

@@ -335,10 +335,10 @@ async def test_verify_reports_first_violating_position(
 # --- the live state -------------------------------------------------------------------------
 
 
-async def test_catch_up_to_waits_for_the_tailer_instead_of_reading(
+async def test_fresh_waits_for_the_tailer_instead_of_reading(
     store: EventStore, settings: Settings
 ) -> None:
-    from services.runtime.livestate import LiveState
+    from services.runtime.livestate import SEEN, LiveState
 
     live = LiveState(store)
     meta = Metadata(actor="test")
@@ -352,26 +352,28 @@ async def test_catch_up_to_waits_for_the_tailer_instead_of_reading(
             [Batch("claim:t/a", 0, [catalog.ClaimAdmitted(namespace="t", name="a")])], meta
         )
         assert store.committed_head() == env.position  # its own commit, before any NOTIFY
-        assert await live.catch_up_to(store.committed_head()) == 0  # folded by the tailer
-        assert live.state.position >= env.position
+        state = await live.fresh(SEEN)  # folded by the tailer
+        assert state.position >= env.position
         assert live._reads_started == reads  # handed over: no read at all
         # another process's commit is announced, and the tailer reads it
         [foreign] = await other.append_many(
             [Batch("claim:t/c", 0, [catalog.ClaimAdmitted(namespace="t", name="c")])], meta
         )
-        assert await live.wait_for(foreign.position, 5.0)
-        assert live.state.claim("t", "c") is not None
+        state = await live.fresh(foreign.position, timeout=5.0)
+        assert state.claim("t", "c") is not None
         assert live._reads_started >= reads + 1
     finally:
         stop.set()
         await tailer
         await other.close()
     # without a tailer the caller reads itself
+    reads = live._reads_started
     [env] = await store.append_many(
         [Batch("claim:t/b", 0, [catalog.ClaimAdmitted(namespace="t", name="b")])], meta
     )
-    assert await live.catch_up_to(env.position) == 1
-    assert live.state.claim("t", "b") is not None
+    state = await live.fresh(env.position)
+    assert state.claim("t", "b") is not None
+    assert live._reads_started == reads + 1
 
 
 async def test_a_listener_lost_with_its_server_is_opened_again(

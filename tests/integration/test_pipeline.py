@@ -54,7 +54,7 @@ from services.reservation.service import ReservationService
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.consuming import HandlerContext
 from services.runtime.eventstore import EventStore
-from services.runtime.livestate import LiveState
+from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import REGISTRY
 from services.runtime.relaying import Relay
 from services.runtime.selectorpool import SelectorPool
@@ -213,8 +213,7 @@ class Pipeline:
     # -- waiting on the log
     async def state(self) -> ClusterState:
         assert self.view is not None
-        await self.view.catch_up()
-        return self.view.state
+        return await self.view.fresh(HEAD)
 
     async def until(self, check: Callable[[ClusterState], bool], within: float = 10) -> None:
         assert self.view is not None

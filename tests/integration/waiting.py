@@ -11,7 +11,7 @@ from nats.js import JetStreamContext
 from events.fold import ClusterState
 from events.subjects import BusNames
 from services.runtime.eventstore import EventStore
-from services.runtime.livestate import LiveState
+from services.runtime.livestate import HEAD, LiveState
 
 
 async def state_reaches(
@@ -20,8 +20,7 @@ async def state_reaches(
     """Fold ``view`` until ``check`` holds; AssertionError after ``within`` seconds."""
     deadline = time.monotonic() + within
     while True:
-        await view.catch_up()
-        if check(view.state):
+        if check(await view.fresh(HEAD)):
             return
         left = deadline - time.monotonic()
         if left <= 0:

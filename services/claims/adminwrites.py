@@ -1,0 +1,219 @@
+"""The claims API's writes besides ``claims.apply``, as pure decisions. No I/O.
+
+Each function takes the folded state and a request already decoded and checked for
+shape, and says what to record and what to answer; the API
+(:mod:`services.claims.api`) asks the live state for a fresh view, calls the decision,
+appends its events and replies.
+
+Admin writes (``deviceclasses.apply``, ``slices.apply``, ``namespaces.access``) are
+last-writer-wins: their events carry no expected version (each goes to its object's
+own stream, :func:`events.catalog.stream_of`), and objects equal to what the log
+already holds are skipped, so re-applying an inventory records nothing.
+
+* :func:`decide_classes`: ``DeviceClassApplied`` (rollout ``immediate``) for every
+  class that is new or differs; the last of two objects with one name wins.
+* :func:`decide_slices`: ``ResourceSlicePublished`` likewise — unless a new total is
+  below what live shares hold on its device (:func:`below_allocated`): then nothing is
+  recorded and the request is ``rejected`` naming device, capacity, the total asked
+  and the amount allocated. The same refusal answers the capacity ledger's CHECK when
+  a reservation won the race (:data:`LEDGER_REFUSED` when the state read afterwards
+  no longer shows why).
+* :func:`decide_access`: ``NamespaceAccessSet`` when the namespace's classes or its
+  adminAccess flag change.
+
+Delete (``claims.delete``, a tenant write with the claim stream's expected version):
+:func:`decide_delete` gives an allocated (or ready, or failed but still holding) claim
+``ReleaseRequested(node=...)``; a claim without live shares ``ClaimWithdrawn``; a claim
+already releasing, withdrawn or released is left alone and its phase is the answer (a
+second delete, concurrent or late, finds the caller's wish done); only a claim that
+never existed is not found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import msgspec
+
+from events.catalog import (
+    ClaimWithdrawn,
+    DeviceClassApplied,
+    Event,
+    NamespaceAccessSet,
+    ReleaseRequested,
+    ResourceSlicePublished,
+)
+from events.fold import ClaimState, ClusterState
+from events.model import DeviceClass, ResourceSlice
+from events.quantities import Quantity
+from services.claims.admission import Refusal
+
+__all__ = [
+    "DELETED_PHASES",
+    "LEDGER_REFUSED",
+    "AdminWrite",
+    "Deletion",
+    "access_classes",
+    "below_allocated",
+    "decide_access",
+    "decide_classes",
+    "decide_delete",
+    "decide_slices",
+    "ledger_refusal",
+]
+
+#: A delete of a claim in these phases has nothing left to do: it answers the phase.
+DELETED_PHASES: Final = frozenset({"releasing", "withdrawn", "released"})
+_HOLDING_PHASES: Final = frozenset({"allocated", "ready", "failed"})
+
+
+class AdminWrite(msgspec.Struct, frozen=True, kw_only=True):
+    """What an admin write records (``events``) and answers (names, or ``refusal``)."""
+
+    events: tuple[Event, ...] = ()
+    applied: tuple[str, ...] = ()  #: objects recorded
+    unchanged: tuple[str, ...] = ()  #: objects equal to the log's, sorted
+    refusal: Refusal | None = None
+
+
+class Deletion(msgspec.Struct, frozen=True, kw_only=True):
+    """What a delete records (``event``, or ``None``) and the phase it answers."""
+
+    found: bool
+    event: Event | None = None
+    phase: str | None = None  #: the claim's phase once the event is recorded
+
+
+def decide_classes(state: ClusterState, classes: Sequence[DeviceClass]) -> AdminWrite:
+    """Record the DeviceClasses that differ from the log's."""
+    latest = {c.metadata.name: c for c in classes}
+    changed = [
+        c
+        for name, c in latest.items()
+        if name not in state.classes or state.classes[name].device_class != c
+    ]
+    names = [c.metadata.name for c in changed]
+    return AdminWrite(
+        events=tuple(DeviceClassApplied(device_class=c, rollout="immediate") for c in changed),
+        applied=tuple(names),
+        unchanged=tuple(sorted(set(latest) - set(names))),
+    )
+
+
+def decide_slices(state: ClusterState, slices: Sequence[ResourceSlice]) -> AdminWrite:
+    """Record the ResourceSlices that differ from the log's, unless one shrinks below use."""
+    latest = {s.metadata.name: s for s in slices}
+    changed = [s for name, s in latest.items() if state.slices.get(name) != s]
+    refusal = below_allocated(state, changed)
+    if refusal is not None:
+        return AdminWrite(refusal=refusal)
+    names = [s.metadata.name for s in changed]
+    return AdminWrite(
+        events=tuple(ResourceSlicePublished(slice=s) for s in changed),
+        applied=tuple(names),
+        unchanged=tuple(sorted(set(latest) - set(names))),
+    )
+
+
+def access_classes(classes: Sequence[str]) -> list[str]:
+    """The classes a ``namespaces.access`` request records: sorted, each once."""
+    return sorted(set(classes))
+
+
+def decide_access(
+    state: ClusterState, namespace: str, classes: Sequence[str], admin_access: bool
+) -> AdminWrite:
+    """Record the namespace's classes and adminAccess if they change."""
+    wanted = access_classes(classes)
+    current = state.namespaces.get(namespace)
+    if current is not None and (current.classes, current.admin_access) == (wanted, admin_access):
+        return AdminWrite(unchanged=(namespace,))
+    event = NamespaceAccessSet(namespace=namespace, classes=wanted, admin_access=admin_access)
+    return AdminWrite(events=(event,), applied=(namespace,))
+
+
+def decide_delete(state: ClusterState, namespace: str, name: str) -> Deletion:
+    """Release an allocated claim, withdraw any other (see the module docstring)."""
+    claim = state.claim(namespace, name)
+    if claim is None:
+        return Deletion(found=False)
+    if claim.phase in DELETED_PHASES:
+        return Deletion(found=True, phase=claim.phase)
+    if claim.phase in _HOLDING_PHASES and _holds(state, claim):
+        event: Event = ReleaseRequested(
+            namespace=claim.namespace,
+            name=claim.name,
+            allocation_version=claim.allocation_version,
+            node=claim.node,
+        )
+        return Deletion(found=True, event=event, phase="releasing")
+    return Deletion(
+        found=True,
+        event=ClaimWithdrawn(namespace=claim.namespace, name=claim.name),
+        phase="withdrawn",
+    )
+
+
+def _holds(state: ClusterState, claim: ClaimState) -> bool:
+    """Whether a share of ``claim`` still holds capacity."""
+    return any(state.shares[s].live for s in claim.share_ids if s in state.shares)
+
+
+def below_allocated(state: ClusterState, slices: Sequence[ResourceSlice]) -> Refusal | None:
+    """The first capacity of ``slices`` whose new total is below what ``state`` has allocated.
+
+    Allocated is what live, non-admin shares consume (the capacity ledger's
+    ``allocated``); a device the slices do not list keeps its total and is not checked.
+    """
+    for rslice in slices:
+        spec = rslice.spec
+        for i, device in enumerate(spec.devices or ()):
+            current = state.device(spec.driver, spec.pool.name, device.name)
+            if current is None:
+                continue
+            for name, capacity in sorted((device.capacity or {}).items()):
+                allocated = current.consumed_nanos.get(name, 0)
+                if allocated > capacity.value.nanos:
+                    held = Quantity(allocated, capacity.value.format)
+                    return _below_allocated(rslice, i, name, capacity.value, held)
+    return None
+
+
+def ledger_refusal(state: ClusterState, write: AdminWrite) -> Refusal:
+    """The answer when the capacity ledger refused ``write``, from the state read after it."""
+    slices = [e.slice for e in write.events if isinstance(e, ResourceSlicePublished)]
+    return below_allocated(state, slices) or LEDGER_REFUSED
+
+
+def _below_allocated(
+    rslice: ResourceSlice, index: int, capacity: str, asked: Quantity, held: Quantity
+) -> Refusal:
+    spec = rslice.spec
+    device = f"{spec.driver}/{spec.pool.name}/{(spec.devices or [])[index].name}"
+    field = f"spec.devices[{index}].capacity[{capacity}].value"
+    rule = "must not be below what live shares hold on the device"
+    detail = (
+        f"device {device} {capacity}: total {asked} asked, {held} allocated; "
+        "release or move the shares first"
+    )
+    return Refusal(
+        code="rejected",
+        kind="below-allocated",
+        field=field,
+        rule=rule,
+        message=f"ResourceSlice {rslice.metadata.name}: {field}: {rule} ({detail})",
+        detail=detail,
+    )
+
+
+#: The ledger refused new totals, yet the state read afterwards shows no device below
+#: them (the reservation was released again in between): the same rejection, unnamed.
+LEDGER_REFUSED: Final = Refusal(
+    code="rejected",
+    kind="below-allocated",
+    field=None,
+    rule="a new total must not be below what live shares hold on the device",
+    message="the capacity ledger refused the new totals: a device would hold less than "
+    "its live shares were allocated; read the devices and retry",
+)

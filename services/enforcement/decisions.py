@@ -1,0 +1,317 @@
+"""What the node agent does, and what it records of it, as pure decisions. No I/O.
+
+The agent (:mod:`services.enforcement.agent`) is a loop: it asks for a fresh state,
+calls :func:`decide_work`, runs the enforcers for the tasks, and hands their outcomes
+to :func:`record`, which says what to append. Neither function awaits or touches the
+kernel, so both are tested as tables. The rules:
+
+Work (:func:`decide_work`, on the folded state; a message only says where to look)
+
+* ``AllocationBound`` -> :class:`Enforce`: the limit of each share of the allocation
+  that is this node's (or has no node), ``bound`` in the fold and of that allocation
+  version. Shares already ready, released or releasing are left alone, so a
+  redelivered or forged message changes nothing.
+* ``ReleaseRequested`` -> :class:`Release`: only when the fold has the claim
+  ``releasing`` at that allocation version; each of its shares on this node that is
+  ``releasing`` at that version (not ``unknown``: the reclamation service owns those)
+  has its limit removed and its capacity released.
+
+A message that asks nothing of this node gives no task.
+
+Record (:func:`record`, from the enforcers' outcomes)
+
+* an applied limit -> ``LimitApplied(level, actual)``; a failed one -> ``LimitFailed``
+  (a retryable failure is recorded only when it will not be retried by redelivery,
+  :func:`retry_later`); both on the node stream at the version read with the state;
+* every :class:`Enforce` with an outcome also checks its claim stream's version (a
+  batch without events): a ``ReleaseRequested`` that got in first makes the append
+  conflict, and the redelivery finds the share releasing — ``LimitApplied`` never
+  follows it (invariant 7);
+* each removal -> ``LimitRemoved`` (node stream) + ``CapacityReleased`` (device stream,
+  any version: the fold and the ledger make a release idempotent, invariant 5).
+
+Reconcile (at start): :func:`services.enforcement.reconciling.plan_reconcile` says
+what to do per share; :func:`reconciled` turns what was done into the report
+``EnforcementReconciled`` (``None`` when there is nothing to report),
+:func:`set_aside` reports a checkpoint the loader could not use, and
+:func:`rebuilt_entries` is the checkpoint written afterwards.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Collection, Mapping, Sequence
+from typing import Final, TypeAlias
+
+import msgspec
+
+from events.catalog import (
+    AllocationBound,
+    CapacityReleased,
+    EnforcementCheckpointSetAside,
+    EnforcementReconciled,
+    Envelope,
+    Event,
+    LimitApplied,
+    LimitFailed,
+    LimitRemoved,
+    ReleaseRequested,
+    claim_stream,
+    device_stream,
+    node_stream,
+)
+from events.fold import ClusterState, ShareState
+from services.enforcement.checkpointing import CheckpointEntry, CheckpointWarning
+from services.enforcement.enforcers import AppliedLimit, ShareLimit
+from services.enforcement.reconciling import ReconcilePlan
+
+__all__ = [
+    "Enforce",
+    "Failed",
+    "Release",
+    "Task",
+    "Written",
+    "decide_work",
+    "limit_of",
+    "rebuilt_entries",
+    "reconciled",
+    "record",
+    "retry_later",
+    "set_aside",
+    "streams_to_check",
+]
+
+#: Share states in which the folded log demands an action (not the message alone).
+_APPLICABLE: Final = frozenset({"bound"})
+_RELEASABLE: Final = frozenset({"releasing"})
+#: Characters of a checkpoint problem kept in the report.
+_DETAIL_KEPT: Final = 2000
+
+
+class Enforce(msgspec.Struct, frozen=True, kw_only=True):
+    """Put limits in force for one ``AllocationBound`` (event id ``message``)."""
+
+    message: str
+    guard: str  #: the claim stream, whose version the append checks
+    limits: tuple[ShareLimit, ...]
+    shares: int  #: shares in the allocation: the claim is ready when all are applied
+
+
+class Release(msgspec.Struct, frozen=True, kw_only=True):
+    """Remove limits and release capacity for one ``ReleaseRequested`` (``message``)."""
+
+    message: str
+    released: tuple[CapacityReleased, ...]  #: one per share, as the device stream records it
+
+
+Task: TypeAlias = Enforce | Release
+
+
+class Failed(msgspec.Struct, frozen=True, kw_only=True):
+    """An enforcer could not apply a limit (and it is not retried by redelivery)."""
+
+    retryable: bool
+    reason: str
+
+
+class Written(msgspec.Struct, kw_only=True):
+    """What :func:`record` wants appended, and what it means for the metrics."""
+
+    #: per stream: expected version, events, and the message (event id) of each event
+    streams: dict[str, tuple[int | None, list[Event], list[str]]] = {}
+    ready: dict[str, bool] = {}  #: messages that applied a limit -> whether all were applied
+    released: list[str] = []  #: messages that released capacity
+
+    def add(self, stream: str, version: int | None, event: Event | None, message: str) -> None:
+        """Add ``event`` (``None``: only check the stream's version) to ``stream``."""
+        _, events, messages = self.streams.setdefault(stream, (version, [], []))
+        if event is not None:
+            events.append(event)
+            messages.append(message)
+
+
+def decide_work(state: ClusterState, node: str, messages: Sequence[Envelope]) -> list[Task]:
+    """What ``messages`` ask of ``node``, as the folded ``state`` demands it."""
+    tasks: list[Task] = []
+    for env in messages:
+        event = env.event
+        task: Task | None = None
+        if isinstance(event, AllocationBound) and event.node == node:
+            task = _enforce(state, node, env.event_id, event)
+        elif isinstance(event, ReleaseRequested) and event.node == node:
+            task = _release(state, node, env.event_id, event)
+        if task is not None:
+            tasks.append(task)
+    return tasks
+
+
+def _mine(share: ShareState | None, node: str) -> bool:
+    return share is not None and share.node in (None, node)
+
+
+def _enforce(state: ClusterState, node: str, message: str, event: AllocationBound) -> Task | None:
+    limits = []
+    for share_id in event.share_ids:
+        share = state.shares.get(share_id)
+        if share is None or not _mine(share, node) or share.state not in _APPLICABLE:
+            continue
+        if share.allocation_version == event.allocation_version:
+            limits.append(limit_of(share))
+    if not limits:
+        return None
+    guard = claim_stream(event.namespace, event.name)
+    return Enforce(message=message, guard=guard, limits=tuple(limits), shares=len(event.share_ids))
+
+
+def _release(state: ClusterState, node: str, message: str, event: ReleaseRequested) -> Task | None:
+    claim = state.claim(event.namespace, event.name)
+    if (
+        claim is None
+        or claim.phase != "releasing"
+        or claim.allocation_version != event.allocation_version
+    ):
+        return None
+    released = []
+    for share_id in claim.share_ids:
+        share = state.shares.get(share_id)
+        if share is None or not _mine(share, node) or share.state not in _RELEASABLE:
+            continue
+        if share.allocation_version == event.allocation_version:
+            released.append(_released(share))
+    return Release(message=message, released=tuple(released)) if released else None
+
+
+def streams_to_check(node: str, tasks: Sequence[Task]) -> list[str]:
+    """The streams whose expected versions :func:`record` needs (read with the state)."""
+    if not tasks:
+        return []
+    return [node_stream(node), *(t.guard for t in tasks if isinstance(t, Enforce))]
+
+
+def retry_later(retryable: bool, delivery: int, max_deliver: int) -> bool:
+    """Whether a failed apply is left to redelivery instead of being recorded."""
+    return retryable and delivery < max_deliver
+
+
+def record(
+    node: str,
+    tasks: Sequence[Task],
+    outcomes: Mapping[str, AppliedLimit | Failed],
+    versions: Mapping[str, int],
+) -> Written:
+    """The events of ``tasks`` done, given each applied share's outcome (by share id)."""
+    out = Written()
+    stream = node_stream(node)
+    for task in tasks:
+        if isinstance(task, Enforce):
+            applied = 0
+            for limit in task.limits:
+                event = _applied(node, limit.share_id, outcomes[limit.share_id])
+                applied += isinstance(event, LimitApplied)
+                out.add(stream, versions[stream], event, task.message)
+            out.add(task.guard, versions[task.guard], None, task.message)
+            if applied:
+                out.ready[task.message] = applied == task.shares
+        else:
+            for released in task.released:
+                removed = LimitRemoved(share_id=released.share_id, node=node)
+                out.add(stream, versions[stream], removed, task.message)
+                device = device_stream(released.driver, released.pool, released.device)
+                out.add(device, None, released, task.message)
+            out.released.append(task.message)
+    return out
+
+
+def _applied(node: str, share_id: str, outcome: AppliedLimit | Failed) -> Event:
+    if isinstance(outcome, Failed):
+        return LimitFailed(
+            share_id=share_id, node=node, retryable=outcome.retryable, reason=outcome.reason
+        )
+    return LimitApplied(share_id=share_id, node=node, level=outcome.level, actual=outcome.actual)
+
+
+# -- reconcile ------------------------------------------------------------------------
+
+
+def set_aside(node: str, warning: CheckpointWarning) -> EnforcementCheckpointSetAside:
+    """The report of a checkpoint the loader could not use."""
+    return EnforcementCheckpointSetAside(
+        node=node,
+        path=warning.path,
+        reason=warning.reason,
+        detail=warning.detail[:_DETAIL_KEPT],
+        moved_to=warning.set_aside,
+    )
+
+
+def reconciled(
+    node: str,
+    plan: ReconcilePlan,
+    observed: Collection[str],
+    removed: Collection[str],
+    reapplied: Sequence[str],
+    failed: Sequence[str],
+) -> EnforcementReconciled | None:
+    """The report of a reconcile; ``None`` when nothing was found to report.
+
+    ``removed``: the orphaned and stale shares whose removal succeeded; only those the
+    kernel showed (``observed``) are reported as orphans removed.
+    """
+    orphans = [s for s in plan.orphans + plan.stale if s in removed and s in observed]
+    if not (reapplied or orphans or plan.kept or failed):
+        return None
+    return EnforcementReconciled(
+        node=node,
+        reapplied=list(reapplied),
+        removed_orphans=orphans,
+        kept=plan.kept,
+        failed=list(failed),
+    )
+
+
+def rebuilt_entries(
+    shares: Mapping[str, ShareState],
+    in_force: Mapping[str, AppliedLimit],
+    failed: Sequence[str],
+    now: datetime.datetime,
+) -> dict[str, CheckpointEntry]:
+    """The checkpoint after a reconcile: what is in force now, and what failed (started)."""
+    entries: dict[str, CheckpointEntry] = {}
+    for share_id, applied in in_force.items():
+        limit = limit_of(shares[share_id])
+        entries[share_id] = CheckpointEntry(
+            share_id=share_id, phase="completed", limit=limit, applied=applied, updated_at=now
+        )
+    for share_id in failed:
+        limit = limit_of(shares[share_id])
+        entries[share_id] = CheckpointEntry(
+            share_id=share_id, phase="started", limit=limit, updated_at=now
+        )
+    return entries
+
+
+# -- shapes -----------------------------------------------------------------------------
+
+
+def limit_of(share: ShareState) -> ShareLimit:
+    """The limit an enforcer puts in force for ``share``."""
+    return ShareLimit(
+        share_id=share.share_id,
+        driver=share.driver,
+        pool=share.pool,
+        device=share.device,
+        consumed=dict(share.consumed),
+        admin_access=share.admin_access,
+    )
+
+
+def _released(share: ShareState) -> CapacityReleased:
+    return CapacityReleased(
+        share_id=share.share_id,
+        driver=share.driver,
+        pool=share.pool,
+        device=share.device,
+        allocation_version=share.allocation_version,
+        consumed=dict(share.consumed),
+        admin_access=share.admin_access,
+    )

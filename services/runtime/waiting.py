@@ -1,0 +1,31 @@
+"""Waiting for the first of several things: a wake-up, a stop, a timer.
+
+Every loop of a service waits the same way: until work arrives (a NOTIFY, an offered
+commit, a flag) *or* it is told to stop, whichever is first. :func:`first_of` is that
+wait, written once. It runs the awaitables as tasks, returns when one of them is done,
+and cancels the others and waits for them to end — so a loop never leaves a waiter
+behind. A failure of an awaitable (a lost database connection while waiting for a
+NOTIFY) is raised to the caller; the caller's own cancellation cancels every task and
+propagates, it is never swallowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+__all__ = ["first_of"]
+
+
+async def first_of(*awaitables: Awaitable[object]) -> None:
+    """Wait until one of ``awaitables`` is done, cancel the rest, raise a failure."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            task.result()  # raises it

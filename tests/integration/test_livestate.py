@@ -1,0 +1,74 @@
+"""LiveState.fresh against the real log: shared reads, SEEN, positions still to come."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from events import catalog
+from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.livestate import HEAD, SEEN, LiveState
+from services.runtime.settings import Settings
+
+META = Metadata(actor="test")
+
+
+@pytest.fixture
+async def store(settings: Settings) -> AsyncIterator[EventStore]:
+    async with await EventStore.open(settings) as store:
+        yield store
+
+
+async def _admit(store: EventStore, name: str) -> int:
+    event = catalog.ClaimAdmitted(namespace="t", name=name)
+    [env] = await store.append_many([Batch(f"claim:t/{name}", 0, [event])], META)
+    return env.position
+
+
+async def test_concurrent_callers_share_reads(store: EventStore) -> None:
+    live = LiveState(store)
+    await _admit(store, "a")
+    reads = live._reads_started
+    states = await asyncio.gather(*(live.fresh(HEAD) for _ in range(8)))
+    # the first read, then one that began after every other call: they share it
+    assert live._reads_started - reads == 2
+    assert all(s is live.state and s.claim("t", "a") is not None for s in states)
+
+
+async def test_seen_reads_the_log_when_the_store_knows_of_no_commit(
+    store: EventStore, settings: Settings
+) -> None:
+    async with await EventStore.open(settings) as other:  # another process's store
+        await _admit(other, "a")
+    assert store.committed_head() is None  # not listening: it knows nothing
+    state = await LiveState(store).fresh(SEEN)
+    assert state.claim("t", "a") is not None
+
+
+async def test_a_position_reached_reads_nothing(store: EventStore) -> None:
+    live = LiveState(store)
+    position = await _admit(store, "a")
+    await live.fresh(position)
+    reads = live._reads_started
+    assert (await live.fresh(position)).position >= position
+    assert live._reads_started == reads
+
+
+async def test_a_position_still_to_come_is_waited_for(store: EventStore) -> None:
+    live = LiveState(store)
+    head = await _admit(store, "a")
+    waiting = asyncio.create_task(live.fresh(head + 1, timeout=30))
+    await live.fresh(head)  # meanwhile the waiter reads what is there, then waits
+    await _admit(store, "b")
+    state = await waiting
+    assert state.position >= head + 1 and state.claim("t", "b") is not None
+
+
+async def test_a_position_that_does_not_come_times_out(store: EventStore) -> None:
+    live = LiveState(store)
+    head = await _admit(store, "a")
+    with pytest.raises(TimeoutError):
+        await live.fresh(head + 1, timeout=0.2)
+    assert live.state.position == head  # what was committed is folded all the same

@@ -1,0 +1,184 @@
+"""The claims API's admin writes and delete, one named table row each.
+
+(services.claims.adminwrites.) Each row tells what the log holds, makes one request
+and expects the events recorded (as one line each) and the answer: the names applied
+and unchanged, a refusal, or a delete's phase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from events import catalog as c
+from events.fold import ClusterState
+from services.claims.adminwrites import (
+    LEDGER_REFUSED,
+    AdminWrite,
+    decide_access,
+    decide_classes,
+    decide_delete,
+    decide_slices,
+    ledger_refusal,
+)
+from tests.unit.allocator_fixtures import device_class, slice_
+from tests.unit.decision_fixtures import (
+    NAMESPACE,
+    NODE,
+    Log,
+    admitted,
+    described,
+    gpu,
+    inventory,
+    memory_claim,
+)
+
+GPU_SLICE = f"{NODE}-slice"  # the slice inventory() publishes
+
+
+def _slice(total: str = "40Gi", name: str = GPU_SLICE) -> Any:
+    return slice_([gpu("gpu-0", total)], node=NODE, name=name)
+
+
+@dataclass
+class Case:
+    id: str
+    request: Callable[[ClusterState], AdminWrite]
+    expect: list[str]
+    applied: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    refused: str | None = None  # a fragment of the refusal's message
+    story: list[str] = field(default_factory=list)  # "reserve <claim> <memory>"
+
+
+CASES = [
+    Case(
+        "a-new-class-is-recorded",
+        lambda s: decide_classes(s, [device_class("other.test.io")]),
+        ["DeviceClassApplied other.test.io"],
+        applied=["other.test.io"],
+    ),
+    Case(
+        "a-class-equal-to-the-logs-is-unchanged",
+        lambda s: decide_classes(s, [device_class()]),
+        [],
+        unchanged=["gpu.test.io"],
+    ),
+    Case(
+        "a-changed-class-is-recorded-the-last-of-one-name-wins",
+        lambda s: decide_classes(s, [device_class(), device_class(selectors=["true"])]),
+        ["DeviceClassApplied gpu.test.io"],
+        applied=["gpu.test.io"],
+    ),
+    Case(
+        "a-slice-equal-to-the-logs-is-unchanged",
+        lambda s: decide_slices(s, [_slice()]),
+        [],
+        unchanged=[GPU_SLICE],
+    ),
+    Case(
+        "a-grown-slice-and-a-new-one-are-recorded",
+        lambda s: decide_slices(s, [_slice("80Gi"), _slice(name="node-b-slice")]),
+        [f"ResourceSlicePublished {GPU_SLICE}", "ResourceSlicePublished node-b-slice"],
+        applied=[GPU_SLICE, "node-b-slice"],
+    ),
+    Case(
+        "a-total-down-to-what-is-allocated-is-recorded",
+        lambda s: decide_slices(s, [_slice("30Gi")]),
+        [f"ResourceSlicePublished {GPU_SLICE}"],
+        applied=[GPU_SLICE],
+        story=["reserve c1 30Gi"],
+    ),
+    Case(
+        "a-total-below-what-is-allocated-is-rejected",
+        lambda s: decide_slices(s, [_slice("20Gi")]),
+        [],
+        refused="device gpu.test.io/node-a-pool/gpu-0 memory: total 20Gi asked, 30Gi allocated",
+        story=["reserve c1 30Gi"],
+    ),
+    Case(
+        "a-namespace-gets-its-classes-sorted-once-each",
+        lambda s: decide_access(s, "tenant-b", ["b.io", "a.io", "b.io"], True),
+        ["NamespaceAccessSet tenant-b a.io,b.io adminAccess"],
+        applied=["tenant-b"],
+    ),
+    Case(
+        "access-equal-to-the-logs-is-unchanged",
+        lambda s: decide_access(s, NAMESPACE, ["*", "*"], False),
+        [],
+        unchanged=[NAMESPACE],
+    ),
+    Case(
+        "taking-adminaccess-away-is-recorded",
+        lambda s: decide_access(s, NAMESPACE, ["*"], False),
+        ["NamespaceAccessSet tenant-a *"],
+        applied=[NAMESPACE],
+        story=["admin-access"],
+    ),
+]
+
+
+def _tell(story: list[str]) -> Log:
+    log = Log(*inventory())
+    for line in story:
+        verb, *args = line.split()
+        if verb == "reserve":
+            log.reserve(memory_claim(args[0], args[1]))
+        elif verb == "admit":
+            log.extend(admitted(memory_claim(args[0])))
+        elif verb == "ready":
+            for share_id in log.state().claims[(NAMESPACE, args[0])].share_ids:
+                log.add(c.LimitApplied(share_id=share_id, node=NODE, level="none", actual={}))
+        elif verb == "release":
+            log.add(c.ReleaseRequested(namespace=NAMESPACE, name=args[0], allocation_version=1))
+        elif verb == "withdraw":
+            log.add(c.ClaimWithdrawn(namespace=NAMESPACE, name=args[0]))
+        elif verb == "admin-access":
+            log.add(c.NamespaceAccessSet(namespace=NAMESPACE, classes=["*"], admin_access=True))
+    return log
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_admin_write(case: Case) -> None:
+    write = case.request(_tell(case.story).state())
+    assert described(write.events) == case.expect
+    assert (list(write.applied), list(write.unchanged)) == (case.applied, case.unchanged)
+    if case.refused is None:
+        assert write.refusal is None
+    else:
+        assert write.refusal is not None and case.refused in write.refusal.message
+        assert (write.refusal.code, write.refusal.kind) == ("rejected", "below-allocated")
+
+
+def test_a_ledger_refusal_names_the_device_when_the_state_shows_it() -> None:
+    write = decide_slices(_tell([]).state(), [_slice("20Gi")])  # decided before the reservation
+    assert write.refusal is None
+    refusal = ledger_refusal(_tell(["reserve c1 30Gi"]).state(), write)
+    assert "total 20Gi asked, 30Gi allocated" in refusal.message
+    assert ledger_refusal(_tell([]).state(), write) == LEDGER_REFUSED  # released again since
+
+
+@pytest.mark.parametrize(
+    ("story", "found", "expect", "phase"),
+    [
+        pytest.param(["reserve c1 10Gi"], True, ["ReleaseRequested c1 v1 node-a"], "releasing",
+                     id="an-allocated-claim-is-released-on-its-node"),
+        pytest.param(["reserve c1 10Gi", "ready c1"], True, ["ReleaseRequested c1 v1 node-a"],
+                     "releasing", id="a-ready-claim-is-released-on-its-node"),
+        pytest.param(["admit c1"], True, ["ClaimWithdrawn c1"], "withdrawn",
+                     id="a-claim-without-shares-is-withdrawn"),
+        pytest.param(["reserve c1 10Gi", "release c1"], True, [], "releasing",
+                     id="a-claim-being-released-is-left-alone"),
+        pytest.param(["admit c1", "withdraw c1"], True, [], "withdrawn",
+                     id="a-withdrawn-claim-is-left-alone"),
+        pytest.param([], False, [], None, id="a-claim-that-never-existed-is-not-found"),
+    ],
+)  # fmt: skip
+def test_delete(story: list[str], found: bool, expect: list[str], phase: str | None) -> None:
+    deletion = decide_delete(_tell(story).state(), NAMESPACE, "c1")
+    assert deletion.found is found
+    assert described([deletion.event] if deletion.event is not None else []) == expect
+    assert deletion.phase == phase

@@ -1,0 +1,323 @@
+"""The node agent's rules, one named table row each (services.enforcement.decisions).
+
+A row tells a story in the log (claims reserved, limits applied, releases requested),
+hands the agent some of its events as messages, and says how the enforcers fare; it
+expects the enforcer calls :func:`decide_work` asks for and the append :func:`record`
+makes of their outcomes (per stream: expected version and events; a guard is a
+version check without events).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import pytest
+
+from events import catalog as c
+from events.quantities import Quantity
+from services.enforcement.checkpointing import CheckpointWarning
+from services.enforcement.decisions import (
+    Enforce,
+    Failed,
+    decide_work,
+    limit_of,
+    rebuilt_entries,
+    reconciled,
+    record,
+    retry_later,
+    set_aside,
+    streams_to_check,
+)
+from services.enforcement.enforcers import AppliedLimit
+from services.enforcement.reconciling import ReconcilePlan
+from tests.unit.allocator_fixtures import claim, request
+from tests.unit.decision_fixtures import NAMESPACE, NODE, Log, describe, gpu, inventory
+
+BROKEN = Failed(retryable=False, reason="tc: no such device")
+T1 = datetime.datetime(2025, 1, 2, tzinfo=datetime.UTC)
+
+
+@dataclass
+class Case:
+    id: str
+    story: list[str]  # "reserve c1", "reserve-two c1", "ready c1", "release c1", "lost node-a"
+    messages: list[str]  # "bound c1", "release c1", "forged-release c1 v2"
+    calls: list[str]  # "apply <share>" / "remove <share>", in order
+    writes: list[str]  # "<stream>@<version>: <event>" in append order
+    failing: dict[str, Failed] = field(default_factory=dict)  # share -> outcome
+    node: str = NODE
+    ready: dict[str, bool] = field(default_factory=dict)  # claim -> all its shares applied
+    released: list[str] = field(default_factory=list)  # claims released
+
+
+CASES = [
+    Case(
+        "a-bound-share-gets-its-limit",
+        ["reserve c1"],
+        ["bound c1"],
+        ["apply held-1"],
+        ["node node-a@0: LimitApplied held-1 hard memory=10Gi", "claim c1@3: (version check)"],
+        ready={"c1": True},
+    ),
+    Case(
+        "another-nodes-binding-is-not-this-agents",
+        ["reserve c1"],
+        ["bound c1"],
+        [],
+        [],
+        node="node-b",
+    ),
+    Case(
+        "a-share-already-ready-is-left-alone",
+        ["reserve c1", "ready c1"],
+        ["bound c1"],
+        [],
+        [],
+    ),
+    Case(
+        "a-share-whose-release-was-requested-gets-no-limit",
+        ["reserve c1", "release c1"],
+        ["bound c1"],
+        [],
+        [],
+    ),
+    Case(
+        "a-limit-that-fails-for-good-is-recorded",
+        ["reserve c1"],
+        ["bound c1"],
+        ["apply held-1"],
+        [
+            "node node-a@0: LimitFailed held-1 permanent: tc: no such device",
+            "claim c1@3: (version check)",
+        ],
+        failing={"held-1": BROKEN},
+    ),
+    Case(
+        "the-claim-is-ready-only-when-every-share-has-its-limit",
+        ["reserve-two c1"],
+        ["bound c1"],
+        ["apply held-1", "apply held-2"],
+        [
+            "node node-a@0: LimitApplied held-1 hard memory=10Gi",
+            "node node-a@0: LimitFailed held-2 permanent: tc: no such device",
+            "claim c1@3: (version check)",
+        ],
+        failing={"held-2": BROKEN},
+        ready={"c1": False},
+    ),
+    Case(
+        "a-requested-release-removes-the-limit-and-releases-the-capacity",
+        ["reserve c1", "ready c1", "release c1"],
+        ["release c1"],
+        ["remove held-1"],
+        ["node node-a@1: LimitRemoved held-1", "device gpu-0@None: CapacityReleased held-1 v1"],
+        released=["c1"],
+    ),
+    Case(
+        "a-release-the-log-does-not-ask-for-changes-nothing",
+        ["reserve c1", "ready c1"],
+        ["forged-release c1 v1"],
+        [],
+        [],
+    ),
+    Case(
+        "a-release-of-another-allocation-version-changes-nothing",
+        ["reserve c1", "ready c1", "release c1"],
+        ["forged-release c1 v2"],
+        [],
+        [],
+    ),
+    Case(
+        "a-share-whose-node-was-lost-is-left-to-reclamation",
+        ["reserve c1", "ready c1", "release c1", "lost node-a"],
+        ["release c1"],
+        [],
+        [],
+    ),
+    Case(
+        "a-group-keeps-its-messages-order-and-appends-once-per-stream",
+        ["reserve c1", "reserve c2", "ready c1", "release c1"],
+        ["release c1", "bound c2"],
+        ["remove held-1", "apply held-2"],
+        [
+            "node node-a@1: LimitRemoved held-1",
+            "node node-a@1: LimitApplied held-2 hard memory=10Gi",
+            "device gpu-0@None: CapacityReleased held-1 v1",
+            "claim c2@3: (version check)",
+        ],
+        ready={"c2": True},
+        released=["c1"],
+    ),
+]
+
+
+def _tell(story: list[str]) -> Log:
+    log = Log(*inventory(gpu("gpu-0"), gpu("gpu-1")))
+    for line in story:
+        verb, name = line.split()
+        if verb == "reserve":
+            log.reserve(claim(request("gpu", {"memory": "10Gi"}), name=name, namespace=NAMESPACE))
+        elif verb == "reserve-two":
+            two = [request(r, {"memory": "10Gi"}) for r in ("a", "b")]
+            log.reserve(claim(*two, name=name, namespace=NAMESPACE))
+        elif verb == "ready":
+            state = log.state()
+            for share_id in state.claims[(NAMESPACE, name)].share_ids:
+                consumed = state.shares[share_id].consumed
+                log.add(c.LimitApplied(share_id=share_id, node=NODE, level="hard", actual=consumed))
+        elif verb == "release":
+            version = log.state().claims[(NAMESPACE, name)].allocation_version
+            log.add(
+                c.ReleaseRequested(
+                    namespace=NAMESPACE, name=name, allocation_version=version, node=NODE
+                )
+            )
+        elif verb == "lost":
+            log.add(c.NodeLeaseExpired(node=name, epoch=1))
+    return log
+
+
+def _message(log: Log, line: str) -> c.Envelope:
+    verb, name, *rest = line.split()
+    if verb == "forged-release":
+        event = c.ReleaseRequested(
+            namespace=NAMESPACE, name=name, allocation_version=int(rest[0][1:]), node=NODE
+        )
+        return c.new_envelope(event, stream_version=99, actor="intruder", event_id="forged")
+    kind = c.AllocationBound if verb == "bound" else c.ReleaseRequested
+    return next(
+        env
+        for env in reversed(log.envelopes)
+        if isinstance(env.event, kind) and env.event.name == name
+    )
+
+
+def _short(stream: str) -> str:
+    kind, _, rest = stream.partition(":")
+    return f"{kind} {rest.rsplit('/', 1)[-1]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_agent_work(case: Case) -> None:
+    log = _tell(case.story)
+    messages = [_message(log, line) for line in case.messages]
+    names = {env.event_id: env.event.name for env in messages}  # type: ignore[union-attr]
+    tasks = decide_work(log.state(), case.node, messages)
+    calls: list[str] = []
+    outcomes: dict[str, AppliedLimit | Failed] = {}
+    for task in tasks:  # what the loop does with a fake enforcer
+        if isinstance(task, Enforce):
+            for limit in task.limits:
+                calls.append(f"apply {limit.share_id}")
+                outcomes[limit.share_id] = case.failing.get(limit.share_id) or AppliedLimit(
+                    level="hard", actual=limit.consumed
+                )
+        else:
+            calls += [f"remove {released.share_id}" for released in task.released]
+    versions = log.versions(streams_to_check(case.node, tasks))
+    written = record(case.node, tasks, outcomes, versions)
+    writes: list[str] = []
+    for stream, (version, events, _) in written.streams.items():
+        writes += [f"{_short(stream)}@{version}: {describe(e)}" for e in events]
+        if not events:
+            writes.append(f"{_short(stream)}@{version}: (version check)")
+    assert calls == case.calls
+    assert writes == case.writes
+    assert {names[m]: ready for m, ready in written.ready.items()} == case.ready
+    assert [names[m] for m in written.released] == case.released
+    for _, events, caused_by in written.streams.values():
+        assert len(caused_by) == len(events)  # every event names the message behind it
+
+
+@pytest.mark.parametrize(
+    ("retryable", "delivery", "max_deliver", "later"),
+    [
+        pytest.param(True, 1, 5, True, id="a-retryable-failure-is-retried-by-redelivery"),
+        pytest.param(True, 5, 5, False, id="on-the-last-delivery-it-is-recorded"),
+        pytest.param(False, 1, 5, False, id="a-permanent-failure-is-recorded-at-once"),
+    ],
+)
+def test_retry_later(retryable: bool, delivery: int, max_deliver: int, later: bool) -> None:
+    assert retry_later(retryable, delivery, max_deliver) is later
+
+
+# --- reconcile ------------------------------------------------------------------------
+
+
+@dataclass
+class Reconcile:
+    id: str
+    plan: ReconcilePlan
+    observed: list[str]  # shares with a limit in the kernel
+    removed: list[str]  # orphans and stale shares whose removal succeeded
+    reapplied: list[str]
+    failed: list[str]
+    expect: c.EnforcementReconciled | None
+
+
+RECONCILES = [
+    Reconcile("nothing-found-reports-nothing", ReconcilePlan(), [], [], [], [], None),
+    Reconcile(
+        "limits-in-force-are-reported-kept",
+        ReconcilePlan(kept=["s1"]),
+        ["s1"],
+        [],
+        [],
+        [],
+        c.EnforcementReconciled(node=NODE, kept=["s1"]),
+    ),
+    Reconcile(
+        "only-orphans-the-kernel-showed-and-that-went-away-are-reported",
+        ReconcilePlan(orphans=["o1", "o2"], stale=["s9"]),
+        ["o1", "o2"],
+        ["o1", "s9"],
+        [],
+        [],
+        c.EnforcementReconciled(node=NODE, removed_orphans=["o1"]),
+    ),
+    Reconcile(
+        "a-stale-entry-removed-again-is-not-news",
+        ReconcilePlan(stale=["s9"]),
+        [],
+        ["s9"],
+        [],
+        [],
+        None,
+    ),
+    Reconcile(
+        "put-back-and-failed-limits-are-reported",
+        ReconcilePlan(),
+        [],
+        [],
+        ["r1"],
+        ["f1"],
+        c.EnforcementReconciled(node=NODE, reapplied=["r1"], failed=["f1"]),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", RECONCILES, ids=[case.id for case in RECONCILES])
+def test_reconcile_report(case: Reconcile) -> None:
+    report = reconciled(NODE, case.plan, case.observed, case.removed, case.reapplied, case.failed)
+    assert report == case.expect
+
+
+def test_a_checkpoint_set_aside_is_reported_with_its_detail_cut() -> None:
+    warning = CheckpointWarning(reason="corrupt", detail="x" * 5000, path="/c", set_aside="/c.bad")
+    event = set_aside(NODE, warning)
+    assert (event.path, event.reason, event.moved_to) == ("/c", "corrupt", "/c.bad")
+    assert event.detail == "x" * 2000
+
+
+def test_the_rebuilt_checkpoint_holds_what_is_in_force_and_what_failed() -> None:
+    log = _tell(["reserve-two c1"])
+    shares = log.state().shares
+    applied = AppliedLimit(level="hard", actual={"memory": Quantity.parse("10Gi")})
+    entries = rebuilt_entries(shares, {"held-1": applied}, ["held-2"], T1)
+    assert {s: (e.phase, e.applied) for s, e in entries.items()} == {
+        "held-1": ("completed", applied),
+        "held-2": ("started", None),
+    }
+    assert entries["held-2"].limit == limit_of(shares["held-2"])
+    assert all(e.updated_at == T1 for e in entries.values())
