@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from alembic import context, op
+from alembic import op
+
+from migrations.roles import app_role, quote
 
 revision: str = "0002"
 down_revision: str | None = "0001"
@@ -28,20 +30,6 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 TABLE = "processed_messages"
-
-
-def _app_role() -> str:
-    settings = context.config.attributes.get("settings")
-    role = getattr(settings, "app_role", None)
-    if role is None:
-        from services.runtime.settings import load_settings
-
-        role = load_settings().app_role
-    return str(role)
-
-
-def _quote(identifier: str) -> str:
-    return '"' + identifier.replace('"', '""') + '"'
 
 
 def upgrade() -> None:
@@ -56,17 +44,17 @@ CREATE TABLE {TABLE} (
         """
     )
     op.execute(f"CREATE INDEX {TABLE}_processed_at_idx ON {TABLE} (processed_at)")
-    role = _app_role()
+    role = app_role()
     if role:  # 0001 created the role and granted schema usage
-        op.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {TABLE} TO {_quote(role)}")
+        op.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {TABLE} TO {quote(role)}")
 
 
 def downgrade() -> None:
-    role = _app_role()
+    role = app_role()
     if role:
         op.execute(
             f"DO $$ BEGIN IF EXISTS (SELECT FROM pg_roles WHERE rolname = "
             f"'{role.replace(chr(39), chr(39) * 2)}') THEN "
-            f"REVOKE ALL ON {TABLE} FROM {_quote(role)}; END IF; END $$;"
+            f"REVOKE ALL ON {TABLE} FROM {quote(role)}; END IF; END $$;"
         )
     op.execute(f"DROP TABLE IF EXISTS {TABLE}")

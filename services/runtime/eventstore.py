@@ -409,18 +409,6 @@ async def iter_rows(
                 await pending
 
 
-async def iter_envelopes(
-    connection: Connection,
-    from_position: int = 0,
-    batch_size: int = 5000,
-    to_position: int | None = None,
-) -> AsyncIterator[Envelope]:
-    """Envelopes after ``from_position`` in position order, decoded (with upcasting)."""
-    async for rows in iter_rows(connection, from_position, batch_size, to_position):
-        for row in rows:
-            yield envelope_of(row)
-
-
 class EventStore:
     """Append-only event log with the database's guards (see the module docstring)."""
 

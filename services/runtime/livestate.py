@@ -198,10 +198,6 @@ class LiveState:
             self._versions[stream] = found or 0
         return self._versions[stream]
 
-    def known_version(self, stream: str) -> int:
-        """The version of ``stream`` from the folded events only (no database look-up)."""
-        return self._versions.get(stream, 0)
-
     # -- folding -------------------------------------------------------------------------
 
     def _fold(self, envelope: Envelope) -> None:
