@@ -11,6 +11,11 @@ position or not, so the table holds the step functions themselves and
 :func:`step_of` can hand one to a replay loop that dispatches by itself. A new event
 type adds a class to the catalog, a step here and its row in the table.
 
+The database checks three of these rules again inside every append (capacity, one
+exclusive holder, a share released once, plus stale fences): :mod:`events.guards`
+restates them per event, using this module's own predicates (:func:`counts_capacity`,
+:func:`holds_device`), so they are written once.
+
 Replaying the log from the start (or from a snapshot) through :func:`apply` gives the
 live state; replaying up to position *p* gives the state at *p* (invariant 8).
 Services never change a :class:`ClusterState` themselves: they read it, decide, and

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from services.exitcodes import CommandError, ExitCode
+from services.runtime.credentials import CredentialError
 from services.runtime.endpoints import ConnectionFileError, EndpointError
 from services.runtime.errors import RetryableError
 from services.runtime.settings import SettingsError
@@ -37,6 +38,7 @@ COMMANDS: Final = {
     "devices": "services.claims.command",
     "agent": "services.enforcement.command",
     "prove": "services.prove",
+    "auth": "services.brokerauth",
 }
 COMMAND_MODULES: Final = tuple(dict.fromkeys(COMMANDS.values()))
 
@@ -79,9 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except (EndpointError, RetryableError, SettingsError) as exc:  # expected: one line
+    except (EndpointError, CredentialError, RetryableError, SettingsError) as exc:  # one line
         print(f"error: {exc}", file=sys.stderr)
-        bad_input = isinstance(exc, ConnectionFileError | SettingsError)
+        bad_input = isinstance(exc, ConnectionFileError | CredentialError | SettingsError)
         return ExitCode.BAD_INPUT if bad_input else ExitCode.ERROR
     return code
 

@@ -78,9 +78,11 @@ import msgspec
 from events import model
 from events.manifests import ManifestError, load_paths
 from events.subjects import BusNames
+from services.brokerauth import init_auth, installation_from
 from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop, migrating
 from services.runtime.apiclient import ApiClient
+from services.runtime.credentials import AUTH_DIR, AuthDir, Credential, Directory, read_directory
 from services.runtime.embedded import EmbeddedError, embedded_servers
 from services.runtime.endpoints import Connection
 from services.runtime.eventstore import EventStore
@@ -112,6 +114,7 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     metrics_port: int = 9400  # 0: no metrics server (and no health endpoints)
     max_server_restarts: int = 5  # of one embedded server within 10 minutes; 0: never
     prefix: str = "dracap"
+    insecure: bool = False  # an open broker: nobody is authenticated
 
 
 # --- inventory -----------------------------------------------------------------------------
@@ -179,11 +182,24 @@ class Stack:
     stops them on exit (see the module docstring for the order).
     """
 
-    def __init__(self, store: EventStore, nc: Any, js: Any, names: BusNames) -> None:
+    def __init__(
+        self,
+        store: EventStore,
+        nc: Any,
+        js: Any,
+        names: BusNames,
+        *,
+        logins: dict[str, tuple[Any, Any]] | None = None,
+        directory: Directory | None = None,
+    ) -> None:
         self.store = store
-        self.nc = nc
+        self.nc = nc  #: the relay's connection (every service's without credentials)
         self.js = js
         self.names = names
+        #: each service's own connection, by role; none: all share ``nc``
+        self.logins = logins or {}
+        #: the broker's users, when requests carry their identity (None: --insecure)
+        self.directory = directory
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
         self.restarts = 0  #: service failures so far (each was logged and restarted)
@@ -227,6 +243,11 @@ class Stack:
         self._retry.set()
         self._retry = asyncio.Event()
 
+    def bus(self, role: str) -> tuple[Any, Any]:
+        """The NATS connection and JetStream context of ``role``: ``claims``,
+        ``reservation`` or ``agent:<node>`` (the shared one without credentials)."""
+        return self.logins.get(role, (self.nc, self.js))
+
     async def trouble(self) -> str | None:
         """Why not every service runs (None when they all do): the ``services`` check."""
         problems = [f"{name} restarting after {why}" for name, why in self.failing.items()]
@@ -243,23 +264,42 @@ class Stack:
         *,
         nodes: Sequence[str] = (),
         workers: int = 1,
+        auth: AuthDir | None = None,
     ) -> AsyncIterator[Stack]:
+        """``auth``: connect each service as its own broker user (:mod:`services.brokerauth`)
+        and require the broker's identity on API requests; None: one anonymous connection."""
         from services.runtime.bus import connect_bus, ensure_stream
 
         store = await EventStore.open(settings)
+        connections: list[Any] = []
         try:
-            nc, js = await connect_bus(settings.nats_url)
+
+            async def login(role: str, credential: Credential | None) -> tuple[Any, Any]:
+                nc, js = await connect_bus(
+                    settings.nats_url, name=f"dracap-{role}", credential=credential
+                )
+                connections.append(nc)
+                return nc, js
+
+            nc, js = await login("relay", auth.service("relay") if auth else None)
+            logins: dict[str, tuple[Any, Any]] = {}
+            directory = None
+            if auth is not None:
+                directory = read_directory(auth.directory)
+                for service in ("claims", "reservation"):
+                    logins[service] = await login(service, auth.service(service))
+                for node in nodes:
+                    logins[f"agent:{node}"] = await login(f"agent-{node}", auth.agent(node))
+            await ensure_stream(js, names)
+            stack = cls(store, nc, js, names, logins=logins, directory=directory)
             try:
-                await ensure_stream(js, names)
-                stack = cls(store, nc, js, names)
-                try:
-                    await start_services(stack, nodes=nodes, workers=workers)
-                    yield stack
-                finally:
-                    await stack.shutdown()
+                await start_services(stack, nodes=nodes, workers=workers)
+                yield stack
             finally:
-                await _bounded(_close_bus(nc), "closing the NATS connection")
+                await stack.shutdown()
         finally:
+            for connection in reversed(connections):
+                await _bounded(_close_bus(connection), "closing a NATS connection")
             await _bounded(store.close(), "closing the event store")
 
     async def shutdown(self) -> None:
@@ -313,16 +353,24 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     stack.gauges = CapacityGauges(live)
     stack.gauges.start()
     stack.spawn("livestate", functools.partial(live.run, stop))
-    api = ClaimsApi(store, live, stack.nc, names)
+    api = ClaimsApi(
+        store,
+        live,
+        stack.bus("claims")[0],
+        names,
+        directory=stack.directory,
+        authenticated=stack.directory is not None,
+    )
     await api.start()
     stack.spawn("claims-api", functools.partial(api.run, stop))
     consumers: set[str] = set()
     for i in range(workers):
-        service = ReservationService(store, live, js, names, worker=i)
+        service = ReservationService(store, live, stack.bus("reservation")[1], names, worker=i)
         consumers.update(c.name for c in service.consumers())
         stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
     for node in nodes:
-        agent = Agent(store, js, names, node=node, enforcer=NoneEnforcer(), live=live)
+        agent_js = stack.bus(f"agent:{node}")[1]
+        agent = Agent(store, agent_js, names, node=node, enforcer=NoneEnforcer(), live=live)
         consumers.add(agent.consumer.name)
         stack.spawn(f"agent-{node}", functools.partial(agent.run, stop))
     initialise_series(sorted(consumers))
@@ -385,9 +433,16 @@ def banner(
 ) -> str:
     where = "" if data_dir == Path(".dracap") else f" --data-dir {shlex.quote(str(data_dir))}"
     base = f"http://127.0.0.1:{metrics}"
+    access = (
+        f"  access      credentials in {Path(connection.creds).parent} (the CLI uses the "
+        "operator's; each tenant user has a file of its own)"
+        if connection.creds
+        else "  access      INSECURE: no credentials, anyone can act as any namespace"
+    )
     lines = [
         f"  event log   {connection.database_url}",
         f"  NATS        {connection.nats_url} (prefix {connection.prefix})",
+        access,
         f"  agents      {', '.join(nodes) or 'none'} (NoneEnforcer)",
         f"  metrics     {base}/metrics" if metrics else "  metrics     off",
         f"  health      {base}/healthz, {base}/readyz" if metrics else "  health      off",
@@ -408,9 +463,43 @@ def banner(
 Supervisor = asyncio.Task[None] | None  # the embedded servers' watchdog, if any
 
 
+INSECURE_WARNING: Final = (
+    "INSECURE: --insecure runs NATS without accounts or credentials: anyone who reaches "
+    "the server can act as any namespace, call the admin API and publish onto the event "
+    "stream. Use it for experiments only."
+)
+
+
+def broker_auth(
+    options: UpOptions, inventory: InventoryManifests, nodes: Sequence[str]
+) -> AuthDir | None:
+    """The auth directory ``dracap up`` runs with (None: ``--insecure``).
+
+    With an embedded nats-server, ``<data-dir>/auth`` is written (keys kept) for the
+    inventory's namespaces and nodes; a server named by ``DRACAP_NATS_URL`` must
+    already run with the accounts of an existing auth directory.
+    """
+    if options.insecure:
+        log.warning(INSECURE_WARNING)
+        return None
+    auth = AuthDir(options.data_dir / AUTH_DIR)
+    if os.environ.get("DRACAP_NATS_URL"):
+        if not auth.exists():
+            raise CommandError(
+                f"DRACAP_NATS_URL names a NATS server dracap up does not start, and {auth.path} "
+                "holds no credentials: run `dracap auth init` and start that server with "
+                "its accounts.conf, or pass --insecure",
+                ExitCode.BAD_INPUT,
+            )
+        return auth
+    objects: list[object] = [*inventory.namespaces, *inventory.slices]
+    init_auth(auth, installation_from(objects, prefix=options.prefix, nodes=nodes))
+    return auth
+
+
 @contextlib.asynccontextmanager
 async def _servers(
-    options: UpOptions, settings: Settings, monitor: HealthMonitor
+    options: UpOptions, settings: Settings, monitor: HealthMonitor, auth: AuthDir | None
 ) -> AsyncIterator[tuple[Settings, Supervisor]]:
     """``settings`` with the URLs of embedded servers for those not set in the
     environment, and the task that supervises them."""
@@ -419,7 +508,10 @@ async def _servers(
     if not (want_pg or want_nats):
         yield settings, None
         return
-    async with embedded_servers(options.data_dir, postgres=want_pg, nats=want_nats) as servers:
+    nats_config = auth.accounts if auth is not None else None
+    async with embedded_servers(
+        options.data_dir, postgres=want_pg, nats=want_nats, nats_config=nats_config
+    ) as servers:
         policy = RestartPolicy(limit=options.max_server_restarts)
         monitor.watchdog = watchdog = Watchdog(servers.processes, policy)
         async with _supervised(watchdog) as task:
@@ -481,17 +573,25 @@ async def _until_stopped(stop: asyncio.Event, supervisor: Supervisor) -> None:
 
 
 async def _open_for_use(
-    options: UpOptions, settings: Settings, names: BusNames, inventory: InventoryManifests
+    options: UpOptions,
+    settings: Settings,
+    names: BusNames,
+    inventory: InventoryManifests,
+    auth: AuthDir | None,
 ) -> None:
     """Load the inventory, write ``connection.json`` and print the banner."""
-    async with ApiClient.connect(settings.nats_url, names.prefix) as api:
+    operator = auth.operator() if auth is not None else None
+    async with ApiClient.connect(settings.nats_url, names.prefix, operator) as api:
         applied = await load_inventory(api, inventory)
     print(
         f"inventory: {applied} slice(s) loaded" if applied else "inventory: already loaded",
         flush=True,
     )
     connection = Connection(
-        database_url=settings.database_url, nats_url=settings.nats_url, prefix=names.prefix
+        database_url=settings.database_url,
+        nats_url=settings.nats_url,
+        prefix=names.prefix,
+        creds=str(auth.operator_path().resolve()) if auth is not None else None,
     )
     path = write_connection(options.data_dir, connection)
     print(f"connection written to {path}", flush=True)
@@ -508,17 +608,18 @@ async def up(options: UpOptions, stop: asyncio.Event) -> int:
     inventory = read_inventory(options.inventory)
     nodes = _nodes(options.agents, inventory)
     names = BusNames(prefix=options.prefix)
+    auth = broker_auth(options, inventory, nodes)
     monitor = HealthMonitor(HEALTH_CHECKS)
     metrics = _start_metrics(options.metrics_port, monitor)
     try:
         with quiet_outages(monitor.outage):
-            async with _servers(options, load_settings(), monitor) as (settings, supervisor):
+            async with _servers(options, load_settings(), monitor, auth) as (settings, supervisor):
                 head = await migrating.upgrade_async(settings)
                 print(f"migrating the event log to {head}", flush=True)
                 async with Stack.running(
-                    settings, names, nodes=nodes, workers=options.workers
+                    settings, names, nodes=nodes, workers=options.workers, auth=auth
                 ) as stack:
-                    await _open_for_use(options, settings, names, inventory)
+                    await _open_for_use(options, settings, names, inventory, auth)
                     async with _health_checks(monitor, stack, settings):
                         await _until_stopped(stop, supervisor)
                 print("stopping: services drained", flush=True)
@@ -567,6 +668,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         max_server_restarts=args.max_server_restarts,
         prefix=args.prefix,
+        insecure=args.insecure,
     )
     try:
         return eventloop.run(_main(options))
@@ -623,6 +725,12 @@ def register(sub: Any) -> None:
         metavar="N",
         help="restarts of a dying embedded server within 10 minutes before dracap up "
         "gives up and exits with status 1 (0: never restart; default 5)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run NATS open: no accounts, no credentials, anonymous actors (experiments "
+        "only; default: accounts and per-user credentials in <data-dir>/auth)",
     )
     parser.add_argument("--prefix", default="dracap", help=argparse.SUPPRESS)
     parser.set_defaults(func=run, inventory=None)

@@ -78,6 +78,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
+from events.actors import Actor
 from events.catalog import (
     CapacityReleased,
     ClaimSubmitted,
@@ -122,6 +123,7 @@ from services.claims.admission import (
 )
 from services.claims.views import claim_view, device_views, error_reply, ok_reply
 from services.runtime.committing import GroupCommitter
+from services.runtime.credentials import Directory, caller_of
 from services.runtime.errors import CapacityExceeded, ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import HEAD, SEEN, LiveState
@@ -182,6 +184,24 @@ def _refusal_reply(refusal: Refusal) -> bytes:
     return error_reply(refusal.code, refusal.message, field=refusal.field, rule=refusal.rule)
 
 
+_TenantOperation = Callable[[str, bytes, Actor], Awaitable[bytes]]
+_AdminOperation = Callable[[bytes, Actor], Awaitable[bytes]]
+
+
+def _forbidden(caller: Actor | None, what: str) -> bytes:
+    """The reply to a request whose sender may not do it (or is not known)."""
+    who = "an unauthenticated sender" if caller is None else str(caller)
+    return error_reply(
+        "forbidden",
+        f"{who} may not use {what}",
+        rule="the broker's identity of the sender must be allowed to",
+    )
+
+
+async def _done(reply: bytes) -> bytes:
+    return reply
+
+
 def _decode(data: bytes, typ: type[Any]) -> Any:
     try:
         return msgspec.json.decode(data or b"{}", type=typ)
@@ -210,7 +230,8 @@ class ClaimsApi:
         names: BusNames,
         *,
         gates: FeatureGates = DEFAULT_GATES,
-        actor: str = "claims-api",
+        directory: Directory | None = None,
+        authenticated: bool = False,
         max_attempts: int = 8,
         concurrency: int = 256,
         tail: bool = False,
@@ -224,12 +245,15 @@ class ClaimsApi:
         self.nc = nc
         self.names = names
         self.gates = gates
-        self.actor = actor
+        #: requests must carry the broker's identity (a broker with accounts); without,
+        #: every request is anonymous (``dracap up --insecure``)
+        self.authenticated = authenticated
+        self.directory = directory
         self.max_attempts = max_attempts
         self.tail = tail
         self._slots = asyncio.Semaphore(concurrency)
         self._checking: collections.Counter[str] = collections.Counter()  # by namespace
-        self._committer = GroupCommitter(store, actor)
+        self._committer = GroupCommitter(store, str(Actor.system("claims-api")))
         self._tasks: set[asyncio.Task[None]] = set()
         self._service: Service | None = None
         self._limits: tuple[int, DeviceLimits] | None = None
@@ -250,7 +274,7 @@ class ClaimsApi:
             description="dracap claims and admin API",
             queue_group=f"{self.names.prefix}-claims",
         )
-        tenant: dict[str, Callable[[str, bytes], Awaitable[bytes]]] = {
+        tenant: dict[str, _TenantOperation] = {
             "apply": self.apply,
             "get": self.get,
             "list": self.list_claims,
@@ -261,7 +285,7 @@ class ClaimsApi:
             await service.add_endpoint(
                 name=f"claims-{op}", subject=self.names.api("*", op), handler=self._tenant(fn)
             )
-        admin: dict[str, Callable[[bytes], Awaitable[bytes]]] = {
+        admin: dict[str, _AdminOperation] = {
             "deviceclasses.apply": self.apply_classes,
             "slices.apply": self.apply_slices,
             "namespaces.access": self.set_access,
@@ -321,16 +345,32 @@ class ClaimsApi:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _tenant(self, fn: Callable[[str, bytes], Awaitable[bytes]]) -> Callable[[Request], Any]:
+    def _tenant(self, fn: _TenantOperation) -> Callable[[Request], Any]:
         async def handler(request: Request) -> None:
             namespace = request.subject.split(".")[2]
-            self._spawn(request, lambda: fn(namespace, request.data))
+            caller = caller_of(request.headers, self.directory)
+            if caller is None and not self.authenticated:
+                caller = Actor.anonymous(namespace)
+            if caller is None or (caller.kind == "tenant" and caller.namespace != namespace):
+                refused = _forbidden(caller, f"namespace {namespace!r}")
+                self._spawn(request, lambda: _done(refused))
+                return
+            actor = caller
+            self._spawn(request, lambda: fn(namespace, request.data, actor))
 
         return handler
 
-    def _admin(self, fn: Callable[[bytes], Awaitable[bytes]]) -> Callable[[Request], Any]:
+    def _admin(self, fn: _AdminOperation) -> Callable[[Request], Any]:
         async def handler(request: Request) -> None:
-            self._spawn(request, lambda: fn(request.data))
+            caller = caller_of(request.headers, self.directory)
+            if caller is None and not self.authenticated:
+                caller = Actor.anonymous(None)
+            if caller is None or caller.kind not in ("operator", "anonymous"):
+                refused = _forbidden(caller, "the admin API")
+                self._spawn(request, lambda: _done(refused))
+                return
+            actor = caller
+            self._spawn(request, lambda: fn(request.data, actor))
 
         return handler
 
@@ -340,8 +380,10 @@ class ClaimsApi:
             self._limits = (generation, DeviceLimits(build_inventory(state, self.gates)))
         return self._limits[1]
 
-    async def _append(self, stream: str, version: int | None, events: list[Event]) -> None:
-        await self._committer.append(stream, version, events)
+    async def _append(
+        self, stream: str, version: int | None, events: list[Event], actor: Actor
+    ) -> None:
+        await self._committer.append(stream, version, events, actor=str(actor))
 
     async def _fresh(self, attempt: int) -> None:
         """Before a decision: what is known first, the whole log after a conflict."""
@@ -350,8 +392,9 @@ class ClaimsApi:
 
     # -- tenant operations --------------------------------------------------------------
 
-    async def apply(self, namespace: str, data: bytes) -> bytes:
+    async def apply(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.apply``: admit or reject a ResourceClaim manifest."""
+        actor = actor or Actor.anonymous(namespace)
         busy = await self._check_selectors(namespace, data)
         if busy is not None:
             return busy
@@ -365,7 +408,7 @@ class ClaimsApi:
                 version = await self.live.stream_version(stream) if decision.events else 0
             if decision.events:
                 try:
-                    await self._append(stream, version, list(decision.events))
+                    await self._append(stream, version, list(decision.events), actor)
                 except ConflictError:
                     continue
                 self._count(decision.refusal)
@@ -428,7 +471,7 @@ class ClaimsApi:
             CLAIMS.labels(outcome="rejected").inc()
             REJECTIONS.labels(reason=refusal.kind).inc()
 
-    async def get(self, namespace: str, data: bytes) -> bytes:
+    async def get(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.get``: the view of one claim."""
         request: _NameRequest = _decode(data, _NameRequest)
         state = await self.live.fresh(SEEN)
@@ -437,7 +480,7 @@ class ClaimsApi:
             return _not_found(namespace, request.name)
         return ok_reply(claim=claim_view(state, claim))
 
-    async def list_claims(self, namespace: str, data: bytes) -> bytes:
+    async def list_claims(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.list``: every claim of the namespace that is not gone."""
         state = await self.live.fresh(SEEN)
         views = [
@@ -447,8 +490,9 @@ class ClaimsApi:
         ]
         return ok_reply(claims=views)
 
-    async def delete(self, namespace: str, data: bytes) -> bytes:
+    async def delete(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.delete``: release an allocated claim, withdraw any other."""
+        actor = actor or Actor.anonymous(namespace)
         request: _NameRequest = _decode(data, _NameRequest)
         stream = claim_stream(namespace, request.name)
         for attempt in range(self.max_attempts):
@@ -461,13 +505,13 @@ class ClaimsApi:
                 return _not_found(namespace, request.name)
             if event is not None:
                 try:
-                    await self._append(stream, version, [event])
+                    await self._append(stream, version, [event], actor)
                 except ConflictError:
                     continue
             return ok_reply(phase=deletion.phase)
         return error_reply("conflict", "the claim kept changing while it was deleted; retry")
 
-    async def watch(self, namespace: str, data: bytes) -> bytes:
+    async def watch(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.watch``: the subject where changes of the claim(s) are published."""
         request: _WatchRequest = _decode(data, _WatchRequest)
         if request.name is not None and not is_dns_subdomain(request.name):
@@ -500,20 +544,21 @@ class ClaimsApi:
             raise _InvalidRequestError(None, f"no {kind.__name__} in the request")
         return objects
 
-    async def _record(self, write: AdminWrite) -> None:
+    async def _record(self, write: AdminWrite, actor: Actor | None) -> None:
         """Append an admin write's events, each on its own stream, last writer wins."""
         if write.events:
             batches = [Batch(stream_of(event), None, [event]) for event in write.events]
-            await self.store.append_many(batches, Metadata(actor=f"{self.actor}:admin"))
+            who = actor or Actor.anonymous(None)
+            await self.store.append_many(batches, Metadata(actor=str(who)))
 
-    async def apply_classes(self, data: bytes) -> bytes:
+    async def apply_classes(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``deviceclasses.apply``: record DeviceClasses that differ from the log's."""
         classes: list[DeviceClass] = self._manifests(data, "deviceclasses.apply", DeviceClass)
         write = decide_classes(await self.live.fresh(SEEN), classes)
-        await self._record(write)
+        await self._record(write, actor)
         return ok_reply(applied=list(write.applied), unchanged=list(write.unchanged))
 
-    async def apply_slices(self, data: bytes) -> bytes:
+    async def apply_slices(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``slices.apply``: record ResourceSlices that differ from the log's.
 
         Rejected when a new total is below what is allocated on the device: decided on
@@ -525,12 +570,12 @@ class ClaimsApi:
         if write.refusal is not None:
             return _refusal_reply(write.refusal)
         try:
-            await self._record(write)
+            await self._record(write, actor)
         except CapacityExceeded:
             return _refusal_reply(ledger_refusal(await self.live.fresh(HEAD), write))
         return ok_reply(applied=list(write.applied), unchanged=list(write.unchanged))
 
-    async def set_access(self, data: bytes) -> bytes:
+    async def set_access(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``namespaces.access``: which classes a namespace may use, and adminAccess."""
         request: _AccessRequest = _decode(data, _AccessRequest)
         if not is_dns_label(request.namespace):
@@ -542,14 +587,14 @@ class ClaimsApi:
                 )
         state = await self.live.fresh(SEEN)
         write = decide_access(state, request.namespace, request.classes, request.admin_access)
-        await self._record(write)
+        await self._record(write, actor)
         return ok_reply(
             namespace=request.namespace,
             classes=access_classes(request.classes),
             admin_access=request.admin_access,
         )
 
-    async def list_devices(self, data: bytes) -> bytes:
+    async def list_devices(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``devices.list``: every device with its capacity, shares and tenants."""
         return ok_reply(devices=device_views(await self.live.fresh(SEEN)))
 

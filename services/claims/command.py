@@ -316,7 +316,8 @@ async def _devices(api: ApiClient, args: argparse.Namespace) -> int:
 
 async def _run_async(args: argparse.Namespace) -> int:
     endpoints = endpoints_from_args(args)
-    async with ApiClient.connect(endpoints.nats(), endpoints.prefix) as api:
+    credential = endpoints.credential()
+    async with ApiClient.connect(endpoints.nats(), endpoints.prefix, credential) as api:
         code: int = await args.action(api, args)
         return code
 

@@ -83,6 +83,7 @@ from typing import Final
 
 from nats.js import JetStreamContext
 
+from events.actors import Actor
 from events.catalog import (
     AllocationBound,
     EnforcementReconciled,
@@ -261,7 +262,7 @@ class Agent:
     async def _report(self, events: list[Event]) -> None:
         if events:
             batch = Batch(node_stream(self.node), None, events)
-            await self.store.append_many([batch], Metadata(actor=f"agent:{self.node}"))
+            await self.store.append_many([batch], Metadata(actor=str(Actor.agent(self.node))))
 
     # -- the kernel, wrapped in the checkpoint -------------------------------------------
 
@@ -306,7 +307,7 @@ class Agent:
         written = record(self.node, tasks, outcomes, versions)
         return Handled(
             batches=_batches(written, mine),
-            actor=f"agent:{self.node}",
+            actor=str(Actor.agent(self.node)),
             on_commit=_counters(written, mine),
         )
 

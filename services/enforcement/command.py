@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -39,7 +40,13 @@ from services.enforcement.tc import TcEnforcer
 from services.exitcodes import ExitCode
 from services.runtime import eventloop
 from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
+from services.runtime.credentials import AUTH_DIR, AuthDir, Credential
+from services.runtime.endpoints import (
+    Endpoints,
+    add_endpoint_arguments,
+    endpoints_from_args,
+    reaching,
+)
 from services.runtime.eventstore import EventStore
 from services.runtime.gauges import initialise_series
 from services.runtime.gctuning import tune_for_long_lived_state
@@ -78,6 +85,15 @@ def device_maps(config: AgentConfig, enforcer: Enforcer) -> Callable[[ScanResult
     return update
 
 
+def _login(args: argparse.Namespace, endpoints: Endpoints) -> Credential | None:
+    """The agent's NATS login: ``--creds`` / ``DRACAP_NATS_CREDS``, else its node's file
+    in ``<data-dir>/auth`` (never the operator's of ``connection.json``), else none."""
+    if args.creds or os.environ.get("DRACAP_NATS_CREDS"):
+        return endpoints.credential()
+    auth = AuthDir(Path(args.data_dir) / AUTH_DIR)
+    return auth.agent(args.node) if auth.has_agent(args.node) else None
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run the agent until a signal arrives."""
     tune_for_long_lived_state()
@@ -89,7 +105,9 @@ async def serve(args: argparse.Namespace) -> int:
         store = await EventStore.open(settings)
     try:
         with reaching("NATS", nats_url):
-            nc, js = await connect_bus(nats_url, name=f"dracap-agent-{args.node}")
+            nc, js = await connect_bus(
+                nats_url, name=f"dracap-agent-{args.node}", credential=_login(args, endpoints)
+            )
     except BaseException:
         await store.close()
         raise

@@ -17,6 +17,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from events.actors import Actor
 from events.catalog import stream_of
 from events.subjects import NO_NODE
 from services.enforcement.discovery import AgentConfig, InventoryError, ScanResult, discover
@@ -119,5 +120,5 @@ class InventoryScanner:
                 batches[-1] = Batch(stream, None, [*batches[-1].events, event])
             else:
                 batches.append(Batch(stream, None, [event]))
-        actor = f"agent:{self.config.node_name or NO_NODE}"
+        actor = str(Actor.agent(self.config.node_name or NO_NODE))
         await self.store.append_many(batches, Metadata(actor=actor))

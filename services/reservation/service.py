@@ -72,6 +72,7 @@ from typing import Final
 
 from nats.js import JetStreamContext
 
+from events.actors import Actor
 from events.catalog import (
     CapacityReleased,
     CapacityReserved,
@@ -165,6 +166,7 @@ class ReservationService:
         self.names = names
         self.worker = worker
         self.name = name
+        self._actor = str(Actor.system(f"{name}-{worker}"))
         self.gates = gates
         self.new_share_id = new_share_id
         self._allocator: Allocator | None = None
@@ -314,9 +316,7 @@ class ReservationService:
         batches = plan.batches
         if not batches:
             return Handled()
-        return Handled(
-            batches=batches, actor=f"{self.name}-{self.worker}", on_commit=[self._counter(plan)]
-        )
+        return Handled(batches=batches, actor=self._actor, on_commit=[self._counter(plan)])
 
     def _counter(self, plan: Plan) -> Callable[[], None]:
         """The metrics of ``plan``, measured now and counted once it has committed."""
@@ -408,7 +408,7 @@ class ReservationService:
                 plan = await self.plan(self._deferred_cause)
                 self._evaluate_wanted()
                 if plan.batches:
-                    actor = f"{self.name}-{self.worker}"
+                    actor = self._actor
                     await self.store.append_many(
                         plan.batches, Metadata(actor=actor), connection=connection
                     )

@@ -19,6 +19,7 @@ that times out, or one larger than the server's ``max_payload`` is a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from nats.aio.client import Client
 
 from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
+from services.runtime.credentials import Credential
 from services.runtime.endpoints import reaching
 
 __all__ = ["REQUEST_TIMEOUT_S", "ApiClient", "ApiError"]
@@ -40,7 +42,9 @@ _EXIT_BY_CODE: Final = {
     "not_found": ExitCode.NOT_FOUND,
     "rejected": ExitCode.REJECTED,
     "conflict": ExitCode.REJECTED,
+    "forbidden": ExitCode.REJECTED,
 }
+_DENIED: Final = "permissions violation for publish to "
 
 
 class ApiError(CommandError):
@@ -59,8 +63,26 @@ class ApiError(CommandError):
         super().__init__(message, _EXIT_BY_CODE.get(self.code, ExitCode.ERROR))
 
 
-async def _quiet(_: Exception) -> None:
-    """nats-py logs every failed attempt by default; the CLI reports the final error."""
+class _Denials:
+    """The subjects the server refused this connection to publish to (its error callback).
+
+    nats-py reports a permissions violation only to the error callback; the request
+    itself would wait for its timeout. Here a request ends as soon as its subject is
+    refused.
+    """
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, asyncio.Future[None]] = {}
+
+    async def error(self, exc: Exception) -> None:
+        text = str(exc)
+        start = text.lower().find(_DENIED)
+        if start < 0:
+            return  # nats-py logs every failed attempt by default; the CLI reports the last
+        subject = text[start + len(_DENIED) :].strip().strip('"').lower()
+        for wanted, future in self.waiting.items():
+            if wanted.lower() == subject and not future.done():
+                future.set_result(None)
 
 
 class ApiClient:
@@ -70,10 +92,16 @@ class ApiClient:
         self.nc = nc
         self.names = names
         self.timeout = timeout
+        self._denials = _Denials()
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def connect(cls, url: str, prefix: str) -> AsyncIterator[ApiClient]:
+    async def connect(
+        cls, url: str, prefix: str, credential: Credential | None = None
+    ) -> AsyncIterator[ApiClient]:
+        """A client over a new connection, logged in as ``credential`` when given."""
+        denials = _Denials()
+        login = credential.connect_options() if credential is not None else {}
         with reaching("NATS", url):
             nc = await nats.connect(
                 url,
@@ -81,10 +109,13 @@ class ApiClient:
                 allow_reconnect=False,
                 max_reconnect_attempts=1,  # 0 would mean "forever" to nats-py
                 reconnect_time_wait=0.1,
-                error_cb=_quiet,
+                error_cb=denials.error,
+                **login,
             )
         try:
-            yield cls(nc, BusNames(prefix=prefix))
+            client = cls(nc, BusNames(prefix=prefix))
+            client._denials = denials
+            yield client
         finally:
             await nc.close()
 
@@ -92,7 +123,7 @@ class ApiClient:
         url = self.nc.connected_url
         with reaching("NATS", url.geturl() if url else "?"):  # the server went away meanwhile
             try:
-                reply = await self.nc.request(subject, payload, timeout=self.timeout)
+                reply = await self._request(subject, payload)
             except nats.errors.NoRespondersError:
                 raise CommandError(f"no dracap API answers on {subject}", ExitCode.ERROR) from None
             except nats.errors.MaxPayloadError:
@@ -105,10 +136,30 @@ class ApiClient:
                 raise CommandError(
                     f"no reply on {subject} within {self.timeout}s", ExitCode.ERROR
                 ) from None
-        body: dict[str, Any] = json.loads(reply.data)
+        body: dict[str, Any] = json.loads(reply)
         if not body.get("ok"):
             raise ApiError(body.get("error") or {"code": "internal", "message": "no error"})
         return body
+
+    async def _request(self, subject: str, payload: bytes) -> bytes:
+        """The reply's data; :class:`~services.exitcodes.CommandError` when the server
+        refuses this user the subject."""
+        denied = asyncio.get_running_loop().create_future()
+        self._denials.waiting[subject] = denied
+        asking = asyncio.ensure_future(self.nc.request(subject, payload, timeout=self.timeout))
+        try:
+            await asyncio.wait({asking, denied}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            del self._denials.waiting[subject]
+        if denied.done() and not asking.done():
+            asking.cancel()
+            raise CommandError(
+                f"the NATS server does not let this user publish to {subject}: use credentials "
+                "allowed to (--creds, DRACAP_NATS_CREDS)",
+                ExitCode.REJECTED,
+            )
+        data: bytes = asking.result().data
+        return data
 
     async def claims(self, namespace: str, op: str, body: Any = None) -> dict[str, Any]:
         payload = body if isinstance(body, bytes) else json.dumps(body or {}).encode()

@@ -43,6 +43,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import BadRequestError, NotFoundError
 
 from events.subjects import BusNames
+from services.runtime.credentials import Credential
 from services.runtime.errors import map_bus_error
 from services.runtime.outages import is_unreachable, one_line
 
@@ -77,13 +78,23 @@ class _ConnectionLog:
 
 
 async def connect_bus(
-    url: str, *, name: str = "dracap", connect_timeout: float = 5.0
+    url: str,
+    *,
+    name: str = "dracap",
+    connect_timeout: float = 5.0,
+    credential: Credential | None = None,
 ) -> tuple[Client, JetStreamContext]:
-    """A NATS connection (reconnecting forever) and its JetStream context."""
+    """A NATS connection (reconnecting forever) and its JetStream context.
+
+    ``credential``: log in as that user (NKey, own inbox prefix); ``None`` connects
+    without credentials, which only an open server (``dracap up --insecure``) accepts.
+    """
     events = _ConnectionLog(url)
+    login = credential.connect_options() if credential is not None else {}
     nc = await nats.connect(
         url,
         name=name,
+        **login,
         connect_timeout=connect_timeout,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,

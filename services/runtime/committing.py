@@ -11,7 +11,8 @@ Semantics stay those of a single append per caller:
 
 * each write keeps its own stream and expected version; a group never holds two
   writes for one stream (the second waits for the next group, so it is checked
-  against the version the first produced);
+  against the version the first produced), nor writes of two actors (an append
+  records one actor: :mod:`events.actors`);
 * if the group's append fails — one stale expected version is enough — nothing of it
   was written, and every write of the group is appended again *alone*, so each caller
   gets exactly the outcome (success, ``ConflictError``, ...) it would have got on its
@@ -41,10 +42,11 @@ MAX_GROUP: Final = 256
 
 
 class _Write:
-    __slots__ = ("batch", "done")
+    __slots__ = ("batch", "done", "meta")
 
-    def __init__(self, batch: Batch, done: asyncio.Future[list[Envelope]]) -> None:
+    def __init__(self, batch: Batch, meta: Metadata, done: asyncio.Future[list[Envelope]]) -> None:
         self.batch = batch
+        self.meta = meta
         self.done = done
 
 
@@ -53,7 +55,7 @@ class GroupCommitter:
 
     def __init__(self, store: EventStore, actor: str, *, max_group: int = MAX_GROUP) -> None:
         self._store = store
-        self._meta = Metadata(actor=actor)
+        self._meta = Metadata(actor=actor)  # of writes that name no actor of their own
         self._max_group = max_group
         self._waiting: list[_Write] = []
         self._writer: asyncio.Task[None] | None = None
@@ -61,11 +63,21 @@ class GroupCommitter:
         self.alone = 0  #: writes appended on their own after their group failed
 
     async def append(
-        self, stream: str, expected_version: int | None, events: Sequence[Event]
+        self,
+        stream: str,
+        expected_version: int | None,
+        events: Sequence[Event],
+        *,
+        actor: str | None = None,
     ) -> list[Envelope]:
-        """Append ``events`` to ``stream`` at ``expected_version``; returns the envelopes."""
+        """Append ``events`` to ``stream`` at ``expected_version``; returns the envelopes.
+
+        ``actor``: who caused them (default: the committer's); a group holds the writes
+        of one actor only, since an append records one actor.
+        """
         done: asyncio.Future[list[Envelope]] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Write(Batch(stream, expected_version, events), done))
+        meta = self._meta if actor is None else Metadata(actor=actor)
+        self._waiting.append(_Write(Batch(stream, expected_version, events), meta, done))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_all())
         return await done
@@ -80,8 +92,13 @@ class GroupCommitter:
             group: list[_Write] = []
             later: list[_Write] = []
             streams: set[str] = set()
+            actor = self._waiting[0].meta.actor
             for write in self._waiting:
-                if write.batch.stream in streams or len(group) >= self._max_group:
+                if (
+                    write.batch.stream in streams
+                    or write.meta.actor != actor
+                    or len(group) >= self._max_group
+                ):
                     later.append(write)
                 else:
                     streams.add(write.batch.stream)
@@ -101,7 +118,7 @@ class GroupCommitter:
             await self._alone(group[0])
             return
         try:
-            stored = await self._store.append_many([w.batch for w in group], self._meta)
+            stored = await self._store.append_many([w.batch for w in group], group[0].meta)
         except Exception as exc:
             log.debug("group of %d appends failed (%r); appending one by one", len(group), exc)
             for write in group:
@@ -118,7 +135,7 @@ class GroupCommitter:
 
     async def _alone(self, write: _Write) -> None:
         try:
-            stored = await self._store.append_many([write.batch], self._meta)
+            stored = await self._store.append_many([write.batch], write.meta)
         except Exception as exc:
             if not write.done.done():
                 write.done.set_exception(exc)

@@ -82,7 +82,7 @@ exception of the handler or the append (a
 stale view and re-reads on the next try) leaves nothing written and naks the
 message with a delay from ``backoff`` (by delivery count). On delivery number
 ``max_deliver`` the consumer gives up: it appends ``MessageDeadLettered`` (stream
-``consumer:<name>``, causation = the message's event id) together with the
+``system:<name>``, causation = the message's event id) together with the
 ``processed_messages`` row and the checkpoint, terminates the message and counts
 ``dracap_dead_letters_total``. A message that cannot even be decoded is
 dead-lettered at once.
@@ -133,6 +133,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 
+from events.actors import Actor
 from events.catalog import Envelope, MessageDeadLettered, decode_envelope
 from events.errors import CatalogError
 from events.subjects import BusNames
@@ -176,9 +177,9 @@ _REQUEST_ENDED: Final = frozenset({"404", "408", "409"})
 class Handled(msgspec.Struct):
     """What a handler wants written, atomically with the consumer's checkpoint.
 
-    ``actor`` defaults to ``consumer:<name>``. ``on_commit``: callables run once the
-    group has committed (metrics of what was written: a commit that failed and was
-    handled again must not count twice).
+    ``actor`` defaults to ``system:<name>`` (:mod:`events.actors`). ``on_commit``:
+    callables run once the group has committed (metrics of what was written: a commit
+    that failed and was handled again must not count twice).
     """
 
     batches: list[Batch] = []
@@ -417,6 +418,7 @@ class Consumer:
 
     async def _ensure_consumer(self) -> None:
         config = ConsumerConfig(
+            name=self.name,  # with the filter in the API subject: brokers can permit it
             durable_name=self.name,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
@@ -682,7 +684,7 @@ class Consumer:
             committed()
 
     def _metadata(self, handled: Handled, todo: Sequence[Envelope]) -> Metadata:
-        actor = handled.actor or f"consumer:{self.name}"
+        actor = handled.actor or str(Actor.system(self.name))
         if len(todo) == 1:
             env = todo[0]
             return Metadata(
@@ -742,7 +744,7 @@ class Consumer:
             reason=letter.reason[:2000],
         )
         meta = Metadata(
-            actor=f"consumer:{self.name}",
+            actor=str(Actor.system(self.name)),
             correlation_id=letter.correlation_id,
             causation_id=letter.event_id or None,
         )

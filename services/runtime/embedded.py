@@ -336,8 +336,11 @@ class EmbeddedNats:
 
     name: Final = "nats"
 
-    def __init__(self, data_dir: Path, *, port: int | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, *, port: int | None = None, config: Path | None = None
+    ) -> None:
         self.store = data_dir / "nats"
+        self.config = config  #: a configuration file (the accounts of ``dracap auth init``)
         self.log = data_dir / "nats.log"
         self.pid_file = data_dir / "nats.pid"
         self.port = port
@@ -369,6 +372,8 @@ class EmbeddedNats:
             "-n",
             "dracap-embedded",
         ]
+        if self.config is not None:
+            command += ["-c", str(self.config)]
         self._process = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
@@ -456,15 +461,17 @@ def running_servers(
     postgres_port: int | None = None,
     nats_port: int | None = None,
     database: str = DATABASE,
+    nats_config: Path | None = None,
 ) -> Iterator[Servers]:
     """Start PostgreSQL and/or nats-server under ``data_dir``; stop them on exit.
 
-    A server not asked for gets an empty URL in the result.
+    A server not asked for gets an empty URL in the result. ``nats_config``: a file
+    nats-server reads besides its flags (accounts and users).
     """
     data_dir = data_dir.resolve()
     with data_dir_lock(data_dir):
         pg = EmbeddedPostgres(data_dir, port=postgres_port)
-        bus = EmbeddedNats(data_dir, port=nats_port)
+        bus = EmbeddedNats(data_dir, port=nats_port, config=nats_config)
         try:
             admin_url = database_url = nats_url = ""
             if postgres:
@@ -496,6 +503,7 @@ async def embedded_servers(
     postgres_port: int | None = None,
     nats_port: int | None = None,
     database: str = DATABASE,
+    nats_config: Path | None = None,
 ) -> AsyncIterator[Servers]:
     """:func:`running_servers` for asyncio callers (start and stop in a worker thread)."""
     import asyncio
@@ -507,6 +515,7 @@ async def embedded_servers(
         postgres_port=postgres_port,
         nats_port=nats_port,
         database=database,
+        nats_config=nats_config,
     )
     servers = await asyncio.to_thread(manager.__enter__)
     try:

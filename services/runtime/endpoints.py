@@ -9,8 +9,13 @@ value      flag               then the variable         then ``<data-dir>/connec
 ========== ================== ========================= ===================================
 PostgreSQL ``--database-url`` ``DRACAP_DATABASE_URL``   ``database_url``
 NATS       ``--nats``         ``DRACAP_NATS_URL``       ``nats_url``
+NATS login ``--creds``        ``DRACAP_NATS_CREDS``     ``creds`` (the operator's)
 prefix     ``--prefix``       —                         ``prefix``, else ``dracap``
 ========== ================== ========================= ===================================
+
+The NATS login is a credential file of ``dracap auth init``
+(:mod:`services.runtime.credentials`); without one a command connects anonymously,
+which only an open server (``dracap up --insecure``) accepts.
 
 ``connection.json`` is what ``dracap up`` writes into its data directory
 (``--data-dir``, default ``.dracap``), so a command run next to ``dracap up`` reaches
@@ -40,6 +45,7 @@ import asyncpg
 import msgspec
 import nats.errors
 
+from services.runtime.credentials import Credential, read_credential
 from services.runtime.errors import PermanentError
 from services.runtime.outages import is_unreachable
 from services.runtime.settings import Settings
@@ -90,6 +96,7 @@ class Connection(msgspec.Struct, frozen=True, kw_only=True):
     database_url: str
     nats_url: str
     prefix: str = DEFAULT_PREFIX
+    creds: str | None = None  #: the operator's credential file (absent: an open server)
 
 
 def read_connection(data_dir: Path) -> Connection | None:
@@ -110,6 +117,11 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     database_url: str | None
     nats_url: str | None
     prefix: str
+    creds: str | None = None
+
+    def credential(self) -> Credential | None:
+        """The NATS login to use, or None (anonymous)."""
+        return read_credential(self.creds) if self.creds else None
 
     def database(self) -> str:
         """The PostgreSQL URL, or :class:`NoEndpoint`."""
@@ -141,6 +153,7 @@ def resolve_endpoints(
     database_url: str | None = None,
     nats_url: str | None = None,
     prefix: str | None = None,
+    creds: str | None = None,
     env: Mapping[str, str] | None = None,
     saved: bool = True,
 ) -> Endpoints:
@@ -152,11 +165,15 @@ def resolve_endpoints(
     env = os.environ if env is None else env
     database_url = database_url or env.get("DRACAP_DATABASE_URL") or None
     nats_url = nats_url or env.get("DRACAP_NATS_URL") or None
+    creds = creds or env.get("DRACAP_NATS_CREDS") or None
     connection = None
-    if saved and not (database_url and nats_url and prefix):
+    if saved and not (database_url and nats_url and prefix and creds):
         connection = read_connection(Path(data_dir))
     if connection is not None:
         database_url = database_url or connection.database_url
+        # the saved login belongs to the saved server: not to a URL named otherwise
+        if nats_url is None or nats_url == connection.nats_url:
+            creds = creds or connection.creds
         nats_url = nats_url or connection.nats_url
         prefix = prefix or connection.prefix
     return Endpoints(
@@ -164,6 +181,7 @@ def resolve_endpoints(
         database_url=database_url,
         nats_url=nats_url,
         prefix=prefix or DEFAULT_PREFIX,
+        creds=creds,
     )
 
 
@@ -186,6 +204,12 @@ def add_endpoint_arguments(
         parser.add_argument(
             "--prefix", help="subject prefix (default: connection.json's, else dracap)"
         )
+        parser.add_argument(
+            "--creds",
+            metavar="FILE",
+            help="NATS credential file of `dracap auth init` (default: DRACAP_NATS_CREDS, "
+            "else connection.json's: the operator's)",
+        )
     parser.add_argument(
         "--data-dir",
         default=DEFAULT_DATA_DIR,
@@ -201,6 +225,7 @@ def endpoints_from_args(args: argparse.Namespace) -> Endpoints:
         database_url=getattr(args, "database_url", None),
         nats_url=getattr(args, "nats", None),
         prefix=getattr(args, "prefix", None),
+        creds=getattr(args, "creds", None),
     )
 
 

@@ -305,7 +305,7 @@ async def test_handler_appends_commit_with_the_checkpoint(bus: Bus) -> None:
     by_cause = {e.causation_id: e for e in out}
     for src in sources:
         assert by_cause[src.event_id].correlation_id == src.correlation_id
-        assert by_cause[src.event_id].actor == "consumer:echo"
+        assert by_cause[src.event_id].actor == "system:echo"
     pool = bus.store.pool
     assert (
         await pool.fetchval("SELECT count(*) FROM processed_messages WHERE consumer = 'echo'") == 20

@@ -341,9 +341,9 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def _start_up(data_dir: Path) -> subprocess.Popen[str]:
+def _start_up(data_dir: Path, *extra: str) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "services.cli", "up", "--data-dir", str(data_dir)]
-    command += ["--inventory", str(EXAMPLES), "--metrics-port", "0"]
+    command += ["--inventory", str(EXAMPLES), "--metrics-port", "0", *extra]
     return subprocess.Popen(
         command,
         cwd=ROOT,
@@ -426,5 +426,26 @@ def test_dracap_up_stops_cleanly_and_resumes(tmp_path: Path) -> None:
         )
         assert got.returncode == 0, got.stderr
         assert json.loads(got.stdout)["phase"] == "ready"
+    finally:
+        _stop(process)
+
+
+def test_dracap_up_is_secure_unless_told_insecure_and_then_says_so(tmp_path: Path) -> None:
+    data_dir = tmp_path / "dracap"
+    process = _start_up(data_dir)
+    try:
+        text = "".join(_wait_for_ready(process, 45))
+        connection = json.loads((data_dir / "connection.json").read_text())
+        assert connection["creds"].endswith("operator-operator.creds")
+        assert "INSECURE" not in text and "access      credentials in" in text
+    finally:
+        _stop(process)
+    process = _start_up(data_dir, "--insecure")
+    try:
+        text = "".join(_wait_for_ready(process, 45))
+        assert text.count("INSECURE") >= 2  # the warning at start and the banner's line
+        assert json.loads((data_dir / "connection.json").read_text())["creds"] is None
+        listed = _cli("claim", "list", "-n", "tenant-a", "--data-dir", str(data_dir))
+        assert listed.returncode == 0, listed.stderr
     finally:
         _stop(process)

@@ -1,0 +1,239 @@
+"""Who a process is on the bus: credential files, and who sent a request.
+
+Credentials
+-----------
+Every user of the broker — each service kind, each node's agent, each operator and
+each tenant user — has an NKey pair (Ed25519). The broker's configuration holds only
+the public keys (:mod:`services.brokerauth` writes it); the seed lives in one
+credential file per user, JSON, mode 0600, never logged::
+
+    {"principal": {"name": "alice", "kind": "tenant", "namespace": "tenant-a", ...},
+     "seed": "SU...", "inbox_prefix": "_INBOX_tenant_alice"}
+
+A client signs the server's nonce with the seed (nats-py ``nkeys_seed_str``) and uses
+its own inbox prefix, the only inbox its permissions let it subscribe to: replies to
+one user never reach another user of the same account.
+
+Who sent a request
+------------------
+Tenants and operators live in accounts of their own; the services' account exports
+the API subjects to them, and their imports are ``share: true``. For every request
+that crosses such an import, nats-server writes a ``Nats-Request-Info`` header with the
+requester's account and NKey, replacing any header of that name the client sent.
+:func:`caller_of` reads it: the account says the kind (``OPERATORS``, or
+``TENANT_<namespace>``), the NKey says the user (named through the public
+:class:`Directory`). Nothing of the payload counts. Without a broker that does this
+(``dracap up --insecure``) nobody is known: :func:`caller_of` answers ``None`` and the
+API records ``anonymous`` actors (:mod:`events.actors`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Final, Literal, TypeVar
+
+import msgspec
+
+from events.actors import Actor
+from events.subjects import node_token
+from services.runtime.errors import PermanentError
+
+__all__ = [
+    "AUTH_DIR",
+    "OPERATORS_ACCOUNT",
+    "REQUEST_INFO_HEADER",
+    "SERVICES_ACCOUNT",
+    "TENANT_ACCOUNT_PREFIX",
+    "AuthDir",
+    "Credential",
+    "CredentialError",
+    "Directory",
+    "Principal",
+    "caller_of",
+    "read_credential",
+    "read_directory",
+    "write_private",
+]
+
+PrincipalKind = Literal["service", "agent", "operator", "tenant"]
+
+SERVICES_ACCOUNT: Final = "DRACAP"
+OPERATORS_ACCOUNT: Final = "OPERATORS"
+TENANT_ACCOUNT_PREFIX: Final = "TENANT_"
+REQUEST_INFO_HEADER: Final = "Nats-Request-Info"
+AUTH_DIR: Final = "auth"  #: under a data directory
+ACCOUNTS_FILE: Final = "accounts.conf"
+DIRECTORY_FILE: Final = "directory.json"
+CREDS_DIR: Final = "creds"
+DEFAULT_OPERATOR: Final = "operator"
+_T = TypeVar("_T")
+
+
+class CredentialError(PermanentError):
+    """A credential or directory file that cannot be read or is not one."""
+
+
+class Principal(msgspec.Struct, frozen=True, kw_only=True):
+    """One user of the broker: public facts only."""
+
+    name: str
+    kind: PrincipalKind
+    public_key: str
+    namespace: str | None = None  #: a tenant's namespace
+    node: str | None = None  #: an agent's node
+
+    @property
+    def account(self) -> str:
+        """The broker account this user belongs to."""
+        if self.kind == "tenant":
+            assert self.namespace is not None
+            return TENANT_ACCOUNT_PREFIX + self.namespace
+        if self.kind == "operator":
+            return OPERATORS_ACCOUNT
+        return SERVICES_ACCOUNT
+
+    @property
+    def inbox_prefix(self) -> str:
+        """The only inbox the user may subscribe to (one token, unique per account)."""
+        return f"_INBOX_{self.kind}_{self.name}".replace(".", "_")
+
+
+class Credential(msgspec.Struct, frozen=True, kw_only=True):
+    """A principal and its secret seed: what one credential file holds."""
+
+    principal: Principal
+    seed: str
+
+    def __repr__(self) -> str:  # the seed must not reach a log line by accident
+        return f"Credential({self.principal.kind}:{self.principal.name})"
+
+    __str__ = __repr__
+
+    def connect_options(self) -> dict[str, Any]:
+        """What ``nats.connect`` needs to log in as this principal."""
+        return {"nkeys_seed_str": self.seed, "inbox_prefix": self.principal.inbox_prefix}
+
+
+class Directory(msgspec.Struct, frozen=True):
+    """Every principal of one installation, by public key (public, not secret)."""
+
+    principals: list[Principal]
+
+    def by_key(self, public_key: str) -> Principal | None:
+        return next((p for p in self.principals if p.public_key == public_key), None)
+
+
+class _RequestInfo(msgspec.Struct):
+    """The part of nats-server's ``Nats-Request-Info`` header that says who asked."""
+
+    acc: str = ""
+    user: str = ""
+
+
+_INFO: Final = msgspec.json.Decoder(_RequestInfo)
+
+
+def caller_of(headers: dict[str, str] | None, directory: Directory | None) -> Actor | None:
+    """Who sent a request, from the header the broker wrote; None when it says nothing.
+
+    A tenant's namespace comes from its account alone; an NKey the directory does not
+    know is named by the key itself (still authenticated by the broker).
+    """
+    raw = (headers or {}).get(REQUEST_INFO_HEADER)
+    if not raw:
+        return None
+    try:
+        info = _INFO.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if not info.user:
+        return None
+    known = directory.by_key(info.user) if directory is not None else None
+    user = known.name if known is not None else info.user
+    if info.acc == OPERATORS_ACCOUNT:
+        return Actor.operator(user)
+    if info.acc.startswith(TENANT_ACCOUNT_PREFIX) and len(info.acc) > len(TENANT_ACCOUNT_PREFIX):
+        return Actor.tenant(user, info.acc.removeprefix(TENANT_ACCOUNT_PREFIX))
+    return None
+
+
+def _file_name(principal: Principal) -> str:
+    if principal.kind == "tenant":
+        return f"tenant-{principal.namespace}-{principal.name}.creds"
+    if principal.kind == "agent":
+        return f"agent-{node_token(principal.name)}.creds"
+    return f"{principal.kind}-{principal.name}.creds"
+
+
+class AuthDir:
+    """The files of one auth directory, as :mod:`services.brokerauth` writes them."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    @property
+    def accounts(self) -> Path:
+        return self.path / ACCOUNTS_FILE
+
+    @property
+    def directory(self) -> Path:
+        return self.path / DIRECTORY_FILE
+
+    def exists(self) -> bool:
+        return self.accounts.exists() and self.directory.exists()
+
+    def creds_path(self, principal: Principal) -> Path:
+        return self.path / CREDS_DIR / _file_name(principal)
+
+    def _credential(self, principal: Principal) -> Credential:
+        return read_credential(self.creds_path(principal))
+
+    def service(self, name: str) -> Credential:
+        return self._credential(Principal(name=name, kind="service", public_key=""))
+
+    def agent(self, node: str) -> Credential:
+        return self._credential(Principal(name=node, kind="agent", public_key="", node=node))
+
+    def operator(self, name: str = DEFAULT_OPERATOR) -> Credential:
+        return self._credential(Principal(name=name, kind="operator", public_key=""))
+
+    def operator_path(self, name: str = DEFAULT_OPERATOR) -> Path:
+        return self.creds_path(Principal(name=name, kind="operator", public_key=""))
+
+    def has_agent(self, node: str) -> bool:
+        return self.creds_path(Principal(name=node, kind="agent", public_key="")).exists()
+
+    def tenant(self, namespace: str, user: str) -> Credential:
+        return self._credential(
+            Principal(name=user, kind="tenant", public_key="", namespace=namespace)
+        )
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path``, readable by its owner only, replacing it atomically."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.replace(partial, path)
+
+
+def read_credential(path: str | os.PathLike[str]) -> Credential:
+    """The credential file at ``path``, or :class:`CredentialError` saying why not."""
+    return _read(Path(path), Credential, "credential")
+
+
+def read_directory(path: str | os.PathLike[str]) -> Directory:
+    """The public directory of principals at ``path``."""
+    return _read(Path(path), Directory, "directory")
+
+
+def _read(path: Path, typ: type[_T], what: str) -> _T:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=typ)
+    except FileNotFoundError:
+        raise CredentialError(f"{path}: no such {what} file") from None
+    except (OSError, msgspec.DecodeError) as exc:
+        raise CredentialError(f"{path}: not a dracap {what} file: {exc}") from None

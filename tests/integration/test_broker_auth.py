@@ -1,0 +1,338 @@
+"""The tenant boundary on the bus: a nats-server started from `dracap auth init`'s files.
+
+Every refusal here is the server's (a permissions violation or a refused login), not
+dracap's: the test talks to nats-server directly wherever it can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from events.actors import parse_actor
+from events.fold import ClusterState
+from events.subjects import BusNames
+from services.brokerauth import init_auth, installation_from
+from services.enforcement.agent import consumer_name
+from services.exitcodes import CommandError, ExitCode
+from services.runtime.apiclient import ApiClient
+from services.runtime.bus import connect_bus
+from services.runtime.credentials import AuthDir, Credential
+from services.runtime.embedded import EmbeddedNats
+from services.runtime.livestate import LiveState
+from services.runtime.settings import Settings
+from services.up import Stack, load_inventory, read_inventory
+from tests.integration.waiting import state_reaches
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "deploy" / "examples"
+USERS = ("tenant-a/alice", "tenant-b/bob")
+
+
+def _claim(namespace: str, name: str) -> bytes:
+    return json.dumps(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": "gpu",
+                            "exactly": {
+                                "deviceClassName": "gpu-memory.dracap.io",
+                                "capacity": {"requests": {"memory": "1Gi"}},
+                            },
+                        }
+                    ]
+                }
+            },
+        }
+    ).encode()
+
+
+class Broker(msgspec.Struct, frozen=True):
+    url: str
+    auth: AuthDir
+    names: BusNames
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """A nats-server run with the accounts `dracap auth init` wrote for the examples."""
+    data_dir = tmp_path_factory.mktemp("broker")
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:10]}")
+    objects = [*read_inventory([str(EXAMPLES)]).namespaces, *read_inventory([str(EXAMPLES)]).slices]
+    auth = AuthDir(data_dir / "auth")
+    init_auth(auth, installation_from(objects, prefix=names.prefix, users=USERS))
+    server = EmbeddedNats(data_dir, config=auth.accounts)
+    url = server.start()
+    try:
+        yield Broker(url, auth, names)
+    finally:
+        server.stop()
+
+
+class Violations:
+    """The permissions violations the server reported to one connection."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.arrived = asyncio.Event()
+
+    async def error(self, exc: Exception) -> None:
+        if "permissions violation" in str(exc).lower():
+            self.seen.append(str(exc).lower())
+            self.arrived.set()
+
+    async def of(self, subject: str, within: float = 10.0) -> str:
+        """The violation naming ``subject`` (waits for it)."""
+        async with asyncio.timeout(within):
+            while True:
+                for text in self.seen:
+                    if f'"{subject.lower()}"' in text:
+                        return text
+                self.arrived.clear()
+                await self.arrived.wait()
+
+
+@contextlib.asynccontextmanager
+async def connected(broker: Broker, credential: Credential | None) -> AsyncIterator[Any]:
+    violations = Violations()
+    login = credential.connect_options() if credential is not None else {}
+    nc = await nats.connect(broker.url, error_cb=violations.error, allow_reconnect=False, **login)
+    nc.violations = violations
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
+async def stream_messages(broker: Broker) -> int:
+    nc, js = await connect_bus(broker.url, credential=broker.auth.service("relay"))
+    try:
+        return int((await js.stream_info(broker.names.stream)).state.messages)
+    finally:
+        await nc.close()
+
+
+# --- the stack, secure ----------------------------------------------------------------------
+
+
+@pytest.fixture
+async def stack(broker: Broker, settings: Settings) -> AsyncIterator[Stack]:
+    inventory = read_inventory([str(EXAMPLES)])
+    settings = msgspec.structs.replace(settings, nats_url=broker.url)
+    async with Stack.running(
+        settings, broker.names, nodes=inventory.nodes, auth=broker.auth
+    ) as running:
+        operator = broker.auth.operator()
+        async with ApiClient.connect(broker.url, broker.names.prefix, operator) as api:
+            await load_inventory(api, inventory)
+        yield running
+
+
+# --- tenants ------------------------------------------------------------------------------
+
+
+async def test_a_tenant_cannot_publish_to_another_namespaces_api(broker: Broker) -> None:
+    alice = broker.auth.tenant("tenant-a", "alice")
+    async with ApiClient.connect(broker.url, broker.names.prefix, alice) as api:
+        with pytest.raises(CommandError, match="does not let this user publish") as refused:
+            await api.claims("tenant-b", "list")
+    assert refused.value.exit_code == ExitCode.REJECTED
+    async with connected(broker, alice) as nc:
+        subject = broker.names.api("tenant-b", "apply")
+        await nc.publish(subject, _claim("tenant-b", "stolen"))
+        assert "publish" in await nc.violations.of(subject)
+
+
+async def test_a_tenant_cannot_read_another_tenants_replies(broker: Broker) -> None:
+    alice = broker.auth.tenant("tenant-a", "alice")
+    bob = broker.auth.tenant("tenant-b", "bob")
+    async with connected(broker, alice) as nc:
+        for inbox in (f"{bob.principal.inbox_prefix}.>", "_INBOX.>", f"{broker.names.prefix}.>"):
+            await nc.subscribe(inbox)
+            assert "subscription" in await nc.violations.of(inbox)
+
+
+async def test_a_tenant_cannot_call_the_admin_api(broker: Broker) -> None:
+    alice = broker.auth.tenant("tenant-a", "alice")
+    async with ApiClient.connect(broker.url, broker.names.prefix, alice) as api:
+        with pytest.raises(CommandError, match="does not let this user publish") as refused:
+            await api.admin("devices.list")
+    assert refused.value.exit_code == ExitCode.REJECTED
+
+
+async def test_a_tenant_cannot_publish_onto_the_event_stream(broker: Broker) -> None:
+    names = broker.names
+    alice = broker.auth.tenant("tenant-a", "alice")
+    async with connected(broker, alice) as nc:
+        forged = names.subject_of("reservation.allocation_bound", "node-a")
+        await nc.publish(forged, b"{}")
+        assert "publish" in await nc.violations.of(forged)
+        api = f"$JS.API.STREAM.INFO.{names.stream}"
+        await nc.publish(api, b"")
+        assert "publish" in await nc.violations.of(api)
+
+
+# --- agents -------------------------------------------------------------------------------
+
+
+async def test_a_node_agent_cannot_act_for_another_node(broker: Broker) -> None:
+    names = broker.names
+    agent = broker.auth.agent("node-a")
+    async with connected(broker, agent) as nc:
+        report = names.subject_of("enforcement.limit_applied", "node-b")
+        await nc.publish(report, b"{}")
+        assert "publish" in await nc.violations.of(report)
+        js = nc.jetstream(timeout=2)
+        other = consumer_name("node-b")
+        config = ConsumerConfig(
+            name=other,
+            durable_name=other,
+            ack_policy=AckPolicy.EXPLICIT,
+            filter_subject=names.node_filter("node-b"),
+        )
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.add_consumer(names.stream, config)
+        create = f"$JS.API.CONSUMER.CREATE.{names.stream}.{other}.{names.node_filter('node-b')}"
+        assert "publish" in await nc.violations.of(create)
+        # its own consumer, but widened to every node's events: refused as well
+        own = consumer_name("node-a")
+        wide = ConsumerConfig(
+            name=own, durable_name=own, ack_policy=AckPolicy.EXPLICIT, filter_subject=">"
+        )
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.add_consumer(names.stream, wide)
+
+
+async def test_a_node_agent_runs_its_own_consumer(broker: Broker) -> None:
+    names = broker.names
+    relay, relay_js = await connect_bus(broker.url, credential=broker.auth.service("relay"))
+    try:
+        from services.runtime.bus import ensure_stream
+
+        await ensure_stream(relay_js, names)
+    finally:
+        await relay.close()
+    nc, js = await connect_bus(broker.url, credential=broker.auth.agent("node-a"))
+    try:
+        own = consumer_name("node-a")
+        config = ConsumerConfig(
+            name=own,
+            durable_name=own,
+            ack_policy=AckPolicy.EXPLICIT,
+            filter_subject=names.node_filter("node-a"),
+        )
+        info = await js.add_consumer(names.stream, config)
+        assert info.config.filter_subject == names.node_filter("node-a")
+    finally:
+        await nc.close()
+
+
+# --- no login, forged events --------------------------------------------------------------
+
+
+async def refused_login(url: str) -> str:
+    """Connect without credentials; the error the server answers with."""
+    nc = nats.NATS()
+
+    async def quiet(_: Exception) -> None:
+        pass
+
+    try:
+        await nc.connect(url, allow_reconnect=False, max_reconnect_attempts=1, error_cb=quiet)
+    except (nats.errors.Error, nats.errors.NoServersError) as exc:
+        return str(exc).lower() or type(exc).__name__.lower()
+    finally:
+        await nc.close()
+    raise AssertionError("the server accepted a client without credentials")
+
+
+async def test_an_unauthenticated_client_is_refused(broker: Broker) -> None:
+    refused = await refused_login(broker.url)
+    assert "authoriz" in refused or "authentic" in refused
+
+
+async def test_a_forged_event_never_reaches_a_consumer(broker: Broker, stack: Stack) -> None:
+    names = broker.names
+    subject = names.subject_of("reservation.allocation_bound", "node-a")
+    forged = b'{"type": "reservation.allocation_bound", "node": "node-a"}'
+    alice = broker.auth.tenant("tenant-a", "alice")
+    async with connected(broker, alice) as nc:
+        await nc.publish(subject, forged)
+        await nc.violations.of(subject)
+    agent_b = broker.auth.agent("node-b")
+    async with connected(broker, agent_b) as nc:
+        await nc.publish(subject, forged)
+        await nc.violations.of(subject)
+    await refused_login(broker.url)
+    # no claim was applied, so no binding exists: the stream holds none on that subject,
+    # and node-a's agent was offered nothing
+    info = await stack.js.stream_info(names.stream, subjects_filter=subject)
+    assert not info.state.subjects  # no message on that subject at all
+    _, agent_js = stack.bus("agent:node-a")
+    offered = await agent_js.consumer_info(names.stream, consumer_name("node-a"))
+    assert offered.num_pending == 0 and offered.delivered.consumer_seq == 0
+
+
+# --- actors -------------------------------------------------------------------------------
+
+
+async def test_every_event_names_its_authenticated_actor(broker: Broker, stack: Stack) -> None:
+    names, auth = broker.names, broker.auth
+    alice, bob = auth.tenant("tenant-a", "alice"), auth.tenant("tenant-b", "bob")
+    async with ApiClient.connect(broker.url, names.prefix, alice) as api:
+        # a header claiming to be the operator changes nothing: the server replaces it
+        forged = {"Nats-Request-Info": json.dumps({"acc": "OPERATORS", "user": "x"})}
+        reply = await api.nc.request(
+            names.api("tenant-a", "apply"), _claim("tenant-a", "a1"), timeout=10, headers=forged
+        )
+        assert json.loads(reply.data)["ok"], reply.data
+    async with ApiClient.connect(broker.url, names.prefix, bob) as api:
+        await api.claims("tenant-b", "apply", json.loads(_claim("tenant-b", "b1")))
+    live = LiveState(stack.store)
+
+    def ready(state: ClusterState) -> bool:
+        claims = [state.claim("tenant-a", "a1"), state.claim("tenant-b", "b1")]
+        return all(c is not None and c.phase == "ready" for c in claims)
+
+    await state_reaches(live, ready, 30)
+    async with ApiClient.connect(broker.url, names.prefix, alice) as api:
+        await api.claims("tenant-a", "delete", {"name": "a1"})
+
+    def released(state: ClusterState) -> bool:
+        claim = state.claim("tenant-a", "a1")
+        return claim is not None and claim.phase == "released"
+
+    await state_reaches(live, released, 30)
+
+    async with stack.store.pool.acquire() as connection:
+        rows = await connection.fetch("SELECT type, stream, actor FROM events ORDER BY position")
+    actors = {(row["type"], row["stream"]): parse_actor(row["actor"]) for row in rows}
+    assert all(actor.kind != "anonymous" for actor in actors.values())
+    by_type: dict[str, set[str]] = {}
+    for (tag, _), actor in actors.items():
+        by_type.setdefault(tag, set()).add(str(actor))
+    stream_a = "claim:tenant-a/a1"
+    stream_b = "claim:tenant-b/b1"
+    assert str(actors[("claims.submitted", stream_a)]) == "tenant:alice@tenant-a"
+    assert str(actors[("claims.submitted", stream_b)]) == "tenant:bob@tenant-b"
+    assert str(actors[("reclamation.release_requested", stream_a)]) == "tenant:alice@tenant-a"
+    assert by_type["inventory.device_class_applied"] == {"operator:operator"}
+    assert by_type["admin.namespace_access_set"] == {"operator:operator"}
+    assert by_type["reservation.allocation_bound"] == {"system:reservation-0"}
+    assert by_type["enforcement.limit_applied"] == {"agent:node-a"}

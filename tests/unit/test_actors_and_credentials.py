@@ -1,0 +1,140 @@
+"""Actors (events.actors), who sent a request (credentials.caller_of), and auth init's files."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from events.actors import Actor, ActorError, parse_actor
+from events.subjects import BusNames
+from services.brokerauth import Installation, init_auth, installation_from, permissions_of
+from services.exitcodes import CommandError
+from services.runtime.credentials import (
+    REQUEST_INFO_HEADER,
+    AuthDir,
+    CredentialError,
+    Directory,
+    Principal,
+    caller_of,
+    read_credential,
+)
+
+ACTORS = [
+    (Actor.tenant("alice", "tenant-a"), "tenant:alice@tenant-a"),
+    (Actor.operator("operator"), "operator:operator"),
+    (Actor.agent("ip-10-0-0-1.ec2.internal"), "agent:ip-10-0-0-1.ec2.internal"),
+    (Actor.system("reservation-0"), "system:reservation-0"),
+    (Actor.anonymous("tenant-a"), "anonymous:tenant-a"),
+    (Actor.anonymous(None), "anonymous:-"),
+]
+
+
+@pytest.mark.parametrize(("actor", "text"), ACTORS)
+def test_an_actor_is_written_and_read_back(actor: Actor, text: str) -> None:
+    assert str(actor) == text
+    assert parse_actor(text) == actor
+
+
+@pytest.mark.parametrize(
+    "text", ["claims-api", "consumer:x", "tenant:alice", "tenant:@ns", "operator:", "agent:a:b"]
+)
+def test_what_is_not_an_actor_is_refused(text: str) -> None:
+    with pytest.raises(ActorError):
+        parse_actor(text)
+
+
+ALICE = Principal(name="alice", kind="tenant", public_key="UALICE", namespace="tenant-a")
+OPS = Principal(name="root", kind="operator", public_key="UROOT")
+DIRECTORY = Directory([ALICE, OPS])
+
+
+def _info(**fields: str) -> dict[str, str]:
+    return {REQUEST_INFO_HEADER: json.dumps(fields)}
+
+
+@pytest.mark.parametrize(
+    ("headers", "caller"),
+    [
+        (_info(acc="TENANT_tenant-a", user="UALICE"), "tenant:alice@tenant-a"),
+        (_info(acc="OPERATORS", user="UROOT"), "operator:root"),
+        # an authenticated key the directory does not name: the key names it
+        (_info(acc="TENANT_tenant-b", user="UNEW"), "tenant:UNEW@tenant-b"),
+        (_info(acc="DRACAP", user="USERVICE"), None),  # services make no API requests
+        (_info(acc="TENANT_", user="UALICE"), None),
+        (_info(acc="OPERATORS"), None),
+        ({REQUEST_INFO_HEADER: "not json"}, None),
+        ({}, None),
+        (None, None),
+    ],
+)
+def test_the_caller_comes_from_the_brokers_header(
+    headers: dict[str, str] | None, caller: str | None
+) -> None:
+    found = caller_of(headers, DIRECTORY)
+    assert (str(found) if found else None) == caller
+
+
+def test_init_writes_private_credentials_and_public_accounts(tmp_path: Path) -> None:
+    auth = AuthDir(tmp_path / "auth")
+    installation = Installation(namespaces={"tenant-a": ["alice"]}, nodes=["node-a"])
+    principals = init_auth(auth, installation)
+    assert {(p.kind, p.name) for p in principals} == {
+        ("service", "relay"),
+        ("service", "claims"),
+        ("service", "reservation"),
+        ("agent", "node-a"),
+        ("operator", "operator"),
+        ("tenant", "alice"),
+    }
+    for principal in principals:
+        path = auth.creds_path(principal)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert read_credential(path).principal == principal
+        assert read_credential(path).seed not in auth.accounts.read_text()
+        assert principal.public_key in auth.accounts.read_text()
+    assert "seed" not in auth.directory.read_text()
+    assert "SU" not in repr(read_credential(auth.creds_path(principals[0])))
+
+
+def test_init_again_keeps_keys_adds_and_drops_users(tmp_path: Path) -> None:
+    auth = AuthDir(tmp_path / "auth")
+    first = init_auth(auth, Installation(namespaces={"a": ["alice"], "b": ["bob"]}))
+    second = init_auth(auth, Installation(namespaces={"a": ["alice"], "c": ["carol"]}))
+    keys = {p.name: p.public_key for p in first}
+    again = {p.name: p.public_key for p in second}
+    assert again["alice"] == keys["alice"] and again["relay"] == keys["relay"]
+    assert "carol" in again and "bob" not in again
+    with pytest.raises(CredentialError):
+        auth.tenant("b", "bob")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"namespaces": ["Bad_NS"]}, "namespace 'Bad_NS'"),
+        ({"users": ["tenant-a"]}, "NAMESPACE/USER"),
+        ({"users": ["tenant-a/Alice"]}, "user 'Alice'"),
+    ],
+)
+def test_bad_names_are_refused_naming_them(kwargs: dict[str, list[str]], message: str) -> None:
+    with pytest.raises(CommandError, match=message):
+        installation_from([], prefix="dracap", **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_tenant_may_publish_only_its_namespaces_api() -> None:
+    names = BusNames("dracap")
+    rules = permissions_of(ALICE, names)
+    assert rules.publish == ["dracap.api.tenant-a.claims.>"]
+    assert rules.subscribe == ["dracap.watch.tenant-a.>", "_INBOX_tenant_alice.>"]
+
+
+def test_an_agent_may_only_run_its_nodes_consumer() -> None:
+    names = BusNames("dracap")
+    agent = Principal(name="node.a", kind="agent", public_key="U", node="node.a")
+    rules = permissions_of(agent, names)
+    assert not any(s.startswith("dracap.") for s in rules.publish)
+    create = [s for s in rules.publish if ".CONSUMER.CREATE." in s]
+    assert create == ["$JS.API.CONSUMER.CREATE.DRACAP_EVENTS.agent-node_2Ea.dracap.ev.*.node%2Ea.>"]
