@@ -58,7 +58,7 @@ from services.enforcement.proving import (
     prove_bandwidth,
 )
 from services.enforcement.tc import TcEnforcer
-from services.exitcodes import ExitCode
+from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient
 from services.runtime.embedded import EmbeddedError, embedded_servers
 from services.runtime.endpoints import DEFAULT_DATA_DIR, redact, resolve_endpoints
@@ -129,6 +129,13 @@ async def servers(args: argparse.Namespace) -> AsyncIterator[tuple[Settings, str
     database_url, nats_url = endpoints.database_url, endpoints.nats_url
     if args.attach or (database_url and nats_url):
         database_url, nats_url = endpoints.database(), endpoints.nats()
+        if args.attach and endpoints.creds:
+            raise CommandError(
+                "--attach runs an agent for node "
+                f"{NODE}, which the broker of a secure `dracap up` has no user for: attach "
+                "to a `dracap up --insecure`, or run prove without --attach",
+                ExitCode.BAD_INPUT,
+            )
         yield (
             msgspec.structs.replace(settings, database_url=database_url, nats_url=nats_url),
             f"servers {nats_url}, {redact(database_url)}",
