@@ -15,7 +15,8 @@ prefix     ``--prefix``       —                         ``prefix``, else ``dra
 
 The NATS login is a credential file of ``dracap auth init``
 (:mod:`services.runtime.credentials`); without one a command connects anonymously,
-which only an open server (``dracap up --insecure``) accepts.
+which only an open server (``dracap up --insecure``) accepts. The saved login is used
+only with the saved NATS URL, and only when the file is read for a server or prefix.
 
 ``connection.json`` is what ``dracap up`` writes into its data directory
 (``--data-dir``, default ``.dracap``), so a command run next to ``dracap up`` reaches
@@ -167,7 +168,7 @@ def resolve_endpoints(
     nats_url = nats_url or env.get("DRACAP_NATS_URL") or None
     creds = creds or env.get("DRACAP_NATS_CREDS") or None
     connection = None
-    if saved and not (database_url and nats_url and prefix and creds):
+    if saved and not (database_url and nats_url and prefix):  # the login alone: not read
         connection = read_connection(Path(data_dir))
     if connection is not None:
         database_url = database_url or connection.database_url

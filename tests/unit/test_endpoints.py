@@ -137,3 +137,14 @@ def test_redact() -> None:
     assert endpoints.redact("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
     assert endpoints.redact("postgresql://u@h/db") == "postgresql://u@h/db"
     assert endpoints.redact("nats://h:4222") == "nats://h:4222"
+
+
+def test_the_nats_login_is_flag_then_variable_then_the_saved_one(tmp_path: Path) -> None:
+    _save(tmp_path, {**SAVED, "creds": "/up/operator.creds"})
+    env = {"DRACAP_NATS_CREDS": "/env.creds"}
+    assert resolve_endpoints(tmp_path, creds="/flag.creds", env=env).creds == "/flag.creds"
+    assert resolve_endpoints(tmp_path, env=env).creds == "/env.creds"
+    assert resolve_endpoints(tmp_path, env={}).creds == "/up/operator.creds"
+    # the saved login belongs to the saved server, not to another one named by a flag
+    assert resolve_endpoints(tmp_path, nats_url="nats://other:2", env={}).creds is None
+    assert resolve_endpoints(tmp_path, nats_url="nats://up:1", env={}).creds == "/up/operator.creds"
