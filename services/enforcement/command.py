@@ -4,8 +4,10 @@ The agent connects to PostgreSQL (the event log) and NATS (the events stream), m
 sure the stream exists, and consumes the events addressed to its node until SIGINT or
 SIGTERM (see :mod:`services.enforcement.agent`). The servers are found like every
 command finds them (:mod:`services.runtime.endpoints`): ``--database-url`` / ``--nats``,
-else ``DRACAP_DATABASE_URL`` / ``DRACAP_NATS_URL``, else ``<data-dir>/connection.json``
-of ``dracap up``; one that cannot be reached at start is one line and exit 1. With
+else ``DRACAP_DATABASE_URL_AGENT`` (the agent's own database user, typically bound to
+its node by ``dracap db node-role``) / ``DRACAP_NATS_URL``, else ``DRACAP_DATABASE_URL``,
+else ``<data-dir>/connection.json`` of ``dracap up``; one that cannot be reached at
+start is one line and exit 1. With
 ``--config`` (an agent configuration, ``deploy/agent-config.example.yaml``) the node's
 devices are discovered at start and every ``--scan-interval`` seconds and published as
 ResourceSlices; ``--enforcer tc`` takes each device's interface from its ``ifName``
@@ -45,7 +47,7 @@ from services.runtime.gauges import initialise_series
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.livestate import LiveState
 from services.runtime.metrics import start_metrics_server
-from services.runtime.settings import SettingsError, load_settings
+from services.runtime.settings import ServiceKind, SettingsError, load_settings
 
 ENFORCERS: Final = ("none", "tc", "mps")
 DEFAULT_CHECKPOINT: Final = "/var/lib/dracap/agent/{node}.checkpoint.json"
@@ -81,7 +83,7 @@ def device_maps(config: AgentConfig, enforcer: Enforcer) -> Callable[[ScanResult
 async def serve(args: argparse.Namespace) -> int:
     """Run the agent until a signal arrives."""
     tune_for_long_lived_state()
-    endpoints = endpoints_from_args(args)
+    endpoints = endpoints_from_args(args, service=ServiceKind.AGENT)
     database_url, nats_url = endpoints.database(), endpoints.nats()
     settings = endpoints.settings(load_settings())
     names = BusNames(endpoints.prefix)

@@ -12,6 +12,11 @@ NATS       ``--nats``         ``DRACAP_NATS_URL``       ``nats_url``
 prefix     ``--prefix``       —                         ``prefix``, else ``dracap``
 ========== ================== ========================= ===================================
 
+A command that runs one kind of service (``dracap agent``; ``dracap replay verify``,
+which reads as ``readonly``) looks at that kind's ``DRACAP_DATABASE_URL_<KIND>`` right
+after the flag: a URL found there logs in as its own user, without the ``role`` switch
+of ``DRACAP_APP_ROLE`` (:meth:`Endpoints.settings`; ``docs/database-roles.md``).
+
 ``connection.json`` is what ``dracap up`` writes into its data directory
 (``--data-dir``, default ``.dracap``), so a command run next to ``dracap up`` reaches
 exactly its servers. There is no built-in address: a command that finds no URL for a
@@ -42,7 +47,7 @@ import nats.errors
 
 from services.runtime.errors import PermanentError
 from services.runtime.outages import is_unreachable
-from services.runtime.settings import Settings
+from services.runtime.settings import ServiceKind, Settings
 
 __all__ = [
     "DEFAULT_DATA_DIR",
@@ -110,6 +115,8 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     database_url: str | None
     nats_url: str | None
     prefix: str
+    #: ``database_url`` came from ``DRACAP_DATABASE_URL_<KIND>``: act as its user
+    own_user: bool = False
 
     def database(self) -> str:
         """The PostgreSQL URL, or :class:`NoEndpoint`."""
@@ -125,6 +132,7 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
             base,
             database_url=self.database_url or base.database_url,
             nats_url=self.nats_url or base.nats_url,
+            app_role="" if self.own_user else base.app_role,
         )
 
     def _missing(self, server: Server, flag: str, variable: str) -> str:
@@ -143,14 +151,19 @@ def resolve_endpoints(
     prefix: str | None = None,
     env: Mapping[str, str] | None = None,
     saved: bool = True,
+    service: ServiceKind | None = None,
 ) -> Endpoints:
     """The servers named by flags (the arguments), else ``env``, else ``connection.json``.
 
     ``saved=False`` skips ``connection.json``: for a command that starts the servers it
-    does not find (``dracap prove bandwidth`` without ``--attach``).
+    does not find (``dracap prove bandwidth`` without ``--attach``). ``service``: the
+    kind of service the command runs, whose ``DRACAP_DATABASE_URL_<KIND>`` comes right
+    after the flag.
     """
     env = os.environ if env is None else env
-    database_url = database_url or env.get("DRACAP_DATABASE_URL") or None
+    own = env.get(f"DRACAP_DATABASE_URL_{service.name}") if service is not None else None
+    own_user = not database_url and bool(own)
+    database_url = database_url or own or env.get("DRACAP_DATABASE_URL") or None
     nats_url = nats_url or env.get("DRACAP_NATS_URL") or None
     connection = None
     if saved and not (database_url and nats_url and prefix):
@@ -164,6 +177,7 @@ def resolve_endpoints(
         database_url=database_url,
         nats_url=nats_url,
         prefix=prefix or DEFAULT_PREFIX,
+        own_user=own_user,
     )
 
 
@@ -194,13 +208,16 @@ def add_endpoint_arguments(
     )
 
 
-def endpoints_from_args(args: argparse.Namespace) -> Endpoints:
+def endpoints_from_args(
+    args: argparse.Namespace, *, service: ServiceKind | None = None
+) -> Endpoints:
     """:func:`resolve_endpoints` with the flags of :func:`add_endpoint_arguments`."""
     return resolve_endpoints(
         getattr(args, "data_dir", None) or DEFAULT_DATA_DIR,
         database_url=getattr(args, "database_url", None),
         nats_url=getattr(args, "nats", None),
         prefix=getattr(args, "prefix", None),
+        service=service,
     )
 
 
