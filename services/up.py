@@ -19,9 +19,11 @@ the fold of the log.
 Start-up order
 --------------
 servers (and their watchdog) -> migrations (``alembic`` to head, under an advisory
-lock) -> bus stream -> :class:`Stack` (relay, live state, claims API, reservation
-workers, agents) -> the example inventory through the admin API (each ResourceSlice only
-if its devices are not listed yet, so a restart does not append it again) ->
+lock) -> the services' database users (on the embedded PostgreSQL: one per service and
+agent, :mod:`services.runtime.provisioning`) -> bus stream -> :class:`Stack` (relay,
+live state, claims API, reservation workers, agents) -> the example inventory through
+the admin API (each ResourceSlice only if its devices are not listed yet, so a restart
+does not append it again) ->
 ``<data-dir>/connection.json`` -> the banner, whose last line starts with ``dracap is
 ready`` -> the health checks (until then ``/readyz`` says "starting"). The banner's
 hints name dracap as it can be run from here (:func:`invocation`).
@@ -87,7 +89,8 @@ from services.runtime.eventstore import EventStore
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.health import HealthMonitor, PostgresProbe, nats_probe, serve
 from services.runtime.outages import one_line, quiet_outages
-from services.runtime.settings import Settings, SettingsError, load_settings
+from services.runtime.servicestores import ServiceStores
+from services.runtime.settings import ServiceKind, Settings, SettingsError, load_settings
 from services.runtime.supervising import RestartLimitError, RestartPolicy, Watchdog
 
 if TYPE_CHECKING:
@@ -179,8 +182,17 @@ class Stack:
     stops them on exit (see the module docstring for the order).
     """
 
-    def __init__(self, store: EventStore, nc: Any, js: Any, names: BusNames) -> None:
-        self.store = store
+    def __init__(
+        self,
+        store: EventStore,
+        nc: Any,
+        js: Any,
+        names: BusNames,
+        stores: ServiceStores | None = None,
+    ) -> None:
+        self.store = store  #: the live state's (the reader's) store
+        #: each service's store: its database role's (see :func:`start_services`)
+        self.stores = stores or ServiceStores.single(store)
         self.nc = nc
         self.js = js
         self.names = names
@@ -246,12 +258,12 @@ class Stack:
     ) -> AsyncIterator[Stack]:
         from services.runtime.bus import connect_bus, ensure_stream
 
-        store = await EventStore.open(settings)
+        stores = await ServiceStores.open(settings, nodes=nodes)
         try:
             nc, js = await connect_bus(settings.nats_url)
             try:
                 await ensure_stream(js, names)
-                stack = cls(store, nc, js, names)
+                stack = cls(stores.reader, nc, js, names, stores)
                 try:
                     await start_services(stack, nodes=nodes, workers=workers)
                     yield stack
@@ -260,7 +272,7 @@ class Stack:
             finally:
                 await _bounded(_close_bus(nc), "closing the NATS connection")
         finally:
-            await _bounded(store.close(), "closing the event store")
+            await _bounded(stores.close(), "closing the event stores")
 
     async def shutdown(self) -> None:
         """Set ``stop``, wait for every task, cancel what is left after the grace period."""
@@ -306,22 +318,25 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     from services.runtime.livestate import HEAD, LiveState
     from services.runtime.relaying import Relay
 
-    store, js, names, stop = stack.store, stack.js, stack.names, stack.stop
-    stack.spawn("relay", functools.partial(Relay(store, js, names).run, stop))
-    live = LiveState(store)
+    js, names, stop, stores = stack.js, stack.names, stack.stop, stack.stores
+    relay = Relay(stores.of(ServiceKind.RELAY), js, names)
+    stack.spawn("relay", functools.partial(relay.run, stop))
+    live = LiveState(stack.store)
     await live.fresh(HEAD)
     stack.gauges = CapacityGauges(live)
     stack.gauges.start()
     stack.spawn("livestate", functools.partial(live.run, stop))
-    api = ClaimsApi(store, live, stack.nc, names)
+    api = ClaimsApi(stores.of(ServiceKind.CLAIMS), live, stack.nc, names)
     await api.start()
     stack.spawn("claims-api", functools.partial(api.run, stop))
     consumers: set[str] = set()
     for i in range(workers):
+        store = stores.of(ServiceKind.RESERVATION)
         service = ReservationService(store, live, js, names, worker=i)
         consumers.update(c.name for c in service.consumers())
         stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
     for node in nodes:
+        store = stores.of(ServiceKind.AGENT, node)
         agent = Agent(store, js, names, node=node, enforcer=NoneEnforcer(), live=live)
         consumers.add(agent.consumer.name)
         stack.spawn(f"agent-{node}", functools.partial(agent.run, stop))
@@ -433,6 +448,22 @@ async def _servers(
             )
 
 
+async def _database_users(options: UpOptions, settings: Settings, nodes: Sequence[str]) -> Settings:
+    """``settings`` with a database user of its own for each service (and agent).
+
+    On the embedded PostgreSQL ``dracap up`` creates them (:mod:`services.runtime.
+    provisioning`); on a server named by ``DRACAP_DATABASE_URL`` the operator's
+    ``DRACAP_DATABASE_URL_<KIND>`` (already in ``settings``) say who connects, if anyone.
+    """
+    if os.environ.get("DRACAP_DATABASE_URL"):
+        return settings
+    from services.runtime import provisioning
+
+    users = provisioning.load_users(options.data_dir, nodes)
+    urls = await provisioning.provision(settings.database_url, users)
+    return msgspec.structs.replace(settings, database_urls=urls)
+
+
 @contextlib.asynccontextmanager
 async def _supervised(watchdog: Watchdog) -> AsyncIterator[asyncio.Task[None]]:
     """Run ``watchdog`` while inside; its :class:`RestartLimitError` wins over any other error."""
@@ -515,6 +546,7 @@ async def up(options: UpOptions, stop: asyncio.Event) -> int:
             async with _servers(options, load_settings(), monitor) as (settings, supervisor):
                 head = await migrating.upgrade_async(settings)
                 print(f"migrating the event log to {head}", flush=True)
+                settings = await _database_users(options, settings, nodes)
                 async with Stack.running(
                     settings, names, nodes=nodes, workers=options.workers
                 ) as stack:
