@@ -43,7 +43,8 @@ Design (docs/database-roles.md has the long form and the grant table):
   (``NodeScopeViolation``). The check runs after ``dracap_append`` took the head lock, so
   it sees every earlier append. A member of ``dracap_agent`` bound to no node (one user
   for the agents of several nodes) may append the same kinds of event, with guards that
-  follow from them, for any node.
+  follow from them, for any node. ``dracap_bound_node()`` tells a session the node its
+  user acts for, so an agent started for another node stops at once.
 """
 
 from __future__ import annotations
@@ -96,13 +97,14 @@ GUARD = "dracap_guard(bigint, jsonb)"
 RELEASE_HELD = "dracap_release_held(uuid, bigint)"
 LOCK = "dracap_lock(bigint)"
 NODE_OF = "dracap_node_of(text, jsonb, text)"
+BOUND_NODE = "dracap_bound_node()"
 NODE_SCOPE = "dracap_check_node_scope(text, text[], jsonb[], jsonb)"
 OLD_FUNCTIONS = ("dracap_events_append_only()", APPEND, APPEND_GUARDED, GUARD, RELEASE_HELD, LOCK)
 NEW_FUNCTIONS = (NODE_OF, NODE_SCOPE)
 
 #: What each service role may do: (privileges, table) and the functions it may execute.
-#: Reading the log is ``SELECT`` on ``events`` and ``event_log_head``; the consumers
-#: (reservation workers, agents) record handled messages and their lag mark.
+#: Reading the log is ``SELECT`` on ``events``, ``event_log_head`` and ``snapshots``; the
+#: consumers (reservation workers, agents) record handled messages and their lag mark.
 _READ_LOG = (("SELECT", "events"), ("SELECT", "event_log_head"), ("SELECT", "snapshots"))
 _CONSUMER = (
     ("SELECT, INSERT", "processed_messages"),
@@ -142,6 +144,15 @@ CREATE TABLE dracap_node_roles (
     node       text        NOT NULL CHECK (node <> ''),
     created_at timestamptz NOT NULL DEFAULT now()
 )
+"""
+
+# The node the session's user acts for (NULL: none), for an agent to check at start; it
+# tells a user nothing but its own binding, so PUBLIC keeps EXECUTE.
+BOUND_NODE_FUNCTION = """
+CREATE FUNCTION dracap_bound_node() RETURNS text
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = public, pg_temp AS $$
+    SELECT node FROM dracap_node_roles WHERE role = session_user::text
+$$
 """
 
 SLICE_POOL_INDEX = """
@@ -396,10 +407,12 @@ def upgrade() -> None:
     op.execute(f"DROP FUNCTION {APPEND_GUARDED}")
     for statement in (NODE_OF_FUNCTION, NODE_SCOPE_FUNCTION, APPEND_GUARDED_FUNCTION):
         op.execute(statement)
+    op.execute(BOUND_NODE_FUNCTION)
     for role in (OWNER, *SERVICE_ROLES):
         _ensure_role(role)
     for table in TABLES:
         op.execute(f"ALTER TABLE {table} OWNER TO {OWNER}")
+    op.execute(f"ALTER FUNCTION {BOUND_NODE} OWNER TO {OWNER}")
     for function in (*OLD_FUNCTIONS, *NEW_FUNCTIONS):
         op.execute(f"REVOKE EXECUTE ON FUNCTION {function} FROM PUBLIC")
         op.execute(f"ALTER FUNCTION {function} OWNER TO {OWNER}")
@@ -445,6 +458,7 @@ def downgrade() -> None:
     op.execute(f"DROP FUNCTION {APPEND_GUARDED}")
     op.execute(f"DROP FUNCTION {NODE_SCOPE}")
     op.execute(f"DROP FUNCTION {NODE_OF}")
+    op.execute(f"DROP FUNCTION {BOUND_NODE}")
     guards = importlib.import_module("migrations.versions.0005_guards")
     op.execute(getattr(guards, "APPEND_GUARDED"))  # noqa: B009 (0005's own text)
     op.execute("DROP INDEX events_slice_pool_idx")

@@ -38,9 +38,10 @@ from services.enforcement.enforcers import Enforcer, NoneEnforcer
 from services.enforcement.mps import MpsEnforcer, MpsSettings
 from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interfaces_of
 from services.enforcement.tc import TcEnforcer
-from services.exitcodes import ExitCode
+from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop
 from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.dbroles import bound_node
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import EventStore
 from services.runtime.gauges import initialise_series
@@ -80,6 +81,19 @@ def device_maps(config: AgentConfig, enforcer: Enforcer) -> Callable[[ScanResult
     return update
 
 
+async def _check_bound_node(store: EventStore, node: str) -> None:
+    """Stop at once when the database user acts for another node: every report would be
+    refused (``NodeScopeViolation``), and the agent would only fail, message by message."""
+    bound = await bound_node(store.pool)
+    if bound is not None and bound != node:
+        user = await store.pool.fetchval("SELECT session_user")
+        raise CommandError(
+            f"the database user {user} acts for node {bound!r}, not {node!r}: "
+            f"give the agent of {node!r} its own user (dracap db node-role {node})",
+            ExitCode.ERROR,
+        )
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run the agent until a signal arrives."""
     tune_for_long_lived_state()
@@ -89,6 +103,11 @@ async def serve(args: argparse.Namespace) -> int:
     names = BusNames(endpoints.prefix)
     with reaching("PostgreSQL", database_url):
         store = await EventStore.open(settings)
+    try:
+        await _check_bound_node(store, args.node)
+    except BaseException:
+        await store.close()
+        raise
     try:
         with reaching("NATS", nats_url):
             nc, js = await connect_bus(nats_url, name=f"dracap-agent-{args.node}")

@@ -43,6 +43,7 @@ from services.runtime.settings import ServiceKind
 __all__ = [
     "OWNER_ROLE",
     "bind_node",
+    "bound_node",
     "ensure_login",
     "ensure_node_role",
     "group_role",
@@ -151,6 +152,16 @@ async def bind_node(connection: asyncpg.Connection, role: str, node: str) -> Non
         role,
         node,
     )
+
+
+async def bound_node(connection: asyncpg.Connection | asyncpg.Pool) -> str | None:
+    """The node the session's user acts for; None when it is bound to none (or the
+    database predates migration 0006, where nobody is)."""
+    try:
+        node: str | None = await connection.fetchval("SELECT dracap_bound_node()")
+    except asyncpg.UndefinedFunctionError:
+        return None
+    return node
 
 
 async def ensure_node_role(connection: asyncpg.Connection, node: str, password: str | None) -> str:

@@ -18,6 +18,7 @@ users (the session user is what the database checks), created for the test and d
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import stat
 import uuid
@@ -319,6 +320,26 @@ async def test_an_agent_releases_and_publishes_for_its_own_node(
         await put(agent, catalog.ResourceSliceWithdrawn(name=f"{a}-gpus"))
     held = await store.pool.fetchval("SELECT count(*) FROM held_shares WHERE node = $1", a)
     assert held == 0
+
+
+async def test_an_agent_started_for_another_node_stops_in_one_line(
+    nodes: tuple[str, str],
+    node_user: NodeUser,
+    nats_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    a, b = nodes
+    monkeypatch.setenv("DRACAP_DATABASE_URL_AGENT", (await node_user(a)).database_url)
+    argv = ["agent", "--node", b, "--nats", nats_url, "--checkpoint", "none", "--metrics-port", "0"]
+    thresholds = gc.get_threshold()  # the agent tunes the collector of its process: ours
+    try:
+        code = await asyncio.to_thread(cli.main, argv)
+    finally:
+        gc.set_threshold(*thresholds)
+    err = capsys.readouterr().err
+    assert code == ExitCode.ERROR and err.count("\n") == 1
+    assert f"acts for node '{a}', not '{b}'" in err and f"dracap db node-role {b}" in err
 
 
 async def test_an_agent_user_bound_to_no_node_appends_agent_events_only(
