@@ -19,9 +19,11 @@ the fold of the log.
 Start-up order
 --------------
 servers (and their watchdog) -> migrations (``alembic`` to head, under an advisory
-lock) -> bus stream -> :class:`Stack` (relay, live state, claims API, reservation
-workers, agents) -> the example inventory through the admin API (each ResourceSlice only
-if its devices are not listed yet, so a restart does not append it again) ->
+lock) -> the services' database users (on the embedded PostgreSQL: one per service and
+agent, :mod:`services.runtime.provisioning`) -> bus stream -> :class:`Stack` (relay,
+live state, claims API, reservation workers, agents) -> the example inventory through
+the admin API (each ResourceSlice only if its devices are not listed yet, so a restart
+does not append it again) ->
 ``<data-dir>/connection.json`` -> the banner, whose last line starts with ``dracap is
 ready`` -> the health checks (until then ``/readyz`` says "starting"). The banner's
 hints name dracap as it can be run from here (:func:`invocation`).
@@ -89,7 +91,8 @@ from services.runtime.eventstore import EventStore
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.health import HealthMonitor, PostgresProbe, nats_probe, serve
 from services.runtime.outages import one_line, quiet_outages
-from services.runtime.settings import Settings, SettingsError, load_settings
+from services.runtime.servicestores import ServiceStores
+from services.runtime.settings import ServiceKind, Settings, SettingsError, load_settings
 from services.runtime.supervising import RestartLimitError, RestartPolicy, Watchdog
 
 if TYPE_CHECKING:
@@ -189,10 +192,13 @@ class Stack:
         js: Any,
         names: BusNames,
         *,
+        stores: ServiceStores | None = None,
         logins: dict[str, tuple[Any, Any]] | None = None,
         directory: Directory | None = None,
     ) -> None:
-        self.store = store
+        self.store = store  #: the live state's (the reader's) store
+        #: each service's store: its database role's (see :func:`start_services`)
+        self.stores = stores or ServiceStores.single(store)
         self.nc = nc  #: the relay's connection (every service's without credentials)
         self.js = js
         self.names = names
@@ -270,7 +276,7 @@ class Stack:
         and require the broker's identity on API requests; None: one anonymous connection."""
         from services.runtime.bus import connect_bus, ensure_stream
 
-        store = await EventStore.open(settings)
+        stores = await ServiceStores.open(settings, nodes=nodes)
         connections: list[Any] = []
         try:
 
@@ -291,7 +297,9 @@ class Stack:
                 for node in nodes:
                     logins[f"agent:{node}"] = await login(f"agent-{node}", auth.agent(node))
             await ensure_stream(js, names)
-            stack = cls(store, nc, js, names, logins=logins, directory=directory)
+            stack = cls(
+                stores.reader, nc, js, names, stores=stores, logins=logins, directory=directory
+            )
             try:
                 await start_services(stack, nodes=nodes, workers=workers)
                 yield stack
@@ -300,7 +308,7 @@ class Stack:
         finally:
             for connection in reversed(connections):
                 await _bounded(_close_bus(connection), "closing a NATS connection")
-            await _bounded(store.close(), "closing the event store")
+            await _bounded(stores.close(), "closing the event stores")
 
     async def shutdown(self) -> None:
         """Set ``stop``, wait for every task, cancel what is left after the grace period."""
@@ -346,15 +354,16 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     from services.runtime.livestate import HEAD, LiveState
     from services.runtime.relaying import Relay
 
-    store, js, names, stop = stack.store, stack.js, stack.names, stack.stop
-    stack.spawn("relay", functools.partial(Relay(store, js, names).run, stop))
-    live = LiveState(store)
+    js, names, stop, stores = stack.js, stack.names, stack.stop, stack.stores
+    relay = Relay(stores.of(ServiceKind.RELAY), js, names)
+    stack.spawn("relay", functools.partial(relay.run, stop))
+    live = LiveState(stack.store)
     await live.fresh(HEAD)
     stack.gauges = CapacityGauges(live)
     stack.gauges.start()
     stack.spawn("livestate", functools.partial(live.run, stop))
     api = ClaimsApi(
-        store,
+        stores.of(ServiceKind.CLAIMS),
         live,
         stack.bus("claims")[0],
         names,
@@ -365,10 +374,12 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     stack.spawn("claims-api", functools.partial(api.run, stop))
     consumers: set[str] = set()
     for i in range(workers):
+        store = stores.of(ServiceKind.RESERVATION)
         service = ReservationService(store, live, stack.bus("reservation")[1], names, worker=i)
         consumers.update(c.name for c in service.consumers())
         stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
     for node in nodes:
+        store = stores.of(ServiceKind.AGENT, node)
         agent_js = stack.bus(f"agent:{node}")[1]
         agent = Agent(store, agent_js, names, node=node, enforcer=NoneEnforcer(), live=live)
         consumers.add(agent.consumer.name)
@@ -525,6 +536,22 @@ async def _servers(
             )
 
 
+async def _database_users(options: UpOptions, settings: Settings, nodes: Sequence[str]) -> Settings:
+    """``settings`` with a database user of its own for each service (and agent).
+
+    On the embedded PostgreSQL ``dracap up`` creates them (:mod:`services.runtime.
+    provisioning`); on a server named by ``DRACAP_DATABASE_URL`` the operator's
+    ``DRACAP_DATABASE_URL_<KIND>`` (already in ``settings``) say who connects, if anyone.
+    """
+    if os.environ.get("DRACAP_DATABASE_URL"):
+        return settings
+    from services.runtime import provisioning
+
+    users = provisioning.load_users(options.data_dir, nodes)
+    urls = await provisioning.provision(settings.database_url, users)
+    return msgspec.structs.replace(settings, database_urls=urls)
+
+
 @contextlib.asynccontextmanager
 async def _supervised(watchdog: Watchdog) -> AsyncIterator[asyncio.Task[None]]:
     """Run ``watchdog`` while inside; its :class:`RestartLimitError` wins over any other error."""
@@ -616,6 +643,7 @@ async def up(options: UpOptions, stop: asyncio.Event) -> int:
             async with _servers(options, load_settings(), monitor, auth) as (settings, supervisor):
                 head = await migrating.upgrade_async(settings)
                 print(f"migrating the event log to {head}", flush=True)
+                settings = await _database_users(options, settings, nodes)
                 async with Stack.running(
                     settings, names, nodes=nodes, workers=options.workers, auth=auth
                 ) as stack:

@@ -4,8 +4,10 @@ The agent connects to PostgreSQL (the event log) and NATS (the events stream), m
 sure the stream exists, and consumes the events addressed to its node until SIGINT or
 SIGTERM (see :mod:`services.enforcement.agent`). The servers are found like every
 command finds them (:mod:`services.runtime.endpoints`): ``--database-url`` / ``--nats``,
-else ``DRACAP_DATABASE_URL`` / ``DRACAP_NATS_URL``, else ``<data-dir>/connection.json``
-of ``dracap up``; one that cannot be reached at start is one line and exit 1. With
+else ``DRACAP_DATABASE_URL_AGENT`` (the agent's own database user, typically bound to
+its node by ``dracap db node-role``) / ``DRACAP_NATS_URL``, else ``DRACAP_DATABASE_URL``,
+else ``<data-dir>/connection.json`` of ``dracap up``; one that cannot be reached at
+start is one line and exit 1. With
 ``--config`` (an agent configuration, ``deploy/agent-config.example.yaml``) the node's
 devices are discovered at start and every ``--scan-interval`` seconds and published as
 ResourceSlices; ``--enforcer tc`` takes each device's interface from its ``ifName``
@@ -37,10 +39,11 @@ from services.enforcement.enforcers import Enforcer, NoneEnforcer
 from services.enforcement.mps import MpsEnforcer, MpsSettings
 from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interfaces_of
 from services.enforcement.tc import TcEnforcer
-from services.exitcodes import ExitCode
+from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.credentials import AUTH_DIR, AuthDir, Credential
+from services.runtime.dbroles import bound_node
 from services.runtime.endpoints import (
     Endpoints,
     add_endpoint_arguments,
@@ -52,7 +55,7 @@ from services.runtime.gauges import initialise_series
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.livestate import LiveState
 from services.runtime.metrics import start_metrics_server
-from services.runtime.settings import SettingsError, load_settings
+from services.runtime.settings import ServiceKind, SettingsError, load_settings
 
 ENFORCERS: Final = ("none", "tc", "mps")
 DEFAULT_CHECKPOINT: Final = "/var/lib/dracap/agent/{node}.checkpoint.json"
@@ -94,15 +97,33 @@ def _login(args: argparse.Namespace, endpoints: Endpoints) -> Credential | None:
     return auth.agent(args.node) if auth.has_agent(args.node) else None
 
 
+async def _check_bound_node(store: EventStore, node: str) -> None:
+    """Stop at once when the database user acts for another node: every report would be
+    refused (``NodeScopeViolation``), and the agent would only fail, message by message."""
+    bound = await bound_node(store.pool)
+    if bound is not None and bound != node:
+        user = await store.pool.fetchval("SELECT session_user")
+        raise CommandError(
+            f"the database user {user} acts for node {bound!r}, not {node!r}: "
+            f"give the agent of {node!r} its own user (dracap db node-role {node})",
+            ExitCode.ERROR,
+        )
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run the agent until a signal arrives."""
     tune_for_long_lived_state()
-    endpoints = endpoints_from_args(args)
+    endpoints = endpoints_from_args(args, service=ServiceKind.AGENT)
     database_url, nats_url = endpoints.database(), endpoints.nats()
     settings = endpoints.settings(load_settings())
     names = BusNames(endpoints.prefix)
     with reaching("PostgreSQL", database_url):
         store = await EventStore.open(settings)
+    try:
+        await _check_bound_node(store, args.node)
+    except BaseException:
+        await store.close()
+        raise
     try:
         with reaching("NATS", nats_url):
             nc, js = await connect_bus(

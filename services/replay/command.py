@@ -1,8 +1,10 @@
 """``dracap replay verify [--from-start]``: check invariant 8 against the live database.
 
 The database is found like every command finds its servers
-(:mod:`services.runtime.endpoints`: ``--database-url``, else ``DRACAP_DATABASE_URL``,
-else ``<data-dir>/connection.json`` of ``dracap up``), so it verifies the log that
+(:mod:`services.runtime.endpoints`: ``--database-url``, else
+``DRACAP_DATABASE_URL_READONLY`` — a user of ``dracap_readonly``, which can read and
+nothing else —, else ``DRACAP_DATABASE_URL``, else ``<data-dir>/connection.json`` of
+``dracap up``), so it verifies the log that
 ``dracap up`` writes. Exit status 0 when the fold of the log equals the projections,
 5 (``ExitCode.INVARIANT_VIOLATED``) otherwise; the summary names the first violating
 position. A database that cannot be reached, or has no dracap schema, is one line on
@@ -17,12 +19,13 @@ import asyncio
 from services.exitcodes import ExitCode
 from services.replay.verify import summary, verify
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
-from services.runtime.settings import load_settings
+from services.runtime.settings import ServiceKind, load_settings
 
 
 def _verify(args: argparse.Namespace) -> int:
-    database_url = endpoints_from_args(args).database()
-    settings = load_settings().with_database(database_url)
+    endpoints = endpoints_from_args(args, service=ServiceKind.READONLY)
+    database_url = endpoints.database()
+    settings = endpoints.settings(load_settings())
     with reaching("PostgreSQL", database_url):
         report = asyncio.run(verify(settings, from_start=args.from_start))
     print(summary(report))

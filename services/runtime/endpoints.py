@@ -17,6 +17,10 @@ The NATS login is a credential file of ``dracap auth init``
 (:mod:`services.runtime.credentials`); without one a command connects anonymously,
 which only an open server (``dracap up --insecure``) accepts. The saved login is used
 only with the saved NATS URL, and only when the file is read for a server or prefix.
+A command that runs one kind of service (``dracap agent``; ``dracap replay verify``,
+which reads as ``readonly``) looks at that kind's ``DRACAP_DATABASE_URL_<KIND>`` right
+after the flag: a URL found there logs in as its own user, without the ``role`` switch
+of ``DRACAP_APP_ROLE`` (:meth:`Endpoints.settings`; ``docs/database-roles.md``).
 
 ``connection.json`` is what ``dracap up`` writes into its data directory
 (``--data-dir``, default ``.dracap``), so a command run next to ``dracap up`` reaches
@@ -49,7 +53,7 @@ import nats.errors
 from services.runtime.credentials import Credential, read_credential
 from services.runtime.errors import PermanentError
 from services.runtime.outages import is_unreachable
-from services.runtime.settings import Settings
+from services.runtime.settings import ServiceKind, Settings
 
 __all__ = [
     "DEFAULT_DATA_DIR",
@@ -124,6 +128,9 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
         """The NATS login to use, or None (anonymous)."""
         return read_credential(self.creds) if self.creds else None
 
+    #: ``database_url`` came from ``DRACAP_DATABASE_URL_<KIND>``: act as its user
+    own_user: bool = False
+
     def database(self) -> str:
         """The PostgreSQL URL, or :class:`NoEndpoint`."""
         return self.database_url or self._missing("PostgreSQL", "--database-url", "DATABASE")
@@ -138,6 +145,7 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
             base,
             database_url=self.database_url or base.database_url,
             nats_url=self.nats_url or base.nats_url,
+            app_role="" if self.own_user else base.app_role,
         )
 
     def _missing(self, server: Server, flag: str, variable: str) -> str:
@@ -157,14 +165,19 @@ def resolve_endpoints(
     creds: str | None = None,
     env: Mapping[str, str] | None = None,
     saved: bool = True,
+    service: ServiceKind | None = None,
 ) -> Endpoints:
     """The servers named by flags (the arguments), else ``env``, else ``connection.json``.
 
     ``saved=False`` skips ``connection.json``: for a command that starts the servers it
-    does not find (``dracap prove bandwidth`` without ``--attach``).
+    does not find (``dracap prove bandwidth`` without ``--attach``). ``service``: the
+    kind of service the command runs, whose ``DRACAP_DATABASE_URL_<KIND>`` comes right
+    after the flag.
     """
     env = os.environ if env is None else env
-    database_url = database_url or env.get("DRACAP_DATABASE_URL") or None
+    own = env.get(f"DRACAP_DATABASE_URL_{service.name}") if service is not None else None
+    own_user = not database_url and bool(own)
+    database_url = database_url or own or env.get("DRACAP_DATABASE_URL") or None
     nats_url = nats_url or env.get("DRACAP_NATS_URL") or None
     creds = creds or env.get("DRACAP_NATS_CREDS") or None
     connection = None
@@ -183,6 +196,7 @@ def resolve_endpoints(
         nats_url=nats_url,
         prefix=prefix or DEFAULT_PREFIX,
         creds=creds,
+        own_user=own_user,
     )
 
 
@@ -219,7 +233,9 @@ def add_endpoint_arguments(
     )
 
 
-def endpoints_from_args(args: argparse.Namespace) -> Endpoints:
+def endpoints_from_args(
+    args: argparse.Namespace, *, service: ServiceKind | None = None
+) -> Endpoints:
     """:func:`resolve_endpoints` with the flags of :func:`add_endpoint_arguments`."""
     return resolve_endpoints(
         getattr(args, "data_dir", None) or DEFAULT_DATA_DIR,
@@ -227,6 +243,7 @@ def endpoints_from_args(args: argparse.Namespace) -> Endpoints:
         nats_url=getattr(args, "nats", None),
         prefix=getattr(args, "prefix", None),
         creds=getattr(args, "creds", None),
+        service=service,
     )
 
 

@@ -11,6 +11,9 @@ Callers decide what to do by type, never by message text::
     │   ├── NotFound          the thing asked for does not exist (a JetStream stream)
     │   ├── CapacityNotPublished  a reservation names a device capacity that no
     │   │                     published slice has (SQLSTATE DR002)
+    │   ├── NodeScopeViolation  a database user bound to a node appended an event a
+    │   │                     node agent does not write, or one of another node
+    │   │                     (SQLSTATE DR004)
     │   └── EndpointError     a server cannot be found or reached (runtime.endpoints)
     └── ConflictError         somebody else changed the same thing first: a stream
         │                     version clash, a unique violation (a second exclusive
@@ -26,6 +29,8 @@ a version clash — re-read the state, decide again. Retrying the *same* write b
 would fail again, which is why conflicts are not :class:`RetryableError`.
 ``CapacityNotPublished`` is not a shortage: the reservation names a capacity the
 ledger has never heard of, so no amount of re-reading makes that write succeed.
+``NodeScopeViolation`` is permanent too: the session's database user acts for one node
+(migration 0006), and the same events stay outside its node however often they are sent.
 
 :func:`map_database_error` turns an ``asyncpg`` exception into this tree by its class
 (which asyncpg derives from the SQLSTATE) and by dracap's own SQLSTATEs, so the mapping
@@ -52,6 +57,9 @@ STALE_VERSION_SQLSTATE = "DR001"
 UNKNOWN_CAPACITY_SQLSTATE = "DR002"
 #: SQLSTATE of ``dracap_append_guarded`` (0005) when a message was handled before.
 ALREADY_HANDLED_SQLSTATE = "DR003"
+#: SQLSTATE of ``dracap_append_guarded`` (0006) when a node-bound database user appends an
+#: event that is not its node's; the detail is the event type.
+NODE_SCOPE_SQLSTATE = "DR004"
 LEDGER_NONNEGATIVE_CHECK = "capacity_ledger_nonnegative"
 STREAM_VERSION_UNIQUE = "events_stream_version_key"
 
@@ -82,6 +90,17 @@ class CapacityNotPublished(PermanentError):  # noqa: N818
     def __init__(self, message: str, *, stream: str | None = None) -> None:
         super().__init__(message)
         self.stream = stream
+
+
+class NodeScopeViolation(PermanentError):  # noqa: N818
+    """A database user bound to one node appended what is not that node's to write.
+
+    The message names the user, its node and the event type; ``event_type`` is the type.
+    """
+
+    def __init__(self, message: str, *, event_type: str | None = None) -> None:
+        super().__init__(message)
+        self.event_type = event_type
 
 
 class ConflictError(RuntimeServiceError):
@@ -128,6 +147,9 @@ def map_database_error(exc: BaseException, *, stream: str | None = None) -> Runt
         return AlreadyHandled(str(getattr(exc, "message", exc)), stream=stream)
     if getattr(exc, "sqlstate", None) == UNKNOWN_CAPACITY_SQLSTATE:
         return CapacityNotPublished(str(getattr(exc, "message", exc)), stream=stream)
+    if getattr(exc, "sqlstate", None) == NODE_SCOPE_SQLSTATE:
+        detail = getattr(exc, "detail", None)
+        return NodeScopeViolation(str(getattr(exc, "message", exc)), event_type=detail)
     if getattr(exc, "sqlstate", None) == STALE_VERSION_SQLSTATE:  # raised by dracap_append
         stale = getattr(exc, "detail", None) or stream
         return ConflictError(str(getattr(exc, "message", exc)), stream=stale)

@@ -23,7 +23,13 @@ device a :class:`~services.runtime.errors.ConflictError`), and
 transaction the statement commits as it ends, so the head lock is never held across a
 client round trip. A bulk append (``COPY_THRESHOLD`` events or more) runs the same
 steps as statements in one transaction, with binary COPY and the same
-``dracap_guard`` function: there is one implementation of the guards.
+``dracap_guard`` function: there is one implementation of the guards. The bulk path
+writes the tables itself, so a store whose role may not (migration 0006: the claims API,
+node agents) sends every append through the function; it asks once per pool.
+
+Several stores of one process (one per database role, :mod:`services.runtime.
+servicestores`) may share their commit listeners and known head (``sharing=``), so a
+reader attached to one hears of the appends made through the others.
 
 A caller that must commit other writes atomically with the events (a consumer's
 idempotency row and checkpoint) passes its own ``connection=``; the same statements
@@ -41,9 +47,10 @@ Reading
 position LIMIT $2``), so memory stays bounded by one batch however long the log is.
 Stored payloads are decoded tolerantly with upcasting (``decode_stored``).
 
-Connections come from an asyncpg pool whose sessions start with the app role
-(``role`` startup parameter, which ``RESET ALL`` does not undo) and the configured
-``statement_timeout``; ``jsonb`` is exchanged as raw bytes, so msgspec's JSON goes to
+Connections come from an asyncpg pool whose sessions act as the URL's own user (a
+service kind's, :meth:`~services.runtime.settings.Settings.for_service`) or start with
+the app role (``role`` startup parameter, which ``RESET ALL`` does not undo), with the
+configured ``statement_timeout``; ``jsonb`` is exchanged as raw bytes, so msgspec's JSON goes to
 the server and back without an extra parse.
 """
 
@@ -409,10 +416,21 @@ async def iter_rows(
                 await pending
 
 
+class _Commits:
+    """What the stores of one process share: who hears of their commits, and the newest
+    head any of them heard of (NOTIFY, a read, a commit of its own)."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Callable[[list[Envelope]], None]] = []
+        self.head = 0
+
+
 class EventStore:
     """Append-only event log with the database's guards (see the module docstring)."""
 
-    def __init__(self, pool: asyncpg.Pool, settings: Settings) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, settings: Settings, *, sharing: EventStore | None = None
+    ) -> None:
         self._pool = pool
         self._settings = settings
         self._listener: asyncpg.Connection | None = None
@@ -422,12 +440,19 @@ class EventStore:
         #: appends of fewer events are one statement, the others statements with COPY
         #: (see :meth:`_write`); tests lower it to exercise the bulk path
         self.copy_threshold = COPY_THRESHOLD
-        self._commit_listeners: list[Callable[[list[Envelope]], None]] = []
-        self._known_head = 0  # the highest head announced by NOTIFY (or read at LISTEN)
+        self._may_copy: bool | None = None  # whether the role may COPY (asked once)
+        # listeners and the highest head announced by NOTIFY (or read at LISTEN), shared
+        # with the stores this one was opened alongside
+        self._commits: _Commits = _Commits() if sharing is None else sharing._commits
 
     @classmethod
-    async def open(cls, settings: Settings) -> EventStore:
-        """A store with a fresh connection pool for ``settings``."""
+    async def open(cls, settings: Settings, *, sharing: EventStore | None = None) -> EventStore:
+        """A store with a fresh connection pool for ``settings``.
+
+        ``sharing``: another store of this process (connecting as another database role)
+        whose commit listeners and known head this one shares, so that a reader attached
+        to either hears of the appends of both (:mod:`services.runtime.servicestores`).
+        """
         pool = await asyncpg.create_pool(
             settings.database_url,
             min_size=settings.pool_min_size,
@@ -436,7 +461,7 @@ class EventStore:
             reset=_keep_session,
             server_settings=server_settings(settings),
         )
-        return cls(pool, settings)
+        return cls(pool, settings, sharing=sharing)
 
     async def close(self) -> None:
         """Close the listener connection and the pool."""
@@ -538,17 +563,19 @@ class EventStore:
         stored payloads). Appends made inside a caller's transaction are not reported
         (the store does not see that commit). Returns an unsubscriber.
         """
-        self._commit_listeners.append(listener)
+        listeners = self._commits.listeners
+        listeners.append(listener)
 
         def unsubscribe() -> None:
             with contextlib.suppress(ValueError):
-                self._commit_listeners.remove(listener)
+                listeners.remove(listener)
 
         return unsubscribe
 
     def _committed(self, stored: list[Envelope], pending: _Pending) -> None:
-        self._known_head = max(self._known_head, stored[-1].position)
-        if not self._commit_listeners:
+        commits = self._commits
+        commits.head = max(commits.head, stored[-1].position)
+        if not commits.listeners:
             return
         # as a reader of the log gets them: each event decoded from its stored payload
         logged = [
@@ -557,7 +584,7 @@ class EventStore:
                 stored, pending.payloads, pending.types, pending.schema_versions, strict=True
             )
         ]
-        for listener in tuple(self._commit_listeners):
+        for listener in tuple(commits.listeners):
             try:
                 listener(logged)
             except Exception:
@@ -576,7 +603,7 @@ class EventStore:
         count, processed = len(pending.events), pending.processed
         guards = guards_of_many(pending.events)
         encoded = encode_guards(guards) if guards else None
-        if count >= self.copy_threshold:
+        if count >= self.copy_threshold and await self._copies(connection):
             if connection.is_in_transaction():
                 return await _copy(connection, batches, pending, encoded)
             async with connection.transaction():
@@ -609,6 +636,19 @@ class EventStore:
         }
         positions = list(range(head - count + 1, head + 1))
         return _stored(pending, positions, _moved(pending, current))
+
+    async def _copies(self, connection: Connection) -> bool:
+        """Whether this store's role may take the bulk path (asked once).
+
+        The bulk path writes ``events`` and the guard tables itself; a role that may only
+        execute ``dracap_append_guarded`` (migration 0006: the claims API, node agents)
+        sends every append through the function instead.
+        """
+        if self._may_copy is None:
+            self._may_copy = bool(
+                await connection.fetchval("SELECT has_table_privilege('events', 'INSERT')")
+            )
+        return self._may_copy
 
     # -- reading -------------------------------------------------------------------------
 
@@ -667,21 +707,23 @@ class EventStore:
 
     @property
     def known_head(self) -> int:
-        """The newest head this store has heard of (NOTIFY), without asking the database."""
-        return self._known_head
+        """The newest head this store (or one it shares commits with) has heard of
+        (NOTIFY, its own commits), without asking the database."""
+        return self._commits.head
 
     def committed_head(self) -> int | None:
         """A head every commit this process has seen is at or below; None if not listening.
 
-        The newest of: what NOTIFY announced, and what this store itself appended and
-        committed (its own NOTIFY may still be on the way). ``None`` until
+        The newest of: what NOTIFY announced, and what this store (or a store it shares
+        commits with) appended and committed (its own NOTIFY may still be on the way).
+        ``None`` until
         :meth:`wait_for_new` has started the listener.
         """
-        return self._known_head if self._listener is not None else None
+        return self._commits.head if self._listener is not None else None
 
     def _notified(self, _connection: object, _pid: int, _channel: str, payload: object) -> None:
         with contextlib.suppress(ValueError):  # not ours: wake the waiters anyway
-            self._known_head = max(self._known_head, int(str(payload)))
+            self._commits.head = max(self._commits.head, int(str(payload)))
         waiters, self._waiters = self._waiters, set()
         for waiter in waiters:
             if not waiter.done():
@@ -705,7 +747,7 @@ class EventStore:
                 except BaseException:
                     await listener.close()
                     raise
-                self._known_head = max(self._known_head, position)
+                self._commits.head = max(self._commits.head, position)
                 self._listener = listener
 
     async def wait_for_new(self, after_position: int, timeout: float) -> int:  # noqa: ASYNC109
@@ -717,8 +759,8 @@ class EventStore:
         database, in case a notification was lost with a broken listener connection.
         """
         await self._listen()
-        if self._known_head > after_position:
-            return self._known_head
+        if self._commits.head > after_position:
+            return self._commits.head
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.add(waiter)
         try:
@@ -726,10 +768,10 @@ class EventStore:
                 await asyncio.wait_for(asyncio.shield(waiter), timeout)
         finally:
             self._waiters.discard(waiter)
-        if self._known_head > after_position:
-            return self._known_head
+        if self._commits.head > after_position:
+            return self._commits.head
         head = await self.head()
-        self._known_head = max(self._known_head, head)
+        self._commits.head = max(self._commits.head, head)
         return head
 
     # -- snapshots -----------------------------------------------------------------------

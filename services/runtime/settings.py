@@ -14,15 +14,25 @@ variable                        meaning                                      def
 ``DRACAP_POOL_MAX_SIZE``        asyncpg pool maximum size                    10
 ``DRACAP_APP_ROLE``             role the services act as (``SET ROLE``);     dracap_app
                                 empty string: act as the connecting user
+``DRACAP_DATABASE_URL_<KIND>``  the URL the services of one kind connect     —
+                                with (``CLAIMS``, ``RESERVATION``, ``RELAY``,
+                                ``AGENT``, ``READONLY``), as its own user
 =============================== ============================================ =========
 
 The app role is the one that migrations grant INSERT/SELECT on the event log to and
 nothing more, so a service that runs ``SET ROLE dracap_app`` cannot rewrite history
 even with a bug. Tests connect as an administrator and switch role the same way.
+
+A kind named by ``DRACAP_DATABASE_URL_<KIND>`` connects with that URL and acts as its
+user, with the rights of the group role that user belongs to (``dracap_claims``, …;
+migration 0006, ``docs/database-roles.md``): no ``role`` switch. Kinds not named keep
+``DRACAP_DATABASE_URL`` and ``DRACAP_APP_ROLE``, so nothing changes for an operator who
+names none. :meth:`Settings.for_service` is the one place that picks.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Mapping
 
@@ -37,6 +47,21 @@ class SettingsError(ValueError):
     """An environment variable holds a value that cannot be used."""
 
 
+class ServiceKind(enum.StrEnum):
+    """The kinds of service that connect to the database, each with its own role."""
+
+    CLAIMS = "claims"  #: the claims and admin API
+    RESERVATION = "reservation"
+    RELAY = "relay"
+    AGENT = "agent"  #: node agents
+    READONLY = "readonly"  #: the live state's reads, ``dracap replay verify``, audit
+
+
+def agent_key(node: str) -> str:
+    """The :attr:`Settings.database_urls` key of the agent of ``node``."""
+    return f"{ServiceKind.AGENT}:{node}"
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Connection and tuning settings of one dracap process."""
 
@@ -46,10 +71,25 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     pool_min_size: int = 1
     pool_max_size: int = 10
     app_role: str = DEFAULT_APP_ROLE
+    #: service kind (a :class:`ServiceKind`, or :func:`agent_key` for one node's agent)
+    #: -> the URL its services connect with, as that URL's user
+    database_urls: dict[str, str] = msgspec.field(default_factory=dict)
 
     def with_database(self, url: str) -> Settings:
         """A copy that connects to ``url`` instead."""
         return msgspec.structs.replace(self, database_url=url)
+
+    def for_service(self, kind: ServiceKind, node: str | None = None) -> Settings:
+        """The settings a service of ``kind`` (the agent of ``node``) connects with.
+
+        Its own URL when one is named (the agent of a node first, then the kind), acting
+        as that URL's user; else these settings unchanged.
+        """
+        url = self.database_urls.get(agent_key(node)) if node is not None else None
+        url = url or self.database_urls.get(kind)
+        if not url:
+            return self
+        return msgspec.structs.replace(self, database_url=url, app_role="")
 
 
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
@@ -75,6 +115,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         pool_min_size=_int(env, "DRACAP_POOL_MIN_SIZE", 1, 0),
         pool_max_size=_int(env, "DRACAP_POOL_MAX_SIZE", 10, 1),
         app_role=env.get("DRACAP_APP_ROLE", DEFAULT_APP_ROLE),
+        database_urls={
+            kind.value: url
+            for kind in ServiceKind
+            if (url := env.get(f"DRACAP_DATABASE_URL_{kind.name}"))
+        },
     )
     if settings.pool_min_size > settings.pool_max_size:
         raise SettingsError("DRACAP_POOL_MIN_SIZE is larger than DRACAP_POOL_MAX_SIZE")

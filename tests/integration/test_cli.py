@@ -3,8 +3,9 @@
 The first tests start the whole stack in-process (:class:`services.up.Stack`) on the
 test's own database and a unique subject prefix, load the example inventory through
 the admin API, and drive it only through ``services.cli.main`` — as a user would.
-The last one runs ``dracap up`` as a subprocess with no server URLs at all (embedded
-servers under a temporary data directory), stops it with SIGINT and starts it again.
+The last ones run ``dracap up`` as a subprocess with no server URLs at all (embedded
+servers under a temporary data directory): it stops on SIGINT and starts again, and each
+service connects to the embedded PostgreSQL as its own database user.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import msgspec
 import pytest
 
@@ -32,6 +35,7 @@ from services.claims import adminwrites
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
+from services.runtime.dbroles import node_role, url_as
 from services.runtime.settings import Settings
 from services.up import READY_LINE, Stack, load_inventory, read_inventory
 from tests.fixtures.services import database_url_for
@@ -449,3 +453,59 @@ def test_dracap_up_is_secure_unless_told_insecure_and_then_says_so(tmp_path: Pat
         assert listed.returncode == 0, listed.stderr
     finally:
         _stop(process)
+
+
+def _sessions(admin_url: str) -> set[str]:
+    async def users() -> set[str]:
+        connection = await asyncpg.connect(admin_url)
+        try:
+            rows = await connection.fetch(
+                "SELECT DISTINCT usename FROM pg_stat_activity WHERE datname = 'dracap'"
+            )
+            return {row[0] for row in rows}
+        finally:
+            await connection.close()
+
+    return asyncio.run(users())
+
+
+def _login(url: str) -> tuple[str, bool]:
+    """Log in with ``url``: the session's user, and whether it may update events."""
+
+    async def check() -> tuple[str, bool]:
+        connection = await asyncpg.connect(url)
+        try:
+            user: str = await connection.fetchval("SELECT session_user")
+            may: bool = await connection.fetchval("SELECT has_table_privilege('events', 'UPDATE')")
+            return user, may
+        finally:
+            await connection.close()
+
+    return asyncio.run(check())
+
+
+def test_dracap_up_connects_each_service_as_its_own_database_user(tmp_path: Path) -> None:
+    data_dir = tmp_path / "dracap"
+    process = _start_up(data_dir)
+    try:
+        lines = _wait_for_ready(process, 45)
+        admin_url = json.loads((data_dir / "connection.json").read_text())["database_url"]
+        users_file = data_dir / "database-users.json"
+        assert stat.S_IMODE(users_file.stat().st_mode) == 0o600
+        users = json.loads(users_file.read_text())
+        expected = {f"dracap_{kind}_login" for kind in ("claims", "reservation", "relay")}
+        expected |= {"dracap_readonly_login", node_role("node-a"), node_role("node-b")}
+        assert expected <= _sessions(admin_url)
+        relay = users["services"]["relay"]
+        own = url_as(admin_url, relay["user"], relay["password"])
+        assert _login(own) == ("dracap_relay_login", False)
+        with pytest.raises(asyncpg.InvalidPasswordError):
+            _login(url_as(admin_url, relay["user"], "not-the-password"))
+        with pytest.raises(asyncpg.InvalidPasswordError):
+            _login(url_as(admin_url, relay["user"], None))
+    finally:
+        rest = _stop(process)
+    passwords = [u["password"] for u in [*users["services"].values(), *users["nodes"].values()]]
+    logs = "".join(lines) + rest + (data_dir / "postgres.log").read_text()
+    logs += (data_dir / "connection.json").read_text()
+    assert not [p for p in passwords if p in logs]

@@ -36,6 +36,28 @@ async def _functions(url: str) -> set[str]:
         await connection.close()
 
 
+async def _privileges(url: str, role: str) -> set[str]:
+    """What ``role`` may do in the database at ``url``: ``table:privilege`` and
+    ``function:name``, and whether ``dracap_append_guarded`` runs as its owner."""
+    connection = await asyncpg.connect(url)
+    try:
+        tables = await connection.fetch(
+            "SELECT t.tablename || ':' || p.privilege FROM pg_tables t, "
+            "unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE']) p(privilege) "
+            "WHERE t.schemaname = 'public' AND has_table_privilege($1, t.tablename, p.privilege)",
+            role,
+        )
+        functions = await connection.fetch(
+            "SELECT 'function:' || proname || CASE WHEN prosecdef THEN ':definer' ELSE '' END "
+            "FROM pg_proc WHERE pronamespace = 'public'::regnamespace "
+            "AND has_function_privilege($1, oid, 'EXECUTE')",
+            role,
+        )
+        return {row[0] for row in [*tables, *functions]}
+    finally:
+        await connection.close()
+
+
 async def test_db_upgrade_then_downgrade(
     empty_database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -44,8 +66,25 @@ async def test_db_upgrade_then_downgrade(
     guards = {"events", "capacity_ledger", "device_holds", "held_shares", "node_epochs"}
     assert guards <= await _tables(empty_database_url)
     assert not {"shares", "claims"} & await _tables(empty_database_url)
+    assert "dracap_node_roles" in await _tables(empty_database_url)
+    agent = await _privileges(empty_database_url, "dracap_agent")
+    assert "function:dracap_append_guarded:definer" in agent
+    assert not {"events:INSERT", "events:UPDATE", "capacity_ledger:UPDATE"} & agent
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # idempotent
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0004
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0005
+    assert "dracap_node_roles" not in await _tables(empty_database_url)
+    assert await _privileges(empty_database_url, "dracap_agent") == {
+        "function:dracap_append",  # PUBLIC's again, as before 0006
+        "function:dracap_events_append_only",
+        "function:dracap_append_guarded",
+        "function:dracap_guard",
+        "function:dracap_release_held",
+        "function:dracap_lock",
+    }
+    assert "events:INSERT" in await _privileges(empty_database_url, "dracap_app")
+    assert await asyncio.to_thread(db, ["upgrade"]) == 0  # and up again
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more step: 0004
     assert {"shares", "claims"} <= await _tables(empty_database_url)
     assert "held_shares" not in await _tables(empty_database_url)
     assert "dracap_append_projected" in await _functions(empty_database_url)
@@ -61,6 +100,7 @@ async def test_db_upgrade_then_downgrade(
     assert await asyncio.to_thread(db, ["upgrade"]) == 0
     assert "events" in await _tables(empty_database_url)
     out = capsys.readouterr().out
+    assert "database at 0006" in out
     assert "database at 0005" in out and "database at 0004" in out
     assert "database at 0003" in out
     assert "database at 0002" in out

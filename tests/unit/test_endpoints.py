@@ -17,6 +17,7 @@ from services.runtime.endpoints import (
     reaching,
     resolve_endpoints,
 )
+from services.runtime.settings import ServiceKind, Settings
 
 SAVED = {"database_url": "postgresql://up/db", "nats_url": "nats://up:1", "prefix": "p"}
 #: Nothing listens on port 1 of the loopback address.
@@ -58,6 +59,31 @@ def test_flag_then_environment_then_connection_file(tmp_path: Path) -> None:
         "postgresql://f/db",
         "nats://f:3",
         "q",
+    )
+
+
+def test_a_service_kinds_own_url_comes_right_after_the_flag(tmp_path: Path) -> None:
+    _save(tmp_path, SAVED)
+    env = {
+        "DRACAP_DATABASE_URL": "postgresql://env/db",
+        "DRACAP_DATABASE_URL_AGENT": "postgresql://node-a:pw@env/db",
+    }
+    base = Settings(app_role="dracap_app")
+    agent = resolve_endpoints(tmp_path, env=env, service=ServiceKind.AGENT)
+    settings = agent.settings(base)
+    assert (settings.database_url, settings.app_role) == ("postgresql://node-a:pw@env/db", "")
+    for other in (
+        resolve_endpoints(tmp_path, env=env),
+        resolve_endpoints(tmp_path, env=env, service=ServiceKind.READONLY),
+    ):
+        settings = other.settings(base)
+        assert (settings.database_url, settings.app_role) == ("postgresql://env/db", "dracap_app")
+    flag = resolve_endpoints(
+        tmp_path, database_url="postgresql://f/db", env=env, service=ServiceKind.AGENT
+    )
+    assert (flag.settings(base).database_url, flag.settings(base).app_role) == (
+        "postgresql://f/db",
+        "dracap_app",
     )
 
 

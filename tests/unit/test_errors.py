@@ -33,6 +33,7 @@ from services.runtime.errors import (
     CapacityExceeded,
     CapacityNotPublished,
     ConflictError,
+    NodeScopeViolation,
     NotFound,
     PermanentError,
     RetryableError,
@@ -107,6 +108,7 @@ def _postgres(sqlstate: str, **fields: str) -> Exception:
         (_postgres("23514", n="some_other_check"), PermanentError),
         (_postgres("DR001", D="claim:a/b"), ConflictError),
         (_postgres("DR003"), AlreadyHandled),
+        (_postgres("DR004", D="enforcement.limit_applied"), NodeScopeViolation),
         (_postgres("23505", n="device_holds_pkey"), ConflictError),
         (_postgres("40001"), RetryableError),  # serialization failure
         (_postgres("42601"), PermanentError),  # syntax error: a bug, not weather
@@ -120,6 +122,14 @@ def test_an_unpublished_capacity_is_not_a_shortage() -> None:
     error = map_database_error(_postgres("DR002", M="no capacity 'memory' published"))
     assert isinstance(error, PermanentError)
     assert not isinstance(error, CapacityExceeded | ConflictError | RetryableError)
+
+
+def test_a_node_scope_violation_is_permanent_and_names_the_event_type() -> None:
+    message = "database user u acts for node 'a' only: enforcement.limit_applied for node 'b'"
+    error = map_database_error(_postgres("DR004", M=message, D="enforcement.limit_applied"))
+    assert isinstance(error, NodeScopeViolation) and isinstance(error, PermanentError)
+    assert not isinstance(error, ConflictError | RetryableError)
+    assert error.event_type == "enforcement.limit_applied" and str(error) == message
 
 
 @pytest.mark.parametrize(

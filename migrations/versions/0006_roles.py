@@ -1,0 +1,465 @@
+"""Database roles: an owner, a least-privilege role per service kind, node-bound agents.
+
+Revision ID: 0006
+Revises: 0005
+Create Date: 2026-12-05
+
+Design (docs/database-roles.md has the long form and the grant table):
+
+* **Group roles** (``NOLOGIN``), created if missing — roles are cluster-wide and several
+  databases of one cluster may use them, so the downgrade revokes this database's
+  grants and keeps the roles:
+
+  - ``dracap_owner`` owns every table and function of the schema; migrations run as a
+    superuser or a member of it (the migrating user is made a member when it is not a
+    superuser, as 0001 did for the app role);
+  - ``dracap_claims`` (claims and admin API), ``dracap_reservation``, ``dracap_relay``
+    and ``dracap_agent`` (node agents): each gets what its code path needs and nothing
+    else; none has ``UPDATE``, ``DELETE`` or ``TRUNCATE`` on ``events``, none owns
+    anything, none may ``CREATE`` in the schema;
+  - ``dracap_readonly``: ``SELECT`` on every table, for audit, ``dracap replay verify``
+    and forensics.
+
+  The app role of 0001 (``dracap_app``) keeps its grants: existing callers go on working.
+
+* **Appending goes through one function.** ``dracap_append_guarded`` becomes
+  ``SECURITY DEFINER`` (it runs as ``dracap_owner``, ``search_path`` pinned) and only
+  the roles that append may execute it: the claims API and the node agents append
+  without any privilege on the tables themselves. The reservation service keeps
+  ``INSERT`` on ``events`` and the guard tables for the bulk path (``COPY``); the store
+  sees whether its role may take that path and otherwise sends every append through the
+  function (``services.runtime.eventstore``).
+
+* **Node-bound roles.** ``dracap_node_roles`` maps a login role to the one node it acts
+  for (``dracap db node-role NODE`` creates and binds one). When the *session* user
+  (``session_user``: the function runs as its owner, and ``SET ROLE`` cannot change the
+  session user) is bound to a node, every event of the append must be one a node agent
+  writes, for that node — read by field name from the payload: ``node`` of the
+  enforcement reports, ``slice.spec.nodeName`` of a published slice (whose name and pool
+  must not belong to another node), the node of the share a ``CapacityReleased`` gives
+  back, the node of the slice withdrawn, of the message dead-lettered — and every guard
+  must follow from its own event (a ``release`` of that share, a ``set_total`` of a
+  device of that slice). Otherwise SQLSTATE ``DR004`` names the node and the event type
+  (``NodeScopeViolation``). The check runs after ``dracap_append`` took the head lock, so
+  it sees every earlier append. A member of ``dracap_agent`` bound to no node (one user
+  for the agents of several nodes) may append the same kinds of event, with guards that
+  follow from them, for any node. ``dracap_bound_node()`` tells a session the node its
+  user acts for, so an agent started for another node stops at once.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+from alembic import op
+
+from migrations.roles import app_role, quote
+
+revision: str = "0006"
+down_revision: str | None = "0005"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+# (no percent signs in the SQL below: the migration driver treats them as placeholders)
+
+OWNER = "dracap_owner"
+CLAIMS = "dracap_claims"
+RESERVATION = "dracap_reservation"
+RELAY = "dracap_relay"
+AGENT = "dracap_agent"
+READONLY = "dracap_readonly"
+SERVICE_ROLES = (CLAIMS, RESERVATION, RELAY, AGENT, READONLY)
+
+TABLES = (
+    "event_log_head",
+    "events",
+    "capacity_ledger",
+    "device_holds",
+    "held_shares",
+    "node_epochs",
+    "consumer_checkpoints",
+    "snapshots",
+    "node_leases",
+    "processed_messages",
+    "dracap_node_roles",
+)
+
+APPEND = (
+    "dracap_append(int, text[], int[], uuid[], text[], int[], text[], int[], text[], text, "
+    "text[], text[], timestamptz, jsonb[], text)"
+)
+APPEND_GUARDED = (
+    "dracap_append_guarded(int, text[], int[], uuid[], text[], int[], text[], int[], text[], "
+    "text, text[], text[], timestamptz, jsonb[], text, jsonb, text, uuid[])"
+)
+GUARD = "dracap_guard(bigint, jsonb)"
+RELEASE_HELD = "dracap_release_held(uuid, bigint)"
+LOCK = "dracap_lock(bigint)"
+NODE_OF = "dracap_node_of(text, jsonb, text)"
+BOUND_NODE = "dracap_bound_node()"
+NODE_SCOPE = "dracap_check_node_scope(text, text[], jsonb[], jsonb)"
+OLD_FUNCTIONS = ("dracap_events_append_only()", APPEND, APPEND_GUARDED, GUARD, RELEASE_HELD, LOCK)
+NEW_FUNCTIONS = (NODE_OF, NODE_SCOPE)
+
+#: What each service role may do: (privileges, table) and the functions it may execute.
+#: Reading the log is ``SELECT`` on ``events``, ``event_log_head`` and ``snapshots``; the
+#: consumers (reservation workers, agents) record handled messages and their lag mark.
+_READ_LOG = (("SELECT", "events"), ("SELECT", "event_log_head"), ("SELECT", "snapshots"))
+_CONSUMER = (
+    ("SELECT, INSERT", "processed_messages"),
+    ("SELECT, INSERT, UPDATE", "consumer_checkpoints"),
+)
+#: The bulk path (COPY) writes the log and the guard tables itself, as the invoker.
+_BULK = (
+    ("INSERT", "events"),
+    ("UPDATE", "event_log_head"),
+    ("SELECT, INSERT, UPDATE", "capacity_ledger"),
+    ("SELECT, INSERT, DELETE", "held_shares"),
+    ("SELECT, INSERT, DELETE", "device_holds"),
+    ("SELECT, INSERT, UPDATE", "node_epochs"),
+)
+TABLE_GRANTS: dict[str, tuple[tuple[str, str], ...]] = {
+    CLAIMS: _READ_LOG,
+    RESERVATION: (*_READ_LOG, *_CONSUMER, *_BULK),
+    RELAY: (
+        ("SELECT", "events"),
+        ("SELECT", "event_log_head"),
+        ("SELECT, INSERT, UPDATE", "consumer_checkpoints"),
+    ),
+    AGENT: (*_READ_LOG, *_CONSUMER),
+    READONLY: tuple(("SELECT", table) for table in TABLES),
+}
+FUNCTION_GRANTS: dict[str, tuple[str, ...]] = {
+    CLAIMS: (APPEND_GUARDED,),
+    RESERVATION: (APPEND_GUARDED, GUARD, RELEASE_HELD, LOCK),
+    RELAY: (),
+    AGENT: (APPEND_GUARDED,),
+    READONLY: (),
+}
+
+NODE_ROLES = """
+CREATE TABLE dracap_node_roles (
+    role       text        PRIMARY KEY,
+    node       text        NOT NULL CHECK (node <> ''),
+    created_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+# The node the session's user acts for (NULL: none), for an agent to check at start; it
+# tells a user nothing but its own binding, so PUBLIC keeps EXECUTE.
+BOUND_NODE_FUNCTION = """
+CREATE FUNCTION dracap_bound_node() RETURNS text
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = public, pg_temp AS $$
+    SELECT node FROM dracap_node_roles WHERE role = session_user::text
+$$
+"""
+
+SLICE_POOL_INDEX = """
+CREATE INDEX events_slice_pool_idx
+    ON events ((payload->'slice'->'spec'->>'driver'), (payload->'slice'->'spec'->'pool'->>'name'))
+ WHERE type = 'inventory.resource_slice_published'
+"""
+
+# The node an agent's event speaks for, read by field name; NULL when it names none.
+# p_bound is the session's node: a share or dead letter of no node is anybody's.
+NODE_OF_FUNCTION = """
+CREATE FUNCTION dracap_node_of(p_type text, p jsonb, p_bound text)
+RETURNS text LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_node text;
+    v_other text;
+    v_found boolean;
+BEGIN
+    CASE p_type
+    WHEN 'enforcement.limit_applied', 'enforcement.limit_failed', 'enforcement.limit_removed',
+         'enforcement.reconciled', 'enforcement.checkpoint_set_aside',
+         'reclamation.share_confirmed' THEN
+        RETURN p->>'node';
+    WHEN 'inventory.resource_slice_published' THEN
+        v_node := p->'slice'->'spec'->>'nodeName';
+        -- the slice's name and its pool must not belong to another node
+        SELECT e.payload->'slice'->'spec'->>'nodeName' INTO v_other FROM events e
+         WHERE e.stream = 'slice:' || (p->'slice'->'metadata'->>'name')
+           AND e.type = 'inventory.resource_slice_published'
+           AND e.payload->'slice'->'spec'->>'nodeName' IS DISTINCT FROM v_node
+         LIMIT 1;
+        IF FOUND THEN
+            RETURN coalesce(v_other, '(none)');
+        END IF;
+        SELECT e.payload->'slice'->'spec'->>'nodeName' INTO v_other FROM events e
+         WHERE e.type = 'inventory.resource_slice_published'
+           AND e.payload->'slice'->'spec'->>'driver' = p->'slice'->'spec'->>'driver'
+           AND e.payload->'slice'->'spec'->'pool'->>'name' = p->'slice'->'spec'->'pool'->>'name'
+           AND e.payload->'slice'->'spec'->>'nodeName' IS DISTINCT FROM v_node
+         LIMIT 1;
+        IF FOUND THEN
+            RETURN coalesce(v_other, '(none)');
+        END IF;
+        RETURN v_node;
+    WHEN 'inventory.resource_slice_withdrawn' THEN
+        SELECT e.payload->'slice'->'spec'->>'nodeName' INTO v_node FROM events e
+         WHERE e.stream = 'slice:' || (p->>'name')
+           AND e.type = 'inventory.resource_slice_published'
+         ORDER BY e.stream_version DESC LIMIT 1;
+        RETURN v_node;
+    WHEN 'reclamation.capacity_released' THEN
+        SELECT h.node, true INTO v_node, v_found FROM held_shares h
+         WHERE h.share_id = (p->>'share_id')::uuid;
+        IF NOT FOUND THEN  -- an admin share, or one released before: its reservation
+            SELECT e.payload->>'node', true INTO v_node, v_found FROM events e
+             WHERE e.stream = 'device:' || (p->>'driver') || '/' || (p->>'pool') || '/'
+                              || (p->>'device')
+               AND e.type = 'reservation.capacity_reserved'
+               AND e.payload->>'share_id' = p->>'share_id'
+             ORDER BY e.stream_version DESC LIMIT 1;
+        END IF;
+        IF v_found AND v_node IS NULL THEN
+            RETURN p_bound;  -- a share on no node: any agent may give it back
+        END IF;
+        RETURN v_node;
+    WHEN 'runtime.message_dead_lettered' THEN
+        IF left(p->>'consumer', 6) <> 'agent-' THEN
+            RETURN NULL;
+        END IF;
+        SELECT e.payload->>'node', true INTO v_node, v_found FROM events e
+         WHERE e.position = (p->>'position')::bigint;
+        IF v_found THEN
+            RETURN v_node;
+        END IF;
+        RETURN p_bound;  -- a message the log does not hold (it only counts)
+    ELSE
+        RETURN NULL;
+    END CASE;
+END
+$$
+"""
+
+# p_node NULL: a member of dracap_agent bound to no node — agent events of any node.
+NODE_SCOPE_FUNCTION = """
+CREATE FUNCTION dracap_check_node_scope(
+    p_node text, p_types text[], p_payloads jsonb[], p_guards jsonb)
+RETURNS void LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_agent_types text[] := ARRAY[
+        'enforcement.limit_applied', 'enforcement.limit_failed', 'enforcement.limit_removed',
+        'enforcement.reconciled', 'enforcement.checkpoint_set_aside',
+        'reclamation.share_confirmed', 'reclamation.capacity_released',
+        'inventory.resource_slice_published', 'inventory.resource_slice_withdrawn',
+        'runtime.message_dead_lettered'];
+    v_who text := 'database user ' || session_user || CASE WHEN p_node IS NULL
+                  THEN ' is a node agent''s' ELSE ' acts for node ' || quote_literal(p_node)
+                  || ' only' END || ': ';
+    v_owner text;
+    v_type text;
+    p jsonb;
+    g jsonb;
+    v_at int;
+BEGIN
+    FOR i IN 1 .. coalesce(cardinality(p_types), 0) LOOP
+        v_type := p_types[i];
+        IF NOT v_type = ANY (v_agent_types) THEN
+            RAISE EXCEPTION USING ERRCODE = 'DR004', DETAIL = v_type,
+                MESSAGE = v_who || v_type || ' is not a node agent''s event';
+        END IF;
+        IF p_node IS NOT NULL THEN
+            v_owner := dracap_node_of(v_type, p_payloads[i], p_node);
+            IF v_owner IS DISTINCT FROM p_node THEN
+                RAISE EXCEPTION USING ERRCODE = 'DR004', DETAIL = v_type,
+                    MESSAGE = v_who || v_type || ' for '
+                              || coalesce('node ' || quote_literal(v_owner), 'no node of its own')
+                              || ' refused';
+            END IF;
+        END IF;
+    END LOOP;
+    IF p_guards IS NULL THEN
+        RETURN;
+    END IF;
+    FOR g IN SELECT value FROM jsonb_array_elements(p_guards) LOOP
+        v_at := (g->>'at')::int;
+        v_type := p_types[v_at];
+        p := p_payloads[v_at];
+        IF (CASE g->>'kind'
+            WHEN 'release' THEN
+                v_type = 'reclamation.capacity_released' AND p->>'share_id' = g->>'share_id'
+            WHEN 'set_total' THEN
+                v_type = 'inventory.resource_slice_published'
+                AND p->'slice'->'spec'->>'driver' = g->>'driver'
+                AND p->'slice'->'spec'->'pool'->>'name' = g->>'pool'
+                AND EXISTS (SELECT FROM jsonb_array_elements(p->'slice'->'spec'->'devices') d
+                             WHERE d->>'name' = g->>'device'
+                               AND d->'capacity'->(g->>'capacity') IS NOT NULL)
+            ELSE false
+            END) IS NOT TRUE THEN
+            RAISE EXCEPTION USING ERRCODE = 'DR004', DETAIL = coalesce(v_type, 'none'),
+                MESSAGE = v_who || 'guard ' || quote_literal(coalesce(g->>'kind', ''))
+                          || ' does not follow from ' || coalesce(v_type, 'any event')
+                          || ' of its append';
+        END IF;
+    END LOOP;
+END
+$$
+"""
+
+APPEND_GUARDED_FUNCTION = """
+CREATE FUNCTION dracap_append_guarded(
+    p_count int,
+    p_streams text[],
+    p_expected int[],
+    p_event_ids uuid[],
+    p_event_streams text[],
+    p_versions int[],
+    p_types text[],
+    p_schema_versions int[],
+    p_namespaces text[],
+    p_actor text,
+    p_correlation_ids text[],
+    p_causation_ids text[],
+    p_recorded_at timestamptz,
+    p_payloads jsonb[],
+    p_channel text,
+    p_guards jsonb,
+    p_consumer text,
+    p_processed uuid[]
+) RETURNS TABLE (head bigint, currents int[])
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = public, pg_temp AS $$
+DECLARE
+    v_head bigint;
+    v_current int[];
+    v_marked int;
+    v_node text;
+    v_agent boolean;
+BEGIN
+    SELECT r.node, true INTO v_node, v_agent FROM dracap_node_roles r
+     WHERE r.role = session_user::text;
+    IF NOT FOUND THEN  -- an agent's user bound to no node: agent events only
+        SELECT pg_has_role(session_user, 'dracap_agent', 'MEMBER') AND NOT r.rolsuper
+          INTO v_agent FROM pg_roles r WHERE r.rolname = session_user;
+    END IF;
+    IF p_consumer IS NOT NULL THEN
+        WITH m AS (INSERT INTO processed_messages (consumer, event_id)
+                   SELECT p_consumer, unnest(p_processed) ON CONFLICT DO NOTHING RETURNING 1)
+        SELECT count(*) INTO v_marked FROM m;
+        IF v_marked <> cardinality(p_processed) THEN
+            RAISE EXCEPTION USING ERRCODE = 'DR003',
+                MESSAGE = 'consumer ' || quote_literal(p_consumer)
+                          || ' had handled some of these messages before';
+        END IF;
+    END IF;
+    SELECT a.head, a.currents INTO v_head, v_current
+      FROM dracap_append(p_count, p_streams, p_expected, p_event_ids, p_event_streams,
+                         p_versions, p_types, p_schema_versions, p_namespaces, p_actor,
+                         p_correlation_ids, p_causation_ids, p_recorded_at, p_payloads,
+                         p_channel) AS a;
+    IF v_agent THEN  -- under the head lock: every earlier append is visible
+        PERFORM dracap_check_node_scope(v_node, p_types, p_payloads, p_guards);
+    END IF;
+    PERFORM dracap_guard(v_head - p_count, p_guards);
+    RETURN QUERY SELECT v_head, v_current;
+END
+$$
+"""
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _ensure_role(role: str) -> None:
+    """Create ``role`` unless it exists (a migration of another database may create it
+    at the same moment); make the migrating user a member when it is no superuser."""
+    member = ""
+    if role == OWNER:
+        member = f"""
+    IF NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+       AND NOT pg_has_role(current_user, {_literal(role)}, 'MEMBER') THEN
+        EXECUTE 'GRANT {quote(role)} TO ' || quote_ident(current_user);
+    END IF;"""
+    op.execute(
+        f"""
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = {_literal(role)}) THEN
+        BEGIN
+            CREATE ROLE {quote(role)} NOLOGIN;
+        EXCEPTION WHEN duplicate_object OR unique_violation THEN
+            NULL;
+        END;
+    END IF;{member}
+END
+$$
+        """
+    )
+
+
+def _grant(role: str) -> None:
+    q = quote(role)
+    op.execute(f"GRANT USAGE ON SCHEMA public TO {q}")
+    for privileges, table in TABLE_GRANTS[role]:
+        op.execute(f"GRANT {privileges} ON {table} TO {q}")
+    for function in FUNCTION_GRANTS[role]:
+        op.execute(f"GRANT EXECUTE ON FUNCTION {function} TO {q}")
+
+
+def upgrade() -> None:
+    op.execute(NODE_ROLES)
+    op.execute(SLICE_POOL_INDEX)
+    op.execute(f"DROP FUNCTION {APPEND_GUARDED}")
+    for statement in (NODE_OF_FUNCTION, NODE_SCOPE_FUNCTION, APPEND_GUARDED_FUNCTION):
+        op.execute(statement)
+    op.execute(BOUND_NODE_FUNCTION)
+    for role in (OWNER, *SERVICE_ROLES):
+        _ensure_role(role)
+    for table in TABLES:
+        op.execute(f"ALTER TABLE {table} OWNER TO {OWNER}")
+    op.execute(f"ALTER FUNCTION {BOUND_NODE} OWNER TO {OWNER}")
+    for function in (*OLD_FUNCTIONS, *NEW_FUNCTIONS):
+        op.execute(f"REVOKE EXECUTE ON FUNCTION {function} FROM PUBLIC")
+        op.execute(f"ALTER FUNCTION {function} OWNER TO {OWNER}")
+    op.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+    for role in SERVICE_ROLES:
+        _grant(role)
+    app = app_role()
+    if app:  # the app role of 0001 keeps what it had: the functions were PUBLIC's
+        for function in (APPEND, APPEND_GUARDED, GUARD, RELEASE_HELD, LOCK):
+            op.execute(f"GRANT EXECUTE ON FUNCTION {function} TO {quote(app)}")
+
+
+def _revoke(role: str) -> None:
+    tables = ", ".join(TABLES)
+    functions = ", ".join((*OLD_FUNCTIONS, *NEW_FUNCTIONS))
+    op.execute(
+        f"""
+DO $$
+BEGIN
+    IF EXISTS (SELECT FROM pg_roles WHERE rolname = {_literal(role)}) THEN
+        REVOKE ALL ON {tables} FROM {quote(role)};
+        REVOKE ALL ON FUNCTION {functions} FROM {quote(role)};
+        REVOKE USAGE ON SCHEMA public FROM {quote(role)};
+    END IF;
+END
+$$
+        """
+    )
+
+
+def downgrade() -> None:
+    for role in SERVICE_ROLES:
+        _revoke(role)
+    app = app_role()
+    if app:
+        for function in (APPEND, APPEND_GUARDED, GUARD, RELEASE_HELD, LOCK):
+            op.execute(f"REVOKE EXECUTE ON FUNCTION {function} FROM {quote(app)}")
+    for table in TABLES:
+        op.execute(f"ALTER TABLE {table} OWNER TO CURRENT_USER")
+    for function in OLD_FUNCTIONS:
+        op.execute(f"ALTER FUNCTION {function} OWNER TO CURRENT_USER")
+        op.execute(f"GRANT EXECUTE ON FUNCTION {function} TO PUBLIC")
+    op.execute(f"DROP FUNCTION {APPEND_GUARDED}")
+    op.execute(f"DROP FUNCTION {NODE_SCOPE}")
+    op.execute(f"DROP FUNCTION {NODE_OF}")
+    op.execute(f"DROP FUNCTION {BOUND_NODE}")
+    guards = importlib.import_module("migrations.versions.0005_guards")
+    op.execute(getattr(guards, "APPEND_GUARDED"))  # noqa: B009 (0005's own text)
+    op.execute("DROP INDEX events_slice_pool_idx")
+    op.execute("DROP TABLE dracap_node_roles")

@@ -1,0 +1,103 @@
+"""The event stores of one process: one per database role its services connect as.
+
+``dracap up`` runs every service in one process, yet each kind of service connects to
+PostgreSQL as its own user (migration 0006, :mod:`services.runtime.dbroles`): the claims
+API as a member of ``dracap_claims``, the reservation workers of
+``dracap_reservation``, the relay of ``dracap_relay``, each node agent as its node's
+user, and the live state — which only reads — of ``dracap_readonly``. A role is a
+session's, so each needs a pool of its own: :class:`ServiceStores` opens one
+:class:`~services.runtime.eventstore.EventStore` per distinct connection
+(:meth:`~services.runtime.settings.Settings.for_service` says which), and one only when
+no kind has a URL of its own — today's single store acting as ``DRACAP_APP_ROLE``.
+
+The stores *share their commits* (``EventStore.open(..., sharing=reader)``): the live
+state and the relay follow the reader's and the relay's store, and an append made
+through any other store of the process is handed over to them and raises the head they
+know, exactly as an append through their own store would. Read-your-writes
+(``LiveState.fresh(SEEN)``) therefore holds across roles.
+
+The relay and the agents get small pools (:data:`SMALL_POOL`): each does one thing at a
+time, and every pool counts against the server's ``max_connections``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final
+
+import msgspec
+
+from services.runtime.eventstore import EventStore
+from services.runtime.settings import ServiceKind, Settings
+
+__all__ = ["SMALL_POOL", "ServiceStores"]
+
+SMALL_POOL: Final = 4
+_SMALL: Final = frozenset({ServiceKind.RELAY, ServiceKind.AGENT})
+
+Key = tuple[ServiceKind, str | None]
+
+
+class ServiceStores:
+    """Which store each service uses (see the module docstring)."""
+
+    def __init__(self, reader: EventStore) -> None:
+        #: the live state's store (read-only role when roles are configured)
+        self.reader = reader
+        self._chosen: dict[Key, EventStore] = {}
+        self._opened: list[EventStore] = [reader]
+
+    @classmethod
+    def single(cls, store: EventStore) -> ServiceStores:
+        """Every service on ``store``."""
+        return cls(store)
+
+    @classmethod
+    async def open(cls, settings: Settings, *, nodes: Iterable[str] = ()) -> ServiceStores:
+        """A store per distinct connection of the services (and of ``nodes``' agents)."""
+        reader_settings = settings.for_service(ServiceKind.READONLY)
+        stores = cls(await EventStore.open(reader_settings))
+        by_connection = {_connection(reader_settings): stores.reader}
+        wanted: list[Key] = [(kind, None) for kind in ServiceKind if kind != ServiceKind.READONLY]
+        wanted += [(ServiceKind.AGENT, node) for node in nodes]
+        try:
+            for kind, node in wanted:
+                own = settings.for_service(kind, node)
+                store = by_connection.get(_connection(own))
+                if store is None:
+                    if kind in _SMALL:
+                        own = _small(own)
+                    store = await EventStore.open(own, sharing=stores.reader)
+                    by_connection[_connection(own)] = store
+                    stores._opened.append(store)
+                stores._chosen[(kind, node)] = store
+        except BaseException:
+            await stores.close()
+            raise
+        return stores
+
+    def of(self, kind: ServiceKind, node: str | None = None) -> EventStore:
+        """The store of a service of ``kind`` (the agent of ``node``)."""
+        chosen = self._chosen
+        return chosen.get((kind, node)) or chosen.get((kind, None)) or self.reader
+
+    @property
+    def opened(self) -> tuple[EventStore, ...]:
+        """Every distinct store, the reader first."""
+        return tuple(self._opened)
+
+    async def close(self) -> None:
+        """Close every store this object opened (the reader last)."""
+        for store in reversed(self._opened):
+            await store.close()
+
+
+def _connection(settings: Settings) -> tuple[str, str]:
+    return settings.database_url, settings.app_role
+
+
+def _small(settings: Settings) -> Settings:
+    size = min(settings.pool_max_size, SMALL_POOL)
+    return msgspec.structs.replace(
+        settings, pool_max_size=size, pool_min_size=min(settings.pool_min_size, size)
+    )

@@ -1,0 +1,524 @@
+"""The tenant boundary in the database (migration 0006), against a real PostgreSQL.
+
+* every application role (one per service kind, the read-only role, and the app role of
+  0001) is refused ``UPDATE``, ``DELETE`` and ``TRUNCATE`` on ``events`` by its
+  *privileges* — before the append-only trigger that stops everybody would;
+* the read-only role cannot insert, nor append through the append function;
+* no application role may change the schema;
+* a node agent's database user, bound to its node, appends its own node's reports and
+  nothing else: another node's report, an event that is not an agent's, a slice or pool
+  of another node, another node's share, or a guard that does not follow from its event
+  are refused with :class:`~services.runtime.errors.NodeScopeViolation`.
+
+Group roles are taken with the ``role`` startup parameter by the suite's administrator
+(what a login user that belongs to the group has); the node-bound users are real login
+users (the session user is what the database checks), created for the test and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import re
+import stat
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import asyncpg
+import msgspec
+import pytest
+
+from events import catalog
+from events.catalog import Event
+from events.guards import SetTotal, encode_guards
+from services import cli
+from services.exitcodes import ExitCode
+from services.runtime.dbroles import ensure_login, ensure_node_role, group_role, node_role, url_as
+from services.runtime.errors import NodeScopeViolation, PermanentError
+from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.servicestores import ServiceStores
+from services.runtime.settings import ServiceKind, Settings
+from tests.integration import sample as s
+from tests.integration.scenario import put
+
+SERVICE_ROLES = (
+    "dracap_claims",
+    "dracap_reservation",
+    "dracap_relay",
+    "dracap_agent",
+    "dracap_readonly",
+)
+APP_ROLES = (*SERVICE_ROLES, "dracap_app")
+
+
+async def _as_role(database_url: str, role: str) -> asyncpg.Connection:
+    connection = await asyncpg.connect(database_url, server_settings={"role": role})
+    assert await connection.fetchval("SELECT current_user") == role
+    return connection
+
+
+@pytest.fixture
+async def one_event(store: EventStore) -> None:
+    await put(store, s.claim_submitted())
+
+
+@pytest.fixture
+async def store(settings: Settings) -> AsyncIterator[EventStore]:
+    async with await EventStore.open(settings) as store:
+        yield store
+
+
+async def _refused_by_privileges(database_url: str, role: str, sql: str, privilege: str) -> None:
+    connection = await _as_role(database_url, role)
+    try:
+        assert not await connection.fetchval("SELECT has_table_privilege('events', $1)", privilege)
+        with pytest.raises(asyncpg.InsufficientPrivilegeError) as refused:
+            await connection.execute(sql)
+        assert "append-only" not in str(refused.value)  # not the trigger: the grants
+    finally:
+        await connection.close()
+    admin = await asyncpg.connect(database_url)
+    try:
+        assert await admin.fetchval("SELECT count(*) FROM events") == 1
+    finally:
+        await admin.close()
+
+
+# --- append-only by privileges ----------------------------------------------------------
+
+
+@pytest.mark.usefixtures("one_event")
+@pytest.mark.parametrize("role", APP_ROLES)
+async def test_an_application_role_cannot_update_events(database_url: str, role: str) -> None:
+    sql = "UPDATE events SET actor = 'evil'"
+    await _refused_by_privileges(database_url, role, sql, "UPDATE")
+
+
+@pytest.mark.usefixtures("one_event")
+@pytest.mark.parametrize("role", APP_ROLES)
+async def test_an_application_role_cannot_delete_events(database_url: str, role: str) -> None:
+    await _refused_by_privileges(database_url, role, "DELETE FROM events", "DELETE")
+
+
+@pytest.mark.usefixtures("one_event")
+@pytest.mark.parametrize("role", APP_ROLES)
+async def test_an_application_role_cannot_truncate_events(database_url: str, role: str) -> None:
+    await _refused_by_privileges(database_url, role, "TRUNCATE events", "TRUNCATE")
+
+
+# --- the read-only role -----------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("one_event")
+async def test_the_readonly_role_cannot_insert(database_url: str) -> None:
+    connection = await _as_role(database_url, "dracap_readonly")
+    try:
+        assert await connection.fetchval("SELECT count(*) FROM events") == 1  # it reads
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await connection.execute(
+                "INSERT INTO events SELECT position + 1, gen_random_uuid(), stream, "
+                "stream_version + 1, type, schema_version, namespace, actor, correlation_id, "
+                "causation_id, recorded_at, payload FROM events"
+            )
+        for table in ("capacity_ledger", "processed_messages", "consumer_checkpoints"):
+            assert not await connection.fetchval("SELECT has_table_privilege($1, 'INSERT')", table)
+    finally:
+        await connection.close()
+
+
+@pytest.mark.usefixtures("one_event")
+async def test_the_readonly_role_cannot_append_through_the_function(settings: Settings) -> None:
+    readonly = msgspec.structs.replace(settings, app_role="dracap_readonly")
+    async with await EventStore.open(readonly) as store:
+        with pytest.raises(PermanentError, match="permission denied"):
+            await put(store, s.claim_submitted("team-b", "c2"))
+        assert await store.head() == 1
+
+
+# --- no DDL -----------------------------------------------------------------------------
+
+
+DDL = (
+    "CREATE TABLE sneaky (id int)",
+    "ALTER TABLE events ADD COLUMN sneaky int",
+    "ALTER TABLE events DISABLE TRIGGER events_append_only_rows",
+    "DROP TABLE capacity_ledger",
+    "CREATE INDEX sneaky ON events (actor)",
+    "CREATE FUNCTION sneaky() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+    "CREATE SCHEMA sneaky",
+    "COMMENT ON TABLE events IS 'sneaky'",
+)
+
+
+@pytest.mark.parametrize("role", APP_ROLES)
+async def test_application_roles_cannot_change_the_schema(database_url: str, role: str) -> None:
+    connection = await _as_role(database_url, role)
+    try:
+        assert not await connection.fetchval("SELECT has_schema_privilege('public', 'CREATE')")
+        for sql in DDL:
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await connection.execute(sql)
+        # GRANT on a table it does not own only warns, and grants nothing
+        await connection.execute("GRANT UPDATE ON events TO PUBLIC")
+        assert not await connection.fetchval("SELECT has_table_privilege('events', 'UPDATE')")
+    finally:
+        await connection.close()
+
+
+async def test_the_owner_role_owns_the_schema(database_url: str) -> None:
+    connection = await asyncpg.connect(database_url)
+    try:
+        owners = await connection.fetch(
+            "SELECT DISTINCT tableowner FROM pg_tables WHERE schemaname = 'public' "
+            "AND tablename <> 'alembic_version'"
+        )
+        assert [row[0] for row in owners] == ["dracap_owner"]
+        definer = await connection.fetchrow(
+            "SELECT prosecdef, pg_get_userbyid(proowner) FROM pg_proc "
+            "WHERE proname = 'dracap_append_guarded'"
+        )
+        assert definer is not None and tuple(definer) == (True, "dracap_owner")
+    finally:
+        await connection.close()
+
+
+# --- node-bound agent users -------------------------------------------------------------
+
+
+NodeUser = Callable[[str], Awaitable[Settings]]
+
+
+@pytest.fixture
+async def node_user(settings: Settings, postgres_admin_url: str) -> AsyncIterator[NodeUser]:
+    """Settings that log in as a new user bound to a node (dropped after the test)."""
+    created: list[str] = []
+
+    async def make(node: str) -> Settings:
+        admin = await asyncpg.connect(settings.database_url)
+        try:
+            role = await ensure_node_role(admin, node, None)
+        finally:
+            await admin.close()
+        created.append(role)
+        url = url_as(settings.database_url, role, None)
+        return msgspec.structs.replace(settings, database_url=url, app_role="")
+
+    yield make
+    admin = await asyncpg.connect(postgres_admin_url)
+    try:
+        for role in created:
+            await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+    finally:
+        await admin.close()
+
+
+def _node() -> str:
+    return f"node-{uuid.uuid4().hex[:8]}"
+
+
+def _applied(share_id: str, node: str) -> catalog.LimitApplied:
+    return catalog.LimitApplied(
+        share_id=share_id, node=node, level="hard", actual={"memory": s.q("10Gi")}
+    )
+
+
+_NS = uuid.UUID("6ba7b810-9dad-11d1-80b4-00c04fd430c8")
+
+
+def _share(node: str) -> str:
+    """The share the ``nodes`` fixture reserves on ``node``."""
+    return str(uuid.uuid5(_NS, node))
+
+
+@pytest.fixture
+async def nodes(store: EventStore) -> tuple[str, str]:
+    """Two nodes with a slice each (``<node>-gpus``, pool ``<node>``) and a share on each."""
+    a, b = _node(), _node()
+    for node in (a, b):
+        await put(store, s.slice_published(name=f"{node}-gpus", pool=node))
+        await put(store, s.reserved(name=node, pool=node, share_id=_share(node)))
+    return a, b
+
+
+async def test_an_agent_appends_its_own_nodes_reports(
+    nodes: tuple[str, str], node_user: NodeUser
+) -> None:
+    a, _ = nodes
+    async with await EventStore.open(await node_user(a)) as agent:
+        stored = await put(agent, _applied(_share(a), a))
+        assert stored[0].event == _applied(_share(a), a)
+        assert await agent.pool.fetchval("SELECT session_user") == node_role(a)
+
+
+async def test_an_agent_of_node_a_cannot_report_for_node_b(
+    nodes: tuple[str, str], node_user: NodeUser, store: EventStore
+) -> None:
+    a, b = nodes
+    head = await store.head()
+    async with await EventStore.open(await node_user(a)) as agent:
+        with pytest.raises(NodeScopeViolation) as refused:
+            await put(agent, _applied(_share(b), b))
+    assert refused.value.event_type == "enforcement.limit_applied"
+    message = str(refused.value)
+    assert f"'{a}'" in message and f"'{b}'" in message and "enforcement.limit_applied" in message
+    assert await store.head() == head  # nothing written
+
+
+def _slice(name: str, pool: str, node: str) -> catalog.ResourceSlicePublished:
+    """A slice ``name`` of ``node`` with its devices in ``pool``."""
+    published = s.slice_published(name=name, pool=pool)
+    spec = msgspec.structs.replace(published.slice.spec, node_name=node)
+    return catalog.ResourceSlicePublished(slice=msgspec.structs.replace(published.slice, spec=spec))
+
+
+def _refusals(a: str, b: str) -> dict[str, list[Event]]:
+    """Appends an agent of node ``a`` may not make, by what is wrong with them."""
+    return {
+        "not an agent's event": [catalog.ClaimAdmitted(namespace="team-a", name="c1")],
+        "another node's removal": [catalog.LimitRemoved(share_id=_share(b), node=b)],
+        "another node's reconcile": [catalog.EnforcementReconciled(node=b)],
+        "another node's slice": [_slice(f"{b}-extra", b, b)],
+        "a slice name of another node": [_slice(f"{b}-gpus", a, a)],
+        "another node's pool": [_slice(f"{a}-extra", b, a)],
+        "withdrawing another node's slice": [catalog.ResourceSliceWithdrawn(name=f"{b}-gpus")],
+        "releasing another node's share": [
+            s.released(s.reserved(name=b, pool=b, share_id=_share(b)))
+        ],
+        "one good event and one bad": [
+            _applied(_share(a), a),
+            catalog.LimitFailed(share_id=_share(b), node=b, retryable=False, reason="x"),
+        ],
+    }
+
+
+@pytest.mark.parametrize("case", list(_refusals("a", "b")))
+async def test_an_agent_cannot_append_what_is_not_its_nodes(
+    case: str, nodes: tuple[str, str], node_user: NodeUser, store: EventStore
+) -> None:
+    a, b = nodes
+    batches = [Batch(catalog.stream_of(e), None, [e]) for e in _refusals(a, b)[case]]
+    head = await store.head()
+    async with await EventStore.open(await node_user(a)) as agent:
+        with pytest.raises(NodeScopeViolation, match=re.escape(f"acts for node '{a}' only")):
+            await agent.append_many(batches, Metadata(actor=f"agent:{a}"))
+    assert await store.head() == head
+
+
+async def test_an_agent_releases_and_publishes_for_its_own_node(
+    nodes: tuple[str, str], node_user: NodeUser, store: EventStore
+) -> None:
+    a, _ = nodes
+    own = s.reserved(name=a, pool=a, share_id=_share(a))
+    async with await EventStore.open(await node_user(a)) as agent:
+        await put(agent, catalog.LimitRemoved(share_id=own.share_id, node=a), s.released(own))
+        await put(
+            agent,
+            s.slice_published(name=f"{a}-gpus", pool=a, devices={"gpu-0": {"memory": "40Gi"}}),
+        )
+        await put(agent, catalog.ResourceSliceWithdrawn(name=f"{a}-gpus"))
+    held = await store.pool.fetchval("SELECT count(*) FROM held_shares WHERE node = $1", a)
+    assert held == 0
+
+
+async def test_an_agent_started_for_another_node_stops_in_one_line(
+    nodes: tuple[str, str],
+    node_user: NodeUser,
+    nats_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    a, b = nodes
+    monkeypatch.setenv("DRACAP_DATABASE_URL_AGENT", (await node_user(a)).database_url)
+    argv = ["agent", "--node", b, "--nats", nats_url, "--checkpoint", "none", "--metrics-port", "0"]
+    thresholds = gc.get_threshold()  # the agent tunes the collector of its process: ours
+    try:
+        code = await asyncio.to_thread(cli.main, argv)
+    finally:
+        gc.set_threshold(*thresholds)
+    err = capsys.readouterr().err
+    assert code == ExitCode.ERROR and err.count("\n") == 1
+    assert f"acts for node '{a}', not '{b}'" in err and f"dracap db node-role {b}" in err
+
+
+async def test_an_agent_user_bound_to_no_node_appends_agent_events_only(
+    nodes: tuple[str, str], settings: Settings, service_users: dict[str, str]
+) -> None:
+    a, b = nodes
+    unbound = msgspec.structs.replace(settings, database_urls=service_users)
+    async with await EventStore.open(unbound.for_service(ServiceKind.AGENT)) as agent:
+        await put(agent, _applied(_share(a), a), _applied(_share(b), b))
+        with pytest.raises(
+            NodeScopeViolation, match=re.escape("is a node agent's: claims.admitted is not")
+        ):
+            await put(agent, catalog.ClaimAdmitted(namespace="team-a", name="c1"))
+
+
+async def test_an_agent_cannot_smuggle_a_guard(
+    nodes: tuple[str, str], node_user: NodeUser, store: EventStore
+) -> None:
+    """A guard must follow from its own event: a report carries no ledger change."""
+    a, b = nodes
+    forged = encode_guards(
+        [SetTotal(at=1, driver=s.DRIVER, pool=b, device="gpu-0", capacity="memory", total="1")]
+    )
+    report = catalog.encode_payload(_applied(_share(a), a))
+    async with await EventStore.open(await node_user(a)) as agent:
+        with pytest.raises(asyncpg.PostgresError) as refused:
+            await agent.pool.fetchrow(
+                "SELECT * FROM dracap_append_guarded(1, $1, $2, $3, $1, $4, $5, $6, $7, 'x', "
+                "$8, $9, now(), $10, 'dracap_events', $11, NULL, NULL)",
+                [f"node:{a}"],
+                [None],
+                [uuid.uuid4()],
+                [1],
+                ["enforcement.limit_applied"],
+                [1],
+                [None],
+                ["c"],
+                [None],
+                [report],
+                forged,
+            )
+    assert refused.value.sqlstate == "DR004" and "set_total" in str(refused.value)
+    total = await store.pool.fetchval(
+        "SELECT total FROM capacity_ledger WHERE pool = $1 AND device = 'gpu-0'", b
+    )
+    assert total > 1
+
+
+async def test_an_agent_has_no_privilege_on_the_tables_it_appends_to(
+    nodes: tuple[str, str], node_user: NodeUser
+) -> None:
+    a, _ = nodes
+    async with await EventStore.open(await node_user(a)) as agent:
+        for sql in (
+            "INSERT INTO events SELECT * FROM events LIMIT 1",
+            "UPDATE capacity_ledger SET total = total + 1",
+            "DELETE FROM held_shares",
+            "UPDATE event_log_head SET position = position",
+        ):
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await agent.pool.execute(sql)
+        agent.copy_threshold = 1  # a bulk append goes through the function instead
+        await put(agent, _applied(_share(a), a))
+
+
+@pytest.mark.parametrize("role", ["dracap_reservation", "dracap_claims"])
+async def test_only_the_reservation_role_takes_the_bulk_path(
+    nodes: tuple[str, str], settings: Settings, store: EventStore, role: str
+) -> None:
+    a, _ = nodes
+    reservation = s.reserved(name="bulk", pool=a, consumed="5Gi")
+    async with await EventStore.open(msgspec.structs.replace(settings, app_role=role)) as own:
+        own.copy_threshold = 1  # every append would be a bulk one
+        await put(own, reservation)
+        async with own.pool.acquire() as connection:
+            assert await own._copies(connection) is (role == "dracap_reservation")
+    held = await store.pool.fetchval(
+        "SELECT node FROM held_shares WHERE share_id = $1", uuid.UUID(reservation.share_id)
+    )
+    assert held == a  # the guard ran on either path
+
+
+# --- one process, a store per role ----------------------------------------------------------
+
+
+@pytest.fixture
+async def service_users(
+    settings: Settings, postgres_admin_url: str
+) -> AsyncIterator[dict[str, str]]:
+    """A login user per service kind (URLs by :attr:`Settings.database_urls` key)."""
+    token = uuid.uuid4().hex[:8]
+    users = {kind: f"test_{kind.value}_{token}" for kind in ServiceKind}
+    admin = await asyncpg.connect(settings.database_url)
+    try:
+        for kind, user in users.items():
+            await ensure_login(admin, user, group_role(kind), None)
+    finally:
+        await admin.close()
+    yield {kind.value: url_as(settings.database_url, user, None) for kind, user in users.items()}
+    admin = await asyncpg.connect(postgres_admin_url)
+    try:
+        for user in users.values():
+            await admin.execute(f'DROP ROLE IF EXISTS "{user}"')
+    finally:
+        await admin.close()
+
+
+async def test_each_service_gets_a_store_of_its_own_user_and_they_share_commits(
+    settings: Settings, service_users: dict[str, str]
+) -> None:
+    stores = await ServiceStores.open(
+        msgspec.structs.replace(settings, database_urls=service_users), nodes=["node-a"]
+    )
+    try:
+        users = {}
+        for kind in ServiceKind:
+            store = stores.of(kind, "node-a" if kind == ServiceKind.AGENT else None)
+            users[kind] = await store.pool.fetchval("SELECT current_user")
+        assert users == {kind: urlsplit(service_users[kind.value]).username for kind in ServiceKind}
+        assert stores.of(ServiceKind.READONLY) is stores.reader
+        assert len(stores.opened) == len(ServiceKind)
+        heard: list[int] = []
+        stores.reader.on_commit(lambda envs: heard.extend(e.position for e in envs))
+        await stores.reader.wait_for_new(0, 0.01)  # the reader listens
+        claims = stores.of(ServiceKind.CLAIMS)
+        await put(claims, catalog.ClaimAdmitted(namespace="team-a", name="c1"))
+        assert heard == [1]
+        assert stores.reader.committed_head() == 1  # SEEN includes it, NOTIFY or not
+    finally:
+        await stores.close()
+
+
+async def test_without_role_urls_every_service_shares_one_store(settings: Settings) -> None:
+    stores = await ServiceStores.open(settings, nodes=["node-a"])
+    try:
+        assert len(stores.opened) == 1
+        assert all(stores.of(kind) is stores.reader for kind in ServiceKind)
+        assert await stores.reader.pool.fetchval("SELECT current_user") == "dracap_app"
+    finally:
+        await stores.close()
+
+
+# --- dracap db node-role -------------------------------------------------------------------
+
+
+async def test_dracap_db_node_role_creates_a_user_bound_to_its_node(
+    database_url: str,
+    postgres_admin_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    node, password_file = _node(), tmp_path / "agent.password"
+    role = node_role(node)
+    argv = ["db", "node-role", node, "--password-file", str(password_file)]
+    try:
+        assert await asyncio.to_thread(cli.main, [*argv, "--database-url", database_url]) == 0
+        assert f"database user {role} acts for node {node}" in capsys.readouterr().out
+        assert stat.S_IMODE(password_file.stat().st_mode) == 0o600
+        password = password_file.read_text()
+        assert await asyncio.to_thread(cli.main, [*argv, "--database-url", database_url]) == 0
+        assert password_file.read_text() == password  # kept: the file is the truth
+        admin = await asyncpg.connect(database_url)
+        try:
+            bound = await admin.fetchval("SELECT node FROM dracap_node_roles WHERE role = $1", role)
+            member = await admin.fetchval("SELECT pg_has_role($1, 'dracap_agent', 'MEMBER')", role)
+            assert (bound, member) == (node, True)
+        finally:
+            await admin.close()
+        # the agent's own user may not create users: one line, exit 1
+        agent_url = url_as(database_url, role, None)
+        code = await asyncio.to_thread(
+            cli.main, ["db", "node-role", "x", "--database-url", agent_url]
+        )
+        err = capsys.readouterr().err
+        assert code == ExitCode.ERROR and err.count("\n") == 1
+        assert err.startswith("error: cannot create the user of node 'x'")
+    finally:
+        admin = await asyncpg.connect(postgres_admin_url)
+        try:
+            await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+        finally:
+            await admin.close()
