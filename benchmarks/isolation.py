@@ -66,8 +66,8 @@ async def run(settings: Settings, args: argparse.Namespace) -> dict[str, float]:
     try:
         with tempfile.TemporaryDirectory(prefix="dracap-bench-") as work:
             async with (
-                pipeline.dracap_up(settings, args, names, Path(work), tenants),
-                ApiClient.connect(settings.nats_url, names.prefix) as api,
+                pipeline.dracap_up(settings, args, names, Path(work), tenants) as reach,
+                ApiClient.connect(reach.nats_url, names.prefix, reach.credential) as api,
             ):
                 tracker = pipeline.ReadyTracker()
                 async with pipeline.watching(api, tracker):
@@ -84,8 +84,9 @@ async def run(settings: Settings, args: argparse.Namespace) -> dict[str, float]:
                     ]
                     out["noisy_undecided"] = sum(s["phase"] == "admitted" for s in states)
     finally:
-        with contextlib.suppress(Exception):
-            await pipeline._delete_stream(settings.nats_url, names.stream)
+        if args.insecure:  # a secure run's nats-server went with its data directory
+            with contextlib.suppress(Exception):
+                await pipeline._delete_stream(settings.nats_url, names.stream)
     return out
 
 

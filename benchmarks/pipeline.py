@@ -49,7 +49,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import asyncpg
 import nats.js.errors
@@ -58,7 +58,9 @@ from events.subjects import BusNames
 from services.runtime import migrating
 from services.runtime.apiclient import ApiClient
 from services.runtime.bus import connect_bus
+from services.runtime.credentials import Credential, read_credential
 from services.runtime.embedded import embedded_servers
+from services.runtime.endpoints import read_connection
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.settings import Settings
 from services.up import READY_LINE
@@ -133,6 +135,13 @@ def write_inventory(
 
 
 # --- measuring -----------------------------------------------------------------------------
+
+
+class Reach(NamedTuple):
+    """Where the benchmark's ``dracap up`` answers, and the login to use."""
+
+    nats_url: str
+    credential: Credential | None
 
 
 class ReadyTracker:
@@ -250,21 +259,29 @@ async def dracap_up(
     names: BusNames,
     work: Path,
     namespaces: tuple[str, ...] = (NAMESPACE,),
-) -> AsyncIterator[None]:
-    """``dracap up`` as its own process on these servers, until the block ends."""
+) -> AsyncIterator[Reach]:
+    """``dracap up`` as its own process on this database, until the block ends.
+
+    As a user runs it: secure, with its own nats-server started from the broker's
+    accounts (yields its URL and the operator's credential); with ``--insecure``, open,
+    on the benchmark's NATS server.
+    """
     nodes = [f"node-{i}" for i in range(args.nodes)]
     inventory = write_inventory(work / "inventory.json", nodes, namespaces)
     env = dict(
         os.environ,
         DRACAP_DATABASE_URL=settings.database_url,
-        DRACAP_NATS_URL=settings.nats_url,
         DRACAP_POOL_MAX_SIZE=str(args.pool),
     )
+    env.pop("DRACAP_NATS_URL", None)
     command = [
         *(sys.executable, "-m", "services.cli", "up", "--data-dir", str(work / "data")),
         *("--inventory", str(inventory), "--workers", str(args.workers)),
         *("--metrics-port", "0", "--prefix", names.prefix),
     ]
+    if args.insecure:
+        env["DRACAP_NATS_URL"] = settings.nats_url
+        command.append("--insecure")
     process = await asyncio.create_subprocess_exec(
         *command, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )
@@ -280,7 +297,10 @@ async def dracap_up(
                 if line.startswith(READY_LINE):
                     break
         drain = asyncio.create_task(_keep_output(process.stdout, args.up_log))
-        yield
+        connection = read_connection(work / "data")
+        assert connection is not None
+        credential = read_credential(connection.creds) if connection.creds else None
+        yield Reach(connection.nats_url, credential)
     finally:
         if process.returncode is None:
             process.send_signal(signal.SIGINT)
@@ -309,7 +329,7 @@ async def measure(settings: Settings, args: argparse.Namespace) -> dict[str, flo
     print(f"  raw single-connection commits        {out['raw']:>10,.0f}/s", flush=True)
     names = BusNames(prefix=f"bench{uuid.uuid4().hex[:8]}")
     async with contextlib.AsyncExitStack() as cleanup:
-        if not args.keep:  # the stream goes with the database
+        if not args.keep and args.insecure:  # the stream goes with the database
             cleanup.push_async_callback(_delete_stream, settings.nats_url, names.stream)
         await _measure_pipeline(settings, args, names, out)
     return out
@@ -328,26 +348,27 @@ async def _measure_pipeline(
     settings: Settings, args: argparse.Namespace, names: BusNames, out: dict[str, float]
 ) -> None:
     with tempfile.TemporaryDirectory(prefix="dracap-bench-") as work:
-        async with (
-            dracap_up(settings, args, names, Path(work)),
-            ApiClient.connect(settings.nats_url, names.prefix) as api,
-        ):
-            tracker = ReadyTracker()
-            async with watching(api, tracker):
-                await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
-                out["throughput"] = await throughput(api, tracker, args.claims, args.concurrency)
-                print(
-                    f"  apply -> Ready, sustained            {out['throughput']:>10,.0f}/s",
-                    flush=True,
-                )
-                lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
-                for rate in args.rates:  # the curve below the half rate
-                    at = await latency(api, tracker, rate, args.seconds, f"r{rate:g}")
-                    p50, p99 = percentile(at, 50), percentile(at, 99)
+        async with dracap_up(settings, args, names, Path(work)) as reach:
+            login = reach.credential
+            async with ApiClient.connect(reach.nats_url, names.prefix, login) as api:
+                tracker = ReadyTracker()
+                async with watching(api, tracker):
+                    await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
+                    out["throughput"] = await throughput(
+                        api, tracker, args.claims, args.concurrency
+                    )
                     print(
-                        f"  at {rate:>6g} claims/s: p50 {p50:6.1f} ms   p99 {p99:6.1f} ms",
+                        f"  apply -> Ready, sustained            {out['throughput']:>10,.0f}/s",
                         flush=True,
                     )
+                    lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
+                    for rate in args.rates:  # the curve below the half rate
+                        at = await latency(api, tracker, rate, args.seconds, f"r{rate:g}")
+                        p50, p99 = percentile(at, 50), percentile(at, 99)
+                        print(
+                            f"  at {rate:>6g} claims/s: p50 {p50:6.1f} ms   p99 {p99:6.1f} ms",
+                            flush=True,
+                        )
     out["p50"], out["p99"], out["max"] = percentile(lat, 50), percentile(lat, 99), lat[-1]
     out["rate"] = out["throughput"] / 2
     out["samples"] = len(lat)
@@ -425,6 +446,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--nats", default=os.environ.get("DRACAP_TEST_NATS_URL", "nats://127.0.0.1:4222")
     )
     parser.add_argument("--embedded", action="store_true", help="start embedded servers instead")
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run dracap up --insecure on --nats (default: secure, with its own nats-server)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the benchmark database")
     parser.add_argument("--up-log", metavar="FILE", help="append dracap up's output to FILE")
     parser.add_argument(

@@ -72,7 +72,8 @@ class _Denials:
     """
 
     def __init__(self) -> None:
-        self.waiting: dict[str, asyncio.Future[None]] = {}
+        #: subject -> the requests on it in flight (several may share a subject)
+        self.waiting: dict[str, set[asyncio.Future[None]]] = {}
 
     async def error(self, exc: Exception) -> None:
         text = str(exc)
@@ -80,9 +81,11 @@ class _Denials:
         if start < 0:
             return  # nats-py logs every failed attempt by default; the CLI reports the last
         subject = text[start + len(_DENIED) :].strip().strip('"').lower()
-        for wanted, future in self.waiting.items():
-            if wanted.lower() == subject and not future.done():
-                future.set_result(None)
+        for wanted, futures in self.waiting.items():
+            if wanted.lower() == subject:
+                for future in futures:
+                    if not future.done():
+                        future.set_result(None)
 
 
 class ApiClient:
@@ -144,13 +147,17 @@ class ApiClient:
     async def _request(self, subject: str, payload: bytes) -> bytes:
         """The reply's data; :class:`~services.exitcodes.CommandError` when the server
         refuses this user the subject."""
-        denied = asyncio.get_running_loop().create_future()
-        self._denials.waiting[subject] = denied
+        denied: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = self._denials.waiting.setdefault(subject, set())
+        waiting.add(denied)
         asking = asyncio.ensure_future(self.nc.request(subject, payload, timeout=self.timeout))
         try:
-            await asyncio.wait({asking, denied}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {asking, denied}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            del self._denials.waiting[subject]
+            waiting.discard(denied)
+            if not waiting:
+                self._denials.waiting.pop(subject, None)
         if denied.done() and not asking.done():
             asking.cancel()
             raise CommandError(
