@@ -400,11 +400,21 @@ class ShareConfirmed(_EventBase, frozen=True, kw_only=True, tag="reclamation.sha
 
 
 class NamespaceAccessSet(_EventBase, frozen=True, kw_only=True, tag="admin.namespace_access_set"):
-    """Which DeviceClasses a namespace may use (``"*"``: all), and whether adminAccess."""
+    """What a namespace may do; the whole record, replacing the one before.
+
+    ``classes``: the DeviceClasses it may use (``"*"``: all); ``admin_access``: whether
+    adminAccess; ``opaque_config_classes``: the classes whose requests may carry opaque
+    driver configuration (``"*"``: all); ``max_claims``: live claims at once (``None``:
+    no quota); ``max_requests_per_claim``: requests per claim (``None``: upstream's 32).
+    The last three were added later (defaults: none, no quota, 32).
+    """
 
     namespace: str
     classes: list[str]
     admin_access: bool = False
+    opaque_config_classes: list[str] = []
+    max_claims: int | None = None
+    max_requests_per_claim: int | None = None
 
 
 class ClaimWithdrawn(_EventBase, frozen=True, kw_only=True, tag="claims.withdrawn"):

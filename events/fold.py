@@ -40,7 +40,11 @@ integers cannot hold the nanos of a device above ~18 GiB; JSON integers are unbo
   snapshot, claim and node; released shares stay (that is what makes a duplicate
   release recognisable);
 * claims, keyed by ``(namespace, name)``, with phase, allocation version and
-  result, and share ids; device classes, slices, pools, nodes.
+  result, and share ids; device classes, slices, pools, nodes;
+* what each namespace may do (``NamespaceAccessSet``), and how many live claims it
+  has (``live_claims``, the quota's count: an index the steps keep, rebuilt from the
+  claims when a snapshot is read, left out of :func:`to_builtins`). Which namespace
+  holds a share is its claim's (``ShareState.claim``).
 
 Policy versions
 ---------------
@@ -318,10 +322,13 @@ class NodeState(msgspec.Struct, kw_only=True):
 
 
 class NamespaceState(msgspec.Struct, kw_only=True):
-    """What a namespace may use: DeviceClasses (``"*"`` for all) and adminAccess."""
+    """What a namespace may do (its latest ``NamespaceAccessSet``, field for field)."""
 
     classes: list[str] = []
     admin_access: bool = False
+    opaque_config_classes: list[str] = []
+    max_claims: int | None = None
+    max_requests_per_claim: int | None = None
 
 
 class ClusterState(msgspec.Struct, kw_only=True):
@@ -337,6 +344,9 @@ class ClusterState(msgspec.Struct, kw_only=True):
     nodes: dict[str, NodeState] = {}
     namespaces: dict[str, NamespaceState] = {}
     dead_letters: int = 0
+    #: live claims (phase not in :data:`REUSABLE_PHASES`) per namespace: an index of
+    #: ``claims`` kept by the steps (:func:`_set_phase`), not stored in snapshots
+    live_claims: dict[str, int] = {}
 
     def device(self, driver: str, pool: str, name: str) -> DeviceState | None:
         """The device ``driver/pool/name``, if known."""
@@ -345,6 +355,30 @@ class ClusterState(msgspec.Struct, kw_only=True):
     def claim(self, namespace: str, name: str) -> ClaimState | None:
         """The claim ``namespace/name``, if known."""
         return self.claims.get((namespace, name))
+
+    def live_claim_count(self, namespace: str) -> int:
+        """Claims of ``namespace`` in a live phase (not rejected, withdrawn or released)."""
+        return self.live_claims.get(namespace, 0)
+
+
+def _new_claim(state: ClusterState, key: ClaimKey, phase: ClaimPhase) -> ClaimState:
+    """A claim seen for the first time, in a live ``phase``."""
+    claim = state.claims[key] = ClaimState(namespace=key[0], name=key[1], phase=phase)
+    state.live_claims[key[0]] = state.live_claims.get(key[0], 0) + 1
+    return claim
+
+
+def _set_phase(state: ClusterState, claim: ClaimState, phase: ClaimPhase) -> None:
+    """Move ``claim`` to ``phase``, keeping :attr:`ClusterState.live_claims` current."""
+    was_live = claim.phase not in REUSABLE_PHASES
+    claim.phase = phase
+    if was_live != (phase not in REUSABLE_PHASES):
+        counts = state.live_claims
+        count = counts.get(claim.namespace, 0) + (-1 if was_live else 1)
+        if count:
+            counts[claim.namespace] = count
+        else:  # as a snapshot rebuilds it: namespaces with live claims only
+            del counts[claim.namespace]
 
 
 # --- the fold -----------------------------------------------------------------------------
@@ -611,7 +645,7 @@ def _release(state: ClusterState, ev: CapacityReleased, position: int) -> None:
         and claim.phase != "failed"
         and _all_released(state.shares, claim.share_ids)
     ):
-        claim.phase = "released"
+        _set_phase(state, claim, "released")
 
 
 def _free(state: ClusterState, share: ShareState, position: int) -> None:
@@ -682,7 +716,7 @@ def _bind(state: ClusterState, ev: AllocationBound, position: int) -> None:
             )
     claim = state.claims.get(key)
     if claim is None:
-        claim = state.claims[key] = ClaimState(namespace=namespace, name=name, phase="allocated")
+        claim = _new_claim(state, key, "allocated")
     for share in shares:
         if share.state == "reserved":
             share.state = "bound"
@@ -691,7 +725,7 @@ def _bind(state: ClusterState, ev: AllocationBound, position: int) -> None:
     claim.node = ev.node
     claim.share_ids = list(share_ids)
     claim.reason = None
-    claim.phase = "ready" if shares and _all_ready(shares) else "allocated"
+    _set_phase(state, claim, "ready" if shares and _all_ready(shares) else "allocated")
 
 
 def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None:
@@ -724,7 +758,7 @@ def _maybe_ready(state: ClusterState, claim: ClaimState) -> None:
         return
     shares = state.shares
     if _all_ready([shares[s] for s in claim.share_ids]):
-        claim.phase = "ready"
+        claim.phase = "ready"  # allocated -> ready: live either way
 
 
 def _all_ready(shares: list[ShareState]) -> bool:
@@ -750,7 +784,7 @@ def _limit_failed(state: ClusterState, ev: LimitFailed, position: int) -> None:
         return
     claim = state.claims.get(share.claim)
     if claim is not None and claim.allocation_version == share.allocation_version:
-        claim.phase = "failed"
+        _set_phase(state, claim, "failed")
         claim.reason = ev.reason
 
 
@@ -773,7 +807,7 @@ def _release_requested(state: ClusterState, ev: ReleaseRequested, position: int)
             released = False
         elif status != "released":
             released = False
-    claim.phase = "released" if released else "releasing"
+    _set_phase(state, claim, "released" if released else "releasing")
 
 
 # --- claims -------------------------------------------------------------------------------
@@ -783,7 +817,7 @@ def _claim_record(state: ClusterState, namespace: str, name: str) -> ClaimState:
     key = (namespace, name)
     claim = state.claims.get(key)
     if claim is None:
-        claim = state.claims[key] = ClaimState(namespace=namespace, name=name, phase="submitted")
+        claim = _new_claim(state, key, "submitted")
     return claim
 
 
@@ -792,7 +826,7 @@ def _claim_submitted(state: ClusterState, ev: ClaimSubmitted, position: int) -> 
     claim = _claim_record(state, meta.namespace or "", meta.name)
     claim.claim = ev.claim
     if claim.phase not in _LIVE_CLAIM_PHASES:
-        claim.phase = "submitted"
+        _set_phase(state, claim, "submitted")
         claim.reason = None
 
 
@@ -838,9 +872,9 @@ def _fenced(state: ClusterState, ev: NodeFenced, position: int) -> None:
         if claim is None or claim.phase in ("released", "failed"):
             continue
         if claim.phase == "releasing" and _all_released(state.shares, claim.share_ids):
-            claim.phase = "released"
+            _set_phase(state, claim, "released")
         elif claim.phase != "releasing":
-            claim.phase = "failed"
+            _set_phase(state, claim, "failed")
             claim.reason = f"node {ev.node} fenced at epoch {ev.epoch}"
 
 
@@ -1058,17 +1092,23 @@ def snapshot_decode(data: bytes) -> ClusterState:
         raise SnapshotError(f"snapshot does not decode: {exc}") from exc
     if snap.format != SNAPSHOT_FORMAT:
         raise SnapshotError(f"snapshot format {snap.format} is not {SNAPSHOT_FORMAT}")
+    claims = dict(snap.claims)
+    live: dict[str, int] = {}
+    for (namespace, _), claim in claims.items():
+        if claim.phase not in REUSABLE_PHASES:
+            live[namespace] = live.get(namespace, 0) + 1
     return ClusterState(
         position=snap.position,
         classes=snap.classes,
         slices=snap.slices,
         pools=dict(snap.pools),
         devices=dict(snap.devices),
-        claims=dict(snap.claims),
+        claims=claims,
         shares=snap.shares,
         nodes=snap.nodes,
         namespaces=snap.namespaces,
         dead_letters=snap.dead_letters,
+        live_claims=live,
     )
 
 
@@ -1086,20 +1126,20 @@ def _claim_admitted(state: ClusterState, ev: ClaimAdmitted, position: int) -> No
     key = (ev.namespace, ev.name)
     claim = state.claims.get(key)
     if claim is None:
-        state.claims[key] = ClaimState(namespace=ev.namespace, name=ev.name, phase="admitted")
+        _new_claim(state, key, "admitted")
     else:
-        claim.phase = "admitted"
+        _set_phase(state, claim, "admitted")
 
 
 def _claim_rejected(state: ClusterState, ev: ClaimRejected, position: int) -> None:
     claim = _claim_record(state, ev.namespace, ev.name)
-    claim.phase = "rejected"
+    _set_phase(state, claim, "rejected")
     claim.reason = ev.summary
 
 
 def _claim_unschedulable(state: ClusterState, ev: ClaimUnschedulable, position: int) -> None:
     claim = _claim_record(state, ev.namespace, ev.name)
-    claim.phase = "unschedulable"
+    _set_phase(state, claim, "unschedulable")
     claim.reason = ev.reason
 
 
@@ -1118,7 +1158,11 @@ def _class_removed(state: ClusterState, ev: DeviceClassRemoved, position: int) -
 
 def _access_set(state: ClusterState, ev: NamespaceAccessSet, position: int) -> None:
     state.namespaces[ev.namespace] = NamespaceState(
-        classes=list(ev.classes), admin_access=ev.admin_access
+        classes=list(ev.classes),
+        admin_access=ev.admin_access,
+        opaque_config_classes=list(ev.opaque_config_classes),
+        max_claims=ev.max_claims,
+        max_requests_per_claim=ev.max_requests_per_claim,
     )
 
 
@@ -1127,7 +1171,7 @@ def _claim_withdrawn(state: ClusterState, ev: ClaimWithdrawn, position: int) -> 
     if claim.phase in ("allocated", "ready", "releasing"):
         detail = f"claim {ev.namespace}/{ev.name} is {claim.phase}: release it, not withdraw"
         raise InvariantViolation(position, "identity", detail)
-    claim.phase = "withdrawn"
+    _set_phase(state, claim, "withdrawn")
 
 
 def _dead_lettered(state: ClusterState, ev: MessageDeadLettered, position: int) -> None:

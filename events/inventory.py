@@ -28,6 +28,10 @@ so nothing here is recomputed per claim:
   :meth:`Inventory.filter` raises :class:`SelectorsPending` and lists what is missing
   in :attr:`Inventory.wanted`. Without a budget (``dracap allocate``, admission) every
   selector is evaluated here.
+* A device is *isolated* (:meth:`Inventory.isolated`) when a class annotated
+  ``dracap.io/shared-across-namespaces: deny`` selects it (:mod:`events.tenancy`):
+  the allocator then gives it to one namespace at a time, whichever class a request
+  names. Computed once per device, from the memoised class selectors.
 * A ``RequestPolicyChanged`` event changes a capacity's request policy in the fold
   without a new slice, so :func:`build_inventory` hands the slices over with every
   device's *current* policies (:func:`current_slices`); otherwise the allocator would
@@ -64,6 +68,7 @@ from events.selectors import (
     compile_selector,
     is_compiled,
 )
+from events.tenancy import shared_across_namespaces
 
 __all__ = [
     "CapacityInfo",
@@ -255,6 +260,11 @@ class Inventory:
         self._selector_cache: dict[tuple[int, str], SelectorResult] = {}
         self._visible_cache: dict[str | None, tuple[int, ...]] = {}
         self._nodes: list[str] | None = None
+        #: the classes that keep their devices to one namespace at a time
+        self.denying: list[DeviceClass] = [
+            c for c in self.classes.values() if not shared_across_namespaces(c)
+        ]
+        self._isolated: dict[int, bool] = {}
         self._build(list(slices))
 
     # construction
@@ -376,6 +386,23 @@ class Inventory:
                 cached = SelectorError(expression, exc.message)
             self._selector_cache[key] = cached
         return cached
+
+    def class_matches(self, dclass: DeviceClass, index: int) -> bool:
+        """Whether every selector of ``dclass`` matches device ``index`` (an error: no)."""
+        return all(
+            self.selector_result(index, s.cel.expression) is True
+            for s in dclass.spec.selectors or []
+            if s.cel is not None
+        )
+
+    def isolated(self, index: int) -> bool:
+        """Whether a class that denies sharing across namespaces selects device ``index``."""
+        if not self.denying:
+            return False
+        known = self._isolated.get(index)
+        if known is None:
+            known = self._isolated[index] = any(self.class_matches(c, index) for c in self.denying)
+        return known
 
     def _compile(self, expression: str) -> Selector:
         return compile_selector(expression, consumable_capacity=self.gates.consumable_capacity)

@@ -12,7 +12,8 @@ three steps, each of which can fail with one error type, :class:`ManifestError`:
    Namespace). msgspec's type errors and quantity syntax errors are translated into
    Kubernetes field paths (``spec.pool.generation``).
 3. **Validate** the object with :func:`events.validation.validate` under the caller's
-   feature gates.
+   feature gates, and its ``dracap.io/`` annotations with
+   :func:`events.tenancy.check_annotations`.
 
 A :class:`ManifestError` is a :class:`~events.errors.ValidationError` whose object part
 names the file, the document (1-based, counted as in the file, empty ones included),
@@ -38,6 +39,7 @@ import yaml
 from events import model
 from events.errors import QuantityError, ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
+from events.tenancy import check_annotations
 from events.validation import validate
 
 __all__ = [
@@ -335,6 +337,7 @@ def load_documents(
         if check:
             try:
                 validate(obj, gates)
+                check_annotations(obj)
             except ValidationError as exc:
                 fail(exc.field, exc.rule)
         objects.append(obj)

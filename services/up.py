@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from events import model
+from events import model, tenancy
 from events.manifests import ManifestError, load_paths
 from events.subjects import BusNames
 from services.brokerauth import init_auth, installation_from
@@ -163,13 +163,9 @@ async def load_inventory(api: ApiClient, inventory: InventoryManifests) -> int:
         return 0
     for device_class in inventory.classes:
         await api.admin("deviceclasses.apply", model.encode_json(device_class))
-    for namespace in inventory.namespaces:
-        access = {
-            "namespace": namespace.metadata.name,
-            "classes": ["*"],
-            "admin_access": namespace.allows_admin_access,
-        }
-        await api.admin("namespaces.access", access)
+    for namespace in inventory.namespaces:  # annotations: events.tenancy, docs/tenancy.md
+        policy = tenancy.namespace_policy(namespace)
+        await api.admin("namespaces.access", msgspec.to_builtins(policy))
     for resource_slice in missing:
         await api.admin("slices.apply", model.encode_json(resource_slice))
     return len(missing)

@@ -18,8 +18,10 @@ already holds are skipped, so re-applying an inventory records nothing.
   and the amount allocated. The same refusal answers the capacity ledger's CHECK when
   a reservation won the race (:data:`LEDGER_REFUSED` when the state read afterwards
   no longer shows why).
-* :func:`decide_access`: ``NamespaceAccessSet`` when the namespace's classes or its
-  adminAccess flag change.
+* :func:`decide_access`: ``NamespaceAccessSet`` when anything of the namespace's
+  record changes (classes, adminAccess, opaque-config classes, quota, requests per
+  claim: :class:`events.tenancy.NamespacePolicy`). The request is the whole record:
+  what it leaves out gets its default.
 
 Delete (``claims.delete``, a tenant write with the claim stream's expected version):
 :func:`decide_delete` gives an allocated (or ready, or failed but still holding) claim
@@ -117,19 +119,44 @@ def decide_slices(state: ClusterState, slices: Sequence[ResourceSlice]) -> Admin
 
 
 def access_classes(classes: Sequence[str]) -> list[str]:
-    """The classes a ``namespaces.access`` request records: sorted, each once."""
+    """A class list as ``namespaces.access`` records it: sorted, each once."""
     return sorted(set(classes))
 
 
 def decide_access(
-    state: ClusterState, namespace: str, classes: Sequence[str], admin_access: bool
+    state: ClusterState,
+    namespace: str,
+    classes: Sequence[str],
+    admin_access: bool,
+    *,
+    opaque_config_classes: Sequence[str] = (),
+    max_claims: int | None = None,
+    max_requests_per_claim: int | None = None,
 ) -> AdminWrite:
-    """Record the namespace's classes and adminAccess if they change."""
-    wanted = access_classes(classes)
+    """Record the namespace's whole record if anything of it changes."""
+    event = NamespaceAccessSet(
+        namespace=namespace,
+        classes=access_classes(classes),
+        admin_access=admin_access,
+        opaque_config_classes=access_classes(opaque_config_classes),
+        max_claims=max_claims,
+        max_requests_per_claim=max_requests_per_claim,
+    )
     current = state.namespaces.get(namespace)
-    if current is not None and (current.classes, current.admin_access) == (wanted, admin_access):
+    if current is not None and (
+        current.classes,
+        current.admin_access,
+        current.opaque_config_classes,
+        current.max_claims,
+        current.max_requests_per_claim,
+    ) == (
+        event.classes,
+        event.admin_access,
+        event.opaque_config_classes,
+        event.max_claims,
+        event.max_requests_per_claim,
+    ):
         return AdminWrite(unchanged=(namespace,))
-    event = NamespaceAccessSet(namespace=namespace, classes=wanted, admin_access=admin_access)
     return AdminWrite(events=(event,), applied=(namespace,))
 
 

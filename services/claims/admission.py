@@ -18,12 +18,20 @@ rule (``kind``)     code       what                                             
 ``name-conflict``   conflict   no *live* claim of that name exists (live: anything   no
                                but rejected, withdrawn, released); re-applying the
                                same spec to a live claim is a no-op that succeeds
+``quota``           rejected   the namespace holds fewer live claims than its        no
+                               ``max_claims`` (counting the claims the caller is
+                               admitting right now, ``admitting``)
 ``validation``      invalid    the ``resource.k8s.io/v1`` API rules                  yes
                                (:func:`events.validation.validate`)
 ``status``          invalid    ``status`` is dracap's to write, never the tenant's   yes
+``too-many-         rejected   at most the namespace's ``max_requests_per_claim``    yes
+requests``                     requests (the API's own limit, 32, is ``validation``)
 ``unknown-class``   rejected   every DeviceClass named exists                        yes
 ``class-access``    rejected   the namespace may use the class                       yes
 ``admin-access``    rejected   ``adminAccess`` only where the namespace allows it    yes
+``opaque-config``   rejected   opaque driver configuration (``spec.devices.config``) yes
+                               only for requests of classes the namespace may
+                               configure (``opaque_config_classes``)
 ``above-maximum``   rejected   a capacity request is at most the largest amount some yes
                                device of the class grants (policy ``max``,
                                ``validValues`` or the total); the reason names it
@@ -40,7 +48,13 @@ Class access: a namespace may use exactly the classes of its latest
 ``NamespaceAccessSet`` (``"*"``: every class). **Without such a record a namespace may
 use no class** — deny by default, an administrator opens a namespace with the admin
 endpoint ``namespaces.access``. ``adminAccess`` additionally needs the record's
-``admin_access`` flag.
+``admin_access`` flag, opaque driver configuration the class in its
+``opaque_config_classes`` (none by default: a driver's parameters are the operator's
+business unless it says otherwise). A config entry applies to the requests it names
+(all of them when it names none), so every class those requests may use must allow it.
+
+The quota is not recorded: a tenant at its quota could otherwise still grow the log
+(and every service's folded state) with one rejected claim per apply.
 
 A request *below* a device's ``min`` is not an error (the allocator rounds it up), and
 a request that no device can take *right now* is the reservation service's business
@@ -51,7 +65,7 @@ is left to the allocator too: devices may still be published.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Literal, TypeAlias
 
 import msgspec
@@ -59,12 +73,24 @@ import msgspec
 from events.catalog import ClaimAdmitted, ClaimRejected, ClaimSubmitted, Event
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import REUSABLE_PHASES, ClusterState
+from events.fold import REUSABLE_PHASES, ClusterState, NamespaceState
 from events.inventory import CapacityInfo, Inventory, build_inventory
 from events.manifests import MAX_MANIFEST_BYTES, load_documents
 from events.model import ResourceClaim, ResourceClaimStatus
 from events.quantities import Quantity
-from events.validation import DNS_LABEL_RULE, DNS_SUBDOMAIN_RULE, is_dns_label, is_dns_subdomain
+from events.tenancy import (
+    MAX_CLAIMS,
+    MAX_REQUESTS_PER_CLAIM,
+    OPAQUE_CONFIG_CLASSES,
+    class_allowed,
+)
+from events.validation import (
+    DNS_LABEL_RULE,
+    DNS_SUBDOMAIN_RULE,
+    REQUESTS_MAX,
+    is_dns_label,
+    is_dns_subdomain,
+)
 from events.validation import validate as validate_manifest
 
 __all__ = [
@@ -207,13 +233,12 @@ class DeviceLimits:
         dclass = inv.classes.get(class_name)
         if dclass is None:
             return None
-        expressions = [s.cel.expression for s in dclass.spec.selectors or [] if s.cel is not None]
         best: tuple[Quantity, str] | None = None
         for entry in inv.devices:
             info = entry.capacities.get(capacity)
             if info is None:
                 continue
-            if any(inv.selector_result(entry.index, e) is not True for e in expressions):
+            if not inv.class_matches(dclass, entry.index):
                 continue
             amount = _device_maximum(info)
             if best is None or amount > best[0]:
@@ -289,6 +314,92 @@ def _access(state: ClusterState, namespace: str, req: _Request) -> Refusal | Non
     return None
 
 
+def _too_many_requests(
+    claim: ResourceClaim, namespace: str, record: NamespaceState | None
+) -> Refusal | None:
+    limit = record.max_requests_per_claim if record is not None else None
+    devices = claim.spec.devices
+    count = len((devices.requests if devices else None) or [])
+    if limit is None or count <= limit:
+        return None
+    return _refusal(
+        "rejected",
+        "too-many-requests",
+        "spec.devices.requests",
+        f"must have at most {limit} requests in namespace {namespace!r}",
+        f"got {count}; the namespace's max_requests_per_claim (annotation "
+        f"{MAX_REQUESTS_PER_CLAIM}); the API allows {REQUESTS_MAX}",
+    )
+
+
+def _classes_by_reference(claim: ResourceClaim) -> dict[str, list[str]]:
+    """The classes each name a config may list (``req`` or ``req/sub``) may use."""
+    devices = claim.spec.devices
+    out: dict[str, list[str]] = {}
+    for req in (devices.requests if devices else None) or []:
+        if req.exactly is not None:
+            out[req.name] = [req.exactly.device_class_name]
+            continue
+        subs = req.first_available or []
+        out[req.name] = [sub.device_class_name for sub in subs]
+        for sub in subs:
+            out[f"{req.name}/{sub.name}"] = [sub.device_class_name]
+    return out
+
+
+def _opaque_config(
+    claim: ResourceClaim, namespace: str, record: NamespaceState | None
+) -> Refusal | None:
+    """Opaque configuration only for requests of classes the namespace may configure."""
+    devices = claim.spec.devices
+    configs = (devices.config if devices else None) or []
+    if not configs:
+        return None
+    allowed = record.opaque_config_classes if record is not None else []
+    by_reference = _classes_by_reference(claim)
+    top_level = [r.name for r in (devices.requests if devices else None) or []]
+    for i, config in enumerate(configs):
+        for reference in config.requests or top_level:
+            for class_name in by_reference.get(reference, []):
+                if class_allowed(allowed, class_name):
+                    continue
+                return _refusal(
+                    "rejected",
+                    "opaque-config",
+                    f"spec.devices.config[{i}].opaque",
+                    f"opaque driver configuration is not allowed for DeviceClass "
+                    f"{class_name!r} in namespace {namespace!r}",
+                    f"request {reference}; the namespace may configure: "
+                    f"{', '.join(allowed) or 'no class'} (annotation {OPAQUE_CONFIG_CLASSES})",
+                )
+    return None
+
+
+def _over_quota(
+    state: ClusterState, namespace: str, name: str, admitting: Collection[str]
+) -> Refusal | None:
+    """The quota: live claims plus the ones being admitted, before this one."""
+    record = state.namespaces.get(namespace)
+    limit = record.max_claims if record is not None else None
+    if limit is None:
+        return None
+    pending = 0
+    for other in admitting:
+        claim = state.claim(namespace, other)
+        if other != name and (claim is None or claim.phase in REUSABLE_PHASES):
+            pending += 1
+    held = state.live_claim_count(namespace) + pending
+    if held < limit:
+        return None
+    return _refusal(
+        "rejected",
+        "quota",
+        "metadata.namespace",
+        f"namespace {namespace!r} may hold at most {limit} live claims (quota {MAX_CLAIMS})",
+        f"it holds {held}; delete one first",
+    )
+
+
 def _above_maximum(req: _Request, limits: DeviceLimits) -> Refusal | None:
     for name, amount in req.capacity.items():
         best = limits.largest(req.class_name, name)
@@ -321,12 +432,19 @@ def evaluate(
         return _refusal("invalid", "validation", exc.field, exc.rule)
     if claim.status is not None and claim.status != ResourceClaimStatus():
         return _refusal("invalid", "status", "status", "must not be set: dracap writes it")
+    record = state.namespaces.get(namespace)
+    refused = _too_many_requests(claim, namespace, record)
+    if refused is not None:
+        return refused
     alternatives = list(_requests(claim))
     for options in alternatives:
         for req in options:
             refused = _access(state, namespace, req)
             if refused is not None:
                 return refused
+    refused = _opaque_config(claim, namespace, record)
+    if refused is not None:
+        return refused
     if any(o.capacity for options in alternatives for o in options):
         limits = limits or DeviceLimits(build_inventory(state, gates))
         for options in alternatives:
@@ -370,8 +488,13 @@ def decide_apply(
     gates: FeatureGates = DEFAULT_GATES,
     *,
     limits: DeviceLimits | None = None,
+    admitting: Collection[str] = (),
 ) -> ApplyDecision:
-    """Everything ``claims.apply`` decides: read, check the name, admit (module docstring)."""
+    """Everything ``claims.apply`` decides: read, check the name, admit (module docstring).
+
+    ``admitting``: names of this namespace's claims the caller has admitted but not yet
+    seen in ``state`` (appends in flight); the quota counts them.
+    """
     claim = read_claim(data, namespace)
     if isinstance(claim, Refusal):
         return ApplyDecision(namespace=namespace, refusal=claim)
@@ -389,6 +512,9 @@ def decide_apply(
             "a claim's spec cannot change; delete it first",
         )
         return ApplyDecision(namespace=namespace, name=name, refusal=refusal)
+    over = _over_quota(state, namespace, name, admitting)
+    if over is not None:
+        return ApplyDecision(namespace=namespace, name=name, refusal=over)
     refused = evaluate(state, namespace, claim, gates, limits=limits)
     events: tuple[Event, ...] = (ClaimSubmitted(claim=claim), _verdict(namespace, claim, refused))
     return ApplyDecision(namespace=namespace, name=name, events=events, refusal=refused)

@@ -1,7 +1,9 @@
 """The tenant and admin APIs: NATS micro endpoints over the live state and the event log.
 
 Tenant endpoints listen on ``names.api("*", op)`` = ``{prefix}.api.*.claims.{op}`` for
-``op`` in ``apply``, ``get``, ``list``, ``delete``, ``watch``. The namespace is the
+``op`` in ``apply``, ``get``, ``list``, ``delete``, ``watch`` and ``devices`` (the
+devices of the classes the namespace may use, with only the attributes those classes
+allow-list: :func:`services.claims.views.tenant_device_views`). The namespace is the
 subject's third token and **only** that: a manifest's ``metadata.namespace`` may be
 empty or equal to it, never different (the request is refused naming the field and
 nothing is recorded). The broker's subject permissions give each tenant only its own
@@ -103,7 +105,8 @@ from events.manifests import load_documents
 from events.model import DeviceClass, Manifest, ResourceSlice
 from events.selectors import INLINE_COMPILE_CHARS, is_checked, record_verdict
 from events.subjects import BusNames
-from events.validation import DNS_LABEL_RULE, DNS_SUBDOMAIN_RULE, is_dns_label, is_dns_subdomain
+from events.tenancy import NamespacePolicy, check_policy
+from events.validation import DNS_SUBDOMAIN_RULE, is_dns_subdomain
 from services.claims.adminwrites import (
     AdminWrite,
     access_classes,
@@ -115,13 +118,20 @@ from services.claims.adminwrites import (
 )
 from services.claims.admission import (
     MAX_MANIFEST_BYTES,
+    ApplyDecision,
     DeviceLimits,
     Refusal,
     decide_apply,
     read_claim,
     selector_expressions,
 )
-from services.claims.views import claim_view, device_views, error_reply, ok_reply
+from services.claims.views import (
+    claim_view,
+    device_views,
+    error_reply,
+    ok_reply,
+    tenant_device_views,
+)
 from services.runtime.committing import GroupCommitter
 from services.runtime.credentials import Directory, caller_of
 from services.runtime.errors import CapacityExceeded, ConflictError
@@ -134,7 +144,7 @@ __all__ = ["ADMIN_OPS", "TENANT_OPS", "ClaimsApi"]
 
 log = logging.getLogger("dracap.claims")
 
-TENANT_OPS: Final = ("apply", "get", "list", "delete", "watch")
+TENANT_OPS: Final = ("apply", "get", "list", "delete", "watch", "devices")
 #: Applies of one namespace that may wait for the selector pool at once (see apply).
 CHECKS_PER_NAMESPACE: Final = 4
 ADMIN_OPS: Final = ("deviceclasses.apply", "slices.apply", "namespaces.access", "devices.list")
@@ -156,12 +166,6 @@ class _NameRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class _WatchRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str | None = None
-
-
-class _AccessRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    namespace: str
-    classes: list[str]
-    admin_access: bool = False
 
 
 class _InvalidRequestError(Exception):
@@ -253,6 +257,8 @@ class ClaimsApi:
         self.tail = tail
         self._slots = asyncio.Semaphore(concurrency)
         self._checking: collections.Counter[str] = collections.Counter()  # by namespace
+        #: per namespace, the claims admitted here whose append may not be folded yet
+        self._admitting: dict[str, set[str]] = {}
         self._committer = GroupCommitter(store, str(Actor.system("claims-api")))
         self._tasks: set[asyncio.Task[None]] = set()
         self._service: Service | None = None
@@ -280,6 +286,7 @@ class ClaimsApi:
             "list": self.list_claims,
             "delete": self.delete,
             "watch": self.watch,
+            "devices": self.list_devices_of,
         }
         for op, fn in tenant.items():
             await service.add_endpoint(
@@ -402,26 +409,62 @@ class ClaimsApi:
             await self._fresh(attempt)
             async with self.live.frozen() as state:
                 decision = decide_apply(
-                    state, namespace, data, self.gates, limits=self._device_limits(state)
+                    state,
+                    namespace,
+                    data,
+                    self.gates,
+                    limits=self._device_limits(state),
+                    admitting=self._admitting.get(namespace, ()),
                 )
+                held = self._hold(namespace, decision)  # before any await: the quota sees it
                 stream = claim_stream(namespace, decision.name or "")
                 version = await self.live.stream_version(stream) if decision.events else 0
-            if decision.events:
-                try:
-                    await self._append(stream, version, list(decision.events), actor)
-                except ConflictError:
-                    continue
-                self._count(decision.refusal)
-            elif decision.refusal is not None:
-                REJECTIONS.labels(reason=decision.refusal.kind).inc()
-            if decision.refusal is not None:
-                return _refusal_reply(decision.refusal)
-            assert decision.name is not None
-            state = await self.live.fresh(SEEN)
-            claim = state.claim(namespace, decision.name)
-            assert claim is not None
-            return ok_reply(claim=claim_view(state, claim))
+            try:
+                reply = await self._record_apply(namespace, decision, stream, version, actor)
+            finally:
+                if held is not None:
+                    self._unhold(namespace, held)
+            if reply is not None:
+                return reply
         return error_reply("conflict", "the claim kept changing while it was applied; retry")
+
+    def _hold(self, namespace: str, decision: ApplyDecision) -> str | None:
+        """Count an admitted claim against the quota until its append is folded."""
+        name = decision.name
+        admitting = self._admitting.setdefault(namespace, set())
+        if decision.refusal is not None or name is None or name in admitting:
+            if not admitting:
+                del self._admitting[namespace]
+            return None
+        admitting.add(name)
+        return name
+
+    def _unhold(self, namespace: str, name: str) -> None:
+        admitting = self._admitting.get(namespace)
+        if admitting is not None:
+            admitting.discard(name)
+            if not admitting:
+                del self._admitting[namespace]
+
+    async def _record_apply(
+        self, namespace: str, decision: ApplyDecision, stream: str, version: int, actor: Actor
+    ) -> bytes | None:
+        """Append an apply's decision and reply; ``None``: it lost a race, decide again."""
+        if decision.events:
+            try:
+                await self._append(stream, version, list(decision.events), actor)
+            except ConflictError:
+                return None
+            self._count(decision.refusal)
+        elif decision.refusal is not None:
+            REJECTIONS.labels(reason=decision.refusal.kind).inc()
+        if decision.refusal is not None:
+            return _refusal_reply(decision.refusal)
+        assert decision.name is not None
+        state = await self.live.fresh(SEEN)
+        claim = state.claim(namespace, decision.name)
+        assert claim is not None
+        return ok_reply(claim=claim_view(state, claim))
 
     async def _check_selectors(self, namespace: str, data: bytes) -> bytes | None:
         """Have the claim's long selector expressions compiled in the pool, off this loop.
@@ -576,27 +619,42 @@ class ClaimsApi:
         return ok_reply(applied=list(write.applied), unchanged=list(write.unchanged))
 
     async def set_access(self, data: bytes, actor: Actor | None = None) -> bytes:
-        """``namespaces.access``: which classes a namespace may use, and adminAccess."""
-        request: _AccessRequest = _decode(data, _AccessRequest)
-        if not is_dns_label(request.namespace):
-            raise _InvalidRequestError("namespace", DNS_LABEL_RULE, request.namespace)
-        for i, name in enumerate(request.classes):
-            if name != "*" and not is_dns_subdomain(name):
-                raise _InvalidRequestError(
-                    f"classes[{i}]", f"must be '*' or a DeviceClass name ({name!r})"
-                )
+        """``namespaces.access``: what a namespace may do (the whole record, see docs)."""
+        request: NamespacePolicy = _decode(data, NamespacePolicy)
+        try:
+            check_policy(request)
+        except ValidationError as exc:
+            raise _InvalidRequestError(exc.field, exc.rule) from None
         state = await self.live.fresh(SEEN)
-        write = decide_access(state, request.namespace, request.classes, request.admin_access)
-        await self._record(write, actor)
-        return ok_reply(
-            namespace=request.namespace,
-            classes=access_classes(request.classes),
-            admin_access=request.admin_access,
+        write = decide_access(
+            state,
+            request.namespace,
+            request.classes,
+            request.admin_access,
+            opaque_config_classes=request.opaque_config_classes,
+            max_claims=request.max_claims,
+            max_requests_per_claim=request.max_requests_per_claim,
         )
+        await self._record(write, actor)
+        recorded = msgspec.structs.replace(
+            request,
+            classes=access_classes(request.classes),
+            opaque_config_classes=access_classes(request.opaque_config_classes),
+        )
+        return ok_reply(**msgspec.structs.asdict(recorded))
 
     async def list_devices(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``devices.list``: every device with its capacity, shares and tenants."""
         return ok_reply(devices=device_views(await self.live.fresh(SEEN)))
+
+    async def list_devices_of(
+        self, namespace: str, data: bytes, actor: Actor | None = None
+    ) -> bytes:
+        """``claims.devices``: the devices the namespace may use, as a tenant sees them."""
+        state = await self.live.fresh(SEEN)
+        inventory = self._device_limits(state).inventory
+        views = tenant_device_views(state, inventory, state.namespaces.get(namespace))
+        return ok_reply(devices=views)
 
     # -- watch publishing ---------------------------------------------------------------
 

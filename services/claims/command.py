@@ -33,7 +33,10 @@ it; ``--wait`` then follows the claim until it is ready (or rejected, failed). `
 ``claim list``, ``claim delete`` map one-to-one onto API calls. ``claim watch [NAME]``
 asks the API for a change subject, subscribes, prints the current state and then every
 change until Ctrl-C or ``--timeout``. ``devices`` prints one row per device and
-capacity: total, consumed, free, shares and tenants. All take ``-o table|json|yaml``.
+capacity: total, consumed, free, shares and tenants (the operator's view, admin API);
+``devices -n NS`` is the tenant's view (tenant API ``claims.devices``): only devices of
+classes the namespace may use, total and free, and the attributes those classes
+allow-list. All take ``-o table|json|yaml``.
 """
 
 from __future__ import annotations
@@ -115,6 +118,40 @@ DEVICE_HEADER: Final = [
     "SHARES",
     "TENANTS",
 ]
+
+
+TENANT_DEVICE_HEADER: Final = [
+    "NODE",
+    "DRIVER",
+    "POOL/DEVICE",
+    "CLASSES",
+    "CAPACITY",
+    "TOTAL",
+    "FREE",
+    "ATTRIBUTES",
+]
+
+
+def tenant_device_rows(devices: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One row per device and capacity name, as a tenant sees them."""
+    rows = []
+    for d in devices:
+        capacity = d.get("capacity") or {"-": {}}
+        attributes = ",".join(f"{k}={v}" for k, v in (d.get("attributes") or {}).items()) or "-"
+        for i, (name, c) in enumerate(sorted(capacity.items())):
+            lead = (
+                [
+                    d.get("node") or "-",
+                    d["driver"],
+                    f"{d['pool']}/{d['device']}",
+                    ",".join(d.get("classes") or []),
+                ]
+                if i == 0
+                else ["", "", "", ""]
+            )
+            tail = [attributes] if i == 0 else [""]
+            rows.append([*lead, name, *(str(c.get(k, "-")) for k in ("total", "free")), *tail])
+    return rows
 
 
 def device_rows(devices: Sequence[dict[str, Any]]) -> list[list[str]]:
@@ -309,6 +346,10 @@ async def _delete(api: ApiClient, args: argparse.Namespace) -> int:
 
 
 async def _devices(api: ApiClient, args: argparse.Namespace) -> int:
+    if args.namespace:  # the tenant's view, on the tenant's own subject
+        mine = (await api.claims(args.namespace, "devices"))["devices"]
+        emit(args.output, mine, lambda: table(TENANT_DEVICE_HEADER, tenant_device_rows(mine)))
+        return ExitCode.OK
     devices = (await api.admin("devices.list"))["devices"]
     emit(args.output, devices, lambda: table(DEVICE_HEADER, device_rows(devices)))
     return ExitCode.OK
@@ -376,5 +417,11 @@ def register(sub: Any) -> None:
     watch.set_defaults(action=_watch)
 
     devices = sub.add_parser("devices", help="capacity, consumption and tenants of every device")
+    devices.add_argument(
+        "-n",
+        "--namespace",
+        help="a tenant's view: the devices this namespace may use (tenant API); "
+        "without it, every device (admin API)",
+    )
     _common(devices, namespaced=False)
     devices.set_defaults(action=_devices)

@@ -10,7 +10,12 @@ Every reply of the tenant and admin APIs is one JSON object, either
   ``AllocationResult`` JSON of the current allocation and one :class:`ShareView` per
   share of that allocation (ShareID, device, consumed amounts, state, enforcement level).
 * :class:`DeviceView`: per device and capacity the total, what live shares consume and
-  what is free, plus the number of live shares and the namespaces holding them.
+  what is free, plus the number of live shares and the namespaces holding them (the
+  operator's ``devices.list``).
+* :class:`TenantDeviceView`: what a tenant may see of a device (``claims.devices``):
+  only devices of classes the namespace may use, the classes, per capacity the total
+  and what is free, and only the attributes those classes allow-list
+  (``dracap.io/tenant-attributes``, :mod:`events.tenancy`). No shares, no tenants.
 
 Quantities are written in canonical Kubernetes form (``"10Gi"``).
 """
@@ -21,9 +26,12 @@ from typing import Any
 
 import msgspec
 
-from events.fold import LIVE_SHARE_STATES, ClaimState, ClusterState, DeviceState
-from events.model import encode_hook
+from events.fold import LIVE_SHARE_STATES, ClaimState, ClusterState, DeviceState, NamespaceState
+from events.inventory import DeviceEntry, Inventory
+from events.model import DeviceAttribute, DeviceClass, encode_hook
 from events.model import to_builtins as model_builtins
+from events.tenancy import allow_list, class_allowed, tenant_attributes
+from events.validation import split_qualified_name
 
 __all__ = [
     "CapacityView",
@@ -31,10 +39,13 @@ __all__ = [
     "DeviceView",
     "ErrorView",
     "ShareView",
+    "TenantCapacityView",
+    "TenantDeviceView",
     "claim_view",
     "device_views",
     "error_reply",
     "ok_reply",
+    "tenant_device_views",
 ]
 
 
@@ -81,6 +92,25 @@ class DeviceView(msgspec.Struct, frozen=True, kw_only=True):
     capacity: dict[str, CapacityView]
     shares: int
     tenants: list[str]
+
+
+class TenantCapacityView(msgspec.Struct, frozen=True, kw_only=True):
+    """One capacity of one device, as a tenant sees it."""
+
+    total: str
+    free: str
+
+
+class TenantDeviceView(msgspec.Struct, frozen=True, kw_only=True):
+    """One device of a class the tenant may use, as the tenant sees it."""
+
+    driver: str
+    pool: str
+    device: str
+    node: str | None
+    classes: list[str]  #: the classes the namespace may use that select the device
+    capacity: dict[str, TenantCapacityView]
+    attributes: dict[str, Any]  #: allow-listed attributes, fully qualified names
 
 
 class ErrorView(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,6 +191,59 @@ def device_views(state: ClusterState) -> list[DeviceView]:
         for key, dev in sorted(state.devices.items())
         if dev.present
     ]
+
+
+def tenant_device_views(
+    state: ClusterState, inventory: Inventory, record: NamespaceState | None
+) -> list[TenantDeviceView]:
+    """The devices a namespace with access ``record`` may use, sorted by driver, pool, name."""
+    if record is None:
+        return []
+    usable = [
+        c for name, c in sorted(inventory.classes.items()) if class_allowed(record.classes, name)
+    ]
+    views: list[TenantDeviceView] = []
+    for entry in inventory.devices:
+        dev = state.devices.get(entry.key)
+        if dev is None or not dev.present:
+            continue
+        classes = [c for c in usable if inventory.class_matches(c, entry.index)]
+        if classes:
+            views.append(_tenant_view(dev, entry, classes))
+    return sorted(views, key=lambda v: (v.driver, v.pool, v.device))
+
+
+def _tenant_view(
+    dev: DeviceState, entry: DeviceEntry, classes: list[DeviceClass]
+) -> TenantDeviceView:
+    allowed: dict[tuple[str, str], None] = {}
+    for dclass in classes:
+        allowed.update(allow_list(tenant_attributes(dclass), dev.driver))
+    attributes: dict[str, Any] = {}
+    for name, attribute in sorted((entry.device.attributes or {}).items()):
+        domain, ident = split_qualified_name(name, dev.driver)
+        if (domain, ident) in allowed:
+            attributes[f"{domain}/{ident}"] = _attribute_json(attribute)
+    capacity = {
+        name: TenantCapacityView(total=total.canonical(), free=dev.free(name).canonical())
+        for name, total in sorted(dev.total.items())
+    }
+    return TenantDeviceView(
+        driver=dev.driver,
+        pool=dev.pool,
+        device=dev.name,
+        node=dev.node,
+        classes=[c.metadata.name for c in classes],
+        capacity=capacity,
+        attributes=attributes,
+    )
+
+
+def _attribute_json(attribute: DeviceAttribute) -> Any:
+    for value in (attribute.int_, attribute.bool_, attribute.string, attribute.version):
+        if value is not None:
+            return value
+    return None
 
 
 def ok_reply(**fields: Any) -> bytes:

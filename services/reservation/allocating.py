@@ -16,6 +16,9 @@ v1.34.x defects that page lists:
    values, dedicated picks and in-call consumption.
 3. **Checks per candidate**, in upstream order: in use (an exclusive hold, or a
    dedicated pick earlier in this call; admin access ignores holds of other claims),
+   then dracap's tenancy rule (an *isolated* device, one a class annotated
+   ``dracap.io/shared-across-namespaces: deny`` selects, is taken only while no other
+   namespace holds a share or hold of it; admin access ignores it as it ignores holds),
    selectors, capacity (:mod:`services.reservation.policy`: every capacity of the
    device, requested or not, must fit next to allocated and in-call consumption and
    satisfy its policy), binding conditions and taints when their gates are on, then
@@ -84,19 +87,29 @@ class _BudgetExhaustedError(Exception):
 
 @dataclass(slots=True)
 class AllocatedState:
-    """What is taken: consumption per device and capacity, and exclusive holds.
+    """What is taken: consumption per device and capacity, exclusive holds, and holders.
 
     Keyed by device, so lookups cost the same with ten shares or ten million.
     """
 
     consumed: dict[DeviceKey, dict[str, int]] = field(default_factory=dict)
     exclusive: dict[DeviceKey, int] = field(default_factory=dict)  # hold counts
+    #: per device, the namespaces holding non-admin grants (grant counts)
+    holders: dict[DeviceKey, dict[str, int]] = field(default_factory=dict)
     shares: int = 0
 
     def add(self, grant: Grant, *, sign: int = 1) -> None:
         """Record (sign=1) or forget (sign=-1) one non-admin grant."""
         if grant.admin_access:
             return
+        namespaces = self.holders.setdefault(grant.device, {})
+        count = namespaces.get(grant.namespace, 0) + sign
+        if count > 0:
+            namespaces[grant.namespace] = count
+        else:
+            namespaces.pop(grant.namespace, None)
+            if not namespaces:
+                del self.holders[grant.device]
         if grant.share_id is None:
             count = self.exclusive.get(grant.device, 0) + sign
             if count > 0:
@@ -112,6 +125,13 @@ class AllocatedState:
     def consumed_nanos(self, key: DeviceKey, name: str) -> int:
         per_device = self.consumed.get(key)
         return per_device.get(name, 0) if per_device else 0
+
+    def held_by_others(self, key: DeviceKey, namespace: str) -> bool:
+        """Whether a namespace other than ``namespace`` holds a grant on the device."""
+        namespaces = self.holders.get(key)
+        if not namespaces:
+            return False
+        return len(namespaces) > 1 or namespace not in namespaces
 
 
 def grants_from_claim(claim: ResourceClaim, *, consumable_capacity: bool = True) -> list[Grant]:
@@ -134,6 +154,7 @@ def grants_from_claim(claim: ResourceClaim, *, consumable_capacity: bool = True)
                 share_id=share_id,
                 admin_access=False,
                 consumed=dict(r.consumed_capacity or {}) if share_id else {},
+                namespace=claim.metadata.namespace or "",
             )
         )
     return grants
@@ -504,6 +525,7 @@ class Allocator:
                     share_id=share_id,
                     admin_access=pick.spec.admin,
                     consumed=dict(pick.consumed) if pick.share else {},
+                    namespace=claim.metadata.namespace or "",
                 )
             )
         allocation = AllocationResult(
@@ -594,6 +616,7 @@ class _Search:
         self.a = allocator
         self.inv = allocator.inventory
         self.claim = claim
+        self.namespace = claim.metadata.namespace or ""
         self.specs = specs
         self.constraints = constraints
         self.node = node
@@ -719,12 +742,18 @@ class _Search:
             return False
         return self.inv.devices[index].key in self.a.allocated.exclusive
 
+    def _foreign(self, spec: _RequestSpec, index: int) -> bool:
+        """Whether an isolated device is held by another namespace (admin access: never)."""
+        if spec.admin or not self.inv.isolated(index):
+            return False
+        return self.a.allocated.held_by_others(self.inv.devices[index].key, self.namespace)
+
     def _try(self, spec: _RequestSpec, index: int, *, all_mode: bool = False) -> _Pick | None:
         self.budget -= 1
         if self.budget < 0:
             raise _BudgetExhaustedError
         entry = self.inv.devices[index]
-        if self._in_use(spec, index):
+        if self._in_use(spec, index) or self._foreign(spec, index):
             return None
         pool = self.inv.pools[entry.pool_index]
         if not all_mode:
@@ -862,12 +891,15 @@ def _diagnose(search: _Search, spec: _RequestSpec) -> str:
         return f"none of the {visible} devices reachable matches class {spec.class_name}" + (
             " and the request's selectors" if spec.selectors else ""
         )
-    in_use = missing = policy = full = 0
+    in_use = foreign = missing = policy = full = 0
     policy_detail = full_detail = missing_detail = ""
     for index in clist.devices:
         entry = inv.devices[index]
         if search._in_use(spec, index):
             in_use += 1
+            continue
+        if search._foreign(spec, index):
+            foreign += 1
             continue
         absent = [n for n in spec.capacity if n not in entry.capacities]
         if absent:
@@ -894,6 +926,11 @@ def _diagnose(search: _Search, spec: _RequestSpec) -> str:
     parts = []
     if in_use:
         parts.append(f"{in_use} in exclusive use")
+    if foreign:
+        parts.append(
+            f"{foreign} held by another namespace (not shared across namespaces: "
+            "dracap.io/shared-across-namespaces=deny)"
+        )
     if missing:
         parts.append(f"{missing} lack the capacity ({missing_detail})")
     if policy:

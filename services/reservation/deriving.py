@@ -8,7 +8,9 @@ service fills from the fold's shares:
 
 * :func:`grant_of` / :func:`live_grants`: one allocator grant per live share (states
   that hold capacity, ``unknown`` and ``releasing`` included). Dedicated devices are
-  exclusive holds (no share id for the allocator), admin shares consume nothing.
+  exclusive holds (no share id for the allocator), admin shares consume nothing; each
+  grant names its claim's namespace (devices of a class that denies sharing across
+  namespaces hold one namespace at a time).
 
 The reservation service computes them once and then adds or removes single grants as
 shares come and go.
@@ -32,6 +34,7 @@ def grant_of(share: ShareState) -> Grant:
         share_id=share.share_id if share.shared else None,
         admin_access=share.admin_access,
         consumed=dict(share.consumed) if share.shared else {},
+        namespace=share.claim[0],
     )
 
 

@@ -34,6 +34,7 @@ class Grant(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     share_id: str | None  # set for multi-allocatable devices (the Kubernetes shareID)
     admin_access: bool
     consumed: dict[str, Quantity]  # every capacity of a multi-allocatable device; else {}
+    namespace: str = ""  # the claim's: a device isolated by its class holds one at a time
 
 
 class Allocated(msgspec.Struct, frozen=True, kw_only=True):

@@ -85,13 +85,21 @@ _names = itertools.count()
 
 
 def device_class(
-    name: str = CLASS, selectors: Sequence[str] = (), driver: str = DRIVER, **spec: Any
+    name: str = CLASS,
+    selectors: Sequence[str] = (),
+    driver: str = DRIVER,
+    *,
+    annotations: Mapping[str, str] | None = None,
+    **spec: Any,
 ) -> model.DeviceClass:
     exprs = [f'device.driver == "{driver}"', *selectors]
+    metadata: dict[str, Any] = {"name": name}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
     doc = {
         "apiVersion": model.API_VERSION,
         "kind": "DeviceClass",
-        "metadata": {"name": name},
+        "metadata": metadata,
         "spec": {"selectors": [{"cel": {"expression": e}} for e in exprs], **spec},
     }
     return model.convert(doc, model.DeviceClass)

@@ -178,7 +178,15 @@ def describe(event: c.Event) -> str:
             return f"ResourceSlicePublished {event.slice.metadata.name}"
         case c.NamespaceAccessSet():
             admin = " adminAccess" if event.admin_access else ""
-            return f"NamespaceAccessSet {event.namespace} {','.join(event.classes)}{admin}"
+            extra = ""
+            if event.opaque_config_classes:
+                extra += f" opaque={','.join(event.opaque_config_classes)}"
+            if event.max_claims is not None:
+                extra += f" max-claims={event.max_claims}"
+            if event.max_requests_per_claim is not None:
+                extra += f" max-requests={event.max_requests_per_claim}"
+            classes = ",".join(event.classes)
+            return f"NamespaceAccessSet {event.namespace} {classes}{admin}{extra}"
     return type(event).__name__
 
 

@@ -118,6 +118,40 @@ CASES = [
         applied=[NAMESPACE],
         story=["admin-access"],
     ),
+    Case(
+        "a-namespace-gets-its-limits-and-opaque-config-classes",
+        lambda s: decide_access(
+            s,
+            "tenant-b",
+            ["*"],
+            False,
+            opaque_config_classes=["b.io", "a.io", "a.io"],
+            max_claims=10,
+            max_requests_per_claim=4,
+        ),
+        ["NamespaceAccessSet tenant-b * opaque=a.io,b.io max-claims=10 max-requests=4"],
+        applied=["tenant-b"],
+    ),
+    Case(
+        "changing-only-the-quota-is-recorded",
+        lambda s: decide_access(s, NAMESPACE, ["*"], False, max_claims=3),
+        ["NamespaceAccessSet tenant-a * max-claims=3"],
+        applied=[NAMESPACE],
+    ),
+    Case(
+        "a-record-without-the-limits-clears-them",
+        lambda s: decide_access(s, NAMESPACE, ["*"], False),
+        ["NamespaceAccessSet tenant-a *"],
+        applied=[NAMESPACE],
+        story=["quota 3"],
+    ),
+    Case(
+        "limits-equal-to-the-logs-are-unchanged",
+        lambda s: decide_access(s, NAMESPACE, ["*"], False, max_claims=3),
+        [],
+        unchanged=[NAMESPACE],
+        story=["quota 3"],
+    ),
 ]
 
 
@@ -136,6 +170,10 @@ def _tell(story: list[str]) -> Log:
             log.add(c.ReleaseRequested(namespace=NAMESPACE, name=args[0], allocation_version=1))
         elif verb == "withdraw":
             log.add(c.ClaimWithdrawn(namespace=NAMESPACE, name=args[0]))
+        elif verb == "quota":
+            log.add(
+                c.NamespaceAccessSet(namespace=NAMESPACE, classes=["*"], max_claims=int(args[0]))
+            )
         elif verb == "admin-access":
             log.add(c.NamespaceAccessSet(namespace=NAMESPACE, classes=["*"], admin_access=True))
     return log

@@ -79,7 +79,21 @@ def _state() -> ClusterState:
         elif isinstance(obj, ResourceSlice):
             events.append(c.ResourceSlicePublished(slice=obj))
     events.append(c.NamespaceAccessSet(namespace="tenant-a", classes=[CLASS]))
-    events.append(c.NamespaceAccessSet(namespace="ops", classes=["*"], admin_access=True))
+    events.append(
+        c.NamespaceAccessSet(
+            namespace="ops", classes=["*"], admin_access=True, opaque_config_classes=["*"]
+        )
+    )
+    events.append(
+        c.NamespaceAccessSet(
+            namespace="tenant-q",
+            classes=["*"],
+            opaque_config_classes=[CLASS],
+            max_claims=1,
+            max_requests_per_claim=2,
+        )
+    )
+    events.append(c.NamespaceAccessSet(namespace="tenant-full", classes=["*"], max_claims=0))
     envelopes = [
         c.new_envelope(e, stream_version=1, actor="test", position=i + 1)
         for i, e in enumerate(events)
@@ -115,6 +129,27 @@ def manifest(
         "metadata": meta,
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
     }
+
+
+def with_requests(
+    doc: dict[str, Any], *classes: str, config: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """``doc`` with one request per class (``r0``, ``r1``, …) and ``spec.devices.config``."""
+    requests = [
+        {"name": f"r{i}", "exactly": {"deviceClassName": cls}} for i, cls in enumerate(classes)
+    ]
+    devices: dict[str, Any] = {"requests": requests or doc["spec"]["devices"]["requests"]}
+    if config is not None:
+        devices["config"] = config
+    return {**doc, "spec": {"devices": devices}}
+
+
+def opaque(*requests: str) -> dict[str, Any]:
+    """One opaque driver configuration for ``requests`` (none: every request)."""
+    entry: dict[str, Any] = {"opaque": {"driver": "gpu.dracap.io", "parameters": {"mps": True}}}
+    if requests:
+        entry["requests"] = list(requests)
+    return entry
 
 
 def as_yaml(doc: dict[str, Any]) -> bytes:
@@ -298,6 +333,78 @@ CASES: list[tuple[str, str, bytes, str, str, str | None, str, bool]] = [
         True,
     ),
     (
+        "opaque-config-without-permission",
+        "tenant-a",
+        as_yaml(with_requests(manifest(), config=[opaque()])),
+        "rejected",
+        "opaque-config",
+        "spec.devices.config[0].opaque",
+        "opaque driver configuration is not allowed for DeviceClass 'gpu-memory.dracap.io' "
+        "in namespace 'tenant-a'",
+        True,
+    ),
+    (
+        "opaque-config-for-a-class-the-namespace-may-not-configure",
+        "tenant-q",
+        as_yaml(
+            with_requests(
+                manifest(namespace="tenant-q"),
+                CLASS,
+                "other.dracap.io",
+                config=[opaque("r0"), opaque("r1")],
+            )
+        ),
+        "rejected",
+        "opaque-config",
+        "spec.devices.config[1].opaque",
+        "not allowed for DeviceClass 'other.dracap.io' in namespace 'tenant-q'",
+        True,
+    ),
+    (
+        "opaque-config-for-every-request-names-the-class-not-allowed",
+        "tenant-q",
+        as_yaml(
+            with_requests(
+                manifest(namespace="tenant-q"), CLASS, "other.dracap.io", config=[opaque()]
+            )
+        ),
+        "rejected",
+        "opaque-config",
+        "spec.devices.config[0].opaque",
+        "not allowed for DeviceClass 'other.dracap.io'",
+        True,
+    ),
+    (
+        "more-requests-than-the-namespace-allows",
+        "tenant-q",
+        as_yaml(with_requests(manifest(namespace="tenant-q"), CLASS, CLASS, CLASS)),
+        "rejected",
+        "too-many-requests",
+        "spec.devices.requests",
+        "must have at most 2 requests in namespace 'tenant-q'",
+        True,
+    ),
+    (
+        "more-requests-than-the-api-allows",
+        "tenant-a",
+        as_yaml(with_requests(manifest(), *[CLASS] * 33)),
+        "invalid",
+        "validation",
+        "spec.devices.requests",
+        "must have at most 32 entries, got 33",
+        True,
+    ),
+    (
+        "namespace-at-its-quota",
+        "tenant-full",
+        as_yaml(manifest(namespace=None)),
+        "rejected",
+        "quota",
+        "metadata.namespace",
+        "namespace 'tenant-full' may hold at most 0 live claims (quota dracap.io/max-claims)",
+        False,
+    ),
+    (
         "status-set-by-tenant",
         "tenant-a",
         as_yaml({**manifest(), "status": {"reservedFor": []}}),
@@ -351,8 +458,34 @@ def test_refusals(
         ("tenant-a", manifest(memory=None)),  # no capacity request: the policy default
         ("ops", manifest(namespace="ops", admin=True, memory=None)),
         ("ops", manifest(namespace="ops", class_name="other.dracap.io", memory=None)),
+        ("ops", with_requests(manifest(namespace="ops"), "other.dracap.io", config=[opaque()])),
+        (
+            "tenant-q",
+            with_requests(manifest(namespace="tenant-q"), CLASS, config=[opaque("r0")]),
+        ),
+        (
+            "tenant-q",
+            with_requests(
+                manifest(namespace="tenant-q"), CLASS, "other.dracap.io", config=[opaque("r0")]
+            ),
+        ),
+        ("tenant-q", with_requests(manifest(namespace="tenant-q"), CLASS, CLASS)),
+        ("tenant-a", with_requests(manifest(), *[CLASS] * 32)),
     ],
-    ids=["plain", "namespace-from-subject", "below-min", "at-max", "default", "admin", "star"],
+    ids=[
+        "plain",
+        "namespace-from-subject",
+        "below-min",
+        "at-max",
+        "default",
+        "admin",
+        "star",
+        "opaque-config-where-every-class-may-be-configured",
+        "opaque-config-for-a-listed-class",
+        "opaque-config-naming-only-the-listed-class",
+        "requests-up-to-the-namespace-limit",
+        "requests-up-to-the-api-limit",
+    ],
 )
 def test_admitted(namespace: str, doc: dict[str, Any]) -> None:
     decision = decide_apply(STATE, namespace, json.dumps(doc).encode())
@@ -457,3 +590,71 @@ def test_a_refusal_message_says_field_and_rule_once(
     assert refusal.message.count(refusal.rule) == 1
     if field is not None:
         assert refusal.message.startswith(f"{field}: ")
+
+
+# --- the quota (dracap.io/max-claims) ---------------------------------------------------------
+
+
+def _fold_into(state: ClusterState, *events: c.Event) -> None:
+    for event in events:
+        envelope = c.new_envelope(event, stream_version=1, actor="t", position=state.position + 1)
+        fold([envelope], state)
+
+
+def _apply(state: ClusterState, name: str, **kw: Any) -> Any:
+    body = as_yaml(manifest(name=name, namespace="tenant-q", **kw))
+    decision = decide_apply(state, "tenant-q", body)
+    _fold_into(state, *decision.events)
+    return decision
+
+
+def test_the_quota_counts_live_claims_only() -> None:
+    state = _state()
+    assert _apply(state, "first").refusal is None  # tenant-q may hold one live claim
+    second = _apply(state, "second")
+    assert second.refusal is not None and second.refusal.kind == "quota"
+    assert second.refusal.message == (
+        "metadata.namespace: namespace 'tenant-q' may hold at most 1 live claims "
+        "(quota dracap.io/max-claims) (it holds 1; delete one first)"
+    )
+    assert second.events == ()  # nothing recorded: a tenant at its quota cannot grow the log
+    assert _apply(state, "first").unchanged  # re-applying the live claim is still a no-op
+    _fold_into(state, c.ClaimWithdrawn(namespace="tenant-q", name="first"))
+    assert state.live_claim_count("tenant-q") == 0
+    assert _apply(state, "second").refusal is None
+
+
+def test_rejected_claims_do_not_count() -> None:
+    state = _state()
+    rejected = _apply(state, "too-big", memory="500Gi")
+    assert rejected.refusal is not None and rejected.refusal.kind == "above-maximum"
+    assert state.live_claim_count("tenant-q") == 0
+    assert _apply(state, "fits").refusal is None
+
+
+def test_claims_being_admitted_count_until_the_state_shows_them() -> None:
+    state = _state()
+    body = as_yaml(manifest(name="second", namespace="tenant-q"))
+    in_flight = decide_apply(state, "tenant-q", body, admitting={"first"})
+    assert in_flight.refusal is not None and in_flight.refusal.kind == "quota"
+    assert decide_apply(state, "tenant-q", body, admitting={"second"}).refusal is None
+    _apply(state, "first")  # folded now: counted once, not twice
+    again = decide_apply(state, "tenant-q", body, admitting={"first"})
+    assert again.refusal is not None and "it holds 1" in again.refusal.message
+
+
+def test_opaque_config_names_the_subrequest_it_configures() -> None:
+    doc = manifest(namespace="tenant-q")
+    alternatives = [
+        {"name": "big", "deviceClassName": CLASS},
+        {"name": "other", "deviceClassName": "other.dracap.io"},
+    ]
+    doc["spec"]["devices"] = {
+        "requests": [{"name": "gpu", "firstAvailable": alternatives}],
+        "config": [opaque("gpu/big")],
+    }
+    assert decide_apply(STATE, "tenant-q", as_yaml(doc)).refusal is None
+    doc["spec"]["devices"]["config"] = [opaque("gpu")]  # the parent: every alternative
+    refusal = decide_apply(STATE, "tenant-q", as_yaml(doc)).refusal
+    assert refusal is not None and refusal.kind == "opaque-config"
+    assert "'other.dracap.io'" in refusal.rule and "request gpu" in refusal.detail

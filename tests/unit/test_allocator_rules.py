@@ -39,6 +39,24 @@ def gpu(name: str = "gpu-0", total: str = "40Gi", policy: Any = GPU_POLICY, **kw
     return device(name, {"memory": (total, policy) if policy else total}, **kw)
 
 
+SHARING = "dracap.io/shared-across-namespaces"
+DENY = device_class(annotations={SHARING: "deny"})
+PRIVATE = device_class("private", annotations={SHARING: "deny"})
+
+
+def _allocated_status(device_name: str, memory: str) -> dict[str, Any]:
+    """``status`` of a claim allocated elsewhere: one share of ``device_name``."""
+    result = {
+        "request": "r",
+        "driver": "gpu.test.io",
+        "pool": "node-a-pool",
+        "device": device_name,
+        "shareID": "6d1f7a52-4d0b-4d6e-9a51-2c3b8e0f7d14",
+        "consumedCapacity": {"memory": memory},
+    }
+    return {"allocation": {"devices": {"results": [result]}}}
+
+
 @dataclass
 class Case:
     id: str
@@ -635,6 +653,111 @@ CASES = [
         "invalid",
         reason="32",
     ),
+    # --- dracap tenancy: dracap.io/shared-across-namespaces (docs/tenancy.md) ----------
+    Case(
+        "deny-keeps-a-shared-device-to-the-namespace-holding-it",
+        [slice_([gpu()])],
+        claim(request("r", {"memory": "5Gi"}), namespace="tenant-b"),
+        "unschedulable",
+        reason="1 held by another namespace",
+        before=[claim(request("r", {"memory": "10Gi"}), namespace="tenant-a")],
+        classes=[DENY],
+    ),
+    Case(
+        "deny-lets-the-same-namespace-share-the-device",
+        [slice_([gpu()])],
+        claim(request("r", {"memory": "5Gi"}), namespace="tenant-a"),
+        "allocated",
+        [("r", "gpu-0", {"memory": "5Gi"})],
+        before=[claim(request("r", {"memory": "10Gi"}), namespace="tenant-a")],
+        classes=[DENY],
+    ),
+    Case(
+        "deny-sends-another-namespace-to-a-device-nobody-else-holds",
+        [slice_([gpu("gpu-0"), gpu("gpu-1")])],
+        claim(request("r", {"memory": "5Gi"}), namespace="tenant-b"),
+        "allocated",
+        [("r", "gpu-1", {"memory": "5Gi"})],
+        before=[claim(request("r", {"memory": "10Gi"}), namespace="tenant-a")],
+        classes=[DENY],
+    ),
+    Case(
+        "deny-counts-holds-recorded-in-a-claims-status",
+        [slice_([gpu()])],
+        claim(request("r", {"memory": "5Gi"}), namespace="tenant-b"),
+        "unschedulable",
+        reason="held by another namespace",
+        before=[
+            claim(
+                request("r", {"memory": "10Gi"}),
+                namespace="tenant-a",
+                status=_allocated_status("gpu-0", "10Gi"),
+            )
+        ],
+        classes=[DENY],
+    ),
+    Case(
+        "deny-keeps-a-dedicated-device-to-one-namespace-too",
+        [slice_([gpu("gpu-0", policy=None, shared=False)])],
+        claim(request("r"), namespace="tenant-b"),
+        "unschedulable",
+        reason="1 in exclusive use",
+        before=[claim(request("r"), namespace="tenant-a")],
+        classes=[DENY],
+    ),
+    Case(
+        "deny-wins-when-the-holder-came-through-a-class-that-allows",
+        [slice_([gpu()])],
+        claim(request("r", {"memory": "5Gi"}, cls="private"), namespace="tenant-b"),
+        "unschedulable",
+        reason="held by another namespace",
+        before=[claim(request("r", {"memory": "10Gi"}), namespace="tenant-a")],
+        classes=[device_class(), PRIVATE],
+    ),
+    Case(
+        "deny-wins-when-the-newcomer-comes-through-a-class-that-allows",
+        [slice_([gpu()])],
+        claim(request("r", {"memory": "5Gi"}), namespace="tenant-b"),
+        "unschedulable",
+        reason="held by another namespace",
+        before=[claim(request("r", {"memory": "10Gi"}, cls="private"), namespace="tenant-a")],
+        classes=[device_class(), PRIVATE],
+    ),
+    Case(
+        "deny-of-a-class-that-selects-other-devices-changes-nothing-here",
+        [slice_([gpu("gpu-0", attributes={"model": "a"})])],
+        claim(request("r", {"memory": "5Gi"}), namespace="tenant-b"),
+        "allocated",
+        [("r", "gpu-0", {"memory": "5Gi"})],
+        before=[claim(request("r", {"memory": "10Gi"}), namespace="tenant-a")],
+        classes=[
+            device_class(),
+            device_class(
+                "private",
+                ['device.attributes["gpu.test.io"].model == "b"'],
+                annotations={SHARING: "deny"},
+            ),
+        ],
+    ),
+    Case(
+        "allow-shares-a-device-across-namespaces",
+        [slice_([gpu()])],
+        claim(request("r", {"memory": "5Gi"}), namespace="tenant-b"),
+        "allocated",
+        [("r", "gpu-0", {"memory": "5Gi"})],
+        before=[claim(request("r", {"memory": "10Gi"}), namespace="tenant-a")],
+        classes=[device_class(annotations={SHARING: "allow"})],
+    ),
+    Case(
+        "deny-admin-access-ignores-it-as-it-ignores-holds",
+        [slice_([gpu()])],
+        claim(request("r", {"memory": "5Gi"}, admin=True), namespace="ops"),
+        "allocated",
+        [("r", "gpu-0", {"memory": "5Gi"})],
+        before=[claim(request("r", {"memory": "10Gi"}), namespace="tenant-a")],
+        classes=[DENY],
+        admin_ok=True,
+    ),
 ]
 
 
@@ -723,6 +846,24 @@ def test_all_nodes_allocation_has_no_node_selector() -> None:
     alloc = allocator([slice_([gpu()], node=None)])
     out = decide(alloc, claim(request("r", {"memory": "5Gi"})))
     assert isinstance(out, Allocated) and out.allocation.node_selector is None
+
+
+def test_deny_gives_the_device_back_to_everybody_once_released() -> None:
+    alloc = allocator([slice_([gpu()])], [DENY])
+    first = decide(alloc, claim(request("r", {"memory": "10Gi"}), namespace="tenant-a"))
+    assert isinstance(first, Allocated)
+    other = claim(request("r", {"memory": "5Gi"}), namespace="tenant-b")
+    assert isinstance(decide(alloc, other, commit=False), Unschedulable)
+    alloc.release(first)
+    assert picked(decide(alloc, other)) == [("r", "gpu-0", {"memory": "5Gi"})]
+
+
+def test_grants_name_their_claims_namespace() -> None:
+    alloc = allocator([slice_([gpu()])])
+    out = decide(alloc, claim(request("r", {"memory": "5Gi"}), namespace="tenant-b"))
+    assert isinstance(out, Allocated)
+    assert [g.namespace for g in out.grants] == ["tenant-b"]
+    assert alloc.allocated.holders == {("gpu.test.io", "node-a-pool", "gpu-0"): {"tenant-b": 1}}
 
 
 def test_class_config_is_copied_once_listing_its_requests() -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from events import catalog as c
 from events.errors import InvariantViolation
 from events.fold import (
+    REUSABLE_PHASES,
     ClusterState,
     apply,
     fold,
@@ -626,3 +627,69 @@ def test_every_event_class_has_one_step_of_the_same_signature() -> None:
         step = step_of(cls)
         assert step.__name__ != "<lambda>", cls  # the step itself, no adapter
         assert list(inspect.signature(step).parameters) == ["state", "ev", "position"], cls
+
+
+# --- the live-claim index (the quota's count) ---------------------------------------------
+
+
+def _recount(state: ClusterState) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for (namespace, _), claim in state.claims.items():
+        if claim.phase not in REUSABLE_PHASES:
+            counts[namespace] = counts.get(namespace, 0) + 1
+    return counts
+
+
+def test_live_claims_follow_a_lifecycle() -> None:
+    log = shared_log()
+    assert log.state.live_claims == {"team-a": 1}
+    log.add(reserve("s-1"), bound("train", "s-1"), applied("s-1"))
+    assert log.phase() == "ready" and log.state.live_claim_count("team-a") == 1
+    log.add(c.ReleaseRequested(namespace="team-a", name="train", allocation_version=1))
+    assert log.state.live_claim_count("team-a") == 1  # releasing still holds its share
+    log.add(release("s-1"))
+    assert log.phase() == "released" and log.state.live_claims == {}
+    log.add(submitted(), c.ClaimAdmitted(namespace="team-a", name="train"))
+    assert log.state.live_claims == {"team-a": 1}
+
+
+def test_a_failed_claim_counts_until_it_is_deleted() -> None:
+    log = fenced_setup().add(c.NodeFenced(node=NODE, epoch=5))
+    assert log.phase() == "failed"
+    assert log.state.live_claims == _recount(log.state) == {"team-a": 1}
+
+
+CLAIM_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["submit", "admit", "reject", "unschedulable", "withdraw", "release"]),
+        st.sampled_from(["team-a", "team-b"]),
+        st.sampled_from(["c1", "c2", "c3"]),
+    ),
+    max_size=40,
+)
+
+
+def _claim_event(op: str, namespace: str, name: str) -> c.Event:
+    if op == "submit":
+        meta = ObjectMeta(name=name, namespace=namespace)
+        return c.ClaimSubmitted(claim=ResourceClaim(metadata=meta, spec=ResourceClaimSpec()))
+    if op == "admit":
+        return c.ClaimAdmitted(namespace=namespace, name=name)
+    if op == "reject":
+        return c.ClaimRejected(namespace=namespace, name=name, field="f", rule="r", reason="")
+    if op == "unschedulable":
+        return c.ClaimUnschedulable(namespace=namespace, name=name, reason="full")
+    if op == "withdraw":
+        return c.ClaimWithdrawn(namespace=namespace, name=name)
+    return c.ReleaseRequested(namespace=namespace, name=name, allocation_version=0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(CLAIM_OPS)
+def test_the_live_claim_index_equals_a_recount(ops: list[tuple[str, str, str]]) -> None:
+    log = Log()
+    for op, namespace, name in ops:
+        log.add(_claim_event(op, namespace, name))
+        assert log.state.live_claims == _recount(log.state)
+    assert snapshot_decode(snapshot_encode(log.state)) == log.state
+    assert fold(log.envelopes).live_claims == log.state.live_claims

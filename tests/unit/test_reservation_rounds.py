@@ -15,7 +15,7 @@ import pytest
 from events import catalog as c
 from events.model import ResourceClaim
 from services.reservation.rounds import Backlog, Round, decide_round
-from tests.unit.allocator_fixtures import claim, request
+from tests.unit.allocator_fixtures import claim, device_class, request, slice_
 from tests.unit.decision_fixtures import (
     NAMESPACE,
     Log,
@@ -235,3 +235,47 @@ def test_round(case: Case) -> None:
     for _, events, claims in decided.by_stream():
         for event, about in zip(events, claims, strict=True):
             assert about == (NAMESPACE, getattr(event, "name", None))  # each event's claim
+
+
+# --- dracap.io/shared-across-namespaces: deny, with grants derived from the log -------------
+
+
+def _deny_log() -> Log:
+    deny = device_class(annotations={"dracap.io/shared-across-namespaces": "deny"})
+    return Log(
+        c.DeviceClassApplied(device_class=deny, rollout="immediate"),
+        c.ResourceSlicePublished(slice=slice_([gpu()], node="node-a", name="node-a-slice")),
+        c.NamespaceAccessSet(namespace=NAMESPACE, classes=["*"]),
+        c.NamespaceAccessSet(namespace="tenant-b", classes=["*"]),
+    )
+
+
+def _b_claim(name: str) -> ResourceClaim:
+    return claim(request("gpu", {"memory": "5Gi"}), name=name, namespace="tenant-b")
+
+
+def test_a_device_held_in_the_log_stays_with_its_namespace() -> None:
+    log = _deny_log()
+    log.reserve(memory_claim("a1", "10Gi"))  # tenant-a holds gpu-0, as the log says
+    log.extend(admitted(_b_claim("b1")) + admitted(memory_claim("a2", "5Gi")))
+    state = log.state()
+    decided = decide_round(state, allocator_of(state), Backlog(order=pending(state)), share_ids())
+    lines = sorted(describe(e) for _, events, _ in decided.by_stream() for e in events)
+    reason = (
+        "request gpu: 1 devices of class gpu.test.io match; 1 held by another namespace "
+        "(not shared across namespaces: dracap.io/shared-across-namespaces=deny) on node node-a"
+    )
+    assert lines == [
+        "AllocationBound a2 v1 node-a share-1",
+        "CapacityReserved a2 v1 gpu-0 memory=5Gi shared share-1",
+        f"ClaimUnschedulable b1: {reason}",
+    ]
+
+
+def test_within_one_round_the_first_namespace_keeps_the_device() -> None:
+    log = _deny_log()
+    log.extend(admitted(memory_claim("a1", "10Gi")) + admitted(_b_claim("b1")))
+    state = log.state()
+    decided = decide_round(state, allocator_of(state), Backlog(order=pending(state)), share_ids())
+    assert [name for _, name in decided.allocated] == ["a1"]
+    assert [key for key in decided.unschedulable] == [("tenant-b", "b1")]

@@ -1,0 +1,239 @@
+"""What an operator lets each tenant do: the ``dracap.io/`` annotations and their defaults. Pure.
+
+The operator names the tenancy rules on the objects it already writes (the seed of
+``dracap up --inventory``, ``deploy/examples``), as annotations under ``dracap.io/``;
+``docs/tenancy.md`` is the operator's page. Every key here is checked when a manifest
+is loaded (:func:`check_annotations`, called by :func:`events.manifests.load_documents`),
+so a typo is refused naming the annotation instead of silently granting the default.
+
+Namespace (read once, when the seed is loaded, into a :class:`NamespacePolicy`, which
+the admin endpoint ``namespaces.access`` records as ``NamespaceAccessSet``):
+
+==================================== =========== ============================================
+annotation                           default     meaning
+==================================== =========== ============================================
+``dracap.io/device-classes``         ``*``       the DeviceClasses the namespace may use
+``dracap.io/opaque-config-classes``  (none)      the classes whose requests may carry opaque
+                                                 driver configuration (``spec.devices.config``)
+``dracap.io/max-claims``             (no quota)  live claims the namespace may hold at once
+``dracap.io/max-requests-per-claim`` 32          requests per claim (upstream's limit, at most)
+==================================== =========== ============================================
+
+plus the upstream label ``resource.kubernetes.io/admin-access: "true"`` (adminAccess).
+Lists are comma-separated; ``*`` means every class.
+
+DeviceClass (read by the allocator and the tenant's device view from the class as
+recorded, so a re-applied class takes effect at once):
+
+========================================= ========= ==========================================
+annotation                                default   meaning
+========================================= ========= ==========================================
+``dracap.io/shared-across-namespaces``    ``allow`` ``deny``: a device the class selects holds
+                                                    shares of one namespace at a time
+``dracap.io/tenant-attributes``           (none)    device attributes a tenant may read
+                                                    (``claims.devices``); a name without a
+                                                    domain belongs to the device's driver
+========================================= ========= ==========================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+import msgspec
+
+from events import model
+from events.errors import ValidationError
+from events.validation import (
+    QUALIFIED_NAME_RULE,
+    REQUESTS_MAX,
+    is_dns_label,
+    is_dns_subdomain,
+    is_qualified_name,
+    split_qualified_name,
+)
+
+__all__ = [
+    "DEVICE_CLASSES",
+    "MAX_CLAIMS",
+    "MAX_REQUESTS_PER_CLAIM",
+    "OPAQUE_CONFIG_CLASSES",
+    "SHARED_ACROSS_NAMESPACES",
+    "TENANT_ATTRIBUTES",
+    "NamespacePolicy",
+    "allow_list",
+    "attribute_allowed",
+    "check_annotations",
+    "check_policy",
+    "class_allowed",
+    "namespace_policy",
+    "shared_across_namespaces",
+    "tenant_attributes",
+]
+
+PREFIX: Final = "dracap.io/"
+DEVICE_CLASSES: Final = "dracap.io/device-classes"
+OPAQUE_CONFIG_CLASSES: Final = "dracap.io/opaque-config-classes"
+MAX_CLAIMS: Final = "dracap.io/max-claims"
+MAX_REQUESTS_PER_CLAIM: Final = "dracap.io/max-requests-per-claim"
+SHARED_ACROSS_NAMESPACES: Final = "dracap.io/shared-across-namespaces"
+TENANT_ATTRIBUTES: Final = "dracap.io/tenant-attributes"
+
+_NAMESPACE_KEYS: Final = (DEVICE_CLASSES, OPAQUE_CONFIG_CLASSES, MAX_CLAIMS, MAX_REQUESTS_PER_CLAIM)
+_CLASS_KEYS: Final = (SHARED_ACROSS_NAMESPACES, TENANT_ATTRIBUTES)
+_SHARING: Final = ("allow", "deny")
+_CLASS_LIST_RULE: Final = "must be '*' or a DeviceClass name"
+
+
+class NamespacePolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a namespace may do: the ``namespaces.access`` request and its reply.
+
+    ``classes`` / ``opaque_config_classes``: DeviceClass names or ``"*"``;
+    ``max_claims``: live claims at once (``None``: no quota); ``max_requests_per_claim``:
+    requests in one claim (``None``: upstream's 32).
+    """
+
+    namespace: str
+    classes: list[str]
+    admin_access: bool = False
+    opaque_config_classes: list[str] = []
+    max_claims: int | None = None
+    max_requests_per_claim: int | None = None
+
+
+def class_allowed(classes: Iterable[str], name: str) -> bool:
+    """Whether ``name`` is in ``classes`` (``"*"``: every class)."""
+    return any(c == "*" or c == name for c in classes)
+
+
+# --- checking --------------------------------------------------------------------------------
+
+
+def check_policy(policy: NamespacePolicy, ref: str = "namespaces.access") -> None:
+    """Raise :class:`ValidationError` naming the first field of ``policy`` that is not usable."""
+    if not is_dns_label(policy.namespace):
+        raise ValidationError(ref, "namespace", f"must be a DNS label ({policy.namespace!r})")
+    for field in ("classes", "opaque_config_classes"):
+        for i, name in enumerate(getattr(policy, field)):
+            if name != "*" and not is_dns_subdomain(name):
+                raise ValidationError(ref, f"{field}[{i}]", f"{_CLASS_LIST_RULE} ({name!r})")
+    if policy.max_claims is not None and policy.max_claims < 0:
+        raise ValidationError(ref, "max_claims", "must be 0 or more (null: no quota)")
+    limit = policy.max_requests_per_claim
+    if limit is not None and not 1 <= limit <= REQUESTS_MAX:
+        raise ValidationError(
+            ref, "max_requests_per_claim", f"must be between 1 and {REQUESTS_MAX}, got {limit}"
+        )
+
+
+def check_annotations(obj: model.Manifest) -> None:
+    """Raise :class:`ValidationError` for a ``dracap.io/`` annotation ``obj`` may not carry."""
+    if isinstance(obj, model.Namespace):
+        namespace_policy(obj)
+    elif isinstance(obj, model.DeviceClass):
+        ref = model.object_ref(obj)
+        annotations = _ours(obj.metadata, _CLASS_KEYS, ref)
+        sharing = annotations.get(SHARED_ACROSS_NAMESPACES)
+        if sharing is not None and sharing not in _SHARING:
+            raise ValidationError(
+                ref, _field(SHARED_ACROSS_NAMESPACES), f"must be allow or deny, got {sharing!r}"
+            )
+        for i, name in enumerate(_split(annotations.get(TENANT_ATTRIBUTES))):
+            if not is_qualified_name(name):
+                raise ValidationError(
+                    ref, _field(TENANT_ATTRIBUTES), f"entry {i} ({name!r}) {QUALIFIED_NAME_RULE}"
+                )
+    else:
+        _ours(obj.metadata, (), model.object_ref(obj))
+
+
+def _field(key: str) -> str:
+    return f"metadata.annotations[{key}]"
+
+
+def _ours(meta: model.ObjectMeta, known: tuple[str, ...], ref: str) -> dict[str, str]:
+    """The object's ``dracap.io/`` annotations; one it may not carry is refused."""
+    out: dict[str, str] = {}
+    for key, value in (meta.annotations or {}).items():
+        if not key.startswith(PREFIX):
+            continue
+        if key not in known:
+            allowed = ", ".join(known) or "none"
+            raise ValidationError(
+                ref, _field(key), f"unknown dracap annotation here; known: {allowed}"
+            )
+        out[key] = value
+    return out
+
+
+def _split(value: str | None) -> list[str]:
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def namespace_policy(ns: model.Namespace) -> NamespacePolicy:
+    """The policy a seed Namespace asks for; :class:`ValidationError` names a bad annotation."""
+    ref = model.object_ref(ns)
+    annotations = _ours(ns.metadata, _NAMESPACE_KEYS, ref)
+    lists: dict[str, list[str]] = {}
+    for key, default in ((DEVICE_CLASSES, "*"), (OPAQUE_CONFIG_CLASSES, "")):
+        names = _split(annotations.get(key, default))
+        for name in names:
+            if name != "*" and not is_dns_subdomain(name):
+                raise ValidationError(ref, _field(key), f"{_CLASS_LIST_RULE} ({name!r})")
+        lists[key] = sorted(set(names))
+    numbers: dict[str, int | None] = {}
+    for key, low, high in ((MAX_CLAIMS, 0, None), (MAX_REQUESTS_PER_CLAIM, 1, REQUESTS_MAX)):
+        numbers[key] = _number(annotations.get(key), low, high, ref, key)
+    return NamespacePolicy(
+        namespace=ns.metadata.name,
+        classes=lists[DEVICE_CLASSES],
+        admin_access=ns.allows_admin_access,
+        opaque_config_classes=lists[OPAQUE_CONFIG_CLASSES],
+        max_claims=numbers[MAX_CLAIMS],
+        max_requests_per_claim=numbers[MAX_REQUESTS_PER_CLAIM],
+    )
+
+
+def _number(text: str | None, low: int, high: int | None, ref: str, key: str) -> int | None:
+    if text is None:
+        return None
+    span = f"between {low} and {high}" if high is not None else f"{low} or more"
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        raise ValidationError(ref, _field(key), f"must be a whole number {span}, got {text!r}")
+    return value
+
+
+def _annotation(dclass: model.DeviceClass, key: str) -> str | None:
+    return (dclass.metadata.annotations or {}).get(key)
+
+
+def shared_across_namespaces(dclass: model.DeviceClass) -> bool:
+    """Whether devices of ``dclass`` may hold shares of several namespaces (default yes)."""
+    return _annotation(dclass, SHARED_ACROSS_NAMESPACES) != "deny"
+
+
+def tenant_attributes(dclass: model.DeviceClass) -> tuple[str, ...]:
+    """The attribute names tenants may read on devices of ``dclass`` (default none)."""
+    return tuple(_split(_annotation(dclass, TENANT_ATTRIBUTES)))
+
+
+def attribute_allowed(allowed: Mapping[tuple[str, str], None], name: str, driver: str) -> bool:
+    """Whether attribute ``name`` of a device of ``driver`` is in ``allowed``.
+
+    ``allowed`` holds ``(domain, id)`` pairs (:func:`allow_list`): ``model`` and
+    ``gpu.dracap.io/model`` are the same attribute on a device of driver ``gpu.dracap.io``.
+    """
+    return split_qualified_name(name, driver) in allowed
+
+
+def allow_list(names: Iterable[str], driver: str) -> dict[tuple[str, str], None]:
+    """``(domain, id)`` of each allow-listed name, for devices of ``driver``."""
+    return {split_qualified_name(name, driver): None for name in names}
