@@ -336,3 +336,14 @@ async def test_every_event_names_its_authenticated_actor(broker: Broker, stack: 
     assert by_type["admin.namespace_access_set"] == {"operator:operator"}
     assert by_type["reservation.allocation_bound"] == {"system:reservation-0"}
     assert by_type["enforcement.limit_applied"] == {"agent:node-a"}
+
+
+async def test_a_tenant_sees_devices_through_its_own_namespace_only(
+    broker: Broker, stack: Stack
+) -> None:
+    alice = broker.auth.tenant("tenant-a", "alice")
+    async with ApiClient.connect(broker.url, broker.names.prefix, alice) as api:
+        devices = (await api.claims("tenant-a", "devices"))["devices"]
+        assert devices  # the classes tenant-a may use have devices
+        with pytest.raises(CommandError, match="does not let this user publish"):
+            await api.claims("tenant-b", "devices")
