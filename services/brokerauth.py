@@ -360,7 +360,12 @@ def run(args: argparse.Namespace) -> int:
         operators=args.operator,
     )
     auth = AuthDir(args.auth_dir or Path(args.data_dir) / AUTH_DIR)
-    principals = init_auth(auth, installation)
+    try:
+        principals = init_auth(auth, installation)
+    except OSError as exc:
+        raise CommandError(
+            f"cannot write {auth.path}: {exc.strerror or exc}", ExitCode.ERROR
+        ) from None
     counts: dict[str, int] = {}
     for principal in principals:
         counts[principal.kind] = counts.get(principal.kind, 0) + 1

@@ -138,3 +138,15 @@ def test_an_agent_may_only_run_its_nodes_consumer() -> None:
     assert not any(s.startswith("dracap.") for s in rules.publish)
     create = [s for s in rules.publish if ".CONSUMER.CREATE." in s]
     assert create == ["$JS.API.CONSUMER.CREATE.DRACAP_EVENTS.agent-node_2Ea.dracap.ev.*.node%2Ea.>"]
+
+
+def test_auth_init_that_cannot_write_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services import cli
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    code = cli.main(["auth", "init", "--namespace", "a", "--data-dir", str(blocked)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: cannot write ") and err.count("\n") == 1
