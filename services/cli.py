@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Final
@@ -78,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.BAD_INPUT
     try:
         code: int = func(args)
+    except BrokenPipeError:  # the reader of the output went away (`dracap devices | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return ExitCode.OK
     except CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
