@@ -28,7 +28,7 @@ from services.enforcement.agent import consumer_name
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient
 from services.runtime.bus import connect_bus
-from services.runtime.credentials import AuthDir, Credential
+from services.runtime.credentials import AuthDir, Credential, read_credential
 from services.runtime.embedded import EmbeddedNats
 from services.runtime.livestate import LiveState
 from services.runtime.settings import Settings
@@ -336,6 +336,13 @@ async def test_every_event_names_its_authenticated_actor(broker: Broker, stack: 
     assert by_type["admin.namespace_access_set"] == {"operator:operator"}
     assert by_type["reservation.allocation_bound"] == {"system:reservation-0"}
     assert by_type["enforcement.limit_applied"] == {"agent:node-a"}
+
+    # no generated secret reached the log of events or the server's log
+    seeds = [read_credential(path).seed for path in (auth.path / "creds").glob("*.creds")]
+    async with stack.store.pool.acquire() as connection:
+        logged = " ".join(await connection.fetchval("SELECT array_agg(payload::text) FROM events"))
+    server_log = (auth.path.parent / "nats.log").read_text()
+    assert seeds and not [seed for seed in seeds if seed in logged or seed in server_log]
 
 
 async def test_a_tenant_sees_devices_through_its_own_namespace_only(
