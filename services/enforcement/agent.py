@@ -54,6 +54,17 @@ records, each event naming the message that caused it. If the group's append fai
 the failure stays with its own message; enforcers are idempotent, so a limit applied
 for a group whose append failed is simply applied again.
 
+Last line of defense (invariant 12). The agent keeps :attr:`Agent.enforcing`, the
+limits it has in force now by share id: seeded by :meth:`Agent.reconcile` from what is
+in force after it (and, where the kernel could not be read, from the checkpoint's
+entries), grown by every successful ``apply`` and shrunk by every successful
+``remove`` — the checkpoint's ``completed`` entries, kept in memory so that it holds
+with ``--checkpoint none`` too. :func:`~services.enforcement.decisions.decide_work`
+refuses a share that would take its device past its total together with them: the
+enforcer is never called for it and ``LimitFailed(retryable=False)`` says why, whatever
+the control plane asked (a fence that released shares this agent still enforces, a
+forged or mistaken reservation).
+
 Durable checkpoint. With a :class:`~services.enforcement.checkpointing.Checkpoint`
 every kernel or daemon operation is wrapped: ``mark_started`` (written and fsynced)
 before ``apply``, ``mark_completed`` after; ``mark_removing`` before ``remove``,
@@ -101,6 +112,7 @@ from services.enforcement.decisions import (
     Written,
     decide_work,
     limit_of,
+    overcommit,
     rebuilt_entries,
     reconciled,
     record,
@@ -165,6 +177,8 @@ class Agent:
         self.scan_interval = scan_interval
         #: what the last :meth:`reconcile` reported (None: nothing to report)
         self.reconciled: EnforcementReconciled | None = None
+        #: the limits in force on this node now, by share id (see the module docstring)
+        self.enforcing: dict[str, ShareLimit] = {}
         self.consumer = Consumer(
             store,
             js,
@@ -210,18 +224,23 @@ class Agent:
                 warning.detail,
             )
             events.append(set_aside(self.node, warning))
+        entries = dict(checkpoint.entries) if checkpoint is not None else {}
         try:
             observed = await self.enforcer.observe()
         except EnforcementError as exc:
             log.error("cannot read the limits in force (%s); not reconciling", exc)
+            # what the checkpoint says was started or done may all be in force
+            self.enforcing = {s: e.limit for s, e in entries.items()}
             await self._report(events)
             return None
-        entries = dict(checkpoint.entries) if checkpoint is not None else {}
         if checkpoint is not None and checkpoint.rebooted:
             log.info("node rebooted since the checkpoint was written: limits are put back")
         plan = plan_reconcile(state, self.node, observed, entries)
         removed: list[str] = []
+        self.enforcing = {s: limit_of(state.shares[s]) for s in plan.kept}
         for share_id in plan.orphans + plan.stale:
+            if share_id in entries:  # still in force until its removal succeeds
+                self.enforcing[share_id] = entries[share_id].limit
             try:
                 await self._remove(share_id)
             except EnforcementError as exc:
@@ -232,8 +251,14 @@ class Agent:
         reapplied: list[str] = []
         failed: list[str] = []
         for share in plan.reapply:
+            limit = limit_of(share)
+            refusal = overcommit(state, self.enforcing, limit)
+            if refusal is not None:
+                log.error("limit of share %s not put back: %s", share.share_id, refusal)
+                failed.append(share.share_id)
+                continue
             try:
-                in_force[share.share_id] = await self._apply(limit_of(share))
+                in_force[share.share_id] = await self._apply(limit)
             except EnforcementError as exc:
                 log.error("could not put back the limit of share %s: %s", share.share_id, exc)
                 failed.append(share.share_id)
@@ -269,20 +294,23 @@ class Agent:
     async def _apply(self, limit: ShareLimit) -> AppliedLimit:
         checkpoint = self.checkpoint
         if checkpoint is None:
-            return await self.enforcer.apply(limit)
-        await asyncio.to_thread(checkpoint.mark_started, limit.share_id, limit)
-        applied = await self.enforcer.apply(limit)
-        await asyncio.to_thread(checkpoint.mark_completed, limit.share_id, applied)
+            applied = await self.enforcer.apply(limit)
+        else:
+            await asyncio.to_thread(checkpoint.mark_started, limit.share_id, limit)
+            applied = await self.enforcer.apply(limit)
+            await asyncio.to_thread(checkpoint.mark_completed, limit.share_id, applied)
+        self.enforcing[limit.share_id] = limit
         return applied
 
     async def _remove(self, share_id: str) -> None:
         checkpoint = self.checkpoint
         if checkpoint is None:
             await self.enforcer.remove(share_id)
-            return
-        await asyncio.to_thread(checkpoint.mark_removing, share_id)
-        await self.enforcer.remove(share_id)
-        await asyncio.to_thread(checkpoint.mark_removed, share_id)
+        else:
+            await asyncio.to_thread(checkpoint.mark_removing, share_id)
+            await self.enforcer.remove(share_id)
+            await asyncio.to_thread(checkpoint.mark_removed, share_id)
+        self.enforcing.pop(share_id, None)
 
     def wants(self, env: Envelope) -> bool:
         """The messages this agent acts on: its node's bindings and release requests."""
@@ -300,7 +328,7 @@ class Agent:
         positions = [env.position for env in mine]
         await self.live.fresh(SEEN, *positions, connection=ctx.connection)
         async with self.live.frozen() as state:
-            tasks = decide_work(state, self.node, mine)
+            tasks = decide_work(state, self.node, mine, self.enforcing)
             streams = streams_to_check(self.node, tasks)
             versions = {stream: await self.live.stream_version(stream) for stream in streams}
         outcomes = await self._enforce(ctx, tasks)
@@ -322,6 +350,8 @@ class Agent:
         outcomes: dict[str, AppliedLimit | Failed] = {}
         for task in tasks:
             if isinstance(task, Enforce):
+                for refusal in task.refused:
+                    log.error("limit of share %s not applied: %s", refusal.share_id, refusal.reason)
                 delivery = ctx.deliveries.get(task.message, ctx.delivery)
                 for limit in task.limits:
                     try:

@@ -22,7 +22,8 @@ Record (:func:`record`, from the enforcers' outcomes)
 
 * an applied limit -> ``LimitApplied(level, actual)``; a failed one -> ``LimitFailed``
   (a retryable failure is recorded only when it will not be retried by redelivery,
-  :func:`retry_later`); both on the node stream at the version read with the state;
+  :func:`retry_later`); a refused one -> ``LimitFailed(retryable=False)`` with the
+  refusal's reason; all on the node stream at the version read with the state;
 * every :class:`Enforce` with an outcome also checks its claim stream's version (a
   batch without events): a ``ReleaseRequested`` that got in first makes the append
   conflict, and the redelivery finds the share releasing — ``LimitApplied`` never
@@ -60,7 +61,8 @@ from events.catalog import (
     device_stream,
     node_stream,
 )
-from events.fold import ClusterState, ShareState
+from events.fold import ClusterState, DeviceKey, ShareState
+from events.quantities import Quantity
 from services.enforcement.checkpointing import CheckpointEntry, CheckpointWarning
 from services.enforcement.enforcers import AppliedLimit, ShareLimit
 from services.enforcement.reconciling import ReconcilePlan
@@ -68,11 +70,13 @@ from services.enforcement.reconciling import ReconcilePlan
 __all__ = [
     "Enforce",
     "Failed",
+    "Refused",
     "Release",
     "Task",
     "Written",
     "decide_work",
     "limit_of",
+    "overcommit",
     "rebuilt_entries",
     "reconciled",
     "record",
@@ -88,6 +92,13 @@ _RELEASABLE: Final = frozenset({"releasing"})
 _DETAIL_KEPT: Final = 2000
 
 
+class Refused(msgspec.Struct, frozen=True, kw_only=True):
+    """A share whose limit would take its device past its total (:func:`overcommit`)."""
+
+    share_id: str
+    reason: str
+
+
 class Enforce(msgspec.Struct, frozen=True, kw_only=True):
     """Put limits in force for one ``AllocationBound`` (event id ``message``)."""
 
@@ -95,6 +106,7 @@ class Enforce(msgspec.Struct, frozen=True, kw_only=True):
     guard: str  #: the claim stream, whose version the append checks
     limits: tuple[ShareLimit, ...]
     shares: int  #: shares in the allocation: the claim is ready when all are applied
+    refused: tuple[Refused, ...] = ()  #: never handed to an enforcer: a terminal failure
 
 
 class Release(msgspec.Struct, frozen=True, kw_only=True):
@@ -130,16 +142,28 @@ class Written(msgspec.Struct, kw_only=True):
             messages.append(message)
 
 
-def decide_work(state: ClusterState, node: str, messages: Sequence[Envelope]) -> list[Task]:
-    """What ``messages`` ask of ``node``, as the folded ``state`` demands it."""
+def decide_work(
+    state: ClusterState,
+    node: str,
+    messages: Sequence[Envelope],
+    enforcing: Mapping[str, ShareLimit],
+) -> list[Task]:
+    """What ``messages`` ask of ``node``, as the folded ``state`` demands it.
+
+    ``enforcing``: the limits the agent has in force now, by share id (what it applied
+    and has not removed); a new limit must fit its device's total together with them.
+    """
     tasks: list[Task] = []
+    counted = dict(enforcing)  # grows with every limit this group will apply
     for env in messages:
         event = env.event
         task: Task | None = None
         if isinstance(event, AllocationBound) and event.node == node:
-            task = _enforce(state, node, env.event_id, event)
+            task = _enforce(state, node, env.event_id, event, counted)
         elif isinstance(event, ReleaseRequested) and event.node == node:
             task = _release(state, node, env.event_id, event)
+            for released in task.released if isinstance(task, Release) else ():
+                counted.pop(released.share_id, None)  # removed before later tasks run
         if task is not None:
             tasks.append(task)
     return tasks
@@ -149,18 +173,77 @@ def _mine(share: ShareState | None, node: str) -> bool:
     return share is not None and share.node in (None, node)
 
 
-def _enforce(state: ClusterState, node: str, message: str, event: AllocationBound) -> Task | None:
-    limits = []
+def _enforce(
+    state: ClusterState,
+    node: str,
+    message: str,
+    event: AllocationBound,
+    counted: dict[str, ShareLimit],
+) -> Task | None:
+    limits: list[ShareLimit] = []
+    refused: list[Refused] = []
     for share_id in event.share_ids:
         share = state.shares.get(share_id)
         if share is None or not _mine(share, node) or share.state not in _APPLICABLE:
             continue
-        if share.allocation_version == event.allocation_version:
-            limits.append(limit_of(share))
-    if not limits:
+        if share.allocation_version != event.allocation_version:
+            continue
+        limit = limit_of(share)
+        reason = overcommit(state, counted, limit)
+        if reason is not None:
+            refused.append(Refused(share_id=share_id, reason=reason))
+            continue
+        limits.append(limit)
+        counted[share_id] = limit
+    if not limits and not refused:
         return None
-    guard = claim_stream(event.namespace, event.name)
-    return Enforce(message=message, guard=guard, limits=tuple(limits), shares=len(event.share_ids))
+    return Enforce(
+        message=message,
+        guard=claim_stream(event.namespace, event.name),
+        limits=tuple(limits),
+        shares=len(event.share_ids),
+        refused=tuple(refused),
+    )
+
+
+def overcommit(
+    state: ClusterState, enforcing: Mapping[str, ShareLimit], limit: ShareLimit
+) -> str | None:
+    """Why ``limit`` may not be applied next to ``enforcing``; ``None`` when it fits.
+
+    Per capacity ``limit`` consumes, the amounts of the non-admin limits in
+    ``enforcing`` on the same device (``limit``'s own share not counted twice) plus
+    ``limit``'s must be at most the device's total in the folded ``state``. A device
+    or capacity the log does not publish has no total to fit in: refused too.
+    """
+    if limit.admin_access or not limit.consumed:
+        return None
+    key: DeviceKey = (limit.driver, limit.pool, limit.device)
+    where = "/".join(key)
+    device = state.devices.get(key)
+    if device is None:
+        return f"refused: device {where} is not published"
+    others = [
+        other
+        for share_id, other in enforcing.items()
+        if share_id != limit.share_id
+        and not other.admin_access
+        and (other.driver, other.pool, other.device) == key
+    ]
+    for capacity, asked in sorted(limit.consumed.items()):
+        total = device.total.get(capacity)
+        if total is None:
+            return f"refused: device {where} publishes no capacity {capacity!r}"
+        held = [o.consumed[capacity] for o in others if capacity in o.consumed]
+        enforced = Quantity(sum(q.nanos for q in held), total.format)
+        if enforced.nanos + asked.nanos > total.nanos:
+            wanted = Quantity(enforced.nanos + asked.nanos, total.format)
+            return (
+                f"refused: device {where} {capacity}: enforcing {enforced.canonical()} "
+                f"({len(held)} share(s)) + asked {asked.canonical()} = {wanted.canonical()} "
+                f"> total {total.canonical()}"
+            )
+    return None
 
 
 def _release(state: ClusterState, node: str, message: str, event: ReleaseRequested) -> Task | None:
@@ -209,6 +292,11 @@ def record(
                 event = _applied(node, limit.share_id, outcomes[limit.share_id])
                 applied += isinstance(event, LimitApplied)
                 out.add(stream, versions[stream], event, task.message)
+            for refusal in task.refused:
+                failed = LimitFailed(
+                    share_id=refusal.share_id, node=node, retryable=False, reason=refusal.reason
+                )
+                out.add(stream, versions[stream], failed, task.message)
             out.add(task.guard, versions[task.guard], None, task.message)
             if applied:
                 out.ready[task.message] = applied == task.shares

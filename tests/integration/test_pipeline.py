@@ -23,6 +23,7 @@ import yaml
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from events.actors import Actor
 from events.catalog import (
     AllocationBound,
     CapacityReleased,
@@ -30,14 +31,18 @@ from events.catalog import (
     ClaimAdmitted,
     Envelope,
     LimitApplied,
+    LimitFailed,
     LimitRemoved,
     NamespaceAccessSet,
     NodeFenced,
+    NodeLeaseExpired,
     ReleaseRequested,
     claim_stream,
     encode_event,
+    stream_of,
 )
 from events.fold import ClusterState
+from events.quantities import Quantity
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent
@@ -53,7 +58,7 @@ from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.consuming import HandlerContext
-from services.runtime.eventstore import EventStore
+from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import REGISTRY
 from services.runtime.relaying import Relay
@@ -649,6 +654,110 @@ async def test_forged_events_on_the_bus_change_nothing(
 def metric_of(consumer: str) -> float:
     sample = REGISTRY.get_sample_value("dracap_unconfirmed_messages_total", {"consumer": consumer})
     return sample or 0.0
+
+
+# --- the last line of defense -----------------------------------------------------------------
+
+
+class RecordingEnforcer(NoneEnforcer):
+    """Applies as :class:`NoneEnforcer` does and remembers every share it was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+
+    async def apply(self, limit: ShareLimit) -> AppliedLimit:
+        self.asked.append(limit.share_id)
+        return await super().apply(limit)
+
+
+async def forge_grant(
+    store: EventStore, like: list[Envelope], name: str, memory: str
+) -> tuple[str, list[Envelope]]:
+    """Append, as a reservation worker would, a grant of ``memory`` for claim ``name``.
+
+    A copy of the reservation and binding in ``like`` (one share) with a new claim,
+    ShareID and amount: the allocator and its view of the device are bypassed; the
+    database's guards still run. Returns the ShareID and the appended envelopes.
+    """
+    reserved = next(e.event for e in like if isinstance(e.event, CapacityReserved))
+    bound = next(e.event for e in like if isinstance(e.event, AllocationBound))
+    assert isinstance(reserved, CapacityReserved) and isinstance(bound, AllocationBound)
+    share_id = str(uuid.uuid4())
+    consumed = {"memory": Quantity.parse(memory)}
+    devices = bound.allocation.devices
+    assert devices is not None and devices.results is not None
+    results = [
+        msgspec.structs.replace(r, share_id=share_id, consumed_capacity=consumed)
+        for r in devices.results
+    ]
+    allocation = msgspec.structs.replace(
+        bound.allocation, devices=msgspec.structs.replace(devices, results=results)
+    )
+    events: list[Any] = [
+        msgspec.structs.replace(reserved, name=name, share_id=share_id, consumed=consumed),
+        msgspec.structs.replace(bound, name=name, share_ids=[share_id], allocation=allocation),
+    ]
+    batches = [
+        Batch(stream_of(events[0]), None, events[:1]),
+        Batch(stream_of(events[1]), 0, events[1:]),
+    ]
+    actor = str(Actor.system("reservation-0"))
+    return share_id, await store.append_many(batches, Metadata(actor=actor))
+
+
+async def test_the_agent_refuses_to_overcommit_whatever_it_is_asked(
+    pipeline: Pipeline, settings: Settings
+) -> None:
+    """Invariant 12: the control plane asks for more than the device holds; the agent says no.
+
+    The forgery the database cannot stop: node-a's lease expires and the node is fenced
+    (as the reclamation service would log it), so the log and the ledger release a
+    30Gi share the agent — alive, cut off from the control plane — still enforces. A
+    reservation worker then grants 20Gi of the same 40Gi device (the ledger sees
+    20Gi of 40Gi used: its CHECK passes). The agent counts what it enforces: 30Gi +
+    20Gi > 40Gi, so it never calls the enforcer for that share, records a terminal
+    ``LimitFailed`` with the amounts, and the claim fails. A grant that fits what is
+    enforced (10Gi: exactly 40Gi) is applied as usual.
+    """
+    agent = pipeline.agents[0]
+    enforcer = agent.enforcer = RecordingEnforcer()
+    held_manifest = claim_manifest("held", "tenant-a", "30Gi")
+    assert (await pipeline.tenant("tenant-a", "apply", held_manifest))["ok"]
+    await pipeline.until(phase_is("tenant-a", "held", "ready"))
+    state = await pipeline.state()
+    held_claim = state.claim("tenant-a", "held")
+    assert held_claim is not None
+    (held,) = held_claim.share_ids
+    where = "/".join(state.shares[held].device_key)
+    assert held in agent.enforcing and enforcer.asked == [held]
+    store = pipeline.stores[0]
+    like = [e async for e in store.read_all() if getattr(e.event, "name", None) == "held"]
+
+    fence = [NodeLeaseExpired(node=NODE, epoch=1), NodeFenced(node=NODE, epoch=1)]
+    reclaimer = Metadata(actor=str(Actor.system("reclamation-0")))
+    await store.append_many([Batch(stream_of(fence[0]), None, fence)], reclaimer)
+    await pipeline.until(lambda st: st.shares[held].state == "released")
+    assert held in agent.enforcing  # nobody told the agent: the limit is still in force
+
+    over, _ = await forge_grant(store, like, "over", "20Gi")
+    await pipeline.until(phase_is("tenant-a", "over", "failed", "ready"))
+    fits, _ = await forge_grant(store, like, "fits", "10Gi")
+    await pipeline.until(phase_is("tenant-a", "fits", "failed", "ready"))
+    assert (await pipeline.state()).claim("tenant-a", "fits").phase == "ready"  # type: ignore[union-attr]
+
+    assert enforcer.asked == [held, fits]  # never asked to apply the share that overcommits
+    log = [e.event async for e in store.read_all()]
+    assert not [e for e in log if isinstance(e, LimitApplied) and e.share_id == over]
+    (failed,) = [e for e in log if isinstance(e, LimitFailed) and e.share_id == over]
+    assert not failed.retryable
+    assert failed.reason == (
+        f"refused: device {where} memory: enforcing 30Gi (1 share(s)) + asked 20Gi = 50Gi "
+        "> total 40Gi"
+    )
+    claim = (await pipeline.state()).claim("tenant-a", "over")
+    assert claim is not None and claim.phase == "failed" and claim.reason == failed.reason
+    await assert_verified(settings)
 
 
 # --- one tenant's expensive selector ---------------------------------------------------------

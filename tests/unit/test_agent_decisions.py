@@ -29,12 +29,14 @@ from services.enforcement.decisions import (
     set_aside,
     streams_to_check,
 )
-from services.enforcement.enforcers import AppliedLimit
+from services.enforcement.enforcers import AppliedLimit, ShareLimit
 from services.enforcement.reconciling import ReconcilePlan
-from tests.unit.allocator_fixtures import claim, request
-from tests.unit.decision_fixtures import NAMESPACE, NODE, Log, describe, gpu, inventory
+from tests.unit.allocator_fixtures import DRIVER, claim, request
+from tests.unit.decision_fixtures import NAMESPACE, NODE, POOL, Log, describe, gpu, inventory
 
 BROKEN = Failed(retryable=False, reason="tc: no such device")
+GPU0 = f"{DRIVER}/{POOL}/gpu-0"
+ONE_BYTE_OVER_30GI = str(30 * 2**30 + 1)
 T1 = datetime.datetime(2025, 1, 2, tzinfo=datetime.UTC)
 
 
@@ -49,6 +51,9 @@ class Case:
     node: str = NODE
     ready: dict[str, bool] = field(default_factory=dict)  # claim -> all its shares applied
     released: list[str] = field(default_factory=list)  # claims released
+    #: what the agent enforces before the messages: "held-1" (a share of the story) or
+    #: "<share> <device> <memory> [admin]" (a limit the log no longer counts, e.g. fenced)
+    enforcing: list[str] = field(default_factory=list)
 
 
 CASES = [
@@ -149,7 +154,107 @@ CASES = [
         ready={"c2": True},
         released=["c1"],
     ),
+    # -- last line of defense: never past a device's total, counting what is enforced
+    Case(
+        "a-share-that-fills-the-device-exactly-to-its-total-is-applied",
+        ["reserve c1"],
+        ["bound c1"],
+        ["apply held-1"],
+        ["node node-a@0: LimitApplied held-1 hard memory=10Gi", "claim c1@3: (version check)"],
+        ready={"c1": True},
+        enforcing=["ghost-1 gpu-0 30Gi"],
+    ),
+    Case(
+        "one-unit-past-the-total-is-refused-naming-the-amounts",
+        ["reserve c1"],
+        ["bound c1"],
+        [],
+        [
+            f"node node-a@0: LimitFailed held-1 permanent: refused: device {GPU0} memory: "
+            f"enforcing {ONE_BYTE_OVER_30GI} (1 share(s)) + asked 10Gi = "
+            f"{40 * 2**30 + 1} > total 40Gi",
+            "claim c1@3: (version check)",
+        ],
+        enforcing=[f"ghost-1 gpu-0 {ONE_BYTE_OVER_30GI}"],
+    ),
+    Case(
+        "a-share-already-enforced-is-not-counted-twice-when-applied-again",
+        ["reserve c1"],
+        ["bound c1"],
+        ["apply held-1"],
+        ["node node-a@0: LimitApplied held-1 hard memory=10Gi", "claim c1@3: (version check)"],
+        ready={"c1": True},
+        enforcing=["held-1", "ghost-1 gpu-0 30Gi"],
+    ),
+    Case(
+        "what-another-device-enforces-does-not-count",
+        ["reserve c1"],
+        ["bound c1"],
+        ["apply held-1"],
+        ["node node-a@0: LimitApplied held-1 hard memory=10Gi", "claim c1@3: (version check)"],
+        ready={"c1": True},
+        enforcing=["ghost-1 gpu-1 40Gi"],
+    ),
+    Case(
+        "an-admin-access-share-consumes-nothing-and-does-not-count",
+        ["reserve c1"],
+        ["bound c1"],
+        ["apply held-1"],
+        ["node node-a@0: LimitApplied held-1 hard memory=10Gi", "claim c1@3: (version check)"],
+        ready={"c1": True},
+        enforcing=["ghost-1 gpu-0 40Gi admin"],
+    ),
+    Case(
+        "a-share-released-earlier-in-the-group-no-longer-counts",
+        ["reserve c1", "ready c1", "release c1", "reserve c2"],
+        ["release c1", "bound c2"],
+        ["remove held-1", "apply held-2"],
+        [
+            "node node-a@1: LimitRemoved held-1",
+            "node node-a@1: LimitApplied held-2 hard memory=10Gi",
+            "device gpu-0@None: CapacityReleased held-1 v1",
+            "claim c2@3: (version check)",
+        ],
+        ready={"c2": True},
+        released=["c1"],
+        enforcing=["held-1", "ghost-1 gpu-0 30Gi"],
+    ),
+    Case(
+        "a-share-applied-earlier-in-the-group-counts-for-the-next",
+        ["reserve c1", "reserve c2"],
+        ["bound c1", "bound c2"],
+        ["apply held-1"],
+        [
+            "node node-a@0: LimitApplied held-1 hard memory=10Gi",
+            f"node node-a@0: LimitFailed held-2 permanent: refused: device {GPU0} memory: "
+            "enforcing 35Gi (2 share(s)) + asked 10Gi = 45Gi > total 40Gi",
+            "claim c1@3: (version check)",
+            "claim c2@3: (version check)",
+        ],
+        ready={"c1": True},
+        enforcing=["ghost-1 gpu-0 25Gi"],
+    ),
 ]
+
+
+def _enforcing(log: Log, lines: list[str]) -> dict[str, ShareLimit]:
+    shares = log.state().shares
+    out: dict[str, ShareLimit] = {}
+    for line in lines:
+        share_id, *rest = line.split()
+        if not rest:
+            out[share_id] = limit_of(shares[share_id])
+            continue
+        device, memory, *admin = rest
+        out[share_id] = ShareLimit(
+            share_id=share_id,
+            driver=DRIVER,
+            pool=POOL,
+            device=device,
+            consumed={"memory": Quantity.parse(memory)},
+            admin_access=bool(admin),
+        )
+    return out
 
 
 def _tell(story: list[str]) -> Log:
@@ -203,7 +308,7 @@ def test_agent_work(case: Case) -> None:
     log = _tell(case.story)
     messages = [_message(log, line) for line in case.messages]
     names = {env.event_id: env.event.name for env in messages}  # type: ignore[union-attr]
-    tasks = decide_work(log.state(), case.node, messages)
+    tasks = decide_work(log.state(), case.node, messages, _enforcing(log, case.enforcing))
     calls: list[str] = []
     outcomes: dict[str, AppliedLimit | Failed] = {}
     for task in tasks:  # what the loop does with a fake enforcer
