@@ -8,6 +8,7 @@ phase says what the test waits for (a condition, never a delay).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import uuid
@@ -20,8 +21,10 @@ import pytest
 import yaml
 
 from events.subjects import BusNames
+from services import cli
 from services.claims.command import follow
-from services.runtime.apiclient import ApiClient
+from services.exitcodes import ExitCode
+from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
 from services.up import Stack, load_inventory, read_inventory
@@ -144,3 +147,71 @@ async def test_a_device_flipped_to_dedicated_is_given_exclusively_only_after_its
     beside = (await api.claims(NAMESPACE, "get", {"name": "beside"}))["claim"]
     assert beside["phase"] == "unschedulable" and not beside["shares"]
     assert (await view_when(api, "sharer", lambda v: v["phase"] == "released"))["shares"]
+
+
+# --- (b) a request policy changed as an operation ---------------------------------------------
+
+
+async def dracap(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run ``dracap ARGV`` (in a thread: the CLI runs its own event loop)."""
+    capsys.readouterr()
+    code = await asyncio.to_thread(cli.main, list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+async def test_a_policy_change_keeps_old_shares_and_rounds_new_claims_up_to_the_new_min(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api = cluster.api
+    await api.claims(NAMESPACE, "apply", claim_doc("before", "5Gi"))
+    [old] = (await view_when(api, "before", _ready))["shares"]
+    assert old["consumed"] == {"memory": "5Gi"}
+
+    where = ["--driver", GPU_CLASS, "--pool", "node-a-gpus", "--device", "gpu-0"]
+    setting = ["policy", "set", *where, "--capacity", "memory", "--min", "10Gi", "--step", "5Gi"]
+    code, out, err = await dracap(capsys, *setting, "--max", "40Gi", *cluster.flags)
+    assert code == 0, err
+    assert "set (v2)" in out
+
+    await api.claims(NAMESPACE, "apply", claim_doc("after", "5Gi"))
+    [new] = (await view_when(api, "after", _ready))["shares"]
+    assert new["consumed"] == {"memory": "10Gi"}  # rounded up to the new min, as upstream
+    [still] = (await api.claims(NAMESPACE, "get", {"name": "before"}))["claim"]["shares"]
+    assert still["consumed"] == {"memory": "5Gi"}
+
+    code, out, err = await dracap(capsys, "devices", "--policies", "-o", "json", *cluster.flags)
+    assert code == 0, err
+    [device] = json.loads(out)
+    assert device["policy_version"] == 2
+    assert device["policies"] == [
+        {"capacity": "memory", "version": 2, "policy": "default 10Gi, min 10Gi, step 5Gi, max 40Gi"}
+    ]
+    shares = {s["claim"]: s for s in device["shares"]}
+    assert shares[f"{NAMESPACE}/before"]["policy_version"] == 1
+    assert shares[f"{NAMESPACE}/before"]["consumed"] == {"memory": "5Gi"}
+    assert shares[f"{NAMESPACE}/before"]["policies"] == {
+        "memory": "default 5Gi, min 5Gi, step 5Gi, max 40Gi"
+    }
+    assert shares[f"{NAMESPACE}/after"]["policy_version"] == 2
+    assert shares[f"{NAMESPACE}/after"]["consumed"] == {"memory": "10Gi"}
+    code, out, _ = await dracap(capsys, "devices", "--policies", *cluster.flags)
+    assert code == 0 and "v2 now" in out and old["share_id"] in out and "v1" in out
+
+
+async def test_a_policy_set_for_an_unknown_capacity_or_breaking_a_rule_is_refused(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    change = {"driver": GPU_CLASS, "pool": "node-a-gpus", "device": "gpu-0", "capacity": "cores"}
+    with pytest.raises(ApiError) as unknown:
+        await cluster.api.admin("policies.set", {**change, "policy": None})
+    assert (unknown.value.code, unknown.value.field) == ("not_found", "capacity")
+    bad = {"default": "5Gi", "validRange": {"min": "50Gi"}}
+    with pytest.raises(ApiError) as invalid:
+        await cluster.api.admin("policies.set", {**change, "capacity": "memory", "policy": bad})
+    assert (invalid.value.code, invalid.value.field) == ("invalid", "policy.validRange.min")
+    where = ["--driver", GPU_CLASS, "--pool", "node-a-gpus", "--device", "gpu-9"]
+    code, _, err = await dracap(
+        capsys, "policy", "set", *where, "--capacity", "memory", "--min", "10Gi", *cluster.flags
+    )
+    assert code == ExitCode.NOT_FOUND and "device" in err
