@@ -41,8 +41,8 @@ the device policy version it came with, and every live share with the version (a
 so the policy) it was granted under (admin API ``policies.list``). ``policy set
 --driver D --pool P --device X --capacity C [--default Q] [--min Q] [--step Q]
 [--max Q] [--values Q,Q,..] [--none]`` gives one device capacity a new request
-policy (``--default`` defaults to ``--min``) (admin API ``policies.set``): a new policy version for the device; shares
-granted earlier keep theirs. All take ``-o table|json|yaml``.
+policy (``--default`` defaults to ``--min``; admin API ``policies.set``): a new
+policy version for the device; shares granted earlier keep theirs. All take ``-o table|json|yaml``.
 """
 
 from __future__ import annotations
