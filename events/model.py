@@ -365,3 +365,22 @@ def object_ref(obj: Manifest) -> str:
     if meta.namespace:
         return f"{kind} {meta.namespace}/{meta.name}"
     return f"{kind} {meta.name}"
+
+
+def describe_policy(policy: CapacityRequestPolicy | None) -> str:
+    """A short human-readable form of a policy, for reasons and tables."""
+    if policy is None:
+        return "no policy"
+    parts: list[str] = []
+    if policy.default is not None:
+        parts.append(f"default {policy.default}")
+    if policy.valid_range is not None:
+        rng = policy.valid_range
+        parts.append(f"min {rng.min}")
+        if rng.step is not None:
+            parts.append(f"step {rng.step}")
+        if rng.max is not None:
+            parts.append(f"max {rng.max}")
+    if policy.valid_values:
+        parts.append("values " + "/".join(str(v) for v in policy.valid_values))
+    return ", ".join(parts) or "empty policy"

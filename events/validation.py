@@ -818,3 +818,22 @@ def validate(obj: model.Manifest, gates: FeatureGates = DEFAULT_GATES) -> None:
             validate_namespace(obj, gates)
         case _:
             raise TypeError(f"cannot validate {type(obj).__name__}")
+
+
+# --- a request policy on its own (the admin API's policies.set) ---------------------------------
+
+
+def validate_capacity_policy(
+    ref: str,
+    path: str,
+    capacity: model.DeviceCapacity,
+    multiple: bool,
+    gates: FeatureGates = DEFAULT_GATES,
+) -> None:
+    """Check one capacity's request policy by the rules a ResourceSlice's must meet.
+
+    ``path`` is the field path of the capacity (``policy`` errors name
+    ``{path}.requestPolicy...``); ``multiple``: whether the device allows multiple
+    allocations (a policy is forbidden otherwise).
+    """
+    _capacity(_Checker(ref, gates), path, capacity, multiple)

@@ -37,6 +37,7 @@ COMMANDS: Final = {
     "up": "services.up",
     "claim": "services.claims.command",
     "devices": "services.claims.command",
+    "policy": "services.claims.command",
     "agent": "services.enforcement.command",
     "prove": "services.prove",
     "auth": "services.brokerauth",

@@ -18,6 +18,13 @@ already holds are skipped, so re-applying an inventory records nothing.
   and the amount allocated. The same refusal answers the capacity ledger's CHECK when
   a reservation won the race (:data:`LEDGER_REFUSED` when the state read afterwards
   no longer shows why).
+* :func:`decide_policy` (``policies.set``): ``RequestPolicyChanged`` for one device
+  capacity under the device's next policy version (current + 1), when the policy
+  differs from the one in force; a device or capacity the state does not hold is
+  ``not_found`` naming the field (``device`` / ``capacity``), a policy that breaks a rule
+  a ResourceSlice's would break is ``invalid`` naming the field (``policy.validRange.min``)
+  and the rule. Shares granted earlier keep the version (and so the policy) they were
+  granted under; claims decided afterwards use the new one.
 * :func:`decide_access`: ``NamespaceAccessSet`` when anything of the namespace's
   record changes (classes, adminAccess, opaque-config classes, quota, requests per
   claim: :class:`events.tenancy.NamespacePolicy`). The request is the whole record:
@@ -44,11 +51,15 @@ from events.catalog import (
     Event,
     NamespaceAccessSet,
     ReleaseRequested,
+    RequestPolicyChanged,
     ResourceSlicePublished,
 )
+from events.errors import ValidationError
+from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClaimState, ClusterState
-from events.model import DeviceClass, ResourceSlice
+from events.model import CapacityRequestPolicy, DeviceCapacity, DeviceClass, ResourceSlice
 from events.quantities import Quantity
+from events.validation import validate_capacity_policy
 from services.claims.admission import Refusal
 
 __all__ = [
@@ -56,11 +67,13 @@ __all__ = [
     "LEDGER_REFUSED",
     "AdminWrite",
     "Deletion",
+    "PolicyChange",
     "access_classes",
     "below_allocated",
     "decide_access",
     "decide_classes",
     "decide_delete",
+    "decide_policy",
     "decide_slices",
     "ledger_refusal",
 ]
@@ -158,6 +171,75 @@ def decide_access(
     ):
         return AdminWrite(unchanged=(namespace,))
     return AdminWrite(events=(event,), applied=(namespace,))
+
+
+class PolicyChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``policies.set`` request: the new request policy of one device capacity.
+
+    ``policy`` has the shape of a ResourceSlice's ``requestPolicy``; ``None`` removes it.
+    """
+
+    driver: str
+    pool: str
+    device: str
+    capacity: str
+    policy: CapacityRequestPolicy | None = None
+
+
+def decide_policy(
+    state: ClusterState, change: PolicyChange, gates: FeatureGates = DEFAULT_GATES
+) -> AdminWrite:
+    """Record a capacity's new request policy under the device's next policy version."""
+    where = f"{change.driver}/{change.pool}/{change.device}"
+    dev = state.device(change.driver, change.pool, change.device)
+    if dev is None or not dev.present:
+        return AdminWrite(refusal=_not_found("device", f"no published device {where}"))
+    total = dev.total.get(change.capacity)
+    if total is None:
+        known = ", ".join(sorted(dev.total)) or "none"
+        detail = f"device {where} has no capacity {change.capacity!r} (it has: {known})"
+        return AdminWrite(refusal=_not_found("capacity", detail))
+    capacity = DeviceCapacity(value=total, request_policy=change.policy)
+    try:
+        validate_capacity_policy(
+            f"device {where}", "capacity", capacity, dev.allow_multiple_allocations, gates
+        )
+    except ValidationError as exc:
+        return AdminWrite(refusal=_invalid_policy(exc))
+    name = f"{where}/{change.capacity}"
+    if change.capacity in dev.policies and dev.policies[change.capacity] == change.policy:
+        return AdminWrite(unchanged=(name,))
+    event = RequestPolicyChanged(
+        driver=change.driver,
+        pool=change.pool,
+        device=change.device,
+        capacity=change.capacity,
+        policy=change.policy,
+        policy_version=dev.policy_version + 1,
+    )
+    return AdminWrite(events=(event,), applied=(name,))
+
+
+def _not_found(field: str, detail: str) -> Refusal:
+    return Refusal(
+        code="not_found",
+        kind="unknown-device",
+        field=field,
+        rule="must name a published device and one of its capacities",
+        message=f"{field}: {detail}",
+        detail=detail,
+    )
+
+
+def _invalid_policy(exc: ValidationError) -> Refusal:
+    field = "policy" + exc.field.removeprefix("capacity.requestPolicy")
+    return Refusal(
+        code="invalid",
+        kind="invalid-policy",
+        field=field,
+        rule=exc.rule,
+        message=f"{exc.obj}: {field}: {exc.rule}",
+    )
 
 
 def decide_delete(state: ClusterState, namespace: str, name: str) -> Deletion:

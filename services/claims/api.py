@@ -11,7 +11,8 @@ namespace's subjects (invariant 10); this service never trusts a namespace from 
 payload.
 
 Admin endpoints listen on ``names.admin(op)`` for ``deviceclasses.apply``,
-``slices.apply``, ``namespaces.access`` and ``devices.list``.
+``slices.apply``, ``namespaces.access``, ``policies.set``, ``policies.list`` and
+``devices.list``.
 
 Every reply is JSON (:mod:`services.claims.views`): ``{"ok": true, ...}`` or
 ``{"ok": false, "error": {code, field, rule, message}}`` with code ``invalid``,
@@ -44,6 +45,10 @@ claim). What is recorded:
   the device (naming device, capacity, the total asked and the amount allocated):
   decided on the live state, and the same answer when the capacity ledger's CHECK
   refuses the append because a reservation won the race.
+* ``policies.set`` records ``RequestPolicyChanged`` (one device capacity, the device's
+  next policy version: :func:`services.claims.adminwrites.decide_policy`), appended
+  with the device stream's expected version like a tenant write, so a reservation
+  committed meanwhile makes it decide again on the fresh state.
 
 :mod:`services.claims.adminwrites` holds the rules of delete and the admin writes.
 
@@ -80,6 +85,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
+from events import model
 from events.actors import Actor
 from events.catalog import (
     CapacityReleased,
@@ -95,6 +101,7 @@ from events.catalog import (
     ShareConfirmed,
     ShareMarkedUnknown,
     claim_stream,
+    device_stream,
     stream_of,
 )
 from events.errors import ValidationError
@@ -109,10 +116,12 @@ from events.tenancy import NamespacePolicy, check_policy
 from events.validation import DNS_SUBDOMAIN_RULE, is_dns_subdomain
 from services.claims.adminwrites import (
     AdminWrite,
+    PolicyChange,
     access_classes,
     decide_access,
     decide_classes,
     decide_delete,
+    decide_policy,
     decide_slices,
     ledger_refusal,
 )
@@ -130,6 +139,7 @@ from services.claims.views import (
     device_views,
     error_reply,
     ok_reply,
+    policy_views,
     tenant_device_views,
 )
 from services.runtime.committing import GroupCommitter
@@ -147,7 +157,14 @@ log = logging.getLogger("dracap.claims")
 TENANT_OPS: Final = ("apply", "get", "list", "delete", "watch", "devices")
 #: Applies of one namespace that may wait for the selector pool at once (see apply).
 CHECKS_PER_NAMESPACE: Final = 4
-ADMIN_OPS: Final = ("deviceclasses.apply", "slices.apply", "namespaces.access", "devices.list")
+ADMIN_OPS: Final = (
+    "deviceclasses.apply",
+    "slices.apply",
+    "namespaces.access",
+    "policies.set",
+    "policies.list",
+    "devices.list",
+)
 _HIDDEN_FROM_LIST: Final = frozenset({"withdrawn", "released"})
 _NODE_WIDE: Final = (NodeLeaseExpired, NodeFenced)  # a tuple: no union object per call
 _SHARE_EVENTS: Final = (
@@ -208,7 +225,7 @@ async def _done(reply: bytes) -> bytes:
 
 def _decode(data: bytes, typ: type[Any]) -> Any:
     try:
-        return msgspec.json.decode(data or b"{}", type=typ)
+        return msgspec.json.decode(data or b"{}", type=typ, dec_hook=model.decode_hook)
     except msgspec.ValidationError as exc:
         raise _InvalidRequestError(_field_of(str(exc)), str(exc)) from None
     except msgspec.DecodeError as exc:
@@ -296,6 +313,8 @@ class ClaimsApi:
             "deviceclasses.apply": self.apply_classes,
             "slices.apply": self.apply_slices,
             "namespaces.access": self.set_access,
+            "policies.set": self.set_policy,
+            "policies.list": self.list_policies,
             "devices.list": self.list_devices,
         }
         for op, afn in admin.items():
@@ -642,6 +661,35 @@ class ClaimsApi:
             opaque_config_classes=access_classes(request.opaque_config_classes),
         )
         return ok_reply(**msgspec.structs.asdict(recorded))
+
+    async def set_policy(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``policies.set``: a device capacity's new request policy, under a new version."""
+        change: PolicyChange = _decode(data, PolicyChange)
+        stream = device_stream(change.driver, change.pool, change.device)
+        who = actor or Actor.anonymous(None)
+        for attempt in range(self.max_attempts):
+            await self._fresh(attempt)
+            async with self.live.frozen() as state:
+                write = decide_policy(state, change, self.gates)
+                version = await self.live.stream_version(stream)
+            if write.refusal is not None:
+                return _refusal_reply(write.refusal)
+            if write.events:
+                try:
+                    await self._append(stream, version, list(write.events), who)
+                except ConflictError:
+                    continue
+            dev = (await self.live.fresh(SEEN)).device(change.driver, change.pool, change.device)
+            return ok_reply(
+                applied=list(write.applied),
+                unchanged=list(write.unchanged),
+                policy_version=dev.policy_version if dev is not None else None,
+            )
+        return error_reply("conflict", "the device kept changing while its policy was set; retry")
+
+    async def list_policies(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``policies.list``: each device's policies and the versions its live shares hold."""
+        return ok_reply(devices=policy_views(await self.live.fresh(SEEN)))
 
     async def list_devices(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``devices.list``: every device with its capacity, shares and tenants."""

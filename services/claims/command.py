@@ -36,7 +36,13 @@ change until Ctrl-C or ``--timeout``. ``devices`` prints one row per device and
 capacity: total, consumed, free, shares and tenants (the operator's view, admin API);
 ``devices -n NS`` is the tenant's view (tenant API ``claims.devices``): only devices of
 classes the namespace may use, total and free, and the attributes those classes
-allow-list. All take ``-o table|json|yaml``.
+allow-list. ``devices --policies`` lists each device capacity's request policy with
+the device policy version it came with, and every live share with the version (and
+so the policy) it was granted under (admin API ``policies.list``). ``policy set
+--driver D --pool P --device X --capacity C [--default Q] [--min Q] [--step Q]
+[--max Q] [--values Q,Q,..] [--none]`` gives one device capacity a new request
+policy (``--default`` defaults to ``--min``; admin API ``policies.set``): a new
+policy version for the device; shares granted earlier keep theirs. All take ``-o table|json|yaml``.
 """
 
 from __future__ import annotations
@@ -346,12 +352,88 @@ async def _delete(api: ApiClient, args: argparse.Namespace) -> int:
 
 
 async def _devices(api: ApiClient, args: argparse.Namespace) -> int:
+    if args.policies:
+        if args.namespace:
+            raise CommandError("--policies is the operator's view: no -n", ExitCode.BAD_INPUT)
+        listed = (await api.admin("policies.list"))["devices"]
+        emit(args.output, listed, lambda: table(POLICY_HEADER, policy_rows(listed)))
+        return ExitCode.OK
     if args.namespace:  # the tenant's view, on the tenant's own subject
         mine = (await api.claims(args.namespace, "devices"))["devices"]
         emit(args.output, mine, lambda: table(TENANT_DEVICE_HEADER, tenant_device_rows(mine)))
         return ExitCode.OK
     devices = (await api.admin("devices.list"))["devices"]
     emit(args.output, devices, lambda: table(DEVICE_HEADER, device_rows(devices)))
+    return ExitCode.OK
+
+
+POLICY_HEADER: Final = ("DEVICE", "VERSION", "CAPACITY", "POLICY", "SHARE", "CLAIM", "CONSUMED")
+
+
+def policy_rows(devices: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """Per device: its policies now (``vN now``), then each live share (``vN``)."""
+    rows = []
+    for d in devices:
+        name = f"{d['pool']}/{d['device']}"
+        for p in d["policies"]:
+            rows.append([name, f"v{p['version']} now", p["capacity"], p["policy"], "-", "-", "-"])
+            name = ""
+        for share in d["shares"]:
+            for capacity, policy in sorted(share["policies"].items()):
+                consumed = share["consumed"].get(capacity, "-")
+                rows.append(
+                    [
+                        "",
+                        f"v{share['policy_version']}",
+                        capacity,
+                        policy,
+                        share["share_id"],
+                        share["claim"],
+                        consumed,
+                    ]
+                )
+    return rows
+
+
+def policy_of(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``requestPolicy`` the flags of ``policy set`` describe (``None``: ``--none``)."""
+    if args.none:
+        if any(v is not None for v in (args.default, args.min, args.step, args.max, args.values)):
+            raise CommandError("--none takes no other policy flag", ExitCode.BAD_INPUT)
+        return None
+    policy: dict[str, Any] = {}
+    if args.default is not None:
+        policy["default"] = args.default
+    if args.values is not None:
+        policy["validValues"] = [v.strip() for v in args.values.split(",") if v.strip()]
+    if args.min is not None:
+        policy.setdefault("default", args.min)  # validRange needs one; min is always valid
+        policy["validRange"] = {"min": args.min}
+        for flag in ("step", "max"):
+            if getattr(args, flag) is not None:
+                policy["validRange"][flag] = getattr(args, flag)
+    elif args.step is not None or args.max is not None:
+        raise CommandError("--step and --max need --min", ExitCode.BAD_INPUT)
+    if not policy:
+        raise CommandError(
+            "give --min (and --default, --step, --max), --values or --none", ExitCode.BAD_INPUT
+        )
+    return policy
+
+
+async def _set_policy(api: ApiClient, args: argparse.Namespace) -> int:
+    change = {
+        "driver": args.driver,
+        "pool": args.pool,
+        "device": args.device,
+        "capacity": args.capacity,
+        "policy": args.policy,
+    }
+    reply = await api.admin("policies.set", change)
+    done = {k: reply[k] for k in ("applied", "unchanged", "policy_version")}
+    where = f"{args.driver}/{args.pool}/{args.device} {args.capacity}"
+    state = "unchanged" if reply["unchanged"] else "set"
+    emit(args.output, done, lambda: f"policy of {where} {state} (v{reply['policy_version']})")
     return ExitCode.OK
 
 
@@ -368,6 +450,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "filename", None):  # bad input is exit 2 before any connection
             args.claims = read_claims(args.filename, args.namespace)
+        if getattr(args, "action", None) is _set_policy:
+            args.policy = policy_of(args)
         return asyncio.run(_run_async(args))
     except KeyboardInterrupt:
         return ExitCode.OK
@@ -423,5 +507,29 @@ def register(sub: Any) -> None:
         help="a tenant's view: the devices this namespace may use (tenant API); "
         "without it, every device (admin API)",
     )
+    devices.add_argument(
+        "--policies",
+        action="store_true",
+        help="request policies and the policy version each live share was granted under",
+    )
     _common(devices, namespaced=False)
     devices.set_defaults(action=_devices)
+
+    policy = sub.add_parser("policy", help="change a device capacity's request policy")
+    policy_verbs = policy.add_subparsers(dest="verb", metavar="VERB", required=True)
+    setting = policy_verbs.add_parser(
+        "set", help="a new request policy for one device capacity (a new policy version)"
+    )
+    for flag in ("driver", "pool", "device", "capacity"):
+        setting.add_argument(f"--{flag}", required=True)
+    for flag, text in (
+        ("default", "the amount an absent request consumes"),
+        ("min", "validRange.min: smaller requests are rounded up to it"),
+        ("step", "validRange.step: amounts are min + k*step"),
+        ("max", "validRange.max"),
+        ("values", "validValues, comma-separated (instead of --min)"),
+    ):
+        setting.add_argument(f"--{flag}", metavar="Q", help=text)
+    setting.add_argument("--none", action="store_true", help="remove the policy")
+    _common(setting, namespaced=False)
+    setting.set_defaults(action=_set_policy)

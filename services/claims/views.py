@@ -28,7 +28,7 @@ import msgspec
 
 from events.fold import LIVE_SHARE_STATES, ClaimState, ClusterState, DeviceState, NamespaceState
 from events.inventory import DeviceEntry, Inventory
-from events.model import DeviceAttribute, DeviceClass, encode_hook
+from events.model import DeviceAttribute, DeviceClass, describe_policy, encode_hook
 from events.model import to_builtins as model_builtins
 from events.tenancy import allow_list, class_allowed, tenant_attributes
 from events.validation import split_qualified_name
@@ -36,6 +36,7 @@ from events.validation import split_qualified_name
 __all__ = [
     "CapacityView",
     "ClaimView",
+    "DevicePoliciesView",
     "DeviceView",
     "ErrorView",
     "ShareView",
@@ -45,6 +46,7 @@ __all__ = [
     "device_views",
     "error_reply",
     "ok_reply",
+    "policy_views",
     "tenant_device_views",
 ]
 
@@ -92,6 +94,37 @@ class DeviceView(msgspec.Struct, frozen=True, kw_only=True):
     capacity: dict[str, CapacityView]
     shares: int
     tenants: list[str]
+
+
+class PolicyView(msgspec.Struct, frozen=True, kw_only=True):
+    """The request policy of one capacity, and the device policy version it came with."""
+
+    capacity: str
+    version: int
+    policy: str  # describe_policy's form: "default 5Gi, min 5Gi, step 5Gi, max 40Gi"
+
+
+class SharePolicyView(msgspec.Struct, frozen=True, kw_only=True):
+    """A live share and the policy version (and so the policies) it was granted under."""
+
+    share_id: str
+    claim: str  # namespace/name
+    state: str
+    policy_version: int
+    consumed: dict[str, str]
+    policies: dict[str, str]  # capacity -> the policy at policy_version
+
+
+class DevicePoliciesView(msgspec.Struct, frozen=True, kw_only=True):
+    """``policies.list``: one device's policies now, and its live shares' snapshots."""
+
+    driver: str
+    pool: str
+    device: str
+    node: str | None
+    policy_version: int
+    policies: list[PolicyView]
+    shares: list[SharePolicyView]
 
 
 class TenantCapacityView(msgspec.Struct, frozen=True, kw_only=True):
@@ -190,6 +223,50 @@ def device_views(state: ClusterState) -> list[DeviceView]:
         _device_view(dev, counts.get(key, 0), tenants.get(key, set()))
         for key, dev in sorted(state.devices.items())
         if dev.present
+    ]
+
+
+def policy_views(state: ClusterState) -> list[DevicePoliciesView]:
+    """Every published device with a capacity: policies now, live shares and theirs."""
+    shares: dict[tuple[str, str, str], list[SharePolicyView]] = {}
+    for share in state.shares.values():
+        if share.state not in LIVE_SHARE_STATES:
+            continue
+        dev = state.devices.get(share.device_key)
+        if dev is None:
+            continue
+        shares.setdefault(share.device_key, []).append(
+            SharePolicyView(
+                share_id=share.share_id,
+                claim="/".join(share.claim),
+                state=share.state,
+                policy_version=share.policy_version,
+                consumed={n: q.canonical() for n, q in sorted(share.consumed.items())},
+                policies={
+                    n: describe_policy(dev.policy_at(n, share.policy_version))
+                    for n in sorted(dev.total)
+                },
+            )
+        )
+    return [
+        DevicePoliciesView(
+            driver=dev.driver,
+            pool=dev.pool,
+            device=dev.name,
+            node=dev.node,
+            policy_version=dev.policy_version,
+            policies=[
+                PolicyView(
+                    capacity=name,
+                    version=dev.capacity_policy_versions.get(name, dev.policy_version),
+                    policy=describe_policy(dev.policies.get(name)),
+                )
+                for name in sorted(dev.total)
+            ],
+            shares=sorted(shares.get(key, []), key=lambda v: (v.policy_version, v.claim)),
+        )
+        for key, dev in sorted(state.devices.items())
+        if dev.present and dev.total
     ]
 
 

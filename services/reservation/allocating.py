@@ -14,8 +14,10 @@ v1.34.x defects that page lists:
    input order, devices in spec order) and the first complete solution wins.
    ``firstAvailable`` tries subrequests in order. Backtracking undoes constraint
    values, dedicated picks and in-call consumption.
-3. **Checks per candidate**, in upstream order: in use (an exclusive hold, or a
-   dedicated pick earlier in this call; admin access ignores holds of other claims),
+3. **Checks per candidate**, in upstream order: in use (an exclusive hold, a
+   dedicated pick earlier in this call, or -- upstream 1.37's rule, not 1.34's -- a
+   dedicated device that live shares still hold because its slice allowed multiple
+   allocations when they were granted; admin access ignores holds of other claims),
    then dracap's tenancy rule (an *isolated* device, one a class annotated
    ``dracap.io/shared-across-namespaces: deny`` selects, is taken only while no other
    namespace holds a share or hold of it; admin access ignores it as it ignores holds),
@@ -96,6 +98,9 @@ class AllocatedState:
     exclusive: dict[DeviceKey, int] = field(default_factory=dict)  # hold counts
     #: per device, the namespaces holding non-admin grants (grant counts)
     holders: dict[DeviceKey, dict[str, int]] = field(default_factory=dict)
+    #: per device, the live non-admin shares (grants with a ShareID): they keep a device
+    #: republished as dedicated in use until the last one is released
+    shared: dict[DeviceKey, int] = field(default_factory=dict)
     shares: int = 0
 
     def add(self, grant: Grant, *, sign: int = 1) -> None:
@@ -118,6 +123,11 @@ class AllocatedState:
                 self.exclusive.pop(grant.device, None)
             return
         self.shares += sign
+        count = self.shared.get(grant.device, 0) + sign
+        if count > 0:
+            self.shared[grant.device] = count
+        else:
+            self.shared.pop(grant.device, None)
         per_device = self.consumed.setdefault(grant.device, {})
         for name, amount in grant.consumed.items():
             per_device[name] = per_device.get(name, 0) + sign * amount.nanos
@@ -253,7 +263,15 @@ class Allocator:
 
     # -- helpers over the state
     def _usable(self, entry: DeviceEntry) -> bool:
-        return entry.key not in self.allocated.exclusive
+        return entry.key not in self.allocated.exclusive and not self._still_shared(entry)
+
+    def _still_shared(self, entry: DeviceEntry) -> bool:
+        """A dedicated device that live shares still hold (it allowed sharing when granted).
+
+        Upstream 1.34-1.36 lets a request that fits next to the shares take it exclusively;
+        dracap counts it as in use until the last share is released (upstream 1.37).
+        """
+        return not entry.multi and entry.key in self.allocated.shared
 
     def _free(self, entry: DeviceEntry, name: str) -> int:
         info = entry.capacities.get(name)
@@ -740,7 +758,8 @@ class _Search:
             return True
         if spec.admin:
             return False
-        return self.inv.devices[index].key in self.a.allocated.exclusive
+        entry = self.inv.devices[index]
+        return entry.key in self.a.allocated.exclusive or self.a._still_shared(entry)
 
     def _foreign(self, spec: _RequestSpec, index: int) -> bool:
         """Whether an isolated device is held by another namespace (admin access: never)."""
@@ -891,12 +910,15 @@ def _diagnose(search: _Search, spec: _RequestSpec) -> str:
         return f"none of the {visible} devices reachable matches class {spec.class_name}" + (
             " and the request's selectors" if spec.selectors else ""
         )
-    in_use = foreign = missing = policy = full = 0
+    in_use = still_shared = foreign = missing = policy = full = 0
     policy_detail = full_detail = missing_detail = ""
     for index in clist.devices:
         entry = inv.devices[index]
         if search._in_use(spec, index):
-            in_use += 1
+            if index in search.dedicated or entry.key in search.a.allocated.exclusive:
+                in_use += 1
+            else:
+                still_shared += 1
             continue
         if search._foreign(spec, index):
             foreign += 1
@@ -926,6 +948,11 @@ def _diagnose(search: _Search, spec: _RequestSpec) -> str:
     parts = []
     if in_use:
         parts.append(f"{in_use} in exclusive use")
+    if still_shared:
+        parts.append(
+            f"{still_shared} still shared (dedicated now, in use until its live shares "
+            "are released)"
+        )
     if foreign:
         parts.append(
             f"{foreign} held by another namespace (not shared across namespaces: "

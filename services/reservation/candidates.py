@@ -7,7 +7,8 @@ capacity is reserved and released.
 
 For every capacity name a request asks for, the list keeps a max segment tree over
 "free amount" (total minus committed consumption, in nanos), and one tree over
-"usable" (1 unless the device is held exclusively). Because a request never
+"usable" (1 unless the device is held exclusively, or is dedicated and live shares
+still hold it). Because a request never
 consumes less than it asks for (rounding only goes up), ``free >= requested`` is a
 necessary condition for a device to fit, so whole subtrees of full devices are
 skipped. The first position that passes the trees still gets the exact check by

@@ -19,8 +19,10 @@ Everything here is integer arithmetic on :class:`events.quantities.Quantity`.
 
 from __future__ import annotations
 
-from events.model import CapacityRequestPolicy
+from events.model import CapacityRequestPolicy, describe_policy
 from events.quantities import Format, Quantity
+
+__all__ = ["consumed_amount", "describe_policy", "violates_policy"]
 
 NANOS_PER_UNIT = 10**9
 
@@ -78,22 +80,3 @@ def violates_policy(amount: Quantity, policy: CapacityRequestPolicy | None) -> b
     if policy.valid_values:
         return amount not in policy.valid_values
     return False
-
-
-def describe_policy(policy: CapacityRequestPolicy | None) -> str:
-    """A short human-readable form of a policy, for reasons and tables."""
-    if policy is None:
-        return "no policy"
-    parts: list[str] = []
-    if policy.default is not None:
-        parts.append(f"default {policy.default}")
-    if policy.valid_range is not None:
-        rng = policy.valid_range
-        parts.append(f"min {rng.min}")
-        if rng.step is not None:
-            parts.append(f"step {rng.step}")
-        if rng.max is not None:
-            parts.append(f"max {rng.max}")
-    if policy.valid_values:
-        parts.append("values " + "/".join(str(v) for v in policy.valid_values))
-    return ", ".join(parts) or "empty policy"

@@ -22,6 +22,7 @@ from events.inventory import build_inventory
 from events.model import ResourceClaim
 from services.reservation.allocating import Allocator
 from services.reservation.deriving import live_grants
+from services.reservation.policy import describe_policy
 from services.reservation.rounds import PENDING_PHASES, Backlog, decide_round
 from tests.unit.allocator_fixtures import claim, device, device_class, request, slice_
 
@@ -176,6 +177,11 @@ def describe(event: c.Event) -> str:
             return f"DeviceClassApplied {event.device_class.metadata.name}"
         case c.ResourceSlicePublished():
             return f"ResourceSlicePublished {event.slice.metadata.name}"
+        case c.RequestPolicyChanged():
+            return (
+                f"RequestPolicyChanged {event.device} {event.capacity} v{event.policy_version} "
+                f"{describe_policy(event.policy)}"
+            )
         case c.NamespaceAccessSet():
             admin = " adminAccess" if event.admin_access else ""
             extra = ""

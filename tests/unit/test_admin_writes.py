@@ -14,13 +14,16 @@ from typing import Any
 import pytest
 
 from events import catalog as c
+from events import model
 from events.fold import ClusterState
 from services.claims.adminwrites import (
     LEDGER_REFUSED,
     AdminWrite,
+    PolicyChange,
     decide_access,
     decide_classes,
     decide_delete,
+    decide_policy,
     decide_slices,
     ledger_refusal,
 )
@@ -51,8 +54,34 @@ class Case:
     applied: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     refused: str | None = None  # a fragment of the refusal's message
+    code: str = "rejected"  # the refusal's code, kind and field
+    kind: str = "below-allocated"
+    refused_field: str | None = None
     story: list[str] = field(default_factory=list)  # "reserve <claim> <memory>"
 
+
+def _min(minimum: str, **more: str) -> model.CapacityRequestPolicy:
+    """A validRange policy with ``minimum`` as min and default, 5Gi steps."""
+    doc: dict[str, Any] = {"validRange": {"min": minimum, "step": "5Gi", **more}}
+    doc["default"] = minimum
+    return model.convert(doc, model.CapacityRequestPolicy)
+
+
+def _set(
+    policy: model.CapacityRequestPolicy | None, device: str = "gpu-0", capacity: str = "memory"
+) -> Callable[[ClusterState], AdminWrite]:
+    change = PolicyChange(
+        driver="gpu.test.io", pool="node-a-pool", device=device, capacity=capacity, policy=policy
+    )
+    return lambda s: decide_policy(s, change)
+
+
+NO_DEFAULT = model.convert({"validRange": {"min": "5Gi"}}, model.CapacityRequestPolicy)
+IN_FORCE = model.convert(
+    {"default": "5Gi", "validRange": {"min": "5Gi", "step": "5Gi", "max": "40Gi"}},
+    model.CapacityRequestPolicy,
+)
+DEVICE = "gpu.test.io/node-a-pool/gpu-0"
 
 CASES = [
     Case(
@@ -152,6 +181,84 @@ CASES = [
         unchanged=[NAMESPACE],
         story=["quota 3"],
     ),
+    Case(
+        "a-policy-change-takes-the-devices-next-version",
+        _set(_min("10Gi", max="40Gi")),
+        ["RequestPolicyChanged gpu-0 memory v2 default 10Gi, min 10Gi, step 5Gi, max 40Gi"],
+        applied=[f"{DEVICE}/memory"],
+    ),
+    Case(
+        "a-second-policy-change-takes-the-version-after-it",
+        _set(_min("15Gi")),
+        ["RequestPolicyChanged gpu-0 memory v3 default 15Gi, min 15Gi, step 5Gi"],
+        applied=[f"{DEVICE}/memory"],
+        story=["policy 10Gi"],
+    ),
+    Case(
+        "a-policy-change-leaves-live-shares-alone",
+        _set(_min("10Gi")),
+        ["RequestPolicyChanged gpu-0 memory v2 default 10Gi, min 10Gi, step 5Gi"],
+        applied=[f"{DEVICE}/memory"],
+        story=["reserve c1 5Gi"],
+    ),
+    Case(
+        "removing-the-policy-is-a-change-too",
+        _set(None),
+        ["RequestPolicyChanged gpu-0 memory v2 no policy"],
+        applied=[f"{DEVICE}/memory"],
+    ),
+    Case(
+        "a-policy-equal-to-the-one-in-force-is-unchanged",
+        _set(IN_FORCE),
+        [],
+        unchanged=[f"{DEVICE}/memory"],
+    ),
+    Case(
+        "an-unknown-device-is-refused-naming-the-field",
+        _set(_min("10Gi"), device="gpu-9"),
+        [],
+        refused="no published device gpu.test.io/node-a-pool/gpu-9",
+        code="not_found",
+        kind="unknown-device",
+        refused_field="device",
+    ),
+    Case(
+        "an-unknown-capacity-is-refused-naming-the-field",
+        _set(_min("10Gi"), capacity="compute"),
+        [],
+        refused="has no capacity 'compute' (it has: memory)",
+        code="not_found",
+        kind="unknown-device",
+        refused_field="capacity",
+    ),
+    Case(
+        "a-range-without-a-default-is-refused-naming-the-rule",
+        _set(NO_DEFAULT),
+        [],
+        refused="policy.default: required when validRange is set",
+        code="invalid",
+        kind="invalid-policy",
+        refused_field="policy.default",
+    ),
+    Case(
+        "a-min-above-the-capacity-is-refused-naming-the-rule",
+        _set(_min("45Gi")),
+        [],
+        refused="must be less than or equal to the capacity value 40Gi",
+        code="invalid",
+        kind="invalid-policy",
+        refused_field="policy.validRange.min",
+    ),
+    Case(
+        "a-policy-on-a-dedicated-device-is-refused-naming-the-rule",
+        _set(_min("10Gi")),
+        [],
+        refused="forbidden: allowMultipleAllocations must be true",
+        code="invalid",
+        kind="invalid-policy",
+        refused_field="policy",
+        story=["dedicated"],
+    ),
 ]
 
 
@@ -174,6 +281,23 @@ def _tell(story: list[str]) -> Log:
             log.add(
                 c.NamespaceAccessSet(namespace=NAMESPACE, classes=["*"], max_claims=int(args[0]))
             )
+        elif verb == "policy":
+            log.add(
+                c.RequestPolicyChanged(
+                    driver="gpu.test.io",
+                    pool="node-a-pool",
+                    device="gpu-0",
+                    capacity="memory",
+                    policy=_min(args[0]),
+                    policy_version=2,
+                )
+            )
+        elif verb == "dedicated":
+            log.add(
+                c.ResourceSlicePublished(
+                    slice=slice_([gpu("gpu-0", shared=False)], node=NODE, name=GPU_SLICE)
+                )
+            )
         elif verb == "admin-access":
             log.add(c.NamespaceAccessSet(namespace=NAMESPACE, classes=["*"], admin_access=True))
     return log
@@ -188,7 +312,9 @@ def test_admin_write(case: Case) -> None:
         assert write.refusal is None
     else:
         assert write.refusal is not None and case.refused in write.refusal.message
-        assert (write.refusal.code, write.refusal.kind) == ("rejected", "below-allocated")
+        assert (write.refusal.code, write.refusal.kind) == (case.code, case.kind)
+        if case.refused_field is not None:
+            assert write.refusal.field == case.refused_field
 
 
 def test_a_ledger_refusal_names_the_device_when_the_state_shows_it() -> None:

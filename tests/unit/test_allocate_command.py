@@ -180,3 +180,64 @@ def test_validvalues_above_all_values_keeps_the_request() -> None:
     amount = consumed_amount(Quantity.parse("4Gi"), policy, Quantity.parse("5Gi"))
     assert amount == Quantity.parse("5Gi")
     assert violates_policy(amount, policy)
+
+
+FLIPPED = """
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata: {name: gpu-memory.dracap.io}
+spec:
+  selectors:
+    - cel: {expression: device.driver == "gpu.dracap.io"}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceSlice
+metadata: {name: node-a-gpu.dracap.io}
+spec:
+  driver: gpu.dracap.io
+  nodeName: node-a
+  pool: {name: node-a-gpus, generation: 2, resourceSliceCount: 1}
+  devices:
+    - {name: gpu-0, capacity: {memory: {value: 40Gi}}}
+"""
+
+SHARE_ON_GPU0 = """
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: earlier, namespace: tenant-a}
+spec:
+  devices:
+    requests:
+    - name: gpu
+      exactly: {deviceClassName: gpu-memory.dracap.io, capacity: {requests: {memory: 5Gi}}}
+status:
+  allocation:
+    devices:
+      results:
+      - request: gpu
+        driver: gpu.dracap.io
+        pool: node-a-gpus
+        device: gpu-0
+        shareID: 6d1f7a52-4d0b-4d6e-9a51-2c3b8e0f7d14
+        consumedCapacity: {memory: 5Gi}
+"""
+
+
+def test_a_device_republished_as_dedicated_is_in_use_while_a_share_lives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inventory = tmp_path / "flipped.yaml"
+    inventory.write_text(FLIPPED)
+    share = tmp_path / "share.yaml"
+    share.write_text(SHARE_ON_GPU0)
+    whole = gpu_claim_file(tmp_path, "exclusive", "5Gi")  # fits beside the share
+    code, out, _ = run(
+        capsys, "-f", str(inventory), "-f", str(share), "-f", str(whole), "-o", "json"
+    )
+    [row] = json.loads(out)["results"]
+    assert code == 0
+    assert row["outcome"] == "unschedulable" and "still shared" in row["reason"]
+    code, out, _ = run(capsys, "-f", str(inventory), "-f", str(whole), "-o", "json")
+    [row] = json.loads(out)["results"]
+    assert row["outcome"] == "allocated"
+    assert "shareID" not in row["allocation"]["devices"]["results"][0]

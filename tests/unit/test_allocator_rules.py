@@ -261,11 +261,12 @@ CASES = [
         "unschedulable",
     ),
     Case(
-        "exclusive-device-after-a-share-exists-needs-its-full-capacity-free",
+        # upstream 1.34-1.36 says "too little free" here; 1.37 and dracap: in use
+        "exclusive-device-after-a-share-exists-is-in-use-while-the-share-lives",
         [slice_([gpu(policy=None, shared=False)])],
         claim(request("r")),
         "unschedulable",
-        reason="too little free",
+        reason="1 still shared",
         before=[
             claim(
                 request("r"),
@@ -653,6 +654,52 @@ CASES = [
         "invalid",
         reason="32",
     ),
+    # --- a device republished as dedicated while shares hold it (upstream 1.37) ----------
+    Case(
+        "dedicated-device-with-a-live-share-is-in-use-even-when-the-request-fits-beside-it",
+        [slice_([gpu(policy=None, shared=False)])],
+        claim(request("r", {"memory": "5Gi"})),
+        "unschedulable",
+        reason="still shared",
+        before=[claim(request("r"), status=_allocated_status("gpu-0", "5Gi"))],
+    ),
+    Case(
+        "dedicated-device-with-a-live-share-is-in-use-once-its-capacities-are-gone",
+        [slice_([device("gpu-0", shared=False)])],
+        claim(request("r")),
+        "unschedulable",
+        reason="still shared",
+        before=[claim(request("r"), status=_allocated_status("gpu-0", "5Gi"))],
+    ),
+    Case(
+        "dedicated-device-with-a-live-share-sends-the-claim-to-another-device",
+        [
+            slice_(
+                [gpu("gpu-0", policy=None, shared=False), gpu("gpu-1", policy=None, shared=False)]
+            )
+        ],
+        claim(request("r")),
+        "allocated",
+        [("r", "gpu-1", None)],
+        before=[claim(request("r"), status=_allocated_status("gpu-0", "5Gi"))],
+    ),
+    Case(
+        "shared-device-is-not-in-use-because-of-its-own-shares",
+        [slice_([gpu()])],
+        claim(request("r", {"memory": "5Gi"})),
+        "allocated",
+        [("r", "gpu-0", {"memory": "5Gi"})],
+        before=[claim(request("r"), status=_allocated_status("gpu-0", "5Gi"))],
+    ),
+    Case(
+        "dedicated-device-with-a-live-share-admin-access-ignores-it-as-it-ignores-holds",
+        [slice_([gpu(policy=None, shared=False)])],
+        claim(request("r", {"memory": "5Gi"}, admin=True), namespace="ops"),
+        "allocated",
+        [("r", "gpu-0", None)],
+        before=[claim(request("r"), status=_allocated_status("gpu-0", "5Gi"))],
+        admin_ok=True,
+    ),
     # --- dracap tenancy: dracap.io/shared-across-namespaces (docs/tenancy.md) ----------
     Case(
         "deny-keeps-a-shared-device-to-the-namespace-holding-it",
@@ -874,3 +921,22 @@ def test_class_config_is_copied_once_listing_its_requests() -> None:
     configs = out.allocation.devices.config  # type: ignore[union-attr]
     assert configs is not None and len(configs) == 1
     assert (configs[0].source, configs[0].requests) == ("FromClass", ["a", "b"])
+
+
+def test_a_dedicated_device_is_free_again_once_its_last_share_is_released() -> None:
+    shared = [slice_([gpu()])]
+    alloc = allocator(shared)
+    shares = [decide(alloc, claim(request("r", {"memory": "5Gi"}))) for _ in range(2)]
+    assert all(isinstance(out, Allocated) for out in shares)
+    flipped = allocator([slice_([gpu(policy=None, shared=False)])])
+    for out in shares:
+        assert isinstance(out, Allocated)
+        flipped.add_grants(out.grants)
+    whole = claim(request("r"))
+    for out in shares:
+        waiting = decide(flipped, whole, commit=False)
+        assert isinstance(waiting, Unschedulable) and "still shared" in waiting.reason
+        assert isinstance(out, Allocated)
+        flipped.release(out)
+    assert picked(decide(flipped, whole)) == [("r", "gpu-0", None)]
+    assert flipped.allocated.shared == {}

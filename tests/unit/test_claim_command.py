@@ -141,3 +141,28 @@ def test_connection_file_is_written_into_a_new_data_directory(tmp_path: Path) ->
     path = write_connection(data_dir, connection)
     assert path == data_dir / "connection.json"
     assert read_connection(data_dir) == connection
+
+
+def _policy_flags(*argv: str) -> object:
+    where = ["--driver", "d", "--pool", "p", "--device", "x", "--capacity", "memory"]
+    args = cli.build_parser(["policy"]).parse_args(["policy", "set", *where, *argv])
+    return command.policy_of(args)
+
+
+def test_policy_set_flags_make_a_request_policy_with_min_as_the_default() -> None:
+    assert _policy_flags("--min", "10Gi", "--step", "5Gi") == {
+        "default": "10Gi",
+        "validRange": {"min": "10Gi", "step": "5Gi"},
+    }
+    assert _policy_flags("--values", "1Gi,3Gi", "--default", "1Gi") == {
+        "default": "1Gi",
+        "validValues": ["1Gi", "3Gi"],
+    }
+    assert _policy_flags("--none") is None
+
+
+@pytest.mark.parametrize("argv", [(), ("--step", "5Gi"), ("--none", "--min", "1Gi")])
+def test_policy_set_flags_that_say_no_policy_are_bad_input(argv: tuple[str, ...]) -> None:
+    with pytest.raises(CommandError) as caught:
+        _policy_flags(*argv)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT
