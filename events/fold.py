@@ -50,8 +50,11 @@ Policy versions
 ---------------
 Every device has one policy sequence, ``DeviceState.policy_version``. A slice
 that changes the request policy of some capacities (or adds capacities) takes
-the next number for them; ``RequestPolicyChanged`` must carry a number above
-the device's current one. A capacity's policy "at version v" is its latest
+the next number for them; ``RequestPolicyChanged`` carries the number its decider
+expected (the device's next), and takes the next one after the device's current number
+when a slice published in between already took it (two writers on two streams that no
+expected version orders: the fold numbers, so the log always folds; last writer wins,
+as for slices). A capacity's policy "at version v" is its latest
 change numbered ``<= v``, so the single ``policy_version`` of a reservation
 identifies the policy of every capacity it was granted under. A reservation
 with :data:`~events.catalog.POLICY_VERSION_UNRECORDED` (upcast from v1) is
@@ -989,18 +992,14 @@ def _policy_changed(state: ClusterState, ev: RequestPolicyChanged, position: int
             "policy",
             f"no capacity {ev.capacity!r} on device {ev.driver}/{ev.pool}/{ev.device}",
         )
-    if ev.policy_version <= dev.policy_version:
-        raise InvariantViolation(
-            position,
-            "policy",
-            f"policy version {ev.policy_version} does not increase device's {dev.policy_version}",
-        )
+    # the number its decider expected, unless a slice published meanwhile took it
+    version = max(ev.policy_version, dev.policy_version + 1)
     dev.policies[ev.capacity] = ev.policy
-    dev.capacity_policy_versions[ev.capacity] = ev.policy_version
+    dev.capacity_policy_versions[ev.capacity] = version
     dev.policy_history.setdefault(ev.capacity, []).append(
-        PolicyRecord(version=ev.policy_version, policy=ev.policy)
+        PolicyRecord(version=version, policy=ev.policy)
     )
-    dev.policy_version = ev.policy_version
+    dev.policy_version = version
 
 
 # --- comparison and snapshots -------------------------------------------------------------

@@ -370,12 +370,16 @@ def test_policy_valid_values() -> None:
     log.add(reserve("s-1", "4Gi"), reserve("s-2", "1024Mi"))
 
 
-def test_policy_version_must_increase() -> None:
+def test_a_policy_change_whose_number_was_taken_takes_the_next() -> None:
+    # decided at version 1 -> 2, while a slice published meanwhile took 2 itself
     log = shared_log()
     change = c.RequestPolicyChanged(
         driver=DRIVER, pool=POOL, device="gpu-0", capacity="memory", policy=None, policy_version=1
     )
-    log.violates(change, "policy")
+    log.add(change)
+    dev = log.state.devices[(DRIVER, POOL, "gpu-0")]
+    assert dev.policy_version == 2 and dev.capacity_policy_versions["memory"] == 2
+    assert dev.policy_history["memory"][-1].version == 2
 
 
 def test_idempotent_release_subtracts_once() -> None:
