@@ -77,6 +77,8 @@ __all__ = [
     "DELETED_PHASES",
     "LEDGER_REFUSED",
     "AdminWrite",
+    "ClassMode",
+    "ClassRemoval",
     "Deletion",
     "PolicyChange",
     "access_classes",
@@ -127,6 +129,19 @@ def decide_classes(state: ClusterState, classes: Sequence[DeviceClass]) -> Admin
         applied=tuple(names),
         unchanged=tuple(sorted(set(latest) - set(names))),
     )
+
+
+class ClassMode(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``deviceclasses.mode`` request: how new claims of class ``name`` are decided."""
+
+    name: str
+    mode: str
+
+
+class ClassRemoval(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``deviceclasses.remove`` request."""
+
+    name: str
 
 
 def decide_mode(state: ClusterState, name: str, mode: str) -> AdminWrite:
