@@ -74,6 +74,7 @@ from events.model import (
 from events.quantities import Quantity
 
 __all__ = [
+    "CLASS_MODES",
     "EVENT_TYPES",
     "POLICY_VERSION_UNRECORDED",
     "SCHEMA_VERSIONS",
@@ -87,6 +88,8 @@ __all__ = [
     "ClaimSubmitted",
     "ClaimUnschedulable",
     "ClaimWithdrawn",
+    "ClassMode",
+    "ClassModeSet",
     "DeviceClassApplied",
     "DeviceClassRemoved",
     "EnforcementCheckpointSetAside",
@@ -128,6 +131,9 @@ __all__ = [
 ]
 
 Rollout: TypeAlias = Literal["immediate", "new-claims-only"]
+#: How new claims of a DeviceClass are decided (``ClassModeSet``; default consumable).
+ClassMode: TypeAlias = Literal["consumable", "whole-device", "disabled"]
+CLASS_MODES: Final[tuple[ClassMode, ...]] = ("consumable", "whole-device", "disabled")
 EnforcementLevel: TypeAlias = Literal["hard", "soft", "none"]
 
 #: ``policy_version`` of a reservation written before versions were recorded.
@@ -158,9 +164,22 @@ class DeviceClassApplied(
 class DeviceClassRemoved(
     _EventBase, frozen=True, kw_only=True, tag="inventory.device_class_removed"
 ):
-    """A DeviceClass was deleted."""
+    """A DeviceClass was deleted: new claims naming it are refused, existing ones keep
+    their allocations."""
 
     name: str
+
+
+class ClassModeSet(_EventBase, frozen=True, kw_only=True, tag="inventory.class_mode_set"):
+    """An administrator set how new claims of a DeviceClass are decided.
+
+    ``consumable``: shares (the default); ``whole-device``: one claim per device, as
+    with the DRAConsumableCapacity gate off for this class; ``disabled``: no new claims.
+    Allocations made earlier are never changed.
+    """
+
+    name: str
+    mode: ClassMode
 
 
 class ResourceSlicePublished(
@@ -439,6 +458,7 @@ class MessageDeadLettered(
 Event: TypeAlias = (
     DeviceClassApplied
     | DeviceClassRemoved
+    | ClassModeSet
     | ResourceSlicePublished
     | ResourceSliceWithdrawn
     | RequestPolicyChanged
@@ -467,6 +487,7 @@ Event: TypeAlias = (
 _EVENT_CLASSES: Final[tuple[type[Event], ...]] = (
     DeviceClassApplied,
     DeviceClassRemoved,
+    ClassModeSet,
     ResourceSlicePublished,
     ResourceSliceWithdrawn,
     RequestPolicyChanged,
@@ -623,7 +644,7 @@ def stream_of(event: Event) -> str:
             return device_stream(event.driver, event.pool, event.device)
         case DeviceClassApplied():
             return class_stream(event.device_class.metadata.name)
-        case DeviceClassRemoved():
+        case DeviceClassRemoved() | ClassModeSet():
             return class_stream(event.name)
         case ResourceSlicePublished():
             return slice_stream(event.slice.metadata.name)

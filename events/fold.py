@@ -106,6 +106,7 @@ from events.catalog import (
     ClaimSubmitted,
     ClaimUnschedulable,
     ClaimWithdrawn,
+    ClassModeSet,
     DeviceClassApplied,
     DeviceClassRemoved,
     EnforcementCheckpointSetAside,
@@ -298,10 +299,11 @@ class ClaimState(msgspec.Struct, kw_only=True, gc=False):
 
 
 class DeviceClassState(msgspec.Struct, kw_only=True):
-    """An applied DeviceClass and how its changes roll out."""
+    """An applied DeviceClass, how its changes roll out and how new claims of it are decided."""
 
     device_class: DeviceClass
     rollout: str
+    mode: str = "consumable"  #: the latest ``ClassModeSet`` (re-applying keeps it)
 
 
 class PoolState(msgspec.Struct, kw_only=True):
@@ -1148,11 +1150,21 @@ def _share_unknown(state: ClusterState, ev: ShareMarkedUnknown, position: int) -
 
 def _class_applied(state: ClusterState, ev: DeviceClassApplied, position: int) -> None:
     name = ev.device_class.metadata.name
-    state.classes[name] = DeviceClassState(device_class=ev.device_class, rollout=ev.rollout)
+    before = state.classes.get(name)
+    mode = before.mode if before is not None else "consumable"
+    state.classes[name] = DeviceClassState(
+        device_class=ev.device_class, rollout=ev.rollout, mode=mode
+    )
 
 
 def _class_removed(state: ClusterState, ev: DeviceClassRemoved, position: int) -> None:
     state.classes.pop(ev.name, None)
+
+
+def _class_mode_set(state: ClusterState, ev: ClassModeSet, position: int) -> None:
+    cls = state.classes.get(ev.name)
+    if cls is not None:  # the decision refuses an unknown class; a late one changes nothing
+        cls.mode = ev.mode
 
 
 def _access_set(state: ClusterState, ev: NamespaceAccessSet, position: int) -> None:
@@ -1204,6 +1216,7 @@ _STEPS: Final[dict[type, Step]] = {
     RequestPolicyChanged: _policy_changed,
     DeviceClassApplied: _class_applied,
     DeviceClassRemoved: _class_removed,
+    ClassModeSet: _class_mode_set,
     NamespaceAccessSet: _access_set,
     ClaimWithdrawn: _claim_withdrawn,
     MessageDeadLettered: _dead_lettered,

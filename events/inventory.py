@@ -245,8 +245,13 @@ class Inventory:
         gates: FeatureGates = DEFAULT_GATES,
         node_labels: Mapping[str, Mapping[str, str]] | None = None,
         inline_budget: int | None = None,
+        class_modes: Mapping[str, str] | None = None,
     ) -> None:
         self.gates = gates
+        #: the mode of each class that is not ``consumable`` (``ClassModeSet``)
+        self.class_modes: dict[str, str] = {
+            k: v for k, v in (class_modes or {}).items() if v != "consumable"
+        }
         #: cost units a tenant's selector may spend here per candidate set (None: any)
         self.inline_budget = inline_budget
         #: heavy expressions whose results are missing, with the devices that lack them
@@ -520,4 +525,11 @@ def build_inventory(
 ) -> Inventory:
     """The allocator's inventory for the classes and slices of ``state``."""
     classes = [c.device_class for c in state.classes.values()]
-    return Inventory(classes, current_slices(state), gates=gates, inline_budget=inline_budget)
+    modes = {name: c.mode for name, c in state.classes.items()}
+    return Inventory(
+        classes,
+        current_slices(state),
+        gates=gates,
+        inline_budget=inline_budget,
+        class_modes=modes,
+    )

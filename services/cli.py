@@ -38,6 +38,7 @@ COMMANDS: Final = {
     "claim": "services.claims.command",
     "devices": "services.claims.command",
     "policy": "services.claims.command",
+    "class": "services.claims.command",
     "agent": "services.enforcement.command",
     "prove": "services.prove",
     "auth": "services.brokerauth",

@@ -25,6 +25,14 @@ already holds are skipped, so re-applying an inventory records nothing.
   a ResourceSlice's would break is ``invalid`` naming the field (``policy.validRange.min``)
   and the rule. Shares granted earlier keep the version (and so the policy) they were
   granted under; claims decided afterwards use the new one.
+* :func:`decide_mode` (``deviceclasses.mode``): ``ClassModeSet`` when the class's mode
+  (``consumable``, ``whole-device``, ``disabled``) differs from the one in force; a class
+  the state does not hold is ``not_found`` naming ``name``, a mode outside
+  :data:`events.catalog.CLASS_MODES` is ``invalid`` naming ``mode``. Allocations made
+  earlier are never touched: only claims decided afterwards follow the new mode.
+* :func:`decide_remove` (``deviceclasses.remove``): ``DeviceClassRemoved`` for a class
+  the state holds (``not_found`` otherwise). Claims already allocated keep running; new
+  claims naming the class are refused by admission (``unknown-class``).
 * :func:`decide_access`: ``NamespaceAccessSet`` when anything of the namespace's
   record changes (classes, adminAccess, opaque-config classes, quota, requests per
   claim: :class:`events.tenancy.NamespacePolicy`). The request is the whole record:
@@ -46,8 +54,11 @@ from typing import Final
 import msgspec
 
 from events.catalog import (
+    CLASS_MODES,
     ClaimWithdrawn,
+    ClassModeSet,
     DeviceClassApplied,
+    DeviceClassRemoved,
     Event,
     NamespaceAccessSet,
     ReleaseRequested,
@@ -66,6 +77,8 @@ __all__ = [
     "DELETED_PHASES",
     "LEDGER_REFUSED",
     "AdminWrite",
+    "ClassMode",
+    "ClassRemoval",
     "Deletion",
     "PolicyChange",
     "access_classes",
@@ -73,7 +86,9 @@ __all__ = [
     "decide_access",
     "decide_classes",
     "decide_delete",
+    "decide_mode",
     "decide_policy",
+    "decide_remove",
     "decide_slices",
     "ledger_refusal",
 ]
@@ -113,6 +128,61 @@ def decide_classes(state: ClusterState, classes: Sequence[DeviceClass]) -> Admin
         events=tuple(DeviceClassApplied(device_class=c, rollout="immediate") for c in changed),
         applied=tuple(names),
         unchanged=tuple(sorted(set(latest) - set(names))),
+    )
+
+
+class ClassMode(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``deviceclasses.mode`` request: how new claims of class ``name`` are decided."""
+
+    name: str
+    mode: str
+
+
+class ClassRemoval(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``deviceclasses.remove`` request."""
+
+    name: str
+
+
+def decide_mode(state: ClusterState, name: str, mode: str) -> AdminWrite:
+    """Record a DeviceClass's new mode, when it differs from the one in force."""
+    if mode not in CLASS_MODES:
+        rule = f"must be one of: {', '.join(CLASS_MODES)}"
+        return AdminWrite(
+            refusal=Refusal(
+                code="invalid",
+                kind="invalid-mode",
+                field="mode",
+                rule=rule,
+                message=f"mode: {rule} (got {mode!r})",
+                detail=f"got {mode!r}",
+            )
+        )
+    current = state.classes.get(name)
+    if current is None:
+        return AdminWrite(refusal=_unknown_class(name))
+    if current.mode == mode:
+        return AdminWrite(unchanged=(name,))
+    event = ClassModeSet(name=name, mode=mode)
+    return AdminWrite(events=(event,), applied=(name,))
+
+
+def decide_remove(state: ClusterState, name: str) -> AdminWrite:
+    """Remove a DeviceClass; existing claims of it keep their allocations."""
+    if name not in state.classes:
+        return AdminWrite(refusal=_unknown_class(name))
+    return AdminWrite(events=(DeviceClassRemoved(name=name),), applied=(name,))
+
+
+def _unknown_class(name: str) -> Refusal:
+    detail = f"DeviceClass {name!r} does not exist"
+    return Refusal(
+        code="not_found",
+        kind="unknown-class",
+        field="name",
+        rule="must name an applied DeviceClass",
+        message=f"name: {detail}",
+        detail=detail,
     )
 
 

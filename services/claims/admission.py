@@ -28,6 +28,9 @@ rule (``kind``)     code       what                                             
 requests``                     requests (the API's own limit, 32, is ``validation``)
 ``unknown-class``   rejected   every DeviceClass named exists                        yes
 ``class-access``    rejected   the namespace may use the class                       yes
+``class-disabled``  rejected   no class named is in mode ``disabled``                yes
+``whole-device``    rejected   no capacity request for a class in mode               yes
+                               ``whole-device`` (as with DRAConsumableCapacity off)
 ``admin-access``    rejected   ``adminAccess`` only where the namespace allows it    yes
 ``opaque-config``   rejected   opaque driver configuration (``spec.devices.config``) yes
                                only for requests of classes the namespace may
@@ -52,6 +55,13 @@ endpoint ``namespaces.access``. ``adminAccess`` additionally needs the record's
 ``opaque_config_classes`` (none by default: a driver's parameters are the operator's
 business unless it says otherwise). A config entry applies to the requests it names
 (all of them when it names none), so every class those requests may use must allow it.
+
+Class modes (``ClassModeSet``, admin endpoint ``deviceclasses.mode``): a class in mode
+``disabled`` takes no new claims; one in mode ``whole-device`` is decided as if the
+DRAConsumableCapacity gate were off for it — capacity requests are refused here, and
+the allocator gives each claim a device of its own. A removed class
+(``DeviceClassRemoved``) is ``unknown-class``. Claims admitted or allocated before a
+switch or a removal are never revisited.
 
 The quota is not recorded: a tenant at its quota could otherwise still grow the log
 (and every service's folded state) with one rejected claim per apply.
@@ -304,12 +314,38 @@ def _access(state: ClusterState, namespace: str, req: _Request) -> Refusal | Non
             f"namespace {namespace!r} may not use DeviceClass {req.class_name!r}",
             f"it may use: {allowed}",
         )
+    refused = _mode(state, req)
+    if refused is not None:
+        return refused
     if req.admin and not record.admin_access:
         return _refusal(
             "rejected",
             "admin-access",
             f"{req.path}.adminAccess",
             f"adminAccess is not allowed in namespace {namespace!r}",
+        )
+    return None
+
+
+def _mode(state: ClusterState, req: _Request) -> Refusal | None:
+    """The class's mode: ``disabled`` takes nothing new, ``whole-device`` no capacity requests."""
+    mode = state.classes[req.class_name].mode
+    if mode == "disabled":
+        return _refusal(
+            "rejected",
+            "class-disabled",
+            f"{req.path}.deviceClassName",
+            f"DeviceClass {req.class_name!r} is disabled: it takes no new claims",
+            "an administrator set its mode (dracap class set-mode)",
+        )
+    if mode == "whole-device" and req.capacity:
+        return _refusal(
+            "rejected",
+            "whole-device",
+            f"{req.path}.capacity.requests",
+            f"DeviceClass {req.class_name!r} is in whole-device mode: capacity requests need "
+            "the DRAConsumableCapacity feature gate, which is off for this class",
+            "remove the capacity requests to get a whole device, or ask for mode consumable",
         )
     return None
 

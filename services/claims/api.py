@@ -11,8 +11,8 @@ namespace's subjects (invariant 10); this service never trusts a namespace from 
 payload.
 
 Admin endpoints listen on ``names.admin(op)`` for ``deviceclasses.apply``,
-``slices.apply``, ``namespaces.access``, ``policies.set``, ``policies.list`` and
-``devices.list``.
+``deviceclasses.mode``, ``deviceclasses.remove``, ``slices.apply``,
+``namespaces.access``, ``policies.set``, ``policies.list`` and ``devices.list``.
 
 Every reply is JSON (:mod:`services.claims.views`): ``{"ok": true, ...}`` or
 ``{"ok": false, "error": {code, field, rule, message}}`` with code ``invalid``,
@@ -45,6 +45,11 @@ claim). What is recorded:
   the device (naming device, capacity, the total asked and the amount allocated):
   decided on the live state, and the same answer when the capacity ledger's CHECK
   refuses the append because a reservation won the race.
+* ``deviceclasses.mode`` records ``ClassModeSet`` (a class's mode: ``consumable``,
+  ``whole-device`` or ``disabled``; :func:`services.claims.adminwrites.decide_mode`) and
+  ``deviceclasses.remove`` ``DeviceClassRemoved``
+  (:func:`services.claims.adminwrites.decide_remove`); neither touches an allocation:
+  only claims decided afterwards follow the class's new mode or find it gone.
 * ``policies.set`` records ``RequestPolicyChanged`` (one device capacity, the device's
   next policy version: :func:`services.claims.adminwrites.decide_policy`), appended
   with the device stream's expected version like a tenant write, so a reservation
@@ -116,12 +121,16 @@ from events.tenancy import NamespacePolicy, check_policy
 from events.validation import DNS_SUBDOMAIN_RULE, is_dns_subdomain
 from services.claims.adminwrites import (
     AdminWrite,
+    ClassMode,
+    ClassRemoval,
     PolicyChange,
     access_classes,
     decide_access,
     decide_classes,
     decide_delete,
+    decide_mode,
     decide_policy,
+    decide_remove,
     decide_slices,
     ledger_refusal,
 )
@@ -159,6 +168,8 @@ TENANT_OPS: Final = ("apply", "get", "list", "delete", "watch", "devices")
 CHECKS_PER_NAMESPACE: Final = 4
 ADMIN_OPS: Final = (
     "deviceclasses.apply",
+    "deviceclasses.mode",
+    "deviceclasses.remove",
     "slices.apply",
     "namespaces.access",
     "policies.set",
@@ -311,6 +322,8 @@ class ClaimsApi:
             )
         admin: dict[str, _AdminOperation] = {
             "deviceclasses.apply": self.apply_classes,
+            "deviceclasses.mode": self.set_class_mode,
+            "deviceclasses.remove": self.remove_class,
             "slices.apply": self.apply_slices,
             "namespaces.access": self.set_access,
             "policies.set": self.set_policy,
@@ -619,6 +632,26 @@ class ClaimsApi:
         write = decide_classes(await self.live.fresh(SEEN), classes)
         await self._record(write, actor)
         return ok_reply(applied=list(write.applied), unchanged=list(write.unchanged))
+
+    async def set_class_mode(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``deviceclasses.mode``: how new claims of a class are decided (never old ones)."""
+        request: ClassMode = _decode(data, ClassMode)
+        write = decide_mode(await self.live.fresh(SEEN), request.name, request.mode)
+        if write.refusal is not None:
+            return _refusal_reply(write.refusal)
+        await self._record(write, actor)
+        return ok_reply(
+            applied=list(write.applied), unchanged=list(write.unchanged), mode=request.mode
+        )
+
+    async def remove_class(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``deviceclasses.remove``: no new claims of the class; allocated ones keep running."""
+        request: ClassRemoval = _decode(data, ClassRemoval)
+        write = decide_remove(await self.live.fresh(SEEN), request.name)
+        if write.refusal is not None:
+            return _refusal_reply(write.refusal)
+        await self._record(write, actor)
+        return ok_reply(applied=list(write.applied))
 
     async def apply_slices(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``slices.apply``: record ResourceSlices that differ from the log's.

@@ -42,7 +42,12 @@ so the policy) it was granted under (admin API ``policies.list``). ``policy set
 --driver D --pool P --device X --capacity C [--default Q] [--min Q] [--step Q]
 [--max Q] [--values Q,Q,..] [--none]`` gives one device capacity a new request
 policy (``--default`` defaults to ``--min``; admin API ``policies.set``): a new
-policy version for the device; shares granted earlier keep theirs. All take ``-o table|json|yaml``.
+policy version for the device; shares granted earlier keep theirs. ``class set-mode
+CLASS consumable|whole-device|disabled`` sets how new claims of a DeviceClass are
+decided (admin API ``deviceclasses.mode``; a mode outside these three is exit 2 naming
+the argument); ``class remove CLASS`` removes a DeviceClass (admin API
+``deviceclasses.remove``): new claims of it are refused, allocated ones keep running.
+All take ``-o table|json|yaml``.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import msgspec
 import yaml
 
 from events import model
+from events.catalog import CLASS_MODES
 from events.fold import TERMINAL_PHASES
 from events.manifests import MAX_MANIFEST_BYTES, ManifestError, load_documents
 from services.exitcodes import CommandError, ExitCode
@@ -437,6 +443,24 @@ async def _set_policy(api: ApiClient, args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+async def _set_mode(api: ApiClient, args: argparse.Namespace) -> int:
+    reply = await api.admin("deviceclasses.mode", {"name": args.name, "mode": args.mode})
+    done = {k: reply[k] for k in ("applied", "unchanged", "mode")}
+    state = "unchanged" if reply["unchanged"] else "set"
+    emit(args.output, done, lambda: f"mode of DeviceClass {args.name} {state}: {args.mode}")
+    return ExitCode.OK
+
+
+async def _remove_class(api: ApiClient, args: argparse.Namespace) -> int:
+    reply = await api.admin("deviceclasses.remove", {"name": args.name})
+    emit(
+        args.output,
+        {"applied": reply["applied"]},
+        lambda: f"DeviceClass {args.name} removed (allocated claims keep running)",
+    )
+    return ExitCode.OK
+
+
 async def _run_async(args: argparse.Namespace) -> int:
     endpoints = endpoints_from_args(args)
     credential = endpoints.credential()
@@ -452,6 +476,11 @@ def run(args: argparse.Namespace) -> int:
             args.claims = read_claims(args.filename, args.namespace)
         if getattr(args, "action", None) is _set_policy:
             args.policy = policy_of(args)
+        if getattr(args, "action", None) is _set_mode and args.mode not in CLASS_MODES:
+            raise CommandError(
+                f"MODE: must be one of {', '.join(CLASS_MODES)}; got {args.mode!r}",
+                ExitCode.BAD_INPUT,
+            )
         return asyncio.run(_run_async(args))
     except KeyboardInterrupt:
         return ExitCode.OK
@@ -533,3 +562,19 @@ def register(sub: Any) -> None:
     setting.add_argument("--none", action="store_true", help="remove the policy")
     _common(setting, namespaced=False)
     setting.set_defaults(action=_set_policy)
+
+    dclass = sub.add_parser("class", help="set a DeviceClass's mode or remove it")
+    class_verbs = dclass.add_subparsers(dest="verb", metavar="VERB", required=True)
+    mode = class_verbs.add_parser(
+        "set-mode", help="how new claims of a class are decided (existing ones never change)"
+    )
+    mode.add_argument("name", metavar="CLASS")
+    mode.add_argument("mode", metavar="MODE", help=" | ".join(CLASS_MODES))
+    _common(mode, namespaced=False)
+    mode.set_defaults(action=_set_mode)
+    removing = class_verbs.add_parser(
+        "remove", help="remove a DeviceClass: new claims refused, allocated ones keep running"
+    )
+    removing.add_argument("name", metavar="CLASS")
+    _common(removing, namespaced=False)
+    removing.set_defaults(action=_remove_class)

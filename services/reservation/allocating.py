@@ -25,6 +25,14 @@ v1.34.x defects that page lists:
    device, requested or not, must fit next to allocated and in-call consumption and
    satisfy its policy), binding conditions and taints when their gates are on, then
    the constraints.
+   A class in mode ``whole-device`` (``ClassModeSet``) is decided as if the
+   DRAConsumableCapacity gate were off for it: a capacity request is :class:`Invalid`,
+   and each claim takes a device whole -- a dedicated device as always, a
+   multi-allocatable one through a share consuming every capacity's whole total (the
+   ledger keeps a multi-allocatable device shared), so it fits only a device no live
+   share holds and nothing fits beside it; a device whose request policy forbids a share
+   of its whole total cannot be taken whole. A class in mode ``disabled`` is
+   :class:`Invalid`. Allocations made earlier are never revisited.
 4. **Results**: multi-allocatable devices get a fresh ShareID (UUID v4) and
    ``consumedCapacity`` listing every capacity; dedicated devices get neither.
 
@@ -186,6 +194,11 @@ class _RequestSpec:
     admin: bool
     capacity: dict[str, Quantity]
     tolerations: list[dict[str, object]]
+    whole: bool = False  # the class is in mode whole-device: every capacity's total
+
+    def wanted(self, name: str, total: Quantity) -> Quantity | None:
+        """The amount of capacity ``name`` asked for (``None``: the policy's default)."""
+        return total if self.whole else self.capacity.get(name)
 
 
 @dataclass(slots=True)
@@ -470,6 +483,16 @@ class Allocator:
             raise _InvalidClaimError(
                 f"request {result_name}: device class {class_name} does not exist"
             )
+        class_mode = self.inventory.class_modes.get(class_name, "consumable")
+        if class_mode == "disabled":
+            raise _InvalidClaimError(
+                f"request {result_name}: device class {class_name} is disabled"
+            )
+        if capacity and class_mode == "whole-device":
+            raise _InvalidClaimError(
+                f"request {result_name}: capacity requests need the DRAConsumableCapacity "
+                f"feature gate, which is off for device class {class_name} (whole-device)"
+            )
         mode = mode or ALLOCATION_MODE_EXACT_COUNT
         if mode == ALLOCATION_MODE_EXACT_COUNT:
             count = 1 if count is None else count
@@ -499,6 +522,7 @@ class Allocator:
             admin,
             dict(capacity or {}),
             list(tolerations or []),
+            class_mode == "whole-device",
         )
 
     def _constraint(self, i: int, c: DeviceConstraint) -> _Constraint:
@@ -804,7 +828,7 @@ class _Search:
         allocated = self.a.allocated.consumed.get(entry.key)
         pending = self.in_call.get(entry.index) if in_call else None
         for name, info in entry.capacities.items():
-            amount = consumed_amount(info.total, info.policy, spec.capacity.get(name))
+            amount = consumed_amount(info.total, info.policy, spec.wanted(name, info.total))
             if violates_policy(amount, info.policy):
                 return False, consumed
             used = (allocated.get(name, 0) if allocated else 0) + (
@@ -929,7 +953,7 @@ def _diagnose(search: _Search, spec: _RequestSpec) -> str:
             missing_detail = missing_detail or f"no capacity {absent[0]}"
             continue
         for name, info in entry.capacities.items():
-            amount = consumed_amount(info.total, info.policy, spec.capacity.get(name))
+            amount = consumed_amount(info.total, info.policy, spec.wanted(name, info.total))
             if violates_policy(amount, info.policy):
                 policy += 1
                 policy_detail = policy_detail or (

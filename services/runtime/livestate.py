@@ -81,6 +81,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Final, TypeAlias
 
 from events.catalog import (
+    ClassModeSet,
     DeviceClassApplied,
     DeviceClassRemoved,
     Envelope,
@@ -120,6 +121,7 @@ Freshness: TypeAlias = int | Mark
 INVENTORY_EVENTS: Final = (
     DeviceClassApplied,
     DeviceClassRemoved,
+    ClassModeSet,
     ResourceSlicePublished,
     ResourceSliceWithdrawn,
     RequestPolicyChanged,

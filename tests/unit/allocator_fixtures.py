@@ -164,8 +164,14 @@ def allocator(
     *,
     gates: FeatureGates = DEFAULT_GATES,
     allocated: Sequence[model.ResourceClaim] = (),
+    class_modes: Mapping[str, str] | None = None,
 ) -> Allocator:
-    inventory = Inventory(classes if classes is not None else [device_class()], slices, gates=gates)
+    inventory = Inventory(
+        classes if classes is not None else [device_class()],
+        slices,
+        gates=gates,
+        class_modes=class_modes,
+    )
     alloc = Allocator(inventory)
     for c in allocated:
         alloc.add_grants(grants_from_claim(c, consumable_capacity=gates.consumable_capacity))

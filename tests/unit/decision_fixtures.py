@@ -175,6 +175,10 @@ def describe(event: c.Event) -> str:
             return f"ClaimWithdrawn {event.name}"
         case c.DeviceClassApplied():
             return f"DeviceClassApplied {event.device_class.metadata.name}"
+        case c.DeviceClassRemoved():
+            return f"DeviceClassRemoved {event.name}"
+        case c.ClassModeSet():
+            return f"ClassModeSet {event.name} {event.mode}"
         case c.ResourceSlicePublished():
             return f"ResourceSlicePublished {event.slice.metadata.name}"
         case c.RequestPolicyChanged():

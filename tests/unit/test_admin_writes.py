@@ -23,7 +23,9 @@ from services.claims.adminwrites import (
     decide_access,
     decide_classes,
     decide_delete,
+    decide_mode,
     decide_policy,
+    decide_remove,
     decide_slices,
     ledger_refusal,
 )
@@ -101,6 +103,82 @@ CASES = [
         lambda s: decide_classes(s, [device_class(), device_class(selectors=["true"])]),
         ["DeviceClassApplied gpu.test.io"],
         applied=["gpu.test.io"],
+    ),
+    Case(
+        "a-class-switched-to-whole-device-is-recorded",
+        lambda s: decide_mode(s, "gpu.test.io", "whole-device"),
+        ["ClassModeSet gpu.test.io whole-device"],
+        applied=["gpu.test.io"],
+    ),
+    Case(
+        "a-class-switched-back-to-consumable-is-recorded-live-shares-untouched",
+        lambda s: decide_mode(s, "gpu.test.io", "consumable"),
+        ["ClassModeSet gpu.test.io consumable"],
+        applied=["gpu.test.io"],
+        story=["reserve c1 10Gi", "mode whole-device"],
+    ),
+    Case(
+        "a-class-disabled-is-recorded",
+        lambda s: decide_mode(s, "gpu.test.io", "disabled"),
+        ["ClassModeSet gpu.test.io disabled"],
+        applied=["gpu.test.io"],
+    ),
+    Case(
+        "a-mode-equal-to-the-one-in-force-is-unchanged",
+        lambda s: decide_mode(s, "gpu.test.io", "consumable"),
+        [],
+        unchanged=["gpu.test.io"],
+    ),
+    Case(
+        "a-mode-survives-re-applying-the-class",
+        lambda s: decide_mode(s, "gpu.test.io", "disabled"),
+        [],
+        unchanged=["gpu.test.io"],
+        story=["mode disabled", "reapply"],
+    ),
+    Case(
+        "a-mode-of-an-unknown-class-is-refused-naming-the-field",
+        lambda s: decide_mode(s, "other.test.io", "disabled"),
+        [],
+        refused="DeviceClass 'other.test.io' does not exist",
+        code="not_found",
+        kind="unknown-class",
+        refused_field="name",
+    ),
+    Case(
+        "a-mode-of-a-removed-class-is-refused",
+        lambda s: decide_mode(s, "gpu.test.io", "disabled"),
+        [],
+        refused="DeviceClass 'gpu.test.io' does not exist",
+        code="not_found",
+        kind="unknown-class",
+        refused_field="name",
+        story=["remove"],
+    ),
+    Case(
+        "an-unknown-mode-is-refused-naming-the-field",
+        lambda s: decide_mode(s, "gpu.test.io", "shared"),
+        [],
+        refused="mode: must be one of: consumable, whole-device, disabled (got 'shared')",
+        code="invalid",
+        kind="invalid-mode",
+        refused_field="mode",
+    ),
+    Case(
+        "a-class-with-live-shares-is-removed",
+        lambda s: decide_remove(s, "gpu.test.io"),
+        ["DeviceClassRemoved gpu.test.io"],
+        applied=["gpu.test.io"],
+        story=["reserve c1 10Gi"],
+    ),
+    Case(
+        "removing-an-unknown-class-is-refused-naming-the-field",
+        lambda s: decide_remove(s, "other.test.io"),
+        [],
+        refused="DeviceClass 'other.test.io' does not exist",
+        code="not_found",
+        kind="unknown-class",
+        refused_field="name",
     ),
     Case(
         "a-slice-equal-to-the-logs-is-unchanged",
@@ -298,6 +376,12 @@ def _tell(story: list[str]) -> Log:
                     slice=slice_([gpu("gpu-0", shared=False)], node=NODE, name=GPU_SLICE)
                 )
             )
+        elif verb == "mode":
+            log.add(c.ClassModeSet(name="gpu.test.io", mode=args[0]))  # type: ignore[arg-type]
+        elif verb == "reapply":
+            log.add(c.DeviceClassApplied(device_class=device_class(), rollout="immediate"))
+        elif verb == "remove":
+            log.add(c.DeviceClassRemoved(name="gpu.test.io"))
         elif verb == "admin-access":
             log.add(c.NamespaceAccessSet(namespace=NAMESPACE, classes=["*"], admin_access=True))
     return log
@@ -315,6 +399,18 @@ def test_admin_write(case: Case) -> None:
         assert (write.refusal.code, write.refusal.kind) == (case.code, case.kind)
         if case.refused_field is not None:
             assert write.refusal.field == case.refused_field
+
+
+def test_a_removed_class_leaves_its_claims_allocated() -> None:
+    log = _tell(["reserve c1 10Gi", "mode whole-device"])
+    before = log.state().claims[(NAMESPACE, "c1")]
+    shares = {s: log.state().shares[s].live for s in before.share_ids}
+    log.add(c.DeviceClassRemoved(name="gpu.test.io"))
+    after = log.state()
+    assert "gpu.test.io" not in after.classes
+    assert after.claims[(NAMESPACE, "c1")].phase == before.phase
+    assert {s: after.shares[s].live for s in before.share_ids} == shares
+    assert all(shares.values())
 
 
 def test_a_ledger_refusal_names_the_device_when_the_state_shows_it() -> None:

@@ -658,3 +658,93 @@ def test_opaque_config_names_the_subrequest_it_configures() -> None:
     refusal = decide_apply(STATE, "tenant-q", as_yaml(doc)).refusal
     assert refusal is not None and refusal.kind == "opaque-config"
     assert "'other.dracap.io'" in refusal.rule and "request gpu" in refusal.detail
+
+
+# --- class modes (ClassModeSet) and removal ----------------------------------------------
+
+
+def _after(*events: c.Event) -> ClusterState:
+    state = _state()
+    for i, event in enumerate(events):
+        fold([c.new_envelope(event, stream_version=1, actor="t", position=200 + i)], state)
+    return state
+
+
+WHOLE = c.ClassModeSet(name=CLASS, mode="whole-device")
+DISABLED = c.ClassModeSet(name=CLASS, mode="disabled")
+CONSUMABLE = c.ClassModeSet(name=CLASS, mode="consumable")
+REMOVED = c.DeviceClassRemoved(name=CLASS)
+REAPPLIED = c.DeviceClassApplied(
+    device_class=STATE.classes[CLASS].device_class, rollout="immediate"
+)
+
+# (id, events after the inventory, memory asked, kind refused or None, field, rule)
+MODE_CASES: list[tuple[str, list[c.Event], str | None, str | None, str | None, str]] = [
+    ("consumable-by-default-takes-a-share", [], "10Gi", None, None, ""),
+    ("whole-device-takes-a-claim-without-capacity-requests", [WHOLE], None, None, None, ""),
+    (
+        "whole-device-refuses-a-capacity-request-as-with-the-gate-off",
+        [WHOLE],
+        "10Gi",
+        "whole-device",
+        f"{REQ}.capacity.requests",
+        "need the DRAConsumableCapacity feature gate, which is off for this class",
+    ),
+    ("switched-back-to-consumable-takes-a-share", [WHOLE, CONSUMABLE], "10Gi", None, None, ""),
+    (
+        "disabled-refuses-every-new-claim",
+        [DISABLED],
+        None,
+        "class-disabled",
+        f"{REQ}.deviceClassName",
+        "is disabled: it takes no new claims",
+    ),
+    (
+        "a-removed-class-refuses-new-claims",
+        [REMOVED],
+        "10Gi",
+        "unknown-class",
+        f"{REQ}.deviceClassName",
+        "does not exist",
+    ),
+    (
+        "a-class-re-applied-after-removal-is-consumable",
+        [DISABLED, REMOVED, REAPPLIED],
+        "10Gi",
+        None,
+        None,
+        "",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("events", "memory", "kind", "field", "rule"),
+    [case[1:] for case in MODE_CASES],
+    ids=[case[0] for case in MODE_CASES],
+)
+def test_class_modes(
+    events: list[c.Event], memory: str | None, kind: str | None, field: str | None, rule: str
+) -> None:
+    decision = decide_apply(_after(*events), "tenant-a", as_yaml(manifest(memory=memory)))
+    if kind is None:
+        assert decision.refusal is None
+        assert isinstance(decision.events[-1], c.ClaimAdmitted)
+        return
+    refusal = decision.refusal
+    assert refusal is not None
+    assert (refusal.code, refusal.kind, refusal.field) == ("rejected", kind, field)
+    assert rule in (refusal.rule or "")
+    assert (refusal.field or "") in refusal.message
+    submitted, rejected = decision.events  # recorded, so the tenant can read why
+    assert isinstance(submitted, c.ClaimSubmitted)
+    assert isinstance(rejected, c.ClaimRejected) and rejected.field == field
+
+
+def test_a_mode_applies_to_every_first_available_alternative() -> None:
+    doc = manifest(memory=None)
+    exactly = doc["spec"]["devices"]["requests"][0].pop("exactly")
+    doc["spec"]["devices"]["requests"][0]["firstAvailable"] = [{"name": "a", **exactly}]
+    refusal = decide_apply(_after(DISABLED), "tenant-a", as_yaml(doc)).refusal
+    assert refusal is not None and refusal.kind == "class-disabled"
+    assert refusal.field == "spec.devices.requests[0].firstAvailable[0].deviceClassName"

@@ -70,9 +70,72 @@ class Case:
     classes: list[Any] | None = None
     admin_ok: bool = False
     node: str | None = None
+    modes: dict[str, str] | None = None  # class modes (ClassModeSet)
 
+
+WHOLE = {"gpu.test.io": "whole-device"}
 
 CASES = [
+    # --- class modes (ClassModeSet): whole-device is the gate off for one class ----------
+    Case(
+        "whole-device-takes-a-shareable-device-whole",
+        [slice_([gpu()])],
+        claim(request("r")),
+        "allocated",
+        [("r", "gpu-0", {"memory": "40Gi"})],
+        modes=WHOLE,
+    ),
+    Case(
+        "whole-device-skips-a-device-live-shares-hold-existing-shares-untouched",
+        [slice_([gpu(), gpu("gpu-1")])],
+        claim(request("r")),
+        "allocated",
+        [("r", "gpu-1", {"memory": "40Gi"})],
+        before=[claim(request("r", {"memory": "5Gi"}), status=_allocated_status("gpu-0", "5Gi"))],
+        modes=WHOLE,
+    ),
+    Case(
+        "whole-device-takes-a-dedicated-device-as-always",
+        [slice_([gpu(policy=None, shared=False)])],
+        claim(request("r")),
+        "allocated",
+        [("r", "gpu-0", None)],
+        modes=WHOLE,
+    ),
+    Case(
+        "whole-device-refuses-a-capacity-request-as-with-the-gate-off",
+        [slice_([gpu()])],
+        claim(request("r", {"memory": "10Gi"})),
+        "invalid",
+        reason="capacity requests need the DRAConsumableCapacity feature gate, which is off "
+        "for device class gpu.test.io (whole-device)",
+        modes=WHOLE,
+    ),
+    Case(
+        "whole-device-cannot-take-a-device-whose-policy-caps-a-share-below-its-total",
+        [slice_([gpu(total="80Gi")])],
+        claim(request("r")),
+        "unschedulable",
+        reason="not allowed by the request policy",
+        modes=WHOLE,
+    ),
+    Case(
+        "a-disabled-class-is-invalid",
+        [slice_([gpu()])],
+        claim(request("r")),
+        "invalid",
+        reason="device class gpu.test.io is disabled",
+        modes={"gpu.test.io": "disabled"},
+    ),
+    Case(
+        "a-consumable-class-beside-a-whole-device-one-shares-as-before",
+        [slice_([gpu()])],
+        claim(request("r", {"memory": "10Gi"}, cls="other.test.io")),
+        "allocated",
+        [("r", "gpu-0", {"memory": "10Gi"})],
+        classes=[device_class(), device_class("other.test.io")],
+        modes=WHOLE,
+    ),
     # --- request policy ----------
     Case(
         "absent-request-takes-policy-default",
@@ -810,7 +873,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_rule(case: Case) -> None:
-    alloc = allocator(case.slices, case.classes, gates=case.gates)
+    alloc = allocator(case.slices, case.classes, gates=case.gates, class_modes=case.modes)
     for earlier in case.before:
         if earlier.status is not None:
             alloc.add_grants(
@@ -829,6 +892,17 @@ def test_rule(case: Case) -> None:
     else:
         assert isinstance(out, Invalid), out
         assert case.reason in out.reason
+
+
+def test_nothing_fits_beside_a_whole_device_share_once_the_class_is_consumable_again() -> None:
+    whole = allocator([slice_([gpu()])], class_modes=WHOLE)
+    first = decide(whole, claim(request("r")))
+    assert picked(first) == [("r", "gpu-0", {"memory": "40Gi"})]
+    assert isinstance(first, Allocated)
+    consumable = allocator([slice_([gpu()])])
+    consumable.add_grants(first.grants)
+    out = decide(consumable, claim(request("r", {"memory": "5Gi"})))
+    assert isinstance(out, Unschedulable), out
 
 
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")

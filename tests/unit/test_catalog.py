@@ -124,6 +124,7 @@ def every_event() -> list[c.Event]:
     return [
         c.DeviceClassApplied(device_class=dc, rollout="new-claims-only"),
         c.DeviceClassRemoved(name="gpu.example.com"),
+        c.ClassModeSet(name="gpu.example.com", mode="whole-device"),
         c.ResourceSlicePublished(slice=_slice()),
         c.ResourceSliceWithdrawn(name="node-a-gpus"),
         c.RequestPolicyChanged(
@@ -190,7 +191,7 @@ IDS = [c.tag_of(e) for e in EVENTS]
 
 def test_every_tag_is_covered() -> None:
     assert sorted(IDS) == sorted(c.EVENT_TYPES)
-    assert len(set(IDS)) == len(IDS) == 25
+    assert len(set(IDS)) == len(IDS) == 26
 
 
 @pytest.mark.parametrize("event", EVENTS, ids=IDS)

@@ -1,0 +1,150 @@
+"""Per-DeviceClass modes and class removal through the real stack (issue 13, item 9).
+
+A class switched to ``whole-device`` and back: the existing share is untouched, new
+claims follow the mode in force (a capacity request refused while whole-device, a claim
+without one given a device of its own, a share again once consumable). ``disabled`` and
+a removed class refuse new claims; allocated claims keep running. Two 40Gi GPUs (min 5Gi,
+step 5Gi, max 40Gi), loaded through the admin API; the mode is set with ``dracap class``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+
+from events.subjects import BusNames
+from services.exitcodes import ExitCode
+from services.runtime.apiclient import ApiClient, ApiError
+from services.runtime.bus import connect_bus
+from services.runtime.settings import Settings
+from services.up import Stack, load_inventory, read_inventory
+from tests.integration.test_policy import NAMESPACE, POLICY, _ready, claim_doc, dracap, view_when
+
+GPU_CLASS = "gpu.dracap.io"
+FIELD = "spec.devices.requests[0].exactly"
+
+
+def _gpu(name: str) -> dict[str, Any]:
+    memory = {"value": "40Gi", "requestPolicy": POLICY}
+    return {"name": name, "allowMultipleAllocations": True, "capacity": {"memory": memory}}
+
+
+INVENTORY = [
+    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
+    {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": GPU_CLASS},
+        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{GPU_CLASS}"'}}]},
+    },
+    {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "node-a-gpus"},
+        "spec": {
+            "driver": GPU_CLASS,
+            "nodeName": "node-a",
+            "pool": {"name": "node-a-gpus", "generation": 1, "resourceSliceCount": 1},
+            "devices": [_gpu("gpu-0"), _gpu("gpu-1")],
+        },
+    },
+]
+
+
+class Cluster(msgspec.Struct, kw_only=True):
+    api: ApiClient
+    flags: list[str]
+
+
+@pytest.fixture
+async def cluster(settings: Settings, nats_url: str, tmp_path: Path) -> AsyncIterator[Cluster]:
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:10]}")
+    path = tmp_path / "inventory.yaml"
+    path.write_text(yaml.safe_dump_all(INVENTORY))
+    inventory = read_inventory([str(path)])
+    settings = msgspec.structs.replace(settings, nats_url=nats_url)
+    async with (
+        Stack.running(settings, names, nodes=inventory.nodes, workers=1),
+        ApiClient.connect(nats_url, names.prefix) as api,
+    ):
+        await load_inventory(api, inventory)
+        yield Cluster(api=api, flags=["--nats", nats_url, "--prefix", names.prefix])
+    nc, js = await connect_bus(nats_url)
+    try:
+        await js.delete_stream(names.stream)
+    finally:
+        await nc.close()
+
+
+async def _refused(api: ApiClient, name: str, memory: str | None) -> ApiError:
+    with pytest.raises(ApiError) as refused:
+        await api.claims(NAMESPACE, "apply", claim_doc(name, memory))
+    claim = (await api.claims(NAMESPACE, "get", {"name": name}))["claim"]
+    assert claim["phase"] == "rejected", claim  # recorded: the tenant can read why
+    return refused.value
+
+
+async def test_a_class_switched_to_whole_device_and_back_leaves_shares_and_decides_new_claims(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api, flags = cluster.api, cluster.flags
+    await api.claims(NAMESPACE, "apply", claim_doc("sharer", "10Gi"))
+    [share] = (await view_when(api, "sharer", _ready))["shares"]
+    assert share["consumed"] == {"memory": "10Gi"}
+
+    code, out, err = await dracap(capsys, "class", "set-mode", GPU_CLASS, "whole-device", *flags)
+    assert code == ExitCode.OK and "whole-device" in out, err
+    refused = await _refused(api, "asks-capacity", "10Gi")
+    assert (refused.code, refused.field) == ("rejected", f"{FIELD}.capacity.requests")
+    assert "DRAConsumableCapacity" in str(refused)
+    await api.claims(NAMESPACE, "apply", claim_doc("whole", None))
+    [whole] = (await view_when(api, "whole", _ready))["shares"]
+    assert whole["device"] != share["device"]  # the sharer's device is not free whole
+    assert whole["consumed"] == {"memory": "40Gi"}  # nothing fits beside it
+    [still] = (await api.claims(NAMESPACE, "get", {"name": "sharer"}))["claim"]["shares"]
+    assert still == share  # the existing share is untouched
+
+    code, out, err = await dracap(capsys, "class", "set-mode", GPU_CLASS, "consumable", *flags)
+    assert code == ExitCode.OK, err
+    await api.claims(NAMESPACE, "apply", claim_doc("after", "10Gi"))
+    [after] = (await view_when(api, "after", _ready))["shares"]
+    assert after["device"] == share["device"] and after["consumed"] == {"memory": "10Gi"}
+    assert after["share_id"] != share["share_id"]
+    code, out, _ = await dracap(capsys, "class", "set-mode", GPU_CLASS, "consumable", *flags)
+    assert code == ExitCode.OK and "unchanged" in out
+
+
+async def test_a_disabled_or_removed_class_refuses_new_claims_and_keeps_allocated_ones(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api, flags = cluster.api, cluster.flags
+    await api.claims(NAMESPACE, "apply", claim_doc("running", "10Gi"))
+    [share] = (await view_when(api, "running", _ready))["shares"]
+
+    code, _, err = await dracap(capsys, "class", "set-mode", GPU_CLASS, "disabled", *flags)
+    assert code == ExitCode.OK, err
+    refused = await _refused(api, "while-disabled", "5Gi")
+    assert (refused.code, refused.field) == ("rejected", f"{FIELD}.deviceClassName")
+    assert "disabled" in str(refused)
+
+    code, _, err = await dracap(capsys, "class", "set-mode", GPU_CLASS, "shared", *flags)
+    assert code == ExitCode.BAD_INPUT and "MODE" in err
+    code, _, err = await dracap(capsys, "class", "set-mode", "nope.dracap.io", "disabled", *flags)
+    assert code == ExitCode.NOT_FOUND and "does not exist" in err
+
+    code, out, err = await dracap(capsys, "class", "remove", GPU_CLASS, "-o", "json", *flags)
+    assert code == ExitCode.OK and json.loads(out) == {"applied": [GPU_CLASS]}, err
+    refused = await _refused(api, "after-removal", "5Gi")
+    assert (refused.code, refused.field) == ("rejected", f"{FIELD}.deviceClassName")
+    assert "does not exist" in str(refused)
+    running = (await api.claims(NAMESPACE, "get", {"name": "running"}))["claim"]
+    assert running["ready"] and running["shares"] == [share]
+    code, _, err = await dracap(capsys, "class", "remove", GPU_CLASS, *flags)
+    assert code == ExitCode.NOT_FOUND, err
