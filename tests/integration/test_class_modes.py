@@ -10,21 +10,16 @@ step 5Gi, max 40Gi), loaded through the admin API; the mode is set with ``dracap
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
-import yaml
 
-from events.subjects import BusNames
 from services.exitcodes import ExitCode
 from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
-from services.up import Stack, load_inventory, read_inventory
+from tests.integration.cluster import Cluster, running_cluster
 from tests.integration.test_policy import NAMESPACE, POLICY, _ready, claim_doc, dracap, view_when
 
 GPU_CLASS = "gpu.dracap.io"
@@ -58,29 +53,10 @@ INVENTORY = [
 ]
 
 
-class Cluster(msgspec.Struct, kw_only=True):
-    api: ApiClient
-    flags: list[str]
-
-
 @pytest.fixture
 async def cluster(settings: Settings, nats_url: str, tmp_path: Path) -> AsyncIterator[Cluster]:
-    names = BusNames(prefix=f"t{uuid.uuid4().hex[:10]}")
-    path = tmp_path / "inventory.yaml"
-    path.write_text(yaml.safe_dump_all(INVENTORY))
-    inventory = read_inventory([str(path)])
-    settings = msgspec.structs.replace(settings, nats_url=nats_url)
-    async with (
-        Stack.running(settings, names, nodes=inventory.nodes, workers=1),
-        ApiClient.connect(nats_url, names.prefix) as api,
-    ):
-        await load_inventory(api, inventory)
-        yield Cluster(api=api, flags=["--nats", nats_url, "--prefix", names.prefix])
-    nc, js = await connect_bus(nats_url)
-    try:
-        await js.delete_stream(names.stream)
-    finally:
-        await nc.close()
+    async with running_cluster(settings, nats_url, tmp_path, INVENTORY) as running:
+        yield running
 
 
 async def _refused(api: ApiClient, name: str, memory: str | None) -> ApiError:

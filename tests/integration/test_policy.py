@@ -11,23 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import yaml
 
-from events.subjects import BusNames
 from services import cli
 from services.claims.command import follow
 from services.exitcodes import ExitCode
 from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
-from services.up import Stack, load_inventory, read_inventory
+from tests.integration.cluster import Cluster, running_cluster
 
 GPU_CLASS = "gpu.dracap.io"
 NAMESPACE = "tenant-a"
@@ -64,29 +60,10 @@ INVENTORY = [
 ]
 
 
-class Cluster(msgspec.Struct, kw_only=True):
-    api: ApiClient
-    flags: list[str]
-
-
 @pytest.fixture
 async def cluster(settings: Settings, nats_url: str, tmp_path: Path) -> AsyncIterator[Cluster]:
-    names = BusNames(prefix=f"t{uuid.uuid4().hex[:10]}")
-    path = tmp_path / "inventory.yaml"
-    path.write_text(yaml.safe_dump_all(INVENTORY))
-    inventory = read_inventory([str(path)])
-    settings = msgspec.structs.replace(settings, nats_url=nats_url)
-    async with (
-        Stack.running(settings, names, nodes=inventory.nodes, workers=1),
-        ApiClient.connect(nats_url, names.prefix) as api,
-    ):
-        await load_inventory(api, inventory)
-        yield Cluster(api=api, flags=["--nats", nats_url, "--prefix", names.prefix])
-    nc, js = await connect_bus(nats_url)
-    try:
-        await js.delete_stream(names.stream)
-    finally:
-        await nc.close()
+    async with running_cluster(settings, nats_url, tmp_path, INVENTORY) as running:
+        yield running
 
 
 def claim_doc(name: str, memory: str | None) -> bytes:

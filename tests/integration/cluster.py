@@ -1,0 +1,46 @@
+"""An in-process stack on an inventory of the test's own, with a client of its API."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from events.subjects import BusNames
+from services.runtime.apiclient import ApiClient
+from services.runtime.bus import connect_bus
+from services.runtime.settings import Settings
+from services.up import Stack, load_inventory, read_inventory
+
+
+class Cluster(msgspec.Struct, kw_only=True):
+    api: ApiClient
+    flags: list[str]  #: what the CLI needs to reach it
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(
+    settings: Settings, nats_url: str, directory: Path, inventory: Sequence[dict[str, Any]]
+) -> AsyncIterator[Cluster]:
+    """The stack with ``inventory`` loaded (one agent per node); its stream goes after."""
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:10]}")
+    path = directory / "inventory.yaml"
+    path.write_text(yaml.safe_dump_all(inventory))
+    manifests = read_inventory([str(path)])
+    settings = msgspec.structs.replace(settings, nats_url=nats_url)
+    async with (
+        Stack.running(settings, names, nodes=manifests.nodes, workers=1),
+        ApiClient.connect(nats_url, names.prefix) as api,
+    ):
+        await load_inventory(api, manifests)
+        yield Cluster(api=api, flags=["--nats", nats_url, "--prefix", names.prefix])
+    nc, js = await connect_bus(nats_url)
+    try:
+        await js.delete_stream(names.stream)
+    finally:
+        await nc.close()
