@@ -281,6 +281,7 @@ class ClaimsApi:
         #: every request is anonymous (``dracap up --insecure``)
         self.authenticated = authenticated
         self.directory = directory
+        self._known = directory.index() if directory is not None else {}  # by public key
         self.max_attempts = max_attempts
         self.tail = tail
         self._slots = asyncio.Semaphore(concurrency)
@@ -387,7 +388,7 @@ class ClaimsApi:
     def _tenant(self, fn: _TenantOperation) -> Callable[[Request], Any]:
         async def handler(request: Request) -> None:
             namespace = request.subject.split(".")[2]
-            caller = caller_of(request.headers, self.directory)
+            caller = caller_of(request.headers, self._known)
             if caller is None and not self.authenticated:
                 caller = Actor.anonymous(namespace)
             if caller is None or (caller.kind == "tenant" and caller.namespace != namespace):
@@ -401,7 +402,7 @@ class ClaimsApi:
 
     def _admin(self, fn: _AdminOperation) -> Callable[[Request], Any]:
         async def handler(request: Request) -> None:
-            caller = caller_of(request.headers, self.directory)
+            caller = caller_of(request.headers, self._known)
             if caller is None and not self.authenticated:
                 caller = Actor.anonymous(None)
             if caller is None or caller.kind not in ("operator", "anonymous"):

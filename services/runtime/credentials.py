@@ -30,6 +30,7 @@ API records ``anonymous`` actors (:mod:`events.actors`).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
@@ -120,8 +121,9 @@ class Directory(msgspec.Struct, frozen=True):
 
     principals: list[Principal]
 
-    def by_key(self, public_key: str) -> Principal | None:
-        return next((p for p in self.principals if p.public_key == public_key), None)
+    def index(self) -> dict[str, Principal]:
+        """Every principal by its public key (build it once, look up per request)."""
+        return {p.public_key: p for p in self.principals}
 
 
 class _RequestInfo(msgspec.Struct):
@@ -134,11 +136,12 @@ class _RequestInfo(msgspec.Struct):
 _INFO: Final = msgspec.json.Decoder(_RequestInfo)
 
 
-def caller_of(headers: dict[str, str] | None, directory: Directory | None) -> Actor | None:
+def caller_of(headers: dict[str, str] | None, known: Mapping[str, Principal]) -> Actor | None:
     """Who sent a request, from the header the broker wrote; None when it says nothing.
 
-    A tenant's namespace comes from its account alone; an NKey the directory does not
-    know is named by the key itself (still authenticated by the broker).
+    A tenant's namespace comes from its account alone; an NKey ``known`` (a
+    :meth:`Directory.index`) does not hold is named by the key itself (still
+    authenticated by the broker).
     """
     raw = (headers or {}).get(REQUEST_INFO_HEADER)
     if not raw:
@@ -149,8 +152,8 @@ def caller_of(headers: dict[str, str] | None, directory: Directory | None) -> Ac
         return None
     if not info.user:
         return None
-    known = directory.by_key(info.user) if directory is not None else None
-    user = known.name if known is not None else info.user
+    principal = known.get(info.user)
+    user = principal.name if principal is not None else info.user
     if info.acc == OPERATORS_ACCOUNT:
         return Actor.operator(user)
     if info.acc.startswith(TENANT_ACCOUNT_PREFIX) and len(info.acc) > len(TENANT_ACCOUNT_PREFIX):

@@ -23,6 +23,19 @@ class Cluster(msgspec.Struct, kw_only=True):
     flags: list[str]  #: what the CLI needs to reach it
 
 
+def namespace_and_class(namespace: str, driver: str) -> list[dict[str, Any]]:
+    """A Namespace and a DeviceClass, named like its driver, selecting that driver."""
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": driver},
+            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]},
+        },
+    ]
+
+
 @contextlib.asynccontextmanager
 async def running_cluster(
     settings: Settings, nats_url: str, directory: Path, inventory: Sequence[dict[str, Any]]

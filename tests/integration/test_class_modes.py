@@ -19,7 +19,7 @@ import pytest
 from services.exitcodes import ExitCode
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.settings import Settings
-from tests.integration.cluster import Cluster, running_cluster
+from tests.integration.cluster import Cluster, namespace_and_class, running_cluster
 from tests.integration.test_policy import NAMESPACE, POLICY, _ready, claim_doc, dracap, view_when
 
 GPU_CLASS = "gpu.dracap.io"
@@ -32,13 +32,7 @@ def _gpu(name: str) -> dict[str, Any]:
 
 
 INVENTORY = [
-    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
-    {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": GPU_CLASS},
-        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{GPU_CLASS}"'}}]},
-    },
+    *namespace_and_class(NAMESPACE, GPU_CLASS),
     {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceSlice",

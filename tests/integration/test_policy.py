@@ -23,7 +23,7 @@ from services.claims.command import follow
 from services.exitcodes import ExitCode
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.settings import Settings
-from tests.integration.cluster import Cluster, running_cluster
+from tests.integration.cluster import Cluster, namespace_and_class, running_cluster
 
 GPU_CLASS = "gpu.dracap.io"
 NAMESPACE = "tenant-a"
@@ -49,13 +49,7 @@ def _slice(*, shared: bool = True) -> dict[str, Any]:
 
 
 INVENTORY = [
-    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
-    {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": GPU_CLASS},
-        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{GPU_CLASS}"'}}]},
-    },
+    *namespace_and_class(NAMESPACE, GPU_CLASS),
     _slice(),
 ]
 

@@ -73,7 +73,7 @@ def _info(**fields: str) -> dict[str, str]:
 def test_the_caller_comes_from_the_brokers_header(
     headers: dict[str, str] | None, caller: str | None
 ) -> None:
-    found = caller_of(headers, DIRECTORY)
+    found = caller_of(headers, DIRECTORY.index())
     assert (str(found) if found else None) == caller
 
 
