@@ -7,7 +7,9 @@ from the request's payload:
 ``tenant:<user>@<namespace>``   a tenant user; the broker authenticated the user's NKey, and
                                 the namespace is the user's account, not a field it sent
 ``operator:<user>``             an operator (a user of the operators' account)
-``agent:<node>``                a node agent, running with its node's credentials
+``agent:<node>#<epoch>``        a node agent, running with its node's credentials, holding
+                                its node's lease ``epoch`` (``agent:<node>``: a report
+                                made without a lease, by tools and older logs)
 ``system:<service>``            a dracap service acting on what it consumed (``reservation-0``)
 ``anonymous:<namespace>``       a request of ``dracap up --insecure``, where nobody is
                                 authenticated (``anonymous:-`` for an admin request)
@@ -16,6 +18,10 @@ from the request's payload:
 The bracketed parts never contain ``:`` or ``@`` (user names and namespaces are DNS
 labels, node names DNS subdomains, service names are ours), so :func:`parse_actor`
 reads every actor back unambiguously. Audit and billing subscribers read it that way.
+
+The epoch of an agent's actor is what the event store checks: an append whose actor
+names an epoch older than the node's current lease (or one the node was fenced or
+expired at) is refused and the refusal recorded (``docs/reclamation.md``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class Actor(msgspec.Struct, frozen=True, kw_only=True):
     kind: ActorKind
     name: str
     namespace: str | None = None
+    epoch: int | None = None  #: an agent's lease epoch
 
     def __post_init__(self) -> None:
         if not _PART.fullmatch(self.name):
@@ -55,10 +62,16 @@ class Actor(msgspec.Struct, frozen=True, kw_only=True):
             raise ActorError("a tenant actor, and only a tenant actor, names a namespace")
         if self.namespace is not None and not _PART.fullmatch(self.namespace):
             raise ActorError(f"actor namespace {self.namespace!r} is not a name")
+        if self.epoch is not None and (self.kind != "agent" or self.epoch < 1):
+            raise ActorError("only an agent actor names an epoch, and it is at least 1")
+        if "#" in self.name:
+            raise ActorError(f"actor name {self.name!r} must not contain '#'")
 
     def __str__(self) -> str:
         if self.kind == "tenant":
             return f"tenant:{self.name}@{self.namespace}"
+        if self.epoch is not None:
+            return f"agent:{self.name}#{self.epoch}"
         return f"{self.kind}:{self.name}"
 
     @classmethod
@@ -70,8 +83,8 @@ class Actor(msgspec.Struct, frozen=True, kw_only=True):
         return cls(kind="operator", name=user)
 
     @classmethod
-    def agent(cls, node: str) -> Actor:
-        return cls(kind="agent", name=node)
+    def agent(cls, node: str, epoch: int | None = None) -> Actor:
+        return cls(kind="agent", name=node, epoch=epoch)
 
     @classmethod
     def system(cls, service: str) -> Actor:
@@ -92,4 +105,9 @@ def parse_actor(text: str) -> Actor:
         if not at:
             raise ActorError(f"actor {text!r}: a tenant actor is tenant:<user>@<namespace>")
         return Actor.tenant(user, namespace)
+    if kind == "agent" and "#" in rest:
+        node, _, epoch = rest.partition("#")
+        if not epoch.isdigit():
+            raise ActorError(f"actor {text!r}: an agent's epoch is a positive number")
+        return Actor.agent(node, int(epoch))
     return Actor(kind=kind, name=rest)  # type: ignore[arg-type]  # kind checked above

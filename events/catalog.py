@@ -81,6 +81,7 @@ __all__ = [
     "SHARE_ID_NAMESPACE",
     "UPCASTERS",
     "AllocationBound",
+    "AppendRefused",
     "CapacityReleased",
     "CapacityReserved",
     "ClaimAdmitted",
@@ -103,6 +104,7 @@ __all__ = [
     "MessageDeadLettered",
     "NamespaceAccessSet",
     "NodeFenced",
+    "NodeLeaseAcquired",
     "NodeLeaseExpired",
     "RawEnvelope",
     "ReleaseRequested",
@@ -121,6 +123,7 @@ __all__ = [
     "device_stream",
     "encode_event",
     "encode_payload",
+    "lease_stream",
     "namespace_stream",
     "new_envelope",
     "node_stream",
@@ -385,6 +388,22 @@ class CapacityReleased(_EventBase, frozen=True, kw_only=True, tag="reclamation.c
     admin_access: bool
 
 
+class NodeLeaseAcquired(
+    _EventBase, frozen=True, kw_only=True, tag="reclamation.node_lease_acquired"
+):
+    """A node agent took a new lease of its node, numbered ``epoch``, during ``boot_id``.
+
+    ``epoch`` is one more than any lease or fence of the node before (the store's guard
+    refuses anything else); ``boot_id`` is the node's kernel boot id (or what the agent
+    was told to use); ``ttl_ms`` is how long a renewal keeps the lease.
+    """
+
+    node: str
+    epoch: int
+    boot_id: str
+    ttl_ms: int
+
+
 class NodeLeaseExpired(_EventBase, frozen=True, kw_only=True, tag="reclamation.node_lease_expired"):
     """The node agent's lease of ``epoch`` expired; its shares become unknown."""
 
@@ -402,10 +421,14 @@ class ShareMarkedUnknown(
 
 
 class NodeFenced(_EventBase, frozen=True, kw_only=True, tag="reclamation.node_fenced"):
-    """The node was fenced at ``epoch``: nothing of it runs; its shares are released."""
+    """The node was fenced at ``epoch``: nothing of it runs; its shares are released.
+
+    ``reason``: what the operator (or the fence hook) said; added later (default empty).
+    """
 
     node: str
     epoch: int
+    reason: str = ""
 
 
 class ShareConfirmed(_EventBase, frozen=True, kw_only=True, tag="reclamation.share_confirmed"):
@@ -413,6 +436,21 @@ class ShareConfirmed(_EventBase, frozen=True, kw_only=True, tag="reclamation.sha
 
     share_id: str
     node: str
+
+
+class AppendRefused(_EventBase, frozen=True, kw_only=True, tag="reclamation.append_refused"):
+    """The event store refused an append of a node agent whose lease ``epoch`` is stale.
+
+    Written by the store itself (``dracap_append_guarded``, migration 0007) instead of
+    the refused events, under the same lock, so the refusal is in the log exactly once.
+    ``current_epoch``: the node's lease epoch at that moment; ``types``: the tags of the
+    events that were refused.
+    """
+
+    node: str
+    epoch: int
+    current_epoch: int
+    types: list[str] = []
 
 
 # --- administration and operations -------------------------------------------------------
@@ -475,10 +513,12 @@ Event: TypeAlias = (
     | EnforcementCheckpointSetAside
     | ReleaseRequested
     | CapacityReleased
+    | NodeLeaseAcquired
     | NodeLeaseExpired
     | ShareMarkedUnknown
     | NodeFenced
     | ShareConfirmed
+    | AppendRefused
     | NamespaceAccessSet
     | ClaimWithdrawn
     | MessageDeadLettered
@@ -504,10 +544,12 @@ _EVENT_CLASSES: Final[tuple[type[Event], ...]] = (
     EnforcementCheckpointSetAside,
     ReleaseRequested,
     CapacityReleased,
+    NodeLeaseAcquired,
     NodeLeaseExpired,
     ShareMarkedUnknown,
     NodeFenced,
     ShareConfirmed,
+    AppendRefused,
     NamespaceAccessSet,
     ClaimWithdrawn,
     MessageDeadLettered,
@@ -637,6 +679,12 @@ def node_stream(name: str) -> str:
     return f"node:{name}"
 
 
+def lease_stream(node: str) -> str:
+    """``lease:<node>``: the node's lease transitions (acquired, expired, fenced) only,
+    so that appending one at the version read orders them exactly."""
+    return f"lease:{node}"
+
+
 def stream_of(event: Event) -> str:
     """The stream an event is naturally appended to."""
     match event:
@@ -672,12 +720,13 @@ def stream_of(event: Event) -> str:
             | LimitRemoved()
             | EnforcementReconciled()
             | EnforcementCheckpointSetAside()
-            | NodeLeaseExpired()
             | ShareMarkedUnknown()
-            | NodeFenced()
             | ShareConfirmed()
+            | AppendRefused()
         ):
             return node_stream(event.node)
+        case NodeLeaseAcquired() | NodeLeaseExpired() | NodeFenced():
+            return lease_stream(event.node)
     raise CatalogError(f"not an event of the catalog: {type(event).__name__}")
 
 

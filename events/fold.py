@@ -78,9 +78,11 @@ A step that would break one raises before mutating anything.
   from another node. Claim readiness is derived: a claim becomes ``ready`` only
   when every non-admin share of its allocation (every share, for an admin-only
   claim) has had its limit applied — never from scheduling alone;
-* ``fencing``: ``CapacityReleased`` for a share whose state is unknown (it keeps
-  its capacity until ``NodeFenced`` or ``ShareConfirmed``), or a confirmation of
-  a share that was already fenced;
+* ``fencing``: ``CapacityReleased`` for a share whose state is unknown while its
+  node holds no new lease (it keeps its capacity until ``NodeFenced``, or until the
+  agent of a newer lease confirms or releases it), a confirmation of a share that was
+  already fenced, or a lease whose epoch is not newer than every lease and fence of
+  its node before;
 * ``order``: a stored envelope whose position does not increase.
 
 Idempotent release: a ``CapacityReleased`` for a share already released with the
@@ -99,6 +101,7 @@ import msgspec
 from events.catalog import (
     POLICY_VERSION_UNRECORDED,
     AllocationBound,
+    AppendRefused,
     CapacityReleased,
     CapacityReserved,
     ClaimAdmitted,
@@ -119,6 +122,7 @@ from events.catalog import (
     MessageDeadLettered,
     NamespaceAccessSet,
     NodeFenced,
+    NodeLeaseAcquired,
     NodeLeaseExpired,
     ReleaseRequested,
     RequestPolicyChanged,
@@ -317,13 +321,27 @@ class PoolState(msgspec.Struct, kw_only=True):
 
 
 class NodeState(msgspec.Struct, kw_only=True):
-    """A node agent's lease and the live shares placed on the node."""
+    """A node agent's lease and the live shares placed on the node.
+
+    ``lease``: ``live`` (an agent holds lease ``lease_epoch``, or none ever did),
+    ``expired`` (the lease ran out: the node's shares are unknown, its devices tainted)
+    or ``fenced`` (an operator or the fence hook declared it off at ``fenced_epoch``).
+    ``boot_id``, ``ttl_ms`` and ``leased_epoch`` are those of the latest lease; ``reason``
+    says why the node is expired or fenced. The store keeps the newest of
+    ``expired_epoch`` and ``fenced_epoch`` in ``node_epochs`` and the latest lease in
+    ``node_leases`` (``dracap replay verify`` compares both).
+    """
 
     name: str
     lease: Literal["live", "expired", "fenced"] = "live"
     lease_epoch: int = 0
     fenced_epoch: int = 0
     live_shares: set[str] = set()
+    boot_id: str = ""
+    ttl_ms: int = 0
+    reason: str | None = None
+    leased_epoch: int = 0  #: the newest lease acquired (``node_leases.epoch``)
+    expired_epoch: int = 0  #: the newest lease recorded as expired
 
 
 class NamespaceState(msgspec.Struct, kw_only=True):
@@ -631,7 +649,7 @@ def _release(state: ClusterState, ev: CapacityReleased, position: int) -> None:
     status = share.state
     if status == "released":
         return  # idempotent: this allocation version was already released
-    if status == "unknown":
+    if status == "unknown" and not _vouched(state, share):
         raise InvariantViolation(
             position,
             "fencing",
@@ -851,12 +869,37 @@ def _mark_unknown(share: ShareState) -> None:
         share.state = "unknown"
 
 
+def _vouched(state: ClusterState, share: ShareState) -> bool:
+    """Whether an unknown share's node holds a new lease: its agent speaks for it again."""
+    node = state.nodes.get(share.node) if share.node is not None else None
+    return node is not None and node.lease == "live"
+
+
+def _lease_acquired(state: ClusterState, ev: NodeLeaseAcquired, position: int) -> None:
+    node = _node(state, ev.node)
+    if ev.epoch <= node.lease_epoch or ev.epoch <= node.fenced_epoch:
+        raise InvariantViolation(
+            position,
+            "fencing",
+            f"node {ev.node}: lease epoch {ev.epoch} is not newer than "
+            f"{max(node.lease_epoch, node.fenced_epoch)}",
+        )
+    node.lease = "live"
+    node.lease_epoch = ev.epoch
+    node.leased_epoch = ev.epoch
+    node.boot_id = ev.boot_id
+    node.ttl_ms = ev.ttl_ms
+    node.reason = None
+
+
 def _lease_expired(state: ClusterState, ev: NodeLeaseExpired, position: int) -> None:
     node = _node(state, ev.node)
     if ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch:
         return  # stale
     node.lease_epoch = ev.epoch
+    node.expired_epoch = ev.epoch
     node.lease = "expired"
+    node.reason = f"lease of epoch {ev.epoch} expired"
     for sid in node.live_shares:
         _mark_unknown(state.shares[sid])
 
@@ -867,6 +910,7 @@ def _fenced(state: ClusterState, ev: NodeFenced, position: int) -> None:
         return  # stale
     node.fenced_epoch = ev.epoch
     node.lease = "fenced"
+    node.reason = f"fenced at epoch {ev.epoch}" + (f": {ev.reason}" if ev.reason else "")
     touched: dict[ClaimKey, None] = {}
     for sid in sorted(node.live_shares):
         share = state.shares[sid]
@@ -880,7 +924,7 @@ def _fenced(state: ClusterState, ev: NodeFenced, position: int) -> None:
             _set_phase(state, claim, "released")
         elif claim.phase != "releasing":
             _set_phase(state, claim, "failed")
-            claim.reason = f"node {ev.node} fenced at epoch {ev.epoch}"
+            claim.reason = f"node {ev.node} {node.reason}"
 
 
 def _confirmed(state: ClusterState, ev: ShareConfirmed, position: int) -> None:
@@ -894,7 +938,15 @@ def _confirmed(state: ClusterState, ev: ShareConfirmed, position: int) -> None:
             position, "fencing", f"share {ev.share_id} confirmed after it was released"
         )
     if share.state == "unknown":
-        share.state = share.prior_state or "ready"
+        claim = state.claims.get(share.claim)
+        if (
+            claim is not None
+            and claim.phase == "releasing"
+            and claim.allocation_version == share.allocation_version
+        ):
+            share.state = "releasing"  # deleted while unknown: its agent removes it next
+        else:
+            share.state = share.prior_state or "ready"
         share.prior_state = None
     node = state.nodes.get(ev.node)
     if node is not None and node.lease == "expired":
@@ -1190,7 +1242,8 @@ def _dead_lettered(state: ClusterState, ev: MessageDeadLettered, position: int) 
 
 
 def _noted(state: ClusterState, ev: Event, position: int) -> None:
-    """A report that changes no state (the agent's reconciliation, a checkpoint set aside)."""
+    """A report that changes no state (the agent's reconciliation, a checkpoint set aside,
+    an append refused for a stale epoch)."""
 
 
 _STEPS: Final[dict[type, Step]] = {
@@ -1207,10 +1260,12 @@ _STEPS: Final[dict[type, Step]] = {
     ClaimAdmitted: _claim_admitted,
     ClaimRejected: _claim_rejected,
     ClaimUnschedulable: _claim_unschedulable,
+    NodeLeaseAcquired: _lease_acquired,
     NodeLeaseExpired: _lease_expired,
     ShareMarkedUnknown: _share_unknown,
     NodeFenced: _fenced,
     ShareConfirmed: _confirmed,
+    AppendRefused: _noted,
     ResourceSlicePublished: _slice_published,
     ResourceSliceWithdrawn: _slice_withdrawn,
     RequestPolicyChanged: _policy_changed,

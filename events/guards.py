@@ -21,8 +21,12 @@ small because they hold only what the rules need:
 * ``held_shares``: every live non-admin share and the amounts it holds — releasing
   deletes the row, so a second release finds nothing to give back;
 * ``device_holds``: the exclusive holder of a dedicated device (its key is the device);
-* ``node_epochs``: the newest lease or fence epoch per node, so a stale fence (an
-  epoch older than one already acted on) releases nothing, as in the fold.
+* ``node_epochs``: the newest expired or fenced epoch per node, so a stale fence (an
+  epoch older than one already acted on) releases nothing, as in the fold;
+* ``node_leases``: the lease each node's agent holds now (migration 0007). A new lease
+  (``acquire``) must be numbered exactly one more than the newest epoch of its node in
+  either table, or the append is refused as a conflict; appends of an agent whose
+  actor names an older epoch are refused by the append function itself.
 
 Which reservations count and which take a hold is decided by the fold's own
 predicates (:func:`events.fold.counts_capacity`, :func:`events.fold.holds_device`), so
@@ -48,6 +52,7 @@ from events.catalog import (
     CapacityReserved,
     Event,
     NodeFenced,
+    NodeLeaseAcquired,
     NodeLeaseExpired,
     ResourceSlicePublished,
 )
@@ -55,6 +60,7 @@ from events.fold import counts_capacity, holds_device
 from events.quantities import Quantity
 
 __all__ = [
+    "Acquire",
     "Fence",
     "Guard",
     "NoteEpoch",
@@ -128,7 +134,17 @@ class Fence(_Guard, frozen=True, kw_only=True, tag="fence"):
     epoch: int
 
 
-Guard: TypeAlias = SetTotal | Reserve | Release | NoteEpoch | Fence
+class Acquire(_Guard, frozen=True, kw_only=True, tag="acquire"):
+    """A node agent takes lease ``epoch`` of ``node`` for ``ttl_ms``; refused (a conflict)
+    unless ``epoch`` is one more than the node's newest lease, expired or fenced epoch."""
+
+    node: str
+    epoch: int
+    boot_id: str
+    ttl_ms: int
+
+
+Guard: TypeAlias = SetTotal | Reserve | Release | NoteEpoch | Fence | Acquire
 
 _NONE: Final[list[Guard]] = []
 
@@ -181,6 +197,16 @@ def guards_of(event: Event, at: int = 1) -> list[Guard]:
             return [NoteEpoch(at=at, node=event.node, epoch=event.epoch)]
         case NodeFenced():
             return [Fence(at=at, node=event.node, epoch=event.epoch)]
+        case NodeLeaseAcquired():
+            return [
+                Acquire(
+                    at=at,
+                    node=event.node,
+                    epoch=event.epoch,
+                    boot_id=event.boot_id,
+                    ttl_ms=event.ttl_ms,
+                )
+            ]
     return _NONE
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import msgspec
 import semver
@@ -246,8 +247,12 @@ class Inventory:
         node_labels: Mapping[str, Mapping[str, str]] | None = None,
         inline_budget: int | None = None,
         class_modes: Mapping[str, str] | None = None,
+        lost_nodes: Mapping[str, str] | None = None,
     ) -> None:
         self.gates = gates
+        #: nodes whose agent lost its lease or that were fenced, with the taint's text:
+        #: no new share lands on their devices (whatever the request tolerates)
+        self.lost_nodes: dict[str, str] = dict(lost_nodes or {})
         #: the mode of each class that is not ``consumable`` (``ClassModeSet``)
         self.class_modes: dict[str, str] = {
             k: v for k, v in (class_modes or {}).items() if v != "consumable"
@@ -318,6 +323,11 @@ class Inventory:
         return index
 
     # queries
+    def lost(self, entry: DeviceEntry) -> str | None:
+        """The node-lost taint of ``entry``'s node, if its node is lost (else ``None``)."""
+        node = entry.device.node_name or entry.slice.spec.node_name
+        return self.lost_nodes.get(node) if node else None
+
     def nodes(self) -> list[str]:
         """Every node named by a slice or by the node labels given, sorted."""
         if self._nodes is None:
@@ -532,4 +542,18 @@ def build_inventory(
         gates=gates,
         inline_budget=inline_budget,
         class_modes=modes,
+        lost_nodes=lost_nodes(state),
     )
+
+
+#: The taint dracap puts on the devices of a node it lost (docs/reclamation.md).
+NODE_LOST_TAINT: Final = "dracap.io/node-lost"
+
+
+def lost_nodes(state: ClusterState) -> dict[str, str]:
+    """Nodes whose lease expired or that were fenced, each with its taint's text."""
+    return {
+        name: f"{NODE_LOST_TAINT}={node.lease}:NoSchedule (node {name}: {node.reason})"
+        for name, node in state.nodes.items()
+        if node.lease != "live"
+    }

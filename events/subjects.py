@@ -50,6 +50,7 @@ import msgspec
 from events.catalog import (
     EVENT_TYPES,
     AllocationBound,
+    AppendRefused,
     CapacityReserved,
     EnforcementCheckpointSetAside,
     EnforcementReconciled,
@@ -59,6 +60,7 @@ from events.catalog import (
     LimitFailed,
     LimitRemoved,
     NodeFenced,
+    NodeLeaseAcquired,
     NodeLeaseExpired,
     ReleaseRequested,
     ShareConfirmed,
@@ -96,6 +98,8 @@ NODE_REPORTS: Final = (
     LimitRemoved,
     EnforcementReconciled,
     EnforcementCheckpointSetAside,
+    NodeLeaseAcquired,
+    AppendRefused,
 )
 
 #: Tags of :data:`NODE_EVENTS`.

@@ -39,7 +39,9 @@ COMMANDS: Final = {
     "devices": "services.claims.command",
     "policy": "services.claims.command",
     "class": "services.claims.command",
+    "node": "services.claims.command",
     "agent": "services.enforcement.command",
+    "reclaim": "services.reclamation.command",
     "prove": "services.prove",
     "auth": "services.brokerauth",
 }

@@ -21,7 +21,8 @@ Start-up order
 servers (and their watchdog) -> migrations (``alembic`` to head, under an advisory
 lock) -> the services' database users (on the embedded PostgreSQL: one per service and
 agent, :mod:`services.runtime.provisioning`) -> bus stream -> :class:`Stack` (relay,
-live state, claims API, reservation workers, agents) -> the example inventory through
+live state, claims API, reservation workers, reclamation service, agents) -> the
+example inventory through
 the admin API (each ResourceSlice only if its devices are not listed yet, so a restart
 does not append it again) ->
 ``<data-dir>/connection.json`` -> the banner, whose last line starts with ``dracap is
@@ -159,8 +160,8 @@ async def load_inventory(api: ApiClient, inventory: InventoryManifests) -> int:
         for s in inventory.slices
         if any((s.spec.driver, s.spec.pool.name, d.name) not in known for d in s.spec.devices or [])
     ]
-    if not missing and (listed or not inventory.slices):
-        return 0
+    if not missing and listed:
+        return 0  # (an inventory without slices is applied each time: its writes are no-ops)
     for device_class in inventory.classes:
         await api.admin("deviceclasses.apply", model.encode_json(device_class))
     for namespace in inventory.namespaces:  # annotations: events.tenancy, docs/tenancy.md
@@ -341,10 +342,12 @@ async def _close_bus(nc: Any) -> None:
 
 
 async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) -> None:
-    """Start the relay, the live state, the APIs, reservation workers and agents."""
+    """Start the relay, the live state, the APIs, reservation workers, the reclamation
+    service and agents."""
     from services.claims.api import ClaimsApi
     from services.enforcement.agent import Agent
     from services.enforcement.enforcers import NoneEnforcer
+    from services.reclamation.service import ReclamationService
     from services.reservation.service import ReservationService
     from services.runtime.gauges import CapacityGauges, initialise_series
     from services.runtime.livestate import HEAD, LiveState
@@ -374,6 +377,8 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
         service = ReservationService(store, live, stack.bus("reservation")[1], names, worker=i)
         consumers.update(c.name for c in service.consumers())
         stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
+    reclamation = ReclamationService(stores.of(ServiceKind.RECLAMATION), live)
+    stack.spawn("reclamation", functools.partial(reclamation.run, stop))
     for node in nodes:
         store = stores.of(ServiceKind.AGENT, node)
         agent_js = stack.bus(f"agent:{node}")[1]

@@ -61,6 +61,7 @@ from events.catalog import (
     DeviceClassRemoved,
     Event,
     NamespaceAccessSet,
+    NodeFenced,
     ReleaseRequested,
     RequestPolicyChanged,
     ResourceSlicePublished,
@@ -396,3 +397,55 @@ LEDGER_REFUSED: Final = Refusal(
     message="the capacity ledger refused the new totals: a device would hold less than "
     "its live shares were allocated; read the devices and retry",
 )
+
+
+class NodeFence(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``nodes.fence`` request: declare ``node`` off, for ``reason``."""
+
+    node: str
+    reason: str
+
+
+#: Longest fence reason recorded (it travels in the log and in every claim it fails).
+MAX_FENCE_REASON: Final = 500
+
+
+def decide_fence(state: ClusterState, request: NodeFence) -> AdminWrite:
+    """Fence a node at its current epoch: its live shares are released with the event.
+
+    Refused for a node the log has never seen (no lease, no share), for an empty or
+    overlong reason, and answered unchanged for a node already fenced at its current
+    epoch. The event's epoch is the newest the node had (its lease, or the one that
+    expired), so every append of that epoch or an older one is refused from then on.
+    """
+    reason = request.reason.strip()
+    if not reason or len(reason) > MAX_FENCE_REASON:
+        rule = f"must say why, in 1 to {MAX_FENCE_REASON} characters"
+        return AdminWrite(
+            refusal=Refusal(
+                code="invalid",
+                kind="invalid-reason",
+                field="reason",
+                rule=rule,
+                message=f"reason: {rule}",
+                detail=f"got {len(reason)} characters",
+            )
+        )
+    node = state.nodes.get(request.node)
+    if node is None:
+        detail = f"node {request.node!r} never held a lease nor a share"
+        return AdminWrite(
+            refusal=Refusal(
+                code="not_found",
+                kind="unknown-node",
+                field="node",
+                rule="must name a node the log knows",
+                message=f"node: {detail}",
+                detail=detail,
+            )
+        )
+    epoch = max(node.lease_epoch, node.fenced_epoch)
+    if node.lease == "fenced" and node.fenced_epoch == epoch:
+        return AdminWrite(unchanged=(request.node,))
+    event = NodeFenced(node=request.node, epoch=epoch, reason=reason)
+    return AdminWrite(events=(event,), applied=(request.node,))

@@ -12,7 +12,8 @@ payload.
 
 Admin endpoints listen on ``names.admin(op)`` for ``deviceclasses.apply``,
 ``deviceclasses.mode``, ``deviceclasses.remove``, ``slices.apply``,
-``namespaces.access``, ``policies.set``, ``policies.list`` and ``devices.list``.
+``namespaces.access``, ``policies.set``, ``policies.list``, ``devices.list``,
+``nodes.list``, ``nodes.get`` and ``nodes.fence``.
 
 Every reply is JSON (:mod:`services.claims.views`): ``{"ok": true, ...}`` or
 ``{"ok": false, "error": {code, field, rule, message}}`` with code ``invalid``,
@@ -54,6 +55,12 @@ claim). What is recorded:
   next policy version: :func:`services.claims.adminwrites.decide_policy`), appended
   with the device stream's expected version like a tenant write, so a reservation
   committed meanwhile makes it decide again on the fresh state.
+* ``nodes.fence`` records ``NodeFenced`` at the node's newest epoch with the
+  operator's reason (:func:`services.claims.adminwrites.decide_fence`), appended to the
+  node's ``lease:<node>`` stream at the version read: the fold and the store's
+  ``fence`` guard release the node's live shares in that same append, and every later
+  append of that epoch is refused. ``nodes.list`` / ``nodes.get`` read the fold and
+  ``node_leases`` (lease age, epoch, boot id, taints, unknown shares).
 
 :mod:`services.claims.adminwrites` holds the rules of delete and the admin writes.
 
@@ -107,6 +114,7 @@ from events.catalog import (
     ShareMarkedUnknown,
     claim_stream,
     device_stream,
+    lease_stream,
     stream_of,
 )
 from events.errors import ValidationError
@@ -123,11 +131,13 @@ from services.claims.adminwrites import (
     AdminWrite,
     ClassMode,
     ClassRemoval,
+    NodeFence,
     PolicyChange,
     access_classes,
     decide_access,
     decide_classes,
     decide_delete,
+    decide_fence,
     decide_mode,
     decide_policy,
     decide_remove,
@@ -144,9 +154,11 @@ from services.claims.admission import (
     selector_expressions,
 )
 from services.claims.views import (
+    LeaseRow,
     claim_view,
     device_views,
     error_reply,
+    node_views,
     ok_reply,
     policy_views,
     tenant_device_views,
@@ -160,6 +172,21 @@ from services.runtime.metrics import CLAIMS, REJECTIONS
 from services.runtime.selectorpool import SelectorPool
 
 __all__ = ["ADMIN_OPS", "TENANT_OPS", "ClaimsApi"]
+
+#: The lease rows, their ages by the database's clock (``nodes.list``).
+_LEASES: Final = """
+SELECT node, epoch, boot_id, ttl_ms,
+       extract(epoch FROM clock_timestamp() - renewed_at)::float8 AS renewed_ago_s,
+       extract(epoch FROM expires_at - clock_timestamp())::float8 AS expires_in_s
+  FROM node_leases
+"""
+
+
+class NodeName(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``nodes.get`` request."""
+
+    node: str
+
 
 log = logging.getLogger("dracap.claims")
 
@@ -175,6 +202,9 @@ ADMIN_OPS: Final = (
     "policies.set",
     "policies.list",
     "devices.list",
+    "nodes.list",
+    "nodes.get",
+    "nodes.fence",
 )
 _HIDDEN_FROM_LIST: Final = frozenset({"withdrawn", "released"})
 _NODE_WIDE: Final = (NodeLeaseExpired, NodeFenced)  # a tuple: no union object per call
@@ -330,6 +360,9 @@ class ClaimsApi:
             "policies.set": self.set_policy,
             "policies.list": self.list_policies,
             "devices.list": self.list_devices,
+            "nodes.list": self.list_nodes,
+            "nodes.get": self.get_node,
+            "nodes.fence": self.fence_node,
         }
         for op, afn in admin.items():
             await service.add_endpoint(
@@ -728,6 +761,54 @@ class ClaimsApi:
     async def list_devices(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``devices.list``: every device with its capacity, shares and tenants."""
         return ok_reply(devices=device_views(await self.live.fresh(SEEN)))
+
+    async def _leases(self) -> dict[str, LeaseRow]:
+        rows = await self.store.pool.fetch(_LEASES)
+        return {r["node"]: LeaseRow(**dict(r)) for r in rows}
+
+    async def list_nodes(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``nodes.list``: every node's lease, epoch, boot id, taints and unknown shares."""
+        leases = await self._leases()
+        return ok_reply(nodes=node_views(await self.live.fresh(SEEN), leases))
+
+    async def get_node(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``nodes.get``: one node (``{"node": NAME}``)."""
+        request: NodeName = _decode(data, NodeName)
+        leases = await self._leases()
+        views = node_views(await self.live.fresh(SEEN), leases)
+        found = [v for v in views if v.node == request.node]
+        if not found:
+            return error_reply("not_found", f"node: no node {request.node!r} is known")
+        return ok_reply(node=found[0])
+
+    async def fence_node(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``nodes.fence``: declare a node off; its shares are released with the record.
+
+        Appended to the node's lease stream at the version read, so a lease taken or an
+        expiry recorded meanwhile makes it decide again on the newer state.
+        """
+        request: NodeFence = _decode(data, NodeFence)
+        stream = lease_stream(request.node)
+        who = actor or Actor.anonymous(None)
+        for attempt in range(self.max_attempts):
+            await self._fresh(attempt)
+            async with self.live.frozen() as state:
+                write = decide_fence(state, request)
+                version = await self.live.stream_version(stream)
+            if write.refusal is not None:
+                return _refusal_reply(write.refusal)
+            if write.events:
+                try:
+                    await self._append(stream, version, list(write.events), who)
+                except ConflictError:
+                    continue
+            node = (await self.live.fresh(SEEN)).nodes[request.node]
+            return ok_reply(
+                applied=list(write.applied),
+                unchanged=list(write.unchanged),
+                epoch=node.fenced_epoch,
+            )
+        return error_reply("conflict", "the node's lease kept changing while fencing; retry")
 
     async def list_devices_of(
         self, namespace: str, data: bytes, actor: Actor | None = None

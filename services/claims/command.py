@@ -461,6 +461,77 @@ async def _remove_class(api: ApiClient, args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+NODE_HEADER: Final = ("NODE", "LEASE", "EPOCH", "BOOT", "RENEWED", "EXPIRES", "SHARES", "UNKNOWN")
+
+
+def _seconds(value: float | None, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.1f}s{suffix}"
+
+
+def node_rows(nodes: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One row per node: lease state and age, epoch, boot id, live and unknown shares."""
+    rows = []
+    for n in nodes:
+        expires = n["expires_in_s"]
+        when = (
+            "-"
+            if expires is None
+            else (f"in {expires:.1f}s" if expires >= 0 else f"{-expires:.1f}s ago")
+        )
+        rows.append(
+            [
+                n["node"],
+                n["lease"],
+                str(n["epoch"]),
+                (n["boot_id"] or "-")[:8],
+                _seconds(n["lease_age_s"], " ago"),
+                when,
+                str(n["live_shares"]),
+                str(len(n["unknown_shares"])),
+            ]
+        )
+    return rows
+
+
+def node_detail(n: dict[str, Any]) -> str:
+    """``dracap node get``: the row, then taints, the reason and each unknown share."""
+    lines = [table(NODE_HEADER, node_rows([n]))]
+    lines.append(f"boot id: {n['boot_id'] or '-'}")
+    lines.append(f"taints:  {', '.join(n['taints']) or 'none'}")
+    if n["reason"]:
+        lines.append(f"reason:  {n['reason']}")
+    if n["unknown_shares"]:
+        lines.append("unknown shares (capacity held until the node is fenced or returns):")
+        for share in n["unknown_shares"]:
+            amounts = ", ".join(f"{k}={v}" for k, v in sorted(share["consumed"].items()))
+            lines.append(f"  {share['share_id']}  {share['claim']}  {share['device']}  {amounts}")
+    return "\n".join(lines)
+
+
+async def _list_nodes(api: ApiClient, args: argparse.Namespace) -> int:
+    nodes = (await api.admin("nodes.list"))["nodes"]
+    emit(args.output, nodes, lambda: table(NODE_HEADER, node_rows(nodes)))
+    return ExitCode.OK
+
+
+async def _get_node(api: ApiClient, args: argparse.Namespace) -> int:
+    node = (await api.admin("nodes.get", {"node": args.node}))["node"]
+    emit(args.output, node, lambda: node_detail(node))
+    return ExitCode.OK
+
+
+async def _fence_node(api: ApiClient, args: argparse.Namespace) -> int:
+    reply = await api.admin("nodes.fence", {"node": args.node, "reason": args.reason})
+    done = {k: reply[k] for k in ("applied", "unchanged", "epoch")}
+    state = "was already fenced" if reply["unchanged"] else "fenced"
+    emit(
+        args.output,
+        done,
+        lambda: f"node {args.node} {state} at epoch {reply['epoch']}; its shares are released",
+    )
+    return ExitCode.OK
+
+
 async def _run_async(args: argparse.Namespace) -> int:
     endpoints = endpoints_from_args(args)
     credential = endpoints.credential()
@@ -578,3 +649,23 @@ def register(sub: Any) -> None:
     removing.add_argument("name", metavar="CLASS")
     _common(removing, namespaced=False)
     removing.set_defaults(action=_remove_class)
+
+    node = sub.add_parser("node", help="node leases, lost nodes and fencing")
+    node_verbs = node.add_subparsers(dest="verb", metavar="VERB", required=True)
+    listing_nodes = node_verbs.add_parser(
+        "list", help="every node: lease, epoch, boot id, taints and unknown shares"
+    )
+    _common(listing_nodes, namespaced=False)
+    listing_nodes.set_defaults(action=_list_nodes)
+    getting = node_verbs.add_parser("get", help="one node, with its unknown shares")
+    getting.add_argument("node", metavar="NODE")
+    _common(getting, namespaced=False)
+    getting.set_defaults(action=_get_node)
+    fencing = node_verbs.add_parser(
+        "fence",
+        help="declare a node off: its shares are released, its agent's old epoch refused",
+    )
+    fencing.add_argument("node", metavar="NODE")
+    fencing.add_argument("--reason", required=True, help="why (recorded with you as actor)")
+    _common(fencing, namespaced=False)
+    fencing.set_defaults(action=_fence_node)

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from events.fold import LIVE_SHARE_STATES, ClaimState, ClusterState, DeviceState, NamespaceState
-from events.inventory import DeviceEntry, Inventory
+from events.inventory import DeviceEntry, Inventory, lost_nodes
 from events.model import DeviceAttribute, DeviceClass, describe_policy, encode_hook
 from events.model import to_builtins as model_builtins
 from events.tenancy import allow_list, class_allowed, tenant_attributes
@@ -314,6 +314,81 @@ def _tenant_view(
         capacity=capacity,
         attributes=attributes,
     )
+
+
+class LeaseRow(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's row of ``node_leases``, with its ages measured by the database's clock."""
+
+    node: str
+    epoch: int
+    boot_id: str
+    ttl_ms: int
+    renewed_ago_s: float
+    expires_in_s: float
+
+
+class UnknownShareView(msgspec.Struct, kw_only=True):
+    share_id: str
+    claim: str
+    device: str
+    consumed: dict[str, str]
+
+
+class NodeView(msgspec.Struct, kw_only=True):
+    """One node as ``dracap node list`` / ``get`` show it."""
+
+    node: str
+    lease: str  #: live, expired, fenced (the fold's view), or none: no agent ever leased it
+    epoch: int
+    boot_id: str
+    lease_age_s: float | None  #: since the last renewal (None: no lease row)
+    expires_in_s: float | None  #: negative: past its expiry
+    ttl_s: float | None
+    taints: list[str]
+    reason: str | None
+    live_shares: int
+    unknown_shares: list[UnknownShareView]
+
+
+def node_views(state: ClusterState, leases: dict[str, LeaseRow]) -> list[NodeView]:
+    """Every node the log or the lease table knows, sorted by name."""
+    lost = lost_nodes(state)
+    out = []
+    for name in sorted(set(state.nodes) | set(leases)):
+        node = state.nodes.get(name)
+        row = leases.get(name)
+        unknown = []
+        live = 0
+        if node is not None:
+            for share_id in sorted(node.live_shares):
+                share = state.shares[share_id]
+                live += 1
+                if share.state == "unknown":
+                    unknown.append(
+                        UnknownShareView(
+                            share_id=share_id,
+                            claim="/".join(share.claim),
+                            device="/".join(share.device_key),
+                            consumed={k: q.canonical() for k, q in share.consumed.items()},
+                        )
+                    )
+        has_lease = node is not None and (node.lease_epoch or node.fenced_epoch)
+        out.append(
+            NodeView(
+                node=name,
+                lease=node.lease if node is not None and has_lease else "none",
+                epoch=max(node.lease_epoch, node.fenced_epoch) if node is not None else 0,
+                boot_id=node.boot_id if node is not None else (row.boot_id if row else ""),
+                lease_age_s=round(row.renewed_ago_s, 3) if row is not None else None,
+                expires_in_s=round(row.expires_in_s, 3) if row is not None else None,
+                ttl_s=row.ttl_ms / 1000 if row is not None else None,
+                taints=[lost[name]] if name in lost else [],
+                reason=node.reason if node is not None else None,
+                live_shares=live,
+                unknown_shares=unknown,
+            )
+        )
+    return out
 
 
 def _attribute_json(attribute: DeviceAttribute) -> Any:

@@ -71,6 +71,18 @@ before ``apply``, ``mark_completed`` after; ``mark_removing`` before ``remove``,
 ``mark_removed`` after. A checkpoint that cannot be written raises before the kernel
 is touched (the message is nak'd and retried).
 
+Lease. The agent writes only under its node's lease
+(:mod:`services.enforcement.leasing`): :meth:`Agent.run` takes the next lease first,
+every append names it (``agent:<node>#<epoch>``; the store refuses and records one of a
+stale epoch), and a task renews it every ``ttl / 3``. When a renewal finds the lease
+lost (it expired while the process was stopped or cut off, or the node was fenced),
+the handler stops taking messages, the agent takes the next lease and runs
+:meth:`Agent.reconcile` again, which first decides the node's ``unknown`` shares
+(:func:`~services.enforcement.reconciling.plan_return`): confirmed when their limit
+still runs on the same boot, released (and their claim failed) when the boot id of the
+new lease differs from the one before or the limit is gone, released when their claim
+was deleted meanwhile.
+
 Restart. :meth:`Agent.run` first runs the inventory scan (when a scanner is given:
 the enforcers' device maps come from it), then :meth:`Agent.reconcile`: the log, the
 kernel (``Enforcer.observe()``) and the checkpoint are compared
@@ -94,17 +106,21 @@ from typing import Final
 
 from nats.js import JetStreamContext
 
-from events.actors import Actor
 from events.catalog import (
     AllocationBound,
     EnforcementReconciled,
     Envelope,
     Event,
+    LimitFailed,
+    LimitRemoved,
     ReleaseRequested,
+    ShareConfirmed,
     node_stream,
+    stream_of,
 )
+from events.fold import ClusterState
 from events.subjects import BusNames, node_token
-from services.enforcement.checkpointing import Checkpoint
+from services.enforcement.checkpointing import Checkpoint, read_boot_id
 from services.enforcement.decisions import (
     Enforce,
     Failed,
@@ -116,6 +132,7 @@ from services.enforcement.decisions import (
     rebuilt_entries,
     reconciled,
     record,
+    released,
     retry_later,
     set_aside,
     streams_to_check,
@@ -127,7 +144,8 @@ from services.enforcement.enforcers import (
     RetryableEnforcementError,
     ShareLimit,
 )
-from services.enforcement.reconciling import plan_reconcile
+from services.enforcement.leasing import DEFAULT_TTL_S, NodeLease
+from services.enforcement.reconciling import plan_reconcile, plan_return
 from services.enforcement.scanning import InventoryScanner
 from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
@@ -164,6 +182,8 @@ class Agent:
         checkpoint: Checkpoint | None = None,
         scanner: InventoryScanner | None = None,
         scan_interval: float = 60.0,
+        lease_ttl: float = DEFAULT_TTL_S,
+        boot_id: str | None = None,
     ) -> None:
         self.store = store
         self.js = js
@@ -174,7 +194,14 @@ class Agent:
         self.max_deliver = max_deliver
         self.checkpoint = checkpoint
         self.scanner = scanner
+        if scanner is not None:
+            scanner.actor = lambda: self.lease.actor
         self.scan_interval = scan_interval
+        self.lease = NodeLease(
+            store, node, boot_id=read_boot_id() if boot_id is None else boot_id, ttl_s=lease_ttl
+        )
+        #: the boot id of the node's lease before this agent took its own ("": none)
+        self.previous_boot_id = ""
         #: what the last :meth:`reconcile` reported (None: nothing to report)
         self.reconciled: EnforcementReconciled | None = None
         #: the limits in force on this node now, by share id (see the module docstring)
@@ -189,29 +216,93 @@ class Agent:
             wants=self.wants,
             confirmation=LogConfirmation(store, self.live),
             max_deliver=max_deliver,
+            actor=lambda: self.lease.actor,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Scan, reconcile, then consume this node's events until ``stop`` is set."""
-        await self.live.fresh(HEAD)
+        """Lease, scan, reconcile, then consume this node's events until ``stop`` is set."""
+        await self.take_lease()
         if self.scanner is not None:
             await self.scanner.scan_once()
         await self.reconcile()
-        scans: asyncio.Task[None] | None = None
+        self.lease.held.set()
+        tasks = [asyncio.create_task(self.lease.keep(stop, self._retake))]
         if self.scanner is not None and self.scan_interval > 0:
-            scans = asyncio.create_task(self.scanner.run(stop, self.scan_interval))
+            tasks.append(asyncio.create_task(self.scanner.run(stop, self.scan_interval)))
         try:
             await self.consumer.run(stop)
         finally:
-            if scans is not None:
-                scans.cancel()
+            for task in tasks:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await scans
+                    await task
+
+    async def take_lease(self) -> int:
+        """Take the node's next lease, remembering the boot id of the one before."""
+        state = await self.live.fresh(HEAD)
+        before = state.nodes.get(self.node)
+        self.previous_boot_id = before.boot_id if before is not None else ""
+        return await self.lease.acquire()
+
+    async def _retake(self) -> None:
+        """The lease was lost: take the next one and decide what happened meanwhile."""
+        await self.take_lease()
+        await self.reconcile()
+
+    # -- return ----------------------------------------------------------------------------
+
+    async def settle_unknown(self) -> None:
+        """Confirm or release the node's unknown shares (see the module docstring)."""
+        state = await self.live.fresh(SEEN)
+        if not any(state.shares[i].state == "unknown" for i in _node_shares(state, self)):
+            return
+        rebooted = None
+        boot = self.lease.boot_id
+        if self.previous_boot_id and self.previous_boot_id != boot:
+            rebooted = (
+                f"node {self.node} rebooted (boot id {self.previous_boot_id} -> {boot}): "
+                "its limits are gone"
+            )
+        entries = dict(self.checkpoint.entries) if self.checkpoint is not None else {}
+        try:
+            observed: dict[str, AppliedLimit] | None = dict(await self.enforcer.observe())
+        except EnforcementError as exc:
+            log.error("cannot read the limits in force (%s); the checkpoint stands in", exc)
+            observed = None
+        plan = plan_return(state, self.node, rebooted=rebooted, observed=observed, entries=entries)
+        removed: list[str] = []
+        for share_id in plan.remove:
+            await self._remove(share_id)  # raises: the lease is retaken and this tried again
+            removed.append(share_id)
+        node_events: list[Event] = [
+            ShareConfirmed(share_id=s, node=self.node) for s in plan.confirm
+        ]
+        node_events += [
+            LimitFailed(share_id=s, node=self.node, retryable=False, reason=why)
+            for s, why in sorted(plan.fail.items())
+        ]
+        node_events += [LimitRemoved(share_id=s, node=self.node) for s in removed]
+        batches = [Batch(node_stream(self.node), None, node_events)] if node_events else []
+        by_stream: dict[str, list[Event]] = {}
+        for share in plan.release:
+            event = released(share)
+            by_stream.setdefault(stream_of(event), []).append(event)
+        batches += [Batch(stream, None, events) for stream, events in by_stream.items()]
+        if batches:
+            await self.store.append_many(batches, Metadata(actor=self.lease.actor))
+        log.info(
+            "node %s returned: %d unknown share(s) confirmed, %d released%s",
+            self.node,
+            len(plan.confirm),
+            len(plan.release),
+            " (rebooted)" if rebooted else "",
+        )
 
     # -- restart -------------------------------------------------------------------------
 
     async def reconcile(self) -> EnforcementReconciled | None:
         """Make the node's limits match the log (see the module docstring)."""
+        await self.settle_unknown()
         state = await self.live.fresh(HEAD)
         events: list[Event] = []
         checkpoint = self.checkpoint
@@ -287,7 +378,7 @@ class Agent:
     async def _report(self, events: list[Event]) -> None:
         if events:
             batch = Batch(node_stream(self.node), None, events)
-            await self.store.append_many([batch], Metadata(actor=str(Actor.agent(self.node))))
+            await self.store.append_many([batch], Metadata(actor=self.lease.actor))
 
     # -- the kernel, wrapped in the checkpoint -------------------------------------------
 
@@ -322,6 +413,7 @@ class Agent:
         mine = [env for env in envs if self.wants(env)]
         if not mine:
             return Handled()
+        await self.lease.held.wait()  # no work while the lease is being taken back
         # Folded up to these messages and every commit this process made or heard of
         # (its own last append included; a tailed view usually is there already).
         # Anything newer it misses makes the append's expected versions clash.
@@ -335,7 +427,7 @@ class Agent:
         written = record(self.node, tasks, outcomes, versions)
         return Handled(
             batches=_batches(written, mine),
-            actor=str(Actor.agent(self.node)),
+            actor=self.lease.actor,
             on_commit=_counters(written, mine),
         )
 
@@ -366,6 +458,12 @@ class Agent:
                 for released in task.released:
                     await self._remove(released.share_id)
         return outcomes
+
+
+def _node_shares(state: ClusterState, agent: Agent) -> list[str]:
+    """The live shares the fold places on the agent's node."""
+    node = state.nodes.get(agent.node)
+    return sorted(node.live_shares) if node is not None else []
 
 
 def _batches(written: Written, messages: Sequence[Envelope]) -> list[Batch]:

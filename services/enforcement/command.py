@@ -13,8 +13,10 @@ devices are discovered at start and every ``--scan-interval`` seconds and publis
 ResourceSlices; ``--enforcer tc`` takes each device's interface from its ``ifName``
 attribute and ``--enforcer mps`` each GPU's UUID, so both need ``--config``.
 ``--enforcer none`` (the default) applies no limit and reports enforcement level
-``none``. ``--checkpoint PATH`` is the durable record of what the agent applied
-(``none``: keep none); on start the agent reconciles it with the kernel and the log.
+``none``. The agent writes only under its node's lease (``--lease-ttl``, renewed every
+third of it; ``docs/reclamation.md``). ``--checkpoint PATH`` is the durable record of
+what the agent applied (``none``: keep none); on start the agent reconciles it with the
+kernel and the log.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from services.enforcement.agent import Agent, consumer_name
 from services.enforcement.cdi import DEFAULT_SPEC_DIR, CdiSpecs
 from services.enforcement.discovery import AgentConfig, ConfigError, ScanResult, load_config
 from services.enforcement.enforcers import Enforcer, NoneEnforcer
+from services.enforcement.leasing import DEFAULT_TTL_S
 from services.enforcement.mps import MpsEnforcer, MpsSettings
 from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interfaces_of
 from services.enforcement.tc import TcEnforcer
@@ -165,6 +168,8 @@ async def serve(args: argparse.Namespace) -> int:
             checkpoint=checkpoint,
             scanner=scanner,
             scan_interval=args.scan_interval,
+            lease_ttl=args.lease_ttl,
+            boot_id=args.boot_id,
         )
         log.info("agent of node %s started (enforcer %s)", args.node, args.enforcer)
         await agent.run(stop)
@@ -178,6 +183,9 @@ async def serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``dracap agent``."""
+    if args.lease_ttl <= 0.3:
+        print("error: --lease-ttl must be more than 0.3 seconds", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     try:
         BusNames(endpoints_from_args(args).prefix).node_filter(args.node)
     except SubjectError as exc:
@@ -229,6 +237,19 @@ def register(sub: Any) -> None:
         default=10 * 10**9,
         metavar="BIT/S",
         help="rate of the unclassified traffic's HTB class (default 10G)",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=DEFAULT_TTL_S,
+        metavar="S",
+        help=f"the node lease's time to live, renewed every third of it "
+        f"(default {DEFAULT_TTL_S:g})",
+    )
+    parser.add_argument(
+        "--boot-id",
+        help="the boot id the lease records (default: the kernel's; for containers whose "
+        "/proc is not the node's, and for tests)",
     )
     parser.add_argument("--cdi-dir", default=str(DEFAULT_SPEC_DIR), help="CDI spec directory")
     parser.add_argument("--mps-root", default="/run/dracap/mps", help="MPS daemons' root")

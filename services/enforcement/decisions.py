@@ -80,6 +80,7 @@ __all__ = [
     "rebuilt_entries",
     "reconciled",
     "record",
+    "released",
     "retry_later",
     "set_aside",
     "streams_to_check",
@@ -254,14 +255,14 @@ def _release(state: ClusterState, node: str, message: str, event: ReleaseRequest
         or claim.allocation_version != event.allocation_version
     ):
         return None
-    released = []
+    gone = []
     for share_id in claim.share_ids:
         share = state.shares.get(share_id)
         if share is None or not _mine(share, node) or share.state not in _RELEASABLE:
             continue
         if share.allocation_version == event.allocation_version:
-            released.append(_released(share))
-    return Release(message=message, released=tuple(released)) if released else None
+            gone.append(released(share))
+    return Release(message=message, released=tuple(gone)) if gone else None
 
 
 def streams_to_check(node: str, tasks: Sequence[Task]) -> list[str]:
@@ -393,7 +394,8 @@ def limit_of(share: ShareState) -> ShareLimit:
     )
 
 
-def _released(share: ShareState) -> CapacityReleased:
+def released(share: ShareState) -> CapacityReleased:
+    """The event that gives ``share``'s capacity back."""
     return CapacityReleased(
         share_id=share.share_id,
         driver=share.driver,

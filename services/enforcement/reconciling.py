@@ -25,6 +25,20 @@ and :func:`plan_reconcile` (pure) says what to do about each share:
   apply cut short before it reached the kernel, a daemon's leftover directories):
   ``remove`` is called once more, idempotently, and the entry is dropped.
 
+A node that comes back after its lease expired finds some of its shares ``unknown``:
+the control plane held their capacity while nobody could say whether their limits
+still ran. :func:`plan_return` (pure) decides each of them before anything else:
+
+* the node **rebooted** (the boot id of the new lease differs from the previous one):
+  no limit survived, so every unknown share is *released*, its claim failed with that
+  reason;
+* the claim was deleted meanwhile (``releasing`` at the share's allocation, or the
+  allocation is gone): *released*, its limit removed first if it is still in force;
+* a share whose limit was not yet applied (it was ``reserved`` or ``bound``), or one
+  with nothing to enforce (level ``none``, admin access), or whose limit the kernel
+  still shows (the checkpoint, where the kernel cannot be read): *confirmed*;
+* a ready share whose limit is gone: *released*, its claim failed ("no longer in force").
+
 Shares the log owns but has not made ready (``reserved``/``bound``: their
 ``AllocationBound`` is still being handled, or will be redelivered) are left to the
 consumer: if their limit is already in the kernel it is kept, otherwise the consumer
@@ -46,7 +60,14 @@ from events.quantities import Quantity
 from services.enforcement.checkpointing import CheckpointEntry
 from services.enforcement.enforcers import AppliedLimit
 
-__all__ = ["OWNED_STATES", "ReconcilePlan", "owned_shares", "plan_reconcile"]
+__all__ = [
+    "OWNED_STATES",
+    "ReconcilePlan",
+    "ReturnPlan",
+    "owned_shares",
+    "plan_reconcile",
+    "plan_return",
+]
 
 #: Share states whose limit belongs on the node (never removed as an orphan).
 OWNED_STATES: Final = frozenset({"reserved", "bound", "ready", "unknown", "releasing"})
@@ -116,4 +137,72 @@ def plan_reconcile(
             plan.kept.append(share_id)
     plan.orphans = sorted(set(observed) - set(owned))
     plan.stale = sorted(set(entries) - set(owned) - set(observed))
+    return plan
+
+
+@dataclass
+class ReturnPlan:
+    """What a returning agent does with the unknown shares of its node (each sorted).
+
+    ``confirm``: still enforced (or nothing to enforce); ``release``: give back, with
+    ``fail`` the reason to fail the claim first (a share absent from it is released
+    because its claim was deleted); ``remove``: limits in force to take down first.
+    """
+
+    confirm: list[str] = field(default_factory=list)
+    release: list[ShareState] = field(default_factory=list)
+    fail: dict[str, str] = field(default_factory=dict)
+    remove: list[str] = field(default_factory=list)
+
+
+def _deleted(claim: ClaimState | None, share: ShareState) -> bool:
+    """Whether the share's claim no longer wants it (deleted, or allocated anew)."""
+    return (
+        claim is None
+        or claim.allocation_version != share.allocation_version
+        or claim.phase in ("releasing", "released", "withdrawn")
+    )
+
+
+def plan_return(
+    state: ClusterState,
+    node: str,
+    *,
+    rebooted: str | None,
+    observed: Mapping[str, AppliedLimit] | None,
+    entries: Mapping[str, CheckpointEntry],
+) -> ReturnPlan:
+    """Decide each unknown share of ``node`` (see the module docstring).
+
+    ``rebooted``: why the limits are gone (the boot ids), or ``None`` for the same
+    boot; ``observed``: the limits in force (``None``: the kernel could not be read,
+    the checkpoint's completed entries stand in for it).
+    """
+    plan = ReturnPlan()
+    for share_id in sorted(state.shares):
+        share = state.shares[share_id]
+        if share.node != node or share.state != "unknown":
+            continue
+        if observed is not None:
+            in_force = share_id in observed
+        else:
+            entry = entries.get(share_id)
+            in_force = entry is not None and entry.phase == "completed"
+        if rebooted is not None:
+            plan.fail[share_id] = rebooted
+            plan.release.append(share)
+        elif _deleted(state.claims.get(share.claim), share):
+            plan.release.append(share)
+            if in_force:
+                plan.remove.append(share_id)
+        elif (
+            share.prior_state in ("reserved", "bound")
+            or share.limit_level == "none"
+            or share.admin_access
+            or in_force
+        ):
+            plan.confirm.append(share_id)
+        else:
+            plan.fail[share_id] = f"the limit of share {share_id} was no longer in force"
+            plan.release.append(share)
     return plan

@@ -65,8 +65,11 @@ class InventoryScanner:
         *,
         scan: Callable[[AgentConfig], ScanResult] = discover,
         listeners: list[ScanListener] | None = None,
+        actor: Callable[[], str] | None = None,
     ) -> None:
         self.store = store
+        #: who the appends name (the agent under its lease epoch; without one, the node)
+        self.actor = actor or (lambda: str(Actor.agent(config.node_name or NO_NODE)))
         self.live = live
         self.config = config
         self.scan = scan
@@ -120,5 +123,4 @@ class InventoryScanner:
                 batches[-1] = Batch(stream, None, [*batches[-1].events, event])
             else:
                 batches.append(Batch(stream, None, [event]))
-        actor = str(Actor.agent(self.config.node_name or NO_NODE))
-        await self.store.append_many(batches, Metadata(actor=actor))
+        await self.store.append_many(batches, Metadata(actor=self.actor()))

@@ -12,7 +12,7 @@ checks that they say what the fold says:
    position;
 3. derive the guard rows the folded state implies (:func:`expected_rows`) and
    compare them with the rows in ``capacity_ledger``, ``device_holds``,
-   ``held_shares`` and ``node_epochs`` (:func:`actual_rows`).
+   ``held_shares``, ``node_epochs`` and ``node_leases`` (:func:`actual_rows`).
 
 The result is a :class:`Report`; its ``first_violation`` is the smallest position at
 which something is wrong (the failing event, or the last event that touched a row
@@ -98,15 +98,21 @@ def expected_rows(state: ClusterState) -> dict[str, Rows]:
         if s.live and not s.admin_access
     }
     epochs: Rows = {
-        (name,): (max(node.lease_epoch, node.fenced_epoch),)
+        (name,): (max(node.expired_epoch, node.fenced_epoch),)
         for name, node in state.nodes.items()
-        if max(node.lease_epoch, node.fenced_epoch) > 0
+        if max(node.expired_epoch, node.fenced_epoch) > 0
+    }
+    leases: Rows = {
+        (name,): (node.leased_epoch, node.boot_id, node.ttl_ms)
+        for name, node in state.nodes.items()
+        if node.leased_epoch > 0
     }
     return {
         "capacity_ledger": ledger,
         "device_holds": holds,
         "held_shares": held,
         "node_epochs": epochs,
+        "node_leases": leases,
     }
 
 
@@ -136,8 +142,18 @@ _QUERIES: dict[str, tuple[str, Callable[[asyncpg.Record], tuple[Any, ...]]]] = {
         "SELECT node, epoch, NULL FROM node_epochs WHERE epoch > 0",
         lambda r: (r[1],),
     ),
+    "node_leases": (
+        "SELECT node, epoch, boot_id, ttl_ms, NULL FROM node_leases",
+        lambda r: (r[1], r[2], r[3]),
+    ),
 }
-_KEY_WIDTH = {"capacity_ledger": 4, "device_holds": 3, "held_shares": 1, "node_epochs": 1}
+_KEY_WIDTH = {
+    "capacity_ledger": 4,
+    "device_holds": 3,
+    "held_shares": 1,
+    "node_epochs": 1,
+    "node_leases": 1,
+}
 
 
 async def actual_rows(

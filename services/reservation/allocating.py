@@ -809,6 +809,8 @@ class _Search:
             self.inv.gates.device_binding_conditions and self.inv.gates.device_status
         ):
             return None
+        if self.inv.lost_nodes and self.inv.lost(entry) is not None:
+            return None
         ok, consumed = self._capacity_fits(spec, entry, True)
         if not ok:
             return None
@@ -934,10 +936,15 @@ def _diagnose(search: _Search, spec: _RequestSpec) -> str:
         return f"none of the {visible} devices reachable matches class {spec.class_name}" + (
             " and the request's selectors" if spec.selectors else ""
         )
-    in_use = still_shared = foreign = missing = policy = full = 0
-    policy_detail = full_detail = missing_detail = ""
+    in_use = still_shared = foreign = missing = policy = full = lost = 0
+    policy_detail = full_detail = missing_detail = lost_detail = ""
     for index in clist.devices:
         entry = inv.devices[index]
+        taint = inv.lost(entry) if inv.lost_nodes else None
+        if taint is not None:
+            lost += 1
+            lost_detail = lost_detail or taint
+            continue
         if search._in_use(spec, index):
             if index in search.dedicated or entry.key in search.a.allocated.exclusive:
                 in_use += 1
@@ -970,6 +977,11 @@ def _diagnose(search: _Search, spec: _RequestSpec) -> str:
                 )
                 break
     parts = []
+    if lost:
+        parts.append(
+            f"{lost} on a lost node, tainted {lost_detail}: their unknown shares keep "
+            "the capacity until the node is fenced or its agent returns"
+        )
     if in_use:
         parts.append(f"{in_use} in exclusive use")
     if still_shared:

@@ -10,8 +10,9 @@ What wakes it (consumer ``{name}-{feed}``, :data:`FEEDS`):
 
 * ``admissions``: ``ClaimAdmitted`` (the consumer filters on that one tag: the hot path
   delivers a worker nothing else) — a new claim to place;
-* ``reclamation`` (the category): ``CapacityReleased`` and ``NodeFenced`` — capacity
-  came back, so unschedulable claims may fit now;
+* ``reclamation`` (the category): ``CapacityReleased``, ``NodeFenced`` and
+  ``NodeLeaseAcquired`` — capacity came back, or a lost node's devices take shares
+  again, so unschedulable claims may fit now;
 * ``inventory`` (the category): classes, slices, request policies — the same;
 * ``admin`` (the category): ``NamespaceAccessSet`` — adminAccess may have been granted.
 
@@ -81,6 +82,7 @@ from events.catalog import (
     Envelope,
     NamespaceAccessSet,
     NodeFenced,
+    NodeLeaseAcquired,
 )
 from events.errors import SelectorDeadlineExceeded, SelectorError
 from events.features import DEFAULT_GATES, FeatureGates
@@ -114,7 +116,13 @@ FEEDS: Final = {
     "admin": "admin",
 }
 #: Events that make a worker plan.
-TRIGGERS: Final = (ClaimAdmitted, CapacityReleased, NodeFenced, NamespaceAccessSet)
+TRIGGERS: Final = (
+    ClaimAdmitted,
+    CapacityReleased,
+    NodeFenced,
+    NodeLeaseAcquired,  # a lost node's agent is back: its devices take shares again
+    NamespaceAccessSet,
+)
 #: The advisory lock that serialises planning rounds of all workers.
 PLANNER_LOCK: Final = 0x64726163_61700001  # "dracap" + 1
 #: Cost units a tenant's selector may spend in the decision per candidate set; beyond

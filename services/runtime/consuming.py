@@ -351,6 +351,7 @@ class Consumer:
         max_group: int = 128,
         ack_wait: float = 30.0,
         poll_interval: float = 1.0,
+        actor: Callable[[], str] | None = None,
     ) -> None:
         if max_deliver < 1 or not backoff:
             raise ValueError("max_deliver must be at least 1 and backoff not empty")
@@ -374,6 +375,8 @@ class Consumer:
         self._batch = batch
         self._ack_wait = ack_wait
         self._poll = poll_interval
+        #: who records this consumer's dead letters (a node agent: itself, with its epoch)
+        self._actor = actor or (lambda: str(Actor.system(name)))
         self.handled = 0  #: messages handled (committed and acked)
         self.skipped = 0  #: redeliveries found already handled
         self.ignored = 0  #: messages ``wants`` declined (acked without a commit)
@@ -744,7 +747,7 @@ class Consumer:
             reason=letter.reason[:2000],
         )
         meta = Metadata(
-            actor=str(Actor.system(self.name)),
+            actor=self._actor(),
             correlation_id=letter.correlation_id,
             causation_id=letter.event_id or None,
         )

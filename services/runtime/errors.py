@@ -14,6 +14,9 @@ Callers decide what to do by type, never by message text::
     │   ├── NodeScopeViolation  a database user bound to a node appended an event a
     │   │                     node agent does not write, or one of another node
     │   │                     (SQLSTATE DR004)
+    │   ├── StaleEpoch        a node agent appended under a lease epoch that is no
+    │   │                     longer its node's (expired, fenced or superseded); the
+    │   │                     store recorded the refusal instead (migration 0007)
     │   └── EndpointError     a server cannot be found or reached (runtime.endpoints)
     └── ConflictError         somebody else changed the same thing first: a stream
         │                     version clash, a unique violation (a second exclusive
@@ -101,6 +104,23 @@ class NodeScopeViolation(PermanentError):  # noqa: N818
     def __init__(self, message: str, *, event_type: str | None = None) -> None:
         super().__init__(message)
         self.event_type = event_type
+
+
+class StaleEpoch(PermanentError):  # noqa: N818 (names from the design)
+    """An agent's append named a lease epoch its node no longer holds; refused and logged.
+
+    Permanent for that epoch: the agent must take a new lease (and reconcile) before
+    it writes again. ``node``, ``epoch`` (the stale one) and ``current`` (the node's).
+    """
+
+    def __init__(self, node: str, epoch: int, current: int) -> None:
+        super().__init__(
+            f"node {node}: lease epoch {epoch} is stale (the node is at epoch {current}); "
+            "the append was refused and the refusal recorded"
+        )
+        self.node = node
+        self.epoch = epoch
+        self.current = current
 
 
 class ConflictError(RuntimeServiceError):

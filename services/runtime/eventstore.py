@@ -67,6 +67,7 @@ from typing import Any, Final, TypeVar
 import asyncpg
 import msgspec
 
+from events.actors import ActorError, parse_actor
 from events.catalog import (
     _TAG_BY_CLASS,
     Envelope,
@@ -84,6 +85,7 @@ from services.runtime.errors import (
     InvalidEvent,
     RetryableError,
     RuntimeServiceError,
+    StaleEpoch,
     map_database_error,
 )
 from services.runtime.rows import COLUMNS, SELECT, copy_records, envelope_of
@@ -155,6 +157,21 @@ class Metadata(msgspec.Struct, frozen=True, kw_only=True):
     namespace: str | None = None
     correlation_id: str | None = None
     causation_id: str | None = None
+
+
+def agent_epoch(actor: str) -> tuple[str, int] | None:
+    """``(node, epoch)`` of an agent's actor that names its lease epoch, else ``None``.
+
+    Such an append always goes through ``dracap_append_guarded``, which checks the epoch
+    under the head lock (migration 0007); the bulk path never carries one.
+    """
+    if not actor.startswith("agent:"):
+        return None
+    try:
+        parsed = parse_actor(actor)
+    except ActorError:
+        return None
+    return None if parsed.epoch is None else (parsed.name, parsed.epoch)
 
 
 # --- validation ------------------------------------------------------------------------
@@ -603,7 +620,8 @@ class EventStore:
         count, processed = len(pending.events), pending.processed
         guards = guards_of_many(pending.events)
         encoded = encode_guards(guards) if guards else None
-        if count >= self.copy_threshold and await self._copies(connection):
+        epoch = agent_epoch(pending.meta.actor)
+        if epoch is None and count >= self.copy_threshold and await self._copies(connection):
             if connection.is_in_transaction():
                 return await _copy(connection, batches, pending, encoded)
             async with connection.transaction():
@@ -629,6 +647,9 @@ class EventStore:
             *((None, None) if processed is None else (processed.consumer, processed.event_ids)),
         )
         assert row is not None  # the function returns exactly one row
+        if row[2] is not None:  # a stale epoch: the function logged the refusal instead
+            assert epoch is not None
+            raise StaleEpoch(epoch[0], epoch[1], row[2])
         head: int = row[0]
         current = {
             b.stream: version if b.expected_version is None else 0
@@ -803,7 +824,7 @@ class EventStore:
 #: binary COPY with the head lock taken first.
 COPY_THRESHOLD: Final = 256
 _APPEND: Final = (
-    "SELECT head, currents FROM dracap_append_guarded($1, $2, $3, $4, $5, $6, $7, $8, $9, "
+    "SELECT head, currents, refused FROM dracap_append_guarded($1, $2, $3, $4, $5, $6, $7, $8, $9, "
     "$10, $11, $12, $13, $14, $15, $16, $17, $18)"
 )
 #: Record bus messages as handled by a consumer; returns the ids that were new.

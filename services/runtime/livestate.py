@@ -85,6 +85,9 @@ from events.catalog import (
     DeviceClassApplied,
     DeviceClassRemoved,
     Envelope,
+    NodeFenced,
+    NodeLeaseAcquired,
+    NodeLeaseExpired,
     RequestPolicyChanged,
     ResourceSlicePublished,
     ResourceSliceWithdrawn,
@@ -125,6 +128,9 @@ INVENTORY_EVENTS: Final = (
     ResourceSlicePublished,
     ResourceSliceWithdrawn,
     RequestPolicyChanged,
+    NodeLeaseAcquired,  # a lost node's devices are tainted (events.inventory.lost_nodes)
+    NodeLeaseExpired,
+    NodeFenced,
 )
 _VIOLATIONS_KEPT: Final = 100
 #: Handed-over envelopes kept at most (beyond that the tailer reads the log instead).

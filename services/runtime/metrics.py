@@ -127,6 +127,18 @@ UNCONFIRMED_MESSAGES: Final = Counter(
     ["consumer"],
     registry=REGISTRY,
 )
+NODE_TRANSITIONS: Final = Counter(
+    "dracap_node_transitions_total",
+    "Node lease transitions a reclamation service recorded (expired, fenced_by_hook).",
+    ["transition"],
+    registry=REGISTRY,
+)
+FENCE_HOOK_RUNS: Final = Counter(
+    "dracap_fence_hook_runs_total",
+    "Runs of the configured fence hook, by outcome (off, failed, timeout).",
+    ["outcome"],
+    registry=REGISTRY,
+)
 BUILD_INFO: Final = Gauge(
     "dracap_build_info",
     "Always 1; the label carries the running dracap version.",

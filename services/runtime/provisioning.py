@@ -58,6 +58,7 @@ KINDS: Final = (
     ServiceKind.CLAIMS,
     ServiceKind.RESERVATION,
     ServiceKind.RELAY,
+    ServiceKind.RECLAMATION,
     ServiceKind.READONLY,
 )
 

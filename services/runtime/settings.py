@@ -53,6 +53,7 @@ class ServiceKind(enum.StrEnum):
     CLAIMS = "claims"  #: the claims and admin API
     RESERVATION = "reservation"
     RELAY = "relay"
+    RECLAMATION = "reclamation"  #: lease expiry and the fence hook (migration 0007)
     AGENT = "agent"  #: node agents
     READONLY = "readonly"  #: the live state's reads, ``dracap replay verify``, audit
 

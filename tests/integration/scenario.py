@@ -12,12 +12,26 @@ from tests.integration import sample as s
 Step = Callable[[], Awaitable[list[Envelope]]]
 
 
-async def put(store: EventStore, *events: Event) -> list[Envelope]:
+async def put(store: EventStore, *events: Event, actor: str = "test") -> list[Envelope]:
     """Append each event to its natural stream, whatever the stream's version."""
     out: list[Envelope] = []
     for event in events:
-        out += await store.append(catalog.stream_of(event), None, [event], actor="test")
+        out += await store.append(catalog.stream_of(event), None, [event], actor=actor)
     return out
+
+
+async def lease(store: EventStore, node: str, *, ttl_ms: int = 600_000) -> str:
+    """Take the next lease of ``node`` through ``store``; the agent's actor under it."""
+    current = await store.pool.fetchval(
+        "SELECT greatest(coalesce((SELECT epoch FROM node_leases WHERE node = $1), 0),"
+        " coalesce((SELECT epoch FROM node_epochs WHERE node = $1), 0))",
+        node,
+    )
+    epoch = int(current or 0) + 1
+    actor = f"agent:{node}#{epoch}"
+    event = catalog.NodeLeaseAcquired(node=node, epoch=epoch, boot_id="test-boot", ttl_ms=ttl_ms)
+    await store.append(catalog.stream_of(event), None, [event], actor=actor)
+    return actor
 
 
 def _lifecycle(

@@ -118,6 +118,10 @@ class Node:
         self.stores: list[EventStore] = []
         self.agent: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        #: extra flags of every agent start; the interface's speed and the class policy
+        self.agent_args: list[str] = []
+        self.speed = "1G"
+        self.policy: dict[str, Any] = {"default": "10M", "validValues": ["10M", "20M"]}
         self.tc = TcEnforcer({(DRIVER, f"{self.node}-vnic", self.iface): self.iface})
 
     # -- setup
@@ -138,14 +142,14 @@ class Node:
                 "driver": DRIVER,
                 "include": [self.iface],
                 "includeVirtual": True,
-                "defaultSpeed": "1G",
+                "defaultSpeed": self.speed,
             },
             "gpu": {"enabled": False},
             "classes": [
                 {
                     "driver": DRIVER,
                     "allowMultipleAllocations": True,
-                    "capacity": {"bandwidth": {"default": "10M", "validValues": ["10M", "20M"]}},
+                    "capacity": {"bandwidth": self.policy},
                 }
             ],
         }
@@ -203,7 +207,7 @@ class Node:
                 "--nats", self.nats_url, "--enforcer", "tc", "--config", str(self.config),
                 "--checkpoint", str(self.checkpoint), "--scan-interval", "0",
                 "--tc-default-rate", "1000000000",
-                "--metrics-port", str(self.metrics_port)]  # fmt: skip
+                "--metrics-port", str(self.metrics_port), *self.agent_args]  # fmt: skip
         self.agent = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=log)
         log.close()
 

@@ -335,7 +335,8 @@ async def test_every_event_names_its_authenticated_actor(broker: Broker, stack: 
     assert by_type["inventory.device_class_applied"] == {"operator:operator"}
     assert by_type["admin.namespace_access_set"] == {"operator:operator"}
     assert by_type["reservation.allocation_bound"] == {"system:reservation-0"}
-    assert by_type["enforcement.limit_applied"] == {"agent:node-a"}
+    assert by_type["enforcement.limit_applied"] == {"agent:node-a#1"}  # under its lease
+    assert by_type["reclamation.node_lease_acquired"] == {"agent:node-a#1", "agent:node-b#1"}
 
     # no generated secret reached the log of events or the server's log
     seeds = [read_credential(path).seed for path in (auth.path / "creds").glob("*.creds")]

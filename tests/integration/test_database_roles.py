@@ -41,7 +41,7 @@ from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.servicestores import ServiceStores
 from services.runtime.settings import ServiceKind, Settings
 from tests.integration import sample as s
-from tests.integration.scenario import put
+from tests.integration.scenario import lease, put
 
 SERVICE_ROLES = (
     "dracap_claims",
@@ -247,7 +247,7 @@ async def test_an_agent_appends_its_own_nodes_reports(
 ) -> None:
     a, _ = nodes
     async with await EventStore.open(await node_user(a)) as agent:
-        stored = await put(agent, _applied(_share(a), a))
+        stored = await put(agent, _applied(_share(a), a), actor=await lease(agent, a))
         assert stored[0].event == _applied(_share(a), a)
         assert await agent.pool.fetchval("SELECT session_user") == node_role(a)
 
@@ -258,8 +258,10 @@ async def test_an_agent_of_node_a_cannot_report_for_node_b(
     a, b = nodes
     head = await store.head()
     async with await EventStore.open(await node_user(a)) as agent:
+        actor = await lease(agent, a)
+        head = await store.head()
         with pytest.raises(NodeScopeViolation) as refused:
-            await put(agent, _applied(_share(b), b))
+            await put(agent, _applied(_share(b), b), actor=actor)
     assert refused.value.event_type == "enforcement.limit_applied"
     message = str(refused.value)
     assert f"'{a}'" in message and f"'{b}'" in message and "enforcement.limit_applied" in message
@@ -301,8 +303,10 @@ async def test_an_agent_cannot_append_what_is_not_its_nodes(
     batches = [Batch(catalog.stream_of(e), None, [e]) for e in _refusals(a, b)[case]]
     head = await store.head()
     async with await EventStore.open(await node_user(a)) as agent:
+        actor = await lease(agent, a)
+        head = await store.head()
         with pytest.raises(NodeScopeViolation, match=re.escape(f"acts for node '{a}' only")):
-            await agent.append_many(batches, Metadata(actor=f"agent:{a}"))
+            await agent.append_many(batches, Metadata(actor=actor))
     assert await store.head() == head
 
 
@@ -312,12 +316,15 @@ async def test_an_agent_releases_and_publishes_for_its_own_node(
     a, _ = nodes
     own = s.reserved(name=a, pool=a, share_id=_share(a))
     async with await EventStore.open(await node_user(a)) as agent:
-        await put(agent, catalog.LimitRemoved(share_id=own.share_id, node=a), s.released(own))
+        actor = await lease(agent, a)
+        removed = catalog.LimitRemoved(share_id=own.share_id, node=a)
+        await put(agent, removed, s.released(own), actor=actor)
         await put(
             agent,
             s.slice_published(name=f"{a}-gpus", pool=a, devices={"gpu-0": {"memory": "40Gi"}}),
+            actor=actor,
         )
-        await put(agent, catalog.ResourceSliceWithdrawn(name=f"{a}-gpus"))
+        await put(agent, catalog.ResourceSliceWithdrawn(name=f"{a}-gpus"), actor=actor)
     held = await store.pool.fetchval("SELECT count(*) FROM held_shares WHERE node = $1", a)
     assert held == 0
 
@@ -348,11 +355,13 @@ async def test_an_agent_user_bound_to_no_node_appends_agent_events_only(
     a, b = nodes
     unbound = msgspec.structs.replace(settings, database_urls=service_users)
     async with await EventStore.open(unbound.for_service(ServiceKind.AGENT)) as agent:
-        await put(agent, _applied(_share(a), a), _applied(_share(b), b))
+        actor_a, actor_b = await lease(agent, a), await lease(agent, b)
+        await put(agent, _applied(_share(a), a), actor=actor_a)
+        await put(agent, _applied(_share(b), b), actor=actor_b)
         with pytest.raises(
             NodeScopeViolation, match=re.escape("is a node agent's: claims.admitted is not")
         ):
-            await put(agent, catalog.ClaimAdmitted(namespace="team-a", name="c1"))
+            await put(agent, catalog.ClaimAdmitted(namespace="team-a", name="c1"), actor=actor_a)
 
 
 async def test_an_agent_cannot_smuggle_a_guard(
@@ -365,9 +374,10 @@ async def test_an_agent_cannot_smuggle_a_guard(
     )
     report = catalog.encode_payload(_applied(_share(a), a))
     async with await EventStore.open(await node_user(a)) as agent:
+        actor = await lease(agent, a)
         with pytest.raises(asyncpg.PostgresError) as refused:
             await agent.pool.fetchrow(
-                "SELECT * FROM dracap_append_guarded(1, $1, $2, $3, $1, $4, $5, $6, $7, 'x', "
+                "SELECT * FROM dracap_append_guarded(1, $1, $2, $3, $1, $4, $5, $6, $7, $12, "
                 "$8, $9, now(), $10, 'dracap_events', $11, NULL, NULL)",
                 [f"node:{a}"],
                 [None],
@@ -380,6 +390,7 @@ async def test_an_agent_cannot_smuggle_a_guard(
                 [None],
                 [report],
                 forged,
+                actor,
             )
     assert refused.value.sqlstate == "DR004" and "set_total" in str(refused.value)
     total = await store.pool.fetchval(
@@ -402,7 +413,7 @@ async def test_an_agent_has_no_privilege_on_the_tables_it_appends_to(
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await agent.pool.execute(sql)
         agent.copy_threshold = 1  # a bulk append goes through the function instead
-        await put(agent, _applied(_share(a), a))
+        await put(agent, _applied(_share(a), a), actor=await lease(agent, a))
 
 
 @pytest.mark.parametrize("role", ["dracap_reservation", "dracap_claims"])

@@ -35,7 +35,6 @@ from events.catalog import (
     LimitRemoved,
     NamespaceAccessSet,
     NodeFenced,
-    NodeLeaseExpired,
     ReleaseRequested,
     claim_stream,
     encode_event,
@@ -711,11 +710,12 @@ async def test_the_agent_refuses_to_overcommit_whatever_it_is_asked(
 ) -> None:
     """Invariant 12: the control plane asks for more than the device holds; the agent says no.
 
-    The forgery the database cannot stop: node-a's lease expires and the node is fenced
-    (as the reclamation service would log it), so the log and the ledger release a
-    30Gi share the agent — alive, cut off from the control plane — still enforces. A
-    reservation worker then grants 20Gi of the same 40Gi device (the ledger sees
-    20Gi of 40Gi used: its CHECK passes). The agent counts what it enforces: 30Gi +
+    The forgery the database cannot stop: a mistaken release (written as a reclamation
+    service would, without asking the node) gives back a 30Gi share the agent still
+    enforces, so the log and the ledger free it. (A fence would not do: it makes the
+    agent's epoch stale, and the agent, taking its next lease, removes the limit as an
+    orphan.) A reservation worker then grants 20Gi of the same 40Gi device (the ledger
+    sees 20Gi of 40Gi used: its CHECK passes). The agent counts what it enforces: 30Gi +
     20Gi > 40Gi, so it never calls the enforcer for that share, records a terminal
     ``LimitFailed`` with the amounts, and the claim fails. A grant that fits what is
     enforced (10Gi: exactly 40Gi) is applied as usual.
@@ -734,9 +734,18 @@ async def test_the_agent_refuses_to_overcommit_whatever_it_is_asked(
     store = pipeline.stores[0]
     like = [e async for e in store.read_all() if getattr(e.event, "name", None) == "held"]
 
-    fence = [NodeLeaseExpired(node=NODE, epoch=1), NodeFenced(node=NODE, epoch=1)]
+    reserved = next(e.event for e in like if isinstance(e.event, CapacityReserved))
+    mistaken = CapacityReleased(
+        share_id=held,
+        driver=reserved.driver,
+        pool=reserved.pool,
+        device=reserved.device,
+        allocation_version=reserved.allocation_version,
+        consumed=dict(reserved.consumed),
+        admin_access=False,
+    )
     reclaimer = Metadata(actor=str(Actor.system("reclamation-0")))
-    await store.append_many([Batch(stream_of(fence[0]), None, fence)], reclaimer)
+    await store.append_many([Batch(stream_of(mistaken), None, [mistaken])], reclaimer)
     await pipeline.until(lambda st: st.shares[held].state == "released")
     assert held in agent.enforcing  # nobody told the agent: the limit is still in force
 

@@ -70,8 +70,18 @@ async def test_db_upgrade_then_downgrade(
     agent = await _privileges(empty_database_url, "dracap_agent")
     assert "function:dracap_append_guarded:definer" in agent
     assert not {"events:INSERT", "events:UPDATE", "capacity_ledger:UPDATE"} & agent
+    assert "function:dracap_renew_lease:definer" in agent
+    assert {"node_leases:SELECT", "node_epochs:SELECT"} <= agent
+    assert "function:dracap_append_guarded:definer" in await _privileges(
+        empty_database_url, "dracap_reclamation"
+    )
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # idempotent
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0005
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0006
+    assert "dracap_renew_lease" not in await _functions(empty_database_url)
+    agent = await _privileges(empty_database_url, "dracap_agent")
+    assert "function:dracap_append_guarded:definer" in agent
+    assert not {"node_leases:SELECT", "function:dracap_renew_lease"} & agent
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more: 0005
     assert "dracap_node_roles" not in await _tables(empty_database_url)
     assert await _privileges(empty_database_url, "dracap_agent") == {
         "function:dracap_append",  # PUBLIC's again, as before 0006
@@ -83,6 +93,7 @@ async def test_db_upgrade_then_downgrade(
     }
     assert "events:INSERT" in await _privileges(empty_database_url, "dracap_app")
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # and up again
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0
     assert await asyncio.to_thread(db, ["downgrade"]) == 0
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more step: 0004
     assert {"shares", "claims"} <= await _tables(empty_database_url)

@@ -173,10 +173,14 @@ def every_event() -> list[c.Event]:
             consumed={"memory": Q("4Gi")},
             admin_access=False,
         ),
+        c.NodeLeaseAcquired(node="node-a", epoch=3, boot_id="b-1", ttl_ms=10_000),
         c.NodeLeaseExpired(node="node-a", epoch=3),
         c.ShareMarkedUnknown(share_id="s-1", node="node-a"),
         c.NodeFenced(node="node-a", epoch=3),
         c.ShareConfirmed(share_id="s-1", node="node-a"),
+        c.AppendRefused(
+            node="node-a", epoch=2, current_epoch=3, types=["enforcement.limit_applied"]
+        ),
         c.NamespaceAccessSet(namespace="team-a", classes=["gpu.example.com"], admin_access=True),
         c.ClaimWithdrawn(namespace="team-a", name="train"),
         c.MessageDeadLettered(
@@ -191,7 +195,7 @@ IDS = [c.tag_of(e) for e in EVENTS]
 
 def test_every_tag_is_covered() -> None:
     assert sorted(IDS) == sorted(c.EVENT_TYPES)
-    assert len(set(IDS)) == len(IDS) == 26
+    assert len(set(IDS)) == len(IDS) == 28
 
 
 @pytest.mark.parametrize("event", EVENTS, ids=IDS)
@@ -346,7 +350,8 @@ def test_stream_names() -> None:
     assert c.node_stream("n") == "node:n"
     assert c.stream_of(_reserved()) == "device:gpu.example.com/node-a/gpu-0"
     assert c.stream_of(c.ClaimSubmitted(claim=_claim())) == "claim:team-a/train"
-    assert c.stream_of(c.NodeFenced(node="n", epoch=1)) == "node:n"
+    assert c.stream_of(c.NodeFenced(node="n", epoch=1)) == "lease:n"
+    assert c.stream_of(c.ShareConfirmed(share_id="s", node="n")) == "node:n"
 
 
 def test_new_envelope_defaults() -> None:

@@ -465,6 +465,50 @@ def test_single_share_marked_unknown() -> None:
     assert log.share("s-1") == "bound", "confirmation restores the prior state"
 
 
+def acquired(epoch: int, boot: str = "boot-1") -> c.NodeLeaseAcquired:
+    return c.NodeLeaseAcquired(node=NODE, epoch=epoch, boot_id=boot, ttl_ms=10_000)
+
+
+def test_a_lease_must_be_newer_than_every_lease_and_fence_before() -> None:
+    log = shared_log().add(acquired(1))
+    assert log.state.nodes[NODE].lease == "live"
+    assert log.state.nodes[NODE].boot_id == "boot-1"
+    log.violates(acquired(1), "fencing")
+    log.add(c.NodeLeaseExpired(node=NODE, epoch=1))
+    log.violates(acquired(1), "fencing")
+    log.add(c.NodeFenced(node=NODE, epoch=1, reason="power off"))
+    assert "power off" in (log.state.nodes[NODE].reason or "")
+    log.add(acquired(2, "boot-2"))
+    assert log.state.nodes[NODE].lease == "live"
+    assert log.state.nodes[NODE].reason is None
+
+
+def test_an_unknown_share_is_released_only_once_a_new_lease_vouches_for_it() -> None:
+    log = fenced_setup()
+    log.violates(release("s-1"), "fencing")
+    log.add(acquired(6))  # the agent is back under a new epoch
+    assert log.share("s-1") == "unknown", "a new lease alone confirms nothing"
+    log.add(release("s-1"))
+    assert log.share("s-1") == "released"
+    assert log.consumed() == Q("0")
+
+
+def test_a_share_confirmed_after_its_claim_was_deleted_is_releasing() -> None:
+    log = fenced_setup()
+    log.add(c.ReleaseRequested(namespace="team-a", name="train", allocation_version=1))
+    assert log.phase() == "releasing"
+    assert log.share("s-1") == "unknown"
+    log.add(acquired(6), c.ShareConfirmed(share_id="s-1", node=NODE))
+    assert log.share("s-1") == "releasing"
+
+
+def test_fence_reason_is_the_claims_reason() -> None:
+    log = fenced_setup().add(c.NodeFenced(node=NODE, epoch=5, reason="BMC says off"))
+    record = log.state.claim("team-a", "train")
+    assert record is not None and record.reason is not None
+    assert "BMC says off" in record.reason and "epoch 5" in record.reason
+
+
 # --- policy changes -----------------------------------------------------------------------
 
 

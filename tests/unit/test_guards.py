@@ -16,6 +16,7 @@ import pytest
 from events import catalog
 from events.fold import ClusterState, apply_event
 from events.guards import (
+    Acquire,
     Fence,
     Guard,
     NoteEpoch,
@@ -88,6 +89,11 @@ ROWS: list[tuple[str, catalog.Event, list[Guard]]] = [
         catalog.NodeFenced(node="n", epoch=4),
         [Fence(at=1, node="n", epoch=4)],
     ),
+    (
+        "a new lease is checked and written",
+        catalog.NodeLeaseAcquired(node="n", epoch=5, boot_id="b", ttl_ms=9000),
+        [Acquire(at=1, node="n", epoch=5, boot_id="b", ttl_ms=9000)],
+    ),
     ("binding changes no capacity", s.bound(SHARED), []),
     ("a claim submission changes no capacity", s.claim_submitted(), []),
     (
@@ -118,6 +124,7 @@ def test_only_capacity_events_have_guards() -> None:
         catalog.CapacityReleased,
         catalog.NodeLeaseExpired,
         catalog.NodeFenced,
+        catalog.NodeLeaseAcquired,
     }
 
 

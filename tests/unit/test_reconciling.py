@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import datetime
 
-from events.fold import ClusterState, ShareState
+import msgspec
+
+from events.fold import ClaimState, ClusterState, ShareState
 from events.quantities import Quantity
 from services.enforcement.checkpointing import CheckpointEntry
 from services.enforcement.enforcers import AppliedLimit, ShareLimit
-from services.enforcement.reconciling import plan_reconcile
+from services.enforcement.reconciling import plan_reconcile, plan_return
 
 NODE = "node-a"
 BW = {"bandwidth": Quantity.parse("10M")}
@@ -69,3 +71,58 @@ def test_plan_sorts_every_share_into_one_outcome() -> None:
     assert plan.reapply_ids == ["changed", "missing"]
     assert plan.orphans == ["orphan", "released"]
     assert plan.stale == ["stale"]
+
+
+def _unknown(share_id: str, prior: str, *, level: str | None = "hard") -> ShareState:
+    share = _share(share_id, "unknown")
+    share.prior_state = prior  # type: ignore[assignment]
+    share.limit_level = level
+    return share
+
+
+def _return_state() -> ClusterState:
+    state = ClusterState()
+    for share in [
+        _unknown("enforced", "ready"),
+        _unknown("gone", "ready"),
+        _unknown("pending", "bound", level=None),
+        _unknown("no-limit", "ready", level="none"),
+        _unknown("deleted", "ready"),
+        _share("ready", "ready"),
+        _unknown("elsewhere", "ready"),
+    ]:
+        state.shares[share.share_id] = share
+    state.shares["elsewhere"].node = "node-b"
+    for share in state.shares.values():
+        phase = "releasing" if share.share_id == "deleted" else "ready"
+        state.claims[share.claim] = ClaimState(
+            namespace="ns", name=share.share_id, phase=phase, allocation_version=1
+        )
+    return state
+
+
+def test_a_returning_agent_confirms_what_it_enforces_and_releases_the_rest() -> None:
+    hard = AppliedLimit(level="hard", actual=dict(BW))
+    observed = {"enforced": hard, "deleted": hard, "ready": hard}
+    plan = plan_return(_return_state(), NODE, rebooted=None, observed=observed, entries={})
+    assert plan.confirm == ["enforced", "no-limit", "pending"]
+    assert [s.share_id for s in plan.release] == ["deleted", "gone"]
+    assert plan.remove == ["deleted"], "a deleted claim's limit comes down first"
+    assert list(plan.fail) == ["gone"] and "no longer in force" in plan.fail["gone"]
+
+
+def test_without_the_kernel_the_checkpoint_says_what_is_enforced() -> None:
+    done = msgspec.structs.replace(_entry("gone"), phase="completed")
+    plan = plan_return(_return_state(), NODE, rebooted=None, observed=None, entries={"gone": done})
+    assert plan.confirm == ["gone", "no-limit", "pending"]
+    assert list(plan.fail) == ["enforced"], "no completed entry: not known to be in force"
+
+
+def test_after_a_reboot_every_unknown_share_is_released_and_its_claim_failed() -> None:
+    hard = AppliedLimit(level="hard", actual=dict(BW))
+    why = "node node-a rebooted (boot id a -> b): its limits are gone"
+    plan = plan_return(_return_state(), NODE, rebooted=why, observed={"enforced": hard}, entries={})
+    released = [s.share_id for s in plan.release]
+    assert released == ["deleted", "enforced", "gone", "no-limit", "pending"]
+    assert plan.confirm == [] and plan.remove == []
+    assert set(plan.fail) == set(released) and set(plan.fail.values()) == {why}

@@ -1,0 +1,143 @@
+"""``dracap reclaim``: run the reclamation service on its own.
+
+It needs only PostgreSQL (the event log and the lease table); the server is found like
+every command finds it (:mod:`services.runtime.endpoints`): ``--database-url``, else
+``DRACAP_DATABASE_URL_RECLAMATION`` (its own database user), else
+``DRACAP_DATABASE_URL``, else ``<data-dir>/connection.json`` of ``dracap up``. Any number
+of replicas may run at once: each transition is recorded once
+(:mod:`services.reclamation.service`). ``--fence-hook CMD`` is run for a node whose
+lease has been expired for ``--fence-after`` seconds; its exit status 0 fences the node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import shlex
+import signal
+import sys
+from typing import Any
+
+from services.exitcodes import ExitCode
+from services.reclamation.service import DEFAULT_POLL_S, ReclamationService
+from services.runtime import eventloop
+from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
+from services.runtime.eventstore import EventStore
+from services.runtime.livestate import LiveState
+from services.runtime.metrics import start_metrics_server
+from services.runtime.settings import ServiceKind, SettingsError, load_settings
+
+log = logging.getLogger("dracap.reclamation")
+
+
+def hook_of(text: str | None) -> list[str]:
+    """The fence hook's argv (``--fence-hook`` is split like a shell would)."""
+    if not text:
+        return []
+    try:
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise SettingsError(f"--fence-hook: {exc}") from None
+    if not argv:
+        raise SettingsError("--fence-hook: empty command")
+    return argv
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the service until SIGINT or SIGTERM."""
+    endpoints = endpoints_from_args(args, service=ServiceKind.RECLAMATION)
+    database_url = endpoints.database()
+    settings = endpoints.settings(load_settings())
+    with reaching("PostgreSQL", database_url):
+        store = await EventStore.open(settings)
+    server = None
+    if args.metrics_port:
+        server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        live = LiveState(store)
+        service = ReclamationService(
+            store,
+            live,
+            name=args.name,
+            poll_s=args.poll,
+            fence_hook=hook_of(args.fence_hook),
+            fence_after_s=args.fence_after,
+            fence_hook_timeout_s=args.fence_hook_timeout,
+        )
+        log.info("reclamation service %s started", args.name)
+        tail = asyncio.create_task(live.run(stop))
+        try:
+            await service.run(stop)
+        finally:
+            stop.set()
+            await tail
+    finally:
+        if server is not None:
+            server.shutdown()
+        await store.close()
+    return ExitCode.OK
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``dracap reclaim``."""
+    for flag, value in (("--poll", args.poll), ("--fence-after", args.fence_after)):
+        if value <= 0:
+            print(f"error: {flag} must be a positive number of seconds", file=sys.stderr)
+            return ExitCode.BAD_INPUT
+    try:
+        hook_of(args.fence_hook)
+        return eventloop.run(serve(args))
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    except KeyboardInterrupt:
+        return ExitCode.OK
+
+
+def register(sub: Any) -> None:
+    """Add ``dracap reclaim`` to the command line."""
+    parser = sub.add_parser(
+        "reclaim",
+        help="run the reclamation service (node lease expiry, fence hook)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    add_endpoint_arguments(parser, database=True)
+    parser.add_argument(
+        "--name", default="reclamation-0", help="this replica's name (its actor in the log)"
+    )
+    parser.add_argument(
+        "--poll",
+        type=float,
+        default=DEFAULT_POLL_S,
+        metavar="S",
+        help=f"seconds between looks at the leases (default {DEFAULT_POLL_S})",
+    )
+    parser.add_argument(
+        "--fence-hook",
+        metavar="CMD",
+        help="command that powers a lost node off (DRACAP_NODE, DRACAP_EPOCH set); exit 0: off",
+    )
+    parser.add_argument(
+        "--fence-after",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a lease stays expired before the fence hook runs (default 60)",
+    )
+    parser.add_argument(
+        "--fence-hook-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds the fence hook may run (default 60)",
+    )
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    parser.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR")
+    parser.set_defaults(func=run)

@@ -1,0 +1,212 @@
+"""The reclamation service: records expired node leases and runs the fence hook.
+
+It owns no lease and no state of its own: every tick it asks the database, in one
+statement, for the leases past their expiry whose epoch has not been recorded as
+expired yet (``node_epochs`` holds the newest expired or fenced epoch, written by the
+guard of the very event this service appends), together with the version of each
+node's ``lease:<node>`` stream at that moment. For each it appends, decided on the live
+state (:func:`~services.reclamation.decisions.decide_expiry`),
+``NodeLeaseExpired`` to ``lease:<node>`` *at that version* and one
+``ShareMarkedUnknown`` per live share to ``node:<node>``.
+
+Exactly once, with any number of replicas: the lease stream receives only lease
+transitions (a new lease, an expiry, a fence), so two replicas that read the same
+expired lease append at the same version and the store lets exactly one of them in;
+the other gets a :class:`~services.runtime.errors.ConflictError`, and its next tick no
+longer finds the lease (its epoch is now recorded). An agent that takes a new lease in
+between moves the version too, so an expiry is never recorded over a fresh lease. A
+renewal cannot revive an expired lease (``dracap_renew_lease`` refuses it), so a lease
+seen expired stays expired until somebody appends to its stream.
+
+Fence hook (``--fence-hook CMD``): a node whose lease has been expired for
+``--fence-after`` seconds, and that no agent took back nor anybody fenced, gets
+``CMD`` run with ``DRACAP_NODE`` and ``DRACAP_EPOCH`` in its environment (a BMC
+power-off, a cloud API call). Exit status 0 means "the node is off": the service
+appends ``NodeFenced`` at the expired epoch, actor ``system:fence-hook``, at the
+version read before the hook ran — so with two replicas the hook may run twice (a
+power-off is idempotent) but the fence is recorded once. Any other status, or a run
+longer than ``--fence-hook-timeout``, is logged and tried again after another
+``--fence-after``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Final
+
+import asyncpg
+import msgspec
+
+from events.actors import Actor
+from events.catalog import lease_stream, node_stream
+from events.fold import ClusterState
+from services.reclamation.decisions import decide_expiry, fence_by_hook
+from services.runtime.errors import ConflictError, RetryableError
+from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.livestate import HEAD, LiveState
+from services.runtime.metrics import FENCE_HOOK_RUNS, NODE_TRANSITIONS
+
+__all__ = ["DEFAULT_POLL_S", "ReclamationService"]
+
+log = logging.getLogger("dracap.reclamation")
+
+DEFAULT_POLL_S: Final = 0.25
+_LEASE_VERSION: Final = (
+    "coalesce((SELECT max(e.stream_version) FROM events e WHERE e.stream = 'lease:' || l.node), 0)"
+)
+#: Leases past their expiry whose epoch nobody recorded as expired (or fenced) yet.
+EXPIRED: Final = f"""
+SELECT l.node, l.epoch, {_LEASE_VERSION} AS version
+  FROM node_leases l
+ WHERE l.expires_at < clock_timestamp()
+   AND l.epoch > coalesce((SELECT n.epoch FROM node_epochs n WHERE n.node = l.node), 0)
+ ORDER BY l.node
+"""
+#: Leases recorded as expired (not fenced, not taken again) for longer than $1 seconds.
+LONG_EXPIRED: Final = f"""
+SELECT l.node, l.epoch, {_LEASE_VERSION} AS version
+  FROM node_leases l JOIN node_epochs n ON n.node = l.node AND n.epoch = l.epoch
+ WHERE l.expires_at < clock_timestamp() - make_interval(secs => $1)
+ ORDER BY l.node
+"""
+
+
+class _Lease(msgspec.Struct, frozen=True):
+    node: str
+    epoch: int
+    version: int
+
+
+class ReclamationService:
+    """Records lease expiries and hook fences (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        live: LiveState,
+        *,
+        name: str = "reclamation-0",
+        poll_s: float = DEFAULT_POLL_S,
+        fence_hook: Sequence[str] = (),
+        fence_after_s: float = 60.0,
+        fence_hook_timeout_s: float = 60.0,
+    ) -> None:
+        self.store = store
+        self.live = live
+        self.name = name
+        self.poll_s = poll_s
+        self.fence_hook = tuple(fence_hook)
+        self.fence_after_s = fence_after_s
+        self.fence_hook_timeout_s = fence_hook_timeout_s
+        self.expired = 0  #: expiries this replica recorded
+        self.lost_races = 0  #: expiries or fences another writer recorded first
+        self.fenced = 0  #: fences this replica recorded for the hook
+        self._hook_tried: dict[tuple[str, int], float] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick every ``poll_s`` until ``stop`` is set; an outage only skips ticks."""
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except (RetryableError, OSError, asyncpg.PostgresError) as exc:
+                log.warning("%s: tick skipped: %s", self.name, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.poll_s)
+
+    async def tick(self) -> int:
+        """Record every expired lease found now; run the fence hook where due.
+
+        Returns how many transitions this replica recorded.
+        """
+        recorded = 0
+        for row in await self.store.pool.fetch(EXPIRED):
+            recorded += await self._expire(_Lease(row["node"], row["epoch"], row["version"]))
+        if self.fence_hook:
+            for row in await self.store.pool.fetch(LONG_EXPIRED, self.fence_after_s):
+                recorded += await self._run_hook(_Lease(row["node"], row["epoch"], row["version"]))
+        return recorded
+
+    async def _expire(self, lease: _Lease) -> int:
+        state: ClusterState = await self.live.fresh(HEAD)
+        events = decide_expiry(state, lease.node, lease.epoch)
+        batches = [Batch(lease_stream(lease.node), lease.version, events[:1])]
+        if events[1:]:
+            batches.append(Batch(node_stream(lease.node), None, events[1:]))
+        try:
+            await self.store.append_many(batches, Metadata(actor=str(Actor.system(self.name))))
+        except ConflictError:
+            self.lost_races += 1
+            return 0
+        self.expired += 1
+        NODE_TRANSITIONS.labels(transition="expired").inc()
+        log.warning(
+            "node %s: lease of epoch %d expired; %d share(s) unknown, capacity held",
+            lease.node,
+            lease.epoch,
+            len(events) - 1,
+        )
+        return 1
+
+    async def _run_hook(self, lease: _Lease) -> int:
+        node = (await self.live.fresh(HEAD)).nodes.get(lease.node)
+        if node is None or node.lease != "expired" or node.lease_epoch != lease.epoch:
+            return 0  # fenced already (the table does not tell a fence from an expiry)
+        key = (lease.node, lease.epoch)
+        tried = self._hook_tried.get(key)
+        if tried is not None and time.monotonic() - tried < self.fence_after_s:
+            return 0
+        self._hook_tried[key] = time.monotonic()
+        command = " ".join(self.fence_hook)
+        env = {**os.environ, "DRACAP_NODE": lease.node, "DRACAP_EPOCH": str(lease.epoch)}
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self.fence_hook,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )
+        except OSError as exc:
+            FENCE_HOOK_RUNS.labels(outcome="failed").inc()
+            log.error("fence hook for node %s could not start: %s", lease.node, exc)
+            return 0
+        try:
+            _, err = await asyncio.wait_for(process.communicate(), self.fence_hook_timeout_s)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            FENCE_HOOK_RUNS.labels(outcome="timeout").inc()
+            log.error("fence hook for node %s ran past its timeout; not fenced", lease.node)
+            return 0
+        if process.returncode != 0:
+            FENCE_HOOK_RUNS.labels(outcome="failed").inc()
+            detail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            log.error(
+                "fence hook for node %s exited %s (%s); not fenced",
+                lease.node,
+                process.returncode,
+                detail[0],
+            )
+            return 0
+        FENCE_HOOK_RUNS.labels(outcome="off").inc()
+        fence = fence_by_hook(lease.node, lease.epoch, command)
+        try:
+            await self.store.append(
+                lease_stream(lease.node),
+                lease.version,
+                [fence],
+                actor=str(Actor.system("fence-hook")),
+            )
+        except ConflictError:
+            self.lost_races += 1
+            return 0
+        self._hook_tried.pop(key, None)
+        self.fenced += 1
+        NODE_TRANSITIONS.labels(transition="fenced_by_hook").inc()
+        log.warning("node %s fenced by the hook at epoch %d", lease.node, lease.epoch)
+        return 1

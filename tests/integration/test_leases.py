@@ -1,0 +1,180 @@
+"""Node leases in the database: epochs, renewal, stale appends, expiry once, the fence hook.
+
+Real PostgreSQL; the agent's lease (:class:`~services.enforcement.leasing.NodeLease`)
+and the reclamation service (:class:`~services.reclamation.service.ReclamationService`)
+without a bus or an agent process: what must hold at the store itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from events import catalog as c
+from services.enforcement.leasing import NodeLease
+from services.reclamation.service import ReclamationService
+from services.replay.verify import summary, verify
+from services.runtime.errors import ConflictError, StaleEpoch
+from services.runtime.eventstore import Batch, EventStore, Metadata, Processed
+from services.runtime.livestate import LiveState
+from services.runtime.settings import Settings
+from tests.integration import sample as s
+from tests.integration.scenario import put
+
+NODE = "node-a"
+
+
+@pytest.fixture
+async def store(settings: Settings) -> AsyncIterator[EventStore]:
+    async with await EventStore.open(settings) as store:
+        yield store
+
+
+async def _with_share(store: EventStore, ttl_s: float = 60.0) -> tuple[NodeLease, str]:
+    """A slice of ``NODE``, a lease of its agent and one share on it."""
+    await put(store, s.slice_published(name="node-a-gpus", pool=NODE))
+    lease = NodeLease(store, NODE, boot_id="boot-1", ttl_s=ttl_s)
+    await lease.acquire()
+    reserved = s.reserved(name="c1", pool=NODE)
+    await put(store, reserved)
+    return lease, reserved.share_id
+
+
+async def _events(store: EventStore, kind: type[c.Event]) -> list[c.Envelope]:
+    return [e async for e in store.read_all() if isinstance(e.event, kind)]
+
+
+async def test_each_new_lease_gets_the_next_epoch_and_one_of_two_racers_wins(
+    store: EventStore,
+) -> None:
+    first = NodeLease(store, NODE, boot_id="boot-1")
+    assert await first.acquire() == 1
+    assert first.actor == f"agent:{NODE}#1"
+    racing = c.NodeLeaseAcquired(node=NODE, epoch=2, boot_id="b", ttl_ms=1000)
+    results = await asyncio.gather(
+        *(
+            store.append(c.lease_stream(NODE), None, [racing], actor=f"agent:{NODE}#2")
+            for _ in range(2)
+        ),
+        return_exceptions=True,
+    )
+    assert sum(isinstance(r, ConflictError) for r in results) == 1, results
+    too_far = c.NodeLeaseAcquired(node=NODE, epoch=5, boot_id="b", ttl_ms=1000)
+    with pytest.raises(ConflictError, match="next lease is epoch 3, not 5"):
+        await store.append(c.lease_stream(NODE), None, [too_far], actor=f"agent:{NODE}#5")
+    assert not await first.renew(), "a newer lease exists: the first one is lost"
+
+
+async def test_a_lease_renews_until_it_expires_and_then_never_again(store: EventStore) -> None:
+    lease = NodeLease(store, NODE, boot_id="boot-1", ttl_s=0.3)
+    await lease.acquire()
+    assert await lease.renew()
+    await asyncio.sleep(0.5)
+    assert not await lease.renew(), "an expired lease cannot be revived"
+    assert await lease.acquire() == 2  # the agent takes the next one instead
+    assert await lease.renew()
+
+
+async def test_a_stale_append_is_refused_once_and_the_refusal_logged_instead(
+    store: EventStore,
+) -> None:
+    lease, share = await _with_share(store)
+    old = lease.actor
+    await lease.acquire()  # epoch 2: epoch 1 is stale now
+    head = await store.head()
+    applied = c.LimitApplied(share_id=share, node=NODE, level="hard", actual={})
+    report = c.EnforcementReconciled(node=NODE)
+    batches = [Batch(c.node_stream(NODE), None, [applied, report])]
+    processed = Processed("agent-node-a", ["6b7f6f4e-0000-4000-8000-000000000001"])
+    async with store.pool.acquire() as connection:
+        with pytest.raises(StaleEpoch) as refused:
+            await store.append_many(
+                batches, Metadata(actor=old), connection=connection, processed=processed
+            )
+        marked = await connection.fetchval("SELECT count(*) FROM processed_messages")
+    assert (refused.value.epoch, refused.value.current) == (1, 2)
+    assert marked == 0, "a refused append marks no message handled: it is redelivered"
+    assert await store.head() == head + 1  # the refusal, not the batch
+    [record] = await _events(store, c.AppendRefused)
+    assert record.actor == old and record.position == head + 1
+    assert record.event.types == ["enforcement.limit_applied", "enforcement.reconciled"]
+    assert not await _events(store, c.LimitApplied)
+    await put(store, applied, actor=lease.actor)  # the current epoch writes as usual
+    assert len(await _events(store, c.LimitApplied)) == 1
+
+
+async def test_an_epoch_never_granted_is_refused_too(store: EventStore) -> None:
+    await NodeLease(store, NODE, boot_id="b").acquire()
+    report = c.EnforcementReconciled(node=NODE)
+    with pytest.raises(StaleEpoch):
+        await put(store, report, actor=f"agent:{NODE}#9")
+    with pytest.raises(StaleEpoch):
+        await put(store, report, actor="agent:node-never-leased#1")
+
+
+async def test_two_replicas_record_an_expiry_once(store: EventStore, settings: Settings) -> None:
+    lease, share = await _with_share(store, ttl_s=0.2)
+    await asyncio.sleep(0.4)
+    async with (
+        await EventStore.open(settings) as one,
+        await EventStore.open(settings) as two,
+    ):
+        replicas = [
+            ReclamationService(one, LiveState(one), name="reclamation-0"),
+            ReclamationService(two, LiveState(two), name="reclamation-1"),
+        ]
+        done = await asyncio.gather(*(r.tick() for r in replicas))
+        assert sorted(done) == [0, 1]
+        assert sum(r.lost_races for r in replicas) <= 1
+        assert await asyncio.gather(*(r.tick() for r in replicas)) == [0, 0]
+    [expired] = await _events(store, c.NodeLeaseExpired)
+    assert expired.event == c.NodeLeaseExpired(node=NODE, epoch=1)
+    assert expired.actor.startswith("system:reclamation-")
+    [unknown] = await _events(store, c.ShareMarkedUnknown)
+    assert unknown.event.share_id == share and unknown.correlation_id
+    with pytest.raises(StaleEpoch):  # the agent of the expired epoch may not write
+        await put(store, c.EnforcementReconciled(node=NODE), actor=lease.actor)
+    report = await verify(settings, from_start=True)
+    assert report.ok, summary(report)
+
+
+@pytest.mark.parametrize("exit_status", [0, 3])
+async def test_the_fence_hook_fences_a_node_it_reports_off(
+    store: EventStore, settings: Settings, tmp_path: Path, exit_status: int
+) -> None:
+    _, share = await _with_share(store, ttl_s=0.2)
+    calls = tmp_path / "calls"
+    hook = [
+        sys.executable,
+        "-c",
+        "import os, sys; open(sys.argv[1], 'a').write(os.environ['DRACAP_NODE'] + ' '"
+        " + os.environ['DRACAP_EPOCH'] + '\\n'); sys.exit(int(sys.argv[2]))",
+        str(calls),
+        str(exit_status),
+    ]
+    service = ReclamationService(
+        store, LiveState(store), fence_hook=hook, fence_after_s=0.3, fence_hook_timeout_s=20
+    )
+    await asyncio.sleep(0.3)
+    assert await service.tick() == 1  # the expiry; the hook is not due yet
+    await asyncio.sleep(0.4)
+    await service.tick()
+    assert calls.read_text() == f"{NODE} 1\n"
+    fences = await _events(store, c.NodeFenced)
+    held = await store.pool.fetchval("SELECT count(*) FROM held_shares WHERE node = $1", NODE)
+    if exit_status == 0:
+        [fence] = fences
+        assert fence.actor == "system:fence-hook" and fence.event.epoch == 1
+        assert "fence hook reported the node off" in fence.event.reason
+        assert held == 0
+        assert await service.tick() == 0, "fenced once"
+    else:
+        assert fences == [] and held == 1, f"{share} keeps its capacity: the node is not off"
+        assert await service.tick() == 0  # not tried again before another fence-after
+        assert calls.read_text().count("\n") == 1
+    report = await verify(settings, from_start=True)
+    assert report.ok, summary(report)
