@@ -75,6 +75,7 @@ from events.quantities import Quantity
 
 __all__ = [
     "CLASS_MODES",
+    "ENFORCEMENT_LEVELS",
     "EVENT_TYPES",
     "POLICY_VERSION_UNRECORDED",
     "SCHEMA_VERSIONS",
@@ -94,6 +95,7 @@ __all__ = [
     "DeviceClassApplied",
     "DeviceClassRemoved",
     "EnforcementCheckpointSetAside",
+    "EnforcementLevel",
     "EnforcementReconciled",
     "Envelope",
     "EnvelopeHead",
@@ -138,6 +140,8 @@ Rollout: TypeAlias = Literal["immediate", "new-claims-only"]
 ClassMode: TypeAlias = Literal["consumable", "whole-device", "disabled"]
 CLASS_MODES: Final[tuple[ClassMode, ...]] = ("consumable", "whole-device", "disabled")
 EnforcementLevel: TypeAlias = Literal["hard", "soft", "none"]
+#: Enforcement levels from the weakest up (a class's minimum compares by this order).
+ENFORCEMENT_LEVELS: Final[tuple[EnforcementLevel, ...]] = ("none", "soft", "hard")
 
 #: ``policy_version`` of a reservation written before versions were recorded.
 POLICY_VERSION_UNRECORDED: Final = 0
@@ -178,11 +182,14 @@ class ClassModeSet(_EventBase, frozen=True, kw_only=True, tag="inventory.class_m
 
     ``consumable``: shares (the default); ``whole-device``: one claim per device, as
     with the DRAConsumableCapacity gate off for this class; ``disabled``: no new claims.
+    ``min_enforcement``: the least enforcement level a node's agent must offer for a new
+    share of the class to be placed there (added later; default ``none``: any node).
     Allocations made earlier are never changed.
     """
 
     name: str
     mode: ClassMode
+    min_enforcement: EnforcementLevel = "none"
 
 
 class ResourceSlicePublished(
@@ -395,13 +402,15 @@ class NodeLeaseAcquired(
 
     ``epoch`` is one more than any lease or fence of the node before (the store's guard
     refuses anything else); ``boot_id`` is the node's kernel boot id (or what the agent
-    was told to use); ``ttl_ms`` is how long a renewal keeps the lease.
+    was told to use); ``ttl_ms`` is how long a renewal keeps the lease; ``enforcement``
+    the level its enforcer offers (a class's minimum is checked against it).
     """
 
     node: str
     epoch: int
     boot_id: str
     ttl_ms: int
+    enforcement: EnforcementLevel = "none"
 
 
 class NodeLeaseExpired(_EventBase, frozen=True, kw_only=True, tag="reclamation.node_lease_expired"):

@@ -308,6 +308,7 @@ class DeviceClassState(msgspec.Struct, kw_only=True):
     device_class: DeviceClass
     rollout: str
     mode: str = "consumable"  #: the latest ``ClassModeSet`` (re-applying keeps it)
+    min_enforcement: str = "none"  #: likewise
 
 
 class PoolState(msgspec.Struct, kw_only=True):
@@ -341,6 +342,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     ttl_ms: int = 0
     reason: str | None = None
     leased_epoch: int = 0  #: the newest lease acquired (``node_leases.epoch``)
+    enforcement: str = "none"  #: the level the agent of the latest lease offers
     expired_epoch: int = 0  #: the newest lease recorded as expired
 
 
@@ -889,6 +891,7 @@ def _lease_acquired(state: ClusterState, ev: NodeLeaseAcquired, position: int) -
     node.leased_epoch = ev.epoch
     node.boot_id = ev.boot_id
     node.ttl_ms = ev.ttl_ms
+    node.enforcement = ev.enforcement
     node.reason = None
 
 
@@ -1203,9 +1206,11 @@ def _share_unknown(state: ClusterState, ev: ShareMarkedUnknown, position: int) -
 def _class_applied(state: ClusterState, ev: DeviceClassApplied, position: int) -> None:
     name = ev.device_class.metadata.name
     before = state.classes.get(name)
-    mode = before.mode if before is not None else "consumable"
     state.classes[name] = DeviceClassState(
-        device_class=ev.device_class, rollout=ev.rollout, mode=mode
+        device_class=ev.device_class,
+        rollout=ev.rollout,
+        mode=before.mode if before is not None else "consumable",
+        min_enforcement=before.min_enforcement if before is not None else "none",
     )
 
 
@@ -1217,6 +1222,7 @@ def _class_mode_set(state: ClusterState, ev: ClassModeSet, position: int) -> Non
     cls = state.classes.get(ev.name)
     if cls is not None:  # the decision refuses an unknown class; a late one changes nothing
         cls.mode = ev.mode
+        cls.min_enforcement = ev.min_enforcement
 
 
 def _access_set(state: ClusterState, ev: NamespaceAccessSet, position: int) -> None:

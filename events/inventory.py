@@ -47,6 +47,7 @@ from typing import Final
 import msgspec
 import semver
 
+from events.catalog import ENFORCEMENT_LEVELS
 from events.errors import EventsError, SelectorCostExceeded, SelectorError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClusterState, DeviceKey
@@ -248,11 +249,19 @@ class Inventory:
         inline_budget: int | None = None,
         class_modes: Mapping[str, str] | None = None,
         lost_nodes: Mapping[str, str] | None = None,
+        min_enforcement: Mapping[str, str] | None = None,
+        node_enforcement: Mapping[str, str] | None = None,
     ) -> None:
         self.gates = gates
         #: nodes whose agent lost its lease or that were fenced, with the taint's text:
         #: no new share lands on their devices (whatever the request tolerates)
         self.lost_nodes: dict[str, str] = dict(lost_nodes or {})
+        #: each class's minimum enforcement level, where it is above ``none``, and the
+        #: level each node's agent offers (a node no agent leased offers ``none``)
+        self.min_enforcement: dict[str, str] = {
+            k: v for k, v in (min_enforcement or {}).items() if v != "none"
+        }
+        self.node_enforcement: dict[str, str] = dict(node_enforcement or {})
         #: the mode of each class that is not ``consumable`` (``ClassModeSet``)
         self.class_modes: dict[str, str] = {
             k: v for k, v in (class_modes or {}).items() if v != "consumable"
@@ -327,6 +336,17 @@ class Inventory:
         """The node-lost taint of ``entry``'s node, if its node is lost (else ``None``)."""
         node = entry.device.node_name or entry.slice.spec.node_name
         return self.lost_nodes.get(node) if node else None
+
+    def below_minimum(self, entry: DeviceEntry, class_name: str) -> str | None:
+        """Why ``entry``'s node is below ``class_name``'s minimum enforcement (else None)."""
+        wanted = self.min_enforcement.get(class_name)
+        if wanted is None:
+            return None
+        node = entry.device.node_name or entry.slice.spec.node_name or ""
+        offered = self.node_enforcement.get(node, "none")
+        if _RANK.get(offered, 0) >= _RANK.get(wanted, 0):
+            return None
+        return f"node {node or '(none)'} enforces {offered}, class {class_name} needs {wanted}"
 
     def nodes(self) -> list[str]:
         """Every node named by a slice or by the node labels given, sorted."""
@@ -543,8 +563,14 @@ def build_inventory(
         inline_budget=inline_budget,
         class_modes=modes,
         lost_nodes=lost_nodes(state),
+        min_enforcement={name: c.min_enforcement for name, c in state.classes.items()},
+        node_enforcement={
+            name: node.enforcement for name, node in state.nodes.items() if node.leased_epoch
+        },
     )
 
+
+_RANK: Final[dict[str, int]] = {level: i for i, level in enumerate(ENFORCEMENT_LEVELS)}
 
 #: The taint dracap puts on the devices of a node it lost (docs/reclamation.md).
 NODE_LOST_TAINT: Final = "dracap.io/node-lost"

@@ -55,6 +55,7 @@ import msgspec
 
 from events.catalog import (
     CLASS_MODES,
+    ENFORCEMENT_LEVELS,
     ClaimWithdrawn,
     ClassModeSet,
     DeviceClassApplied,
@@ -133,10 +134,15 @@ def decide_classes(state: ClusterState, classes: Sequence[DeviceClass]) -> Admin
 
 
 class ClassMode(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A ``deviceclasses.mode`` request: how new claims of class ``name`` are decided."""
+    """A ``deviceclasses.mode`` request: how new claims of class ``name`` are decided.
+
+    ``min_enforcement``: the least enforcement level a node must offer for new shares of
+    the class (``None``: keep the one in force).
+    """
 
     name: str
     mode: str
+    min_enforcement: str | None = None
 
 
 class ClassRemoval(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -145,8 +151,10 @@ class ClassRemoval(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     name: str
 
 
-def decide_mode(state: ClusterState, name: str, mode: str) -> AdminWrite:
-    """Record a DeviceClass's new mode, when it differs from the one in force."""
+def decide_mode(
+    state: ClusterState, name: str, mode: str, min_enforcement: str | None = None
+) -> AdminWrite:
+    """Record a DeviceClass's new mode (and minimum enforcement), when it differs."""
     if mode not in CLASS_MODES:
         rule = f"must be one of: {', '.join(CLASS_MODES)}"
         return AdminWrite(
@@ -159,12 +167,25 @@ def decide_mode(state: ClusterState, name: str, mode: str) -> AdminWrite:
                 detail=f"got {mode!r}",
             )
         )
+    if min_enforcement is not None and min_enforcement not in ENFORCEMENT_LEVELS:
+        rule = f"must be one of: {', '.join(ENFORCEMENT_LEVELS)}"
+        return AdminWrite(
+            refusal=Refusal(
+                code="invalid",
+                kind="invalid-enforcement",
+                field="min_enforcement",
+                rule=rule,
+                message=f"min_enforcement: {rule} (got {min_enforcement!r})",
+                detail=f"got {min_enforcement!r}",
+            )
+        )
     current = state.classes.get(name)
     if current is None:
         return AdminWrite(refusal=_unknown_class(name))
-    if current.mode == mode:
+    level = current.min_enforcement if min_enforcement is None else min_enforcement
+    if current.mode == mode and current.min_enforcement == level:
         return AdminWrite(unchanged=(name,))
-    event = ClassModeSet(name=name, mode=mode)
+    event = ClassModeSet(name=name, mode=mode, min_enforcement=level)  # type: ignore[arg-type]
     return AdminWrite(events=(event,), applied=(name,))
 
 

@@ -11,7 +11,7 @@ namespace's subjects (invariant 10); this service never trusts a namespace from 
 payload.
 
 Admin endpoints listen on ``names.admin(op)`` for ``deviceclasses.apply``,
-``deviceclasses.mode``, ``deviceclasses.remove``, ``slices.apply``,
+``deviceclasses.mode``, ``deviceclasses.list``, ``deviceclasses.remove``, ``slices.apply``,
 ``namespaces.access``, ``policies.set``, ``policies.list``, ``devices.list``,
 ``nodes.list``, ``nodes.get`` and ``nodes.fence``.
 
@@ -156,6 +156,7 @@ from services.claims.admission import (
 from services.claims.views import (
     LeaseRow,
     claim_view,
+    class_views,
     device_views,
     error_reply,
     node_views,
@@ -196,6 +197,7 @@ CHECKS_PER_NAMESPACE: Final = 4
 ADMIN_OPS: Final = (
     "deviceclasses.apply",
     "deviceclasses.mode",
+    "deviceclasses.list",
     "deviceclasses.remove",
     "slices.apply",
     "namespaces.access",
@@ -354,6 +356,7 @@ class ClaimsApi:
         admin: dict[str, _AdminOperation] = {
             "deviceclasses.apply": self.apply_classes,
             "deviceclasses.mode": self.set_class_mode,
+            "deviceclasses.list": self.list_classes,
             "deviceclasses.remove": self.remove_class,
             "slices.apply": self.apply_slices,
             "namespaces.access": self.set_access,
@@ -670,13 +673,24 @@ class ClaimsApi:
     async def set_class_mode(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``deviceclasses.mode``: how new claims of a class are decided (never old ones)."""
         request: ClassMode = _decode(data, ClassMode)
-        write = decide_mode(await self.live.fresh(SEEN), request.name, request.mode)
+        write = decide_mode(
+            await self.live.fresh(SEEN), request.name, request.mode, request.min_enforcement
+        )
         if write.refusal is not None:
             return _refusal_reply(write.refusal)
         await self._record(write, actor)
+        recorded = (await self.live.fresh(SEEN)).classes[request.name]
         return ok_reply(
-            applied=list(write.applied), unchanged=list(write.unchanged), mode=request.mode
+            applied=list(write.applied),
+            unchanged=list(write.unchanged),
+            mode=recorded.mode,
+            min_enforcement=recorded.min_enforcement,
         )
+
+    async def list_classes(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``deviceclasses.list``: every class with its mode and minimum enforcement."""
+        state = await self.live.fresh(SEEN)
+        return ok_reply(classes=class_views(state))
 
     async def remove_class(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``deviceclasses.remove``: no new claims of the class; allocated ones keep running."""

@@ -66,7 +66,7 @@ import msgspec
 import yaml
 
 from events import model
-from events.catalog import CLASS_MODES
+from events.catalog import CLASS_MODES, ENFORCEMENT_LEVELS
 from events.fold import TERMINAL_PHASES
 from events.manifests import MAX_MANIFEST_BYTES, ManifestError, load_documents
 from services.exitcodes import CommandError, ExitCode
@@ -444,10 +444,30 @@ async def _set_policy(api: ApiClient, args: argparse.Namespace) -> int:
 
 
 async def _set_mode(api: ApiClient, args: argparse.Namespace) -> int:
-    reply = await api.admin("deviceclasses.mode", {"name": args.name, "mode": args.mode})
-    done = {k: reply[k] for k in ("applied", "unchanged", "mode")}
+    request = {"name": args.name, "mode": args.mode}
+    if args.min_enforcement is not None:
+        request["min_enforcement"] = args.min_enforcement
+    reply = await api.admin("deviceclasses.mode", request)
+    done = {k: reply[k] for k in ("applied", "unchanged", "mode", "min_enforcement")}
     state = "unchanged" if reply["unchanged"] else "set"
-    emit(args.output, done, lambda: f"mode of DeviceClass {args.name} {state}: {args.mode}")
+    emit(
+        args.output,
+        done,
+        lambda: (
+            f"mode of DeviceClass {args.name} {state}: {reply['mode']} "
+            f"(minimum enforcement {reply['min_enforcement']})"
+        ),
+    )
+    return ExitCode.OK
+
+
+CLASS_HEADER: Final = ("CLASS", "MODE", "MIN-ENFORCEMENT", "ROLLOUT")
+
+
+async def _list_classes(api: ApiClient, args: argparse.Namespace) -> int:
+    classes = (await api.admin("deviceclasses.list"))["classes"]
+    rows = [[c["name"], c["mode"], c["min_enforcement"], c["rollout"]] for c in classes]
+    emit(args.output, classes, lambda: table(CLASS_HEADER, rows))
     return ExitCode.OK
 
 
@@ -552,6 +572,12 @@ def run(args: argparse.Namespace) -> int:
                 f"MODE: must be one of {', '.join(CLASS_MODES)}; got {args.mode!r}",
                 ExitCode.BAD_INPUT,
             )
+        level = getattr(args, "min_enforcement", None)
+        if getattr(args, "action", None) is _set_mode and level not in (None, *ENFORCEMENT_LEVELS):
+            raise CommandError(
+                f"--min-enforcement: must be one of {', '.join(ENFORCEMENT_LEVELS)}; got {level!r}",
+                ExitCode.BAD_INPUT,
+            )
         return asyncio.run(_run_async(args))
     except KeyboardInterrupt:
         return ExitCode.OK
@@ -634,15 +660,26 @@ def register(sub: Any) -> None:
     _common(setting, namespaced=False)
     setting.set_defaults(action=_set_policy)
 
-    dclass = sub.add_parser("class", help="set a DeviceClass's mode or remove it")
+    dclass = sub.add_parser("class", help="list DeviceClasses, set one's mode or remove it")
     class_verbs = dclass.add_subparsers(dest="verb", metavar="VERB", required=True)
     mode = class_verbs.add_parser(
         "set-mode", help="how new claims of a class are decided (existing ones never change)"
     )
     mode.add_argument("name", metavar="CLASS")
     mode.add_argument("mode", metavar="MODE", help=" | ".join(CLASS_MODES))
+    mode.add_argument(
+        "--min-enforcement",
+        metavar="LEVEL",
+        help="the least enforcement a node must offer for new shares: "
+        f"{' | '.join(ENFORCEMENT_LEVELS)} (default: keep the one in force)",
+    )
     _common(mode, namespaced=False)
     mode.set_defaults(action=_set_mode)
+    listing_classes = class_verbs.add_parser(
+        "list", help="every DeviceClass with its mode and minimum enforcement"
+    )
+    _common(listing_classes, namespaced=False)
+    listing_classes.set_defaults(action=_list_classes)
     removing = class_verbs.add_parser(
         "remove", help="remove a DeviceClass: new claims refused, allocated ones keep running"
     )

@@ -316,6 +316,23 @@ def _tenant_view(
     )
 
 
+class ClassView(msgspec.Struct, kw_only=True):
+    """One DeviceClass as ``dracap class list`` shows it."""
+
+    name: str
+    mode: str
+    min_enforcement: str
+    rollout: str
+
+
+def class_views(state: ClusterState) -> list[ClassView]:
+    """Every DeviceClass the log holds, by name."""
+    return [
+        ClassView(name=name, mode=c.mode, min_enforcement=c.min_enforcement, rollout=c.rollout)
+        for name, c in sorted(state.classes.items())
+    ]
+
+
 class LeaseRow(msgspec.Struct, frozen=True, kw_only=True):
     """A node's row of ``node_leases``, with its ages measured by the database's clock."""
 

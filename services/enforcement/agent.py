@@ -198,7 +198,11 @@ class Agent:
             scanner.actor = lambda: self.lease.actor
         self.scan_interval = scan_interval
         self.lease = NodeLease(
-            store, node, boot_id=read_boot_id() if boot_id is None else boot_id, ttl_s=lease_ttl
+            store,
+            node,
+            boot_id=read_boot_id() if boot_id is None else boot_id,
+            ttl_s=lease_ttl,
+            enforcement=enforcer.level,
         )
         #: the boot id of the node's lease before this agent took its own ("": none)
         self.previous_boot_id = ""

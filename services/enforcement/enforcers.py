@@ -81,7 +81,13 @@ class PermanentEnforcementError(EnforcementError):
 
 
 class Enforcer(Protocol):
-    """Applies and removes share limits on one node (see the module docstring)."""
+    """Applies and removes share limits on one node (see the module docstring).
+
+    ``level``: what it offers an ordinary share (its node's lease records it, and a
+    DeviceClass's minimum enforcement level is checked against it).
+    """
+
+    level: EnforcementLevel
 
     async def apply(self, limit: ShareLimit) -> AppliedLimit:
         """Put ``limit`` in place (idempotently) and report what is in force."""
@@ -98,6 +104,8 @@ class Enforcer(Protocol):
 
 class NoneEnforcer:
     """Enforces nothing and says so: level ``none``, no amounts in force."""
+
+    level: EnforcementLevel = "none"
 
     def __init__(self) -> None:
         self._applied: dict[str, AppliedLimit] = {}

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from events.actors import Actor
-from events.catalog import NodeLeaseAcquired, lease_stream
+from events.catalog import EnforcementLevel, NodeLeaseAcquired, lease_stream
 from services.runtime.errors import ConflictError, RetryableError
 from services.runtime.eventstore import EventStore
 
@@ -48,7 +48,13 @@ class NodeLease:
     """The lease of one node's agent (see the module docstring)."""
 
     def __init__(
-        self, store: EventStore, node: str, *, boot_id: str, ttl_s: float = DEFAULT_TTL_S
+        self,
+        store: EventStore,
+        node: str,
+        *,
+        boot_id: str,
+        ttl_s: float = DEFAULT_TTL_S,
+        enforcement: EnforcementLevel = "none",
     ) -> None:
         if ttl_s <= 0:
             raise ValueError("the lease time to live must be positive")
@@ -56,6 +62,7 @@ class NodeLease:
         self.node = node
         self.boot_id = boot_id
         self.ttl_s = ttl_s
+        self.enforcement: EnforcementLevel = enforcement
         self.epoch: int | None = None  #: the epoch held (None: none yet)
         #: set while the lease is held and the agent may take work
         self.held = asyncio.Event()
@@ -72,7 +79,11 @@ class NodeLease:
             newest = int(await self.store.pool.fetchval(_NEWEST_EPOCH, self.node) or 0)
             epoch = newest + 1
             event = NodeLeaseAcquired(
-                node=self.node, epoch=epoch, boot_id=self.boot_id, ttl_ms=round(self.ttl_s * 1000)
+                node=self.node,
+                epoch=epoch,
+                boot_id=self.boot_id,
+                ttl_ms=round(self.ttl_s * 1000),
+                enforcement=self.enforcement,
             )
             try:
                 await self.store.append(

@@ -80,6 +80,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from events.catalog import EnforcementLevel
 from events.quantities import Format, Quantity
 from services.enforcement.cdi import CdiShare, CdiSpecs, check_share_id, gpu_uuid_of
 from services.enforcement.enforcers import (
@@ -203,6 +204,8 @@ def _process_alive(pid: int) -> bool:
 
 class MpsEnforcer:
     """GPU memory limits through one MPS control daemon per share (see module docstring)."""
+
+    level: EnforcementLevel = "hard"
 
     def __init__(
         self,

@@ -91,6 +91,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from events.catalog import EnforcementLevel
 from events.quantities import Quantity
 from services.enforcement.enforcers import (
     AppliedLimit,
@@ -334,6 +335,8 @@ class _TcError(Exception):
 
 class TcEnforcer:
     """Bandwidth shares as HTB classes steered by firewall mark (see the module docstring)."""
+
+    level: EnforcementLevel = "hard"
 
     def __init__(
         self,

@@ -811,6 +811,8 @@ class _Search:
             return None
         if self.inv.lost_nodes and self.inv.lost(entry) is not None:
             return None
+        if self.inv.min_enforcement and self.inv.below_minimum(entry, spec.class_name):
+            return None
         ok, consumed = self._capacity_fits(spec, entry, True)
         if not ok:
             return None
@@ -936,14 +938,19 @@ def _diagnose(search: _Search, spec: _RequestSpec) -> str:
         return f"none of the {visible} devices reachable matches class {spec.class_name}" + (
             " and the request's selectors" if spec.selectors else ""
         )
-    in_use = still_shared = foreign = missing = policy = full = lost = 0
-    policy_detail = full_detail = missing_detail = lost_detail = ""
+    in_use = still_shared = foreign = missing = policy = full = lost = weak = 0
+    policy_detail = full_detail = missing_detail = lost_detail = weak_detail = ""
     for index in clist.devices:
         entry = inv.devices[index]
         taint = inv.lost(entry) if inv.lost_nodes else None
         if taint is not None:
             lost += 1
             lost_detail = lost_detail or taint
+            continue
+        below = inv.below_minimum(entry, spec.class_name) if inv.min_enforcement else None
+        if below is not None:
+            weak += 1
+            weak_detail = weak_detail or below
             continue
         if search._in_use(spec, index):
             if index in search.dedicated or entry.key in search.a.allocated.exclusive:
@@ -982,6 +989,8 @@ def _diagnose(search: _Search, spec: _RequestSpec) -> str:
             f"{lost} on a lost node, tainted {lost_detail}: their unknown shares keep "
             "the capacity until the node is fenced or its agent returns"
         )
+    if weak:
+        parts.append(f"{weak} on nodes below the class's minimum enforcement ({weak_detail})")
     if in_use:
         parts.append(f"{in_use} in exclusive use")
     if still_shared:

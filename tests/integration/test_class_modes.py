@@ -1,4 +1,4 @@
-"""Per-DeviceClass modes and class removal through the real stack (issue 13, item 9).
+"""Per-DeviceClass modes, minimum enforcement and class removal through the real stack.
 
 A class switched to ``whole-device`` and back: the existing share is untouched, new
 claims follow the mode in force (a capacity request refused while whole-device, a claim
@@ -118,3 +118,47 @@ async def test_a_disabled_or_removed_class_refuses_new_claims_and_keeps_allocate
     assert running["ready"] and running["shares"] == [share]
     code, _, err = await dracap(capsys, "class", "remove", GPU_CLASS, *flags)
     assert code == ExitCode.NOT_FOUND, err
+
+
+def _unschedulable(view: dict[str, Any]) -> bool:
+    return view.get("phase") == "unschedulable"
+
+
+async def test_a_class_that_requires_hard_enforcement_places_nothing_on_a_none_node(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stack's agents enforce nothing (level none): a class that requires ``hard``
+    places no new share, existing ones stay, and lowering the minimum serves the claim."""
+    api, flags = cluster.api, cluster.flags
+    await api.claims(NAMESPACE, "apply", claim_doc("before", "10Gi"))
+    [share] = (await view_when(api, "before", _ready))["shares"]
+
+    argv = ["class", "set-mode", GPU_CLASS, "consumable", "--min-enforcement", "hard"]
+    code, out, err = await dracap(capsys, *argv, "-o", "json", *flags)
+    assert code == ExitCode.OK, err
+    assert json.loads(out)["min_enforcement"] == "hard"
+    code, out, err = await dracap(capsys, "class", "list", "-o", "json", *flags)
+    assert code == ExitCode.OK, err
+    [listed] = json.loads(out)
+    assert (listed["name"], listed["mode"], listed["min_enforcement"]) == (
+        GPU_CLASS,
+        "consumable",
+        "hard",
+    )
+
+    await api.claims(NAMESPACE, "apply", claim_doc("strict", "5Gi"))
+    waiting = await view_when(api, "strict", _unschedulable)
+    assert "node node-a enforces none, class gpu.dracap.io needs hard" in waiting["reason"]
+    still = (await api.claims(NAMESPACE, "get", {"name": "before"}))["claim"]
+    assert still["ready"] and still["shares"] == [share]
+
+    # the mode is kept when only the minimum changes back; the waiting claim is served
+    code, _, err = await dracap(capsys, "class", "set-mode", GPU_CLASS, "consumable",
+                                "--min-enforcement", "none", *flags)  # fmt: skip
+    assert code == ExitCode.OK, err
+    await view_when(api, "strict", _ready)  # the change woke the reservation service
+    await api.claims(NAMESPACE, "apply", claim_doc("relaxed", "5Gi"))
+    await view_when(api, "relaxed", _ready)
+    code, _, err = await dracap(capsys, "class", "set-mode", GPU_CLASS, "consumable",
+                                "--min-enforcement", "firm", *flags)  # fmt: skip
+    assert code == ExitCode.BAD_INPUT and "--min-enforcement" in err

@@ -1,4 +1,4 @@
-"""Node loss, decided on the fold: expiry, taint, fence (no database, no bus)."""
+"""Node-level decisions on the fold: expiry, taint, fence, a class's minimum enforcement."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from events import catalog as c
 from events.actors import Actor, ActorError, parse_actor
 from events.inventory import NODE_LOST_TAINT, build_inventory, lost_nodes
-from services.claims.adminwrites import MAX_FENCE_REASON, NodeFence, decide_fence
+from services.claims.adminwrites import MAX_FENCE_REASON, NodeFence, decide_fence, decide_mode
 from services.reclamation.decisions import decide_expiry, fence_by_hook
 from services.reservation.rounds import decide_round
 from tests.unit.decision_fixtures import (
@@ -101,3 +101,30 @@ def test_an_agents_actor_carries_its_epoch() -> None:
     for bad in ("agent:node-a#x", "agent:node-a#0", "system:x#1"):
         with pytest.raises(ActorError):
             parse_actor(bad)
+
+
+def test_a_class_that_requires_hard_enforcement_skips_nodes_that_offer_less() -> None:
+    log = Log(*inventory(gpu()))
+    log.add(c.NodeLeaseAcquired(node=NODE, epoch=1, boot_id="b", ttl_ms=10_000))
+    state = log.state()
+    write = decide_mode(state, "gpu.test.io", "consumable", "hard")
+    assert write.events == (
+        c.ClassModeSet(name="gpu.test.io", mode="consumable", min_enforcement="hard"),
+    )
+    log.add(*write.events, *c_admitted("strict", "5Gi"))
+    state = log.state()
+    ids = share_ids()
+    decided = decide_round(state, allocator_of(state, new_share_id=ids), backlog_of(state), ids)
+    [(_, [unschedulable], _)] = list(decided.by_stream())
+    assert isinstance(unschedulable, c.ClaimUnschedulable)
+    assert f"node {NODE} enforces none, class gpu.test.io needs hard" in unschedulable.reason
+    # an agent whose enforcer is hard takes the node over: the claim fits
+    log.add(c.NodeLeaseAcquired(node=NODE, epoch=2, boot_id="b", ttl_ms=10_000, enforcement="hard"))
+    state = log.state()
+    decided = decide_round(state, allocator_of(state, new_share_id=ids), backlog_of(state), ids)
+    kinds = {type(e) for _, events, _ in decided.by_stream() for e in events}
+    assert c.CapacityReserved in kinds and c.ClaimUnschedulable not in kinds
+    # re-applying the class keeps its minimum; "keep" leaves it, a bad level is refused
+    assert decide_mode(state, "gpu.test.io", "consumable").unchanged == ("gpu.test.io",)
+    refused = decide_mode(state, "gpu.test.io", "consumable", "firm").refusal
+    assert refused is not None and refused.field == "min_enforcement"
