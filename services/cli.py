@@ -42,6 +42,8 @@ COMMANDS: Final = {
     "agent": "services.enforcement.command",
     "prove": "services.prove",
     "auth": "services.brokerauth",
+    "simulate": "services.planning.command",
+    "plan": "services.planning.command",
 }
 COMMAND_MODULES: Final = tuple(dict.fromkeys(COMMANDS.values()))
 
