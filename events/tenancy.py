@@ -33,6 +33,10 @@ annotation                                default   meaning
 ``dracap.io/tenant-attributes``           (none)    device attributes a tenant may read
                                                     (``claims.devices``); a name without a
                                                     domain belongs to the device's driver
+``dracap.io/placement``                   ``first-  which eligible device a share goes to:
+                                          fit``     ``first-fit``, ``binpack``, ``spread`` or
+                                                    ``fragmentation-aware``
+                                                    (``docs/placement.md``)
 ========================================= ========= ==========================================
 """
 
@@ -59,6 +63,8 @@ __all__ = [
     "MAX_CLAIMS",
     "MAX_REQUESTS_PER_CLAIM",
     "OPAQUE_CONFIG_CLASSES",
+    "PLACEMENT",
+    "PLACEMENTS",
     "SHARED_ACROSS_NAMESPACES",
     "TENANT_ATTRIBUTES",
     "NamespacePolicy",
@@ -68,6 +74,7 @@ __all__ = [
     "check_policy",
     "class_allowed",
     "namespace_policy",
+    "placement",
     "shared_across_namespaces",
     "tenant_attributes",
 ]
@@ -79,9 +86,12 @@ MAX_CLAIMS: Final = "dracap.io/max-claims"
 MAX_REQUESTS_PER_CLAIM: Final = "dracap.io/max-requests-per-claim"
 SHARED_ACROSS_NAMESPACES: Final = "dracap.io/shared-across-namespaces"
 TENANT_ATTRIBUTES: Final = "dracap.io/tenant-attributes"
+PLACEMENT: Final = "dracap.io/placement"
+#: The placement policies a class may name; the first is the default (upstream's order).
+PLACEMENTS: Final = ("first-fit", "binpack", "spread", "fragmentation-aware")
 
 _NAMESPACE_KEYS: Final = (DEVICE_CLASSES, OPAQUE_CONFIG_CLASSES, MAX_CLAIMS, MAX_REQUESTS_PER_CLAIM)
-_CLASS_KEYS: Final = (SHARED_ACROSS_NAMESPACES, TENANT_ATTRIBUTES)
+_CLASS_KEYS: Final = (SHARED_ACROSS_NAMESPACES, TENANT_ATTRIBUTES, PLACEMENT)
 _SHARING: Final = ("allow", "deny")
 _CLASS_LIST_RULE: Final = "must be '*' or a DeviceClass name"
 
@@ -138,6 +148,11 @@ def check_annotations(obj: model.Manifest) -> None:
         if sharing is not None and sharing not in _SHARING:
             raise ValidationError(
                 ref, _field(SHARED_ACROSS_NAMESPACES), f"must be allow or deny, got {sharing!r}"
+            )
+        chosen = annotations.get(PLACEMENT)
+        if chosen is not None and chosen not in PLACEMENTS:
+            raise ValidationError(
+                ref, _field(PLACEMENT), f"must be one of {', '.join(PLACEMENTS)}, got {chosen!r}"
             )
         for i, name in enumerate(_split(annotations.get(TENANT_ATTRIBUTES))):
             if not is_qualified_name(name):
@@ -218,6 +233,16 @@ def _annotation(dclass: model.DeviceClass, key: str) -> str | None:
 def shared_across_namespaces(dclass: model.DeviceClass) -> bool:
     """Whether devices of ``dclass`` may hold shares of several namespaces (default yes)."""
     return _annotation(dclass, SHARED_ACROSS_NAMESPACES) != "deny"
+
+
+def placement(dclass: model.DeviceClass) -> str:
+    """The placement policy of ``dclass`` (default ``first-fit``; an unknown name: the default).
+
+    Manifests are checked when loaded (:func:`check_annotations`), so an unknown name only
+    reaches here from a log written by another version; it falls back to upstream's order.
+    """
+    chosen = _annotation(dclass, PLACEMENT)
+    return chosen if chosen in PLACEMENTS else PLACEMENTS[0]
 
 
 def tenant_attributes(dclass: model.DeviceClass) -> tuple[str, ...]:

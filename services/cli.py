@@ -44,6 +44,8 @@ COMMANDS: Final = {
     "reclaim": "services.reclamation.command",
     "prove": "services.prove",
     "auth": "services.brokerauth",
+    "simulate": "services.planning.command",
+    "plan": "services.planning.command",
 }
 COMMAND_MODULES: Final = tuple(dict.fromkeys(COMMANDS.values()))
 

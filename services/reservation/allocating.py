@@ -25,6 +25,13 @@ v1.34.x defects that page lists:
    device, requested or not, must fit next to allocated and in-call consumption and
    satisfy its policy), binding conditions and taints when their gates are on, then
    the constraints.
+   The order in which a slot tries its candidates is the class's placement policy
+   (``dracap.io/placement``, :mod:`services.reservation.placement`): ``first-fit`` is
+   upstream's order above; ``binpack``, ``spread`` and ``fragmentation-aware`` rank the
+   same candidates by their free capacity. Only the order changes, never the checks: a
+   device is eligible or not whatever the policy. A ranked slot looks at every
+   candidate, so a CEL error of any candidate not in use makes the claim
+   :class:`Invalid` (first-fit: only one met before the device taken).
    A class in mode ``whole-device`` (``ClassModeSet``) is decided as if the
    DRAConsumableCapacity gate were off for it: a capacity request is :class:`Invalid`,
    and each claim takes a device whole -- a dedicated device as always, a
@@ -69,7 +76,14 @@ from events.model import (
 )
 from events.quantities import Quantity
 from events.selectors import AttributeValue
-from services.reservation.candidates import UNUSABLE, CandidateList, MaxTree, first_fit
+from events.tenancy import placement
+from services.reservation.candidates import (
+    UNUSABLE,
+    CandidateList,
+    FreeIndex,
+    MaxTree,
+    first_fit,
+)
 from services.reservation.outcomes import (
     Allocated,
     Deferred,
@@ -78,6 +92,7 @@ from services.reservation.outcomes import (
     Outcome,
     Unschedulable,
 )
+from services.reservation.placement import FIRST_FIT, placement_order
 from services.reservation.policy import consumed_amount, describe_policy, violates_policy
 
 MAX_DEVICES_PER_CLAIM = 32
@@ -110,6 +125,9 @@ class AllocatedState:
     #: republished as dedicated in use until the last one is released
     shared: dict[DeviceKey, int] = field(default_factory=dict)
     shares: int = 0
+    #: per capacity name, how many live shares consume each amount (nanos): the request
+    #: sizes the fragmentation-aware placement expects next
+    sizes: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def add(self, grant: Grant, *, sign: int = 1) -> None:
         """Record (sign=1) or forget (sign=-1) one non-admin grant."""
@@ -137,8 +155,18 @@ class AllocatedState:
         else:
             self.shared.pop(grant.device, None)
         per_device = self.consumed.setdefault(grant.device, {})
+        sizes = self.sizes
         for name, amount in grant.consumed.items():
-            per_device[name] = per_device.get(name, 0) + sign * amount.nanos
+            nanos = amount.nanos
+            per_device[name] = per_device.get(name, 0) + sign * nanos
+            counts = sizes.get(name)
+            if counts is None:
+                counts = sizes[name] = {}
+            count = counts.get(nanos, 0) + sign
+            if count > 0:
+                counts[nanos] = count
+            else:
+                counts.pop(nanos, None)
 
     def consumed_nanos(self, key: DeviceKey, name: str) -> int:
         per_device = self.consumed.get(key)
@@ -195,6 +223,7 @@ class _RequestSpec:
     capacity: dict[str, Quantity]
     tolerations: list[dict[str, object]]
     whole: bool = False  # the class is in mode whole-device: every capacity's total
+    placement: str = FIRST_FIT  # the class's placement policy (dracap.io/placement)
 
     def wanted(self, name: str, total: Quantity) -> Quantity | None:
         """The amount of capacity ``name`` asked for (``None``: the policy's default)."""
@@ -271,8 +300,13 @@ class Allocator:
             usable = self._usable(entry)
             if clist.usable is not None:
                 clist.usable.set(pos, 1 if usable else 0)
+            indexes = clist.indexes
             for name, tree in clist.trees.items():
-                tree.set(pos, self._free(entry, name) if usable else UNUSABLE)
+                value = self._free(entry, name) if usable else UNUSABLE
+                index_ = indexes.get(name)
+                if index_ is not None:
+                    index_.move(pos, tree.data[tree.size + pos], value)
+                tree.set(pos, value)
 
     # -- helpers over the state
     def _usable(self, entry: DeviceEntry) -> bool:
@@ -345,6 +379,27 @@ class Allocator:
             tree = clist.trees[name] = MaxTree(values)
         return tree
 
+    def _whole_names(self, clist: CandidateList) -> tuple[str, ...]:
+        """Capacities every candidate has with a total > 0 (a whole take leaves them 0 free)."""
+        if clist.whole is None:
+            names: set[str] | None = None
+            for index in clist.devices:
+                caps = self.inventory.devices[index].capacities
+                mine = {n for n, info in caps.items() if info.total.nanos > 0}
+                names = mine if names is None else names & mine
+            clist.whole = tuple(sorted(names or ()))
+        return clist.whole
+
+    def _index(self, clist: CandidateList, name: str) -> FreeIndex:
+        """The candidates grouped by free ``name`` (built with, and kept like, its tree)."""
+        found = clist.indexes.get(name)
+        if found is None:
+            tree = self._tree(clist, name)
+            found = clist.indexes[name] = FreeIndex(
+                tree.data[tree.size : tree.size + len(clist.devices)]
+            )
+        return found
+
     # -- the decision
     def allocate(
         self,
@@ -353,11 +408,16 @@ class Allocator:
         node: str | None = None,
         any_node: bool = False,
         admin_access_allowed: bool = False,
+        explain: bool = True,
     ) -> Outcome:
-        """Decide one claim on ``node`` (or, with ``any_node``, on the first node that fits)."""
+        """Decide one claim on ``node`` (or, with ``any_node``, on the first node that fits).
+
+        ``explain=False`` leaves an :class:`Unschedulable`'s reason empty, saving the scan
+        of every candidate that explains it (the simulation of ``dracap simulate``).
+        """
         ref = f"{claim.metadata.namespace}/{claim.metadata.name}"
         try:
-            return self._allocate(claim, ref, node, any_node, admin_access_allowed)
+            return self._allocate(claim, ref, node, any_node, admin_access_allowed, explain)
         except SelectorsPending as pending:
             return Deferred(claim=ref, expression=pending.expression)
 
@@ -368,6 +428,7 @@ class Allocator:
         node: str | None,
         any_node: bool,
         admin_access_allowed: bool,
+        explain: bool = True,
     ) -> Outcome:
         try:
             specs, constraints = self._prepare(claim, admin_access_allowed)
@@ -386,6 +447,8 @@ class Allocator:
             if picks is not None:
                 return self._result(claim, ref, candidate_node, picks)
             failed.append(search)
+        if not explain:
+            return Unschedulable(claim=ref, reason="")
         reasons = [search.explain() for search in failed]
         if len(reasons) == 1:
             return Unschedulable(claim=ref, reason=reasons[0])
@@ -523,6 +586,7 @@ class Allocator:
             dict(capacity or {}),
             list(tolerations or []),
             class_mode == "whole-device",
+            placement(self.inventory.classes[class_name]),
         )
 
     def _constraint(self, i: int, c: DeviceConstraint) -> _Constraint:
@@ -708,12 +772,17 @@ class _Search:
         if slot == spec.count:
             return self._solve(ri + 1)
         clist = self.a._candidates(self.node, spec)
+        if spec.placement != FIRST_FIT and spec.capacity and not spec.admin:
+            return self._solve_ranked(ri, spec, slot, clist)
         trees: list[tuple[MaxTree, int]] = []
         if not spec.admin:
             assert clist.usable is not None
             trees.append((clist.usable, 1))
             for name, amount in spec.capacity.items():
                 trees.append((self.a._tree(clist, name), amount.nanos))
+            if spec.whole:  # a whole take needs every capacity untouched: free >= 1 prunes
+                for name in self.a._whole_names(clist):
+                    trees.append((self.a._tree(clist, name), 1))
         pos = 0
         count = len(clist.devices)
         while pos < count:
@@ -730,6 +799,22 @@ class _Search:
                 self._pop()
             pos += 1
         self._check_errors(clist, spec, None)
+        self._note_failure(ri, spec)
+        return False
+
+    def _solve_ranked(self, ri: int, spec: _RequestSpec, slot: int, clist: CandidateList) -> bool:
+        """One ExactCount slot with the candidates in the order of the class's placement."""
+        self._check_errors(clist, spec, None)  # every candidate is looked at: any error counts
+        name = min(spec.capacity)
+        amount = spec.capacity[name].nanos
+        sizes = self.a.allocated.sizes.get(name)
+        devices = clist.devices
+        for pos in placement_order(spec.placement, self.a._index(clist, name), amount, sizes):
+            pick = self._try(spec, devices[pos])
+            if pick is not None and self._push(pick):
+                if self._solve_slot(ri, spec, slot + 1):
+                    return True
+                self._pop()
         self._note_failure(ri, spec)
         return False
 

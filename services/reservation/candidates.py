@@ -19,6 +19,7 @@ of O(n), which is what keeps the decision cost flat as the cluster fills.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 from events.errors import SelectorError
@@ -85,7 +86,7 @@ def first_fit(trees: Sequence[tuple[MaxTree, int]], start: int, count: int) -> i
 class CandidateList:
     """The devices one request shape can pick on one node, in allocation order."""
 
-    __slots__ = ("devices", "errors", "position", "trees", "usable")
+    __slots__ = ("devices", "errors", "indexes", "position", "trees", "usable", "whole")
 
     def __init__(self, devices: list[int], errors: list[tuple[int, SelectorError]]) -> None:
         self.devices = devices
@@ -93,3 +94,45 @@ class CandidateList:
         self.errors = errors  # (device index, error), in device order
         self.usable: MaxTree | None = None
         self.trees: dict[str, MaxTree] = {}
+        self.indexes: dict[str, FreeIndex] = {}  # only for placement policies
+        #: capacities every device has with a total > 0 (whole-device takes prune on them)
+        self.whole: tuple[str, ...] | None = None
+
+
+class FreeIndex:
+    """The positions of a candidate list grouped by the free amount of one capacity.
+
+    For placement policies other than first-fit (:mod:`services.reservation.placement`):
+    ``values`` holds every free amount that some usable device has, sorted; ``groups``
+    maps each to its positions, ascending (upstream's order). Devices that are unusable
+    or lack the capacity (:data:`UNUSABLE`) are left out. A class of identical devices
+    has few distinct amounts, so ranking amounts costs far less than ranking devices.
+    """
+
+    __slots__ = ("groups", "values")
+
+    def __init__(self, values: Sequence[int]) -> None:
+        groups: dict[int, list[int]] = {}
+        for pos, value in enumerate(values):
+            if value != UNUSABLE:
+                groups.setdefault(value, []).append(pos)
+        self.groups = groups
+        self.values = sorted(groups)
+
+    def move(self, pos: int, old: int, new: int) -> None:
+        """Position ``pos`` changed from free amount ``old`` to ``new``."""
+        if old == new:
+            return
+        if old != UNUSABLE:
+            group = self.groups[old]
+            del group[bisect_left(group, pos)]
+            if not group:
+                del self.groups[old]
+                del self.values[bisect_left(self.values, old)]
+        if new != UNUSABLE:
+            target = self.groups.get(new)
+            if target is None:
+                self.groups[new] = [pos]
+                insort(self.values, new)
+            else:
+                insort(target, pos)
