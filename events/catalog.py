@@ -87,13 +87,17 @@ __all__ = [
     "CapacityReserved",
     "ClaimAdmitted",
     "ClaimRejected",
+    "ClaimReserved",
+    "ClaimStalled",
     "ClaimSubmitted",
+    "ClaimUnreserved",
     "ClaimUnschedulable",
     "ClaimWithdrawn",
     "ClassMode",
     "ClassModeSet",
     "DeviceClassApplied",
     "DeviceClassRemoved",
+    "DeviceHealthChanged",
     "EnforcementCheckpointSetAside",
     "EnforcementLevel",
     "EnforcementReconciled",
@@ -115,6 +119,7 @@ __all__ = [
     "ResourceSliceWithdrawn",
     "ShareConfirmed",
     "ShareMarkedUnknown",
+    "ShareUsed",
     "claim_stream",
     "class_stream",
     "current_decoders",
@@ -355,6 +360,34 @@ class EnforcementReconciled(_EventBase, frozen=True, kw_only=True, tag="enforcem
     failed: list[str] = []
 
 
+class DeviceHealthChanged(
+    _EventBase, frozen=True, kw_only=True, tag="reclamation.device_health_changed"
+):
+    """The node agent found a device of its node failing, or well again.
+
+    ``reason`` says what failed (the enforcer's read-back, discovery no longer finding
+    the device); an unhealthy device takes no new share, and the claims holding shares
+    on it show the condition. Tagged in the ``reclamation`` category, whose events wake
+    the reservation service: a device well again may serve waiting claims.
+    """
+
+    node: str
+    driver: str
+    pool: str
+    device: str
+    healthy: bool
+    reason: str = ""
+
+
+class ShareUsed(_EventBase, frozen=True, kw_only=True, tag="enforcement.share_used"):
+    """The node agent saw the share in use (``evidence``: traffic through its tc class):
+    its claim has started. Reported once per share."""
+
+    share_id: str
+    node: str
+    evidence: str
+
+
 class EnforcementCheckpointSetAside(
     _EventBase, frozen=True, kw_only=True, tag="enforcement.checkpoint_set_aside"
 ):
@@ -375,12 +408,27 @@ class EnforcementCheckpointSetAside(
 
 
 class ReleaseRequested(_EventBase, frozen=True, kw_only=True, tag="reclamation.release_requested"):
-    """The claim's allocation ``allocation_version`` is to be released."""
+    """The claim's allocation ``allocation_version`` is to be released.
+
+    ``reason``: why, when it is not the tenant's delete (a claim not started in time);
+    added later (default empty).
+    """
 
     namespace: str
     name: str
     allocation_version: int
     node: str | None = None  # where the allocation lives, so that agent's subject carries it
+    reason: str = ""
+
+
+class ClaimStalled(_EventBase, frozen=True, kw_only=True, tag="reclamation.claim_stalled"):
+    """A Ready claim was not used within its class's timeout and its class says: keep it,
+    show it. It holds its capacity; a consumer's reservation or seen use makes it Ready."""
+
+    namespace: str
+    name: str
+    allocation_version: int
+    reason: str
 
 
 class CapacityReleased(_EventBase, frozen=True, kw_only=True, tag="reclamation.capacity_released"):
@@ -483,6 +531,22 @@ class NamespaceAccessSet(_EventBase, frozen=True, kw_only=True, tag="admin.names
     max_requests_per_claim: int | None = None
 
 
+class ClaimReserved(_EventBase, frozen=True, kw_only=True, tag="claims.reserved"):
+    """A consumer (``pod/<namespace>/<name>``) reserved the claim: ``status.reservedFor``."""
+
+    namespace: str
+    name: str
+    consumer: str
+
+
+class ClaimUnreserved(_EventBase, frozen=True, kw_only=True, tag="claims.unreserved"):
+    """A consumer gave its reservation of the claim up."""
+
+    namespace: str
+    name: str
+    consumer: str
+
+
 class ClaimWithdrawn(_EventBase, frozen=True, kw_only=True, tag="claims.withdrawn"):
     """A claim without a live allocation was deleted by its tenant."""
 
@@ -520,7 +584,10 @@ Event: TypeAlias = (
     | LimitRemoved
     | EnforcementReconciled
     | EnforcementCheckpointSetAside
+    | DeviceHealthChanged
+    | ShareUsed
     | ReleaseRequested
+    | ClaimStalled
     | CapacityReleased
     | NodeLeaseAcquired
     | NodeLeaseExpired
@@ -529,6 +596,8 @@ Event: TypeAlias = (
     | ShareConfirmed
     | AppendRefused
     | NamespaceAccessSet
+    | ClaimReserved
+    | ClaimUnreserved
     | ClaimWithdrawn
     | MessageDeadLettered
 )
@@ -551,7 +620,10 @@ _EVENT_CLASSES: Final[tuple[type[Event], ...]] = (
     LimitRemoved,
     EnforcementReconciled,
     EnforcementCheckpointSetAside,
+    DeviceHealthChanged,
+    ShareUsed,
     ReleaseRequested,
+    ClaimStalled,
     CapacityReleased,
     NodeLeaseAcquired,
     NodeLeaseExpired,
@@ -560,6 +632,8 @@ _EVENT_CLASSES: Final[tuple[type[Event], ...]] = (
     ShareConfirmed,
     AppendRefused,
     NamespaceAccessSet,
+    ClaimReserved,
+    ClaimUnreserved,
     ClaimWithdrawn,
     MessageDeadLettered,
 )
@@ -717,6 +791,9 @@ def stream_of(event: Event) -> str:
             | AllocationBound()
             | ReleaseRequested()
             | ClaimWithdrawn()
+            | ClaimReserved()
+            | ClaimUnreserved()
+            | ClaimStalled()
         ):
             return claim_stream(event.namespace, event.name)
         case NamespaceAccessSet():
@@ -729,6 +806,8 @@ def stream_of(event: Event) -> str:
             | LimitRemoved()
             | EnforcementReconciled()
             | EnforcementCheckpointSetAside()
+            | DeviceHealthChanged()
+            | ShareUsed()
             | ShareMarkedUnknown()
             | ShareConfirmed()
             | AppendRefused()

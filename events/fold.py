@@ -106,12 +106,16 @@ from events.catalog import (
     CapacityReserved,
     ClaimAdmitted,
     ClaimRejected,
+    ClaimReserved,
+    ClaimStalled,
     ClaimSubmitted,
+    ClaimUnreserved,
     ClaimUnschedulable,
     ClaimWithdrawn,
     ClassModeSet,
     DeviceClassApplied,
     DeviceClassRemoved,
+    DeviceHealthChanged,
     EnforcementCheckpointSetAside,
     EnforcementReconciled,
     Envelope,
@@ -130,6 +134,7 @@ from events.catalog import (
     ResourceSliceWithdrawn,
     ShareConfirmed,
     ShareMarkedUnknown,
+    ShareUsed,
 )
 from events.errors import InvariantViolation, SnapshotError
 from events.model import (
@@ -181,6 +186,7 @@ ClaimPhase: TypeAlias = Literal[
     "unschedulable",
     "allocated",
     "ready",
+    "stalled",
     "failed",
     "releasing",
     "released",
@@ -190,7 +196,7 @@ ShareStatus: TypeAlias = Literal["reserved", "bound", "ready", "unknown", "relea
 
 #: Share states that hold capacity.
 LIVE_SHARE_STATES: Final = frozenset({"reserved", "bound", "ready", "unknown", "releasing"})
-_LIVE_CLAIM_PHASES: Final = frozenset({"allocated", "ready", "releasing"})
+_LIVE_CLAIM_PHASES: Final = frozenset({"allocated", "ready", "stalled", "releasing"})
 #: Claim phases that no event of the services moves a claim out of: only the tenant's
 #: next apply or delete does. A watcher waiting for Ready can stop at any of them.
 TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released", "failed"})
@@ -228,6 +234,8 @@ class DeviceState(msgspec.Struct, kw_only=True):
     exclusive_holder: ClaimKey | None = None
     exclusive_share: str | None = None
     live_shared: int = 0
+    #: why the node agent reported the device failing (``None``: healthy)
+    unhealthy: str | None = None
 
     def consumed(self) -> dict[str, Quantity]:
         """Consumed amount per capacity, as quantities in the total's format."""
@@ -276,6 +284,7 @@ class ShareState(msgspec.Struct, kw_only=True, gc=False):
     actual: dict[str, Quantity] | None = None
     limit_removed: bool = False
     last_error: str | None = None
+    used: bool = False  #: its agent saw it in use (``ShareUsed``)
 
     @property
     def device_key(self) -> DeviceKey:
@@ -300,6 +309,9 @@ class ClaimState(msgspec.Struct, kw_only=True, gc=False):
     node: str | None = None
     share_ids: list[str] = []
     reason: str | None = None
+    #: consumers that reserved the claim (``status.reservedFor``), in order
+    reserved_for: list[str] = []
+    ready_position: int = 0  #: where its current allocation became ready (0: not yet)
 
 
 class DeviceClassState(msgspec.Struct, kw_only=True):
@@ -750,7 +762,10 @@ def _bind(state: ClusterState, ev: AllocationBound, position: int) -> None:
     claim.node = ev.node
     claim.share_ids = list(share_ids)
     claim.reason = None
-    _set_phase(state, claim, "ready" if shares and _all_ready(shares) else "allocated")
+    claim.reserved_for = []
+    ready = bool(shares) and _all_ready(shares)
+    claim.ready_position = position if ready else 0
+    _set_phase(state, claim, "ready" if ready else "allocated")
 
 
 def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None:
@@ -774,16 +789,17 @@ def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None
     share.actual = ev.actual
     claim = state.claims.get(share.claim)
     if claim is not None and claim.allocation_version == share.allocation_version:
-        _maybe_ready(state, claim)
+        _maybe_ready(state, claim, position)
 
 
-def _maybe_ready(state: ClusterState, claim: ClaimState) -> None:
+def _maybe_ready(state: ClusterState, claim: ClaimState, position: int) -> None:
     """Make an allocated claim ready when every share that needs a limit has one."""
     if claim.phase != "allocated" or not claim.share_ids:
         return
     shares = state.shares
     if _all_ready([shares[s] for s in claim.share_ids]):
         claim.phase = "ready"  # allocated -> ready: live either way
+        claim.ready_position = position
 
 
 def _all_ready(shares: list[ShareState]) -> bool:
@@ -820,6 +836,8 @@ def _release_requested(state: ClusterState, ev: ReleaseRequested, position: int)
     phase = claim.phase
     if phase == "releasing" or phase == "released":
         return
+    if ev.reason:
+        claim.reason = ev.reason
     released = True  # whether every known share of the allocation is released
     shares = state.shares
     for sid in claim.share_ids:
@@ -1237,10 +1255,54 @@ def _access_set(state: ClusterState, ev: NamespaceAccessSet, position: int) -> N
 
 def _claim_withdrawn(state: ClusterState, ev: ClaimWithdrawn, position: int) -> None:
     claim = _claim_record(state, ev.namespace, ev.name)
-    if claim.phase in ("allocated", "ready", "releasing"):
+    if claim.phase in _LIVE_CLAIM_PHASES:
         detail = f"claim {ev.namespace}/{ev.name} is {claim.phase}: release it, not withdraw"
         raise InvariantViolation(position, "identity", detail)
     _set_phase(state, claim, "withdrawn")
+
+
+def _device_health(state: ClusterState, ev: DeviceHealthChanged, position: int) -> None:
+    dev = state.devices.get((ev.driver, ev.pool, ev.device))
+    if dev is not None and (dev.node is None or dev.node == ev.node):
+        dev.unhealthy = None if ev.healthy else (ev.reason or "reported unhealthy")
+
+
+def _started(state: ClusterState, claim: ClaimState) -> None:
+    """A stalled claim that a consumer reserved or used is Ready again."""
+    if claim.phase == "stalled":
+        claim.phase = "ready"  # stalled -> ready: live either way
+        claim.reason = None
+
+
+def _claim_reserved(state: ClusterState, ev: ClaimReserved, position: int) -> None:
+    claim = state.claims.get((ev.namespace, ev.name))
+    if claim is None or claim.phase not in _LIVE_CLAIM_PHASES:
+        return  # the API refuses it; a late one changes nothing
+    if ev.consumer not in claim.reserved_for:
+        claim.reserved_for.append(ev.consumer)
+    _started(state, claim)
+
+
+def _claim_unreserved(state: ClusterState, ev: ClaimUnreserved, position: int) -> None:
+    claim = state.claims.get((ev.namespace, ev.name))
+    if claim is not None and ev.consumer in claim.reserved_for:
+        claim.reserved_for.remove(ev.consumer)
+
+
+def _share_used(state: ClusterState, ev: ShareUsed, position: int) -> None:
+    share = _share_for(state, ev.share_id, position)
+    share.used = True
+    claim = state.claims.get(share.claim)
+    if claim is not None and claim.allocation_version == share.allocation_version:
+        _started(state, claim)
+
+
+def _claim_stalled(state: ClusterState, ev: ClaimStalled, position: int) -> None:
+    claim = state.claims.get((ev.namespace, ev.name))
+    if claim is None or claim.phase != "ready" or claim.allocation_version != ev.allocation_version:
+        return  # stale: released, reserved or used meanwhile (the decider read a version)
+    claim.phase = "stalled"  # ready -> stalled: live either way
+    claim.reason = ev.reason
 
 
 def _dead_lettered(state: ClusterState, ev: MessageDeadLettered, position: int) -> None:
@@ -1272,6 +1334,11 @@ _STEPS: Final[dict[type, Step]] = {
     NodeFenced: _fenced,
     ShareConfirmed: _confirmed,
     AppendRefused: _noted,
+    DeviceHealthChanged: _device_health,
+    ShareUsed: _share_used,
+    ClaimStalled: _claim_stalled,
+    ClaimReserved: _claim_reserved,
+    ClaimUnreserved: _claim_unreserved,
     ResourceSlicePublished: _slice_published,
     ResourceSliceWithdrawn: _slice_withdrawn,
     RequestPolicyChanged: _policy_changed,

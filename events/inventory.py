@@ -251,6 +251,7 @@ class Inventory:
         lost_nodes: Mapping[str, str] | None = None,
         min_enforcement: Mapping[str, str] | None = None,
         node_enforcement: Mapping[str, str] | None = None,
+        unhealthy: Mapping[DeviceKey, str] | None = None,
     ) -> None:
         self.gates = gates
         #: nodes whose agent lost its lease or that were fenced, with the taint's text:
@@ -262,6 +263,8 @@ class Inventory:
             k: v for k, v in (min_enforcement or {}).items() if v != "none"
         }
         self.node_enforcement: dict[str, str] = dict(node_enforcement or {})
+        #: devices their node agent reported failing, with why: no new share lands there
+        self.unhealthy: dict[DeviceKey, str] = dict(unhealthy or {})
         #: the mode of each class that is not ``consumable`` (``ClassModeSet``)
         self.class_modes: dict[str, str] = {
             k: v for k, v in (class_modes or {}).items() if v != "consumable"
@@ -567,6 +570,7 @@ def build_inventory(
         node_enforcement={
             name: node.enforcement for name, node in state.nodes.items() if node.leased_epoch
         },
+        unhealthy={k: d.unhealthy for k, d in state.devices.items() if d.unhealthy is not None},
     )
 
 

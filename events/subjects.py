@@ -52,6 +52,7 @@ from events.catalog import (
     AllocationBound,
     AppendRefused,
     CapacityReserved,
+    DeviceHealthChanged,
     EnforcementCheckpointSetAside,
     EnforcementReconciled,
     Envelope,
@@ -65,6 +66,7 @@ from events.catalog import (
     ReleaseRequested,
     ShareConfirmed,
     ShareMarkedUnknown,
+    ShareUsed,
     tag_of,
 )
 from events.errors import SubjectError
@@ -100,6 +102,8 @@ NODE_REPORTS: Final = (
     EnforcementCheckpointSetAside,
     NodeLeaseAcquired,
     AppendRefused,
+    DeviceHealthChanged,
+    ShareUsed,
 )
 
 #: Tags of :data:`NODE_EVENTS`.

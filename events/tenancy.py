@@ -37,6 +37,12 @@ annotation                                default   meaning
                                           fit``     ``first-fit``, ``binpack``, ``spread`` or
                                                     ``fragmentation-aware``
                                                     (``docs/placement.md``)
+``dracap.io/not-started-timeout``         (none)    how long a Ready claim of the class may
+                                                    go unused (no consumer reserved it, no
+                                                    traffic seen) before the action below;
+                                                    ``90s``, ``5m``, ``2h`` or seconds
+``dracap.io/not-started-action``          ``release`` ``release`` the claim, or mark it
+                                                    ``stall``-ed (kept, shown to operators)
 ========================================= ========= ==========================================
 """
 
@@ -89,9 +95,22 @@ TENANT_ATTRIBUTES: Final = "dracap.io/tenant-attributes"
 PLACEMENT: Final = "dracap.io/placement"
 #: The placement policies a class may name; the first is the default (upstream's order).
 PLACEMENTS: Final = ("first-fit", "binpack", "spread", "fragmentation-aware")
+NOT_STARTED_TIMEOUT: Final = "dracap.io/not-started-timeout"
+NOT_STARTED_ACTION: Final = "dracap.io/not-started-action"
+#: What happens to a claim that stays unused past its class's timeout; the first is the default.
+NOT_STARTED_ACTIONS: Final = ("release", "stall")
+_DURATION_UNITS: Final = {"s": 1, "m": 60, "h": 3600}
+#: The longest not-started timeout (30 days): a larger one is a typo, not a policy.
+MAX_NOT_STARTED_S: Final = 30 * 86400
 
 _NAMESPACE_KEYS: Final = (DEVICE_CLASSES, OPAQUE_CONFIG_CLASSES, MAX_CLAIMS, MAX_REQUESTS_PER_CLAIM)
-_CLASS_KEYS: Final = (SHARED_ACROSS_NAMESPACES, TENANT_ATTRIBUTES, PLACEMENT)
+_CLASS_KEYS: Final = (
+    SHARED_ACROSS_NAMESPACES,
+    TENANT_ATTRIBUTES,
+    PLACEMENT,
+    NOT_STARTED_TIMEOUT,
+    NOT_STARTED_ACTION,
+)
 _SHARING: Final = ("allow", "deny")
 _CLASS_LIST_RULE: Final = "must be '*' or a DeviceClass name"
 
@@ -153,6 +172,20 @@ def check_annotations(obj: model.Manifest) -> None:
         if chosen is not None and chosen not in PLACEMENTS:
             raise ValidationError(
                 ref, _field(PLACEMENT), f"must be one of {', '.join(PLACEMENTS)}, got {chosen!r}"
+            )
+        timeout = annotations.get(NOT_STARTED_TIMEOUT)
+        if timeout is not None and parse_duration(timeout) is None:
+            raise ValidationError(
+                ref,
+                _field(NOT_STARTED_TIMEOUT),
+                f"must be a duration from 1s to 720h (90s, 5m, 2h, or seconds), got {timeout!r}",
+            )
+        action = annotations.get(NOT_STARTED_ACTION)
+        if action is not None and action not in NOT_STARTED_ACTIONS:
+            raise ValidationError(
+                ref,
+                _field(NOT_STARTED_ACTION),
+                f"must be one of {', '.join(NOT_STARTED_ACTIONS)}, got {action!r}",
             )
         for i, name in enumerate(_split(annotations.get(TENANT_ATTRIBUTES))):
             if not is_qualified_name(name):
@@ -243,6 +276,27 @@ def placement(dclass: model.DeviceClass) -> str:
     """
     chosen = _annotation(dclass, PLACEMENT)
     return chosen if chosen in PLACEMENTS else PLACEMENTS[0]
+
+
+def parse_duration(text: str) -> float | None:
+    """Seconds of ``90s`` / ``5m`` / ``2h`` / ``90`` (1 s to 30 days), else ``None``."""
+    text = text.strip()
+    unit = _DURATION_UNITS.get(text[-1:], 0)
+    digits = text[:-1] if unit else text
+    if not digits.isdigit() or len(digits) > 9:
+        return None
+    seconds = int(digits) * (unit or 1)
+    return float(seconds) if 1 <= seconds <= MAX_NOT_STARTED_S else None
+
+
+def not_started(dclass: model.DeviceClass) -> tuple[float, str] | None:
+    """``(timeout seconds, action)`` of ``dclass``, or ``None`` when it sets no timeout."""
+    text = _annotation(dclass, NOT_STARTED_TIMEOUT)
+    seconds = parse_duration(text) if text is not None else None
+    if seconds is None:
+        return None
+    action = _annotation(dclass, NOT_STARTED_ACTION)
+    return seconds, action if action in NOT_STARTED_ACTIONS else NOT_STARTED_ACTIONS[0]
 
 
 def tenant_attributes(dclass: model.DeviceClass) -> tuple[str, ...]:

@@ -56,6 +56,8 @@ import msgspec
 from events.catalog import (
     CLASS_MODES,
     ENFORCEMENT_LEVELS,
+    ClaimReserved,
+    ClaimUnreserved,
     ClaimWithdrawn,
     ClassModeSet,
     DeviceClassApplied,
@@ -72,8 +74,8 @@ from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClaimState, ClusterState
 from events.model import CapacityRequestPolicy, DeviceCapacity, DeviceClass, ResourceSlice
 from events.quantities import Quantity
-from events.validation import validate_capacity_policy
-from services.claims.admission import Refusal
+from events.validation import is_dns_subdomain, validate_capacity_policy
+from services.claims.admission import Refusal, refuse
 
 __all__ = [
     "DELETED_PHASES",
@@ -97,7 +99,12 @@ __all__ = [
 
 #: A delete of a claim in these phases has nothing left to do: it answers the phase.
 DELETED_PHASES: Final = frozenset({"releasing", "withdrawn", "released"})
-_HOLDING_PHASES: Final = frozenset({"allocated", "ready", "failed"})
+_HOLDING_PHASES: Final = frozenset({"allocated", "ready", "stalled", "failed"})
+#: Phases a consumer may reserve a claim in (upstream: an allocated claim).
+_RESERVABLE_PHASES: Final = frozenset({"allocated", "ready", "stalled"})
+#: Consumers one claim may have (upstream's ResourceClaimReservedForMaxSize).
+MAX_RESERVED_FOR: Final = 256
+CONSUMER_RULE: Final = "must be pod/<the claim's namespace>/<pod name>"
 
 
 class AdminWrite(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,26 +164,16 @@ def decide_mode(
     """Record a DeviceClass's new mode (and minimum enforcement), when it differs."""
     if mode not in CLASS_MODES:
         rule = f"must be one of: {', '.join(CLASS_MODES)}"
-        return AdminWrite(
-            refusal=Refusal(
-                code="invalid",
-                kind="invalid-mode",
-                field="mode",
-                rule=rule,
-                message=f"mode: {rule} (got {mode!r})",
-                detail=f"got {mode!r}",
-            )
-        )
+        return AdminWrite(refusal=refuse("invalid", "invalid-mode", "mode", rule, f"got {mode!r}"))
     if min_enforcement is not None and min_enforcement not in ENFORCEMENT_LEVELS:
         rule = f"must be one of: {', '.join(ENFORCEMENT_LEVELS)}"
         return AdminWrite(
-            refusal=Refusal(
-                code="invalid",
-                kind="invalid-enforcement",
-                field="min_enforcement",
-                rule=rule,
-                message=f"min_enforcement: {rule} (got {min_enforcement!r})",
-                detail=f"got {min_enforcement!r}",
+            refusal=refuse(
+                "invalid",
+                "invalid-enforcement",
+                "min_enforcement",
+                rule,
+                f"got {min_enforcement!r}",
             )
         )
     current = state.classes.get(name)
@@ -356,6 +353,67 @@ def decide_delete(state: ClusterState, namespace: str, name: str) -> Deletion:
     )
 
 
+class Reservation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``claims.reserve`` / ``claims.unreserve`` request: ``consumer`` is ``pod/NS/NAME``."""
+
+    name: str
+    consumer: str
+
+
+def decide_reservation(
+    state: ClusterState, namespace: str, request: Reservation, *, reserve: bool
+) -> AdminWrite:
+    """Add ``request.consumer`` to the claim's ``reservedFor`` (or take it away).
+
+    Upstream's rules: the consumer lives in the claim's namespace, the claim is allocated,
+    at most 256 consumers. Reserving twice, or giving up a reservation not held, is
+    answered unchanged.
+    """
+    kind, _, rest = request.consumer.partition("/")
+    pod_ns, _, pod = rest.partition("/")
+    if kind not in ("pod", "pods") or pod_ns != namespace or not is_dns_subdomain(pod):
+        return AdminWrite(
+            refusal=refuse(
+                "invalid", "invalid-consumer", "for", CONSUMER_RULE, f"got {request.consumer!r}"
+            )
+        )
+    consumer = f"pod/{namespace}/{pod}"
+    claim = state.claim(namespace, request.name)
+    if claim is None:
+        detail = f"claim {namespace}/{request.name} does not exist"
+        return AdminWrite(
+            refusal=Refusal(
+                code="not_found",
+                kind="unknown-claim",
+                field="name",
+                rule="must name a claim of the namespace",
+                message=f"name: {detail}",
+                detail=detail,
+            )
+        )
+    event: Event
+    if not reserve:
+        if consumer not in claim.reserved_for:
+            return AdminWrite(unchanged=(consumer,))
+        event = ClaimUnreserved(namespace=namespace, name=request.name, consumer=consumer)
+        return AdminWrite(events=(event,), applied=(consumer,))
+    if claim.phase not in _RESERVABLE_PHASES:
+        rule = "must be allocated to be reserved"
+        detail = f"claim {namespace}/{request.name} is {claim.phase}"
+        return AdminWrite(refusal=refuse("rejected", "not-allocated", "name", rule, detail))
+    if consumer in claim.reserved_for:
+        return AdminWrite(unchanged=(consumer,))
+    if len(claim.reserved_for) >= MAX_RESERVED_FOR:
+        rule = f"at most {MAX_RESERVED_FOR} consumers may reserve a claim"
+        return AdminWrite(
+            refusal=refuse(
+                "rejected", "reserved-for-full", "for", rule, f"{len(claim.reserved_for)} already"
+            )
+        )
+    event = ClaimReserved(namespace=namespace, name=request.name, consumer=consumer)
+    return AdminWrite(events=(event,), applied=(consumer,))
+
+
 def _holds(state: ClusterState, claim: ClaimState) -> bool:
     """Whether a share of ``claim`` still holds capacity."""
     return any(state.shares[s].live for s in claim.share_ids if s in state.shares)
@@ -443,13 +501,8 @@ def decide_fence(state: ClusterState, request: NodeFence) -> AdminWrite:
     if not reason or len(reason) > MAX_FENCE_REASON:
         rule = f"must say why, in 1 to {MAX_FENCE_REASON} characters"
         return AdminWrite(
-            refusal=Refusal(
-                code="invalid",
-                kind="invalid-reason",
-                field="reason",
-                rule=rule,
-                message=f"reason: {rule}",
-                detail=f"got {len(reason)} characters",
+            refusal=refuse(
+                "invalid", "invalid-reason", "reason", rule, f"got {len(reason)} characters"
             )
         )
     node = state.nodes.get(request.node)

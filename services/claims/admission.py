@@ -112,6 +112,7 @@ __all__ = [
     "decide_apply",
     "evaluate",
     "read_claim",
+    "refuse",
 ]
 
 ErrorCode: TypeAlias = Literal["invalid", "rejected", "not_found", "conflict"]
@@ -146,7 +147,8 @@ class ApplyDecision(msgspec.Struct, frozen=True, kw_only=True):
     unchanged: bool = False
 
 
-def _refusal(code: ErrorCode, kind: str, field: str | None, rule: str, detail: str = "") -> Refusal:
+def refuse(code: ErrorCode, kind: str, field: str | None, rule: str, detail: str = "") -> Refusal:
+    """A refusal whose message reads ``field: rule (detail)``."""
     where = f"{field}: " if field else ""
     message = f"{where}{rule}" + (f" ({detail})" if detail else "")
     return Refusal(code=code, kind=kind, field=field, rule=rule, message=message, detail=detail)
@@ -158,26 +160,26 @@ def _refusal(code: ErrorCode, kind: str, field: str | None, rule: str, detail: s
 def read_claim(data: bytes, namespace: str) -> ResourceClaim | Refusal:
     """The one ResourceClaim of a request body, in ``namespace``; or why not."""
     if not is_dns_label(namespace):
-        return _refusal("invalid", "namespace", "metadata.namespace", DNS_LABEL_RULE, namespace)
+        return refuse("invalid", "namespace", "metadata.namespace", DNS_LABEL_RULE, namespace)
     if len(data) > MAX_MANIFEST_BYTES:
-        return _refusal(
+        return refuse(
             "invalid", "size", None, f"the manifest must be at most {MAX_MANIFEST_BYTES} bytes"
         )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return _refusal("invalid", "parse", None, "the manifest must be UTF-8 text", str(exc))
+        return refuse("invalid", "parse", None, "the manifest must be UTF-8 text", str(exc))
     try:
         objects = load_documents(text, "claims.apply", check=False)
     except ValidationError as exc:
-        return _refusal("invalid", "parse", exc.field, exc.rule, exc.obj)
+        return refuse("invalid", "parse", exc.field, exc.rule, exc.obj)
     if len(objects) != 1:
-        return _refusal(
+        return refuse(
             "invalid", "parse", None, f"must hold exactly one ResourceClaim, got {len(objects)}"
         )
     claim = objects[0]
     if not isinstance(claim, ResourceClaim):
-        return _refusal(
+        return refuse(
             "invalid", "parse", "kind", f"must be ResourceClaim, got {type(claim).__name__}"
         )
     return _in_namespace(claim, namespace)
@@ -186,7 +188,7 @@ def read_claim(data: bytes, namespace: str) -> ResourceClaim | Refusal:
 def _in_namespace(claim: ResourceClaim, namespace: str) -> ResourceClaim | Refusal:
     meta = claim.metadata
     if meta.namespace and meta.namespace != namespace:
-        return _refusal(
+        return refuse(
             "invalid",
             "namespace",
             "metadata.namespace",
@@ -194,9 +196,9 @@ def _in_namespace(claim: ResourceClaim, namespace: str) -> ResourceClaim | Refus
             f"the manifest says {meta.namespace!r}",
         )
     if not meta.name:
-        return _refusal("invalid", "name", "metadata.name", "required")
+        return refuse("invalid", "name", "metadata.name", "required")
     if not is_dns_subdomain(meta.name):
-        return _refusal("invalid", "name", "metadata.name", DNS_SUBDOMAIN_RULE, meta.name)
+        return refuse("invalid", "name", "metadata.name", DNS_SUBDOMAIN_RULE, meta.name)
     if meta.namespace != namespace:
         claim = msgspec.structs.replace(
             claim, metadata=msgspec.structs.replace(meta, namespace=namespace)
@@ -292,12 +294,12 @@ def _requests(claim: ResourceClaim) -> Iterator[list[_Request]]:
 def _access(state: ClusterState, namespace: str, req: _Request) -> Refusal | None:
     field = f"{req.path}.deviceClassName"
     if req.class_name not in state.classes:
-        return _refusal(
+        return refuse(
             "rejected", "unknown-class", field, f"DeviceClass {req.class_name!r} does not exist"
         )
     record = state.namespaces.get(namespace)
     if record is None:
-        return _refusal(
+        return refuse(
             "rejected",
             "class-access",
             field,
@@ -307,7 +309,7 @@ def _access(state: ClusterState, namespace: str, req: _Request) -> Refusal | Non
         )
     if "*" not in record.classes and req.class_name not in record.classes:
         allowed = ", ".join(sorted(record.classes)) or "none"
-        return _refusal(
+        return refuse(
             "rejected",
             "class-access",
             field,
@@ -318,7 +320,7 @@ def _access(state: ClusterState, namespace: str, req: _Request) -> Refusal | Non
     if refused is not None:
         return refused
     if req.admin and not record.admin_access:
-        return _refusal(
+        return refuse(
             "rejected",
             "admin-access",
             f"{req.path}.adminAccess",
@@ -331,7 +333,7 @@ def _mode(state: ClusterState, req: _Request) -> Refusal | None:
     """The class's mode: ``disabled`` takes nothing new, ``whole-device`` no capacity requests."""
     mode = state.classes[req.class_name].mode
     if mode == "disabled":
-        return _refusal(
+        return refuse(
             "rejected",
             "class-disabled",
             f"{req.path}.deviceClassName",
@@ -339,7 +341,7 @@ def _mode(state: ClusterState, req: _Request) -> Refusal | None:
             "an administrator set its mode (dracap class set-mode)",
         )
     if mode == "whole-device" and req.capacity:
-        return _refusal(
+        return refuse(
             "rejected",
             "whole-device",
             f"{req.path}.capacity.requests",
@@ -358,7 +360,7 @@ def _too_many_requests(
     count = len((devices.requests if devices else None) or [])
     if limit is None or count <= limit:
         return None
-    return _refusal(
+    return refuse(
         "rejected",
         "too-many-requests",
         "spec.devices.requests",
@@ -399,7 +401,7 @@ def _opaque_config(
             for class_name in by_reference.get(reference, []):
                 if class_allowed(allowed, class_name):
                     continue
-                return _refusal(
+                return refuse(
                     "rejected",
                     "opaque-config",
                     f"spec.devices.config[{i}].opaque",
@@ -427,7 +429,7 @@ def _over_quota(
     held = state.live_claim_count(namespace) + pending
     if held < limit:
         return None
-    return _refusal(
+    return refuse(
         "rejected",
         "quota",
         "metadata.namespace",
@@ -442,7 +444,7 @@ def _above_maximum(req: _Request, limits: DeviceLimits) -> Refusal | None:
         if best is None or amount <= best[0]:
             continue
         top, device = best
-        return _refusal(
+        return refuse(
             "rejected",
             "above-maximum",
             f"{req.path}.capacity.requests[{name}]",
@@ -465,9 +467,9 @@ def evaluate(
     try:
         validate_manifest(claim, gates)
     except ValidationError as exc:
-        return _refusal("invalid", "validation", exc.field, exc.rule)
+        return refuse("invalid", "validation", exc.field, exc.rule)
     if claim.status is not None and claim.status != ResourceClaimStatus():
-        return _refusal("invalid", "status", "status", "must not be set: dracap writes it")
+        return refuse("invalid", "status", "status", "must not be set: dracap writes it")
     record = state.namespaces.get(namespace)
     refused = _too_many_requests(claim, namespace, record)
     if refused is not None:
@@ -539,7 +541,7 @@ def decide_apply(
     if current is not None and current.phase not in REUSABLE_PHASES:
         if current.claim is not None and current.claim.spec == claim.spec:
             return ApplyDecision(namespace=namespace, name=name, unchanged=True)
-        refusal = _refusal(
+        refusal = refuse(
             "conflict",
             "name-conflict",
             "metadata.name",

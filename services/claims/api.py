@@ -102,6 +102,7 @@ from events.actors import Actor
 from events.catalog import (
     CapacityReleased,
     ClaimSubmitted,
+    DeviceHealthChanged,
     Envelope,
     Event,
     LimitApplied,
@@ -133,6 +134,7 @@ from services.claims.adminwrites import (
     ClassRemoval,
     NodeFence,
     PolicyChange,
+    Reservation,
     access_classes,
     decide_access,
     decide_classes,
@@ -141,6 +143,7 @@ from services.claims.adminwrites import (
     decide_mode,
     decide_policy,
     decide_remove,
+    decide_reservation,
     decide_slices,
     ledger_refusal,
 )
@@ -191,7 +194,16 @@ class NodeName(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 log = logging.getLogger("dracap.claims")
 
-TENANT_OPS: Final = ("apply", "get", "list", "delete", "watch", "devices")
+TENANT_OPS: Final = (
+    "apply",
+    "get",
+    "list",
+    "delete",
+    "watch",
+    "devices",
+    "reserve",
+    "unreserve",
+)
 #: Applies of one namespace that may wait for the selector pool at once (see apply).
 CHECKS_PER_NAMESPACE: Final = 4
 ADMIN_OPS: Final = (
@@ -348,6 +360,8 @@ class ClaimsApi:
             "delete": self.delete,
             "watch": self.watch,
             "devices": self.list_devices_of,
+            "reserve": self.reserve,
+            "unreserve": self.unreserve,
         }
         for op, fn in tenant.items():
             await service.add_endpoint(
@@ -623,6 +637,40 @@ class ClaimsApi:
             return ok_reply(phase=deletion.phase)
         return error_reply("conflict", "the claim kept changing while it was deleted; retry")
 
+    async def reserve(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
+        """``claims.reserve``: a consumer reserves the claim (``status.reservedFor``)."""
+        return await self._reservation(namespace, data, actor, reserve=True)
+
+    async def unreserve(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
+        """``claims.unreserve``: a consumer gives its reservation up."""
+        return await self._reservation(namespace, data, actor, reserve=False)
+
+    async def _reservation(
+        self, namespace: str, data: bytes, actor: Actor | None, *, reserve: bool
+    ) -> bytes:
+        who = actor or Actor.anonymous(namespace)
+        request: Reservation = _decode(data, Reservation)
+        stream = claim_stream(namespace, request.name)
+        for attempt in range(self.max_attempts):
+            await self._fresh(attempt)
+            async with self.live.frozen() as state:
+                write = decide_reservation(state, namespace, request, reserve=reserve)
+                version = await self.live.stream_version(stream)
+            if write.refusal is not None:
+                return _refusal_reply(write.refusal)
+            if write.events:
+                try:
+                    await self._append(stream, version, list(write.events), who)
+                except ConflictError:
+                    continue
+            claim = (await self.live.fresh(SEEN)).claim(namespace, request.name)
+            return ok_reply(
+                applied=list(write.applied),
+                unchanged=list(write.unchanged),
+                reserved_for=list(claim.reserved_for) if claim is not None else [],
+            )
+        return error_reply("conflict", "the claim kept changing while it was reserved; retry")
+
     async def watch(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.watch``: the subject where changes of the claim(s) are published."""
         request: _WatchRequest = _decode(data, _WatchRequest)
@@ -873,6 +921,9 @@ def _claims_touched(state: ClusterState, env: Envelope) -> list[ClaimKey]:
     if isinstance(event, _SHARE_EVENTS):
         share = state.shares.get(event.share_id)
         return [share.claim] if share is not None else []
+    if isinstance(event, DeviceHealthChanged):
+        key = (event.driver, event.pool, event.device)
+        return sorted({s.claim for s in state.shares.values() if s.live and s.device_key == key})
     if isinstance(event, _NODE_WIDE):
         return sorted(
             {

@@ -357,6 +357,26 @@ async def _delete(api: ApiClient, args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+async def _reserve(api: ApiClient, args: argparse.Namespace) -> int:
+    return await _reservation(api, args, "reserve")
+
+
+async def _unreserve(api: ApiClient, args: argparse.Namespace) -> int:
+    return await _reservation(api, args, "unreserve")
+
+
+async def _reservation(api: ApiClient, args: argparse.Namespace, op: str) -> int:
+    namespace = args.namespace or "default"
+    body = {"name": args.name, "consumer": args.consumer}
+    reply = await api.claims(namespace, op, body)
+    done = {k: reply[k] for k in ("applied", "unchanged", "reserved_for")}
+    verb = "reserved" if op == "reserve" else "unreserved"
+    state = "unchanged" if reply["unchanged"] else verb
+    text = f"resourceclaim {namespace}/{args.name} {state} for {args.consumer}"
+    emit(args.output, done, lambda: text)
+    return ExitCode.OK
+
+
 async def _devices(api: ApiClient, args: argparse.Namespace) -> int:
     if args.policies:
         if args.namespace:
@@ -595,7 +615,9 @@ def _common(parser: argparse.ArgumentParser, *, namespaced: bool = True) -> None
 
 
 def register(sub: Any) -> None:
-    claim = sub.add_parser("claim", help="apply, get, list, delete and watch ResourceClaims")
+    claim = sub.add_parser(
+        "claim", help="apply, get, list, delete, watch and reserve ResourceClaims"
+    )
     verbs = claim.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     apply = verbs.add_parser("apply", help="submit the ResourceClaims of a file")
@@ -619,6 +641,18 @@ def register(sub: Any) -> None:
     listing = verbs.add_parser("list", help="the claims of a namespace")
     _common(listing)
     listing.set_defaults(action=_list)
+
+    for verb, action, text in (
+        ("reserve", _reserve, "a consumer reserves a claim (status.reservedFor)"),
+        ("unreserve", _unreserve, "a consumer gives its reservation of a claim up"),
+    ):
+        parser = verbs.add_parser(verb, help=text)
+        parser.add_argument("name")
+        parser.add_argument(
+            "--for", dest="consumer", required=True, metavar="pod/NS/NAME", help="the consumer"
+        )
+        _common(parser)
+        parser.set_defaults(action=action)
 
     watch = verbs.add_parser("watch", help="print claim states as they change (Ctrl-C stops)")
     watch.add_argument("name", nargs="?")

@@ -36,6 +36,7 @@ from events.validation import split_qualified_name
 __all__ = [
     "CapacityView",
     "ClaimView",
+    "ConditionView",
     "DevicePoliciesView",
     "DeviceView",
     "ErrorView",
@@ -61,10 +62,26 @@ class ShareView(msgspec.Struct, frozen=True, kw_only=True):
     consumed: dict[str, str]
     state: str
     level: str | None
+    #: why the device's node agent reports it failing (``None``: healthy)
+    unhealthy: str | None = None
+
+
+class ConditionView(msgspec.Struct, frozen=True, kw_only=True):
+    """A condition of a claim, in the Kubernetes shape (``status`` is "True"/"False")."""
+
+    type: str
+    status: str
+    reason: str
+    message: str
 
 
 class ClaimView(msgspec.Struct, frozen=True, kw_only=True):
-    """A claim as a tenant sees it."""
+    """A claim as a tenant sees it.
+
+    ``conditions``: what is wrong with a live allocation beyond its phase — today
+    ``DeviceHealthy=False`` for each device of a live share its node agent reported
+    failing.
+    """
 
     namespace: str
     name: str
@@ -74,6 +91,8 @@ class ClaimView(msgspec.Struct, frozen=True, kw_only=True):
     node: str | None
     allocation: dict[str, Any] | None
     shares: list[ShareView]
+    conditions: list[ConditionView] = []
+    reserved_for: list[str] = []  #: consumers that reserved it (``status.reservedFor``)
 
 
 class CapacityView(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,10 +180,23 @@ _ENCODER = msgspec.json.Encoder(enc_hook=encode_hook)
 def claim_view(state: ClusterState, claim: ClaimState) -> ClaimView:
     """The view of ``claim`` in ``state``."""
     shares: list[ShareView] = []
+    conditions: list[ConditionView] = []
     for share_id in claim.share_ids:
         share = state.shares.get(share_id)
         if share is None:
             continue
+        dev = state.devices.get(share.device_key)
+        sick = dev.unhealthy if dev is not None and share.live else None
+        if sick is not None:
+            where = "/".join(share.device_key)
+            conditions.append(
+                ConditionView(
+                    type="DeviceHealthy",
+                    status="False",
+                    reason="DeviceUnhealthy",
+                    message=f"device {where} of share {share_id}: {sick}",
+                )
+            )
         shares.append(
             ShareView(
                 share_id=share_id,
@@ -174,6 +206,7 @@ def claim_view(state: ClusterState, claim: ClaimState) -> ClaimView:
                 consumed={k: v.canonical() for k, v in sorted(share.consumed.items())},
                 state=share.state,
                 level=share.limit_level,
+                unhealthy=sick,
             )
         )
     allocation = model_builtins(claim.allocation) if claim.allocation is not None else None
@@ -182,10 +215,12 @@ def claim_view(state: ClusterState, claim: ClaimState) -> ClaimView:
         name=claim.name,
         phase=claim.phase,
         reason=claim.reason,
-        ready=claim.phase == "ready",
+        ready=claim.phase in ("ready", "stalled"),  # stalled: limits in force, unused
         node=claim.node,
         allocation=allocation,
         shares=shares,
+        conditions=conditions,
+        reserved_for=list(claim.reserved_for),
     )
 
 

@@ -108,6 +108,7 @@ from nats.js import JetStreamContext
 
 from events.catalog import (
     AllocationBound,
+    DeviceHealthChanged,
     EnforcementReconciled,
     Envelope,
     Event,
@@ -115,10 +116,11 @@ from events.catalog import (
     LimitRemoved,
     ReleaseRequested,
     ShareConfirmed,
+    ShareUsed,
     node_stream,
     stream_of,
 )
-from events.fold import ClusterState
+from events.fold import ClusterState, DeviceKey
 from events.subjects import BusNames, node_token
 from services.enforcement.checkpointing import Checkpoint, read_boot_id
 from services.enforcement.decisions import (
@@ -127,6 +129,7 @@ from services.enforcement.decisions import (
     Task,
     Written,
     decide_work,
+    health_changes,
     limit_of,
     overcommit,
     rebuilt_entries,
@@ -136,6 +139,8 @@ from services.enforcement.decisions import (
     retry_later,
     set_aside,
     streams_to_check,
+    uses,
+    vanished,
 )
 from services.enforcement.enforcers import (
     AppliedLimit,
@@ -184,6 +189,7 @@ class Agent:
         scan_interval: float = 60.0,
         lease_ttl: float = DEFAULT_TTL_S,
         boot_id: str | None = None,
+        health_interval: float = 10.0,
     ) -> None:
         self.store = store
         self.js = js
@@ -206,6 +212,8 @@ class Agent:
         )
         #: the boot id of the node's lease before this agent took its own ("": none)
         self.previous_boot_id = ""
+        #: seconds between device health checks (0: none)
+        self.health_interval = health_interval
         #: what the last :meth:`reconcile` reported (None: nothing to report)
         self.reconciled: EnforcementReconciled | None = None
         #: the limits in force on this node now, by share id (see the module docstring)
@@ -233,6 +241,8 @@ class Agent:
         tasks = [asyncio.create_task(self.lease.keep(stop, self._retake))]
         if self.scanner is not None and self.scan_interval > 0:
             tasks.append(asyncio.create_task(self.scanner.run(stop, self.scan_interval)))
+        if self.health_interval > 0:
+            tasks.append(asyncio.create_task(self._watch(stop)))
         try:
             await self.consumer.run(stop)
         finally:
@@ -252,6 +262,73 @@ class Agent:
         """The lease was lost: take the next one and decide what happened meanwhile."""
         await self.take_lease()
         await self.reconcile()
+
+    # -- device health -----------------------------------------------------------------------
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        """Check device health and share use every ``health_interval`` s until ``stop``;
+        a failed check is logged and tried at the next tick."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.health_interval)
+            if stop.is_set():
+                return
+            try:
+                await self.check_health()
+                await self.check_use()
+            except Exception:
+                log.exception("device health or use check failed")
+
+    async def check_health(self) -> list[DeviceHealthChanged]:
+        """Ask the enforcer and the last scan how the node's devices are; record changes."""
+        await self.lease.held.wait()
+        findings: dict[DeviceKey, str | None] = {}
+        state = await self.live.fresh(SEEN)
+        scanner = self.scanner
+        if scanner is not None and scanner.inventory is not None:
+            found = {
+                (driver, scanner.config.pool_for(driver), device.name)
+                for driver, devices in scanner.inventory.devices.items()
+                for device in devices
+            }
+            config = scanner.config
+            drivers = {c.driver for c in (config.network, config.gpu) if c.enabled} | set(
+                scanner.inventory.devices
+            )
+            findings.update(vanished(state, self.node, drivers, found))
+        try:
+            for key, problem in (await self.enforcer.health()).items():
+                if problem is not None or key not in findings:  # a problem wins
+                    findings[key] = problem
+        except EnforcementError as exc:
+            log.warning("the enforcer's health check failed: %s", exc)
+        changes = health_changes(state, self.node, findings)
+        if changes:
+            batch = Batch(node_stream(self.node), None, list(changes))
+            await self.store.append_many([batch], Metadata(actor=self.lease.actor))
+            for change in changes:
+                where = f"{change.driver}/{change.pool}/{change.device}"
+                if change.healthy:
+                    log.info("device %s is healthy again", where)
+                else:
+                    log.warning("device %s is unhealthy: %s", where, change.reason)
+        return changes
+
+    async def check_use(self) -> list[ShareUsed]:
+        """Record each share of the node the enforcer saw traffic through, once."""
+        await self.lease.held.wait()
+        try:
+            usage = await self.enforcer.usage()
+        except EnforcementError as exc:
+            log.warning("the enforcer's use read-out failed: %s", exc)
+            return []
+        if not usage:
+            return []
+        used = uses(await self.live.fresh(SEEN), self.node, usage)
+        if used:
+            batch = Batch(node_stream(self.node), None, list(used))
+            await self.store.append_many([batch], Metadata(actor=self.lease.actor))
+        return used
 
     # -- return ----------------------------------------------------------------------------
 

@@ -170,6 +170,7 @@ async def serve(args: argparse.Namespace) -> int:
             scan_interval=args.scan_interval,
             lease_ttl=args.lease_ttl,
             boot_id=args.boot_id,
+            health_interval=args.health_interval,
         )
         log.info("agent of node %s started (enforcer %s)", args.node, args.enforcer)
         await agent.run(stop)
@@ -245,6 +246,14 @@ def register(sub: Any) -> None:
         metavar="S",
         help=f"the node lease's time to live, renewed every third of it "
         f"(default {DEFAULT_TTL_S:g})",
+    )
+    parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between device health checks: the enforcer's read-back and the last "
+        "scan (default 10; 0: none)",
     )
     parser.add_argument(
         "--boot-id",

@@ -49,6 +49,7 @@ import msgspec
 from events.catalog import (
     AllocationBound,
     CapacityReleased,
+    DeviceHealthChanged,
     EnforcementCheckpointSetAside,
     EnforcementReconciled,
     Envelope,
@@ -57,6 +58,7 @@ from events.catalog import (
     LimitFailed,
     LimitRemoved,
     ReleaseRequested,
+    ShareUsed,
     claim_stream,
     device_stream,
     node_stream,
@@ -75,6 +77,7 @@ __all__ = [
     "Task",
     "Written",
     "decide_work",
+    "health_changes",
     "limit_of",
     "overcommit",
     "rebuilt_entries",
@@ -84,6 +87,8 @@ __all__ = [
     "retry_later",
     "set_aside",
     "streams_to_check",
+    "uses",
+    "vanished",
 ]
 
 #: Share states in which the folded log demands an action (not the message alone).
@@ -405,3 +410,71 @@ def released(share: ShareState) -> CapacityReleased:
         consumed=dict(share.consumed),
         admin_access=share.admin_access,
     )
+
+
+# -- device health ----------------------------------------------------------------------
+
+
+def health_changes(
+    state: ClusterState, node: str, findings: Mapping[DeviceKey, str | None]
+) -> list[DeviceHealthChanged]:
+    """What the agent records of ``findings`` (device -> problem, ``None``: healthy).
+
+    Transitions only, against what the log says: a device the log does not hold, or
+    holds for another node, is left out; one whose state and reason are already
+    recorded gives nothing.
+    """
+    out: list[DeviceHealthChanged] = []
+    for key, problem in sorted(findings.items()):
+        dev = state.devices.get(key)
+        if dev is None or (dev.node is not None and dev.node != node):
+            continue
+        if dev.unhealthy == problem:
+            continue
+        out.append(
+            DeviceHealthChanged(
+                node=node,
+                driver=key[0],
+                pool=key[1],
+                device=key[2],
+                healthy=problem is None,
+                reason=problem or "",
+            )
+        )
+    return out
+
+
+def vanished(
+    state: ClusterState, node: str, drivers: Collection[str], found: Collection[DeviceKey]
+) -> dict[DeviceKey, str | None]:
+    """Findings of a scan: each device of ``node`` the log has from ``drivers``, healthy
+    when the scan found it, "vanished from discovery" when not (a withdrawn device
+    without live shares is left out: nothing depends on it)."""
+    held = {state.shares[s].device_key for s in _live_on(state, node)}
+    out: dict[DeviceKey, str | None] = {}
+    for key, dev in state.devices.items():
+        if dev.node != node or key[0] not in drivers:
+            continue
+        if key in found:
+            out[key] = None
+        elif dev.present or key in held:
+            out[key] = "vanished from discovery"
+    return out
+
+
+def _live_on(state: ClusterState, node: str) -> list[str]:
+    held = state.nodes.get(node)
+    return sorted(held.live_shares) if held is not None else []
+
+
+def uses(state: ClusterState, node: str, usage: Mapping[str, int]) -> list[ShareUsed]:
+    """``ShareUsed`` for each live share of ``node`` not yet known used whose limit has
+    seen traffic (``usage``: bytes per share), in ShareID order."""
+    out: list[ShareUsed] = []
+    for share_id in _live_on(state, node):
+        share = state.shares[share_id]
+        sent = usage.get(share_id, 0)
+        if sent > 0 and not share.used and share.state in ("ready", "bound"):
+            evidence = f"{sent} bytes through its limit"
+            out.append(ShareUsed(share_id=share_id, node=node, evidence=evidence))
+    return out

@@ -37,6 +37,7 @@ from typing import Protocol
 import msgspec
 
 from events.catalog import EnforcementLevel
+from events.fold import DeviceKey
 from events.quantities import Quantity
 
 __all__ = [
@@ -101,6 +102,17 @@ class Enforcer(Protocol):
         """Every share whose limit is in force now."""
         ...
 
+    async def health(self) -> dict[DeviceKey, str | None]:
+        """The devices it enforces for, each with what fails (``None``: healthy)."""
+        ...
+
+    async def usage(self) -> dict[str, int]:
+        """Per share whose limit is in force: how much went through it (bytes; 0: none).
+
+        Shares it cannot observe are left out: their use is never inferred.
+        """
+        ...
+
 
 class NoneEnforcer:
     """Enforces nothing and says so: level ``none``, no amounts in force."""
@@ -120,3 +132,9 @@ class NoneEnforcer:
 
     async def observe(self) -> dict[str, AppliedLimit]:
         return dict(self._applied)
+
+    async def health(self) -> dict[DeviceKey, str | None]:
+        return {}
+
+    async def usage(self) -> dict[str, int]:
+        return {}

@@ -248,6 +248,14 @@ class MpsEnforcer:
         async with self._lock(share.share_id):
             await self._teardown(share)
 
+    async def health(self) -> dict[tuple[str, str, str], str | None]:
+        """Nothing beyond discovery: a GPU that vanished is found by the inventory scan."""
+        return {}
+
+    async def usage(self) -> dict[str, int]:
+        """Not observable here (an MPS client's attachment is not read back yet)."""
+        return {}
+
     async def observe(self) -> dict[str, AppliedLimit]:
         """Shares whose daemon runs and whose CDI spec exists, with the limit read now."""
         out: dict[str, AppliedLimit] = {}

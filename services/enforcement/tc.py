@@ -420,6 +420,40 @@ class TcEnforcer:
                     out[f.share_id] = self._applied(cls)
         return out
 
+    async def health(self) -> dict[tuple[str, str, str], str | None]:
+        """Each configured device: ``None``, or why its interface cannot be read back."""
+        out: dict[tuple[str, str, str], str | None] = {}
+        for key, iface in sorted(self.interfaces.items()):
+            try:
+                await self._run("-j", "qdisc", "show", "dev", iface, "root")
+            except _TcError as exc:
+                out[key] = (
+                    f"interface {iface} is gone"
+                    if _missing_device(exc)
+                    else f"tc cannot read interface {iface}: {exc.stderr.strip()[:200]}"
+                )
+            except PermanentEnforcementError as exc:
+                out[key] = str(exc)
+            else:
+                out[key] = None
+        return out
+
+    async def usage(self) -> dict[str, int]:
+        """Bytes sent through each share's HTB class (its filter names the share)."""
+        out: dict[str, int] = {}
+        for iface in self._names():
+            try:
+                filters = await self.filters(iface)
+                if not filters:
+                    continue
+                sent = {c.minor: c.bytes for c in await self.classes(iface, stats=True)}
+            except _TcError:
+                continue  # an interface that cannot be read is health's to report
+            for f in filters:
+                if f.minor in sent:
+                    out[f.share_id] = out.get(f.share_id, 0) + sent[f.minor]
+        return out
+
     # -- read-outs (also used by ``dracap prove bandwidth`` and the CDI side)
     async def mark_of(self, share_id: str) -> int | None:
         """The firewall mark the share's packets must carry, if its limit is in force."""

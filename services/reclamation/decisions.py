@@ -11,6 +11,14 @@ well); the per-share events say which shares that was, for audit and for people.
 fold releases every live share of the node at that event and the store's ``fence``
 guard gives their capacity back in the same append.
 
+:func:`not_started` lists the Ready claims nobody has used yet — no consumer reserved
+them (``status.reservedFor`` is empty) and their agent saw no traffic through any of
+their shares — whose DeviceClass sets ``dracap.io/not-started-timeout``;
+:func:`decide_not_started` says what to record once one has waited that long: its
+class's action, ``ReleaseRequested`` with the reason (the agent then releases it like a
+delete) or ``ClaimStalled`` (it keeps its capacity and shows the reason). A claim of
+several classes takes the shortest timeout (and that class's action).
+
 Which lease has expired is not decided here: the service reads it from
 ``node_leases`` and ``node_epochs`` in one statement (the database's clock is the one
 clock every lease is measured with).
@@ -18,10 +26,27 @@ clock every lease is measured with).
 
 from __future__ import annotations
 
-from events.catalog import Event, NodeFenced, NodeLeaseExpired, ShareMarkedUnknown
-from events.fold import ClusterState
+import msgspec
 
-__all__ = ["decide_expiry", "fence_by_hook", "unknown_shares"]
+from events.catalog import (
+    ClaimStalled,
+    Event,
+    NodeFenced,
+    NodeLeaseExpired,
+    ReleaseRequested,
+    ShareMarkedUnknown,
+)
+from events.fold import ClaimKey, ClaimState, ClusterState
+from events.tenancy import not_started as class_not_started
+
+__all__ = [
+    "NotStarted",
+    "decide_expiry",
+    "decide_not_started",
+    "fence_by_hook",
+    "not_started",
+    "unknown_shares",
+]
 
 
 def unknown_shares(state: ClusterState, node: str) -> list[str]:
@@ -42,3 +67,83 @@ def decide_expiry(state: ClusterState, node: str, epoch: int) -> list[Event]:
 def fence_by_hook(node: str, epoch: int, command: str) -> NodeFenced:
     """The record of a fence hook that reported ``node`` off."""
     return NodeFenced(node=node, epoch=epoch, reason=f"fence hook reported the node off: {command}")
+
+
+class NotStarted(msgspec.Struct, frozen=True, kw_only=True):
+    """A Ready, unused claim under a not-started timeout (``ready_position``: the log
+    position where its allocation became ready, whose time starts the clock)."""
+
+    key: ClaimKey
+    allocation_version: int
+    ready_position: int
+    timeout_s: float
+    action: str
+
+
+def _classes(claim: ClaimState) -> list[str]:
+    if claim.claim is None or claim.claim.spec.devices is None:
+        return []
+    names: list[str] = []
+    for request in claim.claim.spec.devices.requests or ():
+        if request.exactly is not None:
+            names.append(request.exactly.device_class_name)
+        names += [sub.device_class_name for sub in request.first_available or ()]
+    return names
+
+
+def not_started(state: ClusterState) -> list[NotStarted]:
+    """The Ready claims nobody used yet whose class sets a timeout (see the module)."""
+    out: list[NotStarted] = []
+    for key, claim in state.claims.items():
+        if claim.phase != "ready" or claim.reserved_for or not claim.ready_position:
+            continue
+        if any(state.shares[s].used for s in claim.share_ids if s in state.shares):
+            continue
+        rules = []
+        for name in _classes(claim):
+            cls = state.classes.get(name)
+            rule = class_not_started(cls.device_class) if cls is not None else None
+            if rule is not None:
+                rules.append(rule)
+        if not rules:
+            continue
+        timeout, action = min(rules)
+        out.append(
+            NotStarted(
+                key=key,
+                allocation_version=claim.allocation_version,
+                ready_position=claim.ready_position,
+                timeout_s=timeout,
+                action=action,
+            )
+        )
+    return out
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
+
+
+def decide_not_started(candidate: NotStarted, waited_s: float, node: str | None) -> Event | None:
+    """What to record for ``candidate`` after ``waited_s`` seconds Ready (``None``: wait)."""
+    if waited_s < candidate.timeout_s:
+        return None
+    namespace, name = candidate.key
+    reason = (
+        f"not started within {_seconds(candidate.timeout_s)} of becoming Ready: no consumer "
+        "reserved it and no use was seen"
+    )
+    if candidate.action == "stall":
+        return ClaimStalled(
+            namespace=namespace,
+            name=name,
+            allocation_version=candidate.allocation_version,
+            reason=reason,
+        )
+    return ReleaseRequested(
+        namespace=namespace,
+        name=name,
+        allocation_version=candidate.allocation_version,
+        node=node,
+        reason=reason,
+    )

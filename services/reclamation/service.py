@@ -18,6 +18,14 @@ between moves the version too, so an expiry is never recorded over a fresh lease
 renewal cannot revive an expired lease (``dracap_renew_lease`` refuses it), so a lease
 seen expired stays expired until somebody appends to its stream.
 
+Not started: every tick also looks for Ready claims that nobody reserved and whose
+agent saw no use, past their DeviceClass's ``dracap.io/not-started-timeout`` (counted
+from the time the event that made the claim Ready was recorded), and appends their
+class's action (:func:`~services.reclamation.decisions.decide_not_started`):
+``ReleaseRequested`` with the reason, or ``ClaimStalled``, on the claim's stream *at
+the version read* — so with several replicas, or a tenant's delete or reservation
+racing it, it is recorded once or not at all.
+
 Fence hook (``--fence-hook CMD``): a node whose lease has been expired for
 ``--fence-after`` seconds, and that no agent took back nor anybody fenced, gets
 ``CMD`` run with ``DRACAP_NODE`` and ``DRACAP_EPOCH`` in its environment (a BMC
@@ -43,13 +51,18 @@ import asyncpg
 import msgspec
 
 from events.actors import Actor
-from events.catalog import lease_stream, node_stream
+from events.catalog import claim_stream, lease_stream, node_stream
 from events.fold import ClusterState
-from services.reclamation.decisions import decide_expiry, fence_by_hook
+from services.reclamation.decisions import (
+    decide_expiry,
+    decide_not_started,
+    fence_by_hook,
+    not_started,
+)
 from services.runtime.errors import ConflictError, RetryableError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import HEAD, LiveState
-from services.runtime.metrics import FENCE_HOOK_RUNS, NODE_TRANSITIONS
+from services.runtime.metrics import CLAIMS, FENCE_HOOK_RUNS, NODE_TRANSITIONS
 
 __all__ = ["DEFAULT_POLL_S", "ReclamationService"]
 
@@ -73,6 +86,13 @@ SELECT l.node, l.epoch, {_LEASE_VERSION} AS version
   FROM node_leases l JOIN node_epochs n ON n.node = l.node AND n.epoch = l.epoch
  WHERE l.expires_at < clock_timestamp() - make_interval(secs => $1)
  ORDER BY l.node
+"""
+
+
+#: Seconds since the events at the positions $1 were recorded (the database's clock).
+_WAITED: Final = """
+SELECT position, extract(epoch FROM clock_timestamp() - recorded_at)::float8
+  FROM events WHERE position = ANY($1::bigint[])
 """
 
 
@@ -129,6 +149,45 @@ class ReclamationService:
         if self.fence_hook:
             for row in await self.store.pool.fetch(LONG_EXPIRED, self.fence_after_s):
                 recorded += await self._run_hook(_Lease(row["node"], row["epoch"], row["version"]))
+        recorded += await self._not_started()
+        return recorded
+
+    async def _not_started(self) -> int:
+        """Release or mark stalled each Ready claim unused past its class's timeout."""
+        candidates = not_started(await self.live.fresh(HEAD))
+        if not candidates:
+            return 0
+        rows = await self.store.pool.fetch(_WAITED, [c.ready_position for c in candidates])
+        waited = {row[0]: float(row[1]) for row in rows}
+        recorded = 0
+        for candidate in candidates:
+            if waited.get(candidate.ready_position, 0.0) < candidate.timeout_s:
+                continue
+            stream = claim_stream(*candidate.key)
+            async with self.live.frozen() as state:
+                now = {c.key: c for c in not_started(state)}.get(candidate.key)
+                if now is None or now.allocation_version != candidate.allocation_version:
+                    continue  # reserved, used or released meanwhile
+                claim = state.claims[candidate.key]
+                event = decide_not_started(now, waited[candidate.ready_position], claim.node)
+                version = await self.live.stream_version(stream)
+            if event is None:
+                continue
+            try:
+                await self.store.append(
+                    stream, version, [event], actor=str(Actor.system(self.name))
+                )
+            except ConflictError:
+                self.lost_races += 1
+                continue
+            recorded += 1
+            CLAIMS.labels(outcome=f"not_started_{now.action}").inc()
+            log.warning(
+                "claim %s/%s not started within %gs: %s",
+                *candidate.key,
+                now.timeout_s,
+                "released" if now.action == "release" else "marked stalled",
+            )
         return recorded
 
     async def _expire(self, lease: _Lease) -> int:

@@ -898,6 +898,8 @@ class _Search:
             return None
         if self.inv.min_enforcement and self.inv.below_minimum(entry, spec.class_name):
             return None
+        if self.inv.unhealthy and entry.key in self.inv.unhealthy:
+            return None
         ok, consumed = self._capacity_fits(spec, entry, True)
         if not ok:
             return None
@@ -1023,14 +1025,20 @@ def _diagnose(search: _Search, spec: _RequestSpec) -> str:
         return f"none of the {visible} devices reachable matches class {spec.class_name}" + (
             " and the request's selectors" if spec.selectors else ""
         )
-    in_use = still_shared = foreign = missing = policy = full = lost = weak = 0
+    in_use = still_shared = foreign = missing = policy = full = lost = weak = unhealthy = 0
     policy_detail = full_detail = missing_detail = lost_detail = weak_detail = ""
+    unhealthy_detail = ""
     for index in clist.devices:
         entry = inv.devices[index]
         taint = inv.lost(entry) if inv.lost_nodes else None
         if taint is not None:
             lost += 1
             lost_detail = lost_detail or taint
+            continue
+        sick = inv.unhealthy.get(entry.key) if inv.unhealthy else None
+        if sick is not None:
+            unhealthy += 1
+            unhealthy_detail = unhealthy_detail or f"{'/'.join(entry.key)}: {sick}"
             continue
         below = inv.below_minimum(entry, spec.class_name) if inv.min_enforcement else None
         if below is not None:
@@ -1074,6 +1082,8 @@ def _diagnose(search: _Search, spec: _RequestSpec) -> str:
             f"{lost} on a lost node, tainted {lost_detail}: their unknown shares keep "
             "the capacity until the node is fenced or its agent returns"
         )
+    if unhealthy:
+        parts.append(f"{unhealthy} reported unhealthy by their node agent ({unhealthy_detail})")
     if weak:
         parts.append(f"{weak} on nodes below the class's minimum enforcement ({weak_detail})")
     if in_use:

@@ -10,9 +10,10 @@ What wakes it (consumer ``{name}-{feed}``, :data:`FEEDS`):
 
 * ``admissions``: ``ClaimAdmitted`` (the consumer filters on that one tag: the hot path
   delivers a worker nothing else) — a new claim to place;
-* ``reclamation`` (the category): ``CapacityReleased``, ``NodeFenced`` and
-  ``NodeLeaseAcquired`` — capacity came back, or a lost node's devices take shares
-  again, so unschedulable claims may fit now;
+* ``reclamation`` (the category): ``CapacityReleased``, ``NodeFenced``,
+  ``NodeLeaseAcquired`` and ``DeviceHealthChanged`` — capacity came back, or a lost
+  node's (or an unhealthy device's) devices take shares again, so unschedulable claims
+  may fit now;
 * ``inventory`` (the category): classes, slices, request policies — the same;
 * ``admin`` (the category): ``NamespaceAccessSet`` — adminAccess may have been granted.
 
@@ -79,6 +80,7 @@ from events.catalog import (
     CapacityReserved,
     ClaimAdmitted,
     ClaimSubmitted,
+    DeviceHealthChanged,
     Envelope,
     NamespaceAccessSet,
     NodeFenced,
@@ -121,6 +123,7 @@ TRIGGERS: Final = (
     CapacityReleased,
     NodeFenced,
     NodeLeaseAcquired,  # a lost node's agent is back: its devices take shares again
+    DeviceHealthChanged,  # a device well again takes shares again
     NamespaceAccessSet,
 )
 #: The advisory lock that serialises planning rounds of all workers.

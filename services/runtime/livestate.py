@@ -84,6 +84,7 @@ from events.catalog import (
     ClassModeSet,
     DeviceClassApplied,
     DeviceClassRemoved,
+    DeviceHealthChanged,
     Envelope,
     NodeFenced,
     NodeLeaseAcquired,
@@ -131,6 +132,7 @@ INVENTORY_EVENTS: Final = (
     NodeLeaseAcquired,  # a lost node's devices are tainted (events.inventory.lost_nodes)
     NodeLeaseExpired,
     NodeFenced,
+    DeviceHealthChanged,  # an unhealthy device takes no new share
 )
 _VIOLATIONS_KEPT: Final = 100
 #: Handed-over envelopes kept at most (beyond that the tailer reads the log instead).

@@ -64,7 +64,8 @@ SCHEDULING_LATENCY: Final = Histogram(
 )
 CLAIMS: Final = Counter(
     "dracap_claims_total",
-    "Claims by outcome (admitted, rejected, allocated, unschedulable, ready, released).",
+    "Claims by outcome (admitted, rejected, allocated, unschedulable, ready, released, "
+    "not_started_release, not_started_stall).",
     ["outcome"],
     registry=REGISTRY,
 )

@@ -21,6 +21,7 @@ from services.up import Stack, load_inventory, read_inventory
 class Cluster(msgspec.Struct, kw_only=True):
     api: ApiClient
     flags: list[str]  #: what the CLI needs to reach it
+    stack: Any = None  #: the in-process :class:`~services.up.Stack` (its store, live state)
 
 
 def namespace_and_class(namespace: str, driver: str) -> list[dict[str, Any]]:
@@ -47,11 +48,12 @@ async def running_cluster(
     manifests = read_inventory([str(path)])
     settings = msgspec.structs.replace(settings, nats_url=nats_url)
     async with (
-        Stack.running(settings, names, nodes=manifests.nodes, workers=1),
+        Stack.running(settings, names, nodes=manifests.nodes, workers=1) as stack,
         ApiClient.connect(nats_url, names.prefix) as api,
     ):
         await load_inventory(api, manifests)
-        yield Cluster(api=api, flags=["--nats", nats_url, "--prefix", names.prefix])
+        flags = ["--nats", nats_url, "--prefix", names.prefix]
+        yield Cluster(api=api, flags=flags, stack=stack)
     nc, js = await connect_bus(nats_url)
     try:
         await js.delete_stream(names.stream)

@@ -36,6 +36,19 @@ async def _functions(url: str) -> set[str]:
         await connection.close()
 
 
+async def _scope_source(url: str) -> str:
+    """The body of the node-scope check (which event types a node agent may write)."""
+    connection = await asyncpg.connect(url)
+    try:
+        return str(
+            await connection.fetchval(
+                "SELECT prosrc FROM pg_proc WHERE proname = 'dracap_check_node_scope'"
+            )
+        )
+    finally:
+        await connection.close()
+
+
 async def _privileges(url: str, role: str) -> set[str]:
     """What ``role`` may do in the database at ``url``: ``table:privilege`` and
     ``function:name``, and whether ``dracap_append_guarded`` runs as its owner."""
@@ -76,7 +89,11 @@ async def test_db_upgrade_then_downgrade(
         empty_database_url, "dracap_reclamation"
     )
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # idempotent
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0006
+    assert "share_used" in await _scope_source(empty_database_url)
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0007
+    assert "share_used" not in await _scope_source(empty_database_url)
+    assert "node_lease_acquired" in await _scope_source(empty_database_url)
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # and 0006
     assert "dracap_renew_lease" not in await _functions(empty_database_url)
     agent = await _privileges(empty_database_url, "dracap_agent")
     assert "function:dracap_append_guarded:definer" in agent
@@ -93,8 +110,8 @@ async def test_db_upgrade_then_downgrade(
     }
     assert "events:INSERT" in await _privileges(empty_database_url, "dracap_app")
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # and up again
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0
+    for _ in range(3):  # 0007, 0006, 0005
+        assert await asyncio.to_thread(db, ["downgrade"]) == 0
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more step: 0004
     assert {"shares", "claims"} <= await _tables(empty_database_url)
     assert "held_shares" not in await _tables(empty_database_url)

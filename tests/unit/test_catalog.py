@@ -181,6 +181,13 @@ def every_event() -> list[c.Event]:
         c.AppendRefused(
             node="node-a", epoch=2, current_epoch=3, types=["enforcement.limit_applied"]
         ),
+        c.DeviceHealthChanged(
+            node="node-a", driver="d", pool="p", device="x", healthy=False, reason="gone"
+        ),
+        c.ShareUsed(share_id="s-1", node="node-a", evidence="10 bytes"),
+        c.ClaimStalled(namespace="ns", name="c", allocation_version=1, reason="unused"),
+        c.ClaimReserved(namespace="ns", name="c", consumer="pod/ns/p"),
+        c.ClaimUnreserved(namespace="ns", name="c", consumer="pod/ns/p"),
         c.NamespaceAccessSet(namespace="team-a", classes=["gpu.example.com"], admin_access=True),
         c.ClaimWithdrawn(namespace="team-a", name="train"),
         c.MessageDeadLettered(
@@ -195,7 +202,7 @@ IDS = [c.tag_of(e) for e in EVENTS]
 
 def test_every_tag_is_covered() -> None:
     assert sorted(IDS) == sorted(c.EVENT_TYPES)
-    assert len(set(IDS)) == len(IDS) == 28
+    assert len(set(IDS)) == len(IDS) == 33
 
 
 @pytest.mark.parametrize("event", EVENTS, ids=IDS)

@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from events import catalog as c
 from events.actors import Actor, ActorError, parse_actor
 from events.inventory import NODE_LOST_TAINT, build_inventory, lost_nodes
-from services.claims.adminwrites import MAX_FENCE_REASON, NodeFence, decide_fence, decide_mode
-from services.reclamation.decisions import decide_expiry, fence_by_hook
+from events.tenancy import parse_duration
+from services.claims.adminwrites import (
+    MAX_FENCE_REASON,
+    MAX_RESERVED_FOR,
+    NodeFence,
+    Reservation,
+    decide_fence,
+    decide_mode,
+    decide_reservation,
+)
+from services.enforcement.decisions import health_changes, uses, vanished
+from services.reclamation.decisions import (
+    decide_expiry,
+    decide_not_started,
+    fence_by_hook,
+    not_started,
+)
 from services.reservation.rounds import decide_round
 from tests.unit.decision_fixtures import (
     NODE,
@@ -128,3 +144,151 @@ def test_a_class_that_requires_hard_enforcement_skips_nodes_that_offer_less() ->
     assert decide_mode(state, "gpu.test.io", "consumable").unchanged == ("gpu.test.io",)
     refused = decide_mode(state, "gpu.test.io", "consumable", "firm").refusal
     assert refused is not None and refused.field == "min_enforcement"
+
+
+# --- device health, use, not started, reservations -----------------------------------------
+
+
+def _ready_log(*names: str, device_class: str = "gpu.test.io") -> Log:
+    """One GPU on ``NODE`` (its agent leased), a Ready claim per name."""
+    log = _held()
+    log.reserve(*(memory_claim(n, "5Gi") for n in names))
+    state = log.state()
+    for name in names:
+        claim = state.claim("tenant-a", name)
+        assert claim is not None
+        log.add(
+            *(
+                c.LimitApplied(share_id=s, node=NODE, level="none", actual={})
+                for s in claim.share_ids
+            )
+        )
+    return log
+
+
+def test_health_is_recorded_on_transitions_only() -> None:
+    log = _held()
+    state = log.state()
+    [key] = list(state.devices)
+    assert health_changes(state, NODE, {key: None}) == []  # healthy, as recorded
+    [sick] = health_changes(state, NODE, {key: "interface eth1 is gone"})
+    assert (sick.healthy, sick.reason) == (False, "interface eth1 is gone")
+    log.add(sick)
+    state = log.state()
+    assert health_changes(state, NODE, {key: "interface eth1 is gone"}) == []
+    assert health_changes(state, "node-b", {key: None}) == [], "another node's device"
+    [well] = health_changes(state, NODE, {key: None})
+    assert well.healthy and well.reason == ""
+    found = vanished(state, NODE, {key[0]}, found=set())
+    assert found == {key: "vanished from discovery"}
+    assert vanished(state, NODE, {key[0]}, found={key}) == {key: None}
+
+
+def test_use_is_recorded_once_per_share_with_traffic() -> None:
+    log = _ready_log("busy", "quiet")
+    state = log.state()
+    busy = state.claim("tenant-a", "busy").share_ids[0]  # type: ignore[union-attr]
+    quiet = state.claim("tenant-a", "quiet").share_ids[0]  # type: ignore[union-attr]
+    [used] = uses(state, NODE, {busy: 1500, quiet: 0, "not-a-share": 9})
+    assert used.share_id == busy and "1500 bytes" in used.evidence
+    log.add(used)
+    assert uses(log.state(), NODE, {busy: 3000}) == []
+
+
+def _annotated(timeout: str, action: str) -> c.DeviceClassApplied:
+    from tests.unit.allocator_fixtures import device_class
+
+    dclass = device_class()
+    meta = msgspec.structs.replace(
+        dclass.metadata,
+        annotations={
+            "dracap.io/not-started-timeout": timeout,
+            "dracap.io/not-started-action": action,
+        },
+    )
+    return c.DeviceClassApplied(
+        device_class=msgspec.structs.replace(dclass, metadata=meta), rollout="immediate"
+    )
+
+
+def test_a_ready_unused_claim_is_released_or_stalled_once_its_timeout_passed() -> None:
+    log = _ready_log("idle", "held", "busy")
+    state = log.state()
+    assert not_started(state) == [], "no class sets a timeout"
+    log.add(_annotated("90s", "stall"))
+    log.add(c.ClaimReserved(namespace="tenant-a", name="held", consumer="pod/tenant-a/p"))
+    busy = state.claim("tenant-a", "busy").share_ids[0]  # type: ignore[union-attr]
+    log.add(c.ShareUsed(share_id=busy, node=NODE, evidence="1 byte"))
+    [candidate] = not_started(log.state())
+    assert candidate.key == ("tenant-a", "idle") and candidate.timeout_s == 90
+    assert decide_not_started(candidate, 89.0, NODE) is None
+    stalled = decide_not_started(candidate, 90.0, NODE)
+    assert isinstance(stalled, c.ClaimStalled) and "within 90s" in stalled.reason
+    log.add(stalled)
+    idle = log.state().claim("tenant-a", "idle")
+    assert idle is not None and idle.phase == "stalled" and idle.reason == stalled.reason
+    assert not_started(log.state()) == [], "stalled once"
+    log.add(c.ClaimReserved(namespace="tenant-a", name="idle", consumer="pod/tenant-a/q"))
+    idle = log.state().claim("tenant-a", "idle")
+    assert idle is not None and idle.phase == "ready" and idle.reason is None
+
+    release = msgspec.structs.replace(candidate, action="release")
+    event = decide_not_started(release, 120.0, NODE)
+    assert isinstance(event, c.ReleaseRequested) and event.node == NODE and event.reason
+
+
+@pytest.mark.parametrize(
+    ("consumer", "reserve", "outcome"),
+    [
+        ("pod/tenant-a/p", True, "applied"),
+        ("pods/tenant-a/p", True, "applied"),
+        ("pod/tenant-b/p", True, "for"),
+        ("job/tenant-a/p", True, "for"),
+        ("pod/tenant-a/Bad_Name", True, "for"),
+        ("pod/tenant-a/p", False, "unchanged"),
+    ],
+)
+def test_a_reservation_names_a_pod_of_the_claims_namespace(
+    consumer: str, reserve: bool, outcome: str
+) -> None:
+    state = _ready_log("train").state()
+    write = decide_reservation(
+        state, "tenant-a", Reservation(name="train", consumer=consumer), reserve=reserve
+    )
+    if outcome == "for":
+        assert write.refusal is not None and write.refusal.field == "for"
+    elif outcome == "applied":
+        assert write.events == (
+            c.ClaimReserved(namespace="tenant-a", name="train", consumer="pod/tenant-a/p"),
+        )
+    else:
+        assert write.unchanged == ("pod/tenant-a/p",) and not write.events
+
+
+def test_a_reservation_needs_an_allocated_claim_and_has_a_limit() -> None:
+    log = _ready_log("train")
+    log.add(*c_admitted("waiting", "50Gi"))
+    state = log.state()
+    missing = decide_reservation(
+        state, "tenant-a", Reservation(name="x", consumer="pod/tenant-a/p"), reserve=True
+    )
+    assert missing.refusal is not None and missing.refusal.code == "not_found"
+    early = decide_reservation(
+        state, "tenant-a", Reservation(name="waiting", consumer="pod/tenant-a/p"), reserve=True
+    )
+    assert early.refusal is not None and early.refusal.kind == "not-allocated"
+    for i in range(MAX_RESERVED_FOR):
+        log.add(c.ClaimReserved(namespace="tenant-a", name="train", consumer=f"pod/tenant-a/p{i}"))
+    full = decide_reservation(
+        log.state(), "tenant-a", Reservation(name="train", consumer="pod/tenant-a/z"), reserve=True
+    )
+    assert full.refusal is not None and full.refusal.kind == "reserved-for-full"
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90s", 90.0), ("5m", 300.0), ("2h", 7200.0), ("45", 45.0), ("0s", None), ("1d", None),
+     ("-5m", None), ("721h", None), ("", None)],
+)  # fmt: skip
+def test_durations(text: str, seconds: float | None) -> None:
+    assert parse_duration(text) == seconds
