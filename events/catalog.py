@@ -329,12 +329,22 @@ class LimitApplied(_EventBase, frozen=True, kw_only=True, tag="enforcement.limit
 
 
 class LimitFailed(_EventBase, frozen=True, kw_only=True, tag="enforcement.limit_failed"):
-    """The node agent could not apply the limit of a share."""
+    """The node agent could not apply the limit of a share.
+
+    A retryable failure says when the agent tries again (``retry_at``), since when the
+    share has been failing (``failing_since``) and which try this was (``attempt``,
+    from 1); the claim is ``retrying`` until a try succeeds or the class's retry window
+    runs out (then a final ``retryable=False``). The three were added later (defaults:
+    none, none, 0).
+    """
 
     share_id: str
     node: str
     retryable: bool
     reason: str
+    retry_at: datetime.datetime | None = None
+    failing_since: datetime.datetime | None = None
+    attempt: int = 0
 
 
 class LimitRemoved(_EventBase, frozen=True, kw_only=True, tag="enforcement.limit_removed"):

@@ -92,6 +92,7 @@ older allocation, a fence or expiry of an older epoch) are no-ops too.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Literal, TypeAlias
@@ -185,6 +186,7 @@ ClaimPhase: TypeAlias = Literal[
     "rejected",
     "unschedulable",
     "allocated",
+    "retrying",
     "ready",
     "stalled",
     "failed",
@@ -196,7 +198,7 @@ ShareStatus: TypeAlias = Literal["reserved", "bound", "ready", "unknown", "relea
 
 #: Share states that hold capacity.
 LIVE_SHARE_STATES: Final = frozenset({"reserved", "bound", "ready", "unknown", "releasing"})
-_LIVE_CLAIM_PHASES: Final = frozenset({"allocated", "ready", "stalled", "releasing"})
+_LIVE_CLAIM_PHASES: Final = frozenset({"allocated", "retrying", "ready", "stalled", "releasing"})
 #: Claim phases that no event of the services moves a claim out of: only the tenant's
 #: next apply or delete does. A watcher waiting for Ready can stop at any of them.
 TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released", "failed"})
@@ -285,6 +287,10 @@ class ShareState(msgspec.Struct, kw_only=True, gc=False):
     limit_removed: bool = False
     last_error: str | None = None
     used: bool = False  #: its agent saw it in use (``ShareUsed``)
+    #: a retryable failure of its limit: tries so far, since when, and the next try
+    attempts: int = 0
+    failing_since: datetime.datetime | None = None
+    retry_at: datetime.datetime | None = None
 
     @property
     def device_key(self) -> DeviceKey:
@@ -787,6 +793,7 @@ def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None
     share.state = "ready"
     share.limit_level = ev.level
     share.actual = ev.actual
+    share.retry_at = None
     claim = state.claims.get(share.claim)
     if claim is not None and claim.allocation_version == share.allocation_version:
         _maybe_ready(state, claim, position)
@@ -794,7 +801,7 @@ def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None
 
 def _maybe_ready(state: ClusterState, claim: ClaimState, position: int) -> None:
     """Make an allocated claim ready when every share that needs a limit has one."""
-    if claim.phase != "allocated" or not claim.share_ids:
+    if (claim.phase != "allocated" and claim.phase != "retrying") or not claim.share_ids:
         return
     shares = state.shares
     if _all_ready([shares[s] for s in claim.share_ids]):
@@ -822,7 +829,24 @@ def _limit_failed(state: ClusterState, ev: LimitFailed, position: int) -> None:
         return
     share.last_error = ev.reason
     if ev.retryable:
+        if ev.retry_at is None:
+            return  # written before retries were scheduled: nothing will try again
+        share.attempts = ev.attempt
+        share.failing_since = ev.failing_since
+        share.retry_at = ev.retry_at
+        claim = state.claims.get(share.claim)
+        if (
+            claim is not None
+            and claim.allocation_version == share.allocation_version
+            and claim.phase in ("allocated", "retrying")
+        ):
+            claim.phase = "retrying"  # allocated -> retrying: live either way
+            claim.reason = (
+                f"{ev.reason} (try {ev.attempt} failed; next try at "
+                f"{ev.retry_at.isoformat(timespec='seconds')})"
+            )
         return
+    share.retry_at = None
     claim = state.claims.get(share.claim)
     if claim is not None and claim.allocation_version == share.allocation_version:
         _set_phase(state, claim, "failed")

@@ -43,6 +43,9 @@ annotation                                default   meaning
                                                     ``90s``, ``5m``, ``2h`` or seconds
 ``dracap.io/not-started-action``          ``release`` ``release`` the claim, or mark it
                                                     ``stall``-ed (kept, shown to operators)
+``dracap.io/enforcement-retry-window``    ``10m``   how long a share whose limit fails with
+                                                    a retryable error is tried again (with
+                                                    back-off) before its claim fails
 ========================================= ========= ==========================================
 """
 
@@ -97,6 +100,9 @@ PLACEMENT: Final = "dracap.io/placement"
 PLACEMENTS: Final = ("first-fit", "binpack", "spread", "fragmentation-aware")
 NOT_STARTED_TIMEOUT: Final = "dracap.io/not-started-timeout"
 NOT_STARTED_ACTION: Final = "dracap.io/not-started-action"
+RETRY_WINDOW: Final = "dracap.io/enforcement-retry-window"
+#: The retry window of a class that sets none (seconds).
+DEFAULT_RETRY_WINDOW_S: Final = 600.0
 #: What happens to a claim that stays unused past its class's timeout; the first is the default.
 NOT_STARTED_ACTIONS: Final = ("release", "stall")
 _DURATION_UNITS: Final = {"s": 1, "m": 60, "h": 3600}
@@ -110,6 +116,7 @@ _CLASS_KEYS: Final = (
     PLACEMENT,
     NOT_STARTED_TIMEOUT,
     NOT_STARTED_ACTION,
+    RETRY_WINDOW,
 )
 _SHARING: Final = ("allow", "deny")
 _CLASS_LIST_RULE: Final = "must be '*' or a DeviceClass name"
@@ -179,6 +186,13 @@ def check_annotations(obj: model.Manifest) -> None:
                 ref,
                 _field(NOT_STARTED_TIMEOUT),
                 f"must be a duration from 1s to 720h (90s, 5m, 2h, or seconds), got {timeout!r}",
+            )
+        window = annotations.get(RETRY_WINDOW)
+        if window is not None and parse_duration(window) is None:
+            raise ValidationError(
+                ref,
+                _field(RETRY_WINDOW),
+                f"must be a duration from 1s to 720h (90s, 5m, 2h, or seconds), got {window!r}",
             )
         action = annotations.get(NOT_STARTED_ACTION)
         if action is not None and action not in NOT_STARTED_ACTIONS:
@@ -297,6 +311,13 @@ def not_started(dclass: model.DeviceClass) -> tuple[float, str] | None:
         return None
     action = _annotation(dclass, NOT_STARTED_ACTION)
     return seconds, action if action in NOT_STARTED_ACTIONS else NOT_STARTED_ACTIONS[0]
+
+
+def retry_window(dclass: model.DeviceClass | None) -> float:
+    """Seconds a retryable enforcement failure of ``dclass`` is retried (default 10 min)."""
+    text = _annotation(dclass, RETRY_WINDOW) if dclass is not None else None
+    seconds = parse_duration(text) if text is not None else None
+    return DEFAULT_RETRY_WINDOW_S if seconds is None else seconds
 
 
 def tenant_attributes(dclass: model.DeviceClass) -> tuple[str, ...]:

@@ -99,9 +99,9 @@ __all__ = [
 
 #: A delete of a claim in these phases has nothing left to do: it answers the phase.
 DELETED_PHASES: Final = frozenset({"releasing", "withdrawn", "released"})
-_HOLDING_PHASES: Final = frozenset({"allocated", "ready", "stalled", "failed"})
+_HOLDING_PHASES: Final = frozenset({"allocated", "retrying", "ready", "stalled", "failed"})
 #: Phases a consumer may reserve a claim in (upstream: an allocated claim).
-_RESERVABLE_PHASES: Final = frozenset({"allocated", "ready", "stalled"})
+_RESERVABLE_PHASES: Final = frozenset({"allocated", "retrying", "ready", "stalled"})
 #: Consumers one claim may have (upstream's ResourceClaimReservedForMaxSize).
 MAX_RESERVED_FOR: Final = 256
 CONSUMER_RULE: Final = "must be pod/<the claim's namespace>/<pod name>"

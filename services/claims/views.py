@@ -64,6 +64,8 @@ class ShareView(msgspec.Struct, frozen=True, kw_only=True):
     level: str | None
     #: why the device's node agent reports it failing (``None``: healthy)
     unhealthy: str | None = None
+    #: when its agent tries the limit again after a retryable failure (ISO 8601)
+    retry_at: str | None = None
 
 
 class ConditionView(msgspec.Struct, frozen=True, kw_only=True):
@@ -207,6 +209,7 @@ def claim_view(state: ClusterState, claim: ClaimState) -> ClaimView:
                 state=share.state,
                 level=share.limit_level,
                 unhealthy=sick,
+                retry_at=share.retry_at.isoformat() if share.retry_at is not None else None,
             )
         )
     allocation = model_builtins(claim.allocation) if claim.allocation is not None else None

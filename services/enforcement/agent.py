@@ -10,9 +10,12 @@ another node's instructions. Its view of shares comes from a
   folded log: :meth:`Enforcer.apply` -> ``LimitApplied(level, actual)``. The claim
   becomes ``Ready`` in the fold only when every share has its limit (invariant 7);
   scheduling alone never makes it ready. A failing enforcer gives ``LimitFailed``:
-  a retryable failure is first retried through redelivery (the handler raises, the
-  consumer naks with back-off) and recorded only on the last delivery; a permanent
-  one is recorded at once and fails the claim.
+  a retryable failure is recorded at once with its next try's time and the claim is
+  ``retrying`` (visible, with the reason); the agent's retry sweep tries again when
+  the time comes, with back-off, for as long as the class's retry window allows
+  (:func:`~services.enforcement.decisions.decide_retries`) — the message is done, so
+  retries outlive redeliveries and restarts; a permanent failure (or the window's
+  end) fails the claim with the reason.
 * ``ReleaseRequested`` -> when the folded log has the claim ``releasing`` at that
   allocation version, for each of its shares on this node that is ``releasing`` (not
   ``unknown``: the reclamation service owns those):
@@ -128,6 +131,7 @@ from services.enforcement.decisions import (
     Failed,
     Task,
     Written,
+    decide_retries,
     decide_work,
     health_changes,
     limit_of,
@@ -136,7 +140,6 @@ from services.enforcement.decisions import (
     reconciled,
     record,
     released,
-    retry_later,
     set_aside,
     streams_to_check,
     uses,
@@ -154,6 +157,7 @@ from services.enforcement.reconciling import plan_reconcile, plan_return
 from services.enforcement.scanning import InventoryScanner
 from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.errors import ConflictError
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
 from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, ENFORCEMENT_LATENCY
@@ -161,6 +165,9 @@ from services.runtime.metrics import CLAIMS, ENFORCEMENT_LATENCY
 __all__ = ["Agent", "consumer_name"]
 
 log = logging.getLogger("dracap.agent")
+
+#: Seconds between the retry sweeps (a retry is due at most this late).
+RETRY_SWEEP_S: Final = 0.25
 
 _DURABLE_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_-]")
 _WORK: Final = (AllocationBound, ReleaseRequested)
@@ -243,6 +250,7 @@ class Agent:
             tasks.append(asyncio.create_task(self.scanner.run(stop, self.scan_interval)))
         if self.health_interval > 0:
             tasks.append(asyncio.create_task(self._watch(stop)))
+        tasks.append(asyncio.create_task(self._retry(stop)))
         try:
             await self.consumer.run(stop)
         finally:
@@ -262,6 +270,42 @@ class Agent:
         """The lease was lost: take the next one and decide what happened meanwhile."""
         await self.take_lease()
         await self.reconcile()
+
+    # -- retries -------------------------------------------------------------------------
+
+    async def _retry(self, stop: asyncio.Event) -> None:
+        """Every :data:`RETRY_SWEEP_S` until ``stop``: :meth:`retry_due`."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), RETRY_SWEEP_S)
+            if stop.is_set():
+                return
+            try:
+                await self.retry_due()
+            except ConflictError:
+                pass  # the state moved (a delete, a fence): the next sweep decides again
+            except Exception:
+                log.exception("retrying failed limits failed")
+
+    async def retry_due(self) -> Written | None:
+        """Apply again the limits whose retry time has come; record the outcomes."""
+        await self.lease.held.wait()
+        now = datetime.datetime.now(datetime.UTC)
+        await self.live.fresh(SEEN)  # its own last append included: versions must be current
+        async with self.live.frozen() as state:
+            tasks = decide_retries(state, self.node, now, self.enforcing)
+            if not tasks:
+                return None
+            streams = streams_to_check(self.node, tasks)
+            versions = {stream: await self.live.stream_version(stream) for stream in streams}
+        outcomes = await self._enforce(tasks)
+        written = record(self.node, list(tasks), outcomes, versions, now)
+        batches = [
+            Batch(stream, version, events)
+            for stream, (version, events, _) in written.streams.items()
+        ]
+        await self.store.append_many(batches, Metadata(actor=self.lease.actor))
+        return written
 
     # -- device health -----------------------------------------------------------------------
 
@@ -504,7 +548,7 @@ class Agent:
             tasks = decide_work(state, self.node, mine, self.enforcing)
             streams = streams_to_check(self.node, tasks)
             versions = {stream: await self.live.stream_version(stream) for stream in streams}
-        outcomes = await self._enforce(ctx, tasks)
+        outcomes = await self._enforce(tasks)
         written = record(self.node, tasks, outcomes, versions)
         return Handled(
             batches=_batches(written, mine),
@@ -512,27 +556,23 @@ class Agent:
             on_commit=_counters(written, mine),
         )
 
-    async def _enforce(
-        self, ctx: HandlerContext, tasks: Sequence[Task]
-    ) -> dict[str, AppliedLimit | Failed]:
+    async def _enforce(self, tasks: Sequence[Task]) -> dict[str, AppliedLimit | Failed]:
         """Run the enforcers for ``tasks``; the outcome of each apply, by share id.
 
-        A failure left to redelivery (:func:`retry_later`) and a failed removal raise:
-        the consumer naks the messages and nothing is recorded.
+        A failed apply is an outcome (recorded, and retried by the sweep when it is
+        retryable); a failed removal raises: the consumer naks the messages and nothing
+        is recorded.
         """
         outcomes: dict[str, AppliedLimit | Failed] = {}
         for task in tasks:
             if isinstance(task, Enforce):
                 for refusal in task.refused:
                     log.error("limit of share %s not applied: %s", refusal.share_id, refusal.reason)
-                delivery = ctx.deliveries.get(task.message, ctx.delivery)
                 for limit in task.limits:
                     try:
                         outcomes[limit.share_id] = await self._apply(limit)
                     except EnforcementError as exc:
                         retryable = isinstance(exc, RetryableEnforcementError)
-                        if retry_later(retryable, delivery, self.max_deliver):
-                            raise
                         log.error("limit of share %s failed: %s", limit.share_id, exc)
                         outcomes[limit.share_id] = Failed(retryable=retryable, reason=str(exc))
             else:

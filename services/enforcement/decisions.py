@@ -18,12 +18,21 @@ Work (:func:`decide_work`, on the folded state; a message only says where to loo
 
 A message that asks nothing of this node gives no task.
 
+Retries (:func:`decide_retries`): no message drives them. The agent sweeps its node's
+claims in phase ``retrying`` and makes an :class:`Enforce` of each share whose
+``retry_at`` has come, exactly as for its ``AllocationBound``; so a restarted agent
+carries on where the log says.
+
 Record (:func:`record`, from the enforcers' outcomes)
 
-* an applied limit -> ``LimitApplied(level, actual)``; a failed one -> ``LimitFailed``
-  (a retryable failure is recorded only when it will not be retried by redelivery,
-  :func:`retry_later`); a refused one -> ``LimitFailed(retryable=False)`` with the
-  refusal's reason; all on the node stream at the version read with the state;
+* an applied limit -> ``LimitApplied(level, actual)``; a failed one -> ``LimitFailed``:
+  a retryable failure is recorded at once with the next try's time (back-off from
+  :data:`RETRY_BASE_S`, doubling, at most :data:`RETRY_MAX_S`), the share's first
+  failure time and the try's number, unless the next try would fall outside the class's
+  retry window (``dracap.io/enforcement-retry-window``, default 10 min), when it is
+  recorded as permanent ("gave up after N tries"); a refused one ->
+  ``LimitFailed(retryable=False)`` with the refusal's reason; all on the node stream at
+  the version read with the state;
 * every :class:`Enforce` with an outcome also checks its claim stream's version (a
   batch without events): a ``ReleaseRequested`` that got in first makes the append
   conflict, and the redelivery finds the share releasing — ``LimitApplied`` never
@@ -64,7 +73,9 @@ from events.catalog import (
     node_stream,
 )
 from events.fold import ClusterState, DeviceKey, ShareState
+from events.model import DeviceClass
 from events.quantities import Quantity
+from events.tenancy import DEFAULT_RETRY_WINDOW_S, retry_window
 from services.enforcement.checkpointing import CheckpointEntry, CheckpointWarning
 from services.enforcement.enforcers import AppliedLimit, ShareLimit
 from services.enforcement.reconciling import ReconcilePlan
@@ -76,6 +87,7 @@ __all__ = [
     "Release",
     "Task",
     "Written",
+    "decide_retries",
     "decide_work",
     "health_changes",
     "limit_of",
@@ -84,7 +96,7 @@ __all__ = [
     "reconciled",
     "record",
     "released",
-    "retry_later",
+    "retry_state",
     "set_aside",
     "streams_to_check",
     "uses",
@@ -105,14 +117,24 @@ class Refused(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+class RetryState(msgspec.Struct, frozen=True, kw_only=True):
+    """A share's retryable failures so far and how long its class lets them go on."""
+
+    attempts: int = 0
+    failing_since: datetime.datetime | None = None
+    window_s: float = DEFAULT_RETRY_WINDOW_S
+
+
 class Enforce(msgspec.Struct, frozen=True, kw_only=True):
-    """Put limits in force for one ``AllocationBound`` (event id ``message``)."""
+    """Put limits in force for one ``AllocationBound`` (event id ``message``), or for a
+    retry the agent's sweep decided (``message``: ``retry:<claim>``)."""
 
     message: str
     guard: str  #: the claim stream, whose version the append checks
     limits: tuple[ShareLimit, ...]
     shares: int  #: shares in the allocation: the claim is ready when all are applied
     refused: tuple[Refused, ...] = ()  #: never handed to an enforcer: a terminal failure
+    retries: dict[str, RetryState] = {}  #: by share id
 
 
 class Release(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,7 +148,7 @@ Task: TypeAlias = Enforce | Release
 
 
 class Failed(msgspec.Struct, frozen=True, kw_only=True):
-    """An enforcer could not apply a limit (and it is not retried by redelivery)."""
+    """An enforcer could not apply a limit (a retryable one is tried again by the sweep)."""
 
     retryable: bool
     reason: str
@@ -209,6 +231,115 @@ def _enforce(
         limits=tuple(limits),
         shares=len(event.share_ids),
         refused=tuple(refused),
+        retries={
+            limit.share_id: retry_state(state, state.shares[limit.share_id]) for limit in limits
+        },
+    )
+
+
+def retry_state(state: ClusterState, share: ShareState) -> RetryState:
+    """The share's failures so far and its class's retry window."""
+    return RetryState(
+        attempts=share.attempts,
+        failing_since=share.failing_since,
+        window_s=retry_window(_class_of(state, share)),
+    )
+
+
+def _class_of(state: ClusterState, share: ShareState) -> DeviceClass | None:
+    """The DeviceClass of the request the share was granted for (``None``: unknown)."""
+    claim = state.claims.get(share.claim)
+    if claim is None or claim.claim is None or claim.claim.spec.devices is None:
+        return None
+    name, _, sub = share.request.partition("/")
+    for request in claim.claim.spec.devices.requests or ():
+        if request.name != name:
+            continue
+        if request.exactly is not None:
+            cls = state.classes.get(request.exactly.device_class_name)
+            return cls.device_class if cls is not None else None
+        for candidate in request.first_available or ():
+            if candidate.name == sub:
+                cls = state.classes.get(candidate.device_class_name)
+                return cls.device_class if cls is not None else None
+    return None
+
+
+def decide_retries(
+    state: ClusterState,
+    node: str,
+    now: datetime.datetime,
+    enforcing: Mapping[str, ShareLimit],
+) -> list[Enforce]:
+    """The retries due on ``node`` at ``now``: one :class:`Enforce` per ``retrying`` claim
+    with a share whose ``retry_at`` has come (see the module docstring)."""
+    tasks: list[Enforce] = []
+    counted = dict(enforcing)
+    for key, claim in state.claims.items():
+        if claim.phase != "retrying":
+            continue
+        limits: list[ShareLimit] = []
+        refused: list[Refused] = []
+        for share_id in claim.share_ids:
+            share = state.shares.get(share_id)
+            if share is None or not _mine(share, node) or share.state not in _APPLICABLE:
+                continue
+            if share.retry_at is None or share.retry_at > now:
+                continue
+            limit = limit_of(share)
+            reason = overcommit(state, counted, limit)
+            if reason is not None:
+                refused.append(Refused(share_id=share_id, reason=reason))
+                continue
+            limits.append(limit)
+            counted[share_id] = limit
+        if limits or refused:
+            tasks.append(
+                Enforce(
+                    message=f"retry:{key[0]}/{key[1]}",
+                    guard=claim_stream(*key),
+                    limits=tuple(limits),
+                    shares=len(claim.share_ids),
+                    refused=tuple(refused),
+                    retries={
+                        limit.share_id: retry_state(state, state.shares[limit.share_id])
+                        for limit in limits
+                    },
+                )
+            )
+    return tasks
+
+
+#: The first retry comes this long after a retryable failure; each next one twice as late.
+RETRY_BASE_S: Final = 0.5
+#: Retries are never further apart than this.
+RETRY_MAX_S: Final = 30.0
+
+
+def _failed(
+    node: str, share_id: str, outcome: Failed, retry: RetryState | None, now: datetime.datetime
+) -> LimitFailed:
+    """``LimitFailed`` of a failed apply: with its next try, or final (see the module)."""
+    if not outcome.retryable:
+        return LimitFailed(share_id=share_id, node=node, retryable=False, reason=outcome.reason)
+    retry = retry or RetryState()
+    attempt = retry.attempts + 1
+    since = retry.failing_since or now
+    delay = min(RETRY_BASE_S * 2 ** (attempt - 1), RETRY_MAX_S)
+    if (now - since).total_seconds() + delay > retry.window_s:
+        reason = (
+            f"{outcome.reason} (gave up after {attempt} tries over "
+            f"{(now - since).total_seconds():.0f}s; the class allows {retry.window_s:g}s)"
+        )
+        return LimitFailed(share_id=share_id, node=node, retryable=False, reason=reason)
+    return LimitFailed(
+        share_id=share_id,
+        node=node,
+        retryable=True,
+        reason=outcome.reason,
+        retry_at=now + datetime.timedelta(seconds=delay),
+        failing_since=since,
+        attempt=attempt,
     )
 
 
@@ -277,25 +408,33 @@ def streams_to_check(node: str, tasks: Sequence[Task]) -> list[str]:
     return [node_stream(node), *(t.guard for t in tasks if isinstance(t, Enforce))]
 
 
-def retry_later(retryable: bool, delivery: int, max_deliver: int) -> bool:
-    """Whether a failed apply is left to redelivery instead of being recorded."""
-    return retryable and delivery < max_deliver
-
-
 def record(
     node: str,
     tasks: Sequence[Task],
     outcomes: Mapping[str, AppliedLimit | Failed],
     versions: Mapping[str, int],
+    now: datetime.datetime | None = None,
 ) -> Written:
-    """The events of ``tasks`` done, given each applied share's outcome (by share id)."""
+    """The events of ``tasks`` done, given each applied share's outcome (by share id);
+    ``now`` dates a retryable failure's next try (default: the clock)."""
     out = Written()
+    when = now or datetime.datetime.now(datetime.UTC)
     stream = node_stream(node)
     for task in tasks:
         if isinstance(task, Enforce):
             applied = 0
             for limit in task.limits:
-                event = _applied(node, limit.share_id, outcomes[limit.share_id])
+                outcome = outcomes[limit.share_id]
+                event: Event = (
+                    _failed(node, limit.share_id, outcome, task.retries.get(limit.share_id), when)
+                    if isinstance(outcome, Failed)
+                    else LimitApplied(
+                        share_id=limit.share_id,
+                        node=node,
+                        level=outcome.level,
+                        actual=outcome.actual,
+                    )
+                )
                 applied += isinstance(event, LimitApplied)
                 out.add(stream, versions[stream], event, task.message)
             for refusal in task.refused:
@@ -314,14 +453,6 @@ def record(
                 out.add(device, None, released, task.message)
             out.released.append(task.message)
     return out
-
-
-def _applied(node: str, share_id: str, outcome: AppliedLimit | Failed) -> Event:
-    if isinstance(outcome, Failed):
-        return LimitFailed(
-            share_id=share_id, node=node, retryable=outcome.retryable, reason=outcome.reason
-        )
-    return LimitApplied(share_id=share_id, node=node, level=outcome.level, actual=outcome.actual)
 
 
 # -- reconcile ------------------------------------------------------------------------

@@ -332,11 +332,26 @@ async def test_the_type_of_an_enforcement_error_decides_retry_or_failure(
     pipeline: Pipeline, settings: Settings
 ) -> None:
     agent = pipeline.agents[0]
-    agent.enforcer = FailingEnforcer(RetryableEnforcementError("daemon still starting"))
+    agent.enforcer = FailingEnforcer(*[RetryableEnforcementError("daemon still starting")] * 2)
     assert (await pipeline.tenant("tenant-a", "apply", claim_manifest("again", "tenant-a")))["ok"]
     await pipeline.until(phase_is("tenant-a", "again", "ready"))
     (share,) = [s for s in (await pipeline.state()).shares.values() if s.claim[1] == "again"]
-    assert share.last_error is None  # retried through redelivery, never recorded
+    assert share.last_error == "daemon still starting"  # visible: recorded at once
+    store = pipeline.stores[0]
+    tries = [
+        e.event
+        async for e in store.read_all()
+        if isinstance(e.event, LimitFailed) and e.event.share_id == share.share_id
+    ]
+    assert [(f.retryable, f.attempt) for f in tries] == [(True, 1), (True, 2)]
+    assert tries[0].retry_at is not None and tries[1].retry_at is not None
+    assert tries[1].retry_at - tries[1].failing_since > tries[0].retry_at - tries[0].failing_since
+    phases = [
+        e.event
+        async for e in store.read_all()
+        if isinstance(e.event, LimitFailed | LimitApplied) and e.event.share_id == share.share_id
+    ]
+    assert isinstance(phases[-1], LimitApplied)  # the sweep's third try applied it
 
     agent.enforcer = FailingEnforcer(PermanentEnforcementError("no such GPU"))
     assert (await pipeline.tenant("tenant-a", "apply", claim_manifest("never", "tenant-a")))["ok"]

@@ -18,14 +18,17 @@ from events import catalog as c
 from events.quantities import Quantity
 from services.enforcement.checkpointing import CheckpointWarning
 from services.enforcement.decisions import (
+    RETRY_BASE_S,
+    RETRY_MAX_S,
     Enforce,
     Failed,
+    RetryState,
+    decide_retries,
     decide_work,
     limit_of,
     rebuilt_entries,
     reconciled,
     record,
-    retry_later,
     set_aside,
     streams_to_check,
 )
@@ -335,16 +338,68 @@ def test_agent_work(case: Case) -> None:
         assert len(caused_by) == len(events)  # every event names the message behind it
 
 
-@pytest.mark.parametrize(
-    ("retryable", "delivery", "max_deliver", "later"),
-    [
-        pytest.param(True, 1, 5, True, id="a-retryable-failure-is-retried-by-redelivery"),
-        pytest.param(True, 5, 5, False, id="on-the-last-delivery-it-is-recorded"),
-        pytest.param(False, 1, 5, False, id="a-permanent-failure-is-recorded-at-once"),
-    ],
-)
-def test_retry_later(retryable: bool, delivery: int, max_deliver: int, later: bool) -> None:
-    assert retry_later(retryable, delivery, max_deliver) is later
+_T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+_LIMIT = ShareLimit(share_id="s-1", driver=DRIVER, pool=POOL, device="gpu-0", consumed={})
+
+
+def _recorded(outcome: Failed, retry: RetryState, now: datetime.datetime) -> c.LimitFailed:
+    task = Enforce(
+        message="m", guard="claim:x/y", limits=(_LIMIT,), shares=1, retries={"s-1": retry}
+    )
+    written = record(NODE, [task], {"s-1": outcome}, {"node:" + NODE: 3, "claim:x/y": 1}, now)
+    [failed] = written.streams["node:" + NODE][1]
+    assert isinstance(failed, c.LimitFailed)
+    return failed
+
+
+def test_a_retryable_failure_is_recorded_at_once_with_its_next_try_and_back_off() -> None:
+    busy = Failed(retryable=True, reason="daemon still starting")
+    first = _recorded(busy, RetryState(window_s=600), _T0)
+    assert first.retryable and first.attempt == 1 and first.failing_since == _T0
+    assert first.retry_at == _T0 + datetime.timedelta(seconds=RETRY_BASE_S)
+    later = _T0 + datetime.timedelta(seconds=5)
+    fourth = _recorded(busy, RetryState(attempts=3, failing_since=_T0, window_s=600), later)
+    assert fourth.attempt == 4 and fourth.failing_since == _T0
+    assert fourth.retry_at == later + datetime.timedelta(seconds=RETRY_BASE_S * 8)
+    many = _recorded(busy, RetryState(attempts=20, failing_since=_T0, window_s=600), later)
+    assert many.retry_at == later + datetime.timedelta(seconds=RETRY_MAX_S)
+
+
+def test_a_retry_past_the_class_window_is_a_final_failure() -> None:
+    busy = Failed(retryable=True, reason="daemon still starting")
+    late = _T0 + datetime.timedelta(seconds=59.9)
+    final = _recorded(busy, RetryState(attempts=6, failing_since=_T0, window_s=60), late)
+    assert not final.retryable and final.retry_at is None
+    assert final.reason.startswith("daemon still starting (gave up after 7 tries")
+    permanent = _recorded(Failed(retryable=False, reason="no such GPU"), RetryState(), _T0)
+    assert not permanent.retryable and permanent.reason == "no such GPU"
+
+
+def test_the_sweep_retries_a_retrying_claims_due_shares_only() -> None:
+    log = Log(*inventory(gpu()))
+    log.add(c.NodeLeaseAcquired(node=NODE, epoch=1, boot_id="b", ttl_ms=10_000))
+    rc = claim(request("gpu", {"memory": "10Gi"}), name="job", namespace=NAMESPACE)
+    log.reserve(rc)
+    state = log.state()
+    [share_id] = state.claim(NAMESPACE, "job").share_ids  # type: ignore[union-attr]
+    due = _T0 + datetime.timedelta(seconds=1)
+    log.add(
+        c.LimitFailed(
+            share_id=share_id, node=NODE, retryable=True, reason="busy",
+            retry_at=due, failing_since=_T0, attempt=1,
+        )
+    )  # fmt: skip
+    state = log.state()
+    job = state.claim(NAMESPACE, "job")
+    assert job is not None and job.phase == "retrying" and "next try at" in (job.reason or "")
+    assert decide_retries(state, NODE, _T0, {}) == []  # not yet
+    [task] = decide_retries(state, NODE, due, {})
+    assert [limit.share_id for limit in task.limits] == [share_id]
+    assert task.retries[share_id].attempts == 1 and task.retries[share_id].window_s == 600
+    assert decide_retries(state, "node-b", due, {}) == []
+    log.add(c.LimitApplied(share_id=share_id, node=NODE, level="hard", actual={}))
+    job = log.state().claim(NAMESPACE, "job")
+    assert job is not None and job.phase == "ready"
 
 
 # --- reconcile ------------------------------------------------------------------------
