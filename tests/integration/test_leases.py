@@ -8,6 +8,8 @@ without a bus or an agent process: what must hold at the store itself.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -178,3 +180,35 @@ async def test_the_fence_hook_fences_a_node_it_reports_off(
         assert calls.read_text().count("\n") == 1
     report = await verify(settings, from_start=True)
     assert report.ok, summary(report)
+
+
+async def test_dracap_reclaim_runs_on_its_own_and_refuses_bad_flags(
+    store: EventStore, settings: Settings, tmp_path: Path
+) -> None:
+    lease, _ = await _with_share(store, ttl_s=0.2)
+    env = {**os.environ, "DRACAP_APP_ROLE": settings.app_role}
+    argv = [sys.executable, "-m", "services.cli", "reclaim", "--database-url",
+            settings.database_url, "--poll", "0.05", "--name", "reclamation-7"]  # fmt: skip
+    log = (tmp_path / "reclaim.log").open("wb")
+    process = await asyncio.create_subprocess_exec(*argv, env=env, stdout=log, stderr=log)
+    log.close()
+    try:
+        async with asyncio.timeout(30):
+            while not await _events(store, c.NodeLeaseExpired):
+                await store.wait_for_new(await store.head(), 0.2)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = await process.wait()
+    [expired] = await _events(store, c.NodeLeaseExpired)
+    assert expired.actor == "system:reclamation-7" and expired.event.epoch == lease.epoch
+    assert code == 0, (tmp_path / "reclaim.log").read_text()
+
+    for bad, says in (
+        (["--poll", "0"], "--poll must be a positive number"),
+        (["--fence-hook", '"unclosed'], "--fence-hook"),
+    ):
+        done = await asyncio.create_subprocess_exec(
+            *argv[:6], *bad, env=env, stderr=asyncio.subprocess.PIPE
+        )
+        _, err = await done.communicate()
+        assert done.returncode == 2 and says in err.decode() and err.decode().count("\n") == 1

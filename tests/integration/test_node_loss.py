@@ -183,6 +183,10 @@ async def test_a_lost_node_holds_its_capacity_until_fenced_then_a_new_boot_serve
     reason = stack.view.state.claim(NAMESPACE, "d").reason  # type: ignore[union-attr]
     assert reason is not None and "dracap.io/node-lost" in reason and "unknown shares" in reason
 
+    code, _ = await stack.dracap("node", "list", "-o", "json")
+    listed = {n["node"]: n for n in json.loads(capsys.readouterr().out)}
+    assert code == ExitCode.OK and listed[stack.node]["lease"] == "expired"
+    assert len(listed[stack.node]["unknown_shares"]) == 2
     code, _ = await stack.dracap("node", "get", stack.node, "-o", "json")
     shown = json.loads(capsys.readouterr().out)
     assert code == ExitCode.OK and shown["lease"] == "expired" and shown["epoch"] == 1
