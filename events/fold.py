@@ -1315,6 +1315,8 @@ def _claim_unreserved(state: ClusterState, ev: ClaimUnreserved, position: int) -
 
 def _share_used(state: ClusterState, ev: ShareUsed, position: int) -> None:
     share = _share_for(state, ev.share_id, position)
+    if share.node is not None and share.node != ev.node:
+        return  # another node's report about it: the store refuses those; nothing here
     share.used = True
     claim = state.claims.get(share.claim)
     if claim is not None and claim.allocation_version == share.allocation_version:

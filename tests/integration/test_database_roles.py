@@ -280,6 +280,11 @@ def _refusals(a: str, b: str) -> dict[str, list[Event]]:
     return {
         "not an agent's event": [catalog.ClaimAdmitted(namespace="team-a", name="c1")],
         "another node's removal": [catalog.LimitRemoved(share_id=_share(b), node=b)],
+        "another node's share, named as its own": [_applied(_share(b), a)],
+        "confirming another node's share": [catalog.ShareConfirmed(share_id=_share(b), node=a)],
+        "using another node's share": [
+            catalog.ShareUsed(share_id=_share(b), node=a, evidence="forged")
+        ],
         "another node's reconcile": [catalog.EnforcementReconciled(node=b)],
         "another node's slice": [_slice(f"{b}-extra", b, b)],
         "a slice name of another node": [_slice(f"{b}-gpus", a, a)],
