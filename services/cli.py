@@ -42,6 +42,7 @@ COMMANDS: Final = {
     "node": "services.claims.command",
     "agent": "services.enforcement.command",
     "reclaim": "services.reclamation.command",
+    "serve": "services.serve",
     "prove": "services.prove",
     "auth": "services.brokerauth",
     "simulate": "services.planning.command",

@@ -1,0 +1,201 @@
+"""``dracap serve relay|claims|reservation``: one control-plane service as its own process.
+
+``dracap up`` runs every service in one process; a deployment (compose, Kubernetes)
+runs each as its own, so each can be scaled, restarted and given its own credentials.
+The node agent (``dracap agent``) and the reclamation service (``dracap reclaim``) have
+their commands already; this module gives the other three theirs:
+
+* ``relay``: the transactional outbox, from the event log to the JetStream stream
+  (:class:`~services.runtime.relaying.Relay`); run one;
+* ``claims``: the claims and admin API (:class:`~services.claims.api.ClaimsApi`) with
+  its live state; instances share the load in their NATS queue group;
+* ``reservation``: a reservation worker (:class:`~services.reservation.service.
+  ReservationService`); workers share the durable consumers.
+
+Servers are found as every command finds them (:mod:`services.runtime.endpoints`):
+``--database-url`` / ``--nats``, else ``DRACAP_DATABASE_URL_<KIND>`` (the service's own
+database user) / ``DRACAP_NATS_URL``, else ``DRACAP_DATABASE_URL``, else
+``<data-dir>/connection.json``. The NATS login is ``--creds`` / ``DRACAP_NATS_CREDS``,
+else the service's file in ``<data-dir>/auth`` (``dracap auth init``), else none. The
+claims API requires the broker's identity on every request when it finds the broker's
+directory (``<data-dir>/auth/directory.json``, or ``--directory``), and serves
+anonymously only with ``--insecure``. Each stops on SIGINT or SIGTERM; a server that
+cannot be reached at start is one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Final
+
+from events.subjects import BusNames
+from services.exitcodes import CommandError, ExitCode
+from services.runtime import eventloop
+from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.credentials import AUTH_DIR, AuthDir, Credential, read_directory
+from services.runtime.endpoints import (
+    Endpoints,
+    add_endpoint_arguments,
+    endpoints_from_args,
+    reaching,
+)
+from services.runtime.eventstore import EventStore
+from services.runtime.gctuning import tune_for_long_lived_state
+from services.runtime.livestate import HEAD, LiveState
+from services.runtime.metrics import start_metrics_server
+from services.runtime.settings import ServiceKind, SettingsError, load_settings
+
+log = logging.getLogger("dracap.serve")
+
+#: The services this command runs, with the database role each connects as.
+SERVICES: Final = {
+    "relay": ServiceKind.RELAY,
+    "claims": ServiceKind.CLAIMS,
+    "reservation": ServiceKind.RESERVATION,
+}
+
+
+def _login(args: argparse.Namespace, endpoints: Endpoints) -> Credential | None:
+    """``--creds`` / ``DRACAP_NATS_CREDS``, else the service's own file, else none."""
+    if args.creds or os.environ.get("DRACAP_NATS_CREDS"):
+        return endpoints.credential()
+    auth = AuthDir(Path(args.data_dir) / AUTH_DIR)
+    path = auth.path / "creds" / f"service-{args.service}.creds"
+    return auth.service(args.service) if path.exists() else None
+
+
+def _directory_path(args: argparse.Namespace) -> Path | None:
+    if args.directory:
+        return Path(args.directory)
+    path = AuthDir(Path(args.data_dir) / AUTH_DIR).directory
+    return path if path.exists() else None
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run ``args.service`` until a signal arrives."""
+    tune_for_long_lived_state()
+    endpoints = endpoints_from_args(args, service=SERVICES[args.service])
+    database_url, nats_url = endpoints.database(), endpoints.nats()
+    settings = endpoints.settings(load_settings())
+    names = BusNames(endpoints.prefix)
+    directory = None
+    if args.service == "claims" and not args.insecure:
+        path = _directory_path(args)
+        if path is None:
+            raise CommandError(
+                "the claims API needs the broker's directory to know who sends each request "
+                "(dracap auth init writes <data-dir>/auth/directory.json; --directory FILE); "
+                "--insecure serves anonymous requests",
+                ExitCode.BAD_INPUT,
+            )
+        directory = read_directory(path)
+    with reaching("PostgreSQL", database_url):
+        store = await EventStore.open(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    server = None
+    try:
+        with reaching("NATS", nats_url):
+            nc, js = await connect_bus(
+                nats_url, name=f"dracap-{args.service}", credential=_login(args, endpoints)
+            )
+        try:
+            if args.metrics_port:
+                server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
+            await ensure_stream(js, names)
+            run = await _service(args.service, store, nc, js, names, directory)
+            log.info("%s started (prefix %s)", args.service, names.prefix)
+            await run(stop)
+        finally:
+            if server is not None:
+                server.shutdown()
+            with contextlib.suppress(Exception):
+                await nc.drain()
+    finally:
+        await store.close()
+    return ExitCode.OK
+
+
+async def _service(
+    name: str, store: EventStore, nc: Any, js: Any, names: BusNames, directory: Any
+) -> Callable[[asyncio.Event], Awaitable[None]]:
+    """The ``run(stop)`` of service ``name``, started."""
+    if name == "relay":
+        from services.runtime.relaying import Relay
+
+        return Relay(store, js, names).run
+    live = LiveState(store)
+    await live.fresh(HEAD)
+    if name == "claims":
+        from services.claims.api import ClaimsApi
+
+        api = ClaimsApi(
+            store,
+            live,
+            nc,
+            names,
+            directory=directory,
+            authenticated=directory is not None,
+            tail=True,  # nobody else folds the log in this process
+        )
+        await api.start()
+        return api.run
+    from services.reservation.service import ReservationService
+
+    service = ReservationService(store, live, js, names)
+
+    async def reservation(stop: asyncio.Event) -> None:
+        tail = asyncio.create_task(live.run(stop))
+        try:
+            await service.run(stop)
+        finally:
+            stop.set()
+            await tail
+
+    return reservation
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``dracap serve``."""
+    try:
+        return eventloop.run(serve(args))
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    except KeyboardInterrupt:
+        return ExitCode.OK
+
+
+def register(sub: Any) -> None:
+    """Add ``dracap serve`` to the command line."""
+    parser = sub.add_parser(
+        "serve",
+        help="run one control-plane service as its own process (relay, claims, reservation)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    parser.add_argument("service", choices=sorted(SERVICES), help="the service to run")
+    add_endpoint_arguments(parser, database=True, nats=True)
+    parser.add_argument(
+        "--directory",
+        metavar="FILE",
+        help="the broker's directory of users (claims; default <data-dir>/auth/directory.json)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="claims: serve requests without the broker's identity (experiments only)",
+    )
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    parser.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR")
+    parser.set_defaults(func=run)

@@ -1,0 +1,187 @@
+"""Every control-plane service as its own process, as a deployment runs them.
+
+``dracap serve relay``, ``dracap serve claims --insecure``, ``dracap serve
+reservation``, ``dracap reclaim`` and ``dracap agent`` run as separate processes against
+the real PostgreSQL and nats-server (one subject prefix for the test); the test loads
+an inventory through the admin API and takes a claim through apply -> Ready -> delete
+-> released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.exitcodes import ExitCode
+from services.runtime.apiclient import ApiClient, ApiError
+from services.runtime.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = "gpu.dracap.io"
+NAMESPACE = "tenant-a"
+
+
+def _inventory() -> tuple[bytes, bytes]:
+    device_class = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": DRIVER},
+        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+    }
+    rslice = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "node-a-gpus"},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": "node-a",
+            "pool": {"name": "node-a-gpus", "generation": 1, "resourceSliceCount": 1},
+            "devices": [
+                {
+                    "name": "gpu-0",
+                    "allowMultipleAllocations": True,
+                    "capacity": {"memory": {"value": "40Gi"}},
+                }
+            ],
+        },
+    }
+    return json.dumps(device_class).encode(), json.dumps(rslice).encode()
+
+
+def _claim(name: str) -> bytes:
+    exactly = {"deviceClassName": DRIVER, "capacity": {"requests": {"memory": "10Gi"}}}
+    return json.dumps(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
+        }
+    ).encode()
+
+
+class Processes:
+    def __init__(self, settings: Settings, nats_url: str, prefix: str, tmp: Path) -> None:
+        self.settings, self.nats_url, self.prefix, self.tmp = settings, nats_url, prefix, tmp
+        self.running: dict[str, asyncio.subprocess.Process] = {}
+        self.env = {**os.environ, "DRACAP_APP_ROLE": settings.app_role}
+        self.env.pop("DRACAP_NATS_CREDS", None)
+
+    def argv(self, *words: str, database: bool = True, nats: bool = True) -> list[str]:
+        out = [sys.executable, "-m", "services.cli", *words, "--data-dir", str(self.tmp / "d")]
+        if database:
+            out += ["--database-url", self.settings.database_url]
+        if nats:
+            out += ["--nats", self.nats_url, "--prefix", self.prefix]
+        return out
+
+    async def start(self, name: str, argv: list[str]) -> None:
+        log = (self.tmp / f"{name}.log").open("wb")
+        self.running[name] = await asyncio.create_subprocess_exec(
+            *argv, cwd=ROOT, env=self.env, stdout=log, stderr=log
+        )
+        log.close()
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+            for p in sorted(self.tmp.glob("*.log"))
+        )
+
+    async def stop(self) -> dict[str, int | None]:
+        for process in self.running.values():
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+        codes: dict[str, int | None] = {}
+        for name, process in self.running.items():
+            try:
+                async with asyncio.timeout(30):
+                    codes[name] = await process.wait()
+            except TimeoutError:
+                process.kill()
+                codes[name] = await process.wait()
+        return codes
+
+
+@pytest.fixture
+async def services(
+    settings: Settings, nats_url: str, tmp_path: Path
+) -> AsyncIterator[tuple[Processes, ApiClient]]:
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    procs = Processes(settings, nats_url, prefix, tmp_path)
+    await procs.start("relay", procs.argv("serve", "relay"))
+    await procs.start("claims", procs.argv("serve", "claims", "--insecure"))
+    await procs.start("reservation", procs.argv("serve", "reservation"))
+    await procs.start("reclaim", procs.argv("reclaim", "--poll", "0.2", nats=False))
+    agent = procs.argv("agent", "--node", "node-a", "--checkpoint", "none", "--metrics-port", "0")
+    await procs.start("agent", agent)
+    try:
+        async with ApiClient.connect(nats_url, prefix) as api:
+            yield procs, api
+    finally:
+        codes = await procs.stop()
+        assert all(code == 0 for code in codes.values()), (codes, procs.logs())
+
+
+async def _admin(api: ApiClient, op: str, body: Any) -> None:
+    """Retry until the claims API process answers (it is starting)."""
+    async with asyncio.timeout(60):
+        while True:
+            try:
+                await api.admin(op, body)
+                return
+            except ApiError:
+                raise
+            except Exception:
+                await asyncio.sleep(0.2)
+
+
+async def _phase(api: ApiClient, name: str, want: str, procs: Processes) -> dict[str, Any]:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(60):
+            while True:
+                view: dict[str, Any] = (await api.claims(NAMESPACE, "get", {"name": name}))["claim"]
+                if view["phase"] == want:
+                    return view
+                await asyncio.sleep(0.1)
+    raise AssertionError(f"claim {name} never {want}:\n{procs.logs()}")
+
+
+async def test_each_service_as_its_own_process_serves_the_claim_flow(
+    services: tuple[Processes, ApiClient],
+) -> None:
+    procs, api = services
+    device_class, rslice = _inventory()
+    await _admin(api, "deviceclasses.apply", device_class)
+    await api.admin("slices.apply", rslice)
+    await api.admin("namespaces.access", {"namespace": NAMESPACE, "classes": ["*"]})
+    await api.claims(NAMESPACE, "apply", _claim("train"))
+    ready = await _phase(api, "train", "ready", procs)
+    assert ready["shares"][0]["consumed"] == {"memory": "10Gi"}
+    await api.claims(NAMESPACE, "delete", {"name": "train"})
+    await _phase(api, "train", "released", procs)
+    nodes = (await api.admin("nodes.list"))["nodes"]
+    assert [(n["node"], n["lease"]) for n in nodes] == [("node-a", "live")]
+
+
+async def test_the_claims_api_will_not_serve_anonymously_unless_told(
+    settings: Settings, nats_url: str, tmp_path: Path
+) -> None:
+    procs = Processes(settings, nats_url, "tnoauth", tmp_path)
+    done = await asyncio.create_subprocess_exec(
+        *procs.argv("serve", "claims"), cwd=ROOT, env=procs.env, stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await done.communicate()
+    text = err.decode()
+    assert done.returncode == ExitCode.BAD_INPUT and text.count("\n") == 1, text
+    assert "directory" in text and "--insecure" in text
