@@ -47,6 +47,8 @@ from services.runtime.metrics import (
     CLAIMS,
     CONSUMER_REDELIVERIES,
     DEAD_LETTERS,
+    FENCE_HOOK_RUNS,
+    NODE_TRANSITIONS,
 )
 
 __all__ = [
@@ -60,7 +62,18 @@ __all__ = [
 log = logging.getLogger("dracap.gauges")
 
 #: The outcomes ``dracap_claims_total`` is counted under (see the services that count).
-CLAIM_OUTCOMES: Final = ("admitted", "rejected", "allocated", "unschedulable", "ready", "released")
+CLAIM_OUTCOMES: Final = (
+    "admitted",
+    "rejected",
+    "allocated",
+    "unschedulable",
+    "ready",
+    "released",
+    "not_started_release",
+    "not_started_stall",
+)
+NODE_TRANSITION_KINDS: Final = ("expired", "fenced_by_hook")
+FENCE_HOOK_OUTCOMES: Final = ("off", "failed", "timeout")
 
 _CAPACITY_EVENTS: Final = (CapacityReserved, CapacityReleased, NodeFenced)
 
@@ -185,6 +198,10 @@ def initialise_series(consumers: Iterable[str]) -> None:
     redelivery and dead-letter counters (an unset label set is absent from a scrape)."""
     for outcome in CLAIM_OUTCOMES:
         CLAIMS.labels(outcome=outcome)
+    for transition in NODE_TRANSITION_KINDS:
+        NODE_TRANSITIONS.labels(transition=transition)
+    for run in FENCE_HOOK_OUTCOMES:
+        FENCE_HOOK_RUNS.labels(outcome=run)
     for name in consumers:
         CONSUMER_REDELIVERIES.labels(consumer=name)
         DEAD_LETTERS.labels(consumer=name)
