@@ -1,8 +1,10 @@
 """The comparison PNG of ``dracap simulate --plot``: modes and policies side by side.
 
 One row per scenario (a trace), three panels: the allocated fraction over time per
-mode/policy; the allocated fraction at the first refusal and while saturated; the
-stranded fraction and the devices needed (relative to the most any of them needs).
+mode/policy; the allocated fraction at the first refusal, from the first refusal to the
+last arrival, and over the whole trace (a run that never refused a claim has no bar for
+the first two, marked "never refused"); the stranded fraction and the devices needed
+(relative to the most any of them needs).
 matplotlib is an optional dependency (``pip install 'dracap[plot]'``); without it
 ``--plot`` is refused with one line before anything is simulated.
 """
@@ -60,20 +62,34 @@ def _series(ax: Any, title: str, results: Sequence[SimResult]) -> None:
 
 
 def _ratios(ax: Any, results: Sequence[SimResult]) -> None:
+    """Allocated fraction at the first refusal, after it, and over the whole trace.
+
+    A run that never refused a claim has neither of the first two (no bar: "never
+    refused", not 0): claims too large for any device or slice are rejected on arrival,
+    which is not a refusal.
+    """
     labels = [r.label for r in results]
-    first = [r.allocated_at_first_refusal or 0.0 for r in results]
-    saturated = [r.allocated_saturated or 0.0 for r in results]
-    xs = range(len(results))
-    ax.bar([x - 0.2 for x in xs], first, 0.4, label="at first refusal")
-    ax.bar([x + 0.2 for x in xs], saturated, 0.4, label="saturated (churn)")
-    for x, (a, b) in enumerate(zip(first, saturated, strict=True)):
-        ax.text(x - 0.2, a + 0.01, f"{a:.2f}", ha="center", fontsize=7)
-        ax.text(x + 0.2, b + 0.01, f"{b:.2f}", ha="center", fontsize=7)
+    bars: list[tuple[str, list[float | None]]] = [
+        ("at first refusal", [r.allocated_at_first_refusal for r in results]),
+        ("first refusal to last arrival", [r.allocated_saturated for r in results]),
+        ("whole trace (mean)", [r.allocated_mean for r in results]),
+    ]
+    width = 0.27
+    for i, (label, values) in enumerate(bars):
+        offset = (i - 1) * width
+        xs = [x + offset for x in range(len(results))]
+        ax.bar(xs, [v if v is not None else 0.0 for v in values], width, label=label)
+        for x, value in zip(xs, values, strict=True):
+            if value is None:
+                ax.text(x, 0.02, "never refused", ha="center", va="bottom", rotation=90, fontsize=7)
+            else:
+                ax.text(x, value + 0.01, f"{value:.2f}", ha="center", fontsize=6)
     ax.axhline(0.95, color="grey", linestyle=":", linewidth=1)
-    ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_xticks(list(range(len(results))), labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylim(0, 1.1)
+    ax.set_ylabel("allocated / total capacity")
     ax.set_title("allocated fraction")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=7, loc="lower left")
 
 
 def _stranded(ax: Any, results: Sequence[SimResult]) -> None:
@@ -85,7 +101,8 @@ def _stranded(ax: Any, results: Sequence[SimResult]) -> None:
     needed = [r.devices_needed for r in results]
     most = max((n for n in needed if n is not None), default=0)
     xs = range(len(results))
-    ax.bar([x - 0.2 for x in xs], stranded, 0.4, color="tab:red", label="stranded % (saturated)")
+    label = "stranded % (saturated; else whole trace)"
+    ax.bar([x - 0.2 for x in xs], stranded, 0.4, color="tab:red", label=label)
     for x, value in enumerate(stranded):
         ax.text(x - 0.2, value, f"{value:.2f}", ha="center", va="bottom", fontsize=7)
     ax.set_ylabel("stranded % of capacity")
@@ -101,6 +118,6 @@ def _stranded(ax: Any, results: Sequence[SimResult]) -> None:
         twin.set_ylim(0, most * 1.15)
         lines = ax.get_legend_handles_labels()
         extra = twin.get_legend_handles_labels()
-        ax.legend(lines[0] + extra[0], lines[1] + extra[1], fontsize=8, loc="best")
+        ax.legend(lines[0] + extra[0], lines[1] + extra[1], fontsize=8, loc="upper right")
     else:
         ax.legend(fontsize=8, loc="upper left")

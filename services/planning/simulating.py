@@ -40,10 +40,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from events.model import ResourceClaim
 from services.planning.fleets import CAPACITY, CONSUMABLE, FIXED_SLICES, Fleet
 from services.planning.traces import TraceClaim
-from services.reservation.allocating import Allocator
+from services.reservation.allocating import Allocator, Prepared
 from services.reservation.outcomes import Allocated, Unschedulable
 
 __all__ = ["Options", "Sample", "SimResult", "compare", "devices_needed", "simulate"]
@@ -128,35 +127,47 @@ class _Engine:
         self.fleet = fleet
         self.options = options
         inventory = fleet.inventory()
-        counter = itertools.count()
-        self.allocator = Allocator(inventory, new_share_id=lambda: f"s{next(counter)}")
+        share_ids = map("s{}".format, itertools.count()).__next__  # s0, s1, ...
+        self.allocator = Allocator(inventory, new_share_id=share_ids)
         device_of = fleet.device_of()
         self.device_of_key = {entry.key: device_of(entry.key[2]) for entry in inventory.devices}
         self.free = [fleet.capacity] * fleet.devices
         self.free_count: dict[int, int] = {fleet.capacity: fleet.devices}
         self.max_free = fleet.capacity  # the largest key of free_count
-        self.templates: dict[int, ResourceClaim] = {}
-        self.held: dict[int, Allocated] = {}
+        self.templates: dict[int, Prepared] = {}  # size -> its claim, prepared once
+        self.needs: dict[int, int] = {}  # size -> Fleet.need(size)
+        #: what one grant takes: a whole slice, or (0) the capacity it consumed
+        self.slice_size = fleet.mode.slice_size if fleet.mode.kind == FIXED_SLICES else 0
+        #: a served claim's allocation and its moves: (device, bytes) per grant
+        self.held: dict[int, tuple[Allocated, list[tuple[int, int]]]] = {}
         self.asked = 0
         self.consumed = 0
         self.decision_ns: list[int] = []
 
+    def need(self, size: int) -> int:
+        """:meth:`Fleet.need`, remembered per size."""
+        need = self.needs.get(size)
+        if need is None:
+            need = self.needs[size] = self.fleet.need(size)
+        return need
+
+    def usable_free(self, free: int) -> int:
+        """:meth:`Fleet.usable_free`, inlined."""
+        return free - free % self.slice_size if self.slice_size else free
+
     # -- taking and giving back capacity
 
-    def _take(self, out: Allocated, sign: int) -> None:
-        fleet = self.fleet
-        free, counts, device_of = self.free, self.free_count, self.device_of_key
-        for grant in out.grants:
-            device = device_of[grant.device]
-            if fleet.mode.kind == FIXED_SLICES:
-                amount = fleet.mode.slice_size
-            else:
-                amount = grant.consumed[CAPACITY].nanos // _NANO
+    def _move(self, moves: list[tuple[int, int]], sign: int) -> int:
+        """Take (sign 1) or give back (-1) ``moves``; the most free after, of those devices."""
+        free, counts = self.free, self.free_count
+        capacity = self.fleet.capacity
+        most = 0
+        for device, amount in moves:
             before = free[device]
             after = before - sign * amount
-            if not 0 <= after <= fleet.capacity:  # the one invariant, checked on every move
+            if not 0 <= after <= capacity:  # the one invariant, checked on every move
                 raise AssertionError(
-                    f"device {device}: {after} bytes free of {fleet.capacity} after a "
+                    f"device {device}: {after} bytes free of {capacity} after a "
                     f"{'grant' if sign > 0 else 'release'}"
                 )
             free[device] = after
@@ -170,27 +181,41 @@ class _Engine:
                     self.max_free = max(counts)
             if after > self.max_free:
                 self.max_free = after
+            if after > most:
+                most = after
+        return most
 
-    def decide(self, index: int) -> bool:
-        """Ask the allocator for claim ``index``; commit and account when allocated.
+    def decide(self, index: int, size: int, need: int) -> bool:
+        """Ask the allocator for claim ``index`` (``size`` bytes, ``need`` of one device).
 
-        When no device has the claim's need free the allocator is not asked: it could
-        only answer unschedulable (a necessary condition, so outcomes are the same).
+        Commits and accounts when allocated. When no device has the claim's need free the
+        allocator is not asked: it could only answer unschedulable (a necessary
+        condition, so outcomes are the same).
         """
-        size = self.trace[index].size
-        need = self.fleet.need(size)
-        if self.fleet.usable_free(self.max_free) < need:
+        most = self.max_free
+        if self.slice_size:
+            most -= most % self.slice_size
+        if most < need:
             return False
-        claim = self.templates.get(size)
-        if claim is None:
-            claim = self.templates[size] = self.fleet.claim(size)
+        prepared = self.templates.get(size)
+        if prepared is None:
+            prepared = self.templates[size] = self.allocator.prepare(self.fleet.claim(size))
+        allocator = self.allocator
         start = time.perf_counter_ns()
-        out = self.allocator.allocate(claim, explain=False)
+        out = allocator.allocate(prepared.claim, explain=False, prepared=prepared)
         self.decision_ns.append(time.perf_counter_ns() - start)
         if isinstance(out, Allocated):
-            self.allocator.commit(out)
-            self._take(out, 1)
-            self.held[index] = out
+            allocator.commit(out)
+            device_of, slice_size = self.device_of_key, self.slice_size
+            moves = [
+                (
+                    device_of[grant.device],
+                    slice_size or grant.consumed[CAPACITY].nanos // _NANO,
+                )
+                for grant in out.grants
+            ]
+            self._move(moves, 1)
+            self.held[index] = (out, moves)
             self.asked += size
             self.consumed += need
             return True
@@ -199,15 +224,14 @@ class _Engine:
         raise AssertionError(f"the simulated claim of {size} bytes was not decided: {out}")
 
     def release(self, index: int) -> int:
-        """Give claim ``index``'s capacity back; the most any one device now has free."""
-        out = self.held.pop(index)
+        """Give claim ``index``'s capacity back; the most any one of its devices now has free."""
+        out, moves = self.held.pop(index)
         self.allocator.release(out)
-        self._take(out, -1)
+        most = self._move(moves, -1)
         size = self.trace[index].size
         self.asked -= size
-        self.consumed -= self.fleet.need(size)
-        most = max(self.free[self.device_of_key[g.device]] for g in out.grants)
-        return self.fleet.usable_free(most)
+        self.consumed -= self.needs[size]
+        return most - most % self.slice_size if self.slice_size else most
 
     def stranded(self, need: int) -> int:
         """Free bytes on devices that cannot take a claim needing ``need`` bytes of one."""
@@ -237,13 +261,8 @@ def _simulate(trace: Sequence[TraceClaim], fleet: Fleet, options: Options) -> Si
     engine = _Engine(trace, fleet, options)
     n = len(trace)
     total = fleet.total
-    needs: dict[int, int] = {}
-
-    def need_of(size: int) -> int:
-        need = needs.get(size)
-        if need is None:
-            need = needs[size] = fleet.need(size)
-        return need
+    need_of = engine.need
+    needs = engine.needs
 
     max_wait = options.max_wait
     first_t = trace[0].arrival if n else 0.0
@@ -254,7 +273,7 @@ def _simulate(trace: Sequence[TraceClaim], fleet: Fleet, options: Options) -> Si
 
     departures: list[tuple[float, int]] = []
     queues: dict[int, deque[int]] = {}  # size -> waiting claims, oldest first
-    starts: dict[int, float] = {}
+    served = 0  # claims served (each at most once)
     outcome_rejected = 0
     too_large = 0
     refused = 0
@@ -274,39 +293,46 @@ def _simulate(trace: Sequence[TraceClaim], fleet: Fleet, options: Options) -> Si
     stranded_sat_sum = 0.0
     stranded_sat_n = 0
 
-    def advance(to: float) -> None:
-        nonlocal now, area, next_sample
-        if to > now:
-            if now < last_t:
-                area += engine.asked * (min(to, last_t) - now)
-            now = to
+    def sample() -> None:
+        """Append the samples due by ``now`` (called when ``next_sample <= now``)."""
+        nonlocal next_sample
         while next_sample <= min(now, last_t) and len(series) <= options.samples:
             series.append(
                 Sample(next_sample, engine.asked / total, engine.consumed / total, waiting_count)
             )
             next_sample = first_t + step * len(series)
 
+    def advance(to: float) -> None:
+        nonlocal now, area
+        if to > now:
+            if now < last_t:
+                area += engine.asked * (min(to, last_t) - now)
+            now = to
+        if next_sample <= now:
+            sample()
+
     def serve(index: int, at: float) -> None:
-        nonlocal peak, peak_consumed
-        starts[index] = at
+        nonlocal peak, peak_consumed, served
+        served += 1
         if engine.asked > peak:
             peak = engine.asked
         if engine.consumed > peak_consumed:
             peak_consumed = engine.consumed
         duration = trace[index].duration
         if duration is not None:
-            heapq.heappush(departures, (at + duration, index))
+            heappush(departures, (at + duration, index))
 
     def retry(freed: int) -> None:
         """Decide the waiting claims that might fit a device with ``freed`` bytes free."""
         nonlocal waiting_count, outcome_rejected
         heads = [
-            (queue[0], size)
+            (queue[0], size, need)
             for size, queue in queues.items()
-            if queue and 0 < need_of(size) <= freed
+            if queue and 0 < (need := needs[size]) <= freed
         ]
         heads.sort()
-        for _, size in heads:
+        decide = engine.decide
+        for _, size, need in heads:
             queue = queues[size]
             while queue:
                 index = queue[0]
@@ -315,7 +341,8 @@ def _simulate(trace: Sequence[TraceClaim], fleet: Fleet, options: Options) -> Si
                     waiting_count -= 1
                     outcome_rejected += 1
                     continue
-                if not engine.decide(index):
+                # engine.max_free < need: decide would refuse without asking (cheaper here)
+                if engine.max_free < need or not decide(index, size, need):
                     break
                 queue.popleft()
                 waiting_count -= 1
@@ -325,35 +352,42 @@ def _simulate(trace: Sequence[TraceClaim], fleet: Fleet, options: Options) -> Si
                 del queues[size]
 
     progress = options.progress
+    heappush, heappop = heapq.heappush, heapq.heappop
+    decide, release, stranded_of = engine.decide, engine.release, engine.stranded
     arrival = 0
     while arrival < n or departures:
         if departures and (arrival >= n or departures[0][0] <= trace[arrival].arrival):
-            at, index = heapq.heappop(departures)
-            advance(at)
-            freed = engine.release(index)
+            at, index = heappop(departures)
+            if at > now or next_sample <= now:
+                advance(at)
+            freed = release(index)
             if queues:
                 retry(freed)
             continue
         claim = trace[arrival]
         index = arrival
         arrival += 1
-        advance(claim.arrival)
+        if claim.arrival > now or next_sample <= now:
+            advance(claim.arrival)
         if progress is not None and arrival % 4096 == 0:
             progress(arrival, n)
-        need = need_of(claim.size)
+        size = claim.size
+        need = needs.get(size)
+        if need is None:
+            need = need_of(size)
         if need == 0:
             too_large += 1
             outcome_rejected += 1
             continue
         if index % stride == 0:
-            stranded = engine.stranded(need) / total
+            stranded = stranded_of(need) / total
             stranded_sum += stranded
             stranded_n += 1
             if first_refusal is not None:
                 stranded_sat_sum += stranded
                 stranded_sat_n += 1
-        queue = queues.get(claim.size)
-        if not queue and engine.decide(index):
+        queue = queues.get(size)
+        if not queue and decide(index, size, need):
             serve(index, now)
             continue
         refused += 1
@@ -363,7 +397,7 @@ def _simulate(trace: Sequence[TraceClaim], fleet: Fleet, options: Options) -> Si
             at_refusal = (
                 engine.asked / total,
                 engine.consumed / total,
-                engine.stranded(need) / total,
+                stranded_of(need) / total,
             )
             if options.stop_at_first_refusal:
                 break
@@ -371,7 +405,7 @@ def _simulate(trace: Sequence[TraceClaim], fleet: Fleet, options: Options) -> Si
             outcome_rejected += 1
             continue
         if queue is None:
-            queue = queues[claim.size] = deque()
+            queue = queues[size] = deque()
         queue.append(index)
         waiting_count += 1
     advance(max(now, last_t))
@@ -383,7 +417,6 @@ def _simulate(trace: Sequence[TraceClaim], fleet: Fleet, options: Options) -> Si
             if max_wait is not None and now - trace[index].arrival >= max_wait:
                 waiting_count -= 1
                 outcome_rejected += 1
-    served = len(starts)
     if options.stop_at_first_refusal:
         waiting_count = n - served - outcome_rejected
     elapsed = time.perf_counter() - wall

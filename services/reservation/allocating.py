@@ -133,28 +133,35 @@ class AllocatedState:
         """Record (sign=1) or forget (sign=-1) one non-admin grant."""
         if grant.admin_access:
             return
-        namespaces = self.holders.setdefault(grant.device, {})
-        count = namespaces.get(grant.namespace, 0) + sign
+        device = grant.device
+        namespaces = self.holders.get(device)
+        if namespaces is None:
+            namespaces = self.holders[device] = {}
+        namespace = grant.namespace
+        count = namespaces.get(namespace, 0) + sign
         if count > 0:
-            namespaces[grant.namespace] = count
+            namespaces[namespace] = count
         else:
-            namespaces.pop(grant.namespace, None)
+            namespaces.pop(namespace, None)
             if not namespaces:
-                del self.holders[grant.device]
+                del self.holders[device]
         if grant.share_id is None:
-            count = self.exclusive.get(grant.device, 0) + sign
+            count = self.exclusive.get(device, 0) + sign
             if count > 0:
-                self.exclusive[grant.device] = count
+                self.exclusive[device] = count
             else:
-                self.exclusive.pop(grant.device, None)
+                self.exclusive.pop(device, None)
             return
         self.shares += sign
-        count = self.shared.get(grant.device, 0) + sign
+        shared = self.shared
+        count = shared.get(device, 0) + sign
         if count > 0:
-            self.shared[grant.device] = count
+            shared[device] = count
         else:
-            self.shared.pop(grant.device, None)
-        per_device = self.consumed.setdefault(grant.device, {})
+            shared.pop(device, None)
+        per_device = self.consumed.get(device)
+        if per_device is None:
+            per_device = self.consumed[device] = {}
         sizes = self.sizes
         for name, amount in grant.consumed.items():
             nanos = amount.nanos
@@ -254,6 +261,25 @@ class _Pick:
     applied: list[_Constraint] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A claim's requests and constraints normalised once (:meth:`Allocator.prepare`).
+
+    For a caller that decides the same claim object many times (``dracap simulate``):
+    :meth:`Allocator.allocate` with ``prepared=`` skips normalising it again. Valid
+    for the allocator's inventory, the claim object and the admin-access flag it was
+    made for; :meth:`Allocator.allocate` prepares afresh when any of them differs.
+    Constraints are templates: every decision works on its own copies.
+    """
+
+    inventory: Inventory
+    claim: ResourceClaim
+    admin_access_allowed: bool
+    specs: list[list[_RequestSpec]]
+    constraints: tuple[tuple[frozenset[str] | None, str, bool], ...]
+    invalid: str | None  # the reason when the claim is Invalid before any search
+
+
 # --- the allocator ----------------------------------------------------------------------------
 
 
@@ -287,25 +313,49 @@ class Allocator:
         self._apply(list(grants), 1)
 
     def _apply(self, grants: Sequence[Grant], sign: int) -> None:
+        add = self.allocated.add
+        by_key = self.inventory.by_key
         for grant in grants:
-            self.allocated.add(grant, sign=sign)
-            index = self.inventory.by_key.get(grant.device)
+            add(grant, sign=sign)
+            index = by_key.get(grant.device)
             if index is not None:
                 self._refresh(index)
 
     def _refresh(self, index: int) -> None:
-        for clist in self._members.get(index, ()):
+        """Bring device ``index``'s leaves in every candidate list up to date.
+
+        What :meth:`_usable` and :meth:`_free` say, inlined (this runs on every commit and
+        release); a leaf that did not change is left alone.
+        """
+        members = self._members.get(index)
+        if not members:
+            return
+        entry = self.inventory.devices[index]
+        allocated = self.allocated
+        key = entry.key
+        usable = key not in allocated.exclusive and (entry.multi or key not in allocated.shared)
+        per_device = allocated.consumed.get(key) if usable else None
+        capacities = entry.capacities
+        for clist in members:
             pos = clist.position[index]
-            entry = self.inventory.devices[index]
-            usable = self._usable(entry)
-            if clist.usable is not None:
-                clist.usable.set(pos, 1 if usable else 0)
+            flags = clist.usable
+            if flags is not None:
+                flag = 1 if usable else 0
+                if flags.data[flags.size + pos] != flag:
+                    flags.set(pos, flag)
             indexes = clist.indexes
             for name, tree in clist.trees.items():
-                value = self._free(entry, name) if usable else UNUSABLE
+                value = UNUSABLE
+                if usable:
+                    info = capacities.get(name)
+                    if info is not None:
+                        value = info.total.nanos - (per_device.get(name, 0) if per_device else 0)
+                old = tree.data[tree.size + pos]
+                if old == value:
+                    continue
                 index_ = indexes.get(name)
                 if index_ is not None:
-                    index_.move(pos, tree.data[tree.size + pos], value)
+                    index_.move(pos, old, value)
                 tree.set(pos, value)
 
     # -- helpers over the state
@@ -409,17 +459,36 @@ class Allocator:
         any_node: bool = False,
         admin_access_allowed: bool = False,
         explain: bool = True,
+        prepared: Prepared | None = None,
     ) -> Outcome:
         """Decide one claim on ``node`` (or, with ``any_node``, on the first node that fits).
 
         ``explain=False`` leaves an :class:`Unschedulable`'s reason empty, saving the scan
         of every candidate that explains it (the simulation of ``dracap simulate``).
+        ``prepared`` (:meth:`prepare` of this claim) saves normalising its requests again;
+        the decision is the same with or without it.
         """
         ref = f"{claim.metadata.namespace}/{claim.metadata.name}"
+        if (
+            prepared is None
+            or prepared.claim is not claim
+            or prepared.inventory is not self.inventory
+            or prepared.admin_access_allowed != admin_access_allowed
+        ):
+            prepared = self.prepare(claim, admin_access_allowed=admin_access_allowed)
         try:
-            return self._allocate(claim, ref, node, any_node, admin_access_allowed, explain)
+            return self._allocate(claim, ref, node, any_node, prepared, explain)
         except SelectorsPending as pending:
             return Deferred(claim=ref, expression=pending.expression)
+
+    def prepare(self, claim: ResourceClaim, *, admin_access_allowed: bool = False) -> Prepared:
+        """Normalise ``claim``'s requests and constraints once, for :meth:`allocate`."""
+        try:
+            specs, constraints = self._prepare(claim, admin_access_allowed)
+        except _InvalidClaimError as exc:
+            return Prepared(self.inventory, claim, admin_access_allowed, [], (), str(exc))
+        templates = tuple((c.requests, c.attribute, c.distinct) for c in constraints)
+        return Prepared(self.inventory, claim, admin_access_allowed, specs, templates, None)
 
     def _allocate(
         self,
@@ -427,18 +496,19 @@ class Allocator:
         ref: str,
         node: str | None,
         any_node: bool,
-        admin_access_allowed: bool,
+        prepared: Prepared,
         explain: bool = True,
     ) -> Outcome:
-        try:
-            specs, constraints = self._prepare(claim, admin_access_allowed)
-        except _InvalidClaimError as exc:
-            return Invalid(claim=ref, reason=str(exc))
+        if prepared.invalid is not None:
+            return Invalid(claim=ref, reason=prepared.invalid)
+        specs = prepared.specs
+        templates = prepared.constraints
         nodes: list[str | None] = [node]
         if any_node and node is None:
             nodes = list(self.inventory.nodes()) or [None]
         failed: list[_Search] = []  # explained only if no node fits (the scan is not free)
         for candidate_node in nodes:
+            constraints = [_Constraint(*t) for t in templates]
             search = _Search(self, claim, specs, constraints, candidate_node)
             try:
                 picks = search.run()
@@ -609,29 +679,32 @@ class Allocator:
     ) -> Allocated:
         results: list[DeviceRequestAllocationResult] = []
         grants: list[Grant] = []
+        namespace = claim.metadata.namespace or ""
+        devices = self.inventory.devices
         for pick in picks:
-            entry = self.inventory.devices[pick.device]
+            key = devices[pick.device].key
+            spec = pick.spec
             share_id = self.new_share_id() if pick.share else None
-            driver, pool, name = entry.key
+            driver, pool, name = key
             results.append(
                 DeviceRequestAllocationResult(
-                    request=pick.spec.result_name,
+                    request=spec.result_name,
                     driver=driver,
                     pool=pool,
                     device=name,
-                    admin_access=True if pick.spec.admin else None,
+                    admin_access=True if spec.admin else None,
                     share_id=share_id,
                     consumed_capacity=dict(pick.consumed) if pick.share and pick.consumed else None,
                 )
             )
             grants.append(
                 Grant(
-                    request=pick.spec.result_name,
-                    device=entry.key,
+                    request=spec.result_name,
+                    device=key,
                     share_id=share_id,
-                    admin_access=pick.spec.admin,
+                    admin_access=spec.admin,
                     consumed=dict(pick.consumed) if pick.share else {},
-                    namespace=claim.metadata.namespace or "",
+                    namespace=namespace,
                 )
             )
         allocation = AllocationResult(
@@ -645,14 +718,18 @@ class Allocator:
     def _configs(
         self, claim: ResourceClaim, picks: list[_Pick]
     ) -> list[DeviceAllocationConfiguration]:
-        by_class: dict[str, list[str]] = {}
+        classes = self.inventory.classes
+        by_class: dict[str, list[str]] = {}  # only classes with a config: they add entries
         for pick in picks:
-            names = by_class.setdefault(pick.spec.class_name, [])
-            if pick.spec.result_name not in names:
-                names.append(pick.spec.result_name)
+            spec = pick.spec
+            if not classes[spec.class_name].spec.config:
+                continue
+            names = by_class.setdefault(spec.class_name, [])
+            if spec.result_name not in names:
+                names.append(spec.result_name)
         configs: list[DeviceAllocationConfiguration] = []
         for class_name, names in by_class.items():
-            for cfg in self.inventory.classes[class_name].spec.config or []:
+            for cfg in classes[class_name].spec.config or []:
                 configs.append(
                     DeviceAllocationConfiguration(
                         source="FromClass", requests=names, opaque=cfg.opaque
@@ -710,6 +787,23 @@ class Allocator:
 
 class _Search:
     """One depth-first search for one claim on one node."""
+
+    __slots__ = (
+        "a",
+        "budget",
+        "claim",
+        "constraints",
+        "dedicated",
+        "depth_failed",
+        "failed_spec",
+        "in_call",
+        "inv",
+        "invalid_pool_seen",
+        "namespace",
+        "node",
+        "picks",
+        "specs",
+    )
 
     def __init__(
         self,
@@ -776,29 +870,41 @@ class _Search:
             return self._solve_ranked(ri, spec, slot, clist)
         trees: list[tuple[MaxTree, int]] = []
         if not spec.admin:
-            assert clist.usable is not None
-            trees.append((clist.usable, 1))
+            # a capacity tree holds UNUSABLE (-1) wherever the usable tree holds 0, so a
+            # threshold >= 0 on it already prunes what the usable tree would
+            pruned = False
             for name, amount in spec.capacity.items():
                 trees.append((self.a._tree(clist, name), amount.nanos))
+                pruned = pruned or amount.nanos >= 0
             if spec.whole:  # a whole take needs every capacity untouched: free >= 1 prunes
                 for name in self.a._whole_names(clist):
                     trees.append((self.a._tree(clist, name), 1))
+                    pruned = True
+            if not pruned:
+                assert clist.usable is not None
+                trees.insert(0, (clist.usable, 1))
+        # the claim is complete once this slot is filled (what the recursion would find)
+        last = slot + 1 == spec.count and ri + 1 == len(self.specs)
+        devices = clist.devices
+        errors = clist.errors
         pos = 0
-        count = len(clist.devices)
+        count = len(devices)
         while pos < count:
             if trees:
                 pos = first_fit(trees, pos, count)
                 if pos < 0:
                     break
-            index = clist.devices[pos]
-            self._check_errors(clist, spec, index)
+            index = devices[pos]
+            if errors:
+                self._check_errors(clist, spec, index)
             pick = self._try(spec, index)
             if pick is not None and self._push(pick):
-                if self._solve_slot(ri, spec, slot + 1):
+                if last or self._solve_slot(ri, spec, slot + 1):
                     return True
                 self._pop()
             pos += 1
-        self._check_errors(clist, spec, None)
+        if errors:
+            self._check_errors(clist, spec, None)
         self._note_failure(ri, spec)
         return False
 
@@ -880,10 +986,11 @@ class _Search:
         self.budget -= 1
         if self.budget < 0:
             raise _BudgetExhaustedError
-        entry = self.inv.devices[index]
+        inv = self.inv
+        entry = inv.devices[index]
         if self._in_use(spec, index) or self._foreign(spec, index):
             return None
-        pool = self.inv.pools[entry.pool_index]
+        pool = inv.pools[entry.pool_index]
         if not all_mode:
             if pool.invalid_reason:
                 self.invalid_pool_seen = self.invalid_pool_seen or pool.invalid_reason
@@ -891,19 +998,19 @@ class _Search:
             if not pool.complete:
                 return None
         if entry.device.binding_conditions and not (
-            self.inv.gates.device_binding_conditions and self.inv.gates.device_status
+            inv.gates.device_binding_conditions and inv.gates.device_status
         ):
             return None
-        if self.inv.lost_nodes and self.inv.lost(entry) is not None:
+        if inv.lost_nodes and inv.lost(entry) is not None:
             return None
-        if self.inv.min_enforcement and self.inv.below_minimum(entry, spec.class_name):
+        if inv.min_enforcement and inv.below_minimum(entry, spec.class_name):
             return None
         if self.inv.unhealthy and entry.key in self.inv.unhealthy:
             return None
         ok, consumed = self._capacity_fits(spec, entry, True)
         if not ok:
             return None
-        if self.inv.gates.device_taints and not _tolerates(entry, spec.tolerations):
+        if inv.gates.device_taints and not _tolerates(entry, spec.tolerations):
             return None
         return _Pick(spec, index, consumed, entry.multi)
 
@@ -919,9 +1026,13 @@ class _Search:
         allocated = self.a.allocated.consumed.get(entry.key)
         pending = self.in_call.get(entry.index) if in_call else None
         for name, info in entry.capacities.items():
-            amount = consumed_amount(info.total, info.policy, spec.wanted(name, info.total))
-            if violates_policy(amount, info.policy):
-                return False, consumed
+            policy = info.policy
+            if policy is None:  # consumed_amount and violates_policy without a policy
+                amount = info.total if spec.whole else spec.capacity.get(name, info.total)
+            else:
+                amount = consumed_amount(info.total, policy, spec.wanted(name, info.total))
+                if violates_policy(amount, policy):
+                    return False, consumed
             used = (allocated.get(name, 0) if allocated else 0) + (
                 pending.get(name, 0) if pending else 0
             )

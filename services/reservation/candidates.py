@@ -12,9 +12,11 @@ still hold it). Because a request never
 consumes less than it asks for (rounding only goes up), ``free >= requested`` is a
 necessary condition for a device to fit, so whole subtrees of full devices are
 skipped. The first position that passes the trees still gets the exact check by
-the allocator; if it fails, the search resumes after it. On a half full or 90 %
-full inventory the cost of finding the first fitting device is O(log n) instead
-of O(n), which is what keeps the decision cost flat as the cluster fills.
+the allocator; if it fails, the search resumes after it. A capacity tree holds
+:data:`UNUSABLE` where the usable tree holds 0, so a request naming a capacity is
+pruned by its capacity trees alone (the usable tree serves requests naming none).
+On a half full or 90 % full inventory the cost of finding the first fitting device
+is O(log n) instead of O(n), which is what keeps the decision cost flat as the cluster fills.
 """
 
 from __future__ import annotations
@@ -48,39 +50,74 @@ class MaxTree:
         data = self.data
         i = pos + self.size
         data[i] = value
-        i //= 2
-        while i:
-            left, right = data[2 * i], data[2 * i + 1]
-            best = left if left >= right else right
+        while i > 1:  # the parent is the larger of this node (now ``value``) and its sibling
+            sibling = data[i ^ 1]
+            best = value if value >= sibling else sibling
+            i >>= 1
             if data[i] == best:
                 break
             data[i] = best
-            i //= 2
+            value = best
 
 
 def first_fit(trees: Sequence[tuple[MaxTree, int]], start: int, count: int) -> int:
-    """The leftmost position >= ``start`` where every tree holds at least its threshold.
+    """The leftmost position in ``[start, count)`` where every tree holds at least its threshold.
 
-    Subtrees are pruned when any tree's maximum is below its threshold; leaves are
-    exact. Returns -1 when there is none.
+    Returns -1 when there is none. Iterative: the subtrees right of ``start`` are
+    visited left to right (climbing from the leaf ``start``; from 0, the root), a subtree
+    is skipped when any tree's maximum in it is below its threshold, and the first one
+    that passes is descended; leaves are exact. With one tree a passing subtree always
+    holds a passing leaf, so the search is O(log n); with several, a subtree whose
+    maxima pass tree by tree may hold no leaf that passes them all, and the search moves
+    on to the next subtree (the leftmost passing position is the same either way).
     """
+    if start >= count:
+        return -1
+    if len(trees) == 1:
+        tree, threshold = trees[0]
+        return _first_at_least(tree.data, tree.size, threshold, start, count)
+    datas = [(tree.data, threshold) for tree, threshold in trees]
     size = trees[0][0].size
-
-    def descend(node: int, lo: int, hi: int) -> int:
-        if hi <= start or lo >= count:
+    node = start + size if start else 1  # from 0: the whole tree, the root
+    while True:
+        if _passes(datas, node):
+            # every maximum passes: descend, leftmost child first
+            while node < size:
+                node *= 2
+                if not _passes(datas, node):
+                    node += 1
+                    if not _passes(datas, node):
+                        break  # neither child passes every tree: no leaf here does
+            else:
+                pos = node - size
+                return pos if pos < count else -1
+        # the next subtree to the right: up while a right child, then the right sibling
+        while node & 1:
+            node >>= 1
+        if not node:
             return -1
-        for tree, threshold in trees:
-            if tree.data[node] < threshold:
-                return -1
-        if node >= size:
-            return lo
-        mid = (lo + hi) // 2
-        found = descend(2 * node, lo, mid)
-        if found >= 0:
-            return found
-        return descend(2 * node + 1, mid, hi)
+        node += 1
 
-    return descend(1, 0, size)
+
+def _passes(datas: list[tuple[list[int], int]], node: int) -> bool:
+    return all(data[node] >= threshold for data, threshold in datas)
+
+
+def _first_at_least(data: list[int], size: int, threshold: int, start: int, count: int) -> int:
+    """:func:`first_fit` over one tree (its ``data`` and ``size``)."""
+    node = start + size if start else 1  # from 0: the whole tree, the root
+    while data[node] < threshold:
+        while node & 1:
+            node >>= 1
+        if not node:
+            return -1
+        node += 1
+    while node < size:
+        node *= 2
+        if data[node] < threshold:
+            node += 1
+    pos = node - size
+    return pos if pos < count else -1
 
 
 class CandidateList:
