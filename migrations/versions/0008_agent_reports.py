@@ -47,15 +47,13 @@ _HELD_NODE = f"""    WHEN {_SHARE_REPORTS} THEN
         END IF;
         RETURN p->>'node';
 """
-NODE_OF = (
-    _LEASES.NODE_OF_0007.replace(
-        "    WHEN 'enforcement.limit_applied', 'enforcement.limit_failed', "
-        "'enforcement.limit_removed',\n"
-        "         'enforcement.reconciled', 'enforcement.checkpoint_set_aside',\n"
-        "         'reclamation.share_confirmed', 'reclamation.node_lease_acquired' THEN",
-        _HELD_NODE + "    WHEN 'enforcement.reconciled', 'enforcement.checkpoint_set_aside',\n"
-        "         'reclamation.node_lease_acquired', 'reclamation.device_health_changed' THEN",
-    )
+NODE_OF = _LEASES.NODE_OF_0007.replace(
+    "    WHEN 'enforcement.limit_applied', 'enforcement.limit_failed', "
+    "'enforcement.limit_removed',\n"
+    "         'enforcement.reconciled', 'enforcement.checkpoint_set_aside',\n"
+    "         'reclamation.share_confirmed', 'reclamation.node_lease_acquired' THEN",
+    _HELD_NODE + "    WHEN 'enforcement.reconciled', 'enforcement.checkpoint_set_aside',\n"
+    "         'reclamation.node_lease_acquired', 'reclamation.device_health_changed' THEN",
 )
 NODE_SCOPE = _LEASES.NODE_SCOPE_0007.replace(
     "        'reclamation.node_lease_acquired',",
@@ -63,7 +61,6 @@ NODE_SCOPE = _LEASES.NODE_SCOPE_0007.replace(
 )
 assert NODE_OF.count("share_used") == 1 and NODE_SCOPE.count("share_used") == 1
 assert NODE_OF.count("held_shares h") == 2  # capacity_released's, and the share reports'
-
 
 
 def upgrade() -> None:
