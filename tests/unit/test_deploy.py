@@ -1,0 +1,89 @@
+"""The deployment files: docker-compose.yml and the Dockerfile (no Docker engine needed).
+
+The compose file validates against the Compose Specification's JSON schema; every
+long-running service has a health check and a restart policy; every dracap command it
+runs parses with dracap's own command line (so a renamed flag breaks this test, not a
+deployment); the Dockerfile builds from the project's own files and runs unprivileged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from services import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = ROOT / "tests" / "fixtures" / "compose" / "compose-spec.json"
+_DEFAULT = re.compile(r"\$\{[A-Z_]+:-([^}]*)\}")
+
+
+def _compose() -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_the_compose_file_follows_the_compose_specification() -> None:
+    schema = json.loads(SCHEMA.read_text())  # draft-07, whatever its $schema URI says
+    jsonschema.Draft7Validator(schema).validate(_compose())
+
+
+def test_every_service_has_a_health_check_and_one_shots_do_not_restart() -> None:
+    services = _compose()["services"]
+    for name, service in services.items():
+        assert "healthcheck" in service, f"{name} has no health check"
+        restart = service.get("restart", "no")
+        one_shot = any(
+            dep.get("condition") == "service_completed_successfully"
+            for other in services.values()
+            for dep_name, dep in (other.get("depends_on") or {}).items()
+            if dep_name == name
+        )
+        assert restart == ("no" if one_shot else "unless-stopped"), name
+
+
+def _dracap_commands() -> list[tuple[str, list[str]]]:
+    out = []
+    for name, service in _compose()["services"].items():
+        if str(service.get("image", "")).startswith("dracap"):
+            argv = [_DEFAULT.sub(r"\1", str(word)) for word in service["command"]]
+            out.append((name, argv))
+    return out
+
+
+@pytest.mark.parametrize(("name", "argv"), _dracap_commands(), ids=lambda v: str(v)[:20])
+def test_every_dracap_command_of_the_compose_file_exists(name: str, argv: list[str]) -> None:
+    parser = cli.build_parser(argv)
+    args = parser.parse_args(argv)
+    assert callable(args.func), name
+
+
+def test_the_image_is_built_from_the_projects_files_and_runs_unprivileged() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    copied = re.findall(r"^COPY (?!--from)(\S+)", dockerfile, re.M)
+    assert copied and all((ROOT / path).exists() for path in copied)
+    assert re.search(r"^USER dracap$", dockerfile, re.M)
+    assert 'ENTRYPOINT ["dracap"]' in dockerfile
+
+
+def test_the_image_builds_where_a_docker_engine_answers() -> None:
+    docker = shutil.which("docker")
+    if docker is None or subprocess.run([docker, "info"], capture_output=True).returncode:
+        pytest.skip("no Docker engine on this machine: the image build is not tried here")
+    built = subprocess.run(
+        [docker, "build", "-q", "-t", "dracap:test", str(ROOT)], capture_output=True, text=True
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    ran = subprocess.run(
+        [docker, "run", "--rm", "dracap:test", "serve", "--help"], capture_output=True, text=True
+    )
+    assert ran.returncode == 0 and "relay" in ran.stdout
