@@ -94,6 +94,8 @@ def _classes(claim: ClaimState) -> list[str]:
 def not_started(state: ClusterState) -> list[NotStarted]:
     """The Ready claims nobody used yet whose class sets a timeout (see the module)."""
     out: list[NotStarted] = []
+    if not any(class_not_started(c.device_class) for c in state.classes.values()):
+        return out  # the usual case, checked in O(classes) on every tick
     for key, claim in state.claims.items():
         if claim.phase != "ready" or claim.reserved_for or not claim.ready_position:
             continue
