@@ -116,6 +116,7 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     agents: str = "auto"  # "auto": every node of the inventory; "": none; else "a,b"
     workers: int = 1
     metrics_port: int = 9400  # 0: no metrics server (and no health endpoints)
+    metrics_addr: str = "127.0.0.1"  # where the metrics server binds
     max_server_restarts: int = 5  # of one embedded server within 10 minutes; 0: never
     prefix: str = "dracap"
     insecure: bool = False  # an open broker: nobody is authenticated
@@ -209,6 +210,7 @@ class Stack:
         self.failing: dict[str, str] = {}  #: services waiting to be restarted, and why
         self._retry = asyncio.Event()  # set by retry_now(): back-offs end early
         self.gauges: CapacityGauges | None = None  #: the capacity gauges (set on start)
+        self.slos: Any = None  #: the service-level tracker (set on start)
 
     def spawn(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``start()`` as a supervised task: restarted with back-off if it fails."""
@@ -312,6 +314,8 @@ class Stack:
         self.stop.set()
         if self.gauges is not None:
             self.gauges.stop()
+        if self.slos is not None:
+            self.slos.stop()
         if not self.tasks:
             return
         _, pending = await asyncio.wait(self.tasks, timeout=STOP_GRACE_S)
@@ -352,6 +356,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     from services.runtime.gauges import CapacityGauges, initialise_series
     from services.runtime.livestate import HEAD, LiveState
     from services.runtime.relaying import Relay
+    from services.runtime.slos import SloTracker
 
     js, names, stop, stores = stack.js, stack.names, stack.stop, stack.stores
     relay = Relay(stores.of(ServiceKind.RELAY), js, names)
@@ -360,6 +365,8 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     await live.fresh(HEAD)
     stack.gauges = CapacityGauges(live)
     stack.gauges.start()
+    stack.slos = SloTracker(live)
+    stack.slos.start()
     stack.spawn("livestate", functools.partial(live.run, stop))
     api = ClaimsApi(
         stores.of(ServiceKind.CLAIMS),
@@ -638,7 +645,7 @@ async def up(options: UpOptions, stop: asyncio.Event) -> int:
     names = BusNames(prefix=options.prefix)
     auth = broker_auth(options, inventory, nodes)
     monitor = HealthMonitor(HEALTH_CHECKS)
-    metrics = _start_metrics(options.metrics_port, monitor)
+    metrics = _start_metrics(options.metrics_port, monitor, options.metrics_addr)
     try:
         with quiet_outages(monitor.outage):
             async with _servers(options, load_settings(), monitor, auth) as (settings, supervisor):
@@ -659,13 +666,13 @@ async def up(options: UpOptions, stop: asyncio.Event) -> int:
     return ExitCode.OK
 
 
-def _start_metrics(port: int, monitor: HealthMonitor) -> Any:
+def _start_metrics(port: int, monitor: HealthMonitor, addr: str = "127.0.0.1") -> Any:
     """The metrics server with ``/healthz`` and ``/readyz`` (None when ``port`` is 0)."""
     if not port:
         return None
     from services.runtime.metrics import start_metrics_server
 
-    server, _ = start_metrics_server(port, addr="127.0.0.1")
+    server, _ = start_metrics_server(port, addr=addr)
     serve(server, monitor)
     return server
 
@@ -695,6 +702,7 @@ def run(args: argparse.Namespace) -> int:
         agents=args.agents,
         workers=args.workers,
         metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
         max_server_restarts=args.max_server_restarts,
         prefix=args.prefix,
         insecure=args.insecure,
@@ -745,7 +753,14 @@ def register(sub: Any) -> None:
         "--metrics-port",
         type=int,
         default=9400,
-        help="Prometheus metrics, /healthz and /readyz on 127.0.0.1 (0: off; default 9400)",
+        help="Prometheus metrics, /healthz and /readyz (0: off; default 9400)",
+    )
+    parser.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 for a scraper "
+        "on another machine)",
     )
     parser.add_argument(
         "--max-server-restarts",
