@@ -42,6 +42,8 @@ relay           ``{p}.ev.>``; stream info/create/update          its inbox
 claims          ``{p}.watch.>``; replies to its requests         ``{p}.api.*.claims.>``,
                                                                  ``{p}.admin.>``, ``$SRV.>``
 reservation     its durable consumers: create, info, next, ack   its inbox
+ledger          the ``audit`` and ``billing`` consumers (filter  its inbox
+                ``{p}.ev.>``): create, info, next, ack
 agent-<node>    its node's consumer only: create with the        its inbox
                 filter ``{p}.ev.*.<node>.>``, info, next, ack
 operator        ``{p}.api.*.claims.>``, ``{p}.admin.>``          ``{p}.watch.>``, its inbox
@@ -101,7 +103,7 @@ __all__ = [
 ]
 
 #: The service kinds with a user each (``dracap up`` connects each with its own).
-SERVICES: Final = ("relay", "claims", "reservation")
+SERVICES: Final = ("relay", "claims", "reservation", "ledger")
 _NAME: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
@@ -243,6 +245,11 @@ def permissions_of(principal: Principal, names: BusNames) -> Permissions:
         publish = [stream_info]
         for feed in FEEDS:
             publish += _consumer(stream, f"reservation-{feed}", ">")
+        return Permissions(publish, [inbox])
+    if principal.name == "ledger":  # the audit and billing subscribers
+        publish = [stream_info]
+        for durable in ("audit", "billing"):
+            publish += _consumer(stream, durable, names.events_subjects)
         return Permissions(publish, [inbox])
     raise CommandError(f"no permissions defined for service {principal.name!r}", ExitCode.ERROR)
 
