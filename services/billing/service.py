@@ -209,12 +209,9 @@ def _counter(update: Update) -> Callable[[], None]:
 
     def count() -> None:
         for r in rows:
-            USAGE.labels(
-                namespace=r.namespace,
-                device_class=r.device_class,
-                capacity=r.capacity,
-                state=r.state,
-            ).inc(float(r.unit_seconds))
+            USAGE.labels(r.namespace, r.device_class, r.capacity, r.state).inc(
+                float(r.unit_seconds)
+            )
 
     return count
 

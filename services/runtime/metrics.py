@@ -110,7 +110,7 @@ USAGE: Final = Counter(
     "Billed usage: a capacity's amount in its base unit (bytes of memory, bit/s of "
     "bandwidth) times seconds held, per namespace and DeviceClass; state held or unknown "
     "(counted when a stretch closes: at a release, fence, unknown mark or confirmation).",
-    ["namespace", "device_class", "capacity", "state"],
+    ["namespace", "class", "capacity", "state"],
     registry=REGISTRY,
 )
 CONSUMER_REDELIVERIES: Final = Counter(

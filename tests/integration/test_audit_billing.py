@@ -43,6 +43,7 @@ from services.cli import main
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.eventstore import EventStore
+from services.runtime.metrics import REGISTRY
 from services.runtime.relaying import Relay
 from services.runtime.settings import Settings
 from tests.integration import scenario
@@ -294,6 +295,12 @@ async def test_usage_equals_amount_times_time_and_tenants_see_their_own(
             key = (row["namespace"], row["state"])
             got[key] = got.get(key, Decimal(0)) + Decimal(row["unit_seconds"])
         assert {k: v for k, v in got.items() if v} == {k: v for k, v in by_hand.items() if v}
+        counted = REGISTRY.get_sample_value(
+            "dracap_usage_unit_seconds_total",
+            {"namespace": "team-c", "class": "gpu.example.com", "capacity": "memory"}
+            | {"state": "held"},
+        )
+        assert counted is not None and counted > 0
 
         for op, rows in (("usage", "usage"), ("audit", "records")):
             mine = (await api.claims("team-a", op, {}))[rows]
