@@ -42,8 +42,11 @@ relay           ``{p}.ev.>``; stream info/create/update          its inbox
 claims          ``{p}.watch.>``; replies to its requests         ``{p}.api.*.claims.>``,
                                                                  ``{p}.admin.>``, ``$SRV.>``
 reservation     its durable consumers: create, info, next, ack   its inbox
-ledger          the ``audit`` and ``billing`` consumers (filter  its inbox
-                ``{p}.ev.>``): create, info, next, ack
+ledger          the ``audit`` and ``billing`` consumers (filter  ``{p}.api.*.claims.audit``
+                ``{p}.ev.>``): create, info, next, ack; replies  and ``.usage``,
+                                                                 ``{p}.admin.audit.list``,
+                                                                 ``{p}.admin.usage.list``,
+                                                                 ``$SRV.>``, its inbox
 agent-<node>    its node's consumer only: create with the        its inbox
                 filter ``{p}.ev.*.<node>.>``, info, next, ack
 operator        ``{p}.api.*.claims.>``, ``{p}.admin.>``          ``{p}.watch.>``, its inbox
@@ -246,11 +249,13 @@ def permissions_of(principal: Principal, names: BusNames) -> Permissions:
         for feed in FEEDS:
             publish += _consumer(stream, f"reservation-{feed}", ">")
         return Permissions(publish, [inbox])
-    if principal.name == "ledger":  # the audit and billing subscribers
+    if principal.name == "ledger":  # the audit and billing subscribers, and their queries
         publish = [stream_info]
         for durable in ("audit", "billing"):
             publish += _consumer(stream, durable, names.events_subjects)
-        return Permissions(publish, [inbox])
+        queries = [names.api("*", "audit"), names.api("*", "usage")]
+        queries += [names.admin("audit.list"), names.admin("usage.list"), "$SRV.>"]
+        return Permissions(publish, [*queries, inbox], allow_responses=True)
     raise CommandError(f"no permissions defined for service {principal.name!r}", ExitCode.ERROR)
 
 

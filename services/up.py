@@ -382,12 +382,13 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
         stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
     reclamation = ReclamationService(stores.of(ServiceKind.RECLAMATION), live)
     stack.spawn("reclamation", functools.partial(reclamation.run, stop))
-    for subscriber in (AuditService, BillingService):  # their queries on the API's login
+    for subscriber in (AuditService, BillingService):  # consumers and query endpoints
+        ledger_nc, ledger_js = stack.bus("ledger")
         ledger = subscriber(
             stores.of(ServiceKind.LEDGER),
-            stack.bus("ledger")[1],
+            ledger_js,
             names,
-            nc=stack.bus("claims")[0],
+            nc=ledger_nc,
             directory=stack.directory,
             authenticated=stack.directory is not None,
         )
