@@ -8,9 +8,10 @@ tenant sees its share marked unknown or released by the fence in its own namespa
 
 Events that carry only a ShareID (limits, releases, unknown, confirmed) are named with
 what the audit learnt of the share when it was reserved (:class:`ShareInfo`, kept by
-the service in ``audit_shares``). A share the audit never saw reserved raises
-:class:`UnknownShare`: the message is handled again later (its reservation comes
-first in the log, so only a redelivery out of order can get here).
+the service in ``audit_shares``). The service applies the log in order, so a share's
+reservation always comes first; a share the log never reserved (a log written by hand)
+gets a record with its ShareID and node and no namespace, which only operators see,
+instead of stopping the audit.
 
 :func:`build` is deterministic: the same envelopes and the same known shares give the
 same records, which is what makes the audit table identical after any redelivery.
@@ -42,21 +43,11 @@ __all__ = [
     "AuditRecord",
     "NodeEpochs",
     "ShareInfo",
-    "UnknownShare",
     "Update",
     "build",
     "device_name",
     "needs",
 ]
-
-
-class UnknownShare(Exception):  # noqa: N818 (a condition)
-    """An event names a share the audit has not seen reserved (yet)."""
-
-    def __init__(self, share_id: str, position: int) -> None:
-        super().__init__(f"share {share_id} at position {position}: its reservation not seen yet")
-        self.share_id = share_id
-        self.position = position
 
 
 class ShareInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -213,9 +204,21 @@ def build(
             fields.update(_share_fields(info))
         elif isinstance(share_id := getattr(event, "share_id", None), str):
             seen = known.get(share_id)
-            if seen is None:
-                raise UnknownShare(share_id, env.position)
-            fields.update(_share_fields(seen))
+            if seen is None:  # never reserved in this log: named by what the event says
+                fields.update(share_id=share_id, namespace=None, claim=None)
+                seen = ShareInfo(
+                    share_id=share_id,
+                    namespace="",
+                    claim="",
+                    request="",
+                    device="",
+                    node=getattr(event, "node", None),
+                    amounts={},
+                    policy_version=0,
+                    live=False,
+                )
+            else:
+                fields.update(_share_fields(seen))
             fields["node"] = getattr(event, "node", None) or seen.node
             if isinstance(event, CapacityReleased) and seen.live:
                 released = msgspec.structs.replace(seen, live=False)

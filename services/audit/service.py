@@ -21,8 +21,8 @@ after it makes the redelivery a no-op. The inserts would be harmless twice anywa
 (``ON CONFLICT DO NOTHING`` on the position key), so even a lost ``processed_messages``
 row could not duplicate a record. Order: events are applied in log order whatever
 order JetStream delivers in (step 1); a message behind the position changes nothing.
-(:class:`~services.audit.records.UnknownShare` is kept as a guard: a share named
-before its reservation would mean a log the audit cannot explain.)
+(A share the log never reserved is recorded without a namespace rather than stopping
+the audit: :mod:`services.audit.records`.)
 
 Queries (:func:`query`) read ``audit_records`` with the filters of ``dracap audit``;
 the tenant endpoint scopes them to the subject's namespace (:mod:`services.runtime.queries`).

@@ -17,7 +17,10 @@ computed from the quantity's nano-units and whole microseconds). ``dracap usage`
 it as GiB-hours and Gbit/s-hours (:func:`display`).
 
 Expiries and fences older than the node's newest lease or fence are stale and change
-nothing, as in the fold (:class:`NodeEpochs`).
+nothing, as in the fold (:class:`NodeEpochs`). The service applies the log in order,
+so a share's reservation comes before what follows it; on a log written by hand, a
+reservation whose claim was never submitted is billed under the class ``""``, and an
+event about a share never reserved changes nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ __all__ = [
     "HOUR",
     "BillingShare",
     "NodeEpochs",
-    "OutOfOrder",
     "Segment",
     "State",
     "Update",
@@ -68,10 +70,6 @@ DISPLAY: Final[Mapping[str, tuple[str, Decimal]]] = {
     "memory": ("GiB-hours", Decimal(2**30) * 3600),
     "bandwidth": ("Gbit/s-hours", Decimal(10**9) * 3600),
 }
-
-
-class OutOfOrder(Exception):  # noqa: N818 (a condition)
-    """An event whose predecessor billing has not seen yet (handled again later)."""
 
 
 class BillingShare(msgspec.Struct, frozen=True, kw_only=True):
@@ -247,9 +245,7 @@ def apply(
         elif isinstance(event, CapacityReserved):
             if event.share_id in known:
                 continue
-            classes = request_of.get((event.namespace, event.name))
-            if classes is None:
-                raise OutOfOrder(f"claim {event.namespace}/{event.name}: not submitted yet")
+            classes = request_of.get((event.namespace, event.name), {})  # {}: never submitted
             device_class = classes.get(event.request) or classes.get(
                 event.request.partition("/")[0], ""
             )
@@ -269,7 +265,7 @@ def apply(
         elif isinstance(event, ShareMarkedUnknown | ShareConfirmed | CapacityReleased):
             share = known.get(event.share_id)
             if share is None:
-                raise OutOfOrder(f"share {event.share_id}: its reservation not seen yet")
+                continue  # never reserved in this log: nothing was billed, nothing to close
             if isinstance(event, CapacityReleased):
                 close(share, at, "closed", position)
             elif isinstance(event, ShareMarkedUnknown) and share.state == "held":

@@ -8,7 +8,7 @@ import pytest
 
 from events import catalog
 from events.catalog import Envelope, Event
-from services.audit.records import NodeEpochs, UnknownShare, build
+from services.audit.records import NodeEpochs, build
 from tests.integration import sample as s
 
 T0 = datetime.datetime(2026, 12, 1, 9, 30, tzinfo=datetime.UTC)
@@ -80,7 +80,11 @@ def test_a_fence_frees_each_live_share_unless_stale(lease_epoch: int, freed: int
     assert {x.namespace for x in fence[1:]} == ({"team-a", "team-b"} if freed else set())
 
 
-def test_an_event_about_an_unseen_share_waits() -> None:
+def test_a_share_never_reserved_is_recorded_for_operators_only() -> None:
     r = s.reserved("team-a", "c1")
-    with pytest.raises(UnknownShare):
-        build([env(s.released(r), 9)], {}, {}, {})
+    [record] = build([env(s.released(r), 9)], {}, {}, {}).records
+    assert (record.share_id, record.namespace, record.decision) == (
+        r.share_id,
+        None,
+        "capacity_released",
+    )
