@@ -249,7 +249,8 @@ class Stack:
 
     def bus(self, role: str) -> tuple[Any, Any]:
         """The NATS connection and JetStream context of ``role``: ``claims``,
-        ``reservation`` or ``agent:<node>`` (the shared one without credentials)."""
+        ``reservation``, ``ledger`` or ``agent:<node>`` (the shared one without
+        credentials)."""
         return self.logins.get(role, (self.nc, self.js))
 
     async def trouble(self) -> str | None:
