@@ -42,6 +42,11 @@ relay           ``{p}.ev.>``; stream info/create/update          its inbox
 claims          ``{p}.watch.>``; replies to its requests         ``{p}.api.*.claims.>``,
                                                                  ``{p}.admin.>``, ``$SRV.>``
 reservation     its durable consumers: create, info, next, ack   its inbox
+ledger          the ``audit`` and ``billing`` consumers (filter  ``{p}.api.*.claims.audit``
+                ``{p}.ev.>``): create, info, next, ack; replies  and ``.usage``,
+                                                                 ``{p}.admin.audit.list``,
+                                                                 ``{p}.admin.usage.list``,
+                                                                 ``$SRV.>``, its inbox
 agent-<node>    its node's consumer only: create with the        its inbox
                 filter ``{p}.ev.*.<node>.>``, info, next, ack
 operator        ``{p}.api.*.claims.>``, ``{p}.admin.>``          ``{p}.watch.>``, its inbox
@@ -101,7 +106,7 @@ __all__ = [
 ]
 
 #: The service kinds with a user each (``dracap up`` connects each with its own).
-SERVICES: Final = ("relay", "claims", "reservation")
+SERVICES: Final = ("relay", "claims", "reservation", "ledger")
 _NAME: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
@@ -244,6 +249,13 @@ def permissions_of(principal: Principal, names: BusNames) -> Permissions:
         for feed in FEEDS:
             publish += _consumer(stream, f"reservation-{feed}", ">")
         return Permissions(publish, [inbox])
+    if principal.name == "ledger":  # the audit and billing subscribers, and their queries
+        publish = [stream_info]
+        for durable in ("audit", "billing"):
+            publish += _consumer(stream, durable, names.events_subjects)
+        queries = [names.api("*", "audit"), names.api("*", "usage")]
+        queries += [names.admin("audit.list"), names.admin("usage.list"), "$SRV.>"]
+        return Permissions(publish, [*queries, inbox], allow_responses=True)
     raise CommandError(f"no permissions defined for service {principal.name!r}", ExitCode.ERROR)
 
 

@@ -47,6 +47,8 @@ COMMANDS: Final = {
     "auth": "services.brokerauth",
     "simulate": "services.planning.command",
     "plan": "services.planning.command",
+    "audit": "services.audit.command",
+    "usage": "services.billing.command",
 }
 COMMAND_MODULES: Final = tuple(dict.fromkeys(COMMANDS.values()))
 

@@ -21,7 +21,8 @@ Start-up order
 servers (and their watchdog) -> migrations (``alembic`` to head, under an advisory
 lock) -> the services' database users (on the embedded PostgreSQL: one per service and
 agent, :mod:`services.runtime.provisioning`) -> bus stream -> :class:`Stack` (relay,
-live state, claims API, reservation workers, reclamation service, agents) -> the
+live state, claims API, reservation workers, reclamation service, audit and billing
+subscribers, agents) -> the
 example inventory through
 the admin API (each ResourceSlice only if its devices are not listed yet, so a restart
 does not append it again) ->
@@ -250,7 +251,8 @@ class Stack:
 
     def bus(self, role: str) -> tuple[Any, Any]:
         """The NATS connection and JetStream context of ``role``: ``claims``,
-        ``reservation`` or ``agent:<node>`` (the shared one without credentials)."""
+        ``reservation``, ``ledger`` or ``agent:<node>`` (the shared one without
+        credentials)."""
         return self.logins.get(role, (self.nc, self.js))
 
     async def trouble(self) -> str | None:
@@ -291,7 +293,7 @@ class Stack:
             directory = None
             if auth is not None:
                 directory = read_directory(auth.directory)
-                for service in ("claims", "reservation"):
+                for service in ("claims", "reservation", "ledger"):
                     logins[service] = await login(service, auth.service(service))
                 for node in nodes:
                     logins[f"agent:{node}"] = await login(f"agent-{node}", auth.agent(node))
@@ -347,7 +349,9 @@ async def _close_bus(nc: Any) -> None:
 
 async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) -> None:
     """Start the relay, the live state, the APIs, reservation workers, the reclamation
-    service and agents."""
+    service, the audit and billing subscribers and agents."""
+    from services.audit.service import AuditService
+    from services.billing.service import BillingService
     from services.claims.api import ClaimsApi
     from services.enforcement.agent import Agent
     from services.enforcement.enforcers import NoneEnforcer
@@ -386,6 +390,18 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
         stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
     reclamation = ReclamationService(stores.of(ServiceKind.RECLAMATION), live)
     stack.spawn("reclamation", functools.partial(reclamation.run, stop))
+    for subscriber in (AuditService, BillingService):  # consumers and query endpoints
+        ledger_nc, ledger_js = stack.bus("ledger")
+        ledger = subscriber(
+            stores.of(ServiceKind.LEDGER),
+            ledger_js,
+            names,
+            nc=ledger_nc,
+            directory=stack.directory,
+            authenticated=stack.directory is not None,
+        )
+        consumers.add(ledger.consumer.name)
+        stack.spawn(ledger.consumer.name, functools.partial(ledger.run, stop))
     for node in nodes:
         store = stores.of(ServiceKind.AGENT, node)
         agent_js = stack.bus(f"agent:{node}")[1]

@@ -45,6 +45,7 @@ __all__ = [
     "SCHEDULING_LATENCY",
     "SELECTOR_JOBS",
     "UNCONFIRMED_MESSAGES",
+    "USAGE",
     "start_metrics_server",
     "version",
 ]
@@ -102,6 +103,14 @@ HEALTH_CHECK_UP: Final = Gauge(
     "dracap_health_check_up",
     "1 while a readiness check of dracap up passes (postgres, nats, services), else 0.",
     ["check"],
+    registry=REGISTRY,
+)
+USAGE: Final = Counter(
+    "dracap_usage_unit_seconds_total",
+    "Billed usage: a capacity's amount in its base unit (bytes of memory, bit/s of "
+    "bandwidth) times seconds held, per namespace and DeviceClass; state held or unknown "
+    "(counted when a stretch closes: at a release, fence, unknown mark or confirmation).",
+    ["namespace", "class", "capacity", "state"],
     registry=REGISTRY,
 )
 CONSUMER_REDELIVERIES: Final = Counter(

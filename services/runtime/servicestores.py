@@ -33,7 +33,9 @@ from services.runtime.settings import ServiceKind, Settings
 __all__ = ["SMALL_POOL", "ServiceStores"]
 
 SMALL_POOL: Final = 4
-_SMALL: Final = frozenset({ServiceKind.RELAY, ServiceKind.RECLAMATION, ServiceKind.AGENT})
+_SMALL: Final = frozenset(
+    {ServiceKind.RELAY, ServiceKind.RECLAMATION, ServiceKind.AGENT, ServiceKind.LEDGER}
+)
 
 Key = tuple[ServiceKind, str | None]
 

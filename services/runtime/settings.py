@@ -16,7 +16,8 @@ variable                        meaning                                      def
                                 empty string: act as the connecting user
 ``DRACAP_DATABASE_URL_<KIND>``  the URL the services of one kind connect     —
                                 with (``CLAIMS``, ``RESERVATION``, ``RELAY``,
-                                ``AGENT``, ``READONLY``), as its own user
+                                ``AGENT``, ``READONLY``, ``RECLAMATION``,
+                                ``LEDGER``), as its own user
 =============================== ============================================ =========
 
 The app role is the one that migrations grant INSERT/SELECT on the event log to and
@@ -55,7 +56,8 @@ class ServiceKind(enum.StrEnum):
     RELAY = "relay"
     RECLAMATION = "reclamation"  #: lease expiry and the fence hook (migration 0007)
     AGENT = "agent"  #: node agents
-    READONLY = "readonly"  #: the live state's reads, ``dracap replay verify``, audit
+    READONLY = "readonly"  #: the live state's reads, ``dracap replay verify``
+    LEDGER = "ledger"  #: the audit and billing subscribers' own tables (migration 0009)
 
 
 def agent_key(node: str) -> str:

@@ -355,3 +355,34 @@ async def test_a_tenant_sees_devices_through_its_own_namespace_only(
         assert devices  # the classes tenant-a may use have devices
         with pytest.raises(CommandError, match="does not let this user publish"):
             await api.claims("tenant-b", "devices")
+
+
+async def test_a_tenant_reads_audit_and_usage_of_its_own_namespace_only(
+    broker: Broker, stack: Stack
+) -> None:
+    alice = broker.auth.tenant("tenant-a", "alice")
+    bob = broker.auth.tenant("tenant-b", "bob")
+    async with (
+        ApiClient.connect(broker.url, broker.names.prefix, alice) as a,
+        ApiClient.connect(broker.url, broker.names.prefix, bob) as b,
+    ):
+        await b.claims("tenant-b", "apply", _claim("tenant-b", "audited-b"))
+        await a.claims("tenant-a", "apply", _claim("tenant-a", "audited-a"))
+        # the audit applies the log in order: once it has alice's reservation, it has
+        # bob's submission (recorded before) too
+        async with asyncio.timeout(30):
+            while True:
+                records = (await a.claims("tenant-a", "audit", {"claim": "audited-a"}))["records"]
+                if any(r["decision"] == "capacity_reserved" for r in records):
+                    break
+                await asyncio.sleep(0.05)
+        for op, rows in (("audit", "records"), ("usage", "usage")):
+            mine = (await a.claims("tenant-a", op, {}))[rows]
+            assert mine and {r["namespace"] for r in mine} == {"tenant-a"}, op
+            with pytest.raises(CommandError, match="does not let this user publish"):
+                await a.claims("tenant-b", op, {})
+            with pytest.raises(CommandError, match="does not let this user publish"):
+                await a.admin(f"{op}.list", {})
+    async with ApiClient.connect(broker.url, broker.names.prefix, broker.auth.operator()) as op:
+        everyone = (await op.admin("audit.list", {}))["records"]
+        assert {"tenant-a", "tenant-b"} <= {r["namespace"] for r in everyone}

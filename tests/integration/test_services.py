@@ -90,7 +90,15 @@ async def test_db_upgrade_then_downgrade(
     )
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # idempotent
     assert "share_used" in await _scope_source(empty_database_url)
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0007
+    assert {"audit_records", "billing_usage", "ledger_positions"} <= await _tables(
+        empty_database_url
+    )
+    ledger = await _privileges(empty_database_url, "dracap_ledger")
+    assert {"events:SELECT", "processed_messages:INSERT", "billing_usage:UPDATE"} <= ledger
+    assert not {"events:INSERT", "capacity_ledger:UPDATE"} & ledger
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0008
+    assert "audit_records" not in await _tables(empty_database_url)
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # and 0007
     assert "share_used" not in await _scope_source(empty_database_url)
     assert "node_lease_acquired" in await _scope_source(empty_database_url)
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # and 0006
@@ -110,7 +118,7 @@ async def test_db_upgrade_then_downgrade(
     }
     assert "events:INSERT" in await _privileges(empty_database_url, "dracap_app")
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # and up again
-    for _ in range(3):  # 0007, 0006, 0005
+    for _ in range(4):  # 0008, 0007, 0006, 0005
         assert await asyncio.to_thread(db, ["downgrade"]) == 0
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more step: 0004
     assert {"shares", "claims"} <= await _tables(empty_database_url)

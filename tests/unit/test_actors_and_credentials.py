@@ -85,6 +85,7 @@ def test_init_writes_private_credentials_and_public_accounts(tmp_path: Path) -> 
         ("service", "relay"),
         ("service", "claims"),
         ("service", "reservation"),
+        ("service", "ledger"),
         ("agent", "node-a"),
         ("operator", "operator"),
         ("tenant", "alice"),

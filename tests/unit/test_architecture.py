@@ -74,7 +74,7 @@ def _lint_copy(tmp_path: Path, contract: str) -> subprocess.CompletedProcess[str
         ("services/runtime/dbcommand.py", "import services.cli", "runtime-imports-no-service"),
         ("services/enforcement/proving.py", "import services.up", "services-layers"),
         ("services/exitcodes.py", "import services.runtime.errors", "services-layers"),
-        ("services/billing/__init__.py", "", "services-layers"),  # a package in no layer
+        ("services/ledger/__init__.py", "", "services-layers"),  # a package in no layer
     ],
 )  # fmt: skip
 def test_a_contract_breaks_when_its_import_comes_back(

@@ -62,8 +62,12 @@ def test_metrics_server_serves_every_metric() -> None:
 
 
 def test_no_claim_or_share_labels() -> None:
-    """Only low-cardinality labels: never a claim, share or event id."""
+    """Only low-cardinality labels: never a claim, share or event id.
+
+    ``namespace`` (the usage counter: chargeback is per tenant) is bounded by the
+    installation's tenants, like ``class`` by its DeviceClasses."""
     allowed = {"outcome", "reason", "class", "capacity", "consumer", "version", "server", "check"}
+    allowed |= {"namespace", "state"}
     for name in metrics.__all__:
         labelnames = getattr(getattr(metrics, name), "_labelnames", None)
         if labelnames is not None:

@@ -1,0 +1,97 @@
+"""``dracap audit``: the audit records; ``dracap audit serve``: the subscriber on its own.
+
+``dracap audit [--namespace NS] [--claim NAME] [--share ID] [--device D] [--node N]
+[--since T] [--until T] [--limit N] [-o table|json|csv]`` asks the audit service
+(:mod:`services.audit.service`) for its records, in log order. With ``--namespace`` the
+question goes on the tenant's subject (``{prefix}.api.{ns}.claims.audit``): a tenant's
+credentials reach their own namespace only, and the answer is limited to it; without,
+on the admin subject (``{prefix}.admin.audit.list``, operators only). ``--device`` is
+``driver/pool/device``. Times are ISO 8601 (UTC when no zone is given) or ``now``.
+
+``dracap audit serve`` runs the subscriber and its query endpoints until SIGINT or
+SIGTERM (``dracap up`` runs it too); PostgreSQL as ``DRACAP_DATABASE_URL_LEDGER``'s user
+when set, NATS with ``--creds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Final
+
+from services.audit.service import AuditService
+from services.exitcodes import ExitCode
+from services.runtime import eventloop
+from services.runtime.endpoints import add_endpoint_arguments
+from services.runtime.querycommand import ask, emit, parse_time, serve_subscriber
+
+COLUMNS: Final = (
+    "position",
+    "recorded_at",
+    "namespace",
+    "claim",
+    "request",
+    "share_id",
+    "device",
+    "amounts",
+    "policy_version",
+    "actor",
+    "decision",
+    "reason",
+)
+
+
+async def _query(args: argparse.Namespace) -> int:
+    body = {
+        "namespace": args.namespace,
+        "claim": args.claim,
+        "share": args.share,
+        "device": args.device,
+        "node": args.node,
+        "since": parse_time("--since", args.since),
+        "until": parse_time("--until", args.until),
+        "limit": args.limit,
+    }
+    records = (await ask(args, "audit", "audit.list", body))["records"]
+    print(emit(args.output, records, COLUMNS))
+    return ExitCode.OK
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    return await serve_subscriber(
+        args, lambda store, js, names, nc: AuditService(store, js, names, nc=nc)
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.verb == "serve":
+            return eventloop.run(_serve(args))
+        parse_time("--since", args.since)  # bad input: exit 2 before connecting
+        parse_time("--until", args.until)
+        return eventloop.run(_query(args))
+    except KeyboardInterrupt:
+        return ExitCode.OK
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "audit",
+        help="who did what to which share, when and why (audit records)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    verbs = parser.add_subparsers(dest="verb", metavar="serve")
+    serve = verbs.add_parser("serve", help="run the audit subscriber on its own")
+    add_endpoint_arguments(serve, database=True, nats=True)
+    serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    serve.set_defaults(func=run, verb="serve")
+    parser.add_argument("-n", "--namespace", help="a tenant's namespace (its own subject)")
+    parser.add_argument("--claim", metavar="NAME")
+    parser.add_argument("--share", metavar="ID")
+    parser.add_argument("--device", metavar="DRIVER/POOL/DEVICE")
+    parser.add_argument("--node", metavar="N")
+    parser.add_argument("--since", metavar="T", help="ISO 8601 time or now")
+    parser.add_argument("--until", metavar="T", help="ISO 8601 time or now")
+    parser.add_argument("--limit", type=int, default=10_000, help="at most this many records")
+    parser.add_argument("-o", "--output", choices=("table", "json", "csv"), default="table")
+    add_endpoint_arguments(parser, nats=True)
+    parser.set_defaults(func=run, verb=None)

@@ -1,0 +1,1 @@
+"""The billing subscriber: usage per namespace and DeviceClass, per hour (``dracap usage``)."""

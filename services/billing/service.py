@@ -1,0 +1,399 @@
+"""The billing subscriber: usage per namespace and DeviceClass, rolled up per hour.
+
+A :class:`BillingService` is one durable JetStream consumer (``billing``) of every
+event subject; a message of :data:`EVENTS` wakes it (the others are acknowledged
+without a commit). Its group handler
+writes nothing to the log: it returns ``Handled.writes``
+(:mod:`services.runtime.consuming`), which runs **in one transaction** with the group's
+``processed_messages`` rows:
+
+1. take the events from its position in the log up to the group's newest
+   (:func:`services.runtime.inorder.catch_up`: in log order, whatever order JetStream
+   delivers in),
+2. read what billing knows of the claims, shares and nodes they name
+   (``billing_claims``, ``billing_shares``, ``billing_nodes``),
+3. apply the pure :func:`services.billing.usage.apply`,
+4. upsert those rows, *add* the closed segments, cut per hour, to ``billing_usage``,
+   and move its position.
+
+Step 4 adds, so it must happen once per event: the transaction commits only when
+every message of the group is new in ``processed_messages`` (a redelivered one rolls it
+back, ``AlreadyHandled``, and the rest is handled again), and an event at or behind
+the subscriber's position is never applied again. Each share also keeps the log
+position of the last event applied to it, and an event at or before it changes nothing.
+The Prometheus counter ``dracap_usage_unit_seconds_total`` is counted after the commit
+(``Handled.on_commit``): a rolled-back try counts nothing.
+
+Queries (:func:`usage`) sum ``billing_usage`` per namespace, class, capacity and state
+within ``--from``/``--to`` (whole hours: a row is in when its hour starts within), and
+add the stretch each open share has run so far, up to ``--to`` or now (``open``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Callable, Sequence
+from decimal import Decimal
+from typing import Any, Final
+
+import msgspec
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from events.catalog import (
+    CapacityReleased,
+    CapacityReserved,
+    ClaimSubmitted,
+    Envelope,
+    NodeFenced,
+    NodeLeaseAcquired,
+    NodeLeaseExpired,
+    ShareConfirmed,
+    ShareMarkedUnknown,
+)
+from events.subjects import BusNames
+from services.billing.usage import (
+    BillingShare,
+    NodeEpochs,
+    Segment,
+    Update,
+    apply,
+    display,
+    needs,
+    usage_rows,
+)
+from services.runtime.confirming import LogConfirmation
+from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.credentials import Directory
+from services.runtime.eventstore import Connection, EventStore
+from services.runtime.inorder import catch_up
+from services.runtime.metrics import USAGE
+from services.runtime.queries import QueryError, serve_queries
+
+__all__ = ["CONSUMER", "EVENTS", "BillingService", "UsageFilter", "usage", "wanted"]
+
+log = logging.getLogger("dracap.billing")
+
+CONSUMER: Final = "billing"
+#: The events billing acts on (the others are acknowledged without a commit).
+EVENTS: Final = (
+    ClaimSubmitted,
+    CapacityReserved,
+    CapacityReleased,
+    ShareMarkedUnknown,
+    ShareConfirmed,
+    NodeLeaseAcquired,
+    NodeLeaseExpired,
+    NodeFenced,
+)
+
+
+def wanted(env: Envelope) -> bool:
+    """Whether billing acts on ``env``."""
+    return isinstance(env.event, EVENTS)
+
+
+_CLAIMS: Final = (
+    "SELECT namespace, name, classes::text FROM billing_claims "
+    "WHERE (namespace, name) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
+)
+_SHARES: Final = (
+    "SELECT share_id, namespace, device_class, node, amounts::text, billed, state, since, "
+    "position FROM billing_shares "
+    "WHERE share_id = ANY($1::text[]) OR (state <> 'closed' AND node = ANY($2::text[]))"
+)
+_NODES: Final = (
+    "SELECT node, lease_epoch, fenced_epoch FROM billing_nodes WHERE node = ANY($1::text[])"
+)
+_UPSERT_CLAIM: Final = (
+    "INSERT INTO billing_claims (namespace, name, classes) VALUES ($1, $2, $3::jsonb) "
+    "ON CONFLICT (namespace, name) DO UPDATE SET classes = excluded.classes"
+)
+_UPSERT_SHARE: Final = """
+INSERT INTO billing_shares (share_id, namespace, device_class, node, amounts, billed, state,
+    since, position)
+VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9)
+ON CONFLICT (share_id) DO UPDATE SET state = excluded.state, since = excluded.since,
+    position = excluded.position
+"""
+_UPSERT_NODE: Final = """
+INSERT INTO billing_nodes (node, lease_epoch, fenced_epoch) VALUES ($1, $2, $3)
+ON CONFLICT (node) DO UPDATE SET lease_epoch = excluded.lease_epoch,
+    fenced_epoch = excluded.fenced_epoch
+"""
+_ADD_USAGE: Final = """
+INSERT INTO billing_usage (namespace, device_class, capacity, hour, state, unit_seconds)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (namespace, device_class, capacity, hour, state)
+DO UPDATE SET unit_seconds = billing_usage.unit_seconds + excluded.unit_seconds
+"""
+
+
+def _share(row: Any) -> BillingShare:
+    return BillingShare(
+        share_id=row[0],
+        namespace=row[1],
+        device_class=row[2],
+        node=row[3],
+        amounts={k: int(v) for k, v in msgspec.json.decode(row[4]).items()},
+        billed=row[5],
+        state=row[6],
+        since=row[7],
+        position=row[8],
+    )
+
+
+async def write_update(
+    connection: Connection, envs: Sequence[Envelope], subscriber: str = CONSUMER
+) -> Update:
+    """Apply the log up to ``envs`` to what the tables know, and write the result."""
+    envs = await catch_up(connection, subscriber, envs)
+    claim_keys, share_ids, nodes = needs(envs)
+    ordered = sorted(claim_keys)
+    claims = {
+        (row[0], row[1]): msgspec.json.decode(row[2])
+        for row in await connection.fetch(_CLAIMS, [k[0] for k in ordered], [k[1] for k in ordered])
+    }
+    shares = {
+        row[0]: _share(row)
+        for row in await connection.fetch(_SHARES, sorted(share_ids), sorted(nodes))
+    }
+    epochs = {
+        row[0]: NodeEpochs(node=row[0], lease_epoch=row[1], fenced_epoch=row[2])
+        for row in await connection.fetch(_NODES, sorted(nodes))
+    }
+    update = apply(envs, claims, shares, epochs)
+    if update.claims:
+        await connection.executemany(
+            _UPSERT_CLAIM,
+            [(ns, name, msgspec.json.encode(c)) for (ns, name), c in update.claims.items()],
+        )
+    if update.shares:
+        await connection.executemany(
+            _UPSERT_SHARE,
+            [
+                (
+                    s.share_id,
+                    s.namespace,
+                    s.device_class,
+                    s.node,
+                    msgspec.json.encode({k: str(v) for k, v in s.amounts.items()}),
+                    s.billed,
+                    s.state,
+                    s.since,
+                    s.position,
+                )
+                for s in update.shares.values()
+            ],
+        )
+    if update.nodes:
+        await connection.executemany(
+            _UPSERT_NODE, [(n.node, n.lease_epoch, n.fenced_epoch) for n in update.nodes.values()]
+        )
+    rows = update.usage()
+    if rows:
+        await connection.executemany(
+            _ADD_USAGE,
+            [
+                (r.namespace, r.device_class, r.capacity, r.hour, r.state, r.unit_seconds)
+                for r in rows
+            ],
+        )
+    return update
+
+
+def _counter(update: Update) -> Callable[[], None]:
+    rows = update.usage()
+
+    def count() -> None:
+        for r in rows:
+            USAGE.labels(r.namespace, r.device_class, r.capacity, r.state).inc(
+                float(r.unit_seconds)
+            )
+
+    return count
+
+
+class BillingService:
+    """The billing consumers, and the usage endpoints when given a connection to serve on."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        js: JetStreamContext,
+        names: BusNames,
+        *,
+        name: str = CONSUMER,
+        nc: Client | None = None,
+        directory: Directory | None = None,
+        authenticated: bool = False,
+    ) -> None:
+        self.store = store
+        self.names = names
+        self.nc = nc
+        self.directory = directory
+        self.authenticated = authenticated
+        self.consumer = Consumer(
+            store,
+            js,
+            names,
+            name=name,
+            filter_subject=names.events_subjects,
+            group_handler=self.handle,
+            wants=wanted,
+            confirmation=LogConfirmation(store),
+        )
+
+    async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
+        """Billing's changes for ``envs``, written with their ``processed_messages`` rows."""
+        counted: list[Callable[[], None]] = []
+
+        async def writes(connection: Connection) -> None:
+            counted.clear()
+            counted.append(_counter(await write_update(connection, envs, self.consumer.name)))
+
+        def count() -> None:
+            for done in counted:
+                done()
+
+        return Handled(writes=writes, on_commit=[count])
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume (and serve queries, with ``nc``) until ``stop`` is set."""
+        service = None
+        if self.nc is not None:
+            service = await serve_queries(
+                self.nc,
+                self.names,
+                service="usage",
+                tenant_op="usage",
+                admin_op="usage.list",
+                query=self.query,
+                directory=self.directory,
+                authenticated=self.authenticated,
+            )
+        try:
+            await self.consumer.run(stop)
+        finally:
+            if service is not None:
+                await service.stop()
+
+    async def query(self, namespace: str | None, data: bytes) -> dict[str, Any]:
+        """The usage a query asks for; ``namespace``: the tenant it is limited to."""
+        wanted = decode_filter(data)
+        if namespace is not None:
+            if wanted.namespace not in (None, namespace):
+                raise QueryError("namespace", f"a tenant of {namespace} reads its own only")
+            wanted = msgspec.structs.replace(wanted, namespace=namespace)
+        async with self.store.pool.acquire() as connection:
+            rows = await usage(connection, wanted)
+        return {"usage": rows}
+
+
+class UsageFilter(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What ``dracap usage`` filters on (every field optional)."""
+
+    namespace: str | None = None
+    device_class: str | None = None
+    start: datetime.datetime | None = None  #: ``--from``
+    end: datetime.datetime | None = None  #: ``--to``
+    open: bool = True  #: add the stretch open shares have run so far
+
+
+def decode_filter(data: bytes) -> UsageFilter:
+    """The filter of a query payload; :class:`QueryError` naming the field otherwise."""
+    try:
+        return msgspec.json.decode(data or b"{}", type=UsageFilter)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        field = text.split("`$.", 1)[1].split("`", 1)[0] if "`$." in text else "request"
+        raise QueryError(field, text) from None
+    except msgspec.DecodeError as exc:
+        raise QueryError("request", f"must be a JSON object: {exc}") from None
+
+
+async def usage(connection: Connection, wanted: UsageFilter) -> list[dict[str, Any]]:
+    """Usage per namespace, class, capacity and state (closed stretches, then open ones)."""
+    where: list[str] = []
+    args: list[Any] = []
+    for column, value in (("namespace", wanted.namespace), ("device_class", wanted.device_class)):
+        if value is not None:
+            args.append(value)
+            where.append(f"{column} = ${len(args)}")
+    if wanted.start is not None:
+        args.append(_hour_of(wanted.start))
+        where.append(f"hour >= ${len(args)}")
+    if wanted.end is not None:
+        args.append(wanted.end)
+        where.append(f"hour < ${len(args)}")
+    sql = (
+        "SELECT namespace, device_class, capacity, state, sum(unit_seconds) FROM billing_usage"
+        + (f" WHERE {' AND '.join(where)}" if where else "")
+        + " GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4"
+    )
+    sums: dict[tuple[str, str, str, str], Decimal] = {
+        (r[0], r[1], r[2], r[3]): Decimal(r[4]) for r in await connection.fetch(sql, *args)
+    }
+    opened: set[tuple[str, str, str, str]] = set()
+    if wanted.open:
+        for key, so_far in (await _open_usage(connection, wanted)).items():
+            sums[key] = sums.get(key, Decimal(0)) + so_far
+            opened.add(key)
+    out: list[dict[str, Any]] = []
+    for (namespace, device_class, capacity, state), unit_seconds in sorted(sums.items()):
+        amount, unit = display(capacity, unit_seconds)
+        out.append(
+            {
+                "namespace": namespace,
+                "device_class": device_class,
+                "capacity": capacity,
+                "state": state,
+                "unit_seconds": str(unit_seconds),
+                "amount": str(round(amount, 6)),
+                "unit": unit,
+                "open": (namespace, device_class, capacity, state) in opened,
+            }
+        )
+    return out
+
+
+def _hour_of(at: datetime.datetime) -> datetime.datetime:
+    return at.astimezone(datetime.UTC).replace(minute=0, second=0, microsecond=0)
+
+
+async def _open_usage(
+    connection: Connection, wanted: UsageFilter
+) -> dict[tuple[str, str, str, str], Decimal]:
+    """What open shares have run so far, within the window (up to ``end`` or now)."""
+    now = await connection.fetchval("SELECT now()")
+    end = min(wanted.end, now) if wanted.end is not None else now
+    rows = await connection.fetch(
+        "SELECT share_id, namespace, device_class, node, amounts::text, billed, state, since, "
+        "position FROM billing_shares WHERE state <> 'closed' AND billed "
+        "AND ($1::text IS NULL OR namespace = $1) AND ($2::text IS NULL OR device_class = $2)",
+        wanted.namespace,
+        wanted.device_class,
+    )
+    segments = []
+    for row in rows:
+        share = _share(row)
+        start = share.since
+        if wanted.start is not None:
+            start = max(start, _hour_of(wanted.start))
+        segments.append(
+            Segment(
+                namespace=share.namespace,
+                device_class=share.device_class,
+                amounts=share.amounts,
+                state="held" if share.state == "held" else "unknown",
+                start=start,
+                end=end,
+            )
+        )
+    sums: dict[tuple[str, str, str, str], Decimal] = {}
+    for r in usage_rows(segments):
+        key = (r.namespace, r.device_class, r.capacity, r.state)
+        sums[key] = sums.get(key, Decimal(0)) + r.unit_seconds
+    return sums

@@ -1,0 +1,299 @@
+"""Usage as amount x time, per namespace, DeviceClass, capacity, hour and state: pure.
+
+A share is billed from its reservation (``CapacityReserved``) to its release
+(``CapacityReleased``, or a fence of its node that counts), at the amounts it consumes,
+under the DeviceClass of the claim's request it serves (the claim's latest
+``ClaimSubmitted``: ``exactly.deviceClassName``, or a ``firstAvailable`` alternative's for
+a ``request/alternative`` result). Time spent *unknown* — from ``ShareMarkedUnknown`` or
+an expiry of its node's lease that counts, to ``ShareConfirmed``, the fence or the
+release — is billed apart (state ``unknown``), so a tenant can be charged or credited
+for it by policy. Admin-access shares consume nothing and are not billed. Times are
+the events' ``recorded_at``: the log's own clock, so the same log gives the same bill.
+
+Each closed stretch (a *segment*) is cut at hour boundaries (:func:`hourly`) and added
+to the hour's row: ``unit_seconds`` = amount in the capacity's base unit (bytes of
+``memory``, bit/s of ``bandwidth``) x seconds, exact (:class:`~decimal.Decimal`,
+computed from the quantity's nano-units and whole microseconds). ``dracap usage`` shows
+it as GiB-hours and Gbit/s-hours (:func:`display`).
+
+Expiries and fences older than the node's newest lease or fence are stale and change
+nothing, as in the fold (:class:`NodeEpochs`). The service applies the log in order,
+so a share's reservation comes before what follows it; on a log written by hand, a
+reservation whose claim was never submitted is billed under the class ``""``, and an
+event about a share never reserved changes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping, Sequence
+from decimal import Decimal
+from typing import Final, Literal, TypeAlias
+
+import msgspec
+
+from events.catalog import (
+    CapacityReleased,
+    CapacityReserved,
+    ClaimSubmitted,
+    Envelope,
+    NodeFenced,
+    NodeLeaseAcquired,
+    NodeLeaseExpired,
+    ShareConfirmed,
+    ShareMarkedUnknown,
+)
+from events.model import ResourceClaim
+
+__all__ = [
+    "HOUR",
+    "BillingShare",
+    "NodeEpochs",
+    "Segment",
+    "State",
+    "Update",
+    "UsageRow",
+    "apply",
+    "display",
+    "hourly",
+    "needs",
+    "request_classes",
+]
+
+HOUR: Final = datetime.timedelta(hours=1)
+_MICRO: Final = datetime.timedelta(microseconds=1)
+_NANO_MICRO: Final = Decimal(10) ** 15  # nano-units x microseconds -> units x seconds
+State: TypeAlias = Literal["held", "unknown", "closed"]
+
+#: How ``dracap usage`` shows a capacity: (unit, divisor of unit-seconds).
+DISPLAY: Final[Mapping[str, tuple[str, Decimal]]] = {
+    "memory": ("GiB-hours", Decimal(2**30) * 3600),
+    "bandwidth": ("Gbit/s-hours", Decimal(10**9) * 3600),
+}
+
+
+class BillingShare(msgspec.Struct, frozen=True, kw_only=True):
+    """One share's billing state (``billing_shares``): amounts in nano-units."""
+
+    share_id: str
+    namespace: str
+    device_class: str
+    node: str | None
+    amounts: dict[str, int]
+    billed: bool
+    state: State
+    since: datetime.datetime
+    position: int
+
+
+class NodeEpochs(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's newest lease epoch (acquired or expired) and fence epoch."""
+
+    node: str
+    lease_epoch: int = 0
+    fenced_epoch: int = 0
+
+    def stale(self, epoch: int) -> bool:
+        return epoch < self.lease_epoch or epoch < self.fenced_epoch
+
+
+class Segment(msgspec.Struct, frozen=True, kw_only=True):
+    """A closed stretch of one share in one state."""
+
+    namespace: str
+    device_class: str
+    amounts: dict[str, int]
+    state: Literal["held", "unknown"]
+    start: datetime.datetime
+    end: datetime.datetime
+
+
+class UsageRow(msgspec.Struct, frozen=True, kw_only=True):
+    """Usage added to one hour (``billing_usage``)."""
+
+    namespace: str
+    device_class: str
+    capacity: str
+    hour: datetime.datetime
+    state: Literal["held", "unknown"]
+    unit_seconds: Decimal
+
+
+class Update(msgspec.Struct, kw_only=True):
+    """What :func:`apply` wants written."""
+
+    claims: dict[tuple[str, str], dict[str, str]] = {}
+    shares: dict[str, BillingShare] = {}
+    nodes: dict[str, NodeEpochs] = {}
+    segments: list[Segment] = []
+
+    def usage(self) -> list[UsageRow]:
+        """The segments cut per hour and summed per row key."""
+        return usage_rows(self.segments)
+
+
+def request_classes(claim: ResourceClaim) -> dict[str, str]:
+    """The DeviceClass of each request name a result may carry (``req``, ``req/alt``)."""
+    out: dict[str, str] = {}
+    for request in (claim.spec.devices.requests or []) if claim.spec.devices else []:
+        if request.exactly is not None:
+            out[request.name] = request.exactly.device_class_name
+        for alternative in request.first_available or ():
+            out[f"{request.name}/{alternative.name}"] = alternative.device_class_name
+    return out
+
+
+def hourly(start: datetime.datetime, end: datetime.datetime) -> list[tuple[datetime.datetime, int]]:
+    """``[start, end)`` cut at hour boundaries (UTC): (hour, whole microseconds) each."""
+    out: list[tuple[datetime.datetime, int]] = []
+    if end <= start:
+        return out
+    start, end = start.astimezone(datetime.UTC), end.astimezone(datetime.UTC)
+    hour = start.replace(minute=0, second=0, microsecond=0)
+    while hour < end:
+        nxt = hour + HOUR
+        overlap = min(end, nxt) - max(start, hour)
+        if overlap > datetime.timedelta(0):
+            out.append((hour, overlap // _MICRO))
+        hour = nxt
+    return out
+
+
+def usage_rows(segments: Iterable[Segment]) -> list[UsageRow]:
+    """Segments cut per hour, summed per (namespace, class, capacity, hour, state)."""
+    sums: dict[tuple[str, str, str, datetime.datetime, str], Decimal] = {}
+    for seg in segments:
+        for hour, micros in hourly(seg.start, seg.end):
+            for capacity, nanos in seg.amounts.items():
+                key = (seg.namespace, seg.device_class, capacity, hour, seg.state)
+                sums[key] = sums.get(key, Decimal(0)) + Decimal(nanos * micros) / _NANO_MICRO
+    return [
+        UsageRow(
+            namespace=k[0],
+            device_class=k[1],
+            capacity=k[2],
+            hour=k[3],
+            state=k[4],  # type: ignore[arg-type]
+            unit_seconds=v,
+        )
+        for k, v in sorted(sums.items())
+    ]
+
+
+def display(capacity: str, unit_seconds: Decimal) -> tuple[Decimal, str]:
+    """``unit_seconds`` of ``capacity`` in the unit people read (GiB-hours, ...)."""
+    unit, divisor = DISPLAY.get(capacity, (f"{capacity}-hours", Decimal(3600)))
+    return unit_seconds / divisor, unit
+
+
+def needs(envs: Iterable[Envelope]) -> tuple[set[tuple[str, str]], set[str], set[str]]:
+    """Claims, ShareIDs and nodes whose known state :func:`apply` needs for ``envs``."""
+    claims: set[tuple[str, str]] = set()
+    shares: set[str] = set()
+    nodes: set[str] = set()
+    for env in envs:
+        event = env.event
+        if isinstance(event, CapacityReserved):
+            claims.add((event.namespace, event.name))
+        elif isinstance(event, ShareMarkedUnknown | ShareConfirmed | CapacityReleased):
+            shares.add(event.share_id)
+        elif isinstance(event, NodeLeaseExpired | NodeFenced | NodeLeaseAcquired):
+            nodes.add(event.node)
+    return claims, shares, nodes
+
+
+def apply(
+    envs: Sequence[Envelope],
+    claims: Mapping[tuple[str, str], Mapping[str, str]],
+    shares: Mapping[str, BillingShare],
+    nodes: Mapping[str, NodeEpochs],
+) -> Update:
+    """Billing's changes for ``envs`` (in log order), given what it knew before them.
+
+    ``shares`` must hold the shares ``envs`` name and every open share of the nodes
+    they expire or fence.
+    """
+    out = Update()
+    known = dict(shares)
+    request_of = {k: dict(v) for k, v in claims.items()}
+    epochs = dict(nodes)
+
+    def put(share: BillingShare) -> None:
+        known[share.share_id] = out.shares[share.share_id] = share
+
+    def close(share: BillingShare, at: datetime.datetime, then: State, position: int) -> None:
+        if share.state == "closed" or position <= share.position:
+            return  # released already, or an event billing has applied before
+        if share.billed:
+            out.segments.append(
+                Segment(
+                    namespace=share.namespace,
+                    device_class=share.device_class,
+                    amounts=share.amounts,
+                    state=share.state,
+                    start=share.since,
+                    end=max(at, share.since),
+                )
+            )
+        put(msgspec.structs.replace(share, state=then, since=at, position=position))
+
+    for env in sorted(envs, key=lambda e: e.position):
+        event, at, position = env.event, env.recorded_at, env.position
+        if isinstance(event, ClaimSubmitted):
+            key = (event.claim.metadata.namespace or "", event.claim.metadata.name)
+            request_of[key] = out.claims[key] = request_classes(event.claim)
+        elif isinstance(event, CapacityReserved):
+            if event.share_id in known:
+                continue
+            classes = request_of.get((event.namespace, event.name), {})  # {}: never submitted
+            device_class = classes.get(event.request) or classes.get(
+                event.request.partition("/")[0], ""
+            )
+            put(
+                BillingShare(
+                    share_id=event.share_id,
+                    namespace=event.namespace,
+                    device_class=device_class,
+                    node=event.node,
+                    amounts={k: v.nanos for k, v in sorted(event.consumed.items())},
+                    billed=not event.admin_access,
+                    state="held",
+                    since=at,
+                    position=position,
+                )
+            )
+        elif isinstance(event, ShareMarkedUnknown | ShareConfirmed | CapacityReleased):
+            share = known.get(event.share_id)
+            if share is None:
+                continue  # never reserved in this log: nothing was billed, nothing to close
+            if isinstance(event, CapacityReleased):
+                close(share, at, "closed", position)
+            elif isinstance(event, ShareMarkedUnknown) and share.state == "held":
+                close(share, at, "unknown", position)
+            elif isinstance(event, ShareConfirmed) and share.state == "unknown":
+                close(share, at, "held", position)
+        elif isinstance(event, NodeLeaseAcquired):
+            node = epochs.get(event.node, NodeEpochs(node=event.node))
+            epochs[event.node] = out.nodes[event.node] = msgspec.structs.replace(
+                node, lease_epoch=max(node.lease_epoch, event.epoch)
+            )
+        elif isinstance(event, NodeLeaseExpired | NodeFenced):
+            node = epochs.get(event.node, NodeEpochs(node=event.node))
+            if node.stale(event.epoch):
+                continue
+            fenced = isinstance(event, NodeFenced)
+            epochs[event.node] = out.nodes[event.node] = msgspec.structs.replace(
+                node,
+                lease_epoch=max(node.lease_epoch, event.epoch),
+                fenced_epoch=max(node.fenced_epoch, event.epoch) if fenced else node.fenced_epoch,
+            )
+            on_node = sorted(
+                s.share_id for s in known.values() if s.node == event.node and s.state != "closed"
+            )
+            for share_id in on_node:
+                share = known[share_id]
+                if fenced:
+                    close(share, at, "closed", position)
+                elif share.state == "held":
+                    close(share, at, "unknown", position)
+    return out

@@ -1,0 +1,137 @@
+"""What ``dracap audit`` and ``dracap usage`` share: times, output, asking, serving.
+
+* :func:`parse_time`: ``--since``/``--until``/``--from``/``--to`` are ISO 8601 times
+  (``2026-12-01T10:00:00Z``; without a zone: UTC) or ``now``; anything else is one line
+  naming the flag, exit 2.
+* :func:`emit`: ``-o table|json|csv`` of a list of flat rows.
+* :func:`ask`: one query through the API: with ``--namespace`` on the tenant's subject
+  (``{prefix}.api.{ns}.claims.{op}``: a tenant's credentials allow only their own
+  namespace, and the service scopes the answer to it), without it on the admin subject
+  (operators only).
+* :func:`serve_subscriber`: ``... serve``: run a subscriber on its own until SIGINT or
+  SIGTERM, connected to PostgreSQL as the ledger's database user when
+  ``DRACAP_DATABASE_URL_LEDGER`` names one, and to NATS with ``--creds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import datetime
+import io
+import json
+import signal
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from events.subjects import BusNames
+from services.exitcodes import CommandError, ExitCode
+from services.runtime.apiclient import ApiClient
+from services.runtime.endpoints import endpoints_from_args, reaching
+from services.runtime.eventstore import EventStore
+from services.runtime.metrics import start_metrics_server
+from services.runtime.settings import ServiceKind, load_settings
+
+__all__ = ["Subscriber", "ask", "emit", "parse_time", "serve_subscriber"]
+
+
+def parse_time(flag: str, text: str | None) -> str | None:
+    """``text`` as an ISO 8601 UTC time for the API; :class:`CommandError` (exit 2)."""
+    if text is None:
+        return None
+    if text == "now":
+        return datetime.datetime.now(datetime.UTC).isoformat()
+    try:
+        at = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise CommandError(
+            f"{flag}: must be an ISO 8601 time such as 2026-12-01T10:00:00Z, or now (got {text!r})",
+            ExitCode.BAD_INPUT,
+        ) from None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=datetime.UTC)
+    return at.astimezone(datetime.UTC).isoformat()
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def emit(output: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """``rows`` as a table (``columns``), JSON (every field) or CSV (``columns``)."""
+    if output == "json":
+        return json.dumps(list(rows), indent=2, default=str)
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    if output == "csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows(cells)
+        return buffer.getvalue().rstrip("\n")
+    header = [c.upper() for c in columns]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    lines = [header, *cells]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+async def ask(
+    args: argparse.Namespace, tenant_op: str, admin_op: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    """One query (see the module docstring); the reply's fields."""
+    endpoints = endpoints_from_args(args)
+    async with ApiClient.connect(endpoints.nats(), endpoints.prefix, endpoints.credential()) as api:
+        payload = {k: v for k, v in body.items() if v is not None}
+        if args.namespace:
+            return await api.claims(args.namespace, tenant_op, payload)
+        return await api.admin(admin_op, payload)
+
+
+class Subscriber(Protocol):
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+async def serve_subscriber(
+    args: argparse.Namespace,
+    make: Callable[[EventStore, JetStreamContext, BusNames, Client], Subscriber],
+) -> int:
+    """Run the subscriber ``make`` builds until SIGINT or SIGTERM."""
+    from services.runtime.bus import connect_bus
+
+    endpoints = endpoints_from_args(args, service=ServiceKind.LEDGER)
+    database_url = endpoints.database()
+    settings = endpoints.settings(load_settings())
+    with reaching("PostgreSQL", database_url):
+        store = await EventStore.open(settings)
+    server = None
+    if args.metrics_port:
+        server, _ = start_metrics_server(args.metrics_port, addr="127.0.0.1")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        names = BusNames(prefix=endpoints.prefix)
+        nats_url = endpoints.nats()
+        with reaching("NATS", nats_url):
+            nc, js = await connect_bus(nats_url, credential=endpoints.credential())
+        try:
+            await make(store, js, names, nc).run(stop)
+        finally:
+            await nc.drain()
+    finally:
+        if server is not None:
+            server.shutdown()
+        await store.close()
+    return ExitCode.OK
