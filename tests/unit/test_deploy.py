@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +88,25 @@ def test_the_image_builds_where_a_docker_engine_answers() -> None:
         [docker, "run", "--rm", "dracap:test", "serve", "--help"], capture_output=True, text=True
     )
     assert ran.returncode == 0 and "relay" in ran.stdout
+
+
+def test_the_prometheus_rules_pass_promtool() -> None:
+    """The PrometheusRule's groups, as a plain rules file, pass ``promtool check rules``
+    (Debian's ``prometheus`` package ships promtool; skipped, and said so, without it)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    monitoring = ROOT / "deploy" / "kubernetes" / "base" / "monitoring.yaml"
+    [rule] = [
+        doc
+        for doc in yaml.safe_load_all(monitoring.read_text())
+        if doc and doc.get("kind") == "PrometheusRule"
+    ]
+    with tempfile.TemporaryDirectory() as work:
+        rules = Path(work) / "rules.yaml"
+        rules.write_text(yaml.safe_dump(rule["spec"]))
+        checked = subprocess.run(
+            [promtool, "check", "rules", str(rules)], capture_output=True, text=True
+        )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS" in checked.stdout
