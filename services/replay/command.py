@@ -204,7 +204,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from services.planning.plotting import check_plotting
+    from services.replay.plot import check_plotting
 
     check_plotting()
     if not args.out.endswith(".png"):

@@ -82,6 +82,9 @@ def view(state: ClusterState) -> dict[str, Any]:
         out[section] = plain[section]
     for claim in out["claims"].values():
         claim.pop("claim", None)  # the tenant's manifest: long, and in the timeline
+    for key, dev in state.devices.items():  # consumed as quantities, beside the nanos
+        consumed = msgspec.to_builtins(dev.consumed(), enc_hook=encode_hook)
+        out["devices"]["/".join(key)]["consumed"] = consumed
     return out
 
 
@@ -306,7 +309,7 @@ async def usage_series(
     scoped_devices: set[tuple[str, str, str]] = set()
     samples: list[Sample] = []
     last: tuple[Any, ...] | None = None
-    scale, unit = 1e9, ""
+    scale = 1.0  # nanos until the end, then the unit of the final state
     async for page in source.rows(0):
         for row in page:
             event = decode_stored(bytes(row[PAYLOAD]), row[TYPE], row[SCHEMA_VERSION])
@@ -321,7 +324,6 @@ async def usage_series(
                 if share is not None and _scope_test(state, kind, key)(share):
                     in_scope[share_id] = share.claim[0]
                     scoped_devices.add(share.device_key)
-                    scale, unit = _unit_scale(capacity, state)
             if kind == "device":
                 scoped_devices.add(tuple(key.split("/")))  # type: ignore[arg-type]
             elif kind == "node":
@@ -359,4 +361,8 @@ async def usage_series(
                     )
                 )
                 last = mark
+    divide, unit = _unit_scale(capacity, state)
+    for sample in samples:
+        sample.total /= divide
+        sample.by_tenant = {k: v / divide for k, v in sample.by_tenant.items()}
     return samples, unit

@@ -251,7 +251,10 @@ def read_rows(
             body, rest = data[:cut], data[cut:]
             if progress is not None:
                 progress(read, end_offset)
-            if done or not body:
+            if done:  # past to_position: only count the lines
+                expected += body.count(b"\n")
+                continue
+            if not body:
                 continue
             rows = _decode(body, path, line_no)
             line_no += len(rows)

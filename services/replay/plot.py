@@ -5,7 +5,7 @@ scope (a device, a node's devices, or the shares of a DeviceClass), the scope's 
 as a black line above it, and hatched grey bands where some of the consumption was
 Unknown (its node's lease expired and it was not fenced or confirmed yet). The x axis
 is the time the events were recorded. matplotlib is an optional dependency; without it
-the command is refused with one line (:func:`services.planning.plotting.check_plotting`).
+the command is refused with one line (:func:`check_plotting`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.exitcodes import CommandError, ExitCode
 from services.replay.history import Sample
 
-__all__ = ["plot_usage"]
+__all__ = ["check_plotting", "plot_usage"]
+
+
+def check_plotting() -> None:
+    """Raise :class:`CommandError` (exit 2) when matplotlib cannot be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CommandError(
+            "replay plot needs matplotlib: pip install 'dracap[plot]'", ExitCode.BAD_INPUT
+        ) from None
 
 
 def plot_usage(

@@ -86,13 +86,12 @@ def state_table(view: dict[str, Any]) -> str:
     """Devices, shares, claims and nodes of a state view as four tables."""
     devices = []
     for key, d in view["devices"].items():
-        used = {k: v for k, v in d.get("consumed_nanos", {}).items()}
         devices.append(
             (
                 key,
                 d.get("node") or "-",
                 _amounts(d.get("total")),
-                _amounts({k: f"{v / 1e9:g}" for k, v in used.items()}),
+                _amounts(d.get("consumed")),
                 d.get("live_shared", 0),
                 d.get("exclusive_share") or "-",
                 d.get("unhealthy") or "-",

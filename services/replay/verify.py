@@ -8,8 +8,8 @@ checks that they say what the fold says:
    rows are read as of the same instant even while services keep appending;
 2. start from the newest snapshot that verifies (:mod:`services.runtime.snapshots`;
    from an empty state with ``from_start``), then fold every later event with
-   :func:`events.fold.apply`, paging through the log by position; an :class:`~events.errors.InvariantViolation` stops the replay at its
-   position;
+   :func:`events.fold.apply`, paging through the log by position; an
+   :class:`~events.errors.InvariantViolation` stops the replay at its position;
 3. derive the guard rows the folded state implies (:func:`expected_rows`) and
    compare them with the rows in ``capacity_ledger``, ``device_holds``,
    ``held_shares``, ``node_epochs`` and ``node_leases`` (:func:`actual_rows`).
