@@ -28,7 +28,7 @@ from services.replay.verify import summary, verify
 from services.runtime.eventstore import EventStore, iter_rows
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.settings import Settings
-from services.runtime.snapshots import load_verified, write_snapshot
+from services.runtime.snapshots import SnapshotWriter, load_verified, write_snapshot
 from tests.fixtures.services import _create_database, _drop_database, database_url_for
 from tests.integration import sample as s
 from tests.integration.scenario import lease, put
@@ -369,3 +369,32 @@ async def test_live_state_starts_from_the_newest_snapshot_that_verifies(
         await write_snapshot(store.pool, await _state_at(store, at))
     kept = await store.pool.fetch("SELECT position FROM snapshots ORDER BY position")
     assert [r[0] for r in kept] == [3, 4, 5]
+
+
+async def test_the_writer_snapshots_every_n_events_as_the_live_state_moves(
+    scenario: Scenario, store: EventStore
+) -> None:
+    live = LiveState(store)
+    await live.fresh(HEAD)
+    writer = SnapshotWriter(store.pool, lambda: live.state, every_events=5, check_every_s=0.05)
+    stop = asyncio.Event()
+    tail = asyncio.create_task(live.run(stop))
+    task = asyncio.create_task(writer.run(stop))
+    try:
+
+        async def newest() -> int:
+            return int(
+                await store.pool.fetchval("SELECT coalesce(max(position), 0) FROM snapshots")
+            )
+
+        deadline = asyncio.get_running_loop().time() + 30
+        while await newest() != scenario.head:  # a condition, not a sleep
+            assert asyncio.get_running_loop().time() < deadline, "no snapshot written"
+            await asyncio.sleep(0.05)
+        assert not writer.due()  # nothing folded since the snapshot
+    finally:
+        stop.set()
+        await asyncio.gather(tail, task)
+    started = LiveState(store)
+    assert await started.load_snapshot()
+    assert started.state.position == scenario.head
