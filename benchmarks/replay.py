@@ -144,7 +144,7 @@ async def _start(settings: Settings) -> tuple[float, int, bool]:
         return time.perf_counter() - started, live.state.position, used
 
 
-async def database_part(admin_url: str, n: int) -> dict[str, float]:
+async def database_part(admin_url: str, n: int, *, full_start: bool = True) -> dict[str, float]:
     name = f"dracap_bench_{uuid.uuid4().hex[:8]}"
     root = await asyncpg.connect(admin_url)
     await root.execute(f"CREATE DATABASE {name}")
@@ -160,9 +160,10 @@ async def database_part(admin_url: str, n: int) -> dict[str, float]:
             await load_history(admin, n)
         finally:
             await admin.close()
-        seconds, position, used = await _start(settings)
-        assert position == n and not used
-        out["start without snapshot s"] = seconds
+        if full_start:
+            seconds, position, used = await _start(settings)
+            assert position == n and not used
+            out["start without snapshot s"] = seconds
         connection = await connect(settings)
         try:
             async with DatabaseSource(connection, snapshots=False) as source:
@@ -310,6 +311,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-database", action="store_true", help="the file part only")
     parser.add_argument("--no-file", action="store_true", help="the start-up part only")
     parser.add_argument("--example", metavar="FILE", help="write the demo log and exit")
+    parser.add_argument(
+        "--no-full-start", action="store_true", help="skip the start without a snapshot"
+    )
     return parser.parse_args(argv)
 
 
@@ -325,7 +329,9 @@ def main() -> None:
             results |= file_part(args.events, args.repeat, Path(directory))
     if not args.no_database:
         print(f"start-up part, {args.events:,} events:")
-        results |= asyncio.run(database_part(args.admin_url, args.events))
+        results |= asyncio.run(
+            database_part(args.admin_url, args.events, full_start=not args.no_full_start)
+        )
     report(results)
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import logging
 import time
@@ -134,7 +135,13 @@ def verify_snapshot(
                 f"snapshot at {position} was taken after event {framed.event_id}, "
                 f"the log has {event_id} there"
             )
-    state = snapshot_decode(framed.body)
+    enabled = gc.isenabled()
+    gc.disable()  # millions of long-lived objects, no cycles: 6x faster without passes
+    try:
+        state = snapshot_decode(framed.body)
+    finally:
+        if enabled:
+            gc.enable()
     if state.position != position:
         raise SnapshotError(f"snapshot row {position} holds a state at {state.position}")
     return state
