@@ -108,7 +108,7 @@ async def import_log(
     connection: asyncpg.Connection, path: str | Path, *, progress: Progress | None = None
 ) -> int:
     """Check ``path``, then copy it into the (empty) log; returns the events imported."""
-    check_file(path)
+    check_file(path, progress)  # everything checked before anything is written
     count = 0
     async with connection.transaction():
         head = await connection.fetchval("SELECT position FROM event_log_head FOR UPDATE")
