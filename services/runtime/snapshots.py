@@ -9,9 +9,13 @@ because of a snapshot, only slower.
 Stored form (the ``snapshots`` table of migration 0001, no new migration)
 -------------------------------------------------------------------------
 ``payload`` is a frame: one ASCII header line, then the body of
-:func:`events.fold.snapshot_encode`::
+:func:`events.fold.snapshot_encode` compressed with zlib (level 1)::
 
-    dracap-snapshot 1 <sha256 of body, hex> <event_id of the event at position>\\n<body>
+    dracap-snapshot 1 <sha256 of the compressed body> <event_id at position>\\n<zlib body>
+
+Compressed because reading is what a start waits for: at a million events the JSON is
+151 MiB and fetching it took 0.7 s, the 8 MiB compressed form 0.05 s plus 0.35–0.45 s
+to inflate; compressing (0.9 s) runs in a thread (zlib and hashlib release the GIL).
 
 ``schema_version`` is :data:`FRAME_VERSION`. Rows written before this module (no
 frame, ``schema_version`` 1) are read as a bare body and checked by the rules that do
@@ -21,8 +25,8 @@ Verification (:func:`verify_snapshot`), in this order, each cheap before the cos
 
 1. its ``position`` is at most the log's head (a snapshot from a log that was since
    restored from an older backup is ahead of it);
-2. the frame header parses and the body's SHA-256 equals the header's (a torn or
-   edited row);
+2. the frame header parses and the stored body's SHA-256 equals the header's (a
+   torn or edited row), and it inflates;
 3. the event stored at ``position`` has the header's event id (a snapshot of another
    log: event ids are random, so a database re-created or imported under the same
    positions has other ids);
@@ -50,6 +54,7 @@ import gc
 import hashlib
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Final
 
@@ -100,8 +105,9 @@ class Framed:
 
 def frame(body: bytes, event_id: str) -> bytes:
     """The stored payload of a snapshot ``body`` taken right after event ``event_id``."""
-    digest = hashlib.sha256(body).hexdigest()
-    return _MAGIC + f"{digest} {event_id}\n".encode() + body
+    packed = zlib.compress(body, 1)
+    digest = hashlib.sha256(packed).hexdigest()
+    return _MAGIC + f"{digest} {event_id}\n".encode() + packed
 
 
 def unframe(payload: bytes, schema_version: int) -> Framed:
@@ -135,6 +141,10 @@ def verify_snapshot(
                 f"snapshot at {position} was taken after event {framed.event_id}, "
                 f"the log has {event_id} there"
             )
+        try:
+            framed.body = zlib.decompress(framed.body)
+        except zlib.error as exc:
+            raise SnapshotError(f"snapshot at {position} does not inflate: {exc}") from None
     enabled = gc.isenabled()
     gc.disable()  # millions of long-lived objects, no cycles: 6x faster without passes
     try:
@@ -190,7 +200,7 @@ async def write_snapshot(pool: Connection, state: ClusterState, *, keep: int = K
         "schema_version = EXCLUDED.schema_version, created_at = now()",
         position,
         FRAME_VERSION,
-        frame(body, event_id),
+        await asyncio.to_thread(frame, body, event_id),
     )
     await prune(pool, keep=keep)
     return position
