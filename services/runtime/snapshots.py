@@ -14,7 +14,7 @@ Stored form (the ``snapshots`` table of migration 0001, no new migration)
     dracap-snapshot 1 <sha256 of the compressed body> <event_id at position>\\n<zlib body>
 
 Compressed because reading is what a start waits for: at a million events the JSON is
-151 MiB and fetching it took 0.7 s, the 8 MiB compressed form 0.05 s plus 0.35–0.45 s
+151 MiB and fetching it took 0.7 s, the 8 MiB compressed form 0.05 s plus 0.35-0.45 s
 to inflate; compressing (0.9 s) runs in a thread (zlib and hashlib release the GIL).
 
 ``schema_version`` is :data:`FRAME_VERSION`. Rows written before this module (no
