@@ -291,10 +291,10 @@ def _snapshot(args: argparse.Namespace) -> int:
     from services.runtime.livestate import HEAD, LiveState
     from services.runtime.snapshots import SnapshotWriter, write_snapshot
 
-    if args.every_events < 1 or args.every_minutes <= 0:
-        raise CommandError(
-            "--every-events must be >= 1 and --every-minutes > 0", ExitCode.BAD_INPUT
-        )
+    if args.every_events < 1:
+        raise CommandError(f"--every-events {args.every_events}: must be >= 1", ExitCode.BAD_INPUT)
+    if args.every_minutes <= 0:
+        raise CommandError(f"--every-minutes {args.every_minutes}: must be > 0", ExitCode.BAD_INPUT)
     settings, url = _settings(args, None)
 
     async def work() -> int:
