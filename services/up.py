@@ -302,7 +302,7 @@ class Stack:
                 stores.reader, nc, js, names, stores=stores, logins=logins, directory=directory
             )
             try:
-                await start_services(stack, nodes=nodes, workers=workers)
+                await start_services(stack, nodes=nodes, workers=workers, settings=settings)
                 yield stack
             finally:
                 await stack.shutdown()
@@ -347,9 +347,13 @@ async def _close_bus(nc: Any) -> None:
         await nc.close()
 
 
-async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) -> None:
-    """Start the relay, the live state, the APIs, reservation workers, the reclamation
-    service, the audit and billing subscribers and agents."""
+async def start_services(
+    stack: Stack, *, nodes: Sequence[str], workers: int, settings: Settings | None = None
+) -> None:
+    """Start the relay, the live state (from the newest snapshot that verifies), the
+    snapshot writer (with ``settings``: it connects as their main user), the APIs,
+    reservation workers, the reclamation service, the audit and billing subscribers and
+    agents."""
     from services.audit.service import AuditService
     from services.billing.service import BillingService
     from services.claims.api import ClaimsApi
@@ -366,7 +370,12 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     relay = Relay(stores.of(ServiceKind.RELAY), js, names)
     stack.spawn("relay", functools.partial(relay.run, stop))
     live = LiveState(stack.store)
+    await live.load_snapshot()
     await live.fresh(HEAD)
+    if settings is not None:
+        from services.runtime.snapshots import serve_snapshots
+
+        stack.spawn("snapshots", functools.partial(serve_snapshots, settings, live, stop))
     stack.gauges = CapacityGauges(live)
     stack.gauges.start()
     stack.slos = SloTracker(live)

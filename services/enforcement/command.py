@@ -149,6 +149,7 @@ async def serve(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.node) if args.config else None
         enforcer = build_enforcer(args, config)
         live = LiveState(store)
+        await live.load_snapshot()
         scanner = None
         if config is not None:
             scanner = InventoryScanner(

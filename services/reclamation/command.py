@@ -62,6 +62,7 @@ async def serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
     try:
         live = LiveState(store)
+        await live.load_snapshot()
         service = ReclamationService(
             store,
             live,

@@ -1,46 +1,408 @@
-"""``dracap replay verify [--from-start]``: check invariant 8 against the live database.
+"""``dracap replay``: verify, forensic questions, export/import and snapshots.
 
-The database is found like every command finds its servers
-(:mod:`services.runtime.endpoints`: ``--database-url``, else
-``DRACAP_DATABASE_URL_READONLY`` — a user of ``dracap_readonly``, which can read and
-nothing else —, else ``DRACAP_DATABASE_URL``, else ``<data-dir>/connection.json`` of
-``dracap up``), so it verifies the log that
-``dracap up`` writes. Exit status 0 when the fold of the log equals the projections,
-5 (``ExitCode.INVARIANT_VIOLATED``) otherwise; the summary names the first violating
-position. A database that cannot be reached, or has no dracap schema, is one line on
-stderr and exit 1 (``ExitCode.ERROR``): not knowing is not a violation.
+Verbs (``docs/forensics.md`` has examples):
+
+* ``verify [--from-start] [--log FILE]``: on the database, the fold of the log against
+  the guard rows (:mod:`services.replay.verify`); on a file, the fold alone (a file has
+  no guard rows): exit 0 clean, 5 (``INVARIANT_VIOLATED``) with the first violating
+  position;
+* ``state --at POSITION|TIME [-o table|json|yaml]``, ``timeline OBJECT``, ``diff A B``,
+  ``plot DEVICE|NODE|CLASS --out FILE.png`` (:mod:`services.replay.history`);
+* ``export --out FILE`` / ``import FILE`` (:mod:`services.replay.transfer`);
+* ``snapshot [--every-events N] [--every-minutes M] [--once]``: write snapshots of the
+  fold (:mod:`services.runtime.snapshots`), once or as a service.
+
+Every question takes ``--log FILE`` (an export: no database needed) or finds the
+database like every command (:mod:`services.runtime.endpoints`; read-only role first).
+Expected failures are one line on stderr: a file that is not a dracap log, was cut
+short or fails its checksum (exit 2), a database that cannot be reached (exit 1), a log
+that does not fold (exit 5, naming the position), an import into a non-empty log (4).
+Reading a file or exporting shows a progress line when stderr is a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
-from services.exitcodes import ExitCode
+import msgspec
+
+from services.exitcodes import CommandError, ExitCode
+from services.replay import history
+from services.replay.logfile import LogFileError
+from services.replay.render import (
+    diff_table,
+    progress_for,
+    state_table,
+    timeline_table,
+    to_yaml,
+)
+from services.replay.sources import (
+    DatabaseSource,
+    FileSource,
+    LogSource,
+    parse_point,
+    resolve,
+)
+from services.replay.transfer import ImportRefusedError, check_file, export_log, import_log
 from services.replay.verify import summary, verify
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
-from services.runtime.settings import ServiceKind, load_settings
+from services.runtime.eventstore import connect
+from services.runtime.settings import ServiceKind, Settings, load_settings
+
+T = TypeVar("T")
+
+
+def _settings(args: argparse.Namespace, service: ServiceKind | None) -> tuple[Settings, str]:
+    endpoints = endpoints_from_args(args, service=service)
+    url = endpoints.database()
+    return endpoints.settings(load_settings()), url
+
+
+def _run(
+    args: argparse.Namespace, work: Callable[[], Coroutine[Any, Any, T]], url: str | None
+) -> T:
+    """Run ``work`` mapping the expected failures to one-line command errors."""
+    try:
+        if url is None:
+            return asyncio.run(work())
+        with reaching("PostgreSQL", url):
+            return asyncio.run(work())
+    except LogFileError as exc:
+        raise CommandError(str(exc), ExitCode.BAD_INPUT) from None
+    except history.ReplayBrokenError as exc:
+        raise CommandError(str(exc), ExitCode.INVARIANT_VIOLATED) from None
+    except ImportRefusedError as exc:
+        code = ExitCode.REJECTED if exc.position is None else ExitCode.INVARIANT_VIOLATED
+        raise CommandError(str(exc), code) from None
+
+
+@contextlib.asynccontextmanager
+async def _source(args: argparse.Namespace, settings: Settings | None) -> AsyncIterator[LogSource]:
+    if args.log:
+        progress = progress_for(f"reading {args.log}", "bytes")
+        try:
+            yield FileSource(args.log, progress)
+        finally:
+            if progress is not None:
+                progress.close()
+        return
+    assert settings is not None
+    connection = await connect(settings)
+    try:
+        async with DatabaseSource(connection) as source:
+            yield source
+    finally:
+        await connection.close()
+
+
+def _question(args: argparse.Namespace, ask: Callable[[LogSource], Awaitable[T]]) -> T:
+    settings, url = (None, None) if args.log else _settings(args, ServiceKind.READONLY)
+
+    async def work() -> T:
+        async with _source(args, settings) as source:
+            return await ask(source)
+
+    return _run(args, work, url)
+
+
+def _emit(data: Any, output: str, table: Callable[[], str]) -> None:
+    if output == "json":
+        print(msgspec.json.format(msgspec.json.encode(data), indent=2).decode())
+    elif output == "yaml":
+        print(to_yaml(msgspec.to_builtins(data)))
+    else:
+        print(table())
+
+
+# --- verbs ---------------------------------------------------------------------------------
 
 
 def _verify(args: argparse.Namespace) -> int:
-    endpoints = endpoints_from_args(args, service=ServiceKind.READONLY)
-    database_url = endpoints.database()
-    settings = endpoints.settings(load_settings())
-    with reaching("PostgreSQL", database_url):
+    if args.log:
+        return _verify_file(args)
+    settings, url = _settings(args, ServiceKind.READONLY)
+    with reaching("PostgreSQL", url):
         report = asyncio.run(verify(settings, from_start=args.from_start))
     print(summary(report))
     return ExitCode.OK if report.ok else ExitCode.INVARIANT_VIOLATED
 
 
+def _verify_file(args: argparse.Namespace) -> int:
+    progress = progress_for(f"verifying {args.log}", "bytes")
+    try:
+        state = check_file(args.log, progress)
+    except ImportRefusedError as exc:
+        print(f"INVARIANT VIOLATED at position {exc.position}: {exc}")
+        print(f"FAILED: first violating position {exc.position}")
+        return ExitCode.INVARIANT_VIOLATED
+    except LogFileError as exc:
+        raise CommandError(str(exc), ExitCode.BAD_INPUT) from None
+    finally:
+        if progress is not None:
+            progress.close()
+    print(f"replayed {state.position} events of {args.log}")
+    print("OK: every event folds without breaking an invariant (a file has no guard rows)")
+    return ExitCode.OK
+
+
+def _state(args: argparse.Namespace) -> int:
+    point = parse_point(args.at)
+
+    async def ask(source: LogSource) -> dict[str, Any]:
+        position = await resolve(source, point)
+        return history.view(await history.state_at(source, position))
+
+    view = _question(args, ask)
+    _emit(view, args.output, lambda: state_table(view))
+    return ExitCode.OK
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    async def ask(source: LogSource) -> tuple[history.Entity | None, list[history.Step]]:
+        final = await history.state_at(source, await source.head())
+        entity = history.find_entity(final, args.object)
+        if entity is None:
+            return None, []
+        return entity, await history.timeline(source, entity)
+
+    entity, steps = _question(args, ask)
+    if entity is None:
+        raise CommandError(
+            f"{args.object!r}: no claim (namespace/name), share, device or node of that name "
+            "in the log",
+            ExitCode.NOT_FOUND,
+        )
+    what = f"{entity.kind} {entity.key}"
+    _emit(
+        {"kind": entity.kind, "key": entity.key, "steps": steps},
+        args.output,
+        lambda: timeline_table(what, steps),
+    )
+    return ExitCode.OK
+
+
+def _diff(args: argparse.Namespace) -> int:
+    a_point, b_point = parse_point(args.a, "A"), parse_point(args.b, "B")
+
+    async def ask(source: LogSource) -> tuple[int, int, list[history.Change]]:
+        a, b = await resolve(source, a_point), await resolve(source, b_point)
+        left = history.view(await history.state_at(source, a))
+        right = history.view(await history.state_at(source, b))
+        return a, b, history.diff(left, right)
+
+    a, b, changes = _question(args, ask)
+    _emit(
+        {"from": a, "to": b, "changes": changes},
+        args.output,
+        lambda: diff_table(a, b, changes),
+    )
+    return ExitCode.OK
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from services.replay.plot import check_plotting
+
+    check_plotting()
+    if not args.out.endswith(".png"):
+        raise CommandError(f"--out {args.out}: must end in .png", ExitCode.BAD_INPUT)
+
+    async def ask(source: LogSource) -> tuple[str, str, list[history.Sample], str]:
+        final = await history.state_at(source, await source.head())
+        kind, key = _scope(final, args.object)
+        samples, unit = await history.usage_series(source, kind, key, args.capacity)
+        return kind, key, samples, unit
+
+    kind, key, samples, unit = _question(args, ask)
+    if not samples:
+        raise CommandError(f"{args.object}: nothing was ever consumed there", ExitCode.NOT_FOUND)
+    from services.replay.plot import plot_usage
+
+    plot_usage(
+        samples,
+        args.out,
+        title=f"{args.capacity} consumed on {kind} {key}, by tenant",
+        capacity=args.capacity,
+        unit=unit,
+    )
+    print(f"wrote {args.out} ({len(samples)} samples)")
+    return ExitCode.OK
+
+
+def _scope(state: Any, text: str) -> tuple[str, str]:
+    kind, _, ident = text.partition(":") if ":" in text else ("", "", text)
+    if kind == "class" or (not kind and ident in state.classes):
+        return "class", ident
+    entity = history.find_entity(state, text)
+    if entity is None or entity.kind not in ("device", "node"):
+        raise CommandError(
+            f"{text!r}: no device, node or DeviceClass of that name in the log", ExitCode.NOT_FOUND
+        )
+    return entity.kind, entity.key
+
+
+def _export(args: argparse.Namespace) -> int:
+    settings, url = _settings(args, ServiceKind.READONLY)
+    progress = progress_for(f"exporting to {args.out}", "events")
+
+    async def work() -> tuple[int, int]:
+        connection = await connect(settings)
+        try:
+            return await export_log(connection, args.out, source=args.source, progress=progress)
+        finally:
+            await connection.close()
+
+    try:
+        count, last = _run(args, work, url)
+    except OSError as exc:
+        raise CommandError(f"--out {args.out}: {exc.strerror}", ExitCode.BAD_INPUT) from None
+    finally:
+        if progress is not None:
+            progress.close()
+    print(f"exported {count} events (positions 1..{last}) to {args.out}")
+    return ExitCode.OK
+
+
+def _import(args: argparse.Namespace) -> int:
+    settings, url = _settings(args, None)
+    progress = progress_for(f"importing {args.file}", "bytes")
+
+    async def work() -> int:
+        connection = await connect(settings)
+        try:
+            return await import_log(connection, args.file, progress=progress)
+        finally:
+            await connection.close()
+
+    try:
+        count = _run(args, work, url)
+    finally:
+        if progress is not None:
+            progress.close()
+    print(f"imported {count} events from {args.file}")
+    return ExitCode.OK
+
+
+def _snapshot(args: argparse.Namespace) -> int:
+    from services.runtime.eventstore import EventStore
+    from services.runtime.livestate import HEAD, LiveState
+    from services.runtime.snapshots import SnapshotWriter, write_snapshot
+
+    if args.every_events < 1:
+        raise CommandError(f"--every-events {args.every_events}: must be >= 1", ExitCode.BAD_INPUT)
+    if args.every_minutes <= 0:
+        raise CommandError(f"--every-minutes {args.every_minutes}: must be > 0", ExitCode.BAD_INPUT)
+    settings, url = _settings(args, None)
+
+    async def work() -> int:
+        async with await EventStore.open(settings) as store:
+            live = LiveState(store)
+            await live.load_snapshot()
+            await live.fresh(HEAD)
+            if args.once:
+                if not live.state.position:
+                    print("the log is empty: no snapshot written")
+                    return ExitCode.OK
+                position = await write_snapshot(store.pool, live.state)
+                print(f"snapshot written at position {position}")
+                return ExitCode.OK
+            stop = asyncio.Event()
+            writer = SnapshotWriter(
+                store.pool,
+                lambda: live.state,
+                every_events=args.every_events,
+                every_seconds=args.every_minutes * 60,
+            )
+            tail = asyncio.create_task(live.run(stop))
+            try:
+                await writer.run(stop)
+            finally:
+                stop.set()
+                await tail
+            return ExitCode.OK
+
+    try:
+        return _run(args, work, url)
+    except KeyboardInterrupt:
+        return ExitCode.OK
+
+
+# --- the parser ----------------------------------------------------------------------------
+
+
+def _log_or_database(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log", metavar="FILE", help="an exported log file instead of the database"
+    )
+    add_endpoint_arguments(parser, database=True)
+
+
+def _output(parser: argparse.ArgumentParser, *choices: str) -> None:
+    parser.add_argument("-o", "--output", choices=choices, default="table")
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the ``replay`` noun and its ``verify`` verb to the CLI."""
-    replay = subparsers.add_parser("replay", help="replay the event log")
+    """Add the ``replay`` noun and its verbs to the CLI."""
+    replay = subparsers.add_parser("replay", help="replay the event log (forensics)")
     verbs = replay.add_subparsers(dest="replay_verb", required=True)
-    check = verbs.add_parser("verify", help="fold the log and compare it with the projections")
+
+    check = verbs.add_parser("verify", help="fold the log and check its invariants")
     check.add_argument(
         "--from-start",
         action="store_true",
-        help="fold from position 0 instead of the newest snapshot",
+        help="fold from position 0 instead of the newest snapshot that verifies",
     )
-    add_endpoint_arguments(check, database=True)
+    _log_or_database(check)
     check.set_defaults(func=_verify)
+
+    state = verbs.add_parser("state", help="devices, shares, claims and nodes at a point")
+    state.add_argument("--at", required=True, metavar="POSITION|TIME")
+    _output(state, "table", "json", "yaml")
+    _log_or_database(state)
+    state.set_defaults(func=_state)
+
+    line = verbs.add_parser("timeline", help="every event that touched a claim/share/device/node")
+    line.add_argument(
+        "object",
+        metavar="CLAIM|SHARE|DEVICE|NODE",
+        help="namespace/name, a ShareID, a device "
+        "(name or driver/pool/device) or a node; prefix claim:, share:, device:, node: to choose",
+    )
+    _output(line, "table", "json", "yaml")
+    _log_or_database(line)
+    line.set_defaults(func=_timeline)
+
+    between = verbs.add_parser("diff", help="what changed between two points")
+    between.add_argument("a", metavar="A", help="a position or an ISO 8601 time")
+    between.add_argument("b", metavar="B", help="a position or an ISO 8601 time")
+    _output(between, "table", "json", "yaml")
+    _log_or_database(between)
+    between.set_defaults(func=_diff)
+
+    plot = verbs.add_parser("plot", help="consumed capacity over time, stacked by tenant (PNG)")
+    plot.add_argument("object", metavar="DEVICE|NODE|CLASS")
+    plot.add_argument("--out", required=True, metavar="FILE.png")
+    plot.add_argument("--capacity", default="memory", help="which capacity (default memory)")
+    _log_or_database(plot)
+    plot.set_defaults(func=_plot)
+
+    export = verbs.add_parser("export", help="write the log to a portable NDJSON file")
+    export.add_argument("--out", required=True, metavar="FILE")
+    export.add_argument("--source", default="", help="a note stored in the file's header")
+    add_endpoint_arguments(export, database=True)
+    export.set_defaults(func=_export)
+
+    load = verbs.add_parser("import", help="load an exported file into an empty log")
+    load.add_argument("file", metavar="FILE")
+    add_endpoint_arguments(load, database=True)
+    load.set_defaults(func=_import)
+
+    snap = verbs.add_parser("snapshot", help="write snapshots of the fold (once, or as a service)")
+    snap.add_argument("--once", action="store_true", help="write one now and exit")
+    snap.add_argument("--every-events", type=int, default=100_000, metavar="N")
+    snap.add_argument("--every-minutes", type=float, default=10.0, metavar="M")
+    add_endpoint_arguments(snap, database=True)
+    snap.set_defaults(func=_snapshot)

@@ -6,10 +6,10 @@ checks that they say what the fold says:
 
 1. open one ``REPEATABLE READ`` read-only transaction, so the log and the guard
    rows are read as of the same instant even while services keep appending;
-2. start from the newest snapshot (or from an empty state with ``from_start``), then
-   fold every later event with :func:`events.fold.apply`, paging through the log by
-   position; an :class:`~events.errors.InvariantViolation` stops the replay at its
-   position;
+2. start from the newest snapshot that verifies (:mod:`services.runtime.snapshots`;
+   from an empty state with ``from_start``), then fold every later event with
+   :func:`events.fold.apply`, paging through the log by position; an
+   :class:`~events.errors.InvariantViolation` stops the replay at its position;
 3. derive the guard rows the folded state implies (:func:`expected_rows`) and
    compare them with the rows in ``capacity_ledger``, ``device_holds``,
    ``held_shares``, ``node_epochs`` and ``node_leases`` (:func:`actual_rows`).
@@ -33,12 +33,13 @@ import msgspec
 
 from events.catalog import EVENT_TYPES, Event, current_decoders, decode_stored
 from events.errors import InvariantViolation
-from events.fold import ClusterState, Step, apply_event, snapshot_decode, step_of
+from events.fold import ClusterState, Step, apply_event, step_of
 from events.guards import amount
 from events.quantities import Quantity
 from services.runtime.eventstore import connect, iter_rows
 from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
 from services.runtime.settings import Settings
+from services.runtime.snapshots import load_verified
 
 Rows = dict[tuple[str, ...], tuple[Any, ...]]
 
@@ -206,8 +207,8 @@ def compare(
 async def _initial_state(connection: asyncpg.Connection, from_start: bool) -> ClusterState:
     if from_start:
         return ClusterState()
-    row = await connection.fetchrow("SELECT payload FROM snapshots ORDER BY position DESC LIMIT 1")
-    return ClusterState() if row is None else snapshot_decode(bytes(row[0]))
+    state = await load_verified(connection)  # the newest snapshot that verifies
+    return ClusterState() if state is None else state
 
 
 @contextlib.contextmanager
@@ -232,7 +233,7 @@ _REPLAY: Final[dict[str, tuple[int, Callable[[bytes | str], Event], Step]]] = {
 }
 
 
-def fold_rows(state: ClusterState, rows: Sequence[asyncpg.Record]) -> None:
+def fold_rows(state: ClusterState, rows: Sequence[Any]) -> None:
     """Fold stored event rows (:mod:`services.runtime.rows` order) without building envelopes.
 
     The same as ``apply_event(state, decode_stored(payload, type, schema_version),

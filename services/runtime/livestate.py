@@ -94,12 +94,13 @@ from events.catalog import (
     ResourceSliceWithdrawn,
 )
 from events.errors import InvariantViolation
-from events.fold import ClusterState, apply, snapshot_decode
+from events.fold import ClusterState, apply
 from services.runtime.errors import RuntimeServiceError
 from services.runtime.eventstore import Connection, EventStore, iter_rows
 from services.runtime.handover import Handover
 from services.runtime.outages import is_unreachable
 from services.runtime.rows import envelope_of
+from services.runtime.snapshots import load_verified
 from services.runtime.waiting import first_of
 
 __all__ = ["HEAD", "INVENTORY_EVENTS", "SEEN", "Freshness", "Listener", "LiveState", "Mark"]
@@ -167,13 +168,17 @@ class LiveState:
     # -- startup -------------------------------------------------------------------------
 
     async def load_snapshot(self) -> bool:
-        """Start from the newest stored snapshot (before any catch-up); True if one was used."""
+        """Start from the newest stored snapshot that verifies (before any catch-up).
+
+        :func:`services.runtime.snapshots.load_verified` says which one; True if one was
+        used (none: the first ``fresh`` folds from position 0).
+        """
         if self.state.position:
             raise RuntimeError("load_snapshot() must come before the first fresh()")
-        snapshot = await self.store.load_latest_snapshot()
-        if snapshot is None:
+        state = await load_verified(self.store.pool)
+        if state is None:
             return False
-        self.state = snapshot_decode(snapshot.payload)
+        self.state = state
         self._versions_complete = False
         self.inventory_generation += 1
         return True

@@ -1,0 +1,339 @@
+"""Forensic replay and snapshot start-up on a 1-million-event log.
+
+Two parts (``docs/forensics.md`` has the figures):
+
+1. **File**: a ``dracap-log`` file of ``--events`` events (the valid history of
+   :func:`benchmarks.eventlog.history`: slices, then claim lifecycles) is written with
+   :class:`~services.replay.logfile.LogWriter`. Measured, best of ``--repeat``:
+
+   * *raw read*: the file read in 4 MiB chunks and every event line parsed into its
+     row tuple (msgspec, payload left as raw JSON) — what any reader of the file must
+     do at least, the counterpart of the raw keyset read of ``benchmarks/eventlog.py``
+     (also shown: only reading and splitting the lines);
+   * *replay state --at*: :func:`services.replay.history.state_at` over a
+     :class:`~services.replay.sources.FileSource` at the last position — checked
+     header, gap-free positions, SHA-256 of the whole file, decode and fold (what
+     ``dracap replay state --at`` does before it prints).
+
+2. **Start-up** (``--admin-url``; skipped with ``--no-database``): a fresh database,
+   migrated, the same history loaded with binary ``COPY`` (as ``benchmarks/eventlog.py``
+   does: bulk rows, no per-append work), then the time from nothing to a
+   :class:`~services.runtime.livestate.LiveState` current at the head (``load_snapshot``
+   + ``fresh(HEAD)``, what ``dracap up`` does before its services start): without a
+   snapshot, with one at the head, and with one ``EVERY_EVENTS - 1`` events behind (the
+   worst case of the writer's rule). Also the snapshot's size and write time.
+
+``--example FILE`` instead writes the small demo log of ``docs/forensics.md`` (three
+tenants on one node over an hour, releases, a lease expiry and a fence) and exits.
+
+Usage::
+
+    .venv/bin/python -m benchmarks.replay --events 1000000 \\
+        --admin-url postgresql://postgres@127.0.0.1:5432/postgres
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from benchmarks.eventlog import history, load_history
+from events import catalog
+from events.catalog import Event, encode_payload, schema_version_of, tag_of
+from services.replay.history import state_at
+from services.replay.logfile import CHUNK_BYTES, FileRow, LogWriter, read_end
+from services.replay.sources import DatabaseSource, FileSource
+from services.replay.transfer import check_file
+from services.runtime import migrating
+from services.runtime.eventstore import EventStore, _init_connection, connect
+from services.runtime.livestate import HEAD, LiveState
+from services.runtime.settings import Settings
+from services.runtime.snapshots import EVERY_EVENTS, write_snapshot
+from tests.integration import sample as s
+
+
+def write_file(path: Path, n: int) -> float:
+    started = time.perf_counter()
+    writer = LogWriter(path, source="benchmarks.replay")
+    chunk: list[tuple[Any, ...]] = []
+    for row in history(n):
+        chunk.append(row)
+        if len(chunk) == 50_000:
+            writer.write(chunk)
+            chunk = []
+    writer.write(chunk)
+    writer.close()
+    return time.perf_counter() - started
+
+
+def raw_read(path: Path, *, parse: bool = True) -> int:
+    """Read every event line and parse it into its row tuple, payload left as raw JSON
+    (no checks, no checksum, no fold; ``parse=False``: only split the lines)."""
+    decoder = msgspec.json.Decoder(list[FileRow])
+    count = 0
+    end_offset = read_end(path)[1]
+    with open(path, "rb") as f:
+        f.readline()
+        rest = b""
+        read = f.tell()
+        while read < end_offset:
+            chunk = f.read(min(CHUNK_BYTES, end_offset - read))
+            if not chunk:
+                break
+            read += len(chunk)
+            data = rest + chunk
+            cut = data.rfind(b"\n") + 1
+            body, rest = data[:cut], data[cut:]
+            if body and parse:
+                count += len(decoder.decode(b"[" + body[:-1].replace(b"\n", b",") + b"]"))
+            elif body:
+                count += body.count(b"\n")
+    return count
+
+
+async def replay_file(path: Path, position: int) -> int:
+    state = await state_at(FileSource(path), position)
+    return state.position
+
+
+def best(repeat: int, work: Any) -> float:
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def file_part(n: int, repeat: int, directory: Path) -> dict[str, float]:
+    path = directory / "bench.ndjson"
+    wrote = write_file(path, n)
+    size = path.stat().st_size
+    print(f"  wrote {n:,} events ({size / 2**20:,.0f} MiB) in {wrote:.1f}s")
+    lines = best(repeat, lambda: raw_read(path, parse=False))
+    raw = best(repeat, lambda: raw_read(path))
+    replay = best(repeat, lambda: asyncio.run(replay_file(path, n)))
+    half = best(1, lambda: asyncio.run(replay_file(path, n // 2)))
+    path.unlink()
+    return {
+        "file MiB": size / 2**20,
+        "read + split lines only events/s": n / lines,
+        "raw read events/s": n / raw,
+        "replay state --at head events/s": n / replay,
+        "replay state --at head s": replay,
+        "replay state --at middle s": half,
+    }
+
+
+async def _start(settings: Settings) -> tuple[float, int, bool]:
+    async with await EventStore.open(settings) as store:
+        started = time.perf_counter()
+        live = LiveState(store, batch_size=10_000)
+        used = await live.load_snapshot()
+        await live.fresh(HEAD)
+        return time.perf_counter() - started, live.state.position, used
+
+
+async def database_part(admin_url: str, n: int, *, full_start: bool = True) -> dict[str, float]:
+    name = f"dracap_bench_{uuid.uuid4().hex[:8]}"
+    root = await asyncpg.connect(admin_url)
+    await root.execute(f"CREATE DATABASE {name}")
+    await root.close()
+    url = admin_url.rsplit("/", 1)[0] + "/" + name
+    settings = Settings(database_url=url, pool_max_size=4)
+    out: dict[str, float] = {}
+    try:
+        await migrating.upgrade_async(settings)
+        admin = await asyncpg.connect(url)
+        await _init_connection(admin)  # payloads as bytes
+        try:
+            await load_history(admin, n)
+        finally:
+            await admin.close()
+        if full_start:
+            seconds, position, used = await _start(settings)
+            assert position == n and not used
+            out["start without snapshot s"] = seconds
+        connection = await connect(settings)
+        try:
+            async with DatabaseSource(connection, snapshots=False) as source:
+                state = await state_at(source, n)
+            started = time.perf_counter()
+            await write_snapshot(connection, state)
+            out["snapshot write s"] = time.perf_counter() - started
+            out["snapshot MiB"] = (
+                await connection.fetchval("SELECT octet_length(payload) FROM snapshots") / 2**20
+            )
+            seconds, position, used = await _start(settings)
+            assert position == n and used
+            out["start from snapshot at head s"] = seconds
+            behind = max(1, n - (EVERY_EVENTS - 1))
+            await connection.execute("DELETE FROM snapshots")
+            async with DatabaseSource(connection, snapshots=False) as source:
+                state = await state_at(source, behind)
+            await write_snapshot(connection, state)
+            seconds, position, used = await _start(settings)
+            assert position == n and used
+            out[f"start from snapshot {EVERY_EVENTS - 1:,} behind s"] = seconds
+        finally:
+            await connection.close()
+    finally:
+        root = await asyncpg.connect(admin_url)
+        await root.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await root.close()
+    return out
+
+
+# --- the demo log of docs/forensics.md ---------------------------------------------------------
+
+T0 = datetime.datetime(2026, 12, 1, 9, 0, tzinfo=datetime.UTC)
+
+
+def example(path: Path) -> None:
+    """Three tenants on node-a's two GPUs over an hour; a lease expiry and a fence."""
+    rows: list[tuple[Any, ...]] = []
+    versions: dict[str, int] = {}
+
+    def add(minute: float, event: Event, actor: str) -> None:
+        stream = catalog.stream_of(event)
+        versions[stream] = versions.get(stream, 0) + 1
+        rows.append(
+            (
+                len(rows) + 1,
+                str(uuid.uuid4()),
+                stream,
+                versions[stream],
+                tag_of(event),
+                schema_version_of(event),
+                catalog.namespace_of(event),
+                actor,
+                None,
+                None,
+                T0 + datetime.timedelta(minutes=minute),
+                encode_payload(event),
+            )
+        )
+
+    devices = {"gpu-0": {"memory": "80Gi"}, "gpu-1": {"memory": "80Gi"}}
+    add(0, s.slice_published(devices=devices), "operator:ops")
+    add(
+        0.5,
+        catalog.NodeLeaseAcquired(node="node-a", epoch=1, boot_id="b1", ttl_ms=30_000),
+        "agent:node-a#1",
+    )
+    plan = [  # minute, tenant, claim, device, amount, released at
+        (2, "research", "train-1", "gpu-0", "40Gi", 25),
+        (5, "inference", "serve-1", "gpu-0", "20Gi", None),
+        (8, "inference", "serve-2", "gpu-1", "10Gi", None),
+        (12, "batch", "etl-1", "gpu-1", "30Gi", 20),
+        (18, "research", "train-2", "gpu-1", "25Gi", None),
+        (28, "batch", "etl-2", "gpu-0", "15Gi", None),
+    ]
+    reserved: dict[str, catalog.CapacityReserved] = {}
+    timeline: list[tuple[float, Event, str]] = []
+    for minute, ns, name, device, amount, release in plan:
+        r = s.reserved(ns, name, device, amount)
+        reserved[name] = r
+        timeline += [
+            (minute, s.claim_submitted(ns, name), f"tenant:dev@{ns}"),
+            (minute + 0.1, catalog.ClaimAdmitted(namespace=ns, name=name), "system:claims"),
+            (minute + 0.2, r, "system:reservation-0"),
+            (minute + 0.3, s.bound(r), "system:reservation-0"),
+        ]
+        if release is not None:
+            timeline += [
+                (
+                    release,
+                    catalog.ReleaseRequested(namespace=ns, name=name, allocation_version=1),
+                    f"tenant:dev@{ns}",
+                ),
+                (release + 0.2, s.released(r), "system:reservation-0"),
+            ]
+    timeline += [
+        (36, catalog.NodeLeaseExpired(node="node-a", epoch=1), "system:reclamation"),
+        (44, catalog.NodeFenced(node="node-a", epoch=1, reason="powered off"), "operator:ops"),
+        (
+            48,
+            catalog.NodeLeaseAcquired(node="node-a", epoch=2, boot_id="b2", ttl_ms=30_000),
+            "agent:node-a#2",
+        ),
+    ]
+    for minute, ns, name, device, amount in (
+        (50, "research", "train-3", "gpu-0", "50Gi"),
+        (52, "inference", "serve-3", "gpu-1", "20Gi"),
+        (55, "batch", "etl-3", "gpu-1", "35Gi"),
+    ):
+        r = s.reserved(ns, name, device, amount)
+        timeline += [
+            (minute, s.claim_submitted(ns, name), f"tenant:dev@{ns}"),
+            (minute + 0.1, catalog.ClaimAdmitted(namespace=ns, name=name), "system:claims"),
+            (minute + 0.2, r, "system:reservation-0"),
+            (minute + 0.3, s.bound(r), "system:reservation-0"),
+        ]
+    for minute, event, actor in sorted(timeline, key=lambda t: t[0]):
+        add(minute, event, actor)
+    writer = LogWriter(path, source="benchmarks.replay --example")
+    writer.write(rows)
+    writer.close()
+    check_file(path)  # it folds
+    print(f"wrote {len(rows)} events to {path}")
+
+
+def report(r: dict[str, float]) -> None:
+    width = max(len(k) for k in r)
+    for key, value in r.items():
+        print(f"  {key:<{width}}  {value:>14,.2f}")
+    if "raw read events/s" in r:
+        ratio = r["replay state --at head events/s"] / r["raw read events/s"]
+        print(f"  replay state --at / raw read: {ratio:.2f}x  [goal >= 0.5]")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=2, help="file runs, best kept")
+    parser.add_argument(
+        "--admin-url",
+        default=os.environ.get(
+            "DRACAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+    )
+    parser.add_argument("--no-database", action="store_true", help="the file part only")
+    parser.add_argument("--no-file", action="store_true", help="the start-up part only")
+    parser.add_argument("--example", metavar="FILE", help="write the demo log and exit")
+    parser.add_argument(
+        "--no-full-start", action="store_true", help="skip the start without a snapshot"
+    )
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
+    if args.example:
+        example(Path(args.example))
+        return
+    results: dict[str, float] = {}
+    if not args.no_file:
+        print(f"file part, {args.events:,} events:")
+        with tempfile.TemporaryDirectory() as directory:
+            results |= file_part(args.events, args.repeat, Path(directory))
+    if not args.no_database:
+        print(f"start-up part, {args.events:,} events:")
+        results |= asyncio.run(
+            database_part(args.admin_url, args.events, full_start=not args.no_full_start)
+        )
+    report(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""Forensic questions over the log: state at a point, an object's timeline, a diff, usage.
+
+All of them fold stored rows with the replay loop of ``replay verify``
+(:func:`services.replay.verify.fold_rows`) from a :mod:`services.replay.sources` source,
+so the answers are the fold's — the same meaning the services decided on.
+
+* :func:`state_at`: the fold up to a position (from the newest verified snapshot at or
+  before it, on a database); :func:`view` turns it into the devices, shares, claims and
+  nodes a person reads (:func:`events.fold.to_builtins` form).
+* :func:`timeline`: every event that touched one object, in log order. *Touched* means
+  the event names the object (its id appears as a JSON string in the payload) **or**
+  folding it changed the object's record in the state — so a node fence appears in the
+  timeline of every share it released although it names only the node. Each step
+  carries the fields of the record that changed (``old -> new``) and the envelope's
+  actor (:mod:`events.actors`).
+* :func:`diff`: what differs between two views, per section and key, field by field.
+* :func:`usage_series`: for the plot, consumed capacity per tenant (namespace) on a
+  device, a node's devices or a DeviceClass's shares after every event that changed it,
+  the total, and the periods when some of it was Unknown.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any, Final
+
+import msgspec
+
+from events.actors import ActorError, parse_actor
+from events.catalog import decode_stored
+from events.errors import InvariantViolation
+from events.fold import ClusterState, ShareState, apply_event, to_builtins
+from events.model import encode_hook
+from services.replay.sources import LogSource
+from services.replay.verify import fold_rows, paused_gc
+from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
+
+__all__ = [
+    "Change",
+    "Entity",
+    "ReplayBrokenError",
+    "Step",
+    "diff",
+    "find_entity",
+    "state_at",
+    "timeline",
+    "usage_series",
+    "view",
+]
+
+ACTOR = 7
+RECORDED_AT = 10
+SECTIONS: Final = ("devices", "shares", "claims", "nodes")
+
+
+class ReplayBrokenError(Exception):
+    """The log does not fold: an event breaks an invariant (names its position)."""
+
+    def __init__(self, position: int, detail: str) -> None:
+        super().__init__(f"the log does not fold at position {position}: {detail}")
+        self.position = position
+
+
+async def state_at(source: LogSource, position: int) -> ClusterState:
+    """The fold of the log up to and including ``position``."""
+    state = await source.start(position)
+    with paused_gc():
+        async for rows in source.rows(state.position, to_position=position):
+            try:
+                fold_rows(state, rows)
+            except InvariantViolation as exc:
+                raise ReplayBrokenError(exc.position, str(exc)) from None
+    return state
+
+
+def view(state: ClusterState) -> dict[str, Any]:
+    """Devices, shares, claims and nodes of ``state`` as plain data."""
+    plain = to_builtins(state)
+    out: dict[str, Any] = {"position": state.position}
+    for section in SECTIONS:
+        out[section] = plain[section]
+    for claim in out["claims"].values():
+        claim.pop("claim", None)  # the tenant's manifest: long, and in the timeline
+    for key, dev in state.devices.items():  # consumed as quantities, beside the nanos
+        consumed = msgspec.to_builtins(dev.consumed(), enc_hook=encode_hook)
+        out["devices"]["/".join(key)]["consumed"] = consumed
+    return out
+
+
+# --- diff --------------------------------------------------------------------------------
+
+
+class Change(msgspec.Struct, kw_only=True):
+    """One key of a section that differs between two views."""
+
+    section: str
+    key: str
+    kind: str  # added | removed | changed
+    fields: dict[str, tuple[Any, Any]] = {}
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def field_changes(old: Any, new: Any) -> dict[str, tuple[Any, Any]]:
+    """The leaf fields that differ between two plain records (dotted names)."""
+    a = _flatten(old) if old is not None else {}
+    b = _flatten(new) if new is not None else {}
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def diff(a: dict[str, Any], b: dict[str, Any]) -> list[Change]:
+    """What changed from view ``a`` to view ``b``."""
+    out: list[Change] = []
+    for section in SECTIONS:
+        left, right = a.get(section, {}), b.get(section, {})
+        for key in sorted(set(left) | set(right)):
+            if key not in left:
+                out.append(Change(section=section, key=key, kind="added"))
+            elif key not in right:
+                out.append(Change(section=section, key=key, kind="removed"))
+            elif left[key] != right[key]:
+                fields = field_changes(left[key], right[key])
+                out.append(Change(section=section, key=key, kind="changed", fields=fields))
+    return out
+
+
+# --- timeline ----------------------------------------------------------------------------
+
+
+class Entity(msgspec.Struct, frozen=True, kw_only=True):
+    """An object of the state a timeline follows."""
+
+    kind: str  # claim | share | device | node
+    key: str  # as in to_builtins: joined with "/"
+    needles: tuple[bytes, ...]  # JSON strings whose presence in a payload names it
+
+    def record(self, state: ClusterState) -> Any:
+        """The object's record in ``state`` (``None``: not there)."""
+        if self.kind == "share":
+            return state.shares.get(self.key)
+        if self.kind == "node":
+            return state.nodes.get(self.key)
+        parts = tuple(self.key.split("/"))
+        if self.kind == "claim":
+            return state.claims.get((parts[0], parts[1]))
+        return state.devices.get((parts[0], parts[1], parts[2]))
+
+    def named_in(self, payload: bytes) -> bool:
+        """Whether a stored payload names the object."""
+        return all(n in payload for n in self.needles)
+
+
+def _quoted(text: str) -> bytes:
+    return msgspec.json.encode(text)
+
+
+def find_entity(state: ClusterState, text: str) -> Entity | None:
+    """The object ``text`` names in ``state``: ``[claim:|share:|device:|node:]ID``.
+
+    Without a prefix: a ShareID, a claim ``namespace/name``, a node, a device
+    ``driver/pool/device`` or a device name that is unique.
+    """
+    kind, _, ident = text.partition(":") if ":" in text else ("", "", text)
+    if kind and kind not in ("claim", "share", "device", "node"):
+        kind, ident = "", text
+    parts = ident.split("/")
+    if kind in ("", "share") and ident in state.shares:
+        return Entity(kind="share", key=ident, needles=(_quoted(ident),))
+    if kind in ("", "claim") and len(parts) == 2 and (parts[0], parts[1]) in state.claims:
+        return Entity(kind="claim", key=ident, needles=(_quoted(parts[0]), _quoted(parts[1])))
+    if kind in ("", "node") and ident in state.nodes:
+        return Entity(kind="node", key=ident, needles=(_quoted(ident),))
+    if kind in ("", "device"):
+        if len(parts) == 3 and (parts[0], parts[1], parts[2]) in state.devices:
+            return Entity(kind="device", key=ident, needles=(_quoted(parts[2]),))
+        named = [k for k in state.devices if k[2] == ident]
+        if len(named) == 1:
+            return Entity(kind="device", key="/".join(named[0]), needles=(_quoted(ident),))
+    return None
+
+
+class Step(msgspec.Struct, kw_only=True):
+    """One event in an object's timeline."""
+
+    position: int
+    recorded_at: str
+    type: str
+    actor: str
+    actor_kind: str
+    changes: dict[str, tuple[Any, Any]]
+
+
+def _plain(record: Any) -> Any:
+    if record is None:
+        return None
+    return msgspec.to_builtins(record, enc_hook=encode_hook, order="sorted")
+
+
+def _actor_kind(actor: str) -> str:
+    try:
+        return parse_actor(actor).kind
+    except ActorError:
+        return "unknown"
+
+
+def _iso(value: Any) -> str:
+    return value.isoformat() if isinstance(value, datetime.datetime) else str(value)
+
+
+async def timeline(source: LogSource, entity: Entity) -> list[Step]:
+    """Every event that touched ``entity``, from position 1 (see the module docstring)."""
+    state = ClusterState()
+    before: Any = None
+    steps: list[Step] = []
+    with paused_gc():
+        async for rows in source.rows(0):
+            for row in rows:
+                payload = bytes(row[PAYLOAD])
+                event = decode_stored(payload, row[TYPE], row[SCHEMA_VERSION])
+                try:
+                    apply_event(state, event, row[POSITION])
+                except InvariantViolation as exc:
+                    raise ReplayBrokenError(exc.position, str(exc)) from None
+                after = _plain(entity.record(state))
+                if after != before or entity.named_in(payload):
+                    actor = row[ACTOR]
+                    steps.append(
+                        Step(
+                            position=row[POSITION],
+                            recorded_at=_iso(row[RECORDED_AT]),
+                            type=row[TYPE],
+                            actor=actor,
+                            actor_kind=_actor_kind(actor),
+                            changes=field_changes(before, after),
+                        )
+                    )
+                before = after
+    return steps
+
+
+# --- usage over time (the plot) ------------------------------------------------------------
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """Consumed capacity of the scope after one event."""
+
+    position: int
+    time: datetime.datetime
+    by_tenant: dict[str, float]
+    total: float
+    unknown: bool
+
+
+def class_of_share(state: ClusterState, share: ShareState) -> str | None:
+    """The DeviceClass the share's request asked for (``None``: not known)."""
+    claim = state.claims.get(share.claim)
+    spec = claim.claim.spec.devices if claim is not None and claim.claim is not None else None
+    if spec is None or not spec.requests:
+        return None
+    name, _, sub = share.request.partition("/")
+    for request in spec.requests:
+        if request.name != name:
+            continue
+        if request.exactly is not None:
+            return request.exactly.device_class_name
+        for option in request.first_available or ():
+            if option.name == sub:
+                return option.device_class_name
+    return None
+
+
+def _scope_test(state: ClusterState, kind: str, key: str) -> Callable[[ShareState], bool]:
+    if kind == "device":
+        parts = tuple(key.split("/"))
+        return lambda s: s.device_key == parts
+    if kind == "node":
+        return lambda s: s.node == key
+    return lambda s: class_of_share(state, s) == key
+
+
+def _unit_scale(capacity: str, state: ClusterState) -> tuple[float, str]:
+    for dev in state.devices.values():
+        total = dev.total.get(capacity)
+        if total is not None and total.format == "BinarySI":
+            return 2**30 * 1e9, "GiB"
+    return 1e9, ""
+
+
+async def usage_series(
+    source: LogSource, kind: str, key: str, capacity: str
+) -> tuple[list[Sample], str]:
+    """Samples of consumed ``capacity`` per tenant for a device, node or class scope.
+
+    Folds the whole log; a sample is taken after every event that changed what the
+    scope holds, its total or whether some of it is Unknown. Returns the samples and
+    the unit (``GiB`` for binary quantities).
+    """
+    state = ClusterState()
+    in_scope: dict[str, str] = {}  # live share id -> namespace, shares placed in scope
+    seen: set[str] = set()
+    scoped_devices: set[tuple[str, str, str]] = set()
+    samples: list[Sample] = []
+    last: tuple[Any, ...] | None = None
+    scale = 1.0  # nanos until the end, then the unit of the final state
+    async for page in source.rows(0):
+        for row in page:
+            event = decode_stored(bytes(row[PAYLOAD]), row[TYPE], row[SCHEMA_VERSION])
+            try:
+                apply_event(state, event, row[POSITION])
+            except InvariantViolation as exc:
+                raise ReplayBrokenError(exc.position, str(exc)) from None
+            share_id = getattr(event, "share_id", None)
+            if isinstance(share_id, str) and share_id not in seen:
+                seen.add(share_id)
+                share = state.shares.get(share_id)
+                if share is not None and _scope_test(state, kind, key)(share):
+                    in_scope[share_id] = share.claim[0]
+                    scoped_devices.add(share.device_key)
+            if kind == "device":
+                scoped_devices.add(tuple(key.split("/")))  # type: ignore[arg-type]
+            elif kind == "node":
+                scoped_devices.update(k for k, d in state.devices.items() if d.node == key)
+            by_tenant: dict[str, float] = {}
+            unknown = False
+            for sid, namespace in list(in_scope.items()):
+                share = state.shares[sid]
+                if not share.live:
+                    del in_scope[sid]
+                    continue
+                if share.admin_access:
+                    continue
+                quantity = share.consumed.get(capacity)
+                if quantity is not None:
+                    by_tenant[namespace] = by_tenant.get(namespace, 0.0) + quantity.nanos / scale
+                unknown = unknown or share.state == "unknown"
+            total = sum(
+                dev.total[capacity].nanos / scale
+                for k in scoped_devices
+                if (dev := state.devices.get(k)) is not None and capacity in dev.total
+            )
+            mark = (tuple(sorted(by_tenant.items())), total, unknown)
+            if mark != last:
+                when = row[RECORDED_AT]
+                if not isinstance(when, datetime.datetime):
+                    when = datetime.datetime.fromisoformat(when)
+                samples.append(
+                    Sample(
+                        position=row[POSITION],
+                        time=when,
+                        by_tenant=by_tenant,
+                        total=total,
+                        unknown=unknown,
+                    )
+                )
+                last = mark
+    divide, unit = _unit_scale(capacity, state)
+    for sample in samples:
+        sample.total /= divide
+        sample.by_tenant = {k: v / divide for k, v in sample.by_tenant.items()}
+    return samples, unit

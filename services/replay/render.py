@@ -1,0 +1,214 @@
+"""Text output of the forensic replay commands: tables, JSON, YAML, and a progress line.
+
+YAML is written by :func:`to_yaml` (block style, strings JSON-quoted — valid YAML 1.2),
+so ``-o yaml`` needs no YAML library. The progress line goes to stderr only when it is a
+terminal (:func:`progress_for`), and is erased when the work is done.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import msgspec
+
+from services.replay.history import Change, Step
+
+__all__ = ["Progress", "diff_table", "progress_for", "state_table", "timeline_table", "to_yaml"]
+
+
+def _scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    return msgspec.json.encode(str(value)).decode()
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
+
+
+def _key(key: Any) -> str:
+    text = str(key)
+    if _PLAIN_KEY.fullmatch(text) and text not in ("true", "false", "null", "yes", "no"):
+        return text
+    return _scalar(text)
+
+
+def to_yaml(value: Any, indent: int = 0) -> str:
+    """Block-style YAML of plain data (dicts, lists, scalars)."""
+    pad = "  " * indent
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        lines = []
+        for k, v in value.items():
+            if isinstance(v, dict | list) and v:
+                lines.append(f"{pad}{_key(k)}:\n{to_yaml(v, indent + 1)}")
+            else:
+                lines.append(f"{pad}{_key(k)}: {to_yaml(v, 0)}")
+        return "\n".join(lines)
+    if isinstance(value, list | tuple):
+        if not value:
+            return "[]"
+        lines = []
+        for v in value:
+            if isinstance(v, dict | list) and v:
+                inner = to_yaml(v, indent + 1).lstrip()
+                lines.append(f"{pad}- {inner}")
+            else:
+                lines.append(f"{pad}- {to_yaml(v, 0)}")
+        return "\n".join(lines)
+    return _scalar(value)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    for row in cells:
+        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(out)
+
+
+def _amounts(values: dict[str, Any] | None) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted((values or {}).items())) or "-"
+
+
+def state_table(view: dict[str, Any]) -> str:
+    """Devices, shares, claims and nodes of a state view as four tables."""
+    devices = []
+    for key, d in view["devices"].items():
+        devices.append(
+            (
+                key,
+                d.get("node") or "-",
+                _amounts(d.get("total")),
+                _amounts(d.get("consumed")),
+                d.get("live_shared", 0),
+                d.get("exclusive_share") or "-",
+                d.get("unhealthy") or "-",
+            )
+        )
+    shares = [
+        (
+            sid,
+            "/".join(s["claim"]),
+            s["request"],
+            f"{s['driver']}/{s['pool']}/{s['device']}",
+            s["state"],
+            _amounts(s.get("consumed")),
+            s.get("node") or "-",
+        )
+        for sid, s in view["shares"].items()
+    ]
+    claims = [
+        (
+            key,
+            c["phase"],
+            c.get("node") or "-",
+            c.get("allocation_version", 0),
+            len(c.get("share_ids", [])),
+        )
+        for key, c in view["claims"].items()
+    ]
+    nodes = [
+        (
+            name,
+            n.get("lease", "live"),
+            n.get("leased_epoch", 0),
+            n.get("expired_epoch", 0),
+            n.get("fenced_epoch", 0),
+            len(n.get("live_shares", [])),
+        )
+        for name, n in view["nodes"].items()
+    ]
+    parts = [
+        f"state at position {view['position']}",
+        "",
+        "DEVICES",
+        _table(
+            ("DEVICE", "NODE", "TOTAL", "CONSUMED", "SHARES", "EXCLUSIVE", "UNHEALTHY"), devices
+        ),
+        "",
+        "SHARES",
+        _table(("SHARE", "CLAIM", "REQUEST", "DEVICE", "STATE", "CONSUMED", "NODE"), shares),
+        "",
+        "CLAIMS",
+        _table(("CLAIM", "PHASE", "NODE", "ALLOCATION", "SHARES"), claims),
+        "",
+        "NODES",
+        _table(("NODE", "LEASE", "LEASED", "EXPIRED", "FENCED", "LIVE SHARES"), nodes),
+    ]
+    return "\n".join(parts)
+
+
+def _short(value: Any, width: int = 40) -> str:
+    text = value if isinstance(value, str) else msgspec.json.encode(value).decode()
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _changes(fields: dict[str, tuple[Any, Any]], limit: int = 6) -> str:
+    parts = [f"{k}: {_short(a)} -> {_short(b)}" for k, (a, b) in list(fields.items())[:limit]]
+    if len(fields) > limit:
+        parts.append(f"(+{len(fields) - limit} more)")
+    return "; ".join(parts) or "(named, unchanged)"
+
+
+def timeline_table(what: str, steps: Sequence[Step]) -> str:
+    """One line per step: position, time, event type, actor, what changed."""
+    rows = [(s.position, s.recorded_at, s.type, s.actor, _changes(s.changes)) for s in steps]
+    return f"timeline of {what}: {len(steps)} event(s)\n" + _table(
+        ("POSITION", "RECORDED", "EVENT", "ACTOR", "CHANGED"), rows
+    )
+
+
+def diff_table(a: int, b: int, changes: Sequence[Change]) -> str:
+    """One line per changed key (fields of a changed one listed)."""
+    rows = [(c.section, c.key, c.kind, _changes(c.fields) if c.fields else "") for c in changes]
+    return f"from position {a} to {b}: {len(changes)} change(s)\n" + _table(
+        ("SECTION", "KEY", "CHANGE", "FIELDS"), rows
+    )
+
+
+class Progress:
+    """``done / total`` on one terminal line, at most every 0.2 s."""
+
+    def __init__(self, stream: TextIO, what: str, unit: str) -> None:
+        self.stream, self.what, self.unit = stream, what, unit
+        self._shown = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self._shown < 0.2 and done < total:
+            return
+        self._shown = now
+        scale, suffix = (1 << 20, " MiB") if self.unit == "bytes" else (1, "")
+        pct = 100.0 * done / total if total else 100.0
+        self.stream.write(
+            f"\r{self.what}: {done / scale:,.0f}/{total / scale:,.0f}{suffix} ({pct:.0f}%)\033[K"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Erase the line."""
+        if self._shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def progress_for(what: str, unit: str) -> Progress | None:
+    """A :class:`Progress` on stderr when it is a terminal, else ``None``."""
+    return Progress(sys.stderr, what, unit) if sys.stderr.isatty() else None
+
+
+def call(progress: Progress | None) -> Callable[[int, int], None] | None:
+    """The callable to hand to a reader (``None`` without a terminal)."""
+    return progress

@@ -1,0 +1,159 @@
+"""Where a forensic replay reads the log: the live database, or an exported file.
+
+Both hand out pages of stored rows in :data:`~services.runtime.rows.COLUMNS` order, so
+one fold loop (:func:`services.replay.verify.fold_rows`) serves both:
+
+* :class:`DatabaseSource`: one ``REPEATABLE READ`` read-only transaction (every question
+  is answered as of one instant, while services keep appending); a replay to position
+  *p* starts from the newest snapshot at or before *p* that verifies
+  (:func:`services.runtime.snapshots.load_verified`), the rest from position 0;
+* :class:`FileSource`: a ``dracap-log`` file (:mod:`services.replay.logfile`), no
+  database at all; always from position 0, and only after the file's checksum held.
+
+A point in the log (``--at``, ``diff A B``) is a position or a time
+(:func:`parse_point`); a time means the last event recorded at or before it, read in
+log order (the position of the first event recorded later, minus one).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import asyncpg
+
+from events.fold import ClusterState
+from services.exitcodes import CommandError, ExitCode
+from services.replay import logfile
+from services.runtime.eventstore import iter_rows
+from services.runtime.rows import POSITION
+from services.runtime.snapshots import load_verified
+
+__all__ = ["DatabaseSource", "FileSource", "LogSource", "Point", "parse_point"]
+
+#: A point in the log: a position, or a time.
+Point = int | datetime.datetime
+RECORDED_AT = 10
+
+
+def parse_point(text: str, what: str = "--at") -> Point:
+    """A position (``1234``) or an ISO 8601 time (``2026-12-01T10:00:00Z``)."""
+    if text.isdigit():
+        return int(text)
+    try:
+        value = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise CommandError(
+            f"{what} {text!r}: must be a position (an integer) or an ISO 8601 time",
+            ExitCode.BAD_INPUT,
+        ) from None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=datetime.UTC)
+    return value
+
+
+def _time_of(value: Any) -> datetime.datetime:
+    if isinstance(value, datetime.datetime):
+        return value
+    return datetime.datetime.fromisoformat(value)
+
+
+class LogSource(Protocol):
+    """What a replay reads."""
+
+    async def head(self) -> int:
+        """The last position."""
+
+    async def start(self, at_or_before: int) -> ClusterState:
+        """The state to fold from for a replay to ``at_or_before``."""
+
+    def rows(self, after: int, to_position: int | None = None) -> AsyncIterator[list[Any]]:
+        """Pages of rows after ``after`` (up to ``to_position``)."""
+
+    async def position_at(self, when: datetime.datetime) -> int:
+        """The last position recorded at or before ``when``."""
+
+
+async def resolve(source: LogSource, point: Point) -> int:
+    """The position of ``point`` (capped at the head)."""
+    head = await source.head()
+    if isinstance(point, int):
+        return min(point, head)
+    return await source.position_at(point)
+
+
+class DatabaseSource:
+    """The live database, read in one repeatable-read transaction (``async with``)."""
+
+    def __init__(self, connection: asyncpg.Connection, *, snapshots: bool = True) -> None:
+        self.connection = connection
+        self.snapshots = snapshots
+        self._tx = connection.transaction(isolation="repeatable_read", readonly=True)
+
+    async def __aenter__(self) -> DatabaseSource:
+        await self._tx.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._tx.rollback()
+
+    async def head(self) -> int:
+        head: int = await self.connection.fetchval("SELECT position FROM event_log_head")
+        return head
+
+    async def start(self, at_or_before: int) -> ClusterState:
+        if not self.snapshots:
+            return ClusterState()
+        state = await load_verified(self.connection, at_or_before)
+        return state if state is not None else ClusterState()
+
+    async def rows(self, after: int, to_position: int | None = None) -> AsyncIterator[list[Any]]:
+        async for page in iter_rows(self.connection, after, to_position=to_position):
+            yield page
+
+    async def position_at(self, when: datetime.datetime) -> int:
+        first_later = await self.connection.fetchval(
+            "SELECT min(position) FROM events WHERE recorded_at > $1", when
+        )
+        return (first_later - 1) if first_later is not None else await self.head()
+
+
+class FileSource:
+    """An exported ``dracap-log`` file."""
+
+    def __init__(
+        self, path: str | Path, progress: Callable[[int, int], None] | None = None
+    ) -> None:
+        self.path = Path(path)
+        self.progress = progress
+        self._head: int | None = None
+
+    async def head(self) -> int:
+        if self._head is None:
+            logfile.read_header(self.path)
+            self._head = logfile.read_end(self.path)[0].last
+        return self._head
+
+    async def start(self, at_or_before: int) -> ClusterState:
+        return ClusterState()
+
+    async def rows(self, after: int, to_position: int | None = None) -> AsyncIterator[list[Any]]:
+        for page in logfile.read_rows(self.path, to_position=to_position, progress=self.progress):
+            if page[-1][POSITION] <= after:
+                continue
+            if page[0][POSITION] <= after:
+                page = [r for r in page if r[POSITION] > after]
+            yield page
+
+    async def position_at(self, when: datetime.datetime) -> int:
+        found: int | None = None
+        async for page in self.rows(0):
+            if found is not None:
+                continue  # read on: the checksum covers the whole file
+            for row in page:
+                if _time_of(row[RECORDED_AT]) > when:
+                    found = row[POSITION] - 1
+                    break
+        return found if found is not None else await self.head()

@@ -1,0 +1,132 @@
+"""``dracap replay export`` / ``import``: the log to a file and back.
+
+Export reads the whole log in one ``REPEATABLE READ`` transaction (a consistent cut at
+the head of that instant) and writes a :mod:`services.replay.logfile` file; the
+payloads go out exactly as stored, with their schema versions.
+
+Import refuses a file that does not check out (header, gap-free positions, checksum,
+and the fold: a file that does not fold — an oversubscription, say — is refused with
+the violating position) **before** it writes anything, and writes only into an empty
+log (head 0: importing on top of another history would renumber it). Then, in one
+transaction holding the head lock, it copies the rows as they are — positions, event
+ids, actors, times — with binary ``COPY`` and runs the database's guards over them
+(``dracap_guard``, as the bulk append path does), so the guard tables end where the
+exporting database's were; ``replay verify`` on the result is the proof.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from events.catalog import decode_stored
+from events.errors import InvariantViolation
+from events.fold import ClusterState
+from events.guards import encode_guards, guards_of_many
+from services.replay.logfile import LogWriter, read_rows
+from services.replay.verify import fold_rows, paused_gc
+from services.runtime.eventstore import CHANNEL, iter_rows
+from services.runtime.rows import COLUMNS, PAYLOAD, SCHEMA_VERSION, TYPE
+
+__all__ = ["ImportRefusedError", "check_file", "export_log", "import_log"]
+
+Progress = Callable[[int, int], None]
+
+
+class ImportRefusedError(Exception):
+    """The database is not empty, or the file does not fold (one line).
+
+    ``folds``: False when the file breaks an invariant (``position`` names where).
+    """
+
+    def __init__(self, message: str, *, position: int | None = None) -> None:
+        super().__init__(message)
+        self.position = position
+
+
+async def export_log(
+    connection: asyncpg.Connection,
+    path: str | Path,
+    *,
+    source: str = "",
+    progress: Progress | None = None,
+) -> tuple[int, int]:
+    """Write the whole log to ``path``; returns (events, last position)."""
+    writer = LogWriter(path, source=source)
+    try:
+        async with connection.transaction(isolation="repeatable_read", readonly=True):
+            head: int = await connection.fetchval("SELECT position FROM event_log_head")
+            async for rows in iter_rows(connection, 0, batch_size=20_000, to_position=head):
+                writer.write(rows)
+                if progress is not None:
+                    progress(writer.last, head)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    return writer.count, writer.last
+
+
+def check_file(path: str | Path, progress: Progress | None = None) -> ClusterState:
+    """Read and fold the whole file; raises LogFileError or :class:`ImportRefusedError`."""
+    state = ClusterState()
+    with paused_gc():
+        for rows in read_rows(path, progress=progress):
+            try:
+                fold_rows(state, rows)
+            except InvariantViolation as exc:
+                raise ImportRefusedError(
+                    f"{path}: the log does not fold at position {exc.position}: {exc}",
+                    position=exc.position,
+                ) from None
+    return state
+
+
+def _record(row: Any) -> tuple[Any, ...]:
+    return (
+        row[0],
+        uuid.UUID(row[1]),
+        row[2],
+        row[3],
+        row[4],
+        row[5],
+        row[6],
+        row[7],
+        row[8],
+        row[9],
+        datetime.datetime.fromisoformat(row[10]),
+        bytes(row[11]),
+    )
+
+
+async def import_log(
+    connection: asyncpg.Connection, path: str | Path, *, progress: Progress | None = None
+) -> int:
+    """Check ``path``, then copy it into the (empty) log; returns the events imported."""
+    check_file(path, progress)  # everything checked before anything is written
+    count = 0
+    async with connection.transaction():
+        head = await connection.fetchval("SELECT position FROM event_log_head FOR UPDATE")
+        if head:
+            raise ImportRefusedError(
+                f"the database's log is not empty (head {head}): import needs an empty one"
+            )
+        for rows in read_rows(path, progress=progress):
+            events = [decode_stored(bytes(r[PAYLOAD]), r[TYPE], r[SCHEMA_VERSION]) for r in rows]
+            await connection.copy_records_to_table(
+                "events", records=[_record(r) for r in rows], columns=list(COLUMNS)
+            )
+            guards = guards_of_many(events)
+            if guards:
+                await connection.execute(
+                    "SELECT dracap_guard($1, $2)", rows[0][0] - 1, encode_guards(guards)
+                )
+            count += len(rows)
+        await connection.execute("UPDATE event_log_head SET position = $1", count)
+        await connection.execute("SELECT pg_notify($1, $2)", CHANNEL, str(count))
+    return count

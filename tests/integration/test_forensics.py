@@ -1,0 +1,399 @@
+"""Forensic replay against a recorded scenario (real PostgreSQL, no mocks).
+
+The scenario, appended through the event store with the actors the services use:
+an inventory, a node lease, three claims of two tenants reserved and bound, one claim
+released, then the node's lease expires and an operator fences it (reclamation.md).
+The tests run ``dracap replay`` in-process (``services.cli.main`` in a thread) against
+the database and against an exported file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from events import catalog as c
+from events.fold import ClusterState
+from services.cli import main
+from services.replay.history import state_at
+from services.replay.logfile import LogWriter, read_rows
+from services.replay.sources import DatabaseSource
+from services.replay.verify import summary, verify
+from services.runtime.eventstore import EventStore, iter_rows
+from services.runtime.livestate import HEAD, LiveState
+from services.runtime.settings import Settings
+from services.runtime.snapshots import SnapshotWriter, load_verified, write_snapshot
+from tests.fixtures.services import _create_database, _drop_database, database_url_for
+from tests.integration import sample as s
+from tests.integration.scenario import lease, put
+
+pytestmark = pytest.mark.integration
+
+NODE = s.POOL
+TENANT_A = "tenant:alice@team-a"
+TENANT_B = "tenant:bob@team-b"
+SYSTEM = "system:reservation-0"
+OPERATOR = "operator:ops"
+
+
+class Scenario(msgspec.Struct):
+    r1: c.CapacityReserved
+    r2: c.CapacityReserved
+    r3: c.CapacityReserved
+    before_release: int
+    after_release: int
+    head: int
+
+
+async def _claim(
+    store: EventStore, ns: str, name: str, device: str, amount: str
+) -> c.CapacityReserved:
+    actor = TENANT_A if ns == "team-a" else TENANT_B
+    await put(store, s.claim_submitted(ns, name), actor=actor)
+    await put(store, c.ClaimAdmitted(namespace=ns, name=name), actor="system:claims")
+    r = s.reserved(ns, name, device, amount)
+    await put(store, r, s.bound(r), actor=SYSTEM)
+    return r
+
+
+async def record(store: EventStore) -> Scenario:
+    devices = {"gpu-0": {"memory": "80Gi"}, "gpu-1": {"memory": "80Gi"}}
+    await put(store, s.slice_published(devices=devices), actor=OPERATOR)
+    agent = await lease(store, NODE)
+    r1 = await _claim(store, "team-a", "c1", "gpu-0", "10Gi")
+    r2 = await _claim(store, "team-b", "c2", "gpu-0", "20Gi")
+    r3 = await _claim(store, "team-a", "c3", "gpu-1", "30Gi")
+    await put(
+        store,
+        c.LimitApplied(share_id=r2.share_id, node=NODE, level="hard", actual=dict(r2.consumed)),
+        actor=agent,
+    )
+    await put(
+        store,
+        c.ReleaseRequested(namespace="team-a", name="c1", allocation_version=1),
+        actor=TENANT_A,
+    )
+    before = await store.head()
+    await put(store, s.released(r1), actor="system:reclamation")
+    after = await store.head()
+    await put(store, c.NodeLeaseExpired(node=NODE, epoch=1), actor="system:reclamation")
+    await put(store, c.NodeFenced(node=NODE, epoch=1, reason="powered off"), actor=OPERATOR)
+    return Scenario(
+        r1=r1, r2=r2, r3=r3, before_release=before, after_release=after, head=await store.head()
+    )
+
+
+@pytest.fixture
+async def store(settings: Settings) -> AsyncIterator[EventStore]:
+    async with await EventStore.open(settings) as store:
+        yield store
+
+
+@pytest.fixture
+async def scenario(store: EventStore) -> Scenario:
+    return await record(store)
+
+
+async def dracap(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = await asyncio.to_thread(main, list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _json(out: str) -> Any:
+    return msgspec.json.decode(out)
+
+
+async def test_timeline_shows_each_step_with_who_did_it(
+    scenario: Scenario, database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = ("--database-url", database_url)
+    code, out, _ = await dracap(
+        capsys, "replay", "timeline", scenario.r2.share_id, "-o", "json", *db
+    )
+    assert code == 0
+    steps = _json(out)["steps"]
+    assert [(st["type"], st["actor"]) for st in steps] == [
+        ("reservation.capacity_reserved", SYSTEM),
+        ("reservation.allocation_bound", SYSTEM),
+        ("enforcement.limit_applied", f"agent:{NODE}#1"),
+        ("reclamation.node_lease_expired", "system:reclamation"),  # names the node only
+        ("reclamation.node_fenced", OPERATOR),
+    ]
+    assert steps[3]["changes"]["state"] == ["ready", "unknown"]
+    assert steps[4]["changes"]["state"] == ["unknown", "released"]
+
+    code, out, _ = await dracap(capsys, "replay", "timeline", "team-a/c1", "-o", "json", *db)
+    types = [st["type"] for st in _json(out)["steps"]]
+    assert types == [
+        "claims.submitted",
+        "claims.admitted",
+        "reservation.capacity_reserved",
+        "reservation.allocation_bound",
+        "reclamation.release_requested",
+        "reclamation.capacity_released",
+    ]
+    code, out, _ = await dracap(capsys, "replay", "timeline", f"node:{NODE}", *db)
+    assert code == 0
+    for kind in ("node_lease_acquired", "node_lease_expired", "node_fenced"):
+        assert f"reclamation.{kind}" in out
+    code, _, err = await dracap(capsys, "replay", "timeline", "no-such-thing", *db)
+    assert code == 3 and len(err.strip().splitlines()) == 1
+
+
+async def test_state_before_and_after_a_release_differ_by_exactly_that_share(
+    scenario: Scenario, database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = ("--database-url", database_url)
+    views = []
+    for at in (scenario.before_release, scenario.after_release):
+        code, out, _ = await dracap(capsys, "replay", "state", "--at", str(at), "-o", "json", *db)
+        assert code == 0
+        views.append(_json(out))
+    before, after = views
+    changed_shares = {
+        sid for sid in before["shares"] if before["shares"][sid] != after["shares"][sid]
+    }
+    assert changed_shares == {scenario.r1.share_id}
+    assert after["shares"][scenario.r1.share_id]["state"] == "released"
+    key = f"{s.DRIVER}/{s.POOL}/gpu-0"
+    freed = (
+        before["devices"][key]["consumed_nanos"]["memory"]
+        - after["devices"][key]["consumed_nanos"]["memory"]
+    )
+    assert freed == s.q("10Gi").nanos
+    others = {k for k in before["devices"] if before["devices"][k] != after["devices"][k]}
+    assert others == {key}
+    code, out, _ = await dracap(
+        capsys,
+        "replay",
+        "diff",
+        str(scenario.before_release),
+        str(scenario.after_release),
+        "-o",
+        "json",
+        *db,
+    )
+    changes = {(ch["section"], ch["key"]) for ch in _json(out)["changes"]}
+    assert changes == {
+        ("shares", scenario.r1.share_id),
+        ("devices", key),
+        ("claims", "team-a/c1"),
+        ("nodes", NODE),
+    }
+    code, out, _ = await dracap(capsys, "replay", "state", "--at", "1", "-o", "yaml", *db)
+    assert code == 0 and "devices:" in out
+
+
+async def test_verify_export_import_round_trip_and_a_tampered_file(
+    scenario: Scenario,
+    database_url: str,
+    postgres_admin_url: str,
+    migrated_template: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    db = ("--database-url", database_url)
+    code, out, _ = await dracap(capsys, "replay", "verify", *db)
+    assert code == 0, out
+    exported = tmp_path / "log.ndjson"
+    code, out, _ = await dracap(capsys, "replay", "export", "--out", str(exported), *db)
+    assert code == 0 and f"{scenario.head} events" in out
+    code, out, err = await dracap(capsys, "replay", "verify", "--log", str(exported))
+    assert code == 0, (out, err)
+    code, from_db, _ = await dracap(capsys, "replay", "state", "--at", "9999", "-o", "json", *db)
+    code, from_file, _ = await dracap(
+        capsys, "replay", "state", "--at", "9999", "-o", "json", "--log", str(exported)
+    )
+    assert _json(from_db) == _json(from_file)
+
+    name = f"dracap_test_{uuid.uuid4().hex[:12]}"
+    await _create_database(postgres_admin_url, name, template=migrated_template)
+    try:
+        other = database_url_for(postgres_admin_url, name)
+        code, out, err = await dracap(
+            capsys, "replay", "import", str(exported), "--database-url", other
+        )
+        assert code == 0, err
+        code, out, _ = await dracap(capsys, "replay", "verify", "--database-url", other)
+        assert code == 0, out  # the guard rows were rebuilt as the fold says
+        again = tmp_path / "again.ndjson"
+        await dracap(capsys, "replay", "export", "--out", str(again), "--database-url", other)
+        rows = [r for page in read_rows(exported) for r in page]
+        assert rows == [r for page in read_rows(again) for r in page]
+        code, _, err = await dracap(
+            capsys, "replay", "import", str(exported), "--database-url", other
+        )
+        assert code == 4 and "not empty" in err and len(err.strip().splitlines()) == 1
+    finally:
+        await _drop_database(postgres_admin_url, name)
+
+    tampered = tmp_path / "tampered.ndjson"
+    data = exported.read_bytes()
+    tampered.write_bytes(data.replace(b'"10Gi"', b'"11Gi"', 1))
+    for verb in (("verify",), ("state", "--at", "3"), ("timeline", NODE)):
+        code, out, err = await dracap(capsys, "replay", *verb, "--log", str(tampered))
+        assert code == 2, (verb, out, err)
+        assert "checksum mismatch" in err and len(err.strip().splitlines()) == 1
+        assert "Traceback" not in err
+    code, _, err = await dracap(capsys, "replay", "verify", "--log", str(tmp_path / "missing"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+async def _rows(store: EventStore) -> list[Any]:
+    async with store.pool.acquire() as connection:
+        return [r async for page in iter_rows(connection) for r in page]
+
+
+async def test_verify_names_an_injected_oversubscription(
+    scenario: Scenario, store: EventStore, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = await _rows(store)
+    over = s.reserved("team-b", "greedy", "gpu-1", "81Gi")
+    bad = list(rows[-1])
+    bad[0] = scenario.head + 1
+    bad[1] = uuid.uuid4()
+    bad[2] = c.stream_of(over)
+    bad[3] = 1
+    bad[4] = c.tag_of(over)
+    bad[5] = c.schema_version_of(over)
+    bad[11] = c.encode_payload(over)
+    path = tmp_path / "injected.ndjson"
+    writer = LogWriter(path)
+    writer.write([*rows, bad])
+    writer.close()
+    code, out, _ = await dracap(capsys, "replay", "verify", "--log", str(path))
+    assert code == 5
+    assert f"first violating position {scenario.head + 1}" in out
+    assert "capacity" in out
+
+
+async def test_an_export_of_an_older_schema_version_replays(
+    store: EventStore, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await put(store, s.slice_published(), actor=OPERATOR)
+    rows = await _rows(store)
+    old = msgspec.json.decode(c.encode_payload(s.reserved("team-a", "old", "gpu-0", "5Gi")))
+    del old["shared"], old["policy_version"]  # as schema version 1 wrote it
+    v1 = list(rows[0])
+    v1[0], v1[1], v1[2], v1[3] = 2, uuid.uuid4(), "device:old", 1
+    v1[4], v1[5], v1[11] = "reservation.capacity_reserved", 1, msgspec.json.encode(old)
+    path = tmp_path / "v1.ndjson"
+    writer = LogWriter(path)
+    writer.write([rows[0], v1])
+    writer.close()
+    code, out, _ = await dracap(
+        capsys, "replay", "state", "--at", "2", "-o", "json", "--log", str(path)
+    )
+    assert code == 0
+    shares = _json(out)["shares"]
+    assert [(sh["claim"], sh["shared"]) for sh in shares.values()] == [(["team-a", "old"], True)]
+    assert next(iter(shares.values()))["policy_version"] == 1  # recorded when replayed
+
+
+async def test_plot_writes_a_png(
+    scenario: Scenario, database_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "gpu0.png"
+    code, _out, err = await dracap(
+        capsys, "replay", "plot", "gpu-0", "--out", str(png), "--database-url", database_url
+    )
+    assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, err = await dracap(
+        capsys,
+        "replay",
+        "plot",
+        NODE,
+        "--out",
+        str(tmp_path / "n.png"),
+        "--database-url",
+        database_url,
+    )
+    assert code == 0, err
+
+
+async def _state_at(store: EventStore, position: int) -> ClusterState:
+    async with (
+        store.pool.acquire() as connection,
+        DatabaseSource(connection, snapshots=False) as source,
+    ):
+        return await state_at(source, position)
+
+
+async def test_live_state_starts_from_the_newest_snapshot_that_verifies(
+    scenario: Scenario, store: EventStore, settings: Settings
+) -> None:
+    full = LiveState(store)
+    await full.fresh(HEAD)
+    # a snapshot at the head, and an older one
+    older = await _state_at(store, scenario.before_release)
+    await write_snapshot(store.pool, older)
+    await write_snapshot(store.pool, full.state)
+    started = LiveState(store)
+    assert await started.load_snapshot()
+    assert started.state.position == scenario.head
+    # break the newest one: the older one is used and the result is the same
+    await store.pool.execute(
+        "UPDATE snapshots SET payload = overlay(payload placing '\\x00'::bytea from 200 for 1)"
+        " WHERE position = $1",
+        scenario.head,
+    )
+    restarted = LiveState(store)
+    assert await restarted.load_snapshot()
+    assert restarted.state.position == scenario.before_release
+    await restarted.fresh(HEAD)
+    assert restarted.state == full.state
+    # a snapshot of another log (same position, other event id) does not verify
+    await store.pool.execute(
+        "UPDATE snapshots SET payload = overlay(payload placing convert_to($2, 'UTF8')"
+        " from 84 for 36) WHERE position = $1",  # the event id in the frame's header
+        scenario.before_release,
+        str(uuid.uuid4()),
+    )
+    async with store.pool.acquire() as connection:
+        assert await load_verified(connection) is None
+    report = await verify(settings)
+    assert report.ok, summary(report)
+    # pruning keeps the newest three
+    await store.pool.execute("DELETE FROM snapshots")
+    for at in (2, 3, 4, 5):
+        await write_snapshot(store.pool, await _state_at(store, at))
+    kept = await store.pool.fetch("SELECT position FROM snapshots ORDER BY position")
+    assert [r[0] for r in kept] == [3, 4, 5]
+
+
+async def test_the_writer_snapshots_every_n_events_as_the_live_state_moves(
+    scenario: Scenario, store: EventStore
+) -> None:
+    live = LiveState(store)
+    await live.fresh(HEAD)
+    writer = SnapshotWriter(store.pool, lambda: live.state, every_events=5, check_every_s=0.05)
+    stop = asyncio.Event()
+    tail = asyncio.create_task(live.run(stop))
+    task = asyncio.create_task(writer.run(stop))
+    try:
+
+        async def newest() -> int:
+            return int(
+                await store.pool.fetchval("SELECT coalesce(max(position), 0) FROM snapshots")
+            )
+
+        deadline = asyncio.get_running_loop().time() + 30
+        while await newest() != scenario.head:  # a condition, not a sleep
+            assert asyncio.get_running_loop().time() < deadline, "no snapshot written"
+            await asyncio.sleep(0.05)
+        assert not writer.due()  # nothing folded since the snapshot
+    finally:
+        stop.set()
+        await asyncio.gather(tail, task)
+    started = LiveState(store)
+    assert await started.load_snapshot()
+    assert started.state.position == scenario.head
