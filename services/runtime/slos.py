@@ -27,6 +27,7 @@ shows from its next change).
 from __future__ import annotations
 
 import datetime
+import logging
 from collections.abc import Callable, Iterable
 from typing import Final
 
@@ -46,7 +47,15 @@ from events.fold import TERMINAL_PHASES, ClaimKey, ClusterState
 from services.runtime.livestate import LiveState
 from services.runtime.metrics import REGISTRY
 
-__all__ = ["CONVERGENCE", "NODE_RECOVERY", "SloTracker", "first_class"]
+__all__ = ["CONVERGENCE", "GAUGE_NAMES", "NODE_RECOVERY", "SloTracker", "first_class"]
+
+#: The gauges a started tracker serves (computed at each scrape).
+GAUGE_NAMES: Final = (
+    "dracap_unconverged_claims",
+    "dracap_unconverged_claim_oldest_age_seconds",
+    "dracap_unknown_shares",
+    "dracap_unknown_share_oldest_age_seconds",
+)
 
 CONVERGENCE: Final = Histogram(
     "dracap_claim_convergence_seconds",
@@ -62,6 +71,7 @@ NODE_RECOVERY: Final = Histogram(
     buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
     registry=REGISTRY,
 )
+log = logging.getLogger("dracap.slos")
 _DONE: Final = TERMINAL_PHASES | {"ready", "stalled"}
 
 
@@ -92,18 +102,25 @@ class SloTracker(Collector):
         self.unknown: dict[str, datetime.datetime] = {}
         self.expired_at: dict[str, datetime.datetime] = {}  #: lost nodes: expired at
         self._unsubscribe: Callable[[], None] | None = None
+        self._registered = False
 
     def start(self) -> None:
         """Listen to the live state and serve the gauges from the registry."""
         if self._unsubscribe is None:
             self._unsubscribe = self.live.subscribe(self.observe)
-            REGISTRY.register(self)
+            try:
+                REGISTRY.register(self)
+                self._registered = True
+            except ValueError:  # another tracker of this process serves the gauges
+                log.warning("the SLO gauges are served by another tracker of this process")
 
     def stop(self) -> None:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
+        if self._registered:
             REGISTRY.unregister(self)
+            self._registered = False
 
     def observe(self, env: Envelope) -> None:
         """Fold one envelope's meaning for the metrics (``live.state`` already has it)."""
@@ -157,12 +174,12 @@ class SloTracker(Collector):
         """The gauges, computed now (a scrape)."""
         now, state = self._now(), self.live.state
         count = GaugeMetricFamily(
-            "dracap_unconverged_claims",
+            GAUGE_NAMES[0],
             "Claims submitted and neither Ready nor finished, by DeviceClass.",
             labels=["class"],
         )
         oldest = GaugeMetricFamily(
-            "dracap_unconverged_claim_oldest_age_seconds",
+            GAUGE_NAMES[1],
             "Age of the oldest claim submitted and neither Ready nor finished.",
             labels=["class"],
         )
@@ -170,12 +187,12 @@ class SloTracker(Collector):
             count.add_metric([cls], len(times))
             oldest.add_metric([cls], (now - min(times)).total_seconds())
         unknown = GaugeMetricFamily(
-            "dracap_unknown_shares",
+            GAUGE_NAMES[2],
             "Shares whose node lost its lease (capacity held until fenced or confirmed).",
             labels=["class"],
         )
         unknown_age = GaugeMetricFamily(
-            "dracap_unknown_share_oldest_age_seconds",
+            GAUGE_NAMES[3],
             "How long the oldest unknown share has been unknown.",
             labels=["class"],
         )

@@ -12,7 +12,6 @@ import json
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -90,23 +89,65 @@ def test_the_image_builds_where_a_docker_engine_answers() -> None:
     assert ran.returncode == 0 and "relay" in ran.stdout
 
 
-def test_the_prometheus_rules_pass_promtool() -> None:
-    """The PrometheusRule's groups, as a plain rules file, pass ``promtool check rules``
-    (Debian's ``prometheus`` package ships promtool; skipped, and said so, without it)."""
+PROMETHEUS = ROOT / "deploy" / "prometheus"
+
+
+def _promtool() -> str:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (apt-get install prometheus)")
+    return promtool
+
+
+def test_the_rules_pass_promtool_and_their_unit_tests() -> None:
+    promtool = _promtool()
+    checked = subprocess.run(
+        [promtool, "check", "rules", "rules.yaml"], cwd=PROMETHEUS, capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    tested = subprocess.run(
+        [promtool, "test", "rules", "rules.test.yaml"],
+        cwd=PROMETHEUS,
+        capture_output=True,
+        text=True,
+    )
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_every_alert_is_tested_firing_and_not_firing() -> None:
+    rules = yaml.safe_load((PROMETHEUS / "rules.yaml").read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    tests = yaml.safe_load((PROMETHEUS / "rules.test.yaml").read_text())["tests"]
+    cases = [case for test in tests for case in test["alert_rule_test"]]
+    fired = {c["alertname"] for c in cases if c["exp_alerts"]}
+    quiet = {c["alertname"] for c in cases if not c["exp_alerts"]}
+    assert alerts <= quiet, f"never tested quiet: {alerts - quiet}"
+    assert alerts <= fired, f"never tested firing: {alerts - fired}"
+
+
+def test_the_kubernetes_rule_carries_the_same_groups() -> None:
     monitoring = ROOT / "deploy" / "kubernetes" / "base" / "monitoring.yaml"
     [rule] = [
         doc
         for doc in yaml.safe_load_all(monitoring.read_text())
         if doc and doc.get("kind") == "PrometheusRule"
     ]
-    with tempfile.TemporaryDirectory() as work:
-        rules = Path(work) / "rules.yaml"
-        rules.write_text(yaml.safe_dump(rule["spec"]))
-        checked = subprocess.run(
-            [promtool, "check", "rules", str(rules)], capture_output=True, text=True
-        )
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS" in checked.stdout
+    assert (
+        rule["spec"]["groups"] == yaml.safe_load((PROMETHEUS / "rules.yaml").read_text())["groups"]
+    )
+
+
+def test_the_dashboard_parses_and_uses_only_recorded_series_that_exist() -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dracap.json").read_text())
+    assert dashboard["uid"] == "dracap" and dashboard["panels"]
+    recorded = {
+        r["record"]
+        for g in yaml.safe_load((PROMETHEUS / "rules.yaml").read_text())["groups"]
+        for r in g["rules"]
+        if "record" in r
+    }
+    for panel in dashboard["panels"]:
+        assert panel["title"] and panel["targets"], panel.get("title")
+        for target in panel["targets"]:
+            for name in re.findall(r"\bdracap:[a-z_0-9:]+", target["expr"]):
+                assert name in recorded, f"{panel['title']}: {name} is not a recording rule"
