@@ -71,6 +71,9 @@ def register(sub: Any) -> None:
     serve = verbs.add_parser("serve", help="run the billing subscriber on its own")
     add_endpoint_arguments(serve, database=True, nats=True)
     serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    serve.add_argument(
+        "--metrics-addr", default="127.0.0.1", metavar="ADDR", help="where metrics bind"
+    )
     serve.set_defaults(func=run, verb="serve")
     parser.add_argument("-n", "--namespace", help="a tenant's namespace (its own subject)")
     parser.add_argument("--class", dest="device_class", metavar="C", help="a DeviceClass")

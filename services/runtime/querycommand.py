@@ -115,7 +115,7 @@ async def serve_subscriber(
         store = await EventStore.open(settings)
     server = None
     if args.metrics_port:
-        server, _ = start_metrics_server(args.metrics_port, addr="127.0.0.1")
+        server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -151,3 +151,20 @@ def test_the_dashboard_parses_and_uses_only_recorded_series_that_exist() -> None
         for target in panel["targets"]:
             for name in re.findall(r"\bdracap:[a-z_0-9:]+", target["expr"]):
                 assert name in recorded, f"{panel['title']}: {name} is not a recording rule"
+
+
+def test_every_file_the_compose_file_mounts_exists() -> None:
+    for name, service in _compose()["services"].items():
+        for volume in service.get("volumes", []):
+            source = str(volume).split(":", 1)[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{name} mounts {source}, which is missing"
+    scraped = yaml.safe_load((ROOT / "deploy" / "compose" / "prometheus.yml").read_text())
+    targets = {t.split(":")[0] for job in scraped["scrape_configs"] for c in job["static_configs"]
+               for t in c["targets"]}  # fmt: skip
+    services = _compose()["services"]
+    long_running = {n for n, s in services.items() if str(s.get("image", "")).startswith("dracap")
+                    and "--metrics-port" in s.get("command", [])}  # fmt: skip
+    assert long_running - {"agent"} <= targets, "every dracap service is scraped"
+    for name in long_running:
+        assert "0.0.0.0" in services[name]["command"], f"{name}'s metrics bind to loopback"
