@@ -1,0 +1,110 @@
+"""A real Prometheus scrapes a live stack and evaluates dracap's recording rules.
+
+The in-process stack (the services of ``dracap up``) serves ``/metrics`` on a free port;
+a ``prometheus`` process (Debian's package; the test skips, saying so, without it)
+scrapes it every second with ``deploy/prometheus/rules.yaml`` loaded. Claims flow
+through the stack until the recording rules have produced series, read back through
+Prometheus's HTTP API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import socket
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.runtime.metrics import start_metrics_server
+from services.runtime.settings import Settings
+from tests.integration.cluster import running_cluster
+from tests.integration.test_class_modes import INVENTORY
+from tests.integration.test_policy import NAMESPACE, _ready, claim_doc, view_when
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = ("dracap:scheduling_latency_seconds:p99_5m", "dracap:claim_convergence_seconds:p99_5m")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _query(port: int, expr: str) -> list[Any]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        body = json.loads(reply.read())
+    assert body["status"] == "success", body
+    result: list[Any] = body["data"]["result"]
+    return result
+
+
+async def test_prometheus_scrapes_the_stack_and_the_recording_rules_produce_series(
+    settings: Settings, nats_url: str, tmp_path: Path
+) -> None:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus is not installed (Debian's prometheus package)")
+    metrics, _ = start_metrics_server(0, addr="127.0.0.1")
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(ROOT / "deploy" / "prometheus" / "rules.yaml")],
+        "scrape_configs": [
+            {
+                "job_name": "dracap",
+                "static_configs": [
+                    {
+                        "targets": [f"127.0.0.1:{metrics.server_port}"],
+                        "labels": {"service": "dracap-metrics"},
+                    }
+                ],
+            }
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = _free_port()
+    log = (tmp_path / "prometheus.log").open("wb")
+    server = await asyncio.create_subprocess_exec(
+        binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+        f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
+        stdout=log, stderr=log,
+    )  # fmt: skip
+    log.close()
+    try:
+        async with running_cluster(settings, nats_url, tmp_path, INVENTORY) as cluster:
+            api = cluster.api
+            found: dict[str, list[Any]] = {}
+            async with asyncio.timeout(90):
+                i = 0
+                while len(found) < len(RECORDED):
+                    name = f"c{i}"
+                    await api.claims(NAMESPACE, "apply", claim_doc(name, "5Gi"))
+                    await view_when(api, name, _ready)
+                    await api.claims(NAMESPACE, "delete", {"name": name})
+                    i += 1
+                    for expr in RECORDED:
+                        with contextlib.suppress(OSError):
+                            result = await asyncio.to_thread(_query, port, expr)
+                            if result and result[0]["value"][1] != "NaN":
+                                found[expr] = result
+            up = await asyncio.to_thread(_query, port, 'up{service="dracap-metrics"}')
+    finally:
+        server.terminate()
+        async with asyncio.timeout(30):
+            await server.wait()
+        metrics.shutdown()
+        metrics.server_close()
+    assert [sample["value"][1] for sample in up] == ["1"], (tmp_path / "prometheus.log").read_text()
+    for expr in RECORDED:
+        assert float(found[expr][0]["value"][1]) > 0, expr
+    [convergence] = found["dracap:claim_convergence_seconds:p99_5m"]
+    assert convergence["metric"]["class"] == "gpu.dracap.io"
