@@ -31,6 +31,7 @@ from the start instead of an empty family until the first increment.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from typing import Final
@@ -41,9 +42,11 @@ from events.catalog import CapacityReleased, CapacityReserved, Envelope, NodeFen
 from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClusterState, DeviceKey
 from events.inventory import build_inventory
+from events.model import CapacityRequestPolicy
 from services.runtime.livestate import INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import (
     CAPACITY_ALLOCATED_RATIO,
+    CAPACITY_STRANDED_RATIO,
     CLAIMS,
     CONSUMER_REDELIVERIES,
     DEAD_LETTERS,
@@ -57,6 +60,8 @@ __all__ = [
     "allocated_ratios",
     "class_members",
     "initialise_series",
+    "smallest_grant",
+    "stranded_ratios",
 ]
 
 log = logging.getLogger("dracap.gauges")
@@ -99,6 +104,42 @@ def class_members(
             for entry in inventory.devices
             if all(inventory.selector_result(entry.index, e) is True for e in expressions)
         ]
+    return out
+
+
+def smallest_grant(policy: CapacityRequestPolicy | None) -> int:
+    """The fewest nanos a share of a capacity under ``policy`` can hold (0: any amount)."""
+    if policy is None:
+        return 0
+    if policy.valid_values:
+        return min(v.nanos for v in policy.valid_values)
+    if policy.valid_range is not None:
+        return policy.valid_range.min.nanos
+    return 0
+
+
+def stranded_ratios(state: ClusterState, members: dict[str, list[DeviceKey]]) -> Ratios:
+    """``{(class, capacity): stranded / total}``: free capacity of a shared device below
+    its smallest grant (no share can ever take it) over the class's total. A dedicated
+    device strands nothing (it is taken whole or not at all)."""
+    out: Ratios = {}
+    for class_name, keys in members.items():
+        stranded: dict[str, int] = {}
+        total: dict[str, int] = {}
+        for key in keys:
+            dev = state.devices.get(key)
+            if dev is None or not dev.present:
+                continue
+            for capacity, amount in dev.total.items():
+                if amount.nanos <= 0:
+                    continue
+                total[capacity] = total.get(capacity, 0) + amount.nanos
+                free = amount.nanos - dev.consumed_nanos.get(capacity, 0)
+                least = smallest_grant(dev.policies.get(capacity))
+                unusable = dev.allow_multiple_allocations and 0 < free < least
+                stranded[capacity] = stranded.get(capacity, 0) + (free if unusable else 0)
+        for capacity, whole in total.items():
+            out[(class_name, capacity)] = stranded[capacity] / whole
     return out
 
 
@@ -185,10 +226,15 @@ class CapacityGauges:
         if self._members is None:
             self._members = class_members(state, self.gates)
         ratios = allocated_ratios(state, self._members)
+        stranded = stranded_ratios(state, self._members)
         for labels in self._series - ratios.keys():
             self.gauge.remove(*labels)
+            with contextlib.suppress(KeyError):
+                CAPACITY_STRANDED_RATIO.remove(*labels)
         for (class_name, capacity), ratio in ratios.items():
             self.gauge.labels(class_name, capacity).set(ratio)
+        for (class_name, capacity), ratio in stranded.items():
+            CAPACITY_STRANDED_RATIO.labels(class_name, capacity).set(ratio)
         self._series = set(ratios)
         self.refreshes += 1
 

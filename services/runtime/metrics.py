@@ -82,6 +82,12 @@ CAPACITY_ALLOCATED_RATIO: Final = Gauge(
     ["class", "capacity"],
     registry=REGISTRY,
 )
+CAPACITY_STRANDED_RATIO: Final = Gauge(
+    "dracap_capacity_stranded_ratio",
+    "Free capacity no share can take (below the device's smallest grant) / total, per class.",
+    ["class", "capacity"],
+    registry=REGISTRY,
+)
 ENFORCEMENT_LATENCY: Final = Histogram(
     "dracap_enforcement_latency_seconds",
     "From an allocation being bound to its node agent reporting the limit applied.",

@@ -82,3 +82,20 @@ def test_convergence_unconverged_claims_and_unknown_shares() -> None:
     _feed(tracker, live, log, start, 40.0)
     assert _sample("dracap_node_recovery_seconds_count", outcome="fenced") == fenced_before + 1
     assert _gauges(tracker) == {}, "the fence released the unknown share"
+
+
+def test_free_capacity_below_a_devices_smallest_grant_is_stranded() -> None:
+    from services.runtime.gauges import stranded_ratios
+    from tests.unit.allocator_fixtures import device
+    from tests.unit.decision_fixtures import memory_claim as claim_of
+
+    policy = {"default": "10Gi", "validRange": {"min": "10Gi"}}
+    log = Log(*inventory(device("gpu-0", {"memory": ("40Gi", policy)})))
+    log.reserve(claim_of("big", "32Gi"))
+    state = log.state()
+    [key] = list(state.devices)
+    members = {"gpu.test.io": [key]}
+    assert stranded_ratios(state, members) == {("gpu.test.io", "memory"): 8 / 40}
+    fits = Log(*inventory(device("gpu-0", {"memory": ("40Gi", policy)})))
+    fits.reserve(claim_of("half", "20Gi"))
+    assert stranded_ratios(fits.state(), members) == {("gpu.test.io", "memory"): 0.0}
