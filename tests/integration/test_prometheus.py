@@ -94,8 +94,11 @@ async def test_prometheus_scrapes_the_stack_and_the_recording_rules_produce_seri
                     for expr in RECORDED:
                         with contextlib.suppress(OSError):
                             result = await asyncio.to_thread(_query, port, expr)
-                            if result and result[0]["value"][1] != "NaN":
-                                found[expr] = result
+                            # series of earlier tests in this process may be NaN (no
+                            # recent observations): only a number counts
+                            numbers = [r for r in result if r["value"][1] != "NaN"]
+                            if numbers:
+                                found[expr] = numbers
             up = await asyncio.to_thread(_query, port, 'up{service="dracap-metrics"}')
     finally:
         server.terminate()
@@ -106,5 +109,5 @@ async def test_prometheus_scrapes_the_stack_and_the_recording_rules_produce_seri
     assert [sample["value"][1] for sample in up] == ["1"], (tmp_path / "prometheus.log").read_text()
     for expr in RECORDED:
         assert float(found[expr][0]["value"][1]) > 0, expr
-    [convergence] = found["dracap:claim_convergence_seconds:p99_5m"]
-    assert convergence["metric"]["class"] == "gpu.dracap.io"
+    classes = {r["metric"]["class"] for r in found["dracap:claim_convergence_seconds:p99_5m"]}
+    assert "gpu.dracap.io" in classes
