@@ -48,7 +48,7 @@ from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore
 from services.runtime.inorder import catch_up
-from services.runtime.queries import QueryError, serve_queries
+from services.runtime.queries import QueryError, limited_to, serving_queries
 
 __all__ = ["CONSUMER", "AuditFilter", "AuditService", "query"]
 
@@ -203,31 +203,19 @@ class AuditService:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consume (and serve queries, with ``nc``) until ``stop`` is set."""
-        service = None
-        if self.nc is not None:
-            service = await serve_queries(
-                self.nc,
-                self.names,
-                service="audit",
-                tenant_op="audit",
-                admin_op="audit.list",
-                query=self.query,
-                directory=self.directory,
-                authenticated=self.authenticated,
-            )
-        try:
-            await self.consumer.run(stop)
-        finally:
-            if service is not None:
-                await service.stop()
+        await serving_queries(
+            lambda: self.consumer.run(stop),
+            self.nc,
+            self.names,
+            service="audit",
+            query=self.query,
+            directory=self.directory,
+            authenticated=self.authenticated,
+        )
 
     async def query(self, namespace: str | None, data: bytes) -> dict[str, Any]:
         """The records a query asks for; ``namespace``: the tenant it is limited to."""
-        wanted = decode_filter(data)
-        if namespace is not None:
-            if wanted.namespace not in (None, namespace):
-                raise QueryError("namespace", f"a tenant of {namespace} reads its own only")
-            wanted = msgspec.structs.replace(wanted, namespace=namespace)
+        wanted = limited_to(decode_filter(data), namespace)
         async with self.store.pool.acquire() as connection:
             records = await query(connection, wanted)
         return {"records": msgspec.to_builtins(records)}

@@ -70,7 +70,7 @@ from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore
 from services.runtime.inorder import catch_up
 from services.runtime.metrics import USAGE
-from services.runtime.queries import QueryError, serve_queries
+from services.runtime.queries import QueryError, limited_to, serving_queries
 
 __all__ = ["CONSUMER", "EVENTS", "BillingService", "UsageFilter", "usage", "wanted"]
 
@@ -262,31 +262,19 @@ class BillingService:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consume (and serve queries, with ``nc``) until ``stop`` is set."""
-        service = None
-        if self.nc is not None:
-            service = await serve_queries(
-                self.nc,
-                self.names,
-                service="usage",
-                tenant_op="usage",
-                admin_op="usage.list",
-                query=self.query,
-                directory=self.directory,
-                authenticated=self.authenticated,
-            )
-        try:
-            await self.consumer.run(stop)
-        finally:
-            if service is not None:
-                await service.stop()
+        await serving_queries(
+            lambda: self.consumer.run(stop),
+            self.nc,
+            self.names,
+            service="usage",
+            query=self.query,
+            directory=self.directory,
+            authenticated=self.authenticated,
+        )
 
     async def query(self, namespace: str | None, data: bytes) -> dict[str, Any]:
         """The usage a query asks for; ``namespace``: the tenant it is limited to."""
-        wanted = decode_filter(data)
-        if namespace is not None:
-            if wanted.namespace not in (None, namespace):
-                raise QueryError("namespace", f"a tenant of {namespace} reads its own only")
-            wanted = msgspec.structs.replace(wanted, namespace=namespace)
+        wanted = limited_to(decode_filter(data), namespace)
         async with self.store.pool.acquire() as connection:
             rows = await usage(connection, wanted)
         return {"usage": rows}

@@ -161,18 +161,17 @@ from services.claims.views import (
     claim_view,
     class_views,
     device_views,
-    error_reply,
     node_views,
-    ok_reply,
     policy_views,
     tenant_device_views,
 )
 from services.runtime.committing import GroupCommitter
-from services.runtime.credentials import Directory, caller_of
+from services.runtime.credentials import Directory
 from services.runtime.errors import CapacityExceeded, ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, REJECTIONS
+from services.runtime.queries import admin_caller, error_reply, ok_reply, tenant_caller
 from services.runtime.selectorpool import SelectorPool
 
 __all__ = ["ADMIN_OPS", "TENANT_OPS", "ClaimsApi"]
@@ -262,16 +261,6 @@ def _refusal_reply(refusal: Refusal) -> bytes:
 
 _TenantOperation = Callable[[str, bytes, Actor], Awaitable[bytes]]
 _AdminOperation = Callable[[bytes, Actor], Awaitable[bytes]]
-
-
-def _forbidden(caller: Actor | None, what: str) -> bytes:
-    """The reply to a request whose sender may not do it (or is not known)."""
-    who = "an unauthenticated sender" if caller is None else str(caller)
-    return error_reply(
-        "forbidden",
-        f"{who} may not use {what}",
-        rule="the broker's identity of the sender must be allowed to",
-    )
 
 
 async def _done(reply: bytes) -> bytes:
@@ -437,14 +426,13 @@ class ClaimsApi:
 
     def _tenant(self, fn: _TenantOperation) -> Callable[[Request], Any]:
         async def handler(request: Request) -> None:
-            namespace = request.subject.split(".")[2]
-            caller = caller_of(request.headers, self._known)
-            if caller is None and not self.authenticated:
-                caller = Actor.anonymous(namespace)
-            if caller is None or (caller.kind == "tenant" and caller.namespace != namespace):
-                refused = _forbidden(caller, f"namespace {namespace!r}")
-                self._spawn(request, lambda: _done(refused))
+            namespace, caller, refusal = tenant_caller(
+                request, self._known, authenticated=self.authenticated
+            )
+            if refusal is not None:
+                self._spawn(request, lambda: _done(refusal))
                 return
+            assert caller is not None
             actor = caller
             self._spawn(request, lambda: fn(namespace, request.data, actor))
 
@@ -452,13 +440,11 @@ class ClaimsApi:
 
     def _admin(self, fn: _AdminOperation) -> Callable[[Request], Any]:
         async def handler(request: Request) -> None:
-            caller = caller_of(request.headers, self._known)
-            if caller is None and not self.authenticated:
-                caller = Actor.anonymous(None)
-            if caller is None or caller.kind not in ("operator", "anonymous"):
-                refused = _forbidden(caller, "the admin API")
-                self._spawn(request, lambda: _done(refused))
+            caller, refusal = admin_caller(request, self._known, authenticated=self.authenticated)
+            if refusal is not None:
+                self._spawn(request, lambda: _done(refusal))
                 return
+            assert caller is not None
             actor = caller
             self._spawn(request, lambda: fn(request.data, actor))
 
@@ -651,25 +637,22 @@ class ClaimsApi:
         who = actor or Actor.anonymous(namespace)
         request: Reservation = _decode(data, Reservation)
         stream = claim_stream(namespace, request.name)
-        for attempt in range(self.max_attempts):
-            await self._fresh(attempt)
-            async with self.live.frozen() as state:
-                write = decide_reservation(state, namespace, request, reserve=reserve)
-                version = await self.live.stream_version(stream)
-            if write.refusal is not None:
-                return _refusal_reply(write.refusal)
-            if write.events:
-                try:
-                    await self._append(stream, version, list(write.events), who)
-                except ConflictError:
-                    continue
-            claim = (await self.live.fresh(SEEN)).claim(namespace, request.name)
+
+        def reply(state: ClusterState, write: AdminWrite) -> bytes:
+            claim = state.claim(namespace, request.name)
             return ok_reply(
                 applied=list(write.applied),
                 unchanged=list(write.unchanged),
                 reserved_for=list(claim.reserved_for) if claim is not None else [],
             )
-        return error_reply("conflict", "the claim kept changing while it was reserved; retry")
+
+        return await self._write_at_version(
+            stream,
+            lambda state: decide_reservation(state, namespace, request, reserve=reserve),
+            who,
+            "the claim kept changing while it was reserved",
+            reply,
+        )
 
     async def watch(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.watch``: the subject where changes of the claim(s) are published."""
@@ -703,6 +686,33 @@ class ClaimsApi:
         if not objects:
             raise _InvalidRequestError(None, f"no {kind.__name__} in the request")
         return objects
+
+    async def _write_at_version(
+        self,
+        stream: str,
+        decide: Callable[[ClusterState], AdminWrite],
+        who: Actor,
+        changing: str,
+        reply: Callable[[ClusterState, AdminWrite], bytes],
+    ) -> bytes:
+        """Decide on a frozen state, append to ``stream`` at the version read with it, and
+        decide again (on the whole log) when somebody else wrote there first; ``reply``
+        builds the answer from the state after the write. ``changing``: the reply when
+        every attempt lost its race ("the device kept changing while …")."""
+        for attempt in range(self.max_attempts):
+            await self._fresh(attempt)
+            async with self.live.frozen() as state:
+                write = decide(state)
+                version = await self.live.stream_version(stream)
+            if write.refusal is not None:
+                return _refusal_reply(write.refusal)
+            if write.events:
+                try:
+                    await self._append(stream, version, list(write.events), who)
+                except ConflictError:
+                    continue
+            return reply(await self.live.fresh(SEEN), write)
+        return error_reply("conflict", f"{changing}; retry")
 
     async def _record(self, write: AdminWrite, actor: Actor | None) -> None:
         """Append an admin write's events, each on its own stream, last writer wins."""
@@ -796,25 +806,22 @@ class ClaimsApi:
         change: PolicyChange = _decode(data, PolicyChange)
         stream = device_stream(change.driver, change.pool, change.device)
         who = actor or Actor.anonymous(None)
-        for attempt in range(self.max_attempts):
-            await self._fresh(attempt)
-            async with self.live.frozen() as state:
-                write = decide_policy(state, change, self.gates)
-                version = await self.live.stream_version(stream)
-            if write.refusal is not None:
-                return _refusal_reply(write.refusal)
-            if write.events:
-                try:
-                    await self._append(stream, version, list(write.events), who)
-                except ConflictError:
-                    continue
-            dev = (await self.live.fresh(SEEN)).device(change.driver, change.pool, change.device)
+
+        def reply(state: ClusterState, write: AdminWrite) -> bytes:
+            dev = state.device(change.driver, change.pool, change.device)
             return ok_reply(
                 applied=list(write.applied),
                 unchanged=list(write.unchanged),
                 policy_version=dev.policy_version if dev is not None else None,
             )
-        return error_reply("conflict", "the device kept changing while its policy was set; retry")
+
+        return await self._write_at_version(
+            stream,
+            lambda state: decide_policy(state, change, self.gates),
+            who,
+            "the device kept changing while its policy was set",
+            reply,
+        )
 
     async def list_policies(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``policies.list``: each device's policies and the versions its live shares hold."""
@@ -852,25 +859,21 @@ class ClaimsApi:
         request: NodeFence = _decode(data, NodeFence)
         stream = lease_stream(request.node)
         who = actor or Actor.anonymous(None)
-        for attempt in range(self.max_attempts):
-            await self._fresh(attempt)
-            async with self.live.frozen() as state:
-                write = decide_fence(state, request)
-                version = await self.live.stream_version(stream)
-            if write.refusal is not None:
-                return _refusal_reply(write.refusal)
-            if write.events:
-                try:
-                    await self._append(stream, version, list(write.events), who)
-                except ConflictError:
-                    continue
-            node = (await self.live.fresh(SEEN)).nodes[request.node]
+
+        def reply(state: ClusterState, write: AdminWrite) -> bytes:
             return ok_reply(
                 applied=list(write.applied),
                 unchanged=list(write.unchanged),
-                epoch=node.fenced_epoch,
+                epoch=state.nodes[request.node].fenced_epoch,
             )
-        return error_reply("conflict", "the node's lease kept changing while fencing; retry")
+
+        return await self._write_at_version(
+            stream,
+            lambda state: decide_fence(state, request),
+            who,
+            "the node's lease kept changing while fencing",
+            reply,
+        )
 
     async def list_devices_of(
         self, namespace: str, data: bytes, actor: Actor | None = None

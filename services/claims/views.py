@@ -1,8 +1,9 @@
-"""What the APIs reply: claim and device views of the fold, and the reply envelope. Pure.
+"""What the APIs reply: claim and device views of the fold. Pure.
 
 Every reply of the tenant and admin APIs is one JSON object, either
 ``{"ok": true, ...}`` or ``{"ok": false, "error": {code, field, rule, message}}``
-(:func:`ok_reply`, :func:`error_reply`). Views are computed from
+(:func:`services.runtime.queries.ok_reply` / ``error_reply``, shared with the audit and
+billing queries). Views are computed from
 :class:`events.fold.ClusterState` on demand, never stored:
 
 * :class:`ClaimView`: a claim's phase and reason, ``ready`` (true only once the node
@@ -28,7 +29,7 @@ import msgspec
 
 from events.fold import LIVE_SHARE_STATES, ClaimState, ClusterState, DeviceState, NamespaceState
 from events.inventory import DeviceEntry, Inventory, lost_nodes
-from events.model import DeviceAttribute, DeviceClass, describe_policy, encode_hook
+from events.model import DeviceAttribute, DeviceClass, describe_policy
 from events.model import to_builtins as model_builtins
 from events.tenancy import allow_list, class_allowed, tenant_attributes
 from events.validation import split_qualified_name
@@ -39,14 +40,11 @@ __all__ = [
     "ConditionView",
     "DevicePoliciesView",
     "DeviceView",
-    "ErrorView",
     "ShareView",
     "TenantCapacityView",
     "TenantDeviceView",
     "claim_view",
     "device_views",
-    "error_reply",
-    "ok_reply",
     "policy_views",
     "tenant_device_views",
 ]
@@ -165,18 +163,6 @@ class TenantDeviceView(msgspec.Struct, frozen=True, kw_only=True):
     classes: list[str]  #: the classes the namespace may use that select the device
     capacity: dict[str, TenantCapacityView]
     attributes: dict[str, Any]  #: allow-listed attributes, fully qualified names
-
-
-class ErrorView(msgspec.Struct, frozen=True, kw_only=True):
-    """The ``error`` of a failed reply."""
-
-    code: str
-    field: str | None
-    rule: str | None
-    message: str
-
-
-_ENCODER = msgspec.json.Encoder(enc_hook=encode_hook)
 
 
 def claim_view(state: ClusterState, claim: ClaimState) -> ClaimView:
@@ -451,16 +437,3 @@ def _attribute_json(attribute: DeviceAttribute) -> Any:
         if value is not None:
             return value
     return None
-
-
-def ok_reply(**fields: Any) -> bytes:
-    """``{"ok": true, **fields}`` as JSON."""
-    return _ENCODER.encode({"ok": True, **fields})
-
-
-def error_reply(
-    code: str, message: str, *, field: str | None = None, rule: str | None = None
-) -> bytes:
-    """``{"ok": false, "error": {...}}`` as JSON."""
-    error = ErrorView(code=code, field=field, rule=rule, message=message)
-    return _ENCODER.encode({"ok": False, "error": error})

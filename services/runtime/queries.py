@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 from nats.aio.client import Client
@@ -27,14 +27,26 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 
 from events.actors import Actor
+from events.model import encode_hook
 from events.subjects import BusNames
 from services.runtime.credentials import Directory, caller_of
 
-__all__ = ["Query", "QueryError", "error_reply", "ok_reply", "serve_queries"]
+__all__ = [
+    "Query",
+    "QueryError",
+    "admin_caller",
+    "error_reply",
+    "forbidden",
+    "limited_to",
+    "ok_reply",
+    "serve_queries",
+    "serving_queries",
+    "tenant_caller",
+]
 
 log = logging.getLogger("dracap.queries")
 
-_ENCODER: Final = msgspec.json.Encoder()
+_ENCODER: Final = msgspec.json.Encoder(enc_hook=encode_hook)
 
 #: ``(namespace the caller is limited to, or None for an operator; payload) -> reply fields``
 Query = Callable[[str | None, bytes], Awaitable[dict[str, Any]]]
@@ -50,21 +62,72 @@ class QueryError(Exception):
 
 
 def ok_reply(**fields: Any) -> bytes:
+    """``{"ok": true, **fields}`` as JSON: every dracap API's success reply."""
     return _ENCODER.encode({"ok": True, **fields})
 
 
 def error_reply(
-    code: str, message: str, field: str | None = None, rule: str | None = None
+    code: str, message: str, *, field: str | None = None, rule: str | None = None
 ) -> bytes:
+    """``{"ok": false, "error": {code, field, rule, message}}``: every API's refusal."""
     error = {"code": code, "field": field, "rule": rule, "message": message}
     return _ENCODER.encode({"ok": False, "error": error})
+
+
+def forbidden(caller: Actor | None, what: str) -> bytes:
+    """The reply to a request whose sender may not do it (or is not known)."""
+    who = "an unauthenticated sender" if caller is None else str(caller)
+    return error_reply(
+        "forbidden",
+        f"{who} may not use {what}",
+        rule="the broker's identity of the sender must be allowed to",
+    )
+
+
+def tenant_caller(
+    request: Request, known: Any, *, authenticated: bool
+) -> tuple[str, Actor | None, bytes | None]:
+    """A tenant request's namespace (its subject's third token), its sender, and the
+    refusal to send when that sender may not act there (``None``: it may)."""
+    namespace = request.subject.split(".")[2]
+    caller = caller_of(request.headers, known)
+    if caller is None and not authenticated:
+        caller = Actor.anonymous(namespace)
+    if caller is None or (caller.kind == "tenant" and caller.namespace != namespace):
+        return namespace, caller, forbidden(caller, f"namespace {namespace!r}")
+    return namespace, caller, None
+
+
+def admin_caller(
+    request: Request, known: Any, *, authenticated: bool
+) -> tuple[Actor | None, bytes | None]:
+    """An admin request's sender, and the refusal when it is no operator's."""
+    caller = caller_of(request.headers, known)
+    if caller is None and not authenticated:
+        caller = Actor.anonymous(None)
+    if caller is None or caller.kind not in ("operator", "anonymous"):
+        return caller, forbidden(caller, "the admin API")
+    return caller, None
+
+
+_Limited = TypeVar("_Limited", bound=msgspec.Struct)
+
+
+def limited_to(wanted: _Limited, namespace: str | None) -> _Limited:
+    """A query filter (a Struct with ``namespace``) limited to the tenant ``namespace``
+    (``None``: an operator's, unchanged); naming another namespace is refused."""
+    if namespace is None:
+        return wanted
+    if getattr(wanted, "namespace", None) not in (None, namespace):
+        raise QueryError("namespace", f"a tenant of {namespace} reads its own only")
+    return msgspec.structs.replace(wanted, namespace=namespace)
 
 
 async def _answer(request: Request, query: Query, namespace: str | None) -> None:
     try:
         reply = ok_reply(**await query(namespace, request.data))
     except QueryError as exc:
-        reply = error_reply("invalid", str(exc), exc.field, exc.rule)
+        reply = error_reply("invalid", str(exc), field=exc.field, rule=exc.rule)
     except Exception as exc:
         log.exception("query on %s failed", request.subject)
         reply = error_reply("internal", f"{type(exc).__name__}: {exc}")
@@ -93,25 +156,16 @@ async def serve_queries(
     )
 
     async def tenant(request: Request) -> None:
-        namespace = request.subject.split(".")[2]
-        caller = caller_of(request.headers, known)
-        if caller is None and not authenticated:
-            caller = Actor.anonymous(namespace)
-        if caller is None or (caller.kind == "tenant" and caller.namespace != namespace):
-            who = "an unauthenticated sender" if caller is None else str(caller)
-            await request.respond(
-                error_reply("forbidden", f"{who} may not read namespace {namespace!r}")
-            )
+        namespace, _, refusal = tenant_caller(request, known, authenticated=authenticated)
+        if refusal is not None:
+            await request.respond(refusal)
             return
         await _answer(request, query, namespace)
 
     async def admin(request: Request) -> None:
-        caller = caller_of(request.headers, known)
-        if caller is None and not authenticated:
-            caller = Actor.anonymous(None)
-        if caller is None or caller.kind not in ("operator", "anonymous"):
-            who = "an unauthenticated sender" if caller is None else str(caller)
-            await request.respond(error_reply("forbidden", f"{who} may not use the admin API"))
+        _, refusal = admin_caller(request, known, authenticated=authenticated)
+        if refusal is not None:
+            await request.respond(refusal)
             return
         await _answer(request, query, None)
 
@@ -121,3 +175,34 @@ async def serve_queries(
     await micro.add_endpoint(name=f"{service}-admin", subject=names.admin(admin_op), handler=admin)
     await nc.flush()
     return micro
+
+
+async def serving_queries(
+    run: Callable[[], Awaitable[None]],
+    nc: Client | None,
+    names: BusNames,
+    *,
+    service: str,
+    query: Query,
+    directory: Directory | None,
+    authenticated: bool,
+) -> None:
+    """``await run()`` while ``query`` answers on ``{service}`` (tenant) and
+    ``{service}.list`` (admin), when there is a connection ``nc`` to answer on."""
+    micro = None
+    if nc is not None:
+        micro = await serve_queries(
+            nc,
+            names,
+            service=service,
+            tenant_op=service,
+            admin_op=f"{service}.list",
+            query=query,
+            directory=directory,
+            authenticated=authenticated,
+        )
+    try:
+        await run()
+    finally:
+        if micro is not None:
+            await micro.stop()
