@@ -234,9 +234,16 @@ class RequestPolicyChanged(
 
 
 class ClaimSubmitted(_EventBase, frozen=True, kw_only=True, tag="claims.submitted"):
-    """A tenant submitted (or resubmitted) a ResourceClaim."""
+    """A tenant submitted (or resubmitted) a ResourceClaim.
+
+    ``source`` says who allocates it: ``dracap`` (the reservation service, standalone)
+    or ``kubernetes`` (kube-scheduler allocated it; the Kubernetes bridge mirrored the
+    claim, with its ``metadata.uid`` and ``status.allocation``, into the log, and its
+    limits are applied when the kubelet prepares it).
+    """
 
     claim: ResourceClaim
+    source: Literal["dracap", "kubernetes"] = "dracap"
 
 
 class ClaimAdmitted(_EventBase, frozen=True, kw_only=True, tag="claims.admitted"):

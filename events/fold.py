@@ -318,6 +318,11 @@ class ClaimState(msgspec.Struct, kw_only=True, gc=False):
     #: consumers that reserved the claim (``status.reservedFor``), in order
     reserved_for: list[str] = []
     ready_position: int = 0  #: where its current allocation became ready (0: not yet)
+    bound_position: int = 0  #: where its current allocation was bound (0: none yet)
+    #: who allocates it (``ClaimSubmitted.source``) and, for a claim mirrored from
+    #: Kubernetes, the ResourceClaim's ``metadata.uid``
+    source: str = "dracap"
+    uid: str | None = None
 
 
 class DeviceClassState(msgspec.Struct, kw_only=True):
@@ -769,6 +774,7 @@ def _bind(state: ClusterState, ev: AllocationBound, position: int) -> None:
     claim.share_ids = list(share_ids)
     claim.reason = None
     claim.reserved_for = []
+    claim.bound_position = position
     ready = bool(shares) and _all_ready(shares)
     claim.ready_position = position if ready else 0
     _set_phase(state, claim, "ready" if ready else "allocated")
@@ -895,6 +901,8 @@ def _claim_submitted(state: ClusterState, ev: ClaimSubmitted, position: int) -> 
     if claim.phase not in _LIVE_CLAIM_PHASES:
         _set_phase(state, claim, "submitted")
         claim.reason = None
+        claim.source = ev.source
+        claim.uid = meta.uid if ev.source == "kubernetes" else None
 
 
 # --- leases and fencing -------------------------------------------------------------------

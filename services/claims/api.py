@@ -87,6 +87,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -156,6 +157,7 @@ from services.claims.admission import (
     read_claim,
     selector_expressions,
 )
+from services.claims.kubeobjects import resource_claim_object
 from services.claims.views import (
     LeaseRow,
     claim_view,
@@ -584,13 +586,16 @@ class ClaimsApi:
             REJECTIONS.labels(reason=refusal.kind).inc()
 
     async def get(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
-        """``claims.get``: the view of one claim."""
+        """``claims.get``: the view of one claim, and the claim as a ResourceClaim."""
         request: _NameRequest = _decode(data, _NameRequest)
         state = await self.live.fresh(SEEN)
         claim = state.claim(namespace, request.name)
         if claim is None:
             return _not_found(namespace, request.name)
-        return ok_reply(claim=claim_view(state, claim))
+        view = claim_view(state, claim)
+        now = datetime.datetime.now(datetime.UTC)
+        resource = resource_claim_object(state, claim, msgspec.to_builtins(view), now)
+        return ok_reply(claim=view, object=resource)
 
     async def list_claims(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.list``: every claim of the namespace that is not gone."""

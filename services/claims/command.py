@@ -335,8 +335,11 @@ def _print_change(output: str, view: dict[str, Any], header: bool) -> None:
 
 
 async def _get(api: ApiClient, args: argparse.Namespace) -> int:
-    view = (await api.claims(args.namespace or "default", "get", {"name": args.name}))["claim"]
-    emit_claims(args.output, [view], single=True)
+    reply = await api.claims(args.namespace or "default", "get", {"name": args.name})
+    if args.output == "table":
+        emit_claims(args.output, [reply["claim"]], single=True)
+    else:  # the ResourceClaim as the API server would show it, dracap's view under "dracap"
+        emit(args.output, reply["object"], lambda: "")
     return ExitCode.OK
 
 

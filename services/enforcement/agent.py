@@ -289,18 +289,36 @@ class Agent:
 
     async def retry_due(self) -> Written | None:
         """Apply again the limits whose retry time has come; record the outcomes."""
-        await self.lease.held.wait()
         now = datetime.datetime.now(datetime.UTC)
+        return await self.carry_out(
+            lambda state: decide_retries(state, self.node, now, self.enforcing), now
+        )
+
+    async def carry_out(
+        self,
+        decide: Callable[[ClusterState], Sequence[Task]],
+        now: datetime.datetime | None = None,
+        *,
+        also: Sequence[Batch] = (),
+    ) -> Written | None:
+        """Decide tasks on a frozen, current state, run the enforcers, record the outcomes.
+
+        The append expects the versions read with the state (a delete or a fence that got
+        in first makes it conflict: :class:`ConflictError`, decide again). ``also``: more
+        batches for the same append (a kubelet unprepare's ``ReleaseRequested``).
+        """
+        await self.lease.held.wait()
+        now = now or datetime.datetime.now(datetime.UTC)
         await self.live.fresh(SEEN)  # its own last append included: versions must be current
         async with self.live.frozen() as state:
-            tasks = decide_retries(state, self.node, now, self.enforcing)
+            tasks = list(decide(state))
             if not tasks:
                 return None
             streams = streams_to_check(self.node, tasks)
             versions = {stream: await self.live.stream_version(stream) for stream in streams}
         outcomes = await self._enforce(tasks)
-        written = record(self.node, list(tasks), outcomes, versions, now)
-        batches = [
+        written = record(self.node, tasks, outcomes, versions, now)
+        batches = list(also) + [
             Batch(stream, version, events)
             for stream, (version, events, _) in written.streams.items()
         ]

@@ -16,6 +16,10 @@ device named after the share. Its edits give the container:
 * ``NVIDIA_VISIBLE_DEVICES=<GPU UUID>`` so the NVIDIA container stack exposes that GPU;
 * ``DRACAP_SHARE_ID`` so a workload (and an operator inside it) can tell its share.
 
+A share that needs no device in the container (a bandwidth share: its limit is tc on the
+node's interface) still gets a spec, kind ``dracap.io/share``, whose only edit is
+``DRACAP_SHARE_ID``: the kubelet plugin answers every prepared share with a CDI name.
+
 The memory limit itself is *not* an environment variable: a client-side
 ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` could be changed by the tenant. It is set in the
 daemon (see :mod:`services.enforcement.mps`).
@@ -43,14 +47,18 @@ __all__ = [
     "CDI_VERSION",
     "DEFAULT_SPEC_DIR",
     "KIND",
+    "SHARE_KIND",
     "CdiShare",
     "CdiSpecs",
+    "build_share_spec",
     "build_spec",
     "check_share_id",
 ]
 
 CDI_VERSION: Final = "0.6.0"
 KIND: Final = "dracap.io/gpu-share"
+#: the kind of the specs of shares other than MPS GPU shares (see :func:`build_share_spec`)
+SHARE_KIND: Final = "dracap.io/share"
 DEFAULT_SPEC_DIR: Final = Path("/var/run/cdi")
 ANNOTATION_SHARE: Final = "dracap.io/share-id"
 ANNOTATION_UUID: Final = "dracap.io/gpu-uuid"
@@ -110,6 +118,23 @@ def build_spec(share: CdiShare, *, kind: str = KIND) -> dict[str, Any]:
     }
 
 
+def build_share_spec(share_id: str, device: str, *, kind: str = SHARE_KIND) -> dict[str, Any]:
+    """The CDI spec of a share that needs no device node (a bandwidth share, a ``none`` one):
+    the container learns its ShareID; the limit itself is the node's (tc on its interface)."""
+    check_share_id(share_id)
+    return {
+        "cdiVersion": CDI_VERSION,
+        "kind": kind,
+        "devices": [
+            {
+                "name": share_id,
+                "annotations": {ANNOTATION_SHARE: share_id, ANNOTATION_DEVICE: device},
+                "containerEdits": {"env": [f"DRACAP_SHARE_ID={share_id}"]},
+            }
+        ],
+    }
+
+
 def _mount(path: Path, access: str) -> dict[str, Any]:
     return {
         "hostPath": str(path),
@@ -137,8 +162,12 @@ class CdiSpecs:
 
     def write(self, share: CdiShare) -> Path:
         """Write (or rewrite, if it differs) the spec of ``share``; returns its path."""
-        path = self.path_of(share.share_id)
-        data = json.dumps(build_spec(share, kind=self.kind), indent=2, sort_keys=True) + "\n"
+        return self.write_spec(share.share_id, build_spec(share, kind=self.kind))
+
+    def write_spec(self, share_id: str, spec: dict[str, Any]) -> Path:
+        """Write (or rewrite, if it differs) ``spec`` as the file of ``share_id``."""
+        path = self.path_of(share_id)
+        data = json.dumps(spec, indent=2, sort_keys=True) + "\n"
         encoded = data.encode("utf-8")
         with contextlib.suppress(OSError):
             if path.read_bytes() == encoded:

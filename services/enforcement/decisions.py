@@ -10,7 +10,9 @@ Work (:func:`decide_work`, on the folded state; a message only says where to loo
 * ``AllocationBound`` -> :class:`Enforce`: the limit of each share of the allocation
   that is this node's (or has no node), ``bound`` in the fold and of that allocation
   version. Shares already ready, released or releasing are left alone, so a
-  redelivered or forged message changes nothing.
+  redelivered or forged message changes nothing. A claim mirrored from Kubernetes
+  (``source == "kubernetes"``) gives no task here: its limits are applied when the
+  kubelet prepares it (:func:`enforce_claim`, :mod:`services.enforcement.kubelet`).
 * ``ReleaseRequested`` -> :class:`Release`: only when the fold has the claim
   ``releasing`` at that allocation version; each of its shares on this node that is
   ``releasing`` at that version (not ``unknown``: the reclamation service owns those)
@@ -187,6 +189,8 @@ def decide_work(
         event = env.event
         task: Task | None = None
         if isinstance(event, AllocationBound) and event.node == node:
+            if _prepared_by_kubelet(state, event):
+                continue  # its limits are applied when the kubelet prepares it
             task = _enforce(state, node, env.event_id, event, counted)
         elif isinstance(event, ReleaseRequested) and event.node == node:
             task = _release(state, node, env.event_id, event)
@@ -195,6 +199,39 @@ def decide_work(
         if task is not None:
             tasks.append(task)
     return tasks
+
+
+def _prepared_by_kubelet(state: ClusterState, event: AllocationBound) -> bool:
+    """Whether the claim was mirrored from Kubernetes: the kubelet's prepare applies it."""
+    claim = state.claims.get((event.namespace, event.name))
+    return claim is not None and claim.source == "kubernetes"
+
+
+def enforce_claim(
+    state: ClusterState, node: str, key: tuple[str, str], enforcing: Mapping[str, ShareLimit]
+) -> Task | None:
+    """The :class:`Enforce` of a claim's current allocation on ``node`` (a kubelet prepare).
+
+    The same rules as for its ``AllocationBound``: only this node's ``bound`` shares of
+    that allocation, each fitting its device with the limits in force.
+    """
+    claim = state.claims.get(key)
+    if claim is None or claim.allocation is None:
+        return None
+    bound = AllocationBound(
+        namespace=claim.namespace,
+        name=claim.name,
+        allocation_version=claim.allocation_version,
+        node=claim.node,
+        allocation=claim.allocation,
+        share_ids=list(claim.share_ids),
+    )
+    return _enforce(state, node, "", bound, dict(enforcing))
+
+
+def release_claim(state: ClusterState, node: str, event: ReleaseRequested) -> Task | None:
+    """The :class:`Release` of ``event`` on ``node`` once the fold has it (a kubelet unprepare)."""
+    return _release(state, node, "", event)
 
 
 def _mine(share: ShareState | None, node: str) -> bool:

@@ -13,10 +13,13 @@ guard gives their capacity back in the same append.
 
 :func:`not_started` lists the Ready claims nobody has used yet — no consumer reserved
 them (``status.reservedFor`` is empty) and their agent saw no traffic through any of
-their shares — whose DeviceClass sets ``dracap.io/not-started-timeout``;
+their shares — and the claims mirrored from Kubernetes that no kubelet prepared (still
+``allocated``, their clock starting at the allocation), whose DeviceClass sets
+``dracap.io/not-started-timeout``;
 :func:`decide_not_started` says what to record once one has waited that long: its
 class's action, ``ReleaseRequested`` with the reason (the agent then releases it like a
-delete) or ``ClaimStalled`` (it keeps its capacity and shows the reason). A claim of
+delete) or ``ClaimStalled`` (it keeps its capacity and shows the reason; a claim never
+prepared cannot stall — only a Ready claim can — so it is released). A claim of
 several classes takes the shortest timeout (and that class's action).
 
 Which lease has expired is not decided here: the service reads it from
@@ -70,14 +73,15 @@ def fence_by_hook(node: str, epoch: int, command: str) -> NodeFenced:
 
 
 class NotStarted(msgspec.Struct, frozen=True, kw_only=True):
-    """A Ready, unused claim under a not-started timeout (``ready_position``: the log
-    position where its allocation became ready, whose time starts the clock)."""
+    """A claim nobody started yet under a not-started timeout (``since_position``: the log
+    position whose time starts the clock; ``prepared``: whether its limits are in force)."""
 
     key: ClaimKey
     allocation_version: int
-    ready_position: int
+    since_position: int
     timeout_s: float
     action: str
+    prepared: bool = True
 
 
 def _classes(claim: ClaimState) -> list[str]:
@@ -91,13 +95,30 @@ def _classes(claim: ClaimState) -> list[str]:
     return names
 
 
+def _waiting_since(claim: ClaimState) -> tuple[int, bool] | None:
+    """Where a claim's not-started clock starts, and whether it is prepared; or ``None``.
+
+    A Ready claim that no consumer reserved: from where it became Ready. A claim
+    mirrored from Kubernetes that no kubelet prepared (still ``allocated``): from where it
+    was allocated — its consumer never reached the node.
+    """
+    if claim.reserved_for:
+        return None
+    if claim.phase == "ready" and claim.ready_position:
+        return claim.ready_position, True
+    if claim.phase == "allocated" and claim.source == "kubernetes" and claim.bound_position:
+        return claim.bound_position, False
+    return None
+
+
 def not_started(state: ClusterState) -> list[NotStarted]:
-    """The Ready claims nobody used yet whose class sets a timeout (see the module)."""
+    """The claims nobody started yet whose class sets a timeout (see the module)."""
     out: list[NotStarted] = []
     if not any(class_not_started(c.device_class) for c in state.classes.values()):
         return out  # the usual case, checked in O(classes) on every tick
     for key, claim in state.claims.items():
-        if claim.phase != "ready" or claim.reserved_for or not claim.ready_position:
+        waiting = _waiting_since(claim)
+        if waiting is None:
             continue
         if any(state.shares[s].used for s in claim.share_ids if s in state.shares):
             continue
@@ -114,9 +135,10 @@ def not_started(state: ClusterState) -> list[NotStarted]:
             NotStarted(
                 key=key,
                 allocation_version=claim.allocation_version,
-                ready_position=claim.ready_position,
+                since_position=waiting[0],
                 timeout_s=timeout,
                 action=action,
+                prepared=waiting[1],
             )
         )
     return out
@@ -131,11 +153,17 @@ def decide_not_started(candidate: NotStarted, waited_s: float, node: str | None)
     if waited_s < candidate.timeout_s:
         return None
     namespace, name = candidate.key
-    reason = (
-        f"not started within {_seconds(candidate.timeout_s)} of becoming Ready: no consumer "
-        "reserved it and no use was seen"
-    )
-    if candidate.action == "stall":
+    if candidate.prepared:
+        reason = (
+            f"not started within {_seconds(candidate.timeout_s)} of becoming Ready: no "
+            "consumer reserved it and no use was seen"
+        )
+    else:
+        reason = (
+            f"not started within {_seconds(candidate.timeout_s)} of being allocated: no "
+            "kubelet prepared it"
+        )
+    if candidate.action == "stall" and candidate.prepared:
         return ClaimStalled(
             namespace=namespace,
             name=name,

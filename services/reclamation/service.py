@@ -153,15 +153,15 @@ class ReclamationService:
         return recorded
 
     async def _not_started(self) -> int:
-        """Release or mark stalled each Ready claim unused past its class's timeout."""
+        """Release or mark stalled each claim not started within its class's timeout."""
         candidates = not_started(await self.live.fresh(HEAD))
         if not candidates:
             return 0
-        rows = await self.store.pool.fetch(_WAITED, [c.ready_position for c in candidates])
+        rows = await self.store.pool.fetch(_WAITED, [c.since_position for c in candidates])
         waited = {row[0]: float(row[1]) for row in rows}
         recorded = 0
         for candidate in candidates:
-            if waited.get(candidate.ready_position, 0.0) < candidate.timeout_s:
+            if waited.get(candidate.since_position, 0.0) < candidate.timeout_s:
                 continue
             stream = claim_stream(*candidate.key)
             async with self.live.frozen() as state:
@@ -169,7 +169,7 @@ class ReclamationService:
                 if now is None or now.allocation_version != candidate.allocation_version:
                     continue  # reserved, used or released meanwhile
                 claim = state.claims[candidate.key]
-                event = decide_not_started(now, waited[candidate.ready_position], claim.node)
+                event = decide_not_started(now, waited[candidate.since_position], claim.node)
                 version = await self.live.stream_version(stream)
             if event is None:
                 continue

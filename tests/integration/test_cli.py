@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import kubernetes_validate
 import msgspec
 import pytest
 
@@ -105,7 +106,14 @@ async def test_apply_get_delete_gives_capacity_back(
         capsys, "claim", "get", "train-small", "-n", "tenant-a", "-o", "json", *stack_flags
     )
     assert code == 0
-    view = json.loads(out)
+    resource = json.loads(out)
+    assert resource["apiVersion"] == "resource.k8s.io/v1" and resource["kind"] == "ResourceClaim"
+    assert resource["status"]["allocation"]["devices"]["results"]
+    [status] = resource["status"]["devices"]
+    [condition] = status["conditions"]
+    assert condition["type"] == "Ready" and condition["status"] == "True", condition
+    view = resource.pop("dracap")  # dracap's own view; the rest is the 1.34 object
+    kubernetes_validate.validate(resource, "1.34.0", strict=True)
     assert view["phase"] == "ready" and view["ready"] is True
     [share] = view["shares"]
     assert share["share_id"] and share["consumed"] == {"memory": "10Gi"}
@@ -191,7 +199,7 @@ async def test_a_claim_above_the_maximum_is_rejected_naming_field_and_rule_once(
     assert err.count(MEMORY_FIELD) == 1 and "at most 40Gi" in err and "45Gi" in err
     get = ("claim", "get", "too-big", "-n", "tenant-a")
     code, out, _ = await dracap_err(capsys, *get, "-o", "json", *stack_flags)
-    view = json.loads(out)
+    view = json.loads(out)["dracap"]
     assert view["phase"] == "rejected"
     assert view["reason"].count(MEMORY_FIELD) == 1 and view["reason"].count("at most 40Gi") == 1
     code, out, _ = await dracap_err(capsys, *get, *stack_flags)
@@ -201,7 +209,7 @@ async def test_a_claim_above_the_maximum_is_rejected_naming_field_and_rule_once(
 async def _phase(capsys: pytest.CaptureFixture[str], flags: list[str], name: str) -> str:
     code, out = await dracap(capsys, "claim", "get", name, "-n", "tenant-a", "-o", "json", *flags)
     assert code == 0, out
-    phase: str = json.loads(out)["phase"]
+    phase: str = json.loads(out)["dracap"]["phase"]
     return phase
 
 
@@ -246,7 +254,7 @@ async def _slice_update_is_rejected(
     code, out = await dracap(
         capsys, "claim", "get", "train-small", "-n", "tenant-a", "-o", "json", *stack_flags
     )
-    [share] = json.loads(out)["shares"]
+    [share] = json.loads(out)["dracap"]["shares"]
     nats_url, prefix = stack_flags[1], stack_flags[3]
     async with ApiClient.connect(nats_url, prefix) as api:
         shrunk = _shrunk_slice(share["pool"], share["device"], "5Gi")
@@ -429,7 +437,7 @@ def test_dracap_up_stops_cleanly_and_resumes(tmp_path: Path) -> None:
             str(data_dir),
         )
         assert got.returncode == 0, got.stderr
-        assert json.loads(got.stdout)["phase"] == "ready"
+        assert json.loads(got.stdout)["dracap"]["phase"] == "ready"
     finally:
         _stop(process)
 
