@@ -1,4 +1,4 @@
-"""``dracap serve relay|claims|reservation``: one control-plane service as its own process.
+"""``dracap serve relay|claims|reservation|kubernetes-bridge``: one service as its own process.
 
 ``dracap up`` runs every service in one process; a deployment (compose, Kubernetes)
 runs each as its own, so each can be scaled, restarted and given its own credentials.
@@ -10,7 +10,11 @@ their commands already; this module gives the other three theirs:
 * ``claims``: the claims and admin API (:class:`~services.claims.api.ClaimsApi`) with
   its live state; instances share the load in their NATS queue group;
 * ``reservation``: a reservation worker (:class:`~services.reservation.service.
-  ReservationService`); workers share the durable consumers.
+  ReservationService`); workers share the durable consumers;
+* ``kubernetes-bridge``: Kubernetes mode's intake (:class:`~services.claims.bridge.Bridge`):
+  mirrors the ResourceClaims kube-scheduler allocated on ``--driver`` devices into the log
+  and writes their ``status.devices`` back; run one per cluster. It reaches the API
+  server in-cluster (its ServiceAccount) or through ``--kubeconfig``.
 
 Servers are found as every command finds them (:mod:`services.runtime.endpoints`):
 ``--database-url`` / ``--nats``, else ``DRACAP_DATABASE_URL_<KIND>`` (the service's own
@@ -60,6 +64,7 @@ SERVICES: Final = {
     "relay": ServiceKind.RELAY,
     "claims": ServiceKind.CLAIMS,
     "reservation": ServiceKind.RESERVATION,
+    "kubernetes-bridge": ServiceKind.CLAIMS,  # claim intake: the claims API's role
 }
 
 
@@ -114,7 +119,7 @@ async def serve(args: argparse.Namespace) -> int:
             if args.metrics_port:
                 server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
             await ensure_stream(js, names)
-            run = await _service(args.service, store, nc, js, names, directory)
+            run = await _service(args.service, store, nc, js, names, directory, args)
             log.info("%s started (prefix %s)", args.service, names.prefix)
             await run(stop)
         finally:
@@ -128,7 +133,13 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 async def _service(
-    name: str, store: EventStore, nc: Any, js: Any, names: BusNames, directory: Any
+    name: str,
+    store: EventStore,
+    nc: Any,
+    js: Any,
+    names: BusNames,
+    directory: Any,
+    args: argparse.Namespace,
 ) -> Callable[[asyncio.Event], Awaitable[None]]:
     """The ``run(stop)`` of service ``name``, started."""
     if name == "relay":
@@ -136,7 +147,10 @@ async def _service(
 
         return Relay(store, js, names).run
     live = LiveState(store)
+    await live.load_snapshot()
     await live.fresh(HEAD)
+    if name == "kubernetes-bridge":
+        return await _bridge(store, live, args)
     if name == "claims":
         from services.claims.api import ClaimsApi
 
@@ -166,6 +180,32 @@ async def _service(
     return reservation
 
 
+async def _bridge(
+    store: EventStore, live: LiveState, args: argparse.Namespace
+) -> Callable[[asyncio.Event], Awaitable[None]]:
+    from services.claims.bridge import Bridge
+    from services.runtime.kube.client import KubeApi
+    from services.runtime.kube.errors import KubeApiError
+
+    if not args.driver:
+        raise CommandError(
+            "kubernetes-bridge needs --driver NAME (each DRA driver whose devices dracap "
+            "manages; repeat for several)",
+            ExitCode.BAD_INPUT,
+        )
+    try:
+        api = await KubeApi.from_environment(kubeconfig=args.kubeconfig)
+    except KubeApiError as exc:
+        raise CommandError(f"Kubernetes API: {exc}", ExitCode.BAD_INPUT) from exc
+    bridge = Bridge(store, live, api, drivers=args.driver)
+
+    async def run(stop: asyncio.Event) -> None:
+        async with api:
+            await bridge.run(stop)
+
+    return run
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``dracap serve``."""
     try:
@@ -181,7 +221,8 @@ def register(sub: Any) -> None:
     """Add ``dracap serve`` to the command line."""
     parser = sub.add_parser(
         "serve",
-        help="run one control-plane service as its own process (relay, claims, reservation)",
+        help="run one control-plane service as its own process "
+        "(relay, claims, reservation, kubernetes-bridge)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     parser.add_argument("service", choices=sorted(SERVICES), help="the service to run")
@@ -195,6 +236,19 @@ def register(sub: Any) -> None:
         "--insecure",
         action="store_true",
         help="claims: serve requests without the broker's identity (experiments only)",
+    )
+    parser.add_argument(
+        "--driver",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="kubernetes-bridge: a DRA driver whose claims dracap mirrors (repeatable)",
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        help="kubernetes-bridge: the kubeconfig (default: in-cluster, else $KUBECONFIG, "
+        "else ~/.kube/config)",
     )
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     parser.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR")

@@ -101,19 +101,8 @@ from nats.micro.service import Service
 from events import model
 from events.actors import Actor
 from events.catalog import (
-    CapacityReleased,
-    ClaimSubmitted,
-    DeviceHealthChanged,
     Envelope,
     Event,
-    LimitApplied,
-    LimitFailed,
-    LimitRemoved,
-    NamespaceAccessSet,
-    NodeFenced,
-    NodeLeaseExpired,
-    ShareConfirmed,
-    ShareMarkedUnknown,
     claim_stream,
     device_stream,
     lease_stream,
@@ -161,6 +150,7 @@ from services.claims.kubeobjects import resource_claim_object
 from services.claims.views import (
     LeaseRow,
     claim_view,
+    claims_touched,
     class_views,
     device_views,
     node_views,
@@ -222,15 +212,6 @@ ADMIN_OPS: Final = (
     "nodes.fence",
 )
 _HIDDEN_FROM_LIST: Final = frozenset({"withdrawn", "released"})
-_NODE_WIDE: Final = (NodeLeaseExpired, NodeFenced)  # a tuple: no union object per call
-_SHARE_EVENTS: Final = (
-    LimitApplied,
-    LimitFailed,
-    LimitRemoved,
-    CapacityReleased,
-    ShareMarkedUnknown,
-    ShareConfirmed,
-)
 
 
 class _NameRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -892,7 +873,7 @@ class ClaimsApi:
     # -- watch publishing ---------------------------------------------------------------
 
     def _changed(self, env: Envelope) -> None:
-        for key in _claims_touched(self.live.state, env):
+        for key in claims_touched(self.live.state, env):
             self._dirty[key] = None
         if self._dirty:
             self._wake.set()
@@ -919,32 +900,3 @@ def _not_found(namespace: str, name: str) -> bytes:
     return error_reply(
         "not_found", f"claim {name!r} not found in namespace {namespace!r}", field="name"
     )
-
-
-def _claims_touched(state: ClusterState, env: Envelope) -> list[ClaimKey]:
-    """The claims whose view ``env`` may have changed."""
-    event = env.event
-    if isinstance(event, ClaimSubmitted):
-        return [(event.claim.metadata.namespace or "", event.claim.metadata.name)]
-    if isinstance(event, _SHARE_EVENTS):
-        share = state.shares.get(event.share_id)
-        return [share.claim] if share is not None else []
-    if isinstance(event, DeviceHealthChanged):
-        key = (event.driver, event.pool, event.device)
-        return sorted({s.claim for s in state.shares.values() if s.live and s.device_key == key})
-    if isinstance(event, _NODE_WIDE):
-        return sorted(
-            {
-                s.claim
-                for s in state.shares.values()
-                if s.node == event.node and (s.state == "unknown" or s.released_at == env.position)
-            }
-        )
-    namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
-    if (
-        isinstance(namespace, str)
-        and isinstance(name, str)
-        and not isinstance(event, NamespaceAccessSet)
-    ):
-        return [(namespace, name)]
-    return []

@@ -93,7 +93,8 @@ _RELEASABLE: Final = frozenset({"allocated", "retrying", "ready", "stalled", "fa
 
 
 class Mirror(msgspec.Struct, frozen=True, kw_only=True):
-    """What to append for one claim: ``(stream, event)`` pairs in order.
+    """What to append for one claim: ``(stream, event)`` pairs in the order they fold
+    (every device stream's events before the claim stream's: one append names a stream once).
 
     ``claim_stream`` is the stream whose version the append must expect (the claim's);
     ``mirrored``/``refused``/``released`` say which rule decided, for metrics and logs.
@@ -291,11 +292,10 @@ def _mirror(
         allocation=allocation if allocation is not None else AllocationResult(),
         share_ids=[event.share_id for _, event in reserved],
     )
-    events: list[tuple[str, Event]] = [
-        submitted,
-        (stream, ClaimAdmitted(namespace=namespace, name=name)),
-    ]
-    events += reserved
+    # the order of the append: a stream appears once in it, so the device streams'
+    # reservations go first and the claim's own events after (as in a reservation round)
+    events: list[tuple[str, Event]] = list(reserved)
+    events += [submitted, (stream, ClaimAdmitted(namespace=namespace, name=name))]
     events.append((stream, bound))
     status = claim.status
     for ref in (status.reserved_for if status else None) or ():

@@ -23,11 +23,32 @@ Quantities are written in canonical Kubernetes form (``"10Gi"``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
-from events.fold import LIVE_SHARE_STATES, ClaimState, ClusterState, DeviceState, NamespaceState
+from events.catalog import (
+    CapacityReleased,
+    ClaimSubmitted,
+    DeviceHealthChanged,
+    Envelope,
+    LimitApplied,
+    LimitFailed,
+    LimitRemoved,
+    NamespaceAccessSet,
+    NodeFenced,
+    NodeLeaseExpired,
+    ShareConfirmed,
+    ShareMarkedUnknown,
+)
+from events.fold import (
+    LIVE_SHARE_STATES,
+    ClaimKey,
+    ClaimState,
+    ClusterState,
+    DeviceState,
+    NamespaceState,
+)
 from events.inventory import DeviceEntry, Inventory, lost_nodes
 from events.model import DeviceAttribute, DeviceClass, describe_policy
 from events.model import to_builtins as model_builtins
@@ -437,3 +458,43 @@ def _attribute_json(attribute: DeviceAttribute) -> Any:
         if value is not None:
             return value
     return None
+
+
+_NODE_WIDE: Final = (NodeLeaseExpired, NodeFenced)  # a tuple: no union object per call
+_SHARE_EVENTS: Final = (
+    LimitApplied,
+    LimitFailed,
+    LimitRemoved,
+    CapacityReleased,
+    ShareMarkedUnknown,
+    ShareConfirmed,
+)
+
+
+def claims_touched(state: ClusterState, env: Envelope) -> list[ClaimKey]:
+    """The claims whose view ``env`` may have changed."""
+    event = env.event
+    if isinstance(event, ClaimSubmitted):
+        return [(event.claim.metadata.namespace or "", event.claim.metadata.name)]
+    if isinstance(event, _SHARE_EVENTS):
+        share = state.shares.get(event.share_id)
+        return [share.claim] if share is not None else []
+    if isinstance(event, DeviceHealthChanged):
+        key = (event.driver, event.pool, event.device)
+        return sorted({s.claim for s in state.shares.values() if s.live and s.device_key == key})
+    if isinstance(event, _NODE_WIDE):
+        return sorted(
+            {
+                s.claim
+                for s in state.shares.values()
+                if s.node == event.node and (s.state == "unknown" or s.released_at == env.position)
+            }
+        )
+    namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
+    if (
+        isinstance(namespace, str)
+        and isinstance(name, str)
+        and not isinstance(event, NamespaceAccessSet)
+    ):
+        return [(namespace, name)]
+    return []

@@ -174,13 +174,60 @@ async def serve(args: argparse.Namespace) -> int:
             health_interval=args.health_interval,
         )
         log.info("agent of node %s started (enforcer %s)", args.node, args.enforcer)
-        await agent.run(stop)
+        if args.kubelet_plugin:
+            await _run_with_kubelet(args, agent, config, stop)
+        else:
+            await agent.run(stop)
     finally:
         if server is not None:
             server.shutdown()
         await nc.drain()
         await store.close()
     return ExitCode.OK
+
+
+def _drivers(args: argparse.Namespace, config: AgentConfig | None) -> list[str]:
+    """``--driver`` names, else the enabled drivers of the config."""
+    if args.driver:
+        return sorted(set(args.driver))
+    if config is not None:
+        return sorted({c.driver for c in (config.network, config.gpu) if c.enabled})
+    raise CommandError(
+        "--kubelet-plugin needs --driver NAME or a --config that enables a driver",
+        ExitCode.BAD_INPUT,
+    )
+
+
+async def _run_with_kubelet(
+    args: argparse.Namespace, agent: Agent, config: AgentConfig | None, stop: asyncio.Event
+) -> None:
+    """The agent, its kubelet plugins and its slices on the API server, until ``stop``."""
+    from services.enforcement.kubernetes import run_kubernetes_mode
+    from services.runtime.kube.client import KubeApi
+    from services.runtime.kube.errors import KubeApiError
+
+    drivers = _drivers(args, config)
+    try:
+        api = await KubeApi.from_environment(kubeconfig=args.kubeconfig)
+    except KubeApiError as exc:
+        raise CommandError(f"Kubernetes API: {exc}", ExitCode.BAD_INPUT) from exc
+    async with api:
+        side = asyncio.create_task(
+            run_kubernetes_mode(
+                agent,
+                api,
+                stop,
+                drivers=drivers,
+                registration_dir=Path(args.kubelet_registration_dir),
+                plugins_dir=Path(args.kubelet_plugins_dir),
+                cdi=CdiSpecs(Path(args.cdi_dir)),
+            )
+        )
+        try:
+            await agent.run(stop)
+        finally:
+            stop.set()
+            await side
 
 
 def run(args: argparse.Namespace) -> int:
@@ -262,6 +309,37 @@ def register(sub: Any) -> None:
         "/proc is not the node's, and for tests)",
     )
     parser.add_argument("--cdi-dir", default=str(DEFAULT_SPEC_DIR), help="CDI spec directory")
+    kube = parser.add_argument_group("Kubernetes mode (docs/kubernetes.md)")
+    kube.add_argument(
+        "--kubelet-plugin",
+        action="store_true",
+        help="serve the kubelet's DRA plugin API and publish this node's ResourceSlices: "
+        "limits of claims kube-scheduler allocated are applied when the kubelet prepares them",
+    )
+    kube.add_argument(
+        "--driver",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a DRA driver name to serve (repeatable; default: the config's drivers)",
+    )
+    kube.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        help="the kubeconfig (default: in-cluster, else $KUBECONFIG, else ~/.kube/config)",
+    )
+    kube.add_argument(
+        "--kubelet-registration-dir",
+        default="/var/lib/kubelet/plugins_registry",
+        metavar="DIR",
+        help="where the kubelet watches for plugin registration sockets",
+    )
+    kube.add_argument(
+        "--kubelet-plugins-dir",
+        default="/var/lib/kubelet/plugins",
+        metavar="DIR",
+        help="where each driver's service socket goes (<dir>/<driver>/dra.sock)",
+    )
     parser.add_argument("--mps-root", default="/run/dracap/mps", help="MPS daemons' root")
     parser.add_argument(
         "--metrics-port",

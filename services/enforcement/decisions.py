@@ -101,12 +101,16 @@ __all__ = [
     "retry_state",
     "set_aside",
     "streams_to_check",
+    "enforce_claim",
+    "unprepare_claim",
     "uses",
     "vanished",
 ]
 
 #: Share states in which the folded log demands an action (not the message alone).
 _APPLICABLE: Final = frozenset({"bound"})
+#: share states a kubelet unprepare releases (what the agent may take back on its own)
+_UNPREPARABLE: Final = frozenset({"reserved", "bound", "ready", "releasing"})
 _RELEASABLE: Final = frozenset({"releasing"})
 #: Characters of a checkpoint problem kept in the report.
 _DETAIL_KEPT: Final = 2000
@@ -229,9 +233,21 @@ def enforce_claim(
     return _enforce(state, node, "", bound, dict(enforcing))
 
 
-def release_claim(state: ClusterState, node: str, event: ReleaseRequested) -> Task | None:
-    """The :class:`Release` of ``event`` on ``node`` once the fold has it (a kubelet unprepare)."""
-    return _release(state, node, "", event)
+def unprepare_claim(state: ClusterState, node: str, key: tuple[str, str]) -> Task | None:
+    """The :class:`Release` of a kubelet unprepare: every live share of the claim's current
+    allocation on ``node`` whose limit the agent may remove (not ``unknown``: the
+    reclamation service owns those) has it removed and its capacity released."""
+    claim = state.claims.get(key)
+    if claim is None:
+        return None
+    gone = []
+    for share_id in claim.share_ids:
+        share = state.shares.get(share_id)
+        if share is None or not _mine(share, node) or share.state not in _UNPREPARABLE:
+            continue
+        if share.allocation_version == claim.allocation_version:
+            gone.append(released(share))
+    return Release(message="", released=tuple(gone)) if gone else None
 
 
 def _mine(share: ShareState | None, node: str) -> bool:

@@ -155,6 +155,18 @@ FENCE_HOOK_RUNS: Final = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+KUBERNETES_MIRROR: Final = Counter(
+    "dracap_kubernetes_mirror_decisions_total",
+    "ResourceClaim changes the Kubernetes bridge recorded in the log, by outcome "
+    "(mirrored, refused, released, reserved).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+KUBERNETES_STATUS_WRITES: Final = Counter(
+    "dracap_kubernetes_status_writes_total",
+    "ResourceClaim status.devices writes the Kubernetes bridge made.",
+    registry=REGISTRY,
+)
 BUILD_INFO: Final = Gauge(
     "dracap_build_info",
     "Always 1; the label carries the running dracap version.",

@@ -91,12 +91,12 @@ def test_an_allocation_is_mirrored_once_with_its_share_id_and_amounts() -> None:
     decision = decide_claim(log.state(), rc, {DRIVER})
     assert decision.outcome == "mirrored"
     assert kinds(decision.events) == [
+        "CapacityReserved",
         "ClaimSubmitted",
         "ClaimAdmitted",
-        "CapacityReserved",
         "AllocationBound",
     ]
-    reserved = decision.events[2][1]
+    reserved = decision.events[0][1]
     assert isinstance(reserved, c.CapacityReserved)
     assert reserved.share_id == "7d0c2c1e-0000-4000-8000-000000000001" and reserved.shared
     assert reserved.consumed["memory"].canonical() == "10Gi" and reserved.node == NODE
@@ -190,7 +190,7 @@ def test_a_dedicated_device_gets_a_share_id_derived_from_the_claim() -> None:
         del result["shareID"], result["consumedCapacity"]
     rc = model.convert(data, model.ResourceClaim)
     decision = decide_claim(log.state(), rc, {DRIVER})
-    reserved = decision.events[2][1]
+    reserved = decision.events[0][1]
     assert isinstance(reserved, c.CapacityReserved) and not reserved.shared
     result = rc.status.allocation.devices.results[0]  # type: ignore[union-attr]
     assert reserved.share_id == share_id_of(UID, result)

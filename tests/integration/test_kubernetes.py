@@ -1,0 +1,196 @@
+"""Kubernetes mode end to end: a kubelet-like client, the agent's kubelet plugin, the bridge.
+
+No kube-apiserver can run on these machines, so the API server here is the **stand-in**
+of :mod:`tests.fixtures.k8s_standin` (plainly not Kubernetes: it keeps the API server's
+contract for ResourceClaims and ResourceSlices — resource versions, watches with
+bookmarks, 410 Gone, 409 Conflict, the status subresource — and validates every object
+written against the 1.34 OpenAPI schemas). The test plays kube-scheduler: it allocates
+claims on the ResourceSlices the agent published there, by writing ``status.allocation``.
+
+Real parts: PostgreSQL, nats-server, the relay and the bridge in-process, the node agent
+as a subprocess (``dracap agent --enforcer tc --kubelet-plugin``) with a veth whose peer
+lives in a fresh network namespace, and the kubelet side over real gRPC on Unix sockets
+(:class:`~services.runtime.kubeletclient.KubeletClient`: registers through the
+registration socket, then calls the advertised endpoint). Skipped, with the reason,
+without CAP_NET_ADMIN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from services.runtime.kubeletplugin import ClaimRef
+
+from events import model
+from events.catalog import CapacityReserved, ClaimReserved, LimitApplied, node_stream
+from services.runtime.livestate import HEAD
+from services.runtime.settings import Settings
+from tests.fixtures.k8s_standin import StandinApiServer
+from tests.fixtures.kubernetes import NAMESPACE, Cluster, share_of, tc_minor
+
+pytest_plugins = ["tests.fixtures.netns"]
+
+
+@pytest.fixture
+async def cluster(settings: Settings, nats_url: str, tmp_path: Path) -> AsyncIterator[Cluster]:
+    from tests.fixtures.netns import require_net_admin
+
+    require_net_admin()
+    settings = msgspec.structs.replace(settings, pool_max_size=4)
+    async with StandinApiServer() as standin:
+        stack = Cluster(settings, nats_url, tmp_path, standin)
+        try:
+            stack.make_link()
+            stack.write_files()
+            await stack.start()
+            stack.start_agent()
+            await stack.bridge.synced.wait()
+            yield stack
+        finally:
+            await stack.close()
+            stack.remove_link()
+
+
+async def test_kubelet_prepares_enforces_and_unprepares_a_scheduled_claim(
+    cluster: Cluster,
+) -> None:
+    rc = await cluster.allocate("train", "400M")
+    uid = rc.metadata.uid or ""
+    ref = ClaimRef(namespace=NAMESPACE, name="train", uid=uid)
+    state = await cluster.until(
+        lambda st: (c := st.claim(NAMESPACE, "train")) is not None and c.phase == "allocated",
+        "the allocation mirrored",
+    )
+    share_id = share_of(state, "train")
+    assert tc_minor(cluster.iface, share_id) is None  # scheduled, not enforced: not Ready
+    kubelet = await cluster.kubelet()
+    try:
+        first = await kubelet.prepare([ref])
+        assert first[uid].error == "", first
+        [device] = first[uid].devices
+        assert device.cdi_device_ids == [f"dracap.io/share={share_id}"]
+        assert (cluster.cdi / f"dracap.io-share_{share_id}.json").exists()
+        state = await cluster.view.fresh(HEAD)
+        assert state.claims[(NAMESPACE, "train")].phase == "ready"
+        assert tc_minor(cluster.iface, share_id) is not None  # the limit is in force
+        again = await kubelet.prepare([ref])  # idempotent: the same answer, nothing new
+        assert again == first
+        applied = [
+            e
+            for e in await cluster.store.read_stream(node_stream(cluster.node))
+            if isinstance(e.event, LimitApplied)
+        ]
+        assert len(applied) == 1
+
+        async def ready_condition() -> Any:
+            cond = await cluster.condition("train")
+            return cond if cond is not None and cond["status"] == "True" else None
+
+        cond = await cluster.until_api(ready_condition, "status.devices Ready=True")
+        assert cond["reason"] == "LimitApplied" and "hard" in cond["message"]
+        wrong = await kubelet.prepare([ClaimRef(namespace=NAMESPACE, name="train", uid="x")])
+        assert "uid" in wrong["x"].error
+    finally:
+        await kubelet.close()
+
+    cluster.kill_agent()  # restarted between prepare and unprepare
+    assert tc_minor(cluster.iface, share_id) is not None
+    cluster.start_agent()
+    kubelet = await cluster.kubelet()
+    try:
+        again = await kubelet.prepare([ref])
+        assert again == first  # the log and the checkpoint carried it
+        done = await kubelet.unprepare([ref])
+        assert done == {uid: ""}
+        assert tc_minor(cluster.iface, share_id) is None
+        state = await cluster.view.fresh(HEAD)
+        assert state.claims[(NAMESPACE, "train")].phase == "released"
+        assert not any(state.devices[k].consumed_nanos.get("bandwidth") for k in state.devices)
+        unknown = await kubelet.unprepare([ClaimRef(namespace=NAMESPACE, name="nope", uid="u")])
+        assert unknown == {"u": ""}
+        assert (await kubelet.unprepare([ref])) == {uid: ""}  # again: nothing left to undo
+    finally:
+        await kubelet.close()
+
+
+async def test_an_oversubscribing_allocation_is_refused_at_prepare(cluster: Cluster) -> None:
+    await cluster.allocate("big", "800M")
+    late = await cluster.allocate("late", "400M")  # 1200M on a 1G device: a scheduler defect
+    await cluster.until(
+        lambda st: (c := st.claim(NAMESPACE, "late")) is not None and c.phase == "rejected",
+        "the second allocation refused",
+    )
+    uid = late.metadata.uid or ""
+    kubelet = await cluster.kubelet()
+    try:
+        answer = await kubelet.prepare([ClaimRef(namespace=NAMESPACE, name="late", uid=uid)])
+        assert "800M consumed + 400M > total 1G" in answer[uid].error, answer
+    finally:
+        await kubelet.close()
+
+    async def refused() -> Any:
+        cond = await cluster.condition("late")
+        return cond if cond is not None and cond["reason"] == "AllocationRefused" else None
+
+    cond = await cluster.until_api(refused, "a condition saying why")
+    assert cond["status"] == "False" and "400M > total 1G" in cond["message"]
+
+
+async def test_mirrored_once_across_watch_restarts_and_410(cluster: Cluster) -> None:
+    await cluster.allocate("once", "100M")
+    await cluster.until(
+        lambda st: (c := st.claim(NAMESPACE, "once")) is not None and c.phase == "allocated",
+        "mirrored",
+    )
+    cluster.standin.drop_watches()
+    await cluster.standin.wait_for_watches(1)
+    cluster.standin.compact()
+    cluster.standin.expire_watches()  # the bridge must list again
+    claim = await cluster.api.get_claim(NAMESPACE, "once")
+    assert claim.status is not None
+    refs = [*(claim.status.reserved_for or []), model.convert(
+        {"resource": "pods", "name": "pod-b", "uid": "uid-b"}, model.ResourceClaimConsumerReference
+    )]  # fmt: skip
+    await cluster.api.patch_claim_status(
+        NAMESPACE,
+        "once",
+        {"reservedFor": [model.to_builtins(r) for r in refs]},
+        resource_version=claim.metadata.resource_version,
+    )
+    await cluster.until(
+        lambda st: len(st.claims[(NAMESPACE, "once")].reserved_for) == 2, "pod-b reserved"
+    )
+    events = [e.event for e in await cluster.store.read_stream(f"claim:{NAMESPACE}/once")]
+    reserved = [e for e in events if isinstance(e, ClaimReserved)]
+    assert [e.consumer for e in reserved] == [f"pod/{NAMESPACE}/pod-a", f"pod/{NAMESPACE}/pod-b"]
+    state = await cluster.view.fresh(HEAD)
+    share = state.shares[share_of(state, "once")]
+    device_events = await cluster.store.read_stream(
+        f"device:{share.driver}/{share.pool}/{share.device}"
+    )
+    assert sum(isinstance(e.event, CapacityReserved) for e in device_events) == 1
+
+
+async def test_deallocation_releases_the_capacity(cluster: Cluster) -> None:
+    await cluster.allocate("gone", "800M")
+    state = await cluster.until(
+        lambda st: (c := st.claim(NAMESPACE, "gone")) is not None and c.phase == "allocated",
+        "mirrored",
+    )
+    share = state.shares[share_of(state, "gone")]
+    assert state.devices[share.device_key].consumed_nanos["bandwidth"] > 0
+    claim = await cluster.api.get_claim(NAMESPACE, "gone")
+    await cluster.api.patch_claim_status(
+        NAMESPACE,
+        "gone",
+        {"allocation": None, "reservedFor": None, "devices": None},
+        resource_version=claim.metadata.resource_version,
+    )
+    state = await cluster.until(
+        lambda st: st.claims[(NAMESPACE, "gone")].phase == "released", "released"
+    )
+    assert state.devices[share.device_key].consumed_nanos["bandwidth"] == 0
