@@ -399,6 +399,8 @@ async def fresh_database(args: argparse.Namespace) -> AsyncIterator[Settings]:
                 root = await asyncpg.connect(admin_url)
                 await root.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
                 await root.close()
+            else:
+                print(f"kept the database: {settings.database_url}", flush=True)
 
 
 def report(r: dict[str, float]) -> None:

@@ -164,7 +164,7 @@ def percentile(values: list[float], p: float) -> float:
 
 async def main(args: argparse.Namespace) -> None:
     pipeline_args = argparse.Namespace(
-        admin_url=args.admin_url, nats=args.nats, embedded=False, keep=False, pool=10
+        admin_url=args.admin_url, nats=args.nats, embedded=False, keep=args.keep, pool=10
     )
     samples: dict[str, list[float]] = {"unknown": [], "confirm": [], "fence": []}
     async with pipeline.fresh_database(pipeline_args) as settings:
@@ -223,6 +223,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=10, help="nodes lost, one per run")
     parser.add_argument("--ttl", type=float, default=2.0, help="the agents' lease ttl (s)")
     parser.add_argument("--claims", type=int, default=2, help="shares per node")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the benchmark database (for dracap report)"
+    )
     parser.add_argument(
         "--admin-url",
         default=os.environ.get(

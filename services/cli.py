@@ -49,6 +49,7 @@ COMMANDS: Final = {
     "plan": "services.planning.command",
     "audit": "services.audit.command",
     "usage": "services.billing.command",
+    "report": "services.report.command",
 }
 COMMAND_MODULES: Final = tuple(dict.fromkeys(COMMANDS.values()))
 

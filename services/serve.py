@@ -16,6 +16,9 @@ their commands already; this module gives the other three theirs:
   and writes their ``status.devices`` back; run one per cluster. It reaches the API
   server in-cluster (its ServiceAccount) or through ``--kubeconfig``.
 
+The claims API's process also serves the metrics derived from the log (capacity
+gauges, the SLO tracker of :mod:`services.runtime.slos`), as ``dracap up`` does.
+
 Servers are found as every command finds them (:mod:`services.runtime.endpoints`):
 ``--database-url`` / ``--nats``, else ``DRACAP_DATABASE_URL_<KIND>`` (the service's own
 database user) / ``DRACAP_NATS_URL``, else ``DRACAP_DATABASE_URL``, else
@@ -164,6 +167,7 @@ async def _service(
             tail=True,  # nobody else folds the log in this process
         )
         await api.start()
+        _derive_metrics(live)
         return api.run
     from services.reservation.service import ReservationService
 
@@ -204,6 +208,16 @@ async def _bridge(
             await bridge.run(stop)
 
     return run
+
+
+def _derive_metrics(live: LiveState) -> None:
+    """Serve the metrics derived from the log (capacity, SLOs) from this live state, as
+    ``dracap up`` does: the claims API folds every event, the other services may not."""
+    from services.runtime.gauges import CapacityGauges
+    from services.runtime.slos import SloTracker
+
+    CapacityGauges(live).start()
+    SloTracker(live).start()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -161,6 +161,7 @@ from services.runtime.errors import ConflictError
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
 from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, ENFORCEMENT_LATENCY
+from services.runtime.slos import known_class
 
 __all__ = ["Agent", "consumer_name"]
 
@@ -566,12 +567,13 @@ class Agent:
             tasks = decide_work(state, self.node, mine, self.enforcing)
             streams = streams_to_check(self.node, tasks)
             versions = {stream: await self.live.stream_version(stream) for stream in streams}
+            classes = {env.event_id: _class_of(state, env) for env in mine}
         outcomes = await self._enforce(tasks)
         written = record(self.node, tasks, outcomes, versions)
         return Handled(
             batches=_batches(written, mine),
             actor=self.lease.actor,
-            on_commit=_counters(written, mine),
+            on_commit=_counters(written, mine, classes),
         )
 
     async def _enforce(self, tasks: Sequence[Task]) -> dict[str, AppliedLimit | Failed]:
@@ -614,16 +616,25 @@ def _batches(written: Written, messages: Sequence[Envelope]) -> list[Batch]:
     ]
 
 
-def _counters(written: Written, messages: Sequence[Envelope]) -> list[Callable[[], None]]:
-    """The metrics of ``written``, measured now and counted once it has committed."""
+def _class_of(state: ClusterState, env: Envelope) -> str:
+    """The DeviceClass of the claim a message is about (a metric label)."""
+    event = env.event
+    return known_class(state, (event.namespace, event.name)) if isinstance(event, _WORK) else ""
+
+
+def _counters(
+    written: Written, messages: Sequence[Envelope], classes: dict[str, str]
+) -> list[Callable[[], None]]:
+    """The metrics of ``written`` (``classes``: each message's DeviceClass), measured now
+    and counted once it has committed."""
     now = datetime.datetime.now(datetime.UTC)
     recorded = {env.event_id: env.recorded_at for env in messages}
     counted: list[Callable[[], None]] = []
     for message, ready in written.ready.items():
         age = max(0.0, (now - recorded[message]).total_seconds())
 
-        def count(age: float = age, ready: bool = ready) -> None:
-            ENFORCEMENT_LATENCY.observe(age)
+        def count(age: float = age, ready: bool = ready, cls: str = classes[message]) -> None:
+            ENFORCEMENT_LATENCY.labels(cls).observe(age)
             if ready:
                 CLAIMS.labels(outcome="ready").inc()
 

@@ -104,6 +104,7 @@ from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
 from services.runtime.livestate import HEAD, INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import CLAIMS, SCHEDULING_LATENCY, SELECTOR_JOBS
 from services.runtime.selectorpool import SelectorPool
+from services.runtime.slos import known_class
 from services.runtime.waiting import first_of
 
 __all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService"]
@@ -331,17 +332,17 @@ class ReservationService:
 
     def _counter(self, plan: Plan) -> Callable[[], None]:
         """The metrics of ``plan``, measured now and counted once it has committed."""
-        now = datetime.datetime.now(datetime.UTC)
+        now, state = datetime.datetime.now(datetime.UTC), self.live.state
         waits = [
-            max(0.0, (now - admitted).total_seconds())
+            (known_class(state, key), max(0.0, (now - admitted).total_seconds()))
             for key in plan.allocated + plan.unschedulable
             if (admitted := self._pending.get(key)) is not None
         ]
         allocated, unschedulable = len(plan.allocated), len(plan.unschedulable)
 
         def count() -> None:
-            for wait in waits:
-                SCHEDULING_LATENCY.observe(wait)
+            for cls, wait in waits:
+                SCHEDULING_LATENCY.labels(cls).observe(wait)
             if allocated:
                 CLAIMS.labels(outcome="allocated").inc(allocated)
             if unschedulable:

@@ -59,7 +59,9 @@ _SLOW_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 
 SCHEDULING_LATENCY: Final = Histogram(
     "dracap_scheduling_latency_seconds",
-    "From a claim's admission to its allocation being bound (or found unschedulable).",
+    "From a claim's admission to its allocation being bound (or found unschedulable), "
+    "by DeviceClass.",
+    ["class"],
     buckets=(*_LATENCY_BUCKETS, 5.0, 10.0),
     registry=REGISTRY,
 )
@@ -90,7 +92,8 @@ CAPACITY_STRANDED_RATIO: Final = Gauge(
 )
 ENFORCEMENT_LATENCY: Final = Histogram(
     "dracap_enforcement_latency_seconds",
-    "From an allocation being bound to its node agent reporting the limit applied.",
+    "From an allocation being bound to its node agent reporting the limit applied, by DeviceClass.",
+    ["class"],
     buckets=_SLOW_BUCKETS,
     registry=REGISTRY,
 )

@@ -1,27 +1,47 @@
-"""Service-level metrics read off the log as it is folded: convergence and node loss.
+"""Service-level metrics read off the log as it is folded, by DeviceClass.
 
-Like :mod:`services.runtime.gauges`, nothing here is counted by a service: a
-:class:`SloTracker` listens to a :class:`~services.runtime.livestate.LiveState` and
-derives, from each envelope's ``recorded_at`` and the folded state,
+Like :mod:`services.runtime.gauges`, nothing here is counted by a service. The rules
+live in :class:`SloFold`, which folds each event's meaning for the SLOs next to the
+:class:`~events.fold.ClusterState` that already holds it (the envelope's
+``recorded_at`` is the clock) and hands back :class:`Observation` s:
 
-* ``dracap_claim_convergence_seconds{class}`` (histogram): from a claim's
-  ``ClaimSubmitted`` to the event that made it Ready (the status converged: its limits
-  are applied), by the DeviceClass of its first request;
-* ``dracap_unconverged_claims{class}`` and
-  ``dracap_unconverged_claim_oldest_age_seconds{class}`` (gauges, computed when scraped):
-  claims submitted and neither Ready nor finished (rejected, withdrawn, released,
-  failed), and the age of the oldest;
-* ``dracap_unknown_shares{class}`` and ``dracap_unknown_share_oldest_age_seconds{class}``
-  (gauges, computed when scraped): shares whose node lost its lease, and how long the
-  oldest has been unknown — an alert on it is the fence deadline;
-* ``dracap_node_recovery_seconds{outcome}`` (histogram): from a node's
-  ``NodeLeaseExpired`` to its recovery, ``returned`` (a new lease) or ``fenced``.
+* ``convergence``: from a claim's ``ClaimSubmitted`` to the event that made it Ready
+  (the status converged: its limits are applied), by the DeviceClass of its first
+  request;
+* ``decision``: each admission or scheduling decision, ``admitted`` / ``rejected``
+  (``ClaimRejected``) / ``unschedulable`` (``ClaimUnschedulable``), by DeviceClass —
+  the capacity rejection rate per class;
+* ``recovery``: from a node's ``NodeLeaseExpired`` to its recovery, ``returned`` (a new
+  lease) or ``fenced``;
+* with ``latencies=True`` also ``scheduling`` (``ClaimAdmitted`` to ``AllocationBound``
+  or ``ClaimUnschedulable``) and ``enforcement`` (``AllocationBound`` to its node
+  agent's first ``LimitApplied`` / ``LimitFailed``) per class. The services measure
+  these two themselves for Prometheus (the reservation and the agent observe
+  ``dracap_scheduling_latency_seconds{class}`` and
+  ``dracap_enforcement_latency_seconds{class}`` when their append commits); the log
+  gives the same spans for ``dracap report``, which has no Prometheus.
 
-The tracker keeps one timestamp per unconverged claim and per unknown share, so its
-memory follows what is pending, not the log's length. A tracker started on a long log
-learns the times of what is pending while the log is folded (``LiveState`` replays it
-through its listeners only from where the tracker subscribed: what was pending before
-shows from its next change).
+:meth:`SloFold.pending` says what is pending now: claims submitted and neither Ready nor
+finished (rejected, withdrawn, released, failed), and shares whose node lost its lease,
+each with the time it started, by class.
+
+A :class:`SloTracker` listens to a :class:`~services.runtime.livestate.LiveState`,
+runs a :class:`SloFold` and exports it:
+
+* ``dracap_claim_convergence_seconds{class}`` and
+  ``dracap_node_recovery_seconds{outcome}`` (histograms; recovery has no class: a node
+  holds devices of several);
+* ``dracap_claim_decisions_total{class,outcome}`` (counter);
+* ``dracap_unconverged_claims{class}``, ``dracap_unconverged_claim_oldest_age_seconds{class}``,
+  ``dracap_unknown_shares{class}`` and ``dracap_unknown_share_oldest_age_seconds{class}``
+  (gauges, computed when scraped) — an alert on the last is the fence deadline.
+
+The class label is the name of a DeviceClass the log defines (:func:`known_class`), so a
+tenant naming a class that does not exist adds no series. The fold keeps one timestamp
+per pending claim and per unknown share, so its memory follows what is pending, not
+the log's length. A tracker started on a long log learns the times of what is pending
+while the log is folded (``LiveState`` replays it through its listeners only from where
+the tracker subscribed: what was pending before shows from its next change).
 """
 
 from __future__ import annotations
@@ -29,15 +49,22 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Callable, Iterable
-from typing import Final
+from typing import Final, NamedTuple
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from events.catalog import (
+    AllocationBound,
+    ClaimAdmitted,
+    ClaimRejected,
     ClaimSubmitted,
+    ClaimUnschedulable,
     Envelope,
+    Event,
+    LimitApplied,
+    LimitFailed,
     NodeFenced,
     NodeLeaseAcquired,
     NodeLeaseExpired,
@@ -47,7 +74,18 @@ from events.fold import TERMINAL_PHASES, ClaimKey, ClusterState
 from services.runtime.livestate import LiveState
 from services.runtime.metrics import REGISTRY
 
-__all__ = ["CONVERGENCE", "GAUGE_NAMES", "NODE_RECOVERY", "SloTracker", "first_class"]
+__all__ = [
+    "CONVERGENCE",
+    "DECISIONS",
+    "GAUGE_NAMES",
+    "NODE_RECOVERY",
+    "Observation",
+    "Pending",
+    "SloFold",
+    "SloTracker",
+    "first_class",
+    "known_class",
+]
 
 #: The gauges a started tracker serves (computed at each scrape).
 GAUGE_NAMES: Final = (
@@ -71,8 +109,33 @@ NODE_RECOVERY: Final = Histogram(
     buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
     registry=REGISTRY,
 )
+DECISIONS: Final = Counter(
+    "dracap_claim_decisions_total",
+    "Admission and scheduling decisions recorded in the log (admitted, rejected, "
+    "unschedulable), by DeviceClass.",
+    ["class", "outcome"],
+    registry=REGISTRY,
+)
+DECISION_OUTCOMES: Final = ("admitted", "rejected", "unschedulable")
 log = logging.getLogger("dracap.slos")
 _DONE: Final = TERMINAL_PHASES | {"ready", "stalled"}
+
+
+class Observation(NamedTuple):
+    """One thing an event meant for the SLOs (see the module docstring)."""
+
+    kind: str  #: convergence, decision, recovery, scheduling or enforcement
+    label: str  #: the DeviceClass ("" none); for recovery the outcome
+    value: float  #: seconds; 1 for a decision
+    outcome: str = ""  #: a decision's outcome; scheduling: allocated or unschedulable;
+    #: enforcement: applied or failed
+
+
+class Pending(NamedTuple):
+    """What is pending now, by class: since when each claim or share has been."""
+
+    claims: dict[str, list[datetime.datetime]]
+    unknown: dict[str, list[datetime.datetime]]
 
 
 def first_class(state: ClusterState, key: ClaimKey) -> str:
@@ -88,19 +151,139 @@ def first_class(state: ClusterState, key: ClaimKey) -> str:
     return ""
 
 
+def known_class(state: ClusterState, key: ClaimKey) -> str:
+    """:func:`first_class` when the log defines that DeviceClass, else "" (a metric label:
+    a name a tenant made up must not become a series)."""
+    name = first_class(state, key)
+    return name if name in state.classes else ""
+
+
+class SloFold:
+    """The SLO bookkeeping of the module docstring, folded next to a ``ClusterState``."""
+
+    def __init__(self, *, latencies: bool = False) -> None:
+        self.latencies = latencies
+        #: unconverged claims: submitted at, class
+        self.pending_claims: dict[ClaimKey, tuple[datetime.datetime, str]] = {}
+        self.unknown: dict[str, datetime.datetime] = {}  #: unknown shares: unknown since
+        self.expired_at: dict[str, datetime.datetime] = {}  #: lost nodes: expired at
+        self.admitted: dict[ClaimKey, datetime.datetime] = {}  #: waiting to be scheduled
+        self.bound: dict[ClaimKey, datetime.datetime] = {}  #: waiting for their agent
+
+    def observe(
+        self, state: ClusterState, event: Event, at: datetime.datetime
+    ) -> list[Observation]:
+        """Fold one event recorded ``at`` (``state`` already has it); what it meant."""
+        out: list[Observation] = []
+        if isinstance(event, ClaimSubmitted):
+            key = (event.claim.metadata.namespace or "", event.claim.metadata.name)
+            self.pending_claims.setdefault(key, (at, known_class(state, key)))
+        elif isinstance(event, (ClaimAdmitted, ClaimRejected, ClaimUnschedulable)):
+            key = (event.namespace, event.name)
+            cls = known_class(state, key)
+            outcome = _DECISION[type(event)]
+            out.append(Observation("decision", cls, 1.0, outcome))
+            if self.latencies:
+                self._latencies(event, key, cls, at, out)
+        elif isinstance(event, (NodeLeaseExpired, ShareMarkedUnknown)):
+            if isinstance(event, NodeLeaseExpired):
+                self.expired_at.setdefault(event.node, at)
+            node = state.nodes.get(event.node)
+            for share_id in node.live_shares if node is not None else ():
+                if state.shares[share_id].state == "unknown":
+                    self.unknown.setdefault(share_id, at)
+        elif isinstance(event, (NodeLeaseAcquired, NodeFenced)):
+            since = self.expired_at.pop(event.node, None)
+            if since is not None:
+                outcome = "fenced" if isinstance(event, NodeFenced) else "returned"
+                out.append(Observation("recovery", outcome, (at - since).total_seconds()))
+        elif self.latencies and isinstance(event, AllocationBound):
+            key = (event.namespace, event.name)
+            self._latencies(event, key, known_class(state, key), at, out)
+        elif self.latencies and isinstance(event, (LimitApplied, LimitFailed)):
+            share = state.shares.get(event.share_id)
+            if share is not None:
+                self._latencies(event, share.claim, known_class(state, share.claim), at, out)
+        self._settle(state, event, at, out)
+        return out
+
+    def _latencies(
+        self, event: Event, key: ClaimKey, cls: str, at: datetime.datetime, out: list[Observation]
+    ) -> None:
+        if isinstance(event, ClaimAdmitted):
+            self.admitted[key] = at
+        elif isinstance(event, (AllocationBound, ClaimUnschedulable)):
+            admitted = self.admitted.pop(key, None)
+            if admitted is not None:
+                outcome = "allocated" if isinstance(event, AllocationBound) else "unschedulable"
+                out.append(Observation("scheduling", cls, (at - admitted).total_seconds(), outcome))
+            if isinstance(event, AllocationBound):
+                self.bound[key] = at
+        elif isinstance(event, (LimitApplied, LimitFailed)):
+            bound = self.bound.pop(key, None)
+            if bound is not None:
+                outcome = "applied" if isinstance(event, LimitApplied) else "failed"
+                out.append(Observation("enforcement", cls, (at - bound).total_seconds(), outcome))
+
+    def _settle(
+        self, state: ClusterState, event: Event, at: datetime.datetime, out: list[Observation]
+    ) -> None:
+        """Close what ``event`` finished: only the claims and shares it names (one lookup
+        per event on the hot path), everything pending after a node-wide event."""
+        share_id = getattr(event, "share_id", None)
+        keys: Iterable[ClaimKey]
+        shares: Iterable[str]
+        if isinstance(event, (NodeFenced, NodeLeaseAcquired)):
+            keys, shares = list(self.pending_claims), list(self.unknown)
+        elif isinstance(share_id, str):
+            share = state.shares.get(share_id)
+            keys, shares = ([share.claim] if share is not None else []), [share_id]
+        else:
+            namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
+            keys = (
+                [(namespace, name)] if isinstance(namespace, str) and isinstance(name, str) else []
+            )
+            shares = []
+        for key in keys:
+            phase = _phase(state, key)
+            if phase in TERMINAL_PHASES:  # nothing more to wait for
+                self.admitted.pop(key, None)
+                self.bound.pop(key, None)
+            if key in self.pending_claims and phase in _DONE:
+                submitted, cls = self.pending_claims.pop(key)
+                if phase in ("ready", "stalled"):
+                    seconds = (at - submitted).total_seconds()
+                    out.append(Observation("convergence", cls, seconds))
+        for unknown in shares:
+            if unknown in self.unknown and _share_state(state, unknown) != "unknown":
+                del self.unknown[unknown]
+
+    def pending(self, state: ClusterState) -> Pending:
+        """Unconverged claims and unknown shares now, by class."""
+        shares = [
+            (since, known_class(state, state.shares[s].claim))
+            for s, since in self.unknown.items()
+            if s in state.shares
+        ]
+        return Pending(_by_class(self.pending_claims.values()), _by_class(shares))
+
+
+_DECISION: Final[dict[type, str]] = {
+    ClaimAdmitted: "admitted",
+    ClaimRejected: "rejected",
+    ClaimUnschedulable: "unschedulable",
+}
+
+
 class SloTracker(Collector):
-    """Derives the service-level metrics of the module docstring from the live state."""
+    """Exports a :class:`SloFold` of the live state (see the module docstring)."""
 
     def __init__(
         self, live: LiveState, *, now: Callable[[], datetime.datetime] | None = None
     ) -> None:
         self.live = live
+        self.fold = SloFold()
         self._now = now or (lambda: datetime.datetime.now(datetime.UTC))
-        #: unconverged claims: submitted at, class
-        self.pending: dict[ClaimKey, tuple[datetime.datetime, str]] = {}
-        #: unknown shares: unknown since
-        self.unknown: dict[str, datetime.datetime] = {}
-        self.expired_at: dict[str, datetime.datetime] = {}  #: lost nodes: expired at
         self._unsubscribe: Callable[[], None] | None = None
         self._registered = False
 
@@ -108,6 +291,9 @@ class SloTracker(Collector):
         """Listen to the live state and serve the gauges from the registry."""
         if self._unsubscribe is None:
             self._unsubscribe = self.live.subscribe(self.observe)
+            for cls in self.live.state.classes:  # every known class's decisions at 0
+                for outcome in DECISION_OUTCOMES:
+                    DECISIONS.labels(cls, outcome)
             try:
                 REGISTRY.register(self)
                 self._registered = True
@@ -124,55 +310,18 @@ class SloTracker(Collector):
 
     def observe(self, env: Envelope) -> None:
         """Fold one envelope's meaning for the metrics (``live.state`` already has it)."""
-        state, event, at = self.live.state, env.event, env.recorded_at
-        if isinstance(event, ClaimSubmitted):
-            key = (event.claim.metadata.namespace or "", event.claim.metadata.name)
-            self.pending.setdefault(key, (at, first_class(state, key)))
-        elif isinstance(event, (NodeLeaseExpired, ShareMarkedUnknown)):
-            if isinstance(event, NodeLeaseExpired):
-                self.expired_at.setdefault(event.node, at)
-            node = state.nodes.get(event.node)
-            for share_id in node.live_shares if node is not None else ():
-                if state.shares[share_id].state == "unknown":
-                    self.unknown.setdefault(share_id, at)
-        elif isinstance(event, (NodeLeaseAcquired, NodeFenced)):
-            since = self.expired_at.pop(event.node, None)
-            if since is not None:
-                outcome = "fenced" if isinstance(event, NodeFenced) else "returned"
-                NODE_RECOVERY.labels(outcome=outcome).observe((at - since).total_seconds())
-        self._settle(state, env)
-
-    def _settle(self, state: ClusterState, env: Envelope) -> None:
-        """Close what ``env`` finished: only the claims and shares it names (one lookup
-        per event on the hot path), everything pending after a node-wide event."""
-        event, at = env.event, env.recorded_at
-        share_id = getattr(event, "share_id", None)
-        keys: Iterable[ClaimKey]
-        shares: Iterable[str]
-        if isinstance(event, (NodeFenced, NodeLeaseAcquired)):
-            keys, shares = list(self.pending), list(self.unknown)
-        elif isinstance(share_id, str):
-            share = state.shares.get(share_id)
-            keys, shares = ([share.claim] if share is not None else []), [share_id]
-        else:
-            namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
-            keys = (
-                [(namespace, name)] if isinstance(namespace, str) and isinstance(name, str) else []
-            )
-            shares = []
-        for key in keys:
-            if key in self.pending and _phase(state, key) in _DONE:
-                submitted, cls = self.pending.pop(key)
-                if _phase(state, key) in ("ready", "stalled"):
-                    seconds = (at - submitted).total_seconds()
-                    CONVERGENCE.labels(**{"class": cls}).observe(seconds)
-        for unknown in shares:
-            if unknown in self.unknown and _share_state(state, unknown) != "unknown":
-                del self.unknown[unknown]
+        for seen in self.fold.observe(self.live.state, env.event, env.recorded_at):
+            if seen.kind == "convergence":
+                CONVERGENCE.labels(seen.label).observe(seen.value)
+            elif seen.kind == "recovery":
+                NODE_RECOVERY.labels(seen.label).observe(seen.value)
+            elif seen.kind == "decision":
+                DECISIONS.labels(seen.label, seen.outcome).inc()
 
     def collect(self) -> Iterable[Metric]:
         """The gauges, computed now (a scrape)."""
-        now, state = self._now(), self.live.state
+        now = self._now()
+        pending = self.fold.pending(self.live.state)
         count = GaugeMetricFamily(
             GAUGE_NAMES[0],
             "Claims submitted and neither Ready nor finished, by DeviceClass.",
@@ -183,7 +332,7 @@ class SloTracker(Collector):
             "Age of the oldest claim submitted and neither Ready nor finished.",
             labels=["class"],
         )
-        for cls, times in _by_class(self.pending.values()).items():
+        for cls, times in pending.claims.items():
             count.add_metric([cls], len(times))
             oldest.add_metric([cls], (now - min(times)).total_seconds())
         unknown = GaugeMetricFamily(
@@ -196,12 +345,7 @@ class SloTracker(Collector):
             "How long the oldest unknown share has been unknown.",
             labels=["class"],
         )
-        shares = [
-            (since, first_class(state, state.shares[s].claim))
-            for s, since in self.unknown.items()
-            if s in state.shares
-        ]
-        for cls, times in _by_class(shares).items():
+        for cls, times in pending.unknown.items():
             unknown.add_metric([cls], len(times))
             unknown_age.add_metric([cls], (now - min(times)).total_seconds())
         yield from (count, oldest, unknown, unknown_age)

@@ -363,7 +363,7 @@ async def test_restart_keeps_limits_and_removes_orphans(node: Node, settings: Se
     # the standalone agent serves its own metrics: two limits applied, two claims ready
     # (counted once the agent's commit has returned: a moment after the log says ready)
     url = f"http://127.0.0.1:{node.metrics_port}/metrics"
-    counted = "dracap_enforcement_latency_seconds_count 2.0"
+    counted = f'dracap_enforcement_latency_seconds_count{{class="{CLASS}"}} 2.0'
     async with asyncio.timeout(30):
         while counted not in (text := await asyncio.to_thread(_get, url)):  # noqa: ASYNC110
             await asyncio.sleep(0.05)

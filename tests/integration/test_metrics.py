@@ -112,13 +112,14 @@ async def test_every_required_metric_has_a_value(
         while True:  # the gauges, the relay lag and what is counted after a commit follow
             after = scrape(metrics_port)  # the log asynchronously
             counted = "dracap_enforcement_latency_seconds_count"
+            by_class = {"class": GPU}
             settled = (
                 value(after, "dracap_relay_lag_events") == 0
                 and value(
                     after, "dracap_capacity_allocated_ratio", **{"class": GPU, "capacity": "memory"}
                 )
                 == pytest.approx(10 / 80)
-                and value(after, counted) > value(before, counted)
+                and value(after, counted, **by_class) > value(before, counted, **by_class)
             )
             if settled or time.monotonic() > deadline:
                 break
@@ -129,11 +130,12 @@ async def test_every_required_metric_has_a_value(
     def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    # scheduling and enforcement latency: one observation each, in seconds
-    assert delta("dracap_scheduling_latency_seconds_count") >= 1
-    assert 0 <= delta("dracap_scheduling_latency_seconds_sum") < 10
-    assert delta("dracap_enforcement_latency_seconds_count") >= 1
-    assert 0 <= delta("dracap_enforcement_latency_seconds_sum") < 10
+    # scheduling and enforcement latency of the claim's class: one observation each, in s
+    by_class = {"class": GPU}
+    assert delta("dracap_scheduling_latency_seconds_count", **by_class) >= 1
+    assert 0 <= delta("dracap_scheduling_latency_seconds_sum", **by_class) < 10
+    assert delta("dracap_enforcement_latency_seconds_count", **by_class) >= 1
+    assert 0 <= delta("dracap_enforcement_latency_seconds_sum", **by_class) < 10
     # claims by outcome, rejections by reason
     for outcome in ("admitted", "allocated", "ready", "rejected"):
         assert delta("dracap_claims_total", outcome=outcome) >= 1, outcome
@@ -144,6 +146,10 @@ async def test_every_required_metric_has_a_value(
         if name == "dracap_rejections_total"
     }
     assert sum(rejections.values()) >= 1, rejections
+    # the same decisions from the log, by class: the rejection rate of each DeviceClass
+    for outcome in ("admitted", "rejected"):
+        got = delta("dracap_claim_decisions_total", outcome=outcome, **by_class)
+        assert got >= 1, outcome
     # allocated / total capacity per class: 10Gi of 2 x 40Gi; the unused class has 0
     ratio = value(after, "dracap_capacity_allocated_ratio", **{"class": GPU, "capacity": "memory"})
     assert ratio == pytest.approx(10 / 80)

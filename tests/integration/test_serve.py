@@ -14,7 +14,9 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -74,6 +76,7 @@ class Processes:
     def __init__(self, settings: Settings, nats_url: str, prefix: str, tmp: Path) -> None:
         self.settings, self.nats_url, self.prefix, self.tmp = settings, nats_url, prefix, tmp
         self.running: dict[str, asyncio.subprocess.Process] = {}
+        self.commands: dict[str, list[str]] = {}
         self.env = {**os.environ, "DRACAP_APP_ROLE": settings.app_role}
         self.env.pop("DRACAP_NATS_CREDS", None)
 
@@ -86,6 +89,7 @@ class Processes:
         return out
 
     async def start(self, name: str, argv: list[str]) -> None:
+        self.commands[name] = argv
         log = (self.tmp / f"{name}.log").open("wb")
         self.running[name] = await asyncio.create_subprocess_exec(
             *argv, cwd=ROOT, env=self.env, stdout=log, stderr=log
@@ -120,7 +124,8 @@ async def services(
     prefix = f"t{uuid.uuid4().hex[:10]}"
     procs = Processes(settings, nats_url, prefix, tmp_path)
     await procs.start("relay", procs.argv("serve", "relay"))
-    await procs.start("claims", procs.argv("serve", "claims", "--insecure"))
+    claims = procs.argv("serve", "claims", "--insecure", "--metrics-port", str(_free_port()))
+    await procs.start("claims", claims)
     await procs.start("reservation", procs.argv("serve", "reservation"))
     await procs.start("reclaim", procs.argv("reclaim", "--poll", "0.2", nats=False))
     agent = procs.argv("agent", "--node", "node-a", "--checkpoint", "none", "--metrics-port", "0")
@@ -131,6 +136,20 @@ async def services(
     finally:
         codes = await procs.stop()
         assert all(code == 0 for code in codes.values()), (codes, procs.logs())
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _scrape(argv: list[str]) -> str:
+    port = argv[argv.index("--metrics-port") + 1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text: str = reply.read().decode()
+        return text
 
 
 async def _admin(api: ApiClient, op: str, body: Any) -> None:
@@ -172,6 +191,11 @@ async def test_each_service_as_its_own_process_serves_the_claim_flow(
     await _phase(api, "train", "released", procs)
     nodes = (await api.admin("nodes.list"))["nodes"]
     assert [(n["node"], n["lease"]) for n in nodes] == [("node-a", "live")]
+    # the claims process serves the metrics derived from the log, per class
+    text = await asyncio.to_thread(_scrape, procs.commands["claims"])
+    assert f'dracap_claim_convergence_seconds_count{{class="{DRIVER}"}} 1.0' in text
+    assert f'dracap_claim_decisions_total{{class="{DRIVER}",outcome="admitted"}} 1.0' in text
+    assert f'dracap_capacity_allocated_ratio{{capacity="memory",class="{DRIVER}"}}' in text
 
 
 async def test_the_claims_api_will_not_serve_anonymously_unless_told(

@@ -44,6 +44,8 @@ def test_metrics_server_serves_every_metric() -> None:
     metrics.CLAIMS.labels(outcome="admitted").inc()
     metrics.REJECTIONS.labels(reason="class").inc()
     metrics.CAPACITY_ALLOCATED_RATIO.labels("gpu.example.com", "memory").set(0.5)
+    metrics.SCHEDULING_LATENCY.labels("gpu.example.com").observe(0.01)
+    metrics.ENFORCEMENT_LATENCY.labels("gpu.example.com").observe(0.1)
     metrics.CONSUMER_REDELIVERIES.labels(consumer="t").inc(0)
     metrics.DEAD_LETTERS.labels(consumer="t").inc(0)
     server, thread = metrics.start_metrics_server(0, addr="127.0.0.1")

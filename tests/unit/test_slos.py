@@ -99,3 +99,52 @@ def test_free_capacity_below_a_devices_smallest_grant_is_stranded() -> None:
     fits = Log(*inventory(device("gpu-0", {"memory": ("40Gi", policy)})))
     fits.reserve(claim_of("half", "20Gi"))
     assert stranded_ratios(fits.state(), members) == {("gpu.test.io", "memory"): 0.0}
+
+
+def _stamped(log: Log, start: int, seconds: list[float]) -> list[c.Envelope]:
+    """The envelopes from ``start``, the i-th recorded ``seconds[i]`` after T0."""
+    return [
+        c.Envelope(
+            **{f: getattr(env, f) for f in c.Envelope.__struct_fields__ if f != "recorded_at"},
+            recorded_at=T0 + datetime.timedelta(seconds=at),
+        )
+        for env, at in zip(log.envelopes[start:], seconds, strict=True)
+    ]
+
+
+def test_the_fold_gives_scheduling_enforcement_and_decisions_by_class() -> None:
+    from services.runtime.slos import Observation, SloFold
+
+    log = Log(*inventory(gpu()))
+    log.add(c.NodeLeaseAcquired(node=NODE, epoch=1, boot_id="b", ttl_ms=10_000))
+    log.reserve(memory_claim("train", "10Gi"))  # submitted, admitted, reserved, bound
+    [share] = log.state().claim("tenant-a", "train").share_ids  # type: ignore[union-attr]
+    log.add(c.LimitApplied(share_id=share, node=NODE, level="none", actual={}))
+    log.add(c.ClaimSubmitted(claim=memory_claim("huge", "1Ti")))
+    log.add(c.ClaimRejected(namespace="tenant-a", name="huge", field="f", rule="r", reason=""))
+    bogus = memory_claim("nowhere", "1Gi")
+    bogus.spec.devices.requests[0].exactly.device_class_name = "made.up"  # type: ignore[union-attr]
+    log.add(c.ClaimSubmitted(claim=bogus))
+    log.add(c.ClaimRejected(namespace="tenant-a", name="nowhere", field="f", rule="r", reason=""))
+
+    fold, state, seen = SloFold(latencies=True), ClusterState(), []
+    start = len(log.envelopes) - 9  # the claim's events onwards, 1 s apart
+    for env in log.envelopes[:start]:
+        apply(state, env)
+    for env in _stamped(log, start, [float(i) for i in range(9)]):
+        apply(state, env)
+        seen += fold.observe(state, env.event, env.recorded_at)
+    cls = "gpu.test.io"
+    kinds = [(o.kind, o.label, o.outcome) for o in seen]
+    assert ("decision", cls, "admitted") in kinds
+    assert ("decision", cls, "rejected") in kinds
+    assert ("decision", "", "rejected") in kinds, "a class nobody defined is no label"
+    [scheduling] = [o for o in seen if o.kind == "scheduling"]
+    [enforcement] = [o for o in seen if o.kind == "enforcement"]
+    [convergence] = [o for o in seen if o.kind == "convergence"]
+    # submitted at 0 s, admitted 1, reserved 2, bound 3, limit applied 4
+    assert scheduling == Observation("scheduling", cls, 2.0, "allocated")
+    assert enforcement == Observation("enforcement", cls, 1.0, "applied")
+    assert convergence == Observation("convergence", cls, 4.0)
+    assert fold.admitted == {} and fold.bound == {} and fold.pending_claims == {}
+    assert fold.pending(state) == ({}, {})
