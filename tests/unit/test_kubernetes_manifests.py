@@ -596,6 +596,20 @@ def test_kubernetes_api_access_is_exactly_what_each_mode_uses(overlay: str) -> N
             assert spec["automountServiceAccountToken"] is (spec["serviceAccountName"] in grants)
 
 
+def test_the_documented_grants_are_the_granted_ones() -> None:
+    rows = re.findall(
+        r"^ *\| (?:`([a-z-]+)`)? *\| `([a-z/]+)` \| ([a-z, ]+) \|",
+        (ROOT / "docs" / "kubernetes.md").read_text(),
+        re.MULTILINE,
+    )
+    documented: dict[str, dict[tuple[str, str], set[str]]] = {}
+    account = ""
+    for name, resource, verbs in rows:
+        account = name or account
+        documented.setdefault(account, {})[("resource.k8s.io", resource)] = set(verbs.split(", "))
+    assert documented == GRANTS
+
+
 @pytest.mark.parametrize("overlay", sorted(STANDALONE.values()))
 def test_the_bridge_is_one_per_cluster_with_the_claims_apis_role(overlay: str) -> None:
     objects = _rendered(overlay)
