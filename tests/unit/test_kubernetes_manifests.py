@@ -5,13 +5,17 @@ subset of kustomize these manifests use, and nothing more:
 
 * ``resources``: files (every YAML document in them) and directories (their own
   ``kustomization.yaml``, rendered first);
-* ``namespace``: set on every namespaced object (the only cluster-scoped kind the base
-  and overlays carry is ``Namespace``; a kind the renderer does not know fails
-  :func:`test_every_kind_is_one_the_renderer_knows`);
+* ``components``: directories whose ``kustomization.yaml`` is a ``Component``: after the
+  resources, each adds its own resources and applies its patches to everything so far;
+* ``namespace``: set on every namespaced object (the cluster-scoped kinds the overlays
+  carry are ``Namespace`` and RBAC's cluster roles and bindings, whose subjects the
+  overlays name with their namespace themselves, as kustomize does not; a kind the
+  renderer does not know fails :func:`test_every_kind_is_one_the_renderer_knows`);
 * ``images``: ``newName`` / ``newTag`` of the containers whose image is ``name``;
 * ``patches`` with ``path``: strategic-merge patches that name their target by kind and
   name; maps merge, ``null`` deletes a key, lists of maps with a ``name`` merge by name
-  (containers, env, volumes), every other list is replaced.
+  (containers, env, volumes, volume mounts; as kustomize, the patch's items come first, in
+  its order, then the target's others), every other list is replaced.
 
 Where ``kubectl`` is installed, :func:`test_the_renderer_agrees_with_kubectl_kustomize`
 checks that ``kubectl kustomize`` renders every overlay to the same objects, so a patch
@@ -21,6 +25,12 @@ an error); the Prometheus Operator's objects, which it has no schema for, are ch
 field by field. Every container's command parses with dracap's own command line, and
 every DRA example (a template's claim as a claim) loads with dracap's manifest loader
 with the DRAConsumableCapacity gate on and is refused with it off.
+
+Each standalone overlay has a Kubernetes-mode twin (``overlays/<name>-driver``: the
+overlay plus the ``driver`` component). The twins are checked to change nothing of their
+overlay but the agent's DaemonSet, to grant exactly the RBAC verbs the bridge and the
+agents use (and a token to no other pod), and to mount only the kubelet's directories
+the plugin needs, at the paths the kubelet knows.
 """
 
 from __future__ import annotations
@@ -44,14 +54,17 @@ from services.runtime import metrics, slos
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = {"dev": KUBE / "overlays" / "dev", "production": KUBE / "overlays" / "production"}
+#: standalone overlays, and each one in Kubernetes mode (the ``driver`` component added)
+STANDALONE = {"dev": "dev-driver", "production": "production-driver"}
+OVERLAYS = {name: KUBE / "overlays" / name for pair in STANDALONE.items() for name in pair}
+DRIVER_COMPONENT = KUBE / "driver"
 EXAMPLES = KUBE / "examples"
 SECRETS = KUBE / "secrets.template.yaml"
 VERSION = "1.34"
 
 Obj = dict[str, Any]
 
-CLUSTER_SCOPED = {"Namespace"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
 KNOWN_KINDS = CLUSTER_SCOPED | {
     "ConfigMap",
     "DaemonSet",
@@ -93,14 +106,13 @@ def _merge(base: Any, patch: Any) -> Any:
         and all(isinstance(item, dict) and "name" in item for item in base + patch)
     )
     if named:
-        out_list = list(base)
-        for item in patch:
-            at = [i for i, old in enumerate(out_list) if old["name"] == item["name"]]
-            if at:
-                out_list[at[0]] = _merge(out_list[at[0]], item)
-            else:
-                out_list.append(copy.deepcopy(item))
-        return out_list
+        by_name = {old["name"]: old for old in base}
+        patched = [
+            _merge(by_name[item["name"]], item) if item["name"] in by_name else copy.deepcopy(item)
+            for item in patch
+        ]
+        names = {item["name"] for item in patch}
+        return patched + [copy.deepcopy(old) for old in base if old["name"] not in names]
     return copy.deepcopy(patch)
 
 
@@ -119,17 +131,28 @@ def _containers(obj: Obj) -> list[Obj]:
     return list(spec.get("initContainers", [])) + list(spec["containers"])
 
 
-def render(directory: Path) -> list[Obj]:
-    """The objects ``kubectl kustomize directory`` renders (for the subset above)."""
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    allowed = {"apiVersion", "kind", "resources", "namespace", "images", "patches"}
+def _kustomization(directory: Path, kind: str) -> Obj:
+    kustomization: Obj = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    assert kustomization.get("kind", "Kustomization") == kind, f"{directory}: not a {kind}"
+    allowed = {"apiVersion", "kind", "resources", "patches"}
+    if kind == "Kustomization":
+        allowed |= {"namespace", "images", "components"}
     assert set(kustomization) <= allowed, (
         f"{directory}: the renderer lacks {set(kustomization) - allowed}"
     )
+    return kustomization
+
+
+def _resources(directory: Path, kustomization: Obj) -> list[Obj]:
     objects: list[Obj] = []
     for resource in kustomization.get("resources", []):
         path = directory / resource
         objects += render(path) if path.is_dir() else _documents(path)
+    return objects
+
+
+def _patch(directory: Path, kustomization: Obj, objects: list[Obj]) -> None:
+    """Apply the strategic-merge patches of ``kustomization`` to ``objects`` in place."""
     for patch_ref in kustomization.get("patches", []):
         assert set(patch_ref) == {"path"}, patch_ref
         for patch in _documents(directory / patch_ref["path"]):
@@ -139,6 +162,18 @@ def render(directory: Path) -> list[Obj]:
             ]
             assert len(at) == 1, f"patch target {key} not found once"
             objects[at[0]] = _merge(objects[at[0]], patch)
+
+
+def render(directory: Path) -> list[Obj]:
+    """The objects ``kubectl kustomize directory`` renders (for the subset above)."""
+    kustomization = _kustomization(directory, "Kustomization")
+    objects = _resources(directory, kustomization)
+    for component in kustomization.get("components", []):
+        path = directory / component
+        component_kustomization = _kustomization(path, "Component")
+        objects += _resources(path, component_kustomization)
+        _patch(path, component_kustomization, objects)
+    _patch(directory, kustomization, objects)
     for image in kustomization.get("images", []):
         for obj in objects:
             for container in _containers(obj):
@@ -399,6 +434,22 @@ def test_replicas_and_disruption_budgets() -> None:
 # --- privileges -----------------------------------------------------------------------
 
 
+def _driver_mode(overlay: str) -> bool:
+    return overlay not in STANDALONE
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+#: the kubelet's directories the agent needs in Kubernetes mode, and nothing of it else
+REGISTRATION_DIR = "/var/lib/kubelet/plugins_registry"
+PLUGINS_DIR = "/var/lib/kubelet/plugins"
+CDI_DIR = "/var/run/cdi"
+CHECKPOINT_DIR = "/var/lib/dracap-agent"
+SUN_PATH_MAX = 107  #: a Unix socket's path, without its terminating NUL
+
+
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_the_agent_gets_exactly_what_tc_needs(overlay: str) -> None:
     objects = _rendered(overlay)
@@ -411,13 +462,21 @@ def test_the_agent_gets_exactly_what_tc_needs(overlay: str) -> None:
     assert context["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
     assert context["allowPrivilegeEscalation"] is False and "privileged" not in context
     assert context["readOnlyRootFilesystem"] is True
+    assert "privileged" not in spec.get("securityContext", {})
     env = {var["name"]: var for var in container["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     args = container["args"]
-    assert args[args.index("--node") + 1] == "$(NODE_NAME)"
-    assert args[args.index("--enforcer") + 1] == "tc"
-    host_paths = [v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v]
-    assert host_paths == ["/var/lib/dracap-agent"]  # its checkpoint, nothing of the host else
+    assert _arg(args, "--node") == "$(NODE_NAME)"
+    assert _arg(args, "--enforcer") == "tc"
+    host_paths = sorted(v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v)
+    if _driver_mode(overlay):
+        # its checkpoint, the kubelet's registration directory, its own plugin directory
+        # and the CDI specs: nothing of the host else
+        assert host_paths == sorted(
+            [CHECKPOINT_DIR, REGISTRATION_DIR, f"{PLUGINS_DIR}/{_agent_driver()}", CDI_DIR]
+        )
+    else:
+        assert host_paths == [CHECKPOINT_DIR]  # its checkpoint, nothing of the host else
     for obj in objects:
         if obj is agent:
             continue
@@ -434,11 +493,97 @@ def test_the_agents_configuration_loads(tmp_path: Path) -> None:
     assert config.node_name == "node-a"
 
 
+def _agent_driver() -> str:
+    """The driver the DaemonSet's agent serves: its configuration's network driver."""
+    config_map = _one(_rendered("dev"), "ConfigMap", "dracap-agent-config")
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    assert config["network"]["enabled"] and not config["gpu"]["enabled"]
+    return str(config["network"]["driver"])
+
+
+@pytest.mark.parametrize("overlay", sorted(STANDALONE.values()))
+def test_the_kubelet_plugin_is_reachable_by_the_kubelet(overlay: str) -> None:
+    """The agent's sockets and CDI specs are where the kubelet and the runtime look."""
+    (agent,) = _by_kind(_rendered(overlay), "DaemonSet")
+    spec = agent["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    args = container["args"]
+    assert "--kubelet-plugin" in args
+    registration = _arg(args, "--kubelet-registration-dir")
+    plugins = _arg(args, "--kubelet-plugins-dir")
+    cdi = _arg(args, "--cdi-dir")
+    assert (registration, plugins, cdi) == (REGISTRATION_DIR, PLUGINS_DIR, CDI_DIR)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounted = {
+        mount["mountPath"]: volumes[mount["name"]]
+        for mount in container["volumeMounts"]
+        if "hostPath" in volumes[mount["name"]] and not mount.get("readOnly")
+    }  # the node's directories it writes: sockets, CDI specs, its checkpoint
+    driver = _agent_driver()
+    for path in (registration, f"{plugins}/{driver}", cdi):
+        # the agent tells the kubelet its sockets' paths: inside is outside
+        assert mounted[path]["hostPath"]["path"] == path
+    mounted = {path: volume["hostPath"]["type"] for path, volume in mounted.items()}
+    assert mounted[registration] == "Directory"  # the kubelet's: never made by the agent
+    assert mounted[f"{plugins}/{driver}"] == "DirectoryOrCreate"
+    assert mounted[cdi] == "DirectoryOrCreate"
+    assert plugins not in mounted, "the other plugins' sockets are not the agent's"
+    for socket in (f"{registration}/{driver}-reg.sock", f"{plugins}/{driver}/dra.sock"):
+        assert len(socket.encode()) <= SUN_PATH_MAX, socket
+    assert spec["automountServiceAccountToken"] is True
+
+
+def _rules(role: Obj) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames etc.
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.setdefault((group, resource), set()).update(rule["verbs"])
+    return out
+
+
+#: Kubernetes mode's grants: exactly the calls the bridge and the agents make
+GRANTS = {
+    "dracap-kubernetes-bridge": {
+        ("resource.k8s.io", "resourceclaims"): {"get", "list", "watch"},
+        ("resource.k8s.io", "resourceclaims/status"): {"get", "patch", "update"},
+    },
+    "dracap-agent": {
+        ("resource.k8s.io", "resourceclaims"): {"get"},
+        ("resource.k8s.io", "resourceslices"): {
+            "get",
+            "list",
+            "watch",
+            "create",
+            "update",
+            "patch",
+            "delete",
+        },
+    },
+}
+
+
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
-def test_no_kubernetes_api_access_is_granted(overlay: str) -> None:
+def test_kubernetes_api_access_is_exactly_what_each_mode_uses(overlay: str) -> None:
     objects = _rendered(overlay)
-    rbac = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
-    assert not rbac & {obj["kind"] for obj in objects}
+    namespace = yaml.safe_load((OVERLAYS[overlay] / "kustomization.yaml").read_text())["namespace"]
+    assert not {"Role", "RoleBinding"} & {obj["kind"] for obj in objects}
+    grants = GRANTS if _driver_mode(overlay) else {}
+    roles = {role["metadata"]["name"]: _rules(role) for role in _by_kind(objects, "ClusterRole")}
+    assert roles == grants
+    bindings = _by_kind(objects, "ClusterRoleBinding")
+    assert sorted(b["metadata"]["name"] for b in bindings) == sorted(grants)
+    for binding in bindings:
+        name = binding["metadata"]["name"]
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": name,
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": name, "namespace": namespace}
+        ]
     accounts = {sa["metadata"]["name"] for sa in _by_kind(objects, "ServiceAccount")}
     assert all(
         sa["automountServiceAccountToken"] is False for sa in _by_kind(objects, "ServiceAccount")
@@ -447,13 +592,69 @@ def test_no_kubernetes_api_access_is_granted(overlay: str) -> None:
         spec = _pod_spec(obj)
         if spec is not None:
             assert spec["serviceAccountName"] in accounts
-            assert spec["automountServiceAccountToken"] is False
+            # a pod gets a token exactly when its account is granted something
+            assert spec["automountServiceAccountToken"] is (spec["serviceAccountName"] in grants)
+
+
+def test_the_documented_grants_are_the_granted_ones() -> None:
+    rows = re.findall(
+        r"^ *\| (?:`([a-z-]+)`)? *\| `([a-z/]+)` \| ([a-z, ]+) \|",
+        (ROOT / "docs" / "kubernetes.md").read_text(),
+        re.MULTILINE,
+    )
+    documented: dict[str, dict[tuple[str, str], set[str]]] = {}
+    account = ""
+    for name, resource, verbs in rows:
+        account = name or account
+        documented.setdefault(account, {})[("resource.k8s.io", resource)] = set(verbs.split(", "))
+    assert documented == GRANTS
+
+
+@pytest.mark.parametrize("overlay", sorted(STANDALONE.values()))
+def test_the_bridge_is_one_per_cluster_with_the_claims_apis_role(overlay: str) -> None:
+    objects = _rendered(overlay)
+    bridge = _one(objects, "Deployment", "dracap-kubernetes-bridge")
+    assert bridge["spec"]["replicas"] == 1
+    assert bridge["spec"]["strategy"] == {"type": "Recreate"}
+    (container,) = bridge["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[:2] == ["serve", "kubernetes-bridge"]
+    drivers = {args[i + 1] for i, word in enumerate(args) if word == "--driver"}
+    classes = [obj for _, obj in _examples() if obj["kind"] == "DeviceClass"]
+    expressions = [s["cel"]["expression"] for c in classes for s in c["spec"]["selectors"]]
+    assert drivers == {m for e in expressions for m in re.findall(r'device\.driver == "(.+?)"', e)}
+    assert _agent_driver() in drivers
+    (claims,) = _one(objects, "Deployment", "dracap-claims")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert container["env"] == claims["env"]  # the claims API's database user and NATS
+    assert _arg(args, "--creds") == _arg(claims["args"], "--creds")
+
+
+@pytest.mark.parametrize(("standalone", "driver"), sorted(STANDALONE.items()))
+def test_kubernetes_mode_changes_nothing_of_the_standalone_overlay_but_the_agent(
+    standalone: str, driver: str
+) -> None:
+    before = {_key(obj): obj for obj in _rendered(standalone)}
+    after = {_key(obj): obj for obj in _rendered(driver)}
+    added = {_key(obj) for obj in _component_objects()}
+    namespace = yaml.safe_load((OVERLAYS[driver] / "kustomization.yaml").read_text())["namespace"]
+    added = {(kind, "" if kind in CLUSTER_SCOPED else namespace, name) for kind, _, name in added}
+    assert set(after) == set(before) | added and not set(before) & added
+    changed = {key for key in before if before[key] != after[key]}
+    assert changed == {("DaemonSet", namespace, "dracap-agent")}
+    images = {c["image"] for obj in after.values() for c in _containers(obj)}
+    assert images == {c["image"] for obj in before.values() for c in _containers(obj)}
+    assert len(images) == 1, images
+
+
+def _component_objects() -> list[Obj]:
+    """The objects the ``driver`` component adds (its resources, unpatched)."""
+    return _resources(DRIVER_COMPONENT, _kustomization(DRIVER_COMPONENT, "Component"))
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
-def test_network_policies_allow_nats_postgresql_dns_and_the_monitoring_namespace_only(
-    overlay: str,
-) -> None:
+def test_network_policies_allow_only_what_each_mode_talks_to(overlay: str) -> None:
     policies = _by_kind(_rendered(overlay), "NetworkPolicy")
     egress_ports, ingress_from = set(), []
     for policy in policies:
@@ -462,7 +663,14 @@ def test_network_policies_allow_nats_postgresql_dns_and_the_monitoring_namespace
         for rule in policy["spec"].get("ingress", []):
             ingress_from += rule["from"]
             assert rule["ports"] == [{"protocol": "TCP", "port": "metrics"}]
-    assert egress_ports == {("TCP", 4222), ("TCP", 5432), ("UDP", 53), ("TCP", 53)}
+    wanted = {("TCP", 4222), ("TCP", 5432), ("UDP", 53), ("TCP", 53)}
+    if _driver_mode(overlay):
+        # the API server (443 on the Service, usually 6443 where policies see it): the bridge's
+        bridge = _one(policies, "NetworkPolicy", "dracap-kubernetes-bridge")
+        selector = bridge["spec"]["podSelector"]["matchLabels"]
+        assert selector["app.kubernetes.io/component"] == "kubernetes-bridge"
+        wanted |= {("TCP", 443), ("TCP", 6443)}
+    assert egress_ports == wanted
     assert ingress_from == [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     ]
@@ -507,6 +715,7 @@ def test_every_secret_key_the_manifests_read_is_in_the_template_and_is_a_placeho
 GATED = {
     "resourceslices.yaml": ("allowMultipleAllocations:", "requestPolicy:"),
     "workload.yaml": ("capacity:",),
+    "inference.yaml": ("capacity:",),
 }
 
 
@@ -544,11 +753,21 @@ def test_the_dra_examples_load_with_the_gate_on_and_are_refused_with_it_off(tmp_
         one.write_text(yaml.safe_dump(obj))
         with pytest.raises(ManifestError):
             load_paths([str(one)], FeatureGates(consumable_capacity=False))
-    pod = next(obj for _, obj in _examples() if obj["kind"] == "Pod")
-    claims = {c["name"]: c for c in pod["spec"]["resourceClaims"]}
-    names = {obj["metadata"]["name"] for obj in dra}
-    assert all(
-        (c.get("resourceClaimName") or c.get("resourceClaimTemplateName")) in names
-        for c in claims.values()
-    )
-    assert {c["name"] for c in pod["spec"]["containers"][0]["resources"]["claims"]} == set(claims)
+    pods = [obj for _, obj in _examples() if obj["kind"] == "Pod"]
+    assert len(pods) == 2
+    for pod in pods:
+        claims = {c["name"]: c for c in pod["spec"]["resourceClaims"]}
+        names = {
+            (obj["kind"], obj["metadata"]["name"])
+            for obj in dra
+            if obj["metadata"].get("namespace") == pod["metadata"]["namespace"]
+        }
+        for claim in claims.values():
+            ref = (
+                ("ResourceClaim", claim["resourceClaimName"])
+                if "resourceClaimName" in claim
+                else ("ResourceClaimTemplate", claim["resourceClaimTemplateName"])
+            )
+            assert ref in names, ref
+        used = {c["name"] for c in pod["spec"]["containers"][0]["resources"]["claims"]}
+        assert used == set(claims)
