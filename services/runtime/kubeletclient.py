@@ -22,9 +22,10 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Self
+from typing import Final, Self, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from services.runtime.kubeletapi import dra_health_v1alpha1_pb2 as health_pb
 from services.runtime.kubeletapi import dra_v1_pb2 as dra_pb
@@ -44,6 +45,9 @@ __all__ = ["KUBELET_VERSIONS", "KubeletClient", "PluginConnection"]
 KUBELET_VERSIONS: Final = (wire.DRA_VERSION,)
 _KUBELET_TIMEOUT_S: Final = 45.0
 
+Request = TypeVar("Request", bound=Message)
+Reply = TypeVar("Reply", bound=Message)
+
 
 class PluginConnection:
     """Calls on a registered plugin's endpoint, as the kubelet makes them."""
@@ -54,19 +58,21 @@ class PluginConnection:
         self.supported_versions = tuple(info.supported_versions)
         self.call_timeout = call_timeout
         self._channel = grpc.aio.insecure_channel(unix_target(self.endpoint))
-        dra, health = wire.DRA_SERVICE, wire.HEALTH_SERVICE
-        self._prepare = self._channel.unary_unary(
+        dra = wire.DRA_SERVICE
+        self._prepare = _unary(
+            self._channel,
             wire.method_path(dra, "NodePrepareResources"),
-            request_serializer=dra_pb.NodePrepareResourcesRequest.SerializeToString,
-            response_deserializer=dra_pb.NodePrepareResourcesResponse.FromString,
+            dra_pb.NodePrepareResourcesRequest,
+            dra_pb.NodePrepareResourcesResponse,
         )
-        self._unprepare = self._channel.unary_unary(
+        self._unprepare = _unary(
+            self._channel,
             wire.method_path(dra, "NodeUnprepareResources"),
-            request_serializer=dra_pb.NodeUnprepareResourcesRequest.SerializeToString,
-            response_deserializer=dra_pb.NodeUnprepareResourcesResponse.FromString,
+            dra_pb.NodeUnprepareResourcesRequest,
+            dra_pb.NodeUnprepareResourcesResponse,
         )
         self._watch = self._channel.unary_stream(
-            wire.method_path(health, "NodeWatchResources"),
+            wire.method_path(wire.HEALTH_SERVICE, "NodeWatchResources"),
             request_serializer=health_pb.NodeWatchResourcesRequest.SerializeToString,
             response_deserializer=health_pb.NodeWatchResourcesResponse.FromString,
         )
@@ -161,15 +167,18 @@ class KubeletClient:
         """
         target = unix_target(checked_socket_path(registration_socket))
         async with grpc.aio.insecure_channel(target) as channel:
-            get_info = channel.unary_unary(
-                wire.method_path(wire.REGISTRATION_SERVICE, "GetInfo"),
-                request_serializer=reg_pb.InfoRequest.SerializeToString,
-                response_deserializer=reg_pb.PluginInfo.FromString,
+            registration = wire.REGISTRATION_SERVICE
+            get_info = _unary(
+                channel,
+                wire.method_path(registration, "GetInfo"),
+                reg_pb.InfoRequest,
+                reg_pb.PluginInfo,
             )
-            notify = channel.unary_unary(
-                wire.method_path(wire.REGISTRATION_SERVICE, "NotifyRegistrationStatus"),
-                request_serializer=reg_pb.RegistrationStatus.SerializeToString,
-                response_deserializer=reg_pb.RegistrationStatusResponse.FromString,
+            notify = _unary(
+                channel,
+                wire.method_path(registration, "NotifyRegistrationStatus"),
+                reg_pb.RegistrationStatus,
+                reg_pb.RegistrationStatusResponse,
             )
             try:
                 info = await get_info(reg_pb.InfoRequest(), timeout=self.call_timeout)
@@ -187,6 +196,15 @@ class KubeletClient:
     ) -> PluginConnection:
         """Wait for a plugin's registration socket, then register it."""
         return await self.register(await self.wait_for_socket(driver_name, within_s=within_s))
+
+
+def _unary(
+    channel: grpc.aio.Channel, path: str, request: type[Request], reply: type[Reply]
+) -> grpc.aio.UnaryUnaryMultiCallable[Request, Reply]:
+    """A typed unary call on ``channel``."""
+    return channel.unary_unary(
+        path, request_serializer=request.SerializeToString, response_deserializer=reply.FromString
+    )
 
 
 def _registration_problem(info: reg_pb.PluginInfo) -> str:

@@ -34,6 +34,7 @@ from typing import Any, Final, Self
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message_factory import GetMessageClass
 
 from events.validation import DRIVER_NAME_MAX_LENGTH, is_dns_subdomain
 from services.runtime.kubeletapi import dra_health_v1alpha1_pb2 as health_pb
@@ -174,42 +175,19 @@ class KubeletPlugin:
     def _registration_handler(self) -> grpc.GenericRpcHandler:
         return _service(
             wire.REGISTRATION_SERVICE,
-            GetInfo=grpc.unary_unary_rpc_method_handler(
-                self._get_info,
-                request_deserializer=reg_pb.InfoRequest.FromString,
-                response_serializer=reg_pb.PluginInfo.SerializeToString,
-            ),
-            NotifyRegistrationStatus=grpc.unary_unary_rpc_method_handler(
-                self._notify_registration_status,
-                request_deserializer=reg_pb.RegistrationStatus.FromString,
-                response_serializer=reg_pb.RegistrationStatusResponse.SerializeToString,
-            ),
+            GetInfo=self._get_info,
+            NotifyRegistrationStatus=self._notify_registration_status,
         )
 
     def _dra_handler(self) -> grpc.GenericRpcHandler:
         return _service(
             wire.DRA_SERVICE,
-            NodePrepareResources=grpc.unary_unary_rpc_method_handler(
-                self._prepare,
-                request_deserializer=dra_pb.NodePrepareResourcesRequest.FromString,
-                response_serializer=dra_pb.NodePrepareResourcesResponse.SerializeToString,
-            ),
-            NodeUnprepareResources=grpc.unary_unary_rpc_method_handler(
-                self._unprepare,
-                request_deserializer=dra_pb.NodeUnprepareResourcesRequest.FromString,
-                response_serializer=dra_pb.NodeUnprepareResourcesResponse.SerializeToString,
-            ),
+            NodePrepareResources=self._prepare,
+            NodeUnprepareResources=self._unprepare,
         )
 
     def _health_handler(self) -> grpc.GenericRpcHandler:
-        return _service(
-            wire.HEALTH_SERVICE,
-            NodeWatchResources=grpc.unary_stream_rpc_method_handler(
-                self._watch_resources,
-                request_deserializer=health_pb.NodeWatchResourcesRequest.FromString,
-                response_serializer=health_pb.NodeWatchResourcesResponse.SerializeToString,
-            ),
-        )
+        return _service(wire.HEALTH_SERVICE, NodeWatchResources=self._watch_resources)
 
     # --- the calls --------------------------------------------------------------------
 
@@ -320,14 +298,31 @@ async def _serve(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc.aio
     return server
 
 
-def _service(
-    service: ServiceDescriptor, **methods: grpc.RpcMethodHandler[Any, Any]
-) -> grpc.GenericRpcHandler:
-    """The handler of every method of ``service`` (a ServiceDescriptor), by proto name."""
-    missing = set(service.methods_by_name) ^ set(methods)
-    if missing:
-        raise AssertionError(f"{service.full_name}: methods not matched: {sorted(missing)}")
-    return grpc.method_handlers_generic_handler(service.full_name, dict(methods))
+def _service(service: ServiceDescriptor, **behaviours: Any) -> grpc.GenericRpcHandler:
+    """The handler of every method of ``service``, by its proto name.
+
+    Each method's request and reply types, and whether it streams, come from the
+    descriptor, so they are the ``.proto`` file's; a method left out (or one the proto
+    lacks) is a programming error.
+    """
+    unmatched = set(service.methods_by_name) ^ set(behaviours)
+    if unmatched:
+        raise AssertionError(f"{service.full_name}: methods not matched: {sorted(unmatched)}")
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for name, behaviour in behaviours.items():
+        method = service.methods_by_name[name]
+        request, reply = GetMessageClass(method.input_type), GetMessageClass(method.output_type)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[name] = make(
+            behaviour,
+            request_deserializer=request.FromString,
+            response_serializer=reply.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 def _claims_outcome(answers: Iterable[str | ClaimFailure]) -> str:
