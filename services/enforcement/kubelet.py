@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Final, Protocol
 
 from events.catalog import Envelope
@@ -59,6 +59,7 @@ from services.runtime.kube.errors import KubeApiError, NotFound
 from services.runtime.kubeletplugin import (
     ClaimRef,
     DeviceHealthReport,
+    Health,
     PreparedDevice,
     PrepareResult,
 )
@@ -117,7 +118,7 @@ class KubeletDriver:
         out: dict[str, PrepareResult] = {}
         for ref in claims:
             try:
-                out[ref.uid] = PrepareResult(devices=await self._prepare(ref))
+                out[ref.uid] = PrepareResult(devices=tuple(await self._prepare(ref)))
             except PrepareError as exc:
                 log.warning("prepare of %s/%s refused: %s", ref.namespace, ref.name, exc)
                 out[ref.uid] = PrepareResult(error=str(exc))
@@ -132,15 +133,16 @@ class KubeletDriver:
                 return self._devices(await self.agent.live.fresh(HEAD), verdict)
             if verdict.verdict != "enforce":
                 raise PrepareError(verdict.reason)
-            key = (ref.namespace, ref.name)
-            node, agent = self.agent.node, self.agent
             try:
-                await agent.carry_out(
-                    lambda state: _one(enforce_claim(state, node, key, agent.enforcing))
-                )
+                await self.agent.carry_out(self._enforcing(ref))
             except ConflictError:
                 continue  # released or fenced meanwhile: look again
         raise PrepareError(f"claim {ref.namespace}/{ref.name} kept changing while prepared")
+
+    def _enforcing(self, ref: ClaimRef) -> Callable[[ClusterState], list[Task]]:
+        """What a prepare of ``ref`` asks of the agent, decided on the state it hands in."""
+        agent, key = self.agent, (ref.namespace, ref.name)
+        return lambda state: _one(enforce_claim(state, agent.node, key, agent.enforcing))
 
     async def _check_uid(self, ref: ClaimRef) -> None:
         try:
@@ -180,10 +182,10 @@ class KubeletDriver:
             self.share_specs.write_spec(sid, build_share_spec(sid, share.device))
             name = self.share_specs.qualified_name(sid)
         return PreparedDevice(
-            request_names=[share.request],
+            request_names=(share.request,),
             pool_name=share.pool,
             device_name=share.device,
-            cdi_device_ids=[name],
+            cdi_device_ids=(name,),
         )
 
     # -- unprepare -------------------------------------------------------------------------
@@ -234,7 +236,7 @@ class KubeletDriver:
 
     async def health_updates(self) -> AsyncIterator[list[DeviceHealthReport]]:
         """The complete list at once, then again whenever a device's health changes."""
-        last: list[tuple[str, str, str]] | None = None
+        last: list[tuple[str, str, Health]] | None = None
         while True:
             state = await self.agent.live.fresh(HEAD)
             reports = self.health(state)

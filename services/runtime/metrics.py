@@ -39,6 +39,8 @@ __all__ = [
     "EMBEDDED_SERVER_RESTARTS",
     "ENFORCEMENT_LATENCY",
     "HEALTH_CHECK_UP",
+    "KUBELET_CALLS",
+    "KUBELET_CALL_DURATION",
     "REGISTRY",
     "REJECTIONS",
     "RELAY_LAG",
@@ -168,6 +170,21 @@ KUBERNETES_MIRROR: Final = Counter(
 KUBERNETES_STATUS_WRITES: Final = Counter(
     "dracap_kubernetes_status_writes_total",
     "ResourceClaim status.devices writes the Kubernetes bridge made.",
+    registry=REGISTRY,
+)
+KUBELET_CALL_DURATION: Final = Histogram(
+    "dracap_kubelet_call_duration_seconds",
+    "Time to answer a kubelet gRPC call on the DRA plugin sockets, by method (the kubelet "
+    "gives up after 45 s).",
+    ["method"],
+    buckets=(*_LATENCY_BUCKETS, 5.0, 10.0, 20.0, 40.0),
+    registry=REGISTRY,
+)
+KUBELET_CALLS: Final = Counter(
+    "dracap_kubelet_calls_total",
+    "Kubelet gRPC calls on the DRA plugin sockets, by method and outcome (ok, claim_error, "
+    "deadline, refused, cancelled, error).",
+    ["method", "outcome"],
     registry=REGISTRY,
 )
 BUILD_INFO: Final = Gauge(

@@ -23,10 +23,10 @@ from typing import Any
 
 import msgspec
 import pytest
-from services.runtime.kubeletplugin import ClaimRef
 
 from events import model
 from events.catalog import CapacityReserved, ClaimReserved, LimitApplied, node_stream
+from services.runtime.kubeletplugin import ClaimRef
 from services.runtime.livestate import HEAD
 from services.runtime.settings import Settings
 from tests.fixtures.k8s_standin import StandinApiServer
@@ -72,7 +72,7 @@ async def test_kubelet_prepares_enforces_and_unprepares_a_scheduled_claim(
         first = await kubelet.prepare([ref])
         assert first[uid].error == "", first
         [device] = first[uid].devices
-        assert device.cdi_device_ids == [f"dracap.io/share={share_id}"]
+        assert device.cdi_device_ids == (f"dracap.io/share={share_id}",)
         assert (cluster.cdi / f"dracap.io-share_{share_id}.json").exists()
         state = await cluster.view.fresh(HEAD)
         assert state.claims[(NAMESPACE, "train")].phase == "ready"
