@@ -51,7 +51,7 @@ from events.fold import ClusterState, ShareState
 from events.model import ResourceClaim
 from services.enforcement.agent import Agent
 from services.enforcement.cdi import KIND as GPU_KIND
-from services.enforcement.cdi import CdiSpecs, build_share_spec
+from services.enforcement.cdi import SHARE_KIND, CdiSpecs, build_share_spec
 from services.enforcement.decisions import Task, enforce_claim, unprepare_claim
 from services.enforcement.preparing import PrepareVerdict, judge_prepare
 from services.runtime.errors import ConflictError
@@ -102,7 +102,7 @@ class KubeletDriver:
         self.drivers = frozenset(drivers)
         base = cdi_dir or CdiSpecs()
         self.gpu_specs = CdiSpecs(base.spec_dir, kind=GPU_KIND)
-        self.share_specs = CdiSpecs(base.spec_dir)
+        self.share_specs = CdiSpecs(base.spec_dir, kind=SHARE_KIND)
         self.mirror_wait_s = mirror_wait_s
         self.health_interval_s = health_interval_s
         self._changed = asyncio.Event()

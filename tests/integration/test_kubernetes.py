@@ -26,6 +26,7 @@ import pytest
 
 from events import model
 from events.catalog import CapacityReserved, ClaimReserved, LimitApplied, node_stream
+from events.quantities import Quantity
 from services.runtime.kubeletplugin import ClaimRef
 from services.runtime.livestate import HEAD
 from services.runtime.settings import Settings
@@ -118,8 +119,10 @@ async def test_kubelet_prepares_enforces_and_unprepares_a_scheduled_claim(
 
 
 async def test_an_oversubscribing_allocation_is_refused_at_prepare(cluster: Cluster) -> None:
-    await cluster.allocate("big", "800M")
-    late = await cluster.allocate("late", "400M")  # 1200M on a 1G device: a scheduler defect
+    total = await cluster.total()
+    big = Quantity(total.nanos - 200 * 10**6 * 10**9, total.format).canonical()
+    await cluster.allocate("big", big)
+    late = await cluster.allocate("late", "400M")  # 200M more than the device has: a defect
     await cluster.until(
         lambda st: (c := st.claim(NAMESPACE, "late")) is not None and c.phase == "rejected",
         "the second allocation refused",
@@ -128,7 +131,7 @@ async def test_an_oversubscribing_allocation_is_refused_at_prepare(cluster: Clus
     kubelet = await cluster.kubelet()
     try:
         answer = await kubelet.prepare([ClaimRef(namespace=NAMESPACE, name="late", uid=uid)])
-        assert "800M consumed + 400M > total 1G" in answer[uid].error, answer
+        assert f"{big} consumed + 400M > total {total.canonical()}" in answer[uid].error, answer
     finally:
         await kubelet.close()
 
@@ -137,7 +140,7 @@ async def test_an_oversubscribing_allocation_is_refused_at_prepare(cluster: Clus
         return cond if cond is not None and cond["reason"] == "AllocationRefused" else None
 
     cond = await cluster.until_api(refused, "a condition saying why")
-    assert cond["status"] == "False" and "400M > total 1G" in cond["message"]
+    assert cond["status"] == "False" and f"400M > total {total.canonical()}" in cond["message"]
 
 
 async def test_mirrored_once_across_watch_restarts_and_410(cluster: Cluster) -> None:
@@ -150,17 +153,13 @@ async def test_mirrored_once_across_watch_restarts_and_410(cluster: Cluster) -> 
     await cluster.standin.wait_for_watches(1)
     cluster.standin.compact()
     cluster.standin.expire_watches()  # the bridge must list again
-    claim = await cluster.api.get_claim(NAMESPACE, "once")
-    assert claim.status is not None
-    refs = [*(claim.status.reserved_for or []), model.convert(
-        {"resource": "pods", "name": "pod-b", "uid": "uid-b"}, model.ResourceClaimConsumerReference
-    )]  # fmt: skip
-    await cluster.api.patch_claim_status(
-        NAMESPACE,
-        "once",
-        {"reservedFor": [model.to_builtins(r) for r in refs]},
-        resource_version=claim.metadata.resource_version,
-    )
+    pod_b = {"resource": "pods", "name": "pod-b", "uid": "uid-b"}
+
+    def reserve_b(claim: model.ResourceClaim) -> dict[str, Any]:
+        refs = [model.to_builtins(r) for r in (claim.status.reserved_for or [])]  # type: ignore[union-attr]
+        return {"reservedFor": [*refs, pod_b]}
+
+    await cluster.set_status("once", reserve_b)
     await cluster.until(
         lambda st: len(st.claims[(NAMESPACE, "once")].reserved_for) == 2, "pod-b reserved"
     )
@@ -183,12 +182,8 @@ async def test_deallocation_releases_the_capacity(cluster: Cluster) -> None:
     )
     share = state.shares[share_of(state, "gone")]
     assert state.devices[share.device_key].consumed_nanos["bandwidth"] > 0
-    claim = await cluster.api.get_claim(NAMESPACE, "gone")
-    await cluster.api.patch_claim_status(
-        NAMESPACE,
-        "gone",
-        {"allocation": None, "reservedFor": None, "devices": None},
-        resource_version=claim.metadata.resource_version,
+    await cluster.set_status(
+        "gone", lambda _: {"allocation": None, "reservedFor": None, "devices": None}
     )
     state = await cluster.until(
         lambda st: st.claims[(NAMESPACE, "gone")].phase == "released", "released"
