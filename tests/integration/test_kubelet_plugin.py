@@ -324,6 +324,7 @@ async def test_stop_removes_the_sockets_and_the_endpoint_goes_away(tmp_path: Pat
     assert plugin.endpoint.exists()
     await plugin.stop()
     await plugin.stop()  # idempotent
+    assert not plugin.registered.is_set()
     assert not plugin.registration_socket.exists()
     assert not plugin.endpoint.exists()
     assert KubeletClient(tmp_path / "reg").registration_sockets() == []
@@ -381,3 +382,20 @@ async def test_stop_ends_open_health_streams(tmp_path: Path) -> None:
         await plugin.stop()
         with pytest.raises(StopAsyncIteration):
             await anext(watch)
+
+
+async def test_a_stopped_plugin_starts_again(tmp_path: Path) -> None:
+    driver = HealthyDriver()
+    plugin = new_plugin(tmp_path, driver)
+    async with await registered(tmp_path, plugin):
+        pass
+    await plugin.stop()
+    try:
+        async with await registered(tmp_path, plugin) as kubelet:
+            assert (await kubelet.prepare([claim("a")]))["a"].error == ""
+            watch = kubelet.watch_health()
+            await driver.updates.put([health("gpu-0", "healthy", 2)])
+            assert await anext(watch) == [health("gpu-0", "healthy", 2)]
+            await watch.aclose()
+    finally:
+        await plugin.stop()

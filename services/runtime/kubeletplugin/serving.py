@@ -123,6 +123,7 @@ class KubeletPlugin:
         if self._endpoint_server is not None:
             raise PluginConfigError(f"plugin {self.driver_name} is already started")
         handlers = [self._dra_handler()]
+        self._feed = HealthFeed()  # a fresh one: a stopped plugin's feed has ended
         if self._health is not None:
             handlers.append(self._health_handler())
             self._health_task = asyncio.create_task(self._follow_health(self._health))
@@ -147,6 +148,7 @@ class KubeletPlugin:
 
     async def stop(self, grace: float = 1.0) -> None:
         """Remove the registration, end the health streams, stop serving; idempotent."""
+        self.registered.clear()
         registration, self._registration_server = self._registration_server, None
         if registration is not None:
             await _stop(registration, self.registration_socket, 0)
