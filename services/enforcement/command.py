@@ -202,6 +202,9 @@ async def _run_with_kubelet(
     args: argparse.Namespace, agent: Agent, config: AgentConfig | None, stop: asyncio.Event
 ) -> None:
     """The agent, its kubelet plugins and its slices on the API server, until ``stop``."""
+    # gRPC's fork handlers log a line at every enforcer subprocess (tc) while its threads
+    # run; the agent never forks a process that uses gRPC, so they are not needed
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from services.enforcement.kubernetes import run_kubernetes_mode
     from services.runtime.kube.client import KubeApi
     from services.runtime.kube.errors import KubeApiError

@@ -95,6 +95,10 @@ async def test_kubelet_prepares_enforces_and_unprepares_a_scheduled_claim(
         assert cond["reason"] == "LimitApplied" and "hard" in cond["message"]
         wrong = await kubelet.prepare([ClaimRef(namespace=NAMESPACE, name="train", uid="x")])
         assert "uid" in wrong["x"].error
+        health = kubelet.watch_health()
+        [report] = await anext(health)  # the node's device, as the agent last found it
+        assert (report.device_name, report.health) == (device.device_name, "healthy")
+        await health.aclose()
     finally:
         await kubelet.close()
 

@@ -23,7 +23,8 @@ from services.claims.kubeobjects import device_statuses, resource_claim_object
 from services.claims.mirroring import decide_claim, decide_deleted, share_id_of
 from services.enforcement.decisions import decide_work, enforce_claim
 from services.enforcement.preparing import judge_prepare
-from tests.unit.allocator_fixtures import DRIVER
+from services.reclamation.decisions import decide_not_started, not_started
+from tests.unit.allocator_fixtures import DRIVER, device_class
 from tests.unit.decision_fixtures import NAMESPACE, NODE, POOL, Log, gpu, inventory, memory_claim
 
 UID = "0b6c3c0e-8f1e-4a57-9f1e-2b1d7a4c9e01"
@@ -255,3 +256,23 @@ def test_prepare_after_release_is_refused_with_the_reason(phase_events: str) -> 
     state = log.state()
     verdict = judge_prepare(state, NODE, NAMESPACE, "train", UID)
     assert verdict.verdict == "refused" and "released" in verdict.reason
+
+
+def test_a_mirrored_claim_no_kubelet_prepares_follows_the_not_started_rule() -> None:
+    annotations = {"dracap.io/not-started-timeout": "5m", "dracap.io/not-started-action": "stall"}
+    log = Log(
+        c.DeviceClassApplied(
+            device_class=device_class(annotations=annotations), rollout="immediate"
+        )
+    )
+    log.extend(inventory()[1:])
+    state = mirrored(log, allocated(reserved_for=[]))  # allocated, never prepared
+    [candidate] = not_started(state)
+    assert candidate.key == (NAMESPACE, "train") and not candidate.prepared
+    assert candidate.since_position == state.claims[(NAMESPACE, "train")].bound_position
+    assert decide_not_started(candidate, 299.0, NODE) is None
+    event = decide_not_started(candidate, 301.0, NODE)
+    # it never ran, so it cannot stall: it is released, saying why
+    assert isinstance(event, c.ReleaseRequested) and "no kubelet prepared it" in event.reason
+    reserved = mirrored(log, allocated(reserved_for=["pod-a"]))
+    assert not_started(reserved) == []  # a consumer reserved it: its pod is on the way
