@@ -189,7 +189,7 @@ async def _bridge(
 ) -> Callable[[asyncio.Event], Awaitable[None]]:
     from services.claims.bridge import Bridge
     from services.runtime.kube.client import KubeApi
-    from services.runtime.kube.errors import KubeApiError
+    from services.runtime.kube.errors import KubeApiError, Permanent
 
     if not args.driver:
         raise CommandError(
@@ -205,7 +205,10 @@ async def _bridge(
 
     async def run(stop: asyncio.Event) -> None:
         async with api:
-            await bridge.run(stop)
+            try:
+                await bridge.run(stop)
+            except Permanent as exc:  # RBAC, a bad server address: no retry helps
+                raise CommandError(f"Kubernetes API: {exc}", ExitCode.ERROR) from exc
 
     return run
 
