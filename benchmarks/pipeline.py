@@ -403,6 +403,20 @@ async def fresh_database(args: argparse.Namespace) -> AsyncIterator[Settings]:
                 print(f"kept the database: {settings.database_url}", flush=True)
 
 
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--admin-url`` (a fresh database is made on that server) and ``--nats``."""
+    parser.add_argument(
+        "--admin-url",
+        default=os.environ.get(
+            "DRACAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+        help="PostgreSQL server (a fresh database is created on it)",
+    )
+    parser.add_argument(
+        "--nats", default=os.environ.get("DRACAP_TEST_NATS_URL", "nats://127.0.0.1:4222")
+    )
+
+
 def report(r: dict[str, float]) -> None:
     ratio = r["throughput"] / r["raw"]
     print(f"\nlatency at {r['rate']:,.0f} claims/s ({r['samples']:.0f} claims):")
@@ -438,15 +452,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=4, help="nodes (one agent each)")
     parser.add_argument("--workers", type=int, default=1, help="reservation workers")
     parser.add_argument("--pool", type=int, default=10, help="asyncpg pool size")
-    parser.add_argument(
-        "--admin-url",
-        default=os.environ.get(
-            "DRACAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-        ),
-    )
-    parser.add_argument(
-        "--nats", default=os.environ.get("DRACAP_TEST_NATS_URL", "nats://127.0.0.1:4222")
-    )
+    add_server_arguments(parser)
     parser.add_argument("--embedded", action="store_true", help="start embedded servers instead")
     parser.add_argument(
         "--insecure",

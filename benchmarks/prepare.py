@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -109,16 +108,7 @@ def report(samples: dict[str, list[float]], args: argparse.Namespace) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=100, help="claims prepared, one per run")
-    parser.add_argument(
-        "--admin-url",
-        default=os.environ.get(
-            "DRACAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-        ),
-        help="PostgreSQL server (a fresh database is created on it)",
-    )
-    parser.add_argument(
-        "--nats", default=os.environ.get("DRACAP_TEST_NATS_URL", "nats://127.0.0.1:4222")
-    )
+    pipeline.add_server_arguments(parser)
     return parser.parse_args(argv)
 
 

@@ -226,16 +226,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--keep", action="store_true", help="keep the benchmark database (for dracap report)"
     )
-    parser.add_argument(
-        "--admin-url",
-        default=os.environ.get(
-            "DRACAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-        ),
-        help="PostgreSQL server (a fresh database is created on it)",
-    )
-    parser.add_argument(
-        "--nats", default=os.environ.get("DRACAP_TEST_NATS_URL", "nats://127.0.0.1:4222")
-    )
+    pipeline.add_server_arguments(parser)
     return parser.parse_args(argv)
 
 

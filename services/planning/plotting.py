@@ -15,20 +15,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.exitcodes import CommandError, ExitCode
 from services.planning.simulating import SimResult
+from services.runtime.plotting import require_matplotlib
 
 __all__ = ["check_plotting", "plot"]
 
 
 def check_plotting() -> None:
     """Raise :class:`CommandError` (exit 2) when matplotlib cannot be imported."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise CommandError(
-            "--plot needs matplotlib: pip install 'dracap[plot]'", ExitCode.BAD_INPUT
-        ) from None
+    require_matplotlib("--plot")
 
 
 def plot(scenarios: Sequence[tuple[str, Sequence[SimResult]]], path: str | Path) -> None:

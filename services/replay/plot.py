@@ -13,20 +13,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.exitcodes import CommandError, ExitCode
 from services.replay.history import Sample
+from services.runtime.plotting import require_matplotlib
 
 __all__ = ["check_plotting", "plot_usage"]
 
 
 def check_plotting() -> None:
     """Raise :class:`CommandError` (exit 2) when matplotlib cannot be imported."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise CommandError(
-            "replay plot needs matplotlib: pip install 'dracap[plot]'", ExitCode.BAD_INPUT
-        ) from None
+    require_matplotlib("replay plot")
 
 
 def plot_usage(

@@ -14,8 +14,8 @@ import io
 from pathlib import Path
 from typing import Any
 
-from services.exitcodes import CommandError, ExitCode
 from services.report.panels import Panel, Report, Series
+from services.runtime.plotting import require_matplotlib
 
 __all__ = ["check_plotting", "draw"]
 
@@ -24,12 +24,7 @@ _COLUMNS = 2
 
 def check_plotting() -> None:
     """Raise :class:`CommandError` (exit 2) when matplotlib cannot be imported."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise CommandError(
-            "report needs matplotlib: pip install 'dracap[plot]'", ExitCode.BAD_INPUT
-        ) from None
+    require_matplotlib("report")
 
 
 def _time_unit(span: float) -> tuple[float, str]:

@@ -67,6 +67,7 @@ from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.relaying import Relay
 from services.runtime.settings import Settings
+from tests.fixtures.links import HostVeth
 
 pytest_plugins = ["tests.fixtures.netns"]
 
@@ -74,10 +75,6 @@ DRIVER = "vnic.dracap.io"
 CLASS = "bandwidth.dracap.io"
 NAMESPACE = "tenant-a"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _ip(*argv: str) -> None:
-    subprocess.run(["ip", *argv], check=True, capture_output=True, text=True)
 
 
 def _tc(*argv: str) -> str:
@@ -109,7 +106,7 @@ class Node:
         self.names = BusNames(f"t{tag}")
         self.node = f"node-{tag}"
         self.iface = f"dcr{tag}"
-        self.netns = f"dcrns{tag}"
+        self.link = HostVeth(self.iface, f"dcrns{tag}", f"dcp{tag}")
         self.tmp = tmp
         self.checkpoint = tmp / "agent.checkpoint.json"
         self.config = tmp / "agent-config.yaml"
@@ -126,14 +123,10 @@ class Node:
 
     # -- setup
     def make_link(self) -> None:
-        _ip("netns", "add", self.netns)
-        _ip("link", "add", self.iface, "type", "veth", "peer", "name", f"dcp{self.iface[3:]}")
-        _ip("link", "set", f"dcp{self.iface[3:]}", "netns", self.netns)
-        _ip("link", "set", self.iface, "up")
+        self.link.create()
 
     def remove_link(self) -> None:
-        subprocess.run(["ip", "link", "del", self.iface], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
+        self.link.remove()
 
     def write_config(self) -> None:
         config = {
