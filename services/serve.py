@@ -225,6 +225,7 @@ def _derive_metrics(live: LiveState) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``dracap serve``."""
+    eventloop.log_to_stderr()
     try:
         return eventloop.run(serve(args))
     except SettingsError as exc:

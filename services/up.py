@@ -716,11 +716,7 @@ async def _main(options: UpOptions) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    eventloop.log_to_stderr()
     options = UpOptions(
         data_dir=Path(args.data_dir),
         inventory=tuple(args.inventory or ["deploy/examples"]),

@@ -53,6 +53,7 @@ async def _serve(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.verb == "serve":
+            eventloop.log_to_stderr()
             return eventloop.run(_serve(args))
         parse_time("--from", args.start)  # bad input: exit 2 before connecting
         parse_time("--to", args.end)

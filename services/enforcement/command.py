@@ -243,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     except SubjectError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    eventloop.log_to_stderr()
     try:
         return eventloop.run(serve(args))
     except (SettingsError, ConfigError) as exc:

@@ -79,13 +79,13 @@ class SlicePublisher:
             desired = node_slices(state, self.agent.node, driver)
             done = await sync_slices(self.api, driver, self.agent.node, desired)
             self.generations[driver] = done.generation
-            if done.changed:
-                log.info(
-                    "ResourceSlices of %s on %s at generation %d",
-                    driver,
-                    self.agent.node,
-                    done.generation,
-                )
+            log.info(
+                "ResourceSlices of %s on %s %s generation %d",
+                driver,
+                self.agent.node,
+                "written at" if done.changed else "in sync at",
+                done.generation,
+            )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Sync at start and after every change, until ``stop``; a failure is retried."""

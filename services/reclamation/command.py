@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         if value <= 0:
             print(f"error: {flag} must be a positive number of seconds", file=sys.stderr)
             return ExitCode.BAD_INPUT
+    eventloop.log_to_stderr()
     try:
         hook_of(args.fence_hook)
         return eventloop.run(serve(args))

@@ -10,18 +10,32 @@ the transports in C; asyncpg and nats-py use it as they use the standard loop.
 :func:`run` is :func:`asyncio.run` on uvloop where uvloop is installed (a dependency
 on Linux), else on the standard loop; ``DRACAP_EVENT_LOOP=asyncio`` forces the
 standard one (to rule the loop out when chasing a problem).
+
+:func:`log_to_stderr` is how every long-running process logs: INFO and above, one
+line each, to standard error (what a container runtime collects).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["loop_name", "run"]
+__all__ = ["log_to_stderr", "loop_name", "run"]
 
 T = TypeVar("T")
+
+
+def log_to_stderr() -> None:
+    """Log INFO and above to standard error, one timestamped line per record."""
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
 
 
 def loop_name() -> str:

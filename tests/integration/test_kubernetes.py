@@ -31,7 +31,7 @@ from services.runtime.kubeletplugin import ClaimRef
 from services.runtime.livestate import HEAD
 from services.runtime.settings import Settings
 from tests.fixtures.k8s_standin import StandinApiServer
-from tests.fixtures.kubernetes import NAMESPACE, Cluster, share_of, tc_minor
+from tests.fixtures.kubernetes import DRIVER, NAMESPACE, Cluster, share_of, tc_minor
 
 pytest_plugins = ["tests.fixtures.netns"]
 
@@ -102,10 +102,17 @@ async def test_kubelet_prepares_enforces_and_unprepares_a_scheduled_claim(
     finally:
         await kubelet.close()
 
+    [published] = (await cluster.api.list_slices(node=cluster.node)).items
     cluster.kill_agent()  # restarted between prepare and unprepare
     assert tc_minor(cluster.iface, share_id) is not None
     cluster.start_agent()
     kubelet = await cluster.kubelet()
+    synced = f"ResourceSlices of {DRIVER} on {cluster.node} in sync at generation 1"
+    await cluster.until_api(lambda: _logged(cluster, 2, synced), "the restart's slice sync")
+    [again_published] = (await cluster.api.list_slices(node=cluster.node)).items
+    # the restarted agent found its slices as they were: nothing written, same generation
+    assert again_published.metadata.resource_version == published.metadata.resource_version
+    assert again_published.spec.pool.generation == published.spec.pool.generation == 1
     try:
         again = await kubelet.prepare([ref])
         assert again == first  # the log and the checkpoint carried it
@@ -120,6 +127,12 @@ async def test_kubelet_prepares_enforces_and_unprepares_a_scheduled_claim(
         assert (await kubelet.unprepare([ref])) == {uid: ""}  # again: nothing left to undo
     finally:
         await kubelet.close()
+
+
+async def _logged(cluster: Cluster, start: int, line: str) -> bool:
+    """Whether the agent's ``start``-th run logged ``line``."""
+    log = cluster.tmp / f"agent-{start}.log"
+    return log.exists() and line in log.read_text(errors="replace")
 
 
 async def test_an_oversubscribing_allocation_is_refused_at_prepare(cluster: Cluster) -> None:
