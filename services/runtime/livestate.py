@@ -66,7 +66,8 @@ state of the reservation service).
 
 While nobody listens (a start's catch-up, before the services subscribe), a read folds
 the stored rows straight away (:meth:`LiveState._fold_rows`): no envelope is built per
-event, which made the catch-up of a start ~2.5x faster (``benchmarks/replay.py``).
+event (a catch-up of 100,000 events on a 1 M-event log: ~1.5-2.0 s -> ~1.0-1.3 s on the
+2-core development machine; reading the rows is much of what is left).
 
 An event the fold refuses (``InvariantViolation``) is *skipped*: the log is the source
 of truth and is never rewritten, so the view records the violation
