@@ -4,7 +4,7 @@ Two parts (``docs/forensics.md`` has the figures):
 
 1. **File**: a ``dracap-log`` file of ``--events`` events (the valid history of
    :func:`benchmarks.eventlog.history`: slices, then claim lifecycles) is written with
-   :class:`~services.replay.logfile.LogWriter`. Measured, best of ``--repeat``:
+   :class:`~services.replay.logfile.LogWriter`. Measured, median of ``--repeat``:
 
    * *raw read* (the baseline of the goal): the file read in chunks of the reader's
      size and every event line parsed as JSON into its row tuple (msgspec; the
@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import datetime
 import os
+import statistics
 import tempfile
 import time
 import uuid
@@ -117,13 +118,14 @@ async def replay_file(path: Path, position: int) -> int:
     return state.position
 
 
-def best(repeat: int, work: Any) -> float:
+def median(repeat: int, work: Any) -> float:
+    """The median time of ``repeat`` runs (the machine is shared: one lucky run says little)."""
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
         work()
         times.append(time.perf_counter() - started)
-    return min(times)
+    return statistics.median(times)
 
 
 def file_part(n: int, repeat: int, directory: Path) -> dict[str, float]:
@@ -131,11 +133,11 @@ def file_part(n: int, repeat: int, directory: Path) -> dict[str, float]:
     wrote = write_file(path, n)
     size = path.stat().st_size
     print(f"  wrote {n:,} events ({size / 2**20:,.0f} MiB) in {wrote:.1f}s")
-    lines = best(repeat, lambda: raw_read(path, parse=False))
-    raw = best(repeat, lambda: raw_read(path))
-    generic = best(1, lambda: raw_read(path, generic=True))
-    replay = best(repeat, lambda: asyncio.run(replay_file(path, n)))
-    half = best(1, lambda: asyncio.run(replay_file(path, n // 2)))
+    lines = median(repeat, lambda: raw_read(path, parse=False))
+    raw = median(repeat, lambda: raw_read(path))
+    generic = median(1, lambda: raw_read(path, generic=True))
+    replay = median(repeat, lambda: asyncio.run(replay_file(path, n)))
+    half = median(1, lambda: asyncio.run(replay_file(path, n // 2)))
     path.unlink()
     return {
         "file MiB": size / 2**20,
@@ -360,7 +362,7 @@ def report(r: dict[str, float]) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=1_000_000)
-    parser.add_argument("--repeat", type=int, default=2, help="file runs, best kept")
+    parser.add_argument("--repeat", type=int, default=3, help="file runs, median kept")
     parser.add_argument(
         "--admin-url",
         default=os.environ.get(
