@@ -52,6 +52,7 @@ from services.replay.verify import summary, verify
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import connect
 from services.runtime.settings import ServiceKind, Settings, load_settings
+from services.runtime.snapshots import EVERY_EVENTS
 
 T = TypeVar("T")
 
@@ -402,7 +403,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     snap = verbs.add_parser("snapshot", help="write snapshots of the fold (once, or as a service)")
     snap.add_argument("--once", action="store_true", help="write one now and exit")
-    snap.add_argument("--every-events", type=int, default=100_000, metavar="N")
+    snap.add_argument("--every-events", type=int, default=EVERY_EVENTS, metavar="N")
     snap.add_argument("--every-minutes", type=float, default=10.0, metavar="M")
     add_endpoint_arguments(snap, database=True)
     snap.set_defaults(func=_snapshot)

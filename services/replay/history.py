@@ -66,7 +66,7 @@ async def state_at(source: LogSource, position: int) -> ClusterState:
     """The fold of the log up to and including ``position``."""
     state = await source.start(position)
     with paused_gc():
-        async for rows in source.rows(state.position, to_position=position):
+        async for rows in source.rows(state.position, to_position=position, to_fold=True):
             try:
                 fold_rows(state, rows)
             except InvariantViolation as exc:

@@ -69,8 +69,11 @@ class LogSource(Protocol):
     async def start(self, at_or_before: int) -> ClusterState:
         """The state to fold from for a replay to ``at_or_before``."""
 
-    def rows(self, after: int, to_position: int | None = None) -> AsyncIterator[list[Any]]:
-        """Pages of rows after ``after`` (up to ``to_position``)."""
+    def rows(
+        self, after: int, to_position: int | None = None, *, to_fold: bool = False
+    ) -> AsyncIterator[Any]:
+        """Pages of rows after ``after`` (up to ``to_position``); ``to_fold``: pages only
+        :func:`~services.replay.verify.fold_rows` reads (a file's undecoded lines)."""
 
     async def position_at(self, when: datetime.datetime) -> int:
         """The last position recorded at or before ``when``."""
@@ -109,7 +112,9 @@ class DatabaseSource:
         state = await load_verified(self.connection, at_or_before)
         return state if state is not None else ClusterState()
 
-    async def rows(self, after: int, to_position: int | None = None) -> AsyncIterator[list[Any]]:
+    async def rows(
+        self, after: int, to_position: int | None = None, *, to_fold: bool = False
+    ) -> AsyncIterator[Any]:
         async for page in iter_rows(self.connection, after, to_position=to_position):
             yield page
 
@@ -139,8 +144,17 @@ class FileSource:
     async def start(self, at_or_before: int) -> ClusterState:
         return ClusterState()
 
-    async def rows(self, after: int, to_position: int | None = None) -> AsyncIterator[list[Any]]:
-        for page in logfile.read_rows(self.path, to_position=to_position, progress=self.progress):
+    async def rows(
+        self, after: int, to_position: int | None = None, *, to_fold: bool = False
+    ) -> AsyncIterator[Any]:
+        pages = logfile.read_rows(
+            self.path, to_position=to_position, progress=self.progress, lines=to_fold
+        )
+        for page in pages:
+            if isinstance(page, logfile.LinePage):
+                if page.last > after:
+                    yield page.between(after) if page.first <= after else page
+                continue
             if page[-1][POSITION] <= after:
                 continue
             if page[0][POSITION] <= after:

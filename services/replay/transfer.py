@@ -76,7 +76,7 @@ def check_file(path: str | Path, progress: Progress | None = None) -> ClusterSta
     """Read and fold the whole file; raises LogFileError or :class:`ImportRefusedError`."""
     state = ClusterState()
     with paused_gc():
-        for rows in read_rows(path, progress=progress):
+        for rows in read_rows(path, progress=progress, lines=True):
             try:
                 fold_rows(state, rows)
             except InvariantViolation as exc:

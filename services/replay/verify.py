@@ -36,6 +36,7 @@ from events.errors import InvariantViolation
 from events.fold import ClusterState, Step, apply_event, step_of
 from events.guards import amount
 from events.quantities import Quantity
+from services.replay.logfile import LinePage, decode_line
 from services.runtime.eventstore import connect, iter_rows
 from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
 from services.runtime.settings import Settings
@@ -233,15 +234,27 @@ _REPLAY: Final[dict[str, tuple[int, Callable[[bytes | str], Event], Step]]] = {
 }
 
 
-def fold_rows(state: ClusterState, rows: Sequence[Any]) -> None:
+#: tag -> (event class, current schema version, step): a line of a LinePage that
+#: decoded to exactly this folds straight away.
+_LINES: Final[dict[str, tuple[type, int, Step]]] = {
+    tag: (EVENT_TYPES[tag], version, step) for tag, (version, _, step) in _REPLAY.items()
+}
+
+
+def fold_rows(state: ClusterState, rows: Sequence[Any] | LinePage) -> None:
     """Fold stored event rows (:mod:`services.runtime.rows` order) without building envelopes.
 
     The same as ``apply_event(state, decode_stored(payload, type, schema_version),
     position)`` for each row, with the per-row lookups done once per event type: a
     payload of the current schema version goes straight to its type's decoder and
     fold step (a payload that fails to decode is handed to :func:`decode_stored` for
-    its error), an older one takes the upcasting path.
+    its error), an older one takes the upcasting path. A
+    :class:`~services.replay.logfile.LinePage` of a log file is decoded line by line
+    as it is folded (:func:`_fold_lines`).
     """
+    if isinstance(rows, LinePage):
+        _fold_lines(state, rows)
+        return
     table = _REPLAY
     for row in rows:
         tag, version, payload = row[TYPE], row[SCHEMA_VERSION], row[PAYLOAD]
@@ -264,6 +277,42 @@ def fold_rows(state: ClusterState, rows: Sequence[Any]) -> None:
             state.position = position
         else:
             step(state, event, position)
+
+
+def _fold_lines(state: ClusterState, page: LinePage) -> None:
+    """Fold the lines of a log file's page, each decoded in one pass right before its step.
+
+    A line that decodes to the event :func:`decode_stored` would give, at the position
+    its place in the file gives, is folded like :func:`fold_rows` folds a row (order
+    check, step, position); any other line goes through :meth:`LinePage.row` (a line
+    that is not an event or not the next position: ``LogFileError``) and
+    :func:`fold_rows` — upcasting, and the errors of a payload that does not decode.
+    """
+    table = _LINES
+    position = page.first - 1
+    for line in page.lines:
+        position += 1
+        try:
+            row = decode_line(line)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            row = None
+        if row is not None:
+            event = row.payload
+            entry = table.get(row.type)
+            if (
+                entry is not None
+                and type(event) is entry[0]
+                and row.schema_version == entry[1]
+                and row.position == position
+            ):
+                if position <= state.position:
+                    raise InvariantViolation(
+                        position, "order", f"position {position} after {state.position}"
+                    )
+                entry[2](state, event, position)
+                state.position = position
+                continue
+        fold_rows(state, [page.row(position - page.first)])
 
 
 async def fold_log(

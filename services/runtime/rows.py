@@ -18,7 +18,7 @@ from typing import Any, Final, TypeVar
 import asyncpg
 import msgspec
 
-from events.catalog import Envelope, RawEnvelope, decode_stored
+from events.catalog import Envelope, Event, RawEnvelope, current_decoders, decode_stored
 
 #: The columns of ``events``, in the order every read and bulk write uses.
 COLUMNS: Final = (
@@ -37,6 +37,8 @@ COLUMNS: Final = (
 )
 POSITION: Final = 0
 EVENT_ID: Final = 1
+STREAM: Final = 2
+STREAM_VERSION: Final = 3
 TYPE: Final = 4
 SCHEMA_VERSION: Final = 5
 PAYLOAD: Final = 11
@@ -83,10 +85,25 @@ def _envelope(cls: type[E], row: Row, event: Any) -> E:
     )
 
 
+_CURRENT: Final = current_decoders()
+
+
+def event_of(row: Row) -> Event:
+    """The event of one stored row: :func:`~events.catalog.decode_stored`, with a payload
+    at its type's current schema version going straight to that type's decoder."""
+    tag, version, payload = row[TYPE], row[SCHEMA_VERSION], row[PAYLOAD]
+    entry = _CURRENT.get(tag)
+    if entry is not None and entry[0] == version:
+        try:
+            return entry[1](payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass  # decode_stored raises the catalog's error for it
+    return decode_stored(payload, tag, version)
+
+
 def envelope_of(row: Row) -> Envelope:
     """The envelope of one stored row (payload decoded tolerantly, with upcasting)."""
-    event = decode_stored(row[PAYLOAD], row[TYPE], row[SCHEMA_VERSION])
-    return _envelope(Envelope, row, event)
+    return _envelope(Envelope, row, event_of(row))
 
 
 def raw_envelope_of(row: Row) -> RawEnvelope:

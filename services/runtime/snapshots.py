@@ -15,7 +15,22 @@ Stored form (the ``snapshots`` table of migration 0001, no new migration)
 
 Compressed because reading is what a start waits for: at a million events the JSON is
 151 MiB and fetching it took 0.7 s, the 8 MiB compressed form 0.05 s plus 0.35-0.45 s
-to inflate; compressing (0.9 s) runs in a thread (zlib and hashlib release the GIL).
+to inflate.
+
+Encoding off the event loop (:func:`encode_detached`)
+-------------------------------------------------------
+Encoding a million-event state takes ~2 s of CPU, and msgspec holds the GIL for all
+of it, so neither the loop nor a thread can do it without stopping the process's
+other work for that long. Where ``os.fork`` exists (Linux, where dracap runs), the
+writer forks: the child process gets a copy-on-write image of the state *as it is at
+that instant* — the loop forks between two folds, so that image is the state at exactly
+``state.position``, never a torn one — encodes and compresses it, writes the bytes to a
+pipe and exits; the parent reads them in a thread and stores them while its loop goes
+on folding and serving. What the loop waits for is the ``fork()`` call itself (copying
+the page tables: milliseconds, see ``benchmarks/replay.py``). The child does nothing
+but encode, compress and write — no locks, no logging, no I/O but its pipe — and leaves
+with ``os._exit``; if it fails or the writer is cancelled, it is killed and reaped, and
+no snapshot is written. Without ``os.fork`` the state is encoded on the loop as before.
 
 ``schema_version`` is :data:`FRAME_VERSION`. Rows written before this module (no
 frame, ``schema_version`` 1) are read as a bare body and checked by the rules that do
@@ -36,10 +51,13 @@ Verification (:func:`verify_snapshot`), in this order, each cheap before the cos
 Writing and pruning (:class:`SnapshotWriter`)
 --------------------------------------------
 The writer watches a :class:`LiveState` (it folds nothing itself) and writes a snapshot
-when the state is at least ``every_events`` (default 100,000) past the newest snapshot,
-or ``every_seconds`` (default 10 minutes) have passed and at least one event was folded
-since. Encoding runs on the event loop (the state must not change under it); at a
-million events that is a fraction of a second every 100,000 events.
+when the state is at least ``every_events`` (default :data:`EVERY_EVENTS`, 25,000) past
+the newest snapshot, or ``every_seconds`` (default 10 minutes) have passed and at least
+one event was folded since, and once more when it stops (a clean shutdown), so that the
+next start begins at the head instead of folding up to ``every_events`` again. 25,000
+bounds what a start after a crash folds (~0.3 s at 1 M events, below the 2 s start-up
+goal with the snapshot's load, where 100,000 took ~1.0-1.3 s); what it costs is CPU
+in the forked child (~2.5 s per write at 1 M events, off the loop) every 25,000 events.
 After each write it prunes: it **keeps the newest** :data:`KEEP` **(3) snapshots** and
 deletes older ones — three, so that one torn or unverifiable snapshot still leaves two
 to fall back on, and bounded, so the table does not grow with the log. ``dracap replay
@@ -53,10 +71,13 @@ import contextlib
 import gc
 import hashlib
 import logging
+import os
+import signal
 import time
+import warnings
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import asyncpg
 
@@ -72,7 +93,9 @@ __all__ = [
     "FRAME_VERSION",
     "KEEP",
     "SnapshotWriter",
+    "encode_detached",
     "frame",
+    "frame_packed",
     "load_verified",
     "prune",
     "serve_snapshots",
@@ -85,7 +108,7 @@ log = logging.getLogger(__name__)
 
 FRAME_VERSION: Final = 2
 KEEP: Final = 3
-EVERY_EVENTS: Final = 100_000
+EVERY_EVENTS: Final = 25_000
 EVERY_SECONDS: Final = 600.0
 _MAGIC: Final = b"dracap-snapshot 1 "
 
@@ -105,9 +128,74 @@ class Framed:
 
 def frame(body: bytes, event_id: str) -> bytes:
     """The stored payload of a snapshot ``body`` taken right after event ``event_id``."""
-    packed = zlib.compress(body, 1)
+    return frame_packed(zlib.compress(body, 1), event_id)
+
+
+def frame_packed(packed: bytes, event_id: str) -> bytes:
+    """:func:`frame` of a body compressed already."""
     digest = hashlib.sha256(packed).hexdigest()
     return _MAGIC + f"{digest} {event_id}\n".encode() + packed
+
+
+async def encode_detached(state: ClusterState) -> tuple[int, bytes]:
+    """``state``'s position and its body compressed, encoded in a forked child (module
+    docstring) so that the event loop is not stalled; on the loop without ``os.fork``."""
+    if not hasattr(os, "fork"):
+        position, body = state.position, snapshot_encode(state)
+        return position, await asyncio.to_thread(zlib.compress, body, 1)
+    read_fd, write_fd = os.pipe()
+    position = state.position  # the child's image is of this instant: no await between
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns that forking a process with threads may deadlock the
+            # child in a lock another thread held; this child takes none (module docstring)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except BaseException:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
+    if pid == 0:
+        _encode_in_child(state, read_fd, write_fd)
+    os.close(write_fd)
+    try:
+        packed, code = await asyncio.to_thread(_collect, pid, read_fd)
+    except BaseException:  # cancelled: the thread reaps the child once it is gone
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        raise
+    if code != 0:
+        raise SnapshotError(f"snapshot at {position}: the encoding process exited with {code}")
+    return position, packed
+
+
+def _encode_in_child(state: ClusterState, read_fd: int, write_fd: int) -> NoReturn:
+    """The forked child: encode, compress, write to the pipe, exit (never returns)."""
+    code = 1
+    try:
+        os.close(read_fd)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)  # the parent's loop owns that fd
+        gc.disable()  # nothing to collect in a process that lives for one encode
+        view = memoryview(zlib.compress(snapshot_encode(state), 1))
+        while view:
+            view = view[os.write(write_fd, view) :]
+        code = 0
+    finally:
+        os._exit(code)  # no atexit handlers, no flushing of the parent's buffers
+
+
+def _collect(pid: int, read_fd: int) -> tuple[bytes, int]:
+    """Read the child's pipe to its end, then reap it: (bytes, exit code)."""
+    parts: list[bytes] = []
+    try:
+        while chunk := os.read(read_fd, 1 << 20):
+            parts.append(chunk)
+    finally:
+        os.close(read_fd)
+        _, status = os.waitpid(pid, 0)
+    return b"".join(parts), os.waitstatus_to_exitcode(status)
 
 
 def unframe(payload: bytes, schema_version: int) -> Framed:
@@ -189,9 +277,9 @@ async def load_verified(
 
 
 async def write_snapshot(pool: Connection, state: ClusterState, *, keep: int = KEEP) -> int:
-    """Store a snapshot of ``state`` (encoded now, synchronously) and prune; its position."""
-    position = state.position
-    body = snapshot_encode(state)
+    """Store a snapshot of ``state`` as it is now (:func:`encode_detached`) and prune; its
+    position."""
+    position, packed = await encode_detached(state)
     event_id = await pool.fetchval(
         "SELECT event_id::text FROM events WHERE position = $1", position
     )
@@ -203,7 +291,7 @@ async def write_snapshot(pool: Connection, state: ClusterState, *, keep: int = K
         "schema_version = EXCLUDED.schema_version, created_at = now()",
         position,
         FRAME_VERSION,
-        await asyncio.to_thread(frame, body, event_id),
+        await asyncio.to_thread(frame_packed, packed, event_id),
     )
     await prune(pool, keep=keep)
     return position
@@ -257,9 +345,13 @@ class SnapshotWriter:
             return True
         return time.monotonic() - self.last_time >= self.every_seconds
 
-    async def maybe_write(self) -> bool:
-        """Write a snapshot if one is due; True if it wrote one."""
-        if not self.due():
+    async def maybe_write(self, *, stopping: bool = False) -> bool:
+        """Write a snapshot if one is due (``stopping``: if anything was folded since the
+        last); True if it wrote one."""
+        if stopping:
+            if self.state().position <= self.last_position:
+                return False
+        elif not self.due():
             return False
         position = await write_snapshot(self.pool, self.state(), keep=self.keep)
         self.last_position, self.last_time = position, time.monotonic()
@@ -270,18 +362,23 @@ class SnapshotWriter:
     async def run(
         self, stop: asyncio.Event, wake: Callable[[], Awaitable[None]] | None = None
     ) -> None:
-        """Check every ``check_every_s`` (or when ``wake`` returns) until ``stop``."""
+        """Check every ``check_every_s`` (or when ``wake`` returns) until ``stop``; then
+        write one last snapshot if anything was folded since the last one."""
         await self.start()
         while not stop.is_set():
-            try:
-                await self.maybe_write()
-            except (SnapshotError, asyncpg.PostgresError, OSError) as exc:
-                log.warning("snapshot not written: %s", exc)
+            await self._write(stopping=False)
             if wake is not None:
                 await wake()
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.check_every_s)
+        await self._write(stopping=True)
+
+    async def _write(self, *, stopping: bool) -> None:
+        try:
+            await self.maybe_write(stopping=stopping)
+        except (SnapshotError, asyncpg.PostgresError, OSError) as exc:
+            log.warning("snapshot not written: %s", exc)
 
 
 async def serve_snapshots(

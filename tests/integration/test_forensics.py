@@ -397,3 +397,22 @@ async def test_the_writer_snapshots_every_n_events_as_the_live_state_moves(
     started = LiveState(store)
     assert await started.load_snapshot()
     assert started.state.position == scenario.head
+
+
+async def test_the_writer_snapshots_what_was_folded_when_it_stops(
+    scenario: Scenario, store: EventStore
+) -> None:
+    live = LiveState(store)
+    await live.fresh(HEAD)
+    writer = SnapshotWriter(store.pool, lambda: live.state, every_events=10**9)
+    await write_snapshot(store.pool, live.state)
+    stop = asyncio.Event()
+    stop.set()  # nothing folded since the snapshot: stopping writes none
+    await writer.run(stop)
+    assert writer.written == 0
+    await put(store, c.ClaimAdmitted(namespace="team-a", name="late"), actor="system:claims")
+    await live.fresh(HEAD)
+    await writer.run(stop)  # a clean stop: one snapshot of what was folded
+    assert writer.written == 1
+    newest = await store.pool.fetchval("SELECT max(position) FROM snapshots")
+    assert newest == scenario.head + 1 == live.state.position

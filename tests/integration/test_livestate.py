@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -10,7 +12,10 @@ import pytest
 from events import catalog
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import HEAD, SEEN, LiveState
+from services.runtime.rows import COLUMNS
 from services.runtime.settings import Settings
+from tests.integration import sample as s
+from tests.integration.scenario import put
 
 META = Metadata(actor="test")
 
@@ -72,3 +77,47 @@ async def test_a_position_that_does_not_come_times_out(store: EventStore) -> Non
     with pytest.raises(TimeoutError):
         await live.fresh(head + 1, timeout=0.2)
     assert live.state.position == head  # what was committed is folded all the same
+
+
+async def test_a_catch_up_without_listeners_folds_as_one_with_them(store: EventStore) -> None:
+    """The row path of a read (nobody listens) gives the envelope path's state, stream
+    versions, inventory generation and skipped violations."""
+    r1 = s.reserved("t", "c1", "gpu-0", "50Gi")
+    await put(store, s.slice_published(), s.claim_submitted("t", "c1"), r1, s.bound(r1))
+    head = await store.head()
+    greedy = s.reserved("t", "greedy", "gpu-0", "60Gi")  # 110Gi of 80Gi: the fold refuses it
+    later = catalog.ClaimAdmitted(namespace="t", name="later")
+    rows = [
+        (
+            head + i + 1,
+            uuid.uuid4(),
+            catalog.stream_of(e),
+            version,
+            catalog.tag_of(e),
+            catalog.schema_version_of(e),
+            "t",
+            "test",
+            str(uuid.uuid4()),
+            None,
+            datetime.datetime.now(datetime.UTC),
+            catalog.encode_payload(e),
+        )
+        for i, (e, version) in enumerate(((greedy, 2), (later, 1)))  # r1 took gpu-0's 1
+    ]  # copied in past the database's guards, as a broken writer might have
+    async with store.pool.acquire() as connection:
+        await connection.copy_records_to_table("events", records=rows, columns=list(COLUMNS))
+        await connection.execute("UPDATE event_log_head SET position = $1", head + 2)
+
+    heard: list[int] = []
+    listened = LiveState(store, batch_size=3)
+    listened.subscribe(lambda envelope: heard.append(envelope.position))
+    quiet = LiveState(store, batch_size=3)
+    for live in (listened, quiet):
+        await live.fresh(HEAD)
+    assert heard == list(range(1, head + 3))
+    assert quiet.state == listened.state and quiet.state.position == head + 2
+    assert quiet.state.claim("t", "later") is not None
+    assert [p for p, _ in quiet.violations] == [p for p, _ in listened.violations] == [head + 1]
+    assert quiet.inventory_generation == listened.inventory_generation == 1
+    assert quiet._versions == listened._versions
+    assert await quiet.stream_version(catalog.stream_of(greedy)) == 2
