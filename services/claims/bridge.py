@@ -45,7 +45,14 @@ from events.catalog import Envelope, Event
 from events.fold import ClaimKey, ClusterState
 from events.model import ResourceClaim
 from services.claims.kubeobjects import device_statuses
-from services.claims.mirroring import BRIDGE_SERVICE, SOURCE, Mirror, decide_claim, decide_deleted
+from services.claims.mirroring import (
+    BRIDGE_SERVICE,
+    RELEASABLE,
+    SOURCE,
+    Mirror,
+    decide_claim,
+    decide_deleted,
+)
 from services.claims.views import claims_touched
 from services.runtime.errors import ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata
@@ -60,7 +67,6 @@ __all__ = ["Bridge"]
 log = logging.getLogger("dracap.bridge")
 
 _ATTEMPTS: Final = 5  #: decisions of one claim that may lose their race before it is left
-_LIVE: Final = frozenset({"allocated", "retrying", "ready", "stalled", "failed"})
 
 
 class Bridge:
@@ -143,7 +149,7 @@ class Bridge:
         gone = [
             (key, claim.uid)
             for key, claim in state.claims.items()
-            if claim.source == SOURCE and claim.phase in _LIVE and key not in present
+            if claim.source == SOURCE and claim.phase in RELEASABLE and key not in present
         ]
         for (namespace, name), uid in gone:
             await self.deleted(namespace, name, uid)

@@ -75,6 +75,7 @@ from events.model import (
 
 __all__ = [
     "BRIDGE_SERVICE",
+    "RELEASABLE",
     "SOURCE",
     "Mirror",
     "consumer_of",
@@ -88,8 +89,8 @@ SOURCE: Final = "kubernetes"
 BRIDGE_SERVICE: Final = "kubernetes-bridge"  #: the actor is ``system:kubernetes-bridge``
 #: ShareIDs of dedicated devices: uuid5 in this namespace of "uid/request/driver/pool/device"
 _SHARE_NAMESPACE: Final = uuid.UUID("5f0f3c62-6f2b-4c43-9f59-2d3b8d0e6a41")
-#: phases a release request acts on (the fold ignores it in the others)
-_RELEASABLE: Final = frozenset({"allocated", "retrying", "ready", "stalled", "failed"})
+#: phases of a mirrored claim that a release request acts on (the fold ignores the others)
+RELEASABLE: Final = frozenset({"allocated", "retrying", "ready", "stalled", "failed"})
 
 
 class Mirror(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,7 +171,7 @@ def decide_deleted(state: ClusterState, namespace: str, name: str, uid: str | No
         current is None
         or current.source != SOURCE
         or (uid is not None and current.uid != uid)
-        or current.phase not in _RELEASABLE
+        or current.phase not in RELEASABLE
     ):
         return Mirror(claim_stream=stream)
     return _release(current, "the ResourceClaim was deleted in Kubernetes")
@@ -186,15 +187,15 @@ def decide_claim(state: ClusterState, claim: ResourceClaim, drivers: Collection[
     live = current is not None and current.phase not in REUSABLE_PHASES
     if current is not None and live:
         if current.source != SOURCE or current.uid != uid:
-            if current.source == SOURCE and current.phase in _RELEASABLE:
+            if current.source == SOURCE and current.phase in RELEASABLE:
                 return _release(current, "the ResourceClaim was recreated in Kubernetes")
             return Mirror(claim_stream=stream)  # a standalone claim of that name: not ours
         if not results:
-            if current.phase in _RELEASABLE:
+            if current.phase in RELEASABLE:
                 return _release(current, "deallocated in Kubernetes")
             return Mirror(claim_stream=stream)
         if not _same_allocation(current, uid, results):
-            if current.phase in _RELEASABLE:
+            if current.phase in RELEASABLE:
                 return _release(current, "allocated anew in Kubernetes")
             return Mirror(claim_stream=stream)  # releasing: mirrored anew once released
         return _reservations(current, claim, stream)
