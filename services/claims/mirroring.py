@@ -11,8 +11,9 @@ exactly what Kubernetes allocated on dracap's drivers' devices:
   append: ``ClaimSubmitted(source="kubernetes")`` with the claim as the API server has it
   (its ``metadata.uid`` identifies it), ``ClaimAdmitted``, one ``CapacityReserved`` per
   device result of dracap's drivers (the result's ``shareID``; a dedicated device gets a
-  ShareID derived from the claim's UID, the request and the device, so a second decision
-  on the same allocation names the same shares) and ``AllocationBound``. The database's
+  ShareID derived from the claim's UID, the allocation version, the request and the
+  device, so a second decision on the same allocation names the same shares, and a
+  later allocation of the same claim other ones) and ``AllocationBound``. The database's
   guards check the capacity invariant in that append, as for every reservation;
 * an allocation that would break an invariant in dracap's ledger (a device past its
   total, a second holder of a dedicated device, a share outside the policy it was granted
@@ -113,11 +114,13 @@ def results_of(
     return [r for r in results_of_any(claim) if r.driver in drivers]
 
 
-def share_id_of(uid: str, result: DeviceRequestAllocationResult) -> str:
-    """The ShareID of a result: its ``shareID``, or one derived from the claim and device."""
+def share_id_of(uid: str, version: int, result: DeviceRequestAllocationResult) -> str:
+    """The ShareID of a result of allocation ``version``: its ``shareID``, or for a
+    dedicated device one derived from the claim, the allocation version and the device
+    (the same decision twice names the same share; a later allocation, another)."""
     if result.share_id:
         return result.share_id
-    name = f"{uid}/{result.request}/{result.driver}/{result.pool}/{result.device}"
+    name = f"{uid}/{version}/{result.request}/{result.driver}/{result.pool}/{result.device}"
     return str(uuid.uuid5(_SHARE_NAMESPACE, name))
 
 
@@ -142,7 +145,8 @@ def _same_allocation(
     current: ClaimState, uid: str, results: list[DeviceRequestAllocationResult]
 ) -> bool:
     """Whether ``current`` records the allocation these results describe."""
-    return set(current.share_ids) == {share_id_of(uid, r) for r in results}
+    version = current.allocation_version
+    return set(current.share_ids) == {share_id_of(uid, version, r) for r in results}
 
 
 def _recorded_results(
@@ -262,7 +266,7 @@ def _mirror(
                     pool=result.pool,
                     device=result.device,
                     node=node,
-                    share_id=share_id_of(uid, result),
+                    share_id=share_id_of(uid, version, result),
                     shared=shared,
                     admin_access=bool(result.admin_access),
                     consumed=dict(result.consumed_capacity or {}) if shared else {},

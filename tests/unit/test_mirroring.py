@@ -21,7 +21,7 @@ from events.fold import ClusterState
 from events.quantities import Quantity
 from services.claims.kubeobjects import device_statuses, resource_claim_object
 from services.claims.mirroring import decide_claim, decide_deleted, share_id_of
-from services.enforcement.decisions import decide_work, enforce_claim
+from services.enforcement.decisions import decide_work, enforce_claim, released
 from services.enforcement.preparing import judge_prepare
 from services.reclamation.decisions import decide_not_started, not_started
 from tests.unit.allocator_fixtures import DRIVER, device_class
@@ -194,8 +194,15 @@ def test_a_dedicated_device_gets_a_share_id_derived_from_the_claim() -> None:
     reserved = decision.events[0][1]
     assert isinstance(reserved, c.CapacityReserved) and not reserved.shared
     result = rc.status.allocation.devices.results[0]  # type: ignore[union-attr]
-    assert reserved.share_id == share_id_of(UID, result)
+    assert reserved.share_id == share_id_of(UID, 1, result)
     assert decide_claim(log.state(), rc, {DRIVER}).events == decision.events  # deterministic
+    state = mirrored(log, rc)
+    state = mirrored(log, deallocated(rc))  # released (the agent gives the capacity back) ...
+    log.add(released(state.shares[reserved.share_id]))
+    state = mirrored(log, rc)  # ... and allocated again to the same device: new shares
+    claim = state.claims[(NAMESPACE, "train")]
+    assert (claim.phase, claim.allocation_version) == ("allocated", 2)
+    assert claim.share_ids == [share_id_of(UID, 2, result)] != [reserved.share_id]
 
 
 def test_the_agent_applies_a_mirrored_claim_only_at_prepare() -> None:
