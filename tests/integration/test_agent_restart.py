@@ -106,7 +106,8 @@ class Node:
         self.names = BusNames(f"t{tag}")
         self.node = f"node-{tag}"
         self.iface = f"dcr{tag}"
-        self.link = HostVeth(self.iface, f"dcrns{tag}", f"dcp{tag}")
+        self.netns = f"dcrns{tag}"
+        self.link = HostVeth(self.iface, self.netns, f"dcp{tag}")
         self.tmp = tmp
         self.checkpoint = tmp / "agent.checkpoint.json"
         self.config = tmp / "agent-config.yaml"
