@@ -1,4 +1,5 @@
-"""The application role the revisions grant to (``dracap_app`` unless settings say otherwise)."""
+"""The application role the revisions grant to (``dracap_app`` unless settings say
+otherwise), and the SQL that creates a group role once per cluster."""
 
 from __future__ import annotations
 
@@ -19,3 +20,25 @@ def app_role() -> str:
 def quote(identifier: str) -> str:
     """``identifier`` as a quoted SQL identifier."""
     return '"' + identifier.replace('"', '""') + '"'
+
+
+def ensure_group_role_sql(role: str) -> str:
+    """SQL that creates the group role ``role`` (``NOLOGIN``) unless it exists.
+
+    Roles are the cluster's: another database's migration may have created it, or be
+    creating it right now (the second ``CREATE ROLE`` is caught).
+    """
+    literal = "'" + role.replace("'", "''") + "'"
+    return f"""
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = {literal}) THEN
+        BEGIN
+            CREATE ROLE {quote(role)} NOLOGIN;
+        EXCEPTION WHEN duplicate_object OR unique_violation THEN
+            NULL;
+        END;
+    END IF;
+END
+$$
+"""

@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -107,11 +106,7 @@ async def serve(args: argparse.Namespace) -> int:
         directory = read_directory(path)
     with reaching("PostgreSQL", database_url):
         store = await EventStore.open(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = eventloop.stop_on_signals()
     server = None
     try:
         with reaching("NATS", nats_url):

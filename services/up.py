@@ -302,7 +302,7 @@ class Stack:
                 stores.reader, nc, js, names, stores=stores, logins=logins, directory=directory
             )
             try:
-                await start_services(stack, nodes=nodes, workers=workers, settings=settings)
+                await start_services(stack, nodes=nodes, workers=workers)
                 yield stack
             finally:
                 await stack.shutdown()
@@ -347,11 +347,9 @@ async def _close_bus(nc: Any) -> None:
         await nc.close()
 
 
-async def start_services(
-    stack: Stack, *, nodes: Sequence[str], workers: int, settings: Settings | None = None
-) -> None:
+async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) -> None:
     """Start the relay, the live state (from the newest snapshot that verifies), the
-    snapshot writer (with ``settings``: it connects as their main user), the APIs,
+    snapshot writer (as ``dracap_snapshots``' user when roles are set up), the APIs,
     reservation workers, the reclamation service, the audit and billing subscribers and
     agents."""
     from services.audit.service import AuditService
@@ -365,6 +363,7 @@ async def start_services(
     from services.runtime.livestate import HEAD, LiveState
     from services.runtime.relaying import Relay
     from services.runtime.slos import SloTracker
+    from services.runtime.snapshots import serve_snapshots
 
     js, names, stop, stores = stack.js, stack.names, stack.stop, stack.stores
     relay = Relay(stores.of(ServiceKind.RELAY), js, names)
@@ -372,10 +371,8 @@ async def start_services(
     live = LiveState(stack.store)
     await live.load_snapshot()
     await live.fresh(HEAD)
-    if settings is not None:
-        from services.runtime.snapshots import serve_snapshots
-
-        stack.spawn("snapshots", functools.partial(serve_snapshots, settings, live, stop))
+    snapshots = stores.of(ServiceKind.SNAPSHOTS)
+    stack.spawn("snapshots", functools.partial(serve_snapshots, snapshots.pool, live, stop))
     stack.gauges = CapacityGauges(live)
     stack.gauges.start()
     stack.slos = SloTracker(live)

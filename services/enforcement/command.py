@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -139,11 +137,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.metrics_port:
         server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
         initialise_series([consumer_name(args.node)])
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = eventloop.stop_on_signals()
     try:
         await ensure_stream(js, names)
         config = load_config(args.config, args.node) if args.config else None

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import shlex
-import signal
 import sys
 from typing import Any
 
@@ -55,11 +53,7 @@ async def serve(args: argparse.Namespace) -> int:
     server = None
     if args.metrics_port:
         server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = eventloop.stop_on_signals()
     try:
         live = LiveState(store)
         await live.load_snapshot()

@@ -10,7 +10,11 @@ Verbs (``docs/forensics.md`` has examples):
   ``plot DEVICE|NODE|CLASS --out FILE.png`` (:mod:`services.replay.history`);
 * ``export --out FILE`` / ``import FILE`` (:mod:`services.replay.transfer`);
 * ``snapshot [--every-events N] [--every-minutes M] [--once]``: write snapshots of the
-  fold (:mod:`services.runtime.snapshots`), once or as a service.
+  fold (:mod:`services.runtime.snapshots`), once or as a service — the writer the
+  deployments run (compose's ``snapshots``, Kubernetes' ``dracap-snapshots``): it logs to
+  stderr, serves ``--metrics-port``, and stops on SIGTERM or SIGINT after writing what
+  was folded since its last snapshot. It connects as ``DRACAP_DATABASE_URL_SNAPSHOTS``'s
+  user (``dracap_snapshots``, migration 0010) when that is set.
 
 Every question takes ``--log FILE`` (an export: no database needed) or finds the
 database like every command (:mod:`services.runtime.endpoints`; read-only role first).
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -49,12 +54,16 @@ from services.replay.sources import (
 )
 from services.replay.transfer import ImportRefusedError, check_file, export_log, import_log
 from services.replay.verify import summary, verify
+from services.runtime import eventloop
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import connect
+from services.runtime.gctuning import tune_for_long_lived_state
+from services.runtime.metrics import metrics_served
 from services.runtime.settings import ServiceKind, Settings, load_settings
 from services.runtime.snapshots import EVERY_EVENTS
 
 T = TypeVar("T")
+log = logging.getLogger("dracap.snapshots")
 
 
 def _settings(args: argparse.Namespace, service: ServiceKind | None) -> tuple[Settings, str]:
@@ -288,47 +297,75 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _snapshot(args: argparse.Namespace) -> int:
-    from services.runtime.eventstore import EventStore
-    from services.runtime.livestate import HEAD, LiveState
-    from services.runtime.snapshots import SnapshotWriter, write_snapshot
-
     if args.every_events < 1:
         raise CommandError(f"--every-events {args.every_events}: must be >= 1", ExitCode.BAD_INPUT)
     if args.every_minutes <= 0:
         raise CommandError(f"--every-minutes {args.every_minutes}: must be > 0", ExitCode.BAD_INPUT)
-    settings, url = _settings(args, None)
+    settings, url = _settings(args, ServiceKind.SNAPSHOTS)
+    try:
+        if args.once:
+            return _run(args, lambda: _snapshot_once(settings), url)
+        eventloop.log_to_stderr()
+        tune_for_long_lived_state()
+        return eventloop.run(_serve_snapshots(args, settings, url))
+    except KeyboardInterrupt:
+        return ExitCode.OK
 
-    async def work() -> int:
-        async with await EventStore.open(settings) as store:
+
+async def _snapshot_once(settings: Settings) -> int:
+    from services.runtime.eventstore import EventStore
+    from services.runtime.livestate import HEAD, LiveState
+    from services.runtime.snapshots import write_snapshot
+
+    async with await EventStore.open(settings) as store:
+        live = LiveState(store)
+        await live.load_snapshot()
+        await live.fresh(HEAD)
+        if not live.state.position:
+            print("the log is empty: no snapshot written")
+            return ExitCode.OK
+        position = await write_snapshot(store.pool, live.state)
+        print(f"snapshot written at position {position}")
+        return ExitCode.OK
+
+
+async def _serve_snapshots(args: argparse.Namespace, settings: Settings, url: str) -> int:
+    """The writer as a service: fold the log as it grows, snapshot it by the rule of
+    :mod:`services.runtime.snapshots`, and once more when SIGTERM or SIGINT stops it."""
+    from services.runtime.eventstore import EventStore
+    from services.runtime.livestate import HEAD, LiveState
+    from services.runtime.snapshots import serve_snapshots
+
+    with reaching("PostgreSQL", url):
+        store = await EventStore.open(settings)
+    stop = eventloop.stop_on_signals()
+    try:
+        with metrics_served(args.metrics_port, args.metrics_addr):
             live = LiveState(store)
             await live.load_snapshot()
             await live.fresh(HEAD)
-            if args.once:
-                if not live.state.position:
-                    print("the log is empty: no snapshot written")
-                    return ExitCode.OK
-                position = await write_snapshot(store.pool, live.state)
-                print(f"snapshot written at position {position}")
-                return ExitCode.OK
-            stop = asyncio.Event()
-            writer = SnapshotWriter(
-                store.pool,
-                lambda: live.state,
-                every_events=args.every_events,
-                every_seconds=args.every_minutes * 60,
+            log.info(
+                "snapshot writer started at position %d (every %d events or %g minutes)",
+                live.state.position,
+                args.every_events,
+                args.every_minutes,
             )
             tail = asyncio.create_task(live.run(stop))
             try:
-                await writer.run(stop)
+                await serve_snapshots(
+                    store.pool,
+                    live,
+                    stop,
+                    every_events=args.every_events,
+                    every_seconds=args.every_minutes * 60,
+                )
             finally:
                 stop.set()
                 await tail
-            return ExitCode.OK
-
-    try:
-        return _run(args, work, url)
-    except KeyboardInterrupt:
-        return ExitCode.OK
+    finally:
+        await store.close()
+    log.info("snapshot writer stopped")
+    return ExitCode.OK
 
 
 # --- the parser ----------------------------------------------------------------------------
@@ -405,5 +442,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     snap.add_argument("--once", action="store_true", help="write one now and exit")
     snap.add_argument("--every-events", type=int, default=EVERY_EVENTS, metavar="N")
     snap.add_argument("--every-minutes", type=float, default=10.0, metavar="M")
+    snap.add_argument(
+        "--metrics-port", type=int, default=0, help="service: Prometheus port (0: off)"
+    )
+    snap.add_argument(
+        "--metrics-addr", default="127.0.0.1", metavar="ADDR", help="where metrics bind"
+    )
     add_endpoint_arguments(snap, database=True)
     snap.set_defaults(func=_snapshot)

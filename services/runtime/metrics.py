@@ -14,6 +14,8 @@ usual way to publish the running version.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from importlib import metadata
 from threading import Thread
 from typing import Final
@@ -46,8 +48,12 @@ __all__ = [
     "RELAY_LAG",
     "SCHEDULING_LATENCY",
     "SELECTOR_JOBS",
+    "SNAPSHOTS_WRITTEN",
+    "SNAPSHOT_FAILURES",
+    "SNAPSHOT_POSITION",
     "UNCONFIRMED_MESSAGES",
     "USAGE",
+    "metrics_served",
     "start_metrics_server",
     "version",
 ]
@@ -187,6 +193,23 @@ KUBELET_CALLS: Final = Counter(
     ["method", "outcome"],
     registry=REGISTRY,
 )
+SNAPSHOTS_WRITTEN: Final = Counter(
+    "dracap_snapshots_written_total",
+    "Snapshots of the fold this process's snapshot writer stored.",
+    registry=REGISTRY,
+)
+SNAPSHOT_FAILURES: Final = Counter(
+    "dracap_snapshot_failures_total",
+    "Snapshots this process's writer was due to store and could not (database, encoding); "
+    "it tries again at its next check.",
+    registry=REGISTRY,
+)
+SNAPSHOT_POSITION: Final = Gauge(
+    "dracap_snapshot_position",
+    "Log position of the newest snapshot this process's writer knows stored (read at its "
+    "start, then each one it writes); a start folds the events after it.",
+    registry=REGISTRY,
+)
 BUILD_INFO: Final = Gauge(
     "dracap_build_info",
     "Always 1; the label carries the running dracap version.",
@@ -213,3 +236,17 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, 
     stops it) and its daemon thread.
     """
     return start_http_server(port, addr=addr, registry=REGISTRY)
+
+
+@contextlib.contextmanager
+def metrics_served(port: int, addr: str) -> Iterator[WSGIServer | None]:
+    """Serve :data:`REGISTRY` on ``port`` while inside (0: not at all): a service's
+    ``--metrics-port`` / ``--metrics-addr``."""
+    if not port:
+        yield None
+        return
+    server, _ = start_metrics_server(port, addr=addr)
+    try:
+        yield server
+    finally:
+        server.shutdown()

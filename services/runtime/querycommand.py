@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import csv
 import datetime
 import io
 import json
-import signal
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -31,6 +29,7 @@ from nats.js import JetStreamContext
 
 from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
+from services.runtime import eventloop
 from services.runtime.apiclient import ApiClient
 from services.runtime.endpoints import endpoints_from_args, reaching
 from services.runtime.eventstore import EventStore
@@ -116,11 +115,7 @@ async def serve_subscriber(
     server = None
     if args.metrics_port:
         server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = eventloop.stop_on_signals()
     try:
         names = BusNames(prefix=endpoints.prefix)
         nats_url = endpoints.nats()

@@ -4,7 +4,8 @@
 PostgreSQL as its own user (migration 0006, :mod:`services.runtime.dbroles`): the claims
 API as a member of ``dracap_claims``, the reservation workers of
 ``dracap_reservation``, the relay of ``dracap_relay``, each node agent as its node's
-user, and the live state — which only reads — of ``dracap_readonly``. A role is a
+user, the snapshot writer of ``dracap_snapshots``, and the live state — which only
+reads — of ``dracap_readonly``. A role is a
 session's, so each needs a pool of its own: :class:`ServiceStores` opens one
 :class:`~services.runtime.eventstore.EventStore` per distinct connection
 (:meth:`~services.runtime.settings.Settings.for_service` says which), and one only when
@@ -16,8 +17,9 @@ through any other store of the process is handed over to them and raises the hea
 know, exactly as an append through their own store would. Read-your-writes
 (``LiveState.fresh(SEEN)``) therefore holds across roles.
 
-The relay and the agents get small pools (:data:`SMALL_POOL`): each does one thing at a
-time, and every pool counts against the server's ``max_connections``.
+The relay, the agents, the subscribers and the snapshot writer get small pools
+(:data:`SMALL_POOL`): each does one thing at a time, and every pool counts against the
+server's ``max_connections``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ __all__ = ["SMALL_POOL", "ServiceStores"]
 
 SMALL_POOL: Final = 4
 _SMALL: Final = frozenset(
-    {ServiceKind.RELAY, ServiceKind.RECLAMATION, ServiceKind.AGENT, ServiceKind.LEDGER}
+    {
+        ServiceKind.RELAY,
+        ServiceKind.RECLAMATION,
+        ServiceKind.AGENT,
+        ServiceKind.LEDGER,
+        ServiceKind.SNAPSHOTS,
+    }
 )
 
 Key = tuple[ServiceKind, str | None]

@@ -17,7 +17,7 @@ variable                        meaning                                      def
 ``DRACAP_DATABASE_URL_<KIND>``  the URL the services of one kind connect     —
                                 with (``CLAIMS``, ``RESERVATION``, ``RELAY``,
                                 ``AGENT``, ``READONLY``, ``RECLAMATION``,
-                                ``LEDGER``), as its own user
+                                ``LEDGER``, ``SNAPSHOTS``), as its own user
 =============================== ============================================ =========
 
 The app role is the one that migrations grant INSERT/SELECT on the event log to and
@@ -58,6 +58,7 @@ class ServiceKind(enum.StrEnum):
     AGENT = "agent"  #: node agents
     READONLY = "readonly"  #: the live state's reads, ``dracap replay verify``
     LEDGER = "ledger"  #: the audit and billing subscribers' own tables (migration 0009)
+    SNAPSHOTS = "snapshots"  #: the snapshot writer (migration 0010)
 
 
 def agent_key(node: str) -> str:

@@ -62,6 +62,12 @@ After each write it prunes: it **keeps the newest** :data:`KEEP` **(3) snapshots
 deletes older ones — three, so that one torn or unverifiable snapshot still leaves two
 to fall back on, and bounded, so the table does not grow with the log. ``dracap replay
 snapshot`` writes one on demand (and prunes by the same rule).
+
+The writer counts what it stores (``dracap_snapshots_written_total``), what it was due
+to store and could not (``dracap_snapshot_failures_total``: logged, tried again at the
+next check) and the position of the newest snapshot it knows (``dracap_snapshot_position``).
+It writes as a member of ``dracap_snapshots`` (migration 0010) or the app role; the
+service roles may read snapshots, not write them.
 """
 
 from __future__ import annotations
@@ -83,8 +89,7 @@ import asyncpg
 
 from events.errors import SnapshotError
 from events.fold import ClusterState, snapshot_decode, snapshot_encode
-from services.runtime.eventstore import connect
-from services.runtime.settings import Settings
+from services.runtime.metrics import SNAPSHOT_FAILURES, SNAPSHOT_POSITION, SNAPSHOTS_WRITTEN
 
 if TYPE_CHECKING:
     from services.runtime.livestate import LiveState
@@ -335,6 +340,7 @@ class SnapshotWriter:
         newest = await self.pool.fetchval("SELECT max(position) FROM snapshots")
         self.last_position = newest or 0
         self.last_time = time.monotonic()
+        SNAPSHOT_POSITION.set(self.last_position)
 
     def due(self) -> bool:
         """Whether the state is far enough (events or time) past the last snapshot."""
@@ -356,6 +362,8 @@ class SnapshotWriter:
         position = await write_snapshot(self.pool, self.state(), keep=self.keep)
         self.last_position, self.last_time = position, time.monotonic()
         self.written += 1
+        SNAPSHOTS_WRITTEN.inc()
+        SNAPSHOT_POSITION.set(position)
         log.info("snapshot written at position %d", position)
         return True
 
@@ -378,28 +386,23 @@ class SnapshotWriter:
         try:
             await self.maybe_write(stopping=stopping)
         except (SnapshotError, asyncpg.PostgresError, OSError) as exc:
+            SNAPSHOT_FAILURES.inc()
             log.warning("snapshot not written: %s", exc)
 
 
 async def serve_snapshots(
-    settings: Settings,
+    pool: Connection,
     live: LiveState,
     stop: asyncio.Event,
     *,
     every_events: int = EVERY_EVENTS,
     every_seconds: float = EVERY_SECONDS,
 ) -> None:
-    """Run a :class:`SnapshotWriter` over ``live`` on a connection of ``settings``' main
-    user (``dracap up``: its server's administrator; the service roles may not write
-    snapshots) until ``stop``."""
-    connection = await connect(settings)
-    try:
-        writer = SnapshotWriter(
-            connection,
-            lambda: live.state,
-            every_events=every_events,
-            every_seconds=every_seconds,
-        )
-        await writer.run(stop)
-    finally:
-        await connection.close()
+    """Run a :class:`SnapshotWriter` over ``live`` on ``pool`` until ``stop``, then write
+    what was folded since the last snapshot. ``pool`` connects as a member of
+    ``dracap_snapshots`` (migration 0010) or the app role: the other roles may read
+    snapshots, not write them."""
+    writer = SnapshotWriter(
+        pool, lambda: live.state, every_events=every_events, every_seconds=every_seconds
+    )
+    await writer.run(stop)

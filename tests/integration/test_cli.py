@@ -501,7 +501,8 @@ def test_dracap_up_connects_each_service_as_its_own_database_user(tmp_path: Path
         users_file = data_dir / "database-users.json"
         assert stat.S_IMODE(users_file.stat().st_mode) == 0o600
         users = json.loads(users_file.read_text())
-        expected = {f"dracap_{kind}_login" for kind in ("claims", "reservation", "relay")}
+        kinds = ("claims", "reservation", "relay", "snapshots")
+        expected = {f"dracap_{kind}_login" for kind in kinds}
         expected |= {"dracap_readonly_login", node_role("node-a"), node_role("node-b")}
         assert expected <= _sessions(admin_url)
         relay = users["services"]["relay"]

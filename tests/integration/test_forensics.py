@@ -4,27 +4,36 @@ The scenario, appended through the event store with the actors the services use:
 an inventory, a node lease, three claims of two tenants reserved and bound, one claim
 released, then the node's lease expires and an operator fences it (reclamation.md).
 The tests run ``dracap replay`` in-process (``services.cli.main`` in a thread) against
-the database and against an exported file.
+the database and against an exported file; the snapshot writer's service mode runs as
+its own process, as the deployments run it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import sys
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import msgspec
 import pytest
 
 from events import catalog as c
 from events.fold import ClusterState
 from services.cli import main
+from services.exitcodes import ExitCode
 from services.replay.history import state_at
 from services.replay.logfile import LogWriter, read_rows
 from services.replay.sources import DatabaseSource
 from services.replay.verify import summary, verify
+from services.runtime.dbroles import ensure_login, url_as
 from services.runtime.eventstore import EventStore, iter_rows
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.settings import Settings
@@ -34,6 +43,8 @@ from tests.integration import sample as s
 from tests.integration.scenario import lease, put
 
 pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NODE = s.POOL
 TENANT_A = "tenant:alice@team-a"
@@ -416,3 +427,128 @@ async def test_the_writer_snapshots_what_was_folded_when_it_stops(
     assert writer.written == 1
     newest = await store.pool.fetchval("SELECT max(position) FROM snapshots")
     assert newest == scenario.head + 1 == live.state.position
+
+
+# --- the writer as a service: `dracap replay snapshot` as its own process ----------------
+
+
+class SnapshotService:
+    """``dracap replay snapshot`` run as the deployments run it, as a member of
+    ``dracap_snapshots`` (migration 0010), with its metrics on a free port."""
+
+    def __init__(self, store: EventStore, url: str, tmp: Path) -> None:
+        self.store, self.url, self.tmp = store, url, tmp
+        self.port = _free_port()
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self, every_events: int) -> None:
+        argv = ["replay", "snapshot", "--every-events", str(every_events)]
+        argv += ["--every-minutes", "600", "--metrics-port", str(self.port)]
+        env = {**os.environ, "DRACAP_DATABASE_URL_SNAPSHOTS": self.url}
+        for name in ("DRACAP_DATABASE_URL", "DRACAP_APP_ROLE"):
+            env.pop(name, None)  # its own user, nothing else
+        with (self.tmp / "snapshots.log").open("ab") as log:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "services.cli", *argv, "--data-dir", str(self.tmp),
+                cwd=ROOT, env=env, stdout=log, stderr=log,
+            )  # fmt: skip
+
+    def log(self) -> str:
+        return (self.tmp / "snapshots.log").read_text(errors="replace")[-3000:]
+
+    async def newest(self) -> int:
+        return int(
+            await self.store.pool.fetchval("SELECT coalesce(max(position), 0) FROM snapshots")
+        )
+
+    def _scrape(self) -> str | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+                return str(r.read().decode())
+        except OSError:
+            return None  # not serving yet
+
+    async def metrics_show(self, *lines: str) -> str:
+        """Scrape until every one of ``lines`` is in the page (the process is up)."""
+        deadline = asyncio.get_running_loop().time() + 60
+        while True:
+            assert self.process is not None and self.process.returncode is None, self.log()
+            text = await asyncio.to_thread(self._scrape)
+            if text is not None and all(line in text.splitlines() for line in lines):
+                return text
+            assert asyncio.get_running_loop().time() < deadline, f"{lines} never shown\n{text}"
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(60):
+            return await self.process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+async def snapshots_user(database_url: str, postgres_admin_url: str) -> AsyncIterator[str]:
+    """The URL of a login user of ``dracap_snapshots`` (dropped afterwards)."""
+    user = f"test_snapshots_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(database_url)
+    try:
+        await ensure_login(admin, user, "dracap_snapshots", None)
+    finally:
+        await admin.close()
+    yield url_as(database_url, user, None)
+    admin = await asyncpg.connect(postgres_admin_url)
+    try:
+        await admin.execute(f'DROP ROLE IF EXISTS "{user}"')
+    finally:
+        await admin.close()
+
+
+async def _admit(store: EventStore, count: int) -> None:
+    for _ in range(count):
+        name = f"late-{uuid.uuid4().hex[:6]}"
+        await put(store, c.ClaimAdmitted(namespace="team-a", name=name), actor="system:claims")
+
+
+async def test_the_snapshot_service_writes_every_n_events_serves_metrics_and_stops_cleanly(
+    scenario: Scenario, store: EventStore, snapshots_user: str, tmp_path: Path
+) -> None:
+    head = scenario.head
+    service = SnapshotService(store, snapshots_user, tmp_path)
+    await service.start(every_events=5)
+    try:
+        # the log is more than 5 events past "no snapshot": one at once, at the head
+        await service.metrics_show("dracap_snapshots_written_total 1.0")
+        assert await service.newest() == head
+        await _admit(store, 5)  # 5 more: the next one
+        await service.metrics_show(
+            "dracap_snapshots_written_total 2.0", f"dracap_snapshot_position {head + 5}.0"
+        )
+        assert await service.newest() == head + 5
+    finally:
+        code = await service.stop()
+    assert code == ExitCode.OK, service.log()
+    assert "snapshot writer stopped" in service.log() and "Traceback" not in service.log()
+    # a clean stop snapshots what was folded since the last snapshot: a start after the
+    # signal folds nothing
+    await _admit(store, 2)
+    await service.start(every_events=10**6)  # never due by count
+    try:
+        # the writer started (it knows the newest snapshot), after the fold to the head
+        await service.metrics_show(
+            f"dracap_snapshot_position {head + 5}.0", "dracap_snapshots_written_total 0.0"
+        )
+    finally:
+        code = await service.stop()
+    assert code == ExitCode.OK, service.log()
+    kept = await store.pool.fetch("SELECT position FROM snapshots ORDER BY position")
+    assert [r[0] for r in kept] == [head, head + 5, head + 7]
+    started = LiveState(store)
+    assert await started.load_snapshot()
+    assert started.state.position == head + 7

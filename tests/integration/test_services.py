@@ -49,6 +49,11 @@ async def _scope_source(url: str) -> str:
         await connection.close()
 
 
+async def _table_privileges(url: str, role: str) -> set[str]:
+    """``table:privilege`` of what ``role`` may do in the database at ``url``."""
+    return {p for p in await _privileges(url, role) if not p.startswith("function:")}
+
+
 async def _privileges(url: str, role: str) -> set[str]:
     """What ``role`` may do in the database at ``url``: ``table:privilege`` and
     ``function:name``, and whether ``dracap_append_guarded`` runs as its owner."""
@@ -96,7 +101,15 @@ async def test_db_upgrade_then_downgrade(
     ledger = await _privileges(empty_database_url, "dracap_ledger")
     assert {"events:SELECT", "processed_messages:INSERT", "billing_usage:UPDATE"} <= ledger
     assert not {"events:INSERT", "capacity_ledger:UPDATE"} & ledger
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0008
+    snapshots = await _table_privileges(empty_database_url, "dracap_snapshots")
+    assert snapshots == {
+        "events:SELECT",
+        "event_log_head:SELECT",
+        *(f"snapshots:{p}" for p in ("SELECT", "INSERT", "UPDATE", "DELETE")),
+    }
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0009
+    assert not await _table_privileges(empty_database_url, "dracap_snapshots")
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # and 0008
     assert "audit_records" not in await _tables(empty_database_url)
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # and 0007
     assert "share_used" not in await _scope_source(empty_database_url)
@@ -118,7 +131,7 @@ async def test_db_upgrade_then_downgrade(
     }
     assert "events:INSERT" in await _privileges(empty_database_url, "dracap_app")
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # and up again
-    for _ in range(4):  # 0008, 0007, 0006, 0005
+    for _ in range(5):  # 0009, 0008, 0007, 0006, 0005
         assert await asyncio.to_thread(db, ["downgrade"]) == 0
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more step: 0004
     assert {"shares", "claims"} <= await _tables(empty_database_url)

@@ -51,6 +51,7 @@ from events.manifests import ManifestError, load_paths
 from services import cli
 from services.enforcement.discovery import load_config
 from services.runtime import metrics, slos
+from services.runtime.settings import ServiceKind
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -408,10 +409,11 @@ def test_every_service_is_probed_on_its_metrics_port_and_requests_resources(over
 def test_replicas_and_disruption_budgets() -> None:
     base = {
         name: _one(_rendered("production"), "Deployment", f"dracap-{name}")
-        for name in ("relay", "reclamation")
+        for name in ("relay", "reclamation", "snapshots")
     }
-    assert base["relay"]["spec"]["replicas"] == 1
-    assert base["relay"]["spec"]["strategy"] == {"type": "Recreate"}
+    for one in ("relay", "snapshots"):  # exactly one: a second adds nothing
+        assert base[one]["spec"]["replicas"] == 1
+        assert base[one]["spec"]["strategy"] == {"type": "Recreate"}
     assert base["reclamation"]["spec"]["replicas"] == 2
     for overlay in sorted(OVERLAYS):
         objects = _rendered(overlay)
@@ -676,6 +678,31 @@ def test_network_policies_allow_only_what_each_mode_talks_to(overlay: str) -> No
     ]
     deny = _one(policies, "NetworkPolicy", "dracap-default-deny")
     assert deny["spec"]["policyTypes"] == ["Ingress", "Egress"] and "egress" not in deny["spec"]
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_each_service_connects_as_its_own_kinds_database_user(overlay: str) -> None:
+    """A service reads its kind's URL (``DRACAP_DATABASE_URL_<KIND>``, the Secret's key of
+    that kind); only the migration Job has the owner's. The snapshot writer runs as
+    ``dracap_snapshots``' user, the one role besides the app role that writes snapshots."""
+    kinds = {kind.name: kind.value for kind in ServiceKind}
+    for obj in _rendered(overlay):
+        for container in _containers(obj):
+            refs = [
+                (var["name"], var["valueFrom"]["secretKeyRef"])
+                for var in container.get("env", [])
+                if var.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "dracap-database"
+            ]
+            if obj["kind"] == "Job":
+                assert [(n, r["key"]) for n, r in refs] == [("DRACAP_DATABASE_URL", "owner")]
+                continue
+            ((name, ref),) = refs
+            kind = name.removeprefix("DRACAP_DATABASE_URL_")
+            assert kinds.get(kind) == ref["key"], (obj["metadata"]["name"], name, ref)
+    (snapshots,) = _containers(_one(_rendered(overlay), "Deployment", "dracap-snapshots"))
+    assert _argv(snapshots)[:2] == ["replay", "snapshot"]
+    assert "--once" not in snapshots["args"]
+    assert [var["name"] for var in snapshots["env"]] == ["DRACAP_DATABASE_URL_SNAPSHOTS"]
 
 
 # --- secrets --------------------------------------------------------------------------
