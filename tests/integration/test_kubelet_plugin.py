@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -162,6 +163,8 @@ async def test_registration_handshake_advertises_only_what_is_served(tmp_path: P
             assert connection.endpoint == tmp_path / "plug" / "dra.sock" == plugin.endpoint
             assert connection.supported_versions == ("v1.DRAPlugin",)
             assert plugin.registration_error is None
+            for sock in (plugin.registration_socket, plugin.endpoint):  # the kubelet's only
+                assert stat.S_IMODE(sock.stat().st_mode) == 0o600, sock
     finally:
         await plugin.stop()
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from types import TracebackType
@@ -287,8 +288,12 @@ class KubeletPlugin:
 
 
 async def _serve(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc.aio.Server:
-    """A started server on the socket at ``path`` (a stale socket file replaced)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """A started server on the socket at ``path`` (a stale socket file replaced).
+
+    The socket is its owner's only (mode 0600; a directory made for it, 0700): the
+    kubelet runs as root, and nobody else on the node may prepare or unprepare claims.
+    """
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     clear_stale_socket(path)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(handlers)
@@ -297,6 +302,7 @@ async def _serve(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc.aio
     except RuntimeError as exc:
         raise PluginConfigError(f"cannot listen on {path}: {exc}") from exc
     await server.start()
+    os.chmod(path, 0o600)
     return server
 
 
