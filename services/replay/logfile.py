@@ -45,6 +45,7 @@ import datetime
 import hashlib
 import io
 import os
+from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -78,6 +79,8 @@ OLDEST_VERSION: Final = 1
 _BRACE: Final = ord("{")
 #: Bytes read per chunk (and events per page handed to the fold, at most).
 CHUNK_BYTES: Final = 4 << 20
+#: Chunks read and hashed ahead of the one the reader works on.
+READ_AHEAD: Final = 4
 _TAIL_BYTES: Final = 4096
 
 #: One event line: the columns of :data:`COLUMNS`, payload kept as raw JSON.
@@ -394,11 +397,15 @@ def read_rows(
         rest = b""
         for chunk in _hashed_chunks(f, sha, read, end_offset):
             read += len(chunk)
+            if progress is not None:
+                progress(read, end_offset)
+            skimmed = reader.skim(rest, chunk)
+            if skimmed is not None:
+                rest = skimmed
+                continue
             data = rest + chunk
             cut = data.rfind(b"\n") + 1
             body, rest = data[:cut], data[cut:]
-            if progress is not None:
-                progress(read, end_offset)
             if body:
                 yield from reader.body(body)
     if rest:
@@ -448,6 +455,28 @@ class _Reader:
         self.previous = b""  #: the last event line
         self.seen = 0  #: checkpoint lines
         self.done = False
+
+    def skim(self, rest: bytes, chunk: bytes) -> bytes | None:
+        """Count a chunk of event lines skipped or done without copying it (the new
+        ``rest``), or ``None``: :meth:`body` must take it."""
+        if self.resume_at is None and not self.done:
+            return None
+        n = chunk.count(b"\n")
+        if n < 2 or (self.resume_at is not None and self.resume_at < self.expected + n - 1):
+            return None
+        if self.resume_at is not None and self.expected > self.resume_at:
+            return None
+        k = bisect.bisect_left(self.marks, self.expected - 1)
+        if k < len(self.marks) and self.marks[k] <= self.expected + n:
+            return None
+        end = chunk.rfind(b"\n")
+        last = chunk[chunk.rfind(b"\n", 0, end) + 1 : end + 1]
+        self._check(rest + chunk[: chunk.find(b"\n")], self.expected, self.line_no)
+        self._check(last, self.expected + n - 1, self.line_no + n - 1)
+        self.previous = last
+        self.expected += n
+        self.line_no += n
+        return chunk[end + 1 :]
 
     def body(self, body: bytes) -> Iterator[Any]:
         """The items of one chunk's whole lines."""
@@ -559,7 +588,9 @@ class _Reader:
 def _hashed_chunks(f: IO[bytes], sha: Any, read: int, end_offset: int) -> Iterator[bytes]:
     """The chunks of ``f`` from offset ``read`` to ``end_offset``, each added to ``sha``.
 
-    The next chunk is read and hashed in a thread while the caller works on this one.
+    Up to :data:`READ_AHEAD` chunks are read and hashed in a thread, in order, while the
+    caller works on this one (a caller that only counts lines is faster than hashing,
+    and would otherwise wait for each chunk in turn).
     """
 
     def load(size: int) -> bytes:
@@ -568,17 +599,20 @@ def _hashed_chunks(f: IO[bytes], sha: Any, read: int, end_offset: int) -> Iterat
         return chunk
 
     with ThreadPoolExecutor(1, thread_name_prefix="dracap-log-read") as pool:
-        pending: Future[bytes] | None = None
-        if read < end_offset:
-            pending = pool.submit(load, min(CHUNK_BYTES, end_offset - read))
-        while pending is not None:
-            chunk = pending.result()
-            if not chunk:
+        pending: deque[Future[bytes]] = deque()
+        submitted = read
+        while True:
+            while submitted < end_offset and len(pending) < READ_AHEAD:
+                size = min(CHUNK_BYTES, end_offset - submitted)
+                pending.append(pool.submit(load, size))
+                submitted += size
+            if not pending:
                 return
-            read += len(chunk)
-            pending = None
-            if read < end_offset:
-                pending = pool.submit(load, min(CHUNK_BYTES, end_offset - read))
+            chunk = pending.popleft().result()
+            if not chunk:
+                for future in pending:
+                    future.cancel()
+                return
             yield chunk
 
 

@@ -34,7 +34,7 @@ from events.catalog import decode_stored
 from events.errors import InvariantViolation
 from events.fold import ClusterState
 from events.guards import encode_guards, guards_of_many
-from services.replay.checkpoints import EVERY, CheckpointWriter, compare
+from services.replay.checkpoints import EVERY, CheckpointMismatchError, CheckpointWriter, compare
 from services.replay.logfile import Checkpoint, read_end, read_rows
 from services.replay.verify import fold_rows, paused_gc
 from services.runtime.eventstore import CHANNEL, iter_rows
@@ -88,18 +88,27 @@ def check_file(
     for the first checkpoint that is not the fold at its position)."""
     state = ClusterState()
     head = read_end(path)[0].last
+    mismatch: CheckpointMismatchError | None = None  # raised once the checksum held
     with paused_gc():
         for rows in read_rows(path, progress=progress, lines=True, checkpoints=checkpoints):
             if isinstance(rows, Checkpoint):
-                compare(rows, state, head)
+                if mismatch is None:
+                    try:
+                        compare(rows, state, head)
+                    except CheckpointMismatchError as exc:
+                        mismatch = exc
                 continue
             try:
                 fold_rows(state, rows)
             except InvariantViolation as exc:
+                if mismatch is not None:  # the earlier position
+                    raise mismatch from None
                 raise ImportRefusedError(
                     f"{path}: the log does not fold at position {exc.position}: {exc}",
                     position=exc.position,
                 ) from None
+    if mismatch is not None:
+        raise mismatch
     return state
 
 
