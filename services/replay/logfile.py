@@ -1,8 +1,8 @@
 """The portable log file of ``dracap replay export`` / ``import`` and ``--log FILE``.
 
-Format (``dracap-log`` version 1), NDJSON, one JSON value per line:
+Format (``dracap-log`` version 2), NDJSON, one JSON value per line:
 
-1. a **header** object: ``{"format": "dracap-log", "version": 1, "columns": [...],
+1. a **header** object: ``{"format": "dracap-log", "version": 2, "columns": [...],
    "schema_versions": {type: version}, "exported_at": ISO time, "source": text}`` —
    ``columns`` names the fields of every event line (:data:`~services.runtime.rows.COLUMNS`),
    ``schema_versions`` the catalog of the code that wrote the file;
@@ -11,8 +11,16 @@ Format (``dracap-log`` version 1), NDJSON, one JSON value per line:
    exactly as the database stored it, with its own ``schema_version`` beside it — an
    export made by older code keeps its old payloads and replays through the catalog's
    upcasters (:func:`events.catalog.decode_stored`);
-3. an **end** object: ``{"end": true, "count": N, "last": position, "sha256": hex}``,
-   the SHA-256 of every byte before the end line (header and events, newlines included).
+3. (version 2) **checkpoint** objects (:class:`CheckpointLine`), each right after the
+   event line of its position: the fold up to there (:mod:`services.replay.checkpoints`);
+4. an **end** object: ``{"end": true, "count": N, "last": position, "sha256": hex,
+   "checkpoints": [position, ...]}``, the SHA-256 of every byte before the end line
+   (header, events and checkpoints, newlines included) and the checkpoint lines'
+   positions.
+
+Version 1 (no checkpoint lines, no ``checkpoints`` in the end line; nothing else
+differs) is read as a version 2 file without checkpoints: the upcasting rule of the
+format; a checkpoint line in a version 1 file is refused.
 
 Events are arrays, not objects, so a reader decodes a line straight into a tuple in
 the store's row order (the replay loop indexes rows by column); the header says which
@@ -20,7 +28,9 @@ column is which. Reading checks the header (format, version, columns), that posi
 run 1, 2, 3 ... without a gap, that the count matches and the checksum: a file that was
 cut short, edited or is something else is refused with a :class:`LogFileError` (one
 line, exit 2), never folded silently. The checksum is checked over the *whole* file
-even when a replay stops early (``state --at``), before anything is reported.
+even when a replay stops early (``state --at``), before anything is reported; the
+event lines a replay does not fold (before the checkpoint it starts from, after the
+position it stops at) are counted and checked by position prefix only (:class:`_Reader`).
 
 Reading to fold (``read_rows(..., lines=True)``: ``state --at``, ``diff``, ``verify`` and
 ``import`` of a file): the reader hands out a :class:`LinePage` — the chunk's event lines,
