@@ -47,8 +47,10 @@ __all__ = [
     "EVERY",
     "CheckpointMismatchError",
     "CheckpointWriter",
+    "check_place",
     "checkpoint_state",
     "compare",
+    "decode_checkpoint",
     "encode_checkpoint",
 ]
 
@@ -78,27 +80,56 @@ def encode_checkpoint(state: ClusterState, event_id: str) -> CheckpointLine:
     )
 
 
-def checkpoint_state(found: Checkpoint, head: int) -> ClusterState:
-    """The state of a checkpoint if it verifies (module docstring), else SnapshotError."""
-    position = found.position
+def decode_checkpoint(line: bytes, position: int, head: int) -> tuple[CheckpointLine, ClusterState]:
+    """A checkpoint line said to be at ``position``, and its state, if the snapshot it
+    holds verifies (with the line's own event id); else SnapshotError. Where the line
+    stands is :func:`check_place`'s."""
+    parsed, payload = _parse(line, position)
+    return parsed, verify_snapshot(position, FRAME_VERSION, payload, head, parsed.event_id)
+
+
+def check_place(found: Checkpoint, line: bytes, parsed: CheckpointLine) -> None:
+    """SnapshotError unless ``line`` is the checkpoint line the reader ``found`` right
+    after the event of its position, and names that event's id."""
     if found.line is None:
-        raise SnapshotError(f"checkpoint at {position}: the file has no checkpoint line there")
-    try:
-        line = _LINE.decode(found.line)
-        payload = base64.b64decode(line.snapshot, validate=True)
-    except (msgspec.DecodeError, msgspec.ValidationError, binascii.Error) as exc:
-        raise SnapshotError(f"checkpoint at {position}: not a checkpoint line: {exc}") from None
-    if line.checkpoint != position:
         raise SnapshotError(
-            f"checkpoint line for position {line.checkpoint} follows the event at {position}"
+            f"checkpoint at {found.position}: the file has no checkpoint line there"
+        )
+    if found.line != line:
+        raise SnapshotError(
+            f"checkpoint at {found.position}: the end line's index points at another line"
         )
     event_id = found.event_id()
-    if line.event_id != event_id:
+    if parsed.event_id != event_id:
         raise SnapshotError(
-            f"checkpoint at {position} was taken after event {line.event_id}, "
+            f"checkpoint at {found.position} was taken after event {parsed.event_id}, "
             f"the file has {event_id} there"
         )
-    return verify_snapshot(position, FRAME_VERSION, payload, head, event_id)
+
+
+def checkpoint_state(found: Checkpoint, head: int) -> ClusterState:
+    """The state of a checkpoint the reader found, if it verifies (module docstring),
+    else SnapshotError."""
+    if found.line is None:
+        raise SnapshotError(
+            f"checkpoint at {found.position}: the file has no checkpoint line there"
+        )
+    parsed, payload = _parse(found.line, found.position)
+    check_place(found, found.line, parsed)  # the cheap checks first
+    return verify_snapshot(found.position, FRAME_VERSION, payload, head, parsed.event_id)
+
+
+def _parse(line: bytes, position: int) -> tuple[CheckpointLine, bytes]:
+    try:
+        parsed = _LINE.decode(line)
+        payload = base64.b64decode(parsed.snapshot, validate=True)
+    except (msgspec.DecodeError, msgspec.ValidationError, binascii.Error) as exc:
+        raise SnapshotError(f"checkpoint at {position}: not a checkpoint line: {exc}") from None
+    if parsed.checkpoint != position:
+        raise SnapshotError(
+            f"checkpoint line for position {parsed.checkpoint} stands where {position} was expected"
+        )
+    return parsed, payload
 
 
 def compare(found: Checkpoint, state: ClusterState, head: int) -> None:
@@ -174,6 +205,6 @@ class CheckpointWriter(LogWriter):
 
     def close(self) -> None:
         """Write a checkpoint at the last event (unless there is one), then the end line."""
-        if not self.checkpoints or self.checkpoints[-1] != self.last:
+        if not self.checkpoints or self.checkpoints[-1][0] != self.last:
             self._checkpoint()
         super().close()

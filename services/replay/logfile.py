@@ -14,9 +14,9 @@ Format (``dracap-log`` version 2), NDJSON, one JSON value per line:
 3. (version 2) **checkpoint** objects (:class:`CheckpointLine`), each right after the
    event line of its position: the fold up to there (:mod:`services.replay.checkpoints`);
 4. an **end** object: ``{"end": true, "count": N, "last": position, "sha256": hex,
-   "checkpoints": [position, ...]}``, the SHA-256 of every byte before the end line
+   "checkpoints": [[position, offset], ...]}``, the SHA-256 of every byte before the end line
    (header, events and checkpoints, newlines included) and the checkpoint lines'
-   positions.
+   positions and byte offsets (an index: a reader checks what it finds there).
 
 Version 1 (no checkpoint lines, no ``checkpoints`` in the end line; nothing else
 differs) is read as a version 2 file without checkpoints: the upcasting rule of the
@@ -44,8 +44,10 @@ the two-pass path. A line is folded that way only when it is what
 row's ``type``, its ``schema_version`` the current one, its position the next);
 anything else (an export from older code to upcast, a tag its column contradicts, a
 line that does not decode, a gap) takes the plain path of that one line, with its
-errors. Reading the next chunk and hashing it run in a thread while this one is
-folded (file reads and ``hashlib`` release the GIL).
+errors. The file's SHA-256 is computed in a thread beside the reader, over a memory
+map of the file in one ``hashlib`` call that releases the GIL throughout (a thread
+that read and hashed chunk by chunk would need the GIL for every chunk, and a long
+decode of the reader's holds it for a second).
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ import bisect
 import datetime
 import hashlib
 import io
+import mmap
 import os
-from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, Final
 
@@ -89,8 +91,6 @@ OLDEST_VERSION: Final = 1
 _BRACE: Final = ord("{")
 #: Bytes read per chunk (and events per page handed to the fold, at most).
 CHUNK_BYTES: Final = 4 << 20
-#: Chunks read and hashed ahead of the one the reader works on.
-READ_AHEAD: Final = 4
 _TAIL_BYTES: Final = 4096
 
 #: One event line: the columns of :data:`COLUMNS`, payload kept as raw JSON.
@@ -132,9 +132,9 @@ class EndLine(msgspec.Struct, kw_only=True):
     count: int
     last: int
     sha256: str
-    #: positions of the checkpoint lines, in file order (version 2; an index, not trusted:
-    #: a reader checks each line it uses, and that the file has as many)
-    checkpoints: list[int] = []
+    #: (position, byte offset) of each checkpoint line, in file order (version 2; an index,
+    #: not trusted: a reader checks each line it uses, and that the file has as many)
+    checkpoints: list[tuple[int, int]] = []
 
 
 class CheckpointLine(msgspec.Struct, kw_only=True):
@@ -195,7 +195,8 @@ class LogWriter:
         self._sha = hashlib.sha256()
         self.count = 0
         self.last = 0
-        self.checkpoints: list[int] = []
+        self.checkpoints: list[tuple[int, int]] = []
+        self.size = 0  #: bytes written
         header = Header(
             format=FORMAT,
             version=VERSION,
@@ -209,6 +210,7 @@ class LogWriter:
     def _emit(self, data: bytes) -> None:
         self._sha.update(data)
         self._file.write(data)
+        self.size += len(data)
 
     def write(self, rows: Sequence[Any]) -> None:
         """Append stored rows (in position order, continuing the file's positions)."""
@@ -243,8 +245,9 @@ class LogWriter:
         """Append a checkpoint line; it must be of the last event written."""
         if line.checkpoint != self.last or not self.last:
             raise LogFileError(f"checkpoint at {line.checkpoint} after event {self.last}")
+        offset = self.size
         self._emit(_ENCODER.encode(line) + b"\n")
-        self.checkpoints.append(line.checkpoint)
+        self.checkpoints.append((line.checkpoint, offset))
 
     def close(self) -> None:
         """Write the end line and move the file into place."""
@@ -286,6 +289,13 @@ def read_end(path: str | Path) -> tuple[EndLine, int]:
     except (msgspec.DecodeError, msgspec.ValidationError):
         raise LogFileError(f"{path}: no end line (cut short, or not a dracap log)") from None
     return end, size - len(tail) + len(stripped) - len(last)
+
+
+def read_line_at(path: str | Path, offset: int) -> bytes:
+    """The line that starts at byte ``offset`` (a checkpoint line, by the end line's index)."""
+    with _open(path) as f:
+        f.seek(offset)
+        return f.readline()
 
 
 def read_header(path: str | Path) -> Header:
@@ -399,13 +409,30 @@ def read_rows(
     header = read_header(path)
     end, end_offset = read_end(path)
     reader = _Reader(path, header.version, end, to_position, lines, resume_at, checkpoints)
-    sha = hashlib.sha256()
+    with ThreadPoolExecutor(1, thread_name_prefix="dracap-log-hash") as pool:
+        digest = pool.submit(_sha256, path, end_offset)
+        yield from _read(path, reader, end_offset, progress)
+        if digest.result() != end.sha256:
+            raise LogFileError(f"{path}: checksum mismatch: the file was changed after export")
+    if reader.expected - 1 != end.count or end.last != end.count:
+        raise LogFileError(f"{path}: end line says {end.count} events, found {reader.expected - 1}")
+    if reader.seen != len(end.checkpoints):
+        raise LogFileError(
+            f"{path}: end line lists {len(end.checkpoints)} checkpoints, found {reader.seen}"
+        )
+
+
+def _read(
+    path: str | Path,
+    reader: _Reader,
+    end_offset: int,
+    progress: Callable[[int, int], None] | None,
+) -> Iterator[Any]:
+    """The items of the file's lines before the end line (:func:`read_rows`)."""
     with _open(path) as f:
-        first = f.readline()
-        sha.update(first)
-        read = len(first)
+        read = len(f.readline())
         rest = b""
-        for chunk in _hashed_chunks(f, sha, read, end_offset):
+        for chunk in _chunks(f, read, end_offset):
             read += len(chunk)
             if progress is not None:
                 progress(read, end_offset)
@@ -420,14 +447,6 @@ def read_rows(
                 yield from reader.body(body)
     if rest:
         raise LogFileError(f"{path}: the last event line has no newline")
-    if sha.hexdigest() != end.sha256:
-        raise LogFileError(f"{path}: checksum mismatch: the file was changed after export")
-    if reader.expected - 1 != end.count or end.last != end.count:
-        raise LogFileError(f"{path}: end line says {end.count} events, found {reader.expected - 1}")
-    if reader.seen != len(end.checkpoints):
-        raise LogFileError(
-            f"{path}: end line lists {len(end.checkpoints)} checkpoints, found {reader.seen}"
-        )
 
 
 class _Reader:
@@ -455,7 +474,7 @@ class _Reader:
     ) -> None:
         self.path = path
         self.version = version
-        self.marks = sorted(end.checkpoints)
+        self.marks = sorted(position for position, _ in end.checkpoints)
         self.to_position = to_position
         self.lines = lines
         self.resume_at = resume_at or None  #: not None: skipping to its checkpoint
@@ -595,35 +614,29 @@ class _Reader:
             yield rows
 
 
-def _hashed_chunks(f: IO[bytes], sha: Any, read: int, end_offset: int) -> Iterator[bytes]:
-    """The chunks of ``f`` from offset ``read`` to ``end_offset``, each added to ``sha``.
+def _sha256(path: str | Path, size: int) -> str:
+    """The SHA-256 of the first ``size`` bytes of the file, in one call that releases
+    the GIL throughout (a memory map): it runs in a thread beside the reader, and no
+    long C call of the reader's (decoding a checkpoint) can stall it."""
+    sha = hashlib.sha256()
+    with (
+        _open(path) as f,
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
+        memoryview(mapped) as view,
+        view[:size] as head,
+    ):
+        sha.update(head)
+    return sha.hexdigest()
 
-    Up to :data:`READ_AHEAD` chunks are read and hashed in a thread, in order, while the
-    caller works on this one (a caller that only counts lines is faster than hashing,
-    and would otherwise wait for each chunk in turn).
-    """
 
-    def load(size: int) -> bytes:
-        chunk = f.read(size)
-        sha.update(chunk)
-        return chunk
-
-    with ThreadPoolExecutor(1, thread_name_prefix="dracap-log-read") as pool:
-        pending: deque[Future[bytes]] = deque()
-        submitted = read
-        while True:
-            while submitted < end_offset and len(pending) < READ_AHEAD:
-                size = min(CHUNK_BYTES, end_offset - submitted)
-                pending.append(pool.submit(load, size))
-                submitted += size
-            if not pending:
-                return
-            chunk = pending.popleft().result()
-            if not chunk:
-                for future in pending:
-                    future.cancel()
-                return
-            yield chunk
+def _chunks(f: IO[bytes], read: int, end_offset: int) -> Iterator[bytes]:
+    """The chunks of ``f`` from offset ``read`` to ``end_offset``."""
+    while read < end_offset:
+        chunk = f.read(min(CHUNK_BYTES, end_offset - read))
+        if not chunk:
+            return
+        read += len(chunk)
+        yield chunk
 
 
 def _decode(body: bytes, path: str | Path, line_no: int) -> list[FileRow]:

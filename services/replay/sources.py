@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import AsyncIterator, Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,7 +32,7 @@ from events.errors import SnapshotError
 from events.fold import ClusterState
 from services.exitcodes import CommandError, ExitCode
 from services.replay import logfile
-from services.replay.checkpoints import checkpoint_state
+from services.replay.checkpoints import check_place, decode_checkpoint
 from services.runtime.eventstore import iter_rows
 from services.runtime.rows import POSITION
 from services.runtime.snapshots import load_verified
@@ -167,26 +168,44 @@ class FileSource:
             return ClusterState()
         head = await self.head()
         end = logfile.read_end(self.path)[0]
-        for position in sorted({c for c in end.checkpoints if 0 < c <= at_or_before}, reverse=True):
+        for position, offset in sorted(set(end.checkpoints), reverse=True):
+            if 0 < position <= at_or_before:
+                state = self._resume(position, offset, at_or_before, head)
+                if state is not None:
+                    return state
+        return ClusterState()
+
+    def _resume(
+        self, position: int, offset: int, to_position: int, head: int
+    ) -> ClusterState | None:
+        """Read up to the checkpoint at ``position`` while its line (at ``offset``, by the
+        end line's index) is decoded in a thread: inflating it releases the GIL, so it
+        overlaps the reading. ``None``: it does not verify (logged)."""
+        line = logfile.read_line_at(self.path, offset)
+        with ThreadPoolExecutor(1, thread_name_prefix="dracap-checkpoint") as pool:
+            decoding = pool.submit(decode_checkpoint, line, position, head)
             pages = logfile.read_rows(
                 self.path,
-                to_position=at_or_before,
+                to_position=to_position,
                 progress=self.progress,
                 lines=True,
                 resume_at=position,
             )
-            found = next(pages, None)
             try:
+                found = next(pages, None)
                 if not isinstance(found, logfile.Checkpoint):
                     raise SnapshotError(f"checkpoint at {position}: not in the file")
-                state = checkpoint_state(found, head)
+                parsed, state = decoding.result()
+                check_place(found, line, parsed)
             except SnapshotError as exc:
                 pages.close()
                 log.warning("checkpoint skipped (folding from an earlier point): %s", exc)
-                continue
-            self._resumed = (position, at_or_before, pages)
-            return state
-        return ClusterState()
+                return None
+            except BaseException:
+                pages.close()
+                raise
+        self._resumed = (position, to_position, pages)
+        return state
 
     def _close_resumed(self) -> None:
         if self._resumed is not None:

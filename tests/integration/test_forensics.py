@@ -219,7 +219,7 @@ async def test_verify_export_import_round_trip_and_a_tampered_file(
         capsys, "replay", "export", "--out", str(exported), "--checkpoint-every", "4", *db
     )
     assert code == 0 and f"{scenario.head} events" in out
-    marks = read_end(exported)[0].checkpoints
+    marks = [position for position, _ in read_end(exported)[0].checkpoints]
     assert marks == [*range(4, scenario.head, 4), scenario.head]
     code, out, err = await dracap(capsys, "replay", "verify", "--log", str(exported))
     assert code == 0 and "every checkpoint is the fold at its position" in out, (out, err)

@@ -54,7 +54,11 @@ def reseal(path: Path, lines: list[bytes], *, version: int | None = None) -> Pat
         header["version"] = version
         lines = [msgspec.json.encode(header), *lines[1:]]
     body = b"".join(line + b"\n" for line in lines)
-    marks = [msgspec.json.decode(line)["checkpoint"] for line in lines[1:] if line[:1] == b"{"]
+    marks, offset = [], len(lines[0]) + 1
+    for line in lines[1:]:
+        if line[:1] == b"{":
+            marks.append((msgspec.json.decode(line)["checkpoint"], offset))
+        offset += len(line) + 1
     events = sum(1 for line in lines[1:] if line[:1] == b"[")
     end: dict[str, Any] = {
         "end": True,
@@ -102,7 +106,7 @@ def test_state_at_equals_the_fold_from_1_at_every_position(
     plain, checkpointed, rows = files
     total = len(rows)
     end = logfile.read_end(checkpointed)[0]
-    assert end.checkpoints == [*range(EVERY, total, EVERY), total]
+    assert [position for position, _ in end.checkpoints] == [*range(EVERY, total, EVERY), total]
     assert logfile.read_end(plain)[0].checkpoints == []
     for position in range(1, total + 1):
         assert at(checkpointed, position) == at(plain, position), position
@@ -228,7 +232,10 @@ def test_an_end_line_that_lists_other_checkpoints_is_refused(
     edited = tmp_path / "index.ndjson"
     for index, refusal in (
         (listed[1:], r"line \d+: "),  # one left out: that line is not an event line
-        ([*listed, listed[-1] + 1], f"lists {len(listed) + 1} checkpoints, found {len(listed)}"),
+        (
+            [*listed, [listed[-1][0] + 1, listed[-1][1]]],
+            f"lists {len(listed) + 1} checkpoints, found {len(listed)}",
+        ),
     ):
         end["checkpoints"] = index
         edited.write_bytes(body + b"\n" + msgspec.json.encode(end) + b"\n")
@@ -237,3 +244,22 @@ def test_an_end_line_that_lists_other_checkpoints_is_refused(
         with pytest.raises(LogFileError, match=refusal):
             for _ in read_rows(edited):  # rows
                 pass
+
+
+def test_an_index_that_points_elsewhere_only_costs_time(
+    files: tuple[Path, Path, list[list[Any]]],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    plain, checkpointed, _ = files
+    body, _, last = checkpointed.read_bytes().rstrip(b"\n").rpartition(b"\n")
+    end = msgspec.json.decode(last)
+    (p1, o1), (p2, o2) = end["checkpoints"][:2]
+    end["checkpoints"][:2] = [[p1, o2], [p2, o1]]  # each offset at the other's line
+    edited = tmp_path / "swapped.ndjson"
+    edited.write_bytes(body + b"\n" + msgspec.json.encode(end) + b"\n")
+    with caplog.at_level(logging.WARNING):
+        assert at(edited, p2 + 1) == at(plain, p2 + 1)
+    assert "checkpoint skipped" in caplog.text
+    assert start(edited, p2 + 1) == 0  # neither verifies where it is said to be
+    assert start(edited, end["checkpoints"][2][0]) == end["checkpoints"][2][0]
