@@ -81,6 +81,9 @@ __all__ = [
     "LogFileError",
     "LogWriter",
     "decode_line",
+    "read_end",
+    "read_header",
+    "read_line_at",
     "read_rows",
 ]
 

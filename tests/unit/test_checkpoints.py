@@ -136,6 +136,8 @@ def test_a_version_1_file_still_reads_and_may_hold_no_checkpoint(
     for position in (1, EVERY, len(rows)):
         assert at(old, position) == at(plain, position)
     assert check_file(old, checkpoints=True) == check_file(plain)
+    rows = [r for page in read_rows(old) for r in page]  # what import copies
+    assert rows == [r for page in read_rows(plain) for r in page]
     bad = reseal(tmp_path / "v1cp.ndjson", lines_of(checkpointed), version=1)
     with pytest.raises(LogFileError, match=r"line \d+: "):
         check_file(bad)
