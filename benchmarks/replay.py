@@ -4,7 +4,9 @@ Two parts (``docs/forensics.md`` has the figures):
 
 1. **File**: a ``dracap-log`` file of ``--events`` events (the valid history of
    :func:`benchmarks.eventlog.history`: slices, then claim lifecycles) is written with
-   :class:`~services.replay.logfile.LogWriter`. Measured, median of ``--repeat``:
+   :class:`~services.replay.checkpoints.CheckpointWriter`, a checkpoint line every
+   ``--checkpoint-every`` events and after the last, as ``dracap replay export`` writes
+   it by default. Measured, median of ``--repeat``:
 
    * *raw read* (the baseline of the goal): the file read in chunks of the reader's
      size and every event line parsed as JSON into its row tuple (msgspec; the
@@ -13,11 +15,17 @@ Two parts (``docs/forensics.md`` has the figures):
      is, the counterpart of the raw keyset read of ``benchmarks/eventlog.py``. Not
      "read and split only" (that parses nothing; shown too), and not a generic decode
      of every payload into dicts (shown too: it costs more than the replay's typed
-     decode, so it would flatter the ratio);
+     decode, so it would flatter the ratio). Checkpoint lines are parsed too (into
+     their struct): they are lines of the same file;
    * *replay state --at*: :func:`services.replay.history.state_at` over a
      :class:`~services.replay.sources.FileSource` at the last position — checked
-     header, gap-free positions, SHA-256 of the whole file, decode and fold (what
-     ``dracap replay state --at`` does before it prints).
+     header, gap-free positions, SHA-256 of the whole file, the newest checkpoint at or
+     before it verified and decoded, the events after it decoded and folded (what
+     ``dracap replay state --at`` does before it prints); also in the middle between
+     two checkpoints, one event before a checkpoint (the most to fold after one), and
+     at the head ignoring the checkpoints (the fold of every event, as before them);
+   * *verify*: ``replay verify --log`` (:func:`~services.replay.transfer.check_file`
+     comparing every checkpoint with the fold), one run.
 
 2. **Start-up** (``--admin-url``; skipped with ``--no-database``): a fresh database,
    migrated, the same history loaded with binary ``COPY`` (as ``benchmarks/eventlog.py``
@@ -61,8 +69,10 @@ from benchmarks.eventlog import history, load_history
 from events import catalog
 from events.catalog import Event, encode_payload, schema_version_of, tag_of
 from events.fold import snapshot_encode
+from services.replay.checkpoints import EVERY as CHECKPOINT_EVERY
+from services.replay.checkpoints import CheckpointWriter
 from services.replay.history import state_at
-from services.replay.logfile import CHUNK_BYTES, FileRow, LogWriter, read_end
+from services.replay.logfile import CHUNK_BYTES, CheckpointLine, FileRow, LogWriter, read_end
 from services.replay.sources import DatabaseSource, FileSource
 from services.replay.transfer import check_file
 from services.runtime import migrating
@@ -73,9 +83,9 @@ from services.runtime.snapshots import EVERY_EVENTS, encode_detached, write_snap
 from tests.integration import sample as s
 
 
-def write_file(path: Path, n: int) -> float:
+def write_file(path: Path, n: int, every: int = CHECKPOINT_EVERY) -> float:
     started = time.perf_counter()
-    writer = LogWriter(path, source="benchmarks.replay")
+    writer = CheckpointWriter(path, source="benchmarks.replay", every=every)
     chunk: list[tuple[Any, ...]] = []
     for row in history(n):
         chunk.append(row)
@@ -91,7 +101,7 @@ def raw_read(path: Path, *, parse: bool = True, generic: bool = False) -> int:
     """Read every event line and parse it into its row tuple, payload left as raw JSON
     (no checks, no checksum, no fold; ``parse=False``: only split the lines;
     ``generic``: decode every line, payload included, into plain lists and dicts)."""
-    decoder: Any = msgspec.json.Decoder(Any if generic else list[FileRow])
+    decoder: Any = msgspec.json.Decoder(Any if generic else list[FileRow | CheckpointLine])
     count = 0
     end_offset = read_end(path)[1]
     with open(path, "rb") as f:
@@ -113,8 +123,9 @@ def raw_read(path: Path, *, parse: bool = True, generic: bool = False) -> int:
     return count
 
 
-async def replay_file(path: Path, position: int) -> int:
-    state = await state_at(FileSource(path), position)
+async def replay_file(path: Path, position: int, *, checkpoints: bool = True) -> int:
+    state = await state_at(FileSource(path, checkpoints=checkpoints), position)
+    assert state.position == position
     return state.position
 
 
@@ -128,25 +139,37 @@ def median(repeat: int, work: Any) -> float:
     return statistics.median(times)
 
 
-def file_part(n: int, repeat: int, directory: Path) -> dict[str, float]:
+def file_part(n: int, repeat: int, directory: Path, every: int) -> dict[str, float]:
     path = directory / "bench.ndjson"
-    wrote = write_file(path, n)
+    wrote = write_file(path, n, every)
     size = path.stat().st_size
-    print(f"  wrote {n:,} events ({size / 2**20:,.0f} MiB) in {wrote:.1f}s")
+    marks = len(read_end(path)[0].checkpoints)
+    print(f"  wrote {n:,} events, {marks} checkpoints ({size / 2**20:,.0f} MiB) in {wrote:.1f}s")
     lines = median(repeat, lambda: raw_read(path, parse=False))
     raw = median(repeat, lambda: raw_read(path))
     generic = median(1, lambda: raw_read(path, generic=True))
     replay = median(repeat, lambda: asyncio.run(replay_file(path, n)))
-    half = median(1, lambda: asyncio.run(replay_file(path, n // 2)))
+    step = every or n
+    middle = min(n, n // 2 + step // 2)
+    worst = max(1, min(n - 1, (n // 2 // step + 1) * step - 1))
+    half = median(1, lambda: asyncio.run(replay_file(path, middle)))
+    behind = median(1, lambda: asyncio.run(replay_file(path, worst)))
+    full = median(1, lambda: asyncio.run(replay_file(path, n, checkpoints=False)))
+    verified = median(1, lambda: check_file(path, checkpoints=True))
     path.unlink()
     return {
         "file MiB": size / 2**20,
+        "file write (fold + checkpoints) s": wrote,
         "read + split lines only events/s": n / lines,
         "raw read events/s": n / raw,
+        "raw read s": raw,
         "(generic decode of every line) events/s": n / generic,
         "replay state --at head events/s": n / replay,
         "replay state --at head s": replay,
-        "replay state --at middle s": half,
+        f"replay state --at {middle:,} (middle) s": half,
+        f"replay state --at {worst:,} (a checkpoint - 1) s": behind,
+        "replay state --at head, checkpoints ignored s": full,
+        "replay verify --log (every checkpoint compared) s": verified,
     }
 
 
@@ -370,6 +393,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         ),
     )
     parser.add_argument("--no-database", action="store_true", help="the file part only")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=CHECKPOINT_EVERY,
+        metavar="N",
+        help="file part: a checkpoint every N events and after the last (0: none)",
+    )
     parser.add_argument("--no-file", action="store_true", help="the start-up part only")
     parser.add_argument("--example", metavar="FILE", help="write the demo log and exit")
     parser.add_argument(
@@ -387,7 +417,7 @@ def main() -> None:
     if not args.no_file:
         print(f"file part, {args.events:,} events:")
         with tempfile.TemporaryDirectory() as directory:
-            results |= file_part(args.events, args.repeat, Path(directory))
+            results |= file_part(args.events, args.repeat, Path(directory), args.checkpoint_every)
     if not args.no_database:
         print(f"start-up part, {args.events:,} events:")
         results |= asyncio.run(

@@ -4,11 +4,12 @@ Verbs (``docs/forensics.md`` has examples):
 
 * ``verify [--from-start] [--log FILE]``: on the database, the fold of the log against
   the guard rows (:mod:`services.replay.verify`); on a file, the fold alone (a file has
-  no guard rows): exit 0 clean, 5 (``INVARIANT_VIOLATED``) with the first violating
-  position;
+  no guard rows) and every checkpoint line against the fold at its position: exit 0
+  clean, 5 (``INVARIANT_VIOLATED``) with the first violating position;
 * ``state --at POSITION|TIME [-o table|json|yaml]``, ``timeline OBJECT``, ``diff A B``,
   ``plot DEVICE|NODE|CLASS --out FILE.png`` (:mod:`services.replay.history`);
-* ``export --out FILE`` / ``import FILE`` (:mod:`services.replay.transfer`);
+* ``export --out FILE [--checkpoint-every N]`` / ``import FILE``
+  (:mod:`services.replay.transfer`; checkpoint lines: :mod:`services.replay.checkpoints`);
 * ``snapshot [--every-events N] [--every-minutes M] [--once]``: write snapshots of the
   fold (:mod:`services.runtime.snapshots`), once or as a service — the writer the
   deployments run (compose's ``snapshots``, Kubernetes' ``dracap-snapshots``): it logs to
@@ -37,6 +38,8 @@ import msgspec
 
 from services.exitcodes import CommandError, ExitCode
 from services.replay import history
+from services.replay.checkpoints import EVERY as CHECKPOINT_EVERY
+from services.replay.checkpoints import CheckpointMismatchError
 from services.replay.logfile import LogFileError
 from services.replay.render import (
     diff_table,
@@ -144,9 +147,13 @@ def _verify(args: argparse.Namespace) -> int:
 def _verify_file(args: argparse.Namespace) -> int:
     progress = progress_for(f"verifying {args.log}", "bytes")
     try:
-        state = check_file(args.log, progress)
+        state = check_file(args.log, progress, checkpoints=True)
     except ImportRefusedError as exc:
         print(f"INVARIANT VIOLATED at position {exc.position}: {exc}")
+        print(f"FAILED: first violating position {exc.position}")
+        return ExitCode.INVARIANT_VIOLATED
+    except CheckpointMismatchError as exc:
+        print(f"CHECKPOINT MISMATCH at position {exc.position}: {exc}")
         print(f"FAILED: first violating position {exc.position}")
         return ExitCode.INVARIANT_VIOLATED
     except LogFileError as exc:
@@ -155,7 +162,10 @@ def _verify_file(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.close()
     print(f"replayed {state.position} events of {args.log}")
-    print("OK: every event folds without breaking an invariant (a file has no guard rows)")
+    print(
+        "OK: every event folds without breaking an invariant and every checkpoint is the "
+        "fold at its position (a file has no guard rows)"
+    )
     return ExitCode.OK
 
 
@@ -255,13 +265,24 @@ def _scope(state: Any, text: str) -> tuple[str, str]:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.checkpoint_every < 0:
+        raise CommandError(
+            f"--checkpoint-every {args.checkpoint_every}: must be >= 0 (0: no checkpoints)",
+            ExitCode.BAD_INPUT,
+        )
     settings, url = _settings(args, ServiceKind.READONLY)
     progress = progress_for(f"exporting to {args.out}", "events")
 
     async def work() -> tuple[int, int]:
         connection = await connect(settings)
         try:
-            return await export_log(connection, args.out, source=args.source, progress=progress)
+            return await export_log(
+                connection,
+                args.out,
+                source=args.source,
+                progress=progress,
+                checkpoint_every=args.checkpoint_every,
+            )
         finally:
             await connection.close()
 
@@ -430,6 +451,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     export = verbs.add_parser("export", help="write the log to a portable NDJSON file")
     export.add_argument("--out", required=True, metavar="FILE")
     export.add_argument("--source", default="", help="a note stored in the file's header")
+    export.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=CHECKPOINT_EVERY,
+        metavar="N",
+        help=f"a checkpoint of the fold every N events and after the last, so that "
+        f"state --at need not fold from 1 (default {CHECKPOINT_EVERY:,}; 0: none)",
+    )
     add_endpoint_arguments(export, database=True)
     export.set_defaults(func=_export)
 

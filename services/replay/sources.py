@@ -8,7 +8,9 @@ one fold loop (:func:`services.replay.verify.fold_rows`) serves both:
   *p* starts from the newest snapshot at or before *p* that verifies
   (:func:`services.runtime.snapshots.load_verified`), the rest from position 0;
 * :class:`FileSource`: a ``dracap-log`` file (:mod:`services.replay.logfile`), no
-  database at all; always from position 0, and only after the file's checksum held.
+  database at all; a replay to position *p* starts from the newest checkpoint line at
+  or before *p* that verifies (:mod:`services.replay.checkpoints`), else from position
+  0, and is reported only after the whole file's checksum held.
 
 A point in the log (``--at``, ``diff A B``) is a position or a time
 (:func:`parse_point`); a time means the last event recorded at or before it, read in
@@ -18,15 +20,19 @@ log order (the position of the first event recorded later, minus one).
 from __future__ import annotations
 
 import datetime
-from collections.abc import AsyncIterator, Callable
+import logging
+from collections.abc import AsyncIterator, Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
 import asyncpg
 
+from events.errors import SnapshotError
 from events.fold import ClusterState
 from services.exitcodes import CommandError, ExitCode
 from services.replay import logfile
+from services.replay.checkpoints import check_place, decode_checkpoint
 from services.runtime.eventstore import iter_rows
 from services.runtime.rows import POSITION
 from services.runtime.snapshots import load_verified
@@ -36,6 +42,7 @@ __all__ = ["DatabaseSource", "FileSource", "LogSource", "Point", "parse_point"]
 #: A point in the log: a position, or a time.
 Point = int | datetime.datetime
 RECORDED_AT = 10
+log = logging.getLogger(__name__)
 
 
 def parse_point(text: str, what: str = "--at") -> Point:
@@ -126,14 +133,26 @@ class DatabaseSource:
 
 
 class FileSource:
-    """An exported ``dracap-log`` file."""
+    """An exported ``dracap-log`` file.
+
+    :meth:`start` reads the file up to the checkpoint it starts from (checking what it
+    skips) and keeps that read open: the :meth:`rows` that follow it for the same replay
+    go on from there, so the file is read once.
+    """
 
     def __init__(
-        self, path: str | Path, progress: Callable[[int, int], None] | None = None
+        self,
+        path: str | Path,
+        progress: Callable[[int, int], None] | None = None,
+        *,
+        checkpoints: bool = True,
     ) -> None:
         self.path = Path(path)
         self.progress = progress
+        self.checkpoints = checkpoints
         self._head: int | None = None
+        #: (checkpoint position, to_position, the read after it) of the last start
+        self._resumed: tuple[int, int, Generator[Any, None, None]] | None = None
 
     async def head(self) -> int:
         if self._head is None:
@@ -142,14 +161,72 @@ class FileSource:
         return self._head
 
     async def start(self, at_or_before: int) -> ClusterState:
+        """The newest checkpoint at or before ``at_or_before`` that verifies, read up to;
+        an empty state when none does (each one that does not is logged)."""
+        self._close_resumed()
+        if not self.checkpoints:
+            return ClusterState()
+        head = await self.head()
+        end = logfile.read_end(self.path)[0]
+        for position, offset in sorted(set(end.checkpoints), reverse=True):
+            if 0 < position <= at_or_before:
+                state = self._resume(position, offset, at_or_before, head)
+                if state is not None:
+                    return state
         return ClusterState()
+
+    def _resume(
+        self, position: int, offset: int, to_position: int, head: int
+    ) -> ClusterState | None:
+        """Read up to the checkpoint at ``position`` while its line (at ``offset``, by the
+        end line's index) is decoded in a thread: inflating it releases the GIL, so it
+        overlaps the reading. ``None``: it does not verify (logged)."""
+        line = logfile.read_line_at(self.path, offset)
+        with ThreadPoolExecutor(1, thread_name_prefix="dracap-checkpoint") as pool:
+            decoding = pool.submit(decode_checkpoint, line, position, head)
+            pages = logfile.read_rows(
+                self.path,
+                to_position=to_position,
+                progress=self.progress,
+                lines=True,
+                resume_at=position,
+            )
+            try:
+                found = next(pages, None)
+                if not isinstance(found, logfile.Checkpoint):
+                    raise SnapshotError(f"checkpoint at {position}: not in the file")
+                parsed, state = decoding.result()
+                check_place(found, line, parsed)
+            except SnapshotError as exc:
+                pages.close()
+                log.warning("checkpoint skipped (folding from an earlier point): %s", exc)
+                return None
+            except BaseException:
+                pages.close()
+                raise
+        self._resumed = (position, to_position, pages)
+        return state
+
+    def _close_resumed(self) -> None:
+        if self._resumed is not None:
+            pages = self._resumed[2]
+            self._resumed = None
+            pages.close()
 
     async def rows(
         self, after: int, to_position: int | None = None, *, to_fold: bool = False
     ) -> AsyncIterator[Any]:
-        pages = logfile.read_rows(
-            self.path, to_position=to_position, progress=self.progress, lines=to_fold
-        )
+        resumed = self._resumed
+        self._resumed = None
+        if resumed is not None and to_fold and resumed[:2] == (after, to_position):
+            pages = resumed[2]
+        else:
+            if resumed is not None:
+                self._resumed = resumed
+                self._close_resumed()
+            pages = logfile.read_rows(
+                self.path, to_position=to_position, progress=self.progress, lines=to_fold
+            )
         for page in pages:
             if isinstance(page, logfile.LinePage):
                 if page.last > after:

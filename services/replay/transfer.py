@@ -2,7 +2,9 @@
 
 Export reads the whole log in one ``REPEATABLE READ`` transaction (a consistent cut at
 the head of that instant) and writes a :mod:`services.replay.logfile` file; the
-payloads go out exactly as stored, with their schema versions.
+payloads go out exactly as stored, with their schema versions. It folds the log as it
+writes and puts a checkpoint line every ``checkpoint_every`` events and after the last
+(:mod:`services.replay.checkpoints`; 0: none).
 
 Import refuses a file that does not check out (header, gap-free positions, checksum,
 and the fold: a file that does not fold — an oversubscription, say — is refused with
@@ -11,7 +13,11 @@ log (head 0: importing on top of another history would renumber it). Then, in on
 transaction holding the head lock, it copies the rows as they are — positions, event
 ids, actors, times — with binary ``COPY`` and runs the database's guards over them
 (``dracap_guard``, as the bulk append path does), so the guard tables end where the
-exporting database's were; ``replay verify`` on the result is the proof.
+exporting database's were; ``replay verify`` on the result is the proof. Checkpoint
+lines are not imported nor compared (the database writes its own snapshots).
+
+:func:`check_file` with ``checkpoints`` (``replay verify --log``) also compares every
+checkpoint line with the fold at its position (:func:`services.replay.checkpoints.compare`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from events.catalog import decode_stored
 from events.errors import InvariantViolation
 from events.fold import ClusterState
 from events.guards import encode_guards, guards_of_many
-from services.replay.logfile import LogWriter, read_rows
+from services.replay.checkpoints import EVERY, CheckpointMismatchError, CheckpointWriter, compare
+from services.replay.logfile import Checkpoint, read_end, read_rows
 from services.replay.verify import fold_rows, paused_gc
 from services.runtime.eventstore import CHANNEL, iter_rows
 from services.runtime.rows import COLUMNS, PAYLOAD, SCHEMA_VERSION, TYPE
@@ -55,9 +62,10 @@ async def export_log(
     *,
     source: str = "",
     progress: Progress | None = None,
+    checkpoint_every: int = EVERY,
 ) -> tuple[int, int]:
     """Write the whole log to ``path``; returns (events, last position)."""
-    writer = LogWriter(path, source=source)
+    writer = CheckpointWriter(path, source=source, every=checkpoint_every)
     try:
         async with connection.transaction(isolation="repeatable_read", readonly=True):
             head: int = await connection.fetchval("SELECT position FROM event_log_head")
@@ -72,18 +80,35 @@ async def export_log(
     return writer.count, writer.last
 
 
-def check_file(path: str | Path, progress: Progress | None = None) -> ClusterState:
-    """Read and fold the whole file; raises LogFileError or :class:`ImportRefusedError`."""
+def check_file(
+    path: str | Path, progress: Progress | None = None, *, checkpoints: bool = False
+) -> ClusterState:
+    """Read and fold the whole file; raises LogFileError or :class:`ImportRefusedError`
+    (with ``checkpoints``: also :class:`~services.replay.checkpoints.CheckpointMismatchError`
+    for the first checkpoint that is not the fold at its position)."""
     state = ClusterState()
+    head = read_end(path)[0].last
+    mismatch: CheckpointMismatchError | None = None  # raised once the checksum held
     with paused_gc():
-        for rows in read_rows(path, progress=progress, lines=True):
+        for rows in read_rows(path, progress=progress, lines=True, checkpoints=checkpoints):
+            if isinstance(rows, Checkpoint):
+                if mismatch is None:
+                    try:
+                        compare(rows, state, head)
+                    except CheckpointMismatchError as exc:
+                        mismatch = exc
+                continue
             try:
                 fold_rows(state, rows)
             except InvariantViolation as exc:
+                if mismatch is not None:  # the earlier position
+                    raise mismatch from None
                 raise ImportRefusedError(
                     f"{path}: the log does not fold at position {exc.position}: {exc}",
                     position=exc.position,
                 ) from None
+    if mismatch is not None:
+        raise mismatch
     return state
 
 

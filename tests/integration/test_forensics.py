@@ -30,7 +30,7 @@ from events.fold import ClusterState
 from services.cli import main
 from services.exitcodes import ExitCode
 from services.replay.history import state_at
-from services.replay.logfile import LogWriter, read_rows
+from services.replay.logfile import LogWriter, read_end, read_rows
 from services.replay.sources import DatabaseSource
 from services.replay.verify import summary, verify
 from services.runtime.dbroles import ensure_login, url_as
@@ -214,11 +214,30 @@ async def test_verify_export_import_round_trip_and_a_tampered_file(
     db = ("--database-url", database_url)
     code, out, _ = await dracap(capsys, "replay", "verify", *db)
     assert code == 0, out
-    exported = tmp_path / "log.ndjson"
-    code, out, _ = await dracap(capsys, "replay", "export", "--out", str(exported), *db)
+    exported = tmp_path / "log.ndjson"  # checkpoints every 4 events and at the head
+    code, out, _ = await dracap(
+        capsys, "replay", "export", "--out", str(exported), "--checkpoint-every", "4", *db
+    )
     assert code == 0 and f"{scenario.head} events" in out
+    marks = [position for position, _ in read_end(exported)[0].checkpoints]
+    assert marks == [*range(4, scenario.head, 4), scenario.head]
     code, out, err = await dracap(capsys, "replay", "verify", "--log", str(exported))
-    assert code == 0, (out, err)
+    assert code == 0 and "every checkpoint is the fold at its position" in out, (out, err)
+    plain = tmp_path / "plain.ndjson"
+    code, _, _ = await dracap(
+        capsys, "replay", "export", "--out", str(plain), "--checkpoint-every", "0", *db
+    )
+    assert code == 0 and read_end(plain)[0].checkpoints == []
+    for position in range(1, scenario.head + 1):  # before, at and after each checkpoint
+        answers = [
+            (await dracap(capsys, "replay", "state", "--at", str(position), "-o", "json", *f))[1]
+            for f in (("--log", str(exported)), ("--log", str(plain)))
+        ]
+        assert _json(answers[0]) == _json(answers[1]), position
+    code, _, err = await dracap(
+        capsys, "replay", "export", "--out", str(plain), "--checkpoint-every", "-1", *db
+    )
+    assert code == 2 and "--checkpoint-every -1: must be >= 0" in err
     code, from_db, _ = await dracap(capsys, "replay", "state", "--at", "9999", "-o", "json", *db)
     code, from_file, _ = await dracap(
         capsys, "replay", "state", "--at", "9999", "-o", "json", "--log", str(exported)
