@@ -49,3 +49,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _INTEGRATION in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _loggers_enabled() -> None:
+    """Every logger enabled when a test starts: an in-process run that configures logging
+    from a file (import-linter in ``test_architecture``) disables every logger that
+    existed then, and a test reading a module's log lines (``caplog``) must not depend
+    on which tests ran before it."""
+    import logging
+
+    for logger in logging.Logger.manager.loggerDict.values():
+        if isinstance(logger, logging.Logger):
+            logger.disabled = False

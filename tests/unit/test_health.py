@@ -38,12 +38,8 @@ def _gauge(check: str) -> float | None:
 
 
 @pytest.fixture
-def lines(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> pytest.LogCaptureFixture:
-    """caplog for ``dracap.health`` (import-linter's run in test_architecture disables the
-    loggers that exist by then)."""
-    monkeypatch.setattr(logging.getLogger("dracap.health"), "disabled", False)
+def lines(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """caplog for ``dracap.health`` (tests/conftest.py re-enables the loggers)."""
     caplog.set_level(logging.INFO, logger="dracap.health")
     return caplog
 
