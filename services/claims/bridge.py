@@ -25,7 +25,8 @@ Status (log -> API server)
     writes them (a merge patch of the status subresource at the claim's resourceVersion;
     entries of other drivers are kept; ``409 Conflict``: read again and retry). Nothing is
     written to a claim that is no longer allocated: the API server accepts device statuses
-    only for allocated devices.
+    only for allocated devices; such a claim is decided again instead, so that one
+    released after Kubernetes deallocated it is withdrawn.
 
 The actor of every event is ``system:kubernetes-bridge``; the bridge connects to
 PostgreSQL with the claims API's role.
@@ -216,7 +217,10 @@ class Bridge:
         except NotFound:
             return False
         status = current.status
-        if current.metadata.uid != claim.uid or status is None or status.allocation is None:
+        if current.metadata.uid != claim.uid:
+            return False
+        if status is None or status.allocation is None:
+            await self.mirror(current)  # released and deallocated: the record ends
             return False
         existing: list[dict[str, Any]] = [dict(e) for e in status.devices or ()]
         ours = [e for e in existing if e.get("driver") in self.drivers]

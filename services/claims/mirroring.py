@@ -24,7 +24,12 @@ exactly what Kubernetes allocated on dracap's drivers' devices:
   prepare, and the bridge shows why in the claim's ``status.devices`` conditions;
 * a mirrored claim whose allocation went away (deallocated, deleted, recreated with
   another UID, or allocated anew) gets ``ReleaseRequested``: the agent removes its
-  limits and gives the capacity back (through the fencing rules when its node is lost);
+  limits and gives the capacity back (through the fencing rules when its node is lost).
+  An allocation dracap released while Kubernetes still holds it (the kubelet unprepared
+  it, or the not-started rule released it) stays released: nothing is recorded until
+  Kubernetes deallocates it or allocates the claim anew. A released claim that
+  Kubernetes no longer allocates (deallocated, deleted) gets ``ClaimWithdrawn``: its
+  record ends, and the next allocation of the claim is mirrored anew;
 * ``status.reservedFor`` is mirrored as ``ClaimReserved`` / ``ClaimUnreserved`` (the
   consumers ``<resource>/<namespace>/<name>``), which the not-started rule reads.
 
@@ -54,6 +59,7 @@ from events.catalog import (
     ClaimReserved,
     ClaimSubmitted,
     ClaimUnreserved,
+    ClaimWithdrawn,
     Event,
     ReleaseRequested,
     claim_stream,
@@ -104,7 +110,8 @@ class Mirror(msgspec.Struct, frozen=True, kw_only=True):
 
     claim_stream: str
     events: tuple[tuple[str, Event], ...] = ()
-    outcome: str = "unchanged"  #: mirrored | refused | released | reserved | unchanged
+    #: mirrored | refused | released | reserved | withdrawn | unchanged
+    outcome: str = "unchanged"
 
 
 def results_of(
@@ -167,10 +174,27 @@ def _release(current: ClaimState, reason: str) -> Mirror:
     return Mirror(claim_stream=stream, events=((stream, event),), outcome="released")
 
 
+def _withdrawn(current: ClaimState | None, uid: str | None, stream: str) -> Mirror:
+    """``ClaimWithdrawn`` of a mirrored claim dracap released that Kubernetes no longer
+    allocates (deallocated or deleted): its record ends, and a later allocation of the
+    claim is mirrored anew."""
+    if (
+        current is None
+        or current.source != SOURCE
+        or (uid is not None and current.uid != uid)
+        or current.phase != "released"
+    ):
+        return Mirror(claim_stream=stream)
+    event = ClaimWithdrawn(namespace=current.namespace, name=current.name)
+    return Mirror(claim_stream=stream, events=((stream, event),), outcome="withdrawn")
+
+
 def decide_deleted(state: ClusterState, namespace: str, name: str, uid: str | None) -> Mirror:
     """What to record when the ResourceClaim ``namespace/name`` was deleted."""
     stream = claim_stream(namespace, name)
     current = state.claims.get((namespace, name))
+    if current is not None and current.phase == "released":
+        return _withdrawn(current, uid, stream)
     if (
         current is None
         or current.source != SOURCE
@@ -204,15 +228,14 @@ def decide_claim(state: ClusterState, claim: ResourceClaim, drivers: Collection[
             return Mirror(claim_stream=stream)  # releasing: mirrored anew once released
         return _reservations(current, claim, stream)
     if not results:
-        return Mirror(claim_stream=stream)
-    if (
-        current is not None
-        and current.phase == "rejected"
-        and current.source == SOURCE
-        and current.uid == uid
-        and _recorded_results(current, drivers) == results
-    ):
-        return Mirror(claim_stream=stream)  # refused once for this allocation: stays so
+        return _withdrawn(current, uid, stream)
+    if current is not None and current.source == SOURCE and current.uid == uid:
+        if current.phase == "rejected" and _recorded_results(current, drivers) == results:
+            return Mirror(claim_stream=stream)  # refused once for this allocation: stays so
+        if current.phase == "released" and _same_allocation(current, uid, results):
+            # released in dracap (a kubelet unprepare, the not-started rule) while
+            # Kubernetes still holds it: it stays released until allocated anew
+            return Mirror(claim_stream=stream)
     return _mirror(state, claim, current, results, stream)
 
 

@@ -169,7 +169,7 @@ FENCE_HOOK_RUNS: Final = Counter(
 KUBERNETES_MIRROR: Final = Counter(
     "dracap_kubernetes_mirror_decisions_total",
     "ResourceClaim changes the Kubernetes bridge recorded in the log, by outcome "
-    "(mirrored, refused, released, reserved).",
+    "(mirrored, refused, released, reserved, withdrawn).",
     ["outcome"],
     registry=REGISTRY,
 )

@@ -202,7 +202,9 @@ async def test_deallocation_releases_the_capacity(cluster: Cluster) -> None:
     await cluster.set_status(
         "gone", lambda _: {"allocation": None, "reservedFor": None, "devices": None}
     )
+    # released by the agent, then withdrawn by the bridge: Kubernetes no longer allocates it
     state = await cluster.until(
-        lambda st: st.claims[(NAMESPACE, "gone")].phase == "released", "released"
+        lambda st: st.claims[(NAMESPACE, "gone")].phase == "withdrawn", "released and withdrawn"
     )
     assert state.devices[share.device_key].consumed_nanos["bandwidth"] == 0
+    assert state.shares[share.share_id].state == "released"

@@ -199,6 +199,9 @@ def test_a_dedicated_device_gets_a_share_id_derived_from_the_claim() -> None:
     state = mirrored(log, rc)
     state = mirrored(log, deallocated(rc))  # released (the agent gives the capacity back) ...
     log.add(released(state.shares[reserved.share_id]))
+    withdrawn = decide_claim(log.state(), deallocated(rc), {DRIVER})  # the bridge sees it
+    assert [type(e).__name__ for _, e in withdrawn.events] == ["ClaimWithdrawn"]
+    log.extend(e for _, e in withdrawn.events)
     state = mirrored(log, rc)  # ... and allocated again to the same device: new shares
     claim = state.claims[(NAMESPACE, "train")]
     assert (claim.phase, claim.allocation_version) == ("allocated", 2)
@@ -283,3 +286,22 @@ def test_a_mirrored_claim_no_kubelet_prepares_follows_the_not_started_rule() -> 
     assert isinstance(event, c.ReleaseRequested) and "no kubelet prepared it" in event.reason
     reserved = mirrored(log, allocated(reserved_for=["pod-a"]))
     assert not_started(reserved) == []  # a consumer reserved it: its pod is on the way
+
+
+def test_an_allocation_released_in_dracap_stays_released_until_kubernetes_allocates_anew() -> None:
+    log = Log(*inventory())
+    rc = allocated()
+    state = mirrored(log, rc)
+    share = state.shares["7d0c2c1e-0000-4000-8000-000000000001"]
+    log.add(released(share))  # the kubelet unprepared it: the agent gave the capacity back
+    state = log.state()
+    assert state.claims[(NAMESPACE, "train")].phase == "released"
+    # Kubernetes still holds the allocation (the Pod's removal updates reservedFor first)
+    assert decide_claim(state, allocated(reserved_for=[]), {DRIVER}).events == ()
+    assert judge_prepare(state, NODE, NAMESPACE, "train", UID).verdict == "refused"
+    assert decide_deleted(state, NAMESPACE, "train", UID).outcome == "withdrawn"
+    anew = allocated(share="7d0c2c1e-0000-4000-8000-000000000002")  # allocated anew
+    decision = decide_claim(state, anew, {DRIVER})
+    assert decision.outcome == "mirrored"
+    bound = decision.events[-1][1]
+    assert isinstance(bound, c.AllocationBound) and bound.allocation_version == 2
