@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -67,7 +66,7 @@ from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.relaying import Relay
 from services.runtime.settings import Settings
-from tests.fixtures.links import HostVeth
+from tests.fixtures.links import HostVeth, agent_logs, kill, vnic_config
 
 pytest_plugins = ["tests.fixtures.netns"]
 
@@ -130,23 +129,7 @@ class Node:
         self.link.remove()
 
     def write_config(self) -> None:
-        config = {
-            "nodeName": self.node,
-            "network": {
-                "driver": DRIVER,
-                "include": [self.iface],
-                "includeVirtual": True,
-                "defaultSpeed": self.speed,
-            },
-            "gpu": {"enabled": False},
-            "classes": [
-                {
-                    "driver": DRIVER,
-                    "allowMultipleAllocations": True,
-                    "capacity": {"bandwidth": self.policy},
-                }
-            ],
-        }
+        config = vnic_config(self.node, DRIVER, self.iface, self.speed, self.policy)
         self.config.write_text(yaml.safe_dump(config))
 
     async def start(self) -> None:
@@ -206,15 +189,11 @@ class Node:
         log.close()
 
     def kill_agent(self) -> None:
-        if self.agent is not None and self.agent.poll() is None:
-            os.kill(self.agent.pid, signal.SIGKILL)
-            self.agent.wait(10)
+        kill(self.agent)
         self.agent = None
 
     def agent_log(self) -> str:
-        return "\n".join(
-            p.read_text(errors="replace")[-3000:] for p in sorted(self.tmp.glob("agent-*.log"))
-        )
+        return agent_logs(self.tmp)
 
     # -- talking to the stack
     async def admin(self, op: str, payload: bytes | dict[str, Any]) -> None:
