@@ -20,9 +20,15 @@ from typing import Any, Final
 
 from services.audit.service import AuditService
 from services.exitcodes import ExitCode
-from services.runtime import eventloop
 from services.runtime.endpoints import add_endpoint_arguments
-from services.runtime.querycommand import ask, emit, parse_time, serve_subscriber
+from services.runtime.querycommand import (
+    add_serve_verb,
+    ask,
+    emit,
+    parse_time,
+    run_query_or_serve,
+    serve_subscriber,
+)
 
 COLUMNS: Final = (
     "position",
@@ -63,15 +69,12 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.verb == "serve":
-            eventloop.log_to_stderr()
-            return eventloop.run(_serve(args))
-        parse_time("--since", args.since)  # bad input: exit 2 before connecting
-        parse_time("--until", args.until)
-        return eventloop.run(_query(args))
-    except KeyboardInterrupt:
-        return ExitCode.OK
+    return run_query_or_serve(
+        args,
+        lambda: _serve(args),
+        lambda: _query(args),
+        [("--since", args.since), ("--until", args.until)],
+    )
 
 
 def register(sub: Any) -> None:
@@ -80,14 +83,7 @@ def register(sub: Any) -> None:
         help="who did what to which share, when and why (audit records)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    verbs = parser.add_subparsers(dest="verb", metavar="serve")
-    serve = verbs.add_parser("serve", help="run the audit subscriber on its own")
-    add_endpoint_arguments(serve, database=True, nats=True)
-    serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
-    serve.add_argument(
-        "--metrics-addr", default="127.0.0.1", metavar="ADDR", help="where metrics bind"
-    )
-    serve.set_defaults(func=run, verb="serve")
+    add_serve_verb(parser, "audit").set_defaults(func=run, verb="serve")
     parser.add_argument("-n", "--namespace", help="a tenant's namespace (its own subject)")
     parser.add_argument("--claim", metavar="NAME")
     parser.add_argument("--share", metavar="ID")

@@ -30,7 +30,6 @@ the tenant endpoint scopes them to the subject's namespace (:mod:`services.runti
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 from collections.abc import Sequence
@@ -43,12 +42,12 @@ from nats.js import JetStreamContext
 from events.catalog import Envelope
 from events.subjects import BusNames
 from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, Update, build, needs
-from services.runtime.confirming import LogConfirmation
-from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.consuming import Handled, HandlerContext
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore
 from services.runtime.inorder import catch_up
-from services.runtime.queries import QueryError, limited_to, serving_queries
+from services.runtime.queries import QueryError, limited_to
+from services.runtime.subscribers import QueryingSubscriber, decode_query
 
 __all__ = ["CONSUMER", "AuditFilter", "AuditService", "query"]
 
@@ -164,8 +163,10 @@ def _row(r: AuditRecord) -> tuple[Any, ...]:
     )
 
 
-class AuditService:
+class AuditService(QueryingSubscriber):
     """The audit consumer, and its query endpoints when given a connection to serve on."""
+
+    service = "audit"
 
     def __init__(
         self,
@@ -178,19 +179,8 @@ class AuditService:
         directory: Directory | None = None,
         authenticated: bool = False,
     ) -> None:
-        self.store = store
-        self.names = names
-        self.nc = nc
-        self.directory = directory
-        self.authenticated = authenticated
-        self.consumer = Consumer(
-            store,
-            js,
-            names,
-            name=name,
-            filter_subject=names.events_subjects,
-            group_handler=self.handle,
-            confirmation=LogConfirmation(store),
+        super().__init__(
+            store, js, names, name=name, nc=nc, directory=directory, authenticated=authenticated
         )
 
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
@@ -200,18 +190,6 @@ class AuditService:
             await write_update(connection, envs, self.consumer.name)
 
         return Handled(writes=writes)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Consume (and serve queries, with ``nc``) until ``stop`` is set."""
-        await serving_queries(
-            lambda: self.consumer.run(stop),
-            self.nc,
-            self.names,
-            service="audit",
-            query=self.query,
-            directory=self.directory,
-            authenticated=self.authenticated,
-        )
 
     async def query(self, namespace: str | None, data: bytes) -> dict[str, Any]:
         """The records a query asks for; ``namespace``: the tenant it is limited to."""
@@ -236,14 +214,7 @@ class AuditFilter(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 def decode_filter(data: bytes) -> AuditFilter:
     """The filter of a query payload; :class:`QueryError` naming the field otherwise."""
-    try:
-        wanted = msgspec.json.decode(data or b"{}", type=AuditFilter)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        field = text.split("`$.", 1)[1].split("`", 1)[0] if "`$." in text else "request"
-        raise QueryError(field, text) from None
-    except msgspec.DecodeError as exc:
-        raise QueryError("request", f"must be a JSON object: {exc}") from None
+    wanted = decode_query(data, AuditFilter)
     if not 1 <= wanted.limit <= MAX_ROWS:
         raise QueryError("limit", f"must be between 1 and {MAX_ROWS}")
     return wanted

@@ -23,9 +23,15 @@ from typing import Any, Final
 
 from services.billing.service import BillingService
 from services.exitcodes import ExitCode
-from services.runtime import eventloop
 from services.runtime.endpoints import add_endpoint_arguments
-from services.runtime.querycommand import ask, emit, parse_time, serve_subscriber
+from services.runtime.querycommand import (
+    add_serve_verb,
+    ask,
+    emit,
+    parse_time,
+    run_query_or_serve,
+    serve_subscriber,
+)
 
 COLUMNS: Final = ("namespace", "device_class", "capacity", "state", "amount", "unit", "open")
 
@@ -51,15 +57,12 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.verb == "serve":
-            eventloop.log_to_stderr()
-            return eventloop.run(_serve(args))
-        parse_time("--from", args.start)  # bad input: exit 2 before connecting
-        parse_time("--to", args.end)
-        return eventloop.run(_query(args))
-    except KeyboardInterrupt:
-        return ExitCode.OK
+    return run_query_or_serve(
+        args,
+        lambda: _serve(args),
+        lambda: _query(args),
+        [("--from", args.start), ("--to", args.end)],
+    )
 
 
 def register(sub: Any) -> None:
@@ -68,14 +71,7 @@ def register(sub: Any) -> None:
         help="usage per namespace and DeviceClass (GiB-hours, Gbit/s-hours), unknown apart",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    verbs = parser.add_subparsers(dest="verb", metavar="serve")
-    serve = verbs.add_parser("serve", help="run the billing subscriber on its own")
-    add_endpoint_arguments(serve, database=True, nats=True)
-    serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
-    serve.add_argument(
-        "--metrics-addr", default="127.0.0.1", metavar="ADDR", help="where metrics bind"
-    )
-    serve.set_defaults(func=run, verb="serve")
+    add_serve_verb(parser, "billing").set_defaults(func=run, verb="serve")
     parser.add_argument("-n", "--namespace", help="a tenant's namespace (its own subject)")
     parser.add_argument("--class", dest="device_class", metavar="C", help="a DeviceClass")
     parser.add_argument("--from", dest="start", metavar="T", help="ISO 8601 time or now")

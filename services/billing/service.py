@@ -31,7 +31,6 @@ add the stretch each open share has run so far, up to ``--to`` or now (``open``)
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 from collections.abc import Callable, Sequence
@@ -64,13 +63,13 @@ from services.billing.usage import (
     needs,
     usage_rows,
 )
-from services.runtime.confirming import LogConfirmation
-from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.consuming import Handled, HandlerContext
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore
 from services.runtime.inorder import catch_up
 from services.runtime.metrics import USAGE
-from services.runtime.queries import QueryError, limited_to, serving_queries
+from services.runtime.queries import limited_to
+from services.runtime.subscribers import QueryingSubscriber, decode_query
 
 __all__ = ["CONSUMER", "EVENTS", "BillingService", "UsageFilter", "usage", "wanted"]
 
@@ -216,8 +215,10 @@ def _counter(update: Update) -> Callable[[], None]:
     return count
 
 
-class BillingService:
+class BillingService(QueryingSubscriber):
     """The billing consumers, and the usage endpoints when given a connection to serve on."""
+
+    service = "usage"
 
     def __init__(
         self,
@@ -230,20 +231,15 @@ class BillingService:
         directory: Directory | None = None,
         authenticated: bool = False,
     ) -> None:
-        self.store = store
-        self.names = names
-        self.nc = nc
-        self.directory = directory
-        self.authenticated = authenticated
-        self.consumer = Consumer(
+        super().__init__(
             store,
             js,
             names,
             name=name,
-            filter_subject=names.events_subjects,
-            group_handler=self.handle,
+            nc=nc,
+            directory=directory,
+            authenticated=authenticated,
             wants=wanted,
-            confirmation=LogConfirmation(store),
         )
 
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
@@ -259,18 +255,6 @@ class BillingService:
                 done()
 
         return Handled(writes=writes, on_commit=[count])
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Consume (and serve queries, with ``nc``) until ``stop`` is set."""
-        await serving_queries(
-            lambda: self.consumer.run(stop),
-            self.nc,
-            self.names,
-            service="usage",
-            query=self.query,
-            directory=self.directory,
-            authenticated=self.authenticated,
-        )
 
     async def query(self, namespace: str | None, data: bytes) -> dict[str, Any]:
         """The usage a query asks for; ``namespace``: the tenant it is limited to."""
@@ -292,14 +276,7 @@ class UsageFilter(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 def decode_filter(data: bytes) -> UsageFilter:
     """The filter of a query payload; :class:`QueryError` naming the field otherwise."""
-    try:
-        return msgspec.json.decode(data or b"{}", type=UsageFilter)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        field = text.split("`$.", 1)[1].split("`", 1)[0] if "`$." in text else "request"
-        raise QueryError(field, text) from None
-    except msgspec.DecodeError as exc:
-        raise QueryError("request", f"must be a JSON object: {exc}") from None
+    return decode_query(data, UsageFilter)
 
 
 async def usage(connection: Connection, wanted: UsageFilter) -> list[dict[str, Any]]:

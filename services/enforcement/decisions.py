@@ -74,7 +74,7 @@ from events.catalog import (
     device_stream,
     node_stream,
 )
-from events.fold import ClusterState, DeviceKey, ShareState
+from events.fold import ClaimState, ClusterState, DeviceKey, ShareState
 from events.model import DeviceClass
 from events.quantities import Quantity
 from events.tenancy import DEFAULT_RETRY_WINDOW_S, retry_window
@@ -240,14 +240,22 @@ def unprepare_claim(state: ClusterState, node: str, key: tuple[str, str]) -> Tas
     claim = state.claims.get(key)
     if claim is None:
         return None
+    return _releases(state, node, "", claim, _UNPREPARABLE)
+
+
+def _releases(
+    state: ClusterState, node: str, message: str, claim: ClaimState, states: frozenset[str]
+) -> Task | None:
+    """The :class:`Release` of ``claim``'s current allocation's shares on ``node`` that are
+    in one of ``states``; ``None`` when there is none."""
     gone = []
     for share_id in claim.share_ids:
         share = state.shares.get(share_id)
-        if share is None or not _mine(share, node) or share.state not in _UNPREPARABLE:
+        if share is None or not _mine(share, node) or share.state not in states:
             continue
         if share.allocation_version == claim.allocation_version:
             gone.append(released(share))
-    return Release(message="", released=tuple(gone)) if gone else None
+    return Release(message=message, released=tuple(gone)) if gone else None
 
 
 def _mine(share: ShareState | None, node: str) -> bool:
@@ -444,14 +452,7 @@ def _release(state: ClusterState, node: str, message: str, event: ReleaseRequest
         or claim.allocation_version != event.allocation_version
     ):
         return None
-    gone = []
-    for share_id in claim.share_ids:
-        share = state.shares.get(share_id)
-        if share is None or not _mine(share, node) or share.state not in _RELEASABLE:
-            continue
-        if share.allocation_version == event.allocation_version:
-            gone.append(released(share))
-    return Release(message=message, released=tuple(gone)) if gone else None
+    return _releases(state, node, message, claim, _RELEASABLE)
 
 
 def streams_to_check(node: str, tasks: Sequence[Task]) -> list[str]:

@@ -21,7 +21,7 @@ import csv
 import datetime
 import io
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
 from nats.aio.client import Client
@@ -31,12 +31,20 @@ from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop
 from services.runtime.apiclient import ApiClient
-from services.runtime.endpoints import endpoints_from_args, reaching
+from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import EventStore
 from services.runtime.metrics import start_metrics_server
 from services.runtime.settings import ServiceKind, load_settings
 
-__all__ = ["Subscriber", "ask", "emit", "parse_time", "serve_subscriber"]
+__all__ = [
+    "Subscriber",
+    "add_serve_verb",
+    "ask",
+    "emit",
+    "parse_time",
+    "run_query_or_serve",
+    "serve_subscriber",
+]
 
 
 def parse_time(flag: str, text: str | None) -> str | None:
@@ -130,3 +138,36 @@ async def serve_subscriber(
             server.shutdown()
         await store.close()
     return ExitCode.OK
+
+
+def add_serve_verb(parser: argparse.ArgumentParser, what: str) -> argparse.ArgumentParser:
+    """``<command> serve``: run the ``what`` subscriber on its own (returns its parser)."""
+    verbs = parser.add_subparsers(dest="verb", metavar="serve")
+    serve: argparse.ArgumentParser = verbs.add_parser(
+        "serve", help=f"run the {what} subscriber on its own"
+    )
+    add_endpoint_arguments(serve, database=True, nats=True)
+    serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    serve.add_argument(
+        "--metrics-addr", default="127.0.0.1", metavar="ADDR", help="where metrics bind"
+    )
+    return serve
+
+
+def run_query_or_serve(
+    args: argparse.Namespace,
+    serve: Callable[[], Coroutine[Any, Any, int]],
+    query: Callable[[], Coroutine[Any, Any, int]],
+    times: Sequence[tuple[str, str | None]],
+) -> int:
+    """Serve (``args.verb == "serve"``, logging to stderr) or answer one query; the query's
+    ``times`` (``(flag, text)``) are checked first, so bad input exits 2 before connecting."""
+    try:
+        if args.verb == "serve":
+            eventloop.log_to_stderr()
+            return eventloop.run(serve())
+        for flag, text in times:
+            parse_time(flag, text)
+        return eventloop.run(query())
+    except KeyboardInterrupt:
+        return ExitCode.OK

@@ -1,0 +1,100 @@
+"""What the log's subscribers that answer queries (audit, billing) share.
+
+Each is a durable consumer of every event (:class:`~services.runtime.consuming.Consumer`,
+confirmed against the log) that writes its own tables in the consumer's commit, and,
+given a NATS connection, serves its queries on ``<prefix>.<service>...`` while it
+consumes (:func:`~services.runtime.queries.serving_queries`: a tenant's subject answers
+for that tenant's namespace only). :class:`QueryingSubscriber` is that shell; a
+subscriber adds ``handle`` (its writes for a group of messages) and ``query`` (its
+answer to a decoded filter). :func:`decode_query` reads a query's filter, naming the
+field that is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgspec
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from events.catalog import Envelope
+from events.subjects import BusNames
+from services.runtime.confirming import LogConfirmation
+from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.credentials import Directory
+from services.runtime.eventstore import EventStore
+from services.runtime.queries import QueryError, serving_queries
+
+__all__ = ["QueryingSubscriber", "decode_query"]
+
+F = TypeVar("F")
+
+
+def decode_query(data: bytes, typ: type[F]) -> F:
+    """The filter ``typ`` of a query payload; :class:`QueryError` naming the field otherwise."""
+    try:
+        return msgspec.json.decode(data or b"{}", type=typ)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        field = text.split("`$.", 1)[1].split("`", 1)[0] if "`$." in text else "request"
+        raise QueryError(field, text) from None
+    except msgspec.DecodeError as exc:
+        raise QueryError("request", f"must be a JSON object: {exc}") from None
+
+
+class QueryingSubscriber:
+    """A consumer of every event that serves queries on ``service`` (module docstring)."""
+
+    #: the queries' subject word (``audit``, ``usage``)
+    service: str = ""
+
+    def __init__(
+        self,
+        store: EventStore,
+        js: JetStreamContext,
+        names: BusNames,
+        *,
+        name: str,
+        nc: Client | None = None,
+        directory: Directory | None = None,
+        authenticated: bool = False,
+        wants: Callable[[Envelope], bool] | None = None,
+    ) -> None:
+        self.store = store
+        self.names = names
+        self.nc = nc
+        self.directory = directory
+        self.authenticated = authenticated
+        self.consumer = Consumer(
+            store,
+            js,
+            names,
+            name=name,
+            filter_subject=names.events_subjects,
+            group_handler=self.handle,
+            wants=wants,
+            confirmation=LogConfirmation(store),
+        )
+
+    async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
+        """The subscriber's writes for ``envs``, committed with their message records."""
+        raise NotImplementedError
+
+    async def query(self, namespace: str | None, data: bytes) -> dict[str, Any]:
+        """The answer to a query; ``namespace``: the tenant it is limited to."""
+        raise NotImplementedError
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume (and serve queries, with ``nc``) until ``stop`` is set."""
+        await serving_queries(
+            lambda: self.consumer.run(stop),
+            self.nc,
+            self.names,
+            service=self.service,
+            query=self.query,
+            directory=self.directory,
+            authenticated=self.authenticated,
+        )
