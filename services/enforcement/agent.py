@@ -252,6 +252,9 @@ class Agent:
         if self.health_interval > 0:
             tasks.append(asyncio.create_task(self._watch(stop)))
         tasks.append(asyncio.create_task(self._retry(stop)))
+        log.info(
+            "node %s: reconciled; taking its events (consumer %s)", self.node, self.consumer.name
+        )
         try:
             await self.consumer.run(stop)
         finally:

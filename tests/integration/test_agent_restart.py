@@ -216,8 +216,21 @@ class Node:
                 raise AssertionError(f"the agent exited:\n{self.agent_log()}")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"condition not reached in time; agent:\n{self.agent_log()}")
+                raise AssertionError(
+                    f"condition not reached in time; {self.describe()}\nagent:\n{self.agent_log()}"
+                )
             await self.store.wait_for_new(self.view.state.position, min(left, 0.2))
+
+    def describe(self) -> str:
+        """The claims and shares as the test's view has them (for a failure's message)."""
+        state = self.view.state
+        claims = [
+            f"{c.name}={c.phase}:{','.join(c.share_ids)}"
+            for (ns, _), c in sorted(state.claims.items())
+            if ns == NAMESPACE
+        ]
+        shares = [f"{s.share_id}={s.state}" for s in state.shares.values()]
+        return f"at position {state.position}: claims {claims}, shares {shares}"
 
     async def node_events(self) -> list[Envelope]:
         return await self.store.read_stream(node_stream(self.node))
