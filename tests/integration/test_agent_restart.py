@@ -207,7 +207,7 @@ class Node:
         reply = json.loads((await self.nc.request(subject, body, timeout=10)).data)
         assert reply["ok"], reply
 
-    async def until(self, check: Callable[[ClusterState], bool], within: float = 20) -> None:
+    async def until(self, check: Callable[[ClusterState], bool], within: float = 60) -> None:
         deadline = time.monotonic() + within
         while True:
             if check(await self.view.fresh(HEAD)):
@@ -241,7 +241,7 @@ class Node:
         def seen(_: ClusterState) -> bool:
             return len(found) >= count
 
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             found = [e.event for e in await self.node_events() if isinstance(e.event, kind)]
             if seen(self.view.state):
