@@ -101,7 +101,9 @@ class Change(msgspec.Struct, kw_only=True):
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict) and value:
+    """Leaf values by dotted name; an empty mapping has no leaves (``{}`` gaining a key
+    is that key added, not the mapping replaced)."""
+    if isinstance(value, dict):
         out: dict[str, Any] = {}
         for k, v in value.items():
             out.update(_flatten(v, f"{prefix}{k}."))

@@ -40,6 +40,9 @@ def log_to_stderr() -> None:
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    # the migration step says itself which revision it migrates to; alembic's own
+    # per-revision lines are for `alembic` users
+    logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def stop_on_signals() -> asyncio.Event:
