@@ -97,7 +97,7 @@ class Violations:
             self.seen.append(str(exc).lower())
             self.arrived.set()
 
-    async def of(self, subject: str, within: float = 10.0) -> str:
+    async def of(self, subject: str, within: float = 30.0) -> str:
         """The violation naming ``subject`` (waits for it)."""
         async with asyncio.timeout(within):
             while True:

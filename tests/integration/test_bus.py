@@ -54,7 +54,7 @@ async def bus(settings: Settings, nats_url: str) -> AsyncIterator[Bus]:
         await store.close()
 
 
-async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
+async def until(predicate: Callable[[], bool], within: float = 30.0) -> None:
     async with asyncio.timeout(within):
         while not predicate():  # noqa: ASYNC110 (polls counters of the code under test)
             await asyncio.sleep(0.02)

@@ -129,7 +129,7 @@ async def test_apply_get_delete_gives_capacity_back(
         capsys, "claim", "delete", "train-small", "-n", "tenant-a", *stack_flags
     )
     assert code == 0, out
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while True:
         code, out = await dracap(capsys, "devices", "-o", "json", *stack_flags)
         memory = _gpu0(json.loads(out))["capacity"]["memory"]
@@ -223,7 +223,7 @@ async def test_a_second_delete_answers_the_phase(
     delete = ["claim", "delete", "train-small", "-n", "tenant-a", *stack_flags]
     codes = await asyncio.gather(*(asyncio.to_thread(cli.main, delete) for _ in range(2)))
     assert codes == [0, 0]
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60
     while await _phase(capsys, stack_flags, "train-small") != "released":
         assert time.monotonic() < deadline, "the claim was not released"
         await asyncio.sleep(0.05)

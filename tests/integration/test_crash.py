@@ -229,10 +229,10 @@ class Cluster:
     async def state(self) -> ClusterState:
         return await self.view.fresh(HEAD)
 
-    async def until(self, check: Callable[[ClusterState], bool], within: float = 20) -> None:
+    async def until(self, check: Callable[[ClusterState], bool], within: float = 60) -> None:
         await state_reaches(self.view, check, within)
 
-    async def idle(self, within: float = 20) -> None:
+    async def idle(self, within: float = 60) -> None:
         """The relay published everything and every consumer acknowledged it."""
         consumers = [c.name for c in self.worker.consumers()] + [self.agent.consumer.name]
         await bus_idle(self.stores[0], self.js, self.names, consumers, within)

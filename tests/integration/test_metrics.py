@@ -81,7 +81,7 @@ async def stack(settings: Settings, nats_url: str) -> AsyncIterator[Stack]:
                 await js.delete_stream(names.stream)
 
 
-async def wait_ready(api: ApiClient, namespace: str, name: str, within: float = 10) -> None:
+async def wait_ready(api: ApiClient, namespace: str, name: str, within: float = 60) -> None:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         view = (await api.claims(namespace, "get", {"name": name}))["claim"]

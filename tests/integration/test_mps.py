@@ -84,7 +84,7 @@ class World:
                 pid = int(pid_file.read_text())
                 os.kill(pid, signal.SIGKILL)
                 pids.append(pid)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while any(_state(pid) not in ("Z", "gone") for pid in pids):
             assert time.monotonic() < deadline, "a stand-in daemon does not die"
             time.sleep(0.01)
