@@ -118,9 +118,12 @@ def _job(
 ) -> None:
     deadline, budget = limits
     started = time.process_time()
+    spent_out = False  # an item was stopped by the budget: what is left is none
     for key, payload in items:
         left = budget - (time.process_time() - started)
-        if left < _SLICE_S:  # (the timer ticks coarser than process_time counts)
+        # (the timer ticks coarser than process_time counts: after a stop by the budget
+        # process_time may still show a few milliseconds left)
+        if spent_out or left < _SLICE_S:
             spent = f"not {_DONE[kind]}: the job's budget of {budget:.3g}s of CPU time is spent"
             conn.send((key, None, spent, True))
             continue
@@ -130,6 +133,7 @@ def _job(
                 value, message = work(payload)
         except celcost.Interrupted:
             which = "deadline" if allowed == deadline else "job's budget"
+            spent_out = allowed != deadline
             stopped = f"{_WORK[kind]} stopped after {allowed:.3g}s of CPU time (the {which})"
             conn.send((key, None, stopped, True))
             continue
