@@ -26,6 +26,9 @@ stream ``{p}.watch.<ns>.>``           ``TENANT_<ns>``
 stream ``{p}.watch.>``                ``OPERATORS``
 ===================================== ========================= ===========================
 
+The service exports answer with ``response_type: stream``: a large reply comes in
+several messages (:mod:`services.runtime.replies`).
+
 So a tenant cannot even name another namespace's subjects, the event stream or the
 JetStream API: they do not exist in its account. ``share: true`` makes the server
 stamp each request with the requester's account and key (``Nats-Request-Info``).
@@ -53,7 +56,9 @@ operator        ``{p}.api.*.claims.>``, ``{p}.admin.>``          ``{p}.watch.>``
 tenant user     ``{p}.api.<ns>.claims.>``                        ``{p}.watch.<ns>.>``, its inbox
 =============== ================================================ ==========================
 
-"Its inbox" is a prefix of the user's own (:attr:`Principal.inbox_prefix`), so a reply
+"Replies" are up to :data:`~services.runtime.replies.MAX_REPLY_PARTS` messages to the
+reply subject of each request received (``allow_responses``): a large reply comes in
+parts. "Its inbox" is a prefix of the user's own (:attr:`Principal.inbox_prefix`), so a reply
 or a pulled message meant for one user never reaches another. An agent can neither
 publish to the event subjects nor open a consumer on another node's filter; a consumer
 created with the filter in its subject is checked by the server against the filter of
@@ -96,6 +101,7 @@ from services.runtime.credentials import (
     read_credential,
     write_private,
 )
+from services.runtime.replies import MAX_REPLY_PARTS
 
 __all__ = [
     "SERVICES",
@@ -203,8 +209,8 @@ class Permissions(msgspec.Struct, frozen=True):
             "publish": {"allow": self.publish},
             "subscribe": {"allow": self.subscribe},
         }
-        if self.allow_responses:
-            config["allow_responses"] = True
+        if self.allow_responses:  # a reply may come in parts (services.runtime.replies)
+            config["allow_responses"] = {"max": MAX_REPLY_PARTS}
         return config
 
 
@@ -278,11 +284,11 @@ def accounts_config(
     exports: list[dict[str, Any]] = []
     for ns in tenants:
         account = f"TENANT_{ns}"
-        exports.append({"service": names.api(ns, ">"), "accounts": [account]})
+        exports.append(_service_export(names.api(ns, ">"), account))
         exports.append({"stream": f"{p}.watch.{ns}.>", "accounts": [account]})
     exports += [
-        {"service": names.api("*", ">"), "accounts": [OPERATORS_ACCOUNT]},
-        {"service": names.admin(">"), "accounts": [OPERATORS_ACCOUNT]},
+        _service_export(names.api("*", ">"), OPERATORS_ACCOUNT),
+        _service_export(names.admin(">"), OPERATORS_ACCOUNT),
         {"stream": f"{p}.watch.>", "accounts": [OPERATORS_ACCOUNT]},
     ]
     accounts: dict[str, Any] = {
@@ -311,6 +317,12 @@ def accounts_config(
         }
     body = msgspec.json.format(msgspec.json.encode(accounts)).decode()
     return f"# written by `dracap auth init`: public keys only\naccounts: {body}\n"
+
+
+def _service_export(subject: str, account: str) -> dict[str, Any]:
+    """A service ``subject`` exported to ``account``; a reply may come in parts, so the
+    export lets several messages answer one request (``response_type: stream``)."""
+    return {"service": subject, "accounts": [account], "response_type": "stream"}
 
 
 def _service_import(subject: str) -> dict[str, Any]:

@@ -163,7 +163,13 @@ from services.runtime.errors import CapacityExceeded, ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, REJECTIONS
-from services.runtime.queries import admin_caller, error_reply, ok_reply, tenant_caller
+from services.runtime.queries import (
+    admin_caller,
+    error_reply,
+    ok_reply,
+    send_reply,
+    tenant_caller,
+)
 from services.runtime.selectorpool import SelectorPool
 
 __all__ = ["ADMIN_OPS", "TENANT_OPS", "ClaimsApi"]
@@ -401,7 +407,7 @@ class ClaimsApi:
                     log.exception("request on %s failed", request.subject)
                     reply = error_reply("internal", f"{type(exc).__name__}: {exc}")
                 with contextlib.suppress(Exception):
-                    await request.respond(reply)
+                    await send_reply(request, reply, self.nc.max_payload)
 
         task = asyncio.create_task(serve())
         self._tasks.add(task)

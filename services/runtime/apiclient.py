@@ -14,7 +14,9 @@ lives here, not in the claims package, and no service imports another's internal
 reach it. A server that cannot be reached is a
 :class:`~services.runtime.endpoints.ServerUnavailable`; a request nobody answers, one
 that times out, or one larger than the server's ``max_payload`` is a
-:class:`~services.exitcodes.CommandError` with a message for a person.
+:class:`~services.exitcodes.CommandError` with a message for a person. A reply larger
+than ``max_payload`` comes in parts and is put back together here
+(:mod:`services.runtime.replies`).
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from typing import Any, Final
 import nats
 import nats.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.credentials import Credential
 from services.runtime.endpoints import reaching
+from services.runtime.replies import Assembly, ReplyPartError
 
 __all__ = ["REQUEST_TIMEOUT_S", "ApiClient", "ApiError"]
 
@@ -43,8 +47,12 @@ _EXIT_BY_CODE: Final = {
     "rejected": ExitCode.REJECTED,
     "conflict": ExitCode.REJECTED,
     "forbidden": ExitCode.REJECTED,
+    "too_large": ExitCode.BAD_INPUT,
 }
 _DENIED: Final = "permissions violation for publish to "
+#: the server's answer to a request nobody subscribes to: a status message
+_STATUS: Final = "Status"
+_NO_RESPONDERS: Final = "503"
 
 
 class ApiError(CommandError):
@@ -150,7 +158,7 @@ class ApiClient:
         denied: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiting = self._denials.waiting.setdefault(subject, set())
         waiting.add(denied)
-        asking = asyncio.ensure_future(self.nc.request(subject, payload, timeout=self.timeout))
+        asking = asyncio.ensure_future(self._ask(subject, payload))
         try:
             either: set[asyncio.Future[Any]] = {asking, denied}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -165,8 +173,41 @@ class ApiClient:
                 "allowed to (--creds, DRACAP_NATS_CREDS)",
                 ExitCode.REJECTED,
             )
-        data: bytes = asking.result().data
+        data: bytes = asking.result()
         return data
+
+    async def _ask(self, subject: str, payload: bytes) -> bytes:
+        """Publish the request and wait for the whole reply, however many messages it
+        takes (:mod:`services.runtime.replies`)."""
+        whole: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        assembly = Assembly()
+
+        async def arrived(msg: Msg) -> None:
+            if whole.done():
+                return
+            if msg.headers and msg.headers.get(_STATUS) == _NO_RESPONDERS and not msg.data:
+                whole.set_exception(nats.errors.NoRespondersError())
+                return
+            try:
+                data = assembly.add(msg.data, msg.headers)
+            except ReplyPartError as exc:
+                whole.set_exception(
+                    CommandError(f"a broken reply on {subject}: {exc}", ExitCode.ERROR)
+                )
+                return
+            if data is not None:
+                whole.set_result(data)
+
+        sub = await self.nc.subscribe(self.nc.new_inbox(), cb=arrived)
+        try:
+            await self.nc.publish(subject, payload, reply=sub.subject)
+            try:
+                return await asyncio.wait_for(whole, self.timeout)
+            except TimeoutError:
+                raise nats.errors.TimeoutError from None
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
 
     async def claims(self, namespace: str, op: str, body: Any = None) -> dict[str, Any]:
         payload = body if isinstance(body, bytes) else json.dumps(body or {}).encode()

@@ -30,6 +30,7 @@ from events.actors import Actor
 from events.model import encode_hook
 from events.subjects import BusNames
 from services.runtime.credentials import Directory, caller_of
+from services.runtime.replies import HEADROOM, MAX_REPLY_PARTS, split
 
 __all__ = [
     "Query",
@@ -39,6 +40,7 @@ __all__ = [
     "forbidden",
     "limited_to",
     "ok_reply",
+    "send_reply",
     "serve_queries",
     "serving_queries",
     "tenant_caller",
@@ -72,6 +74,24 @@ def error_reply(
     """``{"ok": false, "error": {code, field, rule, message}}``: every API's refusal."""
     error = {"code": code, "field": field, "rule": rule, "message": message}
     return _ENCODER.encode({"ok": False, "error": error})
+
+
+async def send_reply(request: Request, reply: bytes, max_payload: int) -> None:
+    """Answer ``request`` with ``reply``, in parts when it is larger than the server takes
+    (``max_payload``: :mod:`services.runtime.replies`); too large even so: the
+    ``too_large`` error."""
+    messages = split(reply, max_payload)
+    if messages is None:
+        most = MAX_REPLY_PARTS * (max_payload - HEADROOM)
+        refusal = error_reply(
+            "too_large",
+            f"the reply is {len(reply)} bytes, more than the {most} one reply may carry; "
+            "ask for less (a namespace, a filter, --limit)",
+            rule=f"at most {MAX_REPLY_PARTS} messages of the server's max_payload",
+        )
+        messages = [(refusal, None)]
+    for data, headers in messages:
+        await request.respond(data, headers=headers)
 
 
 def forbidden(caller: Actor | None, what: str) -> bytes:
@@ -123,7 +143,7 @@ def limited_to(wanted: _Limited, namespace: str | None) -> _Limited:
     return msgspec.structs.replace(wanted, namespace=namespace)
 
 
-async def _answer(request: Request, query: Query, namespace: str | None) -> None:
+async def _answer(request: Request, query: Query, namespace: str | None, max_payload: int) -> None:
     try:
         reply = ok_reply(**await query(namespace, request.data))
     except QueryError as exc:
@@ -131,7 +151,7 @@ async def _answer(request: Request, query: Query, namespace: str | None) -> None
     except Exception as exc:
         log.exception("query on %s failed", request.subject)
         reply = error_reply("internal", f"{type(exc).__name__}: {exc}")
-    await request.respond(reply)
+    await send_reply(request, reply, max_payload)
 
 
 async def serve_queries(
@@ -160,14 +180,14 @@ async def serve_queries(
         if refusal is not None:
             await request.respond(refusal)
             return
-        await _answer(request, query, namespace)
+        await _answer(request, query, namespace, nc.max_payload)
 
     async def admin(request: Request) -> None:
         _, refusal = admin_caller(request, known, authenticated=authenticated)
         if refusal is not None:
             await request.respond(refusal)
             return
-        await _answer(request, query, None)
+        await _answer(request, query, None, nc.max_payload)
 
     await micro.add_endpoint(
         name=f"{service}-tenant", subject=names.api("*", tenant_op), handler=tenant

@@ -28,9 +28,10 @@ from services.enforcement.agent import consumer_name
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient
 from services.runtime.bus import connect_bus
-from services.runtime.credentials import AuthDir, Credential, read_credential
+from services.runtime.credentials import AuthDir, Credential, read_credential, read_directory
 from services.runtime.embedded import EmbeddedNats
 from services.runtime.livestate import LiveState
+from services.runtime.queries import serve_queries
 from services.runtime.settings import Settings
 from services.up import Stack, load_inventory, read_inventory
 from tests.integration.waiting import state_reaches
@@ -386,3 +387,40 @@ async def test_a_tenant_reads_audit_and_usage_of_its_own_namespace_only(
     async with ApiClient.connect(broker.url, broker.names.prefix, broker.auth.operator()) as op:
         everyone = (await op.admin("audit.list", {}))["records"]
         assert {"tenant-a", "tenant-b"} <= {r["namespace"] for r in everyone}
+
+
+# --- replies in parts ---------------------------------------------------------------------
+
+
+async def test_a_reply_larger_than_one_message_passes_the_broker_in_parts(
+    broker: Broker,
+) -> None:
+    """The ledger user may send a reply in parts (``allow_responses: {max: 64}``); with a
+    single allowed response only the first part would get through."""
+    size = 3 * 1024 * 1024  # three times the server's default max_payload
+
+    async def query(namespace: str | None, data: bytes) -> dict[str, Any]:
+        return {"records": [], "blob": "x" * size}
+
+    nc, _ = await connect_bus(broker.url, credential=broker.auth.service("ledger"))
+    service = await serve_queries(
+        nc,
+        broker.names,
+        service="audit",
+        tenant_op="audit",
+        admin_op="audit.list",
+        query=query,
+        directory=read_directory(broker.auth.directory),
+        authenticated=True,
+    )
+    try:
+        operator = broker.auth.operator()
+        async with ApiClient.connect(broker.url, broker.names.prefix, operator) as api:
+            assert size > api.nc.max_payload
+            assert len((await api.admin("audit.list", {}))["blob"]) == size
+        alice = broker.auth.tenant("tenant-a", "alice")
+        async with ApiClient.connect(broker.url, broker.names.prefix, alice) as api:
+            assert len((await api.claims("tenant-a", "audit", {}))["blob"]) == size
+    finally:
+        await service.stop()
+        await nc.close()

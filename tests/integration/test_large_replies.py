@@ -1,0 +1,141 @@
+"""Replies larger than the NATS server's ``max_payload`` arrive whole, in parts.
+
+A nats-server started here with ``max_payload`` 16 KiB (instead of 1 MiB) makes
+ordinary lists span several messages: the claims of a namespace (the claims API), the
+audit records (a subscriber's query endpoint). A reply of more than 64 parts is refused
+with ``too_large``, naming the rule. The broker's permissions for parts are checked in
+``test_broker_auth``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+
+from events.subjects import BusNames
+from services.exitcodes import ExitCode
+from services.runtime.apiclient import ApiClient, ApiError
+from services.runtime.bus import connect_bus
+from services.runtime.embedded import EmbeddedNats
+from services.runtime.queries import serve_queries
+from services.runtime.replies import HEADROOM, MAX_REPLY_PARTS
+from services.runtime.settings import Settings
+from services.up import Stack, load_inventory, read_inventory
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "deploy" / "examples"
+MAX_PAYLOAD = 16 * 1024
+CLAIMS = 40
+
+
+def _claim(name: str) -> bytes:
+    request = {
+        "deviceClassName": "vnic-bandwidth.dracap.io",
+        "capacity": {"requests": {"bandwidth": "100M"}},
+    }
+    doc = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "tenant-a"},
+        "spec": {"devices": {"requests": [{"name": "net", "exactly": request}]}},
+    }
+    return json.dumps(doc).encode()
+
+
+@pytest.fixture
+def small_nats(tmp_path: Path) -> Iterator[str]:
+    """A nats-server that takes messages of at most 16 KiB."""
+    config = tmp_path / "nats.conf"
+    config.write_text(f"max_payload: {MAX_PAYLOAD}\n")
+    server = EmbeddedNats(tmp_path / "nats", config=config)
+    url = server.start()
+    try:
+        yield url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def api(settings: Settings, small_nats: str) -> AsyncIterator[ApiClient]:
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:10]}")
+    inventory = read_inventory([str(EXAMPLES)])
+    settings = msgspec.structs.replace(settings, nats_url=small_nats)
+    async with (
+        Stack.running(settings, names, nodes=inventory.nodes, workers=1),
+        ApiClient.connect(small_nats, names.prefix) as client,
+    ):
+        assert client.nc.max_payload == MAX_PAYLOAD
+        await load_inventory(client, inventory)
+        for i in range(CLAIMS):
+            await client.claims("tenant-a", "apply", _claim(f"net-{i:02d}"))
+        yield client
+
+
+def _size(reply: dict[str, Any]) -> int:
+    return len(json.dumps(reply).encode())
+
+
+async def test_a_namespace_of_many_claims_is_listed_whole(api: ApiClient) -> None:
+    reply = await api.claims("tenant-a", "list")
+    assert sorted(c["name"] for c in reply["claims"]) == [f"net-{i:02d}" for i in range(CLAIMS)]
+    assert _size(reply) > MAX_PAYLOAD  # more than one message could carry
+
+
+async def test_audit_records_beyond_one_message_arrive_whole(api: ApiClient) -> None:
+    async with asyncio.timeout(60):  # the audit subscriber follows the log
+        while True:
+            reply = await api.admin("audit.list", {"namespace": "tenant-a"})
+            records = reply["records"]
+            ready = {r["claim"] for r in records if r["type"] == "enforcement.limit_applied"}
+            if len(ready) == CLAIMS:
+                break
+            await asyncio.sleep(0.1)
+    assert {r["namespace"] for r in records} == {"tenant-a"}
+    assert [r["position"] for r in records] == sorted(r["position"] for r in records)
+    assert _size(reply) > MAX_PAYLOAD
+
+
+async def test_a_reply_past_the_most_parts_is_refused_with_the_rule(small_nats: str) -> None:
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:10]}")
+    most = MAX_REPLY_PARTS * (MAX_PAYLOAD - HEADROOM)
+
+    async def query(namespace: str | None, data: bytes) -> dict[str, Any]:
+        size = json.loads(data)["size"]
+        return {"blob": "x" * size}
+
+    nc: Client
+    nc, _ = await connect_bus(small_nats)
+    service = await serve_queries(
+        nc,
+        names,
+        service="blob",
+        tenant_op="blob",
+        admin_op="blob.list",
+        query=query,
+        directory=None,
+        authenticated=False,
+    )
+    try:
+        async with ApiClient.connect(small_nats, names.prefix) as client:
+            fits = await client.admin("blob.list", {"size": most - 100})
+            assert len(fits["blob"]) == most - 100
+            with pytest.raises(ApiError) as refused:
+                await client.admin("blob.list", {"size": most})
+            assert refused.value.code == "too_large"
+            assert refused.value.exit_code == ExitCode.BAD_INPUT
+            assert (
+                refused.value.rule
+                == f"at most {MAX_REPLY_PARTS} messages of the server's max_payload"
+            )
+            assert "ask for less" in str(refused.value)
+    finally:
+        await service.stop()
+        await nc.close()
