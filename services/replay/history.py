@@ -168,7 +168,7 @@ def find_entity(state: ClusterState, text: str) -> Entity | None:
     """The object ``text`` names in ``state``: ``[claim:|share:|device:|node:]ID``.
 
     Without a prefix: a ShareID, a claim ``namespace/name``, a node, a device
-    ``driver/pool/device`` or a device name that is unique.
+    ``driver/pool/device``, or a device name or claim name that is unique.
     """
     kind, _, ident = text.partition(":") if ":" in text else ("", "", text)
     if kind and kind not in ("claim", "share", "device", "node"):
@@ -186,6 +186,12 @@ def find_entity(state: ClusterState, text: str) -> Entity | None:
         named = [k for k in state.devices if k[2] == ident]
         if len(named) == 1:
             return Entity(kind="device", key="/".join(named[0]), needles=(_quoted(ident),))
+    if kind in ("", "claim") and len(parts) == 1:
+        claims = [k for k in state.claims if k[1] == ident]
+        if len(claims) == 1:
+            namespace, name = claims[0]
+            needles = (_quoted(namespace), _quoted(name))
+            return Entity(kind="claim", key=f"{namespace}/{name}", needles=needles)
     return None
 
 
