@@ -3,8 +3,8 @@
 A nats-server started here with ``max_payload`` 16 KiB (instead of 1 MiB) makes
 ordinary lists span several messages: the claims of a namespace (the claims API), the
 audit records (a subscriber's query endpoint). A reply of more than 64 parts is refused
-with ``too_large``, naming the rule. The broker's permissions for parts are checked in
-``test_broker_auth``.
+with ``too_large``, naming the rule; a request nobody answers still fails at once. The
+broker's permissions for parts are checked in ``test_broker_auth``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from services.exitcodes import ExitCode
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
 from services.runtime.embedded import EmbeddedNats
+from services.runtime.endpoints import ServerUnavailable
 from services.runtime.queries import serve_queries
 from services.runtime.replies import HEADROOM, MAX_REPLY_PARTS
 from services.runtime.settings import Settings
@@ -139,3 +140,12 @@ async def test_a_reply_past_the_most_parts_is_refused_with_the_rule(small_nats: 
     finally:
         await service.stop()
         await nc.close()
+
+
+async def test_a_request_nobody_answers_fails_at_once(small_nats: str) -> None:
+    """The server's no-responders status ends the wait (not the 10 s timeout)."""
+    async with ApiClient.connect(small_nats, f"t{uuid.uuid4().hex[:10]}") as client:
+        client.timeout = 120  # a wait for the timeout would fail the test's own bound
+        async with asyncio.timeout(30):
+            with pytest.raises(ServerUnavailable, match="no dracap API answers on"):
+                await client.admin("devices.list")
