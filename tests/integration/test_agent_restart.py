@@ -23,10 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -62,18 +60,23 @@ from services.enforcement.tc import (
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
 from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.relaying import Relay
 from services.runtime.settings import Settings
-from tests.fixtures.links import HostVeth, agent_logs, kill, vnic_config
+from tests.fixtures.links import (
+    HostVeth,
+    InProcessServices,
+    agent_logs,
+    kill,
+    start_agent,
+    vnic_config,
+)
 
 pytest_plugins = ["tests.fixtures.netns"]
 
 DRIVER = "vnic.dracap.io"
 CLASS = "bandwidth.dracap.io"
 NAMESPACE = "tenant-a"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tc(*argv: str) -> str:
@@ -91,14 +94,14 @@ def _claim(name: str, bandwidth: str) -> bytes:
     return yaml.safe_dump(doc).encode()
 
 
-class Node:
+class Node(InProcessServices):
     """The test's stack: in-process services, a veth, and the agent as a subprocess."""
 
     def __init__(
         self, settings: Settings, nats_url: str, nc: Client, js: JetStreamContext, tmp: Path
     ) -> None:
+        super().__init__(settings)
         tag = uuid.uuid4().hex[:8]
-        self.settings = settings
         self.nats_url = nats_url
         self.nc = nc
         self.js = js
@@ -110,9 +113,6 @@ class Node:
         self.tmp = tmp
         self.checkpoint = tmp / "agent.checkpoint.json"
         self.config = tmp / "agent-config.yaml"
-        self.stop = asyncio.Event()
-        self.tasks: list[asyncio.Task[None]] = []
-        self.stores: list[EventStore] = []
         self.agent: subprocess.Popen[bytes] | None = None
         self.starts = 0
         #: extra flags of every agent start; the interface's speed and the class policy
@@ -135,14 +135,12 @@ class Node:
     async def start(self) -> None:
         await ensure_stream(self.js, self.names)
         relay_store, api_store, worker_store = [await self._store() for _ in range(3)]
-        self.tasks.append(
-            asyncio.ensure_future(Relay(relay_store, self.js, self.names).run(self.stop))
-        )
+        self._run(Relay(relay_store, self.js, self.names).run)
         self.api = ClaimsApi(api_store, LiveState(api_store), self.nc, self.names, tail=True)
         await self.api.start()
-        self.tasks.append(asyncio.ensure_future(self.api.run(self.stop)))
+        self._run(self.api.run)
         worker = ReservationService(worker_store, LiveState(worker_store), self.js, self.names)
-        self.tasks.append(asyncio.ensure_future(worker.run(self.stop)))
+        self._run(worker.run)
         self.store = await self._store()
         self.view = LiveState(self.store)
         device_class = {
@@ -154,19 +152,9 @@ class Node:
         await self.admin("deviceclasses.apply", yaml.safe_dump(device_class).encode())
         await self.admin("namespaces.access", {"namespace": NAMESPACE, "classes": ["*"]})
 
-    async def _store(self) -> EventStore:
-        store = await EventStore.open(self.settings)
-        self.stores.append(store)
-        return store
-
     async def close(self) -> None:
         self.kill_agent()
-        self.stop.set()
-        _, pending = await asyncio.wait(self.tasks, timeout=15) if self.tasks else ((), ())
-        for task in pending:
-            task.cancel()
-        for store in self.stores:
-            await store.close()
+        await self._stop_services()
         with contextlib.suppress(Exception):
             await self.js.delete_stream(self.names.stream)
 
@@ -176,17 +164,11 @@ class Node:
         with socket.socket() as probe:  # a free port for the agent's metrics endpoint
             probe.bind(("127.0.0.1", 0))
             self.metrics_port = probe.getsockname()[1]
-        env = dict(os.environ)
-        env["DRACAP_APP_ROLE"] = self.settings.app_role
-        log = (self.tmp / f"agent-{self.starts}.log").open("wb")
-        argv = [sys.executable, "-m", "services.cli", "agent", "--node", self.node,
-                "--prefix", self.names.prefix, "--database-url", self.settings.database_url,
-                "--nats", self.nats_url, "--enforcer", "tc", "--config", str(self.config),
-                "--checkpoint", str(self.checkpoint), "--scan-interval", "0",
-                "--tc-default-rate", "1000000000",
-                "--metrics-port", str(self.metrics_port), *self.agent_args]  # fmt: skip
-        self.agent = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=log)
-        log.close()
+        self.agent = start_agent(
+            self.tmp, self.starts, self.settings, self.names, self.node, self.nats_url,
+            "--config", str(self.config), "--checkpoint", str(self.checkpoint),
+            "--metrics-port", str(self.metrics_port), *self.agent_args,
+        )  # fmt: skip
 
     def kill_agent(self) -> None:
         kill(self.agent)

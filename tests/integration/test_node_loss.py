@@ -60,7 +60,7 @@ class Lossy(Node):
                 store, LiveState(store), name=f"reclamation-{i}", poll_s=0.1
             )
             self.replicas.append(replica)
-            self.tasks.append(asyncio.ensure_future(replica.run(self.stop)))
+            self._run(replica.run)
 
     def signal_agent(self, sig: signal.Signals) -> None:
         assert self.agent is not None
