@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 import uuid
-from typing import Any
 
 from benchmarks.pipeline import add_server_arguments
 from events.subjects import BusNames
 from services.runtime.apiclient import ApiClient
 from services.runtime.bus import connect_bus
-from services.runtime.queries import serve_queries
+from services.runtime.replies import HEADROOM
+from tests.fixtures.blobs import blob_endpoint
 
 SIZES = (500_000, 4_500_000, 20_000_000, 60_000_000)
 
@@ -35,22 +34,11 @@ SIZES = (500_000, 4_500_000, 20_000_000, 60_000_000)
 async def main(args: argparse.Namespace) -> None:
     names = BusNames(prefix=f"bench{uuid.uuid4().hex[:8]}")
     nc, _ = await connect_bus(args.nats)
-
-    async def query(namespace: str | None, data: bytes) -> dict[str, Any]:
-        return {"blob": "x" * json.loads(data)["size"]}
-
-    service = await serve_queries(
-        nc,
-        names,
-        service="blob",
-        tenant_op="blob",
-        admin_op="blob.list",
-        query=query,
-        directory=None,
-        authenticated=False,
-    )
     try:
-        async with ApiClient.connect(args.nats, names.prefix) as api:
+        async with (
+            blob_endpoint(nc, names),
+            ApiClient.connect(args.nats, names.prefix) as api,
+        ):
             api.timeout = 60
             max_payload = api.nc.max_payload
             print(f"broker max_payload {max_payload:,} bytes; {args.repeat} requests per size")
@@ -61,13 +49,12 @@ async def main(args: argparse.Namespace) -> None:
                     reply = await api.admin("blob.list", {"size": size})
                     took.append(time.perf_counter() - started)
                     assert len(reply["blob"]) == size
-                parts = -(-size // (max_payload - 1024))
+                parts = -(-size // (max_payload - HEADROOM))
                 print(
                     f"  {size / 1e6:5.1f} MB ({parts:2d} part(s)): median "
                     f"{statistics.median(took) * 1e3:7.1f} ms, max {max(took) * 1e3:7.1f} ms"
                 )
     finally:
-        await service.stop()
         await nc.close()
 
 

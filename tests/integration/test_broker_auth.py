@@ -31,9 +31,9 @@ from services.runtime.bus import connect_bus
 from services.runtime.credentials import AuthDir, Credential, read_credential, read_directory
 from services.runtime.embedded import EmbeddedNats
 from services.runtime.livestate import LiveState
-from services.runtime.queries import serve_queries
 from services.runtime.settings import Settings
 from services.up import Stack, load_inventory, read_inventory
+from tests.fixtures.blobs import blob_endpoint
 from tests.integration.waiting import state_reaches
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -398,29 +398,18 @@ async def test_a_reply_larger_than_one_message_passes_the_broker_in_parts(
     """The ledger user may send a reply in parts (``allow_responses: {max: 64}``); with a
     single allowed response only the first part would get through."""
     size = 3 * 1024 * 1024  # three times the server's default max_payload
-
-    async def query(namespace: str | None, data: bytes) -> dict[str, Any]:
-        return {"records": [], "blob": "x" * size}
-
     nc, _ = await connect_bus(broker.url, credential=broker.auth.service("ledger"))
-    service = await serve_queries(
-        nc,
-        broker.names,
-        service="audit",
-        tenant_op="audit",
-        admin_op="audit.list",
-        query=query,
-        directory=read_directory(broker.auth.directory),
-        authenticated=True,
-    )
+    directory = read_directory(broker.auth.directory)
     try:
-        operator = broker.auth.operator()
-        async with ApiClient.connect(broker.url, broker.names.prefix, operator) as api:
-            assert size > api.nc.max_payload
-            assert len((await api.admin("audit.list", {}))["blob"]) == size
-        alice = broker.auth.tenant("tenant-a", "alice")
-        async with ApiClient.connect(broker.url, broker.names.prefix, alice) as api:
-            assert len((await api.claims("tenant-a", "audit", {}))["blob"]) == size
+        async with blob_endpoint(
+            nc, broker.names, service="audit", directory=directory, authenticated=True
+        ):
+            operator = broker.auth.operator()
+            async with ApiClient.connect(broker.url, broker.names.prefix, operator) as api:
+                assert size > api.nc.max_payload
+                assert len((await api.admin("audit.list", {"size": size}))["blob"]) == size
+            alice = broker.auth.tenant("tenant-a", "alice")
+            async with ApiClient.connect(broker.url, broker.names.prefix, alice) as api:
+                assert len((await api.claims("tenant-a", "audit", {"size": size}))["blob"]) == size
     finally:
-        await service.stop()
         await nc.close()

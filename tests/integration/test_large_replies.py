@@ -18,7 +18,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from nats.aio.client import Client
 
 from events.subjects import BusNames
 from services.exitcodes import ExitCode
@@ -26,10 +25,10 @@ from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
 from services.runtime.embedded import EmbeddedNats
 from services.runtime.endpoints import ServerUnavailable
-from services.runtime.queries import serve_queries
 from services.runtime.replies import HEADROOM, MAX_REPLY_PARTS
 from services.runtime.settings import Settings
 from services.up import Stack, load_inventory, read_inventory
+from tests.fixtures.blobs import blob_endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "examples"
@@ -108,24 +107,12 @@ async def test_a_reply_past_the_most_parts_is_refused_with_the_rule(small_nats: 
     names = BusNames(prefix=f"t{uuid.uuid4().hex[:10]}")
     most = MAX_REPLY_PARTS * (MAX_PAYLOAD - HEADROOM)
 
-    async def query(namespace: str | None, data: bytes) -> dict[str, Any]:
-        size = json.loads(data)["size"]
-        return {"blob": "x" * size}
-
-    nc: Client
     nc, _ = await connect_bus(small_nats)
-    service = await serve_queries(
-        nc,
-        names,
-        service="blob",
-        tenant_op="blob",
-        admin_op="blob.list",
-        query=query,
-        directory=None,
-        authenticated=False,
-    )
     try:
-        async with ApiClient.connect(small_nats, names.prefix) as client:
+        async with (
+            blob_endpoint(nc, names),
+            ApiClient.connect(small_nats, names.prefix) as client,
+        ):
             fits = await client.admin("blob.list", {"size": most - 100})
             assert len(fits["blob"]) == most - 100
             with pytest.raises(ApiError) as refused:
@@ -138,7 +125,6 @@ async def test_a_reply_past_the_most_parts_is_refused_with_the_rule(small_nats: 
             )
             assert "ask for less" in str(refused.value)
     finally:
-        await service.stop()
         await nc.close()
 
 
