@@ -1,6 +1,6 @@
 """Time to receive a query reply whole, from one message to many parts.
 
-A query endpoint (:func:`services.runtime.queries.serve_queries`, as the audit and
+A query endpoint (:func:`services.runtime.queries.answering`, as the audit and
 billing subscribers serve theirs) answers with a reply of a given size; the CLI's
 :class:`~services.runtime.apiclient.ApiClient` asks for it and joins the parts
 (:mod:`services.runtime.replies`). The sizes go from one message (0.5 MB) to the

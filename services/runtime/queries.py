@@ -16,8 +16,9 @@ Replies are the API's (``{"ok": true, ...}`` / ``{"ok": false, "error": ...}``);
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final, TypeVar
 
 import msgspec
@@ -36,6 +37,7 @@ __all__ = [
     "Query",
     "QueryError",
     "admin_caller",
+    "answering",
     "error_reply",
     "forbidden",
     "limited_to",
@@ -197,6 +199,34 @@ async def serve_queries(
     return micro
 
 
+@contextlib.asynccontextmanager
+async def answering(
+    nc: Client,
+    names: BusNames,
+    *,
+    service: str,
+    query: Query,
+    directory: Directory | None,
+    authenticated: bool,
+) -> AsyncIterator[None]:
+    """``query`` answers on ``{service}`` (tenant) and ``{service}.list`` (admin) until
+    the block ends."""
+    micro = await serve_queries(
+        nc,
+        names,
+        service=service,
+        tenant_op=service,
+        admin_op=f"{service}.list",
+        query=query,
+        directory=directory,
+        authenticated=authenticated,
+    )
+    try:
+        yield
+    finally:
+        await micro.stop()
+
+
 async def serving_queries(
     run: Callable[[], Awaitable[None]],
     nc: Client | None,
@@ -207,22 +237,12 @@ async def serving_queries(
     directory: Directory | None,
     authenticated: bool,
 ) -> None:
-    """``await run()`` while ``query`` answers on ``{service}`` (tenant) and
-    ``{service}.list`` (admin), when there is a connection ``nc`` to answer on."""
-    micro = None
-    if nc is not None:
-        micro = await serve_queries(
-            nc,
-            names,
-            service=service,
-            tenant_op=service,
-            admin_op=f"{service}.list",
-            query=query,
-            directory=directory,
-            authenticated=authenticated,
-        )
-    try:
+    """``await run()`` while ``query`` is :func:`answering`, when there is a connection
+    ``nc`` to answer on."""
+    if nc is None:
         await run()
-    finally:
-        if micro is not None:
-            await micro.stop()
+        return
+    async with answering(
+        nc, names, service=service, query=query, directory=directory, authenticated=authenticated
+    ):
+        await run()
