@@ -15,6 +15,16 @@ run and on the same database it measures:
 3. **latency at half that rate**: claims applied open-loop at 50% of (2) for
    ``--seconds``; apply->Ready per claim, p50 / p99 / max.
 
+**Growth** (``--live N,N,...``, issue 25): whether a claim costs more when many are
+already live. For each N, in ascending order and on the same ``dracap up``, claims are
+applied (256 in flight) until N of them are live and left live; then the latency run at
+``--live-rate`` (default 50 claims/s) for ``--seconds``, the sustained run of
+``--claims`` and the latency run at half its rate. The claims of earlier phases stay
+live too, so phase N starts with at least N live claims. The GPUs are sized to hold
+every claim of the run (``--gpu-memory``, default: enough), so capacity never decides.
+The table at the end gives each figure per N and its change from the first N (goal:
+within 20 %).
+
 The system under test is ``dracap up`` itself, started as its own process with the URLs
 of the servers in its environment — relay, live state, claims API, ``--workers``
 reservation workers (default 1, as ``dracap up``) and one agent (NoneEnforcer) per node,
@@ -31,6 +41,7 @@ Usage::
     .venv/bin/python -m benchmarks.pipeline --claims 4000 --seconds 10
     .venv/bin/python -m benchmarks.pipeline --rates 100,300,500,700   # the latency curve too
     .venv/bin/python -m benchmarks.pipeline --embedded   # servers of `dracap up`
+    .venv/bin/python -m benchmarks.pipeline --live 0,10000,100000 --claims 3000 --seconds 8
 """
 
 from __future__ import annotations
@@ -84,12 +95,12 @@ def device_class() -> dict[str, Any]:
     }
 
 
-def resource_slice(node: str) -> dict[str, Any]:
+def resource_slice(node: str, memory: str = "1000Gi") -> dict[str, Any]:
     devices = [
         {
             "name": f"gpu-{i}",
             "allowMultipleAllocations": True,
-            "capacity": {"memory": {"value": "1000Gi"}},
+            "capacity": {"memory": {"value": memory}},
         }
         for i in range(GPUS_PER_NODE)
     ]
@@ -125,11 +136,14 @@ def namespace(name: str = NAMESPACE) -> dict[str, Any]:
 
 
 def write_inventory(
-    path: Path, nodes: list[str], namespaces: tuple[str, ...] = (NAMESPACE,)
+    path: Path,
+    nodes: list[str],
+    namespaces: tuple[str, ...] = (NAMESPACE,),
+    memory: str = "1000Gi",
 ) -> Path:
-    """The synthetic inventory as one JSON ``List``."""
+    """The synthetic inventory as one JSON ``List``; ``memory``: each GPU's."""
     tenants = [namespace(n) for n in namespaces]
-    documents = [device_class(), *tenants, *(resource_slice(n) for n in nodes)]
+    documents = [device_class(), *tenants, *(resource_slice(n, memory) for n in nodes)]
     path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": documents}))
     return path
 
@@ -243,6 +257,23 @@ async def latency(
     return tracker.latencies_ms(names)
 
 
+def gpu_memory(args: argparse.Namespace) -> str:
+    """Each GPU's memory: 1000Gi, or enough for every 1Gi claim a ``--live`` run applies."""
+    live = max(getattr(args, "live", None) or [0])
+    rates = sum(getattr(args, "rates", None) or [])
+    claims = getattr(args, "claims", 0)
+    phases = len(getattr(args, "live", None) or [0])
+    # per phase: the sustained run, the half-rate run (at most its claims), the live rate
+    per_phase = 100 + 2 * claims + (getattr(args, "live_rate", 50) + rates) * args_seconds(args)
+    total = live + phases * per_phase
+    gpus = max(1, getattr(args, "nodes", 1) * GPUS_PER_NODE)
+    return f"{max(1000, 2 * int(total / gpus) + 1)}Gi"
+
+
+def args_seconds(args: argparse.Namespace) -> float:
+    return float(getattr(args, "seconds", 10.0))
+
+
 def percentile(values: list[float], p: float) -> float:
     if len(values) == 1:
         return values[0]
@@ -267,7 +298,8 @@ async def dracap_up(
     on the benchmark's NATS server.
     """
     nodes = [f"node-{i}" for i in range(args.nodes)]
-    inventory = write_inventory(work / "inventory.json", nodes, namespaces)
+    memory = getattr(args, "gpu_memory", None) or gpu_memory(args)
+    inventory = write_inventory(work / "inventory.json", nodes, namespaces, memory)
     env = dict(
         os.environ,
         DRACAP_DATABASE_URL=settings.database_url,
@@ -344,6 +376,79 @@ async def _delete_stream(nats_url: str, stream: str) -> None:
         await nc.close()
 
 
+class Phase(NamedTuple):
+    """The figures of one ``--live`` phase."""
+
+    live: int  #: claims live when it started
+    fill_rate: float  #: claims/s while applying the live ones (0: none applied)
+    p50_at_rate: float
+    p99_at_rate: float
+    throughput: float
+    half_rate: float
+    p50_at_half: float
+    p99_at_half: float
+
+
+async def growth(api: ApiClient, tracker: ReadyTracker, args: argparse.Namespace) -> list[Phase]:
+    """The ``--live`` phases (module docstring), one line printed per phase."""
+    phases: list[Phase] = []
+    applied = 0  # claims of the "live" label so far
+    await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
+    for n in sorted(args.live):
+        fill = 0.0
+        if n > applied:
+            fill = await throughput(api, tracker, n - applied, args.concurrency, f"live{applied}-")
+            applied = n
+        at = await latency(api, tracker, args.live_rate, args.seconds, f"l{n}r")
+        sustained = await throughput(api, tracker, args.claims, args.concurrency, f"l{n}tp")
+        half = await latency(api, tracker, sustained / 2, args.seconds, f"l{n}h")
+        phase = Phase(
+            live=n,
+            fill_rate=fill,
+            p50_at_rate=percentile(at, 50),
+            p99_at_rate=percentile(at, 99),
+            throughput=sustained,
+            half_rate=sustained / 2,
+            p50_at_half=percentile(half, 50),
+            p99_at_half=percentile(half, 99),
+        )
+        phases.append(phase)
+        print(
+            f"  live {n:>7,}: at {args.live_rate:g}/s p50 {phase.p50_at_rate:6.1f} ms "
+            f"p99 {phase.p99_at_rate:6.1f} ms | sustained {sustained:7,.0f}/s | "
+            f"at {sustained / 2:,.0f}/s p50 {phase.p50_at_half:6.1f} ms "
+            f"p99 {phase.p99_at_half:6.1f} ms" + (f" | filled at {fill:,.0f}/s" if fill else ""),
+            flush=True,
+        )
+    return phases
+
+
+def report_growth(phases: list[Phase], raw: float, rate: float) -> None:
+    """The ``--live`` table, each figure's change from the first phase, and the goals."""
+    first = phases[0]
+    print(f"\ngrowth (raw commit rate {raw:,.0f}/s; change from live {first.live:,}):")
+    print(
+        f"  {'live':>8} {'p50@' + format(rate, 'g'):>9} {'p99@' + format(rate, 'g'):>9} "
+        f"{'claims/s':>9} {'p50@half':>9} {'p99@half':>9}"
+    )
+    for p in phases:
+        print(
+            f"  {p.live:>8,} {p.p50_at_rate:>9.1f} {p.p99_at_rate:>9.1f} {p.throughput:>9,.0f} "
+            f"{p.p50_at_half:>9.1f} {p.p99_at_half:>9.1f}"
+        )
+    if len(phases) > 1:
+        last = phases[-1]
+        for label, before, after in (
+            ("p99 at the fixed rate", first.p99_at_rate, last.p99_at_rate),
+            ("sustained throughput", first.throughput, last.throughput),
+            ("p99 at half rate", first.p99_at_half, last.p99_at_half),
+        ):
+            print(f"  {label:<24} {(after / before - 1) * 100:+6.1f} %  [within +-20 %]")
+    print(f"  throughput / raw (first phase)  {first.throughput / raw:6.2f}x  [>= 0.5]")
+    print(f"  p99 at {rate:g}/s (first phase)      {first.p99_at_rate:6.1f} ms [<= 35]")
+    print(f"  p99 at half rate (first phase)  {first.p99_at_half:6.1f} ms [<= 50]")
+
+
 async def _measure_pipeline(
     settings: Settings, args: argparse.Namespace, names: BusNames, out: dict[str, float]
 ) -> None:
@@ -353,6 +458,9 @@ async def _measure_pipeline(
             async with ApiClient.connect(reach.nats_url, names.prefix, login) as api:
                 tracker = ReadyTracker()
                 async with watching(api, tracker):
+                    if args.live:
+                        report_growth(await growth(api, tracker, args), out["raw"], args.live_rate)
+                        return
                     await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
                     out["throughput"] = await throughput(
                         api, tracker, args.claims, args.concurrency
@@ -434,7 +542,8 @@ async def main(args: argparse.Namespace) -> None:
     async with fresh_database(args) as settings:
         print(f"database {settings.database_url.rsplit('/', 1)[1]}:", flush=True)
         results = await measure(settings, args)
-    report(results)
+    if not args.live:
+        report(results)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -450,6 +559,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the latency run")
     parser.add_argument("--commits", type=int, default=2000, help="raw commits timed")
     parser.add_argument("--nodes", type=int, default=4, help="nodes (one agent each)")
+    parser.add_argument(
+        "--live",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        metavar="N,N,...",
+        help="growth: for each N, apply claims until N are live, then measure (docstring)",
+    )
+    parser.add_argument(
+        "--live-rate", type=float, default=50.0, help="the fixed rate of a --live phase"
+    )
+    parser.add_argument(
+        "--gpu-memory", help="each GPU's memory (default: 1000Gi, or enough for --live)"
+    )
     parser.add_argument("--workers", type=int, default=1, help="reservation workers")
     parser.add_argument("--pool", type=int, default=10, help="asyncpg pool size")
     add_server_arguments(parser)

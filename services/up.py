@@ -396,18 +396,15 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
         stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
     reclamation = ReclamationService(stores.of(ServiceKind.RECLAMATION), live)
     stack.spawn("reclamation", functools.partial(reclamation.run, stop))
-    for subscriber in (AuditService, BillingService):  # consumers and query endpoints
-        ledger_nc, ledger_js = stack.bus("ledger")
+    for subscriber in (AuditService, BillingService):  # projectors and query endpoints
         ledger = subscriber(
             stores.of(ServiceKind.LEDGER),
-            ledger_js,
             names,
-            nc=ledger_nc,
+            nc=stack.bus("ledger")[0],
             directory=stack.directory,
             authenticated=stack.directory is not None,
         )
-        consumers.add(ledger.consumer.name)
-        stack.spawn(ledger.consumer.name, functools.partial(ledger.run, stop))
+        stack.spawn(ledger.projector.name, functools.partial(ledger.run, stop))
     for node in nodes:
         store = stores.of(ServiceKind.AGENT, node)
         agent_js = stack.bus(f"agent:{node}")[1]

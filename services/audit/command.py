@@ -10,7 +10,9 @@ on the admin subject (``{prefix}.admin.audit.list``, operators only). ``--device
 
 ``dracap audit serve`` runs the subscriber and its query endpoints until SIGINT or
 SIGTERM (``dracap up`` runs it too); PostgreSQL as ``DRACAP_DATABASE_URL_LEDGER``'s user
-when set, NATS with ``--creds``.
+when set, NATS with ``--creds``. ``dracap audit verify`` recomputes the audit's tables
+from the log and prints every row that differs (exit 5 when one does:
+:mod:`services.audit.verifying`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 from typing import Any, Final
 
 from services.audit.service import AuditService
+from services.audit.verifying import verify
 from services.exitcodes import ExitCode
 from services.runtime.endpoints import add_endpoint_arguments
 from services.runtime.querycommand import (
@@ -28,6 +31,7 @@ from services.runtime.querycommand import (
     parse_time,
     run_query_or_serve,
     serve_subscriber,
+    verify_subscriber,
 )
 
 COLUMNS: Final = (
@@ -63,9 +67,7 @@ async def _query(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    return await serve_subscriber(
-        args, lambda store, js, names, nc: AuditService(store, js, names, nc=nc)
-    )
+    return await serve_subscriber(args, lambda store, names, nc: AuditService(store, names, nc=nc))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         lambda: _serve(args),
         lambda: _query(args),
         [("--since", args.since), ("--until", args.until)],
+        lambda: verify_subscriber(args, verify, "audit"),
     )
 
 

@@ -1,28 +1,24 @@
 """The audit subscriber: every decision and change of the log, as rows people can query.
 
-A :class:`AuditService` is one durable JetStream consumer (``audit``, every event
-subject) whose group handler writes nothing to the log: it returns
-``Handled.writes`` (:mod:`services.runtime.consuming`), a function that, inside **one
-transaction** with the group's ``processed_messages`` rows,
+A :class:`AuditService` is a catch-up projector of the log (``audit``,
+:mod:`services.runtime.projecting`): it reads every event from its position in
+``ledger_positions``, in log order, and writes nothing to the log. Per batch of events
+(hundreds under load, one transaction, a bounded number of statements whatever its
+size), :func:`write_update`
 
-1. takes the events from its position in the log up to the group's newest
-   (:func:`services.runtime.inorder.catch_up`: a message is a wake-up; the log, read
-   in order, is the work),
-2. reads what the audit knows of the shares and nodes they name
-   (``audit_shares``, ``audit_nodes``),
-3. builds the records with the pure :func:`services.audit.records.build`,
-4. inserts them into ``audit_records`` (keyed by log position and sequence), updates
-   ``audit_shares`` / ``audit_nodes``, and moves its position.
+1. reads what the audit knows of the shares and nodes the batch names
+   (``audit_shares`` by ShareID, through its primary key; the live shares of the nodes
+   an expiry or fence names, through ``audit_shares_node_idx``; ``audit_nodes``): one
+   statement each, only the node ones when the batch has node-wide events,
+2. builds the records with the pure :func:`services.audit.records.build`,
+3. inserts them into ``audit_records`` (keyed by log position and sequence), upserts
+   ``audit_shares`` / ``audit_nodes``: one ``executemany`` each;
 
-Exactly once: the transaction commits only if every message of the group is new in
-``processed_messages``; a redelivered message rolls it back (``AlreadyHandled``) and
-the consumer handles the rest again. A crash before the commit leaves nothing; a crash
-after it makes the redelivery a no-op. The inserts would be harmless twice anyway
-(``ON CONFLICT DO NOTHING`` on the position key), so even a lost ``processed_messages``
-row could not duplicate a record. Order: events are applied in log order whatever
-order JetStream delivers in (step 1); a message behind the position changes nothing.
-(A share the log never reserved is recorded without a namespace rather than stopping
-the audit: :mod:`services.audit.records`.)
+and the projector moves its position in the same transaction. Exactly once: a crash
+before the commit leaves nothing, and a batch at or behind the position is never read
+again. The inserts would be harmless twice anyway (``ON CONFLICT DO NOTHING`` on the
+position key). (A share the log never reserved is recorded without a namespace rather
+than stopping the audit: :mod:`services.audit.records`.)
 
 Queries (:func:`query`) read ``audit_records`` with the filters of ``dracap audit``;
 the tenant endpoint scopes them to the subject's namespace (:mod:`services.runtime.queries`).
@@ -37,29 +33,41 @@ from typing import Any, Final
 
 import msgspec
 from nats.aio.client import Client
-from nats.js import JetStreamContext
 
 from events.catalog import Envelope
 from events.subjects import BusNames
 from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, Update, build, needs
-from services.runtime.consuming import Handled, HandlerContext
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore
-from services.runtime.inorder import catch_up
 from services.runtime.queries import QueryError, limited_to
 from services.runtime.subscribers import QueryingSubscriber, decode_query
 
-__all__ = ["CONSUMER", "AuditFilter", "AuditService", "query"]
+__all__ = [
+    "CONSUMER",
+    "RECORDS",
+    "SHARES",
+    "AuditFilter",
+    "AuditService",
+    "query",
+    "record_of",
+    "share_of",
+    "write_update",
+]
 
 log = logging.getLogger("dracap.audit")
 
 CONSUMER: Final = "audit"
 MAX_ROWS: Final = 10_000
 
-_SHARES: Final = (
+_SHARE_COLUMNS: Final = (
     "SELECT share_id, namespace, claim, request, device, node, amounts::text, policy_version, "
-    "live FROM audit_shares WHERE share_id = ANY($1::text[]) OR (live AND node = ANY($2::text[]))"
+    "live FROM audit_shares"
 )
+#: two statements, not one with an ``OR`` (which the planner answers with a scan)
+_SHARES: Final = f"{_SHARE_COLUMNS} WHERE share_id = ANY($1::text[])"
+#: every row of ``audit_shares``, in :func:`share_of`'s order
+SHARES: Final = _SHARE_COLUMNS
+_NODE_SHARES: Final = f"{_SHARE_COLUMNS} WHERE live AND node = ANY($1::text[])"
 _NODES: Final = (
     "SELECT node, lease_epoch, fenced_epoch FROM audit_nodes WHERE node = ANY($1::text[])"
 )
@@ -84,32 +92,23 @@ ON CONFLICT (node) DO UPDATE SET lease_epoch = excluded.lease_epoch,
 """
 
 
-async def write_update(
-    connection: Connection, envs: Sequence[Envelope], subscriber: str = CONSUMER
-) -> Update:
-    """Build the records of the log up to ``envs`` on what the tables know; write them."""
-    envs = await catch_up(connection, subscriber, envs)
+async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Update:
+    """Build the records of ``envs`` (the log's next events, in order) on what the tables
+    know; write them."""
     share_ids, nodes = needs(envs)
     shares: dict[str, ShareInfo] = {}
     node_shares: dict[str, list[str]] = {}
-    for row in await connection.fetch(_SHARES, sorted(share_ids), sorted(nodes)):
-        info = ShareInfo(
-            share_id=row[0],
-            namespace=row[1],
-            claim=row[2],
-            request=row[3],
-            device=row[4],
-            node=row[5],
-            amounts=msgspec.json.decode(row[6]),
-            policy_version=row[7],
-            live=row[8],
-        )
+    rows = await connection.fetch(_SHARES, sorted(share_ids)) if share_ids else []
+    if nodes:
+        rows += await connection.fetch(_NODE_SHARES, sorted(nodes))
+    for row in rows:
+        info = share_of(row)
         shares[info.share_id] = info
         if info.live and info.node in nodes:
             node_shares.setdefault(info.node, []).append(info.share_id)
     epochs = {
         row[0]: NodeEpochs(node=row[0], lease_epoch=row[1], fenced_epoch=row[2])
-        for row in await connection.fetch(_NODES, sorted(nodes))
+        for row in (await connection.fetch(_NODES, sorted(nodes)) if nodes else [])
     }
     update = build(envs, shares, node_shares, epochs)
     if update.records:
@@ -164,14 +163,13 @@ def _row(r: AuditRecord) -> tuple[Any, ...]:
 
 
 class AuditService(QueryingSubscriber):
-    """The audit consumer, and its query endpoints when given a connection to serve on."""
+    """The audit projector, and its query endpoints when given a connection to serve on."""
 
     service = "audit"
 
     def __init__(
         self,
         store: EventStore,
-        js: JetStreamContext,
         names: BusNames,
         *,
         name: str = CONSUMER,
@@ -180,16 +178,13 @@ class AuditService(QueryingSubscriber):
         authenticated: bool = False,
     ) -> None:
         super().__init__(
-            store, js, names, name=name, nc=nc, directory=directory, authenticated=authenticated
+            store, names, name=name, nc=nc, directory=directory, authenticated=authenticated
         )
 
-    async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
-        """Records for ``envs``, written with their ``processed_messages`` rows."""
-
-        async def writes(connection: Connection) -> None:
-            await write_update(connection, envs, self.consumer.name)
-
-        return Handled(writes=writes)
+    async def write(self, connection: Connection, envs: Sequence[Envelope]) -> None:
+        """Records for ``envs``, in the transaction that moves the position."""
+        await write_update(connection, envs)
+        return None
 
     async def query(self, namespace: str | None, data: bytes) -> dict[str, Any]:
         """The records a query asks for; ``namespace``: the tenant it is limited to."""
@@ -253,28 +248,48 @@ async def query(connection: Connection, wanted: AuditFilter) -> list[AuditRecord
         + (f" WHERE {' AND '.join(where)}" if where else "")
         + f" ORDER BY position, seq LIMIT ${len(args)}"
     )
-    rows = await connection.fetch(sql, *args)
-    return [
-        AuditRecord(
-            position=r[0],
-            seq=r[1],
-            event_id=r[2],
-            recorded_at=r[3],
-            type=r[4],
-            decision=r[5],
-            reason=r[6],
-            namespace=r[7],
-            claim=r[8],
-            request=r[9],
-            share_id=r[10],
-            device=r[11],
-            node=r[12],
-            amounts=msgspec.json.decode(r[13]),
-            policy_version=r[14],
-            actor=r[15],
-            actor_kind=r[16],
-            actor_name=r[17],
-            actor_epoch=r[18],
-        )
-        for r in rows
-    ]
+    return [record_of(r) for r in await connection.fetch(sql, *args)]
+
+
+#: every column of ``audit_records``, in :func:`record_of`'s order
+RECORDS: Final = f"SELECT {_COLUMNS} FROM audit_records"
+
+
+def record_of(r: Any) -> AuditRecord:
+    """A row of ``audit_records`` (:data:`RECORDS`' columns) as a record."""
+    return AuditRecord(
+        position=r[0],
+        seq=r[1],
+        event_id=r[2],
+        recorded_at=r[3],
+        type=r[4],
+        decision=r[5],
+        reason=r[6],
+        namespace=r[7],
+        claim=r[8],
+        request=r[9],
+        share_id=r[10],
+        device=r[11],
+        node=r[12],
+        amounts=msgspec.json.decode(r[13]),
+        policy_version=r[14],
+        actor=r[15],
+        actor_kind=r[16],
+        actor_name=r[17],
+        actor_epoch=r[18],
+    )
+
+
+def share_of(row: Any) -> ShareInfo:
+    """A row of ``audit_shares`` (:data:`_SHARE_COLUMNS`) as what the audit knows."""
+    return ShareInfo(
+        share_id=row[0],
+        namespace=row[1],
+        claim=row[2],
+        request=row[3],
+        device=row[4],
+        node=row[5],
+        amounts=msgspec.json.decode(row[6]),
+        policy_version=row[7],
+        live=row[8],
+    )

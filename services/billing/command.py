@@ -13,7 +13,9 @@ falls in. Shares still held count up to ``--to`` or now (``OPEN`` yes), unless
 the admin subject (``{prefix}.admin.usage.list``, operators only).
 
 ``dracap usage serve`` runs the subscriber and its query endpoints until SIGINT or
-SIGTERM (``dracap up`` runs it too).
+SIGTERM (``dracap up`` runs it too). ``dracap usage verify`` recomputes billing's
+tables from the log and prints every row that differs (exit 5 when one does:
+:mod:`services.billing.verifying`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 from typing import Any, Final
 
 from services.billing.service import BillingService
+from services.billing.verifying import verify
 from services.exitcodes import ExitCode
 from services.runtime.endpoints import add_endpoint_arguments
 from services.runtime.querycommand import (
@@ -31,6 +34,7 @@ from services.runtime.querycommand import (
     parse_time,
     run_query_or_serve,
     serve_subscriber,
+    verify_subscriber,
 )
 
 COLUMNS: Final = ("namespace", "device_class", "capacity", "state", "amount", "unit", "open")
@@ -52,7 +56,7 @@ async def _query(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     return await serve_subscriber(
-        args, lambda store, js, names, nc: BillingService(store, js, names, nc=nc)
+        args, lambda store, names, nc: BillingService(store, names, nc=nc)
     )
 
 
@@ -62,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         lambda: _serve(args),
         lambda: _query(args),
         [("--from", args.start), ("--to", args.end)],
+        lambda: verify_subscriber(args, verify, "usage"),
     )
 
 

@@ -1,28 +1,25 @@
 """The billing subscriber: usage per namespace and DeviceClass, rolled up per hour.
 
-A :class:`BillingService` is one durable JetStream consumer (``billing``) of every
-event subject; a message of :data:`EVENTS` wakes it (the others are acknowledged
-without a commit). Its group handler
-writes nothing to the log: it returns ``Handled.writes``
-(:mod:`services.runtime.consuming`), which runs **in one transaction** with the group's
-``processed_messages`` rows:
+A :class:`BillingService` is a catch-up projector of the log (``billing``,
+:mod:`services.runtime.projecting`) that reads only the events of :data:`EVENTS` (the
+database filters them; its position moves past the others all the same) and writes
+nothing to the log. Per batch (one transaction, a bounded number of statements
+whatever its size), :func:`write_update`
 
-1. take the events from its position in the log up to the group's newest
-   (:func:`services.runtime.inorder.catch_up`: in log order, whatever order JetStream
-   delivers in),
-2. read what billing knows of the claims, shares and nodes they name
-   (``billing_claims``, ``billing_shares``, ``billing_nodes``),
-3. apply the pure :func:`services.billing.usage.apply`,
-4. upsert those rows, *add* the closed segments, cut per hour, to ``billing_usage``,
-   and move its position.
+1. reads what billing knows of the claims, shares and nodes the batch names
+   (``billing_claims``; ``billing_shares`` by ShareID through its primary key, and the
+   open shares of the nodes an expiry or fence names through ``billing_shares_node_idx``;
+   ``billing_nodes``): one statement each, only those the batch needs,
+2. applies the pure :func:`services.billing.usage.apply`,
+3. upserts those rows and *adds* the closed segments, cut per hour, to
+   ``billing_usage``: one ``executemany`` each;
 
-Step 4 adds, so it must happen once per event: the transaction commits only when
-every message of the group is new in ``processed_messages`` (a redelivered one rolls it
-back, ``AlreadyHandled``, and the rest is handled again), and an event at or behind
-the subscriber's position is never applied again. Each share also keeps the log
-position of the last event applied to it, and an event at or before it changes nothing.
-The Prometheus counter ``dracap_usage_unit_seconds_total`` is counted after the commit
-(``Handled.on_commit``): a rolled-back try counts nothing.
+and the projector moves its position in the same transaction. Step 3 adds, so it
+must happen once per event: an event at or behind the projector's position is never
+read again, and a crash before the commit leaves nothing. Each share also keeps the
+log position of the last event applied to it, and an event at or before it changes
+nothing. The Prometheus counter ``dracap_usage_unit_seconds_total`` is counted after
+the commit: a rolled-back try counts nothing.
 
 Queries (:func:`usage`) sum ``billing_usage`` per namespace, class, capacity and state
 within ``--from``/``--to`` (whole hours: a row is in when its hour starts within), and
@@ -39,9 +36,9 @@ from typing import Any, Final
 
 import msgspec
 from nats.aio.client import Client
-from nats.js import JetStreamContext
 
 from events.catalog import (
+    EVENT_TYPES,
     CapacityReleased,
     CapacityReserved,
     ClaimSubmitted,
@@ -63,20 +60,28 @@ from services.billing.usage import (
     needs,
     usage_rows,
 )
-from services.runtime.consuming import Handled, HandlerContext
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore
-from services.runtime.inorder import catch_up
 from services.runtime.metrics import USAGE
 from services.runtime.queries import limited_to
 from services.runtime.subscribers import QueryingSubscriber, decode_query
 
-__all__ = ["CONSUMER", "EVENTS", "BillingService", "UsageFilter", "usage", "wanted"]
+__all__ = [
+    "CONSUMER",
+    "EVENTS",
+    "SHARES",
+    "TYPES",
+    "BillingService",
+    "UsageFilter",
+    "share_of",
+    "usage",
+    "write_update",
+]
 
 log = logging.getLogger("dracap.billing")
 
 CONSUMER: Final = "billing"
-#: The events billing acts on (the others are acknowledged without a commit).
+#: The events billing acts on (the only ones it reads).
 EVENTS: Final = (
     ClaimSubmitted,
     CapacityReserved,
@@ -88,21 +93,20 @@ EVENTS: Final = (
     NodeFenced,
 )
 
-
-def wanted(env: Envelope) -> bool:
-    """Whether billing acts on ``env``."""
-    return isinstance(env.event, EVENTS)
-
+#: Their tags (the ``type`` column of the log).
+TYPES: Final = frozenset(tag for tag, cls in EVENT_TYPES.items() if cls in EVENTS)
 
 _CLAIMS: Final = (
     "SELECT namespace, name, classes::text FROM billing_claims "
     "WHERE (namespace, name) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
 )
-_SHARES: Final = (
+_SHARE_COLUMNS: Final = (
     "SELECT share_id, namespace, device_class, node, amounts::text, billed, state, since, "
-    "position FROM billing_shares "
-    "WHERE share_id = ANY($1::text[]) OR (state <> 'closed' AND node = ANY($2::text[]))"
+    "position FROM billing_shares"
 )
+#: two statements, not one with an ``OR`` (which the planner answers with a scan)
+_SHARES: Final = f"{_SHARE_COLUMNS} WHERE share_id = ANY($1::text[])"
+_NODE_SHARES: Final = f"{_SHARE_COLUMNS} WHERE state <> 'closed' AND node = ANY($1::text[])"
 _NODES: Final = (
     "SELECT node, lease_epoch, fenced_epoch FROM billing_nodes WHERE node = ANY($1::text[])"
 )
@@ -130,7 +134,12 @@ DO UPDATE SET unit_seconds = billing_usage.unit_seconds + excluded.unit_seconds
 """
 
 
-def _share(row: Any) -> BillingShare:
+#: every row of ``billing_shares``, in :func:`share_of`'s order
+SHARES: Final = _SHARE_COLUMNS
+
+
+def share_of(row: Any) -> BillingShare:
+    """A row of ``billing_shares`` (:data:`SHARES`' columns) as billing's share."""
     return BillingShare(
         share_id=row[0],
         namespace=row[1],
@@ -144,24 +153,26 @@ def _share(row: Any) -> BillingShare:
     )
 
 
-async def write_update(
-    connection: Connection, envs: Sequence[Envelope], subscriber: str = CONSUMER
-) -> Update:
-    """Apply the log up to ``envs`` to what the tables know, and write the result."""
-    envs = await catch_up(connection, subscriber, envs)
+async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Update:
+    """Apply ``envs`` (the log's next events billing acts on, in order) to what the
+    tables know, and write the result."""
     claim_keys, share_ids, nodes = needs(envs)
     ordered = sorted(claim_keys)
     claims = {
         (row[0], row[1]): msgspec.json.decode(row[2])
-        for row in await connection.fetch(_CLAIMS, [k[0] for k in ordered], [k[1] for k in ordered])
+        for row in (
+            await connection.fetch(_CLAIMS, [k[0] for k in ordered], [k[1] for k in ordered])
+            if ordered
+            else []
+        )
     }
-    shares = {
-        row[0]: _share(row)
-        for row in await connection.fetch(_SHARES, sorted(share_ids), sorted(nodes))
-    }
+    found = await connection.fetch(_SHARES, sorted(share_ids)) if share_ids else []
+    if nodes:
+        found += await connection.fetch(_NODE_SHARES, sorted(nodes))
+    shares = {row[0]: share_of(row) for row in found}
     epochs = {
         row[0]: NodeEpochs(node=row[0], lease_epoch=row[1], fenced_epoch=row[2])
-        for row in await connection.fetch(_NODES, sorted(nodes))
+        for row in (await connection.fetch(_NODES, sorted(nodes)) if nodes else [])
     }
     update = apply(envs, claims, shares, epochs)
     if update.claims:
@@ -216,14 +227,13 @@ def _counter(update: Update) -> Callable[[], None]:
 
 
 class BillingService(QueryingSubscriber):
-    """The billing consumers, and the usage endpoints when given a connection to serve on."""
+    """The billing projector, and the usage endpoints when given a connection to serve on."""
 
     service = "usage"
 
     def __init__(
         self,
         store: EventStore,
-        js: JetStreamContext,
         names: BusNames,
         *,
         name: str = CONSUMER,
@@ -233,28 +243,17 @@ class BillingService(QueryingSubscriber):
     ) -> None:
         super().__init__(
             store,
-            js,
             names,
             name=name,
             nc=nc,
             directory=directory,
             authenticated=authenticated,
-            wants=wanted,
+            types=TYPES,
         )
 
-    async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
-        """Billing's changes for ``envs``, written with their ``processed_messages`` rows."""
-        counted: list[Callable[[], None]] = []
-
-        async def writes(connection: Connection) -> None:
-            counted.clear()
-            counted.append(_counter(await write_update(connection, envs, self.consumer.name)))
-
-        def count() -> None:
-            for done in counted:
-                done()
-
-        return Handled(writes=writes, on_commit=[count])
+    async def write(self, connection: Connection, envs: Sequence[Envelope]) -> Callable[[], None]:
+        """Billing's changes for ``envs``; counts the usage once the batch commits."""
+        return _counter(await write_update(connection, envs))
 
     async def query(self, namespace: str | None, data: bytes) -> dict[str, Any]:
         """The usage a query asks for; ``namespace``: the tenant it is limited to."""
@@ -343,7 +342,7 @@ async def _open_usage(
     )
     segments = []
     for row in rows:
-        share = _share(row)
+        share = share_of(row)
         start = share.since
         if wanted.start is not None:
             start = max(start, _hour_of(wanted.start))

@@ -11,6 +11,10 @@
 * :func:`serve_subscriber`: ``... serve``: run a subscriber on its own until SIGINT or
   SIGTERM, connected to PostgreSQL as the ledger's database user when
   ``DRACAP_DATABASE_URL_LEDGER`` names one, and to NATS with ``--creds``.
+* :func:`verify_subscriber`: ``... verify``: recompute a subscriber's tables from the
+  log and print every row that differs (:class:`~services.runtime.subscribers.
+  Difference`); exit 0 when none does, 5 (``INVARIANT_VIOLATED``) otherwise. It
+  connects as ``DRACAP_DATABASE_URL_READONLY``'s user when set (it only reads).
 """
 
 from __future__ import annotations
@@ -21,20 +25,22 @@ import csv
 import datetime
 import io
 import json
+import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
+import msgspec
 from nats.aio.client import Client
-from nats.js import JetStreamContext
 
 from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop
 from services.runtime.apiclient import ApiClient
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
-from services.runtime.eventstore import EventStore
+from services.runtime.eventstore import Connection, EventStore, connect
 from services.runtime.metrics import start_metrics_server
 from services.runtime.settings import ServiceKind, load_settings
+from services.runtime.subscribers import Difference
 
 __all__ = [
     "Subscriber",
@@ -44,6 +50,7 @@ __all__ = [
     "parse_time",
     "run_query_or_serve",
     "serve_subscriber",
+    "verify_subscriber",
 ]
 
 
@@ -110,7 +117,7 @@ class Subscriber(Protocol):
 
 async def serve_subscriber(
     args: argparse.Namespace,
-    make: Callable[[EventStore, JetStreamContext, BusNames, Client], Subscriber],
+    make: Callable[[EventStore, BusNames, Client], Subscriber],
 ) -> int:
     """Run the subscriber ``make`` builds until SIGINT or SIGTERM."""
     from services.runtime.bus import connect_bus
@@ -128,9 +135,9 @@ async def serve_subscriber(
         names = BusNames(prefix=endpoints.prefix)
         nats_url = endpoints.nats()
         with reaching("NATS", nats_url):
-            nc, js = await connect_bus(nats_url, credential=endpoints.credential())
+            nc, _ = await connect_bus(nats_url, credential=endpoints.credential())
         try:
-            await make(store, js, names, nc).run(stop)
+            await make(store, names, nc).run(stop)
         finally:
             await nc.drain()
     finally:
@@ -140,9 +147,52 @@ async def serve_subscriber(
     return ExitCode.OK
 
 
+Check = Callable[[Connection], Coroutine[Any, Any, list[Difference]]]
+
+
+async def verify_subscriber(args: argparse.Namespace, check: Check, what: str) -> int:
+    """Run ``check`` on the database and print what it found (see the module docstring)."""
+    endpoints = endpoints_from_args(args, service=ServiceKind.READONLY)
+    database_url = endpoints.database()
+    settings = endpoints.settings(load_settings())
+    with reaching("PostgreSQL", database_url):
+        connection = await connect(settings)
+    try:
+        found = await check(connection)
+    finally:
+        await connection.close()
+    if args.output == "json":
+        print(json.dumps({"ok": not found, "differences": msgspec.to_builtins(found)}, indent=2))
+    elif found:
+        rows = [
+            {
+                "table": d.table,
+                "key": d.key,
+                "problem": d.problem,
+                "columns": ",".join(d.columns),
+                "expected": json.dumps(d.expected, default=str) if d.expected else "",
+                "found": json.dumps(d.found, default=str) if d.found else "",
+            }
+            for d in found
+        ]
+        print(emit(args.output, rows, ("table", "key", "problem", "columns", "expected", "found")))
+    if found:
+        print(f"{what}: {len(found)} row(s) differ from the log", file=sys.stderr)
+        return ExitCode.INVARIANT_VIOLATED
+    if args.output != "json":
+        print(f"{what}: every row agrees with the log")
+    return ExitCode.OK
+
+
 def add_serve_verb(parser: argparse.ArgumentParser, what: str) -> argparse.ArgumentParser:
-    """``<command> serve``: run the ``what`` subscriber on its own (returns its parser)."""
-    verbs = parser.add_subparsers(dest="verb", metavar="serve")
+    """``<command> serve`` (returned) and ``<command> verify`` (``func`` left to the
+    command: ``args.verb == "verify"``)."""
+    verbs = parser.add_subparsers(dest="verb", metavar="serve|verify")
+    check: argparse.ArgumentParser = verbs.add_parser(
+        "verify", help=f"recompute the {what} tables from the log; report rows that differ"
+    )
+    add_endpoint_arguments(check, database=True)
+    check.add_argument("-o", "--output", choices=("table", "json", "csv"), default="table")
     serve: argparse.ArgumentParser = verbs.add_parser(
         "serve", help=f"run the {what} subscriber on its own"
     )
@@ -159,13 +209,17 @@ def run_query_or_serve(
     serve: Callable[[], Coroutine[Any, Any, int]],
     query: Callable[[], Coroutine[Any, Any, int]],
     times: Sequence[tuple[str, str | None]],
+    verify: Callable[[], Coroutine[Any, Any, int]] | None = None,
 ) -> int:
-    """Serve (``args.verb == "serve"``, logging to stderr) or answer one query; the query's
-    ``times`` (``(flag, text)``) are checked first, so bad input exits 2 before connecting."""
+    """Serve (``args.verb == "serve"``, logging to stderr), verify (``"verify"``) or
+    answer one query; the query's ``times`` (``(flag, text)``) are checked first, so bad
+    input exits 2 before connecting."""
     try:
         if args.verb == "serve":
             eventloop.log_to_stderr()
             return eventloop.run(serve())
+        if args.verb == "verify" and verify is not None:
+            return eventloop.run(verify())
         for flag, text in times:
             parse_time(flag, text)
         return eventloop.run(query())

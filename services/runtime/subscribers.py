@@ -1,34 +1,38 @@
 """What the log's subscribers that answer queries (audit, billing) share.
 
-Each is a durable consumer of every event (:class:`~services.runtime.consuming.Consumer`,
-confirmed against the log) that writes its own tables in the consumer's commit, and,
-given a NATS connection, serves its queries on ``<prefix>.<service>...`` while it
-consumes (:func:`~services.runtime.queries.serving_queries`: a tenant's subject answers
-for that tenant's namespace only). :class:`QueryingSubscriber` is that shell; a
-subscriber adds ``handle`` (its writes for a group of messages) and ``query`` (its
-answer to a decoded filter). :func:`decode_query` reads a query's filter, naming the
-field that is wrong.
+Each is a catch-up projector of the log (:class:`~services.runtime.projecting.
+Projector`: it reads the log itself from its position and writes its own tables in
+batches, one transaction per batch) and, given a NATS connection, serves its queries on
+``<prefix>.<service>...`` while it projects (:func:`~services.runtime.queries.
+serving_queries`: a tenant's subject answers for that tenant's namespace only).
+:class:`QueryingSubscriber` is that shell; a subscriber adds ``write`` (its reads and
+writes for a batch of envelopes, in log order) and ``query`` (its answer to a decoded
+filter). :func:`decode_query` reads a query's filter, naming the field that is wrong.
+
+Their tables are a function of the log, so they can be checked against it (issue 24:
+the ledger's login could rewrite them and nothing would notice): each subscriber
+recomputes its rows from the log up to its position with the same pure functions and
+reports every row that differs, as :class:`Difference` s (:func:`differences` compares
+two keyed sets of rows; ``dracap audit verify``, ``dracap usage verify``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 from nats.aio.client import Client
-from nats.js import JetStreamContext
 
 from events.catalog import Envelope
 from events.subjects import BusNames
-from services.runtime.confirming import LogConfirmation
-from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.credentials import Directory
-from services.runtime.eventstore import EventStore
+from services.runtime.eventstore import Connection, EventStore
+from services.runtime.projecting import Projector
 from services.runtime.queries import QueryError, serving_queries
 
-__all__ = ["QueryingSubscriber", "decode_query"]
+__all__ = ["Difference", "QueryingSubscriber", "decode_query", "differences"]
 
 F = TypeVar("F")
 
@@ -45,8 +49,55 @@ def decode_query(data: bytes, typ: type[F]) -> F:
         raise QueryError("request", f"must be a JSON object: {exc}") from None
 
 
+class Difference(msgspec.Struct, frozen=True, kw_only=True):
+    """A row of a subscriber's table that is not what the log says it must be.
+
+    ``problem``: ``missing`` (the log implies the row, the table lacks it), ``extra``
+    (the table has a row the log does not imply) or ``differs`` (``columns`` differ:
+    ``expected`` from the log, ``found`` in the table).
+    """
+
+    table: str
+    key: str
+    problem: str
+    columns: list[str] = []
+    expected: dict[str, Any] = {}
+    found: dict[str, Any] = {}
+
+
+def differences(
+    table: str,
+    expected: Mapping[Any, msgspec.Struct],
+    found: Mapping[Any, msgspec.Struct],
+) -> list[Difference]:
+    """Every key whose row differs between ``expected`` and ``found`` (same Struct type),
+    in key order."""
+    out: list[Difference] = []
+    for key in sorted(expected.keys() | found.keys(), key=repr):
+        want, got = expected.get(key), found.get(key)
+        name = "/".join(str(part) for part in key) if isinstance(key, tuple) else str(key)
+        if got is None:
+            out.append(Difference(table=table, key=name, problem="missing"))
+        elif want is None:
+            out.append(Difference(table=table, key=name, problem="extra"))
+        elif want != got:
+            wanted, seen = msgspec.to_builtins(want), msgspec.to_builtins(got)
+            columns = [c for c in wanted if wanted[c] != seen.get(c)]
+            out.append(
+                Difference(
+                    table=table,
+                    key=name,
+                    problem="differs",
+                    columns=columns,
+                    expected={c: wanted[c] for c in columns},
+                    found={c: seen.get(c) for c in columns},
+                )
+            )
+    return out
+
+
 class QueryingSubscriber:
-    """A consumer of every event that serves queries on ``service`` (module docstring)."""
+    """A projector of the log that serves queries on ``service`` (module docstring)."""
 
     #: the queries' subject word (``audit``, ``usage``)
     service: str = ""
@@ -54,33 +105,27 @@ class QueryingSubscriber:
     def __init__(
         self,
         store: EventStore,
-        js: JetStreamContext,
         names: BusNames,
         *,
         name: str,
         nc: Client | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
-        wants: Callable[[Envelope], bool] | None = None,
+        types: Collection[str] | None = None,
     ) -> None:
         self.store = store
         self.names = names
         self.nc = nc
         self.directory = directory
         self.authenticated = authenticated
-        self.consumer = Consumer(
-            store,
-            js,
-            names,
-            name=name,
-            filter_subject=names.events_subjects,
-            group_handler=self.handle,
-            wants=wants,
-            confirmation=LogConfirmation(store),
-        )
+        #: ``types``: the event tags the subscriber reads (None: every event)
+        self.projector = Projector(store, name, self.write, types=types)
 
-    async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
-        """The subscriber's writes for ``envs``, committed with their message records."""
+    async def write(
+        self, connection: Connection, envs: Sequence[Envelope]
+    ) -> Callable[[], None] | None:
+        """The subscriber's reads and writes for ``envs`` (a batch, in log order), inside
+        the transaction that moves its position; what to run once it has committed."""
         raise NotImplementedError
 
     async def query(self, namespace: str | None, data: bytes) -> dict[str, Any]:
@@ -88,9 +133,9 @@ class QueryingSubscriber:
         raise NotImplementedError
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Consume (and serve queries, with ``nc``) until ``stop`` is set."""
+        """Project (and serve queries, with ``nc``) until ``stop`` is set."""
         await serving_queries(
-            lambda: self.consumer.run(stop),
+            lambda: self.projector.run(stop),
             self.nc,
             self.names,
             service=self.service,

@@ -9,11 +9,13 @@ subscribers. Shown here:
   process) and started again, their tables equal the pure functions of the whole log
   (:func:`services.audit.records.build`, :func:`services.billing.usage.apply`) taken in
   one go: nothing lost, nothing twice;
-* every message delivered again (the durable consumers deleted and created anew) leaves
-  every table exactly as it was;
+* started again, twice at once (two replicas taking turns on their positions), they
+  read nothing twice: every table exactly as it was;
 * a tenant's query (tenant subject, ``dracap audit -n`` / ``dracap usage -n``) shows its
   own namespace only, and asking for another namespace is refused naming the field;
-* ``usage`` totals equal amount x time the test computes from the events' timestamps.
+* ``usage`` totals equal amount x time the test computes from the events' timestamps;
+* ``dracap audit verify`` and ``dracap usage verify`` find every row the ledger's login
+  rewrote (issue 24, finding 10), and nothing on untouched tables.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ from tests.integration import scenario
 
 pytestmark = pytest.mark.integration
 
-ACK_WAIT_S = 1.0  # a killed subscriber's messages come back after this (default 30 s)
 GI = 2**30
 
 AUDIT = (
@@ -109,10 +110,9 @@ class Subscribers:
     async def start_subscribers(self, serve: bool = False) -> None:
         """A fresh audit and billing (new store, new connection: a restarted process)."""
         store = await self.open_store()
-        nc, js = await self.bus()
+        nc, _ = await self.bus()
         for make in (AuditService, BillingService):
-            service = make(store, js, self.names, nc=nc if serve else None)
-            service.consumer._ack_wait = ACK_WAIT_S
+            service = make(store, self.names, nc=nc if serve else None)
             task = asyncio.ensure_future(service.run(self.stop))
             self.tasks.append(task)
             self.victims.append((task, nc))
@@ -128,21 +128,15 @@ class Subscribers:
         self.victims.clear()
 
     async def caught_up(self, within: float = 60.0) -> None:
-        """Until both consumers have every message of the log acknowledged."""
+        """Until both projectors have applied the whole log."""
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             head = await self.store.head()
-            info = await self.js.stream_info(self.names.stream)
-            done = info.state.last_seq >= head
-            for name in ("audit", "billing"):
-                try:
-                    ci = await self.js.consumer_info(self.names.stream, name)
-                except Exception:
-                    done = False
-                    continue
-                done = done and ci.delivered.stream_seq >= head
-                done = done and not ci.num_pending and not ci.num_ack_pending
-            if done:
+            rows = await self.store.pool.fetch(
+                "SELECT subscriber, position FROM ledger_positions "
+                "WHERE subscriber IN ('audit', 'billing')"
+            )
+            if len(rows) == 2 and all(row[1] >= head for row in rows):
                 return
             await asyncio.sleep(0.05)
         raise AssertionError("the subscribers did not catch up")
@@ -230,8 +224,7 @@ async def test_tables_survive_a_kill_mid_stream_and_a_full_redelivery(
     ) == sorted(tuple(row) for row in after_kill["billing_usage"])
 
     await subscribers.kill_subscribers()
-    for name in ("audit", "billing"):  # every message is delivered again
-        await subscribers.js.delete_consumer(subscribers.names.stream, name)
+    await subscribers.start_subscribers()  # two replicas at once: they take turns
     await subscribers.start_subscribers()
     await subscribers.caught_up()
     assert await subscribers.tables() == after_kill
@@ -334,3 +327,66 @@ async def _cli(argv: list[str]) -> tuple[int, str]:
 
     code = await asyncio.to_thread(run)
     return code, buffer.getvalue()
+
+
+async def test_verify_finds_every_row_rewritten_behind_the_log(
+    subscribers: Subscribers, settings: Settings
+) -> None:
+    async def nothing(envs: list[Envelope]) -> None:
+        return None
+
+    await scenario.run(subscribers.store, nothing)
+    await subscribers.caught_up()
+    flags = ["--database-url", settings.database_url, "-o", "json"]
+    for command in ("audit", "usage"):
+        code, out = await _cli([command, "verify", *flags])
+        assert (code, json.loads(out)) == (0, {"ok": True, "differences": []}), out
+
+    async with subscribers.store.pool.acquire() as connection:
+        # as the ledger's login could: another tenant's name on a record, a usage row
+        # lowered, a share moved, a record added
+        position, seq = await connection.fetchrow(
+            "UPDATE audit_records SET namespace = 'team-x' WHERE (position, seq) = "
+            "(SELECT position, seq FROM audit_records WHERE namespace = 'team-c' "
+            "ORDER BY position LIMIT 1) RETURNING position, seq"
+        )
+        await connection.execute(
+            "INSERT INTO audit_records (position, seq, event_id, recorded_at, type, decision, "
+            "actor, actor_kind, actor_name) SELECT position, 99, event_id, recorded_at, type, "
+            "decision, actor, actor_kind, actor_name FROM audit_records WHERE seq = 0 LIMIT 1"
+        )
+        usage = await connection.fetchrow(
+            "UPDATE billing_usage SET unit_seconds = unit_seconds / 2 WHERE (namespace, "
+            "device_class, capacity, hour, state) = (SELECT namespace, device_class, capacity, "
+            "hour, state FROM billing_usage WHERE namespace = 'team-c' LIMIT 1) "
+            "RETURNING namespace, state"
+        )
+        await connection.execute(
+            "UPDATE billing_shares SET node = 'node-x' WHERE share_id = "
+            "(SELECT min(share_id) FROM billing_shares)"
+        )
+
+    code, out = await _cli(["audit", "verify", *flags])
+    found = json.loads(out)["differences"]
+    assert code == 5
+    assert {(d["table"], d["problem"], tuple(d["columns"])) for d in found} == {
+        ("audit_records", "differs", ("namespace",)),
+        ("audit_records", "extra", ()),
+    }
+    differs = next(d for d in found if d["problem"] == "differs")
+    assert differs["key"] == f"{position}/{seq}"
+    assert (differs["expected"], differs["found"]) == (
+        {"namespace": "team-c"},
+        {"namespace": "team-x"},
+    )
+
+    code, out = await _cli(["usage", "verify", *flags])
+    found = json.loads(out)["differences"]
+    assert code == 5
+    assert {(d["table"], d["problem"], tuple(d["columns"])) for d in found} == {
+        ("billing_usage", "differs", ("unit_seconds",)),
+        ("billing_shares", "differs", ("node",)),
+    }
+    (lowered,) = [d for d in found if d["table"] == "billing_usage"]
+    assert lowered["key"].startswith(f"{usage['namespace']}/")
+    assert lowered["key"].endswith(f"/{usage['state']}")

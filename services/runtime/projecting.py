@@ -1,0 +1,188 @@
+"""Catch-up projectors: read models kept from the log, in batches, off the hot path.
+
+The audit and billing subscribers keep tables that are a function of the log and guard
+nothing. A :class:`Projector` keeps one such read model: it reads the log itself, in
+log order, from its own position (its row in ``ledger_positions``), and applies what it
+read in **batches**, one transaction per batch of at most ``batch`` log positions:
+
+1. one statement creates or locks the projector's row and returns its position
+   (``INSERT ... ON CONFLICT DO UPDATE ... RETURNING``: two instances take turns);
+2. one statement reads the events after that position, at most ``batch`` positions
+   further and never past the head the store has heard of (every position at or below
+   an announced head is committed: positions are gap-free, in commit order), only of
+   the types the projector wants (``types``; its position moves past the others all
+   the same);
+3. ``apply(connection, envelopes)``: the subscriber reads the rows of its own it needs,
+   builds the new ones with its pure functions, and writes them: a bounded number of
+   statements per batch (each over every row of the batch: ``= ANY($1)`` lookups,
+   ``executemany``), whatever the number of events or commits in it; it may return a
+   callable to run once the batch has committed (metrics of what was written);
+4. one statement moves the position to the end of the window; the commit.
+
+So a batch costs about ten round trips, and under load one batch carries hundreds of
+commits. Exactly once and in log order without ``processed_messages``: the rows and
+the position commit together, a crash anywhere leaves the position where the rows are,
+and an event at or before the position is never read again.
+
+Waking. The projector needs no bus message: it waits on the log's NOTIFY (every append
+announces its new head, :meth:`~services.runtime.eventstore.EventStore.wait_for_new`),
+one notification per commit, with a poll every ``poll_s`` in case one is lost (a broken
+listener connection). After a wake-up it lingers ``linger_s`` before reading, so the
+commits of that time go in one batch: in ``dracap up``, where it shares the event loop
+with the services that decide, it runs a few transactions a second under any load,
+on its own pool (the ledger's login), and while it decodes a batch it hands the loop
+back every :data:`CHUNK` rows.
+
+A batch that fails (the database away, a bug) is rolled back and tried again after a
+back-off (``retry_s`` doubling to ``poll_s * 30``); the failure is logged once per
+change of reason, and nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from typing import Final
+
+from prometheus_client import Gauge
+
+from events.catalog import Envelope
+from services.runtime.eventstore import Connection, EventStore
+from services.runtime.metrics import REGISTRY
+from services.runtime.outages import one_line
+from services.runtime.rows import SELECT, envelope_of
+
+__all__ = ["CHUNK", "PROJECTOR_LAG", "Apply", "Projector"]
+
+log = logging.getLogger("dracap.projecting")
+
+#: Rows decoded between two hand-backs of the event loop.
+CHUNK: Final = 100
+PROJECTOR_LAG: Final = Gauge(
+    "dracap_projector_lag_events",
+    "Events of the log a read-model projector (audit, billing) has not applied yet, as of "
+    "its last batch.",
+    ["projector"],
+    registry=REGISTRY,
+)
+
+#: The subscriber's work for a batch, inside its transaction (envelopes in log order);
+#: what it returns, if anything, is called once the batch has committed.
+Apply = Callable[[Connection, Sequence[Envelope]], Awaitable[Callable[[], None] | None]]
+
+_LOCK: Final = (
+    "INSERT INTO ledger_positions AS p (subscriber, position) VALUES ($1, 0) "
+    "ON CONFLICT (subscriber) DO UPDATE SET position = p.position RETURNING position"
+)
+_MOVE: Final = "UPDATE ledger_positions SET position = $2 WHERE subscriber = $1"
+_WINDOW: Final = f"{SELECT} WHERE position > $1 AND position <= $2"
+_READ_ALL: Final = f"{_WINDOW} ORDER BY position"
+_READ_TYPES: Final = f"{_WINDOW} AND type = ANY($3::text[]) ORDER BY position"
+
+
+class Projector:
+    """Keeps one read model from the log (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        name: str,
+        apply: Apply,
+        *,
+        types: Collection[str] | None = None,
+        batch: int = 1000,
+        linger_s: float = 0.2,
+        poll_s: float = 1.0,
+        retry_s: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.name = name
+        self._apply = apply
+        self._types = sorted(types) if types is not None else None
+        self.batch = batch
+        self.linger_s = linger_s
+        self.poll_s = poll_s
+        self.retry_s = retry_s
+        self.position = 0  #: the position of the last batch this projector committed
+        self.batches = 0  #: batches committed so far
+        self.applied = 0  #: events handed to ``apply`` so far
+        self._failing: str | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Catch up, then follow the log until ``stop`` is set."""
+        delay = self.retry_s
+        head: int | None = None
+        while not stop.is_set():
+            try:
+                await self.catch_up(head, stop)
+                head = await self.store.wait_for_new(self.position, self.poll_s)
+            except Exception as exc:
+                self._failed(exc, delay)
+                await _wait(stop, delay)
+                delay = min(delay * 2, self.poll_s * 30)
+                head = None
+                continue
+            delay = self.retry_s
+            if self._failing is not None:
+                log.info("projector %s: going on", self.name)
+                self._failing = None
+            if head > self.position:
+                await _wait(stop, self.linger_s)
+
+    async def catch_up(self, head: int | None = None, stop: asyncio.Event | None = None) -> int:
+        """Apply batches up to ``head`` (None: the log's head now), or further when the
+        store has heard of a newer one meanwhile; returns the position reached."""
+        if head is None:
+            head = await self.store.head()
+        while True:
+            head = max(head, self.store.known_head)
+            moved = await self.step(head)
+            if moved is None or (stop is not None and stop.is_set()):
+                return self.position
+
+    async def step(self, head: int) -> int | None:
+        """One batch up to at most ``head``; the new position, None when already there."""
+        async with self.store.pool.acquire() as connection, connection.transaction():
+            done = int(await connection.fetchval(_LOCK, self.name))
+            self.position = done
+            upto = min(head, done + self.batch)
+            if upto <= done:
+                return None
+            if self._types is None:
+                rows = await connection.fetch(_READ_ALL, done, upto)
+            else:
+                rows = await connection.fetch(_READ_TYPES, done, upto, self._types)
+            envs = await _decoded(rows)
+            committed = await self._apply(connection, envs) if envs else None
+            await connection.execute(_MOVE, self.name, upto)
+        if committed is not None:
+            committed()
+        self.position = upto
+        self.batches += 1
+        self.applied += len(envs)
+        PROJECTOR_LAG.labels(self.name).set(max(0, self.store.known_head - upto))
+        return upto
+
+    def _failed(self, exc: Exception, delay: float) -> None:
+        reason = one_line(exc)
+        if reason != self._failing:
+            log.warning("projector %s: batch failed (%s); trying again", self.name, reason)
+            self._failing = reason
+        log.debug("projector %s: next try in %.1fs", self.name, delay)
+
+
+async def _decoded(rows: Sequence[object]) -> list[Envelope]:
+    """``rows`` as envelopes, handing the event loop back every :data:`CHUNK` rows."""
+    out: list[Envelope] = []
+    for start in range(0, len(rows), CHUNK):
+        if start:
+            await asyncio.sleep(0)
+        out += [envelope_of(row) for row in rows[start : start + CHUNK]]  # type: ignore[arg-type]
+    return out
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
