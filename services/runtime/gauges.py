@@ -18,10 +18,14 @@ exclusively (a dedicated allocation) counts as fully allocated: nobody else can 
 any of it. A class that selects no device with a capacity has no series; a removed
 class's series are removed.
 
-Changes are coalesced: the listener only marks the gauge stale and schedules one
-recomputation on the event loop, so catching up on thousands of events costs one
-recomputation per batch, not one per event. Class membership (the CEL selectors) is
-re-evaluated only after an inventory event.
+Changes are coalesced and cost what they touch: the listener notes the devices an
+event changes (a reservation's or release's device, every device of a fenced node) and
+schedules one update on the event loop, which takes out those devices' old amounts from
+the sums of their classes and puts their new ones in (integer nanos, so the ratio is
+exactly the one a recomputation from scratch gives: :func:`allocated_ratios`,
+:func:`stranded_ratios`), whatever the number of devices and shares. Class membership
+(the CEL selectors), and with it every sum, is recomputed only after an inventory
+event.
 
 :func:`initialise_series` creates the label sets that are known when the stack starts
 (every consumer, every claim outcome) at 0, so a scrape shows each family with a value
@@ -59,6 +63,7 @@ __all__ = [
     "CapacityGauges",
     "allocated_ratios",
     "class_members",
+    "device_amounts",
     "initialise_series",
     "smallest_grant",
     "stranded_ratios",
@@ -83,6 +88,8 @@ FENCE_HOOK_OUTCOMES: Final = ("off", "failed", "timeout")
 _CAPACITY_EVENTS: Final = (CapacityReserved, CapacityReleased, NodeFenced)
 
 Ratios = dict[tuple[str, str], float]
+#: per capacity of one device: (allocated, total, stranded) nanos
+Amounts = dict[str, tuple[int, int, int]]
 
 
 def class_members(
@@ -116,6 +123,27 @@ def smallest_grant(policy: CapacityRequestPolicy | None) -> int:
     if policy.valid_range is not None:
         return policy.valid_range.min.nanos
     return 0
+
+
+def device_amounts(state: ClusterState, key: DeviceKey) -> Amounts:
+    """What one device adds to the sums of its classes (see :func:`allocated_ratios` and
+    :func:`stranded_ratios`, which it follows rule for rule); ``{}`` when not present."""
+    dev = state.devices.get(key)
+    if dev is None or not dev.present:
+        return {}
+    held = dev.exclusive_share is not None
+    out: Amounts = {}
+    for capacity, amount in dev.total.items():
+        if amount.nanos <= 0:
+            continue
+        consumed = dev.consumed_nanos.get(capacity, 0)
+        used = amount.nanos if held else consumed
+        free = amount.nanos - consumed
+        unusable = dev.allow_multiple_allocations and 0 < free < smallest_grant(
+            dev.policies.get(capacity)
+        )
+        out[capacity] = (min(max(used, 0), amount.nanos), amount.nanos, free if unusable else 0)
+    return out
 
 
 def stranded_ratios(state: ClusterState, members: dict[str, list[DeviceKey]]) -> Ratios:
@@ -178,8 +206,14 @@ class CapacityGauges:
         self.live = live
         self.gauge = gauge
         self.gates = gates
-        self.refreshes = 0  #: recomputations so far
+        self.refreshes = 0  #: updates so far (from scratch or of the devices touched)
+        self.rebuilds = 0  #: of which from scratch (after an inventory event)
         self._members: dict[str, list[DeviceKey]] | None = None
+        self._classes_of: dict[DeviceKey, list[str]] = {}
+        self._devices_of: dict[str, list[DeviceKey]] = {}  # node -> its devices
+        self._amounts: dict[DeviceKey, Amounts] = {}
+        self._sums: dict[tuple[str, str], list[int]] = {}  # (class, capacity) -> 3 sums
+        self._dirty: set[DeviceKey] = set()
         self._series: set[tuple[str, str]] = set()
         self._scheduled = False
         self._unsubscribe: Callable[[], None] | None = None
@@ -201,7 +235,15 @@ class CapacityGauges:
         event = envelope.event
         if isinstance(event, INVENTORY_EVENTS):
             self._members = None
-        elif not isinstance(event, _CAPACITY_EVENTS):
+        elif isinstance(event, CapacityReserved):
+            self._dirty.add((event.driver, event.pool, event.device))
+        elif isinstance(event, CapacityReleased):
+            share = self.live.state.shares.get(event.share_id)
+            if share is not None:
+                self._dirty.add(share.device_key)
+        elif isinstance(event, NodeFenced):
+            self._dirty.update(self._devices_of.get(event.node, ()))
+        else:
             return
         if self._scheduled:
             return
@@ -221,22 +263,66 @@ class CapacityGauges:
             log.exception("could not recompute the capacity gauges")
 
     def refresh(self) -> None:
-        """Recompute every series from ``live.state``."""
+        """Bring every series up to ``live.state``: from scratch after an inventory event,
+        else the devices touched since the last update."""
         state = self.live.state
         if self._members is None:
-            self._members = class_members(state, self.gates)
-        ratios = allocated_ratios(state, self._members)
-        stranded = stranded_ratios(state, self._members)
-        for labels in self._series - ratios.keys():
+            self._rebuild(state)
+        else:
+            touched: set[tuple[str, str]] = set()
+            for key in self._dirty:
+                touched |= self._update(state, key)
+            self._publish(touched)
+        self._dirty.clear()
+        self.refreshes += 1
+
+    def _rebuild(self, state: ClusterState) -> None:
+        members = self._members = class_members(state, self.gates)
+        self._classes_of = {}
+        for class_name, keys in members.items():
+            for key in keys:
+                self._classes_of.setdefault(key, []).append(class_name)
+        self._devices_of = {}
+        for key, dev in state.devices.items():
+            if dev.node is not None:
+                self._devices_of.setdefault(dev.node, []).append(key)
+        self._amounts, self._sums = {}, {}
+        for key in self._classes_of:
+            self._update(state, key)
+        for labels in self._series - self._sums.keys():
             self.gauge.remove(*labels)
             with contextlib.suppress(KeyError):
                 CAPACITY_STRANDED_RATIO.remove(*labels)
-        for (class_name, capacity), ratio in ratios.items():
-            self.gauge.labels(class_name, capacity).set(ratio)
-        for (class_name, capacity), ratio in stranded.items():
-            CAPACITY_STRANDED_RATIO.labels(class_name, capacity).set(ratio)
-        self._series = set(ratios)
-        self.refreshes += 1
+        self._series = set(self._sums)
+        self._publish(self._series)
+        self.rebuilds += 1
+
+    def _update(self, state: ClusterState, key: DeviceKey) -> set[tuple[str, str]]:
+        """Replace ``key``'s amounts in its classes' sums; the series that changed."""
+        classes = self._classes_of.get(key, ())
+        if not classes:
+            return set()
+        old = self._amounts.pop(key, {})
+        new = device_amounts(state, key)
+        if new:
+            self._amounts[key] = new
+        touched: set[tuple[str, str]] = set()
+        for class_name in classes:
+            for capacity in old.keys() | new.keys():
+                was, now = old.get(capacity, (0, 0, 0)), new.get(capacity, (0, 0, 0))
+                sums = self._sums.setdefault((class_name, capacity), [0, 0, 0])
+                for i in range(3):
+                    sums[i] += now[i] - was[i]
+                touched.add((class_name, capacity))
+        return touched
+
+    def _publish(self, labels: Iterable[tuple[str, str]]) -> None:
+        for class_name, capacity in labels:
+            allocated, total, stranded = self._sums[(class_name, capacity)]
+            if not total:
+                continue  # no present device of the class has it (now)
+            self.gauge.labels(class_name, capacity).set(allocated / total)
+            CAPACITY_STRANDED_RATIO.labels(class_name, capacity).set(stranded / total)
 
 
 def initialise_series(consumers: Iterable[str]) -> None:

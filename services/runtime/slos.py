@@ -185,13 +185,15 @@ class SloFold:
             out.append(Observation("decision", cls, 1.0, outcome))
             if self.latencies:
                 self._latencies(event, key, cls, at, out)
-        elif isinstance(event, (NodeLeaseExpired, ShareMarkedUnknown)):
-            if isinstance(event, NodeLeaseExpired):
-                self.expired_at.setdefault(event.node, at)
+        elif isinstance(event, NodeLeaseExpired):
+            self.expired_at.setdefault(event.node, at)
             node = state.nodes.get(event.node)
             for share_id in node.live_shares if node is not None else ():
                 if state.shares[share_id].state == "unknown":
                     self.unknown.setdefault(share_id, at)
+        elif isinstance(event, ShareMarkedUnknown):  # the one share it names
+            if _share_state(state, event.share_id) == "unknown":
+                self.unknown.setdefault(event.share_id, at)
         elif isinstance(event, (NodeLeaseAcquired, NodeFenced)):
             since = self.expired_at.pop(event.node, None)
             if since is not None:

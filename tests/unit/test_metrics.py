@@ -24,8 +24,25 @@ from events.model import (
     ObjectMeta,
 )
 from services.runtime import metrics
-from services.runtime.gauges import CLAIM_OUTCOMES, CapacityGauges, initialise_series
-from tests.unit.test_fold import DRIVER, Log, device, release, reserve, rslice, submitted
+from services.runtime.gauges import (
+    CLAIM_OUTCOMES,
+    CapacityGauges,
+    allocated_ratios,
+    class_members,
+    initialise_series,
+    stranded_ratios,
+)
+from tests.unit.test_fold import (
+    DRIVER,
+    POOL,
+    Log,
+    device,
+    policy,
+    release,
+    reserve,
+    rslice,
+    submitted,
+)
 
 NAMES = [
     "dracap_scheduling_latency_seconds_bucket",
@@ -164,6 +181,43 @@ async def test_changes_are_coalesced_on_the_loop() -> None:
     await asyncio.sleep(0)
     assert gauges.refreshes == before + 1
     assert gauge_value(gauge, "gpu", "memory") == pytest.approx(40 / 80)
+
+
+def test_updates_touch_only_the_changed_devices_and_agree_with_a_recomputation() -> None:
+    """Same answers as computing every ratio from scratch (the gauges' rule before they
+    kept sums), at the cost of the devices an event touches."""
+    gauge = Gauge("t_ratio3", "test", ["class", "capacity"], registry=CollectorRegistry())
+    least = policy(min="8Gi", step=None)  # a device left with 4Gi free strands it
+    devices = [device(f"gpu-{i}", memory="40Gi", pol=least if i % 2 else None) for i in range(12)]
+    log = Log(
+        DeviceClassApplied(device_class=device_class("gpu", None), rollout="immediate"),
+        DeviceClassApplied(
+            device_class=device_class("odd", 'device.attributes["x"].string == "y"'),
+            rollout="immediate",
+        ),
+        ResourceSlicePublished(slice=rslice(*devices, device("solo", shared=False))),
+    )
+    live = FakeLive(log)
+    gauges = CapacityGauges(live, gauge=gauge)  # type: ignore[arg-type]
+    gauges.start()
+    steps = [reserve(f"s{i}", f"{8 + i // 12 * 4}Gi", dev=f"gpu-{i % 12}") for i in range(30)]
+    steps.append(reserve("x", "0", dev="solo", shared=False, claim="other"))
+    steps += [
+        release(f"s{i}", f"{8 + i // 12 * 4}Gi", dev=f"gpu-{i % 12}") for i in range(0, 30, 4)
+    ]
+    touched: list[tuple[str, str, str]] = []
+    update = gauges._update
+    gauges._update = lambda state, key: touched.append(key) or update(state, key)  # type: ignore[method-assign]
+    for event in steps:
+        live.add(event)  # outside a loop: the update runs at once
+        assert touched == [(DRIVER, POOL, getattr(event, "device", ""))]  # the one device
+        touched.clear()
+        members = class_members(live.state)
+        for (cls, capacity), ratio in allocated_ratios(live.state, members).items():
+            assert gauge_value(gauge, cls, capacity) == ratio
+        for (cls, capacity), ratio in stranded_ratios(live.state, members).items():
+            assert gauge_value(metrics.CAPACITY_STRANDED_RATIO, cls, capacity) == ratio
+    assert gauges.rebuilds == 1  # from scratch only at the start
 
 
 def test_initialise_series_creates_zero_samples() -> None:

@@ -148,3 +148,37 @@ def test_the_fold_gives_scheduling_enforcement_and_decisions_by_class() -> None:
     assert convergence == Observation("convergence", cls, 4.0)
     assert fold.admitted == {} and fold.bound == {} and fold.pending_claims == {}
     assert fold.pending(state) == ({}, {})
+
+
+class _CountingSet(set[str]):
+    """A node's live shares that count how often they are walked."""
+
+    walks = 0
+
+    def __iter__(self) -> Any:
+        type(self).walks += 1
+        return super().__iter__()
+
+
+def test_a_share_marked_unknown_costs_that_share_not_its_node() -> None:
+    """Same answers as before (each share unknown since its node's expiry), but the
+    per-share events of an expiry no longer walk every live share of the node each."""
+    live = _Live()
+    now = [T0]
+    tracker = SloTracker(live, now=lambda: now[0])  # type: ignore[arg-type]
+    log = Log(*inventory(gpu()))
+    log.add(c.NodeLeaseAcquired(node=NODE, epoch=1, boot_id="b", ttl_ms=10_000))
+    for i in range(5):
+        log.reserve(memory_claim(f"c{i}", "1Gi"))
+    _feed(tracker, live, log, 0, 0)
+    node = live.state.nodes[NODE]
+    shares = sorted(node.live_shares)
+    node.live_shares = _CountingSet(node.live_shares)
+    start = len(log.envelopes)
+    log.add(c.NodeLeaseExpired(node=NODE, epoch=1))
+    for share in shares:
+        log.add(c.ShareMarkedUnknown(share_id=share, node=NODE))
+    _feed(tracker, live, log, start, 10.0)
+    assert tracker.fold.unknown == {s: T0 + datetime.timedelta(seconds=10) for s in shares}
+    # the fold walks them once for the expiry, the tracker once: not once per share more
+    assert _CountingSet.walks == 2
