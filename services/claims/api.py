@@ -148,9 +148,9 @@ from services.claims.admission import (
 )
 from services.claims.kubeobjects import resource_claim_object
 from services.claims.views import (
+    ClaimsTouched,
     LeaseRow,
     claim_view,
-    claims_touched,
     class_views,
     device_views,
     node_views,
@@ -316,6 +316,11 @@ class ClaimsApi:
         self._limits: tuple[int, DeviceLimits] | None = None
         self._dirty: dict[ClaimKey, None] = {}
         self._wake = asyncio.Event()
+        self._touched = ClaimsTouched(live.state)
+        #: the claims of each namespace (what ``claims.list`` walks), kept as they come
+        self._names: dict[str, set[str]] = {}
+        for namespace, name in live.state.claims:
+            self._names.setdefault(namespace, set()).add(name)
         self._unsubscribe = live.subscribe(self._changed)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -587,10 +592,11 @@ class ClaimsApi:
     async def list_claims(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.list``: every claim of the namespace that is not gone."""
         state = await self.live.fresh(SEEN)
+        claims = (state.claims.get((namespace, n)) for n in sorted(self._names.get(namespace, ())))
         views = [
             claim_view(state, claim)
-            for (ns, _), claim in sorted(state.claims.items())
-            if ns == namespace and claim.phase not in _HIDDEN_FROM_LIST
+            for claim in claims
+            if claim is not None and claim.phase not in _HIDDEN_FROM_LIST
         ]
         return ok_reply(claims=views)
 
@@ -879,8 +885,11 @@ class ClaimsApi:
     # -- watch publishing ---------------------------------------------------------------
 
     def _changed(self, env: Envelope) -> None:
-        for key in claims_touched(self.live.state, env):
+        claims = self.live.state.claims
+        for key in self._touched(self.live.state, env):
             self._dirty[key] = None
+            if key in claims:  # the event that made a claim names it
+                self._names.setdefault(key[0], set()).add(key[1])
         if self._dirty:
             self._wake.set()
 

@@ -19,7 +19,7 @@ Mirror (API server -> log)
 
 Status (log -> API server)
     Every folded event marks the claims it touches (the same rule the claims API's watch
-    uses, :func:`~services.claims.views.claims_touched`). For each mirrored claim marked,
+    uses, :class:`~services.claims.views.ClaimsTouched`). For each mirrored claim marked,
     the bridge reads the ResourceClaim and, when its entries of dracap's drivers in
     ``status.devices`` differ from :func:`~services.claims.kubeobjects.device_statuses`,
     writes them (a merge patch of the status subresource at the claim's resourceVersion;
@@ -54,7 +54,7 @@ from services.claims.mirroring import (
     decide_claim,
     decide_deleted,
 )
-from services.claims.views import claims_touched
+from services.claims.views import ClaimsTouched
 from services.runtime.errors import ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.kube.client import KubeApi
@@ -93,10 +93,11 @@ class Bridge:
         self.informer: ClaimInformer | None = None
         #: set once the start-up list has been mirrored (tests and readiness wait on it)
         self.synced = asyncio.Event()
+        self._touched = ClaimsTouched(live.state)
         live.subscribe(self._on_fold)
 
     def _on_fold(self, envelope: Envelope) -> None:
-        keys = claims_touched(self.live.state, envelope)
+        keys = self._touched(self.live.state, envelope)
         if keys:
             self._dirty.update(keys)
             self._wake.set()

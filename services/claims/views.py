@@ -23,12 +23,14 @@ Quantities are written in canonical Kubernetes form (``"10Gi"``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Final
 
 import msgspec
 
 from events.catalog import (
     CapacityReleased,
+    CapacityReserved,
     ClaimSubmitted,
     DeviceHealthChanged,
     Envelope,
@@ -48,6 +50,7 @@ from events.fold import (
     ClusterState,
     DeviceState,
     NamespaceState,
+    ShareState,
 )
 from events.inventory import DeviceEntry, Inventory, lost_nodes
 from events.model import DeviceAttribute, DeviceClass, describe_policy
@@ -472,13 +475,10 @@ _SHARE_EVENTS: Final = (
 
 
 def claims_touched(state: ClusterState, env: Envelope) -> list[ClaimKey]:
-    """The claims whose view ``env`` may have changed."""
+    """The claims whose view ``env`` may have changed, read off the whole state (a node-wide
+    event or a device's health walks every share): what :class:`ClaimsTouched` answers
+    at the cost of what the event names; kept as its reference."""
     event = env.event
-    if isinstance(event, ClaimSubmitted):
-        return [(event.claim.metadata.namespace or "", event.claim.metadata.name)]
-    if isinstance(event, _SHARE_EVENTS):
-        share = state.shares.get(event.share_id)
-        return [share.claim] if share is not None else []
     if isinstance(event, DeviceHealthChanged):
         key = (event.driver, event.pool, event.device)
         return sorted({s.claim for s in state.shares.values() if s.live and s.device_key == key})
@@ -490,6 +490,17 @@ def claims_touched(state: ClusterState, env: Envelope) -> list[ClaimKey]:
                 if s.node == event.node and (s.state == "unknown" or s.released_at == env.position)
             }
         )
+    return _named(state, env)
+
+
+def _named(state: ClusterState, env: Envelope) -> list[ClaimKey]:
+    """The claim an event names, directly or through its share (none for the others)."""
+    event = env.event
+    if isinstance(event, ClaimSubmitted):
+        return [(event.claim.metadata.namespace or "", event.claim.metadata.name)]
+    if isinstance(event, _SHARE_EVENTS):
+        share = state.shares.get(event.share_id)
+        return [share.claim] if share is not None else []
     namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
     if (
         isinstance(namespace, str)
@@ -498,3 +509,49 @@ def claims_touched(state: ClusterState, env: Envelope) -> list[ClaimKey]:
     ):
         return [(namespace, name)]
     return []
+
+
+class ClaimsTouched:
+    """The claims whose view each folded event may have changed, at the cost of what the
+    event names (the answers of :func:`claims_touched`).
+
+    A node-wide event (an expiry, a fence) concerns the claims of the shares on the
+    node, and a device's health those of the live shares on the device: both are found
+    through an index of the live shares of each node, kept here from the events (a
+    reservation adds its share, a release and a fence drop what they released), instead
+    of walking every share of the log. Call it for every event, in log order, once the
+    fold has applied it.
+    """
+
+    def __init__(self, state: ClusterState) -> None:
+        self._on_node: dict[str, set[str]] = {
+            name: set(node.live_shares) for name, node in state.nodes.items() if node.live_shares
+        }
+
+    def __call__(self, state: ClusterState, env: Envelope) -> list[ClaimKey]:
+        event = env.event
+        if isinstance(event, CapacityReserved) and event.node is not None:
+            self._on_node.setdefault(event.node, set()).add(event.share_id)
+        elif isinstance(event, CapacityReleased):
+            share = state.shares.get(event.share_id)
+            if share is not None and share.node is not None and not share.live:
+                self._on_node.get(share.node, set()).discard(share.share_id)
+        elif isinstance(event, DeviceHealthChanged):
+            return self._on_device(state, (event.driver, event.pool, event.device))
+        elif isinstance(event, _NODE_WIDE):
+            on_node = self._on_node.get(event.node, set())
+            shares = [state.shares[s] for s in on_node if s in state.shares]
+            touched = {
+                s.claim for s in shares if s.state == "unknown" or s.released_at == env.position
+            }
+            on_node.difference_update(s.share_id for s in shares if not s.live)
+            return sorted(touched)
+        return _named(state, env)
+
+    def _on_device(self, state: ClusterState, device: tuple[str, str, str]) -> list[ClaimKey]:
+        dev = state.devices.get(device)
+        if dev is None or dev.node is None:  # a device of no node: its shares are not indexed
+            shares: Iterable[ShareState] = state.shares.values()
+        else:
+            shares = (state.shares[s] for s in self._on_node.get(dev.node, ()))
+        return sorted({s.claim for s in shares if s.live and s.device_key == device})

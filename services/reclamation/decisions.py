@@ -29,6 +29,8 @@ clock every lease is measured with).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 from events.catalog import (
@@ -44,6 +46,7 @@ from events.tenancy import not_started as class_not_started
 
 __all__ = [
     "NotStarted",
+    "candidate_of",
     "decide_expiry",
     "decide_not_started",
     "fence_by_hook",
@@ -111,37 +114,46 @@ def _waiting_since(claim: ClaimState) -> tuple[int, bool] | None:
     return None
 
 
-def not_started(state: ClusterState) -> list[NotStarted]:
-    """The claims nobody started yet whose class sets a timeout (see the module)."""
-    out: list[NotStarted] = []
+def not_started(state: ClusterState, keys: Iterable[ClaimKey] | None = None) -> list[NotStarted]:
+    """The claims nobody started yet whose class sets a timeout (see the module); of
+    ``keys`` only when given (the service asks about the claims it has queued)."""
     if not any(class_not_started(c.device_class) for c in state.classes.values()):
-        return out  # the usual case, checked in O(classes) on every tick
-    for key, claim in state.claims.items():
-        waiting = _waiting_since(claim)
-        if waiting is None:
-            continue
-        if any(state.shares[s].used for s in claim.share_ids if s in state.shares):
-            continue
-        rules = []
-        for name in _classes(claim):
-            cls = state.classes.get(name)
-            rule = class_not_started(cls.device_class) if cls is not None else None
-            if rule is not None:
-                rules.append(rule)
-        if not rules:
-            continue
-        timeout, action = min(rules)
-        out.append(
-            NotStarted(
-                key=key,
-                allocation_version=claim.allocation_version,
-                since_position=waiting[0],
-                timeout_s=timeout,
-                action=action,
-                prepared=waiting[1],
-            )
-        )
+        return []  # the usual case, checked in O(classes) on every tick
+    out: list[NotStarted] = []
+    for key in state.claims if keys is None else keys:
+        candidate = candidate_of(state, key)
+        if candidate is not None:
+            out.append(candidate)
     return out
+
+
+def candidate_of(state: ClusterState, key: ClaimKey) -> NotStarted | None:
+    """What :func:`not_started` says of one claim (``None``: not a candidate now)."""
+    claim = state.claims.get(key)
+    if claim is None:
+        return None
+    waiting = _waiting_since(claim)
+    if waiting is None:
+        return None
+    if any(state.shares[s].used for s in claim.share_ids if s in state.shares):
+        return None
+    rules = []
+    for name in _classes(claim):
+        cls = state.classes.get(name)
+        rule = class_not_started(cls.device_class) if cls is not None else None
+        if rule is not None:
+            rules.append(rule)
+    if not rules:
+        return None
+    timeout, action = min(rules)
+    return NotStarted(
+        key=key,
+        allocation_version=claim.allocation_version,
+        since_position=waiting[0],
+        timeout_s=timeout,
+        action=action,
+        prepared=waiting[1],
+    )
 
 
 def _seconds(value: float) -> str:

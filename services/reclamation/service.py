@@ -24,7 +24,12 @@ from the time the event that made the claim Ready was recorded), and appends the
 class's action (:func:`~services.reclamation.decisions.decide_not_started`):
 ``ReleaseRequested`` with the reason, or ``ClaimStalled``, on the claim's stream *at
 the version read* — so with several replicas, or a tenant's delete or reservation
-racing it, it is recorded once or not at all.
+racing it, it is recorded once or not at all. The tick costs what is due, not what is
+live: the service queues the candidates as the live state folds the events that name
+them (:class:`NotStartedQueue`: per timeout, the claims by the log position their clock
+starts at), and a tick asks the database the waited time of the oldest few of each
+timeout only; a claim that stopped being a candidate (reserved, used, released) leaves
+the queue when it comes up. Only a change of the DeviceClasses re-reads every claim.
 
 Fence hook (``--fence-hook CMD``): a node whose lease has been expired for
 ``--fence-after`` seconds, and that no agent took back nor anybody fenced, gets
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import os
 import time
@@ -51,9 +57,20 @@ import asyncpg
 import msgspec
 
 from events.actors import Actor
-from events.catalog import claim_stream, lease_stream, node_stream
-from events.fold import ClusterState
+from events.catalog import (
+    ClaimSubmitted,
+    DeviceClassApplied,
+    DeviceClassRemoved,
+    Envelope,
+    claim_stream,
+    lease_stream,
+    node_stream,
+)
+from events.fold import ClaimKey, ClusterState
+from events.tenancy import not_started as class_not_started
 from services.reclamation.decisions import (
+    NotStarted,
+    candidate_of,
     decide_expiry,
     decide_not_started,
     fence_by_hook,
@@ -64,11 +81,13 @@ from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import CLAIMS, FENCE_HOOK_RUNS, NODE_TRANSITIONS
 
-__all__ = ["DEFAULT_POLL_S", "ReclamationService"]
+__all__ = ["DEFAULT_POLL_S", "DUE_PER_TICK", "NotStartedQueue", "ReclamationService"]
 
 log = logging.getLogger("dracap.reclamation")
 
 DEFAULT_POLL_S: Final = 0.25
+#: Not-started candidates of one timeout whose waited time a tick asks for, oldest first.
+DUE_PER_TICK: Final = 256
 _LEASE_VERSION: Final = (
     "coalesce((SELECT max(e.stream_version) FROM events e WHERE e.stream = 'lease:' || l.node), 0)"
 )
@@ -94,6 +113,88 @@ _WAITED: Final = """
 SELECT position, extract(epoch FROM clock_timestamp() - recorded_at)::float8
   FROM events WHERE position = ANY($1::bigint[])
 """
+
+
+class NotStartedQueue:
+    """The claims that may be not-started candidates, per timeout, oldest clock first.
+
+    Kept from the folded events (:meth:`observe`): an event that names a claim (its own
+    fields, or its share's) queues it when :func:`~services.reclamation.decisions.
+    candidate_of` says it is a candidate; a change of the DeviceClasses (timeouts come
+    from them) re-reads every claim. An entry is checked again when it comes up
+    (:meth:`oldest`), so a claim that stopped being a candidate costs nothing before.
+    """
+
+    def __init__(self, state: ClusterState) -> None:
+        self._heaps: dict[float, list[tuple[int, ClaimKey]]] = {}
+        self._queued: dict[ClaimKey, tuple[float, int]] = {}
+        self.rescan(state)
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def rescan(self, state: ClusterState) -> None:
+        """Queue every candidate of ``state`` afresh (the classes changed)."""
+        self._heaps, self._queued = {}, {}
+        for candidate in not_started(state):
+            self._put(candidate)
+
+    def observe(self, state: ClusterState, env: Envelope) -> None:
+        """Queue the claim ``env`` names if it is a candidate now (after the fold)."""
+        event = env.event
+        if isinstance(event, DeviceClassApplied | DeviceClassRemoved):
+            self.rescan(state)
+            return
+        if isinstance(event, ClaimSubmitted):
+            key: ClaimKey | None = (event.claim.metadata.namespace or "", event.claim.metadata.name)
+        elif isinstance(share_id := getattr(event, "share_id", None), str):
+            share = state.shares.get(share_id)
+            key = share.claim if share is not None else None
+        else:
+            namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
+            ok = isinstance(namespace, str) and isinstance(name, str)
+            key = (namespace, name) if ok else None  # type: ignore[assignment]
+        if key is not None:
+            candidate = candidate_of(state, key)
+            if candidate is not None:
+                self._put(candidate)
+
+    def _put(self, candidate: NotStarted) -> None:
+        entry = (candidate.timeout_s, candidate.since_position)
+        if self._queued.get(candidate.key) == entry:
+            return
+        self._queued[candidate.key] = entry
+        heap = self._heaps.setdefault(candidate.timeout_s, [])
+        heapq.heappush(heap, (candidate.since_position, candidate.key))
+
+    def oldest(self, state: ClusterState, most: int = DUE_PER_TICK) -> list[NotStarted]:
+        """Per timeout, the ``most`` candidates whose clock started first, checked on
+        ``state`` (entries that are no longer candidates leave the queue)."""
+        out: list[NotStarted] = []
+        for timeout, heap in self._heaps.items():
+            kept: list[tuple[int, ClaimKey]] = []
+            while heap and len(kept) < most:
+                position, key = heapq.heappop(heap)
+                if self._queued.get(key) != (timeout, position):
+                    continue  # queued again since, under another clock or timeout
+                candidate = candidate_of(state, key)
+                if candidate is None or (candidate.timeout_s, candidate.since_position) != (
+                    timeout,
+                    position,
+                ):
+                    del self._queued[key]
+                    if candidate is not None:
+                        self._put(candidate)
+                    continue
+                kept.append((position, key))
+                out.append(candidate)
+            for entry in kept:
+                heapq.heappush(heap, entry)
+        return out
+
+    def done(self, key: ClaimKey) -> None:
+        """``key`` was released or marked stalled: no longer queued."""
+        self._queued.pop(key, None)
 
 
 class _Lease(msgspec.Struct, frozen=True):
@@ -127,6 +228,8 @@ class ReclamationService:
         self.lost_races = 0  #: expiries or fences another writer recorded first
         self.fenced = 0  #: fences this replica recorded for the hook
         self._hook_tried: dict[tuple[str, int], float] = {}
+        self.queue = NotStartedQueue(live.state)
+        live.subscribe(lambda env: self.queue.observe(live.state, env))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every ``poll_s`` until ``stop`` is set; an outage only skips ticks."""
@@ -154,7 +257,10 @@ class ReclamationService:
 
     async def _not_started(self) -> int:
         """Release or mark stalled each claim not started within its class's timeout."""
-        candidates = not_started(await self.live.fresh(HEAD))
+        state = await self.live.fresh(HEAD)
+        if not any(class_not_started(c.device_class) for c in state.classes.values()):
+            return 0  # the usual case, in O(classes)
+        candidates = self.queue.oldest(state)
         if not candidates:
             return 0
         rows = await self.store.pool.fetch(_WAITED, [c.since_position for c in candidates])
@@ -165,7 +271,7 @@ class ReclamationService:
                 continue
             stream = claim_stream(*candidate.key)
             async with self.live.frozen() as state:
-                now = {c.key: c for c in not_started(state)}.get(candidate.key)
+                now = candidate_of(state, candidate.key)
                 if now is None or now.allocation_version != candidate.allocation_version:
                     continue  # reserved, used or released meanwhile
                 claim = state.claims[candidate.key]
@@ -181,6 +287,7 @@ class ReclamationService:
                 self.lost_races += 1
                 continue
             recorded += 1
+            self.queue.done(candidate.key)
             CLAIMS.labels(outcome=f"not_started_{now.action}").inc()
             log.warning(
                 "claim %s/%s not started within %gs: %s",

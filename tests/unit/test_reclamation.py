@@ -292,3 +292,37 @@ def test_a_reservation_needs_an_allocated_claim_and_has_a_limit() -> None:
 )  # fmt: skip
 def test_durations(text: str, seconds: float | None) -> None:
     assert parse_duration(text) == seconds
+
+
+def test_the_not_started_queue_answers_as_a_walk_over_every_claim() -> None:
+    """The reclamation service's queue gives the candidates :func:`not_started` finds
+    walking every claim, after every event, and only a class change walks the claims."""
+    from events.fold import ClusterState, apply
+    from services.reclamation.service import NotStartedQueue
+
+    log = _ready_log("a", "b", "c", "d")
+    state = log.state()
+    log.add(_annotated("90s", "stall"))
+    log.add(c.ClaimReserved(namespace="tenant-a", name="b", consumer="pod/tenant-a/p"))
+    busy = state.claim("tenant-a", "c").share_ids[0]  # type: ignore[union-attr]
+    log.add(c.ShareUsed(share_id=busy, node=NODE, evidence="1 byte"))
+    log.add(c.ClaimStalled(namespace="tenant-a", name="d", allocation_version=1, reason="x"))
+    log.add(c.ClaimUnreserved(namespace="tenant-a", name="b", consumer="pod/tenant-a/p"))
+    log.reserve(memory_claim("late", "5Gi"))
+    late = log.state().claim("tenant-a", "late")
+    assert late is not None
+    log.add(
+        *(c.LimitApplied(share_id=s, node=NODE, level="none", actual={}) for s in late.share_ids)
+    )
+
+    state = ClusterState()
+    queue = NotStartedQueue(state)
+    for env in log.envelopes:
+        apply(state, env)
+        queue.observe(state, env)
+        assert sorted(queue.oldest(state), key=lambda x: x.key) == sorted(
+            not_started(state), key=lambda x: x.key
+        ), (c.tag_of(env.event), env.position)
+    assert {x.key[1] for x in queue.oldest(state)} == {"a", "b", "late"}
+    assert len(queue) == 3
+    assert [x.key[1] for x in queue.oldest(state, most=1)] == ["a"]  # the oldest clock first
