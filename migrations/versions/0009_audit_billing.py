@@ -12,9 +12,8 @@ once however often a message is delivered. None of these tables is the truth: ea
 a function of the log and could be rebuilt by consuming it again.
 
 * ``ledger_positions``: how far in the log each subscriber has applied, moved in the
-  same transaction as its rows (``services/runtime/inorder.py``: a message is a wake-up;
-  the subscriber reads the log from there, so it applies events in log order even when
-  JetStream redelivers out of order);
+  same transaction as its rows (the subscriber reads the log from there, in order:
+  ``services/runtime/projecting.py``);
 * ``audit_records``: one row per decision or change, keyed by its log position and a
   sequence number within the event (a fence gives a row per share it released);
 * ``audit_shares``: what the audit knows of each share (namespace, claim, request,

@@ -50,13 +50,9 @@ commits without an explicit transaction:
    (:class:`~services.runtime.eventstore.Cause`); for a single message the append's
    metadata says it.
 
-A service that keeps tables of its own (the audit and billing subscribers) returns
-``Handled.writes`` instead of batches: a function that writes those tables, which the
-consumer runs *inside one transaction* with the group's ``processed_messages`` rows,
-and only when every message of the group is new there (a message recorded before
-rolls the transaction back as ``AlreadyHandled``, and the rest is handled again). So
-a service's own rows commit exactly once per message, atomically with the record that
-says it was handled.
+A service that keeps tables of its own from the log (the audit and billing
+subscribers) is no consumer: it reads the log itself, in batches
+(:mod:`services.runtime.projecting`).
 
 After the commit, ``consumer_checkpoints`` follows to the highest log position among
 the new messages — stored off the hot path by
@@ -193,10 +189,6 @@ class Handled(msgspec.Struct):
     batches: list[Batch] = []
     actor: str | None = None
     on_commit: list[Callable[[], None]] = []
-    #: writes to the service's own tables (audit, billing): run in one transaction with
-    #: the messages' ``processed_messages`` rows, only when every message of the group is
-    #: new (else nothing is written: ``AlreadyHandled``). Not with ``batches``.
-    writes: Callable[[Connection], Awaitable[None]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -651,16 +643,7 @@ class Consumer:
             connection, self._store, self.name, min(deliveries.values()), deliveries, head
         )
         handled = await self._group(context, envs)
-        if handled.writes is not None:
-            if any(b.events for b in handled.batches):
-                raise TypeError(f"consumer {self.name}: writes and batches in one Handled")
-            async with connection.transaction():
-                marked = await connection.fetch(MARK_PROCESSED, self.name, ids)
-                if len(marked) != len(ids):
-                    raise AlreadyHandled(self.name)  # rolls back: handled again without those
-                await handled.writes(connection)
-            fresh = set(ids)
-        elif any(b.events for b in handled.batches):
+        if any(b.events for b in handled.batches):
             stored = await self._store.append_many(
                 handled.batches,
                 self._metadata(handled, envs),
