@@ -183,6 +183,7 @@ class ReservationService:
         self.new_share_id = new_share_id
         self._allocator: Allocator | None = None
         self._counted: dict[str, Grant] = {}
+        self._counted_on: dict[str, set[str]] = {}  # node -> its shares in _counted
         self._pending: dict[ClaimKey, datetime.datetime | None] = {}
         self._tried: dict[ClaimKey, int] = {}
         self._epoch = 0
@@ -203,7 +204,7 @@ class ReservationService:
 
     def _seed(self, state: ClusterState) -> None:
         for share_id, grant in live_grants(state):
-            self._counted[share_id] = grant
+            self._count(state, share_id, grant)
         for key, claim in state.claims.items():
             if claim.phase in PENDING_PHASES:
                 self._pending[key] = None
@@ -216,8 +217,16 @@ class ReservationService:
             self._allocator = allocator
         return self._allocator
 
-    def _forget(self, share_id: str) -> None:
+    def _count(self, state: ClusterState, share_id: str, grant: Grant) -> None:
+        self._counted[share_id] = grant
+        node = state.shares[share_id].node
+        if node is not None:
+            self._counted_on.setdefault(node, set()).add(share_id)
+
+    def _forget(self, share_id: str, node: str | None) -> None:
         grant = self._counted.pop(share_id, None)
+        if node is not None:
+            self._counted_on.get(node, set()).discard(share_id)
         if grant is not None and self._allocator is not None:
             self._allocator.release(_as_allocated([grant]))
 
@@ -227,16 +236,18 @@ class ReservationService:
         if isinstance(event, CapacityReserved):
             share = state.shares.get(event.share_id)
             if share is not None and share.live and event.share_id not in self._counted:
-                grant = self._counted[event.share_id] = grant_of(share)
+                grant = grant_of(share)
+                self._count(state, event.share_id, grant)
                 if self._allocator is not None:
                     self._allocator.add_grants([grant])
         elif isinstance(event, CapacityReleased):
             share = state.shares.get(event.share_id)
             if share is not None and not share.live:
-                self._forget(event.share_id)
-        elif isinstance(event, NodeFenced):
-            for share_id in [s for s in self._counted if not state.shares[s].live]:
-                self._forget(share_id)
+                self._forget(event.share_id, share.node)
+        elif isinstance(event, NodeFenced):  # the node's counted shares, not every one
+            on_node = self._counted_on.get(event.node, set())
+            for share_id in [s for s in on_node if not state.shares[s].live]:
+                self._forget(share_id, event.node)
         if isinstance(event, INVENTORY_EVENTS):
             self._allocator = None
         if isinstance(event, _FREEING):

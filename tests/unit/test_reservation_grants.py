@@ -1,0 +1,65 @@
+"""The reservation service's grants follow the live state at the cost of what changes.
+
+The service keeps the allocator's grants from the events it sees (a reservation adds,
+a release or a fence takes away). A fence used to walk every grant of the cluster to
+find the released ones; it walks its node's now, with the same grants left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from events import catalog as c
+from events.fold import ClusterState, apply
+from events.subjects import BusNames
+from services.reservation.deriving import live_grants
+from services.reservation.service import ReservationService
+from tests.unit.decision_fixtures import Log, gpu, inventory, memory_claim
+
+
+class _Live:
+    """What the service reads of a LiveState here: the state, its listeners."""
+
+    def __init__(self) -> None:
+        self.state = ClusterState()
+        self.listeners: list[Callable[[c.Envelope], None]] = []
+
+    def subscribe(self, listener: Callable[[c.Envelope], None]) -> Callable[[], None]:
+        self.listeners.append(listener)
+        return lambda: self.listeners.remove(listener)
+
+    def add(self, env: c.Envelope) -> None:
+        apply(self.state, env)
+        for listener in self.listeners:
+            listener(env)
+
+
+class _Walked(dict[str, Any]):
+    walks = 0
+
+    def __iter__(self) -> Any:
+        type(self).walks += 1
+        return super().__iter__()
+
+
+def test_a_fence_forgets_its_nodes_grants_without_walking_the_others() -> None:
+    log = Log(*inventory(gpu("gpu-0", "30Gi"), node="node-a"))
+    log.add(*inventory(gpu("gpu-0", "30Gi"), node="node-b")[1:2])
+    for node in ("node-a", "node-b"):
+        log.add(c.NodeLeaseAcquired(node=node, epoch=1, boot_id="b", ttl_ms=10_000))
+    log.reserve(*(memory_claim(f"c{i}", "5Gi") for i in range(12)))
+    nodes = {s.node for s in log.state().shares.values()}
+    assert nodes == {"node-a", "node-b"}, nodes
+    live = _Live()
+    service = ReservationService(None, live, None, BusNames(prefix="t"))  # type: ignore[arg-type]
+    for env in log.envelopes:
+        live.add(env)
+    service._counted = _Walked(service._counted)
+    for env in log.add(
+        c.NodeLeaseExpired(node="node-a", epoch=1), c.NodeFenced(node="node-a", epoch=1)
+    ):
+        live.add(env)
+    assert _Walked.walks == 0  # (before the checks below walk it themselves)
+    assert set(service._counted) == {sid for sid, _ in live_grants(live.state)}
+    assert {live.state.shares[s].node for s in service._counted} == {"node-b"}
