@@ -75,6 +75,7 @@ from services.runtime.relaying import Relay
 from services.runtime.settings import Settings
 from services.up import Stack, load_inventory, read_inventory
 from tests.fixtures.links import InProcessServices
+from tests.integration.cluster import namespace_and_class, node_slice
 from tests.integration.waiting import state_reaches
 
 NODE: Final = "node-a"
@@ -95,31 +96,20 @@ _GONE: Final = frozenset({"withdrawn", "released"})
 
 POLICY: Final = {"default": "5Gi", "validRange": {"min": "5Gi", "step": "5Gi", "max": "40Gi"}}
 INVENTORY: Final[list[dict[str, Any]]] = [
-    *({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}} for ns in NAMESPACES),
-    {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": CLASS},
-        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{CLASS}"'}}]},
-    },
-    {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": f"{NODE}-gpus"},
-        "spec": {
-            "driver": CLASS,
-            "nodeName": NODE,
-            "pool": {"name": f"{NODE}-gpus", "generation": 1, "resourceSliceCount": 1},
-            "devices": [
-                {
-                    "name": f"gpu-{i}",
-                    "allowMultipleAllocations": True,
-                    "capacity": {"memory": {"value": "40Gi", "requestPolicy": POLICY}},
-                }
-                for i in range(2)
-            ],
-        },
-    },
+    *namespace_and_class(NAMESPACES[0], CLASS),
+    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACES[1]}},
+    node_slice(
+        NODE,
+        CLASS,
+        [
+            {
+                "name": f"gpu-{i}",
+                "allowMultipleAllocations": True,
+                "capacity": {"memory": {"value": "40Gi", "requestPolicy": POLICY}},
+            }
+            for i in range(2)
+        ],
+    ),
 ]
 
 
