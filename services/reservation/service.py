@@ -34,7 +34,11 @@ the *capacity epoch* moved since its last try. The service's part
 (:meth:`ReservationService.plan`) is the loop around it: it hands the round the state
 (held still with ``LiveState.frozen``), the allocator and its backlog, reads the
 expected versions of the streams the round writes on that same state, and remembers
-what the round says about the claims (tried at this epoch, waiting for a selector).
+what the round says about the claims (waiting for a selector; tried at this epoch —
+the latter only once the round's append has committed: a try that found a claim
+unschedulable because a claim before it took the capacity tentatively is void when
+that append conflicts, a tenant having deleted the claim before it, say, and the round
+planned again must try it on the freed capacity, not skip it until the next release).
 
 Per allocated claim the round appends ``CapacityReserved`` on each device's stream
 (expected version: the device stream's version in the live state) and
@@ -144,9 +148,14 @@ class Plan:
     """
 
     def __init__(
-        self, decided: Round, versions: Mapping[str, int], causes: Callable[[ClaimKey], Cause]
+        self,
+        decided: Round,
+        versions: Mapping[str, int],
+        causes: Callable[[ClaimKey], Cause],
+        epoch: int,
     ) -> None:
         self.decided = decided
+        self.epoch = epoch  #: the capacity epoch the round decided at
         self.batches = [
             Batch(stream, versions[stream], events, [causes(claim) for claim in claims])
             for stream, events, claims in decided.by_stream()
@@ -277,14 +286,17 @@ class ReservationService:
     # -- planning -----------------------------------------------------------------------
 
     async def plan(self, causes: Callable[[ClaimKey], Cause]) -> Plan:
-        """One round on the live state (:func:`decide_round`), as an append."""
+        """One round on the live state (:func:`decide_round`), as an append.
+
+        The claims it tried and found unschedulable count as tried only once the append
+        has committed (:meth:`_record_tries`): see the module docstring.
+        """
         async with self.live.frozen() as state:
-            decided = decide_round(
-                state, self._allocator_for(state), self._backlog(), self.new_share_id
-            )
+            backlog = self._backlog()
+            decided = decide_round(state, self._allocator_for(state), backlog, self.new_share_id)
             versions = {s: await self.live.stream_version(s) for s in decided.writes}
         self._remember(decided, causes)
-        return Plan(decided, versions, causes)
+        return Plan(decided, versions, causes, backlog.epoch)
 
     def _backlog(self) -> Backlog:
         return Backlog(
@@ -296,16 +308,25 @@ class ReservationService:
         )
 
     def _remember(self, decided: Round, causes: Callable[[ClaimKey], Cause]) -> None:
-        """Keep what ``decided`` says about claims for the rounds after it."""
+        """Keep what ``decided`` says about claims waiting for selectors."""
         for key in decided.settled:
             self._deferred.pop(key, None)
-        for key in decided.tried:
-            self._tried[key] = self._epoch
         for key, expression in decided.deferred.items():
             waiting = self._deferred.get(key)
             cause = waiting[0] if waiting is not None else causes(key)
             self._deferred[key] = (cause, expression)
             self._owners.setdefault(expression, key[0])
+
+    def _record_tries(self, plan: Plan) -> Callable[[], None]:
+        """Record the claims ``plan`` found unschedulable as tried at its epoch: call once
+        its append has committed (a round that did not commit tried nothing)."""
+
+        def record() -> None:
+            for key in plan.decided.tried:
+                if key in self._pending:  # not re-admitted, withdrawn or placed meanwhile
+                    self._tried[key] = plan.epoch
+
+        return record
 
     # -- the handler --------------------------------------------------------------------
 
@@ -338,8 +359,12 @@ class ReservationService:
         self._evaluate_wanted()
         batches = plan.batches
         if not batches:
-            return Handled()
-        return Handled(batches=batches, actor=self._actor, on_commit=[self._counter(plan)])
+            return Handled(on_commit=[self._record_tries(plan)])
+        return Handled(
+            batches=batches,
+            actor=self._actor,
+            on_commit=[self._counter(plan), self._record_tries(plan)],
+        )
 
     def _counter(self, plan: Plan) -> Callable[[], None]:
         """The metrics of ``plan``, measured now and counted once it has committed."""
@@ -436,6 +461,7 @@ class ReservationService:
                         plan.batches, Metadata(actor=actor), connection=connection
                     )
                     self._counter(plan)()
+                self._record_tries(plan)()
             finally:
                 await connection.execute("SELECT pg_advisory_unlock($1)", PLANNER_LOCK)
 

@@ -72,9 +72,23 @@ anywhere (the reservation planner): the lock is a session lock (``dracap_lock``)
 a connection the consumer keeps between groups while messages keep arriving — for at
 most :data:`LOCK_HOLD_S` at a time, so other workers get their turn — and releases
 when it is idle, on a failure and on stop. ``dracap_lock`` also returns the log's
-head at the moment the lock was granted; ``HandlerContext.locked_head`` is that head,
-then the head after each of the consumer's own commits while it keeps the lock, so
-the handler can wait for its live view to reach it instead of reading the log.
+head at the moment the lock was granted; ``HandlerContext.locked_head`` is the
+position a handler's view must be folded to: that head, then the head after each of
+the consumer's own commits while it keeps the lock — and never less than the highest
+position among the messages handled, so the handler can wait for its live view to
+reach it instead of reading the log.
+
+That last part is what keeps every message's effect: while the lock is kept, other
+writers go on committing (the claims API admits the next claim, an agent releases
+capacity), and a message about such a commit can arrive during a group. Were the mark
+only the head of the grant and of the consumer's own commits, a group that wrote
+nothing would leave it behind the next message, the handler would decide on a view
+that has not folded that message's event, decide nothing for it, and the message
+would be acknowledged without its effect — an admitted claim nobody plans, freed
+capacity nobody re-plans, until some later message happens to trigger a round. (It
+was seen: a third claim applied right after two others stayed ``admitted`` for good.)
+The messages were confirmed against the log before the handler runs, so their
+positions are committed and one read reaches them.
 
 Failures
 --------
@@ -204,7 +218,8 @@ class HandlerContext:
     #: the delivery count of each message handled, by event id
     deliveries: Mapping[str, int] = dataclasses.field(default_factory=dict)
     #: with a ``lock_key``: the log's head when the lock was granted, then after each
-    #: of the consumer's own commits (the view must be folded that far); else ``None``
+    #: of the consumer's own commits, and at least the highest position among the
+    #: messages handled (the view must be folded that far); else ``None``
     locked_head: int | None = None
 
 
@@ -230,7 +245,7 @@ class _HeldLock:
     """``lock_key`` held as a session lock between groups (see ``_hold_lock``)."""
 
     connection: PoolConnectionProxy[Record]
-    head: int | None  #: what a handler must see: the head at the grant, then own commits
+    head: int | None  #: what a handler must see: the grant's head, then own commits, messages
     since: float  #: monotonic time of the grant
 
 
@@ -639,6 +654,8 @@ class Consumer:
     ) -> tuple[set[str], int | None]:
         """Handle ``envs``, commit them; the ids recorded now and the head after the commit."""
         ids = [e.event_id for e in envs]
+        if head is not None:  # the messages' events are committed: the view must hold them
+            head = max(head, max(e.position for e in envs))
         context = HandlerContext(
             connection, self._store, self.name, min(deliveries.values()), deliveries, head
         )

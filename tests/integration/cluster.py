@@ -37,6 +37,21 @@ def namespace_and_class(namespace: str, driver: str) -> list[dict[str, Any]]:
     ]
 
 
+def node_slice(node: str, driver: str, devices: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ResourceSlice of ``node``'s ``devices`` (pool ``<node>-gpus``) for ``driver``."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{node}-gpus"},
+        "spec": {
+            "driver": driver,
+            "nodeName": node,
+            "pool": {"name": f"{node}-gpus", "generation": 1, "resourceSliceCount": 1},
+            "devices": devices,
+        },
+    }
+
+
 @contextlib.asynccontextmanager
 async def running_cluster(
     settings: Settings, nats_url: str, directory: Path, inventory: Sequence[dict[str, Any]]

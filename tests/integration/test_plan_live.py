@@ -20,7 +20,7 @@ import pytest
 
 from services.exitcodes import ExitCode
 from services.runtime.settings import Settings
-from tests.integration.cluster import Cluster, namespace_and_class, running_cluster
+from tests.integration.cluster import Cluster, namespace_and_class, node_slice, running_cluster
 from tests.integration.test_policy import NAMESPACE, _ready, claim_doc, dracap, view_when
 
 GPU_CLASS = "gpu.dracap.io"
@@ -36,17 +36,7 @@ def _gpu(name: str, memory: str = "40Gi") -> dict[str, Any]:
 
 
 def _slice(node: str, devices: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": f"{node}-gpus"},
-        "spec": {
-            "driver": GPU_CLASS,
-            "nodeName": node,
-            "pool": {"name": f"{node}-gpus", "generation": 1, "resourceSliceCount": 1},
-            "devices": devices,
-        },
-    }
+    return node_slice(node, GPU_CLASS, devices)
 
 
 NIC = {"name": "nic-0", "capacity": {"bandwidth": {"value": "100G"}}}  # no memory
