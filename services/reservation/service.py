@@ -55,7 +55,10 @@ previous round's commit — several workers give availability, not parallel plan
 anything else (a release, the tenant's delete) appended to one of the streams since
 the live state read them, the store raises ``ConflictError``: nothing is written and
 the consumer handles the messages again (alone, then by redelivery with back-off),
-each time on a fresh view. The database ledger's ``CHECK (allocated <= total)`` and
+each time on a fresh view. Should a message still be dead-lettered (it failed on every
+delivery), the worker plans again without it (:meth:`ReservationService.replan`): a
+round plans every pending claim, so no claim waits on a lost trigger. The database
+ledger's ``CHECK (allocated <= total)`` and
 the exclusive-hold key are the last line: even a wrong plan can never oversubscribe
 a device.
 
@@ -109,7 +112,7 @@ from services.runtime.livestate import HEAD, INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import CLAIMS, SCHEDULING_LATENCY, SELECTOR_JOBS
 from services.runtime.selectorpool import SelectorPool
 from services.runtime.slos import known_class
-from services.runtime.waiting import first_of
+from services.runtime.waiting import all_of, first_of
 
 __all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService"]
 
@@ -432,7 +435,8 @@ class ReservationService:
         self._replan.set()
 
     async def _replanner(self, stop: asyncio.Event) -> None:
-        """Plan again whenever evaluated selectors came in (see :meth:`replan`)."""
+        """Plan again whenever evaluated selectors came in or a trigger was dead-lettered
+        (see :meth:`replan`)."""
         while not stop.is_set():
             await first_of(self._replan.wait(), stop.wait())
             if stop.is_set():
@@ -488,17 +492,23 @@ class ReservationService:
                 wants=_wanted,
                 lock_key=PLANNER_LOCK,
                 confirmation=self._confirmation,
+                on_dead_letter=self._trigger_lost,
             )
             for feed, source in FEEDS.items()
         ]
 
+    def _trigger_lost(self, _event_id: str) -> None:
+        """A planning trigger was dead-lettered: plan again without it (a round plans every
+        pending claim, so what the message would have planned is planned)."""
+        self._replan.set()
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Consume until ``stop`` is set."""
+        """Consume until ``stop`` is set (a failed consumer stops its siblings too)."""
         started = time.perf_counter()
         await self.live.fresh(HEAD)
         log.info("reservation worker %d ready in %.3fs", self.worker, time.perf_counter() - started)
         try:
-            await asyncio.gather(*(c.run(stop) for c in self.consumers()), self._replanner(stop))
+            await all_of(*(c.run(stop) for c in self.consumers()), self._replanner(stop))
         finally:
             await self.selectors.close()
             for job in list(self._jobs):

@@ -371,6 +371,7 @@ class Consumer:
         ack_wait: float = 30.0,
         poll_interval: float = 1.0,
         actor: Callable[[], str] | None = None,
+        on_dead_letter: Callable[[str], None] | None = None,
     ) -> None:
         if max_deliver < 1 or not backoff:
             raise ValueError("max_deliver must be at least 1 and backoff not empty")
@@ -396,6 +397,8 @@ class Consumer:
         self._poll = poll_interval
         #: who records this consumer's dead letters (a node agent: itself, with its epoch)
         self._actor = actor or (lambda: str(Actor.system(name)))
+        #: told the event id of each message this consumer dead-letters
+        self._on_dead_letter = on_dead_letter
         self.handled = 0  #: messages handled (committed and acked)
         self.skipped = 0  #: redeliveries found already handled
         self.ignored = 0  #: messages ``wants`` declined (acked without a commit)
@@ -758,6 +761,8 @@ class Consumer:
                 delivery,
                 letter.reason,
             )
+            if self._on_dead_letter is not None:
+                self._on_dead_letter(letter.event_id)
 
     async def _record_dead_letter(self, letter: _DeadLetter, delivery: int) -> bool:
         event = MessageDeadLettered(

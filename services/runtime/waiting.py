@@ -7,6 +7,11 @@ and cancels the others and waits for them to end — so a loop never leaves a wa
 behind. A failure of an awaitable (a lost database connection while waiting for a
 NOTIFY) is raised to the caller; the caller's own cancellation cancels every task and
 propagates, it is never swallowed.
+
+:func:`all_of` is its counterpart for loops that run side by side for a service's whole
+life (a worker's consumers): it returns when all are done, and when one fails it
+cancels the others before raising, so a supervisor that restarts the service never
+leaves the failed one's siblings running beside the new ones.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-__all__ = ["first_of"]
+__all__ = ["all_of", "first_of"]
 
 
 async def first_of(*awaitables: Awaitable[object]) -> None:
@@ -22,6 +27,21 @@ async def first_of(*awaitables: Awaitable[object]) -> None:
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            task.result()  # raises it
+
+
+async def all_of(*awaitables: Awaitable[object]) -> None:
+    """Wait until every one of ``awaitables`` is done; on a failure, cancel the rest and
+    raise it."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
         for task in tasks:
             task.cancel()

@@ -60,6 +60,7 @@ import msgspec
 import pytest
 import yaml
 
+from events.catalog import Envelope
 from events.fold import ClaimKey, ClusterState
 from events.quantities import Quantity
 from events.subjects import BusNames
@@ -69,6 +70,8 @@ from services.enforcement.enforcers import NoneEnforcer
 from services.reservation.service import Plan, ReservationService
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.consuming import Handled, HandlerContext
+from services.runtime.errors import ConflictError
 from services.runtime.eventstore import Cause, EventStore
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.relaying import Relay
@@ -372,6 +375,18 @@ class DeletedWhilePlanned(ReservationService):
         return plan
 
 
+class ConflictsOnMessages(ReservationService):
+    """A worker whose every message-driven round conflicts while :attr:`failing`: its
+    planning trigger is dead-lettered (a planning round without a message still works)."""
+
+    failing = True
+
+    async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
+        if self.failing:
+            raise ConflictError("a concurrent append got there first (forced)")
+        return await super().handle(ctx, envs)
+
+
 def _phases(**want: str) -> Callable[[ClusterState], bool]:
     def check(state: ClusterState) -> bool:
         return all(
@@ -406,3 +421,23 @@ async def test_a_conflicted_round_tried_nothing(
         await api.claims(ns, "delete", {"name": "h0"})
         await state_reaches(view, _phases(h0="released", a="withdrawn", y="ready"), 30)
         assert worker.victim is None  # the round that placed a did meet the delete
+
+
+async def test_a_dead_lettered_trigger_leaves_no_claim_waiting(
+    settings: Settings, nats_url: str, tmp_path: Path
+) -> None:
+    """The admission of ``c`` conflicts on every delivery until the consumer dead-letters
+    it; the worker then plans without the message, and ``c`` is placed (before, it stayed
+    ``admitted`` until some other message started a round)."""
+    ns = NAMESPACES[0]
+    async with (
+        watching(settings) as view,
+        running("bare", settings, nats_url, tmp_path, ConflictsOnMessages) as stack,
+    ):
+        await stack.api.claims(ns, "apply", claim_doc(ns, "c", "10Gi"))
+        await state_reaches(view, _dead_lettered, 60)
+        await state_reaches(view, _phases(c="ready"), 30)
+
+
+def _dead_lettered(state: ClusterState) -> bool:
+    return state.dead_letters > 0

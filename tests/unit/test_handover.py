@@ -1,4 +1,5 @@
-"""The commit hand-over (services.runtime.handover) and first_of (services.runtime.waiting)."""
+"""The commit hand-over (services.runtime.handover); first_of and all_of
+(services.runtime.waiting)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from events import catalog as c
 from services.runtime.handover import Handover
-from services.runtime.waiting import first_of
+from services.runtime.waiting import all_of, first_of
 
 
 def _envelopes(*positions: int) -> list[c.Envelope]:
@@ -129,4 +130,34 @@ async def test_cancelling_the_waiter_cancels_everything_it_waits_for() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert sorted(cancelled) == ["a", "b"]
+
+
+# --- all_of -----------------------------------------------------------------------------
+
+
+async def test_all_of_waits_for_every_one() -> None:
+    finished: list[str] = []
+
+    async def after(name: str, ticks: int) -> None:
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        finished.append(name)
+
+    await all_of(after("a", 3), after("b", 1), after("c", 5))
+    assert sorted(finished) == ["a", "b", "c"]
+
+
+async def test_a_failure_cancels_the_siblings_before_it_is_raised() -> None:
+    """A worker's consumer that fails must not leave the others running beside the
+    restarted worker (asyncio.gather would)."""
+    cancelled: list[str] = []
+    running = asyncio.Event()
+
+    async def fails() -> None:
+        await running.wait()
+        raise ConnectionResetError("the broker went away")
+
+    with pytest.raises(ConnectionResetError):
+        await all_of(_forever(cancelled, "a", running), fails(), _forever(cancelled, "b"))
     assert sorted(cancelled) == ["a", "b"]
