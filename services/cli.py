@@ -9,6 +9,13 @@ Every command finds its servers the same way (:mod:`services.runtime.endpoints`)
 an expected failure — no server configured or reachable, a missing database, a server
 that does not answer in time, a :class:`~services.exitcodes.CommandError` — is one
 line on stderr, never a traceback.
+
+SIGTERM is a request to stop, like SIGINT: from the moment the command starts, before
+a long-running service has its event loop's handlers (it may still be importing or
+connecting), it raises :class:`KeyboardInterrupt`. A command that answers it ends
+cleanly (the services and watches: 0); anywhere else the process ends with
+``ExitCode.INTERRUPTED`` (130), without a traceback. Before, a service told to stop
+while it started died of the signal.
 """
 
 from __future__ import annotations
@@ -16,15 +23,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Final
 
 from services.exitcodes import CommandError, ExitCode
-from services.runtime.credentials import CredentialError
-from services.runtime.endpoints import ConnectionFileError, EndpointError
-from services.runtime.errors import RetryableError
-from services.runtime.settings import SettingsError
 
 #: Each command word and the module that adds it: ``register(subparsers) -> None`` adds
 #: the module's commands and sets ``func`` (taking the parsed namespace, returning an
@@ -79,8 +83,26 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv is None:  # this process is the command: SIGTERM stops it as SIGINT does
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _dispatch(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:  # stopped (SIGINT, SIGTERM) where the command does not say
+        return ExitCode.INTERRUPTED
+
+
+def _dispatch(argv: list[str]) -> int:
+    # imported here, after main() took SIGTERM: they take a while (see the docstring)
+    from services.runtime.credentials import CredentialError
+    from services.runtime.endpoints import ConnectionFileError, EndpointError
+    from services.runtime.errors import RetryableError
+    from services.runtime.settings import SettingsError
+
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

@@ -25,6 +25,9 @@ code  name                  meaning
                             projections, or an event breaks an invariant), ``prove
                             bandwidth`` (a share off its rate by more than 3 %, pushed
                             below it, or capacity not given back)
+130   INTERRUPTED           stopped by SIGINT or SIGTERM before the command began
+                            its work (a service or watch stopped once it runs
+                            ends cleanly with 0)
 ====  ====================  =========================================================
 
 A broken guarantee (``replay verify``, ``prove bandwidth``) used to share 1 with an
@@ -51,6 +54,7 @@ class ExitCode(enum.IntEnum):
     NOT_FOUND = 3
     REJECTED = 4
     INVARIANT_VIOLATED = 5
+    INTERRUPTED = 130
 
 
 class CommandError(Exception):
