@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -20,7 +21,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
@@ -72,6 +73,10 @@ def _claim(name: str) -> bytes:
     ).encode()
 
 
+#: the line each service process logs once it runs
+_STARTED: Final = re.compile(r" started( \(|$)", re.MULTILINE)
+
+
 class Processes:
     def __init__(self, settings: Settings, nats_url: str, prefix: str, tmp: Path) -> None:
         self.settings, self.nats_url, self.prefix, self.tmp = settings, nats_url, prefix, tmp
@@ -102,7 +107,20 @@ class Processes:
             for p in sorted(self.tmp.glob("*.log"))
         )
 
+    async def started(self) -> None:
+        """Wait until every process says it runs (a process told to stop while it still
+        starts ends with 130, not 0: the teardown's clean exit is asked of running ones)."""
+        async with asyncio.timeout(60):
+            for name in self.running:
+                log = self.tmp / f"{name}.log"
+                while not _STARTED.search(log.read_text(errors="replace")):
+                    if self.running[name].returncode is not None:
+                        return  # ended early: the exit code tells
+                    await asyncio.sleep(0.1)
+
     async def stop(self) -> dict[str, int | None]:
+        with contextlib.suppress(TimeoutError):
+            await self.started()
         for process in self.running.values():
             if process.returncode is None:
                 process.send_signal(signal.SIGTERM)
