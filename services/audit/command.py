@@ -64,7 +64,7 @@ async def _query(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     return await serve_subscriber(
-        args, lambda store, js, names, nc: AuditService(store, js, names, nc=nc)
+        args, lambda store, js, names, nc: AuditService(store, js, names, nc=nc, owner=False)
     )
 
 

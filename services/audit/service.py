@@ -178,9 +178,17 @@ class AuditService(QueryingSubscriber):
         nc: Client | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
+        owner: bool = True,
     ) -> None:
         super().__init__(
-            store, js, names, name=name, nc=nc, directory=directory, authenticated=authenticated
+            store,
+            js,
+            names,
+            name=name,
+            nc=nc,
+            directory=directory,
+            authenticated=authenticated,
+            owner=owner,
         )
 
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:

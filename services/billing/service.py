@@ -230,6 +230,7 @@ class BillingService(QueryingSubscriber):
         nc: Client | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
+        owner: bool = True,
     ) -> None:
         super().__init__(
             store,
@@ -240,6 +241,7 @@ class BillingService(QueryingSubscriber):
             directory=directory,
             authenticated=authenticated,
             wants=wanted,
+            owner=owner,
         )
 
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:

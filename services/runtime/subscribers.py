@@ -62,6 +62,7 @@ class QueryingSubscriber:
         directory: Directory | None = None,
         authenticated: bool = False,
         wants: Callable[[Envelope], bool] | None = None,
+        owner: bool = True,
     ) -> None:
         self.store = store
         self.names = names
@@ -77,6 +78,7 @@ class QueryingSubscriber:
             group_handler=self.handle,
             wants=wants,
             confirmation=LogConfirmation(store),
+            owner=owner,
         )
 
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
