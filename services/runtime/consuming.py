@@ -172,7 +172,7 @@ from services.runtime.eventstore import (
 )
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES
-from services.runtime.outages import is_unreachable, one_line
+from services.runtime.outages import StateLog, is_unreachable, one_line
 
 __all__ = ["Consumer", "GroupHandler", "Handled", "Handler", "HandlerContext"]
 
@@ -424,6 +424,7 @@ class Consumer:
         #: whether this consumer creates its durable (see "Its durable" above)
         self.owner = owner
         self._durable_missing = False  # logged that the durable is missing, not yet back
+        self._trouble = StateLog(_log, f"consumer {name}")  # one line per change of state
         #: who records this consumer's dead letters (a node agent: itself, with its epoch)
         self._actor = actor or (lambda: str(Actor.system(name)))
         self.handled = 0  #: messages handled (committed and acked)
@@ -463,10 +464,14 @@ class Consumer:
             while not stop.is_set():
                 try:
                     msgs = await puller.next(self._poll, self._max_group)
-                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
-                    _log.warning("consumer %s: bus connection unavailable", self.name)
+                except (
+                    nats.errors.ConnectionClosedError,
+                    nats.errors.ConnectionReconnectingError,
+                ) as exc:
+                    self._trouble.failed(exc)
                     await asyncio.sleep(self._poll)
                     continue
+                self._trouble.recovered()
                 if puller.missing:
                     puller.missing = False
                     await self._missing()
@@ -512,6 +517,14 @@ class Consumer:
     async def _missing(self) -> None:
         """A pull request found no durable: create it again (its owner) or say so once."""
         if self.owner:
+            try:
+                await self._js.consumer_info(self._names.stream, self.name)
+                return  # there again (a request of before it was created found nobody)
+            except NotFoundError:
+                pass
+            except Exception as exc:  # the broker went away again
+                _log.debug("consumer %s: cannot look at its durable (%r)", self.name, exc)
+                return
             try:
                 await self._ensure_consumer()
             except Exception as exc:  # the stream is missing too, or the broker went away

@@ -61,8 +61,7 @@ _UNREACHABLE: Final[tuple[type[BaseException], ...]] = (
 )
 #: Failures a loop expects while a server or its data is away (not bugs): one line each.
 _EXPECTED: Final[tuple[type[BaseException], ...]] = (
-    nats.js.errors.NotFoundError,
-    nats.js.errors.APIError,
+    nats.js.errors.Error,  # JetStream's answers: no stream, not found, ...
     RuntimeServiceError,
 )
 #: What a plain OSError of a failed connect carries (several addresses tried, say).
@@ -102,7 +101,8 @@ class StateLog:
 
     def failed(self, exc: BaseException, context: str = "") -> None:
         """A try failed: one line (a traceback for a bug) when the trouble is new."""
-        kind = type(exc).__qualname__
+        # every "cannot reach the server" is one kind: they take turns while it is away
+        kind = "unreachable" if is_unreachable(exc) else type(exc).__qualname__
         where = f" {context}" if context else ""
         if kind == self.trouble:
             self._log.debug("%s failed again%s: %s", self._what, where, one_line(exc))

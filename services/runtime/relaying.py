@@ -94,12 +94,19 @@ CHECKPOINT: Final = "relay"
 #: JetStream API errors that say the stream is not there: stream not found, expected
 #: stream does not match.
 _NO_STREAM_CODES: Final = frozenset({10059, 10060})
+#: What a publish into no stream raises (nobody answers it), and a missing stream.
+_NO_STREAM: Final = (
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.NotFoundError,
+    NotFound,
+)
 _log = logging.getLogger(__name__)
 
 
 def _no_stream(exc: BaseException) -> bool:
     """Whether a failed publish says the stream is missing (the broker answers)."""
-    if isinstance(exc, nats.errors.NoRespondersError | nats.js.errors.NotFoundError | NotFound):
+    if isinstance(exc, _NO_STREAM):
         return True
     return isinstance(exc, nats.js.errors.APIError) and exc.err_code in _NO_STREAM_CODES
 
