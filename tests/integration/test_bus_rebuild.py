@@ -33,33 +33,14 @@ from services.runtime.embedded import EmbeddedNats
 from services.runtime.livestate import LiveState
 from services.runtime.settings import Settings
 from services.up import Stack, load_inventory, read_inventory
+from tests.integration.test_pipeline import claim_manifest
 from tests.integration.waiting import state_reaches
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "examples"
 NAMESPACE = "tenant-a"
+GPU_MEMORY = "gpu-memory.dracap.io"  #: the examples' class
 BEFORE, AFTER = 6, 6  #: claims applied before the loss, and after it
-
-
-def _claim(name: str) -> dict[str, object]:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "devices": {
-                "requests": [
-                    {
-                        "name": "gpu",
-                        "exactly": {
-                            "deviceClassName": "gpu-memory.dracap.io",
-                            "capacity": {"requests": {"memory": "5Gi"}},
-                        },
-                    }
-                ]
-            }
-        },
-    }
 
 
 class Records(logging.Handler):
@@ -158,7 +139,8 @@ async def apply(broker: Broker, name: str, stop: asyncio.Event, tries: Tries | N
     while not stop.is_set():
         try:
             async with ApiClient.connect(broker.server.url, broker.names.prefix, credential) as api:
-                reply = await api.claims(NAMESPACE, "apply", _claim(name))
+                claim = claim_manifest(name, NAMESPACE, "5Gi", class_name=GPU_MEMORY)
+                reply = await api.claims(NAMESPACE, "apply", claim)
             return bool(reply["ok"])
         except Exception:  # the broker is away: a tenant tries again
             if tries is not None:
