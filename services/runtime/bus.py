@@ -193,9 +193,11 @@ async def ensure_stream(
     duplicate_window: float = DUPLICATE_WINDOW_S,
     max_age: float = MAX_AGE_S,
     first_seq: int | None = None,
+    current: StreamInfo | None = None,
 ) -> StreamInfo:
     """Create the events stream, or update an existing one to this configuration
-    (``first_seq`` counts only for a stream created now).
+    (``first_seq`` counts only for a stream created now; ``current``: the stream's info
+    just read, which spares reading it again).
 
     A failure is an error of the runtime tree (:func:`~services.runtime.errors.map_bus_error`).
     """
@@ -203,16 +205,18 @@ async def ensure_stream(
         names, duplicate_window=duplicate_window, max_age=max_age, first_seq=first_seq
     )
     try:
-        return await _ensure(js, config)
+        return await _ensure(js, config, current)
     except (nats.errors.Error, OSError) as exc:
         raise map_bus_error(exc, subject=names.events_subjects) from exc
 
 
-async def _ensure(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+async def _ensure(
+    js: JetStreamContext, config: StreamConfig, current: StreamInfo | None
+) -> StreamInfo:
     name = config.name
     assert name is not None
     try:
-        current = await js.stream_info(name)
+        current = current or await js.stream_info(name)
     except NotFoundError:
         try:
             return await js.add_stream(config)

@@ -31,7 +31,8 @@ Who owns what
   relay, which may already change the stream, is the one service whose job includes
   that power. The services only pull and acknowledge.
 * a node agent's durable: the enforcement service; until it runs, the agent itself
-  (:mod:`services.durables`).
+  (:mod:`services.durables`). :func:`ensure_durables` is what any owner of durables
+  calls.
 
 What the stream lacks
 ---------------------
@@ -60,7 +61,7 @@ a later retry below its mark does not, unless another consumer's mark is lower.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 import nats.errors
@@ -79,7 +80,7 @@ from services.runtime.bus import (
 from services.runtime.errors import map_bus_error
 from services.runtime.eventstore import EventStore
 
-__all__ = ["CHECK_INTERVAL_S", "BusKeeper"]
+__all__ = ["CHECK_INTERVAL_S", "BusKeeper", "ensure_durables"]
 
 log = logging.getLogger("dracap.rebuilding")
 
@@ -128,8 +129,7 @@ class BusKeeper:
         """
         try:
             start = await self._ensure_stream(relayed, last_seq)
-            for durable in self.durables:
-                await self._ensure_durable(durable)
+            await self._ensure_durables()
         except (nats.errors.Error, OSError) as exc:
             raise map_bus_error(exc, subject=self._names.events_subjects) from exc
         self._checked = True
@@ -148,9 +148,13 @@ class BusKeeper:
                     relayed - start + 1,
                 )
             return start if start <= relayed else None
-        await ensure_stream(
-            self._js, self._names, duplicate_window=self._duplicate_window, max_age=self._max_age
-        )  # its settings, should they differ
+        await ensure_stream(  # its settings, should they differ
+            self._js,
+            self._names,
+            duplicate_window=self._duplicate_window,
+            max_age=self._max_age,
+            current=info,
+        )
         if last_seq is not None and info.state.last_seq >= last_seq:
             return None  # holds at least what was published
         held = await self._held(info)
@@ -210,15 +214,31 @@ class BusKeeper:
             return relayed + 1
         return min(max(needed, int(oldest_kept)), relayed + 1)
 
-    async def _ensure_durable(self, durable: Durable) -> None:
+    async def _ensure_durables(self) -> None:
+        created = await ensure_durables(self._js, self._names, self.durables, new=not self._checked)
+        self.durables_created += created
+
+
+async def ensure_durables(
+    js: JetStreamContext, names: BusNames, durables: Iterable[Durable], *, new: bool = False
+) -> int:
+    """Create each of ``durables`` that the stream lacks; how many were created.
+
+    For any owner of durables (the relay's keeper; the enforcement service for the node
+    agents'): a ``CONSUMER.INFO`` each, a ``CONSUMER.CREATE`` for each missing one, one
+    log line each (a warning, unless ``new``: a first start creates them all).
+    """
+    created = 0
+    for durable in durables:
         try:
-            await self._js.consumer_info(self._names.stream, durable.name)
-            return
+            await js.consumer_info(names.stream, durable.name)
+            continue
         except NotFoundError:
             pass
-        await self._js.add_consumer(self._names.stream, durable_config(durable))
-        self.durables_created += 1
-        if self._checked:
-            log.warning("durable consumer %s was missing: created it", durable.name)
-        else:
+        await js.add_consumer(names.stream, durable_config(durable))
+        created += 1
+        if new:
             log.info("created durable consumer %s", durable.name)
+        else:
+            log.warning("durable consumer %s was missing: created it", durable.name)
+    return created

@@ -191,6 +191,25 @@ def test_an_agent_may_only_run_its_nodes_consumer() -> None:
     assert not any(s.startswith("$JS.API.") for s in rules.publish)
 
 
+def test_the_jetstream_lives_in_an_account_without_users(tmp_path: Path) -> None:
+    auth = AuthDir(tmp_path / "auth")
+    init_auth(auth, Installation(namespaces={"tenant-a": ["alice"]}, nodes=["node-a"]))
+    accounts = json.loads(auth.accounts.read_text().split("accounts: ", 1)[1])
+    with_jetstream = {name for name, a in accounts.items() if a.get("jetstream") == "enabled"}
+    assert with_jetstream == {"JETSTREAM"}
+    assert not accounts["JETSTREAM"].get("users")
+    # every JetStream API import comes from the one export, under the local prefix
+    api_imports = [
+        i
+        for a in accounts.values()
+        for i in a.get("imports", [])
+        if "service" in i and i["service"]["subject"].startswith("$JS.API.")
+    ]
+    assert api_imports and all(i["to"].startswith("JS.API.") for i in api_imports)
+    exports = [e.get("service", "") for e in accounts["JETSTREAM"]["exports"]]
+    assert [e for e in exports if e.startswith("$JS.API")] == ["$JS.API.>"]
+
+
 def test_auth_init_that_cannot_write_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
