@@ -1,68 +1,93 @@
 """The broker's accounts, users and permissions: ``dracap auth init``.
 
-nats-server enforces the tenant boundary; this module says what it enforces. It reads
-the namespaces and nodes of an installation and writes, under an auth directory
+nats-server enforces every boundary of the bus; this module says what it enforces. It
+reads the namespaces and nodes of an installation and writes, under an auth directory
 (``<data-dir>/auth`` by default):
 
 * ``accounts.conf``: the ``accounts`` block for nats-server (public keys only; start a
   server with ``-c accounts.conf`` or ``include`` it from the server's own file);
-* ``directory.json``: every user's public facts, from which the claims API names the
-  actor of a request (:func:`services.runtime.credentials.caller_of`);
+* ``directory.json``: every user's public facts, from which a service names the
+  sender of a request (:func:`services.runtime.credentials.caller_of`,
+  :func:`~services.runtime.credentials.principal_of`);
 * ``creds/<file>.creds``: one credential file per user (its NKey seed), mode 0600.
 
 Accounts
 --------
-``DRACAP`` holds the services and the node agents, and the only JetStream. Each
-tenant namespace is an account ``TENANT_<namespace>``, the operators one account
-``OPERATORS``. Subjects never cross accounts except where ``DRACAP`` exports them:
+Subjects never cross accounts except where an account exports them and another imports
+them; a user reaches only its own account's subjects, and only those its permissions
+allow.
+
+* ``JETSTREAM`` holds the JetStream — the events stream and its durable consumers —
+  and **no user at all**. JetStream answers a request in the account it lives in; were
+  a user to live there, a request whose reply subject names a JetStream API subject
+  (``$JS.API.STREAM.PURGE.…``) would have JetStream's own answer (a pull request's
+  status, an ack's confirmation, a publish acknowledgement) delete or purge whatever
+  that subject names. It exports ``$JS.API.>`` (one export), ``$JS.ACK.<stream>.>`` and
+  ``{p}.ev.>`` to the accounts below, and each of them imports exactly the subjects its
+  users' jobs need — the API subjects under the local prefix
+  :data:`~services.runtime.credentials.JS_API_PREFIX`, because nats-server answers
+  ``$JS.API.>`` in every account itself. An answer to a request made across an import
+  comes back into the requester's account, on the reply subject it named: there,
+  nothing but that account's own imports exists, and nats-server does not let a
+  message that came in through one import leave through another import of the same
+  export. So a user's credential reaches no JetStream operation beyond its account's
+  imports, whatever reply subject it names.
+* ``RELAY`` (the relay), ``RESERVATION`` (the reservation workers), ``ENFORCEMENT``
+  (the enforcement service): one account per service kind, each importing its own
+  JetStream subjects. ``LEDGER`` (the audit and billing subscribers) has no JetStream
+  subject at all: they read the log, not the bus (:mod:`services.runtime.projecting`);
+  it only answers their queries.
+* ``DRACAP`` holds the claims API: it exports the API and watch subjects to the
+  tenants' and operators' accounts, and imports the ledger's query subjects from
+  ``LEDGER`` (``share: true``), so a tenant's audit or usage query crosses two imports
+  and the ledger still sees who asked. It has no JetStream subject at all.
+* ``NODES`` holds every node agent; it imports ``{p}.node.*.>`` from ``ENFORCEMENT``
+  (``share: true``: the enforcement service learns which agent sent each request) and
+  the consumers' next-message and ack subjects, each once for every node (a wildcard:
+  :func:`_agents_imports`); each agent's permissions name its own node's only.
+* ``TENANT_<namespace>`` per namespace and ``OPERATORS``: the API and watch subjects
+  their users may use, from ``DRACAP``.
 
 ===================================== ========================= ===========================
-exported by DRACAP                    to                        imported as
+exported by                           to                        imported as
 ===================================== ========================= ===========================
-service ``{p}.api.<ns>.claims.>``     ``TENANT_<ns>``           ``share: true``
-service ``{p}.api.*.claims.>``        ``OPERATORS``             ``share: true``
-service ``{p}.admin.>``               ``OPERATORS``             ``share: true``
-stream ``{p}.watch.<ns>.>``           ``TENANT_<ns>``
-stream ``{p}.watch.>``                ``OPERATORS``
+JETSTREAM service ``{p}.ev.>``        RELAY                     the same subjects
+JETSTREAM service ``$JS.API.>``       RELAY, RESERVATION,       per account, its own
+                                      ENFORCEMENT, NODES        operations, under
+                                                                ``JS.API.…``
+JETSTREAM service ``$JS.ACK.<s>.>``   RESERVATION, NODES        its own durables' acks
+LEDGER service ``{p}.api.*.claims.    DRACAP                    ``share: true``
+audit|usage``, ``{p}.admin.audit|
+usage.list``
+ENFORCEMENT service ``{p}.node.*.>``  NODES                     ``share: true``
+DRACAP service ``{p}.api.<ns>.        TENANT_<ns>               ``share: true``
+claims.>``
+DRACAP service ``{p}.api.*.claims.>`` OPERATORS                 ``share: true``
+DRACAP service ``{p}.admin.>``        OPERATORS                 ``share: true``
+DRACAP stream ``{p}.watch.<ns>.>``    TENANT_<ns>
+DRACAP stream ``{p}.watch.>``         OPERATORS
 ===================================== ========================= ===========================
 
 The service exports answer with ``response_type: stream``: a large reply comes in
-several messages (:mod:`services.runtime.replies`).
-
-So a tenant cannot even name another namespace's subjects, the event stream or the
-JetStream API: they do not exist in its account. ``share: true`` makes the server
-stamp each request with the requester's account and key (``Nats-Request-Info``).
+several messages (:mod:`services.runtime.replies`), a pull request in many.
 
 Users and their permissions
 ---------------------------
 On top of the accounts, every user may publish and subscribe only to what its work
-needs; anything else is refused by the server with a permissions violation:
-
-=============== ================================================ ==========================
-user            publish                                          subscribe
-=============== ================================================ ==========================
-relay           ``{p}.ev.>``; stream info/create/update          its inbox
-claims          ``{p}.watch.>``; replies to its requests         ``{p}.api.*.claims.>``,
-                                                                 ``{p}.admin.>``, ``$SRV.>``
-reservation     its durable consumers: create, info, next, ack   its inbox
-ledger          the ``audit`` and ``billing`` consumers (filter  ``{p}.api.*.claims.audit``
-                ``{p}.ev.>``): create, info, next, ack; replies  and ``.usage``,
-                                                                 ``{p}.admin.audit.list``,
-                                                                 ``{p}.admin.usage.list``,
-                                                                 ``$SRV.>``, its inbox
-agent-<node>    its node's consumer only: create with the        its inbox
-                filter ``{p}.ev.*.<node>.>``, info, next, ack
-operator        ``{p}.api.*.claims.>``, ``{p}.admin.>``          ``{p}.watch.>``, its inbox
-tenant user     ``{p}.api.<ns>.claims.>``                        ``{p}.watch.<ns>.>``, its inbox
-=============== ================================================ ==========================
+needs (:func:`permissions_of`); anything else is refused by the server with a
+permissions violation. docs/security.md has the table, and a test tries every
+JetStream operation and subject class with every kind of credential against it.
+Which service owns (creates) each durable consumer is :mod:`services.durables`'s.
 
 "Replies" are up to :data:`~services.runtime.replies.MAX_REPLY_PARTS` messages to the
-reply subject of each request received (``allow_responses``): a large reply comes in
-parts. "Its inbox" is a prefix of the user's own (:attr:`Principal.inbox_prefix`), so a reply
-or a pulled message meant for one user never reaches another. An agent can neither
-publish to the event subjects nor open a consumer on another node's filter; a consumer
-created with the filter in its subject is checked by the server against the filter of
-its configuration.
+reply subject of each request received (``allow_responses``). "Its inbox" is a prefix of
+the user's own (:attr:`Principal.inbox_prefix`), so a reply or a pulled message meant for
+one user never reaches another. An agent can neither publish to the event subjects nor
+pull another node's consumer.
+
+Until the enforcement service creates the node agents' durables (the design:
+:mod:`services.durables`), each agent may still create and read its own
+(:data:`AGENTS_CREATE_THEIR_CONSUMER`).
 
 Keys are kept
 -------------
@@ -75,7 +100,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -84,13 +109,17 @@ import nkeys
 
 from events.model import Namespace, ResourceSlice
 from events.subjects import BusNames, node_token
-from services.enforcement.agent import consumer_name
+from services import durables
 from services.exitcodes import CommandError, ExitCode
-from services.reservation.service import FEEDS
+from services.runtime.bus import Durable
 from services.runtime.credentials import (
+    ACCOUNTS,
     AUTH_DIR,
     CREDS_DIR,
     DEFAULT_OPERATOR,
+    JETSTREAM_ACCOUNT,
+    JS_API_PREFIX,
+    NODES_ACCOUNT,
     OPERATORS_ACCOUNT,
     SERVICES_ACCOUNT,
     AuthDir,
@@ -104,6 +133,7 @@ from services.runtime.credentials import (
 from services.runtime.replies import MAX_REPLY_PARTS
 
 __all__ = [
+    "AGENTS_CREATE_THEIR_CONSUMER",
     "SERVICES",
     "Installation",
     "accounts_config",
@@ -112,7 +142,15 @@ __all__ = [
 ]
 
 #: The service kinds with a user each (``dracap up`` connects each with its own).
-SERVICES: Final = ("relay", "claims", "reservation", "ledger")
+SERVICES: Final = ("relay", "claims", "reservation", "ledger", "enforcement")
+#: Interim: each node agent creates and reads its own durable, until the enforcement
+#: service does (issue 24's node agents over NATS); then False, and docs/security.md's
+#: clause for it goes.
+AGENTS_CREATE_THEIR_CONSUMER: Final = True
+#: How long the broker keeps the way back for the answers to one JetStream request: a
+#: pull request expires within a second (``poll_interval``), so its messages come well
+#: within this.
+JS_RESPONSE_THRESHOLD: Final = "10s"
 _NAME: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
@@ -188,7 +226,7 @@ def init_auth(auth: AuthDir, installation: Installation) -> list[Principal]:
         if old not in keep:
             old.unlink()
     names = BusNames(prefix=installation.prefix)
-    config = accounts_config(principals, names, list(installation.namespaces))
+    config = accounts_config(principals, names, list(installation.namespaces), installation.nodes)
     write_private(auth.accounts, config.encode())
     write_private(auth.directory, msgspec.json.format(msgspec.json.encode(Directory(principals))))
     return principals
@@ -214,21 +252,58 @@ class Permissions(msgspec.Struct, frozen=True):
         return config
 
 
-def _consumer(stream: str, durable: str, filter_subject: str) -> list[str]:
-    """Publish permissions to run one durable pull consumer with one filter."""
+def _api(operation: str) -> str:
+    """A JetStream API subject as its importing account names it."""
+    return f"{JS_API_PREFIX}.{operation}"
+
+
+def _created(stream: str, durable: Durable) -> list[str]:
+    """The API operations of a durable's owner: create it (its filter in the subject, which
+    nats-server checks against the configuration's) and read it."""
     return [
-        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{filter_subject}",
-        f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
-        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
-        f"$JS.ACK.{stream}.{durable}.>",
+        f"CONSUMER.CREATE.{stream}.{durable.name}.{durable.filter_subject}",
+        f"CONSUMER.INFO.{stream}.{durable.name}",
     ]
 
 
-def permissions_of(principal: Principal, names: BusNames) -> Permissions:
-    """What ``principal`` may publish and subscribe to (see the module docstring)."""
+def _pulled(stream: str, durable: Durable) -> list[str]:
+    """The subjects of a durable's reader: the API's next-message request, then its acks."""
+    return [
+        _api(f"CONSUMER.MSG.NEXT.{stream}.{durable.name}"),
+        f"$JS.ACK.{stream}.{durable.name}.>",
+    ]
+
+
+def _relay_operations(names: BusNames) -> list[str]:
+    """The stream's operations and the relay's durables' (it owns them)."""
+    stream = names.stream
+    operations = [f"STREAM.{verb}.{stream}" for verb in ("INFO", "CREATE", "UPDATE", "MSG.GET")]
+    for durable in durables.relay_owned(names):
+        operations += _created(stream, durable)
+    return operations
+
+
+def _agents_created(names: BusNames, nodes: Iterable[str]) -> list[str]:
+    """The operations of the owner of these nodes' agents' durables."""
+    return [op for node in nodes for op in _created(names.stream, durables.agent(names, node))]
+
+
+def _ledger_queries(names: BusNames) -> list[str]:
+    """The subjects the audit and billing subscribers answer."""
+    subjects = [names.api("*", "audit"), names.api("*", "usage")]
+    return [*subjects, names.admin("audit.list"), names.admin("usage.list")]
+
+
+def node_subjects(names: BusNames, node: str) -> str:
+    """Where ``node``'s agent sends its requests to the enforcement service."""
+    return f"{names.prefix}.node.{node_token(node)}.>"
+
+
+def permissions_of(principal: Principal, names: BusNames, nodes: Sequence[str] = ()) -> Permissions:
+    """What ``principal`` may publish and subscribe to (see the module docstring);
+    ``nodes``: the installation's, whose durables the enforcement service creates."""
     p, stream = names.prefix, names.stream
     inbox = f"{principal.inbox_prefix}.>"
-    stream_info = f"$JS.API.STREAM.INFO.{stream}"
     if principal.kind == "tenant":
         ns = principal.namespace
         assert ns is not None
@@ -237,49 +312,133 @@ def permissions_of(principal: Principal, names: BusNames) -> Permissions:
         return Permissions([names.api("*", ">"), names.admin(">")], [f"{p}.watch.>", inbox])
     if principal.kind == "agent":
         node = principal.node or principal.name
-        publish = [stream_info, *_consumer(stream, consumer_name(node), names.node_filter(node))]
+        publish = [node_subjects(names, node), *_pulled(stream, durables.agent(names, node))]
+        if AGENTS_CREATE_THEIR_CONSUMER:
+            publish += [_api(op) for op in _agents_created(names, [node])]
         return Permissions(publish, [inbox])
     if principal.name == "relay":
-        publish = [
-            names.events_subjects,
-            stream_info,
-            f"$JS.API.STREAM.CREATE.{stream}",
-            f"$JS.API.STREAM.UPDATE.{stream}",
-        ]
+        publish = [names.events_subjects, *(_api(op) for op in _relay_operations(names))]
         return Permissions(publish, [inbox])
     if principal.name == "claims":
         subscribe = [names.api("*", ">"), names.admin(">"), "$SRV.>", inbox]
         return Permissions([f"{p}.watch.>"], subscribe, allow_responses=True)
     if principal.name == "reservation":
-        publish = [stream_info]
-        for feed in FEEDS:
-            publish += _consumer(stream, f"reservation-{feed}", ">")
+        publish = [s for d in durables.reservation(names) for s in _pulled(stream, d)]
         return Permissions(publish, [inbox])
-    if principal.name == "ledger":  # the audit and billing subscribers, and their queries
-        publish = [stream_info]
-        for durable in ("audit", "billing"):
-            publish += _consumer(stream, durable, names.events_subjects)
-        queries = [names.api("*", "audit"), names.api("*", "usage")]
-        queries += [names.admin("audit.list"), names.admin("usage.list"), "$SRV.>"]
-        return Permissions(publish, [*queries, inbox], allow_responses=True)
+    if principal.name == "ledger":  # the audit and billing queries (they read the log)
+        subscribe = [*_ledger_queries(names), "$SRV.>", inbox]
+        return Permissions([], subscribe, allow_responses=True)
+    if principal.name == "enforcement":
+        publish = [_api(op) for op in _agents_created(names, sorted(nodes))]
+        subscribe = [f"{p}.node.*.>", "$SRV.>", inbox]
+        return Permissions(publish, subscribe, allow_responses=True)
     raise CommandError(f"no permissions defined for service {principal.name!r}", ExitCode.ERROR)
 
 
-def _user(principal: Principal, names: BusNames) -> dict[str, Any]:
+# --- the accounts ------------------------------------------------------------------------------
+
+
+def _js_imports(operations: Iterable[str]) -> list[dict[str, Any]]:
+    """Imports of JetStream API operations, each under the local API prefix."""
+    return [
+        {"service": {"account": JETSTREAM_ACCOUNT, "subject": f"$JS.API.{op}"}, "to": _api(op)}
+        for op in operations
+    ]
+
+
+def _pull_imports(names: BusNames, readable: Iterable[Durable]) -> list[dict[str, Any]]:
+    """Imports of what the reader of each durable needs: next-message requests, acks."""
+    stream = names.stream
+    imports: list[dict[str, Any]] = []
+    for durable in readable:
+        imports += _js_imports([f"CONSUMER.MSG.NEXT.{stream}.{durable.name}"])
+        ack = f"$JS.ACK.{stream}.{durable.name}.>"
+        imports.append({"service": {"account": JETSTREAM_ACCOUNT, "subject": ack}})
+    return imports
+
+
+def _jetstream_account(names: BusNames) -> dict[str, Any]:
+    """The stream's account: no users; one export of the whole API (so that an answer
+    that came in through one API import cannot leave through another), the acks of the
+    stream's consumers, and the event subjects for the relay."""
+    pulling = [ACCOUNTS["reservation"], NODES_ACCOUNT]
+    api_users = [ACCOUNTS["relay"], *pulling, ACCOUNTS["enforcement"]]
     return {
-        "nkey": principal.public_key,
-        "permissions": permissions_of(principal, names).as_config(),
+        "jetstream": "enabled",
+        "exports": [
+            {"service": names.events_subjects, "accounts": [ACCOUNTS["relay"]]},
+            {
+                "service": "$JS.API.>",
+                "accounts": api_users,
+                "response_type": "stream",
+                "response_threshold": JS_RESPONSE_THRESHOLD,
+            },
+            {"service": f"$JS.ACK.{names.stream}.>", "accounts": pulling},
+        ],
+    }
+
+
+def _agents_imports(names: BusNames) -> list[dict[str, Any]]:
+    """What the node agents' durables take, for every node at once: one wildcard import
+    per operation (an import per node makes nats-server's start quadratic in the fleet:
+    4.4 s at 5,000 nodes). Each user's permissions name its own node's subjects only."""
+    stream = names.stream
+    filters = f"{names.prefix}.ev.*.*.>"  # a node's filter, whichever node
+    return [
+        {"service": {"account": JETSTREAM_ACCOUNT, "subject": f"$JS.API.{op}"}, "to": _api(op)}
+        for op in (f"CONSUMER.CREATE.{stream}.*.{filters}", f"CONSUMER.INFO.{stream}.*")
+    ]
+
+
+def _service_accounts(
+    names: BusNames, users: Callable[[str], list[dict[str, Any]]]
+) -> dict[str, Any]:
+    """The accounts of the services and the node agents (module docstring)."""
+    p, stream = names.prefix, names.stream
+    relay, ledger, enforcement = ACCOUNTS["relay"], ACCOUNTS["ledger"], ACCOUNTS["enforcement"]
+    nodes_imports = [
+        _service_import(f"{p}.node.*.>", enforcement),
+        *_js_imports([f"CONSUMER.MSG.NEXT.{stream}.*"]),
+        {"service": {"account": JETSTREAM_ACCOUNT, "subject": f"$JS.ACK.{stream}.>"}},
+    ]
+    if AGENTS_CREATE_THEIR_CONSUMER:
+        nodes_imports += _agents_imports(names)
+    events = {"service": {"account": JETSTREAM_ACCOUNT, "subject": names.events_subjects}}
+    return {
+        JETSTREAM_ACCOUNT: _jetstream_account(names),
+        relay: {"users": users(relay), "imports": [events, *_js_imports(_relay_operations(names))]},
+        ACCOUNTS["reservation"]: {
+            "users": users(ACCOUNTS["reservation"]),
+            "imports": _pull_imports(names, durables.reservation(names)),
+        },
+        ledger: {
+            "users": users(ledger),
+            "exports": [_service_export(s, SERVICES_ACCOUNT) for s in _ledger_queries(names)],
+        },
+        enforcement: {
+            "users": users(enforcement),
+            "imports": _agents_imports(names),
+            "exports": [_service_export(f"{p}.node.*.>", NODES_ACCOUNT)],
+        },
+        NODES_ACCOUNT: {"users": users(NODES_ACCOUNT), "imports": nodes_imports},
     }
 
 
 def accounts_config(
-    principals: Sequence[Principal], names: BusNames, namespaces: Iterable[str]
+    principals: Sequence[Principal],
+    names: BusNames,
+    namespaces: Iterable[str],
+    nodes: Sequence[str] = (),
 ) -> str:
     """The ``accounts`` block of nats-server's configuration (JSON values)."""
     p = names.prefix
     by_account: dict[str, list[Principal]] = {}
     for principal in principals:
         by_account.setdefault(principal.account, []).append(principal)
+
+    def users(account: str) -> list[dict[str, Any]]:
+        return [_user(u, names, nodes) for u in by_account.get(account, [])]
+
     tenants = sorted(set(namespaces))
     exports: list[dict[str, Any]] = []
     for ns in tenants:
@@ -292,13 +451,14 @@ def accounts_config(
         {"stream": f"{p}.watch.>", "accounts": [OPERATORS_ACCOUNT]},
     ]
     accounts: dict[str, Any] = {
+        **_service_accounts(names, users),
         SERVICES_ACCOUNT: {
-            "jetstream": "enabled",
-            "users": [_user(u, names) for u in by_account.get(SERVICES_ACCOUNT, [])],
+            "users": users(SERVICES_ACCOUNT),
             "exports": exports,
+            "imports": [_service_import(s, ACCOUNTS["ledger"]) for s in _ledger_queries(names)],
         },
         OPERATORS_ACCOUNT: {
-            "users": [_user(u, names) for u in by_account.get(OPERATORS_ACCOUNT, [])],
+            "users": users(OPERATORS_ACCOUNT),
             "imports": [
                 _service_import(names.api("*", ">")),
                 _service_import(names.admin(">")),
@@ -309,7 +469,7 @@ def accounts_config(
     for ns in tenants:
         account = f"TENANT_{ns}"
         accounts[account] = {
-            "users": [_user(u, names) for u in by_account.get(account, [])],
+            "users": users(account),
             "imports": [
                 _service_import(names.api(ns, ">")),
                 {"stream": {"account": SERVICES_ACCOUNT, "subject": f"{p}.watch.{ns}.>"}},
@@ -319,14 +479,22 @@ def accounts_config(
     return f"# written by `dracap auth init`: public keys only\naccounts: {body}\n"
 
 
+def _user(principal: Principal, names: BusNames, nodes: Sequence[str]) -> dict[str, Any]:
+    return {
+        "nkey": principal.public_key,
+        "permissions": permissions_of(principal, names, nodes).as_config(),
+    }
+
+
 def _service_export(subject: str, account: str) -> dict[str, Any]:
     """A service ``subject`` exported to ``account``; a reply may come in parts, so the
     export lets several messages answer one request (``response_type: stream``)."""
     return {"service": subject, "accounts": [account], "response_type": "stream"}
 
 
-def _service_import(subject: str) -> dict[str, Any]:
-    return {"service": {"account": SERVICES_ACCOUNT, "subject": subject}, "share": True}
+def _service_import(subject: str, account: str = SERVICES_ACCOUNT) -> dict[str, Any]:
+    """A service ``subject`` of ``account``; the server stamps who asks (``share``)."""
+    return {"service": {"account": account, "subject": subject}, "share": True}
 
 
 # --- dracap auth init --------------------------------------------------------------------------

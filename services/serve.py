@@ -6,11 +6,14 @@ The node agent (``dracap agent``) and the reclamation service (``dracap reclaim`
 their commands already; this module gives the other three theirs:
 
 * ``relay``: the transactional outbox, from the event log to the JetStream stream
-  (:class:`~services.runtime.relaying.Relay`); run one;
+  (:class:`~services.runtime.relaying.Relay`); run one. It owns the stream and the
+  services' durable consumers and puts them back if the broker loses them
+  (:mod:`services.runtime.rebuilding`);
 * ``claims``: the claims and admin API (:class:`~services.claims.api.ClaimsApi`) with
-  its live state; instances share the load in their NATS queue group;
+  its live state; instances share the load in their NATS queue group. It uses no
+  JetStream at all;
 * ``reservation``: a reservation worker (:class:`~services.reservation.service.
-  ReservationService`); workers share the durable consumers;
+  ReservationService`); workers share the durable consumers, which the relay creates;
 * ``kubernetes-bridge``: Kubernetes mode's intake (:class:`~services.claims.bridge.Bridge`):
   mirrors the ResourceClaims kube-scheduler allocated on ``--driver`` devices into the log
   and writes their ``status.devices`` back; run one per cluster. It reaches the API
@@ -45,7 +48,7 @@ from typing import Any, Final
 from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop
-from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.bus import connect_bus
 from services.runtime.credentials import AUTH_DIR, AuthDir, Credential, read_directory
 from services.runtime.endpoints import (
     Endpoints,
@@ -116,7 +119,6 @@ async def serve(args: argparse.Namespace) -> int:
         try:
             if args.metrics_port:
                 server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
-            await ensure_stream(js, names)
             run = await _service(args.service, store, nc, js, names, directory, args)
             log.info("%s started (prefix %s)", args.service, names.prefix)
             await run(stop)
@@ -141,9 +143,12 @@ async def _service(
 ) -> Callable[[asyncio.Event], Awaitable[None]]:
     """The ``run(stop)`` of service ``name``, started."""
     if name == "relay":
+        from services import durables
+        from services.runtime.rebuilding import BusKeeper
         from services.runtime.relaying import Relay
 
-        return Relay(store, js, names).run
+        keeper = BusKeeper(store, js, names, durables.relay_owned(names))
+        return Relay(store, js, names, keeper=keeper).run
     live = LiveState(store)
     await live.load_snapshot()
     await live.fresh(HEAD)
@@ -166,7 +171,7 @@ async def _service(
         return api.run
     from services.reservation.service import ReservationService
 
-    service = ReservationService(store, live, js, names)
+    service = ReservationService(store, live, js, names, owner=False)
 
     async def reservation(stop: asyncio.Event) -> None:
         tail = asyncio.create_task(live.run(stop))

@@ -20,7 +20,8 @@ Start-up order
 --------------
 servers (and their watchdog) -> migrations (``alembic`` to head, under an advisory
 lock) -> the services' database users (on the embedded PostgreSQL: one per service and
-agent, :mod:`services.runtime.provisioning`) -> bus stream -> :class:`Stack` (relay,
+agent, :mod:`services.runtime.provisioning`) -> bus stream and the services' durable
+consumers (the relay's keeper, :mod:`services.runtime.rebuilding`) -> :class:`Stack` (relay,
 live state, claims API, reservation workers, reclamation service, audit and billing
 subscribers, agents) -> the
 example inventory through
@@ -275,7 +276,7 @@ class Stack:
     ) -> AsyncIterator[Stack]:
         """``auth``: connect each service as its own broker user (:mod:`services.brokerauth`)
         and require the broker's identity on API requests; None: one anonymous connection."""
-        from services.runtime.bus import connect_bus, ensure_stream
+        from services.runtime.bus import connect_bus
 
         stores = await ServiceStores.open(settings, nodes=nodes)
         connections: list[Any] = []
@@ -297,7 +298,6 @@ class Stack:
                     logins[service] = await login(service, auth.service(service))
                 for node in nodes:
                     logins[f"agent:{node}"] = await login(f"agent-{node}", auth.agent(node))
-            await ensure_stream(js, names)
             stack = cls(
                 stores.reader, nc, js, names, stores=stores, logins=logins, directory=directory
             )
@@ -352,6 +352,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     snapshot writer (as ``dracap_snapshots``' user when roles are set up), the APIs,
     reservation workers, the reclamation service, the audit and billing subscribers and
     agents."""
+    from services import durables
     from services.audit.service import AuditService
     from services.billing.service import BillingService
     from services.claims.api import ClaimsApi
@@ -361,12 +362,17 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     from services.reservation.service import ReservationService
     from services.runtime.gauges import CapacityGauges, initialise_series
     from services.runtime.livestate import HEAD, LiveState
+    from services.runtime.rebuilding import BusKeeper
     from services.runtime.relaying import Relay
     from services.runtime.slos import SloTracker
     from services.runtime.snapshots import serve_snapshots
 
     js, names, stop, stores = stack.js, stack.names, stack.stop, stack.stores
-    relay = Relay(stores.of(ServiceKind.RELAY), js, names)
+    relay_store = stores.of(ServiceKind.RELAY)
+    # the relay owns the stream and the services' durables: in place before they pull
+    keeper = BusKeeper(relay_store, js, names, durables.relay_owned(names))
+    relay = Relay(relay_store, js, names, keeper=keeper)
+    await keeper.ensure(await relay.load_checkpoint(), None)
     stack.spawn("relay", functools.partial(relay.run, stop))
     live = LiveState(stack.store)
     await live.load_snapshot()
@@ -391,7 +397,9 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     consumers: set[str] = set()
     for i in range(workers):
         store = stores.of(ServiceKind.RESERVATION)
-        service = ReservationService(store, live, stack.bus("reservation")[1], names, worker=i)
+        service = ReservationService(
+            store, live, stack.bus("reservation")[1], names, worker=i, owner=False
+        )
         consumers.update(c.name for c in service.consumers())
         stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
     reclamation = ReclamationService(stores.of(ServiceKind.RECLAMATION), live)

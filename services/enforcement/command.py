@@ -42,7 +42,7 @@ from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interf
 from services.enforcement.tc import TcEnforcer
 from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop
-from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.bus import connect_bus
 from services.runtime.credentials import AUTH_DIR, AuthDir, Credential
 from services.runtime.dbroles import bound_node
 from services.runtime.endpoints import (
@@ -139,7 +139,6 @@ async def serve(args: argparse.Namespace) -> int:
         initialise_series([consumer_name(args.node)])
     stop = eventloop.stop_on_signals()
     try:
-        await ensure_stream(js, names)
         config = load_config(args.config, args.node) if args.config else None
         enforcer = build_enforcer(args, config)
         live = LiveState(store)

@@ -104,6 +104,7 @@ from services.reservation.allocating import Allocator
 from services.reservation.deriving import grant_of, live_grants
 from services.reservation.outcomes import Allocated, Grant
 from services.reservation.rounds import PENDING_PHASES, Backlog, Round, decide_round
+from services.runtime.bus import Durable
 from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.errors import ConflictError, RuntimeServiceError
@@ -114,7 +115,7 @@ from services.runtime.selectorpool import SelectorPool
 from services.runtime.slos import known_class
 from services.runtime.waiting import all_of, first_of
 
-__all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService"]
+__all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService", "durables"]
 
 log = logging.getLogger("dracap.reservation")
 
@@ -125,6 +126,19 @@ FEEDS: Final = {
     "inventory": "inventory",
     "admin": "admin",
 }
+
+
+def durables(names: BusNames, name: str = "reservation") -> list[Durable]:
+    """The durable consumers every worker named ``name`` shares: one per feed."""
+    return [
+        Durable(
+            f"{name}-{feed}",
+            names.tag_filter(source) if "." in source else names.category_filter(source),
+        )
+        for feed, source in FEEDS.items()
+    ]
+
+
 #: Events that make a worker plan.
 TRIGGERS: Final = (
     ClaimAdmitted,
@@ -183,6 +197,7 @@ class ReservationService:
         new_share_id: Callable[[], str] = lambda: str(uuid.uuid4()),
         inline_budget: int = INLINE_BUDGET,
         selectors: SelectorPool | None = None,
+        owner: bool = True,
     ) -> None:
         self.store = store
         self.live = live
@@ -190,6 +205,8 @@ class ReservationService:
         self.names = names
         self.worker = worker
         self.name = name
+        #: whether the workers create their durables (False: the relay owns them)
+        self.owner = owner
         self._actor = str(Actor.system(f"{name}-{worker}"))
         self.gates = gates
         self.new_share_id = new_share_id
@@ -482,19 +499,16 @@ class ReservationService:
                 self.store,
                 self.js,
                 self.names,
-                name=f"{self.name}-{feed}",
-                filter_subject=(
-                    self.names.tag_filter(source)
-                    if "." in source
-                    else self.names.category_filter(source)
-                ),
+                name=durable.name,
+                filter_subject=durable.filter_subject,
                 group_handler=self.handle,
                 wants=_wanted,
                 lock_key=PLANNER_LOCK,
                 confirmation=self._confirmation,
                 on_dead_letter=self._trigger_lost,
+                owner=self.owner,
             )
-            for feed, source in FEEDS.items()
+            for durable in durables(self.names, self.name)
         ]
 
     def _trigger_lost(self, _event_id: str) -> None:

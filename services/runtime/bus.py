@@ -11,20 +11,31 @@ Stream configuration, and why:
 * **limits retention**: consumers come and go (an agent per node), so messages are not
   removed when one consumer acknowledges them; ``max_age`` bounds the size (default
   7 days: longer than any consumer should be down);
+* **no purge, no message deletes** (``deny_purge``, ``deny_delete``): nats-server
+  refuses both API calls for this stream, whoever sends them, and no update can lift
+  the flags once set; the stream only loses messages by age;
 * **duplicate window** (default 2 minutes): the server remembers each message's
   ``Nats-Msg-Id`` (the event id) for this long and acknowledges a second publish of
   it as a duplicate without storing it. The relay re-publishes at most one window of
   events after a crash, immediately on restart, so this makes a crash harmless.
 
 :func:`ensure_stream` creates the stream or brings an existing one's settings up to
-date, so every process may call it at start-up. What goes wrong there reaches the
-caller as an error of the runtime tree (:func:`services.runtime.errors.map_bus_error`):
-retryable (JetStream not answering yet), permanent, or a conflict.
+date; only the stream's owner calls it (the relay: :mod:`services.runtime.rebuilding`,
+which also says what happens when the broker loses the stream). What goes wrong there
+reaches the caller as an error of the runtime tree
+(:func:`services.runtime.errors.map_bus_error`): retryable (JetStream not answering
+yet), permanent, or a conflict.
 
-:func:`connect_bus` reconnects forever and logs the connection's changes of state
-only: a lost connection is one warning, its return one info line. nats-py's default
-error callback would log every failed reconnect attempt with its traceback, twice a
-second for as long as the server is away; here such errors are debug lines
+Durable consumers: :class:`Durable` names one (its name and filter) and
+:func:`durable_config` is its JetStream configuration, the same for whoever creates it
+(its owner: :mod:`services.durables` says who that is for each).
+
+:func:`connect_bus` logs in with a user's credential (its JetStream context then uses
+the API prefix of the user's account: ``Credential.js_api_prefix``), reconnects
+forever and logs the connection's changes of state only: a lost connection is one
+warning, its return one info line. nats-py's default error callback would log every
+failed reconnect attempt with its traceback, twice a second for as long as the server
+is away; here such errors are debug lines
 (:func:`services.runtime.outages.is_unreachable`). Any other error reported to the
 callback — an exception of a subscription's handler, say — is logged with its
 traceback, as nats-py would: that one is a bug.
@@ -35,11 +46,21 @@ from __future__ import annotations
 import logging
 from typing import Final
 
+import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamInfo,
+)
 from nats.js.errors import BadRequestError, NotFoundError
 
 from events.subjects import BusNames
@@ -47,10 +68,20 @@ from services.runtime.credentials import Credential
 from services.runtime.errors import map_bus_error
 from services.runtime.outages import is_unreachable, one_line
 
-__all__ = ["DUPLICATE_WINDOW_S", "MAX_AGE_S", "connect_bus", "ensure_stream", "stream_config"]
+__all__ = [
+    "ACK_WAIT_S",
+    "DUPLICATE_WINDOW_S",
+    "MAX_AGE_S",
+    "Durable",
+    "connect_bus",
+    "durable_config",
+    "ensure_stream",
+    "stream_config",
+]
 
 DUPLICATE_WINDOW_S: Final = 120.0
 MAX_AGE_S: Final = 7 * 24 * 3600.0
+ACK_WAIT_S: Final = 30.0
 STREAM_NAME_IN_USE: Final = 10058  # JetStream API error code
 
 _log = logging.getLogger(__name__)
@@ -103,7 +134,32 @@ async def connect_bus(
         reconnected_cb=events.reconnected,
     )
     events.nc = nc
-    return nc, nc.jetstream(timeout=connect_timeout)
+    if credential is None:  # an open server: the one account holds the JetStream
+        return nc, nc.jetstream(timeout=connect_timeout)
+    return nc, nc.jetstream(prefix=credential.js_api_prefix, timeout=connect_timeout)
+
+
+class Durable(msgspec.Struct, frozen=True):
+    """One durable pull consumer of the events stream: its name and subject filter."""
+
+    name: str
+    filter_subject: str
+    ack_wait: float = ACK_WAIT_S
+
+
+def durable_config(durable: Durable) -> ConsumerConfig:
+    """The JetStream configuration of ``durable``: explicit acks, every message the
+    stream holds, unlimited deliveries (the consumer counts them:
+    :mod:`services.runtime.consuming`)."""
+    return ConsumerConfig(
+        name=durable.name,  # with the filter in the API subject: brokers can permit it
+        durable_name=durable.name,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        filter_subject=durable.filter_subject,
+        ack_wait=durable.ack_wait,
+        max_deliver=-1,
+    )
 
 
 def stream_config(
@@ -111,8 +167,11 @@ def stream_config(
     *,
     duplicate_window: float = DUPLICATE_WINDOW_S,
     max_age: float = MAX_AGE_S,
+    first_seq: int | None = None,
 ) -> StreamConfig:
-    """The configuration of the events stream (see the module docstring)."""
+    """The configuration of the events stream (see the module docstring); ``first_seq``:
+    the sequence its first message takes (a stream rebuilt from the log starts at the
+    first position it republishes)."""
     return StreamConfig(
         name=names.stream,
         subjects=[names.events_subjects],
@@ -121,6 +180,9 @@ def stream_config(
         discard=DiscardPolicy.OLD,
         max_age=max_age,
         duplicate_window=duplicate_window,
+        deny_purge=True,
+        deny_delete=True,
+        first_seq=first_seq if first_seq is not None and first_seq > 1 else None,
     )
 
 
@@ -130,23 +192,31 @@ async def ensure_stream(
     *,
     duplicate_window: float = DUPLICATE_WINDOW_S,
     max_age: float = MAX_AGE_S,
+    first_seq: int | None = None,
+    current: StreamInfo | None = None,
 ) -> StreamInfo:
-    """Create the events stream, or update an existing one to this configuration.
+    """Create the events stream, or update an existing one to this configuration
+    (``first_seq`` counts only for a stream created now; ``current``: the stream's info
+    just read, which spares reading it again).
 
     A failure is an error of the runtime tree (:func:`~services.runtime.errors.map_bus_error`).
     """
-    config = stream_config(names, duplicate_window=duplicate_window, max_age=max_age)
+    config = stream_config(
+        names, duplicate_window=duplicate_window, max_age=max_age, first_seq=first_seq
+    )
     try:
-        return await _ensure(js, config)
+        return await _ensure(js, config, current)
     except (nats.errors.Error, OSError) as exc:
         raise map_bus_error(exc, subject=names.events_subjects) from exc
 
 
-async def _ensure(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+async def _ensure(
+    js: JetStreamContext, config: StreamConfig, current: StreamInfo | None
+) -> StreamInfo:
     name = config.name
     assert name is not None
     try:
-        current = await js.stream_info(name)
+        current = current or await js.stream_info(name)
     except NotFoundError:
         try:
             return await js.add_stream(config)
@@ -155,7 +225,7 @@ async def _ensure(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
                 raise
             current = await js.stream_info(name)
     if _differs(current.config, config):
-        return await js.update_stream(config)
+        return await js.update_stream(config.evolve(first_seq=None))
     return current
 
 
@@ -164,4 +234,6 @@ def _differs(current: StreamConfig, wanted: StreamConfig) -> bool:
         current.subjects != wanted.subjects
         or current.duplicate_window != wanted.duplicate_window
         or current.max_age != wanted.max_age
+        or current.deny_purge != wanted.deny_purge
+        or current.deny_delete != wanted.deny_delete
     )

@@ -19,6 +19,19 @@ server. Whatever has arrived when the previous group is done forms the
 next group (at most ``max_group`` messages): under load, groups grow by themselves
 and one commit carries many messages; when idle, each message goes alone.
 
+Its durable
+-----------
+The durable's configuration is :func:`~services.runtime.bus.durable_config`'s. A
+consumer that *owns* its durable (``owner=True``: a node agent until the enforcement
+service runs; every consumer of a test or a stack that has no relay keeping them)
+creates it at start — waiting, one log line, while the stream is not there yet — and
+creates it again whenever its pull requests find nobody to answer them (nats-server
+answers ``503`` when the durable is gone: a broker that lost its store). A consumer
+that does not own its durable (the reservation workers and the audit and billing
+subscribers in a deployment: the relay owns theirs, :mod:`services.runtime.rebuilding`)
+only pulls: while its durable is missing it logs that once, asks again every
+``poll_interval``, and logs once more when messages come again.
+
 Confirming
 ----------
 A bus message is a notification, never a fact: before anything else, every message
@@ -149,12 +162,14 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
+from nats.js.api import Header
+from nats.js.errors import NotFoundError
 
 from events.actors import Actor
 from events.catalog import Envelope, MessageDeadLettered, decode_envelope
 from events.errors import CatalogError
 from events.subjects import BusNames
+from services.runtime.bus import Durable, durable_config
 from services.runtime.confirming import WARN_EVERY_S, LogConfirmation
 from services.runtime.errors import AlreadyHandled
 from services.runtime.eventstore import (
@@ -167,7 +182,7 @@ from services.runtime.eventstore import (
 )
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES
-from services.runtime.outages import is_unreachable, one_line
+from services.runtime.outages import StateLog, is_unreachable, one_line
 
 __all__ = ["Consumer", "GroupHandler", "Handled", "Handler", "HandlerContext"]
 
@@ -182,14 +197,16 @@ HANDLED_BEFORE: Final = (
     "SELECT event_id::text FROM processed_messages WHERE consumer = $1 "
     "AND event_id = ANY($2::uuid[])"
 )
-#: JetStream's pull API (``$JS.API`` is the default API prefix, no domain).
-_PULL_SUBJECT: Final = "$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+#: JetStream's pull API, under the API prefix of the connection's JetStream context.
+_PULL_SUBJECT: Final = "{prefix}.CONSUMER.MSG.NEXT.{stream}.{durable}"
 #: A pull request about to expire is renewed this long before: the next one is already
 #: at the server when it ends (its end status may never come — seen with nats-server
 #: 2.10 — and messages must not wait for the poll interval meanwhile).
 _RENEW_S: Final = 0.1
 #: Status codes that end a pull request: no messages, request timeout, conflict.
 _REQUEST_ENDED: Final = frozenset({"404", "408", "409"})
+#: The status of a pull request nobody received: the durable does not exist.
+_NO_RESPONDERS: Final = "503"
 
 
 class Handled(msgspec.Struct):
@@ -261,10 +278,17 @@ class _Puller:
     """Pull requests kept outstanding on a private inbox (see "Receiving" above)."""
 
     def __init__(
-        self, nc: Client, stream: str, durable: str, *, batch: int, expires: float
+        self,
+        nc: Client,
+        stream: str,
+        durable: str,
+        *,
+        batch: int,
+        expires: float,
+        prefix: str = "$JS.API",
     ) -> None:
         self._nc = nc
-        self._subject = _PULL_SUBJECT.format(stream=stream, durable=durable)
+        self._subject = _PULL_SUBJECT.format(prefix=prefix, stream=stream, durable=durable)
         self._batch = batch
         self._expires = expires
         #: per request still open, oldest first, by its reply token:
@@ -275,6 +299,9 @@ class _Puller:
         self._sub: Subscription | None = None
         self._ready: collections.deque[Msg] = collections.deque()
         self._arrival = asyncio.Event()
+        #: a request found nobody to answer it: the durable is missing (taken by the consumer)
+        self.missing = False
+        self._quiet_until = 0.0  # no request before then (the durable was missing)
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._arrived)
@@ -290,10 +317,16 @@ class _Puller:
             self._ready.append(msg)
         elif status in _REQUEST_ENDED:  # a status comes on the request's reply subject
             self._open.pop(msg.subject.rpartition(".")[2], None)
+        elif status == _NO_RESPONDERS:  # nobody took it: ask again after a poll interval
+            self._open.pop(msg.subject.rpartition(".")[2], None)
+            self.missing = True
+            self._quiet_until = time.monotonic() + self._expires
         self._arrival.set()
 
     async def _ask(self) -> None:
         now = time.monotonic()
+        if now < self._quiet_until:
+            return
         for token in [t for t, (_, expiry) in self._open.items() if expiry < now]:
             del self._open[token]  # expired at the server, and its end status never came
         live = (left for left, expiry in self._open.values() if expiry - _RENEW_S > now)
@@ -372,6 +405,7 @@ class Consumer:
         poll_interval: float = 1.0,
         actor: Callable[[], str] | None = None,
         on_dead_letter: Callable[[str], None] | None = None,
+        owner: bool = True,
     ) -> None:
         if max_deliver < 1 or not backoff:
             raise ValueError("max_deliver must be at least 1 and backoff not empty")
@@ -395,6 +429,10 @@ class Consumer:
         self._batch = batch
         self._ack_wait = ack_wait
         self._poll = poll_interval
+        #: whether this consumer creates its durable (see "Its durable" above)
+        self.owner = owner
+        self._durable_missing = False  # logged that the durable is missing, not yet back
+        self._trouble = StateLog(_log, f"consumer {name}")  # one line per change of state
         #: who records this consumer's dead letters (a node agent: itself, with its epoch)
         self._actor = actor or (lambda: str(Actor.system(name)))
         #: told the event id of each message this consumer dead-letters
@@ -411,11 +449,24 @@ class Consumer:
         self.groups = 0  #: commits that handled more than one message
         self._mark = HighWaterMark(store, name)
 
+    @property
+    def durable(self) -> Durable:
+        """This consumer's durable: its name, filter and ack wait."""
+        return Durable(self.name, self._filter, self._ack_wait)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Receive, handle and acknowledge until ``stop`` is set; then drain and return."""
-        await self._ensure_consumer()
+        if self.owner and not await self._create_durable(stop):
+            return
         nc = self._js._nc  # nats-py has no public accessor for the context's connection
-        puller = _Puller(nc, self._names.stream, self.name, batch=self._batch, expires=self._poll)
+        puller = _Puller(
+            nc,
+            self._names.stream,
+            self.name,
+            batch=self._batch,
+            expires=self._poll,
+            prefix=self._js._prefix,
+        )
         await puller.start()
         done = asyncio.Event()
         keeper = asyncio.create_task(self._mark.run(done))
@@ -423,10 +474,20 @@ class Consumer:
             while not stop.is_set():
                 try:
                     msgs = await puller.next(self._poll, self._max_group)
-                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
-                    _log.warning("consumer %s: bus connection unavailable", self.name)
+                except (
+                    nats.errors.ConnectionClosedError,
+                    nats.errors.ConnectionReconnectingError,
+                ) as exc:
+                    self._trouble.failed(exc)
                     await asyncio.sleep(self._poll)
                     continue
+                self._trouble.recovered()
+                if puller.missing:
+                    puller.missing = False
+                    await self._missing()
+                elif msgs and self._durable_missing:
+                    self._durable_missing = False
+                    _log.info("consumer %s: its durable consumer is back", self.name)
                 if msgs:
                     await self.process_group(msgs)
                 held = self._held
@@ -442,16 +503,49 @@ class Consumer:
             await keeper
 
     async def _ensure_consumer(self) -> None:
-        config = ConsumerConfig(
-            name=self.name,  # with the filter in the API subject: brokers can permit it
-            durable_name=self.name,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            filter_subject=self._filter,
-            ack_wait=self._ack_wait,
-            max_deliver=-1,  # the limit is ours: see the module docstring
-        )
-        await self._js.add_consumer(self._names.stream, config)
+        await self._js.add_consumer(self._names.stream, durable_config(self.durable))
+
+    async def _create_durable(self, stop: asyncio.Event) -> bool:
+        """Create the durable, waiting (one log line) while the stream is not there;
+        False when ``stop`` came first."""
+        waiting = False
+        while not stop.is_set():
+            try:
+                await self._ensure_consumer()
+            except NotFoundError:  # the stream: its owner (the relay) has not made it yet
+                if not waiting:
+                    _log.warning("consumer %s: waiting for the events stream", self.name)
+                    waiting = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self._poll)
+                continue
+            if waiting:
+                _log.info("consumer %s: the events stream is there; consuming", self.name)
+            return True
+        return False
+
+    async def _missing(self) -> None:
+        """A pull request found no durable: create it again (its owner) or say so once."""
+        if self.owner:
+            try:
+                await self._js.consumer_info(self._names.stream, self.name)
+                return  # there again (a request of before it was created found nobody)
+            except NotFoundError:
+                pass
+            except Exception as exc:  # the broker went away again
+                _log.debug("consumer %s: cannot look at its durable (%r)", self.name, exc)
+                return
+            try:
+                await self._ensure_consumer()
+            except Exception as exc:  # the stream is missing too, or the broker went away
+                _log.debug("consumer %s: cannot create its durable yet (%r)", self.name, exc)
+                return
+            _log.warning("consumer %s: its durable consumer was missing; created it", self.name)
+        elif not self._durable_missing:
+            self._durable_missing = True
+            _log.warning(
+                "consumer %s: its durable consumer is missing; waiting for its owner", self.name
+            )
 
     async def subscribe(self) -> JetStreamContext.PullSubscription:
         """Create (or update) the durable consumer and bind a nats-py pull subscription."""

@@ -14,17 +14,28 @@ A client signs the server's nonce with the seed (nats-py ``nkeys_seed_str``) and
 its own inbox prefix, the only inbox its permissions let it subscribe to: replies to
 one user never reach another user of the same account.
 
+Accounts
+--------
+Every kind of user lives in a broker account of its own (:attr:`Principal.account`;
+:mod:`services.brokerauth` says what each account imports and exports). None of them
+holds the JetStream: it lives in :data:`JETSTREAM_ACCOUNT`, which has no users, and an
+account that uses JetStream imports exactly the API subjects its job needs, under the
+local prefix :data:`JS_API_PREFIX` (a client's JetStream context uses that prefix:
+:attr:`Credential.js_api_prefix`). So whatever a client names as the reply subject of
+a request, JetStream's answer arrives in the client's own account, where nothing but
+its own imports can take it further.
+
 Who sent a request
 ------------------
-Tenants and operators live in accounts of their own; the services' account exports
-the API subjects to them, and their imports are ``share: true``. For every request
-that crosses such an import, nats-server writes a ``Nats-Request-Info`` header with the
-requester's account and NKey, replacing any header of that name the client sent.
-:func:`caller_of` reads it: the account says the kind (``OPERATORS``, or
-``TENANT_<namespace>``), the NKey says the user (named through the public
-:class:`Directory`). Nothing of the payload counts. Without a broker that does this
-(``dracap up --insecure``) nobody is known: :func:`caller_of` answers ``None`` and the
-API records ``anonymous`` actors (:mod:`events.actors`).
+Tenants, operators and node agents live in accounts of their own; the services'
+accounts export the API subjects to them, and their imports are ``share: true``. For
+every request that crosses such an import, nats-server writes a ``Nats-Request-Info``
+header with the requester's account and NKey, replacing any header of that name the
+client sent. :func:`principal_of` reads it: the NKey names the user in the public
+:class:`Directory`, and the account must be that user's. :func:`caller_of` turns a
+tenant or an operator into an actor. Nothing of the payload counts. Without a broker
+that does this (``dracap up --insecure``) nobody is known: :func:`caller_of` answers
+``None`` and the API records ``anonymous`` actors (:mod:`events.actors`).
 """
 
 from __future__ import annotations
@@ -41,7 +52,11 @@ from events.subjects import node_token
 from services.runtime.errors import PermanentError
 
 __all__ = [
+    "ACCOUNTS",
     "AUTH_DIR",
+    "JETSTREAM_ACCOUNT",
+    "JS_API_PREFIX",
+    "NODES_ACCOUNT",
     "OPERATORS_ACCOUNT",
     "REQUEST_INFO_HEADER",
     "SERVICES_ACCOUNT",
@@ -52,6 +67,7 @@ __all__ = [
     "Directory",
     "Principal",
     "caller_of",
+    "principal_of",
     "read_credential",
     "read_directory",
     "write_private",
@@ -59,9 +75,24 @@ __all__ = [
 
 PrincipalKind = Literal["service", "agent", "operator", "tenant"]
 
+#: The claims API's account: it exports the API and watch subjects to tenants and operators.
 SERVICES_ACCOUNT: Final = "DRACAP"
+#: The account holding the JetStream (the events stream and its consumers); no users.
+JETSTREAM_ACCOUNT: Final = "JETSTREAM"
 OPERATORS_ACCOUNT: Final = "OPERATORS"
+NODES_ACCOUNT: Final = "NODES"
 TENANT_ACCOUNT_PREFIX: Final = "TENANT_"
+#: The account of each service user (by name); the claims API's is :data:`SERVICES_ACCOUNT`.
+ACCOUNTS: Final = {
+    "relay": "RELAY",
+    "claims": SERVICES_ACCOUNT,
+    "reservation": "RESERVATION",
+    "ledger": "LEDGER",
+    "enforcement": "ENFORCEMENT",
+}
+#: Where an account that uses JetStream finds the API subjects it imports (the server
+#: answers ``$JS.API.>`` in every account itself, so an import must not keep that name).
+JS_API_PREFIX: Final = "JS.API"
 REQUEST_INFO_HEADER: Final = "Nats-Request-Info"
 AUTH_DIR: Final = "auth"  #: under a data directory
 ACCOUNTS_FILE: Final = "accounts.conf"
@@ -92,7 +123,9 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
             return TENANT_ACCOUNT_PREFIX + self.namespace
         if self.kind == "operator":
             return OPERATORS_ACCOUNT
-        return SERVICES_ACCOUNT
+        if self.kind == "agent":
+            return NODES_ACCOUNT
+        return ACCOUNTS.get(self.name, SERVICES_ACCOUNT)
 
     @property
     def inbox_prefix(self) -> str:
@@ -115,6 +148,11 @@ class Credential(msgspec.Struct, frozen=True, kw_only=True):
         """What ``nats.connect`` needs to log in as this principal."""
         return {"nkeys_seed_str": self.seed, "inbox_prefix": self.principal.inbox_prefix}
 
+    @property
+    def js_api_prefix(self) -> str:
+        """The JetStream API prefix of this user's account (see "Accounts" above)."""
+        return JS_API_PREFIX
+
 
 class Directory(msgspec.Struct, frozen=True):
     """Every principal of one installation, by public key (public, not secret)."""
@@ -136,13 +174,7 @@ class _RequestInfo(msgspec.Struct):
 _INFO: Final = msgspec.json.Decoder(_RequestInfo)
 
 
-def caller_of(headers: dict[str, str] | None, known: Mapping[str, Principal]) -> Actor | None:
-    """Who sent a request, from the header the broker wrote; None when it says nothing.
-
-    A tenant's namespace comes from its account alone; an NKey ``known`` (a
-    :meth:`Directory.index`) does not hold is named by the key itself (still
-    authenticated by the broker).
-    """
+def _request_info(headers: dict[str, str] | None) -> _RequestInfo | None:
     raw = (headers or {}).get(REQUEST_INFO_HEADER)
     if not raw:
         return None
@@ -150,7 +182,34 @@ def caller_of(headers: dict[str, str] | None, known: Mapping[str, Principal]) ->
         info = _INFO.decode(raw)
     except msgspec.DecodeError:
         return None
-    if not info.user:
+    return info if info.user else None
+
+
+def principal_of(
+    headers: dict[str, str] | None, known: Mapping[str, Principal]
+) -> Principal | None:
+    """The user the broker says sent a request: its NKey is ``known`` (a
+    :meth:`Directory.index`) and the account is that user's; None otherwise.
+
+    A request a user's JetStream answer carries across an import (a reply subject
+    pointed at an API subject) names no user of the requester's account: None.
+    """
+    info = _request_info(headers)
+    if info is None:
+        return None
+    principal = known.get(info.user)
+    return principal if principal is not None and principal.account == info.acc else None
+
+
+def caller_of(headers: dict[str, str] | None, known: Mapping[str, Principal]) -> Actor | None:
+    """Who sent a request, from the header the broker wrote; None when it says nothing.
+
+    A tenant's namespace comes from its account alone; an NKey ``known`` (a
+    :meth:`Directory.index`) does not hold is named by the key itself (still
+    authenticated by the broker).
+    """
+    info = _request_info(headers)
+    if info is None:
         return None
     principal = known.get(info.user)
     user = principal.name if principal is not None else info.user

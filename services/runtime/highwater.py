@@ -66,6 +66,11 @@ class HighWaterMark:
             self.position = position
             self._moved.set()
 
+    def go_back(self, position: int) -> None:
+        """Start over from ``position`` in memory (the relay, after the stream lost
+        events); the stored row stays where it is until the position passes it."""
+        self.position = min(self.position, position)
+
     async def store_position(self, position: int) -> None:
         """Store ``position`` now (``GREATEST``: the row never moves back)."""
         await self._store.pool.execute(SAVE_CHECKPOINT, self.name, position)

@@ -18,6 +18,9 @@ nothing after the first one — and the first one's traceback says nothing eithe
   state itself), and otherwise written as one line — the message and ``Type: text``
   of the error — since the outage is usually seen a moment before a check fails.
   Every other record passes untouched: other errors keep their tracebacks.
+* :class:`StateLog` is what a retrying loop (the relay, a consumer) logs: one line when
+  a kind of trouble begins, one when it ends, nothing per retry in between; an error
+  that says nothing about a server (a bug) keeps its traceback, once.
 * :func:`one_line` is the ``Type: text`` form used for these lines.
 """
 
@@ -33,7 +36,9 @@ import asyncpg
 import nats.errors
 import nats.js.errors
 
-__all__ = ["QuietOutages", "is_unreachable", "one_line", "quiet_outages"]
+from services.runtime.errors import RuntimeServiceError
+
+__all__ = ["QuietOutages", "StateLog", "is_unreachable", "one_line", "quiet_outages"]
 
 _UNREACHABLE: Final[tuple[type[BaseException], ...]] = (
     ConnectionError,  # refused, reset, aborted, broken pipe
@@ -53,6 +58,11 @@ _UNREACHABLE: Final[tuple[type[BaseException], ...]] = (
     nats.errors.StaleConnectionError,
     nats.errors.NoRespondersError,  # JetStream not (yet) there
     nats.js.errors.ServiceUnavailableError,
+)
+#: Failures a loop expects while a server or its data is away (not bugs): one line each.
+_EXPECTED: Final[tuple[type[BaseException], ...]] = (
+    nats.js.errors.Error,  # JetStream's answers: no stream, not found, ...
+    RuntimeServiceError,
 )
 #: What a plain OSError of a failed connect carries (several addresses tried, say).
 _UNREACHABLE_ERRNOS: Final = frozenset(
@@ -78,6 +88,38 @@ def one_line(exc: BaseException) -> str:
     """``Type: message`` on one line."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class StateLog:
+    """The trouble of one retrying loop, logged once per change of state."""
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self._log = logger
+        self._what = what
+        self.trouble: str | None = None  #: the kind of trouble now (None: none)
+        self.changes = 0  #: changes of state logged so far
+
+    def failed(self, exc: BaseException, context: str = "") -> None:
+        """A try failed: one line (a traceback for a bug) when the trouble is new."""
+        # every "cannot reach the server" is one kind: they take turns while it is away
+        kind = "unreachable" if is_unreachable(exc) else type(exc).__qualname__
+        where = f" {context}" if context else ""
+        if kind == self.trouble:
+            self._log.debug("%s failed again%s: %s", self._what, where, one_line(exc))
+            return
+        self.trouble = kind
+        self.changes += 1
+        if is_unreachable(exc) or isinstance(exc, _EXPECTED):
+            self._log.warning("%s failed%s; retrying: %s", self._what, where, one_line(exc))
+        else:
+            self._log.error("%s failed%s; retrying", self._what, where, exc_info=exc)
+
+    def recovered(self) -> None:
+        """A try succeeded: one line if there was trouble."""
+        if self.trouble is not None:
+            self._log.info("%s works again", self._what)
+            self.trouble = None
+            self.changes += 1
 
 
 def _exception_of(record: logging.LogRecord) -> BaseException | None:

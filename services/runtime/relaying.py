@@ -42,6 +42,15 @@ window lands in position order. After a failed window (a publish error or an ack
 timeout) nothing past the checkpoint is trusted; the relay backs off and publishes
 again from the checkpoint.
 
+The stream: the relay owns it, and the service durables
+(:mod:`services.runtime.rebuilding`, given a :class:`~services.runtime.rebuilding.BusKeeper`).
+At its start, every ``keeper.interval`` seconds and right after a publish found no
+stream, it has the keeper put back what is missing; when the stream lacks events the
+relay had published (a broker that lost its store), it publishes them again from the
+position the keeper names, then goes on. While the broker is away, or the stream is,
+the relay logs one line when that begins and one when it ends
+(:class:`~services.runtime.outages.StateLog`), not a traceback per retry.
+
 Wire form: the envelope JSON of :func:`events.catalog.encode_event`. For rows written
 under the current schema version the stored payload is spliced in unchanged
 (``msgspec.Raw``), which spares a decode and re-encode per event; rows of an older
@@ -56,27 +65,50 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import Final
 
 import asyncpg
 import msgspec
+import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 
 from events.catalog import SCHEMA_VERSIONS, Envelope, encode_event, schema_version_of
 from events.subjects import NODE_TAGS, BusNames
 from services.runtime import rows
+from services.runtime.errors import NotFound
 from services.runtime.eventstore import EventStore
 from services.runtime.handover import Handover
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import RELAY_LAG
+from services.runtime.outages import StateLog
+from services.runtime.rebuilding import BusKeeper
 from services.runtime.waiting import first_of
 
 __all__ = ["CHECKPOINT", "Outgoing", "Relay", "outgoing"]
 
 CHECKPOINT: Final = "relay"
+#: JetStream API errors that say the stream is not there: stream not found, expected
+#: stream does not match.
+_NO_STREAM_CODES: Final = frozenset({10059, 10060})
+#: What a publish into no stream raises (nobody answers it), and a missing stream.
+_NO_STREAM: Final = (
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.NotFoundError,
+    NotFound,
+)
 _log = logging.getLogger(__name__)
+
+
+def _no_stream(exc: BaseException) -> bool:
+    """Whether a failed publish says the stream is missing (the broker answers)."""
+    if isinstance(exc, _NO_STREAM):
+        return True
+    return isinstance(exc, nats.js.errors.APIError) and exc.err_code in _NO_STREAM_CODES
 
 
 class _NodeField(msgspec.Struct):
@@ -129,10 +161,16 @@ class Relay:
         ack_timeout: float = 10.0,
         idle_poll: float = 1.0,
         retry_delay: float = 0.5,
+        keeper: BusKeeper | None = None,
     ) -> None:
         if window < 1:
             raise ValueError("window must be at least 1")
         self._store = store
+        self._keeper = keeper
+        self._check_at = 0.0  # monotonic time of the keeper's next check
+        #: the stream sequence of the last message published (None: not known)
+        self._last_seq: int | None = None
+        self._trouble = StateLog(_log, "relay")
         self._js = js
         self._names = names
         self._window = window
@@ -174,12 +212,30 @@ class Relay:
         """Drain and wait until ``stop`` is set, retrying after a failure."""
         while not stop.is_set():
             try:
+                await self._keep()
                 await self._drain(stop)
+                self._trouble.recovered()
                 if not stop.is_set():
                     await self._wait(stop)
-            except Exception:
-                _log.exception("relay failed after position %d; retrying", self.position)
+            except Exception as exc:
+                if _no_stream(exc):
+                    self._check_at = 0.0  # have the keeper look at once
+                self._trouble.failed(exc, f"after position {self.position}")
                 await first_of(asyncio.sleep(self._retry_delay), stop.wait())
+
+    async def _keep(self) -> None:
+        """Have the keeper put back what is missing, when a check is due; publish again
+        what the stream lacks."""
+        keeper = self._keeper
+        if keeper is None or time.monotonic() < self._check_at:
+            return
+        start = await keeper.ensure(self.position, self._last_seq)
+        self._check_at = time.monotonic() + keeper.interval
+        if start is not None and start <= self.position:
+            self.position = start - 1
+            self._mark.go_back(self.position)
+            self._handover.discard_passed()
+            self._last_seq = None
 
     @property
     def saved(self) -> int:
@@ -234,6 +290,7 @@ class Relay:
             for ack in acks:
                 ack.cancel()  # no-op once done; releases the client's pending slot if not
         duplicates = sum(1 for result in results if result.duplicate)
+        self._last_seq = max(result.seq for result in results)
         self.duplicates += duplicates
         self.published += len(results) - duplicates
         self.windows += 1
@@ -252,9 +309,12 @@ class Relay:
 
     async def _wait(self, stop: asyncio.Event) -> None:
         """Until the log moves past the checkpoint, an append is offered, ``stop`` is set,
-        or a poll passes."""
+        or a poll passes (at most until the keeper's next check)."""
+        poll = self._idle_poll
+        if self._keeper is not None:
+            poll = max(0.0, min(poll, self._check_at - time.monotonic()))
         await first_of(
-            self._store.wait_for_new(self.position, self._idle_poll),
+            self._store.wait_for_new(self.position, poll),
             self._handover.offered.wait(),
             stop.wait(),
         )

@@ -22,13 +22,14 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from events import catalog as c
 from events.subjects import BusNames
-from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.bus import Durable, connect_bus, ensure_stream
 from services.runtime.committing import GroupCommitter
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.errors import ConflictError, InvalidEvent
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
-from services.runtime.highwater import HighWaterMark
+from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import REGISTRY
+from services.runtime.rebuilding import BusKeeper
 from services.runtime.relaying import Relay, outgoing
 from services.runtime.settings import Settings
 
@@ -224,6 +225,77 @@ async def test_relay_killed_in_the_middle_of_a_burst_resumes(bus: Bus) -> None:
     async with Running(second.run):
         await until(lambda: second.position == 1200)
     await assert_stream_is_the_log(bus)
+
+
+# --- the stream rebuilt from the log (services.runtime.rebuilding) ----------------------------
+
+
+async def reached(store: EventStore, consumer: str, position: int) -> None:
+    await store.pool.execute(SAVE_CHECKPOINT, consumer, position)
+
+
+def keeper(b: Bus, **kwargs: Any) -> BusKeeper:
+    return BusKeeper(b.store, b.js, b.names, interval=0.1, **kwargs)
+
+
+async def publish_log(b: Bus, upto: int) -> None:
+    """Publish the log's first ``upto`` events as the relay would (ids, subjects)."""
+    async for page in b.store.read_rows(0, batch_size=upto):
+        for row in page[:upto]:
+            out = outgoing(b.names, row)
+            headers = {"Nats-Msg-Id": out.event_id}
+            await b.js.publish(out.subject, out.data, stream=b.names.stream, headers=headers)
+        return
+
+
+async def test_a_stream_that_lost_its_newest_events_gets_them_again(bus: Bus) -> None:
+    """nats-server came back without the messages it had not written to disk: the relay
+    finds the stream's last event in the log and publishes what follows it."""
+    await append_burst(bus.store, 100)
+    first = relay(bus)
+    async with Running(first.run):
+        await until(lambda: first.position == 100)
+    await reached(bus.store, "a-consumer", 50)
+    await bus.js.delete_stream(bus.names.stream)
+    await ensure_stream(bus.js, bus.names)
+    await publish_log(bus, 60)  # what the broker kept
+    second = relay(bus, keeper=keeper(bus))
+    async with Running(second.run):
+        await until(lambda: second.position == 100 and second.published == 40)
+    await assert_stream_is_the_log(bus)
+
+
+async def test_a_deleted_stream_is_created_again_from_what_consumers_need(bus: Bus) -> None:
+    await append_burst(bus.store, 80)
+    owned = Durable("owned-by-relay", bus.names.events_subjects)
+    await reached(bus.store, "slow", 30)
+    await reached(bus.store, owned.name, 80)
+    r = relay(bus, keeper=keeper(bus, durables=[owned]))
+    async with Running(r.run):
+        await until(lambda: r.position == 80)
+        await bus.js.delete_stream(bus.names.stream)  # the broker lost it
+        await append_burst(bus.store, 10)  # the next publish finds no stream
+        await until(lambda: r.position == 90 and r.published == 80 + 60)
+    # the stream holds the log from the slowest consumer's position on
+    log = [env async for env in bus.store.read_all()]
+    messages = await stream_messages(bus, 60)
+    assert [m.headers and m.headers["Nats-Msg-Id"] for m in messages] == [
+        e.event_id for e in log[30:]
+    ]
+    info = await bus.js.consumer_info(bus.names.stream, owned.name)  # created again too
+    assert info.config.filter_subject == bus.names.events_subjects
+
+
+async def test_the_floor_is_the_lowest_consumer_position_within_max_age(bus: Bus) -> None:
+    await append_burst(bus.store, 40)
+    await reached(bus.store, "a", 25)
+    await reached(bus.store, "b", 12)
+    await reached(bus.store, "relay", 40)  # the relay's own position does not count
+    assert await keeper(bus).floor(40) == 13
+    # an owned durable with no position yet needs everything
+    assert await keeper(bus, durables=[Durable("new", ">")]).floor(40) == 1
+    # nothing recorded within max_age: the lost stream held none of it either
+    assert await keeper(bus, max_age=1e-6).floor(40) == 41
 
 
 async def test_wire_form_is_the_envelope(bus: Bus) -> None:

@@ -5,6 +5,11 @@ reservation``, ``dracap reclaim`` and ``dracap agent`` run as separate processes
 the real PostgreSQL and nats-server (one subject prefix for the test); the test loads
 an inventory through the admin API and takes a claim through apply -> Ready -> delete
 -> released.
+
+The same with the broker's accounts (`dracap auth init`): each process logs in with its
+own credential (``--creds``), as docker-compose.yml and deploy/kubernetes run them,
+the audit and billing subscribers included, and a tenant reads its claim's audit
+trail.
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ import socket
 import sys
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Final
 
 import pytest
 
+from services.brokerauth import Installation, init_auth
 from services.exitcodes import ExitCode
 from services.runtime.apiclient import ApiClient, ApiError
+from services.runtime.credentials import AuthDir
+from services.runtime.embedded import EmbeddedNats
 from services.runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,3 +235,77 @@ async def test_the_claims_api_will_not_serve_anonymously_unless_told(
     text = err.decode()
     assert done.returncode == ExitCode.BAD_INPUT and text.count("\n") == 1, text
     assert "directory" in text and "--insecure" in text
+
+
+# --- with the broker's accounts: each service its own credential -----------------------------
+
+
+@pytest.fixture
+def secure_nats(tmp_path: Path) -> Iterator[tuple[str, AuthDir, str]]:
+    """A nats-server with the accounts `dracap auth init` writes for node-a and tenant-a."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    auth = AuthDir(tmp_path / "d" / "auth")
+    installation = Installation(prefix=prefix, namespaces={NAMESPACE: ["alice"]}, nodes=["node-a"])
+    init_auth(auth, installation)
+    server = EmbeddedNats(tmp_path, config=auth.accounts)
+    url = server.start()
+    try:
+        yield url, auth, prefix
+    finally:
+        server.stop()
+
+
+async def test_each_service_with_its_own_credential_serves_the_claim_flow(
+    settings: Settings, secure_nats: tuple[str, AuthDir, str], tmp_path: Path
+) -> None:
+    url, auth, prefix = secure_nats
+    procs = Processes(settings, url, prefix, tmp_path)
+
+    def creds(name: str) -> list[str]:
+        return ["--creds", str(auth.path / "creds" / f"{name}.creds")]
+
+    metrics = ["--metrics-port", str(_free_port())]
+    await procs.start("relay", [*procs.argv("serve", "relay"), *creds("service-relay")])
+    await procs.start(
+        "claims", [*procs.argv("serve", "claims"), *creds("service-claims"), *metrics]
+    )
+    reservation = [*procs.argv("serve", "reservation"), *creds("service-reservation")]
+    await procs.start("reservation", reservation)
+    await procs.start("reclaim", procs.argv("reclaim", "--poll", "0.2", nats=False))
+    for ledger in ("audit", "usage"):
+        await procs.start(ledger, [*procs.argv(ledger, "serve"), *creds("service-ledger")])
+    agent = procs.argv("agent", "--node", "node-a", "--checkpoint", "none", "--metrics-port", "0")
+    await procs.start("agent", [*agent, *creds("agent-node-a")])
+    try:
+        async with ApiClient.connect(url, prefix, auth.operator()) as api:
+            device_class, rslice = _inventory()
+            await _admin(api, "deviceclasses.apply", device_class)
+            await api.admin("slices.apply", rslice)
+            await api.admin("namespaces.access", {"namespace": NAMESPACE, "classes": ["*"]})
+        async with ApiClient.connect(url, prefix, auth.tenant(NAMESPACE, "alice")) as alice:
+            await alice.claims(NAMESPACE, "apply", _claim("train"))
+            await _phase(alice, "train", "ready", procs)
+            audited = await _audited(alice, "train", procs)
+            assert {r["actor"] for r in audited if r["decision"] == "submitted"} == {
+                f"tenant:alice@{NAMESPACE}"
+            }
+            await alice.claims(NAMESPACE, "delete", {"name": "train"})
+            await _phase(alice, "train", "released", procs)
+    finally:
+        codes = await procs.stop()
+    assert all(code == 0 for code in codes.values()), (codes, procs.logs())
+    assert "permissions violation" not in procs.logs().lower(), procs.logs()
+
+
+async def _audited(api: ApiClient, claim: str, procs: Processes) -> list[dict[str, Any]]:
+    """The claim's audit records once the audit subscriber has its reservation."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(60):
+            while True:
+                records: list[dict[str, Any]] = (
+                    await api.claims(NAMESPACE, "audit", {"claim": claim})
+                )["records"]
+                if any(r["decision"] == "capacity_reserved" for r in records):
+                    return records
+                await asyncio.sleep(0.1)
+    raise AssertionError(f"no audit of {claim}:\n{procs.logs()}")

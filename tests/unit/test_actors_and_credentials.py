@@ -10,7 +10,13 @@ import pytest
 
 from events.actors import Actor, ActorError, parse_actor
 from events.subjects import BusNames
-from services.brokerauth import Installation, init_auth, installation_from, permissions_of
+from services.brokerauth import (
+    SERVICES,
+    Installation,
+    init_auth,
+    installation_from,
+    permissions_of,
+)
 from services.exitcodes import CommandError
 from services.runtime.credentials import (
     REQUEST_INFO_HEADER,
@@ -19,6 +25,7 @@ from services.runtime.credentials import (
     Directory,
     Principal,
     caller_of,
+    principal_of,
     read_credential,
 )
 
@@ -48,7 +55,8 @@ def test_what_is_not_an_actor_is_refused(text: str) -> None:
 
 ALICE = Principal(name="alice", kind="tenant", public_key="UALICE", namespace="tenant-a")
 OPS = Principal(name="root", kind="operator", public_key="UROOT")
-DIRECTORY = Directory([ALICE, OPS])
+AGENT_A = Principal(name="node-a", kind="agent", public_key="UNODEA", node="node-a")
+DIRECTORY = Directory([ALICE, OPS, AGENT_A])
 
 
 def _info(**fields: str) -> dict[str, str]:
@@ -77,6 +85,46 @@ def test_the_caller_comes_from_the_brokers_header(
     assert (str(found) if found else None) == caller
 
 
+@pytest.mark.parametrize(
+    ("headers", "sender"),
+    [
+        (_info(acc="NODES", user="UNODEA"), AGENT_A),
+        (_info(acc="OPERATORS", user="UROOT"), OPS),
+        # a known key in another account than its user's: JetStream's own answer carried
+        # across an import, or a header from elsewhere; nobody
+        (_info(acc="JETSTREAM", user="UNODEA"), None),
+        (_info(acc="NODES", user="UNEW"), None),  # a key the directory does not name
+        (_info(acc="NODES"), None),
+        ({REQUEST_INFO_HEADER: "[]"}, None),
+        (None, None),
+    ],
+)
+def test_the_sender_is_a_known_user_of_its_own_account(
+    headers: dict[str, str] | None, sender: Principal | None
+) -> None:
+    assert principal_of(headers, DIRECTORY.index()) == sender
+
+
+def test_every_kind_of_user_has_an_account_of_its_own() -> None:
+    service = {name: Principal(name=name, kind="service", public_key="") for name in SERVICES}
+    accounts = {
+        "tenant": ALICE.account,
+        "operator": OPS.account,
+        "agent": AGENT_A.account,
+        **{name: p.account for name, p in service.items()},
+    }
+    assert accounts == {
+        "tenant": "TENANT_tenant-a",
+        "operator": "OPERATORS",
+        "agent": "NODES",
+        "relay": "RELAY",
+        "claims": "DRACAP",
+        "reservation": "RESERVATION",
+        "ledger": "LEDGER",
+        "enforcement": "ENFORCEMENT",
+    }
+
+
 def test_init_writes_private_credentials_and_public_accounts(tmp_path: Path) -> None:
     auth = AuthDir(tmp_path / "auth")
     installation = Installation(namespaces={"tenant-a": ["alice"]}, nodes=["node-a"])
@@ -86,6 +134,7 @@ def test_init_writes_private_credentials_and_public_accounts(tmp_path: Path) -> 
         ("service", "claims"),
         ("service", "reservation"),
         ("service", "ledger"),
+        ("service", "enforcement"),
         ("agent", "node-a"),
         ("operator", "operator"),
         ("tenant", "alice"),
@@ -136,9 +185,29 @@ def test_an_agent_may_only_run_its_nodes_consumer() -> None:
     names = BusNames("dracap")
     agent = Principal(name="node.a", kind="agent", public_key="U", node="node.a")
     rules = permissions_of(agent, names)
-    assert not any(s.startswith("dracap.") for s in rules.publish)
+    assert [s for s in rules.publish if s.startswith("dracap.")] == ["dracap.node.node%2Ea.>"]
     create = [s for s in rules.publish if ".CONSUMER.CREATE." in s]
-    assert create == ["$JS.API.CONSUMER.CREATE.DRACAP_EVENTS.agent-node_2Ea.dracap.ev.*.node%2Ea.>"]
+    assert create == ["JS.API.CONSUMER.CREATE.DRACAP_EVENTS.agent-node_2Ea.dracap.ev.*.node%2Ea.>"]
+    assert not any(s.startswith("$JS.API.") for s in rules.publish)
+
+
+def test_the_jetstream_lives_in_an_account_without_users(tmp_path: Path) -> None:
+    auth = AuthDir(tmp_path / "auth")
+    init_auth(auth, Installation(namespaces={"tenant-a": ["alice"]}, nodes=["node-a"]))
+    accounts = json.loads(auth.accounts.read_text().split("accounts: ", 1)[1])
+    with_jetstream = {name for name, a in accounts.items() if a.get("jetstream") == "enabled"}
+    assert with_jetstream == {"JETSTREAM"}
+    assert not accounts["JETSTREAM"].get("users")
+    # every JetStream API import comes from the one export, under the local prefix
+    api_imports = [
+        i
+        for a in accounts.values()
+        for i in a.get("imports", [])
+        if "service" in i and i["service"]["subject"].startswith("$JS.API.")
+    ]
+    assert api_imports and all(i["to"].startswith("JS.API.") for i in api_imports)
+    exports = [e.get("service", "") for e in accounts["JETSTREAM"]["exports"]]
+    assert [e for e in exports if e.startswith("$JS.API")] == ["$JS.API.>"]
 
 
 def test_auth_init_that_cannot_write_is_one_line(
