@@ -171,6 +171,7 @@ __all__ = [
     "fold",
     "holds_device",
     "policy_violation",
+    "same_state",
     "snapshot_decode",
     "snapshot_encode",
     "state_digest",
@@ -392,6 +393,9 @@ class ClusterState(msgspec.Struct, kw_only=True):
     nodes: dict[str, NodeState] = {}
     namespaces: dict[str, NamespaceState] = {}
     dead_letters: int = 0
+    #: the events the fold's driver refused (:mod:`events.folding`): position -> reason;
+    #: each was skipped, the state left as it was before it
+    refused: dict[int, str] = {}
     #: live claims (phase not in :data:`REUSABLE_PHASES`) per namespace: an index of
     #: ``claims`` kept by the steps (:func:`_set_phase`), not stored in snapshots
     live_claims: dict[str, int] = {}
@@ -1129,6 +1133,7 @@ def to_builtins(state: ClusterState) -> dict[str, Any]:
         "nodes": state.nodes,
         "namespaces": state.namespaces,
         "dead_letters": state.dead_letters,
+        "refused": state.refused,
     }
     out = msgspec.to_builtins(plain, enc_hook=encode_hook, order="sorted")
     assert isinstance(out, dict)
@@ -1149,6 +1154,18 @@ def state_digest(state: ClusterState) -> dict[str, Any]:
     }
 
 
+def same_state(a: ClusterState, b: ClusterState) -> bool:
+    """Whether two states hold the same fold (a snapshot or checkpoint against the fold
+    at its position). ``live_claims`` is an index and is not compared; two states equal in
+    meaning but not in representation (a tuple decoded where the fold kept a list) count
+    as the same: then the digests, which compare plain data, decide."""
+    if all(getattr(a, f) == getattr(b, f) for f in _COMPARED):
+        return True
+    return state_digest(a) == state_digest(b)
+
+
+_COMPARED: Final = tuple(f for f in ClusterState.__struct_fields__ if f != "live_claims")
+
 SNAPSHOT_FORMAT: Final = 2  # 1 was msgpack, which overflowed on large devices
 
 
@@ -1166,6 +1183,7 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     nodes: dict[str, NodeState]
     namespaces: dict[str, NamespaceState]
     dead_letters: int
+    refused: dict[int, str] = {}  # absent from snapshots written before refusals
 
 
 _SNAPSHOT_ENCODER: Final = msgspec.json.Encoder(enc_hook=encode_hook)
@@ -1186,6 +1204,7 @@ def snapshot_encode(state: ClusterState) -> bytes:
         nodes=state.nodes,
         namespaces=state.namespaces,
         dead_letters=state.dead_letters,
+        refused=state.refused,
     )
     return _SNAPSHOT_ENCODER.encode(snap)
 
@@ -1214,6 +1233,7 @@ def snapshot_decode(data: bytes) -> ClusterState:
         nodes=snap.nodes,
         namespaces=snap.namespaces,
         dead_letters=snap.dead_letters,
+        refused=snap.refused,
         live_claims=live,
     )
 

@@ -24,6 +24,7 @@ from services.exitcodes import CommandError, ExitCode
 from services.runtime.credentials import CredentialError
 from services.runtime.endpoints import ConnectionFileError, EndpointError
 from services.runtime.errors import RetryableError
+from services.runtime.printable import printable
 from services.runtime.settings import SettingsError
 
 #: Each command word and the module that adds it: ``register(subparsers) -> None`` adds
@@ -92,11 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of the output went away (`dracap devices | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return ExitCode.OK
-    except CommandError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except CommandError as exc:  # one line, whatever text of a tenant's it carries
+        print(f"error: {printable(exc)}", file=sys.stderr)
         return exc.exit_code
     except (EndpointError, CredentialError, RetryableError, SettingsError) as exc:  # one line
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(exc)}", file=sys.stderr)
         bad_input = isinstance(exc, ConnectionFileError | CredentialError | SettingsError)
         return ExitCode.BAD_INPUT if bad_input else ExitCode.ERROR
     return code

@@ -405,6 +405,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
             nc=ledger_nc,
             directory=stack.directory,
             authenticated=stack.directory is not None,
+            live=live,
         )
         consumers.add(ledger.consumer.name)
         stack.spawn(ledger.consumer.name, functools.partial(ledger.run, stop))

@@ -46,6 +46,7 @@ from services.runtime.consuming import Handled, HandlerContext
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore
 from services.runtime.inorder import catch_up
+from services.runtime.livestate import LiveState
 from services.runtime.queries import QueryError, limited_to
 from services.runtime.subscribers import QueryingSubscriber, decode_query
 
@@ -85,10 +86,13 @@ ON CONFLICT (node) DO UPDATE SET lease_epoch = excluded.lease_epoch,
 
 
 async def write_update(
-    connection: Connection, envs: Sequence[Envelope], subscriber: str = CONSUMER
+    connection: Connection,
+    envs: Sequence[Envelope],
+    subscriber: str = CONSUMER,
+    live: LiveState | None = None,
 ) -> Update:
     """Build the records of the log up to ``envs`` on what the tables know; write them."""
-    envs = await catch_up(connection, subscriber, envs)
+    envs = await catch_up(connection, subscriber, envs, live)
     share_ids, nodes = needs(envs)
     shares: dict[str, ShareInfo] = {}
     node_shares: dict[str, list[str]] = {}
@@ -178,16 +182,24 @@ class AuditService(QueryingSubscriber):
         nc: Client | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
+        live: LiveState | None = None,
     ) -> None:
         super().__init__(
-            store, js, names, name=name, nc=nc, directory=directory, authenticated=authenticated
+            store,
+            js,
+            names,
+            name=name,
+            nc=nc,
+            directory=directory,
+            authenticated=authenticated,
+            live=live,
         )
 
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
         """Records for ``envs``, written with their ``processed_messages`` rows."""
 
         async def writes(connection: Connection) -> None:
-            await write_update(connection, envs, self.consumer.name)
+            await write_update(connection, envs, self.consumer.name, self.live)
 
         return Handled(writes=writes)
 

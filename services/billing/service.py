@@ -67,6 +67,7 @@ from services.runtime.consuming import Handled, HandlerContext
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore
 from services.runtime.inorder import catch_up
+from services.runtime.livestate import LiveState
 from services.runtime.metrics import USAGE
 from services.runtime.queries import limited_to
 from services.runtime.subscribers import QueryingSubscriber, decode_query
@@ -145,10 +146,13 @@ def _share(row: Any) -> BillingShare:
 
 
 async def write_update(
-    connection: Connection, envs: Sequence[Envelope], subscriber: str = CONSUMER
+    connection: Connection,
+    envs: Sequence[Envelope],
+    subscriber: str = CONSUMER,
+    live: LiveState | None = None,
 ) -> Update:
     """Apply the log up to ``envs`` to what the tables know, and write the result."""
-    envs = await catch_up(connection, subscriber, envs)
+    envs = await catch_up(connection, subscriber, envs, live)
     claim_keys, share_ids, nodes = needs(envs)
     ordered = sorted(claim_keys)
     claims = {
@@ -230,6 +234,7 @@ class BillingService(QueryingSubscriber):
         nc: Client | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
+        live: LiveState | None = None,
     ) -> None:
         super().__init__(
             store,
@@ -240,6 +245,7 @@ class BillingService(QueryingSubscriber):
             directory=directory,
             authenticated=authenticated,
             wants=wanted,
+            live=live,
         )
 
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
@@ -248,7 +254,9 @@ class BillingService(QueryingSubscriber):
 
         async def writes(connection: Connection) -> None:
             counted.clear()
-            counted.append(_counter(await write_update(connection, envs, self.consumer.name)))
+            counted.append(
+                _counter(await write_update(connection, envs, self.consumer.name, self.live))
+            )
 
         def count() -> None:
             for done in counted:

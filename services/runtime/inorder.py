@@ -15,6 +15,12 @@ wake-up, never as the unit of work: :func:`catch_up`, run inside the transaction
    commit order) and returns those envelopes, in order,
 3. moves the position there.
 
+Refused events (:mod:`events.folding`) are left out of what it returns, as every reader
+of the log leaves them out: a row whose payload the fold's driver does not decode, and,
+given the subscriber's live view, an event the fold refused there (the view is brought
+up to the newest position first). Each is counted and logged once per process
+(:mod:`services.runtime.refusals`).
+
 The subscriber applies what it returns and the transaction commits it all together:
 the rows, the position and the messages' ``processed_messages``. A message whose
 position is already behind the subscriber's changes nothing; a crash anywhere leaves
@@ -28,8 +34,11 @@ from collections.abc import Sequence
 from typing import Final
 
 from events.catalog import Envelope
+from events.folding import Refusal
 from services.runtime.eventstore import Connection, iter_rows
-from services.runtime.rows import envelope_of
+from services.runtime.livestate import LiveState
+from services.runtime.refusals import note
+from services.runtime.rows import ACTOR, EVENT_ID, POSITION, decoded, envelope_with
 
 __all__ = ["catch_up"]
 
@@ -41,17 +50,29 @@ _MOVE: Final = "UPDATE ledger_positions SET position = $2 WHERE subscriber = $1"
 
 
 async def catch_up(
-    connection: Connection, subscriber: str, envs: Sequence[Envelope]
+    connection: Connection,
+    subscriber: str,
+    envs: Sequence[Envelope],
+    live: LiveState | None = None,
 ) -> list[Envelope]:
-    """The log's envelopes after ``subscriber``'s position up to the newest of ``envs``
-    (see the module docstring); call it inside the transaction that writes their rows."""
+    """The log's envelopes after ``subscriber``'s position up to the newest of ``envs``,
+    refused events left out (see the module docstring); call it inside the transaction
+    that writes their rows."""
     await connection.execute(_ENSURE, subscriber)
     done = int(await connection.fetchval(_LOCK, subscriber))
     target = max((e.position for e in envs), default=0)
     if target <= done:
         return []
+    refused: dict[int, str] = {}
+    if live is not None:
+        refused = (await live.fresh(target)).refused
     out: list[Envelope] = []
     async for rows in iter_rows(connection, done, 1000, target):
-        out += [envelope_of(row) for row in rows]
+        for row in rows:
+            event = decoded(row)
+            if isinstance(event, Refusal):
+                note(event, str(row[EVENT_ID]), row[ACTOR])
+            elif row[POSITION] not in refused:
+                out.append(envelope_with(row, event))
     await connection.execute(_MOVE, subscriber, target)
     return out

@@ -97,7 +97,9 @@ if TYPE_CHECKING:
 __all__ = [
     "FRAME_VERSION",
     "KEEP",
+    "Detached",
     "SnapshotWriter",
+    "detach",
     "encode_detached",
     "frame",
     "frame_packed",
@@ -145,11 +147,40 @@ def frame_packed(packed: bytes, event_id: str) -> bytes:
 async def encode_detached(state: ClusterState) -> tuple[int, bytes]:
     """``state``'s position and its body compressed, encoded in a forked child (module
     docstring) so that the event loop is not stalled; on the loop without ``os.fork``."""
-    if not hasattr(os, "fork"):
-        position, body = state.position, snapshot_encode(state)
-        return position, await asyncio.to_thread(zlib.compress, body, 1)
-    read_fd, write_fd = os.pipe()
     position = state.position  # the child's image is of this instant: no await between
+    if not hasattr(os, "fork"):
+        body = snapshot_encode(state)
+        return position, await asyncio.to_thread(zlib.compress, body, 1)
+    packed, code = await detach(lambda: zlib.compress(snapshot_encode(state), 1)).result()
+    if code != 0:
+        raise SnapshotError(f"snapshot at {position}: the encoding process exited with {code}")
+    return position, packed
+
+
+class Detached:
+    """A forked child running a piece of work (:func:`detach`); :meth:`result` awaits it."""
+
+    __slots__ = ("pid", "read_fd")
+
+    def __init__(self, pid: int, read_fd: int) -> None:
+        self.pid = pid
+        self.read_fd = read_fd
+
+    async def result(self) -> tuple[bytes, int]:
+        """What the work returned and the child's exit code (0: it returned)."""
+        try:
+            return await asyncio.to_thread(_collect, self.pid, self.read_fd)
+        except BaseException:  # cancelled: the thread reaps the child once it is gone
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            raise
+
+
+def detach(work: Callable[[], bytes]) -> Detached:
+    """Fork a child that runs ``work`` on a copy-on-write image of this process as it is
+    at this call, and writes what it returns to a pipe. The child does nothing else (module
+    docstring): ``work`` must take no lock and do no I/O. Linux (``os.fork``) only."""
+    read_fd, write_fd = os.pipe()
     try:
         with warnings.catch_warnings():
             # Python 3.12+ warns that forking a process with threads may deadlock the
@@ -161,29 +192,21 @@ async def encode_detached(state: ClusterState) -> tuple[int, bytes]:
         os.close(write_fd)
         raise
     if pid == 0:
-        _encode_in_child(state, read_fd, write_fd)
+        _run_in_child(work, read_fd, write_fd)
     os.close(write_fd)
-    try:
-        packed, code = await asyncio.to_thread(_collect, pid, read_fd)
-    except BaseException:  # cancelled: the thread reaps the child once it is gone
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        raise
-    if code != 0:
-        raise SnapshotError(f"snapshot at {position}: the encoding process exited with {code}")
-    return position, packed
+    return Detached(pid, read_fd)
 
 
-def _encode_in_child(state: ClusterState, read_fd: int, write_fd: int) -> NoReturn:
-    """The forked child: encode, compress, write to the pipe, exit (never returns)."""
+def _run_in_child(work: Callable[[], bytes], read_fd: int, write_fd: int) -> NoReturn:
+    """The forked child: run ``work``, write its bytes to the pipe, exit (never returns)."""
     code = 1
     try:
         os.close(read_fd)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's
         with contextlib.suppress(ValueError):
             signal.set_wakeup_fd(-1)  # the parent's loop owns that fd
-        gc.disable()  # nothing to collect in a process that lives for one encode
-        view = memoryview(zlib.compress(snapshot_encode(state), 1))
+        gc.disable()  # nothing to collect in a process that lives for one piece of work
+        view = memoryview(work())
         while view:
             view = view[os.write(write_fd, view) :]
         code = 0

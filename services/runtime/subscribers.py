@@ -1,7 +1,10 @@
 """What the log's subscribers that answer queries (audit, billing) share.
 
 Each is a durable consumer of every event (:class:`~services.runtime.consuming.Consumer`,
-confirmed against the log) that writes its own tables in the consumer's commit, and,
+confirmed against the log) that writes its own tables in the consumer's commit — from
+the log read in order, less the events the fold refuses (:mod:`services.runtime.inorder`,
+which asks the subscriber's live view: the process's own, given one, else a
+:class:`~services.runtime.livestate.LiveState` the subscriber keeps and tails itself) — and,
 given a NATS connection, serves its queries on ``<prefix>.<service>...`` while it
 consumes (:func:`~services.runtime.queries.serving_queries`: a tenant's subject answers
 for that tenant's namespace only). :class:`QueryingSubscriber` is that shell; a
@@ -26,6 +29,7 @@ from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import EventStore
+from services.runtime.livestate import LiveState
 from services.runtime.queries import QueryError, serving_queries
 
 __all__ = ["QueryingSubscriber", "decode_query"]
@@ -62,8 +66,12 @@ class QueryingSubscriber:
         directory: Directory | None = None,
         authenticated: bool = False,
         wants: Callable[[Envelope], bool] | None = None,
+        live: LiveState | None = None,
     ) -> None:
         self.store = store
+        #: the view that says which events the fold refused (the process's, or its own)
+        self.live = live if live is not None else LiveState(store)
+        self._own_live = live is None
         self.names = names
         self.nc = nc
         self.directory = directory
@@ -89,12 +97,21 @@ class QueryingSubscriber:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consume (and serve queries, with ``nc``) until ``stop`` is set."""
-        await serving_queries(
-            lambda: self.consumer.run(stop),
-            self.nc,
-            self.names,
-            service=self.service,
-            query=self.query,
-            directory=self.directory,
-            authenticated=self.authenticated,
-        )
+        tail: asyncio.Task[None] | None = None
+        if self._own_live:  # nobody else tails it
+            await self.live.load_snapshot()
+            tail = asyncio.create_task(self.live.run(stop))
+        try:
+            await serving_queries(
+                lambda: self.consumer.run(stop),
+                self.nc,
+                self.names,
+                service=self.service,
+                query=self.query,
+                directory=self.directory,
+                authenticated=self.authenticated,
+            )
+        finally:
+            if tail is not None:
+                stop.set()
+                await tail

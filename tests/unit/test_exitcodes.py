@@ -23,6 +23,8 @@ def test_the_table() -> None:
         "NOT_FOUND": 3,
         "REJECTED": 4,
         "INVARIANT_VIOLATED": 5,
+        "EVENTS_REFUSED": 6,
+        "SNAPSHOT_MISMATCH": 7,
     }
 
 
