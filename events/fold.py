@@ -62,7 +62,10 @@ checked against, and records, the policy in force when it is replayed.
 
 Invariants (``InvariantViolation(position, name, detail)``)
 -----------------------------------------------------------
-A step that would break one raises before mutating anything.
+A step that would break one raises before mutating anything; so does a step that would
+fail any other way (a look-up it needs is done before the first change). The fold's
+driver (:mod:`events.folding`) relies on it: an event a step refuses is skipped by every
+reader, and the state must be exactly what it was before it.
 
 * ``capacity``: a reservation on a device that is not published, for a capacity
   the device does not have, or that would make consumed exceed the total;
@@ -800,13 +803,22 @@ def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None
             "readiness",
             f"share {ev.share_id} is on node {node}, limit reported by {ev.node}",
         )
+    claim = state.claims.get(share.claim)
+    if claim is not None:  # every look-up before a change
+        _known(state.shares, claim.share_ids)
     share.state = "ready"
     share.limit_level = ev.level
     share.actual = ev.actual
     share.retry_at = None
-    claim = state.claims.get(share.claim)
     if claim is not None and claim.allocation_version == share.allocation_version:
         _maybe_ready(state, claim, position)
+
+
+def _known(mapping: dict[Any, Any], keys: Iterable[Any]) -> None:
+    """KeyError unless ``mapping`` holds every key (a step looks up before it changes)."""
+    for key in keys:
+        if key not in mapping:
+            raise KeyError(key)
 
 
 def _maybe_ready(state: ClusterState, claim: ClaimState, position: int) -> None:
@@ -950,21 +962,27 @@ def _lease_acquired(state: ClusterState, ev: NodeLeaseAcquired, position: int) -
 
 
 def _lease_expired(state: ClusterState, ev: NodeLeaseExpired, position: int) -> None:
-    node = _node(state, ev.node)
-    if ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch:
+    node = state.nodes.get(ev.node)
+    if node is not None and (ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch):
         return  # stale
+    shares = [state.shares[sid] for sid in node.live_shares] if node is not None else []
+    node = _node(state, ev.node)
     node.lease_epoch = ev.epoch
     node.expired_epoch = ev.epoch
     node.lease = "expired"
     node.reason = f"lease of epoch {ev.epoch} expired"
-    for sid in node.live_shares:
-        _mark_unknown(state.shares[sid])
+    for share in shares:
+        _mark_unknown(share)
 
 
 def _fenced(state: ClusterState, ev: NodeFenced, position: int) -> None:
-    node = _node(state, ev.node)
-    if ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch:
+    node = state.nodes.get(ev.node)
+    if node is not None and (ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch):
         return  # stale
+    if node is not None:  # every look-up before a change
+        _known(state.shares, node.live_shares)
+        _known(state.devices, [state.shares[sid].device_key for sid in node.live_shares])
+    node = _node(state, ev.node)
     node.fenced_epoch = ev.epoch
     node.lease = "fenced"
     node.reason = f"fenced at epoch {ev.epoch}" + (f": {ev.reason}" if ev.reason else "")

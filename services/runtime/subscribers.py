@@ -16,6 +16,7 @@ field that is wrong.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -98,9 +99,10 @@ class QueryingSubscriber:
     async def run(self, stop: asyncio.Event) -> None:
         """Consume (and serve queries, with ``nc``) until ``stop`` is set."""
         tail: asyncio.Task[None] | None = None
-        if self._own_live:  # nobody else tails it
-            await self.live.load_snapshot()
-            tail = asyncio.create_task(self.live.run(stop))
+        if self._own_live:  # nobody else tails it: its tailer lives as long as this run
+            if not self.live.state.position:
+                await self.live.load_snapshot()
+            tail = asyncio.create_task(self.live.run(asyncio.Event()))
         try:
             await serving_queries(
                 lambda: self.consumer.run(stop),
@@ -113,5 +115,6 @@ class QueryingSubscriber:
             )
         finally:
             if tail is not None:
-                stop.set()
-                await tail
+                tail.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await tail

@@ -282,7 +282,7 @@ async def _rows(store: EventStore) -> list[Any]:
         return [r async for page in iter_rows(connection) for r in page]
 
 
-async def test_verify_names_an_injected_oversubscription(
+async def test_verify_names_an_injected_oversubscription_as_refused(
     scenario: Scenario, store: EventStore, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rows = await _rows(store)
@@ -300,9 +300,9 @@ async def test_verify_names_an_injected_oversubscription(
     writer.write([*rows, bad])
     writer.close()
     code, out, _ = await dracap(capsys, "replay", "verify", "--log", str(path))
-    assert code == 5
-    assert f"first violating position {scenario.head + 1}" in out
-    assert "capacity" in out
+    assert code == ExitCode.EVENTS_REFUSED  # refused and skipped by every reader, named here
+    assert f"REFUSED EVENT at position {scenario.head + 1}: reservation.capacity_reserved" in out
+    assert "invariant 'capacity'" in out
 
 
 async def test_an_export_of_an_older_schema_version_replays(
