@@ -15,15 +15,15 @@ but starts its fold from the newest checkpoint at or before ``P`` that verifies
 it, its event id is that line's, and the snapshot verifies as a database snapshot does
 (checksum, event id, format, position: :func:`~services.runtime.snapshots.verify_snapshot`).
 One that does not is skipped with a warning and the next older one tried, else the fold
-starts at 0: never a wrong answer, only slower.
+starts at 0.
 
 A checkpoint that verifies is **trusted** as a database start trusts a snapshot: a
 checkpoint forged consistently (its checksum, event id and format right, its state
 wrong) and the file's checksum recomputed would be believed by ``state --at``.
 ``replay verify --log FILE`` is the check: it folds every event from 0 and compares
 each checkpoint with the fold at its position (:func:`compare`); one that differs is a
-failure naming its position. ``replay import`` ignores checkpoint lines (the database
-writes its own snapshots).
+failure naming its position (exit 7, ``SNAPSHOT_MISMATCH``). ``replay import`` ignores
+checkpoint lines (the database writes its own snapshots).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import collections
 import logging
 from typing import Final
 
-from events.folding import Refusal
+from events.folding import REFUSAL_REASONS, Refusal
 from services.runtime.metrics import EVENTS_REFUSED
 
 __all__ = ["REMEMBERED", "note"]
@@ -34,6 +34,8 @@ log = logging.getLogger("dracap.refusals")
 #: Event ids remembered as noted (a refused event is rare; an id costs ~100 bytes).
 REMEMBERED: Final = 65_536
 _seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+for _reason in REFUSAL_REASONS:  # every series from 0, so that the first refusal is an increase
+    EVENTS_REFUSED.labels(reason=_reason)
 
 
 def note(refusal: Refusal, event_id: str, actor: str | None = None) -> bool:

@@ -69,6 +69,8 @@ PAGE: Final = 2000
 #: Seconds before a failed check goes on.
 RETRY_S: Final = 5.0
 _SAME: Final = b"="
+for _outcome in ("verified", "mismatch", "failed"):  # every series from 0
+    SNAPSHOT_CHECKS.labels(outcome=_outcome)
 
 
 async def check_start(live: LiveState, stop: asyncio.Event) -> bool | None:

@@ -1,10 +1,12 @@
 """Snapshots of the fold: written every N events or M minutes, verified before use, pruned.
 
 Every start (a service's :class:`~services.runtime.livestate.LiveState`, ``dracap up``,
-``dracap replay``) begins from the newest stored snapshot that *verifies*, and folds only
-the events after it. A snapshot that does not verify is skipped (logged), and the next
-older one is tried; with none, the fold starts from position 0. Nothing is ever wrong
-because of a snapshot, only slower.
+``dracap replay state``) begins from the newest stored snapshot that *verifies*, and
+folds only the events after it. A snapshot that does not verify is skipped (logged), and
+the next older one is tried; with none, the fold starts from position 0. Verifying proves
+that a snapshot is of this log and not torn, not that its state is the fold: a live state
+checks the one it started from in the background (:mod:`services.runtime.snapshotcheck`)
+and ``dracap replay verify`` checks every one.
 
 Stored form (the ``snapshots`` table of migration 0001, no new migration)
 -------------------------------------------------------------------------
