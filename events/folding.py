@@ -95,7 +95,14 @@ def _as_bytes(payload: Any) -> bytes:
 
 def decode(payload: Any, tag: str, schema_version: int, position: int) -> Event | Refusal:
     """The event of a stored payload (bytes, str or ``msgspec.Raw``), or why it is refused."""
-    data = _as_bytes(payload)
+    return _decoded(_as_bytes(payload), tag, schema_version, position)[0]
+
+
+def _decoded(
+    data: bytes, tag: str, schema_version: int, position: int
+) -> tuple[Event, Step] | tuple[Refusal, None]:
+    """The event of a stored payload and its step, or its refusal: a payload at its type's
+    current schema version, shallow enough, straight to that type's decoder."""
     entry = _FAST.get(tag)
     if (
         entry is not None
@@ -103,16 +110,17 @@ def decode(payload: Any, tag: str, schema_version: int, position: int) -> Event 
         and data.count(b"{") + data.count(b"[") <= MAX_STORED_DEPTH
     ):
         try:
-            return entry[1](data)
+            return entry[1](data), entry[2]
         except _MSGSPEC_ERRORS:
             pass  # decode_stored names what is wrong
     try:
-        return decode_stored(data, tag, schema_version)
+        event = decode_stored(data, tag, schema_version)
     except CatalogError as exc:
-        return Refusal(position=position, type=tag, reason="undecodable", detail=str(exc))
+        return Refusal(position=position, type=tag, reason="undecodable", detail=str(exc)), None
     except Exception as exc:  # a decoder's own failure: still the payload's fault
         detail = f"{type(exc).__name__}: {exc}"
-        return Refusal(position=position, type=tag, reason="undecodable", detail=detail)
+        return Refusal(position=position, type=tag, reason="undecodable", detail=detail), None
+    return event, _STEPS[type(event)]
 
 
 def _refuse(state: ClusterState, refusal: Refusal) -> Refusal:
@@ -171,21 +179,10 @@ def fold_stored(
     if position <= state.position and position:
         raise InvariantViolation(position, "order", f"position {position} after {state.position}")
     data = payload if type(payload) is bytes else _as_bytes(payload)
-    entry = _FAST.get(tag)
-    if (
-        entry is not None
-        and entry[0] == schema_version
-        and data.count(b"{") + data.count(b"[") <= MAX_STORED_DEPTH
-    ):
-        try:
-            event = entry[1](data)
-        except _MSGSPEC_ERRORS:
-            pass
-        else:
-            refusal = _step(state, entry[2], event, position)
-            return event if refusal is None else refusal
-    decoded = decode(data, tag, schema_version, position)
-    if isinstance(decoded, Refusal):
-        return _refuse(state, decoded)
-    refusal = _step(state, _STEPS[type(decoded)], decoded, position)
-    return decoded if refusal is None else refusal
+    event, step = _decoded(data, tag, schema_version, position)
+    if step is None:
+        assert isinstance(event, Refusal)
+        return _refuse(state, event)
+    assert not isinstance(event, Refusal)
+    refusal = _step(state, step, event, position)
+    return event if refusal is None else refusal

@@ -36,15 +36,11 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import msgspec
-from nats.aio.client import Client
-from nats.js import JetStreamContext
 
 from events.catalog import Envelope
-from events.subjects import BusNames
 from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, Update, build, needs
 from services.runtime.consuming import Handled, HandlerContext
-from services.runtime.credentials import Directory
-from services.runtime.eventstore import Connection, EventStore
+from services.runtime.eventstore import Connection
 from services.runtime.inorder import catch_up
 from services.runtime.livestate import LiveState
 from services.runtime.queries import QueryError, limited_to
@@ -171,29 +167,7 @@ class AuditService(QueryingSubscriber):
     """The audit consumer, and its query endpoints when given a connection to serve on."""
 
     service = "audit"
-
-    def __init__(
-        self,
-        store: EventStore,
-        js: JetStreamContext,
-        names: BusNames,
-        *,
-        name: str = CONSUMER,
-        nc: Client | None = None,
-        directory: Directory | None = None,
-        authenticated: bool = False,
-        live: LiveState | None = None,
-    ) -> None:
-        super().__init__(
-            store,
-            js,
-            names,
-            name=name,
-            nc=nc,
-            directory=directory,
-            authenticated=authenticated,
-            live=live,
-        )
+    consumer_name = CONSUMER
 
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
         """Records for ``envs``, written with their ``processed_messages`` rows."""

@@ -38,8 +38,6 @@ from decimal import Decimal
 from typing import Any, Final
 
 import msgspec
-from nats.aio.client import Client
-from nats.js import JetStreamContext
 
 from events.catalog import (
     CapacityReleased,
@@ -52,7 +50,6 @@ from events.catalog import (
     ShareConfirmed,
     ShareMarkedUnknown,
 )
-from events.subjects import BusNames
 from services.billing.usage import (
     BillingShare,
     NodeEpochs,
@@ -64,8 +61,7 @@ from services.billing.usage import (
     usage_rows,
 )
 from services.runtime.consuming import Handled, HandlerContext
-from services.runtime.credentials import Directory
-from services.runtime.eventstore import Connection, EventStore
+from services.runtime.eventstore import Connection
 from services.runtime.inorder import catch_up
 from services.runtime.livestate import LiveState
 from services.runtime.metrics import USAGE
@@ -223,30 +219,8 @@ class BillingService(QueryingSubscriber):
     """The billing consumers, and the usage endpoints when given a connection to serve on."""
 
     service = "usage"
-
-    def __init__(
-        self,
-        store: EventStore,
-        js: JetStreamContext,
-        names: BusNames,
-        *,
-        name: str = CONSUMER,
-        nc: Client | None = None,
-        directory: Directory | None = None,
-        authenticated: bool = False,
-        live: LiveState | None = None,
-    ) -> None:
-        super().__init__(
-            store,
-            js,
-            names,
-            name=name,
-            nc=nc,
-            directory=directory,
-            authenticated=authenticated,
-            wants=wanted,
-            live=live,
-        )
+    consumer_name = CONSUMER
+    wants = staticmethod(wanted)
 
     async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
         """Billing's changes for ``envs``, written with their ``processed_messages`` rows."""

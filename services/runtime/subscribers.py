@@ -55,6 +55,10 @@ class QueryingSubscriber:
 
     #: the queries' subject word (``audit``, ``usage``)
     service: str = ""
+    #: the durable consumer's name, unless one is given
+    consumer_name: str = ""
+    #: the envelopes the handler acts on (``None``: every one)
+    wants: Callable[[Envelope], bool] | None = None
 
     def __init__(
         self,
@@ -62,11 +66,10 @@ class QueryingSubscriber:
         js: JetStreamContext,
         names: BusNames,
         *,
-        name: str,
+        name: str | None = None,
         nc: Client | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
-        wants: Callable[[Envelope], bool] | None = None,
         live: LiveState | None = None,
     ) -> None:
         self.store = store
@@ -81,10 +84,10 @@ class QueryingSubscriber:
             store,
             js,
             names,
-            name=name,
+            name=name or self.consumer_name,
             filter_subject=names.events_subjects,
             group_handler=self.handle,
-            wants=wants,
+            wants=self.wants,
             confirmation=LogConfirmation(store),
         )
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from pathlib import Path
 
 import asyncpg
@@ -24,14 +23,13 @@ from events.fold import ClusterState, snapshot_decode, snapshot_encode
 from events.model import DeviceClass, DeviceClassSpec, ObjectMeta, ResourceClaim, ResourceClaimSpec
 from services.claims.admission import decide_apply
 from services.exitcodes import ExitCode
-from services.replay.logfile import read_rows
 from services.runtime.eventstore import EventStore
 from services.runtime.inorder import catch_up
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import REGISTRY
 from services.runtime.settings import Settings
 from services.runtime.snapshots import FRAME_VERSION, frame, write_snapshot
-from tests.fixtures.services import _create_database, _drop_database, database_url_for
+from tests.fixtures.services import fresh_database
 from tests.integration import test_forensics as forensics
 from tests.integration.injecting import inject, row
 from tests.integration.scenario import put
@@ -145,23 +143,10 @@ async def test_refused_events_are_skipped_by_every_reader(
     assert code == 0 and f"{later} events" in out, err
     code, out, _ = await dracap(capsys, "replay", "verify", "--log", str(exported))
     assert code == ExitCode.EVENTS_REFUSED and f"position {undecodable}" in out, out
-    name = f"dracap_test_{uuid.uuid4().hex[:12]}"
-    await _create_database(postgres_admin_url, name, template=migrated_template)
-    try:
-        other = database_url_for(postgres_admin_url, name)
-        code, out, err = await dracap(
-            capsys, "replay", "import", str(exported), "--database-url", other
-        )
-        assert code == 0, err
-        code, out, _ = await dracap(capsys, "replay", "verify", "--database-url", other)
-        assert code == ExitCode.EVENTS_REFUSED, out
-        assert f"position {undecodable}" in out and f"position {invariant}" in out
-        again = tmp_path / "again.ndjson"
-        await dracap(capsys, "replay", "export", "--out", str(again), "--database-url", other)
-        rows = [r for page in read_rows(exported) for r in page]
-        assert rows == [r for page in read_rows(again) for r in page]
-    finally:
-        await _drop_database(postgres_admin_url, name)
+    async with fresh_database(postgres_admin_url, migrated_template) as other:
+        code, out = await forensics.round_trip(capsys, exported, other, tmp_path)
+    assert code == ExitCode.EVENTS_REFUSED, out
+    assert f"position {undecodable}" in out and f"position {invariant}" in out
 
 
 # --- snapshots are checked, not trusted -----------------------------------------------------
