@@ -37,8 +37,10 @@ Depth: every payload is decoded through :func:`events.nesting.bounded` (by
 :data:`~events.nesting.MAX_STORED_DEPTH`.
 
 Speed: replay folds millions of events, so :func:`fold_stored` keeps the hot path of the
-replay loops it replaces — a payload at its type's current schema version, shallow
-enough (:func:`events.nesting.shallow`), goes straight to that type's decoder and step.
+replay loops it replaces — a payload at its type's current schema version goes straight
+to that type's decoder and step. Only the four classes whose payload can nest without a
+bound (:data:`DEEP_CLASSES`, derived from the catalog: ``Any`` in their schema — opaque
+parameters) have their brackets counted first (:func:`events.nesting.shallow`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from collections.abc import Callable
 from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
+import msgspec.inspect
 
 from events.catalog import EVENT_TYPES, Event, current_decoders, decode_stored, tag_of
 from events.errors import CatalogError, InvariantViolation
@@ -54,11 +57,13 @@ from events.fold import ClusterState, Step, step_of
 from events.nesting import MAX_STORED_DEPTH
 
 __all__ = [
+    "DEEP_CLASSES",
     "REFUSAL_REASONS",
     "Refusal",
     "RefusalReason",
     "decode",
     "fold_event",
+    "fold_step",
     "fold_stored",
     "refuse",
 ]
@@ -82,7 +87,33 @@ _FAST: Final[dict[str, tuple[int, Callable[[Any], Event], Step]]] = {
     for tag, (version, decoder) in current_decoders().items()
 }
 _STEPS: Final[dict[type, Step]] = {EVENT_TYPES[tag]: step for tag, (_, _, step) in _FAST.items()}
-_MSGSPEC_ERRORS: Final = (msgspec.ValidationError, msgspec.DecodeError)
+#: What a fast decode may raise; a payload nested deeper than a parser can skip (an
+#: unknown field of any depth) raises RecursionError, and takes the bounded slow path.
+_MSGSPEC_ERRORS: Final = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
+
+
+def _unbounded(info: msgspec.inspect.Type, path: tuple[type, ...] = ()) -> bool:
+    """Whether values of this type can nest without a bound: ``Any`` somewhere in it (a
+    manifest's opaque parameters), or a Struct that holds itself."""
+    if isinstance(info, msgspec.inspect.AnyType):
+        return True
+    if isinstance(info, msgspec.inspect.StructType):
+        if info.cls in path:
+            return True
+        return any(_unbounded(f.type, (*path, info.cls)) for f in info.fields)
+    inner = [getattr(info, a) for a in ("item_type", "key_type", "value_type") if hasattr(info, a)]
+    inner += list(getattr(info, "item_types", ())) + list(getattr(info, "types", ()))
+    return any(_unbounded(t, path) for t in inner)
+
+
+#: The event classes whose payload can nest deeper than the bound: only theirs are
+#: counted (:func:`events.nesting.shallow`) before a fast decode (derived from the catalog).
+DEEP_CLASSES: Final = frozenset(
+    cls for cls in EVENT_TYPES.values() if _unbounded(msgspec.inspect.type_info(cls))
+)
+_DEEP_TAGS: Final = frozenset(
+    tag_of_class for tag_of_class, cls in EVENT_TYPES.items() if cls in DEEP_CLASSES
+)
 
 
 def _as_bytes(payload: Any) -> bytes:
@@ -95,32 +126,39 @@ def _as_bytes(payload: Any) -> bytes:
 
 def decode(payload: Any, tag: str, schema_version: int, position: int) -> Event | Refusal:
     """The event of a stored payload (bytes, str or ``msgspec.Raw``), or why it is refused."""
-    return _decoded(_as_bytes(payload), tag, schema_version, position)[0]
-
-
-def _decoded(
-    data: bytes, tag: str, schema_version: int, position: int
-) -> tuple[Event, Step] | tuple[Refusal, None]:
-    """The event of a stored payload and its step, or its refusal: a payload at its type's
-    current schema version, shallow enough, straight to that type's decoder."""
-    entry = _FAST.get(tag)
-    if (
-        entry is not None
-        and entry[0] == schema_version
-        and data.count(b"{") + data.count(b"[") <= MAX_STORED_DEPTH
-    ):
+    data = _as_bytes(payload)
+    entry = _fast_entry(data, tag, schema_version)
+    if entry is not None:
         try:
-            return entry[1](data), entry[2]
+            return entry[1](data)
         except _MSGSPEC_ERRORS:
-            pass  # decode_stored names what is wrong
+            pass  # the slow path names what is wrong
+    return _decode_slow(data, tag, schema_version, position)
+
+
+def _fast_entry(
+    data: bytes, tag: str, schema_version: int
+) -> tuple[int, Callable[[Any], Event], Step] | None:
+    """The decoder and step of a payload at its type's current schema version that cannot
+    nest deeper than the bound (its type cannot, or it has no more opening brackets than
+    that), else ``None``."""
+    entry = _FAST.get(tag)
+    if entry is None or entry[0] != schema_version:
+        return None
+    if tag in _DEEP_TAGS and data.count(b"{") + data.count(b"[") > MAX_STORED_DEPTH:
+        return None
+    return entry
+
+
+def _decode_slow(data: bytes, tag: str, schema_version: int, position: int) -> Event | Refusal:
+    """:func:`events.catalog.decode_stored` (upcast, bounded in depth), or the refusal."""
     try:
-        event = decode_stored(data, tag, schema_version)
+        return decode_stored(data, tag, schema_version)
     except CatalogError as exc:
-        return Refusal(position=position, type=tag, reason="undecodable", detail=str(exc)), None
+        return Refusal(position=position, type=tag, reason="undecodable", detail=str(exc))
     except Exception as exc:  # a decoder's own failure: still the payload's fault
         detail = f"{type(exc).__name__}: {exc}"
-        return Refusal(position=position, type=tag, reason="undecodable", detail=detail), None
-    return event, _STEPS[type(event)]
+        return Refusal(position=position, type=tag, reason="undecodable", detail=detail)
 
 
 def _refuse(state: ClusterState, refusal: Refusal) -> Refusal:
@@ -137,21 +175,29 @@ def _check_order(state: ClusterState, position: int) -> None:
         raise InvariantViolation(position, "order", f"position {position} after {state.position}")
 
 
-def _step(state: ClusterState, step: Step, event: Event, position: int) -> Refusal | None:
-    """Run one step; the :class:`Refusal` if it raised (the state is as before it)."""
-    try:
-        step(state, event, position)
-    except InvariantViolation as exc:
+def _refused_by(state: ClusterState, event: Event, position: int, exc: Exception) -> Refusal:
+    """The refusal of an event whose step raised ``exc`` (the state is as before it)."""
+    if isinstance(exc, InvariantViolation):
         reason: RefusalReason = "invariant"
         detail = f"invariant {exc.invariant!r}: {exc.detail}"
-    except Exception as exc:
-        reason, detail = "error", f"{type(exc).__name__}: {exc}"
     else:
-        if position:
-            state.position = position
-        return None
-    refusal = Refusal(position=position, type=tag_of(event), reason=reason, detail=detail)
-    return _refuse(state, refusal)
+        reason, detail = "error", f"{type(exc).__name__}: {exc}"
+    return _refuse(
+        state, Refusal(position=position, type=tag_of(event), reason=reason, detail=detail)
+    )
+
+
+def fold_step(state: ClusterState, step: Step, event: Event, position: int) -> Refusal | None:
+    """Run ``step`` (:func:`events.fold.step_of` the event's class) for an event stored at
+    ``position``; its :class:`Refusal` if the step raised. For replay loops that decode and
+    dispatch themselves: they check the order of positions, as :func:`fold_event` does."""
+    try:
+        step(state, event, position)
+    except Exception as exc:
+        return _refused_by(state, event, position, exc)
+    if position:
+        state.position = position
+    return None
 
 
 def fold_event(state: ClusterState, event: Event, position: int) -> Refusal | None:
@@ -161,7 +207,7 @@ def fold_event(state: ClusterState, event: Event, position: int) -> Refusal | No
     after the state's.
     """
     _check_order(state, position)
-    return _step(state, _STEPS[type(event)], event, position)
+    return fold_step(state, _STEPS[type(event)], event, position)
 
 
 def refuse(state: ClusterState, refusal: Refusal) -> Refusal:
@@ -175,14 +221,28 @@ def fold_stored(
     state: ClusterState, payload: Any, tag: str, schema_version: int, position: int
 ) -> Event | Refusal:
     """Decode and fold one stored event: the event if it was folded, else its
-    :class:`Refusal` (recorded in ``state``). The hot path of every replay loop."""
+    :class:`Refusal` (recorded in ``state``). The hot path of every replay loop, written
+    out: a payload at its type's current schema version goes straight to its decoder and
+    step."""
     if position <= state.position and position:
         raise InvariantViolation(position, "order", f"position {position} after {state.position}")
     data = payload if type(payload) is bytes else _as_bytes(payload)
-    event, step = _decoded(data, tag, schema_version, position)
-    if step is None:
-        assert isinstance(event, Refusal)
-        return _refuse(state, event)
-    assert not isinstance(event, Refusal)
-    refusal = _step(state, step, event, position)
-    return event if refusal is None else refusal
+    entry = _fast_entry(data, tag, schema_version)
+    if entry is not None:
+        try:
+            event = entry[1](data)
+        except _MSGSPEC_ERRORS:
+            pass  # the slow path names what is wrong
+        else:
+            try:
+                entry[2](state, event, position)
+            except Exception as exc:
+                return _refused_by(state, event, position, exc)
+            if position:
+                state.position = position
+            return event
+    decoded = _decode_slow(data, tag, schema_version, position)
+    if isinstance(decoded, Refusal):
+        return _refuse(state, decoded)
+    refusal = fold_step(state, _STEPS[type(decoded)], decoded, position)
+    return decoded if refusal is None else refusal

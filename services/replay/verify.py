@@ -44,8 +44,8 @@ import msgspec
 
 from events.catalog import EVENT_TYPES, SCHEMA_VERSIONS
 from events.errors import InvariantViolation, SnapshotError
-from events.fold import ClusterState, same_state
-from events.folding import Refusal, fold_event, fold_stored
+from events.fold import ClusterState, Step, same_state, step_of
+from events.folding import DEEP_CLASSES, Refusal, fold_step, fold_stored
 from events.guards import amount
 from events.nesting import MAX_STORED_DEPTH
 from events.quantities import Quantity
@@ -277,10 +277,11 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-#: tag -> (event class, current schema version): a line of a LinePage that decoded to
-#: exactly this folds straight away.
-_LINES: Final[dict[str, tuple[type, int]]] = {
-    tag: (EVENT_TYPES[tag], version) for tag, version in SCHEMA_VERSIONS.items()
+#: tag -> (event class, current schema version, step): a line of a LinePage that decoded
+#: to exactly this folds straight away.
+_LINES: Final[dict[str, tuple[type, int, Step]]] = {
+    tag: (EVENT_TYPES[tag], version, step_of(EVENT_TYPES[tag]))
+    for tag, version in SCHEMA_VERSIONS.items()
 }
 
 #: What a replay loop does with a refused event: the event's row (``COLUMNS`` order).
@@ -316,23 +317,21 @@ def _fold_lines(state: ClusterState, page: LinePage, on_refused: OnRefused) -> N
     """Fold the lines of a log file's page, each decoded in one pass right before its step.
 
     A line that decodes to the event the driver would decode from it, at the position its
-    place in the file gives, is folded by :func:`events.folding.fold_event`; any other line
+    place in the file gives, is folded by :func:`events.folding.fold_step`; any other line
     (an older schema version to upcast, a tag its column contradicts, a payload that does
     not decode or nests deeper than the driver builds, a line that is not an event or not
     the next position: ``LogFileError``) goes through :meth:`LinePage.row` and
     :func:`fold_rows`.
     """
     table = _LINES
-    limit = MAX_STORED_DEPTH + 1  # the line's array holds the payload
+    deep, limit = DEEP_CLASSES, MAX_STORED_DEPTH + 1  # the line's array holds the payload
     position = page.first - 1
     for line in page.lines:
         position += 1
-        row = None
-        if line.count(b"{") + line.count(b"[") <= limit:
-            try:
-                row = decode_line(line)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                row = None
+        try:
+            row = decode_line(line)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            row = None
         if row is not None:
             event = row.payload
             entry = table.get(row.type)
@@ -341,8 +340,13 @@ def _fold_lines(state: ClusterState, page: LinePage, on_refused: OnRefused) -> N
                 and type(event) is entry[0]
                 and row.schema_version == entry[1]
                 and row.position == position
+                and (type(event) not in deep or line.count(b"{") + line.count(b"[") <= limit)
             ):
-                refusal = fold_event(state, event, position)
+                if position <= state.position:
+                    raise InvariantViolation(
+                        position, "order", f"position {position} after {state.position}"
+                    )
+                refusal = fold_step(state, entry[2], event, position)
                 if refusal is not None:
                     on_refused(refusal, msgspec.structs.astuple(row))  # COLUMNS order
                 continue
