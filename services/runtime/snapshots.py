@@ -52,9 +52,11 @@ Verification (:func:`verify_snapshot`), in this order, each cheap before the cos
 
 Writing and pruning (:class:`SnapshotWriter`)
 --------------------------------------------
-The writer watches a :class:`LiveState` (it folds nothing itself) and writes a snapshot
-when the state is at least ``every_events`` (default :data:`EVERY_EVENTS`, 25,000) past
-the newest snapshot, or ``every_seconds`` (default 10 minutes) have passed and at least
+The writer watches a :class:`LiveState` (it folds nothing itself) — once that state is
+checked, if it started from a snapshot (:mod:`services.runtime.snapshotcheck`: a forged
+snapshot is never copied into new ones) — and writes a snapshot when the state is at
+least ``every_events`` (default :data:`EVERY_EVENTS`, 25,000) past the newest
+snapshot, or ``every_seconds`` (default 10 minutes) have passed and at least
 one event was folded since, and once more when it stops (a clean shutdown), so that the
 next start begins at the head instead of folding up to ``every_events`` again. 25,000
 bounds what a start after a crash folds (~0.3 s at 1 M events, below the 2 s start-up
@@ -349,9 +351,13 @@ class SnapshotWriter:
         every_seconds: float = EVERY_SECONDS,
         keep: int = KEEP,
         check_every_s: float = 1.0,
+        checked: Callable[[], bool] = lambda: True,
     ) -> None:
         self.pool = pool
         self.state = state
+        #: whether the state may be stored: not while it is served from a snapshot that
+        #: is not checked yet (a forged one must not be copied into new snapshots)
+        self.checked = checked
         self.every_events = every_events
         self.every_seconds = every_seconds
         self.keep = keep
@@ -379,6 +385,8 @@ class SnapshotWriter:
     async def maybe_write(self, *, stopping: bool = False) -> bool:
         """Write a snapshot if one is due (``stopping``: if anything was folded since the
         last); True if it wrote one."""
+        if not self.checked():
+            return False
         if stopping:
             if self.state().position <= self.last_position:
                 return False
@@ -428,6 +436,10 @@ async def serve_snapshots(
     ``dracap_snapshots`` (migration 0010) or the app role: the other roles may read
     snapshots, not write them."""
     writer = SnapshotWriter(
-        pool, lambda: live.state, every_events=every_events, every_seconds=every_seconds
+        pool,
+        lambda: live.state,
+        every_events=every_events,
+        every_seconds=every_seconds,
+        checked=lambda: live.unchecked_start is None,
     )
     await writer.run(stop)
