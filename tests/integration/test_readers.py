@@ -28,7 +28,7 @@ from services.runtime.inorder import catch_up
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import REGISTRY
 from services.runtime.settings import Settings
-from services.runtime.snapshots import FRAME_VERSION, frame, write_snapshot
+from services.runtime.snapshots import FRAME_VERSION, SnapshotWriter, frame, write_snapshot
 from tests.fixtures.services import fresh_database
 from tests.integration import test_forensics as forensics
 from tests.integration.injecting import inject, row
@@ -210,6 +210,10 @@ async def test_a_forged_snapshot_is_caught_by_verify_and_by_the_background_check
     assert await live.load_snapshot()
     assert live.state.namespaces["mallory"].classes == ["*"]
     assert decide_apply(live.state, "mallory", _claim("mallory"), DEFAULT_GATES).refusal is None
+    writer = SnapshotWriter(
+        store.pool, lambda: live.state, checked=lambda: live.unchecked_start is None
+    )
+    assert not await writer.maybe_write(stopping=True)  # never copied into a new snapshot
     replaced: list[ClusterState] = []
     live.on_replaced(replaced.append)
     stop = asyncio.Event()
@@ -224,6 +228,7 @@ async def test_a_forged_snapshot_is_caught_by_verify_and_by_the_background_check
     assert _checks("mismatch") == checks["mismatch"] + 1
     assert replaced == [live.state]
     assert live.state.namespaces["mallory"].classes == []  # the forged grant no longer counts
+    assert await writer.maybe_write(stopping=True)  # the checked fold is stored
     refusal = decide_apply(live.state, "mallory", _claim("mallory"), DEFAULT_GATES).refusal
     assert refusal is not None and refusal.kind == "class-access", refusal
 
