@@ -330,3 +330,30 @@ async def test_replay_prints_what_a_tenant_wrote_escaped(
             steps = json.loads(out)["steps"]
             values = [v for s in steps for pair in s["changes"].values() for v in pair]
             assert any(isinstance(v, str) and HOSTILE in v for v in values)
+
+
+# --- the stack goes on ----------------------------------------------------------------------
+
+
+async def test_the_stack_serves_claims_past_a_refused_event(
+    settings: Settings, nats_url: str, database_url: str, tmp_path: Path
+) -> None:
+    """What the hostile report did: every request answered ``internal`` from then on."""
+    from tests.integration.cluster import running_cluster
+    from tests.integration.test_class_modes import INVENTORY
+    from tests.integration.test_policy import NAMESPACE, _ready, claim_doc, view_when
+
+    async with running_cluster(settings, nats_url, tmp_path, INVENTORY) as cluster:
+        api = cluster.api
+        await api.claims(NAMESPACE, "apply", claim_doc("before", "10Gi"))
+        await view_when(api, "before", _ready)
+        head = await cluster.stack.store.head()
+        bad = {"type": "enforcement.limit_applied", "share_id": "x", "node": "n", "level": 5}
+        await inject(
+            database_url,
+            [row(head + 1, payload=json.dumps(bad).encode(), type_tag=bad["type"], actor=AGENT)],
+        )
+        await api.claims(NAMESPACE, "apply", claim_doc("after", "10Gi"))
+        view = await view_when(api, "after", _ready)
+        assert view["ready"]
+        assert cluster.stack.gauges.live.state.refused[head + 1] == "undecodable"
