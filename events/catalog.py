@@ -71,6 +71,7 @@ from events.model import (
     decode_hook,
     encode_hook,
 )
+from events.nesting import MAX_STORED_DEPTH, bounded
 from events.quantities import Quantity
 
 __all__ = [
@@ -945,13 +946,21 @@ def _convert(raw: Any, cls: type[Any], tag: str, *, strict: bool = True) -> Any:
         raise _validation_error(tag, exc) from None
 
 
+def _bounded(data: bytes | str, limit: int) -> bytes:
+    """``data`` with nothing nested deeper than ``limit`` (:func:`events.nesting.bounded`)."""
+    return bounded(data.encode() if isinstance(data, str) else bytes(data), limit)
+
+
 def decode_stored(payload: bytes | str, type_tag: str, schema_version: int) -> Event:
     """Tolerantly decode a stored event payload, upcasting old schema versions.
 
     Unknown fields are ignored; an unknown tag, a tag that contradicts
     ``type_tag`` or a payload that fails validation raises :class:`CatalogError`.
+    A value nested deeper than :data:`~events.nesting.MAX_STORED_DEPTH` is kept as its
+    JSON text (:mod:`events.nesting`).
     """
     cls = _class_for(type_tag)
+    payload = _bounded(payload, MAX_STORED_DEPTH)
     if schema_version == cls.SCHEMA_VERSION:
         try:
             event: Event = _EVENT_DECODERS[type_tag].decode(payload)
@@ -978,7 +987,12 @@ def current_decoders() -> dict[str, tuple[int, Callable[[bytes | str], Event]]]:
 
 
 def decode_envelope(data: bytes | str) -> Envelope:
-    """Tolerantly decode an envelope from the bus, upcasting its event if it is old."""
+    """Tolerantly decode an envelope from the bus, upcasting its event if it is old.
+
+    Its event is bounded in depth as :func:`decode_stored` bounds a stored payload (one
+    level more: the envelope holds it), so a message and the log's row decode alike.
+    """
+    data = _bounded(data, MAX_STORED_DEPTH + 1)
     try:
         env = _ENVELOPE_DECODER.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError):

@@ -62,7 +62,10 @@ checked against, and records, the policy in force when it is replayed.
 
 Invariants (``InvariantViolation(position, name, detail)``)
 -----------------------------------------------------------
-A step that would break one raises before mutating anything.
+A step that would break one raises before mutating anything; so does a step that would
+fail any other way (a look-up it needs is done before the first change). The fold's
+driver (:mod:`events.folding`) relies on it: an event a step refuses is skipped by every
+reader, and the state must be exactly what it was before it.
 
 * ``capacity``: a reservation on a device that is not published, for a capacity
   the device does not have, or that would make consumed exceed the total;
@@ -171,6 +174,7 @@ __all__ = [
     "fold",
     "holds_device",
     "policy_violation",
+    "same_state",
     "snapshot_decode",
     "snapshot_encode",
     "state_digest",
@@ -392,6 +396,9 @@ class ClusterState(msgspec.Struct, kw_only=True):
     nodes: dict[str, NodeState] = {}
     namespaces: dict[str, NamespaceState] = {}
     dead_letters: int = 0
+    #: the events the fold's driver refused (:mod:`events.folding`): position -> reason;
+    #: each was skipped, the state left as it was before it
+    refused: dict[int, str] = {}
     #: live claims (phase not in :data:`REUSABLE_PHASES`) per namespace: an index of
     #: ``claims`` kept by the steps (:func:`_set_phase`), not stored in snapshots
     live_claims: dict[str, int] = {}
@@ -796,13 +803,22 @@ def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None
             "readiness",
             f"share {ev.share_id} is on node {node}, limit reported by {ev.node}",
         )
+    claim = state.claims.get(share.claim)
+    if claim is not None:  # every look-up before a change
+        _known(state.shares, claim.share_ids)
     share.state = "ready"
     share.limit_level = ev.level
     share.actual = ev.actual
     share.retry_at = None
-    claim = state.claims.get(share.claim)
     if claim is not None and claim.allocation_version == share.allocation_version:
         _maybe_ready(state, claim, position)
+
+
+def _known(mapping: dict[Any, Any], keys: Iterable[Any]) -> None:
+    """KeyError unless ``mapping`` holds every key (a step looks up before it changes)."""
+    for key in keys:
+        if key not in mapping:
+            raise KeyError(key)
 
 
 def _maybe_ready(state: ClusterState, claim: ClaimState, position: int) -> None:
@@ -946,21 +962,27 @@ def _lease_acquired(state: ClusterState, ev: NodeLeaseAcquired, position: int) -
 
 
 def _lease_expired(state: ClusterState, ev: NodeLeaseExpired, position: int) -> None:
-    node = _node(state, ev.node)
-    if ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch:
+    node = state.nodes.get(ev.node)
+    if node is not None and (ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch):
         return  # stale
+    shares = [state.shares[sid] for sid in node.live_shares] if node is not None else []
+    node = _node(state, ev.node)
     node.lease_epoch = ev.epoch
     node.expired_epoch = ev.epoch
     node.lease = "expired"
     node.reason = f"lease of epoch {ev.epoch} expired"
-    for sid in node.live_shares:
-        _mark_unknown(state.shares[sid])
+    for share in shares:
+        _mark_unknown(share)
 
 
 def _fenced(state: ClusterState, ev: NodeFenced, position: int) -> None:
-    node = _node(state, ev.node)
-    if ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch:
+    node = state.nodes.get(ev.node)
+    if node is not None and (ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch):
         return  # stale
+    if node is not None:  # every look-up before a change
+        _known(state.shares, node.live_shares)
+        _known(state.devices, [state.shares[sid].device_key for sid in node.live_shares])
+    node = _node(state, ev.node)
     node.fenced_epoch = ev.epoch
     node.lease = "fenced"
     node.reason = f"fenced at epoch {ev.epoch}" + (f": {ev.reason}" if ev.reason else "")
@@ -1129,6 +1151,7 @@ def to_builtins(state: ClusterState) -> dict[str, Any]:
         "nodes": state.nodes,
         "namespaces": state.namespaces,
         "dead_letters": state.dead_letters,
+        "refused": state.refused,
     }
     out = msgspec.to_builtins(plain, enc_hook=encode_hook, order="sorted")
     assert isinstance(out, dict)
@@ -1149,6 +1172,18 @@ def state_digest(state: ClusterState) -> dict[str, Any]:
     }
 
 
+def same_state(a: ClusterState, b: ClusterState) -> bool:
+    """Whether two states hold the same fold (a snapshot or checkpoint against the fold
+    at its position). ``live_claims`` is an index and is not compared; two states equal in
+    meaning but not in representation (a tuple decoded where the fold kept a list) count
+    as the same: then the digests, which compare plain data, decide."""
+    if all(getattr(a, f) == getattr(b, f) for f in _COMPARED):
+        return True
+    return state_digest(a) == state_digest(b)
+
+
+_COMPARED: Final = tuple(f for f in ClusterState.__struct_fields__ if f != "live_claims")
+
 SNAPSHOT_FORMAT: Final = 2  # 1 was msgpack, which overflowed on large devices
 
 
@@ -1166,6 +1201,7 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     nodes: dict[str, NodeState]
     namespaces: dict[str, NamespaceState]
     dead_letters: int
+    refused: dict[int, str] = {}  # absent from snapshots written before refusals
 
 
 _SNAPSHOT_ENCODER: Final = msgspec.json.Encoder(enc_hook=encode_hook)
@@ -1186,6 +1222,7 @@ def snapshot_encode(state: ClusterState) -> bytes:
         nodes=state.nodes,
         namespaces=state.namespaces,
         dead_letters=state.dead_letters,
+        refused=state.refused,
     )
     return _SNAPSHOT_ENCODER.encode(snap)
 
@@ -1214,6 +1251,7 @@ def snapshot_decode(data: bytes) -> ClusterState:
         nodes=snap.nodes,
         namespaces=snap.namespaces,
         dead_letters=snap.dead_letters,
+        refused=snap.refused,
         live_claims=live,
     )
 

@@ -6,7 +6,10 @@ three steps, each of which can fail with one error type, :class:`ManifestError`:
 1. **Parse** the text: JSON (a single object, a ``kind: List`` or a ``<Kind>List`` with
    ``items``) when it is one JSON value, else multi-document YAML (JSON objects
    separated by ``---`` are YAML too, as ``kubectl`` reads them). Empty documents are
-   skipped. YAML goes through libyaml (``yaml.CSafeLoader``) where PyYAML has it.
+   skipped. YAML goes through libyaml (``yaml.CSafeLoader``) where PyYAML has it. A
+   document nested deeper than :data:`~events.nesting.MAX_MANIFEST_DEPTH` (64) levels is
+   refused, naming the field where it goes too deep and the limit — JSON text before it
+   is parsed (:func:`events.nesting.too_deep`), so no parser recurses into it.
 2. **Decode** each document by its ``kind`` into the Struct of :data:`events.model.KINDS`
    after checking ``apiVersion`` (``resource.k8s.io/v1`` for DRA kinds, ``v1`` for
    Namespace). msgspec's type errors and quantity syntax errors are translated into
@@ -39,6 +42,7 @@ import yaml
 from events import model
 from events.errors import QuantityError, ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
+from events.nesting import depth_rule, too_deep, too_deep_value
 from events.tenancy import check_annotations
 from events.validation import validate
 
@@ -173,13 +177,18 @@ def _parse(text: str, source: str) -> list[Any]:
     """
     json_error: json.JSONDecodeError | None = None
     if text.lstrip().startswith(("{", "[")):
+        deep = too_deep(text)  # before a parser recurses into it
+        if deep is not None:
+            raise ManifestError(source, 1, deep, depth_rule())
         try:
             return [json.loads(text)]
         except json.JSONDecodeError as exc:
             json_error = exc
     try:
         with _collector_paused():
-            return list(yaml.load_all(text, Loader=_ManifestLoader))
+            documents = list(yaml.load_all(text, Loader=_ManifestLoader))
+    except RecursionError:
+        raise ManifestError(source, None, "<root>", depth_rule()) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         if json_error is not None and (mark is None or mark.index <= json_error.pos):
@@ -192,6 +201,7 @@ def _parse(text: str, source: str) -> list[Any]:
         where = f"line {mark.line + 1} column {mark.column + 1}" if mark else "(unknown position)"
         problem = getattr(exc, "problem", None) or str(exc)
         raise ManifestError(source, None, where, f"invalid YAML: {problem}") from exc
+    return documents
 
 
 @contextlib.contextmanager
@@ -333,6 +343,9 @@ def load_documents(
     objects: list[model.Manifest] = []
     for document, item, data in _items(_parse(text, source)):
         fail = _Fail(source, document, item, data)
+        deep = too_deep_value(data)  # a YAML document (JSON was checked as text), or an
+        if deep is not None:  # alias that refers to itself: as deep as it goes
+            fail(deep, depth_rule())
         obj = _decode(data, fail)
         if check:
             try:

@@ -10,12 +10,14 @@ an expected failure — no server configured or reachable, a missing database, a
 that does not answer in time, a :class:`~services.exitcodes.CommandError` — is one
 line on stderr, never a traceback.
 
-SIGTERM is a request to stop, like SIGINT: from the moment the command starts, before
-a long-running service has its event loop's handlers (it may still be importing or
-connecting), it raises :class:`KeyboardInterrupt`. A command that answers it ends
-cleanly (the services and watches: 0); anywhere else the process ends with
-``ExitCode.INTERRUPTED`` (130), without a traceback. Before, a service told to stop
-while it started died of the signal.
+SIGTERM is a request to stop. A long-running service answers it on its event loop once
+it runs (it ends its work and exits 0); before that — while the command imports,
+parses or connects — the process exits at once with ``ExitCode.INTERRUPTED`` (130):
+nothing is half-done then, and without it the process died of the signal (-15). The
+exit is immediate (``os._exit``) rather than an exception raised wherever the signal
+lands: one raised inside an extension module's import crashed the interpreter. SIGINT
+keeps Python's ``KeyboardInterrupt``, answered with 130 and no traceback where the
+command does not answer it itself.
 """
 
 from __future__ import annotations
@@ -83,24 +85,25 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
+def _stop_now(_signum: int, _frame: object) -> None:
+    os._exit(ExitCode.INTERRUPTED)  # see the module docstring
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if argv is None:  # this process is the command: SIGTERM stops it as SIGINT does
-        signal.signal(signal.SIGTERM, _interrupt)
+    if argv is None:  # this process is the command: SIGTERM before it runs ends it (130)
+        signal.signal(signal.SIGTERM, _stop_now)
     try:
         return _dispatch(sys.argv[1:] if argv is None else list(argv))
-    except KeyboardInterrupt:  # stopped (SIGINT, SIGTERM) where the command does not say
+    except KeyboardInterrupt:  # SIGINT where the command does not answer it
         return ExitCode.INTERRUPTED
 
 
 def _dispatch(argv: list[str]) -> int:
-    # imported here, after main() took SIGTERM: they take a while (see the docstring)
+    # imported here, after main() took SIGTERM: importing takes a while
     from services.runtime.credentials import CredentialError
     from services.runtime.endpoints import ConnectionFileError, EndpointError
     from services.runtime.errors import RetryableError
+    from services.runtime.printable import printable
     from services.runtime.settings import SettingsError
 
     parser = build_parser(argv)
@@ -114,11 +117,11 @@ def _dispatch(argv: list[str]) -> int:
     except BrokenPipeError:  # the reader of the output went away (`dracap devices | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return ExitCode.OK
-    except CommandError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except CommandError as exc:  # one line, whatever text of a tenant's it carries
+        print(f"error: {printable(exc)}", file=sys.stderr)
         return exc.exit_code
     except (EndpointError, CredentialError, RetryableError, SettingsError) as exc:  # one line
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(exc)}", file=sys.stderr)
         bad_input = isinstance(exc, ConnectionFileError | CredentialError | SettingsError)
         return ExitCode.BAD_INPUT if bad_input else ExitCode.ERROR
     return code

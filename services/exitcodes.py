@@ -22,13 +22,23 @@ code  name                  meaning
                             name conflict, a request that kept losing races)
 5     INVARIANT_VIOLATED    a check ran to the end and found a guarantee broken:
                             ``replay verify`` (the fold of the log differs from the
-                            projections, or an event breaks an invariant), ``prove
-                            bandwidth`` (a share off its rate by more than 3 %, pushed
-                            below it, or capacity not given back)
-130   INTERRUPTED           stopped by SIGINT or SIGTERM before the command began
-                            its work (a service or watch stopped once it runs
-                            ends cleanly with 0)
+                            projections), ``prove bandwidth`` (a share off its rate by
+                            more than 3 %, pushed below it, or capacity not given back)
+6     EVENTS_REFUSED        ``replay verify``: everything agrees, but the log holds
+                            events the fold refuses (each listed with its position,
+                            type, actor and reason; every reader skips them)
+7     SNAPSHOT_MISMATCH     ``replay verify``: a stored snapshot (or a file's
+                            checkpoint) that a reader would start from is not the
+                            fold at its position: forged or stale
+130   INTERRUPTED           stopped by SIGTERM before the command runs (while it
+                            imports or connects: a service stopped once it runs
+                            ends with 0), or by SIGINT where it does not answer it
 ====  ====================  =========================================================
+
+``replay verify`` exits with the worst it found: 5 before 7 before 6. An event the fold
+refuses used to be a violation (5) forever, since the log is append-only; it is its own
+outcome now, so that a script can tell a log with known refused events from one whose
+projections or snapshots are wrong.
 
 A broken guarantee (``replay verify``, ``prove bandwidth``) used to share 1 with an
 internal error, which left a script unable to tell a broken log from a database that
@@ -54,6 +64,8 @@ class ExitCode(enum.IntEnum):
     NOT_FOUND = 3
     REJECTED = 4
     INVARIANT_VIOLATED = 5
+    EVENTS_REFUSED = 6
+    SNAPSHOT_MISMATCH = 7
     INTERRUPTED = 130
 
 

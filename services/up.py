@@ -411,6 +411,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
             nc=stack.bus("ledger")[0],
             directory=stack.directory,
             authenticated=stack.directory is not None,
+            live=live,
         )
         stack.spawn(ledger.projector.name, functools.partial(ledger.run, stop))
     for node in nodes:

@@ -39,6 +39,7 @@ from events.subjects import BusNames
 from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, Update, build, needs
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore
+from services.runtime.livestate import LiveState
 from services.runtime.queries import QueryError, limited_to
 from services.runtime.subscribers import QueryingSubscriber, decode_query
 
@@ -176,9 +177,16 @@ class AuditService(QueryingSubscriber):
         nc: Client | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
+        live: LiveState | None = None,
     ) -> None:
         super().__init__(
-            store, names, name=name, nc=nc, directory=directory, authenticated=authenticated
+            store,
+            names,
+            name=name,
+            nc=nc,
+            directory=directory,
+            authenticated=authenticated,
+            live=live,
         )
 
     async def write(self, connection: Connection, envs: Sequence[Envelope]) -> None:

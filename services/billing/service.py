@@ -62,6 +62,7 @@ from services.billing.usage import (
 )
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore
+from services.runtime.livestate import LiveState
 from services.runtime.metrics import USAGE
 from services.runtime.queries import limited_to
 from services.runtime.subscribers import QueryingSubscriber, decode_query
@@ -240,6 +241,7 @@ class BillingService(QueryingSubscriber):
         nc: Client | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
+        live: LiveState | None = None,
     ) -> None:
         super().__init__(
             store,
@@ -249,6 +251,7 @@ class BillingService(QueryingSubscriber):
             directory=directory,
             authenticated=authenticated,
             types=TYPES,
+            live=live,
         )
 
     async def write(self, connection: Connection, envs: Sequence[Envelope]) -> Callable[[], None]:

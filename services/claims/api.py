@@ -114,6 +114,7 @@ from events.fold import ClaimKey, ClusterState
 from events.inventory import build_inventory
 from events.manifests import load_documents
 from events.model import DeviceClass, Manifest, ResourceSlice
+from events.nesting import MAX_MANIFEST_DEPTH, depth_rule, too_deep
 from events.selectors import INLINE_COMPILE_CHARS, is_checked, record_verdict
 from events.subjects import BusNames
 from events.tenancy import NamespacePolicy, check_policy
@@ -257,6 +258,9 @@ async def _done(reply: bytes) -> bytes:
 
 
 def _decode(data: bytes, typ: type[Any]) -> Any:
+    deep = too_deep(data, MAX_MANIFEST_DEPTH)  # before msgspec recurses into it
+    if deep is not None:
+        raise _InvalidRequestError(deep, depth_rule(MAX_MANIFEST_DEPTH))
     try:
         return msgspec.json.decode(data or b"{}", type=typ, dec_hook=model.decode_hook)
     except msgspec.ValidationError as exc:

@@ -63,7 +63,6 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-import yaml
 
 from events import model
 from events.catalog import CLASS_MODES, ENFORCEMENT_LEVELS
@@ -72,6 +71,7 @@ from events.manifests import MAX_MANIFEST_BYTES, ManifestError, load_documents
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args
+from services.runtime.printable import json_text, table, yaml_text
 
 __all__ = ["read_claims", "register"]
 
@@ -185,20 +185,13 @@ def device_rows(devices: Sequence[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in [header, *rows]
-    ]
-    return "\n".join(lines)
-
-
 def emit(output: str, data: Any, render_table: Callable[[], str]) -> None:
+    """``data`` as JSON or YAML, or the table ``render_table`` gives, each escaped for a
+    terminal (:mod:`services.runtime.printable`)."""
     if output == "json":
-        print(json.dumps(data, indent=2))
+        print(json_text(json.dumps(data, indent=2)))
     elif output == "yaml":
-        sys.stdout.write(yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
+        sys.stdout.write(yaml_text(data))
     else:
         print(render_table())
     sys.stdout.flush()
@@ -325,9 +318,9 @@ async def _watch(api: ApiClient, args: argparse.Namespace) -> int:
 
 def _print_change(output: str, view: dict[str, Any], header: bool) -> None:
     if output == "json":
-        print(json.dumps(view), flush=True)
+        print(json_text(json.dumps(view)), flush=True)
     elif output == "yaml":
-        sys.stdout.write("---\n" + yaml.safe_dump(view, sort_keys=False))
+        sys.stdout.write("---\n" + yaml_text(view))
         sys.stdout.flush()
     else:
         text = table(CLAIM_HEADER, claim_rows([view]))

@@ -16,6 +16,7 @@ import msgspec
 from services.planning.capacity import CapacityPlan
 from services.planning.simulating import SimResult
 from services.planning.traces import TraceClaim, format_bytes
+from services.runtime.printable import table
 
 __all__ = ["plan_table", "result_rows", "table", "to_json", "trace_summary"]
 
@@ -33,15 +34,6 @@ SIM_HEADER: Final = (
     "DEVICES NEEDED",
     "DECISION µs",
 )
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Columns left-aligned, two spaces apart."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in [header, *rows]
-    )
 
 
 def _fraction(value: float | None) -> str:

@@ -15,15 +15,15 @@ but starts its fold from the newest checkpoint at or before ``P`` that verifies
 it, its event id is that line's, and the snapshot verifies as a database snapshot does
 (checksum, event id, format, position: :func:`~services.runtime.snapshots.verify_snapshot`).
 One that does not is skipped with a warning and the next older one tried, else the fold
-starts at 0: never a wrong answer, only slower.
+starts at 0.
 
 A checkpoint that verifies is **trusted** as a database start trusts a snapshot: a
 checkpoint forged consistently (its checksum, event id and format right, its state
 wrong) and the file's checksum recomputed would be believed by ``state --at``.
 ``replay verify --log FILE`` is the check: it folds every event from 0 and compares
 each checkpoint with the fold at its position (:func:`compare`); one that differs is a
-failure naming its position. ``replay import`` ignores checkpoint lines (the database
-writes its own snapshots).
+failure naming its position (exit 7, ``SNAPSHOT_MISMATCH``). ``replay import`` ignores
+checkpoint lines (the database writes its own snapshots).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any, Final
 
 import msgspec
 
-from events.errors import CatalogError, InvariantViolation, SnapshotError
-from events.fold import ClusterState, snapshot_encode, state_digest
+from events.errors import InvariantViolation, SnapshotError
+from events.fold import ClusterState, same_state, snapshot_encode
 from services.replay.logfile import Checkpoint, CheckpointLine, LogWriter
 from services.replay.verify import fold_rows, paused_gc
 from services.runtime.snapshots import FRAME_VERSION, frame, verify_snapshot
@@ -143,27 +143,19 @@ def compare(found: Checkpoint, state: ClusterState, head: int) -> None:
         stored = checkpoint_state(found, head)
     except SnapshotError as exc:
         raise CheckpointMismatchError(found.position, f"does not verify: {exc}") from None
-    if not _same(stored, state):
+    if not same_state(stored, state):
         raise CheckpointMismatchError(
             found.position, "its state differs from the fold of the events before it"
         )
-
-
-def _same(stored: ClusterState, folded: ClusterState) -> bool:
-    fields = [f for f in ClusterState.__struct_fields__ if f != "live_claims"]  # an index
-    if all(getattr(stored, f) == getattr(folded, f) for f in fields):
-        return True
-    # equal in meaning but not in representation (a tuple decoded where the fold kept a
-    # list, say) still counts as the same: the digest compares plain data
-    return state_digest(stored) == state_digest(folded)
 
 
 class CheckpointWriter(LogWriter):
     """A :class:`~services.replay.logfile.LogWriter` that folds what it writes and writes
     a checkpoint line every ``every`` events and after the last (0: none at all).
 
-    A log that does not fold (an event breaks an invariant or does not decode) is still
-    written whole, without checkpoints from that event on (logged).
+    An event the fold refuses (:mod:`events.folding`) is written as it is and skipped by
+    the fold, as every reader skips it; a log that cannot be folded at all (a position
+    out of order) is still written whole, without checkpoints from there on (logged).
     """
 
     def __init__(self, path: str | Path, *, source: str = "", every: int = EVERY) -> None:
@@ -193,8 +185,8 @@ class CheckpointWriter(LogWriter):
         try:
             with paused_gc():
                 fold_rows(self.state, rows)
-        except (InvariantViolation, CatalogError) as exc:
-            log.warning("no more checkpoints: the log does not fold from there: %s", exc)
+        except InvariantViolation as exc:
+            log.warning("no more checkpoints: the log cannot be folded from there: %s", exc)
             self.every = 0
             return
         self._event_id = str(rows[-1][1])

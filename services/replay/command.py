@@ -2,10 +2,12 @@
 
 Verbs (``docs/forensics.md`` has examples):
 
-* ``verify [--from-start] [--log FILE]``: on the database, the fold of the log against
-  the guard rows (:mod:`services.replay.verify`); on a file, the fold alone (a file has
-  no guard rows) and every checkpoint line against the fold at its position: exit 0
-  clean, 5 (``INVARIANT_VIOLATED``) with the first violating position;
+* ``verify [--log FILE]``: on the database, the fold of the log from position 0 against
+  every stored snapshot and the guard rows (:mod:`services.replay.verify`); on a file,
+  the fold alone (a file has no guard rows) and every checkpoint line against the fold at
+  its position. Exit 0 clean, 5 (``INVARIANT_VIOLATED``) when the guard rows differ, 7
+  (``SNAPSHOT_MISMATCH``) for a forged or stale snapshot or checkpoint, 6
+  (``EVENTS_REFUSED``) when the only finding is events the fold refuses (each listed);
 * ``state --at POSITION|TIME [-o table|json|yaml]``, ``timeline OBJECT``, ``diff A B``,
   ``plot DEVICE|NODE|CLASS --out FILE.png`` (:mod:`services.replay.history`);
 * ``export --out FILE [--checkpoint-every N]`` / ``import FILE``
@@ -21,7 +23,11 @@ Every question takes ``--log FILE`` (an export: no database needed) or finds the
 database like every command (:mod:`services.runtime.endpoints`; read-only role first).
 Expected failures are one line on stderr: a file that is not a dracap log, was cut
 short or fails its checksum (exit 2), a database that cannot be reached (exit 1), a log
-that does not fold (exit 5, naming the position), an import into a non-empty log (4).
+whose positions are out of order (exit 5, naming the position), an import into a
+non-empty log (4). An event the fold refuses is skipped by every verb, as by every
+reader (:mod:`events.folding`), and logged once on stderr. Every answer is printed
+through :mod:`services.runtime.printable`: text a tenant wrote reaches the terminal with
+its control characters escaped, in every format.
 Reading a file or exporting shows a progress line when stderr is a terminal.
 """
 
@@ -32,7 +38,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -56,12 +62,13 @@ from services.replay.sources import (
     resolve,
 )
 from services.replay.transfer import ImportRefusedError, check_file, export_log, import_log
-from services.replay.verify import summary, verify
+from services.replay.verify import Report, recorder, refused_lines, summary, verify
 from services.runtime import eventloop
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import connect
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.metrics import metrics_served
+from services.runtime.printable import json_text, printable
 from services.runtime.settings import ServiceKind, Settings, load_settings
 from services.runtime.snapshots import EVERY_EVENTS
 
@@ -124,7 +131,7 @@ def _question(args: argparse.Namespace, ask: Callable[[LogSource], Awaitable[T]]
 
 def _emit(data: Any, output: str, table: Callable[[], str]) -> None:
     if output == "json":
-        print(msgspec.json.format(msgspec.json.encode(data), indent=2).decode())
+        print(json_text(msgspec.json.format(msgspec.json.encode(data), indent=2)))
     elif output == "yaml":
         print(to_yaml(msgspec.to_builtins(data)))
     else:
@@ -134,39 +141,62 @@ def _emit(data: Any, output: str, table: Callable[[], str]) -> None:
 # --- verbs ---------------------------------------------------------------------------------
 
 
+#: The exit code of each outcome of a verification (the worst found: 5, then 7, then 6).
+_VERIFIED: Final = {
+    "ok": ExitCode.OK,
+    "refused": ExitCode.EVENTS_REFUSED,
+    "snapshot": ExitCode.SNAPSHOT_MISMATCH,
+    "mismatch": ExitCode.INVARIANT_VIOLATED,
+}
+
+
 def _verify(args: argparse.Namespace) -> int:
     if args.log:
         return _verify_file(args)
     settings, url = _settings(args, ServiceKind.READONLY)
     with reaching("PostgreSQL", url):
-        report = asyncio.run(verify(settings, from_start=args.from_start))
+        report = asyncio.run(verify(settings))
     print(summary(report))
-    return ExitCode.OK if report.ok else ExitCode.INVARIANT_VIOLATED
+    return _VERIFIED[report.outcome]
 
 
 def _verify_file(args: argparse.Namespace) -> int:
     progress = progress_for(f"verifying {args.log}", "bytes")
+    report = Report()
     try:
-        state = check_file(args.log, progress, checkpoints=True)
+        state = check_file(args.log, progress, checkpoints=True, on_refused=recorder(report))
     except ImportRefusedError as exc:
-        print(f"INVARIANT VIOLATED at position {exc.position}: {exc}")
+        _print(f"INVARIANT VIOLATED at position {exc.position}: {exc}")
         print(f"FAILED: first violating position {exc.position}")
         return ExitCode.INVARIANT_VIOLATED
     except CheckpointMismatchError as exc:
-        print(f"CHECKPOINT MISMATCH at position {exc.position}: {exc}")
-        print(f"FAILED: first violating position {exc.position}")
-        return ExitCode.INVARIANT_VIOLATED
+        _print(f"CHECKPOINT MISMATCH at position {exc.position}: {exc}")
+        print(f"FAILED: forged or stale checkpoint at position {exc.position}")
+        return ExitCode.SNAPSHOT_MISMATCH
     except LogFileError as exc:
         raise CommandError(str(exc), ExitCode.BAD_INPUT) from None
     finally:
         if progress is not None:
             progress.close()
-    print(f"replayed {state.position} events of {args.log}")
+    _print(f"replayed {state.position} events of {args.log}")
+    for line in refused_lines(report.refused):
+        _print(line)
+    if report.refused:
+        print(
+            f"REFUSED: {len(report.refused)} event(s) of the file are refused and skipped by "
+            f"every reader (first at position {report.refused[0].position}); every checkpoint "
+            "is the fold at its position"
+        )
+        return ExitCode.EVENTS_REFUSED
     print(
         "OK: every event folds without breaking an invariant and every checkpoint is the "
         "fold at its position (a file has no guard rows)"
     )
     return ExitCode.OK
+
+
+def _print(line: str) -> None:
+    print(printable(line))
 
 
 def _state(args: argparse.Namespace) -> int:
@@ -412,7 +442,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     check.add_argument(
         "--from-start",
         action="store_true",
-        help="fold from position 0 instead of the newest snapshot that verifies",
+        help="(kept for scripts: verify always folds from position 0, checking every snapshot)",
     )
     _log_or_database(check)
     check.set_defaults(func=_verify)

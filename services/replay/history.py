@@ -1,8 +1,10 @@
 """Forensic questions over the log: state at a point, an object's timeline, a diff, usage.
 
-All of them fold stored rows with the replay loop of ``replay verify``
-(:func:`services.replay.verify.fold_rows`) from a :mod:`services.replay.sources` source,
-so the answers are the fold's — the same meaning the services decided on.
+All of them fold stored rows through the fold's driver (:mod:`events.folding`, with the
+replay loop of ``replay verify``: :func:`services.replay.verify.fold_rows`) from a
+:mod:`services.replay.sources` source, so the answers are the fold's — the same meaning
+the services decided on — and an event the fold refuses is skipped by each of them (the
+timeline still lists it when it names the object, with why it was refused).
 
 * :func:`state_at`: the fold up to a position (from the newest verified snapshot at or
   before it, on a database); :func:`view` turns it into the devices, shares, claims and
@@ -28,12 +30,13 @@ from typing import Any, Final
 import msgspec
 
 from events.actors import ActorError, parse_actor
-from events.catalog import decode_stored
+from events.catalog import Event
 from events.errors import InvariantViolation
-from events.fold import ClusterState, ShareState, apply_event, to_builtins
+from events.fold import ClusterState, ShareState, to_builtins
+from events.folding import Refusal, fold_stored
 from events.model import encode_hook
 from services.replay.sources import LogSource
-from services.replay.verify import fold_rows, paused_gc
+from services.replay.verify import fold_rows, note_refused, paused_gc
 from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
 
 __all__ = [
@@ -55,7 +58,8 @@ SECTIONS: Final = ("devices", "shares", "claims", "nodes")
 
 
 class ReplayBrokenError(Exception):
-    """The log does not fold: an event breaks an invariant (names its position)."""
+    """The log cannot be folded: a position out of order (names it). An event the fold
+    refuses is no such error: it is skipped (:mod:`events.folding`)."""
 
     def __init__(self, position: int, detail: str) -> None:
         super().__init__(f"the log does not fold at position {position}: {detail}")
@@ -196,7 +200,7 @@ def find_entity(state: ClusterState, text: str) -> Entity | None:
 
 
 class Step(msgspec.Struct, kw_only=True):
-    """One event in an object's timeline."""
+    """One event in an object's timeline (``refused``: why the fold skipped it)."""
 
     position: int
     recorded_at: str
@@ -204,6 +208,7 @@ class Step(msgspec.Struct, kw_only=True):
     actor: str
     actor_kind: str
     changes: dict[str, tuple[Any, Any]]
+    refused: str | None = None
 
 
 def _plain(record: Any) -> Any:
@@ -232,11 +237,11 @@ async def timeline(source: LogSource, entity: Entity) -> list[Step]:
         async for rows in source.rows(0):
             for row in rows:
                 payload = bytes(row[PAYLOAD])
-                event = decode_stored(payload, row[TYPE], row[SCHEMA_VERSION])
-                try:
-                    apply_event(state, event, row[POSITION])
-                except InvariantViolation as exc:
-                    raise ReplayBrokenError(exc.position, str(exc)) from None
+                folded = _fold(state, row, payload)
+                refused = None
+                if isinstance(folded, Refusal):
+                    note_refused(folded, row)
+                    refused = f"{folded.reason}: {folded.detail}"
                 after = _plain(entity.record(state))
                 if after != before or entity.named_in(payload):
                     actor = row[ACTOR]
@@ -248,10 +253,19 @@ async def timeline(source: LogSource, entity: Entity) -> list[Step]:
                             actor=actor,
                             actor_kind=_actor_kind(actor),
                             changes=field_changes(before, after),
+                            refused=refused,
                         )
                     )
                 before = after
     return steps
+
+
+def _fold(state: ClusterState, row: Any, payload: bytes) -> Event | Refusal:
+    """Fold one row through the fold's driver (a position out of order: ReplayBrokenError)."""
+    try:
+        return fold_stored(state, payload, row[TYPE], row[SCHEMA_VERSION], row[POSITION])
+    except InvariantViolation as exc:
+        raise ReplayBrokenError(exc.position, str(exc)) from None
 
 
 # --- usage over time (the plot) ------------------------------------------------------------
@@ -320,11 +334,10 @@ async def usage_series(
     scale = 1.0  # nanos until the end, then the unit of the final state
     async for page in source.rows(0):
         for row in page:
-            event = decode_stored(bytes(row[PAYLOAD]), row[TYPE], row[SCHEMA_VERSION])
-            try:
-                apply_event(state, event, row[POSITION])
-            except InvariantViolation as exc:
-                raise ReplayBrokenError(exc.position, str(exc)) from None
+            event = _fold(state, row, bytes(row[PAYLOAD]))
+            if isinstance(event, Refusal):
+                note_refused(event, row)
+                continue  # skipped: nothing changed
             share_id = getattr(event, "share_id", None)
             if isinstance(share_id, str) and share_id not in seen:
                 seen.add(share_id)

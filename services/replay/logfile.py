@@ -58,6 +58,7 @@ import hashlib
 import io
 import mmap
 import os
+import re
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -172,6 +173,14 @@ class DecodedLine(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 _ROWS: Final = msgspec.json.Decoder(list[FileRow])
+#: The eleven columns before the payload, for a line whose payload nests too deep for a
+#: parser to skip (:func:`_row_of`): each a JSON scalar followed by a comma.
+_HEAD: Final = re.compile(
+    rb'\s*\[(?:\s*(?:"(?:[^"\\]|\\.)*"|-?[0-9][0-9.eE+-]*|null|true|false)\s*,){11}', re.S
+)
+_HEAD_COLUMNS: Final = msgspec.json.Decoder(
+    tuple[int, str, str, int, str, int, str | None, str, str | None, str | None, str]
+)
 #: Decode one event line into a :class:`DecodedLine` (msgspec errors for anything else).
 decode_line: Final = msgspec.json.Decoder(DecodedLine, dec_hook=decode_hook).decode
 _ROW_LIST: Final = msgspec.json.Decoder(FileRow)
@@ -271,6 +280,23 @@ class LogWriter:
         self._tmp.unlink(missing_ok=True)
 
 
+def _row_of(line: bytes) -> FileRow:
+    """One event line as a row. A line whose payload nests deeper than a parser can skip
+    (a ``RecursionError``: an event admitted before the depth limit, :mod:`events.nesting`)
+    is split without parsing the payload: the eleven columns before it are scalars, and
+    the payload is kept as it is (``msgspec.Raw``), for the fold's driver to decode."""
+    try:
+        return _ROW_LIST.decode(line)
+    except RecursionError:
+        pass
+    head = _HEAD.match(line)
+    end = line.rstrip().rfind(b"]")
+    if head is None or end < head.end():
+        raise msgspec.DecodeError("not an event line (its payload nests too deep to read)")
+    columns = _HEAD_COLUMNS.decode(line[: head.end() - 1] + b"]")
+    return (*columns, msgspec.Raw(line[head.end() : end].strip()))
+
+
 def _open(path: str | Path) -> IO[bytes]:
     try:
         return open(path, "rb")
@@ -351,7 +377,7 @@ class LinePage:
         """Line ``index`` as a plain row; :class:`LogFileError` if it is not the next event."""
         line_no = self.line_no + index
         try:
-            row = _ROW_LIST.decode(self.lines[index])
+            row = _row_of(self.lines[index])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise LogFileError(f"{self.path}: line {line_no}: {exc}") from None
         if row[0] != self.first + index:
@@ -380,7 +406,7 @@ class Checkpoint:
         if not self.event_line:
             return None
         try:
-            return str(_ROW_LIST.decode(self.event_line)[1])
+            return str(_row_of(self.event_line)[1])
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
 
@@ -645,14 +671,15 @@ def _chunks(f: IO[bytes], read: int, end_offset: int) -> Iterator[bytes]:
 def _decode(body: bytes, path: str | Path, line_no: int) -> list[FileRow]:
     try:
         return _ROWS.decode(b"[" + body.rstrip(b"\n").replace(b"\n", b",") + b"]")
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         pass
-    for i, line in enumerate(body.splitlines()):  # find the line to name it
+    rows = []
+    for i, line in enumerate(body.splitlines()):  # line by line: name the bad one
         try:
-            _ROW_LIST.decode(line)
+            rows.append(_row_of(line))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise LogFileError(f"{path}: line {line_no + i + 1}: {exc}") from None
-    raise LogFileError(f"{path}: lines after {line_no}: do not decode")
+    return rows
 
 
 def _gap(rows: Sequence[FileRow], expected: int, path: str | Path) -> None:

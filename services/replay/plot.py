@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from services.replay.history import Sample
-from services.runtime.plotting import require_matplotlib
+from services.runtime.plotting import label, require_matplotlib
 
 __all__ = ["check_plotting", "plot_usage"]
 
@@ -46,7 +46,7 @@ def plot_usage(
         ax.stackplot(
             times,
             layers,
-            labels=tenants,
+            labels=[label(t) for t in tenants],
             step="post",
             colors=[palette(i % 10) for i in range(len(tenants))],
             alpha=0.85,
@@ -71,7 +71,7 @@ def plot_usage(
                 label=None if labelled else "Unknown",
             )
             labelled, start = True, None
-    ax.set_title(title)
+    ax.set_title(label(title))
     ax.set_xlabel("time recorded (UTC)")
     ax.set_ylabel(f"{capacity} consumed" + (f" ({unit})" if unit else ""))
     ax.set_ylim(bottom=0)

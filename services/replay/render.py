@@ -1,8 +1,13 @@
 """Text output of the forensic replay commands: tables, JSON, YAML, and a progress line.
 
 YAML is written by :func:`to_yaml` (block style, strings JSON-quoted — valid YAML 1.2),
-so ``-o yaml`` needs no YAML library. The progress line goes to stderr only when it is a
-terminal (:func:`progress_for`), and is erased when the work is done.
+so ``-o yaml`` needs no YAML library; it walks the data with a stack of its own, not by
+recursion, so no depth of a stored value can stop it. The progress line goes to stderr
+only when it is a terminal (:func:`progress_for`), and is erased when the work is done.
+
+Text a tenant can influence (claim and share names, reasons, a refused event's detail,
+opaque configuration) goes through :mod:`services.runtime.printable` in every format:
+each table cell and YAML string, with its control characters escaped.
 """
 
 from __future__ import annotations
@@ -10,12 +15,13 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 import msgspec
 
 from services.replay.history import Change, Step
+from services.runtime.printable import json_text, table
 
 __all__ = ["Progress", "diff_table", "progress_for", "state_table", "timeline_table", "to_yaml"]
 
@@ -27,7 +33,7 @@ def _scalar(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return str(value)
-    return msgspec.json.encode(str(value)).decode()
+    return json_text(msgspec.json.encode(str(value)))  # JSON escapes are YAML's too
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
@@ -41,41 +47,53 @@ def _key(key: Any) -> str:
 
 
 def to_yaml(value: Any, indent: int = 0) -> str:
-    """Block-style YAML of plain data (dicts, lists, scalars)."""
-    pad = "  " * indent
+    """Block-style YAML of plain data (dicts, lists, scalars), walked without recursion.
+
+    A list item that is a mapping or list starts on the item's line (``- key: value``):
+    the first line written for it takes ``- `` in place of its indentation.
+    """
+    if not isinstance(value, dict | list | tuple) or not value:
+        return _leaf(value)
+    lines: list[str] = []
+    lead: str | None = None  # what replaces the indentation of the next line written
+    stack: list[tuple[Iterator[tuple[str | None, Any]], int]] = [(_items(value), indent)]
+    while stack:
+        items, level = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            continue
+        key, child = item
+        pad = "  " * level
+        nested = isinstance(child, dict | list | tuple) and bool(child)
+        if key is not None:  # a mapping's entry
+            text = f"{pad}{_key(key)}:" if nested else f"{pad}{_key(key)}: {_leaf(child)}"
+        elif nested:  # a list item holding a container: its first line follows "- "
+            lead = (lead or pad) + "- "
+            stack.append((_items(child), level + 1))
+            continue
+        else:
+            text = f"{pad}- {_leaf(child)}"
+        if lead is not None:
+            text, lead = lead + text.lstrip(" "), None
+        lines.append(text)
+        if nested:
+            stack.append((_items(child), level + 1))
+    return "\n".join(lines)
+
+
+def _items(value: Any) -> Iterator[tuple[str | None, Any]]:
     if isinstance(value, dict):
-        if not value:
-            return "{}"
-        lines = []
-        for k, v in value.items():
-            if isinstance(v, dict | list) and v:
-                lines.append(f"{pad}{_key(k)}:\n{to_yaml(v, indent + 1)}")
-            else:
-                lines.append(f"{pad}{_key(k)}: {to_yaml(v, 0)}")
-        return "\n".join(lines)
+        return iter(list(value.items()))
+    return iter([(None, v) for v in value])
+
+
+def _leaf(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{}"
     if isinstance(value, list | tuple):
-        if not value:
-            return "[]"
-        lines = []
-        for v in value:
-            if isinstance(v, dict | list) and v:
-                inner = to_yaml(v, indent + 1).lstrip()
-                lines.append(f"{pad}- {inner}")
-            else:
-                lines.append(f"{pad}- {to_yaml(v, 0)}")
-        return "\n".join(lines)
+        return "[]"
     return _scalar(value)
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    for row in cells:
-        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    return "\n".join(out)
 
 
 def _amounts(values: dict[str, Any] | None) -> str:
@@ -134,18 +152,16 @@ def state_table(view: dict[str, Any]) -> str:
         f"state at position {view['position']}",
         "",
         "DEVICES",
-        _table(
-            ("DEVICE", "NODE", "TOTAL", "CONSUMED", "SHARES", "EXCLUSIVE", "UNHEALTHY"), devices
-        ),
+        table(("DEVICE", "NODE", "TOTAL", "CONSUMED", "SHARES", "EXCLUSIVE", "UNHEALTHY"), devices),
         "",
         "SHARES",
-        _table(("SHARE", "CLAIM", "REQUEST", "DEVICE", "STATE", "CONSUMED", "NODE"), shares),
+        table(("SHARE", "CLAIM", "REQUEST", "DEVICE", "STATE", "CONSUMED", "NODE"), shares),
         "",
         "CLAIMS",
-        _table(("CLAIM", "PHASE", "NODE", "ALLOCATION", "SHARES"), claims),
+        table(("CLAIM", "PHASE", "NODE", "ALLOCATION", "SHARES"), claims),
         "",
         "NODES",
-        _table(("NODE", "LEASE", "LEASED", "EXPIRED", "FENCED", "LIVE SHARES"), nodes),
+        table(("NODE", "LEASE", "LEASED", "EXPIRED", "FENCED", "LIVE SHARES"), nodes),
     ]
     return "\n".join(parts)
 
@@ -164,8 +180,17 @@ def _changes(fields: dict[str, tuple[Any, Any]], limit: int = 6) -> str:
 
 def timeline_table(what: str, steps: Sequence[Step]) -> str:
     """One line per step: position, time, event type, actor, what changed."""
-    rows = [(s.position, s.recorded_at, s.type, s.actor, _changes(s.changes)) for s in steps]
-    return f"timeline of {what}: {len(steps)} event(s)\n" + _table(
+    rows = [
+        (
+            s.position,
+            s.recorded_at,
+            s.type,
+            s.actor,
+            f"REFUSED ({s.refused}): skipped" if s.refused else _changes(s.changes),
+        )
+        for s in steps
+    ]
+    return f"timeline of {what}: {len(steps)} event(s)\n" + table(
         ("POSITION", "RECORDED", "EVENT", "ACTOR", "CHANGED"), rows
     )
 
@@ -173,7 +198,7 @@ def timeline_table(what: str, steps: Sequence[Step]) -> str:
 def diff_table(a: int, b: int, changes: Sequence[Change]) -> str:
     """One line per changed key (fields of a changed one listed)."""
     rows = [(c.section, c.key, c.kind, _changes(c.fields) if c.fields else "") for c in changes]
-    return f"from position {a} to {b}: {len(changes)} change(s)\n" + _table(
+    return f"from position {a} to {b}: {len(changes)} change(s)\n" + table(
         ("SECTION", "KEY", "CHANGE", "FIELDS"), rows
     )
 

@@ -6,15 +6,19 @@ payloads go out exactly as stored, with their schema versions. It folds the log 
 writes and puts a checkpoint line every ``checkpoint_every`` events and after the last
 (:mod:`services.replay.checkpoints`; 0: none).
 
-Import refuses a file that does not check out (header, gap-free positions, checksum,
-and the fold: a file that does not fold — an oversubscription, say — is refused with
-the violating position) **before** it writes anything, and writes only into an empty
-log (head 0: importing on top of another history would renumber it). Then, in one
+Import refuses a file that does not check out (header, gap-free positions, checksum)
+**before** it writes anything, and writes only into an empty log (head 0: importing on
+top of another history would renumber it). It folds the file first as every reader
+does (:mod:`events.folding`): an event the fold refuses — one that does not decode, an
+oversubscription — is skipped there and *kept* in the log: the log is copied as it
+was, and every reader of the imported log skips the same events again. Then, in one
 transaction holding the head lock, it copies the rows as they are — positions, event
-ids, actors, times — with binary ``COPY`` and runs the database's guards over them
-(``dracap_guard``, as the bulk append path does), so the guard tables end where the
-exporting database's were; ``replay verify`` on the result is the proof. Checkpoint
-lines are not imported nor compared (the database writes its own snapshots).
+ids, actors, times, payloads byte for byte — with binary ``COPY`` and runs the
+database's guards over the events that decode (``dracap_guard``, as the bulk append
+path does; the exporting database ran them when it appended each one), so the guard
+tables end where the exporting database's were; ``replay verify`` on the result is the
+proof. Checkpoint lines are not imported nor compared (the database writes its own
+snapshots).
 
 :func:`check_file` with ``checkpoints`` (``replay verify --log``) also compares every
 checkpoint line with the fold at its position (:func:`services.replay.checkpoints.compare`).
@@ -30,15 +34,15 @@ from typing import Any
 
 import asyncpg
 
-from events.catalog import decode_stored
 from events.errors import InvariantViolation
 from events.fold import ClusterState
+from events.folding import Refusal, decode
 from events.guards import encode_guards, guards_of_many
 from services.replay.checkpoints import EVERY, CheckpointMismatchError, CheckpointWriter, compare
 from services.replay.logfile import Checkpoint, read_end, read_rows
-from services.replay.verify import fold_rows, paused_gc
+from services.replay.verify import OnRefused, fold_rows, note_refused, paused_gc
 from services.runtime.eventstore import CHANNEL, iter_rows
-from services.runtime.rows import COLUMNS, PAYLOAD, SCHEMA_VERSION, TYPE
+from services.runtime.rows import COLUMNS, PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
 
 __all__ = ["ImportRefusedError", "check_file", "export_log", "import_log"]
 
@@ -81,11 +85,16 @@ async def export_log(
 
 
 def check_file(
-    path: str | Path, progress: Progress | None = None, *, checkpoints: bool = False
+    path: str | Path,
+    progress: Progress | None = None,
+    *,
+    checkpoints: bool = False,
+    on_refused: OnRefused = note_refused,
 ) -> ClusterState:
     """Read and fold the whole file; raises LogFileError or :class:`ImportRefusedError`
     (with ``checkpoints``: also :class:`~services.replay.checkpoints.CheckpointMismatchError`
-    for the first checkpoint that is not the fold at its position)."""
+    for the first checkpoint that is not the fold at its position). Each event the fold
+    refuses is skipped and handed to ``on_refused``."""
     state = ClusterState()
     head = read_end(path)[0].last
     mismatch: CheckpointMismatchError | None = None  # raised once the checksum held
@@ -99,7 +108,7 @@ def check_file(
                         mismatch = exc
                 continue
             try:
-                fold_rows(state, rows)
+                fold_rows(state, rows, on_refused)
             except InvariantViolation as exc:
                 if mismatch is not None:  # the earlier position
                     raise mismatch from None
@@ -142,7 +151,8 @@ async def import_log(
                 f"the database's log is not empty (head {head}): import needs an empty one"
             )
         for rows in read_rows(path, progress=progress):
-            events = [decode_stored(bytes(r[PAYLOAD]), r[TYPE], r[SCHEMA_VERSION]) for r in rows]
+            decoded = (decode(r[PAYLOAD], r[TYPE], r[SCHEMA_VERSION], r[POSITION]) for r in rows)
+            events = [e for e in decoded if not isinstance(e, Refusal)]
             await connection.copy_records_to_table(
                 "events", records=[_record(r) for r in rows], columns=list(COLUMNS)
             )

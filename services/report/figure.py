@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.report.panels import Panel, Report, Series
-from services.runtime.plotting import require_matplotlib
+from services.runtime.plotting import label, require_matplotlib
 
 __all__ = ["check_plotting", "draw"]
 
@@ -56,7 +56,7 @@ def draw(report: Report, path: str | Path, *, source: str) -> None:
         else:
             _lines(ax, panel, divide, span)
             ax.set_xlabel(f"{unit} since {report.start:%H:%M:%S} UTC")
-        ax.set_title(panel.title, fontsize=10, loc="left")
+        ax.set_title(label(panel.title), fontsize=10, loc="left")
     for j in range(len(report.panels), rows * _COLUMNS):
         axes[j // _COLUMNS][j % _COLUMNS].set_visible(False)
     fig.suptitle(
@@ -79,10 +79,12 @@ def draw(report: Report, path: str | Path, *, source: str) -> None:
 def _plot(ax: Any, series: Series, divide: float, color: Any) -> None:
     times = [t / divide for t in series.times]
     if series.style == "points":
-        ax.plot(times, series.values, "o", markersize=4, label=series.label, color=color)
+        ax.plot(times, series.values, "o", markersize=4, label=label(series.label), color=color)
     else:
         linestyle = "--" if series.style == "dashed" else "-"
-        ax.plot(times, series.values, linestyle, linewidth=1.4, label=series.label, color=color)
+        ax.plot(
+            times, series.values, linestyle, linewidth=1.4, label=label(series.label), color=color
+        )
 
 
 def _lines(ax: Any, panel: Panel, divide: float, span: float) -> None:
@@ -125,8 +127,9 @@ def _lines(ax: Any, panel: Panel, divide: float, span: float) -> None:
 
 
 def _bars(ax: Any, panel: Panel) -> None:
-    labels = list(panel.bars)
-    values = [panel.bars[label] for label in labels]
+    names = list(panel.bars)
+    values = [panel.bars[name] for name in names]
+    labels = [label(name) for name in names]
     ax.barh(labels, [1.0] * len(labels), color="lightgrey", label="total")
     ax.barh(labels, values, color="tab:blue", label="allocated")
     ax.set_xlim(0, 1)

@@ -46,13 +46,14 @@ from events.catalog import (
     NodeFenced,
     NodeLeaseExpired,
     ShareMarkedUnknown,
-    decode_stored,
 )
 from events.errors import InvariantViolation
-from events.fold import ClaimKey, ClusterState, apply_event
+from events.fold import ClaimKey, ClusterState
+from events.folding import Refusal, decode, fold_event, refuse
 from events.quantities import Format
 from services.replay.history import ReplayBrokenError, class_of_share
 from services.replay.sources import LogSource
+from services.replay.verify import note_refused
 from services.runtime.gauges import allocated_ratios, class_members, stranded_ratios
 from services.runtime.livestate import INVENTORY_EVENTS
 from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
@@ -176,20 +177,24 @@ class _Fold:
         #: the most claims unconverged / shares unknown: name -> class -> bucket -> count
         self.peaks: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
 
-    def feed(self, event: Event, position: int, at: datetime.datetime, bucket: int | None) -> None:
+    def feed(
+        self, event: Event, position: int, at: datetime.datetime, bucket: int | None
+    ) -> Refusal | None:
         """Fold ``event``, recorded ``at``; count it in ``bucket`` (``None``: before the
-        window)."""
+        window). An event the fold refuses is skipped: its refusal is returned."""
         touched = _claims_named(self.state, event)
         before = {k: c.phase for k in touched if (c := self.state.claims.get(k)) is not None}
         try:
-            apply_event(self.state, event, position)
+            refusal = fold_event(self.state, event, position)
         except InvariantViolation as exc:
             raise ReplayBrokenError(exc.position, str(exc)) from None
+        if refusal is not None:
+            return refusal  # skipped, as every reader skips it (events.folding)
         if isinstance(event, INVENTORY_EVENTS):
             self.members = None
         seen = self.slos.observe(self.state, event, at)
         if bucket is None:
-            return
+            return None
         counts = self.counts
         for key in touched:
             claim = self.state.claims.get(key)
@@ -208,6 +213,7 @@ class _Fold:
                 self.recoveries[o.label].append(((at - self.start).total_seconds(), o.value))
             else:
                 self.spans[o.kind][o.label][bucket].append(o.value)
+        return None
 
     def sample(self, at: datetime.datetime, bucket: int) -> None:
         """Take every gauge's value now, at time ``at``, the end of ``bucket``."""
@@ -293,9 +299,15 @@ async def build_report(
                 fold.sample(next_sample, k)
                 k += 1
                 next_sample = since + datetime.timedelta(seconds=step * k)
-            event = decode_stored(bytes(row[PAYLOAD]), row[TYPE], row[SCHEMA_VERSION])
+            event = decode(row[PAYLOAD], row[TYPE], row[SCHEMA_VERSION], row[POSITION])
             in_window = at >= since
-            fold.feed(event, row[POSITION], at, max(k, 1) if in_window else None)
+            if isinstance(event, Refusal):
+                note_refused(refuse(fold.state, event), row)
+                continue
+            refused = fold.feed(event, row[POSITION], at, max(k, 1) if in_window else None)
+            if refused is not None:
+                note_refused(refused, row)
+                continue
             if in_window:
                 events += 1
                 positions = [positions[0] or row[POSITION], row[POSITION]]

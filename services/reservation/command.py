@@ -30,6 +30,7 @@ from events.validation import validate
 from services.exitcodes import ExitCode
 from services.reservation.allocating import Allocator, grants_from_claim
 from services.reservation.outcomes import Allocated, Invalid, Outcome
+from services.runtime.printable import json_text, printable
 
 
 class ReportRow(msgspec.Struct, kw_only=True):
@@ -138,7 +139,7 @@ def render_table(rows: Sequence[ReportRow]) -> str:
             )
         else:
             detail = row.reason
-        lines.append(f"{row.claim:<32} {row.outcome:<14} {detail}")
+        lines.append(f"{printable(row.claim):<32} {row.outcome:<14} {printable(detail)}")
     return "\n".join(lines)
 
 
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         gates = parse_feature_gates(args.feature_gates or "")
     except ValidationError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(exc)}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     try:
         objects = load_paths(args.filename, check=False)
@@ -158,12 +159,12 @@ def run(args: argparse.Namespace) -> int:
             except ValidationError as exc:
                 raise ManifestError(source, None, exc.field, exc.rule, obj=exc.obj) from exc
     except ManifestError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(exc)}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     decisions = allocate_manifests(objects, node=args.node, gates=gates)
     if args.output == "json":
         rows = report_rows(decisions)
-        sys.stdout.write(msgspec.json.encode({"results": rows}).decode() + "\n")
+        sys.stdout.write(json_text(msgspec.json.encode({"results": rows})) + "\n")
     elif args.output == "yaml":
         sys.stdout.write(dump_yaml([with_status(claim, outcome) for claim, outcome in decisions]))
     else:

@@ -227,6 +227,7 @@ class ReservationService:
         self._replan = asyncio.Event()
         self._seed(live.state)
         live.subscribe(self.observe)
+        live.on_replaced(self._reseed)
         self._confirmation = LogConfirmation(store, live)
 
     # -- allocator state, kept from the live state -------------------------------------
@@ -237,6 +238,14 @@ class ReservationService:
         for key, claim in state.claims.items():
             if claim.phase in PENDING_PHASES:
                 self._pending[key] = None
+
+    def _reseed(self, state: ClusterState) -> None:
+        """The live state was replaced (its snapshot did not check out): start over from it."""
+        self._counted.clear()
+        self._pending.clear()
+        self._allocator = None
+        self._seed(state)
+        self._replan.set()
 
     def _allocator_for(self, state: ClusterState) -> Allocator:
         if self._allocator is None:

@@ -21,10 +21,20 @@ query — by the time an agent or a planner gets a message, its own view has usu
 folded the event already; the rest (and every consumer without a view) cost one
 ``SELECT`` per group of messages (:meth:`EventStore.read_positions`).
 
-A message that cannot even be decoded is confirmed by its ``Nats-Msg-Id`` alone (the
-relay sets it to the event id): the log holding that id means a real event this
-consumer cannot read (a newer producer, say) — it is dead-lettered as before; an id
-the log does not hold makes it unconfirmed.
+Refused events (:mod:`events.folding`) are skipped here, by every consumer, as every
+reader of the log skips them:
+
+* a message that cannot even be decoded is looked up by its ``Nats-Msg-Id`` (the relay
+  sets it to the event id): when the log's row of that id is one the fold's driver
+  refuses to decode as well, the message is that refused event (:meth:`LogConfirmation.
+  undecodable` gives its :class:`~events.folding.Refusal`) and is acknowledged unhandled,
+  counted once (:mod:`services.runtime.refusals`), never dead-lettered; an id the log does
+  not hold, or holds as an event that decodes, makes it unconfirmed;
+* a confirmed message of an event the fold refused (a ``LimitApplied`` for a share that
+  is ready already, say) is acknowledged unhandled too: a consumer with a live view asks
+  it (:meth:`LogConfirmation.refused`: the view folded up to the message records each
+  refusal). (The audit and billing subscribers consume no message: they read the log
+  in order themselves and skip refused events there, :mod:`services.runtime.projecting`.)
 
 This is the rule "act only on what the log says" at the door; the handlers add the
 second half of it — they decide from the folded state, never from the message alone
@@ -42,8 +52,10 @@ from typing import Final
 import msgspec
 
 from events.catalog import Envelope
+from events.folding import Refusal
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import LiveState
+from services.runtime.rows import ACTOR, SELECT, decoded
 
 __all__ = ["RECENT_KEPT", "WARN_EVERY_S", "LogConfirmation", "same_event"]
 
@@ -70,6 +82,7 @@ class LogConfirmation:
         self, store: EventStore, live: LiveState | None = None, *, kept: int = RECENT_KEPT
     ) -> None:
         self._store = store
+        self._live = live
         self._kept = kept
         self._recent: dict[int, Envelope] = {}
         self._order: collections.deque[int] = collections.deque()  # positions, oldest first
@@ -106,3 +119,25 @@ class LogConfirmation:
         except ValueError:
             return False
         return await self._store.holds_event(event_id)
+
+    async def undecodable(self, event_id: str) -> tuple[Refusal, str] | None:
+        """The refusal (and actor) of the logged event an undecodable message carried the
+        id of, if the fold's driver refuses to decode that event too; ``None`` when the log
+        does not hold the id, or holds an event that decodes (the message is not it)."""
+        try:
+            uuid.UUID(event_id)
+        except ValueError:
+            return None
+        row = await self._store.pool.fetchrow(f"{SELECT} WHERE event_id = $1::uuid", event_id)
+        if row is None:
+            return None
+        event = decoded(row)
+        return (event, row[ACTOR]) if isinstance(event, Refusal) else None
+
+    async def refused(self, envs: Sequence[Envelope]) -> list[str | None]:
+        """For each confirmed envelope, the reason the fold refused its event (``None``:
+        folded, or no live view to ask)."""
+        if self._live is None or not envs:
+            return [None] * len(envs)
+        state = await self._live.fresh(max(e.position for e in envs))
+        return [state.refused.get(e.position) for e in envs]

@@ -115,8 +115,10 @@ message with a delay from ``backoff`` (by delivery count). On delivery number
 ``max_deliver`` the consumer gives up: it appends ``MessageDeadLettered`` (stream
 ``system:<name>``, causation = the message's event id) together with the
 ``processed_messages`` row and the checkpoint, terminates the message and counts
-``dracap_dead_letters_total``. A message that cannot even be decoded is
-dead-lettered at once.
+``dracap_dead_letters_total``. A message that cannot even be decoded is the message of
+an event the fold refuses (acknowledged unhandled, counted once as refused, never
+dead-lettered) or one the log does not hold (unconfirmed); a message of an event the
+fold refused is acknowledged unhandled as well (:mod:`services.runtime.confirming`).
 
 A failure that says a server cannot be reached
 (:func:`~services.runtime.outages.is_unreachable`: PostgreSQL restarting, say) is not
@@ -183,6 +185,7 @@ from services.runtime.eventstore import (
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES
 from services.runtime.outages import StateLog, is_unreachable, one_line
+from services.runtime.refusals import note
 
 __all__ = ["Consumer", "GroupHandler", "Handled", "Handler", "HandlerContext"]
 
@@ -442,6 +445,7 @@ class Consumer:
         self.ignored = 0  #: messages ``wants`` declined (acked without a commit)
         self.dead_lettered = 0
         self.unconfirmed = 0  #: messages the log does not hold as sent (terminated)
+        self.refused = 0  #: messages of events the fold refuses (acknowledged unhandled)
         #: event id -> deliveries lost to an outage (oldest first)
         self._excused: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._unconfirmed_unlogged = 0  # dropped since the last warning
@@ -593,8 +597,10 @@ class Consumer:
     async def _confirmed(self, msgs: Sequence[Msg]) -> list[_Incoming]:
         """Decode ``msgs`` and keep those the log confirms (see :mod:`.confirming`).
 
-        An undecodable message the log holds is dead-lettered; one it does not hold,
-        and every decoded message it does not hold as sent, is dropped and counted.
+        An undecodable message that is an event the fold refuses, and a message of an
+        event the fold refused, are acknowledged unhandled; an undecodable one the log
+        does not hold, and every decoded message it does not hold as sent, is dropped and
+        counted.
         """
         decoded: list[_Incoming] = []
         for msg in msgs:
@@ -622,22 +628,44 @@ class Consumer:
                 confirmed.append(incoming)
             else:
                 await self._drop_unconfirmed(incoming.msg, incoming.env.event_id)
-        return confirmed
+        return await self._folded(confirmed)
+
+    async def _folded(self, confirmed: list[_Incoming]) -> list[_Incoming]:
+        """``confirmed`` less the events the fold refused (acknowledged unhandled)."""
+        try:
+            reasons = await self._confirmation.refused([i.env for i in confirmed])
+        except Exception as exc:
+            if not is_unreachable(exc):
+                raise
+            for incoming in confirmed:
+                await self._excuse(incoming.msg, incoming.env.event_id, exc)
+            return []
+        kept: list[_Incoming] = []
+        for incoming, reason in zip(confirmed, reasons, strict=True):
+            if reason is None:
+                kept.append(incoming)
+                continue
+            self.refused += 1
+            await incoming.msg.ack()  # the log holds it; nobody acts on it (events.folding)
+        return kept
 
     async def _undecodable(self, msg: Msg, exc: CatalogError) -> None:
-        """Dead-letter an undecodable message the log holds; drop any other one."""
+        """Skip an undecodable message that is a refused event of the log; drop any other."""
         event_id = (msg.headers or {}).get(Header.MSG_ID.value, "")
         try:
-            held = await self._confirmation.holds(event_id)
+            found = await self._confirmation.undecodable(event_id)
         except Exception as failure:
             if not is_unreachable(failure):
                 raise
             await self._excuse(msg, event_id, failure)
             return
-        if held:
-            await self._give_up(msg, _DeadLetter(event_id, 0, None, f"undecodable: {exc}"))
-        else:
+        if found is None:
             await self._drop_unconfirmed(msg, event_id or "(no id)")
+            return
+        refusal, actor = found
+        note(refusal, event_id, actor)
+        self.refused += 1
+        await _quietly(msg.ack())
 
     def _delivery(self, msg: Msg, event_id: str) -> int:
         """The delivery count, less the deliveries a server outage made fail."""

@@ -77,6 +77,7 @@ from events.catalog import (
     namespace_of,
 )
 from events.errors import CatalogError
+from events.folding import Refusal
 from events.guards import encode_guards, guards_of_many
 from events.model import decode_hook
 from services.runtime.errors import (
@@ -88,7 +89,14 @@ from services.runtime.errors import (
     StaleEpoch,
     map_database_error,
 )
-from services.runtime.rows import COLUMNS, SELECT, copy_records, envelope_of
+from services.runtime.rows import (
+    COLUMNS,
+    SELECT,
+    copy_records,
+    decoded,
+    envelope_of,
+    envelope_with,
+)
 from services.runtime.settings import Settings
 
 _log = logging.getLogger(__name__)
@@ -695,11 +703,17 @@ class EventStore:
         return [envelope_of(row) for row in rows]
 
     async def read_positions(self, positions: Sequence[int]) -> list[Envelope]:
-        """The events stored at ``positions`` (those that exist), in position order."""
+        """The events stored at ``positions`` (those that exist and decode: the fold's
+        driver refuses the others, :mod:`events.folding`), in position order."""
         rows = await self._pool.fetch(
             f"{SELECT} WHERE position = ANY($1::bigint[]) ORDER BY position", list(positions)
         )
-        return [envelope_of(row) for row in rows]
+        out = []
+        for row in rows:
+            event = decoded(row)
+            if not isinstance(event, Refusal):
+                out.append(envelope_with(row, event))
+        return out
 
     async def holds_event(self, event_id: str) -> bool:
         """Whether the log holds an event with this id (a UUID string)."""

@@ -222,6 +222,10 @@ class CapacityGauges:
         """Listen to the live state and set the gauge from its current state now."""
         if self._unsubscribe is None:
             self._unsubscribe = self.live.subscribe(self._changed)
+            self.live.on_replaced(lambda _state: self._rebuilt())
+        self._rebuilt()
+
+    def _rebuilt(self) -> None:
         self._members = None
         self.refresh()
 

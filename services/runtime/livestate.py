@@ -69,11 +69,26 @@ the stored rows straight away (:meth:`LiveState._fold_rows`): no envelope is bui
 event (a catch-up of 100,000 events on a 1 M-event log: ~1.5-2.0 s -> ~1.0-1.3 s on the
 2-core development machine; reading the rows is much of what is left).
 
-An event the fold refuses (``InvariantViolation``) is *skipped*: the log is the source
-of truth and is never rewritten, so the view records the violation
-(:attr:`LiveState.violations`), logs it, and moves on; ``dracap replay verify`` reports
-the same position. The database's own constraints (capacity ledger CHECK, exclusive
-holds) are what keep such an event from ever oversubscribing a device.
+Refused events
+--------------
+The view folds through the fold's driver (:mod:`events.folding`), like every reader of
+the log: an event whose payload does not decode, or whose step the fold refuses (an
+``InvariantViolation`` or any other error of the step), is *skipped* — the state stays
+as it was before it, :attr:`~events.fold.ClusterState.refused` records it, the
+listeners do not hear of it, :mod:`services.runtime.refusals` counts and logs it once
+per process, and the latest are kept in :attr:`LiveState.violations`. The log is the
+source of truth and is never rewritten, so one bad event must not stop the view (and
+every request behind it) forever; ``dracap replay verify`` reports the same positions.
+The database's own constraints (capacity ledger CHECK, exclusive holds) are what keep
+such an event from ever oversubscribing a device.
+
+A start from a snapshot
+-----------------------
+:meth:`LiveState.load_snapshot` starts from the newest stored snapshot that verifies
+(:mod:`services.runtime.snapshots`), and :meth:`LiveState.run` then checks it in the
+background against a fold from position 0 (:mod:`services.runtime.snapshotcheck`); on a
+mismatch the view is replaced by that fold (:meth:`LiveState.replace`) and whoever keeps
+indexes derived from the state is told (:meth:`LiveState.on_replaced`).
 """
 
 from __future__ import annotations
@@ -98,21 +113,26 @@ from events.catalog import (
     ResourceSlicePublished,
     ResourceSliceWithdrawn,
 )
-from events.errors import InvariantViolation
-from events.fold import ClusterState, apply, apply_event
+from events.fold import ClusterState
+from events.folding import Refusal, fold_event, fold_stored
 from services.runtime.errors import RuntimeServiceError
 from services.runtime.eventstore import Connection, EventStore, iter_rows
 from services.runtime.handover import Handover
 from services.runtime.outages import is_unreachable
+from services.runtime.refusals import note
 from services.runtime.rows import (
+    ACTOR,
     EVENT_ID,
+    PAYLOAD,
     POSITION,
+    SCHEMA_VERSION,
     STREAM,
     STREAM_VERSION,
+    TYPE,
     Row,
-    envelope_of,
-    event_of,
+    envelope_with,
 )
+from services.runtime.snapshotcheck import check_start
 from services.runtime.snapshots import load_verified
 from services.runtime.waiting import first_of
 
@@ -166,8 +186,11 @@ class LiveState:
         self.batch_size = batch_size
         #: bumped whenever classes, slices or request policies change
         self.inventory_generation = 0
-        #: the latest fold refusals (position, message), oldest first
+        #: the latest refused events (position, reason and detail), oldest first
         self.violations: list[tuple[int, str]] = []
+        #: the position of the snapshot this view started from while it is not checked yet
+        self.unchecked_start: int | None = None
+        self._replaced: list[Callable[[ClusterState], None]] = []
         self._versions: dict[str, int] = {}
         self._versions_complete = True  # False after starting from a snapshot
         self._read_lock = asyncio.Lock()  # one log read at a time (callers share it)
@@ -196,7 +219,32 @@ class LiveState:
         self.state = state
         self._versions_complete = False
         self.inventory_generation += 1
+        self.unchecked_start = state.position
         return True
+
+    def on_replaced(self, callback: Callable[[ClusterState], None]) -> Callable[[], None]:
+        """Call ``callback(state)`` when :meth:`replace` swaps the state (a derived index
+        must be rebuilt from it); returns an unsubscriber."""
+        self._replaced.append(callback)
+
+        def unsubscribe() -> None:
+            with contextlib.suppress(ValueError):
+                self._replaced.remove(callback)
+
+        return unsubscribe
+
+    def replace(self, state: ClusterState) -> None:
+        """Serve ``state`` from now on (a fold that was checked: the one the snapshot this
+        view started from did not match). Call it inside :meth:`frozen`, with ``state``
+        at the view's position or past it."""
+        self.state = state
+        self.unchecked_start = None
+        self.inventory_generation += 1
+        for callback in tuple(self._replaced):
+            try:
+                callback(state)
+            except Exception:
+                log.exception("state replacement listener failed")
 
     # -- listeners -----------------------------------------------------------------------
 
@@ -230,24 +278,25 @@ class LiveState:
 
     # -- folding -------------------------------------------------------------------------
 
-    def _refused(self, event_id: str, position: int, exc: InvariantViolation) -> None:
-        log.error(
-            "fold refused an event; skipping it",
-            extra={"event_id": event_id, "position": position},
-            exc_info=False,
-        )
-        self.violations.append((position, str(exc)))
+    def _refused(self, refusal: Refusal, event_id: str, actor: str | None) -> None:
+        note(refusal, event_id, actor)
+        self.violations.append((refusal.position, f"{refusal.reason}: {refusal.detail}"))
         del self.violations[:-_VIOLATIONS_KEPT]
-        self.state.position = max(self.state.position, position)
 
     def _fold(self, envelope: Envelope) -> None:
-        try:
-            apply(self.state, envelope)
-        except InvariantViolation as exc:
-            self._refused(envelope.event_id, envelope.position, exc)
+        """Fold an envelope handed over by this process's store (decoded already)."""
+        if envelope.position <= self.state.position:
+            return  # folded already (read from the log before it was handed over)
+        refusal = fold_event(self.state, envelope.event, envelope.position)
         self._versions[envelope.stream] = envelope.stream_version
+        if refusal is not None:
+            self._refused(refusal, envelope.event_id, envelope.actor)
+            return
         if isinstance(envelope.event, INVENTORY_EVENTS):
             self.inventory_generation += 1
+        self._tell(envelope)
+
+    def _tell(self, envelope: Envelope) -> None:
         for listener in tuple(self._listeners):
             try:
                 listener(envelope)
@@ -255,18 +304,21 @@ class LiveState:
                 log.exception("state listener failed", extra={"event_id": envelope.event_id})
 
     def _fold_rows(self, rows: Sequence[Row]) -> None:
-        """:meth:`_fold` of stored rows, for when nobody listens: no envelopes."""
+        """Fold stored rows; an envelope is built only when somebody listens."""
         state, versions = self.state, self._versions
         inventory = _INVENTORY_TYPES
+        listening = bool(self._listeners)
         for row in rows:
-            event = event_of(row)
-            try:
-                apply_event(state, event, row[POSITION])
-            except InvariantViolation as exc:
-                self._refused(str(row[EVENT_ID]), row[POSITION], exc)
+            position = row[POSITION]
+            event = fold_stored(state, row[PAYLOAD], row[TYPE], row[SCHEMA_VERSION], position)
             versions[row[STREAM]] = row[STREAM_VERSION]
+            if type(event) is Refusal:
+                self._refused(event, str(row[EVENT_ID]), row[ACTOR])
+                continue
             if type(event) in inventory:
                 self.inventory_generation += 1
+            if listening:
+                self._tell(envelope_with(row, event))  # type: ignore[arg-type]
 
     # -- freshness -----------------------------------------------------------------------
 
@@ -319,11 +371,7 @@ class LiveState:
             )
             async for rows in pages:
                 async with self._fold_lock:  # not while a decision holds the state still
-                    if self._listeners:
-                        for row in rows:
-                            self._fold(envelope_of(row))
-                    else:
-                        self._fold_rows(rows)
+                    self._fold_rows(rows)
                 folded += len(rows)
                 if self._position_waiters:
                     self._wake_position_waiters()
@@ -386,10 +434,16 @@ class LiveState:
         The appends this process's store commits are handed over as they commit and
         folded without reading them back when they come next; whatever else was
         announced (other processes, a gap) is read. A failing read (database
-        restarting) is logged and retried after ``poll_s``.
+        restarting) is logged and retried after ``poll_s``. A view that started from a
+        snapshot checks it meanwhile (:func:`services.runtime.snapshotcheck.check_start`).
         """
         self._tailing = True
         offered = self._handover.offered
+        checking = (
+            asyncio.create_task(check_start(self, stop), name="dracap-snapshot-check")
+            if self.unchecked_start is not None
+            else None
+        )
         try:
             with self._handover.attached(self.store):
                 read = True  # the first round reads whatever is there
@@ -410,6 +464,10 @@ class LiveState:
                         await first_of(asyncio.sleep(poll_s), stop.wait())
         finally:
             self._tailing = False
+            if checking is not None:
+                checking.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await checking
 
     async def _fold_offered(self) -> int:
         """Fold the handed-over envelopes that come next (serialised with reads)."""

@@ -40,6 +40,7 @@ __all__ = [
     "DEAD_LETTERS",
     "EMBEDDED_SERVER_RESTARTS",
     "ENFORCEMENT_LATENCY",
+    "EVENTS_REFUSED",
     "HEALTH_CHECK_UP",
     "KUBELET_CALLS",
     "KUBELET_CALL_DURATION",
@@ -49,6 +50,7 @@ __all__ = [
     "SCHEDULING_LATENCY",
     "SELECTOR_JOBS",
     "SNAPSHOTS_WRITTEN",
+    "SNAPSHOT_CHECKS",
     "SNAPSHOT_FAILURES",
     "SNAPSHOT_POSITION",
     "UNCONFIRMED_MESSAGES",
@@ -208,6 +210,21 @@ SNAPSHOT_POSITION: Final = Gauge(
     "dracap_snapshot_position",
     "Log position of the newest snapshot this process's writer knows stored (read at its "
     "start, then each one it writes); a start folds the events after it.",
+    registry=REGISTRY,
+)
+EVENTS_REFUSED: Final = Counter(
+    "dracap_events_refused_total",
+    "Stored events this process's readers skipped because the fold refuses them, by reason "
+    "(undecodable, invariant, error); each event counted once per process.",
+    ["reason"],
+    registry=REGISTRY,
+)
+SNAPSHOT_CHECKS: Final = Counter(
+    "dracap_snapshot_checks_total",
+    "Background checks of the snapshot a live state started from against a fold from "
+    "position 0, by outcome (verified, mismatch: the state was refolded; failed: the check "
+    "could not finish and is tried again).",
+    ["outcome"],
     registry=REGISTRY,
 )
 BUILD_INFO: Final = Gauge(

@@ -3,13 +3,24 @@
 matplotlib is an optional dependency (``pip install 'dracap[plot]'``); the commands that
 write PNGs (``dracap report``, ``dracap replay plot``, ``dracap simulate --plot``) check
 for it before they read anything, so a missing library costs one line and exit 2.
+
+Every text a figure shows that the log or a tenant chose (tenants, classes, devices,
+titles naming an object) goes through :func:`label`: control characters escaped as for a
+terminal (:mod:`services.runtime.printable`), and ``$`` escaped so matplotlib draws it
+instead of reading mathematics between two of them.
 """
 
 from __future__ import annotations
 
 from services.exitcodes import CommandError, ExitCode
+from services.runtime.printable import printable
 
-__all__ = ["require_matplotlib"]
+__all__ = ["label", "require_matplotlib"]
+
+
+def label(text: object) -> str:
+    """``text`` as a figure may show it (see the module docstring)."""
+    return printable(text).replace("$", "\\$")
 
 
 def require_matplotlib(what: str) -> None:

@@ -33,6 +33,12 @@ with the services that decide, it runs a few transactions a second under any loa
 on its own pool (the ledger's login), and while it decodes a batch it hands the loop
 back every :data:`CHUNK` rows.
 
+Refused events (:mod:`events.folding`) are left out of what ``apply`` gets, as every
+reader of the log leaves them out: a row whose payload the fold's driver does not
+decode, and, given a live view, an event the fold refused there (the view is brought
+up to the batch's end first). Each is counted and logged once per process
+(:mod:`services.runtime.refusals`); the position moves past them all the same.
+
 A batch that fails (the database away, a bug) is rolled back and tried again after a
 back-off (``retry_s`` doubling to ``poll_s * 30``); the failure is logged once per
 change of reason, and nothing is skipped.
@@ -49,10 +55,13 @@ from typing import Final
 from prometheus_client import Gauge
 
 from events.catalog import Envelope
+from events.folding import Refusal
 from services.runtime.eventstore import Connection, EventStore
+from services.runtime.livestate import LiveState
 from services.runtime.metrics import REGISTRY
 from services.runtime.outages import one_line
-from services.runtime.rows import SELECT, envelope_of
+from services.runtime.refusals import note
+from services.runtime.rows import ACTOR, EVENT_ID, POSITION, SELECT, Row, decoded, envelope_with
 
 __all__ = ["CHUNK", "PROJECTOR_LAG", "Apply", "Projector"]
 
@@ -96,8 +105,11 @@ class Projector:
         linger_s: float = 0.2,
         poll_s: float = 1.0,
         retry_s: float = 0.5,
+        live: LiveState | None = None,
     ) -> None:
         self.store = store
+        #: the view whose refusals the projector leaves out (None: undecodable rows only)
+        self.live = live
         self.name = name
         self._apply = apply
         self._types = sorted(types) if types is not None else None
@@ -154,7 +166,8 @@ class Projector:
                 rows = await connection.fetch(_READ_ALL, done, upto)
             else:
                 rows = await connection.fetch(_READ_TYPES, done, upto, self._types)
-            envs = await _decoded(rows)
+            refused = (await self.live.fresh(upto)).refused if self.live is not None else {}
+            envs = await _decoded(rows, refused)
             committed = await self._apply(connection, envs) if envs else None
             await connection.execute(_MOVE, self.name, upto)
         if committed is not None:
@@ -173,13 +186,18 @@ class Projector:
         log.debug("projector %s: next try in %.1fs", self.name, delay)
 
 
-async def _decoded(rows: Sequence[object]) -> list[Envelope]:
-    """``rows`` as envelopes, handing the event loop back every :data:`CHUNK` rows."""
+async def _decoded(rows: Sequence[Row], refused: Collection[int]) -> list[Envelope]:
+    """``rows`` as envelopes, refused events left out (the undecodable ones noted), handing
+    the event loop back every :data:`CHUNK` rows."""
     out: list[Envelope] = []
-    for start in range(0, len(rows), CHUNK):
-        if start:
+    for start, row in enumerate(rows):
+        if start and not start % CHUNK:
             await asyncio.sleep(0)
-        out += [envelope_of(row) for row in rows[start : start + CHUNK]]  # type: ignore[arg-type]
+        event = decoded(row)
+        if isinstance(event, Refusal):
+            note(event, str(row[EVENT_ID]), row[ACTOR])
+        elif row[POSITION] not in refused:
+            out.append(envelope_with(row, event))
     return out
 
 

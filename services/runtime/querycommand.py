@@ -39,6 +39,7 @@ from services.runtime.apiclient import ApiClient
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import Connection, EventStore, connect
 from services.runtime.metrics import start_metrics_server
+from services.runtime.printable import json_text, printable, table
 from services.runtime.settings import ServiceKind, load_settings
 from services.runtime.subscribers import Difference
 
@@ -81,22 +82,18 @@ def _cell(value: Any) -> str:
 
 
 def emit(output: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """``rows`` as a table (``columns``), JSON (every field) or CSV (``columns``)."""
+    """``rows`` as a table (``columns``), JSON (every field) or CSV (``columns``), text
+    a tenant wrote escaped for a terminal (:mod:`services.runtime.printable`)."""
     if output == "json":
-        return json.dumps(list(rows), indent=2, default=str)
+        return json_text(json.dumps(list(rows), indent=2, default=str))
     cells = [[_cell(row.get(c)) for c in columns] for row in rows]
     if output == "csv":
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
         writer.writerow(columns)
-        writer.writerows(cells)
+        writer.writerows([[printable(c) for c in row] for row in cells])
         return buffer.getvalue().rstrip("\n")
-    header = [c.upper() for c in columns]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
-    lines = [header, *cells]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
-    )
+    return table([c.upper() for c in columns], cells)
 
 
 async def ask(

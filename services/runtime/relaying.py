@@ -77,6 +77,7 @@ from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 
 from events.catalog import SCHEMA_VERSIONS, Envelope, encode_event, schema_version_of
+from events.folding import Refusal
 from events.subjects import NODE_TAGS, BusNames
 from services.runtime import rows
 from services.runtime.errors import NotFound
@@ -86,6 +87,7 @@ from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import RELAY_LAG
 from services.runtime.outages import StateLog
 from services.runtime.rebuilding import BusKeeper
+from services.runtime.refusals import note
 from services.runtime.waiting import first_of
 
 __all__ = ["CHECKPOINT", "Outgoing", "Relay", "outgoing"]
@@ -128,18 +130,30 @@ class Outgoing(msgspec.Struct, frozen=True):
     position: int
 
 
-def outgoing(names: BusNames, row: asyncpg.Record) -> Outgoing:
-    """The bus message of one stored event row (see "Wire form" above)."""
+def outgoing(names: BusNames, row: asyncpg.Record) -> Outgoing | None:
+    """The bus message of one stored event row (see "Wire form" above); ``None`` for an
+    event the fold's driver refuses to decode whose message cannot be made (an old schema
+    version, a node that does not read): it is left off the bus, since every reader
+    skips it anyway (:mod:`events.folding`), and counted once."""
     tag, version = row[rows.TYPE], row[rows.SCHEMA_VERSION]
     if version != SCHEMA_VERSIONS.get(tag):
-        env = rows.envelope_of(row)
+        event = rows.decoded(row)
+        if isinstance(event, Refusal):
+            note(event, str(row[rows.EVENT_ID]), row[rows.ACTOR])
+            return None
+        env = rows.envelope_with(row, event)
         env = msgspec.structs.replace(env, schema_version=schema_version_of(env.event))
         return outgoing_envelope(names, env)
     wire = rows.raw_envelope_of(row)
-    node = _NODE_DECODER.decode(row[rows.PAYLOAD]).node if tag in NODE_TAGS else None
-    return Outgoing(
-        names.subject_of(tag, node), _ENCODER.encode(wire), wire.event_id, wire.position
-    )
+    try:
+        node = _NODE_DECODER.decode(row[rows.PAYLOAD]).node if tag in NODE_TAGS else None
+        subject = names.subject_of(tag, node)
+    except Exception:  # not a node name: the event does not decode (or the subject is bad)
+        event = rows.decoded(row)
+        if isinstance(event, Refusal):
+            note(event, str(row[rows.EVENT_ID]), row[rows.ACTOR])
+        return None
+    return Outgoing(subject, _ENCODER.encode(wire), wire.event_id, wire.position)
 
 
 def outgoing_envelope(names: BusNames, env: Envelope) -> Outgoing:
@@ -261,9 +275,9 @@ class Relay:
             if self._store.known_head <= self.position:
                 break  # nothing committed past us that we heard of
             async for page in self._store.read_rows(self.position, batch_size=self._window):
-                messages = [outgoing(self._names, row) for row in page]
-                await self._publish_window(messages)
-                self._advance(messages[-1].position)
+                made = (outgoing(self._names, row) for row in page)
+                await self._publish_window([m for m in made if m is not None])
+                self._advance(page[-1][rows.POSITION])
                 if stop.is_set():
                     return
             self._handover.discard_passed()

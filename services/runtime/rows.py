@@ -2,11 +2,13 @@
 
 A stored event is one row of twelve columns (:data:`COLUMNS`). Readers select them in
 that order (:data:`SELECT`) and writers copy them in that order (:func:`copy_records`,
-the bulk path's binary ``COPY``); :func:`envelope_of` turns a row into the
-:class:`~events.catalog.Envelope` every service folds, :func:`raw_envelope_of` into
-the relay's :class:`~events.catalog.RawEnvelope`, which keeps the stored JSON of the
-event as it is. Hot loops (replay) index rows with the named positions below rather
-than building objects per row.
+the bulk path's binary ``COPY``); :func:`decoded` gives a row's event, or the
+:class:`~events.folding.Refusal` of one the fold's driver refuses to decode (every
+reader skips those: :mod:`events.folding`); :func:`envelope_of` turns a row into the
+:class:`~events.catalog.Envelope` every service folds (``CatalogError`` for a refused
+one), :func:`raw_envelope_of` into the relay's :class:`~events.catalog.RawEnvelope`,
+which keeps the stored JSON of the event as it is. Hot loops (replay) index rows with
+the named positions below rather than building objects per row.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any, Final, TypeVar
 import asyncpg
 import msgspec
 
-from events.catalog import Envelope, Event, RawEnvelope, current_decoders, decode_stored
+from events.catalog import Envelope, Event, RawEnvelope
+from events.errors import CatalogError
+from events.folding import Refusal, decode
 
 #: The columns of ``events``, in the order every read and bulk write uses.
 COLUMNS: Final = (
@@ -41,6 +45,7 @@ STREAM: Final = 2
 STREAM_VERSION: Final = 3
 TYPE: Final = 4
 SCHEMA_VERSION: Final = 5
+ACTOR: Final = 7
 PAYLOAD: Final = 11
 
 #: ``SELECT`` of every column in :data:`COLUMNS` order (event ids as text).
@@ -85,24 +90,29 @@ def _envelope(cls: type[E], row: Row, event: Any) -> E:
     )
 
 
-_CURRENT: Final = current_decoders()
+def decoded(row: Row) -> Event | Refusal:
+    """The event of one stored row (:func:`events.folding.decode`: tolerant, upcast,
+    bounded in depth), or the :class:`~events.folding.Refusal` of a payload that does not
+    decode."""
+    return decode(row[PAYLOAD], row[TYPE], row[SCHEMA_VERSION], row[POSITION])
 
 
 def event_of(row: Row) -> Event:
-    """The event of one stored row: :func:`~events.catalog.decode_stored`, with a payload
-    at its type's current schema version going straight to that type's decoder."""
-    tag, version, payload = row[TYPE], row[SCHEMA_VERSION], row[PAYLOAD]
-    entry = _CURRENT.get(tag)
-    if entry is not None and entry[0] == version:
-        try:
-            return entry[1](payload)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            pass  # decode_stored raises the catalog's error for it
-    return decode_stored(payload, tag, version)
+    """The event of one stored row; ``CatalogError`` if the fold's driver refuses it."""
+    event = decoded(row)
+    if isinstance(event, Refusal):
+        raise CatalogError(f"position {event.position}: {event.detail}")
+    return event
+
+
+def envelope_with(row: Row, event: Event) -> Envelope:
+    """The envelope of one stored row whose event was decoded already."""
+    return _envelope(Envelope, row, event)
 
 
 def envelope_of(row: Row) -> Envelope:
-    """The envelope of one stored row (payload decoded tolerantly, with upcasting)."""
+    """The envelope of one stored row (payload decoded tolerantly, with upcasting);
+    ``CatalogError`` if the fold's driver refuses to decode it."""
     return _envelope(Envelope, row, event_of(row))
 
 

@@ -1,10 +1,12 @@
 """Snapshots of the fold: written every N events or M minutes, verified before use, pruned.
 
 Every start (a service's :class:`~services.runtime.livestate.LiveState`, ``dracap up``,
-``dracap replay``) begins from the newest stored snapshot that *verifies*, and folds only
-the events after it. A snapshot that does not verify is skipped (logged), and the next
-older one is tried; with none, the fold starts from position 0. Nothing is ever wrong
-because of a snapshot, only slower.
+``dracap replay state``) begins from the newest stored snapshot that *verifies*, and
+folds only the events after it. A snapshot that does not verify is skipped (logged), and
+the next older one is tried; with none, the fold starts from position 0. Verifying proves
+that a snapshot is of this log and not torn, not that its state is the fold: a live state
+checks the one it started from in the background (:mod:`services.runtime.snapshotcheck`)
+and ``dracap replay verify`` checks every one.
 
 Stored form (the ``snapshots`` table of migration 0001, no new migration)
 -------------------------------------------------------------------------
@@ -50,9 +52,11 @@ Verification (:func:`verify_snapshot`), in this order, each cheap before the cos
 
 Writing and pruning (:class:`SnapshotWriter`)
 --------------------------------------------
-The writer watches a :class:`LiveState` (it folds nothing itself) and writes a snapshot
-when the state is at least ``every_events`` (default :data:`EVERY_EVENTS`, 25,000) past
-the newest snapshot, or ``every_seconds`` (default 10 minutes) have passed and at least
+The writer watches a :class:`LiveState` (it folds nothing itself) — once that state is
+checked, if it started from a snapshot (:mod:`services.runtime.snapshotcheck`: a forged
+snapshot is never copied into new ones) — and writes a snapshot when the state is at
+least ``every_events`` (default :data:`EVERY_EVENTS`, 25,000) past the newest
+snapshot, or ``every_seconds`` (default 10 minutes) have passed and at least
 one event was folded since, and once more when it stops (a clean shutdown), so that the
 next start begins at the head instead of folding up to ``every_events`` again. 25,000
 bounds what a start after a crash folds (~0.3 s at 1 M events, below the 2 s start-up
@@ -97,7 +101,9 @@ if TYPE_CHECKING:
 __all__ = [
     "FRAME_VERSION",
     "KEEP",
+    "Detached",
     "SnapshotWriter",
+    "detach",
     "encode_detached",
     "frame",
     "frame_packed",
@@ -145,11 +151,40 @@ def frame_packed(packed: bytes, event_id: str) -> bytes:
 async def encode_detached(state: ClusterState) -> tuple[int, bytes]:
     """``state``'s position and its body compressed, encoded in a forked child (module
     docstring) so that the event loop is not stalled; on the loop without ``os.fork``."""
-    if not hasattr(os, "fork"):
-        position, body = state.position, snapshot_encode(state)
-        return position, await asyncio.to_thread(zlib.compress, body, 1)
-    read_fd, write_fd = os.pipe()
     position = state.position  # the child's image is of this instant: no await between
+    if not hasattr(os, "fork"):
+        body = snapshot_encode(state)
+        return position, await asyncio.to_thread(zlib.compress, body, 1)
+    packed, code = await detach(lambda: zlib.compress(snapshot_encode(state), 1)).result()
+    if code != 0:
+        raise SnapshotError(f"snapshot at {position}: the encoding process exited with {code}")
+    return position, packed
+
+
+class Detached:
+    """A forked child running a piece of work (:func:`detach`); :meth:`result` awaits it."""
+
+    __slots__ = ("pid", "read_fd")
+
+    def __init__(self, pid: int, read_fd: int) -> None:
+        self.pid = pid
+        self.read_fd = read_fd
+
+    async def result(self) -> tuple[bytes, int]:
+        """What the work returned and the child's exit code (0: it returned)."""
+        try:
+            return await asyncio.to_thread(_collect, self.pid, self.read_fd)
+        except BaseException:  # cancelled: the thread reaps the child once it is gone
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            raise
+
+
+def detach(work: Callable[[], bytes]) -> Detached:
+    """Fork a child that runs ``work`` on a copy-on-write image of this process as it is
+    at this call, and writes what it returns to a pipe. The child does nothing else (module
+    docstring): ``work`` must take no lock and do no I/O. Linux (``os.fork``) only."""
+    read_fd, write_fd = os.pipe()
     try:
         with warnings.catch_warnings():
             # Python 3.12+ warns that forking a process with threads may deadlock the
@@ -161,29 +196,21 @@ async def encode_detached(state: ClusterState) -> tuple[int, bytes]:
         os.close(write_fd)
         raise
     if pid == 0:
-        _encode_in_child(state, read_fd, write_fd)
+        _run_in_child(work, read_fd, write_fd)
     os.close(write_fd)
-    try:
-        packed, code = await asyncio.to_thread(_collect, pid, read_fd)
-    except BaseException:  # cancelled: the thread reaps the child once it is gone
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        raise
-    if code != 0:
-        raise SnapshotError(f"snapshot at {position}: the encoding process exited with {code}")
-    return position, packed
+    return Detached(pid, read_fd)
 
 
-def _encode_in_child(state: ClusterState, read_fd: int, write_fd: int) -> NoReturn:
-    """The forked child: encode, compress, write to the pipe, exit (never returns)."""
+def _run_in_child(work: Callable[[], bytes], read_fd: int, write_fd: int) -> NoReturn:
+    """The forked child: run ``work``, write its bytes to the pipe, exit (never returns)."""
     code = 1
     try:
         os.close(read_fd)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's
         with contextlib.suppress(ValueError):
             signal.set_wakeup_fd(-1)  # the parent's loop owns that fd
-        gc.disable()  # nothing to collect in a process that lives for one encode
-        view = memoryview(zlib.compress(snapshot_encode(state), 1))
+        gc.disable()  # nothing to collect in a process that lives for one piece of work
+        view = memoryview(work())
         while view:
             view = view[os.write(write_fd, view) :]
         code = 0
@@ -324,9 +351,13 @@ class SnapshotWriter:
         every_seconds: float = EVERY_SECONDS,
         keep: int = KEEP,
         check_every_s: float = 1.0,
+        checked: Callable[[], bool] = lambda: True,
     ) -> None:
         self.pool = pool
         self.state = state
+        #: whether the state may be stored: not while it is served from a snapshot that
+        #: is not checked yet (a forged one must not be copied into new snapshots)
+        self.checked = checked
         self.every_events = every_events
         self.every_seconds = every_seconds
         self.keep = keep
@@ -354,6 +385,8 @@ class SnapshotWriter:
     async def maybe_write(self, *, stopping: bool = False) -> bool:
         """Write a snapshot if one is due (``stopping``: if anything was folded since the
         last); True if it wrote one."""
+        if not self.checked():
+            return False
         if stopping:
             if self.state().position <= self.last_position:
                 return False
@@ -403,6 +436,10 @@ async def serve_snapshots(
     ``dracap_snapshots`` (migration 0010) or the app role: the other roles may read
     snapshots, not write them."""
     writer = SnapshotWriter(
-        pool, lambda: live.state, every_events=every_events, every_seconds=every_seconds
+        pool,
+        lambda: live.state,
+        every_events=every_events,
+        every_seconds=every_seconds,
+        checked=lambda: live.unchecked_start is None,
     )
     await writer.run(stop)

@@ -14,11 +14,17 @@ the ledger's login could rewrite them and nothing would notice): each subscriber
 recomputes its rows from the log up to its position with the same pure functions and
 reports every row that differs, as :class:`Difference` s (:func:`differences` compares
 two keyed sets of rows; ``dracap audit verify``, ``dracap usage verify``).
+
+Like every reader of the log they skip the events the fold refuses
+(:mod:`events.folding`): the projector leaves out a row that does not decode, and one
+the subscriber's live view refused (the process's own view, given one, else a
+:class:`~services.runtime.livestate.LiveState` the subscriber keeps and tails itself).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -29,6 +35,7 @@ from events.catalog import Envelope
 from events.subjects import BusNames
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore
+from services.runtime.livestate import LiveState
 from services.runtime.projecting import Projector
 from services.runtime.queries import QueryError, serving_queries
 
@@ -112,14 +119,18 @@ class QueryingSubscriber:
         directory: Directory | None = None,
         authenticated: bool = False,
         types: Collection[str] | None = None,
+        live: LiveState | None = None,
     ) -> None:
         self.store = store
+        #: the view that says which events the fold refused (the process's, or its own)
+        self.live = live if live is not None else LiveState(store)
+        self._own_live = live is None
         self.names = names
         self.nc = nc
         self.directory = directory
         self.authenticated = authenticated
         #: ``types``: the event tags the subscriber reads (None: every event)
-        self.projector = Projector(store, name, self.write, types=types)
+        self.projector = Projector(store, name, self.write, types=types, live=self.live)
 
     async def write(
         self, connection: Connection, envs: Sequence[Envelope]
@@ -134,12 +145,23 @@ class QueryingSubscriber:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Project (and serve queries, with ``nc``) until ``stop`` is set."""
-        await serving_queries(
-            lambda: self.projector.run(stop),
-            self.nc,
-            self.names,
-            service=self.service,
-            query=self.query,
-            directory=self.directory,
-            authenticated=self.authenticated,
-        )
+        tail: asyncio.Task[None] | None = None
+        if self._own_live:  # nobody else tails it: its tailer lives as long as this run
+            if not self.live.state.position:
+                await self.live.load_snapshot()
+            tail = asyncio.create_task(self.live.run(asyncio.Event()))
+        try:
+            await serving_queries(
+                lambda: self.projector.run(stop),
+                self.nc,
+                self.names,
+                service=self.service,
+                query=self.query,
+                directory=self.directory,
+                authenticated=self.authenticated,
+            )
+        finally:
+            if tail is not None:
+                tail.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await tail

@@ -24,14 +24,17 @@ from events import catalog as c
 from events.subjects import BusNames
 from services.runtime.bus import Durable, connect_bus, ensure_stream
 from services.runtime.committing import GroupCommitter
+from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.errors import ConflictError, InvalidEvent
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
+from services.runtime.livestate import LiveState
 from services.runtime.metrics import REGISTRY
 from services.runtime.rebuilding import BusKeeper
 from services.runtime.relaying import Relay, outgoing
 from services.runtime.settings import Settings
+from tests.integration.injecting import inject, row
 
 
 class Bus(msgspec.Struct):
@@ -241,8 +244,8 @@ def keeper(b: Bus, **kwargs: Any) -> BusKeeper:
 async def publish_log(b: Bus, upto: int) -> None:
     """Publish the log's first ``upto`` events as the relay would (ids, subjects)."""
     async for page in b.store.read_rows(0, batch_size=upto):
-        for row in page[:upto]:
-            out = outgoing(b.names, row)
+        for stored in page[:upto]:
+            out = outgoing(b.names, stored)
             headers = {"Nats-Msg-Id": out.event_id}
             await b.js.publish(out.subject, out.data, stream=b.names.stream, headers=headers)
         return
@@ -347,14 +350,8 @@ def consumer(b: Bus, handler: Any, name: str = "echo", **kwargs: Any) -> Consume
     options: dict[str, Any] = {"backoff": (0.05,), "poll_interval": 0.2, **kwargs}
     if handler is not None:
         options["handler"] = handler
-    return Consumer(
-        b.store,
-        b.js,
-        b.names,
-        name=name,
-        filter_subject=b.names.category_filter("admin"),
-        **options,
-    )
+    options.setdefault("filter_subject", b.names.category_filter("admin"))
+    return Consumer(b.store, b.js, b.names, name=name, **options)
 
 
 async def echoes(store: EventStore) -> list[c.Envelope]:
@@ -491,18 +488,61 @@ async def test_always_failing_handler_is_dead_lettered(bus: Bus) -> None:
     assert letter.correlation_id == source.correlation_id
 
 
-async def test_undecodable_message_of_a_logged_event_is_dead_lettered_at_once(bus: Bus) -> None:
+async def test_an_undecodable_message_whose_logged_event_decodes_is_unconfirmed(bus: Bus) -> None:
+    """The log holds that id as an event this consumer reads: the message is not it."""
     await append_burst(bus.store, 1)
     [logged] = [e async for e in bus.store.read_all()]
     k = consumer(bus, echo_handler([]), name="poison")
     subject = f"{bus.names.prefix}.ev.admin._.admin.namespace_access_set"
     await bus.js.publish(subject, b"not json", headers={"Nats-Msg-Id": logged.event_id})
     async with Running(k.run):
-        await until(lambda: k.dead_lettered == 1)
-    [letter] = await bus.store.read_stream("consumer:poison")
-    assert isinstance(letter.event, c.MessageDeadLettered)
-    assert letter.event.event_id == logged.event_id
-    assert letter.event.reason.startswith("undecodable")
+        await until(lambda: k.unconfirmed == 1)
+    assert k.dead_lettered == 0 and k.refused == 0
+    assert await bus.store.read_stream("consumer:poison") == []
+
+
+async def test_a_refused_event_of_the_log_is_skipped_by_the_relay_and_every_consumer(
+    bus: Bus, database_url: str
+) -> None:
+    """One that does not decode (copied in by the log's owner) is published and skipped,
+    never dead-lettered; one the fold refuses is skipped by a consumer with a live view."""
+    await append_burst(bus.store, 1)
+    head = await inject(
+        database_url,
+        [
+            row(
+                2,
+                payload=b'{"type": "admin.namespace_access_set", "namespace": 5}',
+                type_tag="admin.namespace_access_set",
+            ),
+            row(3, access(3)),
+        ],
+    )
+    unknown = c.LimitApplied(share_id="nobody's", node="n", level="hard", actual={})
+    await bus.store.append_many([Batch("node:n", 0, [unknown])], Metadata(actor="t"))  # refused
+    seen: list[int] = []
+
+    async def record(ctx: HandlerContext, env: c.Envelope) -> Handled:
+        seen.append(env.position)
+        return Handled([])
+
+    live = LiveState(bus.store)
+    k = consumer(bus, record, name="skips")
+    agent = consumer(
+        bus,
+        record,
+        name="agent",
+        filter_subject=bus.names.category_filter("enforcement"),
+        confirmation=LogConfirmation(bus.store, live),
+    )
+    async with Running(relay(bus).run), Running(live.run), Running(k.run), Running(agent.run):
+        await until(lambda: k.handled == 2 and k.refused == 1)
+        await until(lambda: agent.refused == 1)
+    assert head == 3 and live.state.refused == {2: "undecodable", 4: "invariant"}
+    assert sorted(seen) == [1, 3]
+    assert k.dead_lettered == agent.dead_lettered == agent.handled == 0
+    assert k.unconfirmed == agent.unconfirmed == 0
+    assert await bus.store.read_stream("consumer:skips") == []
 
 
 # --- messages the log does not confirm ------------------------------------------------------

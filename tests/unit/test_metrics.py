@@ -16,6 +16,7 @@ from events.catalog import (
     Event,
     ResourceSlicePublished,
 )
+from events.fold import ClusterState
 from events.model import (
     CELDeviceSelector,
     DeviceClass,
@@ -103,7 +104,7 @@ def device_class(name: str, expression: str | None) -> DeviceClass:
 
 
 class FakeLive:
-    """What CapacityGauges uses of a LiveState: ``state`` and ``subscribe``."""
+    """What CapacityGauges uses of a LiveState: ``state``, ``subscribe``, ``on_replaced``."""
 
     def __init__(self, log: Log) -> None:
         self.log = log
@@ -113,6 +114,9 @@ class FakeLive:
     def subscribe(self, listener: Callable[[Envelope], None]) -> Callable[[], None]:
         self.listeners.append(listener)
         return lambda: self.listeners.remove(listener)
+
+    def on_replaced(self, callback: Callable[[ClusterState], None]) -> Callable[[], None]:
+        return lambda: None
 
     def add(self, event: Event) -> None:
         self.log.add(event)

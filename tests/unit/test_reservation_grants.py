@@ -29,6 +29,9 @@ class _Live:
         self.listeners.append(listener)
         return lambda: self.listeners.remove(listener)
 
+    def on_replaced(self, _listener: Callable[[ClusterState], None]) -> None:
+        """Never replaced here (a snapshot check's mismatch replaces a real view)."""
+
     def add(self, env: c.Envelope) -> None:
         apply(self.state, env)
         for listener in self.listeners:
