@@ -88,8 +88,8 @@ BEGIN
         IF FOUND THEN
             RAISE EXCEPTION USING ERRCODE = 'DR005', DETAIL = v_type,
                 MESSAGE = v_who || ' may not append ' || v_type || ' as '
-                          || quote_literal(p_actor) || ': it is not a ' || v_writer
-                          || '''s event';
+                          || quote_literal(p_actor) || ': ' || v_type || ' is not written by '
+                          || v_writer || ' actors';
         END IF;
         IF v_writer = 'tenant' THEN  -- its own namespace only
             v_tenant := coalesce(substring(p_actor FROM '@(.*)$'),
