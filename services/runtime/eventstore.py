@@ -738,7 +738,7 @@ class EventStore:
                     await listener.add_listener(CHANNEL, self._notified)
                     # Listening from here on: the head read now plus every NOTIFY after
                     # it is the head at any later moment.
-                    position: int = await listener.fetchval("SELECT position FROM event_log_head")
+                    position = await self._read_head(listener)
                 except BaseException:
                     await listener.close()
                     raise
@@ -765,9 +765,18 @@ class EventStore:
             self._waiters.discard(waiter)
         if self._commits.head > after_position:
             return self._commits.head
-        head = await self.head()
+        head = await self._read_head(self._pool)
         self._commits.head = max(self._commits.head, head)
         return head
+
+    async def _read_head(self, connection: Any) -> int:
+        """The head, and the database's clock learnt on the way (a reader that never
+        appends learns it here: at start and whenever a wait runs out)."""
+        sent = time.monotonic()
+        row = await connection.fetchrow("SELECT position, clock_timestamp() FROM event_log_head")
+        self.clock.observe(row[1], sent, time.monotonic())
+        position: int = row[0]
+        return position
 
     # -- snapshots -----------------------------------------------------------------------
 

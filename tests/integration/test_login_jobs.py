@@ -491,3 +491,49 @@ async def test_recorded_at_is_the_databases_clock_whatever_the_writers(
     assert env.recorded_at == stored  # what the writer was told is what the log holds
     assert abs((now - stored).total_seconds()) < 60
     assert abs((store.clock.now() - now).total_seconds()) < 60  # the store learnt the clock
+
+
+async def test_a_writer_ten_minutes_behind_does_not_shorten_a_not_started_timeout(
+    store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 6: the agent that made a claim Ready ran 10 minutes behind; under a 60 s
+    not-started timeout the claim was released within seconds. The timeout counts from
+    the recorded_at of the Ready event, on the database's clock: nothing is due."""
+    from events import model
+    from services.reclamation.service import ReclamationService
+    from services.runtime.livestate import HEAD, LiveState
+
+    device_class = model.convert(
+        {
+            "metadata": {
+                "name": "gpu.example.com",
+                "annotations": {"dracap.io/not-started-timeout": "60s"},
+            },
+            "spec": {},
+        },
+        model.DeviceClass,
+    )
+    await put(store, catalog.DeviceClassApplied(device_class=device_class, rollout="immediate"))
+    await put(store, s.slice_published(pool=A))
+    reserved = s.reserved(pool=A)
+    await put(store, s.claim_submitted(), catalog.ClaimAdmitted(namespace="team-a", name="c1"))
+    await put(store, reserved, s.bound(reserved))
+    actor = await lease(store, A)
+    real = datetime.datetime
+
+    class Behind(real):
+        @classmethod
+        def now(cls, tz: datetime.tzinfo | None = None) -> datetime.datetime:  # type: ignore[override]
+            return real.now(tz) - datetime.timedelta(minutes=10)
+
+    monkeypatch.setattr(datetime, "datetime", Behind)
+    ready = catalog.LimitApplied(
+        share_id=reserved.share_id, node=A, level="hard", actual=dict(reserved.consumed)
+    )
+    await put(store, ready, actor=actor)
+    monkeypatch.undo()
+    reclamation = ReclamationService(store, LiveState(store))
+    state = await reclamation.live.fresh(HEAD)
+    assert state.claims[("team-a", "c1")].phase == "ready"
+    assert await reclamation.tick() == 0  # 60 s have not passed on the database's clock
+    assert not [e async for e in store.read_all() if isinstance(e.event, catalog.ReleaseRequested)]
