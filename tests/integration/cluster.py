@@ -39,14 +39,22 @@ def namespace_and_class(namespace: str, driver: str) -> list[dict[str, Any]]:
 
 @contextlib.asynccontextmanager
 async def running_cluster(
-    settings: Settings, nats_url: str, directory: Path, inventory: Sequence[dict[str, Any]]
+    settings: Settings,
+    nats_url: str,
+    directory: Path,
+    inventory: Sequence[dict[str, Any]],
+    *,
+    logins: dict[str, str] | None = None,
 ) -> AsyncIterator[Cluster]:
-    """The stack with ``inventory`` loaded (one agent per node); its stream goes after."""
+    """The stack with ``inventory`` loaded (one agent per node); its stream goes after.
+
+    ``logins``: each service kind's database URL (:func:`tests.fixtures.logins.login_users`),
+    so that every service appends as its own login, as under ``dracap up``."""
     names = BusNames(prefix=f"t{uuid.uuid4().hex[:10]}")
     path = directory / "inventory.yaml"
     path.write_text(yaml.safe_dump_all(inventory))
     manifests = read_inventory([str(path)])
-    settings = msgspec.structs.replace(settings, nats_url=nats_url)
+    settings = msgspec.structs.replace(settings, nats_url=nats_url, database_urls=logins or {})
     async with (
         Stack.running(settings, names, nodes=manifests.nodes, workers=1) as stack,
         ApiClient.connect(nats_url, names.prefix) as api,

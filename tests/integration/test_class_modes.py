@@ -19,6 +19,7 @@ import pytest
 from services.exitcodes import ExitCode
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.settings import Settings
+from tests.fixtures.logins import login_users
 from tests.integration.cluster import Cluster, namespace_and_class, running_cluster
 from tests.integration.test_policy import NAMESPACE, POLICY, _ready, claim_doc, dracap, view_when
 
@@ -48,8 +49,14 @@ INVENTORY = [
 
 
 @pytest.fixture
-async def cluster(settings: Settings, nats_url: str, tmp_path: Path) -> AsyncIterator[Cluster]:
-    async with running_cluster(settings, nats_url, tmp_path, INVENTORY) as running:
+async def cluster(
+    settings: Settings, nats_url: str, tmp_path: Path, postgres_admin_url: str
+) -> AsyncIterator[Cluster]:
+    """Every service on its own database login, as under ``dracap up`` (migration 0011)."""
+    async with (
+        login_users(settings.database_url, postgres_admin_url) as logins,
+        running_cluster(settings, nats_url, tmp_path, INVENTORY, logins=logins) as running,
+    ):
         yield running
 
 

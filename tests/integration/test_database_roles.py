@@ -37,11 +37,12 @@ from events.catalog import Event
 from events.guards import SetTotal, encode_guards
 from services import cli
 from services.exitcodes import ExitCode
-from services.runtime.dbroles import ensure_login, ensure_node_role, group_role, node_role, url_as
+from services.runtime.dbroles import ensure_node_role, node_role, url_as
 from services.runtime.errors import AppendForbidden, NodeScopeViolation, PermanentError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.servicestores import ServiceStores
 from services.runtime.settings import ServiceKind, Settings
+from tests.fixtures.logins import login_users
 from tests.integration import sample as s
 from tests.integration.scenario import lease, put
 
@@ -479,21 +480,8 @@ async def service_users(
     settings: Settings, postgres_admin_url: str
 ) -> AsyncIterator[dict[str, str]]:
     """A login user per service kind (URLs by :attr:`Settings.database_urls` key)."""
-    token = uuid.uuid4().hex[:8]
-    users = {kind: f"test_{kind.value}_{token}" for kind in ServiceKind}
-    admin = await asyncpg.connect(settings.database_url)
-    try:
-        for kind, user in users.items():
-            await ensure_login(admin, user, group_role(kind), None)
-    finally:
-        await admin.close()
-    yield {kind.value: url_as(settings.database_url, user, None) for kind, user in users.items()}
-    admin = await asyncpg.connect(postgres_admin_url)
-    try:
-        for user in users.values():
-            await admin.execute(f'DROP ROLE IF EXISTS "{user}"')
-    finally:
-        await admin.close()
+    async with login_users(settings.database_url, postgres_admin_url) as urls:
+        yield urls
 
 
 async def test_each_service_gets_a_store_of_its_own_user_and_they_share_commits(

@@ -37,7 +37,6 @@ import pytest
 from events import catalog
 from events.catalog import Event
 from events.guards import Acquire, SetTotal, encode_guards
-from services.runtime.dbroles import ensure_login, group_role, url_as
 from services.runtime.errors import (
     AppendForbidden,
     InvalidEvent,
@@ -47,6 +46,7 @@ from services.runtime.errors import (
 )
 from services.runtime.eventstore import Batch, EventStore, Metadata, Processed
 from services.runtime.settings import ServiceKind, Settings
+from tests.fixtures.logins import login_users
 from tests.integration import sample as s
 from tests.integration.scenario import lease, put
 
@@ -93,26 +93,11 @@ async def world(store: EventStore) -> dict[str, str]:
 @pytest.fixture
 async def logins(settings: Settings, postgres_admin_url: str) -> AsyncIterator[dict[str, Settings]]:
     """A login user per service kind (in its group role), as settings to connect with."""
-    token = uuid.uuid4().hex[:8]
-    users = {kind: f"test_{kind.value}_{token}" for kind in KINDS}
-    admin = await asyncpg.connect(settings.database_url)
-    try:
-        for kind, user in users.items():
-            await ensure_login(admin, user, group_role(kind), None)
-    finally:
-        await admin.close()
-    yield {
-        kind.value: msgspec.structs.replace(
-            settings, database_url=url_as(settings.database_url, user, None), app_role=""
-        )
-        for kind, user in users.items()
-    }
-    admin = await asyncpg.connect(postgres_admin_url)
-    try:
-        for user in users.values():
-            await admin.execute(f'DROP ROLE IF EXISTS "{user}"')
-    finally:
-        await admin.close()
+    async with login_users(settings.database_url, postgres_admin_url, KINDS) as urls:
+        yield {
+            kind: msgspec.structs.replace(settings, database_url=url, app_role="")
+            for kind, url in urls.items()
+        }
 
 
 async def _append(login: Settings, actor: str, *events: Event, **kw: Any) -> None:
