@@ -27,6 +27,11 @@ DECLARE
     c record;
     d jsonb;
 BEGIN
+    IF NOT p_types && ARRAY['reservation.capacity_reserved', 'reclamation.capacity_released',
+                            'inventory.resource_slice_published', 'reclamation.node_lease_expired',
+                            'reclamation.node_fenced', 'reclamation.node_lease_acquired'] THEN
+        RETURN NULL;  -- the usual batch of claim events: nothing to read
+    END IF;
     FOR v_type, p, v_at IN SELECT * FROM unnest(p_types, p_payloads) WITH ORDINALITY LOOP
         CASE v_type
         WHEN 'reservation.capacity_reserved' THEN
