@@ -68,7 +68,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import asyncpg
@@ -644,6 +644,20 @@ class EventStore:
         }
         positions = list(range(head - count + 1, head + 1))
         return _stored(pending, positions, _moved(pending, current), recorded_at)
+
+    async def renew_leases(self, leases: Mapping[str, int]) -> set[str]:
+        """Renew every node's lease ``node -> epoch`` in one statement
+        (``dracap_renew_leases``, migration 0011); returns the nodes renewed. A lease that
+        is not the node's any more, ran out or was expired or fenced in the log is lost:
+        its node is not returned, and its agent must take a new lease."""
+        if not leases:
+            return set()
+        rows = await self._pool.fetch(
+            "SELECT * FROM dracap_renew_leases($1::text[], $2::bigint[])",
+            list(leases),
+            list(leases.values()),
+        )
+        return {row[0] for row in rows}
 
     # -- reading -------------------------------------------------------------------------
 

@@ -425,16 +425,11 @@ async def test_enforcement_renews_live_leases_in_one_statement(
         "INSERT INTO node_leases (node, epoch, expires_at, ttl_ms) "
         "VALUES ('node-c', 1, clock_timestamp() - interval '1 second', 3600000)"
     )
-    connection = await asyncpg.connect(logins["enforcement"].database_url)
-    try:
-        renewed = await connection.fetch(
-            "SELECT * FROM dracap_renew_leases($1, $2)", [A, B, "node-c", "node-z"], [1, 7, 1, 1]
-        )
+    async with await EventStore.open(logins["enforcement"]) as enforcement:
+        renewed = await enforcement.renew_leases({A: 1, B: 7, "node-c": 1, "node-z": 1})
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
-            await connection.execute("UPDATE node_leases SET expires_at = expires_at")
-    finally:
-        await connection.close()
-    assert [r[0] for r in renewed] == [A]  # b: a stale epoch; c: expired; z: no lease
+            await enforcement.pool.execute("UPDATE node_leases SET expires_at = expires_at")
+    assert renewed == {A}  # b: a stale epoch; c: expired; z: no lease
     left = await store.pool.fetchval(
         "SELECT extract(epoch FROM expires_at - clock_timestamp()) FROM node_leases "
         "WHERE node = $1",
