@@ -12,7 +12,7 @@ the violating position) **before** it writes anything, and writes only into an e
 log (head 0: importing on top of another history would renumber it). Then, in one
 transaction holding the head lock, it copies the rows as they are — positions, event
 ids, actors, times — with binary ``COPY`` and runs the database's guards over them
-(``dracap_guard``, as the bulk append path does), so the guard tables end where the
+(``dracap_guard``, as every append does), so the guard tables end where the
 exporting database's were; ``replay verify`` on the result is the proof. Checkpoint
 lines are not imported nor compared (the database writes its own snapshots).
 
