@@ -12,29 +12,19 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections.abc import AsyncIterator
 from decimal import Decimal
 from typing import Any
 
 import asyncpg
 import msgspec
-import pytest
 
 from events import catalog
 from events.catalog import Event
 from events.guards import encode_guards, guards_of_many
-from services.runtime.eventstore import EventStore, _init_connection
+from services.runtime.eventstore import EventStore
 from services.runtime.settings import Settings
 from tests.integration import sample as s
 from tests.integration import scenario
-
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    await _init_connection(connection)
-    yield connection
-    await connection.close()
 
 
 def _exact(guards: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

@@ -451,10 +451,8 @@ async def test_other_logins_may_not_renew_leases(logins: dict[str, Settings]) ->
 # --- the database's clock -------------------------------------------------------------------
 
 
-async def test_recorded_at_is_the_databases_clock_whatever_the_writers(
-    store: EventStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A writer ten minutes behind (finding 6) dates nothing: the database does."""
+def _ten_minutes_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's wall clock, ten minutes behind (until ``monkeypatch.undo()``)."""
     real = datetime.datetime
 
     class Behind(real):
@@ -463,6 +461,13 @@ async def test_recorded_at_is_the_databases_clock_whatever_the_writers(
             return real.now(tz) - datetime.timedelta(minutes=10)
 
     monkeypatch.setattr(datetime, "datetime", Behind)
+
+
+async def test_recorded_at_is_the_databases_clock_whatever_the_writers(
+    store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer ten minutes behind (finding 6) dates nothing: the database does."""
+    _ten_minutes_behind(monkeypatch)
     [env] = await put(store, catalog.ClaimAdmitted(namespace="team-a", name="late"))
     monkeypatch.undo()
     stored, now = await store.pool.fetchrow(
@@ -499,14 +504,7 @@ async def test_a_writer_ten_minutes_behind_does_not_shorten_a_not_started_timeou
     await put(store, s.claim_submitted(), catalog.ClaimAdmitted(namespace="team-a", name="c1"))
     await put(store, reserved, s.bound(reserved))
     actor = await lease(store, A)
-    real = datetime.datetime
-
-    class Behind(real):
-        @classmethod
-        def now(cls, tz: datetime.tzinfo | None = None) -> datetime.datetime:  # type: ignore[override]
-            return real.now(tz) - datetime.timedelta(minutes=10)
-
-    monkeypatch.setattr(datetime, "datetime", Behind)
+    _ten_minutes_behind(monkeypatch)
     ready = catalog.LimitApplied(
         share_id=reserved.share_id, node=A, level="hard", actual=dict(reserved.consumed)
     )

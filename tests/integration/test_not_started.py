@@ -24,7 +24,6 @@ from services.reclamation.service import ReclamationService
 from services.replay.verify import summary, verify
 from services.runtime.livestate import LiveState
 from services.runtime.settings import ServiceKind, Settings
-from tests.fixtures.logins import login_users
 from tests.integration.cluster import Cluster, running_cluster
 from tests.integration.test_policy import NAMESPACE, dracap, view_when
 
@@ -82,10 +81,9 @@ async def cluster(
 ) -> AsyncIterator[tuple[Cluster, ReclamationService]]:
     """The stack with every service on its own database login (as under ``dracap up``:
     each may append only its own job, migration 0011), and a second reclamation replica."""
-    async with (
-        login_users(settings.database_url, postgres_admin_url) as logins,
-        running_cluster(settings, nats_url, tmp_path, INVENTORY, logins=logins) as running,
-    ):
+    async with running_cluster(
+        settings, nats_url, tmp_path, INVENTORY, admin_url=postgres_admin_url
+    ) as running:
         store = running.stack.stores.of(ServiceKind.RECLAMATION)
         replica = ReclamationService(store, LiveState(store), name="reclamation-1", poll_s=0.05)
         stop = asyncio.Event()

@@ -19,28 +19,18 @@ from __future__ import annotations
 import datetime
 import json
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from decimal import Decimal, localcontext
 from typing import Any
 
 import asyncpg
 import msgspec
 import msgspec.inspect as mi
-import pytest
 
 from events import catalog
 from events.errors import CatalogError, QuantityError
 from events.quantities import Quantity
 from services.runtime import payloadchecks
-from services.runtime.eventstore import _init_connection
-
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(database_url)
-    await _init_connection(connection)
-    yield connection
-    await connection.close()
 
 
 def example(t: mi.Type) -> Any:

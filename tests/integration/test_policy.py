@@ -23,7 +23,6 @@ from services.claims.command import follow
 from services.exitcodes import ExitCode
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.settings import Settings
-from tests.fixtures.logins import login_users
 from tests.integration.cluster import Cluster, namespace_and_class, running_cluster
 
 GPU_CLASS = "gpu.dracap.io"
@@ -60,10 +59,9 @@ async def cluster(
     settings: Settings, nats_url: str, tmp_path: Path, postgres_admin_url: str
 ) -> AsyncIterator[Cluster]:
     """Every service on its own database login, as under ``dracap up`` (migration 0011)."""
-    async with (
-        login_users(settings.database_url, postgres_admin_url) as logins,
-        running_cluster(settings, nats_url, tmp_path, INVENTORY, logins=logins) as running,
-    ):
+    async with running_cluster(
+        settings, nats_url, tmp_path, INVENTORY, admin_url=postgres_admin_url
+    ) as running:
         yield running
 
 
