@@ -36,11 +36,11 @@ DECLARE
     v_head bigint;
     v_current int[];
     v_at timestamptz;
+    v_inserted bigint;
 BEGIN
     IF p_count IS NULL OR p_count < 1
        OR cardinality(p_streams) IS DISTINCT FROM cardinality(p_expected)
-       OR (SELECT count(DISTINCT s) FROM unnest(p_streams) s) <> cardinality(p_streams)
-       OR EXISTS (SELECT FROM unnest(p_streams) s WHERE s IS NULL OR s = '')
+       OR array_position(p_streams, NULL) IS NOT NULL OR '' = ANY (p_streams)
        OR cardinality(p_event_ids) IS DISTINCT FROM p_count
        OR cardinality(p_event_streams) IS DISTINCT FROM p_count
        OR cardinality(p_types) IS DISTINCT FROM p_count
@@ -48,10 +48,7 @@ BEGIN
        OR cardinality(p_namespaces) IS DISTINCT FROM p_count
        OR cardinality(p_correlation_ids) IS DISTINCT FROM p_count
        OR cardinality(p_causation_ids) IS DISTINCT FROM p_count
-       OR cardinality(p_payloads) IS DISTINCT FROM p_count
-       OR EXISTS (SELECT FROM unnest(p_event_streams) AS e(stream)
-                   WHERE NOT EXISTS (SELECT FROM unnest(p_streams) AS s(stream)
-                                      WHERE s.stream = e.stream)) THEN
+       OR cardinality(p_payloads) IS DISTINCT FROM p_count THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
             MESSAGE = 'an append names each of its streams once and gives every one of its '
                       || coalesce(p_count, 0) || ' events an id, a stream of those, a type, '
@@ -71,17 +68,40 @@ BEGIN
                           || v_current[i] || ', expected ' || p_expected[i];
         END IF;
     END LOOP;
-    INSERT INTO events (position, event_id, stream, stream_version, type, schema_version,
-                        namespace, actor, correlation_id, causation_id, recorded_at, payload)
-    SELECT v_head - p_count + u.ord, u.event_id, u.stream,
-           c.version + row_number() OVER (PARTITION BY u.stream ORDER BY u.ord),
-           u.type, u.schema_version, u.namespace, p_actor, u.correlation_id,
-           u.causation_id, v_at, u.payload
-      FROM unnest(p_event_ids, p_event_streams, p_types, p_schema_versions, p_namespaces,
-                  p_correlation_ids, p_causation_ids, p_payloads)
-           WITH ORDINALITY AS u(event_id, stream, type, schema_version, namespace,
-                                correlation_id, causation_id, payload, ord)
-      JOIN unnest(p_streams, v_current) AS c(stream, version) ON c.stream = u.stream;
+    IF cardinality(p_streams) = 1 THEN  -- the usual append: one stream, no join needed
+        IF NOT p_event_streams <@ p_streams THEN
+            RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                MESSAGE = 'an append names the stream of every one of its events';
+        END IF;
+        INSERT INTO events (position, event_id, stream, stream_version, type, schema_version,
+                            namespace, actor, correlation_id, causation_id, recorded_at,
+                            payload)
+        SELECT v_head - p_count + u.ord, u.event_id, p_streams[1], v_current[1] + u.ord,
+               u.type, u.schema_version, u.namespace, p_actor, u.correlation_id,
+               u.causation_id, v_at, u.payload
+          FROM unnest(p_event_ids, p_types, p_schema_versions, p_namespaces,
+                      p_correlation_ids, p_causation_ids, p_payloads)
+               WITH ORDINALITY AS u(event_id, type, schema_version, namespace,
+                                    correlation_id, causation_id, payload, ord);
+    ELSE
+        INSERT INTO events (position, event_id, stream, stream_version, type, schema_version,
+                            namespace, actor, correlation_id, causation_id, recorded_at,
+                            payload)
+        SELECT v_head - p_count + u.ord, u.event_id, u.stream,
+               c.version + row_number() OVER (PARTITION BY u.stream ORDER BY u.ord),
+               u.type, u.schema_version, u.namespace, p_actor, u.correlation_id,
+               u.causation_id, v_at, u.payload
+          FROM unnest(p_event_ids, p_event_streams, p_types, p_schema_versions, p_namespaces,
+                      p_correlation_ids, p_causation_ids, p_payloads)
+               WITH ORDINALITY AS u(event_id, stream, type, schema_version, namespace,
+                                    correlation_id, causation_id, payload, ord)
+          JOIN unnest(p_streams, v_current) AS c(stream, version) ON c.stream = u.stream;
+        GET DIAGNOSTICS v_inserted = ROW_COUNT;
+        IF v_inserted <> p_count THEN  -- an event of a stream not named, a stream named twice
+            RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                MESSAGE = 'an append names each of its streams once, and every event''s stream';
+        END IF;
+    END IF;
     PERFORM pg_notify('dracap_events', v_head::text);
     RETURN QUERY SELECT v_head, v_current, v_at;
 END

@@ -61,12 +61,18 @@ DECLARE
 BEGIN
     -- 1. every payload decodes (before the head lock: it delays nobody). Set-based, as
     --    below: a loop that indexes the arrays would read them from the start each time.
-    SELECT u.i, u.type, u.error INTO v_at_event, v_type, v_error
-      FROM (SELECT e.i, e.type,
-                   dracap_payload_error(e.type, e.schema_version, e.payload) AS error
-              FROM unnest(p_types, p_schema_versions, p_payloads)
-                   WITH ORDINALITY AS e(type, schema_version, payload, i)) AS u
-     WHERE u.error IS NOT NULL ORDER BY u.i LIMIT 1;
+    IF cardinality(p_payloads) = 1 THEN  -- the usual single event: no query at all
+        v_at_event := 1;
+        v_type := p_types[1];
+        v_error := dracap_payload_error(p_types[1], p_schema_versions[1], p_payloads[1]);
+    ELSE
+        SELECT u.i, u.type, u.error INTO v_at_event, v_type, v_error
+          FROM (SELECT e.i, e.type,
+                       dracap_payload_error(e.type, e.schema_version, e.payload) AS error
+                  FROM unnest(p_types, p_schema_versions, p_payloads)
+                       WITH ORDINALITY AS e(type, schema_version, payload, i)) AS u
+         WHERE u.error IS NOT NULL ORDER BY u.i LIMIT 1;
+    END IF;
     IF v_error IS NOT NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'DR006', DETAIL = coalesce(v_type, ''),
             MESSAGE = 'event ' || v_at_event || ' of the append (' || coalesce(v_type, 'no type')
@@ -167,7 +173,9 @@ BEGIN
         PERFORM dracap_check_node_scope(v_epoch[1], p_types, p_payloads);
     END IF;
     -- 7. the guards that follow from the events
-    PERFORM dracap_guard(v_head - p_count, v_guards);
+    IF v_guards IS NOT NULL THEN
+        PERFORM dracap_guard(v_head - p_count, v_guards);
+    END IF;
     RETURN QUERY SELECT v_head, v_current, NULL::bigint, v_at;
 END
 $$;

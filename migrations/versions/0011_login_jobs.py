@@ -55,7 +55,7 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 #: The digest of the catalog checks this revision installs (``dracap_catalog_digest()``).
-CATALOG = "56b8ad34870d44745cfbee8688574fac82f97f525152b2fefe1a8f001362f1f4"
+CATALOG = "b3026b9b2882ac64d68bb0b23f0ae3a66af0c4725e490d4171face90777dcfd4"
 
 OWNER = "dracap_owner"
 ENFORCEMENT = "dracap_enforcement"
