@@ -238,11 +238,14 @@ def _share(node: str) -> str:
 
 @pytest.fixture
 async def nodes(store: EventStore) -> tuple[str, str]:
-    """Two nodes with a slice each (``<node>-gpus``, pool ``<node>``) and a share on each."""
+    """Two nodes with a slice each (``<node>-gpus``, pool ``<node>``), a share on each and
+    an admin-access share on each (``_share(node + "-admin")``: it holds nothing)."""
     a, b = _node(), _node()
     for node in (a, b):
         await put(store, s.slice_published(name=f"{node}-gpus", pool=node))
         await put(store, s.reserved(name=node, pool=node, share_id=_share(node)))
+        admin = _share(f"{node}-admin")
+        await put(store, s.reserved(name=f"{node}-a", pool=node, share_id=admin, admin=True))
     return a, b
 
 
@@ -293,6 +296,9 @@ def _refusals(a: str, b: str) -> dict[str, list[Event]]:
         "a slice name of another node": [_slice(f"{b}-gpus", a, a)],
         "another node's pool": [_slice(f"{a}-extra", b, a)],
         "withdrawing another node's slice": [catalog.ResourceSliceWithdrawn(name=f"{b}-gpus")],
+        "failing another node's admin-access share (finding 5)": [
+            catalog.LimitFailed(share_id=_share(f"{b}-admin"), node=a, retryable=False, reason="x")
+        ],
         "releasing another node's share": [
             s.released(s.reserved(name=b, pool=b, share_id=_share(b)))
         ],
