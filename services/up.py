@@ -607,8 +607,10 @@ async def _supervised(watchdog: Watchdog) -> AsyncIterator[asyncio.Task[None]]:
 async def _health_checks(
     monitor: HealthMonitor, stack: Stack, settings: Settings
 ) -> AsyncIterator[None]:
-    """Check PostgreSQL, NATS and the services of ``stack`` while inside."""
-    postgres = PostgresProbe(settings.database_url)
+    """Check PostgreSQL (as the read-only service's user when roles are set up: nothing
+    connects as the administrator once the services run), NATS and the services of
+    ``stack`` while inside."""
+    postgres = PostgresProbe(settings.for_service(ServiceKind.READONLY).database_url)
     monitor.register("postgres", postgres)
     monitor.register("nats", nats_probe(stack.nc, stack.js, stack.names.stream))
     monitor.register("services", stack.trouble)

@@ -106,7 +106,11 @@ def register(sub: Any) -> None:
     )
     add_endpoint_arguments(parser, database=True)
     parser.add_argument(
-        "--name", default="reclamation-0", help="this replica's name (its actor in the log)"
+        "--name",
+        default="reclamation-0",
+        help="this replica's name (its actor in the log: system:NAME; it must begin with "
+        "'reclamation', the only actors the reclamation service's database login may append "
+        "as)",
     )
     parser.add_argument(
         "--poll",

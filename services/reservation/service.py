@@ -397,7 +397,8 @@ class ReservationService:
 
     def _counter(self, plan: Plan) -> Callable[[], None]:
         """The metrics of ``plan``, measured now and counted once it has committed."""
-        now, state = datetime.datetime.now(datetime.UTC), self.live.state
+        # the wait since admission counts on the database's clock, as recorded_at does
+        now, state = self.store.clock.now(), self.live.state
         waits = [
             (known_class(state, key), max(0.0, (now - admitted).total_seconds()))
             for key in plan.allocated + plan.unschedulable

@@ -1,9 +1,11 @@
 """The database roles of migration 0006 as the runtime uses them: names, login users,
 node-bound agent users.
 
-Migration 0006 creates the *group* roles (``NOLOGIN``): ``dracap_owner``, one per
+Migrations 0006-0011 create the *group* roles (``NOLOGIN``): ``dracap_owner``, one per
 service kind (``dracap_claims``, ``dracap_reservation``, ``dracap_relay``,
-``dracap_agent``) and ``dracap_readonly``. A process never connects as a group role; it
+``dracap_reclamation``, ``dracap_agent``, ``dracap_ledger``, ``dracap_snapshots``,
+``dracap_enforcement``) and ``dracap_readonly``; since 0011 the database lets each
+append only its kind's job (``events/writers.py``). A process never connects as a group role; it
 connects as a *login* user that belongs to one and so has its rights (``INHERIT``, no
 ``role`` switch; :meth:`services.runtime.settings.Settings.for_service`). This module
 creates such users:
@@ -11,9 +13,10 @@ creates such users:
 * :func:`ensure_login` — a user in one group, for a service kind (``dracap up`` makes
   one per kind on its embedded server, :mod:`services.runtime.provisioning`);
 * :func:`ensure_node_role` — a node agent's user, in ``dracap_agent`` and *bound* to one
-  node in ``dracap_node_roles``: ``dracap_append_guarded`` then refuses any event that is
-  not that node's report (SQLSTATE ``DR004``,
-  :class:`~services.runtime.errors.NodeScopeViolation`). ``dracap db node-role NODE``
+  node in ``dracap_node_roles``: ``dracap_append_guarded`` then refuses any report of
+  another node (SQLSTATE ``DR004``, :class:`~services.runtime.errors.NodeScopeViolation`)
+  and any event that is no node agent's (``DR005``,
+  :class:`~services.runtime.errors.AppendForbidden`). ``dracap db node-role NODE``
   and ``dracap up`` use it.
 
 Passwords never travel in clear text to the server: the statement carries the SCRAM

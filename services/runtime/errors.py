@@ -8,12 +8,16 @@ Callers decide what to do by type, never by message text::
     │                         answered (yet); the same call may succeed
     ├── PermanentError        the same call will fail the same way again
     │   ├── InvalidEvent      an event is not part of the catalog or fails validation
+    │   │                     (here, or in the database: SQLSTATE DR006)
     │   ├── NotFound          the thing asked for does not exist (a JetStream stream)
     │   ├── CapacityNotPublished  a reservation names a device capacity that no
     │   │                     published slice has (SQLSTATE DR002)
-    │   ├── NodeScopeViolation  a database user bound to a node appended an event a
-    │   │                     node agent does not write, or one of another node
-    │   │                     (SQLSTATE DR004)
+    │   ├── NodeScopeViolation  a node agent's append (its login bound to a node, or
+    │   │                     the enforcement service's for it) holds an event of
+    │   │                     another node (SQLSTATE DR004)
+    │   ├── AppendForbidden   the session's database user may not append this: an
+    │   │                     event type or an actor that is not its job's
+    │   │                     (SQLSTATE DR005, migration 0011)
     │   ├── StaleEpoch        a node agent appended under a lease epoch that is no
     │   │                     longer its node's (expired, fenced or superseded); the
     │   │                     store recorded the refusal instead (migration 0007)
@@ -32,8 +36,10 @@ a version clash — re-read the state, decide again. Retrying the *same* write b
 would fail again, which is why conflicts are not :class:`RetryableError`.
 ``CapacityNotPublished`` is not a shortage: the reservation names a capacity the
 ledger has never heard of, so no amount of re-reading makes that write succeed.
-``NodeScopeViolation`` is permanent too: the session's database user acts for one node
-(migration 0006), and the same events stay outside its node however often they are sent.
+``NodeScopeViolation`` is permanent too: the append acts for one node (migration 0006),
+and the same events stay outside its node however often they are sent; so is
+``AppendForbidden``: a login's job (migration 0011, ``events/writers.py``) does not
+change between tries.
 
 :func:`map_database_error` turns an ``asyncpg`` exception into this tree by its class
 (which asyncpg derives from the SQLSTATE) and by dracap's own SQLSTATEs, so the mapping
@@ -63,6 +69,12 @@ ALREADY_HANDLED_SQLSTATE = "DR003"
 #: SQLSTATE of ``dracap_append_guarded`` (0006) when a node-bound database user appends an
 #: event that is not its node's; the detail is the event type.
 NODE_SCOPE_SQLSTATE = "DR004"
+#: SQLSTATE of ``dracap_append_guarded`` (0011) when the session's database user may not
+#: append an event type, or as that actor; the detail is the event type (or ``actor``).
+FORBIDDEN_SQLSTATE = "DR005"
+#: SQLSTATE of ``dracap_append_guarded`` (0011) when a payload is not one the catalog
+#: decodes; the detail is the event type.
+UNDECODABLE_SQLSTATE = "DR006"
 LEDGER_NONNEGATIVE_CHECK = "capacity_ledger_nonnegative"
 STREAM_VERSION_UNIQUE = "events_stream_version_key"
 
@@ -100,6 +112,16 @@ class NodeScopeViolation(PermanentError):  # noqa: N818
 
     The message names the user, its node and the event type; ``event_type`` is the type.
     """
+
+    def __init__(self, message: str, *, event_type: str | None = None) -> None:
+        super().__init__(message)
+        self.event_type = event_type
+
+
+class AppendForbidden(PermanentError):  # noqa: N818 (names from the design)
+    """The session's database user may not append this (migration 0011): not its job's
+    event type, or not its job's actor. ``event_type``: the type (``actor`` when the
+    actor itself is not the login's)."""
 
     def __init__(self, message: str, *, event_type: str | None = None) -> None:
         super().__init__(message)
@@ -170,6 +192,11 @@ def map_database_error(exc: BaseException, *, stream: str | None = None) -> Runt
     if getattr(exc, "sqlstate", None) == NODE_SCOPE_SQLSTATE:
         detail = getattr(exc, "detail", None)
         return NodeScopeViolation(str(getattr(exc, "message", exc)), event_type=detail)
+    if getattr(exc, "sqlstate", None) == FORBIDDEN_SQLSTATE:
+        detail = getattr(exc, "detail", None)
+        return AppendForbidden(str(getattr(exc, "message", exc)), event_type=detail)
+    if getattr(exc, "sqlstate", None) == UNDECODABLE_SQLSTATE:
+        return InvalidEvent(str(getattr(exc, "message", exc)))
     if getattr(exc, "sqlstate", None) == STALE_VERSION_SQLSTATE:  # raised by dracap_append
         stale = getattr(exc, "detail", None) or stream
         return ConflictError(str(getattr(exc, "message", exc)), stream=stale)

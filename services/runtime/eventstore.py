@@ -9,23 +9,29 @@ position`` takes the row lock, held until COMMIT, so positions are handed out ga
 visible) before any writer can get p + 1, and a rolled-back append rolls the counter
 back with it. A reader that tails ``position > last_seen`` never skips a late commit.
 
-Everything done while holding that lock delays every other writer, so an append of
-fewer than :data:`COPY_THRESHOLD` events is one statement, ``dracap_append_guarded``
-(migration 0005): lock the head, check every stream's version against the expected
-one (exact: no other append runs concurrently; SQLSTATE ``DR001`` ->
-:class:`~services.runtime.errors.ConflictError`), insert the rows, apply the events'
-guards (:mod:`events.guards`: the capacity ledger, held shares, exclusive holds and
-node epochs; a CHECK violation of the ledger becomes
-:class:`~services.runtime.errors.CapacityExceeded`, a second hold of a dedicated
+Everything done while holding that lock delays every other writer, so an append is one
+statement, ``dracap_append_guarded`` (migration 0011, ``migrations/functions/``), sent
+outside an explicit transaction so that it commits in the server as it ends and the head
+lock is never held across a client round trip. The function checks what it is sent as
+data, never trusting it: every payload against the catalog (SQLSTATE ``DR006`` ->
+:class:`~services.runtime.errors.InvalidEvent`), the session's job — which event types
+under which actor its database user may append (``DR005`` ->
+:class:`~services.runtime.errors.AppendForbidden`) —, then under the lock every
+stream's version against the expected one (exact: no other append runs concurrently;
+``DR001`` -> :class:`~services.runtime.errors.ConflictError`), and inserts the rows
+with ``recorded_at`` and stream versions of the database's own, applies the guards it
+derives from the events itself (:mod:`events.guards` is their model: the capacity
+ledger, held shares, exclusive holds and node epochs; a CHECK violation of the ledger
+becomes :class:`~services.runtime.errors.CapacityExceeded`, a second hold of a dedicated
 device a :class:`~services.runtime.errors.ConflictError`), and
 ``pg_notify('dracap_events', head)`` — delivered at commit to
-:meth:`EventStore.wait_for_new`, which learns the head from the payload. Outside a
-transaction the statement commits as it ends, so the head lock is never held across a
-client round trip. A bulk append (``COPY_THRESHOLD`` events or more) runs the same
-steps as statements in one transaction, with binary COPY and the same
-``dracap_guard`` function: there is one implementation of the guards. The bulk path
-writes the tables itself, so a store whose role may not (migration 0006: the claims API,
-node agents) sends every append through the function; it asks once per pool.
+:meth:`EventStore.wait_for_new`, which learns the head from the payload. Large appends
+(a planning round over a long backlog) take the same path: no login writes the log's
+tables itself, so nothing reaches them unchecked.
+
+The store learns the database's clock from every append it makes (the ``recorded_at``
+the function returns): :attr:`EventStore.clock` (:mod:`services.runtime.dbclock`) is
+what a service compares with a ``recorded_at``, never its own clock.
 
 Several stores of one process (one per database role, :mod:`services.runtime.
 servicestores`) may share their commit listeners and known head (``sharing=``), so a
@@ -61,7 +67,8 @@ import contextlib
 import datetime
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import asyncpg
@@ -78,25 +85,16 @@ from events.catalog import (
 )
 from events.errors import CatalogError
 from events.folding import Refusal
-from events.guards import encode_guards, guards_of_many
 from events.model import decode_hook
+from services.runtime.dbclock import DatabaseClock
 from services.runtime.errors import (
-    AlreadyHandled,
-    ConflictError,
     InvalidEvent,
     RetryableError,
     RuntimeServiceError,
     StaleEpoch,
     map_database_error,
 )
-from services.runtime.rows import (
-    COLUMNS,
-    SELECT,
-    copy_records,
-    decoded,
-    envelope_of,
-    envelope_with,
-)
+from services.runtime.rows import SELECT, decoded, envelope_of, envelope_with
 from services.runtime.settings import Settings
 
 _log = logging.getLogger(__name__)
@@ -170,8 +168,8 @@ class Metadata(msgspec.Struct, frozen=True, kw_only=True):
 def agent_epoch(actor: str) -> tuple[str, int] | None:
     """``(node, epoch)`` of an agent's actor that names its lease epoch, else ``None``.
 
-    Such an append always goes through ``dracap_append_guarded``, which checks the epoch
-    under the head lock (migration 0007); the bulk path never carries one.
+    ``dracap_append_guarded`` checks the epoch under the head lock (migration 0007) and
+    records a refusal instead of the events when it is stale.
     """
     if not actor.startswith("agent:"):
         return None
@@ -276,7 +274,6 @@ class _Pending(msgspec.Struct, frozen=True):
     """Validated events of one append, before positions are known (column form)."""
 
     meta: Metadata
-    recorded_at: datetime.datetime
     events: list[Event]
     payloads: list[bytes]
     event_ids: list[str]
@@ -295,7 +292,6 @@ class _Pending(msgspec.Struct, frozen=True):
 
 def _envelopes(batches: Sequence[Batch], meta: Metadata) -> _Pending:
     """Validate the events of ``batches``; raise InvalidEvent (nothing written) if bad."""
-    now = datetime.datetime.now(datetime.UTC)
     events: list[Event] = []
     payloads: list[bytes] = []
     streams: list[str] = []
@@ -335,7 +331,6 @@ def _envelopes(batches: Sequence[Batch], meta: Metadata) -> _Pending:
     causation_ids = [c.causation_id if c is not None else meta.causation_id for c in causes]
     return _Pending(
         meta=meta,
-        recorded_at=now,
         events=events,
         payloads=payloads,
         event_ids=ids,
@@ -448,6 +443,7 @@ class _Commits:
     def __init__(self) -> None:
         self.listeners: list[Callable[[list[Envelope]], None]] = []
         self.head = 0
+        self.clock = DatabaseClock()
 
 
 class EventStore:
@@ -462,13 +458,11 @@ class EventStore:
         self._listener_lock = asyncio.Lock()
         self._closed = False
         self._waiters: set[asyncio.Future[None]] = set()
-        #: appends of fewer events are one statement, the others statements with COPY
-        #: (see :meth:`_write`); tests lower it to exercise the bulk path
-        self.copy_threshold = COPY_THRESHOLD
-        self._may_copy: bool | None = None  # whether the role may COPY (asked once)
         # listeners and the highest head announced by NOTIFY (or read at LISTEN), shared
         # with the stores this one was opened alongside
         self._commits: _Commits = _Commits() if sharing is None else sharing._commits
+        #: the database's clock, learnt from this store's appends (shared like the commits)
+        self.clock: DatabaseClock = self._commits.clock
 
     @classmethod
     async def open(cls, settings: Settings, *, sharing: EventStore | None = None) -> EventStore:
@@ -618,22 +612,9 @@ class EventStore:
     async def _write(
         self, connection: Connection, batches: Sequence[Batch], pending: _Pending
     ) -> list[Envelope]:
-        """One append on ``connection``: lock, check, insert, guards, notify.
-
-        Fewer than :attr:`copy_threshold` events: one call of ``dracap_append_guarded``,
-        which outside a transaction commits in the server as it ends, so the head lock
-        is never held across a client round trip. More: the same steps as statements
-        in a transaction (the caller's, or one of its own), the rows sent with COPY.
-        """
+        """One append on ``connection``: one call of ``dracap_append_guarded``."""
         count, processed = len(pending.events), pending.processed
-        guards = guards_of_many(pending.events)
-        encoded = encode_guards(guards) if guards else None
-        epoch = agent_epoch(pending.meta.actor)
-        if epoch is None and count >= self.copy_threshold and await self._copies(connection):
-            if connection.is_in_transaction():
-                return await _copy(connection, batches, pending, encoded)
-            async with connection.transaction():
-                return await _copy(connection, batches, pending, encoded)
+        sent = time.monotonic()
         row = await connection.fetchrow(
             _APPEND,
             count,
@@ -641,43 +622,43 @@ class EventStore:
             [b.expected_version for b in batches],
             pending.event_ids,
             pending.streams,
-            pending.versions,
             pending.types,
             pending.schema_versions,
             pending.namespaces,
             pending.meta.actor,
             pending.correlation_ids,
             pending.causation_ids,
-            pending.recorded_at,
             pending.payloads,
-            CHANNEL,
-            encoded,
             *((None, None) if processed is None else (processed.consumer, processed.event_ids)),
         )
         assert row is not None  # the function returns exactly one row
+        head: int = row[0]
+        recorded_at: datetime.datetime = row[3]
+        self.clock.observe(recorded_at, sent, time.monotonic())
         if row[2] is not None:  # a stale epoch: the function logged the refusal instead
+            epoch = agent_epoch(pending.meta.actor)
             assert epoch is not None
             raise StaleEpoch(epoch[0], epoch[1], row[2])
-        head: int = row[0]
         current = {
             b.stream: version if b.expected_version is None else 0
             for b, version in zip(batches, row[1], strict=True)
         }
         positions = list(range(head - count + 1, head + 1))
-        return _stored(pending, positions, _moved(pending, current))
+        return _stored(pending, positions, _moved(pending, current), recorded_at)
 
-    async def _copies(self, connection: Connection) -> bool:
-        """Whether this store's role may take the bulk path (asked once).
-
-        The bulk path writes ``events`` and the guard tables itself; a role that may only
-        execute ``dracap_append_guarded`` (migration 0006: the claims API, node agents)
-        sends every append through the function instead.
-        """
-        if self._may_copy is None:
-            self._may_copy = bool(
-                await connection.fetchval("SELECT has_table_privilege('events', 'INSERT')")
-            )
-        return self._may_copy
+    async def renew_leases(self, leases: Mapping[str, int]) -> set[str]:
+        """Renew every node's lease ``node -> epoch`` in one statement
+        (``dracap_renew_leases``, migration 0011); returns the nodes renewed. A lease that
+        is not the node's any more, ran out or was expired or fenced in the log is lost:
+        its node is not returned, and its agent must take a new lease."""
+        if not leases:
+            return set()
+        rows = await self._pool.fetch(
+            "SELECT * FROM dracap_renew_leases($1::text[], $2::bigint[])",
+            list(leases),
+            list(leases.values()),
+        )
+        return {row[0] for row in rows}
 
     # -- reading -------------------------------------------------------------------------
 
@@ -778,7 +759,7 @@ class EventStore:
                     await listener.add_listener(CHANNEL, self._notified)
                     # Listening from here on: the head read now plus every NOTIFY after
                     # it is the head at any later moment.
-                    position: int = await listener.fetchval("SELECT position FROM event_log_head")
+                    position = await self._read_head(listener)
                 except BaseException:
                     await listener.close()
                     raise
@@ -805,9 +786,18 @@ class EventStore:
             self._waiters.discard(waiter)
         if self._commits.head > after_position:
             return self._commits.head
-        head = await self.head()
+        head = await self._read_head(self._pool)
         self._commits.head = max(self._commits.head, head)
         return head
+
+    async def _read_head(self, connection: Any) -> int:
+        """The head, and the database's clock learnt on the way (a reader that never
+        appends learns it here: at start and whenever a wait runs out)."""
+        sent = time.monotonic()
+        row = await connection.fetchrow("SELECT position, clock_timestamp() FROM event_log_head")
+        self.clock.observe(row[1], sent, time.monotonic())
+        position: int = row[0]
+        return position
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -834,12 +824,9 @@ class EventStore:
         return Snapshot(row[0], row[1], bytes(row[2]), row[3])
 
 
-#: Appends of fewer events go through ``dracap_append``; larger ones (bulk loads) use
-#: binary COPY with the head lock taken first.
-COPY_THRESHOLD: Final = 256
 _APPEND: Final = (
-    "SELECT head, currents, refused FROM dracap_append_guarded($1, $2, $3, $4, $5, $6, $7, $8, $9, "
-    "$10, $11, $12, $13, $14, $15, $16, $17, $18)"
+    "SELECT head, currents, refused, recorded_at FROM dracap_append_guarded($1, $2, $3, $4, "
+    "$5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
 )
 #: Record bus messages as handled by a consumer; returns the ids that were new.
 MARK_PROCESSED: Final = (
@@ -855,10 +842,12 @@ def _moved(pending: _Pending, current: dict[str, int]) -> list[int]:
     return [v + current[s] for v, s in zip(pending.versions, pending.streams, strict=True)]
 
 
-def _stored(pending: _Pending, positions: list[int], versions: list[int]) -> list[Envelope]:
-    """The envelopes of an append, with their positions and stream versions."""
+def _stored(
+    pending: _Pending, positions: list[int], versions: list[int], now: datetime.datetime
+) -> list[Envelope]:
+    """The envelopes of an append, with their positions, stream versions and time."""
     meta = pending.meta
-    actor, now = meta.actor, pending.recorded_at
+    actor = meta.actor
     return [
         Envelope(
             event_id=eid,
@@ -896,60 +885,3 @@ def _stored(pending: _Pending, positions: list[int], versions: list[int]) -> lis
             strict=True,
         )
     ]
-
-
-async def _copy(
-    connection: Connection, batches: Sequence[Batch], pending: _Pending, guards: bytes | None
-) -> list[Envelope]:
-    """A bulk append inside the open transaction: the steps of ``dracap_append_guarded``
-    as statements, the rows sent with binary COPY."""
-    count, processed = len(pending.events), pending.processed
-    if processed is not None:
-        marked = await connection.fetch(MARK_PROCESSED, processed.consumer, processed.event_ids)
-        if len(marked) != len(processed.event_ids):
-            raise AlreadyHandled(f"consumer {processed.consumer!r} had handled some before")
-    head: int = await connection.fetchval(
-        "UPDATE event_log_head SET position = position + $1 RETURNING position", count
-    )
-    current = await _check_versions(connection, batches)
-    positions = list(range(head - count + 1, head + 1))
-    versions = _moved(pending, current)
-    records = copy_records(
-        positions=positions,
-        event_ids=pending.event_ids,
-        streams=pending.streams,
-        versions=versions,
-        types=pending.types,
-        schema_versions=pending.schema_versions,
-        namespaces=pending.namespaces,
-        actor=pending.meta.actor,
-        correlation_ids=pending.correlation_ids,
-        causation_ids=pending.causation_ids,
-        recorded_at=pending.recorded_at,
-        payloads=pending.payloads,
-    )
-    await connection.copy_records_to_table("events", records=records, columns=list(COLUMNS))
-    if guards is not None:
-        await connection.execute("SELECT dracap_guard($1, $2)", head - count, guards)
-    await connection.execute("SELECT pg_notify($1, $2)", CHANNEL, str(head))
-    return _stored(pending, positions, versions)
-
-
-async def _check_versions(connection: Connection, batches: Sequence[Batch]) -> dict[str, int]:
-    """Raise ConflictError on a clash; return how far each ``None`` stream moved."""
-    rows = await connection.fetch(
-        "SELECT s.stream, (SELECT max(stream_version) FROM events e WHERE e.stream = s.stream)"
-        " FROM unnest($1::text[]) AS s(stream)",
-        [b.stream for b in batches],
-    )
-    current = {row[0]: row[1] or 0 for row in rows}
-    for batch in batches:
-        if batch.expected_version is None:
-            continue
-        if current[batch.stream] != batch.expected_version:
-            raise ConflictError(
-                f"stream {batch.stream!r} is at version {current[batch.stream]}, "
-                f"expected {batch.expected_version}",
-                stream=batch.stream,
-            )
-    return {b.stream: current[b.stream] if b.expected_version is None else 0 for b in batches}

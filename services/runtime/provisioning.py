@@ -7,7 +7,9 @@ administrator, so it sets up what an operator sets up by hand elsewhere
 * a login user per service kind in that kind's group role (:mod:`services.runtime.dbroles`):
   ``dracap_claims_login``, ``dracap_reservation_login``, ``dracap_relay_login`` and
   ``dracap_readonly_login`` (the live state's reads), ``dracap_ledger_login`` (the audit
-  and billing subscribers), ``dracap_snapshots_login`` (the snapshot writer);
+  and billing subscribers), ``dracap_snapshots_login`` (the snapshot writer),
+  ``dracap_enforcement_login`` (the enforcement service: node agents' reports, migration
+  0011);
 * a node-bound user per node agent it runs (``dracap_node_<node>_<hash>``), which can
   append its own node's reports and nothing else;
 
@@ -63,6 +65,7 @@ KINDS: Final = (
     ServiceKind.READONLY,
     ServiceKind.LEDGER,
     ServiceKind.SNAPSHOTS,
+    ServiceKind.ENFORCEMENT,
 )
 
 

@@ -1,19 +1,18 @@
 """The row codec of the ``events`` table: one place that knows its column order.
 
 A stored event is one row of twelve columns (:data:`COLUMNS`). Readers select them in
-that order (:data:`SELECT`) and writers copy them in that order (:func:`copy_records`,
-the bulk path's binary ``COPY``); :func:`decoded` gives a row's event, or the
-:class:`~events.folding.Refusal` of one the fold's driver refuses to decode (every
-reader skips those: :mod:`events.folding`); :func:`envelope_of` turns a row into the
-:class:`~events.catalog.Envelope` every service folds (``CatalogError`` for a refused
-one), :func:`raw_envelope_of` into the relay's :class:`~events.catalog.RawEnvelope`,
-which keeps the stored JSON of the event as it is. Hot loops (replay) index rows with
-the named positions below rather than building objects per row.
+that order (:data:`SELECT`), ``dracap replay import`` copies them in that order;
+:func:`decoded` gives a row's event, or the :class:`~events.folding.Refusal` of one the
+fold's driver refuses to decode (every reader skips those: :mod:`events.folding`);
+:func:`envelope_of` turns a row into the :class:`~events.catalog.Envelope` every service
+folds (``CatalogError`` for a refused one), :func:`raw_envelope_of` into the relay's
+:class:`~events.catalog.RawEnvelope`, which keeps the stored JSON of the event as it is.
+Hot loops (replay) index rows with the named positions below rather than building
+objects per row.
 """
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
 from typing import Any, Final, TypeVar
 
@@ -119,39 +118,3 @@ def envelope_of(row: Row) -> Envelope:
 def raw_envelope_of(row: Row) -> RawEnvelope:
     """The envelope of one stored row with the event's JSON as stored."""
     return _envelope(RawEnvelope, row, msgspec.Raw(row[PAYLOAD]))
-
-
-def copy_records(
-    *,
-    positions: Sequence[int],
-    event_ids: Sequence[str],
-    streams: Sequence[str],
-    versions: Sequence[int],
-    types: Sequence[str],
-    schema_versions: Sequence[int],
-    namespaces: Sequence[str | None],
-    actor: str,
-    correlation_ids: Sequence[str],
-    causation_ids: Sequence[str | None],
-    recorded_at: datetime.datetime,
-    payloads: Sequence[bytes],
-) -> list[tuple[Any, ...]]:
-    """Rows in :data:`COLUMNS` order for a binary ``COPY`` into ``events``."""
-    count = len(positions)
-    return list(
-        zip(
-            positions,
-            event_ids,
-            streams,
-            versions,
-            types,
-            schema_versions,
-            namespaces,
-            [actor] * count,
-            correlation_ids,
-            causation_ids,
-            [recorded_at] * count,
-            payloads,
-            strict=True,
-        )
-    )

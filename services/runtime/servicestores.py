@@ -42,6 +42,7 @@ _SMALL: Final = frozenset(
         ServiceKind.AGENT,
         ServiceKind.LEDGER,
         ServiceKind.SNAPSHOTS,
+        ServiceKind.ENFORCEMENT,
     }
 )
 
@@ -68,7 +69,13 @@ class ServiceStores:
         reader_settings = settings.for_service(ServiceKind.READONLY)
         stores = cls(await EventStore.open(reader_settings))
         by_connection = {_connection(reader_settings): stores.reader}
-        wanted: list[Key] = [(kind, None) for kind in ServiceKind if kind != ServiceKind.READONLY]
+        # node agents connect per node; an agent of no node has no store (none would use it,
+        # and on dracap up's server it would be the administrator's connection)
+        wanted: list[Key] = [
+            (kind, None)
+            for kind in ServiceKind
+            if kind not in (ServiceKind.READONLY, ServiceKind.AGENT)
+        ]
         wanted += [(ServiceKind.AGENT, node) for node in nodes]
         try:
             for kind, node in wanted:

@@ -17,7 +17,8 @@ variable                        meaning                                      def
 ``DRACAP_DATABASE_URL_<KIND>``  the URL the services of one kind connect     —
                                 with (``CLAIMS``, ``RESERVATION``, ``RELAY``,
                                 ``AGENT``, ``READONLY``, ``RECLAMATION``,
-                                ``LEDGER``, ``SNAPSHOTS``), as its own user
+                                ``LEDGER``, ``SNAPSHOTS``, ``ENFORCEMENT``),
+                                as its own user
 =============================== ============================================ =========
 
 The app role is the one that migrations grant INSERT/SELECT on the event log to and
@@ -59,6 +60,8 @@ class ServiceKind(enum.StrEnum):
     READONLY = "readonly"  #: the live state's reads, ``dracap replay verify``
     LEDGER = "ledger"  #: the audit and billing subscribers' own tables (migration 0009)
     SNAPSHOTS = "snapshots"  #: the snapshot writer (migration 0010)
+    #: the enforcement service: node agents' reports and lease renewals (migration 0011)
+    ENFORCEMENT = "enforcement"
 
 
 def agent_key(node: str) -> str:

@@ -285,7 +285,8 @@ class SloTracker(Collector):
     ) -> None:
         self.live = live
         self.fold = SloFold()
-        self._now = now or (lambda: datetime.datetime.now(datetime.UTC))
+        # ages count on the database's clock, as the recorded_at they start from
+        self._now = now or live.store.clock.now
         self._unsubscribe: Callable[[], None] | None = None
         self._registered = False
 

@@ -16,6 +16,7 @@ from services.runtime.apiclient import ApiClient
 from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
 from services.up import Stack, load_inventory, read_inventory
+from tests.fixtures.logins import login_users
 
 
 class Cluster(msgspec.Struct, kw_only=True):
@@ -54,21 +55,34 @@ def node_slice(node: str, driver: str, devices: list[dict[str, Any]]) -> dict[st
 
 @contextlib.asynccontextmanager
 async def running_cluster(
-    settings: Settings, nats_url: str, directory: Path, inventory: Sequence[dict[str, Any]]
+    settings: Settings,
+    nats_url: str,
+    directory: Path,
+    inventory: Sequence[dict[str, Any]],
+    *,
+    admin_url: str | None = None,
 ) -> AsyncIterator[Cluster]:
-    """The stack with ``inventory`` loaded (one agent per node); its stream goes after."""
+    """The stack with ``inventory`` loaded (one agent per node); its stream goes after.
+
+    ``admin_url`` (the server's administrator): every service connects as a login user of
+    its own (:func:`tests.fixtures.logins.login_users`) and may append only its own job
+    (migration 0011), as under ``dracap up``; else all of them as the app role."""
     names = BusNames(prefix=f"t{uuid.uuid4().hex[:10]}")
     path = directory / "inventory.yaml"
     path.write_text(yaml.safe_dump_all(inventory))
     manifests = read_inventory([str(path)])
     settings = msgspec.structs.replace(settings, nats_url=nats_url)
-    async with (
-        Stack.running(settings, names, nodes=manifests.nodes, workers=1) as stack,
-        ApiClient.connect(nats_url, names.prefix) as api,
-    ):
-        await load_inventory(api, manifests)
-        flags = ["--nats", nats_url, "--prefix", names.prefix]
-        yield Cluster(api=api, flags=flags, stack=stack)
+    async with contextlib.AsyncExitStack() as logins:
+        if admin_url is not None:
+            urls = await logins.enter_async_context(login_users(settings.database_url, admin_url))
+            settings = msgspec.structs.replace(settings, database_urls=urls)
+        async with (
+            Stack.running(settings, names, nodes=manifests.nodes, workers=1) as stack,
+            ApiClient.connect(nats_url, names.prefix) as api,
+        ):
+            await load_inventory(api, manifests)
+            flags = ["--nats", nats_url, "--prefix", names.prefix]
+            yield Cluster(api=api, flags=flags, stack=stack)
     nc, js = await connect_bus(nats_url)
     try:
         await js.delete_stream(names.stream)

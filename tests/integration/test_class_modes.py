@@ -48,8 +48,13 @@ INVENTORY = [
 
 
 @pytest.fixture
-async def cluster(settings: Settings, nats_url: str, tmp_path: Path) -> AsyncIterator[Cluster]:
-    async with running_cluster(settings, nats_url, tmp_path, INVENTORY) as running:
+async def cluster(
+    settings: Settings, nats_url: str, tmp_path: Path, postgres_admin_url: str
+) -> AsyncIterator[Cluster]:
+    """Every service on its own database login, as under ``dracap up`` (migration 0011)."""
+    async with running_cluster(
+        settings, nats_url, tmp_path, INVENTORY, admin_url=postgres_admin_url
+    ) as running:
         yield running
 
 

@@ -463,14 +463,18 @@ def test_dracap_up_is_secure_unless_told_insecure_and_then_says_so(tmp_path: Pat
         _stop(process)
 
 
-def _sessions(admin_url: str) -> set[str]:
-    async def users() -> set[str]:
+def _sessions(admin_url: str) -> dict[str, bool]:
+    """Every client session of the server but this one's: user -> whether a superuser."""
+
+    async def users() -> dict[str, bool]:
         connection = await asyncpg.connect(admin_url)
         try:
             rows = await connection.fetch(
-                "SELECT DISTINCT usename FROM pg_stat_activity WHERE datname = 'dracap'"
+                "SELECT DISTINCT a.usename, r.rolsuper FROM pg_stat_activity a "
+                "JOIN pg_roles r ON r.rolname = a.usename "
+                "WHERE a.backend_type = 'client backend' AND a.pid <> pg_backend_pid()"
             )
-            return {row[0] for row in rows}
+            return {row[0]: row[1] for row in rows}
         finally:
             await connection.close()
 
@@ -501,10 +505,14 @@ def test_dracap_up_connects_each_service_as_its_own_database_user(tmp_path: Path
         users_file = data_dir / "database-users.json"
         assert stat.S_IMODE(users_file.stat().st_mode) == 0o600
         users = json.loads(users_file.read_text())
-        kinds = ("claims", "reservation", "relay", "snapshots")
+        kinds = ("claims", "reservation", "relay", "snapshots", "enforcement")
         expected = {f"dracap_{kind}_login" for kind in kinds}
         expected |= {"dracap_readonly_login", node_role("node-a"), node_role("node-b")}
-        assert expected <= _sessions(admin_url)
+        sessions = _sessions(admin_url)
+        assert expected <= set(sessions)
+        # the superuser provisioned and left: nothing dracap up runs (health probe
+        # included) is connected as it (finding 11)
+        assert not [user for user, superuser in sessions.items() if superuser]
         relay = users["services"]["relay"]
         own = url_as(admin_url, relay["user"], relay["password"])
         assert _login(own) == ("dracap_relay_login", False)

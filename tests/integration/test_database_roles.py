@@ -6,9 +6,11 @@
 * the read-only role cannot insert, nor append through the append function;
 * no application role may change the schema;
 * a node agent's database user, bound to its node, appends its own node's reports and
-  nothing else: another node's report, an event that is not an agent's, a slice or pool
-  of another node, another node's share, or a guard that does not follow from its event
-  are refused with :class:`~services.runtime.errors.NodeScopeViolation`.
+  nothing else: another node's report, a slice or pool of another node, or another
+  node's share are refused with :class:`~services.runtime.errors.NodeScopeViolation`;
+  an event that is not an agent's with :class:`~services.runtime.errors.AppendForbidden`
+  (migration 0011: ``tests/integration/test_login_jobs.py`` tries every login), and no
+  guard can be passed at all (the database derives them).
 
 Group roles are taken with the ``role`` startup parameter by the suite's administrator
 (what a login user that belongs to the group has); the node-bound users are real login
@@ -35,11 +37,12 @@ from events.catalog import Event
 from events.guards import SetTotal, encode_guards
 from services import cli
 from services.exitcodes import ExitCode
-from services.runtime.dbroles import ensure_login, ensure_node_role, group_role, node_role, url_as
-from services.runtime.errors import NodeScopeViolation, PermanentError
+from services.runtime.dbroles import ensure_node_role, node_role, url_as
+from services.runtime.errors import AppendForbidden, NodeScopeViolation, PermanentError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.servicestores import ServiceStores
 from services.runtime.settings import ServiceKind, Settings
+from tests.fixtures.logins import login_users
 from tests.integration import sample as s
 from tests.integration.scenario import lease, put
 
@@ -49,6 +52,7 @@ SERVICE_ROLES = (
     "dracap_relay",
     "dracap_agent",
     "dracap_readonly",
+    "dracap_enforcement",
 )
 APP_ROLES = (*SERVICE_ROLES, "dracap_app")
 
@@ -234,11 +238,14 @@ def _share(node: str) -> str:
 
 @pytest.fixture
 async def nodes(store: EventStore) -> tuple[str, str]:
-    """Two nodes with a slice each (``<node>-gpus``, pool ``<node>``) and a share on each."""
+    """Two nodes with a slice each (``<node>-gpus``, pool ``<node>``), a share on each and
+    an admin-access share on each (``_share(node + "-admin")``: it holds nothing)."""
     a, b = _node(), _node()
     for node in (a, b):
         await put(store, s.slice_published(name=f"{node}-gpus", pool=node))
         await put(store, s.reserved(name=node, pool=node, share_id=_share(node)))
+        admin = _share(f"{node}-admin")
+        await put(store, s.reserved(name=f"{node}-a", pool=node, share_id=admin, admin=True))
     return a, b
 
 
@@ -278,7 +285,6 @@ def _slice(name: str, pool: str, node: str) -> catalog.ResourceSlicePublished:
 def _refusals(a: str, b: str) -> dict[str, list[Event]]:
     """Appends an agent of node ``a`` may not make, by what is wrong with them."""
     return {
-        "not an agent's event": [catalog.ClaimAdmitted(namespace="team-a", name="c1")],
         "another node's removal": [catalog.LimitRemoved(share_id=_share(b), node=b)],
         "another node's share, named as its own": [_applied(_share(b), a)],
         "confirming another node's share": [catalog.ShareConfirmed(share_id=_share(b), node=a)],
@@ -290,6 +296,9 @@ def _refusals(a: str, b: str) -> dict[str, list[Event]]:
         "a slice name of another node": [_slice(f"{b}-gpus", a, a)],
         "another node's pool": [_slice(f"{a}-extra", b, a)],
         "withdrawing another node's slice": [catalog.ResourceSliceWithdrawn(name=f"{b}-gpus")],
+        "failing another node's admin-access share (finding 5)": [
+            catalog.LimitFailed(share_id=_share(f"{b}-admin"), node=a, retryable=False, reason="x")
+        ],
         "releasing another node's share": [
             s.released(s.reserved(name=b, pool=b, share_id=_share(b)))
         ],
@@ -298,6 +307,18 @@ def _refusals(a: str, b: str) -> dict[str, list[Event]]:
             catalog.LimitFailed(share_id=_share(b), node=b, retryable=False, reason="x"),
         ],
     }
+
+
+async def test_an_agent_appends_no_event_an_agent_does_not_write(
+    nodes: tuple[str, str], node_user: NodeUser, store: EventStore
+) -> None:
+    a, _ = nodes
+    async with await EventStore.open(await node_user(a)) as agent:
+        actor = await lease(agent, a)
+        head = await store.head()
+        with pytest.raises(AppendForbidden, match=re.escape("claims.admitted is not written by")):
+            await put(agent, catalog.ClaimAdmitted(namespace="team-a", name="c1"), actor=actor)
+    assert await store.head() == head
 
 
 @pytest.mark.parametrize("case", list(_refusals("a", "b")))
@@ -363,16 +384,17 @@ async def test_an_agent_user_bound_to_no_node_appends_agent_events_only(
         actor_a, actor_b = await lease(agent, a), await lease(agent, b)
         await put(agent, _applied(_share(a), a), actor=actor_a)
         await put(agent, _applied(_share(b), b), actor=actor_b)
-        with pytest.raises(
-            NodeScopeViolation, match=re.escape("is a node agent's: claims.admitted is not")
-        ):
+        with pytest.raises(AppendForbidden, match=re.escape("claims.admitted is not written by")):
             await put(agent, catalog.ClaimAdmitted(namespace="team-a", name="c1"), actor=actor_a)
+        with pytest.raises(NodeScopeViolation):  # its actor names node a: a report on b is not a's
+            await put(agent, _applied(_share(b), b), actor=actor_a)
 
 
 async def test_an_agent_cannot_smuggle_a_guard(
     nodes: tuple[str, str], node_user: NodeUser, store: EventStore
 ) -> None:
-    """A guard must follow from its own event: a report carries no ledger change."""
+    """No guard is taken from the caller (0011): the function of 0006 that took them is
+    gone, and the guard function itself is the owner's."""
     a, b = nodes
     forged = encode_guards(
         [SetTotal(at=1, driver=s.DRIVER, pool=b, device="gpu-0", capacity="memory", total="1")]
@@ -380,7 +402,7 @@ async def test_an_agent_cannot_smuggle_a_guard(
     report = catalog.encode_payload(_applied(_share(a), a))
     async with await EventStore.open(await node_user(a)) as agent:
         actor = await lease(agent, a)
-        with pytest.raises(asyncpg.PostgresError) as refused:
+        with pytest.raises(asyncpg.UndefinedFunctionError):
             await agent.pool.fetchrow(
                 "SELECT * FROM dracap_append_guarded(1, $1, $2, $3, $1, $4, $5, $6, $7, $12, "
                 "$8, $9, now(), $10, 'dracap_events', $11, NULL, NULL)",
@@ -397,7 +419,8 @@ async def test_an_agent_cannot_smuggle_a_guard(
                 forged,
                 actor,
             )
-    assert refused.value.sqlstate == "DR004" and "set_total" in str(refused.value)
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await agent.pool.execute("SELECT dracap_guard(0, $1)", forged)
     total = await store.pool.fetchval(
         "SELECT total FROM capacity_ledger WHERE pool = $1 AND device = 'gpu-0'", b
     )
@@ -417,25 +440,42 @@ async def test_an_agent_has_no_privilege_on_the_tables_it_appends_to(
         ):
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await agent.pool.execute(sql)
-        agent.copy_threshold = 1  # a bulk append goes through the function instead
         await put(agent, _applied(_share(a), a), actor=await lease(agent, a))
 
 
 @pytest.mark.parametrize("role", ["dracap_reservation", "dracap_claims"])
-async def test_only_the_reservation_role_takes_the_bulk_path(
-    nodes: tuple[str, str], settings: Settings, store: EventStore, role: str
+async def test_no_login_writes_the_log_or_the_guard_tables_itself(
+    database_url: str, role: str
+) -> None:
+    """0011 took back the reservation login's bulk path (INSERT on events and the guard
+    tables): every append, large ones included, goes through the checked function."""
+    connection = await _as_role(database_url, role)
+    try:
+        for table in ("events", "capacity_ledger", "held_shares", "device_holds", "node_epochs"):
+            assert not await connection.fetchval("SELECT has_table_privilege($1, 'INSERT')", table)
+        assert not await connection.fetchval(
+            "SELECT has_table_privilege('event_log_head', 'UPDATE')"
+        )
+        assert not await connection.fetchval(
+            "SELECT has_function_privilege('dracap_guard(bigint, jsonb)', 'EXECUTE')"
+        )
+    finally:
+        await connection.close()
+
+
+async def test_a_large_append_is_checked_and_guarded_like_a_small_one(
+    nodes: tuple[str, str], settings: Settings, store: EventStore
 ) -> None:
     a, _ = nodes
-    reservation = s.reserved(name="bulk", pool=a, consumed="5Gi")
-    async with await EventStore.open(msgspec.structs.replace(settings, app_role=role)) as own:
-        own.copy_threshold = 1  # every append would be a bulk one
-        await put(own, reservation)
-        async with own.pool.acquire() as connection:
-            assert await own._copies(connection) is (role == "dracap_reservation")
-    held = await store.pool.fetchval(
-        "SELECT node FROM held_shares WHERE share_id = $1", uuid.UUID(reservation.share_id)
+    shares = [s.reserved(name=f"bulk-{i}", pool=a, consumed="1Mi") for i in range(300)]
+    await store.append_many(
+        [Batch(catalog.stream_of(shares[0]), None, shares)], Metadata(actor="test")
     )
-    assert held == a  # the guard ran on either path
+    held = await store.pool.fetchval(
+        "SELECT count(*) FROM held_shares WHERE share_id = ANY($1::uuid[])",
+        [uuid.UUID(r.share_id) for r in shares],
+    )
+    assert held == 300  # every guard ran
 
 
 # --- one process, a store per role ----------------------------------------------------------
@@ -446,21 +486,8 @@ async def service_users(
     settings: Settings, postgres_admin_url: str
 ) -> AsyncIterator[dict[str, str]]:
     """A login user per service kind (URLs by :attr:`Settings.database_urls` key)."""
-    token = uuid.uuid4().hex[:8]
-    users = {kind: f"test_{kind.value}_{token}" for kind in ServiceKind}
-    admin = await asyncpg.connect(settings.database_url)
-    try:
-        for kind, user in users.items():
-            await ensure_login(admin, user, group_role(kind), None)
-    finally:
-        await admin.close()
-    yield {kind.value: url_as(settings.database_url, user, None) for kind, user in users.items()}
-    admin = await asyncpg.connect(postgres_admin_url)
-    try:
-        for user in users.values():
-            await admin.execute(f'DROP ROLE IF EXISTS "{user}"')
-    finally:
-        await admin.close()
+    async with login_users(settings.database_url, postgres_admin_url) as urls:
+        yield urls
 
 
 async def test_each_service_gets_a_store_of_its_own_user_and_they_share_commits(
@@ -481,7 +508,7 @@ async def test_each_service_gets_a_store_of_its_own_user_and_they_share_commits(
         stores.reader.on_commit(lambda envs: heard.extend(e.position for e in envs))
         await stores.reader.wait_for_new(0, 0.01)  # the reader listens
         claims = stores.of(ServiceKind.CLAIMS)
-        await put(claims, catalog.ClaimAdmitted(namespace="team-a", name="c1"))
+        await put(claims, catalog.ClaimAdmitted(namespace="team-a", name="c1"), actor="operator:t")
         assert heard == [1]
         assert stores.reader.committed_head() == 1  # SEEN includes it, NOTIFY or not
     finally:

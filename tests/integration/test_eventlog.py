@@ -235,13 +235,10 @@ async def test_events_are_append_only(
 # --- replay -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["server", "client"])
 async def test_replay_equals_projections_at_every_step(
-    store: EventStore, settings: Settings, path: str
+    store: EventStore, settings: Settings
 ) -> None:
-    """Both projection paths: in the server (small appends), statement by statement (bulk)."""
-    if path == "client":
-        store.copy_threshold = 1  # every append takes the bulk path
+    """The guards the database derives (0011: there is one append path) match the fold."""
     live = ClusterState()
     recorded: dict[int, dict[str, Any]] = {}
 

@@ -23,7 +23,7 @@ from services.exitcodes import ExitCode
 from services.reclamation.service import ReclamationService
 from services.replay.verify import summary, verify
 from services.runtime.livestate import LiveState
-from services.runtime.settings import Settings
+from services.runtime.settings import ServiceKind, Settings
 from tests.integration.cluster import Cluster, running_cluster
 from tests.integration.test_policy import NAMESPACE, dracap, view_when
 
@@ -77,10 +77,14 @@ def _claim(name: str, device_class: str) -> bytes:
 
 @pytest.fixture
 async def cluster(
-    settings: Settings, nats_url: str, tmp_path: Path
+    settings: Settings, nats_url: str, tmp_path: Path, postgres_admin_url: str
 ) -> AsyncIterator[tuple[Cluster, ReclamationService]]:
-    async with running_cluster(settings, nats_url, tmp_path, INVENTORY) as running:
-        store = running.stack.store
+    """The stack with every service on its own database login (as under ``dracap up``:
+    each may append only its own job, migration 0011), and a second reclamation replica."""
+    async with running_cluster(
+        settings, nats_url, tmp_path, INVENTORY, admin_url=postgres_admin_url
+    ) as running:
+        store = running.stack.stores.of(ServiceKind.RECLAMATION)
         replica = ReclamationService(store, LiveState(store), name="reclamation-1", poll_s=0.05)
         stop = asyncio.Event()
         task = asyncio.create_task(replica.run(stop))

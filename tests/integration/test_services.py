@@ -94,6 +94,18 @@ async def test_db_upgrade_then_downgrade(
         empty_database_url, "dracap_reclamation"
     )
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # idempotent
+    enforcement = await _privileges(empty_database_url, "dracap_enforcement")
+    assert {"function:dracap_append_guarded:definer", "function:dracap_renew_leases:definer"} <= (
+        enforcement
+    )
+    assert not {"events:INSERT", "node_leases:UPDATE"} & enforcement
+    reservation = await _privileges(empty_database_url, "dracap_reservation")
+    assert not {"events:INSERT", "capacity_ledger:UPDATE", "function:dracap_guard"} & reservation
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0010
+    assert not await _table_privileges(empty_database_url, "dracap_enforcement")
+    assert {"events:INSERT", "capacity_ledger:UPDATE"} <= await _privileges(
+        empty_database_url, "dracap_reservation"
+    )
     assert "share_used" in await _scope_source(empty_database_url)
     assert {"audit_records", "billing_usage", "ledger_positions"} <= await _tables(
         empty_database_url
@@ -107,7 +119,7 @@ async def test_db_upgrade_then_downgrade(
         "event_log_head:SELECT",
         *(f"snapshots:{p}" for p in ("SELECT", "INSERT", "UPDATE", "DELETE")),
     }
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0009
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # and 0009
     assert not await _table_privileges(empty_database_url, "dracap_snapshots")
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # and 0008
     assert "audit_records" not in await _tables(empty_database_url)
@@ -131,7 +143,7 @@ async def test_db_upgrade_then_downgrade(
     }
     assert "events:INSERT" in await _privileges(empty_database_url, "dracap_app")
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # and up again
-    for _ in range(5):  # 0009, 0008, 0007, 0006, 0005
+    for _ in range(6):  # 0010, 0009, 0008, 0007, 0006, 0005
         assert await asyncio.to_thread(db, ["downgrade"]) == 0
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more step: 0004
     assert {"shares", "claims"} <= await _tables(empty_database_url)

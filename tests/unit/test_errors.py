@@ -30,9 +30,11 @@ from services.enforcement.enforcers import (
 from services.runtime.errors import (
     LEDGER_CAPACITY_CHECK,
     AlreadyHandled,
+    AppendForbidden,
     CapacityExceeded,
     CapacityNotPublished,
     ConflictError,
+    InvalidEvent,
     NodeScopeViolation,
     NotFound,
     PermanentError,
@@ -109,6 +111,8 @@ def _postgres(sqlstate: str, **fields: str) -> Exception:
         (_postgres("DR001", D="claim:a/b"), ConflictError),
         (_postgres("DR003"), AlreadyHandled),
         (_postgres("DR004", D="enforcement.limit_applied"), NodeScopeViolation),
+        (_postgres("DR005", D="admin.namespace_access_set"), AppendForbidden),
+        (_postgres("DR006", D="enforcement.limit_applied"), InvalidEvent),
         (_postgres("23505", n="device_holds_pkey"), ConflictError),
         (_postgres("40001"), RetryableError),  # serialization failure
         (_postgres("42601"), PermanentError),  # syntax error: a bug, not weather
@@ -130,6 +134,16 @@ def test_a_node_scope_violation_is_permanent_and_names_the_event_type() -> None:
     assert isinstance(error, NodeScopeViolation) and isinstance(error, PermanentError)
     assert not isinstance(error, ConflictError | RetryableError)
     assert error.event_type == "enforcement.limit_applied" and str(error) == message
+
+
+def test_a_refused_job_or_payload_is_permanent_and_says_what() -> None:
+    message = "database user r (reservation) may not append as actor 'operator:operator'"
+    forbidden = map_database_error(_postgres("DR005", M=message, D="actor"))
+    assert isinstance(forbidden, AppendForbidden) and isinstance(forbidden, PermanentError)
+    assert forbidden.event_type == "actor" and str(forbidden) == message
+    assert not isinstance(forbidden, ConflictError | RetryableError)
+    undecodable = map_database_error(_postgres("DR006", M="event 1: $.level: expected"))
+    assert isinstance(undecodable, InvalidEvent) and isinstance(undecodable, PermanentError)
 
 
 @pytest.mark.parametrize(
