@@ -81,7 +81,8 @@ def view(state: ClusterState) -> dict[str, Any]:
     for section in SECTIONS:
         out[section] = plain[section]
     for claim in out["claims"].values():
-        claim.pop("claim", None)  # the tenant's manifest: long, and in the timeline
+        claim.pop("spec", None)  # what the fold keeps of the manifest: in the timeline
+        claim.pop("allocation_configs", None)
     for key, dev in state.devices.items():  # consumed as quantities, beside the nanos
         consumed = msgspec.to_builtins(dev.consumed(), enc_hook=encode_hook)
         out["devices"]["/".join(key)]["consumed"] = consumed
@@ -270,19 +271,7 @@ class Sample(msgspec.Struct, kw_only=True):
 def class_of_share(state: ClusterState, share: ShareState) -> str | None:
     """The DeviceClass the share's request asked for (``None``: not known)."""
     claim = state.claims.get(share.claim)
-    spec = claim.claim.spec.devices if claim is not None and claim.claim is not None else None
-    if spec is None or not spec.requests:
-        return None
-    name, _, sub = share.request.partition("/")
-    for request in spec.requests:
-        if request.name != name:
-            continue
-        if request.exactly is not None:
-            return request.exactly.device_class_name
-        for option in request.first_available or ():
-            if option.name == sub:
-                return option.device_class_name
-    return None
+    return claim.class_of(share.request) if claim is not None else None
 
 
 def _scope_test(state: ClusterState, kind: str, key: str) -> Callable[[ShareState], bool]:
