@@ -36,8 +36,9 @@ views, audit, billing, report panels        nothing of the manifest (they read t
 ``dracap claim get`` (the ResourceClaim)    the whole manifest: read from the log
 =========================================== =============================================
 
-The requests and constraints are the decoded event's own objects (no copy): a claim's
-selectors and capacity requests are what decisions are made of, so they stay whole.
+The requests and constraints are the decoded event's own objects (in tuples, which
+cost less than lists and are shared when empty): a claim's selectors and capacity
+requests are what decisions are made of, so they stay whole.
 The configuration is kept as its number of entries and a SHA-256 of its sorted JSON,
 which is all admission's "same spec?" needs; two configurations that differ only in
 how a number is written (``1`` and ``1.0``) count as different.
@@ -70,14 +71,14 @@ _DIGEST_ENCODER: Final = msgspec.json.Encoder(enc_hook=encode_hook, order="sorte
 class ClaimSpec(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """The parts of a submitted ResourceClaim that decisions read (module docstring)."""
 
-    requests: list[DeviceRequest] = []
-    constraints: list[DeviceConstraint] = []
+    requests: tuple[DeviceRequest, ...] = ()
+    constraints: tuple[DeviceConstraint, ...] = ()
     #: entries of ``spec.devices.config``: their contents stay in the log
     configs: int = 0
     #: :func:`config_digest` of them ("" when there are none)
     config_digest: str = ""
     #: ``status.allocation.devices.results`` as submitted (a claim mirrored from Kubernetes)
-    results: list[DeviceRequestAllocationResult] = []
+    results: tuple[DeviceRequestAllocationResult, ...] = ()
 
     def same_spec(self, other: ClaimSpec) -> bool:
         """Whether both were submitted with the same ``spec`` (``status`` aside)."""
@@ -112,7 +113,9 @@ class ClaimSpec(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     def as_claim(self, namespace: str, name: str) -> ResourceClaim:
         """A ResourceClaim of these requests and constraints, without configuration: what
         the allocator decides on (the configuration is copied in from the log after)."""
-        devices = DeviceClaim(requests=self.requests, constraints=self.constraints or None)
+        devices = DeviceClaim(
+            requests=list(self.requests), constraints=list(self.constraints) or None
+        )
         return ResourceClaim(
             metadata=ObjectMeta(name=name, namespace=namespace),
             spec=ResourceClaimSpec(devices=devices),
@@ -132,13 +135,14 @@ def claim_spec(claim: ResourceClaim) -> ClaimSpec:
     status = claim.status
     allocation = status.allocation if status is not None else None
     allocated = allocation.devices if allocation is not None else None
-    results = (allocated.results if allocated is not None else None) or []
+    found = allocated.results if allocated is not None else None
+    results = tuple(found) if found else ()
     if devices is None:
         return ClaimSpec(results=results)
     config = devices.config
     return ClaimSpec(
-        requests=devices.requests or [],
-        constraints=devices.constraints or [],
+        requests=tuple(devices.requests) if devices.requests else (),
+        constraints=tuple(devices.constraints) if devices.constraints else (),
         configs=len(config) if config else 0,
         config_digest=config_digest(config),
         results=results,
