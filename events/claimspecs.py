@@ -68,7 +68,7 @@ __all__ = ["ClaimSpec", "claim_spec", "config_digest"]
 _DIGEST_ENCODER: Final = msgspec.json.Encoder(enc_hook=encode_hook, order="sorted")
 
 
-class ClaimSpec(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+class ClaimSpec(msgspec.Struct, kw_only=True, frozen=True, gc=False, omit_defaults=True):
     """The parts of a submitted ResourceClaim that decisions read (module docstring)."""
 
     requests: tuple[DeviceRequest, ...] = ()
