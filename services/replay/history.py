@@ -12,7 +12,9 @@ so the answers are the fold's — the same meaning the services decided on.
   folding it changed the object's record in the state — so a node fence appears in the
   timeline of every share it released although it names only the node. Each step
   carries the fields of the record that changed (``old -> new``) and the envelope's
-  actor (:mod:`events.actors`).
+  actor (:mod:`events.actors`). A claim's record is shown with its manifest
+  (``claim``) and its allocation whole, taken from the events the timeline reads (the
+  fold keeps neither whole).
 * :func:`diff`: what differs between two views, per section and key, field by field.
 * :func:`usage_series`: for the plot, consumed capacity per tenant (namespace) on a
   device, a node's devices or a DeviceClass's shares after every event that changed it,
@@ -28,10 +30,10 @@ from typing import Any, Final
 import msgspec
 
 from events.actors import ActorError, parse_actor
-from events.catalog import decode_stored
+from events.catalog import AllocationBound, ClaimSubmitted, Event, decode_stored
 from events.errors import InvariantViolation
 from events.fold import ClusterState, ShareState, apply_event, to_builtins
-from events.model import encode_hook
+from events.model import AllocationResult, ResourceClaim, encode_hook
 from services.replay.sources import LogSource
 from services.replay.verify import fold_rows, paused_gc
 from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
@@ -213,6 +215,42 @@ def _plain(record: Any) -> Any:
     return msgspec.to_builtins(record, enc_hook=encode_hook, order="sorted")
 
 
+class _WholeClaim:
+    """A claim's record as its timeline shows it: with its manifest (``claim``) and its
+    allocation whole. The fold keeps neither whole (:mod:`events.claimspecs`); the
+    timeline reads every event anyway, so it takes them from the events that set them."""
+
+    def __init__(self, entity: Entity) -> None:
+        namespace, _, name = entity.key.partition("/")
+        self.key = (namespace, name)
+        self.manifest: ResourceClaim | None = None
+        self.allocation: AllocationResult | None = None
+
+    def __call__(self, state: ClusterState, event: Event) -> Any:
+        if isinstance(event, ClaimSubmitted):
+            meta = event.claim.metadata
+            if (meta.namespace or "", meta.name) == self.key:
+                self.manifest = event.claim
+        elif isinstance(event, AllocationBound) and (event.namespace, event.name) == self.key:
+            self.allocation = event.allocation
+        record = state.claims.get(self.key)
+        if record is None:
+            return None
+        plain = _plain(record)
+        del plain["spec"], plain["allocation_configs"]
+        plain["claim"] = _plain(self.manifest)
+        if record.allocation is not None and self.allocation is not None:
+            plain["allocation"] = _plain(self.allocation)
+        return plain
+
+
+def _recorder(entity: Entity) -> Callable[[ClusterState, Event], Any]:
+    """What a timeline compares after each event: the entity's record, as plain data."""
+    if entity.kind == "claim":
+        return _WholeClaim(entity)
+    return lambda state, _: _plain(entity.record(state))
+
+
 def _actor_kind(actor: str) -> str:
     try:
         return parse_actor(actor).kind
@@ -229,6 +267,7 @@ async def timeline(source: LogSource, entity: Entity) -> list[Step]:
     state = ClusterState()
     before: Any = None
     steps: list[Step] = []
+    record = _recorder(entity)
     with paused_gc():
         async for rows in source.rows(0):
             for row in rows:
@@ -238,7 +277,7 @@ async def timeline(source: LogSource, entity: Entity) -> list[Step]:
                     apply_event(state, event, row[POSITION])
                 except InvariantViolation as exc:
                     raise ReplayBrokenError(exc.position, str(exc)) from None
-                after = _plain(entity.record(state))
+                after = record(state, event)
                 if after != before or entity.named_in(payload):
                     actor = row[ACTOR]
                     steps.append(

@@ -6,7 +6,8 @@ claim's whole manifest and allocation in the fold) made of :func:`rows`:
 * ``format2.dracap-log``: the log as ``replay export`` writes it, a checkpoint line
   every :data:`EVERY` events (each a format-2 snapshot);
 * ``snapshot.json``: the snapshot body of the fold at the head;
-* ``view.json``: ``replay state``'s view of the fold at the head.
+* ``view.json``: ``replay state``'s view of the fold at the head;
+* ``timelines.json``: ``replay timeline`` of each claim (:data:`CLAIMS`).
 
 The events use only what that version has too (the catalog, the model, the sample
 builders), so the same module made the files there::
@@ -30,11 +31,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from events import catalog as c
 from events import model
 from tests.integration import sample as s
 
 EVERY = 4
+CLAIMS = ("tuned", "plain", "alt", "mirrored")
 T0 = datetime.datetime(2026, 1, 5, 8, 0, tzinfo=datetime.UTC)
 NAMESPACE = "team-a"
 CONFIG = [
@@ -175,21 +179,49 @@ def rows() -> list[list[Any]]:
     return out
 
 
+def timelines(path: Path) -> dict[str, Any]:
+    """``replay timeline`` of each claim of :data:`CLAIMS` in the file at ``path``, as
+    plain data."""
+    import asyncio
+
+    from services.replay.history import find_entity, timeline
+    from services.replay.sources import FileSource
+
+    out: dict[str, Any] = {}
+    for name in CLAIMS:
+        state = asyncio.run(_head_state(path))
+        entity = find_entity(state, f"{NAMESPACE}/{name}")
+        assert entity is not None
+        steps = asyncio.run(timeline(FileSource(path), entity))
+        out[name] = json.loads(json.dumps([msgspec.to_builtins(s) for s in steps]))
+    return out
+
+
+async def _head_state(path: Path) -> Any:
+    from services.replay.history import state_at
+    from services.replay.sources import FileSource
+
+    return await state_at(FileSource(path), len(rows()))
+
+
 def main(out: Path) -> None:
-    """Write the three files of the module docstring into ``out``."""
+    """Write the files of the module docstring into ``out``."""
     from events.fold import ClusterState, snapshot_encode
     from services.replay.checkpoints import CheckpointWriter
     from services.replay.history import view
     from services.replay.verify import fold_rows
 
     out.mkdir(parents=True, exist_ok=True)
-    writer = CheckpointWriter(out / "format2.dracap-log", source="tests.unit.oldlog", every=EVERY)
+    log = out / "format2.dracap-log"
+    writer = CheckpointWriter(log, source="tests.unit.oldlog", every=EVERY)
     writer.write(rows())
     writer.close()
     state = ClusterState()
     fold_rows(state, rows())
     (out / "snapshot.json").write_bytes(snapshot_encode(state))
     (out / "view.json").write_text(json.dumps(view(state), indent=1, sort_keys=True) + "\n")
+    text = json.dumps(timelines(log), indent=1, sort_keys=True)
+    (out / "timelines.json").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -73,3 +73,12 @@ def test_the_replay_view_is_the_old_one_but_for_the_allocations_configuration() 
     tuned = old["claims"]["team-a/tuned"]["allocation"]["devices"]
     assert len(tuned.pop("config")) == 2
     assert today == old
+
+
+def test_the_timelines_of_an_old_log_are_the_old_ones() -> None:
+    """A claim's timeline shows its manifest and its allocation whole, as before: the
+    timeline takes them from the events, since the fold no longer keeps them."""
+    old = json.loads((FIXTURES / "timelines.json").read_text())
+    assert oldlog.timelines(FIXTURES / "format2.dracap-log") == old
+    [bound] = [s for s in old["tuned"] if s["type"] == "reservation.allocation_bound"]
+    assert "allocation.devices.config" in bound["changes"]  # the configuration, whole
