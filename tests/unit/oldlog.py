@@ -36,6 +36,7 @@ import msgspec
 from events import catalog as c
 from events import model
 from tests.integration import sample as s
+from tests.unit.test_logfile import _row
 
 EVERY = 4
 CLAIMS = ("tuned", "plain", "alt", "mirrored")
@@ -160,22 +161,9 @@ def rows() -> list[list[Any]]:
     for position, event in enumerate(events(), start=1):
         stream = c.stream_of(event)
         versions[stream] = versions.get(stream, 0) + 1
-        out.append(
-            [
-                position,
-                str(uuid.UUID(int=1000 + position)),
-                stream,
-                versions[stream],
-                c.tag_of(event),
-                c.schema_version_of(event),
-                c.namespace_of(event),
-                "system:test",
-                None,
-                None,
-                T0 + datetime.timedelta(seconds=position),
-                c.encode_payload(event),
-            ]
-        )
+        event_id = str(uuid.UUID(int=1000 + position))
+        at = T0 + datetime.timedelta(seconds=position)
+        out.append(_row(position, event, _1=event_id, _3=versions[stream], _10=at))
     return out
 
 
