@@ -165,6 +165,7 @@ from services.runtime.errors import CapacityExceeded, ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, REJECTIONS
+from services.runtime.outages import is_unreachable, one_line
 from services.runtime.queries import (
     admin_caller,
     error_reply,
@@ -615,12 +616,15 @@ class ClaimsApi:
     async def _whole_allocations(
         self, claims: list[ClaimState | None]
     ) -> dict[int, model.AllocationResult]:
-        """:func:`recorded.allocations` for the watch publisher: on a failed read it
-        publishes the allocations as the fold keeps them (a later ``get`` shows them whole)."""
+        """:func:`recorded.allocations` for the watch publisher: while the database cannot
+        be reached it publishes the allocations as the fold keeps them (a later ``get``
+        shows them whole)."""
         try:
             return await recorded.allocations(self.store.pool, [c for c in claims if c])
-        except Exception as exc:  # the database is away: publish what the fold has
-            log.warning("could not read allocations for the watch: %s", exc)
+        except Exception as exc:
+            if not is_unreachable(exc):
+                raise
+            log.warning("could not read allocations for the watch: %s", one_line(exc))
             return {}
 
     async def _views(self, state: ClusterState, claims: list[ClaimState]) -> list[ClaimView]:
