@@ -17,8 +17,8 @@ Two parts (issue 25, build 5; ``docs/services.md`` has the figures):
    claim costs. Kinds:
 
    * ``small``: the pipeline's claim (one request for 1Gi of a GPU), Ready;
-   * ``large``: the same with ``--config-bytes`` (default 10,000) of opaque
-     configuration, Ready (its allocation carries the configuration too);
+   * ``large``: the same with ``--config-entries`` (default 1) opaque configurations of
+     ``--config-bytes`` (default 10,000) each, Ready (its allocation carries them too);
    * ``unschedulable``: the large claim with a selector no device matches: it waits,
      and the reservation service keeps it pending (the shape of the issue's 200 claims).
 
@@ -63,14 +63,16 @@ KINDS = ("small", "large", "unschedulable")
 DECIDED = ("ready", "unschedulable")
 
 
-def claim_body(name: str, kind: str, config_bytes: int) -> bytes:
-    """The manifest of one claim of ``kind`` (module docstring)."""
+def claim_body(name: str, kind: str, config_bytes: int, entries: int = 1) -> bytes:
+    """The manifest of one claim of ``kind`` (module docstring); a large one has
+    ``entries`` configurations of ``config_bytes`` each."""
     body = json.loads(pipeline.claim(name))
     devices = body["spec"]["devices"]
     if kind != "small":
         filler = "x" * max(0, config_bytes - 64)
         parameters = {"apiVersion": "gpu.bench.dracap.io/v1", "kind": "Tuning", "notes": filler}
-        devices["config"] = [{"opaque": {"driver": pipeline.DRIVER, "parameters": parameters}}]
+        entry = {"opaque": {"driver": pipeline.DRIVER, "parameters": parameters}}
+        devices["config"] = [entry] * entries
     if kind == "unschedulable":  # a GPU of a model no node has: it waits
         selector = {"cel": {"expression": 'device.driver == "elsewhere.example.com"'}}
         devices["requests"][0]["exactly"]["selectors"] = [selector]
@@ -125,7 +127,8 @@ async def apply_all(
 
     async def lane() -> None:
         for name in names:
-            await decided.apply(api, name, claim_body(name, kind, args.config_bytes))
+            body = claim_body(name, kind, args.config_bytes, args.config_entries)
+            await decided.apply(api, name, body)
 
     try:
         await asyncio.gather(*(lane() for _ in range(args.concurrency)))
@@ -207,7 +210,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--kinds", type=lambda v: v.split(","), default=list(KINDS), help="small,large,..."
     )
-    parser.add_argument("--config-bytes", type=int, default=10_000)
+    parser.add_argument("--config-bytes", type=int, default=10_000, help="per configuration")
+    parser.add_argument(
+        "--config-entries", type=int, default=1, help="configurations of a large claim"
+    )
     parser.add_argument("--concurrency", type=int, default=64, help="applies in flight")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds before each read")
     parser.add_argument("--nodes", type=int, default=2, help="nodes (one agent each)")
