@@ -33,7 +33,7 @@ from typing import Any
 
 import asyncpg
 
-from events import catalog
+from events import catalog, model
 from events.catalog import Event, encode_payload, schema_version_of, tag_of
 from events.fold import ClusterState
 from services.replay.verify import fold_rows, paused_gc
@@ -68,10 +68,30 @@ def _row(position: int, stream: str, version: int, event: Event) -> tuple[Any, .
     )
 
 
-def _lifecycle(i: int) -> list[Event]:
+def manifest(namespace: str, name: str, config_bytes: int = 0) -> model.ResourceClaim:
+    """A tenant's claim for 1Gi of one GPU; ``config_bytes``: with that much opaque
+    configuration (the parameters' JSON), as a tenant allowed to configure sends it."""
+    exactly = {"deviceClassName": s.DRIVER, "capacity": {"requests": {"memory": "1Gi"}}}
+    devices: dict[str, Any] = {"requests": [{"name": "gpu", "exactly": exactly}]}
+    if config_bytes:
+        filler = "x" * max(0, config_bytes - 64)
+        parameters = {"apiVersion": "gpu.example.com/v1", "kind": "Tuning", "notes": filler}
+        devices["config"] = [{"opaque": {"driver": s.DRIVER, "parameters": parameters}}]
+    doc = {"metadata": {"name": name, "namespace": namespace}, "spec": {"devices": devices}}
+    return model.convert(doc, model.ResourceClaim)
+
+
+def _lifecycle(i: int, manifests: int | None = None) -> list[Event]:
+    """One claim's events; ``manifests``: with its ``ClaimSubmitted`` first, its manifest
+    carrying that many bytes of configuration (``None``: no ``ClaimSubmitted``, as the
+    figures of ``docs/`` were measured)."""
     ns, name = f"ns-{i % 97}", f"claim-{i}"
     r = s.reserved(ns, name, f"gpu-{i % DEVICES}", "1Gi", share_id=str(uuid.UUID(int=i + 1)))
+    submitted: list[Event] = []
+    if manifests is not None:
+        submitted.append(catalog.ClaimSubmitted(claim=manifest(ns, name, manifests)))
     return [
+        *submitted,
         catalog.ClaimAdmitted(namespace=ns, name=name),
         r,
         s.bound(r),
@@ -83,15 +103,16 @@ def _lifecycle(i: int) -> list[Event]:
     ]
 
 
-def history(n: int) -> Iterator[tuple[Any, ...]]:
-    """``n`` stored rows of a valid history (positions 1..n)."""
+def history(n: int, manifests: int | None = None) -> Iterator[tuple[Any, ...]]:
+    """``n`` stored rows of a valid history (positions 1..n); ``manifests``: see
+    :func:`_lifecycle`."""
     devices = {f"gpu-{d}": {"memory": "80Gi"} for d in range(DEVICES)}
     first = s.slice_published("bench", devices)
     position, versions = 1, {"slice:bench": 1}
     yield _row(1, "slice:bench", 1, first)
     i = 0
     while position < n:
-        for event in _lifecycle(i):
+        for event in _lifecycle(i, manifests):
             if position >= n:
                 return
             position += 1

@@ -131,8 +131,11 @@ def claim(name: str) -> bytes:
     return json.dumps(body).encode()
 
 
-def namespace(name: str = NAMESPACE) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+def namespace(name: str = NAMESPACE, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": metadata}
 
 
 def write_inventory(
@@ -140,9 +143,11 @@ def write_inventory(
     nodes: list[str],
     namespaces: tuple[str, ...] = (NAMESPACE,),
     memory: str = "1000Gi",
+    annotations: dict[str, str] | None = None,
 ) -> Path:
-    """The synthetic inventory as one JSON ``List``; ``memory``: each GPU's."""
-    tenants = [namespace(n) for n in namespaces]
+    """The synthetic inventory as one JSON ``List``; ``memory``: each GPU's;
+    ``annotations``: the tenants' (``dracap.io/`` tenancy rules)."""
+    tenants = [namespace(n, annotations) for n in namespaces]
     documents = [device_class(), *tenants, *(resource_slice(n, memory) for n in nodes)]
     path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": documents}))
     return path
@@ -156,6 +161,7 @@ class Reach(NamedTuple):
 
     nats_url: str
     credential: Credential | None
+    pid: int = 0  #: the ``dracap up`` process
 
 
 class ReadyTracker:
@@ -290,6 +296,7 @@ async def dracap_up(
     names: BusNames,
     work: Path,
     namespaces: tuple[str, ...] = (NAMESPACE,),
+    annotations: dict[str, str] | None = None,
 ) -> AsyncIterator[Reach]:
     """``dracap up`` as its own process on this database, until the block ends.
 
@@ -299,7 +306,7 @@ async def dracap_up(
     """
     nodes = [f"node-{i}" for i in range(args.nodes)]
     memory = getattr(args, "gpu_memory", None) or gpu_memory(args)
-    inventory = write_inventory(work / "inventory.json", nodes, namespaces, memory)
+    inventory = write_inventory(work / "inventory.json", nodes, namespaces, memory, annotations)
     env = dict(
         os.environ,
         DRACAP_DATABASE_URL=settings.database_url,
@@ -332,7 +339,7 @@ async def dracap_up(
         connection = read_connection(work / "data")
         assert connection is not None
         credential = read_credential(connection.creds) if connection.creds else None
-        yield Reach(connection.nats_url, credential)
+        yield Reach(connection.nats_url, credential, process.pid)
     finally:
         if process.returncode is None:
             process.send_signal(signal.SIGINT)

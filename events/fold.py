@@ -40,7 +40,10 @@ integers cannot hold the nanos of a device above ~18 GiB; JSON integers are unbo
   snapshot, claim and node; released shares stay (that is what makes a duplicate
   release recognisable);
 * claims, keyed by ``(namespace, name)``, with phase, allocation version and
-  result, and share ids; device classes, slices, pools, nodes;
+  result, and share ids; of the manifest only what decisions read
+  (:class:`~events.claimspecs.ClaimSpec`), of the result all but its opaque
+  configuration: both stay whole in the log, so a claim's memory does not grow with
+  what no decision reads; device classes, slices, pools, nodes;
 * what each namespace may do (``NamespaceAccessSet``), and how many live claims it
   has (``live_claims``, the quota's count: an index the steps keep, rebuilt from the
   claims when a snapshot is read, left out of :func:`to_builtins`). Which namespace
@@ -140,6 +143,7 @@ from events.catalog import (
     ShareMarkedUnknown,
     ShareUsed,
 )
+from events.claimspecs import ClaimSpec, claim_spec
 from events.errors import InvariantViolation, SnapshotError
 from events.model import (
     AllocationResult,
@@ -308,13 +312,21 @@ class ShareState(msgspec.Struct, kw_only=True, gc=False):
 
 
 class ClaimState(msgspec.Struct, kw_only=True, gc=False):
-    """A ResourceClaim's lifecycle."""
+    """A ResourceClaim's lifecycle.
+
+    Of the manifest it keeps what decisions read (``spec``, :mod:`events.claimspecs`),
+    and of the allocation everything but ``devices.config``: opaque configuration no
+    decision reads, which would make every claim cost its size in every process. Both
+    stay whole in the log (the latest ``ClaimSubmitted`` of the claim's stream, the
+    ``AllocationBound`` at ``bound_position``), from where ``claim get`` reads them.
+    """
 
     namespace: str
     name: str
     phase: ClaimPhase
-    claim: ResourceClaim | None = None
+    spec: ClaimSpec | None = None  #: of the latest ``ClaimSubmitted``
     allocation_version: int = 0
+    #: the current allocation without ``devices.config`` (``allocation_configs`` entries)
     allocation: AllocationResult | None = None
     node: str | None = None
     share_ids: list[str] = []
@@ -327,6 +339,13 @@ class ClaimState(msgspec.Struct, kw_only=True, gc=False):
     #: Kubernetes, the ResourceClaim's ``metadata.uid``
     source: str = "dracap"
     uid: str | None = None
+    #: entries of the allocation's ``devices.config``, kept in the log only
+    allocation_configs: int = 0
+
+    def class_of(self, request: str) -> str | None:
+        """The DeviceClass name of result request ``request`` (``req`` or ``req/sub``) of
+        the submitted spec (``None``: unknown)."""
+        return self.spec.class_of(request) if self.spec is not None else None
 
 
 class DeviceClassState(msgspec.Struct, kw_only=True):
@@ -776,7 +795,7 @@ def _bind(state: ClusterState, ev: AllocationBound, position: int) -> None:
         if share.state == "reserved":
             share.state = "bound"
     claim.allocation_version = allocation_version
-    claim.allocation = ev.allocation
+    claim.allocation, claim.allocation_configs = _without_config(ev.allocation)
     claim.node = ev.node
     claim.share_ids = list(share_ids)
     claim.reason = None
@@ -785,6 +804,17 @@ def _bind(state: ClusterState, ev: AllocationBound, position: int) -> None:
     ready = bool(shares) and _all_ready(shares)
     claim.ready_position = position if ready else 0
     _set_phase(state, claim, "ready" if ready else "allocated")
+
+
+def _without_config(allocation: AllocationResult) -> tuple[AllocationResult, int]:
+    """``allocation`` without ``devices.config``, and how many entries that took away."""
+    devices = allocation.devices
+    config = devices.config if devices is not None else None
+    if not config:
+        return allocation, 0
+    assert devices is not None
+    stripped = msgspec.structs.replace(devices, config=None)
+    return msgspec.structs.replace(allocation, devices=stripped), len(config)
 
 
 def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None:
@@ -913,7 +943,7 @@ def _claim_record(state: ClusterState, namespace: str, name: str) -> ClaimState:
 def _claim_submitted(state: ClusterState, ev: ClaimSubmitted, position: int) -> None:
     meta = ev.claim.metadata
     claim = _claim_record(state, meta.namespace or "", meta.name)
-    claim.claim = ev.claim
+    claim.spec = claim_spec(ev.claim)
     if claim.phase not in _LIVE_CLAIM_PHASES:
         _set_phase(state, claim, "submitted")
         claim.reason = None
@@ -1184,7 +1214,10 @@ def same_state(a: ClusterState, b: ClusterState) -> bool:
 
 _COMPARED: Final = tuple(f for f in ClusterState.__struct_fields__ if f != "live_claims")
 
-SNAPSHOT_FORMAT: Final = 2  # 1 was msgpack, which overflowed on large devices
+#: 1 was msgpack, which overflowed on large devices; 2 kept each claim's whole manifest
+#: (``ClaimState.claim``) and allocation, which 3 keeps compact (:func:`_upcast_claim`)
+SNAPSHOT_FORMAT: Final = 3
+_FORMAT_2: Final = 2
 
 
 class _Snapshot(msgspec.Struct, kw_only=True):
@@ -1204,8 +1237,19 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     refused: dict[int, str] = {}  # absent from snapshots written before refusals
 
 
+class _ClaimStateV2(ClaimState, kw_only=True, gc=False):
+    """A claim of a format-2 snapshot: its whole manifest beside the rest."""
+
+    claim: ResourceClaim | None = None
+
+
+class _SnapshotV2(_Snapshot, kw_only=True):
+    claims: list[tuple[ClaimKey, _ClaimStateV2]]  # type: ignore[assignment]
+
+
 _SNAPSHOT_ENCODER: Final = msgspec.json.Encoder(enc_hook=encode_hook)
 _SNAPSHOT_DECODER: Final = msgspec.json.Decoder(_Snapshot, dec_hook=decode_hook)
+_SNAPSHOT_V2_DECODER: Final = msgspec.json.Decoder(_SnapshotV2, dec_hook=decode_hook)
 
 
 def snapshot_encode(state: ClusterState) -> bytes:
@@ -1231,6 +1275,8 @@ def snapshot_decode(data: bytes) -> ClusterState:
     """The state stored by :func:`snapshot_encode`; raises :class:`SnapshotError`."""
     try:
         snap = _SNAPSHOT_DECODER.decode(data)
+        if snap.format == _FORMAT_2:
+            snap = _upcast_snapshot(_SNAPSHOT_V2_DECODER.decode(data))
     except msgspec.DecodeError as exc:
         raise SnapshotError(f"snapshot does not decode: {exc}") from exc
     if snap.format != SNAPSHOT_FORMAT:
@@ -1254,6 +1300,26 @@ def snapshot_decode(data: bytes) -> ClusterState:
         refused=snap.refused,
         live_claims=live,
     )
+
+
+def _upcast_snapshot(old: _SnapshotV2) -> _Snapshot:
+    """A format-2 snapshot as format 3: each claim as the fold keeps it now."""
+    claims = [(key, _upcast_claim(claim)) for key, claim in old.claims]
+    fields = msgspec.structs.asdict(old)
+    fields.update(format=SNAPSHOT_FORMAT, claims=claims)
+    return _Snapshot(**fields)
+
+
+def _upcast_claim(old: _ClaimStateV2) -> ClaimState:
+    """What the fold of today keeps of a claim stored whole (the same steps' result)."""
+    fields = msgspec.structs.asdict(old)
+    manifest = fields.pop("claim")
+    claim = ClaimState(**fields)
+    if manifest is not None:
+        claim.spec = claim_spec(manifest)
+    if claim.allocation is not None:
+        claim.allocation, claim.allocation_configs = _without_config(claim.allocation)
+    return claim
 
 
 # --- the step table ------------------------------------------------------------------

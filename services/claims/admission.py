@@ -81,6 +81,7 @@ from typing import Literal, TypeAlias
 import msgspec
 
 from events.catalog import ClaimAdmitted, ClaimRejected, ClaimSubmitted, Event
+from events.claimspecs import claim_spec
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import REUSABLE_PHASES, ClusterState, NamespaceState
@@ -539,7 +540,7 @@ def decide_apply(
     name = claim.metadata.name
     current = state.claim(namespace, name)
     if current is not None and current.phase not in REUSABLE_PHASES:
-        if current.claim is not None and current.claim.spec == claim.spec:
+        if current.spec is not None and current.spec.same_spec(claim_spec(claim)):
             return ApplyDecision(namespace=namespace, name=name, unchanged=True)
         refusal = refuse(
             "conflict",

@@ -110,7 +110,7 @@ from events.catalog import (
 )
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import ClaimKey, ClusterState
+from events.fold import ClaimKey, ClaimState, ClusterState
 from events.inventory import build_inventory
 from events.manifests import load_documents
 from events.model import DeviceClass, Manifest, ResourceSlice
@@ -150,6 +150,7 @@ from services.claims.admission import (
 from services.claims.kubeobjects import resource_claim_object
 from services.claims.views import (
     ClaimsTouched,
+    ClaimView,
     LeaseRow,
     claim_view,
     class_views,
@@ -158,12 +159,14 @@ from services.claims.views import (
     policy_views,
     tenant_device_views,
 )
+from services.runtime import recorded
 from services.runtime.committing import GroupCommitter
 from services.runtime.credentials import Directory
 from services.runtime.errors import CapacityExceeded, ConflictError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, REJECTIONS
+from services.runtime.outages import is_unreachable, one_line
 from services.runtime.queries import (
     admin_caller,
     error_reply,
@@ -531,7 +534,8 @@ class ClaimsApi:
         state = await self.live.fresh(SEEN)
         claim = state.claim(namespace, decision.name)
         assert claim is not None
-        return ok_reply(claim=claim_view(state, claim))
+        (view,) = await self._views(state, [claim])
+        return ok_reply(claim=view)
 
     async def _check_selectors(self, namespace: str, data: bytes) -> bytes | None:
         """Have the claim's long selector expressions compiled in the pool, off this loop.
@@ -584,25 +588,54 @@ class ClaimsApi:
     async def get(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.get``: the view of one claim, and the claim as a ResourceClaim."""
         request: _NameRequest = _decode(data, _NameRequest)
-        state = await self.live.fresh(SEEN)
-        claim = state.claim(namespace, request.name)
-        if claim is None:
-            return _not_found(namespace, request.name)
-        view = claim_view(state, claim)
-        now = datetime.datetime.now(datetime.UTC)
-        resource = resource_claim_object(state, claim, msgspec.to_builtins(view), now)
+        await self.live.fresh(SEEN)
+        # held still while the log is read: the manifest read is the one this state folded
+        async with self.live.frozen() as state:
+            claim = state.claim(namespace, request.name)
+            if claim is None:
+                return _not_found(namespace, request.name)
+            key = (namespace, request.name)
+            manifests = await recorded.manifests(self.store.pool, [key], state.position)
+            whole = await recorded.allocations(self.store.pool, [claim])
+            allocation = whole.get(claim.bound_position)
+            view = claim_view(state, claim, allocation)
+            now = datetime.datetime.now(datetime.UTC)
+            resource = resource_claim_object(
+                state,
+                claim,
+                msgspec.to_builtins(view),
+                now,
+                recorded=manifests.get(key),
+                allocation=allocation,
+            )
         return ok_reply(claim=view, object=resource)
 
     async def list_claims(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.list``: every claim of the namespace that is not gone."""
         state = await self.live.fresh(SEEN)
         claims = (state.claims.get((namespace, n)) for n in sorted(self._names.get(namespace, ())))
-        views = [
-            claim_view(state, claim)
-            for claim in claims
-            if claim is not None and claim.phase not in _HIDDEN_FROM_LIST
-        ]
-        return ok_reply(claims=views)
+        listed = [c for c in claims if c is not None and c.phase not in _HIDDEN_FROM_LIST]
+        return ok_reply(claims=await self._views(state, listed))
+
+    async def _whole_allocations(
+        self, claims: list[ClaimState | None]
+    ) -> dict[int, model.AllocationResult]:
+        """:func:`recorded.allocations` for the watch publisher: while the database cannot
+        be reached it publishes the allocations as the fold keeps them (a later ``get``
+        shows them whole)."""
+        try:
+            return await recorded.allocations(self.store.pool, [c for c in claims if c])
+        except Exception as exc:
+            if not is_unreachable(exc):
+                raise
+            log.warning("could not read allocations for the watch: %s", one_line(exc))
+            return {}
+
+    async def _views(self, state: ClusterState, claims: list[ClaimState]) -> list[ClaimView]:
+        """The views of ``claims``, each allocation whole: the ones the fold keeps without
+        their configuration are read from the log first (one query for all)."""
+        whole = await recorded.allocations(self.store.pool, claims)
+        return [claim_view(state, c, whole.get(c.bound_position)) for c in claims]
 
     async def delete(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.delete``: release an allocated claim, withdraw any other."""
@@ -903,12 +936,14 @@ class ClaimsApi:
             self._wake.clear()
             dirty, self._dirty = self._dirty, {}
             state = self.live.state
+            whole = await self._whole_allocations([state.claims.get(key) for key in dirty])
             for key in dirty:
                 claim = state.claims.get(key)
                 if claim is None:
                     continue
                 subject = self.watch_subject(*key)
-                body = msgspec.json.encode(claim_view(state, claim))
+                view = claim_view(state, claim, whole.get(claim.bound_position))
+                body = msgspec.json.encode(view)
                 try:
                     await self.nc.publish(subject, body)
                 except Exception as exc:  # the bus is reconnecting: watchers re-read

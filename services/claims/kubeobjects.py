@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Final
 
 from events.fold import ClaimState, ClusterState, ShareState
-from events.model import API_VERSION
+from events.model import API_VERSION, AllocationResult, ResourceClaim
 from events.model import to_builtins as model_builtins
 
 __all__ = ["CONDITION_READY", "DRACAP_KEY", "device_statuses", "resource_claim_object", "rfc3339"]
@@ -134,9 +134,7 @@ def device_statuses(
     before = {_key(entry): entry for entry in previous}
     out: list[dict[str, Any]] = []
     if claim.phase == "rejected":
-        allocation = claim.claim.status.allocation if claim.claim and claim.claim.status else None
-        results = (allocation.devices.results if allocation and allocation.devices else None) or ()
-        for result in results:
+        for result in claim.spec.results if claim.spec is not None else ():
             if drivers is not None and result.driver not in drivers:
                 continue
             entry: dict[str, Any] = {
@@ -167,10 +165,20 @@ def device_statuses(
 
 
 def resource_claim_object(
-    state: ClusterState, claim: ClaimState, view: Mapping[str, Any], now: datetime.datetime
+    state: ClusterState,
+    claim: ClaimState,
+    view: Mapping[str, Any],
+    now: datetime.datetime,
+    *,
+    recorded: ResourceClaim | None = None,
+    allocation: AllocationResult | None = None,
 ) -> dict[str, Any]:
-    """``claim`` as a ResourceClaim of ``resource.k8s.io/v1``, ``view`` under ``dracap``."""
-    recorded = claim.claim
+    """``claim`` as a ResourceClaim of ``resource.k8s.io/v1``, ``view`` under ``dracap``.
+
+    ``recorded``: the manifest as submitted, ``allocation``: the current allocation whole,
+    both read from the log (the fold keeps neither whole: ``services.runtime.recorded``);
+    without them, ``metadata`` and ``spec`` are bare and the allocation is the fold's.
+    """
     metadata: dict[str, Any] = {}
     spec: dict[str, Any] = {}
     if recorded is not None:
@@ -181,8 +189,9 @@ def resource_claim_object(
     if claim.uid:
         metadata["uid"] = claim.uid
     status: dict[str, Any] = {}
-    if claim.allocation is not None and claim.phase not in ("released", "rejected", "withdrawn"):
-        status["allocation"] = model_builtins(claim.allocation)
+    allocation = allocation or claim.allocation
+    if allocation is not None and claim.phase not in ("released", "rejected", "withdrawn"):
+        status["allocation"] = model_builtins(allocation)
     consumers = []
     for consumer in claim.reserved_for:
         kind, _, name = consumer.partition("/")

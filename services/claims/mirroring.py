@@ -159,7 +159,8 @@ def _same_allocation(
 def _recorded_results(
     current: ClaimState, drivers: Collection[str]
 ) -> list[DeviceRequestAllocationResult]:
-    return results_of(current.claim, drivers) if current.claim is not None else []
+    recorded = current.spec.results if current.spec is not None else ()
+    return [r for r in recorded if r.driver in drivers]
 
 
 def _release(current: ClaimState, reason: str) -> Mirror:

@@ -10,6 +10,9 @@ billing queries). Views are computed from
   agent reported every limit applied: invariant 7), its node, the Kubernetes
   ``AllocationResult`` JSON of the current allocation and one :class:`ShareView` per
   share of that allocation (ShareID, device, consumed amounts, state, enforcement level).
+  The fold keeps an allocation without its opaque configuration (``devices.config``);
+  the API reads it whole from the log for the claims that have one, so a view shows
+  the allocation exactly as it was bound.
 * :class:`DeviceView`: per device and capacity the total, what live shares consume and
   what is free, plus the number of live shares and the namespaces holding them (the
   operator's ``devices.list``).
@@ -53,7 +56,7 @@ from events.fold import (
     ShareState,
 )
 from events.inventory import DeviceEntry, Inventory, lost_nodes
-from events.model import DeviceAttribute, DeviceClass, describe_policy
+from events.model import AllocationResult, DeviceAttribute, DeviceClass, describe_policy
 from events.model import to_builtins as model_builtins
 from events.tenancy import allow_list, class_allowed, tenant_attributes
 from events.validation import split_qualified_name
@@ -189,8 +192,12 @@ class TenantDeviceView(msgspec.Struct, frozen=True, kw_only=True):
     attributes: dict[str, Any]  #: allow-listed attributes, fully qualified names
 
 
-def claim_view(state: ClusterState, claim: ClaimState) -> ClaimView:
-    """The view of ``claim`` in ``state``."""
+def claim_view(
+    state: ClusterState, claim: ClaimState, allocation: AllocationResult | None = None
+) -> ClaimView:
+    """The view of ``claim`` in ``state``; ``allocation``: its current allocation whole, read
+    from the log for a claim whose allocation has a configuration the fold does not keep
+    (``ClaimState.allocation_configs``)."""
     shares: list[ShareView] = []
     conditions: list[ConditionView] = []
     for share_id in claim.share_ids:
@@ -222,7 +229,7 @@ def claim_view(state: ClusterState, claim: ClaimState) -> ClaimView:
                 retry_at=share.retry_at.isoformat() if share.retry_at is not None else None,
             )
         )
-    allocation = model_builtins(claim.allocation) if claim.allocation is not None else None
+    whole = allocation or claim.allocation
     return ClaimView(
         namespace=claim.namespace,
         name=claim.name,
@@ -230,7 +237,7 @@ def claim_view(state: ClusterState, claim: ClaimState) -> ClaimView:
         reason=claim.reason,
         ready=claim.phase in ("ready", "stalled"),  # stalled: limits in force, unused
         node=claim.node,
-        allocation=allocation,
+        allocation=model_builtins(whole) if whole is not None else None,
         shares=shares,
         conditions=conditions,
         reserved_for=list(claim.reserved_for),

@@ -310,20 +310,9 @@ def retry_state(state: ClusterState, share: ShareState) -> RetryState:
 def _class_of(state: ClusterState, share: ShareState) -> DeviceClass | None:
     """The DeviceClass of the request the share was granted for (``None``: unknown)."""
     claim = state.claims.get(share.claim)
-    if claim is None or claim.claim is None or claim.claim.spec.devices is None:
-        return None
-    name, _, sub = share.request.partition("/")
-    for request in claim.claim.spec.devices.requests or ():
-        if request.name != name:
-            continue
-        if request.exactly is not None:
-            cls = state.classes.get(request.exactly.device_class_name)
-            return cls.device_class if cls is not None else None
-        for candidate in request.first_available or ():
-            if candidate.name == sub:
-                cls = state.classes.get(candidate.device_class_name)
-                return cls.device_class if cls is not None else None
-    return None
+    name = claim.class_of(share.request) if claim is not None else None
+    cls = state.classes.get(name) if name is not None else None
+    return cls.device_class if cls is not None else None
 
 
 def decide_retries(

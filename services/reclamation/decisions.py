@@ -88,14 +88,7 @@ class NotStarted(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _classes(claim: ClaimState) -> list[str]:
-    if claim.claim is None or claim.claim.spec.devices is None:
-        return []
-    names: list[str] = []
-    for request in claim.claim.spec.devices.requests or ():
-        if request.exactly is not None:
-            names.append(request.exactly.device_class_name)
-        names += [sub.device_class_name for sub in request.first_available or ()]
-    return names
+    return claim.spec.classes() if claim.spec is not None else []
 
 
 def _waiting_since(claim: ClaimState) -> tuple[int, bool] | None:

@@ -14,7 +14,9 @@ timeline still lists it when it names the object, with why it was refused).
   folding it changed the object's record in the state — so a node fence appears in the
   timeline of every share it released although it names only the node. Each step
   carries the fields of the record that changed (``old -> new``) and the envelope's
-  actor (:mod:`events.actors`).
+  actor (:mod:`events.actors`). A claim's record is shown with its manifest
+  (``claim``) and its allocation whole, taken from the events the timeline reads (the
+  fold keeps neither whole).
 * :func:`diff`: what differs between two views, per section and key, field by field.
 * :func:`usage_series`: for the plot, consumed capacity per tenant (namespace) on a
   device, a node's devices or a DeviceClass's shares after every event that changed it,
@@ -30,11 +32,11 @@ from typing import Any, Final
 import msgspec
 
 from events.actors import ActorError, parse_actor
-from events.catalog import Event
+from events.catalog import AllocationBound, ClaimSubmitted, Event
 from events.errors import InvariantViolation
 from events.fold import ClusterState, ShareState, to_builtins
 from events.folding import Refusal, fold_stored
-from events.model import encode_hook
+from events.model import AllocationResult, ResourceClaim, encode_hook
 from services.replay.sources import LogSource
 from services.replay.verify import fold_rows, note_refused, paused_gc
 from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
@@ -85,7 +87,8 @@ def view(state: ClusterState) -> dict[str, Any]:
     for section in SECTIONS:
         out[section] = plain[section]
     for claim in out["claims"].values():
-        claim.pop("claim", None)  # the tenant's manifest: long, and in the timeline
+        claim.pop("spec", None)  # what the fold keeps of the manifest: in the timeline
+        claim.pop("allocation_configs", None)
     for key, dev in state.devices.items():  # consumed as quantities, beside the nanos
         consumed = msgspec.to_builtins(dev.consumed(), enc_hook=encode_hook)
         out["devices"]["/".join(key)]["consumed"] = consumed
@@ -199,8 +202,9 @@ def find_entity(state: ClusterState, text: str) -> Entity | None:
     return None
 
 
-class Step(msgspec.Struct, kw_only=True):
-    """One event in an object's timeline (``refused``: why the fold skipped it)."""
+class Step(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One event in an object's timeline (``refused``: why the fold skipped it; left out
+    of the JSON of a step it did not skip)."""
 
     position: int
     recorded_at: str
@@ -215,6 +219,42 @@ def _plain(record: Any) -> Any:
     if record is None:
         return None
     return msgspec.to_builtins(record, enc_hook=encode_hook, order="sorted")
+
+
+class _WholeClaim:
+    """A claim's record as its timeline shows it: with its manifest (``claim``) and its
+    allocation whole. The fold keeps neither whole (:mod:`events.claimspecs`); the
+    timeline reads every event anyway, so it takes them from the events that set them."""
+
+    def __init__(self, entity: Entity) -> None:
+        namespace, _, name = entity.key.partition("/")
+        self.key = (namespace, name)
+        self.manifest: ResourceClaim | None = None
+        self.allocation: AllocationResult | None = None
+
+    def __call__(self, state: ClusterState, event: Event | None) -> Any:
+        if isinstance(event, ClaimSubmitted):
+            meta = event.claim.metadata
+            if (meta.namespace or "", meta.name) == self.key:
+                self.manifest = event.claim
+        elif isinstance(event, AllocationBound) and (event.namespace, event.name) == self.key:
+            self.allocation = event.allocation
+        record = state.claims.get(self.key)
+        if record is None:
+            return None
+        plain = _plain(record)
+        del plain["spec"], plain["allocation_configs"]
+        plain["claim"] = _plain(self.manifest)
+        if record.allocation is not None and self.allocation is not None:
+            plain["allocation"] = _plain(self.allocation)
+        return plain
+
+
+def _recorder(entity: Entity) -> Callable[[ClusterState, Event | None], Any]:
+    """What a timeline compares after each event: the entity's record, as plain data."""
+    if entity.kind == "claim":
+        return _WholeClaim(entity)
+    return lambda state, _: _plain(entity.record(state))
 
 
 def _actor_kind(actor: str) -> str:
@@ -233,6 +273,7 @@ async def timeline(source: LogSource, entity: Entity) -> list[Step]:
     state = ClusterState()
     before: Any = None
     steps: list[Step] = []
+    record = _recorder(entity)
     with paused_gc():
         async for rows in source.rows(0):
             for row in rows:
@@ -242,7 +283,7 @@ async def timeline(source: LogSource, entity: Entity) -> list[Step]:
                 if isinstance(folded, Refusal):
                     note_refused(folded, row)
                     refused = f"{folded.reason}: {folded.detail}"
-                after = _plain(entity.record(state))
+                after = record(state, None if isinstance(folded, Refusal) else folded)
                 if after != before or entity.named_in(payload):
                     actor = row[ACTOR]
                     steps.append(
@@ -284,19 +325,7 @@ class Sample(msgspec.Struct, kw_only=True):
 def class_of_share(state: ClusterState, share: ShareState) -> str | None:
     """The DeviceClass the share's request asked for (``None``: not known)."""
     claim = state.claims.get(share.claim)
-    spec = claim.claim.spec.devices if claim is not None and claim.claim is not None else None
-    if spec is None or not spec.requests:
-        return None
-    name, _, sub = share.request.partition("/")
-    for request in spec.requests:
-        if request.name != name:
-            continue
-        if request.exactly is not None:
-            return request.exactly.device_class_name
-        for option in request.first_available or ():
-            if option.name == sub:
-                return option.device_class_name
-    return None
+    return claim.class_of(share.request) if claim is not None else None
 
 
 def _scope_test(state: ClusterState, kind: str, key: str) -> Callable[[ShareState], bool]:

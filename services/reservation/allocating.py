@@ -57,6 +57,8 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from msgspec.structs import replace
+
 from events.errors import SelectorError
 from events.fold import DeviceKey
 from events.inventory import DeviceEntry, Inventory, SelectorsPending
@@ -66,6 +68,7 @@ from events.model import (
     AllocationResult,
     DeviceAllocationConfiguration,
     DeviceAllocationResult,
+    DeviceClaimConfiguration,
     DeviceConstraint,
     DeviceRequest,
     DeviceRequestAllocationResult,
@@ -211,6 +214,31 @@ def grants_from_claim(claim: ResourceClaim, *, consumable_capacity: bool = True)
             )
         )
     return grants
+
+
+def claim_configs(
+    config: Sequence[DeviceClaimConfiguration] | None,
+) -> list[DeviceAllocationConfiguration]:
+    """A claim's own configuration as its allocation carries it (``FromClaim``, after the
+    classes' entries)."""
+    return [
+        DeviceAllocationConfiguration(source="FromClaim", requests=c.requests, opaque=c.opaque)
+        for c in config or ()
+    ]
+
+
+def with_claim_configs(
+    allocation: AllocationResult, config: Sequence[DeviceClaimConfiguration] | None
+) -> AllocationResult:
+    """``allocation``, decided on a claim without its configuration (the fold's
+    :class:`~events.claimspecs.ClaimSpec`), with that configuration added as
+    :meth:`Allocator.allocate` adds it to a whole claim's."""
+    added = claim_configs(config)
+    devices = allocation.devices
+    if not added or devices is None:
+        return allocation
+    whole = replace(devices, config=[*(devices.config or ()), *added])
+    return replace(allocation, devices=whole)
 
 
 # --- one request slot's view of the claim ---------------------------------------------------
@@ -736,13 +764,7 @@ class Allocator:
                     )
                 )
         devices = claim.spec.devices
-        for ccfg in (devices.config if devices else None) or []:
-            configs.append(
-                DeviceAllocationConfiguration(
-                    source="FromClaim", requests=ccfg.requests, opaque=ccfg.opaque
-                )
-            )
-        return configs
+        return configs + claim_configs(devices.config if devices else None)
 
     def _node_selector(self, node: str | None, picks: list[_Pick]) -> NodeSelector | None:
         expressions: list[NodeSelectorRequirement] = []

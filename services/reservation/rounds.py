@@ -25,6 +25,13 @@ The rules, in order, for each pending claim (phase ``admitted`` or ``unschedulab
   that still fail write nothing); an invalid one says that it cannot be allocated as
   written.
 
+A claim is decided on what the fold keeps of it (:class:`~events.claimspecs.ClaimSpec`:
+its requests and constraints), not on its manifest. The manifest's configuration,
+which the allocation carries (``FromClaim``) but no rule reads, is not in the fold: the
+round lists the allocated claims that have one (:attr:`Round.configured`), the service
+reads their manifests from the log and :meth:`Round.configure` adds it to their
+``AllocationBound`` — the events are then exactly those of a decision on the whole claim.
+
 The tentative commits are undone before :func:`decide_round` returns: it leaves the
 allocator as it found it (the allocator's state is the log's between rounds). Share
 ids come from ``new_share_id``, so a test passes a counter and gets the same events
@@ -49,7 +56,8 @@ from events.catalog import (
     device_stream,
 )
 from events.fold import ClaimKey, ClaimState, ClusterState
-from services.reservation.allocating import Allocator
+from events.model import ResourceClaim
+from services.reservation.allocating import Allocator, with_claim_configs
 from services.reservation.outcomes import Allocated, Deferred, Invalid
 
 __all__ = ["PENDING_PHASES", "Backlog", "Round", "decide_round"]
@@ -78,10 +86,41 @@ class Round(msgspec.Struct, kw_only=True):
     tried: list[ClaimKey] = []  #: claims that failed at this epoch (tried again once freed)
     deferred: dict[ClaimKey, str] = {}  #: claims now waiting for a selector -> the selector
     settled: list[ClaimKey] = []  #: claims no longer waiting for a selector
+    #: allocated claims with a configuration, which their ``AllocationBound`` still lacks
+    #: (the fold does not keep it): :meth:`configure` adds it from their manifests
+    configured: list[ClaimKey] = []
 
     def add(self, event: Event, stream: str, claim: ClaimKey) -> None:
         """Add ``event`` about ``claim`` to ``stream``."""
         self.writes.setdefault(stream, []).append((event, claim))
+
+    def configure(self, manifests: Mapping[ClaimKey, ResourceClaim]) -> list[ClaimKey]:
+        """Give each :attr:`configured` claim's ``AllocationBound`` the configuration of its
+        manifest (as the allocator gives a whole claim's); a claim whose manifest is not
+        in ``manifests`` is taken out of the round (it stays pending). Returns those."""
+        missing = [key for key in self.configured if key not in manifests]
+        for key in self.configured:
+            manifest = manifests.get(key)
+            if manifest is None:
+                continue
+            devices = manifest.spec.devices
+            config = devices.config if devices is not None else None
+            events = self.writes[claim_stream(*key)]
+            for i, (event, about) in enumerate(events):
+                if isinstance(event, AllocationBound):
+                    allocation = with_claim_configs(event.allocation, config)
+                    events[i] = (msgspec.structs.replace(event, allocation=allocation), about)
+        if missing:
+            gone = set(missing)
+            for stream, writes in list(self.writes.items()):
+                kept = [(event, key) for event, key in writes if key not in gone]
+                if kept:
+                    self.writes[stream] = kept
+                else:
+                    del self.writes[stream]
+            self.allocated = [key for key in self.allocated if key not in gone]
+        self.configured = []
+        return missing
 
     def by_stream(self) -> list[tuple[str, list[Event], list[ClaimKey]]]:
         """Per stream: its events and their claims; device streams first.
@@ -105,7 +144,7 @@ def decide_round(
     try:
         for key in backlog.order:
             claim = state.claims.get(key)
-            if claim is None or claim.claim is None or claim.phase not in PENDING_PHASES:
+            if claim is None or claim.spec is None or claim.phase not in PENDING_PHASES:
                 continue
             if claim.phase == "unschedulable" and backlog.tried.get(key) == backlog.epoch:
                 continue
@@ -113,7 +152,7 @@ def decide_round(
                 continue  # its selector is still being evaluated: nothing new to try
             access = state.namespaces.get(key[0])
             outcome = allocator.allocate(
-                claim.claim,
+                claim.spec.as_claim(*key),
                 any_node=True,
                 admin_access_allowed=access is not None and access.admin_access,
             )
@@ -181,3 +220,5 @@ def _reserve(
     )
     out.add(bound, claim_stream(claim.namespace, claim.name), key)
     out.allocated.append(key)
+    if claim.spec is not None and claim.spec.configs:
+        out.configured.append(key)

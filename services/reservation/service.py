@@ -104,11 +104,12 @@ from services.reservation.allocating import Allocator
 from services.reservation.deriving import grant_of, live_grants
 from services.reservation.outcomes import Allocated, Grant
 from services.reservation.rounds import PENDING_PHASES, Backlog, Round, decide_round
+from services.runtime import recorded
 from services.runtime.bus import Durable
 from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.errors import ConflictError, RuntimeServiceError
-from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
+from services.runtime.eventstore import Batch, Cause, Connection, EventStore, Metadata
 from services.runtime.livestate import HEAD, INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import CLAIMS, SCHEDULING_LATENCY, SELECTOR_JOBS
 from services.runtime.selectorpool import SelectorPool
@@ -314,8 +315,11 @@ class ReservationService:
 
     # -- planning -----------------------------------------------------------------------
 
-    async def plan(self, causes: Callable[[ClaimKey], Cause]) -> Plan:
-        """One round on the live state (:func:`decide_round`), as an append.
+    async def plan(
+        self, causes: Callable[[ClaimKey], Cause], connection: Connection | None = None
+    ) -> Plan:
+        """One round on the live state (:func:`decide_round`), as an append; the
+        configuration of the claims it binds is read from the log on ``connection``.
 
         The claims it tried and found unschedulable count as tried only once the append
         has committed (:meth:`_record_tries`): see the module docstring.
@@ -324,6 +328,12 @@ class ReservationService:
             backlog = self._backlog()
             decided = decide_round(state, self._allocator_for(state), backlog, self.new_share_id)
             versions = {s: await self.live.stream_version(s) for s in decided.writes}
+            position = state.position
+        if decided.configured:
+            reader = connection if connection is not None else self.store.pool
+            found = await recorded.manifests(reader, decided.configured, position)
+            for key in decided.configure(found):
+                log.error("claim %s/%s: the log holds no manifest to configure it from", *key)
         self._remember(decided, causes)
         return Plan(decided, versions, causes, backlog.epoch)
 
@@ -384,7 +394,7 @@ class ReservationService:
         # claims). A state fresh as of the lock sees every earlier planner's commit.
         at_least = HEAD if ctx.locked_head is None else ctx.locked_head
         await self.live.fresh(at_least, connection=ctx.connection)
-        plan = await self.plan(cause)
+        plan = await self.plan(cause, ctx.connection)
         self._evaluate_wanted()
         batches = plan.batches
         if not batches:
@@ -484,7 +494,7 @@ class ReservationService:
             head = await connection.fetchval("SELECT dracap_lock($1)", PLANNER_LOCK)
             try:
                 await self.live.fresh(head, connection=connection)
-                plan = await self.plan(self._deferred_cause)
+                plan = await self.plan(self._deferred_cause, connection)
                 self._evaluate_wanted()
                 if plan.batches:
                     actor = self._actor

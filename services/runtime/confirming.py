@@ -19,7 +19,12 @@ read issued after the message arrived sees it. A consumer with a
 most recently (:data:`RECENT_KEPT`), which answers nearly every message without a
 query — by the time an agent or a planner gets a message, its own view has usually
 folded the event already; the rest (and every consumer without a view) cost one
-``SELECT`` per group of messages (:meth:`EventStore.read_positions`).
+``SELECT`` per group of messages (:meth:`EventStore.read_positions`). It keeps no event
+that carries a tenant's payload of unbounded size — a manifest (``ClaimSubmitted``) or
+an allocation with its opaque configuration — so that what it holds does not grow with
+what tenants send (a manifest may carry 32 configurations of 10 KiB); no consumer with
+a view is sent a manifest, and an agent confirms an allocation with a configuration by
+the query.
 
 Refused events (:mod:`events.folding`) are skipped here, by every consumer, as every
 reader of the log skips them:
@@ -51,7 +56,7 @@ from typing import Final
 
 import msgspec
 
-from events.catalog import Envelope
+from events.catalog import AllocationBound, ClaimSubmitted, Envelope, Event
 from events.folding import Refusal
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import LiveState
@@ -75,6 +80,16 @@ def same_event(sent: Envelope, logged: Envelope | None) -> bool:
     return sent == logged
 
 
+def _carries_tenant_payload(event: Event) -> bool:
+    """Whether ``event`` holds a manifest or an allocation's opaque configuration."""
+    if type(event) is ClaimSubmitted:
+        return True
+    if type(event) is AllocationBound:
+        devices = event.allocation.devices
+        return devices is not None and bool(devices.config)
+    return False
+
+
 class LogConfirmation:
     """Confirms bus messages against the log (see the module docstring)."""
 
@@ -90,6 +105,8 @@ class LogConfirmation:
             live.subscribe(self._folded)
 
     def _folded(self, env: Envelope) -> None:
+        if _carries_tenant_payload(env.event):
+            return
         # (a deque, not the dict's own order: taking a dict's first key after many
         # deletions scans the holes they leave, every time)
         self._recent[env.position] = env

@@ -141,14 +141,8 @@ class Pending(NamedTuple):
 def first_class(state: ClusterState, key: ClaimKey) -> str:
     """The DeviceClass of a claim's first request ("" when it names none)."""
     claim = state.claims.get(key)
-    if claim is None or claim.claim is None or claim.claim.spec.devices is None:
-        return ""
-    for request in claim.claim.spec.devices.requests or ():
-        if request.exactly is not None:
-            return request.exactly.device_class_name
-        for sub in request.first_available or ():
-            return sub.device_class_name
-    return ""
+    names = claim.spec.classes() if claim is not None and claim.spec is not None else ()
+    return names[0] if names else ""
 
 
 def known_class(state: ClusterState, key: ClaimKey) -> str:

@@ -29,12 +29,13 @@ from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.errors import ConflictError, InvalidEvent
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
-from services.runtime.livestate import LiveState
+from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import REGISTRY
 from services.runtime.rebuilding import BusKeeper
 from services.runtime.relaying import Relay, outgoing
 from services.runtime.settings import Settings
 from tests.integration.injecting import inject, row
+from tests.unit import oldlog
 
 
 class Bus(msgspec.Struct):
@@ -832,3 +833,48 @@ async def test_a_server_outage_does_not_count_towards_dead_lettering(bus: Bus) -
         await until(lambda: k.handled == 1, within=60)
     assert k.dead_lettered == 0
     assert outages == [1] * 6  # no try lost to the outage counted as a delivery
+
+
+# --- the confirmation window ------------------------------------------------------------------
+
+
+class CountingStore(EventStore):
+    """The real store, counting the reads confirmation makes."""
+
+    reads = 0
+
+    async def read_positions(self, positions: Any) -> list[c.Envelope]:
+        self.reads += 1
+        return await super().read_positions(positions)
+
+
+async def test_the_confirmation_window_holds_no_tenant_payload_and_still_confirms_it(
+    settings: Settings,
+) -> None:
+    """A consumer's window of folded envelopes answers small events without a query,
+    but keeps no manifest and no allocation with its configuration: those (tenant-sized)
+    are confirmed by reading the log, and confirmed all the same."""
+    store = await CountingStore.open(settings)
+    try:
+        live = LiveState(store)
+        confirmation = LogConfirmation(store, live)
+        for event in oldlog.events():
+            await store.append(c.stream_of(event), None, [event], actor="system:test")
+        await live.fresh(HEAD)
+        logged = [env async for env in store.read_all()]
+        heavy = [
+            e
+            for e in logged
+            if isinstance(e.event, c.ClaimSubmitted)
+            or (isinstance(e.event, c.AllocationBound) and e.event.name == "tuned")
+        ]
+        light = [e for e in logged if e not in heavy]
+        assert len(heavy) == 5 and light
+        assert await confirmation.confirm(light) == [True] * len(light)
+        assert store.reads == 0  # the window answered
+        assert await confirmation.confirm(heavy) == [True] * len(heavy)
+        assert store.reads == 1  # one query for the group
+        forged = msgspec.structs.replace(heavy[0], correlation_id="forged")
+        assert await confirmation.confirm([forged]) == [False]
+    finally:
+        await store.close()

@@ -72,7 +72,7 @@ from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.consuming import Handled, HandlerContext
 from services.runtime.errors import ConflictError
-from services.runtime.eventstore import Cause, EventStore
+from services.runtime.eventstore import Cause, Connection, EventStore
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.relaying import Relay
 from services.runtime.settings import Settings
@@ -366,8 +366,10 @@ class DeletedWhilePlanned(ReservationService):
     victim: ClaimKey | None = None
     api: ApiClient | None = None
 
-    async def plan(self, causes: Callable[[ClaimKey], Cause]) -> Plan:
-        plan = await super().plan(causes)
+    async def plan(
+        self, causes: Callable[[ClaimKey], Cause], connection: Connection | None = None
+    ) -> Plan:
+        plan = await super().plan(causes, connection)
         victim = self.victim
         if victim is not None and victim in plan.allocated and self.api is not None:
             self.victim = None

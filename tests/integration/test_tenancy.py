@@ -127,6 +127,41 @@ async def test_opaque_config_is_refused_for_a_namespace_without_the_permission(
     assert config["opaque"]["parameters"] == {"computeMode": "exclusive"}
 
 
+async def test_claim_get_shows_the_manifest_and_the_allocation_whole(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The fold keeps neither the manifest nor the allocation's configuration (only what
+    decisions read): ``claim get`` reads them from the log, so a user sees the claim as
+    applied and its allocation as bound — in the object, the view, the list and a watch."""
+    doc = yaml.safe_load(claim_doc("shown", "ops", config=True))
+    doc["metadata"]["labels"] = {"team": "vision"}
+    doc["metadata"]["annotations"] = {"note": "n" * 2048}
+    doc["spec"]["devices"]["config"][0]["opaque"]["parameters"]["notes"] = "p" * 4096
+    manifest = tmp_path / "shown.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    get = ("claim", "get", "shown", "-n", "ops", *cluster.flags)
+    code, _, err = await dracap(capsys, "claim", "apply", "-f", str(manifest), *cluster.flags)
+    assert code == 0, err
+    ready = await wait_ready(cluster.api, "ops", "shown", 30)
+    assert ready["ready"], ready
+    code, out, err = await dracap(capsys, *get, "-o", "yaml")
+    assert code == 0, err
+    shown = yaml.safe_load(out)
+    applied = model.to_builtins(model.convert(doc, model.ResourceClaim))
+    assert shown["metadata"]["labels"] == {"team": "vision"}
+    assert shown["metadata"]["annotations"] == doc["metadata"]["annotations"]
+    assert shown["spec"] == applied["spec"]
+    allocation = shown["status"]["allocation"]
+    [config] = allocation["devices"]["config"]
+    assert config["source"] == "FromClaim"
+    assert config["opaque"] == doc["spec"]["devices"]["config"][0]["opaque"]
+    assert shown["dracap"]["allocation"] == allocation == ready["allocation"]
+    [listed] = [
+        v for v in (await cluster.api.claims("ops", "list"))["claims"] if v["name"] == "shown"
+    ]
+    assert listed == shown["dracap"]
+
+
 # --- the tenant's view of devices --------------------------------------------------------------
 
 

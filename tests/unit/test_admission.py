@@ -515,6 +515,50 @@ def test_live_claim_name_conflicts_unless_identical() -> None:
     assert other.refusal.field == "metadata.name" and other.events == ()
 
 
+def _tuned(parameters: dict[str, Any], memory: str = "10Gi", **meta: Any) -> dict[str, Any]:
+    doc = manifest(namespace="tenant-q", memory=memory)
+    doc["metadata"].update(meta)
+    entry = {"opaque": {"driver": "gpu.dracap.io", "parameters": parameters}}
+    doc["spec"]["devices"]["config"] = [entry]
+    return doc
+
+
+PARAMETERS = {"mps": {"threads": 40, "limits": [1, 2]}, "mode": "shared"}
+
+# (id, the manifest applied again; whether it is the recorded spec)
+REAPPLIES: list[tuple[str, dict[str, Any], bool]] = [
+    ("the-same-manifest", _tuned(PARAMETERS), True),
+    ("other-labels-and-annotations", _tuned(PARAMETERS, labels={"a": "b"}), True),
+    ("the-config-keys-in-another-order", _tuned({"mode": "shared", **PARAMETERS}), True),
+    ("the-same-amount-written-otherwise", _tuned(PARAMETERS, memory="10240Mi"), True),
+    ("another-config-value", _tuned({**PARAMETERS, "mode": "exclusive"}), False),
+    ("a-config-list-in-another-order", _tuned({**PARAMETERS, "mps": {"limits": [2, 1]}}), False),
+    ("another-amount", _tuned(PARAMETERS, memory="20Gi"), False),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "same"), [r[1:] for r in REAPPLIES], ids=[r[0] for r in REAPPLIES]
+)
+def test_a_live_claim_applied_again_with_configuration(body: dict[str, Any], same: bool) -> None:
+    """The fold keeps a digest of the configuration, not the configuration: re-applying
+    the recorded spec is still a no-op, and a changed one still a conflict."""
+    state = _state()
+    claim = read_claim(as_yaml(_tuned(PARAMETERS)), "tenant-q")
+    assert isinstance(claim, ResourceClaim)
+    events: list[c.Event] = [
+        c.ClaimSubmitted(claim=claim),
+        c.ClaimAdmitted(namespace="tenant-q", name="train"),
+    ]
+    for i, event in enumerate(events):
+        fold([c.new_envelope(event, stream_version=1, actor="t", position=100 + i)], state)
+    decision = decide_apply(state, "tenant-q", as_yaml(body))
+    if same:
+        assert decision.unchanged and decision.refusal is None and decision.events == ()
+    else:
+        assert decision.refusal is not None and decision.refusal.code == "conflict"
+
+
 @pytest.mark.parametrize("terminal", ["rejected", "withdrawn"])
 def test_terminal_claim_name_can_be_reused(terminal: str) -> None:
     ending: c.Event = (

@@ -8,15 +8,18 @@ fragment of the reason.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pytest
 
+from events.claimspecs import claim_spec
 from events.features import FeatureGates
-from events.model import ResourceClaim, ResourceSlice
-from services.reservation.allocating import grants_from_claim
+from events.model import DeviceClaimConfiguration, ResourceClaim, ResourceSlice, convert
+from services.reservation.allocating import grants_from_claim, with_claim_configs
 from services.reservation.outcomes import Allocated, Invalid, Unschedulable
 from tests.unit.allocator_fixtures import (
     allocator,
@@ -892,6 +895,75 @@ def test_rule(case: Case) -> None:
     else:
         assert isinstance(out, Invalid), out
         assert case.reason in out.reason
+
+
+#: opaque configuration of the claim, as a tenant allowed to configure writes it
+_TUNING = {"opaque": {"driver": "gpu.test.io", "parameters": {"mps": {"threads": 50}}}}
+
+
+def _configured(whole: ResourceClaim) -> ResourceClaim:
+    """``whole`` with a configuration and the metadata no decision reads."""
+    devices = whole.spec.devices
+    assert devices is not None
+    config = [convert(_TUNING, DeviceClaimConfiguration)]
+    meta = msgspec.structs.replace(whole.metadata, annotations={"note": "x" * 1024})
+    return msgspec.structs.replace(
+        whole,
+        metadata=meta,
+        spec=msgspec.structs.replace(
+            whole.spec, devices=msgspec.structs.replace(devices, config=config)
+        ),
+    )
+
+
+def _decided(case: Case, decided: ResourceClaim, whole: ResourceClaim) -> Any:
+    """``case`` decided on ``decided``, the configuration of ``whole`` added after (as the
+    reservation service does), with share ids numbered from 1."""
+    alloc = allocator(case.slices, case.classes, gates=case.gates, class_modes=case.modes)
+    ids = itertools.count(1)
+    alloc.new_share_id = lambda: f"share-{next(ids)}"
+    for earlier in case.before:
+        if earlier.status is not None:
+            alloc.add_grants(
+                grants_from_claim(earlier, consumable_capacity=case.gates.consumable_capacity)
+            )
+        else:
+            decide(alloc, earlier, node=case.node, admin_ok=case.admin_ok)
+    out = decide(alloc, decided, node=case.node, admin_ok=case.admin_ok, commit=False)
+    if isinstance(out, Allocated) and decided is not whole:
+        devices = whole.spec.devices
+        config = devices.config if devices is not None else None
+        out = msgspec.structs.replace(out, allocation=with_claim_configs(out.allocation, config))
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("configured", [False, True], ids=["plain", "configured"])
+def test_rule_decided_on_the_compact_claim(case: Case, configured: bool) -> None:
+    """Every row gives the same outcome, to the byte, when decided as the reservation
+    service decides it: on what the fold keeps of the claim (``ClaimSpec.as_claim``), its
+    configuration copied in from the manifest afterwards."""
+    whole = _configured(case.claim) if configured else case.claim
+    meta = whole.metadata
+    compact = claim_spec(whole).as_claim(meta.namespace or "", meta.name)
+    assert _decided(case, compact, whole) == _decided(case, whole, whole)
+
+
+def test_class_and_claim_configs_keep_their_order_on_the_compact_claim() -> None:
+    cls = device_class(config=[{"opaque": {"driver": "gpu.test.io", "parameters": {"mps": True}}}])
+    case = Case(
+        "configured-class",
+        [slice_([gpu("gpu-0"), gpu("gpu-1")])],
+        claim(request("a", {"memory": "5Gi"}), request("b", {"memory": "5Gi"})),
+        "allocated",
+        classes=[cls],
+    )
+    whole = _configured(case.claim)
+    compact = claim_spec(whole).as_claim(whole.metadata.namespace or "", whole.metadata.name)
+    out = _decided(case, compact, whole)
+    assert out == _decided(case, whole, whole)
+    configs = out.allocation.devices.config
+    assert [c.source for c in configs] == ["FromClass", "FromClaim"]
 
 
 def test_nothing_fits_beside_a_whole_device_share_once_the_class_is_consumable_again() -> None:

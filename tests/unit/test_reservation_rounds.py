@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from events import catalog as c
+from events import model
 from events.model import ResourceClaim
+from services.reservation.outcomes import Allocated
 from services.reservation.rounds import Backlog, Round, decide_round
 from tests.unit.allocator_fixtures import claim, device_class, request, slice_
 from tests.unit.decision_fixtures import (
@@ -279,3 +282,63 @@ def test_within_one_round_the_first_namespace_keeps_the_device() -> None:
     decided = decide_round(state, allocator_of(state), Backlog(order=pending(state)), share_ids())
     assert [name for _, name in decided.allocated] == ["a1"]
     assert [key for key in decided.unschedulable] == [("tenant-b", "b1")]
+
+
+# --- the claim's configuration, which the fold does not keep ---------------------------------
+
+
+def _configured(name: str, memory: str) -> ResourceClaim:
+    rc = memory_claim(name, memory)
+    assert rc.spec.devices is not None
+    config = [
+        model.convert(
+            {"opaque": {"driver": "gpu.test.io", "parameters": {"tuning": name}}},
+            model.DeviceClaimConfiguration,
+        )
+    ]
+    devices = msgspec.structs.replace(rc.spec.devices, config=config)
+    return msgspec.structs.replace(rc, spec=model.ResourceClaimSpec(devices=devices))
+
+
+def _bound_of(decided: Round, name: str) -> c.AllocationBound:
+    [bound] = [
+        e
+        for e, _ in decided.writes[c.claim_stream(NAMESPACE, name)]
+        if isinstance(e, c.AllocationBound)
+    ]
+    return bound
+
+
+def test_a_configured_claim_is_bound_with_the_configuration_of_its_manifest() -> None:
+    tuned, plain = _configured("c1", "10Gi"), memory_claim("c2", "10Gi")
+    log = Log(*inventory(gpu()))
+    log.extend(admitted(tuned) + admitted(plain))
+    state = log.state()
+    assert state.claims[(NAMESPACE, "c1")].spec.configs == 1  # type: ignore[union-attr]
+    decided = decide_round(state, allocator_of(state), Backlog(order=pending(state)), share_ids())
+    assert decided.configured == [(NAMESPACE, "c1")]  # the plain one needs nothing
+    assert _bound_of(decided, "c1").allocation.devices.config is None  # type: ignore[union-attr]
+    assert decided.configure({(NAMESPACE, "c1"): tuned}) == []
+    [config] = _bound_of(decided, "c1").allocation.devices.config  # type: ignore[union-attr,misc]
+    assert (config.source, config.opaque) == ("FromClaim", tuned.spec.devices.config[0].opaque)  # type: ignore[union-attr,index]
+    # exactly what the allocator decides on the whole claim
+    whole = allocator_of(state)
+    whole.new_share_id = share_ids()
+    out = whole.allocate(tuned, any_node=True)
+    assert isinstance(out, Allocated)
+    assert _bound_of(decided, "c1").allocation == out.allocation
+    assert decided.configured == []
+
+
+def test_a_configured_claim_without_a_manifest_in_the_log_is_left_pending() -> None:
+    log = Log(*inventory(gpu()))
+    log.extend(admitted(_configured("c1", "10Gi")) + admitted(memory_claim("c2", "10Gi")))
+    state = log.state()
+    decided = decide_round(state, allocator_of(state), Backlog(order=pending(state)), share_ids())
+    assert decided.configure({}) == [(NAMESPACE, "c1")]
+    lines = [describe(e) for _, events, _ in decided.by_stream() for e in events]
+    assert lines == [
+        "CapacityReserved c2 v1 gpu-0 memory=10Gi shared share-2",
+        "AllocationBound c2 v1 node-a share-2",
+    ]
+    assert decided.allocated == [(NAMESPACE, "c2")]
