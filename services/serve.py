@@ -239,8 +239,6 @@ def register(sub: Any) -> None:
     """Add ``dracap serve`` to the command line."""
     parser = sub.add_parser(
         "serve",
-        help="run one control-plane service as its own process "
-        "(relay, claims, reservation, kubernetes-bridge)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     parser.add_argument("service", choices=sorted(SERVICES), help="the service to run")

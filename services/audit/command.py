@@ -83,7 +83,6 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     parser = sub.add_parser(
         "audit",
-        help="who did what to which share, when and why (audit records)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     add_serve_verb(parser, "audit").set_defaults(func=run, verb="serve")

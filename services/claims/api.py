@@ -11,9 +11,12 @@ namespace's subjects (invariant 10); this service never trusts a namespace from 
 payload.
 
 Admin endpoints listen on ``names.admin(op)`` for ``deviceclasses.apply``,
-``deviceclasses.mode``, ``deviceclasses.list``, ``deviceclasses.remove``, ``slices.apply``,
-``namespaces.access``, ``policies.set``, ``policies.list``, ``devices.list``,
-``nodes.list``, ``nodes.get`` and ``nodes.fence``.
+``deviceclasses.mode``, ``deviceclasses.list``, ``deviceclasses.get``,
+``deviceclasses.remove``, ``slices.apply``, ``slices.get``, ``namespaces.access``,
+``namespaces.get``, ``policies.set``, ``policies.list``, ``devices.list``, ``nodes.list``,
+``nodes.get`` and ``nodes.fence``. The ``*.get`` reads answer ``{"objects": [...]}``, the
+objects in their Kubernetes shape (all of the kind, or the one ``{"name"}`` names:
+:mod:`services.claims.kubeobjects`), what ``dracap get`` prints.
 
 Every reply is JSON (:mod:`services.claims.views`): ``{"ok": true, ...}`` or
 ``{"ok": false, "error": {code, field, rule, message}}`` with code ``invalid``,
@@ -147,7 +150,12 @@ from services.claims.admission import (
     read_claim,
     selector_expressions,
 )
-from services.claims.kubeobjects import resource_claim_object
+from services.claims.kubeobjects import (
+    class_objects,
+    namespace_objects,
+    resource_claim_object,
+    slice_objects,
+)
 from services.claims.views import (
     ClaimsTouched,
     LeaseRow,
@@ -208,9 +216,12 @@ ADMIN_OPS: Final = (
     "deviceclasses.apply",
     "deviceclasses.mode",
     "deviceclasses.list",
+    "deviceclasses.get",
     "deviceclasses.remove",
     "slices.apply",
+    "slices.get",
     "namespaces.access",
+    "namespaces.get",
     "policies.set",
     "policies.list",
     "devices.list",
@@ -227,6 +238,14 @@ class _NameRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class _WatchRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str | None = None
+
+
+class _ListRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    objects: bool = False  #: also each claim as a ResourceClaim (``dracap get -o yaml``)
+
+
+class _ObjectsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str | None = None  #: one object; none: every object of the kind
 
 
 class _InvalidRequestError(Exception):
@@ -358,9 +377,12 @@ class ClaimsApi:
             "deviceclasses.apply": self.apply_classes,
             "deviceclasses.mode": self.set_class_mode,
             "deviceclasses.list": self.list_classes,
+            "deviceclasses.get": self.get_classes,
             "deviceclasses.remove": self.remove_class,
             "slices.apply": self.apply_slices,
+            "slices.get": self.get_slices,
             "namespaces.access": self.set_access,
+            "namespaces.get": self.get_namespaces,
             "policies.set": self.set_policy,
             "policies.list": self.list_policies,
             "devices.list": self.list_devices,
@@ -594,15 +616,25 @@ class ClaimsApi:
         return ok_reply(claim=view, object=resource)
 
     async def list_claims(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
-        """``claims.list``: every claim of the namespace that is not gone."""
+        """``claims.list``: every claim of the namespace that is not gone (with
+        ``{"objects": true}`` also each as a ResourceClaim)."""
+        request: _ListRequest = _decode(data, _ListRequest)
         state = await self.live.fresh(SEEN)
-        claims = (state.claims.get((namespace, n)) for n in sorted(self._names.get(namespace, ())))
-        views = [
-            claim_view(state, claim)
-            for claim in claims
+        names = sorted(self._names.get(namespace, ()))
+        claims = [
+            claim
+            for claim in (state.claims.get((namespace, n)) for n in names)
             if claim is not None and claim.phase not in _HIDDEN_FROM_LIST
         ]
-        return ok_reply(claims=views)
+        views = [claim_view(state, claim) for claim in claims]
+        if not request.objects:
+            return ok_reply(claims=views)
+        now = datetime.datetime.now(datetime.UTC)
+        objects = [
+            resource_claim_object(state, claim, msgspec.to_builtins(view), now)
+            for claim, view in zip(claims, views, strict=True)
+        ]
+        return ok_reply(claims=views, objects=objects)
 
     async def delete(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
         """``claims.delete``: release an allocated claim, withdraw any other."""
@@ -752,6 +784,30 @@ class ClaimsApi:
         state = await self.live.fresh(SEEN)
         return ok_reply(classes=class_views(state))
 
+    async def get_classes(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``deviceclasses.get``: DeviceClasses as recorded (``{"name"}``: one)."""
+        return await self._objects(data, "DeviceClass", class_objects)
+
+    async def get_slices(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``slices.get``: ResourceSlices as recorded (``{"name"}``: one)."""
+        return await self._objects(data, "ResourceSlice", slice_objects)
+
+    async def get_namespaces(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``namespaces.get``: each namespace's access as a Namespace (``{"name"}``: one)."""
+        return await self._objects(data, "Namespace", namespace_objects)
+
+    async def _objects(
+        self,
+        data: bytes,
+        kind: str,
+        objects_of: Callable[[ClusterState, str | None], list[dict[str, Any]]],
+    ) -> bytes:
+        request: _ObjectsRequest = _decode(data, _ObjectsRequest)
+        objects = objects_of(await self.live.fresh(SEEN), request.name)
+        if request.name is not None and not objects:
+            return error_reply("not_found", f"{kind} {request.name!r} not found", field="name")
+        return ok_reply(objects=objects)
+
     async def remove_class(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``deviceclasses.remove``: no new claims of the class; allocated ones keep running."""
         request: ClassRemoval = _decode(data, ClassRemoval)
@@ -801,7 +857,11 @@ class ClaimsApi:
             classes=access_classes(request.classes),
             opaque_config_classes=access_classes(request.opaque_config_classes),
         )
-        return ok_reply(**msgspec.structs.asdict(recorded))
+        return ok_reply(
+            **msgspec.structs.asdict(recorded),
+            applied=list(write.applied),
+            unchanged=list(write.unchanged),
+        )
 
     async def set_policy(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``policies.set``: a device capacity's new request policy, under a new version."""

@@ -62,18 +62,14 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-import msgspec
-
-from events import model
 from events.catalog import CLASS_MODES, ENFORCEMENT_LEVELS
 from events.fold import TERMINAL_PHASES
-from events.manifests import MAX_MANIFEST_BYTES, ManifestError, load_documents
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args
 from services.runtime.printable import json_text, table, yaml_text
 
-__all__ = ["read_claims", "register"]
+__all__ = ["claim_manifest", "claim_rows", "emit", "read_claims", "register"]
 
 
 # --- rendering -----------------------------------------------------------------------------
@@ -207,6 +203,9 @@ def emit_claims(output: str, views: list[dict[str, Any]], *, single: bool) -> No
 
 def read_claims(path: str, namespace: str | None) -> list[tuple[str, bytes]]:
     """``(namespace, JSON manifest)`` of every ResourceClaim in ``path`` ('-': stdin)."""
+    from events import model  # the manifest loader (and the CEL parser): only to read files
+    from events.manifests import ManifestError, load_documents
+
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -219,27 +218,38 @@ def read_claims(path: str, namespace: str | None) -> list[tuple[str, bytes]]:
     for obj in objects:
         if not isinstance(obj, model.ResourceClaim):
             raise CommandError(
-                f"{path}: {type(obj).__name__} {obj.metadata.name}: "
-                "only ResourceClaims can be applied",
+                f"{path}: {type(obj).__name__} {obj.metadata.name}: only ResourceClaims can "
+                "be applied with `claim apply`; `dracap apply -f` applies every kind",
                 ExitCode.BAD_INPUT,
             )
-        ns = namespace or obj.metadata.namespace or "default"
-        if obj.metadata.namespace is None:
-            obj = msgspec.structs.replace(
-                obj, metadata=msgspec.structs.replace(obj.metadata, namespace=ns)
-            )
-        manifest = model.encode_json(obj)
-        if len(manifest) > MAX_MANIFEST_BYTES:
-            raise CommandError(
-                f"{path}: ResourceClaim {ns}/{obj.metadata.name}: {len(manifest)} bytes; "
-                f"a claim must be at most {MAX_MANIFEST_BYTES} bytes "
-                f"({MAX_MANIFEST_BYTES // 1024} KiB, the API's limit)",
-                ExitCode.BAD_INPUT,
-            )
-        claims.append((ns, manifest))
+        claims.append(claim_manifest(obj, namespace, path))
     if not claims:
         raise CommandError(f"{path}: no ResourceClaim found", ExitCode.BAD_INPUT)
     return claims
+
+
+def claim_manifest(claim: Any, namespace: str | None, source: str) -> tuple[str, bytes]:
+    """``(namespace, JSON manifest)`` of a ResourceClaim ``claim`` (its namespace:
+    ``namespace``, else its own, else ``default``); :class:`CommandError` (exit 2) when it
+    is larger than the API takes, before anything is sent."""
+    import msgspec
+
+    from events import model
+    from events.manifests import MAX_MANIFEST_BYTES
+
+    ns = namespace or claim.metadata.namespace or "default"
+    if claim.metadata.namespace is None:
+        meta = msgspec.structs.replace(claim.metadata, namespace=ns)
+        claim = msgspec.structs.replace(claim, metadata=meta)
+    manifest = model.encode_json(claim)
+    if len(manifest) > MAX_MANIFEST_BYTES:
+        raise CommandError(
+            f"{source}: ResourceClaim {ns}/{claim.metadata.name}: {len(manifest)} bytes; "
+            f"a claim must be at most {MAX_MANIFEST_BYTES} bytes "
+            f"({MAX_MANIFEST_BYTES // 1024} KiB, the API's limit)",
+            ExitCode.BAD_INPUT,
+        )
+    return ns, manifest
 
 
 async def _apply(api: ApiClient, args: argparse.Namespace) -> int:
@@ -611,9 +621,7 @@ def _common(parser: argparse.ArgumentParser, *, namespaced: bool = True) -> None
 
 
 def register(sub: Any) -> None:
-    claim = sub.add_parser(
-        "claim", help="apply, get, list, delete, watch and reserve ResourceClaims"
-    )
+    claim = sub.add_parser("claim")
     verbs = claim.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     apply = verbs.add_parser("apply", help="submit the ResourceClaims of a file")
@@ -656,7 +664,7 @@ def register(sub: Any) -> None:
     _common(watch)
     watch.set_defaults(action=_watch)
 
-    devices = sub.add_parser("devices", help="capacity, consumption and tenants of every device")
+    devices = sub.add_parser("devices")
     devices.add_argument(
         "-n",
         "--namespace",
@@ -671,7 +679,7 @@ def register(sub: Any) -> None:
     _common(devices, namespaced=False)
     devices.set_defaults(action=_devices)
 
-    policy = sub.add_parser("policy", help="change a device capacity's request policy")
+    policy = sub.add_parser("policy")
     policy_verbs = policy.add_subparsers(dest="verb", metavar="VERB", required=True)
     setting = policy_verbs.add_parser(
         "set", help="a new request policy for one device capacity (a new policy version)"
@@ -690,7 +698,7 @@ def register(sub: Any) -> None:
     _common(setting, namespaced=False)
     setting.set_defaults(action=_set_policy)
 
-    dclass = sub.add_parser("class", help="list DeviceClasses, set one's mode or remove it")
+    dclass = sub.add_parser("class")
     class_verbs = dclass.add_subparsers(dest="verb", metavar="VERB", required=True)
     mode = class_verbs.add_parser(
         "set-mode", help="how new claims of a class are decided (existing ones never change)"
@@ -717,7 +725,7 @@ def register(sub: Any) -> None:
     _common(removing, namespaced=False)
     removing.set_defaults(action=_remove_class)
 
-    node = sub.add_parser("node", help="node leases, lost nodes and fencing")
+    node = sub.add_parser("node")
     node_verbs = node.add_subparsers(dest="verb", metavar="VERB", required=True)
     listing_nodes = node_verbs.add_parser(
         "list", help="every node: lease, epoch, boot id, taints and unknown shares"

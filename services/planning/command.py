@@ -323,10 +323,7 @@ def _run(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 
 
 def register(sub: Any) -> None:
-    sim = sub.add_parser(
-        "simulate",
-        help="simulate a trace of claims per mode and placement policy on the real allocator",
-    )
+    sim = sub.add_parser("simulate")
     source = sim.add_argument_group("trace (a file, or a synthetic one)")
     source.add_argument("--trace", metavar="FILE", help="CSV or NDJSON trace (docs/placement.md)")
     source.add_argument("--claims", type=int, default=20000, help="synthetic: claims (20000)")
@@ -375,7 +372,7 @@ def register(sub: Any) -> None:
     sim.add_argument("-o", "--output", choices=("table", "json"), default="table")
     sim.set_defaults(func=_run(_simulate))
 
-    plan = sub.add_parser("plan", help="capacity math step by step, from raw to schedulable")
+    plan = sub.add_parser("plan")
     plan.add_argument("--devices", type=int, help="devices in the fleet")
     plan.add_argument("--capacity", help="capacity of each device (a quantity, like 40Gi)")
     plan.add_argument(

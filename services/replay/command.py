@@ -435,7 +435,7 @@ def _output(parser: argparse.ArgumentParser, *choices: str) -> None:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``replay`` noun and its verbs to the CLI."""
-    replay = subparsers.add_parser("replay", help="replay the event log (forensics)")
+    replay = subparsers.add_parser("replay")
     verbs = replay.add_subparsers(dest="replay_verb", required=True)
 
     check = verbs.add_parser("verify", help="fold the log and check its invariants")

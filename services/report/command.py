@@ -116,7 +116,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     """Add the ``report`` command to the CLI."""
     report = subparsers.add_parser(
         "report",
-        help="the Grafana dashboard's panels as one PNG, computed from the event log",
         description="Fold the event log (the database, or an exported file) and draw the "
         "panels of deploy/grafana/dracap.json from it: capacity per class, tenant and "
         "device, claims and rejections, latencies per class, convergence, Unknown "
