@@ -72,7 +72,13 @@ from events.catalog import (
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClaimState, ClusterState
-from events.model import CapacityRequestPolicy, DeviceCapacity, DeviceClass, ResourceSlice
+from events.model import (
+    CapacityRequestPolicy,
+    CapacityRequestPolicyRange,
+    DeviceCapacity,
+    DeviceClass,
+    ResourceSlice,
+)
 from events.quantities import Quantity
 from events.validation import is_dns_subdomain, validate_capacity_policy
 from services.claims.admission import Refusal, refuse
@@ -85,6 +91,7 @@ __all__ = [
     "ClassRemoval",
     "Deletion",
     "PolicyChange",
+    "PolicyPatch",
     "access_classes",
     "below_allocated",
     "decide_access",
@@ -262,10 +269,29 @@ def decide_access(
     return AdminWrite(events=(event,), applied=(namespace,))
 
 
+class PolicyPatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The fields of a request policy to change (``dracap policy set`` without
+    ``--replace``); the others stay as the policy in force has them.
+
+    ``values`` replaces a ``validRange`` and ``min`` / ``step`` / ``max`` replace
+    ``validValues`` (a policy has one or the other). A ``default`` not given is kept,
+    except that one below a new ``min`` is raised to it (a default below the minimum is
+    never valid), and one not among new ``values`` becomes the first of them.
+    """
+
+    default: Quantity | None = None
+    min: Quantity | None = None
+    step: Quantity | None = None
+    max: Quantity | None = None
+    values: list[Quantity] | None = None
+
+
 class PolicyChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A ``policies.set`` request: the new request policy of one device capacity.
 
-    ``policy`` has the shape of a ResourceSlice's ``requestPolicy``; ``None`` removes it.
+    ``policy`` has the shape of a ResourceSlice's ``requestPolicy`` and replaces the
+    policy in force (``None`` removes it); ``patch``, instead, changes only the fields it
+    gives (:class:`PolicyPatch`).
     """
 
     driver: str
@@ -273,6 +299,51 @@ class PolicyChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     device: str
     capacity: str
     policy: CapacityRequestPolicy | None = None
+    patch: PolicyPatch | None = None
+
+
+def patched(
+    current: CapacityRequestPolicy | None, patch: PolicyPatch
+) -> CapacityRequestPolicy | Refusal:
+    """``current`` with the fields of ``patch`` (see :class:`PolicyPatch`)."""
+    ranged = (patch.min, patch.step, patch.max)
+    if patch.values is not None and any(v is not None for v in ranged):
+        return _bad_patch(
+            "patch.values", "validValues and validRange (min, step, max) exclude each other"
+        )
+    old = current or CapacityRequestPolicy()
+    default = patch.default if patch.default is not None else old.default
+    if patch.values is not None:
+        if not patch.values:
+            return _bad_patch("patch.values", "must name at least one value")
+        if default is None or default not in patch.values:
+            default = patch.default if patch.default is not None else patch.values[0]
+        return CapacityRequestPolicy(default=default, valid_values=list(patch.values))
+    if any(v is not None for v in ranged):
+        rng = old.valid_range
+        low = patch.min if patch.min is not None else rng.min if rng is not None else None
+        if low is None:
+            return _bad_patch("patch.min", "the capacity has no validRange yet: give its min")
+        step = patch.step if patch.step is not None else rng.step if rng is not None else None
+        high = patch.max if patch.max is not None else rng.max if rng is not None else None
+        if patch.default is None and (default is None or default < low):
+            default = low
+        return CapacityRequestPolicy(
+            default=default, valid_range=CapacityRequestPolicyRange(min=low, step=step, max=high)
+        )
+    if patch.default is None:
+        return _bad_patch("patch", "give at least one of default, min, step, max, values")
+    return msgspec.structs.replace(old, default=patch.default)
+
+
+def _bad_patch(field: str, rule: str) -> Refusal:
+    return Refusal(
+        code="invalid",
+        kind="invalid-policy",
+        field=field,
+        rule=rule,
+        message=f"{field}: {rule}",
+    )
 
 
 def decide_policy(
@@ -288,7 +359,15 @@ def decide_policy(
         known = ", ".join(sorted(dev.total)) or "none"
         detail = f"device {where} has no capacity {change.capacity!r} (it has: {known})"
         return AdminWrite(refusal=_not_found("capacity", detail))
-    capacity = DeviceCapacity(value=total, request_policy=change.policy)
+    policy = change.policy
+    if change.patch is not None:
+        if change.policy is not None:
+            return AdminWrite(refusal=_bad_patch("patch", "give policy or patch, not both"))
+        merged = patched(dev.policies.get(change.capacity), change.patch)
+        if isinstance(merged, Refusal):
+            return AdminWrite(refusal=merged)
+        policy = merged
+    capacity = DeviceCapacity(value=total, request_policy=policy)
     try:
         validate_capacity_policy(
             f"device {where}", "capacity", capacity, dev.allow_multiple_allocations, gates
@@ -296,14 +375,14 @@ def decide_policy(
     except ValidationError as exc:
         return AdminWrite(refusal=_invalid_policy(exc))
     name = f"{where}/{change.capacity}"
-    if change.capacity in dev.policies and dev.policies[change.capacity] == change.policy:
+    if change.capacity in dev.policies and dev.policies[change.capacity] == policy:
         return AdminWrite(unchanged=(name,))
     event = RequestPolicyChanged(
         driver=change.driver,
         pool=change.pool,
         device=change.device,
         capacity=change.capacity,
-        policy=change.policy,
+        policy=policy,
         policy_version=dev.policy_version + 1,
     )
     return AdminWrite(events=(event,), applied=(name,))

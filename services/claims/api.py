@@ -116,7 +116,7 @@ from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClaimKey, ClusterState
 from events.inventory import build_inventory
 from events.manifests import load_documents
-from events.model import DeviceClass, Manifest, ResourceSlice
+from events.model import DeviceClass, Manifest, ResourceSlice, describe_policy
 from events.nesting import MAX_MANIFEST_DEPTH, depth_rule, too_deep
 from events.selectors import INLINE_COMPILE_CHARS, is_checked, record_verdict
 from events.subjects import BusNames
@@ -871,10 +871,13 @@ class ClaimsApi:
 
         def reply(state: ClusterState, write: AdminWrite) -> bytes:
             dev = state.device(change.driver, change.pool, change.device)
+            policy = dev.policies.get(change.capacity) if dev is not None else None
             return ok_reply(
                 applied=list(write.applied),
                 unchanged=list(write.unchanged),
                 policy_version=dev.policy_version if dev is not None else None,
+                policy=describe_policy(policy),
+                request_policy=model.to_builtins(policy) if policy is not None else None,
             )
 
         return await self._write_at_version(

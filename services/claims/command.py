@@ -39,10 +39,13 @@ classes the namespace may use, total and free, and the attributes those classes
 allow-list. ``devices --policies`` lists each device capacity's request policy with
 the device policy version it came with, and every live share with the version (and
 so the policy) it was granted under (admin API ``policies.list``). ``policy set
---driver D --pool P --device X --capacity C [--default Q] [--min Q] [--step Q]
-[--max Q] [--values Q,Q,..] [--none]`` gives one device capacity a new request
-policy (``--default`` defaults to ``--min``; admin API ``policies.set``): a new
-policy version for the device; shares granted earlier keep theirs. ``class set-mode
+--driver D --device POOL/X --capacity C [--default Q] [--min Q] [--step Q] [--max Q]
+[--values Q,Q,..] [--none] [--replace]`` changes one device capacity's request policy
+(``--pool P --device X`` names the device too): only the fields given change (``patch``
+of admin API ``policies.set``; ``--default`` rises to a new ``--min`` above it), or with
+``--replace`` the flags are the whole policy (``--default`` defaults to ``--min``). It
+is a new policy version for the device, printed with the resulting policy; shares
+granted earlier keep theirs. ``class set-mode
 CLASS consumable|whole-device|disabled`` sets how new claims of a DeviceClass are
 decided (admin API ``deviceclasses.mode``; a mode outside these three is exit 2 naming
 the argument); ``class remove CLASS`` removes a DeviceClass (admin API
@@ -427,17 +430,49 @@ def policy_rows(devices: Sequence[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def policy_of(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The ``requestPolicy`` the flags of ``policy set`` describe (``None``: ``--none``)."""
+def pool_and_device(pool: str | None, device: str) -> tuple[str, str]:
+    """``--pool P --device X`` or ``--device P/X`` (as ``dracap devices`` prints it)."""
+    named_pool, slash, name = device.rpartition("/")
+    if slash and (pool is None or pool == named_pool) and named_pool and name:
+        return named_pool, name
+    if not slash and pool:
+        return pool, device
+    raise CommandError(
+        f"--device {device!r}: give POOL/DEVICE (as `dracap devices` prints it), or --pool "
+        "and the device's name",
+        ExitCode.BAD_INPUT,
+    )
+
+
+def policy_of(args: argparse.Namespace) -> tuple[str, dict[str, Any] | None]:
+    """The ``policies.set`` field the flags of ``policy set`` give: ``("patch", fields)``
+    (only the fields given change), or with ``--replace`` ``("policy", requestPolicy)``
+    (the whole policy; ``None``: ``--none``)."""
+    flags = (args.default, args.min, args.step, args.max, args.values)
     if args.none:
-        if any(v is not None for v in (args.default, args.min, args.step, args.max, args.values)):
+        if any(v is not None for v in flags) or args.replace:
             raise CommandError("--none takes no other policy flag", ExitCode.BAD_INPUT)
-        return None
+        return "policy", None
+    if not any(v is not None for v in flags):
+        raise CommandError(
+            "give --default, --min, --step, --max, --values or --none", ExitCode.BAD_INPUT
+        )
+    values = None if args.values is None else [v.strip() for v in args.values.split(",")]
+    if values is not None and (not all(values) or any(v is not None for v in flags[1:4])):
+        raise CommandError(
+            "--values: a comma-separated list, without --min, --step or --max (a policy has "
+            "validValues or a validRange)",
+            ExitCode.BAD_INPUT,
+        )
+    if not args.replace:
+        patch = dict(zip(("default", "min", "step", "max"), flags[:4], strict=True))
+        patch["values"] = values
+        return "patch", {k: v for k, v in patch.items() if v is not None}
     policy: dict[str, Any] = {}
     if args.default is not None:
         policy["default"] = args.default
-    if args.values is not None:
-        policy["validValues"] = [v.strip() for v in args.values.split(",") if v.strip()]
+    if values is not None:
+        policy["validValues"] = values
     if args.min is not None:
         policy.setdefault("default", args.min)  # validRange needs one; min is always valid
         policy["validRange"] = {"min": args.min}
@@ -445,27 +480,29 @@ def policy_of(args: argparse.Namespace) -> dict[str, Any] | None:
             if getattr(args, flag) is not None:
                 policy["validRange"][flag] = getattr(args, flag)
     elif args.step is not None or args.max is not None:
-        raise CommandError("--step and --max need --min", ExitCode.BAD_INPUT)
-    if not policy:
-        raise CommandError(
-            "give --min (and --default, --step, --max), --values or --none", ExitCode.BAD_INPUT
-        )
-    return policy
+        raise CommandError("--replace: --step and --max need --min", ExitCode.BAD_INPUT)
+    return "policy", policy
 
 
 async def _set_policy(api: ApiClient, args: argparse.Namespace) -> int:
+    field, value = args.policy
     change = {
         "driver": args.driver,
         "pool": args.pool,
         "device": args.device,
         "capacity": args.capacity,
-        "policy": args.policy,
+        field: value,
     }
     reply = await api.admin("policies.set", change)
-    done = {k: reply[k] for k in ("applied", "unchanged", "policy_version")}
+    keys = ("applied", "unchanged", "policy_version", "policy", "request_policy")
+    done = {k: reply.get(k) for k in keys}
     where = f"{args.driver}/{args.pool}/{args.device} {args.capacity}"
     state = "unchanged" if reply["unchanged"] else "set"
-    emit(args.output, done, lambda: f"policy of {where} {state} (v{reply['policy_version']})")
+    emit(
+        args.output,
+        done,
+        lambda: f"policy of {where} {state} (v{reply['policy_version']}): {reply['policy']}",
+    )
     return ExitCode.OK
 
 
@@ -592,6 +629,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "filename", None):  # bad input is exit 2 before any connection
             args.claims = read_claims(args.filename, args.namespace)
         if getattr(args, "action", None) is _set_policy:
+            args.pool, args.device = pool_and_device(args.pool, args.device)
             args.policy = policy_of(args)
         if getattr(args, "action", None) is _set_mode and args.mode not in CLASS_MODES:
             raise CommandError(
@@ -684,8 +722,10 @@ def register(sub: Any) -> None:
     setting = policy_verbs.add_parser(
         "set", help="a new request policy for one device capacity (a new policy version)"
     )
-    for flag in ("driver", "pool", "device", "capacity"):
-        setting.add_argument(f"--{flag}", required=True)
+    setting.add_argument("--driver", required=True)
+    setting.add_argument("--device", required=True, metavar="POOL/DEVICE", help="the device")
+    setting.add_argument("--pool", help="the device's pool (or give --device POOL/DEVICE)")
+    setting.add_argument("--capacity", required=True)
     for flag, text in (
         ("default", "the amount an absent request consumes"),
         ("min", "validRange.min: smaller requests are rounded up to it"),
@@ -695,6 +735,12 @@ def register(sub: Any) -> None:
     ):
         setting.add_argument(f"--{flag}", metavar="Q", help=text)
     setting.add_argument("--none", action="store_true", help="remove the policy")
+    setting.add_argument(
+        "--replace",
+        action="store_true",
+        help="the flags are the whole new policy (default: only the fields given change; "
+        "--default follows --min when it would fall below it)",
+    )
     _common(setting, namespaced=False)
     setting.set_defaults(action=_set_policy)
 
