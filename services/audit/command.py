@@ -2,7 +2,8 @@
 
 ``dracap audit [--namespace NS] [--claim NAME] [--share ID] [--device D] [--node N]
 [--since T] [--until T] [--limit N] [-o table|json|csv]`` asks the audit service
-(:mod:`services.audit.service`) for its records, in log order. With ``--namespace`` the
+(:mod:`services.audit.service`) for its records: the newest ``--limit`` that match, in
+log order. With ``--namespace`` the
 question goes on the tenant's subject (``{prefix}.api.{ns}.claims.audit``): a tenant's
 credentials reach their own namespace only, and the answer is limited to it; without,
 on the admin subject (``{prefix}.admin.audit.list``, operators only). ``--device`` is
@@ -93,7 +94,9 @@ def register(sub: Any) -> None:
     parser.add_argument("--node", metavar="N")
     parser.add_argument("--since", metavar="T", help="ISO 8601 time or now")
     parser.add_argument("--until", metavar="T", help="ISO 8601 time or now")
-    parser.add_argument("--limit", type=int, default=10_000, help="at most this many records")
+    parser.add_argument(
+        "--limit", type=int, default=10_000, help="the newest this many records (default 10000)"
+    )
     parser.add_argument("-o", "--output", choices=("table", "json", "csv"), default="table")
     add_endpoint_arguments(parser, nats=True)
     parser.set_defaults(func=run, verb=None)

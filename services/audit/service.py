@@ -231,7 +231,7 @@ _COLUMNS: Final = (
 
 
 async def query(connection: Connection, wanted: AuditFilter) -> list[AuditRecord]:
-    """The records matching ``wanted``, in log order."""
+    """The newest ``wanted.limit`` records matching ``wanted``, in log order."""
     where: list[str] = []
     args: list[Any] = []
     for column, value in (
@@ -251,12 +251,12 @@ async def query(connection: Connection, wanted: AuditFilter) -> list[AuditRecord
         args.append(wanted.until)
         where.append(f"recorded_at < ${len(args)}")
     args.append(wanted.limit)
-    sql = (
+    sql = (  # the newest ``limit``, answered in log order
         f"SELECT {_COLUMNS} FROM audit_records"
         + (f" WHERE {' AND '.join(where)}" if where else "")
-        + f" ORDER BY position, seq LIMIT ${len(args)}"
+        + f" ORDER BY position DESC, seq DESC LIMIT ${len(args)}"
     )
-    return [record_of(r) for r in await connection.fetch(sql, *args)]
+    return [record_of(r) for r in reversed(await connection.fetch(sql, *args))]
 
 
 #: every column of ``audit_records``, in :func:`record_of`'s order

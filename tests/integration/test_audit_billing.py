@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import csv
 import datetime
+import io
 import json
 import time
 import uuid
@@ -235,6 +237,10 @@ async def test_usage_equals_amount_times_time_and_tenants_see_their_own(
 ) -> None:
     await subscribers.kill_subscribers()
     await subscribers.start_subscribers(serve=True)  # with the query endpoints
+    flags = ["--nats", nats_url, "--prefix", subscribers.names.prefix]
+    for output, nothing in (("table", "NAMESPACE"), ("json", "[]"), ("csv", "namespace,")):
+        code, out = await _cli(["usage", "-o", output, *flags])  # no usage yet: no error
+        assert code == 0 and out.strip().startswith(nothing), out
     at: dict[str, datetime.datetime] = {}
 
     async def on_step(envs: list[Envelope]) -> None:
@@ -304,8 +310,16 @@ async def test_usage_equals_amount_times_time_and_tenants_see_their_own(
             assert (refused.value.code, refused.value.field) == ("invalid", "namespace")
         everyone = (await api.admin("audit.list", {}))["records"]
         assert len({row["namespace"] for row in everyone}) > 2
+        newest = (await api.admin("audit.list", {"limit": 3}))["records"]
+        assert newest == everyone[-3:]  # the newest, in log order
 
-    flags = ["--nats", nats_url, "--prefix", subscribers.names.prefix]
+    code, out = await _cli(["usage", "-o", "csv", *flags])
+    assert code == 0
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert rows and {row["open"] for row in rows} <= {"true", "false"}
+    for row in rows:  # plain decimals, as a spreadsheet reads them
+        for column in ("amount", "unit_seconds"):
+            assert "E" not in row[column] and Decimal(row[column]) >= 0, row
     for command in (["audit", "-n", "team-b"], ["usage", "-n", "team-b"]):
         code, out = await _cli([*command, "-o", "json", *flags])
         assert code == 0, out
