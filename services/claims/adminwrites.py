@@ -48,8 +48,9 @@ never existed is not found.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgspec
 
@@ -89,11 +90,14 @@ __all__ = [
     "AdminWrite",
     "ClassMode",
     "ClassRemoval",
+    "ConsumerRef",
     "Deletion",
     "PolicyChange",
     "PolicyPatch",
     "access_classes",
     "below_allocated",
+    "consumer_ref",
+    "consumer_uid",
     "decide_access",
     "decide_classes",
     "decide_delete",
@@ -433,10 +437,48 @@ def decide_delete(state: ClusterState, namespace: str, name: str) -> Deletion:
 
 
 class Reservation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A ``claims.reserve`` / ``claims.unreserve`` request: ``consumer`` is ``pod/NS/NAME``."""
+    """A ``claims.reserve`` / ``claims.unreserve`` request: ``consumer`` is ``pod/NS/NAME``,
+    ``uid`` the consumer's own ``metadata.uid`` when it has one."""
 
     name: str
     consumer: str
+    uid: str | None = None
+
+
+class ConsumerRef(NamedTuple):
+    """A ``reservedFor`` entry as the log records it: ``pod/NS/NAME``, or
+    ``pod/NS/NAME/UID`` when the consumer gave its uid."""
+
+    resource: str
+    namespace: str
+    name: str
+    uid: str | None
+
+    @property
+    def key(self) -> str:
+        """Who the consumer is, whatever its uid: one reservation per key."""
+        return f"{self.resource}/{self.namespace}/{self.name}"
+
+
+def consumer_ref(consumer: str) -> ConsumerRef:
+    """The parts of a recorded ``reservedFor`` entry (see :class:`ConsumerRef`)."""
+    parts = consumer.split("/", 3)
+    if len(parts) < 3:  # not written by dracap; shown as it is
+        return ConsumerRef(parts[0], "", parts[-1], None)
+    return ConsumerRef(parts[0], parts[1], parts[2], parts[3] if len(parts) == 4 else None)
+
+
+#: The namespace of the uids :func:`consumer_uid` derives (uuid5).
+_CONSUMER_UIDS: Final = uuid.UUID("7d1f3c52-5a0e-4e8b-9a43-2f1b6c7d8e90")
+
+
+def consumer_uid(claim_namespace: str, claim_name: str, ref: ConsumerRef) -> str:
+    """The ``reservedFor[].uid`` of ``ref``: its own, else one derived from the claim and the
+    consumer's name (the same at every read; a consumer in standalone mode has no object
+    of its own to take a uid from)."""
+    if ref.uid:
+        return ref.uid
+    return str(uuid.uuid5(_CONSUMER_UIDS, f"{claim_namespace}/{claim_name}/{ref.key}"))
 
 
 def decide_reservation(
@@ -446,7 +488,9 @@ def decide_reservation(
 
     Upstream's rules: the consumer lives in the claim's namespace, the claim is allocated,
     at most 256 consumers. Reserving twice, or giving up a reservation not held, is
-    answered unchanged.
+    answered unchanged. A consumer is one entry whatever its uid: a pod of that name with
+    another uid is refused until the first gives the reservation up (upstream keys
+    entries by uid; one name at a time is what a standalone consumer can be sure of).
     """
     kind, _, rest = request.consumer.partition("/")
     pod_ns, _, pod = rest.partition("/")
@@ -456,7 +500,16 @@ def decide_reservation(
                 "invalid", "invalid-consumer", "for", CONSUMER_RULE, f"got {request.consumer!r}"
             )
         )
-    consumer = f"pod/{namespace}/{pod}"
+    uid = None
+    if request.uid is not None:
+        try:
+            uid = str(uuid.UUID(request.uid))
+        except ValueError:
+            rule = "must be the consumer's metadata.uid, a UUID"
+            return AdminWrite(
+                refusal=refuse("invalid", "invalid-consumer", "uid", rule, f"got {request.uid!r}")
+            )
+    key = f"pod/{namespace}/{pod}"
     claim = state.claim(namespace, request.name)
     if claim is None:
         detail = f"claim {namespace}/{request.name} does not exist"
@@ -470,18 +523,24 @@ def decide_reservation(
                 detail=detail,
             )
         )
+    held = next((c for c in claim.reserved_for if consumer_ref(c).key == key), None)
     event: Event
     if not reserve:
-        if consumer not in claim.reserved_for:
-            return AdminWrite(unchanged=(consumer,))
-        event = ClaimUnreserved(namespace=namespace, name=request.name, consumer=consumer)
-        return AdminWrite(events=(event,), applied=(consumer,))
+        if held is None:
+            return AdminWrite(unchanged=(key,))
+        event = ClaimUnreserved(namespace=namespace, name=request.name, consumer=held)
+        return AdminWrite(events=(event,), applied=(key,))
     if claim.phase not in _RESERVABLE_PHASES:
         rule = "must be allocated to be reserved"
         detail = f"claim {namespace}/{request.name} is {claim.phase}"
         return AdminWrite(refusal=refuse("rejected", "not-allocated", "name", rule, detail))
-    if consumer in claim.reserved_for:
-        return AdminWrite(unchanged=(consumer,))
+    if held is not None:
+        had = consumer_ref(held).uid
+        if uid is None or had is None or had == uid:
+            return AdminWrite(unchanged=(key,))
+        rule = "one reservation per consumer name: the other pod must give it up first"
+        detail = f"{key} holds it with uid {had}"
+        return AdminWrite(refusal=refuse("rejected", "reserved-by-another", "uid", rule, detail))
     if len(claim.reserved_for) >= MAX_RESERVED_FOR:
         rule = f"at most {MAX_RESERVED_FOR} consumers may reserve a claim"
         return AdminWrite(
@@ -489,8 +548,9 @@ def decide_reservation(
                 "rejected", "reserved-for-full", "for", rule, f"{len(claim.reserved_for)} already"
             )
         )
+    consumer = key if uid is None else f"{key}/{uid}"
     event = ClaimReserved(namespace=namespace, name=request.name, consumer=consumer)
-    return AdminWrite(events=(event,), applied=(consumer,))
+    return AdminWrite(events=(event,), applied=(key,))
 
 
 def _holds(state: ClusterState, claim: ClaimState) -> bool:

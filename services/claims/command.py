@@ -377,6 +377,8 @@ async def _unreserve(api: ApiClient, args: argparse.Namespace) -> int:
 async def _reservation(api: ApiClient, args: argparse.Namespace, op: str) -> int:
     namespace = args.namespace or "default"
     body = {"name": args.name, "consumer": args.consumer}
+    if args.uid is not None:
+        body["uid"] = args.uid
     reply = await api.claims(namespace, op, body)
     done = {k: reply[k] for k in ("applied", "unchanged", "reserved_for")}
     verb = "reserved" if op == "reserve" else "unreserved"
@@ -692,6 +694,11 @@ def register(sub: Any) -> None:
         parser.add_argument("name")
         parser.add_argument(
             "--for", dest="consumer", required=True, metavar="pod/NS/NAME", help="the consumer"
+        )
+        parser.add_argument(
+            "--uid",
+            help="the consumer's metadata.uid (status.reservedFor[].uid; default: one derived "
+            "from the claim and the consumer's name)",
         )
         _common(parser)
         parser.set_defaults(action=action)

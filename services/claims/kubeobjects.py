@@ -36,6 +36,7 @@ from events.fold import ClaimState, ClusterState, ShareState
 from events.model import API_VERSION
 from events.model import to_builtins as model_builtins
 from events.tenancy import NamespacePolicy, namespace_object
+from services.claims.adminwrites import consumer_ref, consumer_uid
 
 __all__ = [
     "CONDITION_READY",
@@ -199,15 +200,14 @@ def resource_claim_object(
     status: dict[str, Any] = {}
     if claim.allocation is not None and claim.phase not in ("released", "rejected", "withdrawn"):
         status["allocation"] = model_builtins(claim.allocation)
+    mirrored: dict[str, str] = {}  # Kubernetes mode: the uids the API server gave
+    if recorded is not None and recorded.status is not None:
+        mirrored = {ref.name: ref.uid for ref in recorded.status.reserved_for or () if ref.uid}
     consumers = []
     for consumer in claim.reserved_for:
-        kind, _, name = consumer.partition("/")
-        name = name.partition("/")[2] or name
-        consumers.append({"resource": f"{kind}s", "name": name, "uid": ""})
-    if recorded is not None and recorded.status is not None and recorded.status.reserved_for:
-        uids = {ref.name: ref.uid for ref in recorded.status.reserved_for}
-        for entry in consumers:
-            entry["uid"] = uids.get(entry["name"], "")
+        ref = consumer_ref(consumer)
+        uid = ref.uid or mirrored.get(ref.name) or consumer_uid(claim.namespace, claim.name, ref)
+        consumers.append({"resource": f"{ref.resource}s", "name": ref.name, "uid": uid})
     if consumers:
         status["reservedFor"] = consumers
     devices = device_statuses(state, claim, now)
