@@ -210,6 +210,7 @@ class Stack:
         self._retry = asyncio.Event()  # set by retry_now(): back-offs end early
         self.gauges: CapacityGauges | None = None  #: the capacity gauges (set on start)
         self.slos: Any = None  #: the service-level tracker (set on start)
+        self.holdings: Any = None  #: capacity held per tenant (set on start)
 
     def spawn(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``start()`` as a supervised task: restarted with back-off if it fails."""
@@ -315,6 +316,8 @@ class Stack:
             self.gauges.stop()
         if self.slos is not None:
             self.slos.stop()
+        if self.holdings is not None:
+            self.holdings.stop()
         if not self.tasks:
             return
         _, pending = await asyncio.wait(self.tasks, timeout=STOP_GRACE_S)
@@ -358,6 +361,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     from services.reclamation.service import ReclamationService
     from services.reservation.service import ReservationService
     from services.runtime.gauges import CapacityGauges, initialise_series
+    from services.runtime.holdings import HeldCapacity
     from services.runtime.livestate import HEAD, LiveState
     from services.runtime.rebuilding import BusKeeper
     from services.runtime.relaying import Relay
@@ -380,6 +384,8 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     stack.gauges.start()
     stack.slos = SloTracker(live)
     stack.slos.start()
+    stack.holdings = HeldCapacity(live)
+    stack.holdings.start()
     stack.spawn("livestate", functools.partial(live.run, stop))
     api = ClaimsApi(
         stores.of(ServiceKind.CLAIMS),

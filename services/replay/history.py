@@ -40,6 +40,7 @@ from services.replay.verify import fold_rows, note_refused, paused_gc
 from services.runtime.gauges import class_members
 from services.runtime.livestate import INVENTORY_EVENTS
 from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
+from services.runtime.slos import share_class
 
 __all__ = [
     "AmbiguousNameError",
@@ -320,31 +321,13 @@ class Sample(msgspec.Struct, kw_only=True):
     unknown: bool
 
 
-def class_of_share(state: ClusterState, share: ShareState) -> str | None:
-    """The DeviceClass the share's request asked for (``None``: not known)."""
-    claim = state.claims.get(share.claim)
-    spec = claim.claim.spec.devices if claim is not None and claim.claim is not None else None
-    if spec is None or not spec.requests:
-        return None
-    name, _, sub = share.request.partition("/")
-    for request in spec.requests:
-        if request.name != name:
-            continue
-        if request.exactly is not None:
-            return request.exactly.device_class_name
-        for option in request.first_available or ():
-            if option.name == sub:
-                return option.device_class_name
-    return None
-
-
 def _scope_test(state: ClusterState, kind: str, key: str) -> Callable[[ShareState], bool]:
     if kind == "device":
         parts = tuple(key.split("/"))
         return lambda s: s.device_key == parts
     if kind == "node":
         return lambda s: s.node == key
-    return lambda s: class_of_share(state, s) == key
+    return lambda s: share_class(state, s) == key
 
 
 def _unit_scale(capacity: str, state: ClusterState) -> tuple[float, str]:
