@@ -7,7 +7,8 @@ log order. With ``--namespace`` the
 question goes on the tenant's subject (``{prefix}.api.{ns}.claims.audit``): a tenant's
 credentials reach their own namespace only, and the answer is limited to it; without,
 on the admin subject (``{prefix}.admin.audit.list``, operators only). ``--device`` is
-``driver/pool/device``. Times are ISO 8601 (UTC when no zone is given) or ``now``.
+``pool/device`` (as ``dracap devices`` prints it) or ``driver/pool/device``. Times are
+ISO 8601 (UTC when no zone is given) or ``now``.
 
 ``dracap audit serve`` runs the subscriber and its query endpoints until SIGINT or
 SIGTERM (``dracap up`` runs it too); PostgreSQL as ``DRACAP_DATABASE_URL_LEDGER``'s user
@@ -90,7 +91,11 @@ def register(sub: Any) -> None:
     parser.add_argument("-n", "--namespace", help="a tenant's namespace (its own subject)")
     parser.add_argument("--claim", metavar="NAME")
     parser.add_argument("--share", metavar="ID")
-    parser.add_argument("--device", metavar="DRIVER/POOL/DEVICE")
+    parser.add_argument(
+        "--device",
+        metavar="POOL/DEVICE",
+        help="as `dracap devices` prints it, or DRIVER/POOL/DEVICE",
+    )
     parser.add_argument("--node", metavar="N")
     parser.add_argument("--since", metavar="T", help="ISO 8601 time or now")
     parser.add_argument("--until", metavar="T", help="ISO 8601 time or now")

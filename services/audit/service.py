@@ -234,11 +234,16 @@ async def query(connection: Connection, wanted: AuditFilter) -> list[AuditRecord
     """The newest ``wanted.limit`` records matching ``wanted``, in log order."""
     where: list[str] = []
     args: list[Any] = []
+    device = wanted.device
+    if device is not None and device.count("/") == 1:  # POOL/DEVICE, as `dracap devices`
+        args.append("/" + device)
+        where.append(f"right(device, length(${len(args)})) = ${len(args)}")
+        device = None
     for column, value in (
         ("namespace", wanted.namespace),
         ("claim", wanted.claim),
         ("share_id", wanted.share),
-        ("device", wanted.device),
+        ("device", device),
         ("node", wanted.node),
     ):
         if value is not None:

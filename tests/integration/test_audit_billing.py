@@ -312,6 +312,10 @@ async def test_usage_equals_amount_times_time_and_tenants_see_their_own(
         assert len({row["namespace"] for row in everyone}) > 2
         newest = (await api.admin("audit.list", {"limit": 3}))["records"]
         assert newest == everyone[-3:]  # the newest, in log order
+        device = next(row["device"] for row in everyone if row["device"])
+        full = (await api.admin("audit.list", {"device": device}))["records"]
+        short = device.split("/", 1)[1]  # POOL/DEVICE, as `dracap devices` prints it
+        assert full and (await api.admin("audit.list", {"device": short}))["records"] == full
 
     code, out = await _cli(["usage", "-o", "csv", *flags])
     assert code == 0
