@@ -341,13 +341,7 @@ def patched(
 
 
 def _bad_patch(field: str, rule: str) -> Refusal:
-    return Refusal(
-        code="invalid",
-        kind="invalid-policy",
-        field=field,
-        rule=rule,
-        message=f"{field}: {rule}",
-    )
+    return refuse("invalid", "invalid-policy", field, rule)
 
 
 def decide_policy(

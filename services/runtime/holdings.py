@@ -22,24 +22,20 @@ nothing now reads 0 instead of vanishing.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Final, NamedTuple
 
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from events.catalog import DeviceClassApplied, DeviceClassRemoved, Envelope, NodeFenced
 from events.fold import ClusterState, ShareState
 from services.runtime.livestate import LiveState
-from services.runtime.metrics import REGISTRY
-from services.runtime.slos import share_class
+from services.runtime.slos import LiveCollector, share_class
 
 __all__ = ["GAUGE", "HeldCapacity", "Holding", "held_by_tenant", "share_holding"]
 
 GAUGE: Final = "dracap_capacity_held"
 _NANOS: Final = 1e9
-log = logging.getLogger("dracap.holdings")
 
 Key = tuple[str, str, str]  #: namespace, class, capacity
 
@@ -74,37 +70,21 @@ def held_by_tenant(state: ClusterState) -> dict[Key, int]:
     return held
 
 
-class HeldCapacity(Collector):
+class HeldCapacity(LiveCollector):
     """Serves ``dracap_capacity_held`` from a live state (module docstring)."""
 
     def __init__(self, live: LiveState) -> None:
-        self.live = live
+        super().__init__(live)
         self._shares: dict[str, Holding] = {}
         self._by_node: dict[str, set[str]] = {}
         self._sums: dict[Key, int] = {}
-        self._unsubscribe: Callable[[], None] | None = None
-        self._registered = False
 
     def start(self) -> None:
-        """Listen to the live state, take its holdings now and serve the gauge."""
-        if self._unsubscribe is not None:
-            return
-        self._unsubscribe = self.live.subscribe(self._changed)
-        self.live.on_replaced(lambda _state: self.rebuild())
-        self.rebuild()
-        try:
-            REGISTRY.register(self)
-            self._registered = True
-        except ValueError:  # another tracker of this process serves it
-            log.warning("%s is served by another tracker of this process", GAUGE)
-
-    def stop(self) -> None:
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
-        if self._registered:
-            REGISTRY.unregister(self)
-            self._registered = False
+        """Take the live state's holdings now, listen to it and serve the gauge."""
+        if self._unsubscribe is None:
+            self.rebuild()
+            self.attach(self._changed, GAUGE)
+            self.live.on_replaced(lambda _state: self.rebuild())
 
     def rebuild(self) -> None:
         """Every holding again, from the live state (the sums seen stay, at 0 if gone)."""

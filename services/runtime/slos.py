@@ -93,6 +93,7 @@ __all__ = [
     "DECISIONS",
     "GAUGE_NAMES",
     "NODE_RECOVERY",
+    "LiveCollector",
     "Observation",
     "Pending",
     "SloFold",
@@ -338,33 +339,26 @@ _DECISION: Final[dict[type, str]] = {
 }
 
 
-class SloTracker(Collector):
-    """Exports a :class:`SloFold` of the live state (see the module docstring)."""
+class LiveCollector(Collector):
+    """A collector a live state's events keep current: listening and served from the
+    registry between :meth:`attach` and :meth:`stop`, once per process."""
 
-    def __init__(
-        self, live: LiveState, *, now: Callable[[], datetime.datetime] | None = None
-    ) -> None:
+    def __init__(self, live: LiveState) -> None:
         self.live = live
-        self.fold = SloFold()
-        # ages count on the database's clock, as the recorded_at they start from
-        self._now = now or live.store.clock.now
         self._unsubscribe: Callable[[], None] | None = None
         self._registered = False
 
-    def start(self) -> None:
-        """Listen to the live state and serve the gauges from the registry."""
-        if self._unsubscribe is None:
-            self._unsubscribe = self.live.subscribe(self.observe)
-            for cls in self.live.state.classes:  # every known class's series at 0
-                for outcome in DECISION_OUTCOMES:
-                    DECISIONS.labels(cls, outcome)
-                for histogram in (SCHEDULING_LATENCY, CAPACITY_WAIT, CONVERGENCE):
-                    histogram.labels(cls)
-            try:
-                REGISTRY.register(self)
-                self._registered = True
-            except ValueError:  # another tracker of this process serves the gauges
-                log.warning("the SLO gauges are served by another tracker of this process")
+    def attach(self, listener: Callable[[Envelope], None], what: str) -> bool:
+        """Listen with ``listener`` and serve ``what``; False when attached already."""
+        if self._unsubscribe is not None:
+            return False
+        self._unsubscribe = self.live.subscribe(listener)
+        try:
+            REGISTRY.register(self)
+            self._registered = True
+        except ValueError:  # another tracker of this process serves them
+            log.warning("%s are served by another tracker of this process", what)
+        return True
 
     def stop(self) -> None:
         if self._unsubscribe is not None:
@@ -373,6 +367,27 @@ class SloTracker(Collector):
         if self._registered:
             REGISTRY.unregister(self)
             self._registered = False
+
+
+class SloTracker(LiveCollector):
+    """Exports a :class:`SloFold` of the live state (see the module docstring)."""
+
+    def __init__(
+        self, live: LiveState, *, now: Callable[[], datetime.datetime] | None = None
+    ) -> None:
+        super().__init__(live)
+        self.fold = SloFold()
+        # ages count on the database's clock, as the recorded_at they start from
+        self._now = now or live.store.clock.now
+
+    def start(self) -> None:
+        """Listen to the live state and serve the gauges from the registry."""
+        if self.attach(self.observe, "the SLO gauges"):
+            for cls in self.live.state.classes:  # every known class's series at 0
+                for outcome in DECISION_OUTCOMES:
+                    DECISIONS.labels(cls, outcome)
+                for histogram in (SCHEDULING_LATENCY, CAPACITY_WAIT, CONVERGENCE):
+                    histogram.labels(cls)
 
     def observe(self, env: Envelope) -> None:
         """Fold one envelope's meaning for the metrics (``live.state`` already has it)."""
@@ -392,48 +407,47 @@ class SloTracker(Collector):
         """The gauges, computed now (a scrape)."""
         now = self._now()
         pending = self.fold.pending(self.live.state)
-        count = GaugeMetricFamily(
-            GAUGE_NAMES[0],
-            "Claims submitted and neither Ready nor finished, by DeviceClass.",
-            labels=["class"],
-        )
-        oldest = GaugeMetricFamily(
-            GAUGE_NAMES[1],
-            "Age of the oldest claim submitted and neither Ready nor finished.",
-            labels=["class"],
-        )
-        for cls, times in pending.claims.items():
-            count.add_metric([cls], len(times))
-            oldest.add_metric([cls], (now - min(times)).total_seconds())
-        unknown = GaugeMetricFamily(
-            GAUGE_NAMES[2],
-            "Shares whose node lost its lease (capacity held until fenced or confirmed).",
-            labels=["class"],
-        )
-        unknown_age = GaugeMetricFamily(
-            GAUGE_NAMES[3],
-            "How long the oldest unknown share has been unknown.",
-            labels=["class"],
-        )
-        for cls, times in pending.unknown.items():
-            unknown.add_metric([cls], len(times))
-            unknown_age.add_metric([cls], (now - min(times)).total_seconds())
-        waiting = GaugeMetricFamily(
-            GAUGE_NAMES[4],
-            "Claims waiting for capacity (unschedulable until an allocation), by DeviceClass.",
-            labels=["class"],
-        )
-        waiting_age = GaugeMetricFamily(
-            GAUGE_NAMES[5],
-            "How long the oldest claim waiting for capacity has waited, by DeviceClass.",
-            labels=["class"],
-        )
         for cls in self.live.state.classes:  # a class nobody waits for reads 0
             pending.waiting.setdefault(cls, [])
-        for cls, times in pending.waiting.items():
-            waiting.add_metric([cls], len(times))
-            waiting_age.add_metric([cls], (now - min(times)).total_seconds() if times else 0.0)
-        yield from (count, oldest, unknown, unknown_age, waiting, waiting_age)
+        for (count, oldest), by_class in zip(
+            _GAUGES, (pending.claims, pending.unknown, pending.waiting), strict=True
+        ):
+            yield from _count_and_age(count, oldest, by_class, now)
+
+
+#: each pair of gauges: (name, help) of the count and of the oldest's age
+_GAUGES: Final = (
+    (
+        (GAUGE_NAMES[0], "Claims submitted and neither Ready nor finished nor waiting for "
+         "capacity, by DeviceClass."),
+        (GAUGE_NAMES[1], "Age of the oldest claim submitted and neither Ready nor finished."),
+    ),
+    (
+        (GAUGE_NAMES[2], "Shares whose node lost its lease (capacity held until fenced or "
+         "confirmed)."),
+        (GAUGE_NAMES[3], "How long the oldest unknown share has been unknown."),
+    ),
+    (
+        (GAUGE_NAMES[4], "Claims waiting for capacity (unschedulable until an allocation), "
+         "by DeviceClass."),
+        (GAUGE_NAMES[5], "How long the oldest claim waiting for capacity has waited."),
+    ),
+)  # fmt: skip
+
+
+def _count_and_age(
+    count: tuple[str, str],
+    oldest: tuple[str, str],
+    by_class: dict[str, list[datetime.datetime]],
+    now: datetime.datetime,
+) -> Iterable[Metric]:
+    """How many per class, and the oldest's age (0 for a class with none)."""
+    counted = GaugeMetricFamily(*count, labels=["class"])
+    aged = GaugeMetricFamily(*oldest, labels=["class"])
+    for cls, times in by_class.items():
+        counted.add_metric([cls], len(times))
+        aged.add_metric([cls], (now - min(times)).total_seconds() if times else 0.0)
+    yield from (counted, aged)
 
 
 def _phase(state: ClusterState, key: ClaimKey) -> str:

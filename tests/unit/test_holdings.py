@@ -7,6 +7,7 @@ from typing import Any
 
 from events import catalog as c
 from events.fold import ClusterState, apply
+from services.enforcement.decisions import released
 from services.runtime.holdings import HeldCapacity, held_by_tenant, share_holding
 from tests.unit.decision_fixtures import NODE, Log, gpu, inventory, memory_claim
 
@@ -53,17 +54,7 @@ def test_held_capacity_follows_reservations_releases_and_fences() -> None:
     admin = copy.copy(share)
     admin.admin_access = True
     assert share_holding(live.state, admin) is None, "an administrator's share: nothing billed"
-    log.add(
-        c.CapacityReleased(
-            share_id=share_a,
-            driver=share.driver,
-            pool=share.pool,
-            device=share.device,
-            allocation_version=share.allocation_version,
-            consumed=dict(share.consumed),
-            admin_access=False,
-        )
-    )
+    log.add(released(share))
     feed()
     assert _sums(held) == {("tenant-a", "gpu.test.io", "memory"): 30 * GI}
     log.add(c.NodeLeaseExpired(node=NODE, epoch=1))

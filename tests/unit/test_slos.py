@@ -7,9 +7,17 @@ from typing import Any
 
 from events import catalog as c
 from events.fold import ClusterState, apply
+from services.enforcement.decisions import released
 from services.runtime.metrics import REGISTRY
 from services.runtime.slos import SloTracker
-from tests.unit.decision_fixtures import NODE, Log, admitted, gpu, inventory, memory_claim
+from tests.unit.decision_fixtures import (
+    NODE,
+    Log,
+    admitted,
+    gpu,
+    inventory,
+    memory_claim,
+)
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 
@@ -224,17 +232,7 @@ def test_waiting_for_capacity_is_its_own_span_and_not_slow_or_unconverged() -> N
 
     share = live.state.shares[big]
     start = len(log.envelopes)
-    log.add(
-        c.CapacityReleased(
-            share_id=big,
-            driver=share.driver,
-            pool=share.pool,
-            device=share.device,
-            allocation_version=share.allocation_version,
-            consumed=dict(share.consumed),
-            admin_access=False,
-        )
-    )
+    log.add(released(share))
     _feed(tracker, live, log, start, 61.0)
     start = len(log.envelopes)
     log.reserve()  # capacity came back: the waiting claim is allocated
