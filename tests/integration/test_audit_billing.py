@@ -238,6 +238,10 @@ async def test_usage_equals_amount_times_time_and_tenants_see_their_own(
     await subscribers.kill_subscribers()
     await subscribers.start_subscribers(serve=True)  # with the query endpoints
     flags = ["--nats", nats_url, "--prefix", subscribers.names.prefix]
+    deadline = time.monotonic() + 30  # until the query endpoints answer (started above)
+    while (await _cli(["usage", "-o", "json", *flags]))[0] != 0:
+        assert time.monotonic() < deadline, "the usage endpoint never answered"
+        await asyncio.sleep(0.05)
     for output, nothing in (("table", "NAMESPACE"), ("json", "[]"), ("csv", "namespace,")):
         code, out = await _cli(["usage", "-o", output, *flags])  # no usage yet: no error
         assert code == 0 and out.strip().startswith(nothing), out
