@@ -49,6 +49,7 @@ from events.validation import validate
 __all__ = [
     "MANIFEST_SUFFIXES",
     "MAX_MANIFEST_BYTES",
+    "Check",
     "ManifestError",
     "dump_yaml",
     "load_documents",
@@ -333,8 +334,18 @@ class _Fail:
 # --- public API ----------------------------------------------------------------------------
 
 
+#: What :func:`load_documents` validates: every object (True), none (False), or the
+#: objects of these kinds (``dracap apply`` leaves claims to admission, which records
+#: the rejection of an invalid one).
+Check = bool | tuple[type[model.Manifest], ...]
+
+
+def _checked(obj: model.Manifest, check: Check) -> bool:
+    return check if isinstance(check, bool) else isinstance(obj, check)
+
+
 def load_documents(
-    text: str, source: str, gates: FeatureGates = DEFAULT_GATES, *, check: bool = True
+    text: str, source: str, gates: FeatureGates = DEFAULT_GATES, *, check: Check = True
 ) -> list[model.Manifest]:
     """Parse, decode and (with ``check``) validate every object in ``text``.
 
@@ -347,7 +358,7 @@ def load_documents(
         if deep is not None:  # alias that refers to itself: as deep as it goes
             fail(deep, depth_rule())
         obj = _decode(data, fail)
-        if check:
+        if _checked(obj, check):
             try:
                 validate(obj, gates)
                 check_annotations(obj)
@@ -368,7 +379,7 @@ def load_paths(
     paths: Sequence[str | os.PathLike[str]],
     gates: FeatureGates = DEFAULT_GATES,
     *,
-    check: bool = True,
+    check: Check = True,
 ) -> list[tuple[str, model.Manifest]]:
     """Load files and directories (recursively, sorted; .yaml/.yml/.json files only).
 

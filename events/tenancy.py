@@ -82,6 +82,7 @@ __all__ = [
     "check_annotations",
     "check_policy",
     "class_allowed",
+    "namespace_object",
     "namespace_policy",
     "placement",
     "shared_across_namespaces",
@@ -258,6 +259,22 @@ def namespace_policy(ns: model.Namespace) -> NamespacePolicy:
         max_claims=numbers[MAX_CLAIMS],
         max_requests_per_claim=numbers[MAX_REQUESTS_PER_CLAIM],
     )
+
+
+def namespace_object(policy: NamespacePolicy) -> model.Namespace:
+    """The Namespace whose labels and annotations ask for ``policy``: the inverse of
+    :func:`namespace_policy` (``dracap get namespace -o yaml`` prints it, and applying it
+    again records the same policy)."""
+    annotations = {DEVICE_CLASSES: ",".join(policy.classes)}  # absent would mean "*"
+    if policy.opaque_config_classes:
+        annotations[OPAQUE_CONFIG_CLASSES] = ",".join(policy.opaque_config_classes)
+    if policy.max_claims is not None:
+        annotations[MAX_CLAIMS] = str(policy.max_claims)
+    if policy.max_requests_per_claim is not None:
+        annotations[MAX_REQUESTS_PER_CLAIM] = str(policy.max_requests_per_claim)
+    labels = {model.ADMIN_ACCESS_LABEL: "true"} if policy.admin_access else None
+    meta = model.ObjectMeta(name=policy.namespace, labels=labels, annotations=annotations)
+    return model.Namespace(metadata=meta)
 
 
 def _number(text: str | None, low: int, high: int | None, ref: str, key: str) -> int | None:

@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Add ``dracap prove bandwidth`` to the command line."""
-    prove = sub.add_parser("prove", help="prove on this machine that limits hold")
+    prove = sub.add_parser("prove")
     verbs = prove.add_subparsers(dest="what", metavar="WHAT", required=True)
     parser = verbs.add_parser(
         "bandwidth",

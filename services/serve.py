@@ -217,10 +217,12 @@ def _derive_metrics(live: LiveState) -> None:
     """Serve the metrics derived from the log (capacity, SLOs) from this live state, as
     ``dracap up`` does: the claims API folds every event, the other services may not."""
     from services.runtime.gauges import CapacityGauges
+    from services.runtime.holdings import HeldCapacity
     from services.runtime.slos import SloTracker
 
     CapacityGauges(live).start()
     SloTracker(live).start()
+    HeldCapacity(live).start()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -239,8 +241,6 @@ def register(sub: Any) -> None:
     """Add ``dracap serve`` to the command line."""
     parser = sub.add_parser(
         "serve",
-        help="run one control-plane service as its own process "
-        "(relay, claims, reservation, kubernetes-bridge)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     parser.add_argument("service", choices=sorted(SERVICES), help="the service to run")

@@ -80,10 +80,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from events import model, tenancy
+from events import model
 from events.manifests import ManifestError, load_paths
 from events.subjects import BusNames
 from services.brokerauth import init_auth, installation_from
+from services.claims.objects import apply_objects
 from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop, migrating
 from services.runtime.apiclient import ApiClient
@@ -115,7 +116,7 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     data_dir: Path = Path(".dracap")
     inventory: tuple[str, ...] = ("deploy/examples",)
-    agents: str = "auto"  # "auto": every node of the inventory; "": none; else "a,b"
+    agents: str = "auto"  # "auto": every node of the inventory; "none" (or ""): none; "a,b"
     workers: int = 1
     metrics_port: int = 9400  # 0: no metrics server (and no health endpoints)
     metrics_addr: str = "127.0.0.1"  # where the metrics server binds
@@ -154,7 +155,9 @@ async def load_inventory(api: ApiClient, inventory: InventoryManifests) -> int:
 
     A slice counts as loaded when the admin API lists every one of its devices. Classes
     and namespace access are applied together with the first missing slice, so a
-    restart on an already loaded data directory appends nothing.
+    restart on an already loaded data directory appends nothing (and keeps what an
+    operator changed since). The objects go through :func:`services.claims.objects.
+    apply_objects`, what ``dracap apply`` runs.
     """
     listed = (await api.admin("devices.list"))["devices"]
     known = {(d["driver"], d["pool"], d["device"]) for d in listed}
@@ -165,13 +168,7 @@ async def load_inventory(api: ApiClient, inventory: InventoryManifests) -> int:
     ]
     if not missing and listed:
         return 0  # (an inventory without slices is applied each time: its writes are no-ops)
-    for device_class in inventory.classes:
-        await api.admin("deviceclasses.apply", model.encode_json(device_class))
-    for namespace in inventory.namespaces:  # annotations: events.tenancy, docs/tenancy.md
-        policy = tenancy.namespace_policy(namespace)
-        await api.admin("namespaces.access", msgspec.to_builtins(policy))
-    for resource_slice in missing:
-        await api.admin("slices.apply", model.encode_json(resource_slice))
+    await apply_objects(api, [*inventory.classes, *inventory.namespaces, *missing])
     return len(missing)
 
 
@@ -213,6 +210,7 @@ class Stack:
         self._retry = asyncio.Event()  # set by retry_now(): back-offs end early
         self.gauges: CapacityGauges | None = None  #: the capacity gauges (set on start)
         self.slos: Any = None  #: the service-level tracker (set on start)
+        self.holdings: Any = None  #: capacity held per tenant (set on start)
 
     def spawn(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``start()`` as a supervised task: restarted with back-off if it fails."""
@@ -318,6 +316,8 @@ class Stack:
             self.gauges.stop()
         if self.slos is not None:
             self.slos.stop()
+        if self.holdings is not None:
+            self.holdings.stop()
         if not self.tasks:
             return
         _, pending = await asyncio.wait(self.tasks, timeout=STOP_GRACE_S)
@@ -361,6 +361,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     from services.reclamation.service import ReclamationService
     from services.reservation.service import ReservationService
     from services.runtime.gauges import CapacityGauges, initialise_series
+    from services.runtime.holdings import HeldCapacity
     from services.runtime.livestate import HEAD, LiveState
     from services.runtime.rebuilding import BusKeeper
     from services.runtime.relaying import Relay
@@ -383,6 +384,8 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     stack.gauges.start()
     stack.slos = SloTracker(live)
     stack.slos.start()
+    stack.holdings = HeldCapacity(live)
+    stack.holdings.start()
     stack.spawn("livestate", functools.partial(live.run, stop))
     api = ClaimsApi(
         stores.of(ServiceKind.CLAIMS),
@@ -427,8 +430,12 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
 
 
 def _nodes(option: str, inventory: InventoryManifests) -> list[str]:
+    """The nodes ``--agents`` names: ``auto`` every node of the inventory, ``none`` no
+    node (the agents run elsewhere: ``dracap agent``), else a comma-separated list."""
     if option == "auto":
         return inventory.nodes
+    if option.strip().lower() == "none":
+        return []
     return [n.strip() for n in option.split(",") if n.strip()]
 
 
@@ -746,7 +753,6 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     parser = sub.add_parser(
         "up",
-        help="run the whole control plane in one process (embedded servers if needed)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     parser.add_argument(
@@ -765,8 +771,9 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--agents",
         default="auto",
-        metavar="auto|NODE,...",
-        help="node agents to run (auto: every node of the inventory)",
+        metavar="auto|none|NODE,...",
+        help="node agents to run (auto: every node of the inventory; none: no agent, they "
+        "run as `dracap agent` elsewhere)",
     )
     parser.add_argument(
         "--workers",

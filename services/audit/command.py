@@ -2,11 +2,13 @@
 
 ``dracap audit [--namespace NS] [--claim NAME] [--share ID] [--device D] [--node N]
 [--since T] [--until T] [--limit N] [-o table|json|csv]`` asks the audit service
-(:mod:`services.audit.service`) for its records, in log order. With ``--namespace`` the
+(:mod:`services.audit.service`) for its records: the newest ``--limit`` that match, in
+log order. With ``--namespace`` the
 question goes on the tenant's subject (``{prefix}.api.{ns}.claims.audit``): a tenant's
 credentials reach their own namespace only, and the answer is limited to it; without,
 on the admin subject (``{prefix}.admin.audit.list``, operators only). ``--device`` is
-``driver/pool/device``. Times are ISO 8601 (UTC when no zone is given) or ``now``.
+``pool/device`` (as ``dracap devices`` prints it) or ``driver/pool/device``. Times are
+ISO 8601 (UTC when no zone is given) or ``now``.
 
 ``dracap audit serve`` runs the subscriber and its query endpoints until SIGINT or
 SIGTERM (``dracap up`` runs it too); PostgreSQL as ``DRACAP_DATABASE_URL_LEDGER``'s user
@@ -83,18 +85,23 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     parser = sub.add_parser(
         "audit",
-        help="who did what to which share, when and why (audit records)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     add_serve_verb(parser, "audit").set_defaults(func=run, verb="serve")
     parser.add_argument("-n", "--namespace", help="a tenant's namespace (its own subject)")
     parser.add_argument("--claim", metavar="NAME")
     parser.add_argument("--share", metavar="ID")
-    parser.add_argument("--device", metavar="DRIVER/POOL/DEVICE")
+    parser.add_argument(
+        "--device",
+        metavar="POOL/DEVICE",
+        help="as `dracap devices` prints it, or DRIVER/POOL/DEVICE",
+    )
     parser.add_argument("--node", metavar="N")
     parser.add_argument("--since", metavar="T", help="ISO 8601 time or now")
     parser.add_argument("--until", metavar="T", help="ISO 8601 time or now")
-    parser.add_argument("--limit", type=int, default=10_000, help="at most this many records")
+    parser.add_argument(
+        "--limit", type=int, default=10_000, help="the newest this many records (default 10000)"
+    )
     parser.add_argument("-o", "--output", choices=("table", "json", "csv"), default="table")
     add_endpoint_arguments(parser, nats=True)
     parser.set_defaults(func=run, verb=None)

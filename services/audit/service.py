@@ -231,14 +231,19 @@ _COLUMNS: Final = (
 
 
 async def query(connection: Connection, wanted: AuditFilter) -> list[AuditRecord]:
-    """The records matching ``wanted``, in log order."""
+    """The newest ``wanted.limit`` records matching ``wanted``, in log order."""
     where: list[str] = []
     args: list[Any] = []
+    device = wanted.device
+    if device is not None and device.count("/") == 1:  # POOL/DEVICE, as `dracap devices`
+        args.append("/" + device)
+        where.append(f"right(device, length(${len(args)})) = ${len(args)}")
+        device = None
     for column, value in (
         ("namespace", wanted.namespace),
         ("claim", wanted.claim),
         ("share_id", wanted.share),
-        ("device", wanted.device),
+        ("device", device),
         ("node", wanted.node),
     ):
         if value is not None:
@@ -251,12 +256,12 @@ async def query(connection: Connection, wanted: AuditFilter) -> list[AuditRecord
         args.append(wanted.until)
         where.append(f"recorded_at < ${len(args)}")
     args.append(wanted.limit)
-    sql = (
+    sql = (  # the newest ``limit``, answered in log order
         f"SELECT {_COLUMNS} FROM audit_records"
         + (f" WHERE {' AND '.join(where)}" if where else "")
-        + f" ORDER BY position, seq LIMIT ${len(args)}"
+        + f" ORDER BY position DESC, seq DESC LIMIT ${len(args)}"
     )
-    return [record_of(r) for r in await connection.fetch(sql, *args)]
+    return [record_of(r) for r in reversed(await connection.fetch(sql, *args))]
 
 
 #: every column of ``audit_records``, in :func:`record_of`'s order

@@ -73,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     parser = sub.add_parser(
         "usage",
-        help="usage per namespace and DeviceClass (GiB-hours, Gbit/s-hours), unknown apart",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     add_serve_verb(parser, "billing").set_defaults(func=run, verb="serve")

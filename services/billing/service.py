@@ -317,13 +317,20 @@ async def usage(connection: Connection, wanted: UsageFilter) -> list[dict[str, A
                 "device_class": device_class,
                 "capacity": capacity,
                 "state": state,
-                "unit_seconds": str(unit_seconds),
-                "amount": str(round(amount, 6)),
+                "unit_seconds": plain(unit_seconds),
+                "amount": plain(round(amount, 6)),
                 "unit": unit,
                 "open": (namespace, device_class, capacity, state) in opened,
             }
         )
     return out
+
+
+def plain(number: Decimal) -> str:
+    """``number`` in positional notation (``162000000000``, never ``1.62E+11``), without
+    trailing zeros after the point: what a spreadsheet or ``bc`` reads as it is."""
+    text = format(number, "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def _hour_of(at: datetime.datetime) -> datetime.datetime:

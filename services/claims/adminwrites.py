@@ -48,8 +48,9 @@ never existed is not found.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgspec
 
@@ -72,7 +73,13 @@ from events.catalog import (
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClaimState, ClusterState
-from events.model import CapacityRequestPolicy, DeviceCapacity, DeviceClass, ResourceSlice
+from events.model import (
+    CapacityRequestPolicy,
+    CapacityRequestPolicyRange,
+    DeviceCapacity,
+    DeviceClass,
+    ResourceSlice,
+)
 from events.quantities import Quantity
 from events.validation import is_dns_subdomain, validate_capacity_policy
 from services.claims.admission import Refusal, refuse
@@ -83,10 +90,14 @@ __all__ = [
     "AdminWrite",
     "ClassMode",
     "ClassRemoval",
+    "ConsumerRef",
     "Deletion",
     "PolicyChange",
+    "PolicyPatch",
     "access_classes",
     "below_allocated",
+    "consumer_ref",
+    "consumer_uid",
     "decide_access",
     "decide_classes",
     "decide_delete",
@@ -262,10 +273,29 @@ def decide_access(
     return AdminWrite(events=(event,), applied=(namespace,))
 
 
+class PolicyPatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The fields of a request policy to change (``dracap policy set`` without
+    ``--replace``); the others stay as the policy in force has them.
+
+    ``values`` replaces a ``validRange`` and ``min`` / ``step`` / ``max`` replace
+    ``validValues`` (a policy has one or the other). A ``default`` not given is kept,
+    except that one below a new ``min`` is raised to it (a default below the minimum is
+    never valid), and one not among new ``values`` becomes the first of them.
+    """
+
+    default: Quantity | None = None
+    min: Quantity | None = None
+    step: Quantity | None = None
+    max: Quantity | None = None
+    values: list[Quantity] | None = None
+
+
 class PolicyChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A ``policies.set`` request: the new request policy of one device capacity.
 
-    ``policy`` has the shape of a ResourceSlice's ``requestPolicy``; ``None`` removes it.
+    ``policy`` has the shape of a ResourceSlice's ``requestPolicy`` and replaces the
+    policy in force (``None`` removes it); ``patch``, instead, changes only the fields it
+    gives (:class:`PolicyPatch`).
     """
 
     driver: str
@@ -273,6 +303,45 @@ class PolicyChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     device: str
     capacity: str
     policy: CapacityRequestPolicy | None = None
+    patch: PolicyPatch | None = None
+
+
+def patched(
+    current: CapacityRequestPolicy | None, patch: PolicyPatch
+) -> CapacityRequestPolicy | Refusal:
+    """``current`` with the fields of ``patch`` (see :class:`PolicyPatch`)."""
+    ranged = (patch.min, patch.step, patch.max)
+    if patch.values is not None and any(v is not None for v in ranged):
+        return _bad_patch(
+            "patch.values", "validValues and validRange (min, step, max) exclude each other"
+        )
+    old = current or CapacityRequestPolicy()
+    default = patch.default if patch.default is not None else old.default
+    if patch.values is not None:
+        if not patch.values:
+            return _bad_patch("patch.values", "must name at least one value")
+        if default is None or default not in patch.values:
+            default = patch.default if patch.default is not None else patch.values[0]
+        return CapacityRequestPolicy(default=default, valid_values=list(patch.values))
+    if any(v is not None for v in ranged):
+        rng = old.valid_range
+        low = patch.min if patch.min is not None else rng.min if rng is not None else None
+        if low is None:
+            return _bad_patch("patch.min", "the capacity has no validRange yet: give its min")
+        step = patch.step if patch.step is not None else rng.step if rng is not None else None
+        high = patch.max if patch.max is not None else rng.max if rng is not None else None
+        if patch.default is None and (default is None or default < low):
+            default = low
+        return CapacityRequestPolicy(
+            default=default, valid_range=CapacityRequestPolicyRange(min=low, step=step, max=high)
+        )
+    if patch.default is None:
+        return _bad_patch("patch", "give at least one of default, min, step, max, values")
+    return msgspec.structs.replace(old, default=patch.default)
+
+
+def _bad_patch(field: str, rule: str) -> Refusal:
+    return refuse("invalid", "invalid-policy", field, rule)
 
 
 def decide_policy(
@@ -288,7 +357,15 @@ def decide_policy(
         known = ", ".join(sorted(dev.total)) or "none"
         detail = f"device {where} has no capacity {change.capacity!r} (it has: {known})"
         return AdminWrite(refusal=_not_found("capacity", detail))
-    capacity = DeviceCapacity(value=total, request_policy=change.policy)
+    policy = change.policy
+    if change.patch is not None:
+        if change.policy is not None:
+            return AdminWrite(refusal=_bad_patch("patch", "give policy or patch, not both"))
+        merged = patched(dev.policies.get(change.capacity), change.patch)
+        if isinstance(merged, Refusal):
+            return AdminWrite(refusal=merged)
+        policy = merged
+    capacity = DeviceCapacity(value=total, request_policy=policy)
     try:
         validate_capacity_policy(
             f"device {where}", "capacity", capacity, dev.allow_multiple_allocations, gates
@@ -296,14 +373,14 @@ def decide_policy(
     except ValidationError as exc:
         return AdminWrite(refusal=_invalid_policy(exc))
     name = f"{where}/{change.capacity}"
-    if change.capacity in dev.policies and dev.policies[change.capacity] == change.policy:
+    if change.capacity in dev.policies and dev.policies[change.capacity] == policy:
         return AdminWrite(unchanged=(name,))
     event = RequestPolicyChanged(
         driver=change.driver,
         pool=change.pool,
         device=change.device,
         capacity=change.capacity,
-        policy=change.policy,
+        policy=policy,
         policy_version=dev.policy_version + 1,
     )
     return AdminWrite(events=(event,), applied=(name,))
@@ -354,10 +431,48 @@ def decide_delete(state: ClusterState, namespace: str, name: str) -> Deletion:
 
 
 class Reservation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A ``claims.reserve`` / ``claims.unreserve`` request: ``consumer`` is ``pod/NS/NAME``."""
+    """A ``claims.reserve`` / ``claims.unreserve`` request: ``consumer`` is ``pod/NS/NAME``,
+    ``uid`` the consumer's own ``metadata.uid`` when it has one."""
 
     name: str
     consumer: str
+    uid: str | None = None
+
+
+class ConsumerRef(NamedTuple):
+    """A ``reservedFor`` entry as the log records it: ``pod/NS/NAME``, or
+    ``pod/NS/NAME/UID`` when the consumer gave its uid."""
+
+    resource: str
+    namespace: str
+    name: str
+    uid: str | None
+
+    @property
+    def key(self) -> str:
+        """Who the consumer is, whatever its uid: one reservation per key."""
+        return f"{self.resource}/{self.namespace}/{self.name}"
+
+
+def consumer_ref(consumer: str) -> ConsumerRef:
+    """The parts of a recorded ``reservedFor`` entry (see :class:`ConsumerRef`)."""
+    parts = consumer.split("/", 3)
+    if len(parts) < 3:  # not written by dracap; shown as it is
+        return ConsumerRef(parts[0], "", parts[-1], None)
+    return ConsumerRef(parts[0], parts[1], parts[2], parts[3] if len(parts) == 4 else None)
+
+
+#: The namespace of the uids :func:`consumer_uid` derives (uuid5).
+_CONSUMER_UIDS: Final = uuid.UUID("7d1f3c52-5a0e-4e8b-9a43-2f1b6c7d8e90")
+
+
+def consumer_uid(claim_namespace: str, claim_name: str, ref: ConsumerRef) -> str:
+    """The ``reservedFor[].uid`` of ``ref``: its own, else one derived from the claim and the
+    consumer's name (the same at every read; a consumer in standalone mode has no object
+    of its own to take a uid from)."""
+    if ref.uid:
+        return ref.uid
+    return str(uuid.uuid5(_CONSUMER_UIDS, f"{claim_namespace}/{claim_name}/{ref.key}"))
 
 
 def decide_reservation(
@@ -367,7 +482,9 @@ def decide_reservation(
 
     Upstream's rules: the consumer lives in the claim's namespace, the claim is allocated,
     at most 256 consumers. Reserving twice, or giving up a reservation not held, is
-    answered unchanged.
+    answered unchanged. A consumer is one entry whatever its uid: a pod of that name with
+    another uid is refused until the first gives the reservation up (upstream keys
+    entries by uid; one name at a time is what a standalone consumer can be sure of).
     """
     kind, _, rest = request.consumer.partition("/")
     pod_ns, _, pod = rest.partition("/")
@@ -377,7 +494,16 @@ def decide_reservation(
                 "invalid", "invalid-consumer", "for", CONSUMER_RULE, f"got {request.consumer!r}"
             )
         )
-    consumer = f"pod/{namespace}/{pod}"
+    uid = None
+    if request.uid is not None:
+        try:
+            uid = str(uuid.UUID(request.uid))
+        except ValueError:
+            rule = "must be the consumer's metadata.uid, a UUID"
+            return AdminWrite(
+                refusal=refuse("invalid", "invalid-consumer", "uid", rule, f"got {request.uid!r}")
+            )
+    key = f"pod/{namespace}/{pod}"
     claim = state.claim(namespace, request.name)
     if claim is None:
         detail = f"claim {namespace}/{request.name} does not exist"
@@ -391,18 +517,24 @@ def decide_reservation(
                 detail=detail,
             )
         )
+    held = next((c for c in claim.reserved_for if consumer_ref(c).key == key), None)
     event: Event
     if not reserve:
-        if consumer not in claim.reserved_for:
-            return AdminWrite(unchanged=(consumer,))
-        event = ClaimUnreserved(namespace=namespace, name=request.name, consumer=consumer)
-        return AdminWrite(events=(event,), applied=(consumer,))
+        if held is None:
+            return AdminWrite(unchanged=(key,))
+        event = ClaimUnreserved(namespace=namespace, name=request.name, consumer=held)
+        return AdminWrite(events=(event,), applied=(key,))
     if claim.phase not in _RESERVABLE_PHASES:
         rule = "must be allocated to be reserved"
         detail = f"claim {namespace}/{request.name} is {claim.phase}"
         return AdminWrite(refusal=refuse("rejected", "not-allocated", "name", rule, detail))
-    if consumer in claim.reserved_for:
-        return AdminWrite(unchanged=(consumer,))
+    if held is not None:
+        had = consumer_ref(held).uid
+        if uid is None or had is None or had == uid:
+            return AdminWrite(unchanged=(key,))
+        rule = "one reservation per consumer name: the other pod must give it up first"
+        detail = f"{key} holds it with uid {had}"
+        return AdminWrite(refusal=refuse("rejected", "reserved-by-another", "uid", rule, detail))
     if len(claim.reserved_for) >= MAX_RESERVED_FOR:
         rule = f"at most {MAX_RESERVED_FOR} consumers may reserve a claim"
         return AdminWrite(
@@ -410,8 +542,9 @@ def decide_reservation(
                 "rejected", "reserved-for-full", "for", rule, f"{len(claim.reserved_for)} already"
             )
         )
+    consumer = key if uid is None else f"{key}/{uid}"
     event = ClaimReserved(namespace=namespace, name=request.name, consumer=consumer)
-    return AdminWrite(events=(event,), applied=(consumer,))
+    return AdminWrite(events=(event,), applied=(key,))
 
 
 def _holds(state: ClusterState, claim: ClaimState) -> bool:

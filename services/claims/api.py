@@ -11,9 +11,12 @@ namespace's subjects (invariant 10); this service never trusts a namespace from 
 payload.
 
 Admin endpoints listen on ``names.admin(op)`` for ``deviceclasses.apply``,
-``deviceclasses.mode``, ``deviceclasses.list``, ``deviceclasses.remove``, ``slices.apply``,
-``namespaces.access``, ``policies.set``, ``policies.list``, ``devices.list``,
-``nodes.list``, ``nodes.get`` and ``nodes.fence``.
+``deviceclasses.mode``, ``deviceclasses.list``, ``deviceclasses.get``,
+``deviceclasses.remove``, ``slices.apply``, ``slices.get``, ``namespaces.access``,
+``namespaces.get``, ``policies.set``, ``policies.list``, ``devices.list``, ``nodes.list``,
+``nodes.get`` and ``nodes.fence``. The ``*.get`` reads answer ``{"objects": [...]}``, the
+objects in their Kubernetes shape (all of the kind, or the one ``{"name"}`` names:
+:mod:`services.claims.kubeobjects`), what ``dracap get`` prints.
 
 Every reply is JSON (:mod:`services.claims.views`): ``{"ok": true, ...}`` or
 ``{"ok": false, "error": {code, field, rule, message}}`` with code ``invalid``,
@@ -113,7 +116,7 @@ from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClaimKey, ClaimState, ClusterState
 from events.inventory import build_inventory
 from events.manifests import load_documents
-from events.model import DeviceClass, Manifest, ResourceSlice
+from events.model import DeviceClass, Manifest, ResourceSlice, describe_policy
 from events.nesting import MAX_MANIFEST_DEPTH, depth_rule, too_deep
 from events.selectors import INLINE_COMPILE_CHARS, is_checked, record_verdict
 from events.subjects import BusNames
@@ -147,7 +150,12 @@ from services.claims.admission import (
     read_claim,
     selector_expressions,
 )
-from services.claims.kubeobjects import resource_claim_object
+from services.claims.kubeobjects import (
+    class_objects,
+    namespace_objects,
+    resource_claim_object,
+    slice_objects,
+)
 from services.claims.views import (
     ClaimsTouched,
     ClaimView,
@@ -211,9 +219,12 @@ ADMIN_OPS: Final = (
     "deviceclasses.apply",
     "deviceclasses.mode",
     "deviceclasses.list",
+    "deviceclasses.get",
     "deviceclasses.remove",
     "slices.apply",
+    "slices.get",
     "namespaces.access",
+    "namespaces.get",
     "policies.set",
     "policies.list",
     "devices.list",
@@ -230,6 +241,14 @@ class _NameRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class _WatchRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str | None = None
+
+
+class _ListRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    objects: bool = False  #: also each claim as a ResourceClaim (``dracap get -o yaml``)
+
+
+class _ObjectsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str | None = None  #: one object; none: every object of the kind
 
 
 class _InvalidRequestError(Exception):
@@ -361,9 +380,12 @@ class ClaimsApi:
             "deviceclasses.apply": self.apply_classes,
             "deviceclasses.mode": self.set_class_mode,
             "deviceclasses.list": self.list_classes,
+            "deviceclasses.get": self.get_classes,
             "deviceclasses.remove": self.remove_class,
             "slices.apply": self.apply_slices,
+            "slices.get": self.get_slices,
             "namespaces.access": self.set_access,
+            "namespaces.get": self.get_namespaces,
             "policies.set": self.set_policy,
             "policies.list": self.list_policies,
             "devices.list": self.list_devices,
@@ -611,11 +633,41 @@ class ClaimsApi:
         return ok_reply(claim=view, object=resource)
 
     async def list_claims(self, namespace: str, data: bytes, actor: Actor | None = None) -> bytes:
-        """``claims.list``: every claim of the namespace that is not gone."""
+        """``claims.list``: every claim of the namespace that is not gone (with
+        ``{"objects": true}`` also each as a ResourceClaim)."""
+        request: _ListRequest = _decode(data, _ListRequest)
         state = await self.live.fresh(SEEN)
-        claims = (state.claims.get((namespace, n)) for n in sorted(self._names.get(namespace, ())))
-        listed = [c for c in claims if c is not None and c.phase not in _HIDDEN_FROM_LIST]
-        return ok_reply(claims=await self._views(state, listed))
+        if not request.objects:
+            return ok_reply(claims=await self._views(state, self._listed(state, namespace)))
+        # held still while the log is read: the manifests read are the ones it folded
+        async with self.live.frozen() as held:
+            claims = self._listed(held, namespace)
+            keys = [(c.namespace, c.name) for c in claims]
+            manifests = await recorded.manifests(self.store.pool, keys, held.position)
+            whole = await recorded.allocations(self.store.pool, claims)
+            now = datetime.datetime.now(datetime.UTC)
+            views, objects = [], []
+            for claim in claims:
+                allocation = whole.get(claim.bound_position)
+                view = claim_view(held, claim, allocation)
+                views.append(view)
+                objects.append(
+                    resource_claim_object(
+                        held,
+                        claim,
+                        msgspec.to_builtins(view),
+                        now,
+                        recorded=manifests.get((claim.namespace, claim.name)),
+                        allocation=allocation,
+                    )
+                )
+        return ok_reply(claims=views, objects=objects)
+
+    def _listed(self, state: ClusterState, namespace: str) -> list[ClaimState]:
+        """The namespace's claims a list shows (not gone), by name."""
+        names = sorted(self._names.get(namespace, ()))
+        found = (state.claims.get((namespace, n)) for n in names)
+        return [c for c in found if c is not None and c.phase not in _HIDDEN_FROM_LIST]
 
     async def _whole_allocations(
         self, claims: list[ClaimState | None]
@@ -785,6 +837,30 @@ class ClaimsApi:
         state = await self.live.fresh(SEEN)
         return ok_reply(classes=class_views(state))
 
+    async def get_classes(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``deviceclasses.get``: DeviceClasses as recorded (``{"name"}``: one)."""
+        return await self._objects(data, "DeviceClass", class_objects)
+
+    async def get_slices(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``slices.get``: ResourceSlices as recorded (``{"name"}``: one)."""
+        return await self._objects(data, "ResourceSlice", slice_objects)
+
+    async def get_namespaces(self, data: bytes, actor: Actor | None = None) -> bytes:
+        """``namespaces.get``: each namespace's access as a Namespace (``{"name"}``: one)."""
+        return await self._objects(data, "Namespace", namespace_objects)
+
+    async def _objects(
+        self,
+        data: bytes,
+        kind: str,
+        objects_of: Callable[[ClusterState, str | None], list[dict[str, Any]]],
+    ) -> bytes:
+        request: _ObjectsRequest = _decode(data, _ObjectsRequest)
+        objects = objects_of(await self.live.fresh(SEEN), request.name)
+        if request.name is not None and not objects:
+            return error_reply("not_found", f"{kind} {request.name!r} not found", field="name")
+        return ok_reply(objects=objects)
+
     async def remove_class(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``deviceclasses.remove``: no new claims of the class; allocated ones keep running."""
         request: ClassRemoval = _decode(data, ClassRemoval)
@@ -834,7 +910,11 @@ class ClaimsApi:
             classes=access_classes(request.classes),
             opaque_config_classes=access_classes(request.opaque_config_classes),
         )
-        return ok_reply(**msgspec.structs.asdict(recorded))
+        return ok_reply(
+            **msgspec.structs.asdict(recorded),
+            applied=list(write.applied),
+            unchanged=list(write.unchanged),
+        )
 
     async def set_policy(self, data: bytes, actor: Actor | None = None) -> bytes:
         """``policies.set``: a device capacity's new request policy, under a new version."""
@@ -844,10 +924,13 @@ class ClaimsApi:
 
         def reply(state: ClusterState, write: AdminWrite) -> bytes:
             dev = state.device(change.driver, change.pool, change.device)
+            policy = dev.policies.get(change.capacity) if dev is not None else None
             return ok_reply(
                 applied=list(write.applied),
                 unchanged=list(write.unchanged),
                 policy_version=dev.policy_version if dev is not None else None,
+                policy=describe_policy(policy),
+                request_policy=model.to_builtins(policy) if policy is not None else None,
             )
 
         return await self._write_at_version(

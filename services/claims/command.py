@@ -39,10 +39,13 @@ classes the namespace may use, total and free, and the attributes those classes
 allow-list. ``devices --policies`` lists each device capacity's request policy with
 the device policy version it came with, and every live share with the version (and
 so the policy) it was granted under (admin API ``policies.list``). ``policy set
---driver D --pool P --device X --capacity C [--default Q] [--min Q] [--step Q]
-[--max Q] [--values Q,Q,..] [--none]`` gives one device capacity a new request
-policy (``--default`` defaults to ``--min``; admin API ``policies.set``): a new
-policy version for the device; shares granted earlier keep theirs. ``class set-mode
+--driver D --device POOL/X --capacity C [--default Q] [--min Q] [--step Q] [--max Q]
+[--values Q,Q,..] [--none] [--replace]`` changes one device capacity's request policy
+(``--pool P --device X`` names the device too): only the fields given change (``patch``
+of admin API ``policies.set``; ``--default`` rises to a new ``--min`` above it), or with
+``--replace`` the flags are the whole policy (``--default`` defaults to ``--min``). It
+is a new policy version for the device, printed with the resulting policy; shares
+granted earlier keep theirs. ``class set-mode
 CLASS consumable|whole-device|disabled`` sets how new claims of a DeviceClass are
 decided (admin API ``deviceclasses.mode``; a mode outside these three is exit 2 naming
 the argument); ``class remove CLASS`` removes a DeviceClass (admin API
@@ -62,18 +65,14 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-import msgspec
-
-from events import model
 from events.catalog import CLASS_MODES, ENFORCEMENT_LEVELS
 from events.fold import TERMINAL_PHASES
-from events.manifests import MAX_MANIFEST_BYTES, ManifestError, load_documents
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args
 from services.runtime.printable import json_text, table, yaml_text
 
-__all__ = ["read_claims", "register"]
+__all__ = ["claim_manifest", "claim_rows", "emit", "read_claims", "register"]
 
 
 # --- rendering -----------------------------------------------------------------------------
@@ -207,6 +206,9 @@ def emit_claims(output: str, views: list[dict[str, Any]], *, single: bool) -> No
 
 def read_claims(path: str, namespace: str | None) -> list[tuple[str, bytes]]:
     """``(namespace, JSON manifest)`` of every ResourceClaim in ``path`` ('-': stdin)."""
+    from events import model  # the manifest loader (and the CEL parser): only to read files
+    from events.manifests import ManifestError, load_documents
+
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -219,27 +221,38 @@ def read_claims(path: str, namespace: str | None) -> list[tuple[str, bytes]]:
     for obj in objects:
         if not isinstance(obj, model.ResourceClaim):
             raise CommandError(
-                f"{path}: {type(obj).__name__} {obj.metadata.name}: "
-                "only ResourceClaims can be applied",
+                f"{path}: {type(obj).__name__} {obj.metadata.name}: only ResourceClaims can "
+                "be applied with `claim apply`; `dracap apply -f` applies every kind",
                 ExitCode.BAD_INPUT,
             )
-        ns = namespace or obj.metadata.namespace or "default"
-        if obj.metadata.namespace is None:
-            obj = msgspec.structs.replace(
-                obj, metadata=msgspec.structs.replace(obj.metadata, namespace=ns)
-            )
-        manifest = model.encode_json(obj)
-        if len(manifest) > MAX_MANIFEST_BYTES:
-            raise CommandError(
-                f"{path}: ResourceClaim {ns}/{obj.metadata.name}: {len(manifest)} bytes; "
-                f"a claim must be at most {MAX_MANIFEST_BYTES} bytes "
-                f"({MAX_MANIFEST_BYTES // 1024} KiB, the API's limit)",
-                ExitCode.BAD_INPUT,
-            )
-        claims.append((ns, manifest))
+        claims.append(claim_manifest(obj, namespace, path))
     if not claims:
         raise CommandError(f"{path}: no ResourceClaim found", ExitCode.BAD_INPUT)
     return claims
+
+
+def claim_manifest(claim: Any, namespace: str | None, source: str) -> tuple[str, bytes]:
+    """``(namespace, JSON manifest)`` of a ResourceClaim ``claim`` (its namespace:
+    ``namespace``, else its own, else ``default``); :class:`CommandError` (exit 2) when it
+    is larger than the API takes, before anything is sent."""
+    import msgspec
+
+    from events import model
+    from events.manifests import MAX_MANIFEST_BYTES
+
+    ns = namespace or claim.metadata.namespace or "default"
+    if claim.metadata.namespace is None:
+        meta = msgspec.structs.replace(claim.metadata, namespace=ns)
+        claim = msgspec.structs.replace(claim, metadata=meta)
+    manifest = model.encode_json(claim)
+    if len(manifest) > MAX_MANIFEST_BYTES:
+        raise CommandError(
+            f"{source}: ResourceClaim {ns}/{claim.metadata.name}: {len(manifest)} bytes; "
+            f"a claim must be at most {MAX_MANIFEST_BYTES} bytes "
+            f"({MAX_MANIFEST_BYTES // 1024} KiB, the API's limit)",
+            ExitCode.BAD_INPUT,
+        )
+    return ns, manifest
 
 
 async def _apply(api: ApiClient, args: argparse.Namespace) -> int:
@@ -364,6 +377,8 @@ async def _unreserve(api: ApiClient, args: argparse.Namespace) -> int:
 async def _reservation(api: ApiClient, args: argparse.Namespace, op: str) -> int:
     namespace = args.namespace or "default"
     body = {"name": args.name, "consumer": args.consumer}
+    if args.uid is not None:
+        body["uid"] = args.uid
     reply = await api.claims(namespace, op, body)
     done = {k: reply[k] for k in ("applied", "unchanged", "reserved_for")}
     verb = "reserved" if op == "reserve" else "unreserved"
@@ -417,17 +432,49 @@ def policy_rows(devices: Sequence[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def policy_of(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The ``requestPolicy`` the flags of ``policy set`` describe (``None``: ``--none``)."""
+def pool_and_device(pool: str | None, device: str) -> tuple[str, str]:
+    """``--pool P --device X`` or ``--device P/X`` (as ``dracap devices`` prints it)."""
+    named_pool, slash, name = device.rpartition("/")
+    if slash and (pool is None or pool == named_pool) and named_pool and name:
+        return named_pool, name
+    if not slash and pool:
+        return pool, device
+    raise CommandError(
+        f"--device {device!r}: give POOL/DEVICE (as `dracap devices` prints it), or --pool "
+        "and the device's name",
+        ExitCode.BAD_INPUT,
+    )
+
+
+def policy_of(args: argparse.Namespace) -> tuple[str, dict[str, Any] | None]:
+    """The ``policies.set`` field the flags of ``policy set`` give: ``("patch", fields)``
+    (only the fields given change), or with ``--replace`` ``("policy", requestPolicy)``
+    (the whole policy; ``None``: ``--none``)."""
+    flags = (args.default, args.min, args.step, args.max, args.values)
     if args.none:
-        if any(v is not None for v in (args.default, args.min, args.step, args.max, args.values)):
+        if any(v is not None for v in flags) or args.replace:
             raise CommandError("--none takes no other policy flag", ExitCode.BAD_INPUT)
-        return None
+        return "policy", None
+    if not any(v is not None for v in flags):
+        raise CommandError(
+            "give --default, --min, --step, --max, --values or --none", ExitCode.BAD_INPUT
+        )
+    values = None if args.values is None else [v.strip() for v in args.values.split(",")]
+    if values is not None and (not all(values) or any(v is not None for v in flags[1:4])):
+        raise CommandError(
+            "--values: a comma-separated list, without --min, --step or --max (a policy has "
+            "validValues or a validRange)",
+            ExitCode.BAD_INPUT,
+        )
+    if not args.replace:
+        patch = dict(zip(("default", "min", "step", "max"), flags[:4], strict=True))
+        patch["values"] = values
+        return "patch", {k: v for k, v in patch.items() if v is not None}
     policy: dict[str, Any] = {}
     if args.default is not None:
         policy["default"] = args.default
-    if args.values is not None:
-        policy["validValues"] = [v.strip() for v in args.values.split(",") if v.strip()]
+    if values is not None:
+        policy["validValues"] = values
     if args.min is not None:
         policy.setdefault("default", args.min)  # validRange needs one; min is always valid
         policy["validRange"] = {"min": args.min}
@@ -435,27 +482,29 @@ def policy_of(args: argparse.Namespace) -> dict[str, Any] | None:
             if getattr(args, flag) is not None:
                 policy["validRange"][flag] = getattr(args, flag)
     elif args.step is not None or args.max is not None:
-        raise CommandError("--step and --max need --min", ExitCode.BAD_INPUT)
-    if not policy:
-        raise CommandError(
-            "give --min (and --default, --step, --max), --values or --none", ExitCode.BAD_INPUT
-        )
-    return policy
+        raise CommandError("--replace: --step and --max need --min", ExitCode.BAD_INPUT)
+    return "policy", policy
 
 
 async def _set_policy(api: ApiClient, args: argparse.Namespace) -> int:
+    field, value = args.policy
     change = {
         "driver": args.driver,
         "pool": args.pool,
         "device": args.device,
         "capacity": args.capacity,
-        "policy": args.policy,
+        field: value,
     }
     reply = await api.admin("policies.set", change)
-    done = {k: reply[k] for k in ("applied", "unchanged", "policy_version")}
+    keys = ("applied", "unchanged", "policy_version", "policy", "request_policy")
+    done = {k: reply.get(k) for k in keys}
     where = f"{args.driver}/{args.pool}/{args.device} {args.capacity}"
     state = "unchanged" if reply["unchanged"] else "set"
-    emit(args.output, done, lambda: f"policy of {where} {state} (v{reply['policy_version']})")
+    emit(
+        args.output,
+        done,
+        lambda: f"policy of {where} {state} (v{reply['policy_version']}): {reply['policy']}",
+    )
     return ExitCode.OK
 
 
@@ -582,6 +631,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "filename", None):  # bad input is exit 2 before any connection
             args.claims = read_claims(args.filename, args.namespace)
         if getattr(args, "action", None) is _set_policy:
+            args.pool, args.device = pool_and_device(args.pool, args.device)
             args.policy = policy_of(args)
         if getattr(args, "action", None) is _set_mode and args.mode not in CLASS_MODES:
             raise CommandError(
@@ -611,9 +661,7 @@ def _common(parser: argparse.ArgumentParser, *, namespaced: bool = True) -> None
 
 
 def register(sub: Any) -> None:
-    claim = sub.add_parser(
-        "claim", help="apply, get, list, delete, watch and reserve ResourceClaims"
-    )
+    claim = sub.add_parser("claim")
     verbs = claim.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     apply = verbs.add_parser("apply", help="submit the ResourceClaims of a file")
@@ -647,6 +695,11 @@ def register(sub: Any) -> None:
         parser.add_argument(
             "--for", dest="consumer", required=True, metavar="pod/NS/NAME", help="the consumer"
         )
+        parser.add_argument(
+            "--uid",
+            help="the consumer's metadata.uid (status.reservedFor[].uid; default: one derived "
+            "from the claim and the consumer's name)",
+        )
         _common(parser)
         parser.set_defaults(action=action)
 
@@ -656,7 +709,7 @@ def register(sub: Any) -> None:
     _common(watch)
     watch.set_defaults(action=_watch)
 
-    devices = sub.add_parser("devices", help="capacity, consumption and tenants of every device")
+    devices = sub.add_parser("devices")
     devices.add_argument(
         "-n",
         "--namespace",
@@ -671,13 +724,15 @@ def register(sub: Any) -> None:
     _common(devices, namespaced=False)
     devices.set_defaults(action=_devices)
 
-    policy = sub.add_parser("policy", help="change a device capacity's request policy")
+    policy = sub.add_parser("policy")
     policy_verbs = policy.add_subparsers(dest="verb", metavar="VERB", required=True)
     setting = policy_verbs.add_parser(
         "set", help="a new request policy for one device capacity (a new policy version)"
     )
-    for flag in ("driver", "pool", "device", "capacity"):
-        setting.add_argument(f"--{flag}", required=True)
+    setting.add_argument("--driver", required=True)
+    setting.add_argument("--device", required=True, metavar="POOL/DEVICE", help="the device")
+    setting.add_argument("--pool", help="the device's pool (or give --device POOL/DEVICE)")
+    setting.add_argument("--capacity", required=True)
     for flag, text in (
         ("default", "the amount an absent request consumes"),
         ("min", "validRange.min: smaller requests are rounded up to it"),
@@ -687,10 +742,16 @@ def register(sub: Any) -> None:
     ):
         setting.add_argument(f"--{flag}", metavar="Q", help=text)
     setting.add_argument("--none", action="store_true", help="remove the policy")
+    setting.add_argument(
+        "--replace",
+        action="store_true",
+        help="the flags are the whole new policy (default: only the fields given change; "
+        "--default follows --min when it would fall below it)",
+    )
     _common(setting, namespaced=False)
     setting.set_defaults(action=_set_policy)
 
-    dclass = sub.add_parser("class", help="list DeviceClasses, set one's mode or remove it")
+    dclass = sub.add_parser("class")
     class_verbs = dclass.add_subparsers(dest="verb", metavar="VERB", required=True)
     mode = class_verbs.add_parser(
         "set-mode", help="how new claims of a class are decided (existing ones never change)"
@@ -717,7 +778,7 @@ def register(sub: Any) -> None:
     _common(removing, namespaced=False)
     removing.set_defaults(action=_remove_class)
 
-    node = sub.add_parser("node", help="node leases, lost nodes and fencing")
+    node = sub.add_parser("node")
     node_verbs = node.add_subparsers(dest="verb", metavar="VERB", required=True)
     listing_nodes = node_verbs.add_parser(
         "list", help="every node: lease, epoch, boot id, taints and unknown shares"

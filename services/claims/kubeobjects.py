@@ -15,7 +15,13 @@ Kubernetes defines:
 * :func:`resource_claim_object` is the ResourceClaim (``apiVersion``, ``kind``,
   ``metadata``, ``spec``, ``status.allocation``, ``status.reservedFor``,
   ``status.devices``) with dracap's own view (phase, reason, shares with their levels)
-  under one extra top-level key, ``dracap``, which Kubernetes tools ignore.
+  under one extra top-level key, ``dracap``, which Kubernetes tools ignore;
+* :func:`class_objects`, :func:`slice_objects` and :func:`namespace_objects` are the
+  inventory as ``dracap get`` shows it: each DeviceClass and ResourceSlice as the log
+  holds it (with the class's mode under ``dracap``), each namespace's access as the
+  Namespace whose ``dracap.io/`` annotations ask for it (:func:`events.tenancy.
+  namespace_object`, with its live claims under ``dracap``). Applying what they print
+  records nothing new.
 
 Pure: no I/O; the time is an argument.
 """
@@ -29,8 +35,19 @@ from typing import Any, Final
 from events.fold import ClaimState, ClusterState, ShareState
 from events.model import API_VERSION, AllocationResult, ResourceClaim
 from events.model import to_builtins as model_builtins
+from events.tenancy import NamespacePolicy, namespace_object
+from services.claims.adminwrites import consumer_ref, consumer_uid
 
-__all__ = ["CONDITION_READY", "DRACAP_KEY", "device_statuses", "resource_claim_object", "rfc3339"]
+__all__ = [
+    "CONDITION_READY",
+    "DRACAP_KEY",
+    "class_objects",
+    "device_statuses",
+    "namespace_objects",
+    "resource_claim_object",
+    "rfc3339",
+    "slice_objects",
+]
 
 CONDITION_READY: Final = "Ready"
 DRACAP_KEY: Final = "dracap"  #: the extra key of :func:`resource_claim_object`
@@ -192,15 +209,14 @@ def resource_claim_object(
     allocation = allocation or claim.allocation
     if allocation is not None and claim.phase not in ("released", "rejected", "withdrawn"):
         status["allocation"] = model_builtins(allocation)
+    mirrored: dict[str, str] = {}  # Kubernetes mode: the uids the API server gave
+    if recorded is not None and recorded.status is not None:
+        mirrored = {ref.name: ref.uid for ref in recorded.status.reserved_for or () if ref.uid}
     consumers = []
     for consumer in claim.reserved_for:
-        kind, _, name = consumer.partition("/")
-        name = name.partition("/")[2] or name
-        consumers.append({"resource": f"{kind}s", "name": name, "uid": ""})
-    if recorded is not None and recorded.status is not None and recorded.status.reserved_for:
-        uids = {ref.name: ref.uid for ref in recorded.status.reserved_for}
-        for entry in consumers:
-            entry["uid"] = uids.get(entry["name"], "")
+        ref = consumer_ref(consumer)
+        uid = ref.uid or mirrored.get(ref.name) or consumer_uid(claim.namespace, claim.name, ref)
+        consumers.append({"resource": f"{ref.resource}s", "name": ref.name, "uid": uid})
     if consumers:
         status["reservedFor"] = consumers
     devices = device_statuses(state, claim, now)
@@ -215,4 +231,48 @@ def resource_claim_object(
     if status:
         out["status"] = status
     out[DRACAP_KEY] = dict(view)
+    return out
+
+
+def _named(names: Collection[str], name: str | None) -> list[str]:
+    return sorted(names) if name is None else [name] if name in names else []
+
+
+def class_objects(state: ClusterState, name: str | None = None) -> list[dict[str, Any]]:
+    """Every DeviceClass (or the one named) as recorded, its mode under ``dracap``."""
+    out = []
+    for key in _named(state.classes.keys(), name):
+        recorded = state.classes[key]
+        obj = model_builtins(recorded.device_class)
+        obj[DRACAP_KEY] = {
+            "mode": recorded.mode,
+            "min_enforcement": recorded.min_enforcement,
+            "rollout": recorded.rollout,
+        }
+        out.append(obj)
+    return out
+
+
+def slice_objects(state: ClusterState, name: str | None = None) -> list[dict[str, Any]]:
+    """Every ResourceSlice (or the one named) as recorded."""
+    return [model_builtins(state.slices[key]) for key in _named(state.slices.keys(), name)]
+
+
+def namespace_objects(state: ClusterState, name: str | None = None) -> list[dict[str, Any]]:
+    """Every namespace with an access record (or the one named) as the Namespace that asks
+    for it, its live claims under ``dracap``."""
+    out = []
+    for key in _named(state.namespaces.keys(), name):
+        record = state.namespaces[key]
+        policy = NamespacePolicy(
+            namespace=key,
+            classes=list(record.classes),
+            admin_access=record.admin_access,
+            opaque_config_classes=list(record.opaque_config_classes),
+            max_claims=record.max_claims,
+            max_requests_per_claim=record.max_requests_per_claim,
+        )
+        obj = model_builtins(namespace_object(policy))
+        obj[DRACAP_KEY] = {"live_claims": state.live_claims.get(key, 0)}
+        out.append(obj)
     return out

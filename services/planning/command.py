@@ -54,6 +54,7 @@ from services.planning.traces import (
     write_trace,
 )
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args
+from services.runtime.outputs import check_out, written
 
 __all__ = ["DEFAULT_SIZES", "register"]
 
@@ -184,10 +185,11 @@ def _simulate(args: argparse.Namespace) -> int:
         raise _bad("--modes: name at least one mode")
     fleets = fleets_of(args.devices, capacity, modes, _policies(args.policies))
     max_wait = _seconds("--max-wait", args.max_wait)
-    if args.plot:
+    if args.plot:  # before the run: a figure that cannot be written wastes it
         from services.planning.plotting import check_plotting
 
         check_plotting()
+        check_out("--plot", args.plot, ".png")
     trace, source = _trace(args, args.devices * capacity)
     progress = _Progress(sys.stderr, len(fleets)) if sys.stderr.isatty() else None
     options = Options(
@@ -210,7 +212,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.plot:
         from services.planning.plotting import plot
 
-        plot([(f"{source}", results)], args.plot)
+        with written("--plot", args.plot):
+            plot([(f"{source}", results)], args.plot)
     if args.output == "json":
         fleet = {"devices": args.devices, "capacity": capacity, "max_wait_s": max_wait}
         print(to_json({"trace": summary, "fleet": fleet, "results": results}))
@@ -323,10 +326,7 @@ def _run(action: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 
 
 def register(sub: Any) -> None:
-    sim = sub.add_parser(
-        "simulate",
-        help="simulate a trace of claims per mode and placement policy on the real allocator",
-    )
+    sim = sub.add_parser("simulate")
     source = sim.add_argument_group("trace (a file, or a synthetic one)")
     source.add_argument("--trace", metavar="FILE", help="CSV or NDJSON trace (docs/placement.md)")
     source.add_argument("--claims", type=int, default=20000, help="synthetic: claims (20000)")
@@ -375,7 +375,7 @@ def register(sub: Any) -> None:
     sim.add_argument("-o", "--output", choices=("table", "json"), default="table")
     sim.set_defaults(func=_run(_simulate))
 
-    plan = sub.add_parser("plan", help="capacity math step by step, from raw to schedulable")
+    plan = sub.add_parser("plan")
     plan.add_argument("--devices", type=int, help="devices in the fleet")
     plan.add_argument("--capacity", help="capacity of each device (a quantity, like 40Gi)")
     plan.add_argument(

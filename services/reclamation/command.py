@@ -101,7 +101,6 @@ def register(sub: Any) -> None:
     """Add ``dracap reclaim`` to the command line."""
     parser = sub.add_parser(
         "reclaim",
-        help="run the reclamation service (node lease expiry, fence hook)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     add_endpoint_arguments(parser, database=True)

@@ -8,8 +8,11 @@ Verbs (``docs/forensics.md`` has examples):
   its position. Exit 0 clean, 5 (``INVARIANT_VIOLATED``) when the guard rows differ, 7
   (``SNAPSHOT_MISMATCH``) for a forged or stale snapshot or checkpoint, 6
   (``EVENTS_REFUSED``) when the only finding is events the fold refuses (each listed);
-* ``state --at POSITION|TIME [-o table|json|yaml]``, ``timeline OBJECT``, ``diff A B``,
-  ``plot DEVICE|NODE|CLASS --out FILE.png`` (:mod:`services.replay.history`);
+* ``state [--at POSITION|TIME] [-o table|json|yaml]`` (default: the head), ``timeline
+  OBJECT``, ``diff A B``, ``plot DEVICE|NODE|CLASS --out FILE.png``
+  (:mod:`services.replay.history`); an object's name that several objects answer to is
+  exit 2, naming them; a device is ``pool/device`` (as ``dracap devices`` prints it),
+  ``driver/pool/device`` or its name;
 * ``export --out FILE [--checkpoint-every N]`` / ``import FILE``
   (:mod:`services.replay.transfer`; checkpoint lines: :mod:`services.replay.checkpoints`);
 * ``snapshot [--every-events N] [--every-minutes M] [--once]``: write snapshots of the
@@ -68,6 +71,7 @@ from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_ar
 from services.runtime.eventstore import connect
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.metrics import metrics_served
+from services.runtime.outputs import check_in, check_out, written
 from services.runtime.printable import json_text, printable
 from services.runtime.settings import ServiceKind, Settings, load_settings
 from services.runtime.snapshots import EVERY_EVENTS
@@ -95,6 +99,8 @@ def _run(
         raise CommandError(str(exc), ExitCode.BAD_INPUT) from None
     except history.ReplayBrokenError as exc:
         raise CommandError(str(exc), ExitCode.INVARIANT_VIOLATED) from None
+    except history.AmbiguousNameError as exc:
+        raise CommandError(str(exc), ExitCode.BAD_INPUT) from None
     except ImportRefusedError as exc:
         code = ExitCode.REJECTED if exc.position is None else ExitCode.INVARIANT_VIOLATED
         raise CommandError(str(exc), code) from None
@@ -200,10 +206,10 @@ def _print(line: str) -> None:
 
 
 def _state(args: argparse.Namespace) -> int:
-    point = parse_point(args.at)
+    point = None if args.at is None else parse_point(args.at)
 
     async def ask(source: LogSource) -> dict[str, Any]:
-        position = await resolve(source, point)
+        position = await source.head() if point is None else await resolve(source, point)
         return history.view(await history.state_at(source, position))
 
     view = _question(args, ask)
@@ -257,8 +263,7 @@ def _plot(args: argparse.Namespace) -> int:
     from services.replay.plot import check_plotting
 
     check_plotting()
-    if not args.out.endswith(".png"):
-        raise CommandError(f"--out {args.out}: must end in .png", ExitCode.BAD_INPUT)
+    check_out("--out", args.out, ".png")
 
     async def ask(source: LogSource) -> tuple[str, str, list[history.Sample], str]:
         final = await history.state_at(source, await source.head())
@@ -271,13 +276,14 @@ def _plot(args: argparse.Namespace) -> int:
         raise CommandError(f"{args.object}: nothing was ever consumed there", ExitCode.NOT_FOUND)
     from services.replay.plot import plot_usage
 
-    plot_usage(
-        samples,
-        args.out,
-        title=f"{args.capacity} consumed on {kind} {key}, by tenant",
-        capacity=args.capacity,
-        unit=unit,
-    )
+    with written("--out", args.out):
+        plot_usage(
+            samples,
+            args.out,
+            title=f"{args.capacity} consumed on {kind} {key}, by tenant",
+            capacity=args.capacity,
+            unit=unit,
+        )
     print(f"wrote {args.out} ({len(samples)} samples)")
     return ExitCode.OK
 
@@ -300,6 +306,7 @@ def _export(args: argparse.Namespace) -> int:
             f"--checkpoint-every {args.checkpoint_every}: must be >= 0 (0: no checkpoints)",
             ExitCode.BAD_INPUT,
         )
+    check_out("--out", args.out)
     settings, url = _settings(args, ServiceKind.READONLY)
     progress = progress_for(f"exporting to {args.out}", "events")
 
@@ -328,6 +335,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
+    check_in("FILE", args.file)
     settings, url = _settings(args, None)
     progress = progress_for(f"importing {args.file}", "bytes")
 
@@ -435,7 +443,7 @@ def _output(parser: argparse.ArgumentParser, *choices: str) -> None:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``replay`` noun and its verbs to the CLI."""
-    replay = subparsers.add_parser("replay", help="replay the event log (forensics)")
+    replay = subparsers.add_parser("replay")
     verbs = replay.add_subparsers(dest="replay_verb", required=True)
 
     check = verbs.add_parser("verify", help="fold the log and check its invariants")
@@ -448,7 +456,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     check.set_defaults(func=_verify)
 
     state = verbs.add_parser("state", help="devices, shares, claims and nodes at a point")
-    state.add_argument("--at", required=True, metavar="POSITION|TIME")
+    state.add_argument(
+        "--at", metavar="POSITION|TIME", help="a position or an ISO 8601 time (default: the head)"
+    )
     _output(state, "table", "json", "yaml")
     _log_or_database(state)
     state.set_defaults(func=_state)

@@ -39,9 +39,13 @@ from events.folding import Refusal, fold_stored
 from events.model import AllocationResult, ResourceClaim, encode_hook
 from services.replay.sources import LogSource
 from services.replay.verify import fold_rows, note_refused, paused_gc
+from services.runtime.gauges import class_members
+from services.runtime.livestate import INVENTORY_EVENTS
 from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
+from services.runtime.slos import share_class
 
 __all__ = [
+    "AmbiguousNameError",
     "Change",
     "Entity",
     "ReplayBrokenError",
@@ -171,35 +175,71 @@ def _quoted(text: str) -> bytes:
     return msgspec.json.encode(text)
 
 
+class AmbiguousNameError(Exception):
+    """A name that more than one object of the log answers to."""
+
+    def __init__(self, text: str, candidates: list[Entity]) -> None:
+        named = ", ".join(f"{c.kind}:{c.key}" for c in candidates)
+        super().__init__(f"{text!r} is ambiguous: it names {named}; give one of these")
+        self.candidates = candidates
+
+
 def find_entity(state: ClusterState, text: str) -> Entity | None:
     """The object ``text`` names in ``state``: ``[claim:|share:|device:|node:]ID``.
 
     Without a prefix: a ShareID, a claim ``namespace/name``, a node, a device
-    ``driver/pool/device``, or a device name or claim name that is unique.
+    ``driver/pool/device`` or ``pool/device`` (as ``dracap devices`` prints it), or a
+    device name or claim name that is unique. A text that names several objects at the
+    same level (a claim ``a/b`` and a device of pool ``a``; a device name in two pools)
+    raises :class:`AmbiguousNameError` listing them, never picks one.
     """
     kind, _, ident = text.partition(":") if ":" in text else ("", "", text)
     if kind and kind not in ("claim", "share", "device", "node"):
         kind, ident = "", text
-    parts = ident.split("/")
-    if kind in ("", "share") and ident in state.shares:
-        return Entity(kind="share", key=ident, needles=(_quoted(ident),))
-    if kind in ("", "claim") and len(parts) == 2 and (parts[0], parts[1]) in state.claims:
-        return Entity(kind="claim", key=ident, needles=(_quoted(parts[0]), _quoted(parts[1])))
-    if kind in ("", "node") and ident in state.nodes:
-        return Entity(kind="node", key=ident, needles=(_quoted(ident),))
-    if kind in ("", "device"):
-        if len(parts) == 3 and (parts[0], parts[1], parts[2]) in state.devices:
-            return Entity(kind="device", key=ident, needles=(_quoted(parts[2]),))
-        named = [k for k in state.devices if k[2] == ident]
-        if len(named) == 1:
-            return Entity(kind="device", key="/".join(named[0]), needles=(_quoted(ident),))
-    if kind in ("", "claim") and len(parts) == 1:
-        claims = [k for k in state.claims if k[1] == ident]
-        if len(claims) == 1:
-            namespace, name = claims[0]
-            needles = (_quoted(namespace), _quoted(name))
-            return Entity(kind="claim", key=f"{namespace}/{name}", needles=needles)
+    for found in (_exact(state, kind, ident), _short(state, kind, ident)):
+        if len(found) > 1:
+            raise AmbiguousNameError(text, found)
+        if found:
+            return found[0]
     return None
+
+
+def _device(key: tuple[str, str, str], needle: str) -> Entity:
+    return Entity(kind="device", key="/".join(key), needles=(_quoted(needle),))
+
+
+def _claim(namespace: str, name: str) -> Entity:
+    needles = (_quoted(namespace), _quoted(name))
+    return Entity(kind="claim", key=f"{namespace}/{name}", needles=needles)
+
+
+def _exact(state: ClusterState, kind: str, ident: str) -> list[Entity]:
+    """The objects ``ident`` names in full (an id, ``namespace/name``, ``pool/device``...)."""
+    parts = ident.split("/")
+    found: list[Entity] = []
+    if kind in ("", "share") and ident in state.shares:
+        found.append(Entity(kind="share", key=ident, needles=(_quoted(ident),)))
+    if kind in ("", "claim") and len(parts) == 2 and (parts[0], parts[1]) in state.claims:
+        found.append(_claim(parts[0], parts[1]))
+    if kind in ("", "node") and ident in state.nodes:
+        found.append(Entity(kind="node", key=ident, needles=(_quoted(ident),)))
+    if kind in ("", "device") and len(parts) == 3 and tuple(parts) in state.devices:
+        found.append(_device((parts[0], parts[1], parts[2]), parts[2]))
+    if kind in ("", "device") and len(parts) == 2:
+        found += [_device(k, k[2]) for k in state.devices if (k[1], k[2]) == (parts[0], parts[1])]
+    return found
+
+
+def _short(state: ClusterState, kind: str, ident: str) -> list[Entity]:
+    """The objects whose short name is ``ident`` (a device's, a claim's)."""
+    if "/" in ident:
+        return []
+    found: list[Entity] = []
+    if kind in ("", "device"):
+        found += [_device(k, ident) for k in state.devices if k[2] == ident]
+    if kind in ("", "claim"):
+        found += [_claim(ns, name) for ns, name in state.claims if name == ident]
+    return found
 
 
 class Step(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -322,19 +362,13 @@ class Sample(msgspec.Struct, kw_only=True):
     unknown: bool
 
 
-def class_of_share(state: ClusterState, share: ShareState) -> str | None:
-    """The DeviceClass the share's request asked for (``None``: not known)."""
-    claim = state.claims.get(share.claim)
-    return claim.class_of(share.request) if claim is not None else None
-
-
 def _scope_test(state: ClusterState, kind: str, key: str) -> Callable[[ShareState], bool]:
     if kind == "device":
         parts = tuple(key.split("/"))
         return lambda s: s.device_key == parts
     if kind == "node":
         return lambda s: s.node == key
-    return lambda s: class_of_share(state, s) == key
+    return lambda s: share_class(state, s) == key
 
 
 def _unit_scale(capacity: str, state: ClusterState) -> tuple[float, str]:
@@ -351,13 +385,18 @@ async def usage_series(
     """Samples of consumed ``capacity`` per tenant for a device, node or class scope.
 
     Folds the whole log; a sample is taken after every event that changed what the
-    scope holds, its total or whether some of it is Unknown. Returns the samples and
-    the unit (``GiB`` for binary quantities).
+    scope holds, its total or whether some of it is Unknown. A class's total is every
+    device its selectors select (as the allocator and the capacity gauges select them:
+    :func:`services.runtime.gauges.class_members`, taken again after each run of
+    inventory events), and every device that held one of its shares. Returns the samples
+    and the unit (``GiB`` for binary quantities).
     """
     state = ClusterState()
     in_scope: dict[str, str] = {}  # live share id -> namespace, shares placed in scope
     seen: set[str] = set()
     scoped_devices: set[tuple[str, str, str]] = set()
+    members: set[tuple[str, str, str]] = set()  # a class's selected devices
+    members_stale = False
     samples: list[Sample] = []
     last: tuple[Any, ...] | None = None
     scale = 1.0  # nanos until the end, then the unit of the final state
@@ -378,6 +417,10 @@ async def usage_series(
                 scoped_devices.add(tuple(key.split("/")))  # type: ignore[arg-type]
             elif kind == "node":
                 scoped_devices.update(k for k, d in state.devices.items() if d.node == key)
+            elif isinstance(event, INVENTORY_EVENTS):
+                members_stale = True
+            elif members_stale:  # the run of inventory events is over: select anew
+                members, members_stale = set(class_members(state).get(key, ())), False
             by_tenant: dict[str, float] = {}
             unknown = False
             for sid, namespace in list(in_scope.items()):
@@ -393,7 +436,7 @@ async def usage_series(
                 unknown = unknown or share.state == "unknown"
             total = sum(
                 dev.total[capacity].nanos / scale
-                for k in scoped_devices
+                for k in scoped_devices | members
                 if (dev := state.devices.get(k)) is not None and capacity in dev.total
             )
             mark = (tuple(sorted(by_tenant.items())), total, unknown)

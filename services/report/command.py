@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import os
-from pathlib import Path
 from typing import NamedTuple
 
 from services.exitcodes import CommandError, ExitCode
@@ -34,6 +32,7 @@ from services.replay.sources import DatabaseSource, FileSource
 from services.report.panels import Report, ReportError, build_report
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import connect
+from services.runtime.outputs import check_out, written
 from services.runtime.querycommand import parse_time
 from services.runtime.settings import ServiceKind, load_settings
 
@@ -43,16 +42,6 @@ __all__ = ["register"]
 def _time(flag: str, text: str | None) -> datetime.datetime | None:
     parsed = parse_time(flag, text)
     return datetime.datetime.fromisoformat(parsed) if parsed is not None else None
-
-
-def _check_out(out: str) -> None:
-    if not out.endswith(".png"):
-        raise CommandError(f"--out {out}: must end in .png", ExitCode.BAD_INPUT)
-    folder = Path(out).parent
-    if not folder.is_dir():
-        raise CommandError(f"--out {out}: directory {folder} does not exist", ExitCode.BAD_INPUT)
-    if not os.access(folder, os.W_OK):
-        raise CommandError(f"--out {out}: directory {folder} is not writable", ExitCode.BAD_INPUT)
 
 
 class _Window(NamedTuple):
@@ -79,7 +68,7 @@ def _report(args: argparse.Namespace) -> int:
     from services.report.figure import check_plotting, draw
 
     check_plotting()
-    _check_out(args.out)
+    check_out("--out", args.out, ".png")
     if not 2 <= args.steps <= 1000:
         raise CommandError(f"--steps {args.steps}: must be from 2 to 1000", ExitCode.BAD_INPUT)
     since, until = _time("--since", args.since), _time("--until", args.until)
@@ -101,10 +90,8 @@ def _report(args: argparse.Namespace) -> int:
         raise CommandError(str(exc), ExitCode.BAD_INPUT) from None
     except ReplayBrokenError as exc:
         raise CommandError(str(exc), ExitCode.INVARIANT_VIOLATED) from None
-    try:
+    with written("--out", args.out):
         draw(report, args.out, source=source)
-    except OSError as exc:
-        raise CommandError(f"--out {args.out}: {exc.strerror}", ExitCode.BAD_INPUT) from None
     print(
         f"wrote {args.out}: {len(report.panels)} panels over {report.events} events "
         f"({report.start:%Y-%m-%d %H:%M:%S} to {report.end:%H:%M:%S} UTC)"
@@ -116,7 +103,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     """Add the ``report`` command to the CLI."""
     report = subparsers.add_parser(
         "report",
-        help="the Grafana dashboard's panels as one PNG, computed from the event log",
         description="Fold the event log (the database, or an exported file) and draw the "
         "panels of deploy/grafana/dracap.json from it: capacity per class, tenant and "
         "device, claims and rejections, latencies per class, convergence, Unknown "

@@ -7,16 +7,19 @@ series from the same definitions the services' metrics use:
 * capacity allocated / total and stranded / total per class and capacity:
   :func:`~services.runtime.gauges.allocated_ratios` and
   :func:`~services.runtime.gauges.stranded_ratios` of the folded state;
-* capacity held per tenant, class and capacity: the live shares' consumed amounts (what
-  billing integrates into ``dracap_usage_unit_seconds_total``);
 * claims by outcome: each claim's phase change (admitted, rejected, allocated, ready,
   released, …: the outcomes of ``dracap_claims_total``); rejections by the rule of their
   ``ClaimRejected`` (a refusal that never reached the log — a manifest that does not
   parse — is not there);
-* scheduling, enforcement and convergence latency, decisions (the rejection rate per
-  class), node recovery, unconverged claims and Unknown shares with their ages: a
-  :class:`~services.runtime.slos.SloFold` with ``latencies=True``, the bookkeeping
-  behind ``dracap_claim_convergence_seconds`` and the other SLO series;
+* capacity held per tenant, class and capacity: :func:`~services.runtime.holdings.
+  held_by_tenant`, the rule of ``dracap_capacity_held``;
+* scheduling latency (the decision's time), the wait for capacity, enforcement and
+  convergence latency, decisions (the rejection rate per class), node recovery,
+  unconverged claims, claims waiting for capacity and Unknown shares with their ages: a
+  :class:`~services.runtime.slos.SloFold`, the one definition behind
+  ``dracap_scheduling_latency_seconds``, ``dracap_capacity_wait_seconds``,
+  ``dracap_claim_convergence_seconds`` and the other SLO series (:attr:`Report.spans`
+  sums each kind of span per class, as those histograms' ``_count`` and ``_sum`` do);
 * dead letters: the log's ``MessageDeadLettered`` per consumer;
 * relay lag is not in the log (only the running relay knows it): its panel says so.
 
@@ -39,8 +42,10 @@ from typing import Any, Final
 import msgspec
 
 from events.catalog import (
+    AllocationBound,
     ClaimRejected,
     ClaimSubmitted,
+    ClaimUnschedulable,
     Event,
     MessageDeadLettered,
     NodeFenced,
@@ -51,10 +56,11 @@ from events.errors import InvariantViolation
 from events.fold import ClaimKey, ClusterState
 from events.folding import Refusal, decode, fold_event, refuse
 from events.quantities import Format
-from services.replay.history import ReplayBrokenError, class_of_share
+from services.replay.history import ReplayBrokenError
 from services.replay.sources import LogSource
 from services.replay.verify import note_refused
 from services.runtime.gauges import allocated_ratios, class_members, stranded_ratios
+from services.runtime.holdings import held_by_tenant
 from services.runtime.livestate import INVENTORY_EVENTS
 from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
 from services.runtime.slos import Pending, SloFold
@@ -69,8 +75,16 @@ _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 _NUMBER = re.compile(r"\d+(\.\d+)?")
 
 
-#: The events after which more claims may be unconverged or more shares unknown.
-_PENDING_GROWS: Final = (ClaimSubmitted, NodeLeaseExpired, ShareMarkedUnknown)
+#: The events after which more claims may be unconverged or waiting, or shares unknown.
+_PENDING_GROWS: Final = (
+    ClaimSubmitted,
+    ClaimUnschedulable,
+    AllocationBound,
+    NodeLeaseExpired,
+    ShareMarkedUnknown,
+)
+#: What :meth:`_Fold._peak` follows: a name and the field of ``Pending`` it reads.
+_PEAKS: Final = (("unconverged", "claims"), ("waiting", "waiting"), ("unknown", "unknown"))
 
 
 class ReportError(Exception):
@@ -106,6 +120,9 @@ class Report(msgspec.Struct, kw_only=True):
     positions: tuple[int, int]  #: the first and last position recorded in the window
     events: int  #: events recorded in the window
     panels: list[Panel]
+    #: spans that ended in the window: kind (scheduling, capacity_wait, convergence,
+    #: enforcement) -> class -> (how many, their sum in seconds)
+    spans: dict[str, dict[str, tuple[int, float]]] = {}
 
 
 def _time_of(value: Any) -> datetime.datetime:
@@ -154,7 +171,7 @@ class _Fold:
     def __init__(self, start: datetime.datetime) -> None:
         self.start = start
         self.state = ClusterState()
-        self.slos = SloFold(latencies=True)
+        self.slos = SloFold()
         self.members: dict[str, list[Any]] | None = None
         #: gauges: name -> label -> (time, value) points
         self.gauges: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(
@@ -224,13 +241,10 @@ class _Fold:
             self.gauges["allocated"][f"{cls} {capacity}"].append((t, ratio))
         for (cls, capacity), ratio in stranded_ratios(state, self.members).items():
             self.gauges["stranded"][f"{cls} {capacity}"].append((t, ratio))
-        held: dict[str, float] = defaultdict(float)
-        for share in state.shares.values():
-            if not share.live or share.admin_access:
-                continue
-            cls = class_of_share(state, share) or "?"
-            for capacity, amount in share.consumed.items():
-                held[f"{share.claim[0]} {cls} {capacity}"] += amount.nanos
+        held = {
+            f"{namespace} {cls or '(no class)'} {capacity}": float(nanos)
+            for (namespace, cls, capacity), nanos in held_by_tenant(state).items()
+        }
         tenants = self.gauges["held"]
         for label, nanos in held.items():
             if label not in tenants:  # held nothing until now
@@ -241,7 +255,8 @@ class _Fold:
                 points.append((t, 0.0))
         self.sampled.append(t)
         pending = self._peak(bucket)
-        for name, by_class in (("unconverged", pending.claims), ("unknown", pending.unknown)):
+        for name, field in _PEAKS:
+            by_class = getattr(pending, field)
             ages = self.gauges[f"{name}_age"]
             for cls, times in by_class.items():
                 ages[cls].append((t, (at - min(times)).total_seconds()))
@@ -252,8 +267,8 @@ class _Fold:
     def _peak(self, bucket: int) -> Pending:
         """What is pending now, counted into ``bucket``'s peaks."""
         pending = self.slos.pending(self.state)
-        for name, by_class in (("unconverged", pending.claims), ("unknown", pending.unknown)):
-            for cls, times in by_class.items():
+        for name, field in _PEAKS:
+            for cls, times in getattr(pending, field).items():
                 peaks = self.peaks[name][cls]
                 peaks[bucket] = max(peaks.get(bucket, 0.0), float(len(times)))
         return pending
@@ -326,6 +341,16 @@ async def build_report(
         positions=(positions[0], positions[1]),
         events=events,
         panels=_panels(fold, step, buckets),
+        spans={
+            kind: {
+                cls: (
+                    sum(len(v) for v in by_bucket.values()),
+                    sum(sum(v) for v in by_bucket.values()),
+                )
+                for cls, by_bucket in by_class.items()
+            }
+            for kind, by_class in fold.spans.items()
+        },
     )
 
 
@@ -431,6 +456,7 @@ def _panels(fold: _Fold, step: float, buckets: int) -> list[Panel]:
         for label, pts in lines.items():
             held[f"{label} ({unit})" if unit else label] = [(t, v / nanos) for t, v in pts]
     unconverged = _pending(fold, "unconverged", "Claims not converged", "claims", step, buckets)
+    waiting = _pending(fold, "waiting", "Claims waiting for capacity", "claims", step, buckets)
     unknown = _pending(fold, "unknown", "Unknown shares", "shares", step, buckets)
     recovery = Panel(
         title="Node recovery after a lost lease (each recovery)",
@@ -454,14 +480,28 @@ def _panels(fold: _Fold, step: float, buckets: int) -> list[Panel]:
             "per second",
             _rates(counts["rejection"], step, buckets),
         ),
-        _latency(fold, "scheduling", "Scheduling latency p50 / p99, per class", step, (0.5, 0.99)),
+        _latency(
+            fold,
+            "scheduling",
+            "Scheduling latency (the decision) p50 / p99, per class",
+            step,
+            (0.5, 0.99),
+        ),
+        _latency(
+            fold, "capacity_wait", "Waiting for capacity p50 / p99, per class", step, (0.5, 0.99)
+        ),
         _latency(
             fold, "enforcement", "Enforcement latency p50 / p99, per class", step, (0.5, 0.99)
         ),
         _latency(
-            fold, "convergence", "Convergence (submitted -> Ready) p99, per class", step, (0.99,)
+            fold,
+            "convergence",
+            "Convergence (submitted, or capacity found -> Ready) p99, per class",
+            step,
+            (0.99,),
         ),
         unconverged,
+        waiting,
         unknown,
         recovery,
         Panel(

@@ -175,7 +175,6 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     parser = sub.add_parser(
         "allocate",
-        help="decide ResourceClaims against DeviceClasses and ResourceSlices from files",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     parser.add_argument(

@@ -111,9 +111,8 @@ from services.runtime.consuming import Consumer, Handled, HandlerContext
 from services.runtime.errors import ConflictError, RuntimeServiceError
 from services.runtime.eventstore import Batch, Cause, Connection, EventStore, Metadata
 from services.runtime.livestate import HEAD, INVENTORY_EVENTS, LiveState
-from services.runtime.metrics import CLAIMS, SCHEDULING_LATENCY, SELECTOR_JOBS
+from services.runtime.metrics import CLAIMS, SELECTOR_JOBS
 from services.runtime.selectorpool import SelectorPool
-from services.runtime.slos import known_class
 from services.runtime.waiting import all_of, first_of
 
 __all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService", "durables"]
@@ -406,19 +405,12 @@ class ReservationService:
         )
 
     def _counter(self, plan: Plan) -> Callable[[], None]:
-        """The metrics of ``plan``, measured now and counted once it has committed."""
-        # the wait since admission counts on the database's clock, as recorded_at does
-        now, state = self.store.clock.now(), self.live.state
-        waits = [
-            (known_class(state, key), max(0.0, (now - admitted).total_seconds()))
-            for key in plan.allocated + plan.unschedulable
-            if (admitted := self._pending.get(key)) is not None
-        ]
+        """The outcomes of ``plan``, counted once it has committed. (Its latency is the
+        log's: ``dracap_scheduling_latency_seconds`` is observed from the folded log,
+        :mod:`services.runtime.slos`, as ``dracap report`` reads it.)"""
         allocated, unschedulable = len(plan.allocated), len(plan.unschedulable)
 
         def count() -> None:
-            for cls, wait in waits:
-                SCHEDULING_LATENCY.labels(cls).observe(wait)
             if allocated:
                 CLAIMS.labels(outcome="allocated").inc(allocated)
             if unschedulable:

@@ -111,7 +111,7 @@ def _node_role(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``db`` noun and its verbs to the CLI."""
-    db = subparsers.add_parser("db", help="database schema migrations")
+    db = subparsers.add_parser("db")
     verbs = db.add_subparsers(dest="db_verb", required=True)
     up = verbs.add_parser("upgrade", help="migrate up (default: to the newest revision)")
     up.add_argument("revision", nargs="?", default=migrating.HEAD)

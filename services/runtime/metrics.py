@@ -69,8 +69,8 @@ _SLOW_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 
 SCHEDULING_LATENCY: Final = Histogram(
     "dracap_scheduling_latency_seconds",
-    "From a claim's admission to its allocation being bound (or found unschedulable), "
-    "by DeviceClass.",
+    "From a claim's admission to its first decision, allocated or found unschedulable, "
+    "by DeviceClass (the wait for capacity after it is dracap_capacity_wait_seconds).",
     ["class"],
     buckets=(*_LATENCY_BUCKETS, 5.0, 10.0),
     registry=REGISTRY,

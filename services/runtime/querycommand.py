@@ -3,7 +3,8 @@
 * :func:`parse_time`: ``--since``/``--until``/``--from``/``--to`` are ISO 8601 times
   (``2026-12-01T10:00:00Z``; without a zone: UTC) or ``now``; anything else is one line
   naming the flag, exit 2.
-* :func:`emit`: ``-o table|json|csv`` of a list of flat rows.
+* :func:`emit`: ``-o table|json|csv`` of a list of flat rows; booleans are ``true`` /
+  ``false`` and numbers come as the API wrote them (plain decimals).
 * :func:`ask`: one query through the API: with ``--namespace`` on the tenant's subject
   (``{prefix}.api.{ns}.claims.{op}``: a tenant's credentials allow only their own
   namespace, and the service scopes the answer to it), without it on the admin subject
@@ -76,6 +77,8 @@ def parse_time(flag: str, text: str | None) -> str | None:
 def _cell(value: Any) -> str:
     if value is None:
         return ""
+    if isinstance(value, bool):  # as JSON writes them, not Python's True/False
+        return "true" if value else "false"
     if isinstance(value, dict):
         return ",".join(f"{k}={v}" for k, v in value.items())
     return str(value)

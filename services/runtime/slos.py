@@ -1,40 +1,53 @@
-"""Service-level metrics read off the log as it is folded, by DeviceClass.
+"""Service-level metrics read off the log as it is folded, by DeviceClass: one home.
 
-Like :mod:`services.runtime.gauges`, nothing here is counted by a service. The rules
-live in :class:`SloFold`, which folds each event's meaning for the SLOs next to the
-:class:`~events.fold.ClusterState` that already holds it (the envelope's
-``recorded_at`` is the clock) and hands back :class:`Observation` s:
+Nothing here is counted by a service. The rules live in :class:`SloFold`, which folds
+each event's meaning for the SLOs next to the :class:`~events.fold.ClusterState` that
+already holds it (the envelope's ``recorded_at`` is the clock) and hands back
+:class:`Observation` s. :class:`SloTracker` exports them as Prometheus series from a
+live state; ``dracap report`` (:mod:`services.report.panels`) draws the same
+observations from the log: the two cannot disagree, and
+``tests/integration/test_slos.py`` checks that they do not on one log.
 
-* ``convergence``: from a claim's ``ClaimSubmitted`` to the event that made it Ready
-  (the status converged: its limits are applied), by the DeviceClass of its first
-  request;
+Slow and full are told apart. A claim that does not fit when it is decided
+(``ClaimUnschedulable``) is *waiting for capacity* until an allocation ends the wait:
+that is the class being full, not the control plane being slow, so it is measured on
+its own and kept out of the latency and convergence objectives.
+
+* ``scheduling``: from a claim's ``ClaimAdmitted`` to its first decision
+  (``AllocationBound`` or ``ClaimUnschedulable``): the decision's time, queueing in the
+  reservation service included, waiting for capacity not;
+* ``capacity_wait``: from a claim's ``ClaimUnschedulable`` to the ``AllocationBound``
+  that ends its wait (a claim withdrawn while it waits is not observed);
+* ``convergence``: from a claim's ``ClaimSubmitted`` — or, after a wait for capacity,
+  from the allocation that ended it — to the event that made it Ready (its limits are
+  applied), by the DeviceClass of its first request;
+* ``enforcement``: from ``AllocationBound`` to its node agent's first ``LimitApplied`` /
+  ``LimitFailed`` (the report's; Prometheus has the agent's own measure of that span,
+  ``dracap_enforcement_latency_seconds``, observed when its append commits);
 * ``decision``: each admission or scheduling decision, ``admitted`` / ``rejected``
   (``ClaimRejected``) / ``unschedulable`` (``ClaimUnschedulable``), by DeviceClass —
   the capacity rejection rate per class;
 * ``recovery``: from a node's ``NodeLeaseExpired`` to its recovery, ``returned`` (a new
-  lease) or ``fenced``;
-* with ``latencies=True`` also ``scheduling`` (``ClaimAdmitted`` to ``AllocationBound``
-  or ``ClaimUnschedulable``) and ``enforcement`` (``AllocationBound`` to its node
-  agent's first ``LimitApplied`` / ``LimitFailed``) per class. The services measure
-  these two themselves for Prometheus (the reservation and the agent observe
-  ``dracap_scheduling_latency_seconds{class}`` and
-  ``dracap_enforcement_latency_seconds{class}`` when their append commits); the log
-  gives the same spans for ``dracap report``, which has no Prometheus.
+  lease) or ``fenced``.
 
-:meth:`SloFold.pending` says what is pending now: claims submitted and neither Ready nor
-finished (rejected, withdrawn, released, failed), and shares whose node lost its lease,
-each with the time it started, by class.
+:meth:`SloFold.pending` says what is pending now, each with the time it started, by
+class: claims submitted and neither Ready nor finished (rejected, withdrawn, released,
+failed) nor waiting for capacity; claims waiting for capacity; shares whose node lost its
+lease.
 
 A :class:`SloTracker` listens to a :class:`~services.runtime.livestate.LiveState`,
 runs a :class:`SloFold` and exports it:
 
-* ``dracap_claim_convergence_seconds{class}`` and
-  ``dracap_node_recovery_seconds{outcome}`` (histograms; recovery has no class: a node
-  holds devices of several);
+* ``dracap_scheduling_latency_seconds{class}``, ``dracap_capacity_wait_seconds{class}``,
+  ``dracap_claim_convergence_seconds{class}`` and ``dracap_node_recovery_seconds{outcome}``
+  (histograms; recovery has no class: a node holds devices of several);
 * ``dracap_claim_decisions_total{class,outcome}`` (counter);
 * ``dracap_unconverged_claims{class}``, ``dracap_unconverged_claim_oldest_age_seconds{class}``,
-  ``dracap_unknown_shares{class}`` and ``dracap_unknown_share_oldest_age_seconds{class}``
-  (gauges, computed when scraped) — an alert on the last is the fence deadline.
+  ``dracap_capacity_waiting_claims{class}``,
+  ``dracap_capacity_waiting_oldest_age_seconds{class}``, ``dracap_unknown_shares{class}``
+  and ``dracap_unknown_share_oldest_age_seconds{class}`` (gauges, computed when scraped)
+  — an alert on the last is the fence deadline, one on the waiting age says a class is
+  full.
 
 The class label is the name of a DeviceClass the log defines (:func:`known_class`), so a
 tenant naming a class that does not exist adds no series. The fold keeps one timestamp
@@ -70,21 +83,24 @@ from events.catalog import (
     NodeLeaseExpired,
     ShareMarkedUnknown,
 )
-from events.fold import TERMINAL_PHASES, ClaimKey, ClusterState
+from events.fold import TERMINAL_PHASES, ClaimKey, ClusterState, ShareState
 from services.runtime.livestate import LiveState
-from services.runtime.metrics import REGISTRY
+from services.runtime.metrics import REGISTRY, SCHEDULING_LATENCY
 
 __all__ = [
+    "CAPACITY_WAIT",
     "CONVERGENCE",
     "DECISIONS",
     "GAUGE_NAMES",
     "NODE_RECOVERY",
+    "LiveCollector",
     "Observation",
     "Pending",
     "SloFold",
     "SloTracker",
     "first_class",
     "known_class",
+    "share_class",
 ]
 
 #: The gauges a started tracker serves (computed at each scrape).
@@ -93,6 +109,8 @@ GAUGE_NAMES: Final = (
     "dracap_unconverged_claim_oldest_age_seconds",
     "dracap_unknown_shares",
     "dracap_unknown_share_oldest_age_seconds",
+    "dracap_capacity_waiting_claims",
+    "dracap_capacity_waiting_oldest_age_seconds",
 )
 
 CONVERGENCE: Final = Histogram(
@@ -100,6 +118,14 @@ CONVERGENCE: Final = Histogram(
     "From a claim's submission to its Ready status (limits applied), by DeviceClass.",
     ["class"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+    registry=REGISTRY,
+)
+CAPACITY_WAIT: Final = Histogram(
+    "dracap_capacity_wait_seconds",
+    "From a claim found unschedulable (no free capacity) to the allocation that ends its "
+    "wait, by DeviceClass: the class being full, apart from the scheduling latency.",
+    ["class"],
+    buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400),
     registry=REGISTRY,
 )
 NODE_RECOVERY: Final = Histogram(
@@ -124,7 +150,7 @@ _DONE: Final = TERMINAL_PHASES | {"ready", "stalled"}
 class Observation(NamedTuple):
     """One thing an event meant for the SLOs (see the module docstring)."""
 
-    kind: str  #: convergence, decision, recovery, scheduling or enforcement
+    kind: str  #: convergence, decision, recovery, scheduling, capacity_wait or enforcement
     label: str  #: the DeviceClass ("" none); for recovery the outcome
     value: float  #: seconds; 1 for a decision
     outcome: str = ""  #: a decision's outcome; scheduling: allocated or unschedulable;
@@ -134,8 +160,9 @@ class Observation(NamedTuple):
 class Pending(NamedTuple):
     """What is pending now, by class: since when each claim or share has been."""
 
-    claims: dict[str, list[datetime.datetime]]
+    claims: dict[str, list[datetime.datetime]]  #: unconverged (not waiting for capacity)
     unknown: dict[str, list[datetime.datetime]]
+    waiting: dict[str, list[datetime.datetime]]  #: waiting for capacity
 
 
 def first_class(state: ClusterState, key: ClaimKey) -> str:
@@ -152,16 +179,23 @@ def known_class(state: ClusterState, key: ClaimKey) -> str:
     return name if name in state.classes else ""
 
 
+def share_class(state: ClusterState, share: ShareState) -> str | None:
+    """The DeviceClass the share's request asked for (``None``: not known)."""
+    claim = state.claims.get(share.claim)
+    return claim.class_of(share.request) if claim is not None else None
+
+
 class SloFold:
     """The SLO bookkeeping of the module docstring, folded next to a ``ClusterState``."""
 
-    def __init__(self, *, latencies: bool = False) -> None:
-        self.latencies = latencies
-        #: unconverged claims: submitted at, class
+    def __init__(self) -> None:
+        #: unconverged claims (not waiting): since (submitted, or their wait ended), class
         self.pending_claims: dict[ClaimKey, tuple[datetime.datetime, str]] = {}
+        #: claims waiting for capacity: unschedulable since, class
+        self.waiting: dict[ClaimKey, tuple[datetime.datetime, str]] = {}
         self.unknown: dict[str, datetime.datetime] = {}  #: unknown shares: unknown since
         self.expired_at: dict[str, datetime.datetime] = {}  #: lost nodes: expired at
-        self.admitted: dict[ClaimKey, datetime.datetime] = {}  #: waiting to be scheduled
+        self.admitted: dict[ClaimKey, datetime.datetime] = {}  #: not decided yet
         self.bound: dict[ClaimKey, datetime.datetime] = {}  #: waiting for their agent
 
     def observe(
@@ -175,10 +209,8 @@ class SloFold:
         elif isinstance(event, (ClaimAdmitted, ClaimRejected, ClaimUnschedulable)):
             key = (event.namespace, event.name)
             cls = known_class(state, key)
-            outcome = _DECISION[type(event)]
-            out.append(Observation("decision", cls, 1.0, outcome))
-            if self.latencies:
-                self._latencies(event, key, cls, at, out)
+            out.append(Observation("decision", cls, 1.0, _DECISION[type(event)]))
+            self._decided(event, key, cls, at, out)
         elif isinstance(event, NodeLeaseExpired):
             self.expired_at.setdefault(event.node, at)
             node = state.nodes.get(event.node)
@@ -193,33 +225,47 @@ class SloFold:
             if since is not None:
                 outcome = "fenced" if isinstance(event, NodeFenced) else "returned"
                 out.append(Observation("recovery", outcome, (at - since).total_seconds()))
-        elif self.latencies and isinstance(event, AllocationBound):
+        elif isinstance(event, AllocationBound):
             key = (event.namespace, event.name)
-            self._latencies(event, key, known_class(state, key), at, out)
-        elif self.latencies and isinstance(event, (LimitApplied, LimitFailed)):
+            self._decided(event, key, known_class(state, key), at, out)
+        elif isinstance(event, (LimitApplied, LimitFailed)):
             share = state.shares.get(event.share_id)
             if share is not None:
-                self._latencies(event, share.claim, known_class(state, share.claim), at, out)
+                self._enforced(event, share.claim, known_class(state, share.claim), at, out)
         self._settle(state, event, at, out)
         return out
 
-    def _latencies(
+    def _decided(
         self, event: Event, key: ClaimKey, cls: str, at: datetime.datetime, out: list[Observation]
     ) -> None:
+        """Scheduling, and waiting for capacity (see the module docstring)."""
         if isinstance(event, ClaimAdmitted):
             self.admitted[key] = at
-        elif isinstance(event, (AllocationBound, ClaimUnschedulable)):
-            admitted = self.admitted.pop(key, None)
-            if admitted is not None:
-                outcome = "allocated" if isinstance(event, AllocationBound) else "unschedulable"
-                out.append(Observation("scheduling", cls, (at - admitted).total_seconds(), outcome))
-            if isinstance(event, AllocationBound):
-                self.bound[key] = at
-        elif isinstance(event, (LimitApplied, LimitFailed)):
-            bound = self.bound.pop(key, None)
-            if bound is not None:
-                outcome = "applied" if isinstance(event, LimitApplied) else "failed"
-                out.append(Observation("enforcement", cls, (at - bound).total_seconds(), outcome))
+            return
+        if isinstance(event, ClaimRejected):
+            return
+        admitted = self.admitted.pop(key, None)
+        if admitted is not None:  # the first decision
+            outcome = "allocated" if isinstance(event, AllocationBound) else "unschedulable"
+            out.append(Observation("scheduling", cls, (at - admitted).total_seconds(), outcome))
+        if isinstance(event, ClaimUnschedulable):
+            if key not in self.waiting:
+                self.pending_claims.pop(key, None)
+                self.waiting[key] = (at, cls)
+            return
+        self.bound[key] = at
+        waited = self.waiting.pop(key, None)
+        if waited is not None:  # capacity came: the claim is the control plane's again
+            out.append(Observation("capacity_wait", cls, (at - waited[0]).total_seconds()))
+            self.pending_claims[key] = (at, cls)
+
+    def _enforced(
+        self, event: Event, key: ClaimKey, cls: str, at: datetime.datetime, out: list[Observation]
+    ) -> None:
+        bound = self.bound.pop(key, None)
+        if bound is not None:
+            outcome = "applied" if isinstance(event, LimitApplied) else "failed"
+            out.append(Observation("enforcement", cls, (at - bound).total_seconds(), outcome))
 
     def _settle(
         self, state: ClusterState, event: Event, at: datetime.datetime, out: list[Observation]
@@ -245,23 +291,27 @@ class SloFold:
             if phase in TERMINAL_PHASES:  # nothing more to wait for
                 self.admitted.pop(key, None)
                 self.bound.pop(key, None)
+                self.waiting.pop(key, None)
             if key in self.pending_claims and phase in _DONE:
-                submitted, cls = self.pending_claims.pop(key)
+                since, cls = self.pending_claims.pop(key)
                 if phase in ("ready", "stalled"):
-                    seconds = (at - submitted).total_seconds()
-                    out.append(Observation("convergence", cls, seconds))
+                    out.append(Observation("convergence", cls, (at - since).total_seconds()))
         for unknown in shares:
             if unknown in self.unknown and _share_state(state, unknown) != "unknown":
                 del self.unknown[unknown]
 
     def pending(self, state: ClusterState) -> Pending:
-        """Unconverged claims and unknown shares now, by class."""
+        """Unconverged claims, claims waiting for capacity and unknown shares now, by class."""
         shares = [
             (since, known_class(state, state.shares[s].claim))
             for s, since in self.unknown.items()
             if s in state.shares
         ]
-        return Pending(_by_class(self.pending_claims.values()), _by_class(shares))
+        return Pending(
+            _by_class(self.pending_claims.values()),
+            _by_class(shares),
+            _by_class(self.waiting.values()),
+        )
 
 
 _DECISION: Final[dict[type, str]] = {
@@ -271,31 +321,26 @@ _DECISION: Final[dict[type, str]] = {
 }
 
 
-class SloTracker(Collector):
-    """Exports a :class:`SloFold` of the live state (see the module docstring)."""
+class LiveCollector(Collector):
+    """A collector a live state's events keep current: listening and served from the
+    registry between :meth:`attach` and :meth:`stop`, once per process."""
 
-    def __init__(
-        self, live: LiveState, *, now: Callable[[], datetime.datetime] | None = None
-    ) -> None:
+    def __init__(self, live: LiveState) -> None:
         self.live = live
-        self.fold = SloFold()
-        # ages count on the database's clock, as the recorded_at they start from
-        self._now = now or live.store.clock.now
         self._unsubscribe: Callable[[], None] | None = None
         self._registered = False
 
-    def start(self) -> None:
-        """Listen to the live state and serve the gauges from the registry."""
-        if self._unsubscribe is None:
-            self._unsubscribe = self.live.subscribe(self.observe)
-            for cls in self.live.state.classes:  # every known class's decisions at 0
-                for outcome in DECISION_OUTCOMES:
-                    DECISIONS.labels(cls, outcome)
-            try:
-                REGISTRY.register(self)
-                self._registered = True
-            except ValueError:  # another tracker of this process serves the gauges
-                log.warning("the SLO gauges are served by another tracker of this process")
+    def attach(self, listener: Callable[[Envelope], None], what: str) -> bool:
+        """Listen with ``listener`` and serve ``what``; False when attached already."""
+        if self._unsubscribe is not None:
+            return False
+        self._unsubscribe = self.live.subscribe(listener)
+        try:
+            REGISTRY.register(self)
+            self._registered = True
+        except ValueError:  # another tracker of this process serves them
+            log.warning("%s are served by another tracker of this process", what)
+        return True
 
     def stop(self) -> None:
         if self._unsubscribe is not None:
@@ -304,6 +349,27 @@ class SloTracker(Collector):
         if self._registered:
             REGISTRY.unregister(self)
             self._registered = False
+
+
+class SloTracker(LiveCollector):
+    """Exports a :class:`SloFold` of the live state (see the module docstring)."""
+
+    def __init__(
+        self, live: LiveState, *, now: Callable[[], datetime.datetime] | None = None
+    ) -> None:
+        super().__init__(live)
+        self.fold = SloFold()
+        # ages count on the database's clock, as the recorded_at they start from
+        self._now = now or live.store.clock.now
+
+    def start(self) -> None:
+        """Listen to the live state and serve the gauges from the registry."""
+        if self.attach(self.observe, "the SLO gauges"):
+            for cls in self.live.state.classes:  # every known class's series at 0
+                for outcome in DECISION_OUTCOMES:
+                    DECISIONS.labels(cls, outcome)
+                for histogram in (SCHEDULING_LATENCY, CAPACITY_WAIT, CONVERGENCE):
+                    histogram.labels(cls)
 
     def observe(self, env: Envelope) -> None:
         """Fold one envelope's meaning for the metrics (``live.state`` already has it)."""
@@ -314,38 +380,56 @@ class SloTracker(Collector):
                 NODE_RECOVERY.labels(seen.label).observe(seen.value)
             elif seen.kind == "decision":
                 DECISIONS.labels(seen.label, seen.outcome).inc()
+            elif seen.kind == "scheduling":
+                SCHEDULING_LATENCY.labels(seen.label).observe(seen.value)
+            elif seen.kind == "capacity_wait":
+                CAPACITY_WAIT.labels(seen.label).observe(seen.value)
 
     def collect(self) -> Iterable[Metric]:
         """The gauges, computed now (a scrape)."""
         now = self._now()
         pending = self.fold.pending(self.live.state)
-        count = GaugeMetricFamily(
-            GAUGE_NAMES[0],
-            "Claims submitted and neither Ready nor finished, by DeviceClass.",
-            labels=["class"],
-        )
-        oldest = GaugeMetricFamily(
-            GAUGE_NAMES[1],
-            "Age of the oldest claim submitted and neither Ready nor finished.",
-            labels=["class"],
-        )
-        for cls, times in pending.claims.items():
-            count.add_metric([cls], len(times))
-            oldest.add_metric([cls], (now - min(times)).total_seconds())
-        unknown = GaugeMetricFamily(
-            GAUGE_NAMES[2],
-            "Shares whose node lost its lease (capacity held until fenced or confirmed).",
-            labels=["class"],
-        )
-        unknown_age = GaugeMetricFamily(
-            GAUGE_NAMES[3],
-            "How long the oldest unknown share has been unknown.",
-            labels=["class"],
-        )
-        for cls, times in pending.unknown.items():
-            unknown.add_metric([cls], len(times))
-            unknown_age.add_metric([cls], (now - min(times)).total_seconds())
-        yield from (count, oldest, unknown, unknown_age)
+        for cls in self.live.state.classes:  # a class nobody waits for reads 0
+            pending.waiting.setdefault(cls, [])
+        for (count, oldest), by_class in zip(
+            _GAUGES, (pending.claims, pending.unknown, pending.waiting), strict=True
+        ):
+            yield from _count_and_age(count, oldest, by_class, now)
+
+
+#: each pair of gauges: (name, help) of the count and of the oldest's age
+_GAUGES: Final = (
+    (
+        (GAUGE_NAMES[0], "Claims submitted and neither Ready nor finished nor waiting for "
+         "capacity, by DeviceClass."),
+        (GAUGE_NAMES[1], "Age of the oldest claim submitted and neither Ready nor finished."),
+    ),
+    (
+        (GAUGE_NAMES[2], "Shares whose node lost its lease (capacity held until fenced or "
+         "confirmed)."),
+        (GAUGE_NAMES[3], "How long the oldest unknown share has been unknown."),
+    ),
+    (
+        (GAUGE_NAMES[4], "Claims waiting for capacity (unschedulable until an allocation), "
+         "by DeviceClass."),
+        (GAUGE_NAMES[5], "How long the oldest claim waiting for capacity has waited."),
+    ),
+)  # fmt: skip
+
+
+def _count_and_age(
+    count: tuple[str, str],
+    oldest: tuple[str, str],
+    by_class: dict[str, list[datetime.datetime]],
+    now: datetime.datetime,
+) -> Iterable[Metric]:
+    """How many per class, and the oldest's age (0 for a class with none)."""
+    counted = GaugeMetricFamily(*count, labels=["class"])
+    aged = GaugeMetricFamily(*oldest, labels=["class"])
+    for cls, times in by_class.items():
+        counted.add_metric([cls], len(times))
+        aged.add_metric([cls], (now - min(times)).total_seconds() if times else 0.0)
+    yield from (counted, aged)
 
 
 def _phase(state: ClusterState, key: ClaimKey) -> str:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import csv
 import datetime
+import io
 import json
 import time
 import uuid
@@ -235,6 +237,14 @@ async def test_usage_equals_amount_times_time_and_tenants_see_their_own(
 ) -> None:
     await subscribers.kill_subscribers()
     await subscribers.start_subscribers(serve=True)  # with the query endpoints
+    flags = ["--nats", nats_url, "--prefix", subscribers.names.prefix]
+    deadline = time.monotonic() + 30  # until the query endpoints answer (started above)
+    while (await _cli(["usage", "-o", "json", *flags]))[0] != 0:
+        assert time.monotonic() < deadline, "the usage endpoint never answered"
+        await asyncio.sleep(0.05)
+    for output, nothing in (("table", "NAMESPACE"), ("json", "[]"), ("csv", "namespace,")):
+        code, out = await _cli(["usage", "-o", output, *flags])  # no usage yet: no error
+        assert code == 0 and out.strip().startswith(nothing), out
     at: dict[str, datetime.datetime] = {}
 
     async def on_step(envs: list[Envelope]) -> None:
@@ -304,8 +314,20 @@ async def test_usage_equals_amount_times_time_and_tenants_see_their_own(
             assert (refused.value.code, refused.value.field) == ("invalid", "namespace")
         everyone = (await api.admin("audit.list", {}))["records"]
         assert len({row["namespace"] for row in everyone}) > 2
+        newest = (await api.admin("audit.list", {"limit": 3}))["records"]
+        assert newest == everyone[-3:]  # the newest, in log order
+        device = next(row["device"] for row in everyone if row["device"])
+        full = (await api.admin("audit.list", {"device": device}))["records"]
+        short = device.split("/", 1)[1]  # POOL/DEVICE, as `dracap devices` prints it
+        assert full and (await api.admin("audit.list", {"device": short}))["records"] == full
 
-    flags = ["--nats", nats_url, "--prefix", subscribers.names.prefix]
+    code, out = await _cli(["usage", "-o", "csv", *flags])
+    assert code == 0
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert rows and {row["open"] for row in rows} <= {"true", "false"}
+    for row in rows:  # plain decimals, as a spreadsheet reads them
+        for column in ("amount", "unit_seconds"):
+            assert "E" not in row[column] and Decimal(row[column]) >= 0, row
     for command in (["audit", "-n", "team-b"], ["usage", "-n", "team-b"]):
         code, out = await _cli([*command, "-o", "json", *flags])
         assert code == 0, out

@@ -26,6 +26,7 @@ import msgspec
 import pytest
 
 from events import catalog as c
+from events import model
 from events.fold import ClusterState
 from services.cli import main
 from services.exitcodes import ExitCode
@@ -574,3 +575,53 @@ async def test_the_snapshot_service_writes_every_n_events_serves_metrics_and_sto
     started = LiveState(store)
     assert await started.load_snapshot()
     assert started.state.position == head + 7
+
+
+async def test_plot_names_devices_as_devices_prints_them_and_a_class_counts_every_device(
+    store: EventStore, database_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.replay.history import usage_series
+
+    selector = {"cel": {"expression": f'device.driver == "{s.DRIVER}"'}}
+    gpu_class = model.convert(
+        {"metadata": {"name": s.DRIVER}, "spec": {"selectors": [selector]}}, model.DeviceClass
+    )
+    await put(
+        store, c.DeviceClassApplied(device_class=gpu_class, rollout="immediate"), actor=OPERATOR
+    )
+    three = {f"gpu-{i}": {"memory": "80Gi"} for i in range(3)}
+    await put(store, s.slice_published(devices=three), actor=OPERATOR)
+    other = s.slice_published("node-b-gpus", {"gpu-0": {"memory": "80Gi"}}, pool="node-b")
+    await put(store, other, actor=OPERATOR)
+    await _claim(store, "team-a", "c1", "gpu-1", "10Gi")  # one device of four holds a share
+
+    async with (
+        store.pool.acquire() as connection,
+        DatabaseSource(connection, snapshots=False) as source,
+    ):
+        samples, unit = await usage_series(source, "class", s.DRIVER, "memory")
+    assert unit == "GiB" and samples[-1].total == 4 * 80 and samples[-1].by_tenant == {"team-a": 10}
+
+    flags = ("--database-url", database_url)
+    png = tmp_path / "one.png"
+    code, out, err = await dracap(
+        capsys, "replay", "plot", f"{s.POOL}/gpu-1", "--out", str(png), *flags
+    )
+    assert code == 0, err
+    code, out, err = await dracap(capsys, "replay", "plot", "gpu-0", "--out", str(png), *flags)
+    assert code == ExitCode.BAD_INPUT and len(err.splitlines()) == 1, err
+    assert "ambiguous" in err and f"{s.POOL}/gpu-0" in err and "node-b/gpu-0" in err
+    code, out, err = await dracap(capsys, "replay", "timeline", "gpu-0", *flags)
+    assert code == ExitCode.BAD_INPUT and "ambiguous" in err
+
+    nowhere = tmp_path / "no" / "such" / "dir" / "x.png"
+    code, out, err = await dracap(capsys, "replay", "plot", s.DRIVER, "--out", str(nowhere), *flags)
+    assert code == ExitCode.BAD_INPUT and err.count("\n") == 1 and "does not exist" in err
+    code, out, err = await dracap(
+        capsys, "replay", "import", str(tmp_path / "missing.ndjson"), *flags
+    )
+    assert code == ExitCode.BAD_INPUT and err.count("\n") == 1 and "no such file" in err
+
+    code, out, err = await dracap(capsys, "replay", "state", "-o", "json", *flags)  # the head
+    assert code == 0, err
+    assert _json(out)["position"] == await store.head()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,24 @@ async def test_a_stalled_claim_keeps_its_capacity_until_a_consumer_reserves_it(
     assert await replica.tick() == 0, "a reserved claim has started: nothing to do"
     code, out, _ = await dracap(capsys, *argv, *flags)
     assert code == ExitCode.OK and json.loads(out)["unchanged"] == [consumer]
+
+    # status.reservedFor[].uid: the consumer's own when given, else derived, never empty
+    uid = str(uuid.uuid4())
+    other = ["claim", "reserve", "parked", "--for", f"pod/{NAMESPACE}/trainer-1", "--uid", uid]
+    code, _, err = await dracap(capsys, *other, "-n", NAMESPACE, *flags)
+    assert code == ExitCode.OK, err
+    again = ["claim", "reserve", "parked", "--for", f"pod/{NAMESPACE}/trainer-1"]
+    code, _, err = await dracap(capsys, *again, "--uid", str(uuid.uuid4()), "-n", NAMESPACE, *flags)
+    assert code == ExitCode.REJECTED and uid in err, "another pod of that name"
+    get = ["claim", "get", "parked", "-n", NAMESPACE, "-o", "json"]
+    code, out, _ = await dracap(capsys, *get, *flags)
+    refs = {ref["name"]: ref["uid"] for ref in json.loads(out)["status"]["reservedFor"]}
+    assert refs["trainer-1"] == uid and uuid.UUID(refs["trainer-0"])
+    code, out, _ = await dracap(capsys, *get, *flags)
+    assert {ref["name"]: ref["uid"] for ref in json.loads(out)["status"]["reservedFor"]} == refs
+    code, _, err = await dracap(capsys, "claim", "unreserve", "parked", "--for",
+                                f"pod/{NAMESPACE}/trainer-1", "-n", NAMESPACE, *flags)  # fmt: skip
+    assert code == ExitCode.OK, err
 
     bad = ["claim", "reserve", "parked", "--for", "pod/other-ns/x", "-n", NAMESPACE]
     code, _, err = await dracap(capsys, *bad, *flags)

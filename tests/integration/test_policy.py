@@ -175,6 +175,31 @@ async def test_a_policy_change_keeps_old_shares_and_rounds_new_claims_up_to_the_
     assert code == 0 and "v2 now" in out and old["share_id"] in out and "v1" in out
 
 
+async def test_policy_set_changes_only_the_fields_given_and_prints_the_result(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # in force: default 5Gi, validRange min 5Gi, step 5Gi, max 40Gi (deploy/examples)
+    where = ["--driver", GPU_CLASS, "--device", "node-a-gpus/gpu-0", "--capacity", "memory"]
+    code, out, err = await dracap(capsys, "policy", "set", *where, "--min", "10Gi", *cluster.flags)
+    assert code == 0, err
+    assert out.strip().endswith("set (v2): default 10Gi, min 10Gi, step 5Gi, max 40Gi"), out
+    code, out, err = await dracap(
+        capsys, "policy", "set", *where, "--max", "20Gi", "-o", "json", *cluster.flags
+    )
+    assert code == 0, err
+    reply = json.loads(out)
+    assert reply["policy_version"] == 3
+    assert reply["request_policy"] == {
+        "default": "10Gi",
+        "validRange": {"min": "10Gi", "max": "20Gi", "step": "5Gi"},
+    }
+    code, out, err = await dracap(
+        capsys, "policy", "set", *where, "--replace", "--min", "10Gi", *cluster.flags
+    )
+    assert code == 0, err
+    assert out.strip().endswith("set (v4): default 10Gi, min 10Gi"), out
+
+
 async def test_a_policy_set_for_an_unknown_capacity_or_breaking_a_rule_is_refused(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -129,7 +129,7 @@ async def test_the_command_writes_a_png_from_the_database_and_from_an_export(
     db = ("--database-url", database_url)
     code, out, err = await dracap(capsys, "report", "--out", str(png), *db)
     assert code == 0, err
-    assert "16 panels" in out and png.read_bytes()[:8] == PNG
+    assert "18 panels" in out and png.read_bytes()[:8] == PNG
 
     log = tmp_path / "log.ndjson"
     code, _, err = await dracap(capsys, "replay", "export", "--out", str(log), *db)

@@ -20,6 +20,7 @@ from services.claims.adminwrites import (
     LEDGER_REFUSED,
     AdminWrite,
     PolicyChange,
+    PolicyPatch,
     decide_access,
     decide_classes,
     decide_delete,
@@ -74,6 +75,15 @@ def _set(
 ) -> Callable[[ClusterState], AdminWrite]:
     change = PolicyChange(
         driver="gpu.test.io", pool="node-a-pool", device=device, capacity=capacity, policy=policy
+    )
+    return lambda s: decide_policy(s, change)
+
+
+def _patch(**fields: Any) -> Callable[[ClusterState], AdminWrite]:
+    """``policies.set`` with only the fields given (quantities as text)."""
+    patch = model.convert(fields, PolicyPatch)
+    change = PolicyChange(
+        driver="gpu.test.io", pool="node-a-pool", device="gpu-0", capacity="memory", patch=patch
     )
     return lambda s: decide_policy(s, change)
 
@@ -290,6 +300,55 @@ CASES = [
         _set(IN_FORCE),
         [],
         unchanged=[f"{DEVICE}/memory"],
+    ),
+    # the policy in force: default 5Gi, min 5Gi, step 5Gi, max 40Gi
+    Case(
+        "a-patch-of-min-keeps-step-and-max-and-raises-the-default-to-it",
+        _patch(min="10Gi"),
+        ["RequestPolicyChanged gpu-0 memory v2 default 10Gi, min 10Gi, step 5Gi, max 40Gi"],
+        applied=[f"{DEVICE}/memory"],
+    ),
+    Case(
+        "a-patch-of-max-keeps-the-rest",
+        _patch(max="20Gi"),
+        ["RequestPolicyChanged gpu-0 memory v2 default 5Gi, min 5Gi, step 5Gi, max 20Gi"],
+        applied=[f"{DEVICE}/memory"],
+    ),
+    Case(
+        "a-patch-of-the-default-keeps-the-range",
+        _patch(default="15Gi"),
+        ["RequestPolicyChanged gpu-0 memory v2 default 15Gi, min 5Gi, step 5Gi, max 40Gi"],
+        applied=[f"{DEVICE}/memory"],
+    ),
+    Case(
+        "a-patch-of-values-replaces-the-range-and-keeps-a-default-among-them",
+        _patch(values=["5Gi", "20Gi"]),
+        ["RequestPolicyChanged gpu-0 memory v2 default 5Gi, values 5Gi/20Gi"],
+        applied=[f"{DEVICE}/memory"],
+    ),
+    Case(
+        "a-patch-equal-to-the-policy-in-force-is-unchanged",
+        _patch(step="5Gi"),
+        [],
+        unchanged=[f"{DEVICE}/memory"],
+    ),
+    Case(
+        "a-patch-of-values-with-a-range-field-is-refused-naming-both",
+        _patch(values=["5Gi"], min="5Gi"),
+        [],
+        refused="validValues and validRange (min, step, max) exclude each other",
+        code="invalid",
+        kind="invalid-policy",
+        refused_field="patch.values",
+    ),
+    Case(
+        "a-patched-policy-that-breaks-a-rule-is-refused-naming-it",
+        _patch(max="45Gi"),
+        [],
+        refused="must be less than or equal to the capacity value 40Gi",
+        code="invalid",
+        kind="invalid-policy",
+        refused_field="policy.validRange.max",
     ),
     Case(
         "an-unknown-device-is-refused-naming-the-field",

@@ -155,3 +155,19 @@ def test_a_log_written_by_hand_never_stops_billing() -> None:
     opened = apply([env(r, 3, 0)], {}, {}, {})  # the claim was never submitted
     assert opened.shares[r.share_id].device_class == ""
     assert apply([env(s.released(r), 4, 0)], {}, {}, {}).segments == []  # never reserved
+
+
+@pytest.mark.parametrize(
+    ("number", "text"),
+    [
+        (Decimal("1.62E+11"), "162000000000"),
+        (Decimal("0E-6"), "0"),
+        (Decimal("1.500000"), "1.5"),
+        (Decimal("12.000001"), "12.000001"),
+        (Decimal(100), "100"),
+    ],
+)
+def test_usage_numbers_are_plain_decimals(number: Decimal, text: str) -> None:
+    from services.billing.service import plain
+
+    assert plain(number) == text

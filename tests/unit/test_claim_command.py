@@ -144,24 +144,58 @@ def test_connection_file_is_written_into_a_new_data_directory(tmp_path: Path) ->
 
 
 def _policy_flags(*argv: str) -> object:
-    where = ["--driver", "d", "--pool", "p", "--device", "x", "--capacity", "memory"]
+    where = ["--driver", "d", "--device", "p/x", "--capacity", "memory"]
     args = cli.build_parser(["policy"]).parse_args(["policy", "set", *where, *argv])
     return command.policy_of(args)
 
 
-def test_policy_set_flags_make_a_request_policy_with_min_as_the_default() -> None:
-    assert _policy_flags("--min", "10Gi", "--step", "5Gi") == {
-        "default": "10Gi",
-        "validRange": {"min": "10Gi", "step": "5Gi"},
-    }
-    assert _policy_flags("--values", "1Gi,3Gi", "--default", "1Gi") == {
-        "default": "1Gi",
-        "validValues": ["1Gi", "3Gi"],
-    }
-    assert _policy_flags("--none") is None
+def test_policy_set_flags_change_only_the_fields_given() -> None:
+    assert _policy_flags("--min", "10Gi") == ("patch", {"min": "10Gi"})
+    assert _policy_flags("--step", "5Gi", "--max", "40Gi") == (
+        "patch",
+        {"step": "5Gi", "max": "40Gi"},
+    )
+    assert _policy_flags("--values", "1Gi,3Gi") == ("patch", {"values": ["1Gi", "3Gi"]})
+    assert _policy_flags("--none") == ("policy", None)
 
 
-@pytest.mark.parametrize("argv", [(), ("--step", "5Gi"), ("--none", "--min", "1Gi")])
+def test_policy_set_replace_makes_a_whole_request_policy_with_min_as_the_default() -> None:
+    assert _policy_flags("--replace", "--min", "10Gi", "--step", "5Gi") == (
+        "policy",
+        {"default": "10Gi", "validRange": {"min": "10Gi", "step": "5Gi"}},
+    )
+    assert _policy_flags("--replace", "--values", "1Gi,3Gi", "--default", "1Gi") == (
+        "policy",
+        {"default": "1Gi", "validValues": ["1Gi", "3Gi"]},
+    )
+
+
+@pytest.mark.parametrize(
+    ("pool", "device", "expected"),
+    [(None, "p/x", ("p", "x")), ("p", "x", ("p", "x")), ("p", "p/x", ("p", "x"))],
+)
+def test_a_device_is_pool_slash_device_or_pool_and_device(
+    pool: str | None, device: str, expected: tuple[str, str]
+) -> None:
+    assert command.pool_and_device(pool, device) == expected
+
+
+@pytest.mark.parametrize(("pool", "device"), [(None, "x"), ("q", "p/x"), (None, "/x")])
+def test_a_device_without_its_pool_is_bad_input(pool: str | None, device: str) -> None:
+    with pytest.raises(CommandError) as caught:
+        command.pool_and_device(pool, device)
+    assert caught.value.exit_code == ExitCode.BAD_INPUT and "POOL/DEVICE" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        (),
+        ("--replace", "--step", "5Gi"),
+        ("--none", "--min", "1Gi"),
+        ("--values", "1Gi", "--min", "1Gi"),
+    ],
+)
 def test_policy_set_flags_that_say_no_policy_are_bad_input(argv: tuple[str, ...]) -> None:
     with pytest.raises(CommandError) as caught:
         _policy_flags(*argv)

@@ -37,8 +37,8 @@ ROWS = [{"namespace": "a", "amounts": {"memory": "1Gi"}, "open": True, "extra": 
 @pytest.mark.parametrize(
     ("output", "expected"),
     [
-        ("table", "NAMESPACE  AMOUNTS     OPEN\na          memory=1Gi  True"),
-        ("csv", "namespace,amounts,open\na,memory=1Gi,True"),
+        ("table", "NAMESPACE  AMOUNTS     OPEN\na          memory=1Gi  true"),
+        ("csv", "namespace,amounts,open\na,memory=1Gi,true"),  # as JSON writes it
     ],
 )
 def test_table_and_csv_show_the_columns(output: str, expected: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -14,6 +17,8 @@ from services.claims.adminwrites import (
     MAX_RESERVED_FOR,
     NodeFence,
     Reservation,
+    consumer_ref,
+    consumer_uid,
     decide_fence,
     decide_mode,
     decide_reservation,
@@ -283,6 +288,40 @@ def test_a_reservation_needs_an_allocated_claim_and_has_a_limit() -> None:
         log.state(), "tenant-a", Reservation(name="train", consumer="pod/tenant-a/z"), reserve=True
     )
     assert full.refusal is not None and full.refusal.kind == "reserved-for-full"
+
+
+UID = "0b5c3f4e-2d1a-4c8b-9e7f-6a5b4c3d2e1f"
+
+
+def test_a_consumer_is_one_reservation_whatever_its_uid_and_its_uid_is_never_empty() -> None:
+    log = _ready_log("train")
+
+    def reserve(uid: str | None, *, pod: str = "p", reserving: bool = True) -> Any:
+        request = Reservation(name="train", consumer=f"pod/tenant-a/{pod}", uid=uid)
+        write = decide_reservation(log.state(), "tenant-a", request, reserve=reserving)
+        log.add(*write.events)
+        return write
+
+    assert reserve(UID).events == (
+        c.ClaimReserved(namespace="tenant-a", name="train", consumer=f"pod/tenant-a/p/{UID}"),
+    )
+    assert reserve(UID).unchanged == ("pod/tenant-a/p",)
+    assert reserve(None).unchanged == ("pod/tenant-a/p",)  # the name alone: the same pod
+    other = reserve("1b5c3f4e-2d1a-4c8b-9e7f-6a5b4c3d2e1f")
+    assert other.refusal is not None and other.refusal.kind == "reserved-by-another"
+    bad = reserve("not-a-uid", pod="q")
+    assert bad.refusal is not None and bad.refusal.field == "uid"
+    gone = reserve(None, reserving=False)  # by name, whatever uid it was reserved with
+    assert gone.events == (
+        c.ClaimUnreserved(namespace="tenant-a", name="train", consumer=f"pod/tenant-a/p/{UID}"),
+    )
+    assert log.state().claims[("tenant-a", "train")].reserved_for == []
+
+    ref = consumer_ref("pod/tenant-a/q")
+    derived = consumer_uid("tenant-a", "train", ref)
+    assert str(uuid.UUID(derived)) == derived == consumer_uid("tenant-a", "train", ref)
+    assert consumer_uid("tenant-a", "other", ref) != derived
+    assert consumer_uid("tenant-a", "train", consumer_ref(f"pod/tenant-a/p/{UID}")) == UID
 
 
 @pytest.mark.parametrize(

@@ -296,6 +296,9 @@ def test_simulate_command_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
         (["simulate", "--max-wait", "-1"], "--max-wait: must be a number of seconds >= 0"),
         (["simulate", "--sizes", "4Gi:0"], "--sizes: entry 0: must be SIZE[:WEIGHT]"),
         (["simulate", "--trace", "/nonexistent.csv"], "/nonexistent.csv: file: cannot be read"),
+        # checked before the run, not after it
+        (["simulate", "--plot", "/nonexistent/dir/cmp.png"], "directory /nonexistent/dir does"),
+        (["simulate", "--plot", "cmp.svg"], "--plot cmp.svg: must end in .png"),
         (["plan", "--devices", "1", "--capacity", "1Gi", "--target-utilization", "2"], "(0, 1]"),
         (["plan", "--target-utilization", "0.7"], "--devices and --capacity are required"),
     ],

@@ -7,9 +7,17 @@ from typing import Any
 
 from events import catalog as c
 from events.fold import ClusterState, apply
+from services.enforcement.decisions import released
 from services.runtime.metrics import REGISTRY
 from services.runtime.slos import SloTracker
-from tests.unit.decision_fixtures import NODE, Log, gpu, inventory, memory_claim
+from tests.unit.decision_fixtures import (
+    NODE,
+    Log,
+    admitted,
+    gpu,
+    inventory,
+    memory_claim,
+)
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 
@@ -37,10 +45,12 @@ def _sample(name: str, **labels: str) -> float | None:
 
 
 def _gauges(tracker: SloTracker) -> dict[tuple[str, str], float]:
+    """The gauges that are not 0 (a known class's waiting claims read 0, never vanish)."""
     out: dict[tuple[str, str], float] = {}
     for family in tracker.collect():
         for sample in family.samples:
-            out[(sample.name, sample.labels["class"])] = sample.value
+            if sample.value:
+                out[(sample.name, sample.labels["class"])] = sample.value
     return out
 
 
@@ -127,7 +137,7 @@ def test_the_fold_gives_scheduling_enforcement_and_decisions_by_class() -> None:
     log.add(c.ClaimSubmitted(claim=bogus))
     log.add(c.ClaimRejected(namespace="tenant-a", name="nowhere", field="f", rule="r", reason=""))
 
-    fold, state, seen = SloFold(latencies=True), ClusterState(), []
+    fold, state, seen = SloFold(), ClusterState(), []
     start = len(log.envelopes) - 9  # the claim's events onwards, 1 s apart
     for env in log.envelopes[:start]:
         apply(state, env)
@@ -147,7 +157,7 @@ def test_the_fold_gives_scheduling_enforcement_and_decisions_by_class() -> None:
     assert enforcement == Observation("enforcement", cls, 1.0, "applied")
     assert convergence == Observation("convergence", cls, 4.0)
     assert fold.admitted == {} and fold.bound == {} and fold.pending_claims == {}
-    assert fold.pending(state) == ({}, {})
+    assert fold.pending(state) == ({}, {}, {})
 
 
 class _CountingSet(set[str]):
@@ -182,3 +192,62 @@ def test_a_share_marked_unknown_costs_that_share_not_its_node() -> None:
     assert tracker.fold.unknown == {s: T0 + datetime.timedelta(seconds=10) for s in shares}
     # the fold walks them once for the expiry, the tracker once: not once per share more
     assert _CountingSet.walks == 2
+
+
+def test_waiting_for_capacity_is_its_own_span_and_not_slow_or_unconverged() -> None:
+    """A claim that does not fit: its decision is quick (scheduling 1 s), it waits for
+    capacity (60 s: not unconverged meanwhile), then converges from its allocation."""
+    live = _Live()
+    now = [T0]
+    tracker = SloTracker(live, now=lambda: now[0])  # type: ignore[arg-type]
+    cls = "gpu.test.io"
+    log = Log(*inventory(gpu()))
+    log.add(c.NodeLeaseAcquired(node=NODE, epoch=1, boot_id="b", ttl_ms=10_000))
+    log.reserve(memory_claim("big", "40Gi"))  # the device is full
+    [big] = log.state().claim("tenant-a", "big").share_ids  # type: ignore[union-attr]
+    log.add(c.LimitApplied(share_id=big, node=NODE, level="none", actual={}))
+    _feed(tracker, live, log, 0, 0)
+    counts = {
+        name: _sample(f"{name}_count", **{"class": cls}) or 0.0
+        for name in (
+            "dracap_scheduling_latency_seconds",
+            "dracap_capacity_wait_seconds",
+            "dracap_claim_convergence_seconds",
+        )
+    }
+    sums = {name: _sample(f"{name}_sum", **{"class": cls}) or 0.0 for name in counts}
+
+    start = len(log.envelopes)
+    log.extend(admitted(memory_claim("late", "10Gi")))
+    _feed(tracker, live, log, start, 1.0)
+    start = len(log.envelopes)
+    log.reserve()  # the round finds no capacity: ClaimUnschedulable
+    assert isinstance(log.envelopes[-1].event, c.ClaimUnschedulable)
+    _feed(tracker, live, log, start, 2.0)
+    now[0] = T0 + datetime.timedelta(seconds=50)
+    gauges = _gauges(tracker)
+    assert gauges[("dracap_capacity_waiting_claims", cls)] == 1
+    assert gauges[("dracap_capacity_waiting_oldest_age_seconds", cls)] == 48.0
+    assert ("dracap_unconverged_claims", cls) not in gauges, "full, not stuck"
+
+    share = live.state.shares[big]
+    start = len(log.envelopes)
+    log.add(released(share))
+    _feed(tracker, live, log, start, 61.0)
+    start = len(log.envelopes)
+    log.reserve()  # capacity came back: the waiting claim is allocated
+    _feed(tracker, live, log, start, 62.0)
+    [late] = live.state.claim("tenant-a", "late").share_ids  # type: ignore[union-attr]
+    start = len(log.envelopes)
+    log.add(c.LimitApplied(share_id=late, node=NODE, level="none", actual={}))
+    _feed(tracker, live, log, start, 62.5)
+
+    def grew(name: str) -> tuple[float, float]:
+        count = (_sample(f"{name}_count", **{"class": cls}) or 0.0) - counts[name]
+        total = (_sample(f"{name}_sum", **{"class": cls}) or 0.0) - sums[name]
+        return count, total
+
+    assert grew("dracap_scheduling_latency_seconds") == (1, 1.0), "the decision, not the wait"
+    assert grew("dracap_capacity_wait_seconds") == (1, 60.0)
+    assert grew("dracap_claim_convergence_seconds") == (1, 0.5), "from its allocation"
+    assert _gauges(tracker) == {}

@@ -10,11 +10,12 @@ from events import catalog as c
 from events.errors import ValidationError
 from events.fold import NamespaceState
 from events.inventory import build_inventory
-from events.manifests import ManifestError, load_documents
+from events.manifests import ManifestError, dump_yaml, load_documents
 from events.model import Namespace, ObjectMeta
 from events.tenancy import (
     NamespacePolicy,
     check_policy,
+    namespace_object,
     namespace_policy,
     shared_across_namespaces,
     tenant_attributes,
@@ -248,3 +249,27 @@ def test_the_tenant_table_has_one_row_per_capacity() -> None:
     assert tenant_device_rows([view]) == [
         [*lead, "memory", "40Gi", "30Gi", "gpu.test.io/model=A100"]
     ]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        NamespacePolicy(namespace="a", classes=["*"]),
+        NamespacePolicy(namespace="b", classes=[]),
+        NamespacePolicy(
+            namespace="c",
+            classes=["gpu.example.com", "nic.example.com"],
+            admin_access=True,
+            opaque_config_classes=["*"],
+            max_claims=0,
+            max_requests_per_claim=4,
+        ),
+    ],
+)
+def test_the_namespace_an_access_record_prints_asks_for_that_record(
+    policy: NamespacePolicy,
+) -> None:
+    obj = namespace_object(policy)
+    assert namespace_policy(obj) == policy
+    [loaded] = load_documents(dump_yaml([obj]), "printed")  # and it loads as it is
+    assert namespace_policy(loaded) == policy  # type: ignore[arg-type]

@@ -108,3 +108,11 @@ async def _until(condition: Callable[[], bool], within: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.005)
+
+
+def test_agents_none_means_no_agent() -> None:
+    inventory = up.read_inventory([str(Path(__file__).resolve().parents[2] / "deploy/examples")])
+    assert inventory.nodes == ["node-a", "node-b"]
+    assert up._nodes("none", inventory) == []
+    assert up._nodes("auto", inventory) == ["node-a", "node-b"]
+    assert up._nodes("node-a, node-b", inventory) == ["node-a", "node-b"]
