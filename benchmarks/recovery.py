@@ -4,9 +4,10 @@ The system under test is ``dracap up --insecure`` with no node in its inventory 
 claims API, reservation worker and the reclamation service, polling every 0.25 s; no
 agent) as its own process, started as :mod:`benchmarks.pipeline` does, on a fresh
 database and a unique subject prefix; the node agents are ``dracap agent --enforcer
-none`` processes started by this benchmark with
-``--lease-ttl``. Each run takes a node of its own (its slice published through the
-admin API, so earlier runs' fenced nodes are out of the way) and:
+none`` processes started by this benchmark with ``--lease-ttl`` (NATS only: they
+reach the log through the enforcement service inside ``dracap up``). Each run takes a
+node of its own (its slice published through the admin API, so earlier runs' fenced
+nodes are out of the way) and:
 
 1. starts the agent and makes two claims Ready on the node;
 2. stops the agent (SIGSTOP) and waits for ``NodeLeaseExpired``: **heartbeat ->
@@ -58,7 +59,7 @@ class Agent:
     def __init__(self, settings: Settings, names: BusNames, node: str, ttl: float, log: Path):
         argv = [
             *(sys.executable, "-m", "services.cli", "agent", "--node", node),
-            *("--prefix", names.prefix, "--database-url", settings.database_url),
+            *("--prefix", names.prefix),
             *("--nats", settings.nats_url, "--enforcer", "none", "--checkpoint", "none"),
             *("--lease-ttl", str(ttl), "--metrics-port", "0", "--boot-id", "boot-a"),
         ]

@@ -12,6 +12,8 @@ each, so several tests share one nats-server without seeing each other)::
     {prefix}.ev.{category}.{node}.{tag}      one event            (JetStream stream)
     {prefix}.api.{namespace}.claims.{op}     tenant requests      (core NATS, micro)
     {prefix}.admin.{op}                      operator requests    (core NATS, micro)
+    {prefix}.node.{node}.{verb}              a node agent's requests to the enforcement
+                                             service (core NATS request/reply)
 
 * ``tag`` is the event's catalog tag with its dots kept
   (``reservation.capacity_reserved``), so a subject always has at least six tokens
@@ -34,6 +36,11 @@ each, so several tests share one nats-server without seeing each other)::
   (``ip-10-0-0-1.ec2.internal`` -> ``ip-10-0-0-1%2Eec2%2Einternal``). Plain node
   names (the common case) read unchanged, and because ``_`` is always escaped, the
   bare ``_`` ("no node") can never be a node's token.
+
+A node agent talks to the control plane only on ``{prefix}.node.{node}.{verb}`` (its
+node's token, the same as in the event subjects): the broker lets only that node's
+credential publish there, and the enforcement service answers
+(:mod:`services.enforcement.protocol` names the verbs).
 
 The JetStream stream is ``{PREFIX}_EVENTS`` (prefix upper-cased) over
 ``{prefix}.ev.>``. The prefix must be a single token usable in a stream name:
@@ -79,6 +86,7 @@ __all__ = [
     "BusNames",
     "SubjectError",
     "node_of",
+    "node_of_token",
     "node_token",
 ]
 
@@ -125,6 +133,20 @@ def node_token(node: str) -> str:
         raise SubjectError("node name is empty")
     raw = node.encode()
     return "".join(chr(b) if b in _TOKEN_SAFE else f"%{b:02X}" for b in raw)
+
+
+_ESCAPE: Final = re.compile(r"%([0-9A-F]{2})")
+
+
+def node_of_token(token: str) -> str:
+    """The node whose :func:`node_token` is ``token``; :class:`SubjectError` when no node's is."""
+    try:
+        node = _ESCAPE.sub(lambda m: chr(int(m[1], 16)), token).encode("latin-1").decode()
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        node = ""
+    if not node or node_token(node) != token:
+        raise SubjectError(f"{token!r} is not a node's subject token")
+    return node
 
 
 def node_of(event: Event) -> str | None:
@@ -201,6 +223,25 @@ class BusNames(msgspec.Struct, frozen=True):
         """Tenant request subject; ``namespace`` may be ``*`` (a service's listen filter)."""
         ns = _token(namespace, "namespace", wildcard=True)
         return f"{self.prefix}.api.{ns}.claims.{_dotted(op, 'operation')}"
+
+    def node_request(self, node: str, verb: str) -> str:
+        """A node agent's request subject: ``{prefix}.node.{node token}.{verb}``."""
+        return f"{self.prefix}.node.{node_token(node)}.{_token(verb, 'verb')}"
+
+    @property
+    def node_requests(self) -> str:
+        """Every node agent's requests (the enforcement service's listen filter)."""
+        return f"{self.prefix}.node.*.>"
+
+    def node_of_request(self, subject: str) -> tuple[str, str] | None:
+        """``(node, verb)`` of a node agent's request subject (``None``: not one)."""
+        parts = subject.split(".")
+        if len(parts) != 4 or parts[0] != self.prefix or parts[1] != "node":
+            return None
+        try:
+            return node_of_token(parts[2]), parts[3]
+        except SubjectError:
+            return None
 
     def admin(self, op: str) -> str:
         """Operator request subject (``op`` may be dotted: ``slices.apply``)."""

@@ -23,8 +23,8 @@ writer           actor                                    what it records
 :data:`JOBS` says which writers each service kind's database login may act as: the
 claims API (and the Kubernetes bridge, which connects with its role) as tenants,
 operators and the bridge; the reservation and reclamation services as themselves; the
-enforcement service (and, until migration 0012 removes them, node agents' own logins)
-as node agents. ``AppendRefused`` has no writer: the database writes it itself.
+enforcement service as node agents (node agents have no database login since migration
+0012). ``AppendRefused`` has no writer: the database writes it itself.
 
 :mod:`services.runtime.payloadchecks` turns both tables into the database's functions,
 so the database and this module cannot disagree (a test compares the generated file with
@@ -114,7 +114,6 @@ JOBS: Final[Mapping[str, frozenset[Writer]]] = {
     "reservation": frozenset({"reservation"}),
     "reclamation": frozenset({"reclamation"}),
     "enforcement": _AGENT,
-    "agent": _AGENT,
 }
 
 _COMPILED: Final = {

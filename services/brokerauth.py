@@ -43,8 +43,9 @@ allow.
   and the ledger still sees who asked. It has no JetStream subject at all.
 * ``NODES`` holds every node agent; it imports ``{p}.node.*.>`` from ``ENFORCEMENT``
   (``share: true``: the enforcement service learns which agent sent each request) and
-  the consumers' next-message and ack subjects, each once for every node (a wildcard:
-  :func:`_agents_imports`); each agent's permissions name its own node's only.
+  the consumers' next-message and ack subjects, each once for every node (a wildcard);
+  each agent's permissions name its own node's only. ``ENFORCEMENT`` imports the creation
+  and reading of any node's durable likewise (:func:`_agents_imports`).
 * ``TENANT_<namespace>`` per namespace and ``OPERATORS``: the API and watch subjects
   their users may use, from ``DRACAP``.
 
@@ -85,9 +86,9 @@ the user's own (:attr:`Principal.inbox_prefix`), so a reply or a pulled message 
 one user never reaches another. An agent can neither publish to the event subjects nor
 pull another node's consumer.
 
-Until the enforcement service creates the node agents' durables (the design:
-:mod:`services.durables`), each agent may still create and read its own
-(:data:`AGENTS_CREATE_THEIR_CONSUMER`).
+The node agents' durables are the enforcement service's (:mod:`services.durables`): it
+creates each when its agent takes a lease, and again when the agent finds it missing;
+an agent creates none and reads none of the API's consumer information.
 
 Keys are kept
 -------------
@@ -133,7 +134,6 @@ from services.runtime.credentials import (
 from services.runtime.replies import MAX_REPLY_PARTS
 
 __all__ = [
-    "AGENTS_CREATE_THEIR_CONSUMER",
     "SERVICES",
     "Installation",
     "accounts_config",
@@ -143,10 +143,6 @@ __all__ = [
 
 #: The service kinds with a user each (``dracap up`` connects each with its own).
 SERVICES: Final = ("relay", "claims", "reservation", "ledger", "enforcement")
-#: Interim: each node agent creates and reads its own durable, until the enforcement
-#: service does (issue 24's node agents over NATS); then False, and docs/security.md's
-#: clause for it goes.
-AGENTS_CREATE_THEIR_CONSUMER: Final = True
 #: How long the broker keeps the way back for the answers to one JetStream request: a
 #: pull request expires within a second (``poll_interval``), so its messages come well
 #: within this.
@@ -313,8 +309,6 @@ def permissions_of(principal: Principal, names: BusNames, nodes: Sequence[str] =
     if principal.kind == "agent":
         node = principal.node or principal.name
         publish = [node_subjects(names, node), *_pulled(stream, durables.agent(names, node))]
-        if AGENTS_CREATE_THEIR_CONSUMER:
-            publish += [_api(op) for op in _agents_created(names, [node])]
         return Permissions(publish, [inbox])
     if principal.name == "relay":
         publish = [names.events_subjects, *(_api(op) for op in _relay_operations(names))]
@@ -379,9 +373,10 @@ def _jetstream_account(names: BusNames) -> dict[str, Any]:
 
 
 def _agents_imports(names: BusNames) -> list[dict[str, Any]]:
-    """What the node agents' durables take, for every node at once: one wildcard import
-    per operation (an import per node makes nats-server's start quadratic in the fleet:
-    4.4 s at 5,000 nodes). Each user's permissions name its own node's subjects only."""
+    """What the owner of the node agents' durables (the enforcement service) imports to
+    create and read them, for every node at once: one wildcard import per operation (an
+    import per node makes nats-server's start quadratic in the fleet: 4.4 s at 5,000
+    nodes). Its permissions name each node's durable and filter."""
     stream = names.stream
     filters = f"{names.prefix}.ev.*.*.>"  # a node's filter, whichever node
     return [
@@ -401,8 +396,6 @@ def _service_accounts(
         *_js_imports([f"CONSUMER.MSG.NEXT.{stream}.*"]),
         {"service": {"account": JETSTREAM_ACCOUNT, "subject": f"$JS.ACK.{stream}.>"}},
     ]
-    if AGENTS_CREATE_THEIR_CONSUMER:
-        nodes_imports += _agents_imports(names)
     events = {"service": {"account": JETSTREAM_ACCOUNT, "subject": names.events_subjects}}
     return {
         JETSTREAM_ACCOUNT: _jetstream_account(names),

@@ -104,7 +104,7 @@ COMMANDS: Final = {
     "serve": Command(
         "services.serve",
         "run one control-plane service as its own process (relay, claims, reservation, "
-        "kubernetes-bridge)",
+        "enforcement, kubernetes-bridge)",
     ),
     "agent": Command(
         "services.enforcement.command",

@@ -13,9 +13,11 @@ durable                                  filter          read by            owne
 ``reservation-<feed>`` (:data:`~services ``{p}.ev.<tag    reservation        relay
 .reservation.service.FEEDS`)             or category>``  workers
 ``agent-<node>``                         ``{p}.ev.*.      the node's agent   enforcement
-                                         <node>.>``                         service (until
-                                                                            it runs: the
-                                                                            agent)
+                                         <node>.>``                         service (at the
+                                                                            agent's lease,
+                                                                            and when the
+                                                                            agent finds it
+                                                                            missing)
 ======================================== ============== ================== ===============
 
 The relay owns the stream as well (:mod:`services.runtime.rebuilding`), and the broker's
@@ -27,7 +29,7 @@ subscribers have none: they read the log (:mod:`services.runtime.projecting`).
 from __future__ import annotations
 
 from events.subjects import BusNames
-from services.enforcement.agent import consumer_name
+from services.enforcement import consumer
 from services.reservation.service import durables as reservation_durables
 from services.runtime.bus import Durable
 
@@ -46,4 +48,4 @@ def relay_owned(names: BusNames) -> list[Durable]:
 
 def agent(names: BusNames, node: str) -> Durable:
     """The durable of ``node``'s agent: the events addressed to that node."""
-    return Durable(consumer_name(node), names.node_filter(node))
+    return consumer.durable(names, node)

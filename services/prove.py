@@ -185,40 +185,34 @@ async def control_plane(
     Yields a client of the claims and admin APIs.
     """
     from services.enforcement.agent import Agent
-    from services.runtime.bus import connect_bus, ensure_stream
-    from services.runtime.eventstore import EventStore
+    from services.runtime.bus import connect_bus
     from services.up import Stack
 
     if start_services:
         async with Stack.running(settings, names, nodes=(), workers=workers) as stack:
-            agent = Agent(stack.store, stack.js, names, node=NODE, enforcer=enforcer)
+            agent = Agent(stack.nc, names, node=NODE, enforcer=enforcer)
             stack.spawn(f"agent-{NODE}", functools.partial(agent.run, stack.stop))
             async with ApiClient.connect(settings.nats_url, names.prefix) as api:
                 yield api
         return
-    store = await EventStore.open(settings)
+    nc, _ = await connect_bus(settings.nats_url, name=f"dracap-prove-{NODE}")
     try:
-        nc, js = await connect_bus(settings.nats_url, name=f"dracap-prove-{NODE}")
+        stop = asyncio.Event()
+        agent = Agent(nc, names, node=NODE, enforcer=enforcer)
+        task = asyncio.create_task(agent.run(stop), name=f"agent-{NODE}")
         try:
-            await ensure_stream(js, names)
-            stop = asyncio.Event()
-            agent = Agent(store, js, names, node=NODE, enforcer=enforcer)
-            task = asyncio.create_task(agent.run(stop), name=f"agent-{NODE}")
-            try:
-                async with ApiClient.connect(settings.nats_url, names.prefix) as api:
-                    yield api
-            finally:
-                stop.set()
-                try:
-                    await asyncio.wait_for(task, 10)
-                except TimeoutError:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+            async with ApiClient.connect(settings.nats_url, names.prefix) as api:
+                yield api
         finally:
-            await nc.drain()
+            stop.set()
+            try:
+                await asyncio.wait_for(task, 10)
+            except TimeoutError:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
     finally:
-        await store.close()
+        await nc.drain()
 
 
 async def _prove(args: argparse.Namespace, rates: list[Quantity]) -> ProofReport:

@@ -1,9 +1,10 @@
-"""``dracap serve relay|claims|reservation|kubernetes-bridge``: one service as its own process.
+"""``dracap serve SERVICE``: relay, claims, reservation, enforcement or the Kubernetes bridge
+as its own process.
 
 ``dracap up`` runs every service in one process; a deployment (compose, Kubernetes)
 runs each as its own, so each can be scaled, restarted and given its own credentials.
 The node agent (``dracap agent``) and the reclamation service (``dracap reclaim``) have
-their commands already; this module gives the other three theirs:
+their commands already; this module gives the others theirs:
 
 * ``relay``: the transactional outbox, from the event log to the JetStream stream
   (:class:`~services.runtime.relaying.Relay`); run one. It owns the stream and the
@@ -14,6 +15,11 @@ their commands already; this module gives the other three theirs:
   JetStream at all;
 * ``reservation``: a reservation worker (:class:`~services.reservation.service.
   ReservationService`); workers share the durable consumers, which the relay creates;
+* ``enforcement``: the node agents' only way to the log
+  (:class:`~services.enforcement.service.EnforcementService`): answers their requests on
+  ``{prefix}.node.*.>`` (queue group ``enforcement``), appends their reports, renews
+  their leases in batches and creates (and recreates) their durable consumers; run any
+  number, each with one small connection pool whatever the number of nodes;
 * ``kubernetes-bridge``: Kubernetes mode's intake (:class:`~services.claims.bridge.Bridge`):
   mirrors the ResourceClaims kube-scheduler allocated on ``--driver`` devices into the log
   and writes their ``status.devices`` back; run one per cluster. It reaches the API
@@ -27,10 +33,10 @@ Servers are found as every command finds them (:mod:`services.runtime.endpoints`
 database user) / ``DRACAP_NATS_URL``, else ``DRACAP_DATABASE_URL``, else
 ``<data-dir>/connection.json``. The NATS login is ``--creds`` / ``DRACAP_NATS_CREDS``,
 else the service's file in ``<data-dir>/auth`` (``dracap auth init``), else none. The
-claims API requires the broker's identity on every request when it finds the broker's
-directory (``<data-dir>/auth/directory.json``, or ``--directory``), and serves
-anonymously only with ``--insecure``. Each stops on SIGINT or SIGTERM; a server that
-cannot be reached at start is one line and exit 1.
+claims API and the enforcement service require the broker's identity on every request
+when they find the broker's directory (``<data-dir>/auth/directory.json``, or
+``--directory``), and serve anonymously only with ``--insecure``. Each stops on SIGINT
+or SIGTERM; a server that cannot be reached at start is one line and exit 1.
 """
 
 from __future__ import annotations
@@ -69,8 +75,11 @@ SERVICES: Final = {
     "relay": ServiceKind.RELAY,
     "claims": ServiceKind.CLAIMS,
     "reservation": ServiceKind.RESERVATION,
+    "enforcement": ServiceKind.ENFORCEMENT,
     "kubernetes-bridge": ServiceKind.CLAIMS,  # claim intake: the claims API's role
 }
+#: The services that name each request's sender from the broker's directory.
+_AUTHENTICATED: Final = ("claims", "enforcement")
 
 
 def _login(args: argparse.Namespace, endpoints: Endpoints) -> Credential | None:
@@ -97,11 +106,11 @@ async def serve(args: argparse.Namespace) -> int:
     settings = endpoints.settings(load_settings())
     names = BusNames(endpoints.prefix)
     directory = None
-    if args.service == "claims" and not args.insecure:
+    if args.service in _AUTHENTICATED and not args.insecure:
         path = _directory_path(args)
         if path is None:
             raise CommandError(
-                "the claims API needs the broker's directory to know who sends each request "
+                f"{args.service} needs the broker's directory to know who sends each request "
                 "(dracap auth init writes <data-dir>/auth/directory.json; --directory FILE); "
                 "--insecure serves anonymous requests",
                 ExitCode.BAD_INPUT,
@@ -154,6 +163,21 @@ async def _service(
     await live.fresh(HEAD)
     if name == "kubernetes-bridge":
         return await _bridge(store, live, args)
+    if name == "enforcement":
+        from services.enforcement.service import EnforcementService
+
+        enforcement = EnforcementService(
+            store,
+            live,
+            nc,
+            js,
+            names,
+            directory=directory,
+            authenticated=directory is not None,
+            tail=True,  # nobody else folds the log in this process
+        )
+        await enforcement.start()
+        return enforcement.run
     if name == "claims":
         from services.claims.api import ClaimsApi
 
@@ -248,12 +272,13 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--directory",
         metavar="FILE",
-        help="the broker's directory of users (claims; default <data-dir>/auth/directory.json)",
+        help="the broker's directory of users (claims, enforcement; default "
+        "<data-dir>/auth/directory.json)",
     )
     parser.add_argument(
         "--insecure",
         action="store_true",
-        help="claims: serve requests without the broker's identity (experiments only)",
+        help="claims, enforcement: serve requests without the broker's identity (experiments only)",
     )
     parser.add_argument(
         "--driver",

@@ -5,7 +5,8 @@ event loop::
 
     PostgreSQL (event log) ──relay──> JetStream stream ──> reservation workers
           ^                                           └──> one node agent per node
-          └── claims API + admin API (NATS micro) <── dracap claim / devices
+          ├── claims API + admin API (NATS micro) <── dracap claim / devices
+          └── enforcement service <── {prefix}.node.<node>.* <── the node agents (NATS only)
 
 Where the servers come from
 ---------------------------
@@ -19,11 +20,11 @@ the fold of the log.
 Start-up order
 --------------
 servers (and their watchdog) -> migrations (``alembic`` to head, under an advisory
-lock) -> the services' database users (on the embedded PostgreSQL: one per service and
-agent, :mod:`services.runtime.provisioning`) -> bus stream and the services' durable
-consumers (the relay's keeper, :mod:`services.runtime.rebuilding`) -> :class:`Stack` (relay,
-live state, claims API, reservation workers, reclamation service, audit and billing
-subscribers, agents) -> the
+lock) -> the services' database users (on the embedded PostgreSQL: one per service,
+:mod:`services.runtime.provisioning`; node agents have none) -> bus stream and the
+services' durable consumers (the relay's keeper, :mod:`services.runtime.rebuilding`) ->
+:class:`Stack` (relay, live state, claims API, reservation workers, reclamation service,
+audit and billing subscribers, the enforcement service, agents) -> the
 example inventory through
 the admin API (each ResourceSlice only if its devices are not listed yet, so a restart
 does not append it again) ->
@@ -250,8 +251,8 @@ class Stack:
 
     def bus(self, role: str) -> tuple[Any, Any]:
         """The NATS connection and JetStream context of ``role``: ``claims``,
-        ``reservation``, ``ledger`` or ``agent:<node>`` (the shared one without
-        credentials)."""
+        ``reservation``, ``ledger``, ``enforcement`` or ``agent:<node>`` (the shared one
+        without credentials)."""
         return self.logins.get(role, (self.nc, self.js))
 
     async def trouble(self) -> str | None:
@@ -276,7 +277,7 @@ class Stack:
         and require the broker's identity on API requests; None: one anonymous connection."""
         from services.runtime.bus import connect_bus
 
-        stores = await ServiceStores.open(settings, nodes=nodes)
+        stores = await ServiceStores.open(settings)
         connections: list[Any] = []
         try:
 
@@ -292,7 +293,7 @@ class Stack:
             directory = None
             if auth is not None:
                 directory = read_directory(auth.directory)
-                for service in ("claims", "reservation", "ledger"):
+                for service in ("claims", "reservation", "ledger", "enforcement"):
                     logins[service] = await login(service, auth.service(service))
                 for node in nodes:
                     logins[f"agent:{node}"] = await login(f"agent-{node}", auth.agent(node))
@@ -350,16 +351,19 @@ async def _close_bus(nc: Any) -> None:
 async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) -> None:
     """Start the relay, the live state (from the newest snapshot that verifies), the
     snapshot writer (as ``dracap_snapshots``' user when roles are set up), the APIs,
-    reservation workers, the reclamation service, the audit and billing subscribers and
-    agents."""
+    reservation workers, the reclamation service, the audit and billing subscribers, the
+    enforcement service and the agents (which reach only NATS: each its own connection,
+    and the enforcement service for everything of the log)."""
     from services import durables
     from services.audit.service import AuditService
     from services.billing.service import BillingService
     from services.claims.api import ClaimsApi
     from services.enforcement.agent import Agent
     from services.enforcement.enforcers import NoneEnforcer
+    from services.enforcement.service import STORE_KIND, EnforcementService
     from services.reclamation.service import ReclamationService
     from services.reservation.service import ReservationService
+    from services.runtime.bus import prefix_of
     from services.runtime.gauges import CapacityGauges, initialise_series
     from services.runtime.holdings import HeldCapacity
     from services.runtime.livestate import HEAD, LiveState
@@ -417,10 +421,23 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
             live=live,
         )
         stack.spawn(ledger.projector.name, functools.partial(ledger.run, stop))
+    enforcement_nc, enforcement_js = stack.bus("enforcement")
+    enforcement = EnforcementService(
+        stores.of(STORE_KIND),
+        live,
+        enforcement_nc,
+        enforcement_js,
+        names,
+        directory=stack.directory,
+        authenticated=stack.directory is not None,
+    )
+    await enforcement.start()
+    stack.spawn("enforcement", functools.partial(enforcement.run, stop))
     for node in nodes:
-        store = stores.of(ServiceKind.AGENT, node)
-        agent_js = stack.bus(f"agent:{node}")[1]
-        agent = Agent(store, agent_js, names, node=node, enforcer=NoneEnforcer(), live=live)
+        agent_nc, agent_js = stack.bus(f"agent:{node}")
+        agent = Agent(
+            agent_nc, names, node=node, enforcer=NoneEnforcer(), api_prefix=prefix_of(agent_js)
+        )
         consumers.add(agent.consumer.name)
         stack.spawn(f"agent-{node}", functools.partial(agent.run, stop))
     initialise_series(sorted(consumers))
@@ -579,8 +596,8 @@ async def _servers(
             )
 
 
-async def _database_users(options: UpOptions, settings: Settings, nodes: Sequence[str]) -> Settings:
-    """``settings`` with a database user of its own for each service (and agent).
+async def _database_users(options: UpOptions, settings: Settings) -> Settings:
+    """``settings`` with a database user of its own for each service (agents have none).
 
     On the embedded PostgreSQL ``dracap up`` creates them (:mod:`services.runtime.
     provisioning`); on a server named by ``DRACAP_DATABASE_URL`` the operator's
@@ -590,7 +607,7 @@ async def _database_users(options: UpOptions, settings: Settings, nodes: Sequenc
         return settings
     from services.runtime import provisioning
 
-    users = provisioning.load_users(options.data_dir, nodes)
+    users = provisioning.load_users(options.data_dir)
     urls = await provisioning.provision(settings.database_url, users)
     return msgspec.structs.replace(settings, database_urls=urls)
 
@@ -688,7 +705,7 @@ async def up(options: UpOptions, stop: asyncio.Event) -> int:
             async with _servers(options, load_settings(), monitor, auth) as (settings, supervisor):
                 head = await migrating.upgrade_async(settings)
                 print(f"migrating the event log to {head}", flush=True)
-                settings = await _database_users(options, settings, nodes)
+                settings = await _database_users(options, settings)
                 async with Stack.running(
                     settings, names, nodes=nodes, workers=options.workers, auth=auth
                 ) as stack:

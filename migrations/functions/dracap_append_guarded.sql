@@ -1,4 +1,5 @@
--- The one way an application appends (migrations 0005-0008; rewritten by 0011).
+-- The one way an application appends (migrations 0005-0008; rewritten by 0011; 0012 drops
+-- the node-bound users of 0006: node agents have no database login).
 --
 -- SECURITY DEFINER: it runs as dracap_owner with search_path pinned, and EXECUTE is
 -- granted to the appending roles only, which have no privilege on the tables at all.
@@ -8,11 +9,11 @@
 --    catalog (SQLSTATE DR006, InvalidEvent), for every caller;
 -- 2. the session's database user appends only as its job's writers
 --    (dracap_session_writers: claims as tenants, operators and the Kubernetes bridge;
---    reservation and reclamation as themselves; enforcement and node agents as node
---    agents), only event types those writers write (dracap_writers_of), a tenant only in
---    its own namespace, a node agent only as agent:<node>#<epoch> (of its bound node, for
---    a node-bound user) and only for its consumers agent-... (SQLSTATE DR005,
---    AppendForbidden); a superuser, the owner and the app role keep the whole catalog;
+--    reservation and reclamation as themselves; the enforcement service as node agents),
+--    only event types those writers write (dracap_writers_of), a tenant only in its own
+--    namespace, a node agent only as agent:<node>#<epoch> and only for its consumers
+--    agent-... (SQLSTATE DR005, AppendForbidden); a superuser, the owner and the app role
+--    keep the whole catalog;
 -- 3. before anything else, under the head lock: an agent's epoch must be its node's lease
 --    (or the one this append acquires), else the refusal is recorded instead
 --    (AppendRefused, 0007) and its current epoch returned in refused;
@@ -52,7 +53,6 @@ DECLARE
     v_writers text[];
     v_writer text;
     v_who text;
-    v_bound text;
     v_tenant text;
     v_namespace text;
     v_epoch text[];
@@ -115,14 +115,6 @@ BEGIN
                               || quote_literal(coalesce(v_namespace, ''));
             END IF;
         ELSIF v_writer = 'agent' THEN
-            SELECT r.node INTO v_bound FROM dracap_node_roles r WHERE r.role = session_user::text;
-            IF v_bound IS NOT NULL AND v_bound IS DISTINCT FROM v_epoch[1] THEN
-                RAISE EXCEPTION USING ERRCODE = 'DR004', DETAIL = 'actor',
-                    MESSAGE = 'database user ' || session_user || ' acts for node '
-                              || quote_literal(v_bound) || ' only: its appends name the agent '
-                              || 'and its lease epoch (agent:' || v_bound || '#<epoch>), not '
-                              || quote_literal(p_actor);
-            END IF;
             IF p_consumer IS NOT NULL AND left(p_consumer, 6) IS DISTINCT FROM 'agent-' THEN
                 RAISE EXCEPTION USING ERRCODE = 'DR005', DETAIL = 'consumer',
                     MESSAGE = v_who || ' may not record messages of consumer '

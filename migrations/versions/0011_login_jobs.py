@@ -37,9 +37,13 @@ clock, and the reservation login could write the log's tables directly. From her
   their own position and only insert audit records): ``processed_messages``,
   ``consumer_checkpoints`` and ``UPDATE`` on ``audit_records``.
 
-Every function this revision writes is in ``migrations/functions/<name>.sql``, in full.
-The downgrade restores 0010's functions and grants (the role stays: roles are the
-cluster's).
+Every function this revision writes is in ``migrations/functions/<name>.sql``, in full,
+but two, which 0012 changed since and this revision installs as it was
+(:func:`append_guarded_sql`, :func:`payload_checks_sql`): the append function with the
+node-bound users of 0006 (a bound user appends as its own node's agent only) and the
+payload checks with the jobs of 0011 (node agents' own logins, ``dracap_agent``, append
+as node agents). The downgrade restores 0010's functions and grants (the role stays:
+roles are the cluster's).
 """
 
 from __future__ import annotations
@@ -167,9 +171,60 @@ CREATE INDEX events_reserved_share_idx ON events ((payload->>'share_id'))
 """
 
 
+#: The jobs of this revision (``events.writers.JOBS`` then): node agents' own logins
+#: append as node agents, until 0012.
+JOBS = {
+    "claims": frozenset({"tenant", "operator", "bridge"}),
+    "reservation": frozenset({"reservation"}),
+    "reclamation": frozenset({"reclamation"}),
+    "enforcement": frozenset({"agent"}),
+    "agent": frozenset({"agent"}),
+}
+#: What the append function of this revision adds for a user bound to a node (0006).
+_BOUND_VARIABLE = ("    v_who text;\n", "    v_who text;\n    v_bound text;\n")
+_BOUND_CHECK = (
+    "        ELSIF v_writer = 'agent' THEN\n",
+    """        ELSIF v_writer = 'agent' THEN
+            SELECT r.node INTO v_bound FROM dracap_node_roles r WHERE r.role = session_user::text;
+            IF v_bound IS NOT NULL AND v_bound IS DISTINCT FROM v_epoch[1] THEN
+                RAISE EXCEPTION USING ERRCODE = 'DR004', DETAIL = 'actor',
+                    MESSAGE = 'database user ' || session_user || ' acts for node '
+                              || quote_literal(v_bound) || ' only: its appends name the agent '
+                              || 'and its lease epoch (agent:' || v_bound || '#<epoch>), not '
+                              || quote_literal(p_actor);
+            END IF;
+""",
+)
+
+
 def sql_file(name: str) -> str:
     """The text of ``migrations/functions/<name>``, as one statement list."""
     return (FUNCTIONS / name).read_text().rstrip().rstrip(";")
+
+
+def append_guarded_sql() -> str:
+    """The append function of this revision: the file's, and a user bound to a node in
+    ``dracap_node_roles`` appends as that node's agent only (0012 drops the binding)."""
+    text = sql_file("dracap_append_guarded.sql")
+    for old, new in (_BOUND_VARIABLE, _BOUND_CHECK):
+        assert text.count(old) == 1, f"dracap_append_guarded.sql: {old.strip()!r} not found once"
+        text = text.replace(old, new)
+    return text
+
+
+def payload_checks_sql() -> str:
+    """The payload checks and writers with this revision's :data:`JOBS`."""
+    checks = importlib.import_module("services.runtime.payloadchecks")
+    text: str = checks.generate(JOBS)
+    return text.rstrip().rstrip(";")
+
+
+def _installed(name: str) -> str:
+    if name == "dracap_append_guarded.sql":
+        return append_guarded_sql()
+    if name == "dracap_payload_checks.sql":
+        return payload_checks_sql()
+    return sql_file(name)
 
 
 def upgrade() -> None:
@@ -178,7 +233,7 @@ def upgrade() -> None:
     op.execute(f"DROP FUNCTION {OLD_NODE_SCOPE}")
     op.execute(f"DROP FUNCTION {NODE_OF}")  # its parameters are named anew
     for name in FILES:
-        op.execute(sql_file(name))
+        op.execute(_installed(name))
     op.execute(SHARE_INDEX)
     op.execute(ensure_group_role_sql(ENFORCEMENT))
     for function in (*NEW_FUNCTIONS, *_payload_check_functions()):

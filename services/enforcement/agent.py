@@ -1,18 +1,23 @@
 """The node agent: makes each share's limit real on its node and reports it.
 
-One agent runs per node (``dracap agent --node NAME``). It reads only
-``names.node_filter(node)`` — the events addressed to its node — through one durable
-consumer ``agent-<node>``, so with per-node broker permissions a node never sees
-another node's instructions. Its view of shares comes from a
-:class:`~services.runtime.livestate.LiveState`.
+One agent runs per node (``dracap agent --node NAME``). It talks only to NATS: it has
+no database login and holds no fold. It reads the events addressed to its node
+(``names.node_filter(node)``) from its durable consumer ``agent-<node>``
+(:class:`~services.enforcement.consumer.NodeConsumer`), and asks the enforcement
+service (:mod:`services.enforcement.service`, through
+:class:`~services.enforcement.asking.ControlPlane`) for everything else: a *view* of
+the log for each decision (:mod:`services.enforcement.views`: only what that decision
+reads, of its own node), and the *report* of what it did, which the service checks
+and appends as ``agent:<node>#<epoch>``. With per-node broker permissions a node never
+sees another node's instructions and cannot write another node's reports.
 
 * ``AllocationBound`` -> for each share of the allocation that is ``bound`` in the
   folded log: :meth:`Enforcer.apply` -> ``LimitApplied(level, actual)``. The claim
   becomes ``Ready`` in the fold only when every share has its limit (invariant 7);
   scheduling alone never makes it ready. A failing enforcer gives ``LimitFailed``:
   a retryable failure is recorded at once with its next try's time and the claim is
-  ``retrying`` (visible, with the reason); the agent's retry sweep tries again when
-  the time comes, with back-off, for as long as the class's retry window allows
+  ``retrying`` (visible, with the reason); the agent tries again when the time comes,
+  with back-off, for as long as the class's retry window allows
   (:func:`~services.enforcement.decisions.decide_retries`) — the message is done, so
   retries outlive redeliveries and restarts; a permanent failure (or the window's
   end) fails the claim with the reason.
@@ -22,51 +27,53 @@ another node's instructions. Its view of shares comes from a
   :meth:`Enforcer.remove` -> ``LimitRemoved`` (node stream) + ``CapacityReleased``
   (device stream).
 
-The message only says *where to look*: the consumer drops what the log does not hold
-(:mod:`services.runtime.confirming`), and the handler acts only where the folded state
-demands it, so neither a forged nor a stale message can tear down or set up a limit.
+The message only says *where to look*: the service confirms each message against the
+log before it answers the view (one the log does not hold as sent is dropped and
+counted; one of an event the fold refuses is acknowledged unhandled, as by every
+reader: :mod:`events.folding`), and the handler acts only where the view demands it,
+so neither a forged nor a stale message can tear down or set up a limit.
 
 The rules live in :mod:`services.enforcement.decisions` as pure functions; the handler
-is the loop around them. It asks for a state fresh enough for its messages
-(``LiveState.fresh(SEEN, *positions)``: its own earlier appends and the messages
-folded), holds it still while :func:`~services.enforcement.decisions.decide_work` says
-which limits to apply and remove and the expected versions are read on that same
-state, then — with the state free to move on — runs the enforcers, and hands their
-outcomes to :func:`~services.enforcement.decisions.record`, which says what to append.
+is the loop around them. It asks for a view of its messages (at least as fresh as the
+messages and its own last report), where :func:`~services.enforcement.decisions.
+decide_work` says which limits to apply and remove, and the expected versions come
+with the view; it runs the enforcers, and hands their outcomes to
+:func:`~services.enforcement.decisions.record`, which says what to report.
 
-Exactly once: the consumer records the message in ``processed_messages`` in the same
-commit as these events (one statement), so a redelivery is skipped;
-the handler also checks each share's state in the live state (a share already ready
-or released is left alone), and appends to the node stream with its expected version,
-so a second agent for the same node (or a fence) racing it makes one of them re-read.
-``CapacityReleased`` is itself idempotent in the fold and the ledger (invariant 5).
-Enforcers are idempotent, so applying again after a crash before the commit is
-harmless.
+Exactly once: the service appends the report together with the messages' rows in
+``processed_messages`` of the consumer ``agent-<node>`` (one statement), and the view
+tells which redelivered messages were handled before (they are acknowledged, not
+handled again); the handler also checks each share's state in the view (a share
+already ready or released is left alone), and the report expects the node stream's
+version read with the view, so a second agent for the same node (or a fence) racing it
+makes one of them decide again. ``CapacityReleased`` is itself idempotent in the fold
+and the ledger (invariant 5). Enforcers are idempotent, so applying again after a
+crash before the report is harmless. A message with nothing to report is acknowledged
+without one.
 
 ``LimitApplied`` also races the tenant's delete: the fold refuses a limit applied to a
-share that is already ``releasing``. So the append that carries ``LimitApplied``
-includes an *empty* batch for the claim stream at the version the agent read — a pure
-version check (``EventStore.append_many`` checks every batch's expected version, with
-or without events). If ``ReleaseRequested`` got in first, the append conflicts, the
-message is redelivered, and the agent then sees the share releasing and leaves it.
+share that is already ``releasing``. So the report that carries ``LimitApplied``
+includes an *empty* batch for the claim stream at the version the view had — a pure
+version check. If ``ReleaseRequested`` got in first, the append conflicts, the message
+is redelivered, and the agent then sees the share releasing and leaves it.
 
-The consumer hands the agent its messages in groups (:mod:`services.runtime.consuming`):
-all events of one group go out in one append, atomically with the consumer's
-records, each event naming the message that caused it. If the group's append fails
-(a guard clashed, an enforcer failed), its messages are handled again one by one, so
-the failure stays with its own message; enforcers are idempotent, so a limit applied
-for a group whose append failed is simply applied again.
+The consumer hands the agent its messages in groups: all events of one group go out in
+one report, each event naming the message that caused it. If the group fails (a guard
+clashed, an enforcer failed), its messages are handled again one by one, so the
+failure stays with its own message; enforcers are idempotent, so a limit applied for a
+group whose report failed is simply applied again.
 
-Last line of defense (invariant 12). The agent keeps :attr:`Agent.enforcing`, the
-limits it has in force now by share id: seeded by :meth:`Agent.reconcile` from what is
-in force after it (and, where the kernel could not be read, from the checkpoint's
-entries), grown by every successful ``apply`` and shrunk by every successful
-``remove`` — the checkpoint's ``completed`` entries, kept in memory so that it holds
-with ``--checkpoint none`` too. :func:`~services.enforcement.decisions.decide_work`
-refuses a share that would take its device past its total together with them: the
-enforcer is never called for it and ``LimitFailed(retryable=False)`` says why, whatever
-the control plane asked (a fence that released shares this agent still enforces, a
-forged or mistaken reservation).
+Last line of defense (invariant 12). The agent keeps :attr:`Agent.enforcing`
+(:class:`~services.enforcement.enforcing.Enforcing`), the limits it has in force now by
+share id with, per device and capacity, the sum they consume: seeded by
+:meth:`Agent.reconcile` from what is in force after it (and, where the kernel could
+not be read, from the checkpoint's entries), grown by every successful ``apply`` and
+shrunk by every successful ``remove``. :func:`~services.enforcement.decisions.
+decide_work` refuses a share that would take its device past its total together with
+them: the enforcer is never called for it and ``LimitFailed(retryable=False)`` says
+why, whatever the control plane asked (a fence that released shares this agent still
+enforces, a forged or mistaken reservation). The check reads the kept sums: its cost
+does not grow with what the node enforces.
 
 Durable checkpoint. With a :class:`~services.enforcement.checkpointing.Checkpoint`
 every kernel or daemon operation is wrapped: ``mark_started`` (written and fsynced)
@@ -76,15 +83,23 @@ is touched (the message is nak'd and retried).
 
 Lease. The agent writes only under its node's lease
 (:mod:`services.enforcement.leasing`): :meth:`Agent.run` takes the next lease first,
-every append names it (``agent:<node>#<epoch>``; the store refuses and records one of a
-stale epoch), and a task renews it every ``ttl / 3``. When a renewal finds the lease
-lost (it expired while the process was stopped or cut off, or the node was fenced),
-the handler stops taking messages, the agent takes the next lease and runs
-:meth:`Agent.reconcile` again, which first decides the node's ``unknown`` shares
-(:func:`~services.enforcement.reconciling.plan_return`): confirmed when their limit
-still runs on the same boot, released (and their claim failed) when the boot id of the
-new lease differs from the one before or the limit is gone, released when their claim
-was deleted meanwhile.
+every report names it (``agent:<node>#<epoch>``; the service and the store refuse a
+stale epoch), and a task sends a heartbeat every ``ttl / 3``. When a heartbeat finds
+the lease lost (it expired while the process was stopped or cut off from NATS, or the
+node was fenced), the handler stops taking messages, the agent takes the next lease
+and runs :meth:`Agent.reconcile` again, which first decides the node's ``unknown``
+shares (:func:`~services.enforcement.reconciling.plan_return`): confirmed when their
+limit still runs on the same boot, released (and their claim failed) when the boot id
+of the new lease differs from the one before or the limit is gone, released when their
+claim was deleted meanwhile.
+
+Retries. No message drives them and the agent does not poll for them: every view and
+report answers when the node's next retry is due (``next_retry_at``), and the agent
+asks for a view of its retrying shares only then.
+
+Health and use. Every ``health_interval`` the agent reads the enforcer's health and
+use and its last scan; only when what it found differs from what it last reported does
+it ask for a view and report the transitions (``DeviceHealthChanged``, ``ShareUsed``).
 
 Restart. :meth:`Agent.run` first runs the inventory scan (when a scanner is given:
 the enforcers' device maps come from it), then :meth:`Agent.reconcile`: the log, the
@@ -103,11 +118,11 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
-from nats.js import JetStreamContext
+import msgspec
+from nats.aio.client import Client
 
 from events.catalog import (
     AllocationBound,
@@ -117,15 +132,19 @@ from events.catalog import (
     Event,
     LimitFailed,
     LimitRemoved,
+    MessageDeadLettered,
     ReleaseRequested,
     ShareConfirmed,
     ShareUsed,
-    node_stream,
+    encode_payload,
     stream_of,
 )
 from events.fold import ClusterState, DeviceKey
-from events.subjects import BusNames, node_token
+from events.model import ResourceSlice
+from events.subjects import BusNames
+from services.enforcement.asking import ControlPlane
 from services.enforcement.checkpointing import Checkpoint, read_boot_id
+from services.enforcement.consumer import Delivery, NodeConsumer
 from services.enforcement.decisions import (
     Enforce,
     Failed,
@@ -152,14 +171,14 @@ from services.enforcement.enforcers import (
     RetryableEnforcementError,
     ShareLimit,
 )
+from services.enforcement.enforcing import Enforcing
 from services.enforcement.leasing import DEFAULT_TTL_S, NodeLease
+from services.enforcement.protocol import Cause, ReportBatch, ViewAsk, consumer_name
+from services.enforcement.protocol import Report as ReportRequest
 from services.enforcement.reconciling import plan_reconcile, plan_return
 from services.enforcement.scanning import InventoryScanner
-from services.runtime.confirming import LogConfirmation
-from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.enforcement.views import NodeView
 from services.runtime.errors import ConflictError
-from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
-from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, ENFORCEMENT_LATENCY
 from services.runtime.slos import known_class
 
@@ -167,16 +186,30 @@ __all__ = ["Agent", "consumer_name"]
 
 log = logging.getLogger("dracap.agent")
 
-#: Seconds between the retry sweeps (a retry is due at most this late).
+#: The shortest wait between two retry sweeps (a retry is due at most this late).
 RETRY_SWEEP_S: Final = 0.25
-
-_DURABLE_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_-]")
 _WORK: Final = (AllocationBound, ReleaseRequested)
 
+#: Called with the events of each report once it is appended.
+ReportListener = Callable[[Sequence[Event]], None]
 
-def consumer_name(node: str) -> str:
-    """The durable consumer of ``node``'s agent (a JetStream-safe name)."""
-    return "agent-" + _DURABLE_UNSAFE.sub("_", node_token(node))
+
+class Outgoing(msgspec.Struct, frozen=True):
+    """Events for one stream of a report: at ``version`` (``None``: any; no events: a
+    version check), each with its cause when ``causes`` is given."""
+
+    stream: str
+    version: int | None
+    events: Sequence[Event]
+    causes: Sequence[Cause] | None = None
+
+    def batch(self) -> ReportBatch:
+        return ReportBatch(
+            stream=self.stream,
+            expected_version=self.version,
+            events=[msgspec.Raw(encode_payload(e)) for e in self.events],
+            causes=list(self.causes) if self.causes is not None else None,
+        )
 
 
 class Agent:
@@ -184,13 +217,12 @@ class Agent:
 
     def __init__(
         self,
-        store: EventStore,
-        js: JetStreamContext,
+        nc: Client,
         names: BusNames,
         *,
         node: str,
         enforcer: Enforcer,
-        live: LiveState | None = None,
+        plane: ControlPlane | None = None,
         max_deliver: int = 5,
         checkpoint: Checkpoint | None = None,
         scanner: InventoryScanner | None = None,
@@ -198,46 +230,58 @@ class Agent:
         lease_ttl: float = DEFAULT_TTL_S,
         boot_id: str | None = None,
         health_interval: float = 10.0,
+        api_prefix: str = "$JS.API",
     ) -> None:
-        self.store = store
-        self.js = js
+        self.nc = nc
         self.names = names
         self.node = node
         self.enforcer = enforcer
-        self.live = live if live is not None else LiveState(store)
-        self.max_deliver = max_deliver
+        self.plane = plane if plane is not None else ControlPlane(nc, names, node)
         self.checkpoint = checkpoint
         self.scanner = scanner
-        if scanner is not None:
-            scanner.actor = lambda: self.lease.actor
         self.scan_interval = scan_interval
         self.lease = NodeLease(
-            store,
+            self.plane,
             node,
             boot_id=read_boot_id() if boot_id is None else boot_id,
             ttl_s=lease_ttl,
             enforcement=enforcer.level,
         )
-        #: the boot id of the node's lease before this agent took its own ("": none)
-        self.previous_boot_id = ""
-        #: seconds between device health checks (0: none)
+        #: seconds between device health and use checks (0: none)
         self.health_interval = health_interval
         #: what the last :meth:`reconcile` reported (None: nothing to report)
         self.reconciled: EnforcementReconciled | None = None
-        #: the limits in force on this node now, by share id (see the module docstring)
-        self.enforcing: dict[str, ShareLimit] = {}
-        self.consumer = Consumer(
-            store,
-            js,
+        #: the limits in force on this node now (see the module docstring)
+        self.enforcing = Enforcing()
+        #: when the node's next retry is due, as the service last said (None: none)
+        self.next_retry_at: datetime.datetime | None = None
+        self._retry_moved = asyncio.Event()
+        #: what the last health check found (and reported); None: ask again
+        self._health_found: tuple[frozenset[DeviceKey], dict[DeviceKey, str | None]] | None = None
+        self._used: set[str] = set()  #: shares known used (reported, or found so)
+        self._listeners: list[ReportListener] = []
+        self.consumer = NodeConsumer(
+            nc,
             names,
-            name=consumer_name(node),
-            filter_subject=names.node_filter(node),
-            group_handler=self.handle,
+            node,
+            handle=self.handle,
+            dead_letter=self.dead_letter,
             wants=self.wants,
-            confirmation=LogConfirmation(store, self.live),
+            undecodable=self.refused_undecodable,
+            missing=self.plane.consumer,
+            api_prefix=api_prefix,
             max_deliver=max_deliver,
-            actor=lambda: self.lease.actor,
         )
+
+    @property
+    def previous_boot_id(self) -> str:
+        """The boot id of the node's lease before this agent took its own ("": none)."""
+        return self.lease.previous_boot_id
+
+    def on_report(self, listener: ReportListener) -> Callable[[], None]:
+        """Call ``listener(events)`` after each report is appended; returns an unsubscriber."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Lease, scan, reconcile, then consume this node's events until ``stop`` is set."""
@@ -264,72 +308,116 @@ class Agent:
                     await task
 
     async def take_lease(self) -> int:
-        """Take the node's next lease, remembering the boot id of the one before."""
-        state = await self.live.fresh(HEAD)
-        before = state.nodes.get(self.node)
-        self.previous_boot_id = before.boot_id if before is not None else ""
-        return await self.lease.acquire()
+        """Take the node's next lease (the boot id of the one before comes with it)."""
+        epoch = await self.lease.acquire()
+        self._health_found = None  # report health afresh under the new lease
+        return epoch
 
     async def _retake(self) -> None:
         """The lease was lost: take the next one and decide what happened meanwhile."""
         await self.take_lease()
         await self.reconcile()
 
+    # -- the enforcement service -----------------------------------------------------------
+
+    async def view(self, ask: ViewAsk) -> NodeView:
+        """A view of the log for a decision (see :mod:`services.enforcement.views`)."""
+        view, viewed = await self.plane.view(ask)
+        self._note_retry(viewed.next_retry_at)
+        return view
+
+    async def report(self, batches: Sequence[Outgoing], processed: Sequence[str] = ()) -> None:
+        """Append ``batches`` under the lease (with ``processed`` messages recorded)."""
+        epoch = self.lease.epoch
+        assert epoch is not None, "a report before the lease"
+        asked = ReportRequest(
+            epoch=epoch, batches=[b.batch() for b in batches], processed=list(processed)
+        )
+        reported = await self.plane.report(asked)
+        self._note_retry(reported.next_retry_at)
+        events = [e for b in batches for e in b.events]
+        for listener in tuple(self._listeners):
+            try:
+                listener(events)
+            except Exception:
+                log.exception("report listener failed")
+
+    async def report_events(self, events: Iterable[Event]) -> None:
+        """Report ``events`` (any stream versions), grouped by stream in order."""
+        grouped: dict[str, list[Event]] = {}
+        for event in events:
+            grouped.setdefault(stream_of(event), []).append(event)
+        if grouped:
+            await self.report([Outgoing(stream, None, evs) for stream, evs in grouped.items()])
+
+    def _note_retry(self, due: datetime.datetime | None) -> None:
+        if due != self.next_retry_at:
+            self.next_retry_at = due
+            self._retry_moved.set()
+
     # -- retries -------------------------------------------------------------------------
 
     async def _retry(self, stop: asyncio.Event) -> None:
-        """Every :data:`RETRY_SWEEP_S` until ``stop``: :meth:`retry_due`."""
+        """Until ``stop``: when the next retry is due, :meth:`retry_due`."""
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), RETRY_SWEEP_S)
-            if stop.is_set():
-                return
+            due = self.next_retry_at
+            now = datetime.datetime.now(datetime.UTC)
+            wait = None if due is None else max((due - now).total_seconds(), RETRY_SWEEP_S)
+            self._retry_moved.clear()
+            waits = {
+                asyncio.ensure_future(stop.wait()),
+                asyncio.ensure_future(self._retry_moved.wait()),
+            }
+            try:
+                await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiting in waits:
+                    waiting.cancel()
+            due = self.next_retry_at
+            if stop.is_set() or due is None or due > datetime.datetime.now(datetime.UTC):
+                continue
             try:
                 await self.retry_due()
             except ConflictError:
                 pass  # the state moved (a delete, a fence): the next sweep decides again
             except Exception:
                 log.exception("retrying failed limits failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), RETRY_SWEEP_S)
 
     async def retry_due(self) -> Written | None:
         """Apply again the limits whose retry time has come; record the outcomes."""
         now = datetime.datetime.now(datetime.UTC)
         return await self.carry_out(
-            lambda state: decide_retries(state, self.node, now, self.enforcing), now
+            ViewAsk(retries=True),
+            lambda state: decide_retries(state, self.node, now, self.enforcing),
+            now,
         )
 
     async def carry_out(
         self,
+        ask: ViewAsk,
         decide: Callable[[ClusterState], Sequence[Task]],
         now: datetime.datetime | None = None,
-        *,
-        also: Sequence[Batch] = (),
     ) -> Written | None:
-        """Decide tasks on a frozen, current state, run the enforcers, record the outcomes.
+        """Decide tasks on a view (``ask``), run the enforcers, report the outcomes.
 
-        The append expects the versions read with the state (a delete or a fence that got
-        in first makes it conflict: :class:`ConflictError`, decide again). ``also``: more
-        batches for the same append (a kubelet unprepare's ``ReleaseRequested``).
+        The report expects the versions read with the view (a delete or a fence that got
+        in first makes it conflict: :class:`ConflictError`, decide again).
         """
         await self.lease.held.wait()
         now = now or datetime.datetime.now(datetime.UTC)
-        await self.live.fresh(SEEN)  # its own last append included: versions must be current
-        async with self.live.frozen() as state:
-            tasks = list(decide(state))
-            if not tasks:
-                return None
-            streams = streams_to_check(self.node, tasks)
-            versions = {stream: await self.live.stream_version(stream) for stream in streams}
+        view = await self.view(ask)
+        tasks = list(decide(view.state()))
+        if not tasks:
+            return None
+        versions = _versions(view, streams_to_check(self.node, tasks))
         outcomes = await self._enforce(tasks)
         written = record(self.node, tasks, outcomes, versions, now)
-        batches = list(also) + [
-            Batch(stream, version, events)
-            for stream, (version, events, _) in written.streams.items()
-        ]
-        await self.store.append_many(batches, Metadata(actor=self.lease.actor))
+        await self.report(_batches(written, {}))
         return written
 
-    # -- device health -----------------------------------------------------------------------
+    # -- device health and use -------------------------------------------------------------
 
     async def _watch(self, stop: asyncio.Event) -> None:
         """Check device health and share use every ``health_interval`` s until ``stop``;
@@ -346,63 +434,78 @@ class Agent:
                 log.exception("device health or use check failed")
 
     async def check_health(self) -> list[DeviceHealthChanged]:
-        """Ask the enforcer and the last scan how the node's devices are; record changes."""
+        """Ask the enforcer and the last scan how the node's devices are; report changes.
+
+        Only when the findings differ from the last check's does the agent ask for a view
+        and report the transitions the log does not have yet.
+        """
         await self.lease.held.wait()
-        findings: dict[DeviceKey, str | None] = {}
-        state = await self.live.fresh(SEEN)
         scanner = self.scanner
+        found: frozenset[DeviceKey] = frozenset()
+        drivers: set[str] = set()
         if scanner is not None and scanner.inventory is not None:
-            found = {
+            found = frozenset(
                 (driver, scanner.config.pool_for(driver), device.name)
                 for driver, devices in scanner.inventory.devices.items()
                 for device in devices
-            }
-            config = scanner.config
-            drivers = {c.driver for c in (config.network, config.gpu) if c.enabled} | set(
-                scanner.inventory.devices
             )
-            findings.update(vanished(state, self.node, drivers, found))
+            config = scanner.config
+            drivers = {c.driver for c in (config.network, config.gpu) if c.enabled}
+            drivers |= set(scanner.inventory.devices)
+        problems: dict[DeviceKey, str | None] = {}
         try:
-            for key, problem in (await self.enforcer.health()).items():
-                if problem is not None or key not in findings:  # a problem wins
-                    findings[key] = problem
+            problems = dict(await self.enforcer.health())
         except EnforcementError as exc:
             log.warning("the enforcer's health check failed: %s", exc)
+        if self._health_found == (found, problems):
+            return []
+        state = (await self.view(ViewAsk(node=True))).state()
+        findings: dict[DeviceKey, str | None] = {}
+        if scanner is not None and scanner.inventory is not None:
+            findings.update(vanished(state, self.node, drivers, found))
+        for key, problem in problems.items():
+            if problem is not None or key not in findings:  # a problem wins
+                findings[key] = problem
         changes = health_changes(state, self.node, findings)
         if changes:
-            batch = Batch(node_stream(self.node), None, list(changes))
-            await self.store.append_many([batch], Metadata(actor=self.lease.actor))
+            await self.report_events(changes)
             for change in changes:
                 where = f"{change.driver}/{change.pool}/{change.device}"
                 if change.healthy:
                     log.info("device %s is healthy again", where)
                 else:
                     log.warning("device %s is unhealthy: %s", where, change.reason)
+        self._health_found = (found, problems)
         return changes
 
     async def check_use(self) -> list[ShareUsed]:
-        """Record each share of the node the enforcer saw traffic through, once."""
+        """Report each share of the node the enforcer saw traffic through, once."""
         await self.lease.held.wait()
         try:
             usage = await self.enforcer.usage()
         except EnforcementError as exc:
             log.warning("the enforcer's use read-out failed: %s", exc)
             return []
-        if not usage:
+        self._used &= set(usage)  # shares no longer in force are forgotten
+        new = sorted(s for s, sent in usage.items() if sent > 0 and s not in self._used)
+        if not new:
             return []
-        used = uses(await self.live.fresh(SEEN), self.node, usage)
+        state = (await self.view(ViewAsk(shares=new))).state()
+        used = uses(state, self.node, usage)
         if used:
-            batch = Batch(node_stream(self.node), None, list(used))
-            await self.store.append_many([batch], Metadata(actor=self.lease.actor))
+            await self.report_events(used)
+        self._used.update(new)
         return used
 
     # -- return ----------------------------------------------------------------------------
 
-    async def settle_unknown(self) -> None:
-        """Confirm or release the node's unknown shares (see the module docstring)."""
-        state = await self.live.fresh(SEEN)
-        if not any(state.shares[i].state == "unknown" for i in _node_shares(state, self)):
-            return
+    async def settle_unknown(self, state: ClusterState | None = None) -> bool:
+        """Confirm or release the node's unknown shares (see the module docstring); whether
+        there were any. ``state``: a view of the whole node already at hand."""
+        if state is None:
+            state = (await self.view(ViewAsk(node=True))).state()
+        if not any(state.shares[i].state == "unknown" for i in _node_shares(state, self.node)):
+            return False
         rebooted = None
         boot = self.lease.boot_id
         if self.previous_boot_id and self.previous_boot_id != boot:
@@ -421,22 +524,14 @@ class Agent:
         for share_id in plan.remove:
             await self._remove(share_id)  # raises: the lease is retaken and this tried again
             removed.append(share_id)
-        node_events: list[Event] = [
-            ShareConfirmed(share_id=s, node=self.node) for s in plan.confirm
-        ]
-        node_events += [
+        events: list[Event] = [ShareConfirmed(share_id=s, node=self.node) for s in plan.confirm]
+        events += [
             LimitFailed(share_id=s, node=self.node, retryable=False, reason=why)
             for s, why in sorted(plan.fail.items())
         ]
-        node_events += [LimitRemoved(share_id=s, node=self.node) for s in removed]
-        batches = [Batch(node_stream(self.node), None, node_events)] if node_events else []
-        by_stream: dict[str, list[Event]] = {}
-        for share in plan.release:
-            event = released(share)
-            by_stream.setdefault(stream_of(event), []).append(event)
-        batches += [Batch(stream, None, events) for stream, events in by_stream.items()]
-        if batches:
-            await self.store.append_many(batches, Metadata(actor=self.lease.actor))
+        events += [LimitRemoved(share_id=s, node=self.node) for s in removed]
+        events += [released(share) for share in plan.release]
+        await self.report_events(events)
         log.info(
             "node %s returned: %d unknown share(s) confirmed, %d released%s",
             self.node,
@@ -444,13 +539,15 @@ class Agent:
             len(plan.release),
             " (rebooted)" if rebooted else "",
         )
+        return True
 
     # -- restart -------------------------------------------------------------------------
 
     async def reconcile(self) -> EnforcementReconciled | None:
         """Make the node's limits match the log (see the module docstring)."""
-        await self.settle_unknown()
-        state = await self.live.fresh(HEAD)
+        state = (await self.view(ViewAsk(node=True))).state()
+        if await self.settle_unknown(state):  # the node's shares moved: look again
+            state = (await self.view(ViewAsk(node=True))).state()
         events: list[Event] = []
         checkpoint = self.checkpoint
         if checkpoint is not None and checkpoint.warning is not None:
@@ -468,17 +565,17 @@ class Agent:
         except EnforcementError as exc:
             log.error("cannot read the limits in force (%s); not reconciling", exc)
             # what the checkpoint says was started or done may all be in force
-            self.enforcing = {s: e.limit for s, e in entries.items()}
-            await self._report(events)
+            self.enforcing = Enforcing(e.limit for e in entries.values())
+            await self.report_events(events)
             return None
         if checkpoint is not None and checkpoint.rebooted:
             log.info("node rebooted since the checkpoint was written: limits are put back")
         plan = plan_reconcile(state, self.node, observed, entries)
         removed: list[str] = []
-        self.enforcing = {s: limit_of(state.shares[s]) for s in plan.kept}
+        self.enforcing = Enforcing(limit_of(state.shares[s]) for s in plan.kept)
         for share_id in plan.orphans + plan.stale:
             if share_id in entries:  # still in force until its removal succeeds
-                self.enforcing[share_id] = entries[share_id].limit
+                self.enforcing.add(entries[share_id].limit)
             try:
                 await self._remove(share_id)
             except EnforcementError as exc:
@@ -519,13 +616,19 @@ class Agent:
                 len(report.removed_orphans),
                 len(report.failed),
             )
-        await self._report(events)
+        await self.report_events(events)
         return self.reconciled
 
-    async def _report(self, events: list[Event]) -> None:
-        if events:
-            batch = Batch(node_stream(self.node), None, events)
-            await self.store.append_many([batch], Metadata(actor=self.lease.actor))
+    # -- inventory ---------------------------------------------------------------------------
+
+    async def node_slices(self) -> list[ResourceSlice]:
+        """The ResourceSlices the log holds for this node (the scanner's first publication)."""
+        state = (await self.view(ViewAsk(node=True))).state()
+        return list(state.slices.values())
+
+    async def publish(self, batches: list[tuple[str, list[Event]]]) -> None:
+        """Report an inventory scan's publications (the scanner's ``publish``)."""
+        await self.report([Outgoing(stream, None, events) for stream, events in batches])
 
     # -- the kernel, wrapped in the checkpoint -------------------------------------------
 
@@ -537,7 +640,7 @@ class Agent:
             await asyncio.to_thread(checkpoint.mark_started, limit.share_id, limit)
             applied = await self.enforcer.apply(limit)
             await asyncio.to_thread(checkpoint.mark_completed, limit.share_id, applied)
-        self.enforcing[limit.share_id] = limit
+        self.enforcing.add(limit)
         return applied
 
     async def _remove(self, share_id: str) -> None:
@@ -548,43 +651,62 @@ class Agent:
             await asyncio.to_thread(checkpoint.mark_removing, share_id)
             await self.enforcer.remove(share_id)
             await asyncio.to_thread(checkpoint.mark_removed, share_id)
-        self.enforcing.pop(share_id, None)
+        self.enforcing.discard(share_id)
+
+    # -- messages ------------------------------------------------------------------------
 
     def wants(self, env: Envelope) -> bool:
         """The messages this agent acts on: its node's bindings and release requests."""
         event = env.event
         return isinstance(event, _WORK) and event.node == self.node
 
-    async def handle(self, ctx: HandlerContext, envs: list[Envelope]) -> Handled:
-        """Apply or remove limits for a group of messages (see the module docstring)."""
-        mine = [env for env in envs if self.wants(env)]
-        if not mine:
-            return Handled()
+    async def handle(self, group: list[Delivery]) -> set[str]:
+        """Apply or remove limits for a group of messages (see the module docstring);
+        the ids of those the log does not hold as sent."""
         await self.lease.held.wait()  # no work while the lease is being taken back
-        # Folded up to these messages and every commit this process made or heard of
-        # (its own last append included; a tailed view usually is there already).
-        # Anything newer it misses makes the append's expected versions clash.
-        positions = [env.position for env in mine]
-        await self.live.fresh(SEEN, *positions, connection=ctx.connection)
-        async with self.live.frozen() as state:
-            tasks = decide_work(state, self.node, mine, self.enforcing)
-            streams = streams_to_check(self.node, tasks)
-            versions = {stream: await self.live.stream_version(stream) for stream in streams}
+        envs = [d.env for d in group]
+        redelivered = [d.env.event_id for d in group if d.delivery > 1]
+        view, viewed = await self.plane.view(ViewAsk(messages=envs, redelivered=redelivered))
+        self._note_retry(viewed.next_retry_at)
+        skip = set(viewed.unconfirmed) | set(viewed.handled) | set(viewed.refused)
+        mine = [env for env in envs if env.event_id not in skip]
+        state = view.state()
+        tasks = decide_work(state, self.node, mine, self.enforcing)
+        if tasks:
+            versions = _versions(view, streams_to_check(self.node, tasks))
             classes = {env.event_id: _class_of(state, env) for env in mine}
-        outcomes = await self._enforce(tasks)
-        written = record(self.node, tasks, outcomes, versions)
-        return Handled(
-            batches=_batches(written, mine),
-            actor=self.lease.actor,
-            on_commit=_counters(written, mine, classes),
+            outcomes = await self._enforce(tasks)
+            written = record(self.node, tasks, outcomes, versions)
+            causes = {env.event_id: _cause(env) for env in mine}
+            await self.report(_batches(written, causes), processed=[e.event_id for e in mine])
+            for count in _counters(written, mine, classes):
+                count()
+        return set(viewed.unconfirmed)
+
+    async def refused_undecodable(self, event_id: str) -> bool:
+        """Whether a message that did not decode is an event of the log the fold refuses
+        (acknowledged unhandled; otherwise it is dropped as unconfirmed)."""
+        _, viewed = await self.plane.view(ViewAsk(undecodable=[event_id]))
+        return event_id in viewed.refused
+
+    async def dead_letter(self, env: Envelope, deliveries: int, reason: str) -> None:
+        """Record that the consumer gave up on ``env`` (the message recorded as handled)."""
+        await self.lease.held.wait()
+        event = MessageDeadLettered(
+            consumer=self.consumer.name,
+            event_id=env.event_id,
+            position=env.position,
+            deliveries=deliveries,
+            reason=reason[:2000],
         )
+        batch = Outgoing(stream_of(event), None, [event], [_cause(env)])
+        await self.report([batch], processed=[env.event_id])
 
     async def _enforce(self, tasks: Sequence[Task]) -> dict[str, AppliedLimit | Failed]:
         """Run the enforcers for ``tasks``; the outcome of each apply, by share id.
 
-        A failed apply is an outcome (recorded, and retried by the sweep when it is
-        retryable); a failed removal raises: the consumer naks the messages and nothing
-        is recorded.
+        A failed apply is an outcome (recorded, and retried when it is retryable); a
+        failed removal raises: the consumer naks the messages and nothing is recorded.
         """
         outcomes: dict[str, AppliedLimit | Failed] = {}
         for task in tasks:
@@ -599,24 +721,34 @@ class Agent:
                         log.error("limit of share %s failed: %s", limit.share_id, exc)
                         outcomes[limit.share_id] = Failed(retryable=retryable, reason=str(exc))
             else:
-                for released in task.released:
-                    await self._remove(released.share_id)
+                for gone in task.released:
+                    await self._remove(gone.share_id)
         return outcomes
 
 
-def _node_shares(state: ClusterState, agent: Agent) -> list[str]:
-    """The live shares the fold places on the agent's node."""
-    node = state.nodes.get(agent.node)
-    return sorted(node.live_shares) if node is not None else []
+def _node_shares(state: ClusterState, node: str) -> list[str]:
+    """The live shares the view places on ``node``."""
+    held = state.nodes.get(node)
+    return sorted(held.live_shares) if held is not None else []
 
 
-def _batches(written: Written, messages: Sequence[Envelope]) -> list[Batch]:
-    """The append of ``written``, each event caused by its message."""
-    causes = {env.event_id: Cause.of(env) for env in messages}
-    return [
-        Batch(stream, version, events, [causes[m] for m in caused_by])
-        for stream, (version, events, caused_by) in written.streams.items()
-    ]
+def _versions(view: NodeView, streams: Sequence[str]) -> dict[str, int]:
+    """The versions of ``streams`` as of the view (0: none known: the stream must be new)."""
+    return {stream: view.versions.get(stream, 0) for stream in streams}
+
+
+def _cause(env: Envelope) -> Cause:
+    """The cause of an event reported in reaction to ``env``."""
+    return Cause(correlation_id=env.correlation_id, causation_id=env.event_id)
+
+
+def _batches(written: Written, causes: dict[str, Cause]) -> list[Outgoing]:
+    """The report of ``written``, each event caused by its message (none for a retry)."""
+    out: list[Outgoing] = []
+    for stream, (version, events, caused_by) in written.streams.items():
+        given = [causes[m] for m in caused_by if m in causes]
+        out.append(Outgoing(stream, version, events, given if len(given) == len(events) else None))
+    return out
 
 
 def _class_of(state: ClusterState, env: Envelope) -> str:
@@ -629,7 +761,7 @@ def _counters(
     written: Written, messages: Sequence[Envelope], classes: dict[str, str]
 ) -> list[Callable[[], None]]:
     """The metrics of ``written`` (``classes``: each message's DeviceClass), measured now
-    and counted once it has committed."""
+    and counted once it has been reported."""
     now = datetime.datetime.now(datetime.UTC)
     recorded = {env.event_id: env.recorded_at for env in messages}
     counted: list[Callable[[], None]] = []

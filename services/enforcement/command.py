@@ -1,22 +1,22 @@
 """``dracap agent --node NAME``: run the node agent of one node.
 
-The agent connects to PostgreSQL (the event log) and NATS (the events stream), makes
-sure the stream exists, and consumes the events addressed to its node until SIGINT or
-SIGTERM (see :mod:`services.enforcement.agent`). The servers are found like every
-command finds them (:mod:`services.runtime.endpoints`): ``--database-url`` / ``--nats``,
-else ``DRACAP_DATABASE_URL_AGENT`` (the agent's own database user, typically bound to
-its node by ``dracap db node-role``) / ``DRACAP_NATS_URL``, else ``DRACAP_DATABASE_URL``,
-else ``<data-dir>/connection.json`` of ``dracap up``; one that cannot be reached at
-start is one line and exit 1. With
-``--config`` (an agent configuration, ``deploy/agent-config.example.yaml``) the node's
-devices are discovered at start and every ``--scan-interval`` seconds and published as
-ResourceSlices; ``--enforcer tc`` takes each device's interface from its ``ifName``
-attribute and ``--enforcer mps`` each GPU's UUID, so both need ``--config``.
-``--enforcer none`` (the default) applies no limit and reports enforcement level
-``none``. The agent writes only under its node's lease (``--lease-ttl``, renewed every
-third of it; ``docs/reclamation.md``). ``--checkpoint PATH`` is the durable record of
-what the agent applied (``none``: keep none); on start the agent reconciles it with the
-kernel and the log.
+The agent talks only to NATS: it has no database login and takes no database URL. It
+pulls the events addressed to its node from its durable consumer (which the
+enforcement service creates) and asks the enforcement service (``dracap serve
+enforcement``, also inside ``dracap up``) for views of the log and to append its
+reports, until SIGINT or SIGTERM (see :mod:`services.enforcement.agent`). The server is
+found like every command finds it (:mod:`services.runtime.endpoints`): ``--nats``, else
+``DRACAP_NATS_URL``, else ``<data-dir>/connection.json`` of ``dracap up``; one that
+cannot be reached at start is one line and exit 1. With ``--config`` (an agent
+configuration, ``deploy/agent-config.example.yaml``) the node's devices are discovered
+at start and every ``--scan-interval`` seconds and published as ResourceSlices;
+``--enforcer tc`` takes each device's interface from its ``ifName`` attribute and
+``--enforcer mps`` each GPU's UUID, so both need ``--config``. ``--enforcer none`` (the
+default) applies no limit and reports enforcement level ``none``. The agent writes only
+under its node's lease (``--lease-ttl``, a heartbeat every third of it;
+``docs/reclamation.md``). ``--checkpoint PATH`` is the durable record of what the agent
+applied (``none``: keep none); on start the agent reconciles it with the kernel and the
+log.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Final
 
 from events.subjects import BusNames, SubjectError
 from services.enforcement import checkpointing
-from services.enforcement.agent import Agent, consumer_name
+from services.enforcement.agent import Agent
 from services.enforcement.cdi import DEFAULT_SPEC_DIR, CdiSpecs
 from services.enforcement.discovery import AgentConfig, ConfigError, ScanResult, load_config
 from services.enforcement.enforcers import Enforcer, NoneEnforcer
@@ -42,21 +42,18 @@ from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interf
 from services.enforcement.tc import TcEnforcer
 from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop
-from services.runtime.bus import connect_bus
+from services.runtime.bus import api_prefix, connect_bus
 from services.runtime.credentials import AUTH_DIR, AuthDir, Credential
-from services.runtime.dbroles import bound_node
 from services.runtime.endpoints import (
     Endpoints,
     add_endpoint_arguments,
     endpoints_from_args,
     reaching,
 )
-from services.runtime.eventstore import EventStore
-from services.runtime.gauges import initialise_series
 from services.runtime.gctuning import tune_for_long_lived_state
-from services.runtime.livestate import LiveState
 from services.runtime.metrics import start_metrics_server
-from services.runtime.settings import ServiceKind, SettingsError, load_settings
+from services.runtime.printable import printable
+from services.runtime.settings import SettingsError
 
 ENFORCERS: Final = ("none", "tc", "mps")
 DEFAULT_CHECKPOINT: Final = "/var/lib/dracap/agent/{node}.checkpoint.json"
@@ -98,74 +95,45 @@ def _login(args: argparse.Namespace, endpoints: Endpoints) -> Credential | None:
     return auth.agent(args.node) if auth.has_agent(args.node) else None
 
 
-async def _check_bound_node(store: EventStore, node: str) -> None:
-    """Stop at once when the database user acts for another node: every report would be
-    refused (``NodeScopeViolation``), and the agent would only fail, message by message."""
-    bound = await bound_node(store.pool)
-    if bound is not None and bound != node:
-        user = await store.pool.fetchval("SELECT session_user")
-        raise CommandError(
-            f"the database user {user} acts for node {bound!r}, not {node!r}: "
-            f"give the agent of {node!r} its own user (dracap db node-role {node})",
-            ExitCode.ERROR,
-        )
-
-
 async def serve(args: argparse.Namespace) -> int:
     """Run the agent until a signal arrives."""
     tune_for_long_lived_state()
-    endpoints = endpoints_from_args(args, service=ServiceKind.AGENT)
-    database_url, nats_url = endpoints.database(), endpoints.nats()
-    settings = endpoints.settings(load_settings())
+    endpoints = endpoints_from_args(args)
+    nats_url = endpoints.nats()
     names = BusNames(endpoints.prefix)
-    with reaching("PostgreSQL", database_url):
-        store = await EventStore.open(settings)
-    try:
-        await _check_bound_node(store, args.node)
-    except BaseException:
-        await store.close()
-        raise
-    try:
-        with reaching("NATS", nats_url):
-            nc, js = await connect_bus(
-                nats_url, name=f"dracap-agent-{args.node}", credential=_login(args, endpoints)
-            )
-    except BaseException:
-        await store.close()
-        raise
+    credential = _login(args, endpoints)
+    with reaching("NATS", nats_url):
+        nc, _ = await connect_bus(nats_url, name=f"dracap-agent-{args.node}", credential=credential)
     server = None
-    if args.metrics_port:
-        server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
-        initialise_series([consumer_name(args.node)])
     stop = eventloop.stop_on_signals()
     try:
+        if args.metrics_port:
+            server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
         config = load_config(args.config, args.node) if args.config else None
         enforcer = build_enforcer(args, config)
-        live = LiveState(store)
-        await live.load_snapshot()
-        scanner = None
-        if config is not None:
-            scanner = InventoryScanner(
-                store, live, config, listeners=[device_maps(config, enforcer)]
-            )
         checkpoint = None
         if args.checkpoint != "none":
             path = Path(args.checkpoint or DEFAULT_CHECKPOINT.format(node=args.node))
             checkpoint = await asyncio.to_thread(checkpointing.load, path)
         agent = Agent(
-            store,
-            js,
+            nc,
             names,
             node=args.node,
             enforcer=enforcer,
-            live=live,
             checkpoint=checkpoint,
-            scanner=scanner,
             scan_interval=args.scan_interval,
             lease_ttl=args.lease_ttl,
             boot_id=args.boot_id,
             health_interval=args.health_interval,
+            api_prefix=api_prefix(credential),
         )
+        if config is not None:
+            agent.scanner = InventoryScanner(
+                config,
+                previous=agent.node_slices,
+                publish=agent.publish,
+                listeners=[device_maps(config, enforcer)],
+            )
         log.info("agent of node %s started (enforcer %s)", args.node, args.enforcer)
         if args.kubelet_plugin:
             await _run_with_kubelet(args, agent, config, stop)
@@ -175,7 +143,6 @@ async def serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.shutdown()
         await nc.drain()
-        await store.close()
     return ExitCode.OK
 
 
@@ -234,13 +201,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         BusNames(endpoints_from_args(args).prefix).node_filter(args.node)
     except SubjectError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     eventloop.log_to_stderr()
     try:
         return eventloop.run(serve(args))
     except (SettingsError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
         return ExitCode.OK
@@ -254,7 +221,7 @@ def register(sub: Any) -> None:
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     parser.add_argument("--node", required=True, help="the node this agent runs on")
-    add_endpoint_arguments(parser, database=True, nats=True)
+    add_endpoint_arguments(parser, nats=True)
     parser.add_argument(
         "--enforcer",
         choices=ENFORCERS,
@@ -289,7 +256,7 @@ def register(sub: Any) -> None:
         type=float,
         default=DEFAULT_TTL_S,
         metavar="S",
-        help=f"the node lease's time to live, renewed every third of it "
+        help=f"the node lease's time to live, renewed by a heartbeat every third of it "
         f"(default {DEFAULT_TTL_S:g})",
     )
     parser.add_argument(

@@ -80,6 +80,7 @@ from events.quantities import Quantity
 from events.tenancy import DEFAULT_RETRY_WINDOW_S, retry_window
 from services.enforcement.checkpointing import CheckpointEntry, CheckpointWarning
 from services.enforcement.enforcers import AppliedLimit, ShareLimit
+from services.enforcement.enforcing import Draft, Tally
 from services.enforcement.reconciling import ReconcilePlan
 
 __all__ = [
@@ -180,15 +181,16 @@ def decide_work(
     state: ClusterState,
     node: str,
     messages: Sequence[Envelope],
-    enforcing: Mapping[str, ShareLimit],
+    enforcing: Tally,
 ) -> list[Task]:
     """What ``messages`` ask of ``node``, as the folded ``state`` demands it.
 
-    ``enforcing``: the limits the agent has in force now, by share id (what it applied
-    and has not removed); a new limit must fit its device's total together with them.
+    ``enforcing``: the limits the agent has in force now (what it applied and has not
+    removed, :class:`~services.enforcement.enforcing.Enforcing`); a new limit must fit its
+    device's total together with them.
     """
     tasks: list[Task] = []
-    counted = dict(enforcing)  # grows with every limit this group will apply
+    counted = Draft(enforcing)  # grows with every limit this group applies: no copy
     for env in messages:
         event = env.event
         task: Task | None = None
@@ -199,7 +201,7 @@ def decide_work(
         elif isinstance(event, ReleaseRequested) and event.node == node:
             task = _release(state, node, env.event_id, event)
             for released in task.released if isinstance(task, Release) else ():
-                counted.pop(released.share_id, None)  # removed before later tasks run
+                counted.discard(released.share_id)  # removed before later tasks run
         if task is not None:
             tasks.append(task)
     return tasks
@@ -212,7 +214,7 @@ def _prepared_by_kubelet(state: ClusterState, event: AllocationBound) -> bool:
 
 
 def enforce_claim(
-    state: ClusterState, node: str, key: tuple[str, str], enforcing: Mapping[str, ShareLimit]
+    state: ClusterState, node: str, key: tuple[str, str], enforcing: Tally
 ) -> Task | None:
     """The :class:`Enforce` of a claim's current allocation on ``node`` (a kubelet prepare).
 
@@ -230,7 +232,7 @@ def enforce_claim(
         allocation=claim.allocation,
         share_ids=list(claim.share_ids),
     )
-    return _enforce(state, node, "", bound, dict(enforcing))
+    return _enforce(state, node, "", bound, Draft(enforcing))
 
 
 def unprepare_claim(state: ClusterState, node: str, key: tuple[str, str]) -> Task | None:
@@ -267,7 +269,7 @@ def _enforce(
     node: str,
     message: str,
     event: AllocationBound,
-    counted: dict[str, ShareLimit],
+    counted: Draft,
 ) -> Task | None:
     limits: list[ShareLimit] = []
     refused: list[Refused] = []
@@ -283,7 +285,7 @@ def _enforce(
             refused.append(Refused(share_id=share_id, reason=reason))
             continue
         limits.append(limit)
-        counted[share_id] = limit
+        counted.add(limit)
     if not limits and not refused:
         return None
     return Enforce(
@@ -319,12 +321,16 @@ def decide_retries(
     state: ClusterState,
     node: str,
     now: datetime.datetime,
-    enforcing: Mapping[str, ShareLimit],
+    enforcing: Tally,
 ) -> list[Enforce]:
     """The retries due on ``node`` at ``now``: one :class:`Enforce` per ``retrying`` claim
-    with a share whose ``retry_at`` has come (see the module docstring)."""
+    with a share whose ``retry_at`` has come (see the module docstring).
+
+    Its cost is the claims of ``state``: the agent decides on a view that holds only its
+    node's retrying claims (:mod:`services.enforcement.views`).
+    """
     tasks: list[Enforce] = []
-    counted = dict(enforcing)
+    counted = Draft(enforcing)
     for key, claim in state.claims.items():
         if claim.phase != "retrying":
             continue
@@ -342,7 +348,7 @@ def decide_retries(
                 refused.append(Refused(share_id=share_id, reason=reason))
                 continue
             limits.append(limit)
-            counted[share_id] = limit
+            counted.add(limit)
         if limits or refused:
             tasks.append(
                 Enforce(
@@ -393,15 +399,15 @@ def _failed(
     )
 
 
-def overcommit(
-    state: ClusterState, enforcing: Mapping[str, ShareLimit], limit: ShareLimit
-) -> str | None:
+def overcommit(state: ClusterState, enforcing: Tally, limit: ShareLimit) -> str | None:
     """Why ``limit`` may not be applied next to ``enforcing``; ``None`` when it fits.
 
     Per capacity ``limit`` consumes, the amounts of the non-admin limits in
     ``enforcing`` on the same device (``limit``'s own share not counted twice) plus
     ``limit``'s must be at most the device's total in the folded ``state``. A device
-    or capacity the log does not publish has no total to fit in: refused too.
+    or capacity the log does not publish has no total to fit in: refused too. The sums
+    are kept by ``enforcing`` (:mod:`services.enforcement.enforcing`): the check costs
+    O(the capacities of ``limit``), whatever the node enforces.
     """
     if limit.admin_access or not limit.consumed:
         return None
@@ -410,24 +416,22 @@ def overcommit(
     device = state.devices.get(key)
     if device is None:
         return f"refused: device {where} is not published"
-    others = [
-        other
-        for share_id, other in enforcing.items()
-        if share_id != limit.share_id
-        and not other.admin_access
-        and (other.driver, other.pool, other.device) == key
-    ]
+    own = enforcing.get(limit.share_id)
+    if own is not None and (own.admin_access or (own.driver, own.pool, own.device) != key):
+        own = None  # counted elsewhere, or not at all
     for capacity, asked in sorted(limit.consumed.items()):
         total = device.total.get(capacity)
         if total is None:
             return f"refused: device {where} publishes no capacity {capacity!r}"
-        held = [o.consumed[capacity] for o in others if capacity in o.consumed]
-        enforced = Quantity(sum(q.nanos for q in held), total.format)
+        nanos, count = enforcing.held(key, capacity)
+        if own is not None and capacity in own.consumed:
+            nanos, count = nanos - own.consumed[capacity].nanos, count - 1
+        enforced = Quantity(nanos, total.format)
         if enforced.nanos + asked.nanos > total.nanos:
             wanted = Quantity(enforced.nanos + asked.nanos, total.format)
             return (
                 f"refused: device {where} {capacity}: enforcing {enforced.canonical()} "
-                f"({len(held)} share(s)) + asked {asked.canonical()} = {wanted.canonical()} "
+                f"({count} share(s)) + asked {asked.canonical()} = {wanted.canonical()} "
                 f"> total {total.canonical()}"
             )
     return None

@@ -12,9 +12,9 @@ agent applies a claim's limits only when the kubelet prepares it:
        UID (:func:`~services.enforcement.preparing.judge_prepare`); the kubelet retries a
        prepare that fails, so a slow bridge costs a retry, never a wrong answer;
     3. apply the limits of this node's shares through the agent
-       (:meth:`~services.enforcement.agent.Agent.carry_out`: the same enforcers, checkpoint,
-       lease and last-line-of-defense check as for a standalone claim), which records
-       ``LimitApplied``: the claim is Ready in the log only now;
+       (:meth:`~services.enforcement.agent.Agent.carry_out` on a view of that claim: the
+       same enforcers, checkpoint, lease and last-line-of-defense check as for a standalone
+       claim), which reports ``LimitApplied``: the claim is Ready in the log only now;
     4. write each share's CDI spec (an MPS GPU share's is written by its enforcer; every
        other share gets a ``dracap.io/share`` spec) and answer the CDI names, one device per
        share. A claim dracap refused, or whose limit failed, gets an error with the reason.
@@ -33,8 +33,13 @@ Nothing of a prepared claim lives only in this process: the log says which share
 has and whether their limits are applied, and the agent's checkpoint says which limits are
 in force, so an agent restarted between prepare and unprepare answers both the same way.
 
+Every look at the log is a view the agent asks the enforcement service for (the claim,
+or the node's devices): the agent holds no fold. Waiting for the bridge to mirror a claim
+asks again every half second, at most ``mirror_wait_s``.
+
 Device health: :meth:`KubeletDriver.health_updates` streams this node's devices of the
-driver, healthy or not as the agent last reported them (``DeviceHealthChanged``).
+driver, healthy or not as the agent last reported them (``DeviceHealthChanged``): again
+after each of the agent's reports that changes them, and every ``health_interval_s``.
 """
 
 from __future__ import annotations
@@ -43,10 +48,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Final, Protocol
 
-from events.catalog import Envelope
+from events.catalog import (
+    DeviceHealthChanged,
+    Event,
+    ResourceSlicePublished,
+    ResourceSliceWithdrawn,
+)
 from events.fold import ClusterState, ShareState
 from events.model import ResourceClaim
 from services.enforcement.agent import Agent
@@ -54,6 +64,7 @@ from services.enforcement.cdi import KIND as GPU_KIND
 from services.enforcement.cdi import SHARE_KIND, CdiSpecs, build_share_spec
 from services.enforcement.decisions import Task, enforce_claim, unprepare_claim
 from services.enforcement.preparing import PrepareVerdict, judge_prepare
+from services.enforcement.protocol import ViewAsk
 from services.runtime.errors import ConflictError
 from services.runtime.kube.errors import KubeApiError, NotFound
 from services.runtime.kubeletplugin import (
@@ -63,7 +74,6 @@ from services.runtime.kubeletplugin import (
     PreparedDevice,
     PrepareResult,
 )
-from services.runtime.livestate import HEAD
 
 __all__ = ["ClaimReader", "KubeletDriver", "PrepareError"]
 
@@ -71,6 +81,10 @@ log = logging.getLogger("dracap.kubelet")
 
 #: How long a prepare waits for the bridge to mirror the claim before it fails (retried).
 MIRROR_WAIT_S: Final = 20.0
+#: How often a prepare waiting for the bridge asks again.
+_MIRROR_POLL_S: Final = 0.5
+#: Reports of the agent that change what the health stream shows.
+_DEVICES_CHANGED: Final = (DeviceHealthChanged, ResourceSlicePublished, ResourceSliceWithdrawn)
 _ATTEMPTS: Final = 5  #: tries of an append that lost a race (a delete, a fence)
 
 
@@ -95,7 +109,7 @@ class KubeletDriver:
         drivers: Collection[str],
         cdi_dir: CdiSpecs | None = None,
         mirror_wait_s: float = MIRROR_WAIT_S,
-        health_interval_s: float = 10.0,
+        health_interval_s: float = 60.0,
     ) -> None:
         self.agent = agent
         self.claims = claims
@@ -106,10 +120,15 @@ class KubeletDriver:
         self.mirror_wait_s = mirror_wait_s
         self.health_interval_s = health_interval_s
         self._changed = asyncio.Event()
-        agent.live.subscribe(self._on_fold)
+        agent.on_report(self._on_report)
 
-    def _on_fold(self, envelope: Envelope) -> None:
-        self._changed.set()
+    def _on_report(self, events: Sequence[Event]) -> None:
+        if any(isinstance(e, _DEVICES_CHANGED) for e in events):
+            self._changed.set()
+
+    async def _claim(self, key: tuple[str, str]) -> ClusterState:
+        """A view of one claim (and its shares on this node)."""
+        return (await self.agent.view(ViewAsk(claims=[key]))).state()
 
     # -- prepare ---------------------------------------------------------------------------
 
@@ -130,11 +149,13 @@ class KubeletDriver:
         for _ in range(_ATTEMPTS):
             verdict = await self._verdict(ref, deadline)
             if verdict.verdict == "prepared":
-                return self._devices(await self.agent.live.fresh(HEAD), verdict)
+                return self._devices(await self._claim((ref.namespace, ref.name)), verdict)
             if verdict.verdict != "enforce":
                 raise PrepareError(verdict.reason)
             try:
-                await self.agent.carry_out(self._enforcing(ref))
+                await self.agent.carry_out(
+                    ViewAsk(claims=[(ref.namespace, ref.name)]), self._enforcing(ref)
+                )
             except ConflictError:
                 continue  # released or fenced meanwhile: look again
         raise PrepareError(f"claim {ref.namespace}/{ref.name} kept changing while prepared")
@@ -162,14 +183,12 @@ class KubeletDriver:
     async def _verdict(self, ref: ClaimRef, deadline: float) -> PrepareVerdict:
         """The verdict, waiting until the claim is mirrored or the deadline passes."""
         while True:
-            self._changed.clear()
-            state = await self.agent.live.fresh(HEAD)
+            state = await self._claim((ref.namespace, ref.name))
             verdict = judge_prepare(state, self.agent.node, ref.namespace, ref.name, ref.uid)
             left = deadline - time.monotonic()
             if verdict.verdict != "wait" or left <= 0:
                 return verdict
-            with contextlib.suppress(TimeoutError):  # a fold wakes it; the poll bounds it
-                await asyncio.wait_for(self._changed.wait(), min(left, 0.5))
+            await asyncio.sleep(min(left, _MIRROR_POLL_S))
 
     def _devices(self, state: ClusterState, verdict: PrepareVerdict) -> list[PreparedDevice]:
         return [self._device(state.shares[sid]) for sid in verdict.share_ids]
@@ -204,13 +223,15 @@ class KubeletDriver:
     async def _unprepare(self, ref: ClaimRef) -> None:
         node, agent, key = self.agent.node, self.agent, (ref.namespace, ref.name)
         for _ in range(_ATTEMPTS):
-            state = await agent.live.fresh(HEAD)
+            state = await self._claim(key)
             claim = state.claims.get(key)
             if claim is None or claim.source != "kubernetes" or claim.uid != ref.uid:
                 return  # not ours, or not known: nothing to undo
-            owned = [sid for sid in claim.share_ids if state.shares[sid].node in (None, node)]
+            owned = [sid for sid in claim.share_ids if sid in state.shares]
             try:
-                await agent.carry_out(lambda state: _one(unprepare_claim(state, node, key)))
+                await agent.carry_out(
+                    ViewAsk(claims=[key]), lambda state: _one(unprepare_claim(state, node, key))
+                )
             except ConflictError:
                 continue
             for sid in owned:
@@ -238,13 +259,13 @@ class KubeletDriver:
         """The complete list at once, then again whenever a device's health changes."""
         last: list[tuple[str, str, Health]] | None = None
         while True:
-            state = await self.agent.live.fresh(HEAD)
+            self._changed.clear()
+            state = (await self.agent.view(ViewAsk(node=True))).state()
             reports = self.health(state)
             now = [(r.pool_name, r.device_name, r.health) for r in reports]
             if now != last:
                 last = now
                 yield reports
-            self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self.health_interval_s)
 

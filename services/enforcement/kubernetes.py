@@ -9,10 +9,11 @@
   :class:`~services.enforcement.kubelet.KubeletDriver`. They start only once the agent
   holds its lease and has reconciled, so the kubelet's first call meets an agent that
   knows what is in force;
-* :class:`SlicePublisher`: whenever the folded log changes this node's ResourceSlices of
-  a driver (the agent's inventory scan publishes them into the log), the API server is
-  made to hold exactly those (:func:`~services.runtime.kube.slices.sync_slices`: the
-  pool's generation goes up on every change, never on a resync that changes nothing).
+* :class:`SlicePublisher`: at start and whenever the agent reports a change of this
+  node's ResourceSlices (its inventory scan publishes them into the log), the API server
+  is made to hold exactly those the log has, as a view of the node shows them
+  (:func:`~services.runtime.kube.slices.sync_slices`: the pool's generation goes up on
+  every change, never on a resync that changes nothing).
   kube-scheduler allocates from what this publishes.
 """
 
@@ -21,21 +22,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Final
 
-from events.catalog import Envelope, ResourceSlicePublished, ResourceSliceWithdrawn
+from events.catalog import Event, ResourceSlicePublished, ResourceSliceWithdrawn
 from events.fold import ClusterState
 from events.model import ResourceSlice
 from services.enforcement.agent import Agent
 from services.enforcement.cdi import CdiSpecs
 from services.enforcement.kubelet import KubeletDriver
+from services.enforcement.protocol import ViewAsk
 from services.runtime.kube.client import KubeApi
 from services.runtime.kube.errors import KubeApiError
 from services.runtime.kube.slices import sync_slices
 from services.runtime.kubeletplugin import KubeletPlugin
-from services.runtime.livestate import HEAD
 
 __all__ = ["SlicePublisher", "node_slices", "run_kubernetes_mode"]
 
@@ -63,18 +64,17 @@ class SlicePublisher:
         self.drivers = sorted(drivers)
         self._changed = asyncio.Event()
         self._changed.set()  # one sync at start
-        agent.live.subscribe(self._on_fold)
+        agent.on_report(self._on_report)
         #: the pool generation each driver's last sync left on the server
         self.generations: dict[str, int] = {}
 
-    def _on_fold(self, envelope: Envelope) -> None:
-        event = envelope.event
-        if isinstance(event, ResourceSlicePublished | ResourceSliceWithdrawn):
+    def _on_report(self, events: Sequence[Event]) -> None:
+        if any(isinstance(e, ResourceSlicePublished | ResourceSliceWithdrawn) for e in events):
             self._changed.set()
 
     async def sync(self) -> None:
         """Make the server hold this node's slices of every driver, as the log has them."""
-        state = await self.agent.live.fresh(HEAD)
+        state = (await self.agent.view(ViewAsk(node=True))).state()
         for driver in self.drivers:
             desired = node_slices(state, self.agent.node, driver)
             done = await sync_slices(self.api, driver, self.agent.node, desired)

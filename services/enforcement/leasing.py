@@ -1,36 +1,43 @@
 """The node agent's lease: taken with an event, renewed without one, lost for good.
 
 A node agent writes only while it holds its node's lease (migration 0007,
-``docs/reclamation.md``):
+``docs/reclamation.md``). It asks for everything over NATS
+(:class:`~services.enforcement.asking.ControlPlane`); the enforcement service does the
+database's part (:mod:`services.enforcement.leases`):
 
-* :meth:`NodeLease.acquire` appends ``NodeLeaseAcquired(node, epoch, boot_id, ttl_ms)``
-  with ``epoch`` one more than the newest epoch the node had (a lease, an expiry or a
-  fence). The store's ``acquire`` guard checks that number under the log's head lock
-  and writes the lease row; two agents of one node racing both read the same number,
-  one wins, the other gets a :class:`~services.runtime.errors.ConflictError` and
-  reads again. The event is the agent's first write under the new epoch.
-* :meth:`NodeLease.renew` moves the row's expiry by ``ttl`` (``dracap_renew_lease``),
-  every ``ttl / 3``; it is no event. It fails once the lease expired, was fenced or a
-  newer lease exists: the lease is then *lost*, and this object never renews it again.
-* :attr:`NodeLease.actor` is ``agent:<node>#<epoch>``: every append of the agent names
-  its epoch, and the store refuses (and records) one whose epoch is stale.
+* :meth:`NodeLease.acquire` asks for the node's next lease: the service appends
+  ``NodeLeaseAcquired(node, epoch, boot_id, ttl_ms)`` with ``epoch`` one more than the
+  newest epoch the node had (a lease, an expiry or a fence) and answers the epoch and
+  the boot id of the lease before. The event is the agent's first write under the new
+  epoch.
+* :meth:`NodeLease.renew` sends a heartbeat every ``ttl / 3``; the service renews the
+  beats of many nodes in one statement. No event. It answers "lost" once the lease
+  expired, was fenced or a newer lease exists: the lease is then *lost*, and this object
+  never renews it again. A whole ttl without an answer saying "held" (NATS or the
+  service away, answers too late) is a lost lease too: it cannot still be held.
+* :attr:`NodeLease.actor` is ``agent:<node>#<epoch>``: every report names its epoch, and
+  the service (and the store) refuse one whose epoch is stale.
 
 The agent runs :meth:`NodeLease.keep` beside its consumer: on a lost lease it stops
 taking new work, takes the next lease, reconciles (confirms what it still enforces,
-releases what it does not), and only then goes on.
+releases what it does not), and only then goes on. A heartbeat that gets no answer (the
+service or NATS away) is an outage: it is tried at the next tick, and if the outage
+outlasts the ttl the lease runs out at the database — the node's shares go Unknown and
+fencing works exactly as when an agent lost its database.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
 from events.actors import Actor
-from events.catalog import EnforcementLevel, NodeLeaseAcquired, lease_stream
+from events.catalog import EnforcementLevel
+from services.enforcement.asking import ControlPlane
 from services.runtime.errors import ConflictError, RetryableError
-from services.runtime.eventstore import EventStore
 
 __all__ = ["DEFAULT_TTL_S", "NodeLease"]
 
@@ -38,10 +45,6 @@ log = logging.getLogger("dracap.agent")
 
 #: Lease time to live unless configured (``dracap agent --lease-ttl``).
 DEFAULT_TTL_S: Final = 10.0
-_NEWEST_EPOCH: Final = (
-    "SELECT greatest(coalesce((SELECT epoch FROM node_leases WHERE node = $1), 0),"
-    " coalesce((SELECT epoch FROM node_epochs WHERE node = $1), 0))"
-)
 
 
 class NodeLease:
@@ -49,7 +52,7 @@ class NodeLease:
 
     def __init__(
         self,
-        store: EventStore,
+        plane: ControlPlane,
         node: str,
         *,
         boot_id: str,
@@ -58,12 +61,14 @@ class NodeLease:
     ) -> None:
         if ttl_s <= 0:
             raise ValueError("the lease time to live must be positive")
-        self.store = store
+        self.plane = plane
         self.node = node
         self.boot_id = boot_id
         self.ttl_s = ttl_s
         self.enforcement: EnforcementLevel = enforcement
         self.epoch: int | None = None  #: the epoch held (None: none yet)
+        #: the boot id of the node's lease before the one held ("": none)
+        self.previous_boot_id = ""
         #: set while the lease is held and the agent may take work
         self.held = asyncio.Event()
 
@@ -76,47 +81,39 @@ class NodeLease:
         """Take the node's next lease (retrying races and outages); its epoch."""
         delay = 0.05
         while True:
-            newest = int(await self.store.pool.fetchval(_NEWEST_EPOCH, self.node) or 0)
-            epoch = newest + 1
-            event = NodeLeaseAcquired(
-                node=self.node,
-                epoch=epoch,
-                boot_id=self.boot_id,
-                ttl_ms=round(self.ttl_s * 1000),
-                enforcement=self.enforcement,
-            )
             try:
-                await self.store.append(
-                    lease_stream(self.node),
-                    None,
-                    [event],
-                    actor=str(Actor.agent(self.node, epoch)),
-                )
+                leased = await self.plane.lease(self.boot_id, self.ttl_s, self.enforcement)
             except (ConflictError, RetryableError) as exc:
                 log.info("lease of node %s: %s; trying again", self.node, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
-            self.epoch = epoch
-            log.info("node %s: lease of epoch %d taken (boot %s)", self.node, epoch, self.boot_id)
-            return epoch
+            self.epoch = leased.epoch
+            self.previous_boot_id = leased.previous_boot_id
+            log.info(
+                "node %s: lease of epoch %d taken (boot %s)", self.node, leased.epoch, self.boot_id
+            )
+            return leased.epoch
 
     async def renew(self) -> bool:
-        """Extend the lease held; False when it is lost (expired, fenced or superseded)."""
+        """Extend the lease held; False when it is lost (expired, fenced or superseded).
+
+        The answer comes after the service's next renewal statement: it is waited for up
+        to half the ttl (a heartbeat answered late still renewed the lease)."""
         if self.epoch is None:
             return False
-        expires = await self.store.pool.fetchval(
-            "SELECT dracap_renew_lease($1, $2)", self.node, self.epoch
-        )
-        return expires is not None
+        return await self.plane.heartbeat(self.epoch, timeout=max(self.ttl_s / 2, 0.5))
 
     async def keep(self, stop: asyncio.Event, on_lost: Callable[[], Awaitable[None]]) -> None:
         """Renew every ``ttl / 3`` until ``stop``; on a lost lease, call ``on_lost``.
 
         ``on_lost`` takes the next lease and reconciles; a renewal that fails on an
-        outage is tried again at the next tick (the lease may still be valid).
+        outage is tried again at the next tick (the lease may still be valid). After a
+        whole ttl without an answer saying "held" the lease cannot be held any more: it
+        is lost, whether or not an answer saying so ever comes.
         """
         interval = self.ttl_s / 3
+        held_at = time.monotonic()
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
@@ -126,11 +123,17 @@ class NodeLease:
             try:
                 renewed = await self.renew()
             except Exception as exc:  # an outage: the next tick tries again
-                log.warning("lease of node %s not renewed: %s", self.node, exc)
+                if time.monotonic() - held_at <= self.ttl_s:
+                    log.warning("lease of node %s not renewed: %s", self.node, exc)
+                    continue
+                log.warning("lease of node %s not renewed for a whole ttl: %s", self.node, exc)
+                renewed = False
+            if renewed:
+                held_at = time.monotonic()
                 continue
-            if not renewed:
-                log.warning("node %s: lease of epoch %s is lost", self.node, self.epoch)
-                await self.lost(on_lost)
+            log.warning("node %s: lease of epoch %s is lost", self.node, self.epoch)
+            await self.lost(on_lost)
+            held_at = time.monotonic()
 
     async def lost(self, on_lost: Callable[[], Awaitable[None]]) -> None:
         """Stop taking work and run ``on_lost`` (again after a failure) until it succeeds."""

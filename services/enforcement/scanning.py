@@ -5,8 +5,10 @@ thread: it reads sysfs and calls NVML), hands the inventory to whoever needs it 
 enforcers' device maps, :func:`interfaces_of` and :func:`gpu_uuids_of`) and appends
 what the :class:`~services.enforcement.publishing.Publisher` says changed
 (``ResourceSlicePublished`` / ``ResourceSliceWithdrawn``, one slice stream each) in one
-append, actor ``agent:<node>``. The publisher starts from the slices the log holds, so
-a restart republishes nothing when nothing changed. A scan that fails (a broken static
+report (``publish``: the agent's, appended by the enforcement service as
+``agent:<node>#<epoch>``). The publisher starts from the slices the log holds for the
+node (``previous``: the agent's view of them), so a restart republishes nothing when
+nothing changed. A scan that fails (a broken static
 inventory file, an unreadable sysfs) is logged and skipped: what was published stays.
 """
 
@@ -15,21 +17,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 
-from events.actors import Actor
-from events.catalog import stream_of
-from events.subjects import NO_NODE
+from events.catalog import Event, stream_of
+from events.model import ResourceSlice
 from services.enforcement.discovery import AgentConfig, InventoryError, ScanResult, discover
 from services.enforcement.publishing import Changes, Publisher
-from services.runtime.eventstore import Batch, EventStore, Metadata
-from services.runtime.livestate import HEAD, LiveState
 
 __all__ = ["InventoryScanner", "gpu_uuids_of", "interfaces_of"]
 
 log = logging.getLogger("dracap.inventory")
 
 ScanListener = Callable[[ScanResult], None]
+#: Where the node's slices come from at the first scan: what the log holds for it.
+Previous = Callable[[], Awaitable[Iterable[ResourceSlice]]]
+#: Append the events of a scan, grouped by stream, in order.
+Publish = Callable[[list[tuple[str, list[Event]]]], Awaitable[None]]
 
 
 def interfaces_of(config: AgentConfig, inventory: ScanResult) -> dict[tuple[str, str, str], str]:
@@ -59,18 +62,15 @@ class InventoryScanner:
 
     def __init__(
         self,
-        store: EventStore,
-        live: LiveState,
         config: AgentConfig,
         *,
+        previous: Previous,
+        publish: Publish,
         scan: Callable[[AgentConfig], ScanResult] = discover,
         listeners: list[ScanListener] | None = None,
-        actor: Callable[[], str] | None = None,
     ) -> None:
-        self.store = store
-        #: who the appends name (the agent under its lease epoch; without one, the node)
-        self.actor = actor or (lambda: str(Actor.agent(config.node_name or NO_NODE)))
-        self.live = live
+        self.previous = previous
+        self.publish = publish
         self.config = config
         self.scan = scan
         self.listeners = list(listeners or [])
@@ -81,8 +81,7 @@ class InventoryScanner:
     async def scan_once(self) -> Changes | None:
         """One scan: discover, tell the listeners, append what changed (None: skipped)."""
         if self.publisher is None:
-            state = await self.live.fresh(HEAD)
-            self.publisher = Publisher(self.config, state.slices.values())
+            self.publisher = Publisher(self.config, await self.previous())
         try:
             inventory = await asyncio.to_thread(self.scan, self.config)
         except (InventoryError, OSError) as exc:
@@ -116,11 +115,11 @@ class InventoryScanner:
                 log.exception("inventory scan failed")
 
     async def _append(self, changes: Changes) -> None:
-        batches: list[Batch] = []
+        batches: list[tuple[str, list[Event]]] = []
         for event in changes.events():
             stream = stream_of(event)
-            if batches and batches[-1].stream == stream:
-                batches[-1] = Batch(stream, None, [*batches[-1].events, event])
+            if batches and batches[-1][0] == stream:
+                batches[-1][1].append(event)
             else:
-                batches.append(Batch(stream, None, [event]))
-        await self.store.append_many(batches, Metadata(actor=self.actor()))
+                batches.append((stream, [event]))
+        await self.publish(batches)

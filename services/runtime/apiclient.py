@@ -38,7 +38,7 @@ from services.runtime.credentials import Credential
 from services.runtime.endpoints import reaching
 from services.runtime.replies import Assembly, ReplyPartError
 
-__all__ = ["REQUEST_TIMEOUT_S", "ApiClient", "ApiError"]
+__all__ = ["REQUEST_TIMEOUT_S", "ApiClient", "ApiError", "ask"]
 
 REQUEST_TIMEOUT_S: Final = 10.0
 _EXIT_BY_CODE: Final = {
@@ -94,6 +94,39 @@ class _Denials:
                 for future in futures:
                     if not future.done():
                         future.set_result(None)
+
+
+async def ask(nc: Client, subject: str, payload: bytes, timeout: float) -> bytes:  # noqa: ASYNC109
+    """Publish a request and wait for the whole reply, however many messages it takes
+    (:mod:`services.runtime.replies`): ``nats.errors.TimeoutError`` after ``timeout``,
+    ``NoRespondersError`` when nobody listens, :class:`ReplyPartError` for a broken one."""
+    whole: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    assembly = Assembly()
+
+    async def arrived(msg: Msg) -> None:
+        if whole.done():
+            return
+        if msg.headers and msg.headers.get(_STATUS) == _NO_RESPONDERS and not msg.data:
+            whole.set_exception(nats.errors.NoRespondersError())
+            return
+        try:
+            data = assembly.add(msg.data, msg.headers)
+        except ReplyPartError as exc:
+            whole.set_exception(exc)
+            return
+        if data is not None:
+            whole.set_result(data)
+
+    sub = await nc.subscribe(nc.new_inbox(), cb=arrived)
+    try:
+        await nc.publish(subject, payload, reply=sub.subject)
+        try:
+            return await asyncio.wait_for(whole, timeout)
+        except TimeoutError:
+            raise nats.errors.TimeoutError from None
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
 
 
 class ApiClient:
@@ -177,37 +210,10 @@ class ApiClient:
         return data
 
     async def _ask(self, subject: str, payload: bytes) -> bytes:
-        """Publish the request and wait for the whole reply, however many messages it
-        takes (:mod:`services.runtime.replies`)."""
-        whole: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        assembly = Assembly()
-
-        async def arrived(msg: Msg) -> None:
-            if whole.done():
-                return
-            if msg.headers and msg.headers.get(_STATUS) == _NO_RESPONDERS and not msg.data:
-                whole.set_exception(nats.errors.NoRespondersError())
-                return
-            try:
-                data = assembly.add(msg.data, msg.headers)
-            except ReplyPartError as exc:
-                whole.set_exception(
-                    CommandError(f"a broken reply on {subject}: {exc}", ExitCode.ERROR)
-                )
-                return
-            if data is not None:
-                whole.set_result(data)
-
-        sub = await self.nc.subscribe(self.nc.new_inbox(), cb=arrived)
         try:
-            await self.nc.publish(subject, payload, reply=sub.subject)
-            try:
-                return await asyncio.wait_for(whole, self.timeout)
-            except TimeoutError:
-                raise nats.errors.TimeoutError from None
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+            return await ask(self.nc, subject, payload, self.timeout)
+        except ReplyPartError as exc:
+            raise CommandError(f"a broken reply on {subject}: {exc}", ExitCode.ERROR) from None
 
     async def claims(self, namespace: str, op: str, body: Any = None) -> dict[str, Any]:
         payload = body if isinstance(body, bytes) else json.dumps(body or {}).encode()

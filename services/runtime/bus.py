@@ -11,6 +11,9 @@ Stream configuration, and why:
 * **limits retention**: consumers come and go (an agent per node), so messages are not
   removed when one consumer acknowledges them; ``max_age`` bounds the size (default
   7 days: longer than any consumer should be down);
+* **consumers**: at most :data:`MAX_CONSUMERS` (a durable one per node agent, plus the
+  services'); named explicitly, since nats-server 2.11 and later cap a stream that names
+  none at 1,000, fewer than a fleet's nodes;
 * **no purge, no message deletes** (``deny_purge``, ``deny_delete``): nats-server
   refuses both API calls for this stream, whoever sends them, and no update can lift
   the flags once set; the stream only loses messages by age;
@@ -72,17 +75,24 @@ __all__ = [
     "ACK_WAIT_S",
     "DUPLICATE_WINDOW_S",
     "MAX_AGE_S",
+    "MAX_CONSUMERS",
     "Durable",
+    "api_prefix",
     "connect_bus",
     "durable_config",
     "ensure_stream",
+    "prefix_of",
     "stream_config",
 ]
 
 DUPLICATE_WINDOW_S: Final = 120.0
+#: Durable consumers the stream may have: one per node agent, and the services'.
+MAX_CONSUMERS: Final = 100_000
 MAX_AGE_S: Final = 7 * 24 * 3600.0
 ACK_WAIT_S: Final = 30.0
 STREAM_NAME_IN_USE: Final = 10058  # JetStream API error code
+#: nats-server's own JetStream API prefix (no domain)
+DEFAULT_API_PREFIX: Final = "$JS.API"
 
 _log = logging.getLogger(__name__)
 
@@ -134,9 +144,21 @@ async def connect_bus(
         reconnected_cb=events.reconnected,
     )
     events.nc = nc
-    if credential is None:  # an open server: the one account holds the JetStream
-        return nc, nc.jetstream(timeout=connect_timeout)
-    return nc, nc.jetstream(prefix=credential.js_api_prefix, timeout=connect_timeout)
+    return nc, nc.jetstream(prefix=api_prefix(credential), timeout=connect_timeout)
+
+
+def api_prefix(credential: Credential | None) -> str:
+    """The JetStream API prefix of a client logged in as ``credential``: its account's
+    (:attr:`Credential.js_api_prefix`), or ``$JS.API`` on an open server (``None``), where
+    the one account holds the JetStream."""
+    return credential.js_api_prefix if credential is not None else DEFAULT_API_PREFIX
+
+
+def prefix_of(js: JetStreamContext) -> str:
+    """The API prefix ``js`` sends its requests to (what :func:`connect_bus` gave it;
+    nats-py keeps it private)."""
+    prefix: str = js._prefix
+    return prefix
 
 
 class Durable(msgspec.Struct, frozen=True):
@@ -180,6 +202,7 @@ def stream_config(
         discard=DiscardPolicy.OLD,
         max_age=max_age,
         duplicate_window=duplicate_window,
+        max_consumers=MAX_CONSUMERS,
         deny_purge=True,
         deny_delete=True,
         first_seq=first_seq if first_seq is not None and first_seq > 1 else None,
@@ -234,6 +257,7 @@ def _differs(current: StreamConfig, wanted: StreamConfig) -> bool:
         current.subjects != wanted.subjects
         or current.duplicate_window != wanted.duplicate_window
         or current.max_age != wanted.max_age
+        or current.max_consumers != wanted.max_consumers
         or current.deny_purge != wanted.deny_purge
         or current.deny_delete != wanted.deny_delete
     )

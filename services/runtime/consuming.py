@@ -8,29 +8,26 @@ does the rest, for one JetStream durable pull consumer (explicit ack) per servic
 
 Receiving
 ---------
-The consumer keeps pull requests outstanding on a private inbox (``batch`` messages,
-expiring after ``poll_interval``; a new request goes out when fewer than half a batch
-are still asked for), so messages flow in as the stream gets them and a lone message
-is handled at once — nats-py's ``fetch(n)`` would hold it until ``n`` had arrived or
-the request expired. Each request has a reply subject of its own under the inbox, on
-which its end status (expired, no messages) comes; a request is renewed shortly before
-it expires, whether or not its end status ever comes, so there is always one at the
-server. Whatever has arrived when the previous group is done forms the
+The consumer keeps pull requests outstanding on a private inbox
+(:class:`~services.runtime.pulling.Puller`: ``batch`` messages, expiring after
+``poll_interval``), so messages flow in as the stream gets them and a lone message is
+handled at once. Whatever has arrived when the previous group is done forms the
 next group (at most ``max_group`` messages): under load, groups grow by themselves
 and one commit carries many messages; when idle, each message goes alone.
 
 Its durable
 -----------
 The durable's configuration is :func:`~services.runtime.bus.durable_config`'s. A
-consumer that *owns* its durable (``owner=True``: a node agent until the enforcement
-service runs; every consumer of a test or a stack that has no relay keeping them)
-creates it at start — waiting, one log line, while the stream is not there yet — and
-creates it again whenever its pull requests find nobody to answer them (nats-server
-answers ``503`` when the durable is gone: a broker that lost its store). A consumer
-that does not own its durable (the reservation workers and the audit and billing
-subscribers in a deployment: the relay owns theirs, :mod:`services.runtime.rebuilding`)
-only pulls: while its durable is missing it logs that once, asks again every
-``poll_interval``, and logs once more when messages come again.
+consumer that *owns* its durable (``owner=True``: every consumer of a test or of a
+stack that has no relay keeping them) creates it at start — waiting, one log line,
+while the stream is not there yet — and creates it again whenever its pull requests
+find nobody to answer them (nats-server answers ``503`` when the durable is gone: a
+broker that lost its store). A consumer that does not own its durable (the
+reservation workers in a deployment: the relay owns theirs,
+:mod:`services.runtime.rebuilding`) only pulls: while its durable is missing it logs
+that once, asks again every ``poll_interval``, and logs once more when messages come
+again. A node agent's consumer (:mod:`services.enforcement.consumer`) is no
+:class:`Consumer`: the enforcement service owns its durable.
 
 Confirming
 ----------
@@ -148,9 +145,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -160,9 +155,7 @@ import msgspec
 import nats.errors
 from asyncpg import Record
 from asyncpg.pool import PoolConnectionProxy
-from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import Header
 from nats.js.errors import NotFoundError
@@ -171,7 +164,7 @@ from events.actors import Actor
 from events.catalog import Envelope, MessageDeadLettered, decode_envelope
 from events.errors import CatalogError
 from events.subjects import BusNames
-from services.runtime.bus import Durable, durable_config
+from services.runtime.bus import Durable, durable_config, prefix_of
 from services.runtime.confirming import WARN_EVERY_S, LogConfirmation
 from services.runtime.errors import AlreadyHandled
 from services.runtime.eventstore import (
@@ -185,9 +178,10 @@ from services.runtime.eventstore import (
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES
 from services.runtime.outages import StateLog, is_unreachable, one_line
+from services.runtime.pulling import Puller
 from services.runtime.refusals import note
 
-__all__ = ["Consumer", "GroupHandler", "Handled", "Handler", "HandlerContext"]
+__all__ = ["HANDLED_BEFORE", "Consumer", "GroupHandler", "Handled", "Handler", "HandlerContext"]
 
 _log = logging.getLogger(__name__)
 
@@ -200,16 +194,6 @@ HANDLED_BEFORE: Final = (
     "SELECT event_id::text FROM processed_messages WHERE consumer = $1 "
     "AND event_id = ANY($2::uuid[])"
 )
-#: JetStream's pull API, under the API prefix of the connection's JetStream context.
-_PULL_SUBJECT: Final = "{prefix}.CONSUMER.MSG.NEXT.{stream}.{durable}"
-#: A pull request about to expire is renewed this long before: the next one is already
-#: at the server when it ends (its end status may never come — seen with nats-server
-#: 2.10 — and messages must not wait for the poll interval meanwhile).
-_RENEW_S: Final = 0.1
-#: Status codes that end a pull request: no messages, request timeout, conflict.
-_REQUEST_ENDED: Final = frozenset({"404", "408", "409"})
-#: The status of a pull request nobody received: the durable does not exist.
-_NO_RESPONDERS: Final = "503"
 
 
 class Handled(msgspec.Struct):
@@ -275,113 +259,6 @@ class _Incoming(msgspec.Struct):
     msg: Msg
     env: Envelope
     delivery: int
-
-
-class _Puller:
-    """Pull requests kept outstanding on a private inbox (see "Receiving" above)."""
-
-    def __init__(
-        self,
-        nc: Client,
-        stream: str,
-        durable: str,
-        *,
-        batch: int,
-        expires: float,
-        prefix: str = "$JS.API",
-    ) -> None:
-        self._nc = nc
-        self._subject = _PULL_SUBJECT.format(prefix=prefix, stream=stream, durable=durable)
-        self._batch = batch
-        self._expires = expires
-        #: per request still open, oldest first, by its reply token:
-        #: [messages still to come, when the server expires it]
-        self._open: dict[str, list[float]] = {}
-        self._asked = 0  # requests sent (each gets its own reply subject)
-        self._inbox = nc.new_inbox()
-        self._sub: Subscription | None = None
-        self._ready: collections.deque[Msg] = collections.deque()
-        self._arrival = asyncio.Event()
-        #: a request found nobody to answer it: the durable is missing (taken by the consumer)
-        self.missing = False
-        self._quiet_until = 0.0  # no request before then (the durable was missing)
-
-    async def start(self) -> None:
-        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._arrived)
-
-    async def _arrived(self, msg: Msg) -> None:
-        status = (msg.headers or {}).get(Header.STATUS.value) if not msg.data else None
-        if status is None:  # a message: it keeps its own subject, so count the oldest
-            oldest = next(iter(self._open), None)
-            if oldest is not None:
-                self._open[oldest][0] -= 1
-                if self._open[oldest][0] <= 0:
-                    del self._open[oldest]
-            self._ready.append(msg)
-        elif status in _REQUEST_ENDED:  # a status comes on the request's reply subject
-            self._open.pop(msg.subject.rpartition(".")[2], None)
-        elif status == _NO_RESPONDERS:  # nobody took it: ask again after a poll interval
-            self._open.pop(msg.subject.rpartition(".")[2], None)
-            self.missing = True
-            self._quiet_until = time.monotonic() + self._expires
-        self._arrival.set()
-
-    async def _ask(self) -> None:
-        now = time.monotonic()
-        if now < self._quiet_until:
-            return
-        for token in [t for t, (_, expiry) in self._open.items() if expiry < now]:
-            del self._open[token]  # expired at the server, and its end status never came
-        live = (left for left, expiry in self._open.values() if expiry - _RENEW_S > now)
-        if sum(live) > self._batch // 2:
-            return
-        expires_ns = int(self._expires * 1e9)
-        request = json.dumps({"batch": self._batch, "expires": expires_ns}).encode()
-        token = str(self._asked)
-        self._asked += 1
-        self._open[token] = [self._batch, now + self._expires]
-        await self._nc.publish(self._subject, request, reply=f"{self._inbox}.{token}")
-
-    def _renew_in(self) -> float:
-        """Seconds until the next request not yet renewed is due (inf: none)."""
-        now = time.monotonic()
-        due = (expiry - _RENEW_S for _, expiry in self._open.values() if expiry - _RENEW_S > now)
-        return min(due, default=math.inf) - now
-
-    async def next(self, timeout: float, most: int) -> list[Msg]:  # noqa: ASYNC109
-        """The messages that have arrived (waiting up to ``timeout`` for the first)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            # cleared before looking, never after: a message that arrives while the
-            # request below is being sent must not wait for the timeout
-            self._arrival.clear()
-            if self._ready:
-                break
-            await self._ask()
-            if self._ready:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return []
-            with contextlib.suppress(TimeoutError):  # woken to renew a request in time
-                await asyncio.wait_for(self._arrival.wait(), min(left, self._renew_in()))
-        ready = self._ready
-        out = [ready.popleft() for _ in range(min(most, len(ready)))]
-        await self._ask()  # keep the flow going while this group is handled
-        return out
-
-    @property
-    def waiting(self) -> int:
-        """Messages that have arrived and wait to be taken."""
-        return len(self._ready)
-
-    async def stop(self) -> list[Msg]:
-        """Stop receiving; returns the messages that had arrived but were not taken."""
-        if self._sub is not None:
-            sub, self._sub = self._sub, None
-            await sub.unsubscribe()
-        left, self._ready = list(self._ready), collections.deque()
-        return left
 
 
 class Consumer:
@@ -463,13 +340,13 @@ class Consumer:
         if self.owner and not await self._create_durable(stop):
             return
         nc = self._js._nc  # nats-py has no public accessor for the context's connection
-        puller = _Puller(
+        puller = Puller(
             nc,
             self._names.stream,
             self.name,
             batch=self._batch,
             expires=self._poll,
-            prefix=self._js._prefix,
+            prefix=prefix_of(self._js),
         )
         await puller.start()
         done = asyncio.Event()

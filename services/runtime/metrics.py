@@ -44,6 +44,9 @@ __all__ = [
     "HEALTH_CHECK_UP",
     "KUBELET_CALLS",
     "KUBELET_CALL_DURATION",
+    "LEASE_RENEWALS",
+    "LEASE_RENEWAL_STATEMENTS",
+    "NODE_REQUESTS",
     "REGISTRY",
     "REJECTIONS",
     "RELAY_LAG",
@@ -210,6 +213,27 @@ SNAPSHOT_POSITION: Final = Gauge(
     "dracap_snapshot_position",
     "Log position of the newest snapshot this process's writer knows stored (read at its "
     "start, then each one it writes); a start folds the events after it.",
+    registry=REGISTRY,
+)
+NODE_REQUESTS: Final = Counter(
+    "dracap_node_requests_total",
+    "Node agents' requests the enforcement service answered, by verb (lease, heartbeat, "
+    "view, report) and outcome (ok, or the refusal's code: conflict, stale_epoch, "
+    "forbidden, invalid, unavailable, internal).",
+    ["verb", "outcome"],
+    registry=REGISTRY,
+)
+LEASE_RENEWAL_STATEMENTS: Final = Counter(
+    "dracap_lease_renewal_statements_total",
+    "Statements the enforcement service sent to renew node leases: one per tick with "
+    "heartbeats, whatever the number of nodes.",
+    registry=REGISTRY,
+)
+LEASE_RENEWALS: Final = Counter(
+    "dracap_lease_renewals_total",
+    "Node lease renewals by outcome: held (extended by its ttl) or lost (expired, fenced "
+    "or superseded).",
+    ["outcome"],
     registry=REGISTRY,
 )
 EVENTS_REFUSED: Final = Counter(

@@ -8,10 +8,8 @@ administrator, so it sets up what an operator sets up by hand elsewhere
   ``dracap_claims_login``, ``dracap_reservation_login``, ``dracap_relay_login`` and
   ``dracap_readonly_login`` (the live state's reads), ``dracap_ledger_login`` (the audit
   and billing subscribers), ``dracap_snapshots_login`` (the snapshot writer),
-  ``dracap_enforcement_login`` (the enforcement service: node agents' reports, migration
-  0011);
-* a node-bound user per node agent it runs (``dracap_node_<node>_<hash>``), which can
-  append its own node's reports and nothing else;
+  ``dracap_enforcement_login`` (the enforcement service, which appends the node agents'
+  reports: node agents themselves have no database user, migration 0011);
 
 and returns the URL each one connects with, for
 :attr:`~services.runtime.settings.Settings.database_urls`. The server's ``pg_hba.conf``
@@ -28,7 +26,6 @@ just means new passwords), so the file and the server always agree.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
 
@@ -37,14 +34,12 @@ import msgspec
 
 from services.runtime.dbroles import (
     ensure_login,
-    ensure_node_role,
     group_role,
     login_user,
     new_password,
-    node_role,
     url_as,
 )
-from services.runtime.settings import ServiceKind, agent_key
+from services.runtime.settings import ServiceKind
 
 __all__ = [
     "USERS_FILE",
@@ -56,7 +51,7 @@ __all__ = [
 ]
 
 USERS_FILE: Final = "database-users.json"
-#: The kinds that get a user of their own; agents get one per node instead.
+#: The kinds that get a user of their own (node agents have none: they talk to NATS only).
 KINDS: Final = (
     ServiceKind.CLAIMS,
     ServiceKind.RESERVATION,
@@ -80,11 +75,10 @@ class DatabaseUsers(msgspec.Struct, frozen=True, kw_only=True):
     """The contents of ``database-users.json``."""
 
     services: dict[str, DatabaseUser] = msgspec.field(default_factory=dict)
-    nodes: dict[str, DatabaseUser] = msgspec.field(default_factory=dict)
 
 
-def load_users(data_dir: Path, nodes: Iterable[str]) -> DatabaseUsers:
-    """The users of ``data_dir``, with new ones for kinds and ``nodes`` it lacks (saved)."""
+def load_users(data_dir: Path) -> DatabaseUsers:
+    """The users of ``data_dir``, with new ones for the kinds it lacks (saved)."""
     path = data_dir / USERS_FILE
     try:
         users = msgspec.json.decode(path.read_bytes(), type=DatabaseUsers)
@@ -94,13 +88,9 @@ def load_users(data_dir: Path, nodes: Iterable[str]) -> DatabaseUsers:
     services = dict(users.services)
     for kind in KINDS:
         services.setdefault(kind.value, DatabaseUser(user=login_user(kind), password=""))
-    agents = dict(users.nodes)
-    for node in nodes:
-        agents.setdefault(node, DatabaseUser(user=node_role(node), password=""))
-    complete = DatabaseUsers(
-        services={k: _with_password(u) for k, u in services.items()},
-        nodes={n: _with_password(u) for n, u in agents.items()},
-    )
+    # (the node agents' users of earlier versions, under "nodes", are left out: migration
+    # 0012 dropped them)
+    complete = DatabaseUsers(services={k: _with_password(u) for k, u in services.items()})
     if complete != users:
         write_private(path, msgspec.json.format(msgspec.json.encode(complete)) + b"\n")
     return complete
@@ -134,9 +124,6 @@ async def provision(admin_url: str, users: DatabaseUsers) -> dict[str, str]:
             login = users.services[kind.value]
             await ensure_login(connection, login.user, group_role(kind), login.password)
             urls[kind.value] = url_as(admin_url, login.user, login.password)
-        for node, login in users.nodes.items():
-            await ensure_node_role(connection, node, login.password)
-            urls[agent_key(node)] = url_as(admin_url, login.user, login.password)
     finally:
         await connection.close()
     return urls

@@ -30,9 +30,9 @@ Who owns what
   subject, so a user who may create consumers could aim JetStream at its own API; the
   relay, which may already change the stream, is the one service whose job includes
   that power. The services only pull and acknowledge.
-* a node agent's durable: the enforcement service; until it runs, the agent itself
-  (:mod:`services.durables`). :func:`ensure_durables` is what any owner of durables
-  calls.
+* a node agent's durable: the enforcement service (:mod:`services.durables`), at the
+  agent's lease and when the agent finds it missing. :func:`ensure_durables` is what
+  any owner of durables calls.
 
 What the stream lacks
 ---------------------

@@ -3,9 +3,10 @@
 ``dracap up`` runs every service in one process, yet each kind of service connects to
 PostgreSQL as its own user (migration 0006, :mod:`services.runtime.dbroles`): the claims
 API as a member of ``dracap_claims``, the reservation workers of
-``dracap_reservation``, the relay of ``dracap_relay``, each node agent as its node's
-user, the snapshot writer of ``dracap_snapshots``, and the live state — which only
-reads — of ``dracap_readonly``. A role is a
+``dracap_reservation``, the relay of ``dracap_relay``, the enforcement service (the
+node agents' way to the log; they have no database user) of ``dracap_enforcement``, the
+snapshot writer of ``dracap_snapshots``, and the live state — which only reads — of
+``dracap_readonly``. A role is a
 session's, so each needs a pool of its own: :class:`ServiceStores` opens one
 :class:`~services.runtime.eventstore.EventStore` per distinct connection
 (:meth:`~services.runtime.settings.Settings.for_service` says which), and one only when
@@ -17,14 +18,13 @@ through any other store of the process is handed over to them and raises the hea
 know, exactly as an append through their own store would. Read-your-writes
 (``LiveState.fresh(SEEN)``) therefore holds across roles.
 
-The relay, the agents, the subscribers and the snapshot writer get small pools
+The relay, the enforcement service, the subscribers and the snapshot writer get small pools
 (:data:`SMALL_POOL`): each does one thing at a time, and every pool counts against the
 server's ``max_connections``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Final
 
 import msgspec
@@ -39,14 +39,11 @@ _SMALL: Final = frozenset(
     {
         ServiceKind.RELAY,
         ServiceKind.RECLAMATION,
-        ServiceKind.AGENT,
         ServiceKind.LEDGER,
         ServiceKind.SNAPSHOTS,
         ServiceKind.ENFORCEMENT,
     }
 )
-
-Key = tuple[ServiceKind, str | None]
 
 
 class ServiceStores:
@@ -55,7 +52,7 @@ class ServiceStores:
     def __init__(self, reader: EventStore) -> None:
         #: the live state's store (read-only role when roles are configured)
         self.reader = reader
-        self._chosen: dict[Key, EventStore] = {}
+        self._chosen: dict[ServiceKind, EventStore] = {}
         self._opened: list[EventStore] = [reader]
 
     @classmethod
@@ -64,22 +61,16 @@ class ServiceStores:
         return cls(store)
 
     @classmethod
-    async def open(cls, settings: Settings, *, nodes: Iterable[str] = ()) -> ServiceStores:
-        """A store per distinct connection of the services (and of ``nodes``' agents)."""
+    async def open(cls, settings: Settings) -> ServiceStores:
+        """A store per distinct connection of the services."""
         reader_settings = settings.for_service(ServiceKind.READONLY)
         stores = cls(await EventStore.open(reader_settings))
         by_connection = {_connection(reader_settings): stores.reader}
-        # node agents connect per node; an agent of no node has no store (none would use it,
-        # and on dracap up's server it would be the administrator's connection)
-        wanted: list[Key] = [
-            (kind, None)
-            for kind in ServiceKind
-            if kind not in (ServiceKind.READONLY, ServiceKind.AGENT)
-        ]
-        wanted += [(ServiceKind.AGENT, node) for node in nodes]
         try:
-            for kind, node in wanted:
-                own = settings.for_service(kind, node)
+            for kind in ServiceKind:
+                if kind == ServiceKind.READONLY:
+                    continue
+                own = settings.for_service(kind)
                 store = by_connection.get(_connection(own))
                 if store is None:
                     if kind in _SMALL:
@@ -87,16 +78,15 @@ class ServiceStores:
                     store = await EventStore.open(own, sharing=stores.reader)
                     by_connection[_connection(own)] = store
                     stores._opened.append(store)
-                stores._chosen[(kind, node)] = store
+                stores._chosen[kind] = store
         except BaseException:
             await stores.close()
             raise
         return stores
 
-    def of(self, kind: ServiceKind, node: str | None = None) -> EventStore:
-        """The store of a service of ``kind`` (the agent of ``node``)."""
-        chosen = self._chosen
-        return chosen.get((kind, node)) or chosen.get((kind, None)) or self.reader
+    def of(self, kind: ServiceKind) -> EventStore:
+        """The store of a service of ``kind``."""
+        return self._chosen.get(kind) or self.reader
 
     @property
     def opened(self) -> tuple[EventStore, ...]:

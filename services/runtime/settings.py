@@ -16,9 +16,9 @@ variable                        meaning                                      def
                                 empty string: act as the connecting user
 ``DRACAP_DATABASE_URL_<KIND>``  the URL the services of one kind connect     —
                                 with (``CLAIMS``, ``RESERVATION``, ``RELAY``,
-                                ``AGENT``, ``READONLY``, ``RECLAMATION``,
-                                ``LEDGER``, ``SNAPSHOTS``, ``ENFORCEMENT``),
-                                as its own user
+                                ``READONLY``, ``RECLAMATION``, ``LEDGER``,
+                                ``SNAPSHOTS``, ``ENFORCEMENT``), as its own
+                                user
 =============================== ============================================ =========
 
 The app role is the one that migrations grant INSERT/SELECT on the event log to and
@@ -56,17 +56,11 @@ class ServiceKind(enum.StrEnum):
     RESERVATION = "reservation"
     RELAY = "relay"
     RECLAMATION = "reclamation"  #: lease expiry and the fence hook (migration 0007)
-    AGENT = "agent"  #: node agents
     READONLY = "readonly"  #: the live state's reads, ``dracap replay verify``
     LEDGER = "ledger"  #: the audit and billing subscribers' own tables (migration 0009)
     SNAPSHOTS = "snapshots"  #: the snapshot writer (migration 0010)
     #: the enforcement service: node agents' reports and lease renewals (migration 0011)
     ENFORCEMENT = "enforcement"
-
-
-def agent_key(node: str) -> str:
-    """The :attr:`Settings.database_urls` key of the agent of ``node``."""
-    return f"{ServiceKind.AGENT}:{node}"
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,22 +72,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     pool_min_size: int = 1
     pool_max_size: int = 10
     app_role: str = DEFAULT_APP_ROLE
-    #: service kind (a :class:`ServiceKind`, or :func:`agent_key` for one node's agent)
-    #: -> the URL its services connect with, as that URL's user
+    #: service kind (a :class:`ServiceKind`) -> the URL its services connect with, as that
+    #: URL's user
     database_urls: dict[str, str] = msgspec.field(default_factory=dict)
 
     def with_database(self, url: str) -> Settings:
         """A copy that connects to ``url`` instead."""
         return msgspec.structs.replace(self, database_url=url)
 
-    def for_service(self, kind: ServiceKind, node: str | None = None) -> Settings:
-        """The settings a service of ``kind`` (the agent of ``node``) connects with.
-
-        Its own URL when one is named (the agent of a node first, then the kind), acting
-        as that URL's user; else these settings unchanged.
-        """
-        url = self.database_urls.get(agent_key(node)) if node is not None else None
-        url = url or self.database_urls.get(kind)
+    def for_service(self, kind: ServiceKind) -> Settings:
+        """The settings a service of ``kind`` connects with: its own URL when one is named,
+        acting as that URL's user; else these settings unchanged. (Node agents have none:
+        they talk to NATS only.)"""
+        url = self.database_urls.get(kind)
         if not url:
             return self
         return msgspec.structs.replace(self, database_url=url, app_role="")

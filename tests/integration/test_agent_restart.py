@@ -1,8 +1,9 @@
 """The node agent restarts without disturbing the limits it enforces (tc, a real kernel).
 
 The agent runs as a **subprocess** (``python -m services.cli agent --enforcer tc``)
-against real PostgreSQL and nats-server; the relay, the claims API and a reservation
-worker run in-process under a unique subject prefix (as in ``test_pipeline``). The
+against real nats-server only; the relay, the claims API, a reservation worker and the
+enforcement service the agent talks to run in-process on real PostgreSQL under a unique
+subject prefix (as in ``test_pipeline``). The
 agent's config makes discovery publish a veth interface created for the test in the
 root namespace (its peer lives in a fresh namespace), so the tc enforcer gets its
 device -> interface map from the ``ifName`` attribute, and claims for bandwidth become
@@ -141,6 +142,7 @@ class Node(InProcessServices):
         self._run(self.api.run)
         worker = ReservationService(worker_store, LiveState(worker_store), self.js, self.names)
         self._run(worker.run)
+        self.enforcement = await self._enforcement(self.nc, self.js, self.names)
         self.store = await self._store()
         self.view = LiveState(self.store)
         device_class = {
@@ -165,7 +167,7 @@ class Node(InProcessServices):
             probe.bind(("127.0.0.1", 0))
             self.metrics_port = probe.getsockname()[1]
         self.agent = start_agent(
-            self.tmp, self.starts, self.settings, self.names, self.node, self.nats_url,
+            self.tmp, self.starts, self.names, self.node, self.nats_url,
             "--config", str(self.config), "--checkpoint", str(self.checkpoint),
             "--metrics-port", str(self.metrics_port), *self.agent_args,
         )  # fmt: skip

@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import uuid
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -22,23 +20,27 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from events.actors import parse_actor
 from events.fold import ClusterState
-from events.subjects import BusNames
-from services.brokerauth import init_auth, installation_from
-from services.enforcement.agent import consumer_name
+from services import durables
+from services.enforcement.protocol import consumer_name
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient
-from services.runtime.bus import connect_bus
-from services.runtime.credentials import AuthDir, Credential, read_credential, read_directory
-from services.runtime.embedded import EmbeddedNats
+from services.runtime.bus import connect_bus, durable_config
+from services.runtime.credentials import (
+    JS_API_PREFIX,
+    Credential,
+    read_credential,
+    read_directory,
+)
 from services.runtime.livestate import LiveState
+from services.runtime.pulling import Puller
 from services.runtime.settings import Settings
 from services.up import Stack, load_inventory, read_inventory
 from tests.fixtures.blobs import blob_endpoint
+from tests.fixtures.brokers import EXAMPLES, Broker, secure_broker
 from tests.integration.waiting import state_reaches
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "deploy" / "examples"
 USERS = ("tenant-a/alice", "tenant-b/bob")
+SPARE = "node-z"  #: a node no stack of these tests runs an agent for
 
 
 def _claim(namespace: str, name: str) -> bytes:
@@ -64,26 +66,11 @@ def _claim(namespace: str, name: str) -> bytes:
     ).encode()
 
 
-class Broker(msgspec.Struct, frozen=True):
-    url: str
-    auth: AuthDir
-    names: BusNames
-
-
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     """A nats-server run with the accounts `dracap auth init` wrote for the examples."""
-    data_dir = tmp_path_factory.mktemp("broker")
-    names = BusNames(prefix=f"t{uuid.uuid4().hex[:10]}")
-    objects = [*read_inventory([str(EXAMPLES)]).namespaces, *read_inventory([str(EXAMPLES)]).slices]
-    auth = AuthDir(data_dir / "auth")
-    init_auth(auth, installation_from(objects, prefix=names.prefix, users=USERS))
-    server = EmbeddedNats(data_dir, config=auth.accounts)
-    url = server.start()
-    try:
-        yield Broker(url, auth, names)
-    finally:
-        server.stop()
+    with secure_broker(tmp_path_factory.mktemp("broker"), users=USERS, nodes=[SPARE]) as running:
+        yield running
 
 
 class Violations:
@@ -199,47 +186,69 @@ async def test_a_node_agent_cannot_act_for_another_node(broker: Broker) -> None:
         report = names.subject_of("enforcement.limit_applied", "node-b")
         await nc.publish(report, b"{}")
         assert "publish" in await nc.violations.of(report)
-        js = nc.jetstream(timeout=2)
-        other = consumer_name("node-b")
-        config = ConsumerConfig(
-            name=other,
-            durable_name=other,
-            ack_policy=AckPolicy.EXPLICIT,
-            filter_subject=names.node_filter("node-b"),
-        )
-        with pytest.raises(nats.errors.TimeoutError):
-            await js.add_consumer(names.stream, config)
-        create = f"$JS.API.CONSUMER.CREATE.{names.stream}.{other}.{names.node_filter('node-b')}"
-        assert "publish" in await nc.violations.of(create)
-        # its own consumer, but widened to every node's events: refused as well
-        own = consumer_name("node-a")
-        wide = ConsumerConfig(
-            name=own, durable_name=own, ack_policy=AckPolicy.EXPLICIT, filter_subject=">"
-        )
-        with pytest.raises(nats.errors.TimeoutError):
-            await js.add_consumer(names.stream, wide)
+        other = names.node_request("node-b", "report")  # node-b's requests: not node-a's
+        await nc.publish(other, b"{}")
+        assert "publish" in await nc.violations.of(other)
+        for prefix in ("$JS.API", JS_API_PREFIX):  # the server's own, and its account's
+            js = nc.jetstream(prefix=prefix, timeout=2)
+            for name, wanted in (
+                (consumer_name("node-b"), names.node_filter("node-b")),
+                (consumer_name("node-a"), names.node_filter("node-a")),  # not even its own
+            ):
+                config = ConsumerConfig(
+                    name=name,
+                    durable_name=name,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    filter_subject=wanted,
+                )
+                with pytest.raises(nats.errors.TimeoutError):
+                    await js.add_consumer(names.stream, config)
+                create = f"{prefix}.CONSUMER.CREATE.{names.stream}.{name}.{wanted}"
+                assert "publish" in await nc.violations.of(create)
+            pull = f"{prefix}.CONSUMER.MSG.NEXT.{names.stream}.{consumer_name('node-b')}"
+            await nc.publish(pull, b"{}", reply=f"{agent.principal.inbox_prefix}.x")
+            assert "publish" in await nc.violations.of(pull)
 
 
-async def test_a_node_agent_runs_its_own_consumer(broker: Broker) -> None:
+async def test_a_node_agent_pulls_the_consumer_the_enforcement_service_made(
+    broker: Broker,
+) -> None:
     names = broker.names
     relay, relay_js = await connect_bus(broker.url, credential=broker.auth.service("relay"))
     try:
         from services.runtime.bus import ensure_stream
 
         await ensure_stream(relay_js, names)
+        service, service_js = await connect_bus(
+            broker.url, credential=broker.auth.service("enforcement")
+        )
+        try:
+            info = await service_js.add_consumer(
+                names.stream, durable_config(durables.agent(names, SPARE))
+            )
+            assert info.config.filter_subject == names.node_filter(SPARE)
+        finally:
+            await service.close()
+        subject = names.subject_of("reclamation.node_fenced", SPARE)
+        await relay_js.publish(subject, b"{}")  # the relay publishes; the agent is offered it
     finally:
         await relay.close()
-    nc, js = await connect_bus(broker.url, credential=broker.auth.agent("node-a"))
-    try:
-        own = consumer_name("node-a")
-        config = ConsumerConfig(
-            name=own,
-            durable_name=own,
-            ack_policy=AckPolicy.EXPLICIT,
-            filter_subject=names.node_filter("node-a"),
+    agent = broker.auth.agent(SPARE)
+    nc, _ = await connect_bus(broker.url, credential=agent)
+    try:  # across the accounts: its pull's reply is rewritten by the server, then comes back
+        puller = Puller(
+            nc,
+            names.stream,
+            consumer_name(SPARE),
+            batch=8,
+            expires=1.0,
+            prefix=agent.js_api_prefix,
         )
-        info = await js.add_consumer(names.stream, config)
-        assert info.config.filter_subject == names.node_filter("node-a")
+        await puller.start()
+        got = await puller.next(10.0, 8)
+        assert [m.subject for m in got] == [subject]
+        await got[0].ack()
+        await puller.stop()
     finally:
         await nc.close()
 
@@ -285,8 +294,8 @@ async def test_a_forged_event_never_reaches_a_consumer(broker: Broker, stack: St
     # and node-a's agent was offered nothing
     info = await stack.js.stream_info(names.stream, subjects_filter=subject)
     assert not info.state.subjects  # no message on that subject at all
-    _, agent_js = stack.bus("agent:node-a")
-    offered = await agent_js.consumer_info(names.stream, consumer_name("node-a"))
+    _, service_js = stack.bus("enforcement")  # the agents' consumers are the service's
+    offered = await service_js.consumer_info(names.stream, consumer_name("node-a"))
     assert offered.num_pending == 0 and offered.delivered.consumer_seq == 0
 
 

@@ -4,10 +4,10 @@ A stack with the broker's accounts (every service with its own credential, agent
 the none enforcer) takes claims at a small steady rate. nats-server is killed, its
 store directory wiped and a new one started on the same port. Nothing is restarted:
 the relay creates the stream and the services' durables again and publishes the log
-again from what the consumers still need, the agents create their own durables again,
-and every claim applied before and after the loss becomes Ready. While the broker is
-away the stack logs a bounded number of lines (one per change of state), none with a
-traceback.
+again from what the consumers still need, the enforcement service creates the agents'
+durables again when their pulls find none, and every claim applied before and after the
+loss becomes Ready. While the broker is away the stack logs a bounded number of lines
+(one per change of state), none with a traceback.
 """
 
 from __future__ import annotations
@@ -215,3 +215,5 @@ async def test_new_claims_are_decided_after_the_broker_lost_its_store(
     assert len(outage) < 120, records.text()
     text = records.text()
     assert "the events stream was missing: created it" in text, text
+    # each agent's pulls found its durable gone; its owner, the enforcement service, made it
+    assert "durable consumer agent-node-a was missing: created it" in text, text

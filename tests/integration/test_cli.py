@@ -36,7 +36,7 @@ from services.claims import adminwrites
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
-from services.runtime.dbroles import node_role, url_as
+from services.runtime.dbroles import url_as
 from services.runtime.settings import Settings
 from services.up import READY_LINE, Stack, load_inventory, read_inventory
 from tests.fixtures.services import database_url_for
@@ -507,9 +507,10 @@ def test_dracap_up_connects_each_service_as_its_own_database_user(tmp_path: Path
         users = json.loads(users_file.read_text())
         kinds = ("claims", "reservation", "relay", "snapshots", "enforcement")
         expected = {f"dracap_{kind}_login" for kind in kinds}
-        expected |= {"dracap_readonly_login", node_role("node-a"), node_role("node-b")}
+        expected |= {"dracap_readonly_login"}
         sessions = _sessions(admin_url)
         assert expected <= set(sessions)
+        assert not [u for u in sessions if u.startswith("dracap_node_")], "agents have no login"
         # the superuser provisioned and left: nothing dracap up runs (health probe
         # included) is connected as it (finding 11)
         assert not [user for user, superuser in sessions.items() if superuser]
@@ -522,7 +523,8 @@ def test_dracap_up_connects_each_service_as_its_own_database_user(tmp_path: Path
             _login(url_as(admin_url, relay["user"], None))
     finally:
         rest = _stop(process)
-    passwords = [u["password"] for u in [*users["services"].values(), *users["nodes"].values()]]
+    passwords = [u["password"] for u in users["services"].values()]
+    assert "nodes" not in users  # node agents have no database user
     logs = "".join(lines) + rest + (data_dir / "postgres.log").read_text()
     logs += (data_dir / "connection.json").read_text()
     assert not [p for p in passwords if p in logs]

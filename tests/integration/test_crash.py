@@ -1,7 +1,8 @@
 """Crashes in the middle of a burst lose nothing and duplicate nothing.
 
 A burst of :data:`CLAIMS` claims goes through the whole pipeline (claims API, relay,
-one reservation worker, the node agent) on real PostgreSQL and nats-server. While it
+one reservation worker, the enforcement service and the node agent) on real PostgreSQL
+and nats-server. While it
 runs, one service is killed by cancelling its task abruptly (and closing its own NATS
 connection, as a dead process would), then a fresh instance (new store, new live
 state, new connection: a restarted process) is started:
@@ -57,6 +58,7 @@ from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent
 from services.enforcement.enforcers import NoneEnforcer
+from services.enforcement.service import EnforcementService
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
 from services.runtime.bus import connect_bus, ensure_stream
@@ -178,8 +180,14 @@ class Cluster:
         self.api = ClaimsApi(api_store, LiveState(api_store), self.nc, self.names, tail=True)
         await self.api.start()
         self.spawn(self.api.run(self.stop))
-        agent_store = await self.store()
-        self.agent = Agent(agent_store, self.js, self.names, node=NODE, enforcer=NoneEnforcer())
+        enforcement_store = await self.store()
+        live = LiveState(enforcement_store)
+        enforcement = EnforcementService(
+            enforcement_store, live, self.nc, self.js, self.names, tail=True
+        )
+        await enforcement.start()
+        self.spawn(enforcement.run(self.stop))
+        self.agent = Agent(self.nc, self.names, node=NODE, enforcer=NoneEnforcer())
         self.spawn(self.agent.run(self.stop))
         self.view = LiveState(await self.store())
         self.relay, self.relay_run = await self.start_relay()

@@ -5,27 +5,24 @@
   *privileges* — before the append-only trigger that stops everybody would;
 * the read-only role cannot insert, nor append through the append function;
 * no application role may change the schema;
-* a node agent's database user, bound to its node, appends its own node's reports and
-  nothing else: another node's report, a slice or pool of another node, or another
-  node's share are refused with :class:`~services.runtime.errors.NodeScopeViolation`;
-  an event that is not an agent's with :class:`~services.runtime.errors.AppendForbidden`
-  (migration 0011: ``tests/integration/test_login_jobs.py`` tries every login), and no
-  guard can be passed at all (the database derives them).
+* the enforcement service's login (node agents have none since 0012) appends a node's
+  reports as that node's agent (``agent:<node>#<epoch>``) and nothing else: another
+  node's report, a slice or pool of another node, or another node's share are refused
+  with :class:`~services.runtime.errors.NodeScopeViolation`; an event that is not an
+  agent's with :class:`~services.runtime.errors.AppendForbidden` (migration 0011:
+  ``tests/integration/test_login_jobs.py`` tries every login), and no guard can be
+  passed at all (the database derives them).
 
 Group roles are taken with the ``role`` startup parameter by the suite's administrator
-(what a login user that belongs to the group has); the node-bound users are real login
-users (the session user is what the database checks), created for the test and dropped.
+(what a login user that belongs to the group has); the enforcement login is a real login
+user (the session user is what the database checks), created for the test and dropped.
 """
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import re
-import stat
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -35,9 +32,6 @@ import pytest
 from events import catalog
 from events.catalog import Event
 from events.guards import SetTotal, encode_guards
-from services import cli
-from services.exitcodes import ExitCode
-from services.runtime.dbroles import ensure_node_role, node_role, url_as
 from services.runtime.errors import AppendForbidden, NodeScopeViolation, PermanentError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.servicestores import ServiceStores
@@ -50,7 +44,6 @@ SERVICE_ROLES = (
     "dracap_claims",
     "dracap_reservation",
     "dracap_relay",
-    "dracap_agent",
     "dracap_readonly",
     "dracap_enforcement",
 )
@@ -188,34 +181,17 @@ async def test_the_owner_role_owns_the_schema(database_url: str) -> None:
         await connection.close()
 
 
-# --- node-bound agent users -------------------------------------------------------------
-
-
-NodeUser = Callable[[str], Awaitable[Settings]]
+# --- node agents' reports, as the enforcement service's login appends them ------------------
 
 
 @pytest.fixture
-async def node_user(settings: Settings, postgres_admin_url: str) -> AsyncIterator[NodeUser]:
-    """Settings that log in as a new user bound to a node (dropped after the test)."""
-    created: list[str] = []
-
-    async def make(node: str) -> Settings:
-        admin = await asyncpg.connect(settings.database_url)
-        try:
-            role = await ensure_node_role(admin, node, None)
-        finally:
-            await admin.close()
-        created.append(role)
-        url = url_as(settings.database_url, role, None)
-        return msgspec.structs.replace(settings, database_url=url, app_role="")
-
-    yield make
-    admin = await asyncpg.connect(postgres_admin_url)
-    try:
-        for role in created:
-            await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
-    finally:
-        await admin.close()
+async def reporter(settings: Settings, postgres_admin_url: str) -> AsyncIterator[Settings]:
+    """Settings that log in as a new member of ``dracap_enforcement`` (dropped after the
+    test): the one login that appends node agents' reports (node agents have none, 0012),
+    each append as the agent of the node its actor names."""
+    kinds = [ServiceKind.ENFORCEMENT]
+    async with login_users(settings.database_url, postgres_admin_url, kinds) as urls:
+        yield msgspec.structs.replace(settings, database_urls=urls).for_service(kinds[0])
 
 
 def _node() -> str:
@@ -250,21 +226,24 @@ async def nodes(store: EventStore) -> tuple[str, str]:
 
 
 async def test_an_agent_appends_its_own_nodes_reports(
-    nodes: tuple[str, str], node_user: NodeUser
+    nodes: tuple[str, str], reporter: Settings
 ) -> None:
     a, _ = nodes
-    async with await EventStore.open(await node_user(a)) as agent:
+    async with await EventStore.open(reporter) as agent:
         stored = await put(agent, _applied(_share(a), a), actor=await lease(agent, a))
         assert stored[0].event == _applied(_share(a), a)
-        assert await agent.pool.fetchval("SELECT session_user") == node_role(a)
+        assert (
+            await agent.pool.fetchval("SELECT session_user")
+            == urlsplit(reporter.database_url).username
+        )
 
 
 async def test_an_agent_of_node_a_cannot_report_for_node_b(
-    nodes: tuple[str, str], node_user: NodeUser, store: EventStore
+    nodes: tuple[str, str], reporter: Settings, store: EventStore
 ) -> None:
     a, b = nodes
     head = await store.head()
-    async with await EventStore.open(await node_user(a)) as agent:
+    async with await EventStore.open(reporter) as agent:
         actor = await lease(agent, a)
         head = await store.head()
         with pytest.raises(NodeScopeViolation) as refused:
@@ -310,10 +289,10 @@ def _refusals(a: str, b: str) -> dict[str, list[Event]]:
 
 
 async def test_an_agent_appends_no_event_an_agent_does_not_write(
-    nodes: tuple[str, str], node_user: NodeUser, store: EventStore
+    nodes: tuple[str, str], reporter: Settings, store: EventStore
 ) -> None:
     a, _ = nodes
-    async with await EventStore.open(await node_user(a)) as agent:
+    async with await EventStore.open(reporter) as agent:
         actor = await lease(agent, a)
         head = await store.head()
         with pytest.raises(AppendForbidden, match=re.escape("claims.admitted is not written by")):
@@ -323,12 +302,12 @@ async def test_an_agent_appends_no_event_an_agent_does_not_write(
 
 @pytest.mark.parametrize("case", list(_refusals("a", "b")))
 async def test_an_agent_cannot_append_what_is_not_its_nodes(
-    case: str, nodes: tuple[str, str], node_user: NodeUser, store: EventStore
+    case: str, nodes: tuple[str, str], reporter: Settings, store: EventStore
 ) -> None:
     a, b = nodes
     batches = [Batch(catalog.stream_of(e), None, [e]) for e in _refusals(a, b)[case]]
     head = await store.head()
-    async with await EventStore.open(await node_user(a)) as agent:
+    async with await EventStore.open(reporter) as agent:
         actor = await lease(agent, a)
         head = await store.head()
         with pytest.raises(NodeScopeViolation, match=re.escape(f"acts for node '{a}' only")):
@@ -337,11 +316,11 @@ async def test_an_agent_cannot_append_what_is_not_its_nodes(
 
 
 async def test_an_agent_releases_and_publishes_for_its_own_node(
-    nodes: tuple[str, str], node_user: NodeUser, store: EventStore
+    nodes: tuple[str, str], reporter: Settings, store: EventStore
 ) -> None:
     a, _ = nodes
     own = s.reserved(name=a, pool=a, share_id=_share(a))
-    async with await EventStore.open(await node_user(a)) as agent:
+    async with await EventStore.open(reporter) as agent:
         actor = await lease(agent, a)
         removed = catalog.LimitRemoved(share_id=own.share_id, node=a)
         await put(agent, removed, s.released(own), actor=actor)
@@ -355,32 +334,11 @@ async def test_an_agent_releases_and_publishes_for_its_own_node(
     assert held == 0
 
 
-async def test_an_agent_started_for_another_node_stops_in_one_line(
-    nodes: tuple[str, str],
-    node_user: NodeUser,
-    nats_url: str,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+async def test_the_enforcement_login_appends_for_the_node_its_actor_names_only(
+    nodes: tuple[str, str], reporter: Settings
 ) -> None:
     a, b = nodes
-    monkeypatch.setenv("DRACAP_DATABASE_URL_AGENT", (await node_user(a)).database_url)
-    argv = ["agent", "--node", b, "--nats", nats_url, "--checkpoint", "none", "--metrics-port", "0"]
-    thresholds = gc.get_threshold()  # the agent tunes the collector of its process: ours
-    try:
-        code = await asyncio.to_thread(cli.main, argv)
-    finally:
-        gc.set_threshold(*thresholds)
-    err = capsys.readouterr().err
-    assert code == ExitCode.ERROR and err.count("\n") == 1
-    assert f"acts for node '{a}', not '{b}'" in err and f"dracap db node-role {b}" in err
-
-
-async def test_an_agent_user_bound_to_no_node_appends_agent_events_only(
-    nodes: tuple[str, str], settings: Settings, service_users: dict[str, str]
-) -> None:
-    a, b = nodes
-    unbound = msgspec.structs.replace(settings, database_urls=service_users)
-    async with await EventStore.open(unbound.for_service(ServiceKind.AGENT)) as agent:
+    async with await EventStore.open(reporter) as agent:
         actor_a, actor_b = await lease(agent, a), await lease(agent, b)
         await put(agent, _applied(_share(a), a), actor=actor_a)
         await put(agent, _applied(_share(b), b), actor=actor_b)
@@ -391,7 +349,7 @@ async def test_an_agent_user_bound_to_no_node_appends_agent_events_only(
 
 
 async def test_an_agent_cannot_smuggle_a_guard(
-    nodes: tuple[str, str], node_user: NodeUser, store: EventStore
+    nodes: tuple[str, str], reporter: Settings, store: EventStore
 ) -> None:
     """No guard is taken from the caller (0011): the function of 0006 that took them is
     gone, and the guard function itself is the owner's."""
@@ -400,7 +358,7 @@ async def test_an_agent_cannot_smuggle_a_guard(
         [SetTotal(at=1, driver=s.DRIVER, pool=b, device="gpu-0", capacity="memory", total="1")]
     )
     report = catalog.encode_payload(_applied(_share(a), a))
-    async with await EventStore.open(await node_user(a)) as agent:
+    async with await EventStore.open(reporter) as agent:
         actor = await lease(agent, a)
         with pytest.raises(asyncpg.UndefinedFunctionError):
             await agent.pool.fetchrow(
@@ -428,10 +386,10 @@ async def test_an_agent_cannot_smuggle_a_guard(
 
 
 async def test_an_agent_has_no_privilege_on_the_tables_it_appends_to(
-    nodes: tuple[str, str], node_user: NodeUser
+    nodes: tuple[str, str], reporter: Settings
 ) -> None:
     a, _ = nodes
-    async with await EventStore.open(await node_user(a)) as agent:
+    async with await EventStore.open(reporter) as agent:
         for sql in (
             "INSERT INTO events SELECT * FROM events LIMIT 1",
             "UPDATE capacity_ledger SET total = total + 1",
@@ -494,12 +452,12 @@ async def test_each_service_gets_a_store_of_its_own_user_and_they_share_commits(
     settings: Settings, service_users: dict[str, str]
 ) -> None:
     stores = await ServiceStores.open(
-        msgspec.structs.replace(settings, database_urls=service_users), nodes=["node-a"]
+        msgspec.structs.replace(settings, database_urls=service_users)
     )
     try:
         users = {}
         for kind in ServiceKind:
-            store = stores.of(kind, "node-a" if kind == ServiceKind.AGENT else None)
+            store = stores.of(kind)
             users[kind] = await store.pool.fetchval("SELECT current_user")
         assert users == {kind: urlsplit(service_users[kind.value]).username for kind in ServiceKind}
         assert stores.of(ServiceKind.READONLY) is stores.reader
@@ -516,52 +474,10 @@ async def test_each_service_gets_a_store_of_its_own_user_and_they_share_commits(
 
 
 async def test_without_role_urls_every_service_shares_one_store(settings: Settings) -> None:
-    stores = await ServiceStores.open(settings, nodes=["node-a"])
+    stores = await ServiceStores.open(settings)
     try:
         assert len(stores.opened) == 1
         assert all(stores.of(kind) is stores.reader for kind in ServiceKind)
         assert await stores.reader.pool.fetchval("SELECT current_user") == "dracap_app"
     finally:
         await stores.close()
-
-
-# --- dracap db node-role -------------------------------------------------------------------
-
-
-async def test_dracap_db_node_role_creates_a_user_bound_to_its_node(
-    database_url: str,
-    postgres_admin_url: str,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    node, password_file = _node(), tmp_path / "agent.password"
-    role = node_role(node)
-    argv = ["db", "node-role", node, "--password-file", str(password_file)]
-    try:
-        assert await asyncio.to_thread(cli.main, [*argv, "--database-url", database_url]) == 0
-        assert f"database user {role} acts for node {node}" in capsys.readouterr().out
-        assert stat.S_IMODE(password_file.stat().st_mode) == 0o600
-        password = password_file.read_text()
-        assert await asyncio.to_thread(cli.main, [*argv, "--database-url", database_url]) == 0
-        assert password_file.read_text() == password  # kept: the file is the truth
-        admin = await asyncpg.connect(database_url)
-        try:
-            bound = await admin.fetchval("SELECT node FROM dracap_node_roles WHERE role = $1", role)
-            member = await admin.fetchval("SELECT pg_has_role($1, 'dracap_agent', 'MEMBER')", role)
-            assert (bound, member) == (node, True)
-        finally:
-            await admin.close()
-        # the agent's own user may not create users: one line, exit 1
-        agent_url = url_as(database_url, role, None)
-        code = await asyncio.to_thread(
-            cli.main, ["db", "node-role", "x", "--database-url", agent_url]
-        )
-        err = capsys.readouterr().err
-        assert code == ExitCode.ERROR and err.count("\n") == 1
-        assert err.startswith("error: cannot create the user of node 'x'")
-    finally:
-        admin = await asyncpg.connect(postgres_admin_url)
-        try:
-            await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
-        finally:
-            await admin.close()

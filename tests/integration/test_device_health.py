@@ -22,6 +22,7 @@ import struct
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -104,6 +105,22 @@ async def test_traffic_through_a_share_is_recorded_as_its_use_once(node: Lossy) 
     await stack.verify_clean()
 
 
+async def _claim_with_a_condition(stack: Lossy, name: str, within: float = 30.0) -> Any:
+    """The claims service's view of ``name`` once it shows a condition.
+
+    The claims service folds the health change from its own subscription, which may
+    trail the test's view by a moment: ask again until it shows, within a bound.
+    """
+    subject = stack.names.api(NAMESPACE, "get")
+    body = json.dumps({"name": name}).encode()
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        view = json.loads((await stack.nc.request(subject, body, timeout=10)).data)["claim"]
+        if view["conditions"] or asyncio.get_running_loop().time() > deadline:
+            return view
+        await asyncio.sleep(0.1)
+
+
 def _unhealthy(state: ClusterState) -> bool:
     return any(d.unhealthy for d in state.devices.values())
 
@@ -120,9 +137,7 @@ async def test_a_device_whose_interface_is_gone_is_unhealthy_and_takes_no_share(
     assert not change.event.healthy and f"interface {stack.iface} is gone" in change.event.reason
     assert change.actor.startswith(f"agent:{stack.node}#")
 
-    subject = stack.names.api(NAMESPACE, "get")
-    body = json.dumps({"name": "holder"}).encode()
-    view = json.loads((await stack.nc.request(subject, body, timeout=10)).data)["claim"]
+    view = await _claim_with_a_condition(stack, "holder")
     [condition] = view["conditions"]
     assert (condition["type"], condition["status"]) == ("DeviceHealthy", "False")
     assert "is gone" in condition["message"] and view["shares"][0]["unhealthy"]

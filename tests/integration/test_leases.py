@@ -1,8 +1,9 @@
 """Node leases in the database: epochs, renewal, stale appends, expiry once, the fence hook.
 
-Real PostgreSQL; the agent's lease (:class:`~services.enforcement.leasing.NodeLease`)
-and the reclamation service (:class:`~services.reclamation.service.ReclamationService`)
-without a bus or an agent process: what must hold at the store itself.
+Real PostgreSQL; node leases as the enforcement service keeps them for the agents
+(:mod:`services.enforcement.leases`) and the reclamation service
+(:class:`~services.reclamation.service.ReclamationService`), without a bus or an agent
+process: what must hold at the store itself.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from events import catalog as c
-from services.enforcement.leasing import NodeLease
+from events.actors import Actor
+from services.enforcement import leases
 from services.reclamation.service import ReclamationService
 from services.replay.verify import summary, verify
 from services.runtime.errors import ConflictError, StaleEpoch
@@ -28,6 +30,28 @@ from tests.integration import sample as s
 from tests.integration.scenario import put
 
 NODE = "node-a"
+
+
+class NodeLease:
+    """One node's lease, taken and renewed as the enforcement service does for its agent."""
+
+    def __init__(self, store: EventStore, node: str, *, boot_id: str, ttl_s: float = 10.0):
+        self.store, self.node, self.boot_id, self.ttl_ms = store, node, boot_id, round(ttl_s * 1000)
+        self.epoch: int | None = None
+
+    @property
+    def actor(self) -> str:
+        return str(Actor.agent(self.node, self.epoch))
+
+    async def acquire(self) -> int:
+        self.epoch, _ = await leases.acquire(
+            self.store, self.node, boot_id=self.boot_id, ttl_ms=self.ttl_ms
+        )
+        return self.epoch
+
+    async def renew(self) -> bool:
+        assert self.epoch is not None
+        return self.node in await self.store.renew_leases({self.node: self.epoch})
 
 
 @pytest.fixture
@@ -82,6 +106,21 @@ async def test_a_lease_renews_until_it_expires_and_then_never_again(store: Event
     assert not await lease.renew(), "an expired lease cannot be revived"
     assert await lease.acquire() == 2  # the agent takes the next one instead
     assert await lease.renew()
+
+
+async def test_many_leases_renew_in_one_statement_and_lost_ones_stay_lost(
+    store: EventStore,
+) -> None:
+    nodes = [f"node-{i}" for i in range(50)]
+    held = {n: await NodeLease(store, n, boot_id="b", ttl_s=60).acquire() for n in nodes}
+    await store.pool.execute(  # node-0's lease ran out; node-1 was fenced at its epoch
+        "UPDATE node_leases SET expires_at = clock_timestamp() - interval '1 second' "
+        "WHERE node = 'node-0'"
+    )
+    await put(store, c.NodeFenced(node="node-1", epoch=1, reason="test"), actor="operator:t")
+    renewed = await store.renew_leases({**held, "node-2": 7, "node-never": 1})
+    assert renewed == set(nodes) - {"node-0", "node-1", "node-2"}  # one statement for all
+    assert await store.renew_leases({"node-0": 1}) == set(), "an expired lease is not revived"
 
 
 async def test_a_stale_append_is_refused_once_and_the_refusal_logged_instead(

@@ -166,10 +166,8 @@ class Services(InProcessServices):
             live = await self._live()
             self.workers.append(self.worker(live.store, live, self.js, self.names, worker=i))
             self._run(self.workers[-1].run)
-        live = await self._live()
-        agent = Agent(
-            live.store, self.js, self.names, node=NODE, enforcer=NoneEnforcer(), live=live
-        )
+        await self._enforcement(self.nc, self.js, self.names)
+        agent = Agent(self.nc, self.names, node=NODE, enforcer=NoneEnforcer())
         self._run(agent.run)
 
     async def close(self) -> None:

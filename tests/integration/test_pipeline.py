@@ -1,7 +1,8 @@
 """The whole pipeline on real PostgreSQL and nats-server.
 
-Relay, claims API, two reservation workers and a node agent run in-process as asyncio
-tasks under a unique subject prefix; the inventory goes in through the admin API and
+Relay, claims API, two reservation workers, the enforcement service and a node agent
+(which reaches the log only through the enforcement service, over NATS) run in-process
+as asyncio tasks under a unique subject prefix; the inventory goes in through the admin API and
 claims through the tenant API, exactly as a CLI would send them. Every test ends with
 ``services.replay.verify``: the fold of the log equals the projections and no
 invariant was broken.
@@ -45,6 +46,7 @@ from events.quantities import Quantity
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent
+from services.enforcement.consumer import Delivery
 from services.enforcement.enforcers import (
     AppliedLimit,
     EnforcementError,
@@ -53,6 +55,7 @@ from services.enforcement.enforcers import (
     RetryableEnforcementError,
     ShareLimit,
 )
+from services.enforcement.service import EnforcementService
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
 from services.runtime.bus import connect_bus, ensure_stream
@@ -181,8 +184,13 @@ class Pipeline:
             )
             self.workers.append(worker)
             self.spawn(worker.run(self.stop))
-        agent_store = await self.store()
-        agent = Agent(agent_store, self.js, self.names, node=NODE, enforcer=NoneEnforcer())
+        enforcement_store = await self.store()
+        enforcement = EnforcementService(
+            enforcement_store, LiveState(enforcement_store), self.nc, self.js, self.names, tail=True
+        )
+        await enforcement.start()
+        self.spawn(enforcement.run(self.stop))
+        agent = Agent(self.nc, self.names, node=NODE, enforcer=NoneEnforcer())
         self.agents.append(agent)
         self.spawn(agent.run(self.stop))
         self.view = LiveState(await self.store())
@@ -292,7 +300,7 @@ async def test_claim_becomes_ready_then_releases(pipeline: Pipeline, settings: S
     # the API answers from its own view, which hears of the agent's commit on its own time
     got = await _api_until_ready(pipeline, "tenant-a", "train")
     claim = got["claim"]
-    assert claim["ready"] and claim["phase"] == "ready" and claim["node"] == NODE
+    assert claim["ready"] and claim["phase"] == "ready" and claim["node"] == NODE, claim
     (share,) = claim["shares"]
     assert uuid.UUID(share["share_id"]).version == 4
     assert share["consumed"] == {"memory": "10Gi"} and share["level"] == "none"
@@ -569,11 +577,15 @@ async def test_redelivery_changes_nothing(pipeline: Pipeline, settings: Settings
     await pipeline.idle()
     assert await pipeline.stores[0].head() == head
 
-    # 2. the handlers themselves, called again without the idempotency record
+    # 2. the handlers themselves, called again without the idempotency record (the agent's
+    # as a first delivery: the enforcement service does not look the message up)
     store = pipeline.stores[0]
-    handlers = [w.handle for w in pipeline.workers] + [a.handle for a in pipeline.agents]
     for env in envelopes:
-        for handle in handlers:
+        for agent in pipeline.agents:
+            if agent.wants(env):
+                assert await agent.handle([Delivery(env, 1)]) == set()
+            assert await store.head() == head, type(env.event).__name__
+        for handle in [w.handle for w in pipeline.workers]:
             async with store.pool.acquire() as connection:
                 transaction = connection.transaction()
                 await transaction.start()
@@ -653,22 +665,28 @@ async def test_forged_events_on_the_bus_change_nothing(
     before = await pipeline.state()
     consumed_before = dict(before.devices[("gpu.dracap.io", "node-a-gpu", "gpu-0")].consumed_nanos)
     consumers = [c for w in pipeline.workers[:1] for c in w.consumers()]
-    consumers += [a.consumer for a in pipeline.agents]
-    counted_before = sum(metric_of(c.name) for c in consumers)
+    agents = pipeline.agents
+    names = [c.name for c in consumers] + [a.consumer.name for a in agents]
+    counted_before = sum(metric_of(name) for name in names)
 
     expected = 0
     for env in forged_envelopes(real, ("tenant-a", "victim")):
         subject = pipeline.names.event_subject(env)
         expected += sum(_subject_matches(c._filter, subject) for c in consumers)
+        # an agent confirms (through the enforcement service) what it would act on; the
+        # rest of its node's messages it acknowledges unread
+        expected += sum(a.wants(env) for a in agents)
         headers = {"Nats-Msg-Id": str(uuid.uuid4())}
         await pipeline.js.publish(subject, encode_event(env), headers=headers)
-    assert expected >= 9  # every forged message reaches at least one consumer
+    # every forged event reaches a consumer that confirms it, but the forged NodeFenced:
+    # only the agent receives it, and it acts on none of that kind (nothing to confirm)
+    assert expected >= 8
 
     async with asyncio.timeout(60):
-        while sum(metric_of(c.name) for c in consumers) - counted_before < expected:  # noqa: ASYNC110
+        while sum(metric_of(name) for name in names) - counted_before < expected:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
     await pipeline.idle()
-    assert sum(metric_of(c.name) for c in consumers) - counted_before == expected
+    assert sum(metric_of(name) for name in names) - counted_before == expected
     assert [e async for e in store.read_all()] == real  # nothing appended
     after = await pipeline.state()
     victim = after.claim("tenant-a", "victim")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,8 +24,12 @@ from events.catalog import Envelope
 from events.features import DEFAULT_GATES
 from events.fold import ClusterState, snapshot_decode, snapshot_encode
 from events.model import DeviceClass, DeviceClassSpec, ObjectMeta, ResourceClaim, ResourceClaimSpec
+from events.subjects import BusNames
 from services.claims.admission import decide_apply
+from services.enforcement.protocol import Reply, ViewAsk, Viewed, decode, encode
+from services.enforcement.service import EnforcementService
 from services.exitcodes import ExitCode
+from services.runtime.bus import connect_bus
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import REGISTRY
@@ -334,6 +339,44 @@ async def test_replay_prints_what_a_tenant_wrote_escaped(
             steps = json.loads(out)["steps"]
             values = [v for s in steps for pair in s["changes"].values() for v in pair]
             assert any(isinstance(v, str) and HOSTILE in v for v in values)
+
+
+async def test_the_enforcement_service_answers_an_agents_refused_messages_as_refused(
+    scenario: Scenario, store: EventStore, database_url: str, nats_url: str
+) -> None:
+    """A node agent confirms its messages through the enforcement service: a message of
+    an event the fold refused, and one that does not decode whose id the log holds as a
+    refused event, come back ``refused`` (acknowledged unhandled, never acted on); an id
+    the log does not hold comes back unconfirmed."""
+    undecodable, _, later = await _with_refused_events(scenario, database_url)
+    # addressed to the node (on its subjects), refused by the fold: its share was released
+    confirmed = c.ShareConfirmed(share_id=scenario.r2.share_id, node=NODE)
+    stream = f"node:{NODE}:confirmed"
+    refused_at = await inject(database_url, [row(later + 1, confirmed, actor=AGENT, stream=stream)])
+    live = LiveState(store)
+    await live.fresh(HEAD)
+    names = BusNames(prefix="treaders")
+    nc, js = await connect_bus(nats_url)
+    service = EnforcementService(store, live, nc, js, names)
+    try:
+        await service.start()
+        (refused,) = await store.read_positions([refused_at])  # it decodes; the fold refuses it
+        undecodable_id = await store.pool.fetchval(
+            "SELECT event_id::text FROM events WHERE position = $1", undecodable
+        )
+        stranger = str(uuid.uuid4())
+        ask = ViewAsk(messages=[refused], undecodable=[undecodable_id, stranger])
+        verb, outcome, data = await service.answer(
+            names.node_request(NODE, "view"), None, encode(ask)
+        )
+        assert (verb, outcome) == ("view", "ok"), data
+        viewed = decode(data, Reply[Viewed]).answer
+        assert viewed is not None
+        assert viewed.refused == [refused.event_id, undecodable_id]
+        assert viewed.unconfirmed == [stranger] and viewed.handled == []
+    finally:
+        await service.close()
+        await nc.close()
 
 
 # --- the stack goes on ----------------------------------------------------------------------

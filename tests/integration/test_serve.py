@@ -1,15 +1,16 @@
 """Every control-plane service as its own process, as a deployment runs them.
 
 ``dracap serve relay``, ``dracap serve claims --insecure``, ``dracap serve
-reservation``, ``dracap reclaim`` and ``dracap agent`` run as separate processes against
-the real PostgreSQL and nats-server (one subject prefix for the test); the test loads
-an inventory through the admin API and takes a claim through apply -> Ready -> delete
--> released.
+reservation``, ``dracap serve enforcement --insecure``, ``dracap reclaim`` and ``dracap
+agent`` (NATS only: no database URL, none in its environment) run as separate processes
+against the real PostgreSQL and nats-server (one subject prefix for the test); the test
+loads an inventory through the admin API and takes a claim through apply -> Ready ->
+delete -> released.
 
 The same with the broker's accounts (`dracap auth init`): each process logs in with its
 own credential (``--creds``), as docker-compose.yml and deploy/kubernetes run them,
-the audit and billing subscribers included, and a tenant reads its claim's audit
-trail.
+the enforcement service, the audit and billing subscribers and the agent included, and
+a tenant reads its claim's audit trail.
 """
 
 from __future__ import annotations
@@ -101,11 +102,15 @@ class Processes:
             out += ["--nats", self.nats_url, "--prefix", self.prefix]
         return out
 
-    async def start(self, name: str, argv: list[str]) -> None:
+    def without_database(self) -> dict[str, str]:
+        """The environment less every database URL (a node agent's)."""
+        return {k: v for k, v in self.env.items() if not k.startswith("DRACAP_DATABASE")}
+
+    async def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.commands[name] = argv
         log = (self.tmp / f"{name}.log").open("wb")
         self.running[name] = await asyncio.create_subprocess_exec(
-            *argv, cwd=ROOT, env=self.env, stdout=log, stderr=log
+            *argv, cwd=ROOT, env=env or self.env, stdout=log, stderr=log
         )
         log.close()
 
@@ -153,9 +158,12 @@ async def services(
     claims = procs.argv("serve", "claims", "--insecure", "--metrics-port", str(_free_port()))
     await procs.start("claims", claims)
     await procs.start("reservation", procs.argv("serve", "reservation"))
+    await procs.start("enforcement", procs.argv("serve", "enforcement", "--insecure"))
     await procs.start("reclaim", procs.argv("reclaim", "--poll", "0.2", nats=False))
-    agent = procs.argv("agent", "--node", "node-a", "--checkpoint", "none", "--metrics-port", "0")
-    await procs.start("agent", agent)
+    agent = procs.argv(
+        "agent", "--node", "node-a", "--checkpoint", "none", "--metrics-port", "0", database=False
+    )
+    await procs.start("agent", agent, procs.without_database())
     try:
         async with ApiClient.connect(nats_url, prefix) as api:
             yield procs, api
@@ -274,8 +282,12 @@ async def test_each_service_with_its_own_credential_serves_the_claim_flow(
     await procs.start("reclaim", procs.argv("reclaim", "--poll", "0.2", nats=False))
     for ledger in ("audit", "usage"):
         await procs.start(ledger, [*procs.argv(ledger, "serve"), *creds("service-ledger")])
-    agent = procs.argv("agent", "--node", "node-a", "--checkpoint", "none", "--metrics-port", "0")
-    await procs.start("agent", [*agent, *creds("agent-node-a")])
+    enforcement = [*procs.argv("serve", "enforcement"), *creds("service-enforcement")]
+    await procs.start("enforcement", enforcement)
+    agent = procs.argv(
+        "agent", "--node", "node-a", "--checkpoint", "none", "--metrics-port", "0", database=False
+    )
+    await procs.start("agent", [*agent, *creds("agent-node-a")], procs.without_database())
     try:
         async with ApiClient.connect(url, prefix, auth.operator()) as api:
             device_class, rslice = _inventory()

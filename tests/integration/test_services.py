@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import asyncpg
 import pytest
@@ -49,6 +50,19 @@ async def _scope_source(url: str) -> str:
         await connection.close()
 
 
+async def _append_source(url: str) -> str:
+    """The body of the append function."""
+    connection = await asyncpg.connect(url)
+    try:
+        return str(
+            await connection.fetchval(
+                "SELECT prosrc FROM pg_proc WHERE proname = 'dracap_append_guarded'"
+            )
+        )
+    finally:
+        await connection.close()
+
+
 async def _table_privileges(url: str, role: str) -> set[str]:
     """``table:privilege`` of what ``role`` may do in the database at ``url``."""
     return {p for p in await _privileges(url, role) if not p.startswith("function:")}
@@ -84,12 +98,12 @@ async def test_db_upgrade_then_downgrade(
     guards = {"events", "capacity_ledger", "device_holds", "held_shares", "node_epochs"}
     assert guards <= await _tables(empty_database_url)
     assert not {"shares", "claims"} & await _tables(empty_database_url)
-    assert "dracap_node_roles" in await _tables(empty_database_url)
+    # 0012: node agents have no database login; their group keeps nothing (PUBLIC's aside)
+    assert "dracap_node_roles" not in await _tables(empty_database_url)
+    assert not {"dracap_renew_lease", "dracap_bound_node"} & await _functions(empty_database_url)
     agent = await _privileges(empty_database_url, "dracap_agent")
-    assert "function:dracap_append_guarded:definer" in agent
-    assert not {"events:INSERT", "events:UPDATE", "capacity_ledger:UPDATE"} & agent
-    assert "function:dracap_renew_lease:definer" in agent
-    assert {"node_leases:SELECT", "node_epochs:SELECT"} <= agent
+    assert not [p for p in agent if ":" in p.removeprefix("function:")], agent
+    assert not {"function:dracap_append_guarded:definer", "events:SELECT"} & agent
     assert "function:dracap_append_guarded:definer" in await _privileges(
         empty_database_url, "dracap_reclamation"
     )
@@ -101,7 +115,18 @@ async def test_db_upgrade_then_downgrade(
     assert not {"events:INSERT", "node_leases:UPDATE"} & enforcement
     reservation = await _privileges(empty_database_url, "dracap_reservation")
     assert not {"events:INSERT", "capacity_ledger:UPDATE", "function:dracap_guard"} & reservation
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0010
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0011
+    assert "dracap_node_roles" in await _tables(empty_database_url)
+    agent = await _privileges(empty_database_url, "dracap_agent")
+    assert "function:dracap_append_guarded:definer" in agent
+    assert not {"events:INSERT", "events:UPDATE", "capacity_ledger:UPDATE"} & agent
+    assert "function:dracap_renew_lease:definer" in agent
+    assert {"node_leases:SELECT", "node_epochs:SELECT"} <= agent
+    assert "dracap_node_roles" in await _append_source(empty_database_url)
+    assert await asyncio.to_thread(db, ["upgrade"]) == 0  # 0012 again, then back
+    assert "dracap_node_roles" not in await _append_source(empty_database_url)
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # 0011
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more step: 0010
     assert not await _table_privileges(empty_database_url, "dracap_enforcement")
     assert {"events:INSERT", "capacity_ledger:UPDATE"} <= await _privileges(
         empty_database_url, "dracap_reservation"
@@ -143,7 +168,7 @@ async def test_db_upgrade_then_downgrade(
     }
     assert "events:INSERT" in await _privileges(empty_database_url, "dracap_app")
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # and up again
-    for _ in range(6):  # 0010, 0009, 0008, 0007, 0006, 0005
+    for _ in range(7):  # 0011, 0010, 0009, 0008, 0007, 0006, 0005
         assert await asyncio.to_thread(db, ["downgrade"]) == 0
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more step: 0004
     assert {"shares", "claims"} <= await _tables(empty_database_url)
@@ -178,3 +203,41 @@ async def test_nats_with_jetstream(nats_url: str) -> None:
         assert info.limits is not None
     finally:
         await client.close()
+
+
+async def test_0012_drops_the_node_agents_users(
+    empty_database_url: str, postgres_admin_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The users ``dracap db node-role`` made (bound to a node in ``dracap_node_roles``)
+    are dropped; one that still holds a right elsewhere is kept, out of ``dracap_agent``."""
+    monkeypatch.setenv("DRACAP_DATABASE_URL", empty_database_url)
+    assert await asyncio.to_thread(db, ["upgrade", "0011"]) == 0
+    token = uuid.uuid4().hex[:8]
+    gone, kept = f"dracap_node_a_{token}", f"dracap_node_b_{token}"
+    admin = await asyncpg.connect(empty_database_url)
+    try:
+        for user, node in ((gone, "node-a"), (kept, "node-b")):
+            await admin.execute(f'CREATE ROLE "{user}" LOGIN IN ROLE dracap_agent')
+            await admin.execute("INSERT INTO dracap_node_roles VALUES ($1, $2)", user, node)
+        await admin.execute("CREATE TABLE elsewhere (x int)")
+        await admin.execute(f'GRANT SELECT ON elsewhere TO "{kept}"')  # a right of its own
+        assert await asyncio.to_thread(db, ["upgrade"]) == 0
+        roles = await admin.fetch(
+            "SELECT rolname, pg_has_role(rolname, 'dracap_agent', 'MEMBER') FROM pg_roles "
+            "WHERE rolname = ANY($1::text[])",
+            [gone, kept],
+        )
+        assert [tuple(r) for r in roles] == [(kept, False)]
+    finally:
+        await admin.close()
+        cleanup = await asyncpg.connect(empty_database_url)
+        try:
+            await cleanup.execute("DROP TABLE IF EXISTS elsewhere")
+        finally:
+            await cleanup.close()
+        root = await asyncpg.connect(postgres_admin_url)
+        try:
+            for user in (gone, kept):
+                await root.execute(f'DROP ROLE IF EXISTS "{user}"')
+        finally:
+            await root.close()

@@ -13,13 +13,14 @@ from __future__ import annotations
 import collections
 import datetime
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from events import catalog as c
 from events.fold import ClaimKey, ClusterState, fold
 from events.inventory import build_inventory
 from events.model import ResourceClaim
+from services.enforcement.enforcing import Enforcing
 from services.reservation.allocating import Allocator
 from services.reservation.deriving import live_grants
 from services.reservation.policy import describe_policy
@@ -31,6 +32,14 @@ NAMESPACE = "tenant-a"
 POOL = f"{NODE}-pool"
 T0 = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
 POLICY = {"default": "5Gi", "validRange": {"min": "5Gi", "step": "5Gi", "max": "40Gi"}}
+
+
+class Unscannable(Enforcing):
+    """Limits in force that refuse to be listed: a decision that scans them fails (the
+    agent's check reads the sums :class:`Enforcing` keeps, at constant cost)."""
+
+    def __iter__(self) -> Iterator[str]:
+        raise AssertionError("a decision listed every limit in force")
 
 
 def gpu(name: str = "gpu-0", total: str = "40Gi", *, shared: bool = True) -> dict[str, object]:

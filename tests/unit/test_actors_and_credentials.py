@@ -181,13 +181,17 @@ def test_a_tenant_may_publish_only_its_namespaces_api() -> None:
     assert rules.subscribe == ["dracap.watch.tenant-a.>", "_INBOX_tenant_alice.>"]
 
 
-def test_an_agent_may_only_run_its_nodes_consumer() -> None:
+def test_an_agent_may_only_ask_for_its_node_and_pull_its_consumer() -> None:
     names = BusNames("dracap")
     agent = Principal(name="node.a", kind="agent", public_key="U", node="node.a")
     rules = permissions_of(agent, names)
-    assert [s for s in rules.publish if s.startswith("dracap.")] == ["dracap.node.node%2Ea.>"]
-    create = [s for s in rules.publish if ".CONSUMER.CREATE." in s]
-    assert create == ["JS.API.CONSUMER.CREATE.DRACAP_EVENTS.agent-node_2Ea.dracap.ev.*.node%2Ea.>"]
+    assert agent.account == "NODES"  # no JetStream there: only what is imported
+    assert rules.publish == [
+        "dracap.node.node%2Ea.>",
+        "JS.API.CONSUMER.MSG.NEXT.DRACAP_EVENTS.agent-node_2Ea",
+        "$JS.ACK.DRACAP_EVENTS.agent-node_2Ea.>",
+    ]  # the enforcement service creates its consumer: no CONSUMER.CREATE, no INFO
+    assert rules.subscribe == [f"{agent.inbox_prefix}.>"]
     assert not any(s.startswith("$JS.API.") for s in rules.publish)
 
 

@@ -33,9 +33,19 @@ from services.enforcement.decisions import (
     streams_to_check,
 )
 from services.enforcement.enforcers import AppliedLimit, ShareLimit
+from services.enforcement.enforcing import Enforcing
 from services.enforcement.reconciling import ReconcilePlan
 from tests.unit.allocator_fixtures import DRIVER, claim, request
-from tests.unit.decision_fixtures import NAMESPACE, NODE, POOL, Log, describe, gpu, inventory
+from tests.unit.decision_fixtures import (
+    NAMESPACE,
+    NODE,
+    POOL,
+    Log,
+    Unscannable,
+    describe,
+    gpu,
+    inventory,
+)
 
 BROKEN = Failed(retryable=False, reason="tc: no such device")
 GPU0 = f"{DRIVER}/{POOL}/gpu-0"
@@ -240,7 +250,7 @@ CASES = [
 ]
 
 
-def _enforcing(log: Log, lines: list[str]) -> dict[str, ShareLimit]:
+def _enforcing(log: Log, lines: list[str]) -> Enforcing:
     shares = log.state().shares
     out: dict[str, ShareLimit] = {}
     for line in lines:
@@ -257,7 +267,7 @@ def _enforcing(log: Log, lines: list[str]) -> dict[str, ShareLimit]:
             consumed={"memory": Quantity.parse(memory)},
             admin_access=bool(admin),
         )
-    return out
+    return Unscannable(out)  # every row: the check never lists the limits in force
 
 
 def _tell(story: list[str]) -> Log:
@@ -392,11 +402,11 @@ def test_the_sweep_retries_a_retrying_claims_due_shares_only() -> None:
     state = log.state()
     job = state.claim(NAMESPACE, "job")
     assert job is not None and job.phase == "retrying" and "next try at" in (job.reason or "")
-    assert decide_retries(state, NODE, _T0, {}) == []  # not yet
-    [task] = decide_retries(state, NODE, due, {})
+    assert decide_retries(state, NODE, _T0, Enforcing()) == []  # not yet
+    [task] = decide_retries(state, NODE, due, Enforcing())
     assert [limit.share_id for limit in task.limits] == [share_id]
     assert task.retries[share_id].attempts == 1 and task.retries[share_id].window_s == 600
-    assert decide_retries(state, "node-b", due, {}) == []
+    assert decide_retries(state, "node-b", due, Enforcing()) == []
     log.add(c.LimitApplied(share_id=share_id, node=NODE, level="hard", actual={}))
     job = log.state().claim(NAMESPACE, "job")
     assert job is not None and job.phase == "ready"

@@ -4,6 +4,8 @@
 * the services (claims, enforcement, replay, reservation) do not import each other:
   what two of them share lives in ``events/`` (pure) or ``services/runtime/``;
 * ``services/runtime/`` imports no service, nor the commands that compose services;
+* the node agent reaches NATS only: none of its modules imports the event store, a
+  fold of its own or a database role (the enforcement service holds those);
 * ``services/`` is layered: ``cli`` > ``prove`` > ``up`` > the services > ``runtime``
   > ``exitcodes``, and every sub-package must be declared in a layer.
 
@@ -31,7 +33,9 @@ CONTRACTS = {
     "services-independent",
     "runtime-imports-no-service",
     "services-layers",
+    "agent-off-the-database",
 }
+AGENT = "agent-off-the-database"
 LINT_ONE = """
 import sys
 from importlinter.cli import lint_imports
@@ -72,6 +76,8 @@ def _lint_copy(tmp_path: Path, contract: str) -> subprocess.CompletedProcess[str
         ("services/enforcement/proving.py", "import services.claims", "services-independent"),
         ("services/runtime/gauges.py", "import services.reservation", "runtime-imports-no-service"),
         ("services/runtime/dbcommand.py", "import services.cli", "runtime-imports-no-service"),
+        ("services/enforcement/agent.py", "import services.runtime.eventstore", AGENT),
+        ("services/enforcement/leasing.py", "import services.enforcement.leases", AGENT),
         ("services/enforcement/proving.py", "import services.up", "services-layers"),
         ("services/exitcodes.py", "import services.runtime.errors", "services-layers"),
         ("services/ledger/__init__.py", "", "services-layers"),  # a package in no layer

@@ -7,10 +7,8 @@ import base64
 import hashlib
 import hmac
 
-import pytest
-
-from services.runtime.dbroles import group_role, login_user, node_role, scram_verifier, url_as
-from services.runtime.settings import ServiceKind, Settings, agent_key, load_settings
+from services.runtime.dbroles import group_role, login_user, scram_verifier, url_as
+from services.runtime.settings import ServiceKind, load_settings
 
 
 def test_no_role_url_keeps_the_url_and_the_app_role() -> None:
@@ -18,52 +16,28 @@ def test_no_role_url_keeps_the_url_and_the_app_role() -> None:
     assert settings.database_urls == {}
     for kind in ServiceKind:
         assert settings.for_service(kind) is settings
-        assert settings.for_service(kind, "node-a") is settings
 
 
 def test_a_role_url_connects_as_its_own_user() -> None:
     env = {
         "DRACAP_DATABASE_URL": "postgresql://admin@db/dracap",
         "DRACAP_DATABASE_URL_CLAIMS": "postgresql://claims:pw@db/dracap",
-        "DRACAP_DATABASE_URL_AGENT": "postgresql://agents:pw@db/dracap",
+        "DRACAP_DATABASE_URL_ENFORCEMENT": "postgresql://enforcement:pw@db/dracap",
+        "DRACAP_DATABASE_URL_AGENT": "postgresql://agents:pw@db/dracap",  # no such kind now
     }
     settings = load_settings(env)
     claims = settings.for_service(ServiceKind.CLAIMS)
     assert (claims.database_url, claims.app_role) == ("postgresql://claims:pw@db/dracap", "")
     assert settings.for_service(ServiceKind.RELAY) is settings
-    assert settings.for_service(ServiceKind.AGENT, "node-a").database_url.startswith(
-        "postgresql://agents"
+    assert settings.for_service(ServiceKind.ENFORCEMENT).database_url.startswith(
+        "postgresql://enforcement"
     )
-
-
-def test_a_nodes_agent_url_comes_before_the_kinds() -> None:
-    settings = Settings(
-        database_urls={
-            "agent": "postgresql://agents@db/d",
-            agent_key("node-a"): "postgresql://a@db/d",
-        }
-    )
-    assert settings.for_service(ServiceKind.AGENT, "node-a").database_url == "postgresql://a@db/d"
-    assert (
-        settings.for_service(ServiceKind.AGENT, "node-b").database_url == "postgresql://agents@db/d"
-    )
+    assert "agent" not in settings.database_urls  # node agents have no database URL
 
 
 def test_names_of_roles_and_users() -> None:
     assert group_role(ServiceKind.READONLY) == "dracap_readonly"
     assert login_user(ServiceKind.RESERVATION) == "dracap_reservation_login"
-
-
-@pytest.mark.parametrize(
-    ("one", "other"),
-    [("node-a", "node_a"), ("Node-A", "node-a"), ("n" * 40 + "x", "n" * 40 + "y")],
-)
-def test_node_users_are_distinct_identifiers_of_at_most_63_bytes(one: str, other: str) -> None:
-    assert node_role(one) != node_role(other)
-    for name in (node_role(one), node_role(other), node_role("é" * 253)):
-        assert len(name.encode()) <= 63 and name == name.lower() and name.isascii()
-    assert node_role("node-a").startswith("dracap_node_node_a_")
-    assert node_role("node-a") == node_role("node-a")
 
 
 def test_the_scram_verifier_is_postgresqls() -> None:

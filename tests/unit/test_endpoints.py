@@ -66,12 +66,12 @@ def test_a_service_kinds_own_url_comes_right_after_the_flag(tmp_path: Path) -> N
     _save(tmp_path, SAVED)
     env = {
         "DRACAP_DATABASE_URL": "postgresql://env/db",
-        "DRACAP_DATABASE_URL_AGENT": "postgresql://node-a:pw@env/db",
+        "DRACAP_DATABASE_URL_ENFORCEMENT": "postgresql://enforcement:pw@env/db",
     }
     base = Settings(app_role="dracap_app")
-    agent = resolve_endpoints(tmp_path, env=env, service=ServiceKind.AGENT)
-    settings = agent.settings(base)
-    assert (settings.database_url, settings.app_role) == ("postgresql://node-a:pw@env/db", "")
+    own = resolve_endpoints(tmp_path, env=env, service=ServiceKind.ENFORCEMENT)
+    settings = own.settings(base)
+    assert (settings.database_url, settings.app_role) == ("postgresql://enforcement:pw@env/db", "")
     for other in (
         resolve_endpoints(tmp_path, env=env),
         resolve_endpoints(tmp_path, env=env, service=ServiceKind.READONLY),
@@ -79,7 +79,7 @@ def test_a_service_kinds_own_url_comes_right_after_the_flag(tmp_path: Path) -> N
         settings = other.settings(base)
         assert (settings.database_url, settings.app_role) == ("postgresql://env/db", "dracap_app")
     flag = resolve_endpoints(
-        tmp_path, database_url="postgresql://f/db", env=env, service=ServiceKind.AGENT
+        tmp_path, database_url="postgresql://f/db", env=env, service=ServiceKind.ENFORCEMENT
     )
     assert (flag.settings(base).database_url, flag.settings(base).app_role) == (
         "postgresql://f/db",

@@ -683,7 +683,8 @@ def test_network_policies_allow_only_what_each_mode_talks_to(overlay: str) -> No
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_each_service_connects_as_its_own_kinds_database_user(overlay: str) -> None:
     """A service reads its kind's URL (``DRACAP_DATABASE_URL_<KIND>``, the Secret's key of
-    that kind); only the migration Job has the owner's. The snapshot writer runs as
+    that kind); only the migration Job has the owner's, and the node agents none at all
+    (they reach the log through the enforcement service). The snapshot writer runs as
     ``dracap_snapshots``' user, the one role besides the app role that writes snapshots."""
     kinds = {kind.name: kind.value for kind in ServiceKind}
     for obj in _rendered(overlay):
@@ -695,6 +696,9 @@ def test_each_service_connects_as_its_own_kinds_database_user(overlay: str) -> N
             ]
             if obj["kind"] == "Job":
                 assert [(n, r["key"]) for n, r in refs] == [("DRACAP_DATABASE_URL", "owner")]
+                continue
+            if obj["metadata"]["name"] == "dracap-agent":
+                assert refs == [] and not any("DATABASE" in v["name"] for v in container["env"])
                 continue
             ((name, ref),) = refs
             kind = name.removeprefix("DRACAP_DATABASE_URL_")

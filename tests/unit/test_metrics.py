@@ -89,6 +89,7 @@ def test_no_claim_or_share_labels() -> None:
     allowed = {"outcome", "reason", "class", "capacity", "consumer", "version", "server", "check"}
     allowed |= {"namespace", "state"}
     allowed |= {"method"}  # the kubelet's gRPC methods: five
+    allowed |= {"verb"}  # a node agent's requests: four (lease, heartbeat, view, report)
     for name in metrics.__all__:
         labelnames = getattr(getattr(metrics, name), "_labelnames", None)
         if labelnames is not None:

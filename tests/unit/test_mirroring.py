@@ -22,6 +22,7 @@ from events.quantities import Quantity
 from services.claims.kubeobjects import device_statuses, resource_claim_object
 from services.claims.mirroring import decide_claim, decide_deleted, share_id_of
 from services.enforcement.decisions import decide_work, enforce_claim, released
+from services.enforcement.enforcing import Enforcing
 from services.enforcement.preparing import judge_prepare
 from services.reclamation.decisions import decide_not_started, not_started
 from tests.unit.allocator_fixtures import DRIVER, device_class
@@ -215,11 +216,11 @@ def test_the_agent_applies_a_mirrored_claim_only_at_prepare() -> None:
     envelopes = log.extend(event for _, event in decision.events)
     state = log.state()
     bound = [env for env in envelopes if isinstance(env.event, c.AllocationBound)]
-    assert decide_work(state, NODE, bound, {}) == []  # no limit on the scheduling decision
+    assert decide_work(state, NODE, bound, Enforcing()) == []  # no limit on the scheduling decision
     assert judge_prepare(state, NODE, NAMESPACE, "train", UID).verdict == "enforce"
     assert judge_prepare(state, NODE, NAMESPACE, "train", "stale-uid").verdict == "wait"
     assert judge_prepare(state, "node-b", NAMESPACE, "train", UID).verdict == "refused"
-    task = enforce_claim(state, NODE, (NAMESPACE, "train"), {})
+    task = enforce_claim(state, NODE, (NAMESPACE, "train"), Enforcing())
     assert task is not None and [limit.share_id for limit in task.limits] == [  # type: ignore[union-attr]
         "7d0c2c1e-0000-4000-8000-000000000001"
     ]

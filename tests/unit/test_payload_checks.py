@@ -111,3 +111,16 @@ def test_an_unknown_construct_is_refused_not_skipped() -> None:
 )
 def test_actors_speak_as_their_writer(actor: Actor, writer: str | None) -> None:
     assert writers.writer_of(str(actor)) == writer
+
+
+def test_0011_installs_its_own_jobs_and_binding_and_0012_neither() -> None:
+    """0012 took ``agent`` out of the jobs and the node binding out of the append function
+    (its files); 0011 installs them as they were, which 0012's downgrade restores."""
+    login_jobs = importlib.import_module("migrations.versions.0011_login_jobs")
+    no_node_logins = importlib.import_module("migrations.versions.0012_no_node_logins")
+    assert "agent" not in writers.JOBS and login_jobs.JOBS["agent"] == writers.JOBS["enforcement"]
+    assert "WHEN 'agent' THEN" in login_jobs.payload_checks_sql()
+    assert "WHEN 'agent' THEN" not in payloadchecks.generate()
+    assert "dracap_node_roles" in login_jobs.append_guarded_sql()
+    assert "dracap_node_roles" not in login_jobs.sql_file("dracap_append_guarded.sql")
+    assert no_node_logins.down_revision == login_jobs.revision
