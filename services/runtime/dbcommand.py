@@ -60,7 +60,13 @@ def _logins(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     with reaching("PostgreSQL", database_url):
         done = asyncio.run(
-            logins.ensure_logins(database_url, data_dir, prefix=args.login_prefix, rotate=rotate)
+            logins.ensure_logins(
+                database_url,
+                data_dir,
+                prefix=args.login_prefix,
+                rotate=rotate,
+                url_host=args.url_host,
+            )
         )
     for login in done:
         print(f"{login.kind:<12} {login.user:<32} {login.change:<8} {login.path}")
@@ -99,6 +105,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default="dracap",
         metavar="PREFIX",
         help="login names <PREFIX>_<kind>_login (default: dracap)",
+    )
+    logins.add_argument(
+        "--url-host",
+        metavar="HOST[:PORT]",
+        help="the server as the services reach it (default: as the administrator's URL names it)",
     )
     logins.set_defaults(func=_logins)
     for verb in (up, down, current, logins):

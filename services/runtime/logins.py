@@ -18,7 +18,9 @@ named) a new password: restart those services afterwards (a running one keeps it
 connections, a new connection needs the new file). The server gets SCRAM verifiers only
 (:func:`~services.runtime.dbroles.ensure_login`), never a password.
 
-Roles are the server's, not one database's: ``--prefix`` names the logins of a second
+The URLs name the server as the administrator's URL does, unless ``--url-host HOST:PORT``
+names it as the services reach it (an administrator behind a port forward). Roles are
+the server's, not one database's: ``--prefix`` names the logins of a second
 installation on the same server apart (and its URLs name its own database).
 """
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Final
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import asyncpg
 import msgspec
@@ -64,6 +66,15 @@ def login_name(prefix: str, kind: ServiceKind) -> str:
     return f"{prefix}_{kind.value}_login"
 
 
+def _with_host(url: str, host: str) -> str:
+    """``url`` with ``host`` (``HOST[:PORT]``) as its server."""
+    if not host or any(c in host for c in "/@?#"):
+        raise CommandError(f"--url-host {host!r}: write HOST or HOST:PORT", ExitCode.BAD_INPUT)
+    parts = urlsplit(url)
+    login, at, _ = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{login}{at}{host}"))
+
+
 def _kept_password(data_dir: Path, kind: ServiceKind, user: str) -> str | None:
     """The password the kind's file holds for ``user``, or None (no file, another user)."""
     try:
@@ -78,29 +89,36 @@ def _kept_password(data_dir: Path, kind: ServiceKind, user: str) -> str | None:
     return unquote(parts.password)
 
 
+async def _check_migrated(connection: asyncpg.Connection) -> None:
+    """:class:`CommandError` unless the database has dracap's schema and group roles."""
+    missing = [] if await connection.fetchval("SELECT to_regclass('events')") else ["events"]
+    for kind in KINDS:
+        role = group_role(kind)
+        if not await connection.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role):
+            missing.append(role)
+    if missing:
+        raise CommandError(
+            f"the database has no {missing[0]} (not migrated): run `dracap db upgrade` first",
+            ExitCode.BAD_INPUT,
+        )
+
+
 async def ensure_logins(
     admin_url: str,
     data_dir: Path,
     *,
     prefix: str = DEFAULT_PREFIX,
     rotate: frozenset[ServiceKind] = frozenset(),
+    url_host: str | None = None,
 ) -> list[Login]:
-    """Create, keep or rotate every kind's login and write its URL file (module docstring)."""
+    """Create, keep or rotate every kind's login and write its URL file (module docstring);
+    ``url_host`` (``HOST[:PORT]``): the server as the services reach it, when not as the
+    administrator does (a port forward)."""
+    services_url = admin_url if url_host is None else _with_host(admin_url, url_host)
     done: list[Login] = []
     connection = await asyncpg.connect(admin_url)
     try:
-        missing = [
-            group_role(kind)
-            for kind in KINDS
-            if not await connection.fetchval(
-                "SELECT 1 FROM pg_roles WHERE rolname = $1", group_role(kind)
-            )
-        ]
-        if missing:
-            raise CommandError(
-                f"the database has no role {missing[0]}: run `dracap db upgrade` first",
-                ExitCode.BAD_INPUT,
-            )
+        await _check_migrated(connection)
         for kind in KINDS:
             user = login_name(prefix, kind)
             kept = None if kind in rotate else _kept_password(data_dir, kind, user)
@@ -116,7 +134,7 @@ async def ensure_logins(
                 ) from None
             path = login_file(data_dir, kind.value)
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            write_private(path, url_as(admin_url, user, password).encode())
+            write_private(path, url_as(services_url, user, password).encode())
             change = "created" if not exists else ("kept" if kept else "rotated")
             done.append(Login(kind=kind.value, user=user, path=str(path), change=change))
     finally:
