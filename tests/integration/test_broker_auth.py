@@ -155,7 +155,7 @@ async def test_a_tenant_cannot_read_another_tenants_replies(broker: Broker) -> N
     alice = broker.auth.tenant("tenant-a", "alice")
     bob = broker.auth.tenant("tenant-b", "bob")
     async with connected(broker, alice) as nc:
-        for inbox in (f"{bob.principal.inbox_prefix}.>", "_INBOX.>", f"{broker.names.prefix}.>"):
+        for inbox in (f"{bob.inbox_prefix}.>", "_INBOX.>", f"{broker.names.prefix}.>"):
             await nc.subscribe(inbox)
             assert "subscription" in await nc.violations.of(inbox)
 
@@ -210,7 +210,7 @@ async def test_a_node_agent_cannot_act_for_another_node(broker: Broker) -> None:
                 create = f"{prefix}.CONSUMER.CREATE.{names.stream}.{name}.{wanted}"
                 assert "publish" in await nc.violations.of(create)
             pull = f"{prefix}.CONSUMER.MSG.NEXT.{names.stream}.{consumer_name('node-b')}"
-            await nc.publish(pull, b"{}", reply=f"{agent.principal.inbox_prefix}.x")
+            await nc.publish(pull, b"{}", reply=f"{agent.inbox_prefix}.x")
             assert "publish" in await nc.violations.of(pull)
 
 

@@ -199,6 +199,7 @@ def test_init_again_turns_an_earlier_versions_json_files_into_seed_files(tmp_pat
     [
         ("-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n", "decorated"),
         ("SAABCDEF", "not an NKey user seed"),
+        ("SU" + "A" * 56, "bad checksum"),
         ("", "not an NKey user seed"),
     ],
 )
