@@ -9,7 +9,9 @@ reads the namespaces and nodes of an installation and writes, under an auth dire
 * ``directory.json``: every user's public facts, from which a service names the
   sender of a request (:func:`services.runtime.credentials.caller_of`,
   :func:`~services.runtime.credentials.principal_of`);
-* ``creds/<file>.creds``: one credential file per user (its NKey seed), mode 0600.
+* ``creds/<user>.nk``: one NKey seed file per user, mode 0600 — the seed alone, as the
+  ``nats`` CLI (``--nkey``) and nats-py (``nkeys_seed=``) read it
+  (:mod:`services.runtime.credentials`).
 
 Accounts
 --------
@@ -94,6 +96,8 @@ Keys are kept
 -------------
 Running ``init`` again keeps every existing user's key — credentials already handed
 out stay valid —, adds the users of new namespaces and nodes, and drops the others.
+The JSON ``.creds`` files of earlier versions are read once for their keys, replaced by
+``.nk`` files and removed.
 """
 
 from __future__ import annotations
@@ -120,14 +124,17 @@ from services.runtime.credentials import (
     DEFAULT_OPERATOR,
     JETSTREAM_ACCOUNT,
     JS_API_PREFIX,
+    LEGACY_SUFFIX,
     NODES_ACCOUNT,
     OPERATORS_ACCOUNT,
+    SEED_SUFFIX,
     SERVICES_ACCOUNT,
     AuthDir,
-    Credential,
     CredentialError,
     Directory,
     Principal,
+    legacy_seed,
+    public_key_of,
     read_credential,
     write_private,
 )
@@ -195,11 +202,6 @@ def _new_seed() -> str:
     return seed.decode()
 
 
-def _public_key(seed: str) -> str:
-    key: bytes = nkeys.from_seed(bytearray(seed.encode())).public_key
-    return key.decode()
-
-
 def init_auth(auth: AuthDir, installation: Installation) -> list[Principal]:
     """Write the auth directory for ``installation``; returns every principal.
 
@@ -213,14 +215,15 @@ def init_auth(auth: AuthDir, installation: Installation) -> list[Principal]:
         try:
             seed = read_credential(path).seed
         except CredentialError:
-            seed = _new_seed()
-        principal = msgspec.structs.replace(wanted, public_key=_public_key(seed))
-        write_private(path, msgspec.json.encode(Credential(principal=principal, seed=seed)))
+            seed = legacy_seed(auth.legacy_path(wanted)) or _new_seed()
+        principal = msgspec.structs.replace(wanted, public_key=public_key_of(seed))
+        write_private(path, seed.encode() + b"\n")
         principals.append(principal)
         keep.add(path)
-    for old in (auth.path / CREDS_DIR).glob("*.creds"):
-        if old not in keep:
-            old.unlink()
+    for suffix in (SEED_SUFFIX, LEGACY_SUFFIX):
+        for old in (auth.path / CREDS_DIR).glob("*" + suffix):
+            if old not in keep:
+                old.unlink()
     names = BusNames(prefix=installation.prefix)
     config = accounts_config(principals, names, list(installation.namespaces), installation.nodes)
     write_private(auth.accounts, config.encode())

@@ -124,6 +124,7 @@ COMMAND_MODULES: Final = tuple(dict.fromkeys(c.module for c in COMMANDS.values()
 _ONE_LINE: Final = (
     ("services.runtime.endpoints", "ConnectionFileError", ExitCode.BAD_INPUT),
     ("services.runtime.credentials", "CredentialError", ExitCode.BAD_INPUT),
+    ("services.runtime.loginfiles", "LoginFileError", ExitCode.BAD_INPUT),
     ("services.runtime.settings", "SettingsError", ExitCode.BAD_INPUT),
     ("services.runtime.endpoints", "EndpointError", ExitCode.ERROR),
     ("services.runtime.errors", "RetryableError", ExitCode.ERROR),

@@ -87,8 +87,8 @@ def _login(args: argparse.Namespace, endpoints: Endpoints) -> Credential | None:
     if args.creds or os.environ.get("DRACAP_NATS_CREDS"):
         return endpoints.credential()
     auth = AuthDir(Path(args.data_dir) / AUTH_DIR)
-    path = auth.path / "creds" / f"service-{args.service}.creds"
-    return auth.service(args.service) if path.exists() else None
+    user = "claims" if args.service == "kubernetes-bridge" else args.service
+    return auth.service(user) if auth.has_service(user) else None
 
 
 def _directory_path(args: argparse.Namespace) -> Path | None:

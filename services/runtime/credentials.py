@@ -5,14 +5,18 @@ Credentials
 Every user of the broker — each service kind, each node's agent, each operator and
 each tenant user — has an NKey pair (Ed25519). The broker's configuration holds only
 the public keys (:mod:`services.brokerauth` writes it); the seed lives in one
-credential file per user, JSON, mode 0600, never logged::
+credential file per user, an **NKey seed file** (``<user>.nk``, mode 0600, never
+logged): the seed alone, on one line, exactly what the ``nats`` CLI reads with
+``--nkey FILE`` and nats-py with ``nats.connect(nkeys_seed=FILE)``. Nothing else is
+needed to act as that user: who the user is follows from its public key (the public
+:class:`Directory` names it), and the one inbox its permissions let it subscribe to is
+named by the key too (:func:`inbox_of`: ``_INBOX_<public key>``), so a standard client
+passes ``inbox_prefix`` (``--inbox-prefix``) and nothing of dracap's. Replies to one
+user never reach another user of the same account.
 
-    {"principal": {"name": "alice", "kind": "tenant", "namespace": "tenant-a", ...},
-     "seed": "SU...", "inbox_prefix": "_INBOX_tenant_alice"}
-
-A client signs the server's nonce with the seed (nats-py ``nkeys_seed_str``) and uses
-its own inbox prefix, the only inbox its permissions let it subscribe to: replies to
-one user never reach another user of the same account.
+Files of earlier versions (JSON named ``.creds``, a name that means NATS's decorated
+JWT format everywhere else) are refused with one line saying to run ``dracap auth
+init`` again, which keeps their keys and writes the ``.nk`` files.
 
 Accounts
 --------
@@ -41,6 +45,7 @@ that does this (``dracap up --insecure``) nobody is known: :func:`caller_of` ans
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
@@ -67,7 +72,11 @@ __all__ = [
     "Directory",
     "Principal",
     "caller_of",
+    "file_stem",
+    "inbox_of",
+    "legacy_seed",
     "principal_of",
+    "public_key_of",
     "read_credential",
     "read_directory",
     "write_private",
@@ -98,6 +107,12 @@ AUTH_DIR: Final = "auth"  #: under a data directory
 ACCOUNTS_FILE: Final = "accounts.conf"
 DIRECTORY_FILE: Final = "directory.json"
 CREDS_DIR: Final = "creds"
+#: The name ending of an NKey seed file.
+SEED_SUFFIX: Final = ".nk"
+#: The name ending of the JSON credential files of earlier versions (``auth init`` reads
+#: their keys once and removes them).
+LEGACY_SUFFIX: Final = ".creds"
+_USER_SEED: Final = re.compile(r"SU[A-Z2-7]{56}")
 DEFAULT_OPERATOR: Final = "operator"
 _T = TypeVar("_T")
 
@@ -129,24 +144,49 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def inbox_prefix(self) -> str:
-        """The only inbox the user may subscribe to (one token, unique per account)."""
-        return f"_INBOX_{self.kind}_{self.name}".replace(".", "_")
+        """The only inbox the user may subscribe to (:func:`inbox_of` its key)."""
+        return inbox_of(self.public_key)
+
+
+def inbox_of(public_key: str) -> str:
+    """The inbox prefix of the user with ``public_key``: one subject token, unique per
+    user, which anyone holding the user's seed can name (the key follows from it)."""
+    return f"_INBOX_{public_key}"
+
+
+def public_key_of(seed: str) -> str:
+    """The public key of an NKey seed."""
+    import nkeys  # (the CLI's start-up: only a command that logs in needs it)
+
+    key: bytes = nkeys.from_seed(bytearray(seed.encode())).public_key
+    return key.decode()
 
 
 class Credential(msgspec.Struct, frozen=True, kw_only=True):
-    """A principal and its secret seed: what one credential file holds."""
+    """A user's secret seed (what one ``.nk`` file holds) and, where known, who it is."""
 
-    principal: Principal
     seed: str
+    #: the user's public facts, when the caller knows them (:class:`AuthDir` does)
+    principal: Principal | None = None
 
     def __repr__(self) -> str:  # the seed must not reach a log line by accident
-        return f"Credential({self.principal.kind}:{self.principal.name})"
+        who = self.principal
+        return f"Credential({who.kind}:{who.name})" if who else f"Credential({self.public_key})"
 
     __str__ = __repr__
 
+    @property
+    def public_key(self) -> str:
+        return public_key_of(self.seed)
+
+    @property
+    def inbox_prefix(self) -> str:
+        """The one inbox this user's permissions let it subscribe to."""
+        return inbox_of(self.public_key)
+
     def connect_options(self) -> dict[str, Any]:
-        """What ``nats.connect`` needs to log in as this principal."""
-        return {"nkeys_seed_str": self.seed, "inbox_prefix": self.principal.inbox_prefix}
+        """What ``nats.connect`` needs to log in as this user."""
+        return {"nkeys_seed_str": self.seed, "inbox_prefix": self.inbox_prefix}
 
     @property
     def js_api_prefix(self) -> str:
@@ -220,12 +260,13 @@ def caller_of(headers: dict[str, str] | None, known: Mapping[str, Principal]) ->
     return None
 
 
-def _file_name(principal: Principal) -> str:
+def file_stem(principal: Principal) -> str:
+    """The name of a user's credential file, less its ending."""
     if principal.kind == "tenant":
-        return f"tenant-{principal.namespace}-{principal.name}.creds"
+        return f"tenant-{principal.namespace}-{principal.name}"
     if principal.kind == "agent":
-        return f"agent-{node_token(principal.name)}.creds"
-    return f"{principal.kind}-{principal.name}.creds"
+        return f"agent-{node_token(principal.name)}"
+    return f"{principal.kind}-{principal.name}"
 
 
 class AuthDir:
@@ -246,10 +287,22 @@ class AuthDir:
         return self.accounts.exists() and self.directory.exists()
 
     def creds_path(self, principal: Principal) -> Path:
-        return self.path / CREDS_DIR / _file_name(principal)
+        """The user's NKey seed file."""
+        return self.path / CREDS_DIR / (file_stem(principal) + SEED_SUFFIX)
+
+    def legacy_path(self, principal: Principal) -> Path:
+        """The user's JSON credential file of an earlier version."""
+        return self.path / CREDS_DIR / (file_stem(principal) + LEGACY_SUFFIX)
+
+    def credential_of(self, principal: Principal) -> Credential:
+        """``principal``'s credential (its key read from its seed file)."""
+        return self._credential(principal)
 
     def _credential(self, principal: Principal) -> Credential:
-        return read_credential(self.creds_path(principal))
+        seed = read_credential(self.creds_path(principal)).seed
+        return Credential(
+            seed=seed, principal=msgspec.structs.replace(principal, public_key=public_key_of(seed))
+        )
 
     def service(self, name: str) -> Credential:
         return self._credential(Principal(name=name, kind="service", public_key=""))
@@ -262,6 +315,9 @@ class AuthDir:
 
     def operator_path(self, name: str = DEFAULT_OPERATOR) -> Path:
         return self.creds_path(Principal(name=name, kind="operator", public_key=""))
+
+    def has_service(self, name: str) -> bool:
+        return self.creds_path(Principal(name=name, kind="service", public_key="")).exists()
 
     def has_agent(self, node: str) -> bool:
         return self.creds_path(Principal(name=node, kind="agent", public_key="")).exists()
@@ -283,8 +339,52 @@ def write_private(path: Path, data: bytes) -> None:
 
 
 def read_credential(path: str | os.PathLike[str]) -> Credential:
-    """The credential file at ``path``, or :class:`CredentialError` saying why not."""
-    return _read(Path(path), Credential, "credential")
+    """The NKey seed file at ``path``, or :class:`CredentialError` saying why not."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        raise CredentialError(f"{path}: no such credential file") from None
+    except OSError as exc:
+        raise CredentialError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    if text.startswith("{"):
+        raise CredentialError(
+            f"{path}: a credential file of an earlier dracap (JSON): run `dracap auth init` "
+            "again, which keeps its key and writes NKey seed files (.nk) to use instead"
+        )
+    if "BEGIN NATS USER JWT" in text:
+        raise CredentialError(
+            f"{path}: a decorated NATS .creds file (JWT): dracap's broker uses NKeys; "
+            "pass the .nk file of `dracap auth init`"
+        )
+    if not _USER_SEED.fullmatch(text):
+        raise CredentialError(f"{path}: not an NKey user seed file (SU..., of `dracap auth init`)")
+    if not _checksum_holds(text):  # (nkeys does not check it; nats-server's tools do)
+        raise CredentialError(f"{path}: not an NKey user seed file (bad checksum)")
+    return Credential(seed=text)
+
+
+def _checksum_holds(seed: str) -> bool:
+    """Whether an NKey's CRC-16 (its last two bytes, little-endian) matches the rest."""
+    import base64
+
+    import nkeys
+
+    raw = base64.b32decode(seed + "=" * (-len(seed) % 8))
+    return bytes(nkeys.crc16_checksum(raw[:-2])) == raw[-2:]
+
+
+def legacy_seed(path: Path) -> str | None:
+    """The seed of an earlier version's JSON credential file at ``path``, if one is there."""
+    try:
+        seed = msgspec.json.decode(path.read_bytes(), type=_LegacyCredential).seed
+    except (OSError, msgspec.DecodeError):
+        return None
+    return seed if _USER_SEED.fullmatch(seed) else None
+
+
+class _LegacyCredential(msgspec.Struct):
+    seed: str
 
 
 def read_directory(path: str | os.PathLike[str]) -> Directory:
@@ -293,6 +393,7 @@ def read_directory(path: str | os.PathLike[str]) -> Directory:
 
 
 def _read(path: Path, typ: type[_T], what: str) -> _T:
+    """A JSON file of ``typ``."""
     try:
         return msgspec.json.decode(path.read_bytes(), type=typ)
     except FileNotFoundError:

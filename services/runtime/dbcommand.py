@@ -9,6 +9,10 @@ database is found like every command finds its servers
 else ``<data-dir>/connection.json``); one that cannot be reached is one line on
 stderr and exit 1.
 
+``dracap db logins`` creates (or, ``--rotate``, renews) each service kind's own
+database login and writes the URL it connects with to ``<data-dir>/database/<kind>.url``
+(:mod:`services.runtime.logins`); the services find it there.
+
 Node agents have no database user (they talk to NATS only, docs/agent.md): the ``dracap
 db node-role`` of earlier versions is gone, and migration 0012 drops the users it made.
 """
@@ -16,7 +20,9 @@ db node-role`` of earlier versions is gone, and migration 0012 drops the users i
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 from services.exitcodes import ExitCode
 from services.runtime import migrating
@@ -46,6 +52,28 @@ def _current(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _logins(args: argparse.Namespace) -> int:
+    from services.runtime import logins
+
+    rotate = logins.rotated_kinds(args.rotate)
+    database_url = endpoints_from_args(args).database()
+    data_dir = Path(args.data_dir)
+    with reaching("PostgreSQL", database_url):
+        done = asyncio.run(
+            logins.ensure_logins(
+                database_url,
+                data_dir,
+                prefix=args.login_prefix,
+                rotate=rotate,
+                url_host=args.url_host,
+            )
+        )
+    for login in done:
+        print(f"{login.kind:<12} {login.user:<32} {login.change:<8} {login.path}")
+    print(f"wrote {len(done)} login URLs under {data_dir / 'database'} (mode 0600)")
+    return ExitCode.OK
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``db`` noun and its verbs to the CLI."""
     db = subparsers.add_parser("db")
@@ -58,5 +86,31 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     down.set_defaults(func=_downgrade)
     current = verbs.add_parser("current", help="print the current revision")
     current.set_defaults(func=_current)
-    for verb in (up, down, current):
+    logins = verbs.add_parser(
+        "logins",
+        help="create or rotate each service's own database login; write its URL file",
+        description="With an administrator's URL (the one that ran `db upgrade`): one login "
+        "user per service kind, in its group role, and <data-dir>/database/<kind>.url "
+        "(mode 0600) for each, where the services find it. Run again, it keeps the "
+        "passwords of the files.",
+    )
+    logins.add_argument(
+        "--rotate",
+        nargs="*",
+        metavar="KIND",
+        help="new passwords for these kinds (none named: every kind); restart them after",
+    )
+    logins.add_argument(
+        "--login-prefix",
+        default="dracap",
+        metavar="PREFIX",
+        help="login names <PREFIX>_<kind>_login (default: dracap)",
+    )
+    logins.add_argument(
+        "--url-host",
+        metavar="HOST[:PORT]",
+        help="the server as the services reach it (default: as the administrator's URL names it)",
+    )
+    logins.set_defaults(func=_logins)
+    for verb in (up, down, current, logins):
         add_endpoint_arguments(verb, database=True)

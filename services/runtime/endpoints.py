@@ -17,10 +17,13 @@ The NATS login is a credential file of ``dracap auth init``
 (:mod:`services.runtime.credentials`); without one a command connects anonymously,
 which only an open server (``dracap up --insecure``) accepts. The saved login is used
 only with the saved NATS URL, and only when the file is read for a server or prefix.
-A command that runs one kind of service (``dracap agent``; ``dracap replay verify``,
-which reads as ``readonly``) looks at that kind's ``DRACAP_DATABASE_URL_<KIND>`` right
-after the flag: a URL found there logs in as its own user, without the ``role`` switch
-of ``DRACAP_APP_ROLE`` (:meth:`Endpoints.settings`; ``docs/database-roles.md``).
+A command that runs one kind of service (``dracap serve relay``, ``dracap reclaim``;
+``dracap replay verify``, which reads as ``readonly``) looks at that kind's
+``DRACAP_DATABASE_URL_<KIND>`` right after the flag, then at its login file
+``<data-dir>/database/<kind>.url`` of ``dracap db logins``
+(:mod:`services.runtime.loginfiles`): a URL found there logs in as its own user,
+without the ``role`` switch of ``DRACAP_APP_ROLE`` (:meth:`Endpoints.settings`;
+``docs/database-roles.md``).
 
 ``connection.json`` is what ``dracap up`` writes into its data directory
 (``--data-dir``, default ``.dracap``), so a command run next to ``dracap up`` reaches
@@ -52,6 +55,7 @@ import nats.errors
 
 from services.runtime.credentials import Credential, read_credential
 from services.runtime.errors import PermanentError
+from services.runtime.loginfiles import read_login_url
 from services.runtime.outages import is_unreachable
 from services.runtime.settings import ServiceKind, Settings
 
@@ -128,8 +132,10 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
         """The NATS login to use, or None (anonymous)."""
         return read_credential(self.creds) if self.creds else None
 
-    #: ``database_url`` came from ``DRACAP_DATABASE_URL_<KIND>``: act as its user
+    #: ``database_url`` came from ``DRACAP_DATABASE_URL_<KIND>`` or the kind's login file:
+    #: act as its user
     own_user: bool = False
+    service: ServiceKind | None = None  #: the kind of service the command runs
 
     def database(self) -> str:
         """The PostgreSQL URL, or :class:`NoEndpoint`."""
@@ -150,9 +156,12 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
 
     def _missing(self, server: Server, flag: str, variable: str) -> str:
         where = Path(self.data_dir) / CONNECTION_FILE
+        logins = ""
+        if server == "PostgreSQL" and self.service is not None:
+            logins = f", `dracap db logins --data-dir {self.data_dir}` (its own login)"
         raise NoEndpoint(
-            f"no {server} URL: pass {flag}, set DRACAP_{variable}_URL or run `dracap up` "
-            f"(which writes {where}; --data-dir names another data directory)"
+            f"no {server} URL: pass {flag}, set DRACAP_{variable}_URL{logins} or run "
+            f"`dracap up` (which writes {where}; --data-dir names another data directory)"
         )
 
 
@@ -175,7 +184,11 @@ def resolve_endpoints(
     after the flag.
     """
     env = os.environ if env is None else env
-    own = env.get(f"DRACAP_DATABASE_URL_{service.name}") if service is not None else None
+    own = None
+    if service is not None and not database_url:
+        own = env.get(f"DRACAP_DATABASE_URL_{service.name}") or read_login_url(
+            data_dir, service.value
+        )
     own_user = not database_url and bool(own)
     database_url = database_url or own or env.get("DRACAP_DATABASE_URL") or None
     nats_url = nats_url or env.get("DRACAP_NATS_URL") or None
@@ -197,6 +210,7 @@ def resolve_endpoints(
         prefix=prefix or DEFAULT_PREFIX,
         creds=creds,
         own_user=own_user,
+        service=service,
     )
 
 

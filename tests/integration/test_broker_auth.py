@@ -9,12 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import nats
 import nats.errors
+import nkeys
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -151,7 +155,7 @@ async def test_a_tenant_cannot_read_another_tenants_replies(broker: Broker) -> N
     alice = broker.auth.tenant("tenant-a", "alice")
     bob = broker.auth.tenant("tenant-b", "bob")
     async with connected(broker, alice) as nc:
-        for inbox in (f"{bob.principal.inbox_prefix}.>", "_INBOX.>", f"{broker.names.prefix}.>"):
+        for inbox in (f"{bob.inbox_prefix}.>", "_INBOX.>", f"{broker.names.prefix}.>"):
             await nc.subscribe(inbox)
             assert "subscription" in await nc.violations.of(inbox)
 
@@ -206,7 +210,7 @@ async def test_a_node_agent_cannot_act_for_another_node(broker: Broker) -> None:
                 create = f"{prefix}.CONSUMER.CREATE.{names.stream}.{name}.{wanted}"
                 assert "publish" in await nc.violations.of(create)
             pull = f"{prefix}.CONSUMER.MSG.NEXT.{names.stream}.{consumer_name('node-b')}"
-            await nc.publish(pull, b"{}", reply=f"{agent.principal.inbox_prefix}.x")
+            await nc.publish(pull, b"{}", reply=f"{agent.inbox_prefix}.x")
             assert "publish" in await nc.violations.of(pull)
 
 
@@ -349,7 +353,7 @@ async def test_every_event_names_its_authenticated_actor(broker: Broker, stack: 
     assert by_type["reclamation.node_lease_acquired"] == {"agent:node-a#1", "agent:node-b#1"}
 
     # no generated secret reached the log of events or the server's log
-    seeds = [read_credential(path).seed for path in (auth.path / "creds").glob("*.creds")]
+    seeds = [read_credential(path).seed for path in (auth.path / "creds").glob("*.nk")]
     async with stack.store.pool.acquire() as connection:
         logged = " ".join(await connection.fetchval("SELECT array_agg(payload::text) FROM events"))
     server_log = (auth.path.parent / "nats.log").read_text()
@@ -365,6 +369,43 @@ async def test_a_tenant_sees_devices_through_its_own_namespace_only(
         assert devices  # the classes tenant-a may use have devices
         with pytest.raises(CommandError, match="does not let this user publish"):
             await api.claims("tenant-b", "devices")
+
+
+async def test_nats_py_logs_in_with_the_seed_file_through_its_own_option(
+    broker: Broker, stack: Stack
+) -> None:
+    """The file `dracap auth init` writes is a standard NKey seed file: nats-py's own
+    ``nkeys_seed=FILE`` logs in with it, and the user's inbox follows from its key —
+    no dracap code between the file and the server."""
+    seed_file = broker.auth.path / "creds" / "tenant-tenant-a-alice.nk"
+    key = nkeys.from_seed(bytearray(seed_file.read_bytes().strip())).public_key.decode()
+    directory = json.loads(broker.auth.directory.read_text())["principals"]
+    assert {"name": "alice", "kind": "tenant", "namespace": "tenant-a", "public_key": key} in [
+        {k: p.get(k) for k in ("name", "kind", "namespace", "public_key")} for p in directory
+    ]
+    nc = await nats.connect(
+        broker.url, nkeys_seed=str(seed_file), inbox_prefix=f"_INBOX_{key}", allow_reconnect=False
+    )
+    try:
+        reply = await nc.request(broker.names.api("tenant-a", "devices"), b"{}", timeout=10)
+        assert json.loads(reply.data)["ok"] is True
+    finally:
+        await nc.close()
+
+
+def test_a_credential_file_of_an_earlier_version_is_one_line_saying_what_to_do(
+    broker: Broker, tmp_path: Path
+) -> None:
+    old = tmp_path / "tenant-tenant-a-alice.creds"
+    seed = broker.auth.tenant("tenant-a", "alice").seed
+    old.write_text(json.dumps({"principal": {"name": "alice"}, "seed": seed}))
+    argv = ["claim", "list", "-n", "tenant-a", "--creds", str(old)]
+    argv += ["--nats", broker.url, "--prefix", broker.names.prefix, "--data-dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", *argv], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == ExitCode.BAD_INPUT, done
+    assert done.stderr.count("\n") == 1 and "dracap auth init" in done.stderr, done.stderr
 
 
 async def test_a_tenant_reads_audit_and_usage_of_its_own_namespace_only(

@@ -369,7 +369,7 @@ def _refused_answer(msg: Msg) -> bool:
 async def reached(broker: Broker, credential: Credential) -> set[tuple[str, str]]:
     """The (operation, target) pairs this credential reaches."""
     async with session(broker, credential) as box:
-        inbox = f"{credential.principal.inbox_prefix}.matrix"
+        inbox = f"{credential.inbox_prefix}.matrix"
         tried = probes(broker)
         for i, probe in enumerate(tried):
             await box.answer_to(f"{inbox}.{i}")
@@ -410,8 +410,12 @@ async def test_each_credential_reaches_exactly_the_jetstream_operations_of_the_t
 def subject_classes(broker: Broker, credential: Credential) -> dict[str, frozenset[str]]:
     """Probe subjects, each with the table's subject classes it belongs to ({}: none)."""
     p = broker.names.prefix
-    own = credential.principal.inbox_prefix
-    other = "_INBOX_service_claims" if own != "_INBOX_service_claims" else "_INBOX_service_relay"
+    own = credential.inbox_prefix
+    claims, relay = (
+        broker.credentials["claims"].inbox_prefix,
+        broker.credentials["relay"].inbox_prefix,
+    )
+    other = claims if own != claims else relay  # another user's inbox (named by its key)
     return {
         f"{p}.ev.claims._.claims.submitted": frozenset({"events"}),
         f"{p}.ev.reservation.node-a.reservation.allocation_bound": frozenset({"events"}),
@@ -519,7 +523,7 @@ async def test_a_pull_request_with_any_reply_subject_changes_nothing_else(
         for target in redirect_targets(broker):
             await box.nc.publish(next_subject, b'{"batch": 1, "no_wait": true}', reply=target)
             await box.nc.publish(next_subject, b'{"batch": 2, "expires": 50000000}', reply=target)
-        inbox = f"{credential.principal.inbox_prefix}.last"
+        inbox = f"{credential.inbox_prefix}.last"
         sentinel = await box.nc.subscribe(inbox)
         await box.nc.publish(next_subject, b'{"batch": 1, "expires": 50000000}', reply=inbox)
         await sentinel.next_msg(timeout=30)  # served after every request before it
@@ -550,7 +554,7 @@ async def test_a_request_of_a_stream_or_consumer_owner_with_any_reply_changes_no
     async with session(broker, credential) as box:
         for target in redirect_targets(broker, events=kind != "relay"):
             await box.nc.publish(*asked, reply=target)
-        inbox = f"{credential.principal.inbox_prefix}.last"
+        inbox = f"{credential.inbox_prefix}.last"
         sentinel = await box.nc.subscribe(inbox)
         await box.nc.publish(*asked, reply=inbox)
         await sentinel.next_msg(timeout=30)

@@ -448,7 +448,7 @@ def test_dracap_up_is_secure_unless_told_insecure_and_then_says_so(tmp_path: Pat
     try:
         text = "".join(_wait_for_ready(process, 45))
         connection = json.loads((data_dir / "connection.json").read_text())
-        assert connection["creds"].endswith("operator-operator.creds")
+        assert connection["creds"].endswith("operator-operator.nk")
         assert "INSECURE" not in text and "access      credentials in" in text
     finally:
         _stop(process)

@@ -270,7 +270,7 @@ async def test_each_service_with_its_own_credential_serves_the_claim_flow(
     procs = Processes(settings, url, prefix, tmp_path)
 
     def creds(name: str) -> list[str]:
-        return ["--creds", str(auth.path / "creds" / f"{name}.creds")]
+        return ["--creds", str(auth.path / "creds" / f"{name}.nk")]
 
     metrics = ["--metrics-port", str(_free_port())]
     await procs.start("relay", [*procs.argv("serve", "relay"), *creds("service-relay")])

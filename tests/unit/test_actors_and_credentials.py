@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import stat
 from pathlib import Path
 
+import nkeys
 import pytest
 
 from events.actors import Actor, ActorError, parse_actor
@@ -142,7 +144,8 @@ def test_init_writes_private_credentials_and_public_accounts(tmp_path: Path) -> 
     for principal in principals:
         path = auth.creds_path(principal)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
-        assert read_credential(path).principal == principal
+        assert read_credential(path).public_key == principal.public_key
+        assert auth.credential_of(principal).principal == principal
         assert read_credential(path).seed not in auth.accounts.read_text()
         assert principal.public_key in auth.accounts.read_text()
     assert "seed" not in auth.directory.read_text()
@@ -159,6 +162,52 @@ def test_init_again_keeps_keys_adds_and_drops_users(tmp_path: Path) -> None:
     assert "carol" in again and "bob" not in again
     with pytest.raises(CredentialError):
         auth.tenant("b", "bob")
+
+
+def test_a_credential_file_is_an_nkey_seed_file(tmp_path: Path) -> None:
+    """The seed alone on one line: what `nats --nkey` and nats-py's `nkeys_seed` read."""
+    auth = AuthDir(tmp_path / "auth")
+    (alice,) = [
+        p for p in init_auth(auth, Installation(namespaces={"a": ["alice"]})) if p.name == "alice"
+    ]
+    path = auth.creds_path(alice)
+    assert path.name == "tenant-a-alice.nk"
+    text = path.read_text()
+    assert re.fullmatch(r"SU[A-Z2-7]{56}\n", text)
+    assert nkeys.from_seed(bytearray(text.strip().encode())).public_key.decode() == alice.public_key
+    assert auth.tenant("a", "alice").inbox_prefix == f"_INBOX_{alice.public_key}"
+
+
+def test_init_again_turns_an_earlier_versions_json_files_into_seed_files(tmp_path: Path) -> None:
+    auth = AuthDir(tmp_path / "auth")
+    (alice,) = [
+        p for p in init_auth(auth, Installation(namespaces={"a": ["alice"]})) if p.name == "alice"
+    ]
+    seed = auth.creds_path(alice).read_text().strip()
+    old = auth.legacy_path(alice)
+    old.write_text(json.dumps({"principal": {"name": "alice"}, "seed": seed}))
+    auth.creds_path(alice).unlink()
+    with pytest.raises(CredentialError, match=r"earlier dracap .*dracap auth init"):
+        read_credential(old)
+    again = init_auth(auth, Installation(namespaces={"a": ["alice"]}))
+    assert alice in again  # the same key: credentials handed out stay valid
+    assert not old.exists() and auth.creds_path(alice).read_text().strip() == seed
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n", "decorated"),
+        ("SAABCDEF", "not an NKey user seed"),
+        ("SU" + "A" * 56, "bad checksum"),
+        ("", "not an NKey user seed"),
+    ],
+)
+def test_a_file_that_is_no_seed_file_says_so(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "x.nk"
+    path.write_text(text)
+    with pytest.raises(CredentialError, match=message):
+        read_credential(path)
 
 
 @pytest.mark.parametrize(
@@ -178,7 +227,7 @@ def test_a_tenant_may_publish_only_its_namespaces_api() -> None:
     names = BusNames("dracap")
     rules = permissions_of(ALICE, names)
     assert rules.publish == ["dracap.api.tenant-a.claims.>"]
-    assert rules.subscribe == ["dracap.watch.tenant-a.>", "_INBOX_tenant_alice.>"]
+    assert rules.subscribe == ["dracap.watch.tenant-a.>", f"_INBOX_{ALICE.public_key}.>"]
 
 
 def test_an_agent_may_only_ask_for_its_node_and_pull_its_consumer() -> None:

@@ -30,6 +30,7 @@ NOT_COMMANDS = {
     "dracap is ready",  # the banner's last line
     "dracap audit rebuild",  # "is not written": docs/audit-billing.md says what is left
     "dracap class set-placement",  # "no command yet": docs/placement.md
+    "dracap db node-role",  # "is gone" (migration 0012): agent.md, database-roles.md, …
 }
 
 

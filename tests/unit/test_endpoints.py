@@ -87,6 +87,47 @@ def test_a_service_kinds_own_url_comes_right_after_the_flag(tmp_path: Path) -> N
     )
 
 
+def test_a_service_kinds_login_file_comes_after_its_variable(tmp_path: Path) -> None:
+    """`dracap db logins` writes <data-dir>/database/<kind>.url: the kind's own login,
+    before the installation-wide URL; the flag and DRACAP_DATABASE_URL_<KIND> first."""
+    (tmp_path / "database").mkdir()
+    (tmp_path / "database" / "relay.url").write_text("postgresql://relay_login:pw@pg/db")
+    env = {"DRACAP_DATABASE_URL": "postgresql://owner@pg/db"}
+    base = Settings(app_role="dracap_app")
+    own = resolve_endpoints(tmp_path, env=env, service=ServiceKind.RELAY).settings(base)
+    assert (own.database_url, own.app_role) == ("postgresql://relay_login:pw@pg/db", "")
+    other = resolve_endpoints(tmp_path, env=env, service=ServiceKind.CLAIMS).settings(base)
+    assert other.database_url == "postgresql://owner@pg/db"
+    variable = {**env, "DRACAP_DATABASE_URL_RELAY": "postgresql://v@pg/db"}
+    assert resolve_endpoints(tmp_path, env=variable, service=ServiceKind.RELAY).database_url == (
+        "postgresql://v@pg/db"
+    )
+    flag = resolve_endpoints(
+        tmp_path, database_url="postgresql://f/db", env=env, service=ServiceKind.RELAY
+    )
+    assert (flag.database_url, flag.own_user) == ("postgresql://f/db", False)
+
+
+def test_a_login_file_that_is_no_url_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "database").mkdir()
+    (tmp_path / "database" / "reclamation.url").write_text("not a url")
+    code = cli.main(["reclaim", "--data-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == ExitCode.BAD_INPUT and err.count("\n") == 1, err
+    assert "reclamation.url" in err and "dracap db logins" in err
+
+
+def test_a_service_without_a_url_is_told_of_db_logins(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(["reclaim", "--data-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == ExitCode.ERROR and err.count("\n") == 1, err
+    assert "dracap db logins" in err
+
+
 def test_no_built_in_address(tmp_path: Path) -> None:
     found = resolve_endpoints(tmp_path / "none", env={})
     assert found.prefix == "dracap"
