@@ -373,7 +373,7 @@ def consumers_probe(consumers: Callable[[], Iterable[Attachable]]) -> Probe:
 def _behind(what: str, position: int, heads: _Heads) -> str | None:
     """Why ``position`` is stale against the heads heard of (None: fresh)."""
     since = heads.behind_since(position)
-    if since is None or (age := time.monotonic() - since) <= STALE_STATE_S:
+    if since is None or (age := heads.clock() - since) <= STALE_STATE_S:
         return None
     return f"{what} at position {position}, behind the log's head for {age:.0f} s"
 
@@ -381,8 +381,9 @@ def _behind(what: str, position: int, heads: _Heads) -> str | None:
 class _Heads:
     """When a position was first seen behind the head (one per probe)."""
 
-    def __init__(self, head: Callable[[], int]) -> None:
+    def __init__(self, head: Callable[[], int], clock: Callable[[], float]) -> None:
         self._head = head
+        self.clock = clock
         self._since: float | None = None
         self._target = 0  # the head to reach that started the wait
 
@@ -393,7 +394,7 @@ class _Heads:
         if position >= head:
             return None
         if self._since is None:
-            self._since, self._target = time.monotonic(), head
+            self._since, self._target = self.clock(), head
         return self._since
 
 
@@ -431,9 +432,9 @@ class Projecting(Protocol):
     def failing(self) -> str | None: ...
 
 
-def live_probe(live: Tailing) -> Probe:
+def live_probe(live: Tailing, clock: Callable[[], float] = time.monotonic) -> Probe:
     """The live view tails the log and reaches each head it hears of in time."""
-    heads = _Heads(lambda: live.store.known_head)
+    heads = _Heads(lambda: live.store.known_head, clock)
 
     async def probe() -> str | None:
         if not live.tailing:
@@ -443,9 +444,9 @@ def live_probe(live: Tailing) -> Probe:
     return probe
 
 
-def projector_probe(projector: Projecting) -> Probe:
+def projector_probe(projector: Projecting, clock: Callable[[], float] = time.monotonic) -> Probe:
     """The projector's batches succeed and follow the head it hears of in time."""
-    heads = _Heads(lambda: projector.store.known_head)
+    heads = _Heads(lambda: projector.store.known_head, clock)
 
     async def probe() -> str | None:
         if projector.failing is not None:
