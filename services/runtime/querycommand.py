@@ -30,7 +30,7 @@ import io
 import json
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from nats.aio.client import Client
@@ -41,12 +41,12 @@ from services.runtime import eventloop
 from services.runtime.apiclient import ApiClient
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import Connection, EventStore, connect
-from services.runtime.health import bus_probe, projector_probe, service_health
 from services.runtime.printable import json_text, printable, table
-from services.runtime.projecting import Projector
-from services.runtime.series import initialise_series
 from services.runtime.settings import ServiceKind, load_settings
 from services.runtime.subscribers import Difference
+
+if TYPE_CHECKING:
+    from services.runtime.projecting import Projector
 
 __all__ = [
     "Subscriber",
@@ -130,6 +130,8 @@ async def serve_subscriber(
     """Run the subscriber ``make`` builds until SIGINT or SIGTERM; ``service``: its
     health checks' name (``audit``, ``billing``: ``/healthz`` and ``/readyz``)."""
     from services.runtime.bus import connect_bus
+    from services.runtime.health import bus_probe, projector_probe, service_health
+    from services.runtime.series import initialise_series
 
     endpoints = endpoints_from_args(args, service=ServiceKind.LEDGER)
     database_url = endpoints.database()

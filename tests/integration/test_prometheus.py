@@ -32,7 +32,7 @@ from services.runtime.bus import connect_bus
 from services.runtime.metrics import start_metrics_server
 from services.runtime.settings import Settings
 from tests.integration.cluster import running_cluster
-from tests.integration.test_class_modes import INVENTORY
+from tests.integration.test_class_modes import GPU_CLASS, INVENTORY
 from tests.integration.test_policy import NAMESPACE, _ready, claim_doc, view_when
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,24 +96,14 @@ async def test_prometheus_scrapes_the_stack_and_the_recording_rules_produce_seri
     try:
         async with running_cluster(settings, nats_url, tmp_path, INVENTORY) as cluster:
             api = cluster.api
+            # Prometheus holds the class's series (at 0) before the first observation
+            await _scraped(port, f'dracap_capacity_wait_seconds_count{{class="{GPU_CLASS}"}}')
             await _wait_for_capacity_once(api)
             found: dict[str, list[Any]] = {}
-            async with asyncio.timeout(120):
-                i = 0
-                while len(found) < len(RECORDED):
-                    name = f"c{i}"
-                    await api.claims(NAMESPACE, "apply", claim_doc(name, "5Gi"))
-                    await view_when(api, name, _ready)
-                    await api.claims(NAMESPACE, "delete", {"name": name})
-                    i += 1
-                    for expr in RECORDED:
-                        with contextlib.suppress(OSError):
-                            result = await asyncio.to_thread(_query, port, expr)
-                            # series of earlier tests in this process may be NaN (no
-                            # recent observations): only a number counts
-                            numbers = [r for r in result if r["value"][1] != "NaN"]
-                            if numbers:
-                                found[expr] = numbers
+            with contextlib.suppress(TimeoutError):
+                await _until_recorded(api, port, found)
+            missing = set(RECORDED) - found.keys()
+            assert not missing, f"no series from {sorted(missing)}"
             up = await asyncio.to_thread(_query, port, 'up{service="dracap-metrics"}')
             fired = await _first_forgery_fires(cluster.stack.names, nats_url, port)
     finally:
@@ -129,6 +119,36 @@ async def test_prometheus_scrapes_the_stack_and_the_recording_rules_produce_seri
     classes = {r["metric"]["class"] for r in found["dracap:claim_convergence_seconds:p99_5m"]}
     assert "gpu.dracap.io" in classes
     assert fired, "DracapUnconfirmedMessages did not fire on the first forged message"
+
+
+async def _scraped(port: int, series: str) -> None:
+    """Until Prometheus holds ``series`` (bounded)."""
+    async with asyncio.timeout(60):
+        while True:
+            with contextlib.suppress(OSError):
+                if await asyncio.to_thread(_query, port, series):
+                    return
+            await asyncio.sleep(0.5)
+
+
+async def _until_recorded(api: Any, port: int, found: dict[str, list[Any]]) -> None:
+    """Claims flow until every recording rule has a number (bounded: 120 s)."""
+    async with asyncio.timeout(120):
+        i = 0
+        while len(found) < len(RECORDED):
+            name = f"c{i}"
+            await api.claims(NAMESPACE, "apply", claim_doc(name, "5Gi"))
+            await view_when(api, name, _ready)
+            await api.claims(NAMESPACE, "delete", {"name": name})
+            i += 1
+            for expr in RECORDED:
+                with contextlib.suppress(OSError):
+                    result = await asyncio.to_thread(_query, port, expr)
+                    # series of earlier tests in this process may be NaN (no recent
+                    # observations): only a number counts
+                    numbers = [r for r in result if r["value"][1] != "NaN"]
+                    if numbers:
+                        found[expr] = numbers
 
 
 async def _wait_for_capacity_once(api: Any) -> None:
@@ -149,10 +169,7 @@ async def _first_forgery_fires(names: BusNames, nats_url: str, port: int) -> boo
     """Once Prometheus holds the reservation consumer's unconfirmed counter (at 0), forge
     one message on its subject; whether the alert fires within a minute."""
     (durable, *_) = durables.reservation(names)
-    series = f'dracap_unconfirmed_messages_total{{consumer="{durable.name}"}}'
-    async with asyncio.timeout(60):
-        while not await asyncio.to_thread(_query, port, series):  # noqa: ASYNC110 (another process)
-            await asyncio.sleep(0.5)
+    await _scraped(port, f'dracap_unconfirmed_messages_total{{consumer="{durable.name}"}}')
     subject = ".".join(
         "forged" if t in ("*", ">") else t for t in durable.filter_subject.split(".")
     )
