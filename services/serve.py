@@ -25,7 +25,9 @@ their commands already; this module gives the others theirs:
   and writes their ``status.devices`` back; run one per cluster. It reaches the API
   server in-cluster (its ServiceAccount) or through ``--kubeconfig``.
 
-The claims API's process also serves the metrics derived from the log (capacity
+With ``--metrics-port`` each serves ``/metrics``, ``/healthz`` and ``/readyz``
+(:mod:`services.runtime.health`: its checks are ``SERVICE_CHECKS[service]``). The claims
+API's process also serves the metrics derived from the log (capacity
 gauges, the SLO tracker of :mod:`services.runtime.slos`), as ``dracap up`` does.
 
 Servers are found as every command finds them (:mod:`services.runtime.endpoints`):
@@ -64,8 +66,16 @@ from services.runtime.endpoints import (
 )
 from services.runtime.eventstore import EventStore
 from services.runtime.gctuning import tune_for_long_lived_state
+from services.runtime.health import (
+    HealthMonitor,
+    bus_probe,
+    consumers_probe,
+    live_probe,
+    nats_probe,
+    service_health,
+)
 from services.runtime.livestate import HEAD, LiveState
-from services.runtime.metrics import start_metrics_server
+from services.runtime.series import initialise_series
 from services.runtime.settings import ServiceKind, SettingsError, load_settings
 
 log = logging.getLogger("dracap.serve")
@@ -119,23 +129,25 @@ async def serve(args: argparse.Namespace) -> int:
     with reaching("PostgreSQL", database_url):
         store = await EventStore.open(settings)
     stop = eventloop.stop_on_signals()
-    server = None
+    initialise_series()
     try:
-        with reaching("NATS", nats_url):
-            nc, js = await connect_bus(
-                nats_url, name=f"dracap-{args.service}", credential=_login(args, endpoints)
-            )
-        try:
-            if args.metrics_port:
-                server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
-            run = await _service(args.service, store, nc, js, names, directory, args)
-            log.info("%s started (prefix %s)", args.service, names.prefix)
-            await run(stop)
-        finally:
-            if server is not None:
-                server.shutdown()
-            with contextlib.suppress(Exception):
-                await nc.drain()
+        async with service_health(
+            args.service, args.metrics_port, args.metrics_addr, database_url=database_url
+        ) as health:
+            with reaching("NATS", nats_url):
+                nc, js = await connect_bus(
+                    nats_url, name=f"dracap-{args.service}", credential=_login(args, endpoints)
+                )
+            # the relay owns the stream: it may ask JetStream; the others ask the server only
+            probe = nats_probe(nc, js, names.stream) if args.service == "relay" else bus_probe(nc)
+            health.register("nats", probe)
+            try:
+                run = await _service(args.service, store, nc, js, names, directory, args, health)
+                log.info("%s started (prefix %s)", args.service, names.prefix)
+                await run(stop)
+            finally:
+                with contextlib.suppress(Exception):
+                    await nc.drain()
     finally:
         await store.close()
     return ExitCode.OK
@@ -149,8 +161,9 @@ async def _service(
     names: BusNames,
     directory: Any,
     args: argparse.Namespace,
+    health: HealthMonitor,
 ) -> Callable[[asyncio.Event], Awaitable[None]]:
-    """The ``run(stop)`` of service ``name``, started."""
+    """The ``run(stop)`` of service ``name``, started; its checks registered."""
     if name == "relay":
         from services import durables
         from services.runtime.rebuilding import BusKeeper
@@ -161,6 +174,7 @@ async def _service(
     live = LiveState(store)
     await live.load_snapshot()
     await live.fresh(HEAD)
+    health.register("state", live_probe(live))
     if name == "kubernetes-bridge":
         return await _bridge(store, live, args)
     if name == "enforcement":
@@ -196,6 +210,7 @@ async def _service(
     from services.reservation.service import ReservationService
 
     service = ReservationService(store, live, js, names, owner=False)
+    health.register("consumers", consumers_probe(lambda: service.running))
 
     async def reservation(stop: asyncio.Event) -> None:
         tail = asyncio.create_task(live.run(stop))

@@ -56,7 +56,7 @@ async def _query(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     return await serve_subscriber(
-        args, lambda store, names, nc: BillingService(store, names, nc=nc)
+        args, lambda store, names, nc: BillingService(store, names, nc=nc), "billing"
     )
 
 

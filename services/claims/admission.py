@@ -76,7 +76,7 @@ is left to the allocator too: devices may still be published.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator
-from typing import Literal, TypeAlias
+from typing import Final, Literal, TypeAlias
 
 import msgspec
 
@@ -106,6 +106,7 @@ from events.validation import validate as validate_manifest
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
+    "REJECTION_REASONS",
     "ApplyDecision",
     "DeviceLimits",
     "Refusal",
@@ -146,6 +147,15 @@ class ApplyDecision(msgspec.Struct, frozen=True, kw_only=True):
     events: tuple[Event, ...] = ()
     refusal: Refusal | None = None
     unchanged: bool = False
+
+
+#: every ``kind`` admission refuses with: ``dracap_rejections_total{reason}`` (each at 0
+#: from the start; tests/unit/test_admission.py checks the list against the code)
+REJECTION_REASONS: Final = (
+    "above-maximum", "admin-access", "class-access", "class-disabled", "name", "name-conflict",
+    "namespace", "opaque-config", "parse", "quota", "size", "status", "too-many-requests",
+    "unknown-class", "validation", "whole-device",
+)  # fmt: skip
 
 
 def refuse(code: ErrorCode, kind: str, field: str | None, rule: str, detail: str = "") -> Refusal:

@@ -143,6 +143,7 @@ from services.claims.adminwrites import (
 )
 from services.claims.admission import (
     MAX_MANIFEST_BYTES,
+    REJECTION_REASONS,
     ApplyDecision,
     DeviceLimits,
     Refusal,
@@ -355,6 +356,8 @@ class ClaimsApi:
         """Register the micro service and its endpoints (idempotent)."""
         if self._service is not None:
             return
+        for reason in REJECTION_REASONS:  # each at 0 from the start
+            REJECTIONS.labels(reason=reason)
         service = await add_service(
             self.nc,
             name=f"{self.names.prefix}-claims",

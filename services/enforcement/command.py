@@ -16,7 +16,9 @@ default) applies no limit and reports enforcement level ``none``. The agent writ
 under its node's lease (``--lease-ttl``, a heartbeat every third of it;
 ``docs/reclamation.md``). ``--checkpoint PATH`` is the durable record of what the agent
 applied (``none``: keep none); on start the agent reconciles it with the kernel and the
-log.
+log. Its metrics port (``--metrics-port``, default 9401) serves ``/metrics``,
+``/healthz`` and ``/readyz``: ready while NATS answers and its consumer pulls
+(:mod:`services.runtime.health`).
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ from services.runtime.endpoints import (
     reaching,
 )
 from services.runtime.gctuning import tune_for_long_lived_state
-from services.runtime.metrics import start_metrics_server
+from services.runtime.health import HealthMonitor, bus_probe, consumers_probe, service_health
 from services.runtime.printable import printable
+from services.runtime.series import initialise_series
 from services.runtime.settings import SettingsError
 
 ENFORCERS: Final = ("none", "tc", "mps")
@@ -104,46 +107,57 @@ async def serve(args: argparse.Namespace) -> int:
     credential = _login(args, endpoints)
     with reaching("NATS", nats_url):
         nc, _ = await connect_bus(nats_url, name=f"dracap-agent-{args.node}", credential=credential)
-    server = None
     stop = eventloop.stop_on_signals()
+    initialise_series()
     try:
-        if args.metrics_port:
-            server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
-        config = load_config(args.config, args.node) if args.config else None
-        enforcer = build_enforcer(args, config)
-        checkpoint = None
-        if args.checkpoint != "none":
-            path = Path(args.checkpoint or DEFAULT_CHECKPOINT.format(node=args.node))
-            checkpoint = await asyncio.to_thread(checkpointing.load, path)
-        agent = Agent(
-            nc,
-            names,
-            node=args.node,
-            enforcer=enforcer,
-            checkpoint=checkpoint,
-            scan_interval=args.scan_interval,
-            lease_ttl=args.lease_ttl,
-            boot_id=args.boot_id,
-            health_interval=args.health_interval,
-            api_prefix=api_prefix(credential),
-        )
-        if config is not None:
-            agent.scanner = InventoryScanner(
-                config,
-                previous=agent.node_slices,
-                publish=agent.publish,
-                listeners=[device_maps(config, enforcer)],
-            )
-        log.info("agent of node %s started (enforcer %s)", args.node, args.enforcer)
-        if args.kubelet_plugin:
-            await _run_with_kubelet(args, agent, config, stop)
-        else:
-            await agent.run(stop)
+        async with service_health("agent", args.metrics_port, args.metrics_addr) as health:
+            health.register("nats", bus_probe(nc))
+            await _run_agent(args, nc, names, credential, health, stop)
     finally:
-        if server is not None:
-            server.shutdown()
         await nc.drain()
     return ExitCode.OK
+
+
+async def _run_agent(
+    args: argparse.Namespace,
+    nc: Any,
+    names: BusNames,
+    credential: Credential | None,
+    health: HealthMonitor,
+    stop: asyncio.Event,
+) -> None:
+    """Build the agent, register its consumer's check, run it until ``stop``."""
+    config = load_config(args.config, args.node) if args.config else None
+    enforcer = build_enforcer(args, config)
+    checkpoint = None
+    if args.checkpoint != "none":
+        path = Path(args.checkpoint or DEFAULT_CHECKPOINT.format(node=args.node))
+        checkpoint = await asyncio.to_thread(checkpointing.load, path)
+    agent = Agent(
+        nc,
+        names,
+        node=args.node,
+        enforcer=enforcer,
+        checkpoint=checkpoint,
+        scan_interval=args.scan_interval,
+        lease_ttl=args.lease_ttl,
+        boot_id=args.boot_id,
+        health_interval=args.health_interval,
+        api_prefix=api_prefix(credential),
+    )
+    if config is not None:
+        agent.scanner = InventoryScanner(
+            config,
+            previous=agent.node_slices,
+            publish=agent.publish,
+            listeners=[device_maps(config, enforcer)],
+        )
+    health.register("consumers", consumers_probe(lambda: [agent.consumer]))
+    log.info("agent of node %s started (enforcer %s)", args.node, args.enforcer)
+    if args.kubelet_plugin:
+        await _run_with_kubelet(args, agent, config, stop)
+    else:
+        await agent.run(stop)
 
 
 def _drivers(args: argparse.Namespace, config: AgentConfig | None) -> list[str]:

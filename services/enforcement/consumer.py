@@ -154,6 +154,16 @@ class NodeConsumer:
         self.refused = 0  #: messages of events the fold refuses (acknowledged unhandled)
         for series in (CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES):
             series.labels(consumer=self.name)  # at 0 from the start
+        self._pulling = False  # run() has its pull requests out
+        self._durable_missing = False  # a pull found no durable; no message came since
+
+    def detached(self) -> str | None:
+        """``None`` while the consumer pulls from its durable, else why not (``/readyz``)."""
+        if not self._pulling:
+            return "not pulling"
+        if self._durable_missing:
+            return "its durable consumer is missing (the enforcement service makes it)"
+        return None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Pull and hand over until ``stop`` is set; messages not started are nak'd."""
@@ -166,6 +176,7 @@ class NodeConsumer:
             prefix=self._api_prefix,
         )
         await puller.start()
+        self._pulling = True
         try:
             while not stop.is_set():
                 try:
@@ -177,10 +188,13 @@ class NodeConsumer:
                     continue
                 if puller.missing:
                     puller.missing = False
+                    self._durable_missing = True
                     await self._recreate()
                 if msgs:
+                    self._durable_missing = False
                     await self.process(msgs)
         finally:
+            self._pulling = False
             for msg in await puller.stop():
                 await _quietly(msg.nak())  # another delivery takes it at once
 
@@ -194,6 +208,7 @@ class NodeConsumer:
         except Exception as exc:
             log.warning("consumer %s: its durable is missing and not made yet (%s)", self.name, exc)
             return
+        self._durable_missing = False
         log.warning("consumer %s: its durable consumer was missing; the service made it", self.name)
 
     async def process(self, msgs: Sequence[Msg]) -> None:

@@ -7,6 +7,8 @@ every command finds it (:mod:`services.runtime.endpoints`): ``--database-url``, 
 of replicas may run at once: each transition is recorded once
 (:mod:`services.reclamation.service`). ``--fence-hook CMD`` is run for a node whose
 lease has been expired for ``--fence-after`` seconds; its exit status 0 fences the node.
+With ``--metrics-port`` it serves ``/metrics``, ``/healthz`` and ``/readyz``
+(:mod:`services.runtime.health`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from services.reclamation.service import DEFAULT_POLL_S, ReclamationService
 from services.runtime import eventloop
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import EventStore
+from services.runtime.health import live_probe, service_health
 from services.runtime.livestate import LiveState
-from services.runtime.metrics import start_metrics_server
+from services.runtime.series import initialise_series
 from services.runtime.settings import ServiceKind, SettingsError, load_settings
 
 log = logging.getLogger("dracap.reclamation")
@@ -50,32 +53,32 @@ async def serve(args: argparse.Namespace) -> int:
     settings = endpoints.settings(load_settings())
     with reaching("PostgreSQL", database_url):
         store = await EventStore.open(settings)
-    server = None
-    if args.metrics_port:
-        server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
     stop = eventloop.stop_on_signals()
+    initialise_series()
     try:
-        live = LiveState(store)
-        await live.load_snapshot()
-        service = ReclamationService(
-            store,
-            live,
-            name=args.name,
-            poll_s=args.poll,
-            fence_hook=hook_of(args.fence_hook),
-            fence_after_s=args.fence_after,
-            fence_hook_timeout_s=args.fence_hook_timeout,
-        )
-        log.info("reclamation service %s started", args.name)
-        tail = asyncio.create_task(live.run(stop))
-        try:
-            await service.run(stop)
-        finally:
-            stop.set()
-            await tail
+        async with service_health(
+            "reclamation", args.metrics_port, args.metrics_addr, database_url=database_url
+        ) as health:
+            live = LiveState(store)
+            await live.load_snapshot()
+            health.register("state", live_probe(live))
+            service = ReclamationService(
+                store,
+                live,
+                name=args.name,
+                poll_s=args.poll,
+                fence_hook=hook_of(args.fence_hook),
+                fence_after_s=args.fence_after,
+                fence_hook_timeout_s=args.fence_hook_timeout,
+            )
+            log.info("reclamation service %s started", args.name)
+            tail = asyncio.create_task(live.run(stop))
+            try:
+                await service.run(stop)
+            finally:
+                stop.set()
+                await tail
     finally:
-        if server is not None:
-            server.shutdown()
         await store.close()
     return ExitCode.OK
 

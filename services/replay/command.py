@@ -70,7 +70,6 @@ from services.runtime import eventloop
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import connect
 from services.runtime.gctuning import tune_for_long_lived_state
-from services.runtime.metrics import metrics_served
 from services.runtime.outputs import check_in, check_out, written
 from services.runtime.printable import json_text, printable
 from services.runtime.settings import ServiceKind, Settings, load_settings
@@ -392,6 +391,7 @@ async def _serve_snapshots(args: argparse.Namespace, settings: Settings, url: st
     """The writer as a service: fold the log as it grows, snapshot it by the rule of
     :mod:`services.runtime.snapshots`, and once more when SIGTERM or SIGINT stops it."""
     from services.runtime.eventstore import EventStore
+    from services.runtime.health import live_probe, service_health
     from services.runtime.livestate import HEAD, LiveState
     from services.runtime.snapshots import serve_snapshots
 
@@ -399,10 +399,13 @@ async def _serve_snapshots(args: argparse.Namespace, settings: Settings, url: st
         store = await EventStore.open(settings)
     stop = eventloop.stop_on_signals()
     try:
-        with metrics_served(args.metrics_port, args.metrics_addr):
+        async with service_health(
+            "snapshots", args.metrics_port, args.metrics_addr, database_url=url
+        ) as health:
             live = LiveState(store)
             await live.load_snapshot()
             await live.fresh(HEAD)
+            health.register("state", live_probe(live))
             log.info(
                 "snapshot writer started at position %d (every %d events or %g minutes)",
                 live.state.position,

@@ -204,6 +204,8 @@ class ReservationService:
         self.js = js
         self.names = names
         self.worker = worker
+        #: the consumers :meth:`run` pulls with (a health check asks them)
+        self.running: list[Consumer] = []
         self.name = name
         #: whether the workers create their durables (False: the relay owns them)
         self.owner = owner
@@ -534,7 +536,8 @@ class ReservationService:
         await self.live.fresh(HEAD)
         log.info("reservation worker %d ready in %.3fs", self.worker, time.perf_counter() - started)
         try:
-            await all_of(*(c.run(stop) for c in self.consumers()), self._replanner(stop))
+            self.running = self.consumers()
+            await all_of(*(c.run(stop) for c in self.running), self._replanner(stop))
         finally:
             await self.selectors.close()
             for job in list(self._jobs):

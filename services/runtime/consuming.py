@@ -312,7 +312,10 @@ class Consumer:
         #: whether this consumer creates its durable (see "Its durable" above)
         self.owner = owner
         self._durable_missing = False  # logged that the durable is missing, not yet back
+        self._pulling = False  # run() has its pull requests out
         self._trouble = StateLog(_log, f"consumer {name}")  # one line per change of state
+        for series in (CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES):
+            series.labels(consumer=name)  # at 0 from the start
         #: who records this consumer's dead letters (a node agent: itself, with its epoch)
         self._actor = actor or (lambda: str(Actor.system(name)))
         #: told the event id of each message this consumer dead-letters
@@ -329,6 +332,14 @@ class Consumer:
         self._unconfirmed_logged_at = -WARN_EVERY_S
         self.groups = 0  #: commits that handled more than one message
         self._mark = HighWaterMark(store, name)
+
+    def detached(self) -> str | None:
+        """``None`` while the consumer pulls from its durable, else why not (``/readyz``)."""
+        if not self._pulling:
+            return "not pulling"
+        if self._durable_missing:
+            return "its durable consumer is missing (its owner, the relay, makes it)"
+        return None
 
     @property
     def durable(self) -> Durable:
@@ -351,6 +362,7 @@ class Consumer:
         await puller.start()
         done = asyncio.Event()
         keeper = asyncio.create_task(self._mark.run(done))
+        self._pulling = True
         try:
             while not stop.is_set():
                 try:
@@ -377,6 +389,7 @@ class Consumer:
                 ):
                     await self.let_go()  # idle, or others' turn
         finally:
+            self._pulling = False
             await self.let_go()
             for msg in await puller.stop():
                 await _quietly(msg.nak())  # another worker takes it at once

@@ -27,9 +27,8 @@ exactly the one a recomputation from scratch gives: :func:`allocated_ratios`,
 (the CEL selectors), and with it every sum, is recomputed only after an inventory
 event.
 
-:func:`initialise_series` creates the label sets that are known when the stack starts
-(every consumer, every claim outcome) at 0, so a scrape shows each family with a value
-from the start instead of an empty family until the first increment.
+:func:`~services.runtime.series.initialise_series` (re-exported here) creates the
+label sets known when a process starts at 0.
 """
 
 from __future__ import annotations
@@ -48,15 +47,8 @@ from events.fold import ClusterState, DeviceKey
 from events.inventory import build_inventory
 from events.model import CapacityRequestPolicy
 from services.runtime.livestate import INVENTORY_EVENTS, LiveState
-from services.runtime.metrics import (
-    CAPACITY_ALLOCATED_RATIO,
-    CAPACITY_STRANDED_RATIO,
-    CLAIMS,
-    CONSUMER_REDELIVERIES,
-    DEAD_LETTERS,
-    FENCE_HOOK_RUNS,
-    NODE_TRANSITIONS,
-)
+from services.runtime.metrics import CAPACITY_ALLOCATED_RATIO, CAPACITY_STRANDED_RATIO
+from services.runtime.series import CLAIM_OUTCOMES, initialise_series
 
 __all__ = [
     "CLAIM_OUTCOMES",
@@ -71,19 +63,6 @@ __all__ = [
 
 log = logging.getLogger("dracap.gauges")
 
-#: The outcomes ``dracap_claims_total`` is counted under (see the services that count).
-CLAIM_OUTCOMES: Final = (
-    "admitted",
-    "rejected",
-    "allocated",
-    "unschedulable",
-    "ready",
-    "released",
-    "not_started_release",
-    "not_started_stall",
-)
-NODE_TRANSITION_KINDS: Final = ("expired", "fenced_by_hook")
-FENCE_HOOK_OUTCOMES: Final = ("off", "failed", "timeout")
 
 _CAPACITY_EVENTS: Final = (CapacityReserved, CapacityReleased, NodeFenced)
 
@@ -327,17 +306,3 @@ class CapacityGauges:
                 continue  # no present device of the class has it (now)
             self.gauge.labels(class_name, capacity).set(allocated / total)
             CAPACITY_STRANDED_RATIO.labels(class_name, capacity).set(stranded / total)
-
-
-def initialise_series(consumers: Iterable[str]) -> None:
-    """Create the known label sets at 0: claim outcomes, and per consumer the
-    redelivery and dead-letter counters (an unset label set is absent from a scrape)."""
-    for outcome in CLAIM_OUTCOMES:
-        CLAIMS.labels(outcome=outcome)
-    for transition in NODE_TRANSITION_KINDS:
-        NODE_TRANSITIONS.labels(transition=transition)
-    for run in FENCE_HOOK_OUTCOMES:
-        FENCE_HOOK_RUNS.labels(outcome=run)
-    for name in consumers:
-        CONSUMER_REDELIVERIES.labels(consumer=name)
-        DEAD_LETTERS.labels(consumer=name)

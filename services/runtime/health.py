@@ -1,4 +1,4 @@
-"""Health of ``dracap up``: checks, one log line per change, ``/healthz`` and ``/readyz``.
+"""Health of every dracap process: checks, one log line per change, ``/healthz`` and ``/readyz``.
 
 Checks
 ------
@@ -16,6 +16,24 @@ raises is the reason (``Type: message``). ``dracap up`` declares three:
 
 A check declared but not registered yet (during start-up) reads as down, "starting".
 
+Every other service process (``dracap serve X``, ``reclaim``, ``audit serve``, ``usage
+serve``, ``replay snapshot``, ``agent``) runs the same monitor through
+:func:`service_health`, with the checks of what it uses (:data:`SERVICE_CHECKS`):
+
+* ``postgres`` — as above (:class:`PostgresProbe`), for every process with a database;
+* ``nats`` — connected, and a round trip to the server answers (:func:`bus_probe`): it
+  asks nothing of JetStream, so it holds for a login with few permissions (an agent,
+  the claims API);
+* ``consumers`` — each of the process's durable consumers is attached: its pull loop
+  runs and its durable is not missing (:func:`consumers_probe`);
+* ``state`` — what the process acts on is fresh: its live view of the log is tailing
+  and has reached every head it heard of within :data:`STALE_STATE_S`
+  (:func:`live_probe`), or, for a projector (audit, billing), its batches succeed and
+  follow the head as closely (:func:`projector_probe`). Both compare with the head the
+  store heard of (NOTIFY), in memory: no query per round.
+
+The node agent talks to NATS only: its readiness is ``nats`` and ``consumers``.
+
 One line per change
 -------------------
 A check's changes of state are logged once each — ``postgres is down: <reason>``
@@ -28,9 +46,10 @@ away would log once per retry; ``dracap up`` keeps those lines out of its log wh
 
 Endpoints
 ---------
-:func:`serve` adds two paths to the metrics server (every other path still serves the
-metrics). They are answered on the HTTP server's thread from the monitor's last round,
-never by probing on request:
+:func:`serve` adds two paths to the metrics server (``/metrics`` serves the metrics, any
+other path is 404: :func:`services.runtime.metrics.start_metrics_server`). They are
+answered on the HTTP server's thread from the monitor's last round, never by probing on
+request:
 
 * ``/healthz`` — 200 while the process is alive and supervising: no round is older
   than :data:`STALE_LIVENESS_S` (the event loop is not stuck) and the watchdog of the
@@ -50,8 +69,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Final
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Final, Protocol
 from wsgiref.simple_server import WSGIServer
 
 import asyncpg
@@ -59,7 +78,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from services.runtime.metrics import HEALTH_CHECK_UP
+from services.runtime.metrics import HEALTH_CHECK_UP, start_metrics_server
 from services.runtime.outages import one_line
 
 if TYPE_CHECKING:
@@ -70,14 +89,22 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECK_INTERVAL_S",
     "CHECK_TIMEOUT_S",
+    "SERVICE_CHECKS",
+    "STALE_STATE_S",
+    "Attachable",
     "CheckState",
     "HealthMonitor",
     "Liveness",
     "PostgresProbe",
     "Probe",
     "Readiness",
+    "bus_probe",
+    "consumers_probe",
+    "live_probe",
     "nats_probe",
+    "projector_probe",
     "serve",
+    "service_health",
 ]
 
 log = logging.getLogger("dracap.health")
@@ -86,6 +113,22 @@ CHECK_INTERVAL_S: Final = 0.5
 CHECK_TIMEOUT_S: Final = 2.0
 STALE_READINESS_S: Final = 5.0
 STALE_LIVENESS_S: Final = 30.0
+#: How long a live view (or a projector) may stay behind a head it heard of and be fresh.
+STALE_STATE_S: Final = 30.0
+
+#: The checks of each service process (``/readyz``; ``dracap up`` has its own three).
+SERVICE_CHECKS: Final[dict[str, tuple[str, ...]]] = {
+    "relay": ("postgres", "nats"),
+    "claims": ("postgres", "nats", "state"),
+    "reservation": ("postgres", "nats", "consumers", "state"),
+    "enforcement": ("postgres", "nats", "state"),
+    "kubernetes-bridge": ("postgres", "nats", "state"),
+    "reclamation": ("postgres", "state"),
+    "audit": ("postgres", "nats", "state"),
+    "billing": ("postgres", "nats", "state"),
+    "snapshots": ("postgres", "state"),
+    "agent": ("nats", "consumers"),
+}
 
 #: A check: ``None`` when healthy, else why not (one line).
 Probe = Callable[[], Awaitable[str | None]]
@@ -141,6 +184,8 @@ class HealthMonitor:
     ) -> None:
         self._probes: dict[str, Probe | None] = dict.fromkeys(checks)
         self._states: dict[str, CheckState] = dict.fromkeys(checks, _STARTING)
+        for name in checks:  # the series exists (at 0) from the start
+            HEALTH_CHECK_UP.labels(check=name).set(0)
         self._since: dict[str, float] = {}  # when each check last changed (once checked)
         self._interval = interval
         self._timeout = timeout
@@ -288,6 +333,162 @@ def nats_probe(nc: Client, js: JetStreamContext, stream: str) -> Probe:
         return None
 
     return probe
+
+
+def bus_probe(nc: Client) -> Probe:
+    """Connected, and the server answers a round trip (no JetStream permission needed)."""
+
+    async def probe() -> str | None:
+        if not nc.is_connected:
+            return "not connected (reconnecting)" if nc.is_reconnecting else "not connected"
+        await nc.flush(timeout=int(CHECK_TIMEOUT_S))
+        return None
+
+    return probe
+
+
+class Attachable(Protocol):
+    """A durable consumer as :func:`consumers_probe` asks it."""
+
+    name: str
+
+    def detached(self) -> str | None:
+        """``None`` while attached, else why not."""
+        ...
+
+
+def consumers_probe(consumers: Callable[[], Iterable[Attachable]]) -> Probe:
+    """Every consumer ``consumers()`` gives is attached (none given: not started yet)."""
+
+    async def probe() -> str | None:
+        found = list(consumers())
+        if not found:
+            return "no consumer started yet"
+        down = [f"{c.name}: {why}" for c in found if (why := c.detached()) is not None]
+        return "; ".join(down) or None
+
+    return probe
+
+
+def _behind(what: str, position: int, heads: _Heads) -> str | None:
+    """Why ``position`` is stale against the heads heard of (None: fresh)."""
+    since = heads.behind_since(position)
+    if since is None or (age := heads.clock() - since) <= STALE_STATE_S:
+        return None
+    return f"{what} at position {position}, behind the log's head for {age:.0f} s"
+
+
+class _Heads:
+    """When a position was first seen behind the head (one per probe)."""
+
+    def __init__(self, head: Callable[[], int], clock: Callable[[], float]) -> None:
+        self._head = head
+        self.clock = clock
+        self._since: float | None = None
+        self._target = 0  # the head to reach that started the wait
+
+    def behind_since(self, position: int) -> float | None:
+        head = self._head()
+        if position >= self._target:  # the head noted is reached: fresh
+            self._since = None
+        if position >= head:
+            return None
+        if self._since is None:
+            self._since, self._target = self.clock(), head
+        return self._since
+
+
+class _Store(Protocol):
+    @property
+    def known_head(self) -> int: ...
+
+
+class _State(Protocol):
+    position: int
+
+
+class Tailing(Protocol):
+    """A live view as :func:`live_probe` asks it (:class:`~services.runtime.livestate.
+    LiveState`; a protocol, so the node agent's side imports no event store)."""
+
+    @property
+    def tailing(self) -> bool: ...
+    @property
+    def store(self) -> _Store: ...
+    @property
+    def state(self) -> _State: ...
+
+
+class Projecting(Protocol):
+    """A projector as :func:`projector_probe` asks it (:class:`~services.runtime.
+    projecting.Projector`)."""
+
+    name: str
+    position: int
+
+    @property
+    def store(self) -> _Store: ...
+    @property
+    def failing(self) -> str | None: ...
+
+
+def live_probe(live: Tailing, clock: Callable[[], float] = time.monotonic) -> Probe:
+    """The live view tails the log and reaches each head it hears of in time."""
+    heads = _Heads(lambda: live.store.known_head, clock)
+
+    async def probe() -> str | None:
+        if not live.tailing:
+            return "the live view is not tailing the log"
+        return _behind("live view", live.state.position, heads)
+
+    return probe
+
+
+def projector_probe(projector: Projecting, clock: Callable[[], float] = time.monotonic) -> Probe:
+    """The projector's batches succeed and follow the head it hears of in time."""
+    heads = _Heads(lambda: projector.store.known_head, clock)
+
+    async def probe() -> str | None:
+        if projector.failing is not None:
+            return f"batches fail: {projector.failing}"
+        return _behind(f"projector {projector.name}", projector.position, heads)
+
+    return probe
+
+
+@contextlib.asynccontextmanager
+async def service_health(
+    service: str,
+    port: int,
+    addr: str,
+    *,
+    database_url: str | None = None,
+    interval: float = CHECK_INTERVAL_S,
+) -> AsyncIterator[HealthMonitor]:
+    """A service process's monitor while inside: its :data:`SERVICE_CHECKS` declared
+    (``postgres`` registered on ``database_url``; the caller registers the others as
+    what they check starts), its rounds running, and with ``port`` the metrics server
+    with ``/healthz`` and ``/readyz``."""
+    monitor = HealthMonitor(SERVICE_CHECKS[service], interval=interval)
+    postgres = PostgresProbe(database_url) if database_url is not None else None
+    if postgres is not None and "postgres" in SERVICE_CHECKS[service]:
+        monitor.register("postgres", postgres)
+    server = None
+    if port:
+        server, _ = start_metrics_server(port, addr=addr)
+        serve(server, monitor)
+    done = asyncio.Event()
+    task = asyncio.create_task(monitor.run(done), name=f"health-{service}")
+    try:
+        yield monitor
+    finally:
+        done.set()
+        await task
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if postgres is not None:
+            await postgres.close()
 
 
 # --- endpoints -----------------------------------------------------------------------------

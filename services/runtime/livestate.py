@@ -203,6 +203,11 @@ class LiveState:
         #: this process's committed appends not folded yet (see run())
         self._handover = Handover(lambda: self.state.position, kept=_OFFERED_KEPT)
 
+    @property
+    def tailing(self) -> bool:
+        """Whether :meth:`run` is tailing the log (a health check's question)."""
+        return self._tailing
+
     # -- startup -------------------------------------------------------------------------
 
     async def load_snapshot(self) -> bool:

@@ -8,17 +8,17 @@ ratios in [0, 1]), ``_total`` for counters, and only low-cardinality labels
 
 The metrics live in a registry of their own (:data:`REGISTRY`) together with the
 standard process, platform and GC collectors; :func:`start_metrics_server` serves it
-over HTTP from a daemon thread. ``dracap_build_info{version}`` is always 1, the
+over HTTP from a daemon thread on ``/metrics`` (``/`` too, as the client library does);
+any other path is ``404`` (:mod:`services.runtime.health` adds ``/healthz`` and
+``/readyz`` beside it). ``dracap_build_info{version}`` is always 1, the
 usual way to publish the running version.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from importlib import metadata
 from threading import Thread
-from typing import Final
+from typing import TYPE_CHECKING, Final
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -31,6 +31,10 @@ from prometheus_client import (
     Histogram,
     start_http_server,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 __all__ = [
     "BUILD_INFO",
@@ -58,7 +62,8 @@ __all__ = [
     "SNAPSHOT_POSITION",
     "UNCONFIRMED_MESSAGES",
     "USAGE",
-    "metrics_served",
+    "not_found",
+    "only_metrics",
     "start_metrics_server",
     "version",
 ]
@@ -274,20 +279,33 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, 
     """Serve :data:`REGISTRY` on ``http://addr:port/metrics`` (port 0: any free port).
 
     Returns the server (``server.server_port`` is the bound port; ``shutdown()``
-    stops it) and its daemon thread.
+    stops it) and its daemon thread. Paths other than ``/metrics`` and ``/`` are 404.
     """
-    return start_http_server(port, addr=addr, registry=REGISTRY)
+    server, thread = start_http_server(port, addr=addr, registry=REGISTRY)
+    metrics = server.get_app()
+    assert metrics is not None, "the metrics server has no application"
+    server.set_app(only_metrics(metrics))
+    return server, thread
 
 
-@contextlib.contextmanager
-def metrics_served(port: int, addr: str) -> Iterator[WSGIServer | None]:
-    """Serve :data:`REGISTRY` on ``port`` while inside (0: not at all): a service's
-    ``--metrics-port`` / ``--metrics-addr``."""
-    if not port:
-        yield None
-        return
-    server, _ = start_metrics_server(port, addr=addr)
-    try:
-        yield server
-    finally:
-        server.shutdown()
+#: The paths the metrics application answers.
+METRICS_PATHS: Final = frozenset({"/metrics", "/"})
+
+
+def only_metrics(metrics: WSGIApplication) -> WSGIApplication:
+    """``metrics`` on :data:`METRICS_PATHS`, ``404 Not Found`` on any other path."""
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") in METRICS_PATHS:
+            return metrics(environ, start_response)
+        return not_found(start_response)
+
+    return app
+
+
+def not_found(start_response: StartResponse) -> list[bytes]:
+    """A plain ``404 Not Found`` answer."""
+    body = b"not found: /metrics, /healthz and /readyz are served here\n"
+    headers = [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))]
+    start_response("404 Not Found", headers)
+    return [body]

@@ -41,7 +41,18 @@ up to the batch's end first). Each is counted and logged once per process
 
 A batch that fails (the database away, a bug) is rolled back and tried again after a
 back-off (``retry_s`` doubling to ``poll_s * 30``); the failure is logged once per
-change of reason, and nothing is skipped.
+change of reason.
+
+Dead letters. A failure that says a server cannot be reached
+(:func:`~services.runtime.outages.is_unreachable`) is nobody's fault and is retried
+for as long as the outage lasts. Any other failure of the same window ``max_tries``
+times in a row is an event the subscriber cannot handle (a payload its functions do
+not expect, a bug): the projector then applies that window one position at a time, and
+the position that fails ``max_tries`` times alone is *dead-lettered*: the projector's
+position moves past it without its rows, ``dracap_dead_letters_total{consumer=<name>}``
+counts it (``DracapDeadLetters`` alerts) and one line names the event; the rest of the
+log goes on. The subscriber's ``verify`` lists the rows it lacks. Nothing is retried
+forever, and no failure logs a traceback.
 """
 
 from __future__ import annotations
@@ -58,8 +69,8 @@ from events.catalog import Envelope
 from events.folding import Refusal
 from services.runtime.eventstore import Connection, EventStore
 from services.runtime.livestate import LiveState
-from services.runtime.metrics import REGISTRY
-from services.runtime.outages import one_line
+from services.runtime.metrics import DEAD_LETTERS, REGISTRY
+from services.runtime.outages import is_unreachable, one_line
 from services.runtime.refusals import note
 from services.runtime.rows import ACTOR, EVENT_ID, POSITION, SELECT, Row, decoded, envelope_with
 
@@ -86,6 +97,7 @@ _LOCK: Final = (
     "ON CONFLICT (subscriber) DO UPDATE SET position = p.position RETURNING position"
 )
 _MOVE: Final = "UPDATE ledger_positions SET position = $2 WHERE subscriber = $1"
+_EVENT_ID: Final = "SELECT event_id::text FROM events WHERE position = $1"
 _WINDOW: Final = f"{SELECT} WHERE position > $1 AND position <= $2"
 _READ_ALL: Final = f"{_WINDOW} ORDER BY position"
 _READ_TYPES: Final = f"{_WINDOW} AND type = ANY($3::text[]) ORDER BY position"
@@ -105,8 +117,11 @@ class Projector:
         linger_s: float = 0.2,
         poll_s: float = 1.0,
         retry_s: float = 0.5,
+        max_tries: int = 5,
         live: LiveState | None = None,
     ) -> None:
+        if max_tries < 1:
+            raise ValueError("max_tries must be at least 1")
         self.store = store
         #: the view whose refusals the projector leaves out (None: undecodable rows only)
         self.live = live
@@ -117,10 +132,23 @@ class Projector:
         self.linger_s = linger_s
         self.poll_s = poll_s
         self.retry_s = retry_s
+        self.max_tries = max_tries
         self.position = 0  #: the position of the last batch this projector committed
         self.batches = 0  #: batches committed so far
         self.applied = 0  #: events handed to ``apply`` so far
+        self.dead_lettered = 0  #: positions given up on (see "Dead letters")
         self._failing: str | None = None
+        self._window = (0, 0)  # the window (after, up to) of the latest step
+        self._tries = 0  # failures in a row of the window that starts at _failed_at
+        self._failed_at = -1
+        self._narrow = 0  # windows of one position while the position is below this
+        PROJECTOR_LAG.labels(name).set(0)  # the series exist from the start
+        DEAD_LETTERS.labels(consumer=name)
+
+    @property
+    def failing(self) -> str | None:
+        """Why the latest batch failed, while the projector has not gone on since."""
+        return self._failing
 
     async def run(self, stop: asyncio.Event) -> None:
         """Catch up, then follow the log until ``stop`` is set."""
@@ -132,9 +160,12 @@ class Projector:
                 head = await self.store.wait_for_new(self.position, self.poll_s)
             except Exception as exc:
                 self._failed(exc, delay)
+                head = None
+                if await self._gave_up_on(exc):
+                    delay = self.retry_s
+                    continue
                 await _wait(stop, delay)
                 delay = min(delay * 2, self.poll_s * 30)
-                head = None
                 continue
             delay = self.retry_s
             if self._failing is not None:
@@ -156,10 +187,12 @@ class Projector:
 
     async def step(self, head: int) -> int | None:
         """One batch up to at most ``head``; the new position, None when already there."""
+        self._window = (self.position, self.position)  # until the window is known
         async with self.store.pool.acquire() as connection, connection.transaction():
             done = int(await connection.fetchval(_LOCK, self.name))
             self.position = done
-            upto = min(head, done + self.batch)
+            upto = min(head, done + (1 if done < self._narrow else self.batch))
+            self._window = (done, upto)
             if upto <= done:
                 return None
             if self._types is None:
@@ -177,6 +210,46 @@ class Projector:
         self.applied += len(envs)
         PROJECTOR_LAG.labels(self.name).set(max(0, self.store.known_head - upto))
         return upto
+
+    async def _gave_up_on(self, exc: Exception) -> bool:
+        """Count a failure that is no outage; after ``max_tries`` of one window, narrow
+        it to single positions, or dead-letter the single position (see the module
+        docstring). True when it did either."""
+        if is_unreachable(exc):
+            return False
+        start, end = self._window
+        if start != self._failed_at:
+            self._failed_at, self._tries = start, 0
+        self._tries += 1
+        if self._tries < self.max_tries or end <= start:
+            return False
+        self._tries = 0
+        if end - start > 1:
+            self._narrow = end
+            log.warning(
+                "projector %s: positions %d..%d failed %d times; applying them one at a time",
+                self.name, start + 1, end, self.max_tries,
+            )  # fmt: skip
+            return True
+        await self._dead_letter(end, one_line(exc))
+        return True
+
+    async def _dead_letter(self, position: int, reason: str) -> None:
+        """Move past ``position`` without applying it; count it and say which event."""
+        async with self.store.pool.acquire() as connection, connection.transaction():
+            if int(await connection.fetchval(_LOCK, self.name)) != position - 1:
+                return  # another instance moved on meanwhile
+            event_id = await connection.fetchval(_EVENT_ID, position)
+            await connection.execute(_MOVE, self.name, position)
+        self.position = position
+        self.dead_lettered += 1
+        self._failing = None
+        DEAD_LETTERS.labels(consumer=self.name).inc()
+        log.error(
+            "projector %s: dead-lettered event %s at position %d after %d failed tries (%s); "
+            "its rows are left out",
+            self.name, event_id, position, self.max_tries, reason,
+        )  # fmt: skip
 
     def _failed(self, exc: Exception, delay: float) -> None:
         reason = one_line(exc)

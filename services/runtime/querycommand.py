@@ -11,7 +11,9 @@
   (operators only).
 * :func:`serve_subscriber`: ``... serve``: run a subscriber on its own until SIGINT or
   SIGTERM, connected to PostgreSQL as the ledger's database user when
-  ``DRACAP_DATABASE_URL_LEDGER`` names one, and to NATS with ``--creds``.
+  ``DRACAP_DATABASE_URL_LEDGER`` names one, and to NATS with ``--creds``; with
+  ``--metrics-port``, ``/metrics``, ``/healthz`` and ``/readyz`` beside it
+  (:mod:`services.runtime.health`: postgres, nats, and the projector's freshness).
 * :func:`verify_subscriber`: ``... verify``: recompute a subscriber's tables from the
   log and print every row that differs (:class:`~services.runtime.subscribers.
   Difference`); exit 0 when none does, 5 (``INVARIANT_VIOLATED``) otherwise. It
@@ -28,7 +30,7 @@ import io
 import json
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from nats.aio.client import Client
@@ -39,10 +41,12 @@ from services.runtime import eventloop
 from services.runtime.apiclient import ApiClient
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import Connection, EventStore, connect
-from services.runtime.metrics import start_metrics_server
 from services.runtime.printable import json_text, printable, table
 from services.runtime.settings import ServiceKind, load_settings
 from services.runtime.subscribers import Difference
+
+if TYPE_CHECKING:
+    from services.runtime.projecting import Projector
 
 __all__ = [
     "Subscriber",
@@ -112,37 +116,46 @@ async def ask(
 
 
 class Subscriber(Protocol):
+    @property
+    def projector(self) -> Projector: ...
+
     async def run(self, stop: asyncio.Event) -> None: ...
 
 
 async def serve_subscriber(
     args: argparse.Namespace,
     make: Callable[[EventStore, BusNames, Client], Subscriber],
+    service: str,
 ) -> int:
-    """Run the subscriber ``make`` builds until SIGINT or SIGTERM."""
+    """Run the subscriber ``make`` builds until SIGINT or SIGTERM; ``service``: its
+    health checks' name (``audit``, ``billing``: ``/healthz`` and ``/readyz``)."""
     from services.runtime.bus import connect_bus
+    from services.runtime.health import bus_probe, projector_probe, service_health
+    from services.runtime.series import initialise_series
 
     endpoints = endpoints_from_args(args, service=ServiceKind.LEDGER)
     database_url = endpoints.database()
     settings = endpoints.settings(load_settings())
     with reaching("PostgreSQL", database_url):
         store = await EventStore.open(settings)
-    server = None
-    if args.metrics_port:
-        server, _ = start_metrics_server(args.metrics_port, addr=args.metrics_addr)
     stop = eventloop.stop_on_signals()
+    initialise_series()
     try:
-        names = BusNames(prefix=endpoints.prefix)
-        nats_url = endpoints.nats()
-        with reaching("NATS", nats_url):
-            nc, _ = await connect_bus(nats_url, credential=endpoints.credential())
-        try:
-            await make(store, names, nc).run(stop)
-        finally:
-            await nc.drain()
+        async with service_health(
+            service, args.metrics_port, args.metrics_addr, database_url=database_url
+        ) as health:
+            names = BusNames(prefix=endpoints.prefix)
+            nats_url = endpoints.nats()
+            with reaching("NATS", nats_url):
+                nc, _ = await connect_bus(nats_url, credential=endpoints.credential())
+            health.register("nats", bus_probe(nc))
+            try:
+                subscriber = make(store, names, nc)
+                health.register("state", projector_probe(subscriber.projector))
+                await subscriber.run(stop)
+            finally:
+                await nc.drain()
     finally:
-        if server is not None:
-            server.shutdown()
         await store.close()
     return ExitCode.OK
 

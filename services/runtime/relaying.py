@@ -51,6 +51,11 @@ position the keeper names, then goes on. While the broker is away, or the stream
 the relay logs one line when that begins and one when it ends
 (:class:`~services.runtime.outages.StateLog`), not a traceback per retry.
 
+Lag: ``dracap_relay_lag_events`` is the log's head less the relay's position, set as
+the relay advances and, on its own timer (every ``lag_interval``), from the head read
+from the log (the head heard of, when the database does not answer): it grows while
+the broker is away, when nothing is published, and ``DracapRelayLag`` fires.
+
 Wire form: the envelope JSON of :func:`events.catalog.encode_event`. For rows written
 under the current schema version the stored payload is spliced in unchanged
 (``msgspec.Raw``), which spares a decode and re-encode per event; rows of an older
@@ -176,6 +181,7 @@ class Relay:
         idle_poll: float = 1.0,
         retry_delay: float = 0.5,
         keeper: BusKeeper | None = None,
+        lag_interval: float = 1.0,
     ) -> None:
         if window < 1:
             raise ValueError("window must be at least 1")
@@ -192,6 +198,7 @@ class Relay:
         self._ack_timeout = ack_timeout
         self._idle_poll = idle_poll
         self._retry_delay = retry_delay
+        self._lag_interval = lag_interval
         self.position = 0  #: every event up to here is in the stream
         self._mark = HighWaterMark(store, checkpoint)
         self.published = 0  #: messages the stream stored
@@ -211,6 +218,7 @@ class Relay:
         mark.position = mark.saved = self.position
         done = asyncio.Event()
         keeper = asyncio.create_task(mark.run(done))
+        lag = asyncio.create_task(self._measure_lag(done), name="dracap-relay-lag")
         try:
             with self._handover.attached(self._store):
                 await self._relay(stop)
@@ -219,8 +227,22 @@ class Relay:
             raise
         finally:
             done.set()
+            lag.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await lag
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper  # on a clean stop: stores the final position
+
+    async def _measure_lag(self, done: asyncio.Event) -> None:
+        """Set the lag from the log's head every ``lag_interval``, published or not."""
+        while not done.is_set():
+            try:
+                head = await self._store.head()
+            except Exception:  # the database is away: what was heard of is all there is
+                head = 0
+            RELAY_LAG.set(max(0, max(head, self._store.known_head) - self.position))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), self._lag_interval)
 
     async def _relay(self, stop: asyncio.Event) -> None:
         """Drain and wait until ``stop`` is set, retrying after a failure."""

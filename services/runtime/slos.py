@@ -74,6 +74,7 @@ from events.catalog import (
     ClaimRejected,
     ClaimSubmitted,
     ClaimUnschedulable,
+    DeviceClassApplied,
     Envelope,
     Event,
     LimitApplied,
@@ -143,6 +144,8 @@ DECISIONS: Final = Counter(
     registry=REGISTRY,
 )
 DECISION_OUTCOMES: Final = ("admitted", "rejected", "unschedulable")
+#: the outcomes of ``dracap_node_recovery_seconds``
+RECOVERY_OUTCOMES: Final = ("returned", "fenced")
 log = logging.getLogger("dracap.slos")
 _DONE: Final = TERMINAL_PHASES | {"ready", "stalled"}
 
@@ -223,7 +226,7 @@ class SloFold:
         elif isinstance(event, (NodeLeaseAcquired, NodeFenced)):
             since = self.expired_at.pop(event.node, None)
             if since is not None:
-                outcome = "fenced" if isinstance(event, NodeFenced) else "returned"
+                outcome = RECOVERY_OUTCOMES[1 if isinstance(event, NodeFenced) else 0]
                 out.append(Observation("recovery", outcome, (at - since).total_seconds()))
         elif isinstance(event, AllocationBound):
             key = (event.namespace, event.name)
@@ -366,13 +369,12 @@ class SloTracker(LiveCollector):
         """Listen to the live state and serve the gauges from the registry."""
         if self.attach(self.observe, "the SLO gauges"):
             for cls in self.live.state.classes:  # every known class's series at 0
-                for outcome in DECISION_OUTCOMES:
-                    DECISIONS.labels(cls, outcome)
-                for histogram in (SCHEDULING_LATENCY, CAPACITY_WAIT, CONVERGENCE):
-                    histogram.labels(cls)
+                _class_series(cls)
 
     def observe(self, env: Envelope) -> None:
         """Fold one envelope's meaning for the metrics (``live.state`` already has it)."""
+        if isinstance(env.event, DeviceClassApplied):  # a new class's series at 0 too
+            _class_series(env.event.device_class.metadata.name)
         for seen in self.fold.observe(self.live.state, env.event, env.recorded_at):
             if seen.kind == "convergence":
                 CONVERGENCE.labels(seen.label).observe(seen.value)
@@ -389,8 +391,9 @@ class SloTracker(LiveCollector):
         """The gauges, computed now (a scrape)."""
         now = self._now()
         pending = self.fold.pending(self.live.state)
-        for cls in self.live.state.classes:  # a class nobody waits for reads 0
-            pending.waiting.setdefault(cls, [])
+        for cls in self.live.state.classes:  # a class with none reads 0, never vanishes
+            for by_class in (pending.claims, pending.unknown, pending.waiting):
+                by_class.setdefault(cls, [])
         for (count, oldest), by_class in zip(
             _GAUGES, (pending.claims, pending.unknown, pending.waiting), strict=True
         ):
@@ -430,6 +433,14 @@ def _count_and_age(
         counted.add_metric([cls], len(times))
         aged.add_metric([cls], (now - min(times)).total_seconds() if times else 0.0)
     yield from (counted, aged)
+
+
+def _class_series(cls: str) -> None:
+    """A DeviceClass's decision counters and latency histograms, at 0."""
+    for outcome in DECISION_OUTCOMES:
+        DECISIONS.labels(cls, outcome)
+    for histogram in (SCHEDULING_LATENCY, CAPACITY_WAIT, CONVERGENCE):
+        histogram.labels(cls)
 
 
 def _phase(state: ClusterState, key: ClaimKey) -> str:

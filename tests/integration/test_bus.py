@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import msgspec
@@ -30,7 +31,8 @@ from services.runtime.errors import ConflictError, InvalidEvent
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.livestate import HEAD, LiveState
-from services.runtime.metrics import REGISTRY
+from services.runtime.metrics import REGISTRY, RELAY_LAG
+from services.runtime.projecting import Projector
 from services.runtime.rebuilding import BusKeeper
 from services.runtime.relaying import Relay, outgoing
 from services.runtime.settings import Settings
@@ -117,8 +119,8 @@ async def assert_stream_is_the_log(b: Bus) -> None:
     assert [m.subject for m in messages] == [b.names.event_subject(e) for e in log]
 
 
-def relay(b: Bus, window: int = 64, **kwargs: Any) -> Relay:
-    return Relay(b.store, b.js, b.names, window=window, idle_poll=0.2, **kwargs)
+def relay(b: Bus, window: int = 64, js: JetStreamContext | None = None, **kwargs: Any) -> Relay:
+    return Relay(b.store, js or b.js, b.names, window=window, idle_poll=0.2, **kwargs)
 
 
 # --- relay ----------------------------------------------------------------------------------
@@ -229,6 +231,20 @@ async def test_relay_killed_in_the_middle_of_a_burst_resumes(bus: Bus) -> None:
     async with Running(second.run):
         await until(lambda: second.position == 1200)
     await assert_stream_is_the_log(bus)
+
+
+async def test_relay_lag_grows_while_the_broker_does_not_answer(bus: Bus, nats_url: str) -> None:
+    """The lag is read from the log's head on a timer, not only after a publish: with the
+    broker away (here: a connection closed for good) it counts every event unpublished,
+    so DracapRelayLag fires."""
+    nc, js = await connect_bus(nats_url)
+    await nc.close()
+    metric = "dracap_relay_lag_events"
+    async with Running(relay(bus, js=js).run):
+        await append_burst(bus.store, 7, per_append=1)
+        head = await bus.store.head()
+        await until(lambda: REGISTRY.get_sample_value(metric) == head)
+    RELAY_LAG.set(0)  # others of this process read it
 
 
 # --- the stream rebuilt from the log (services.runtime.rebuilding) ----------------------------
@@ -833,6 +849,42 @@ async def test_a_server_outage_does_not_count_towards_dead_lettering(bus: Bus) -
         await until(lambda: k.handled == 1, within=60)
     assert k.dead_lettered == 0
     assert outages == [1] * 6  # no try lost to the outage counted as a delivery
+
+
+# --- projectors (audit, billing) ---------------------------------------------------------------
+
+
+async def test_a_projector_dead_letters_an_event_it_cannot_handle_and_goes_on(
+    bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An event the subscriber's functions fail on (not an outage) is given up after its
+    tries: the projector finds it in its window, moves past it alone, counts it and names
+    it in one line, no traceback; every other event is applied."""
+    await append_burst(bus.store, 30, per_append=10)
+    head = await bus.store.head()
+    log = [env async for env in bus.store.read_all()]
+    poison = log[12]
+    applied: list[int] = []
+
+    async def apply(_connection: object, envs: Sequence[c.Envelope]) -> None:
+        if any(e.event_id == poison.event_id for e in envs):
+            raise ValueError("a payload this subscriber does not expect")
+        applied.extend(e.position for e in envs)
+
+    name = f"probe-{uuid.uuid4().hex[:8]}"
+    projector = Projector(bus.store, name, apply, batch=8, retry_s=0.01, poll_s=0.05, max_tries=3)
+    dead = {"consumer": name}
+    assert REGISTRY.get_sample_value("dracap_dead_letters_total", dead) == 0  # from the start
+    caplog.set_level(logging.INFO, logger="dracap.projecting")
+    async with Running(projector.run):
+        await until(lambda: projector.position >= head)
+    assert projector.dead_lettered == 1
+    assert REGISTRY.get_sample_value("dracap_dead_letters_total", dead) == 1
+    assert applied == [e.position for e in log if e.event_id != poison.event_id]
+    lines = [r for r in caplog.records if r.name == "dracap.projecting"]
+    assert all(r.exc_info is None for r in lines)
+    (letter,) = [r.getMessage() for r in lines if r.levelno == logging.ERROR]
+    assert poison.event_id in letter and f"position {poison.position}" in letter
 
 
 # --- the confirmation window ------------------------------------------------------------------

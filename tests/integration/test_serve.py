@@ -10,7 +10,8 @@ delete -> released.
 The same with the broker's accounts (`dracap auth init`): each process logs in with its
 own credential (``--creds``), as docker-compose.yml and deploy/kubernetes run them,
 the enforcement service, the audit and billing subscribers and the agent included, and
-a tenant reads its claim's audit trail.
+a tenant reads its claim's audit trail; each process then answers ``/readyz`` 200 (its
+checks, through the login it has), ``/healthz`` 200 and 404 on any other path.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 import signal
 import socket
 import sys
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -269,24 +271,21 @@ async def test_each_service_with_its_own_credential_serves_the_claim_flow(
     url, auth, prefix = secure_nats
     procs = Processes(settings, url, prefix, tmp_path)
 
-    def creds(name: str) -> list[str]:
-        return ["--creds", str(auth.path / "creds" / f"{name}.nk")]
+    def creds(name: str) -> list[str]:  # and a metrics port of its own: health endpoints
+        path = str(auth.path / "creds" / f"{name}.nk")
+        return ["--creds", path, "--metrics-port", str(_free_port())]
 
-    metrics = ["--metrics-port", str(_free_port())]
     await procs.start("relay", [*procs.argv("serve", "relay"), *creds("service-relay")])
-    await procs.start(
-        "claims", [*procs.argv("serve", "claims"), *creds("service-claims"), *metrics]
-    )
+    await procs.start("claims", [*procs.argv("serve", "claims"), *creds("service-claims")])
     reservation = [*procs.argv("serve", "reservation"), *creds("service-reservation")]
     await procs.start("reservation", reservation)
-    await procs.start("reclaim", procs.argv("reclaim", "--poll", "0.2", nats=False))
+    reclaim = procs.argv("reclaim", "--poll", "0.2", nats=False)
+    await procs.start("reclaim", [*reclaim, "--metrics-port", str(_free_port())])
     for ledger in ("audit", "usage"):
         await procs.start(ledger, [*procs.argv(ledger, "serve"), *creds("service-ledger")])
     enforcement = [*procs.argv("serve", "enforcement"), *creds("service-enforcement")]
     await procs.start("enforcement", enforcement)
-    agent = procs.argv(
-        "agent", "--node", "node-a", "--checkpoint", "none", "--metrics-port", "0", database=False
-    )
+    agent = procs.argv("agent", "--node", "node-a", "--checkpoint", "none", database=False)
     await procs.start("agent", [*agent, *creds("agent-node-a")], procs.without_database())
     try:
         async with ApiClient.connect(url, prefix, auth.operator()) as api:
@@ -303,10 +302,38 @@ async def test_each_service_with_its_own_credential_serves_the_claim_flow(
             }
             await alice.claims(NAMESPACE, "delete", {"name": "train"})
             await _phase(alice, "train", "released", procs)
+        await _every_process_ready(procs)
     finally:
         codes = await procs.stop()
     assert all(code == 0 for code in codes.values()), (codes, procs.logs())
     assert "permissions violation" not in procs.logs().lower(), procs.logs()
+
+
+def _get(port: str, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+async def _every_process_ready(procs: Processes) -> None:
+    """Each process, with its own credential, is alive and ready on its metrics port: its
+    servers answer (NATS through the login it has), its consumer pulls, its state is
+    fresh; any other path is 404."""
+    for name, argv in procs.commands.items():
+        port = argv[argv.index("--metrics-port") + 1]
+        answer: tuple[int, bytes] = (0, b"")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(60):
+                while (answer := await asyncio.to_thread(_get, port, "/readyz"))[0] != 200:  # noqa: ASYNC110 (polls another process)
+                    await asyncio.sleep(0.2)
+        assert answer[0] == 200, (name, answer, procs.logs())
+        ready = json.loads(answer[1])
+        assert ready["ready"] is True and ready["down"] == [], (name, ready)
+        status, body = await asyncio.to_thread(_get, port, "/healthz")
+        assert status == 200 and json.loads(body)["alive"] is True, name
+        assert (await asyncio.to_thread(_get, port, "/nope"))[0] == 404, name
 
 
 async def _audited(api: ApiClient, claim: str, procs: Processes) -> list[dict[str, Any]]:

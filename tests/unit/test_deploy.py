@@ -51,6 +51,21 @@ def test_every_service_has_a_health_check_and_one_shots_do_not_restart() -> None
         assert restart == ("no" if one_shot else "unless-stopped"), name
 
 
+def test_every_dracap_service_is_healthy_when_its_readyz_says_so() -> None:
+    """A dracap container with a metrics port is healthy when ``/readyz`` on that port
+    answers 200 (its checks pass), not when ``/metrics`` answers (it always does)."""
+    for name, service in _compose()["services"].items():
+        command = [str(word) for word in service.get("command", [])]
+        if (
+            not str(service.get("image", "")).startswith("dracap")
+            or "--metrics-port" not in command
+        ):
+            continue
+        port = command[command.index("--metrics-port") + 1]
+        test = " ".join(service["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{port}/readyz" in test, name
+
+
 def _dracap_commands() -> list[tuple[str, list[str]]]:
     out = []
     for name, service in _compose()["services"].items():

@@ -15,8 +15,15 @@ import asyncpg
 import nats.errors
 import pytest
 
+from services.runtime import health
 from services.runtime.errors import RetryableError
-from services.runtime.health import HealthMonitor, serve
+from services.runtime.health import (
+    HealthMonitor,
+    consumers_probe,
+    live_probe,
+    projector_probe,
+    serve,
+)
 from services.runtime.metrics import REGISTRY, start_metrics_server
 from services.runtime.outages import QuietOutages, is_unreachable, one_line
 
@@ -129,6 +136,98 @@ def test_the_endpoints_sit_beside_the_metrics(served: tuple[HealthMonitor, int])
     assert status == 200 and json.loads(body)["alive"] is True
     status, _, body = _get(port, "/metrics")
     assert status == 200 and b"dracap_build_info" in body
+
+
+def test_any_other_path_is_not_found(served: tuple[HealthMonitor, int]) -> None:
+    """Only ``/metrics`` (and ``/``), ``/healthz`` and ``/readyz`` answer: a probe on a
+    mistyped path fails instead of reading the metrics as healthy."""
+    _, port = served
+    for path in ("/readyz/", "/health", "/nope", "/metrics/x"):
+        status, _, _ = _get(port, path)
+        assert status == 404, path
+
+
+def test_a_metrics_server_without_a_monitor_has_no_health_to_tell() -> None:
+    server, _ = start_metrics_server(0, addr="127.0.0.1")
+    try:
+        assert _get(server.server_port, "/readyz")[0] == 404
+        assert _get(server.server_port, "/metrics")[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Consumer:
+    def __init__(self, name: str, why: str | None) -> None:
+        self.name, self.why = name, why
+
+    def detached(self) -> str | None:
+        return self.why
+
+
+async def test_a_consumer_that_does_not_pull_is_not_ready() -> None:
+    found: list[_Consumer] = []
+    probe = consumers_probe(lambda: found)
+    assert await probe() == "no consumer started yet"
+    found += [_Consumer("a", None), _Consumer("b", "not pulling")]
+    assert await probe() == "b: not pulling"
+    found[1].why = None
+    assert await probe() is None
+
+
+class _Store:
+    known_head = 0
+
+
+class _State:
+    position = 0
+
+
+class _View:
+    """A live view as the probe sees it."""
+
+    def __init__(self) -> None:
+        self.tailing = True
+        self.store, self.state = _Store(), _State()
+
+
+async def test_a_live_view_is_stale_when_it_stays_behind_a_head_it_heard_of() -> None:
+    clock = [100.0]
+    view = _View()
+    probe = live_probe(view, clock=lambda: clock[0])
+    assert await probe() is None
+    view.store.known_head = 10  # heard of; not folded yet
+    assert await probe() is None
+    clock[0] += health.STALE_STATE_S - 1
+    assert await probe() is None
+    view.state.position = 10  # reached it; a newer head starts a new wait
+    view.store.known_head = 12
+    clock[0] += 5
+    assert await probe() is None
+    clock[0] += health.STALE_STATE_S + 1
+    reason = await probe()
+    assert reason is not None and "position 10" in reason
+    view.state.position = 12
+    assert await probe() is None
+    view.tailing = False
+    assert await probe() == "the live view is not tailing the log"
+
+
+class _Projector:
+    name = "billing"
+    position = 0
+    failing: str | None = None
+
+    def __init__(self) -> None:
+        self.store = _Store()
+
+
+async def test_a_projector_whose_batches_fail_is_not_ready() -> None:
+    projector = _Projector()
+    probe = projector_probe(projector)
+    assert await probe() is None
+    projector.failing = "ValueError: bad payload"
+    assert await probe() == "batches fail: ValueError: bad payload"
 
 
 # --- quiet outages -------------------------------------------------------------------------

@@ -402,8 +402,56 @@ def test_every_service_is_probed_on_its_metrics_port_and_requests_resources(over
             assert declared == {"name": "metrics", "containerPort": port}
             expected_addr = "$(HOST_IP)" if obj["kind"] == "DaemonSet" else "0.0.0.0"
             assert container["args"][container["args"].index("--metrics-addr") + 1] == expected_addr
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}, probe
+            # alive on /healthz (the start too), ready on /readyz: real endpoints, never
+            # /metrics (which answers whatever the process's state)
+            paths = {
+                "startupProbe": "/healthz",
+                "readinessProbe": "/readyz",
+                "livenessProbe": "/healthz",
+            }
+            for probe, path in paths.items():
+                assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}, probe
+
+
+def test_the_probed_paths_are_the_ones_the_metrics_port_serves() -> None:
+    """The paths the probes ask are the ones :mod:`services.runtime.health` serves."""
+    from services.runtime.metrics import METRICS_PATHS
+
+    served = METRICS_PATHS | {"/healthz", "/readyz"}
+    for overlay in sorted(OVERLAYS):
+        for obj in _rendered(overlay):
+            for container in _containers(obj):
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    if probe in container:
+                        assert container[probe]["httpGet"]["path"] in served, (overlay, probe)
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_audit_and_billing_run_as_the_ledger(overlay: str) -> None:
+    """``dracap audit`` and ``dracap usage`` get an answer in a cluster: both subscribers
+    run, as the ledger's database login and NATS credential, with their own accounts."""
+    objects = _rendered(overlay)
+    for name, command in (("audit", "audit"), ("billing", "usage")):
+        deployment = _one(objects, "Deployment", f"dracap-{name}")
+        (container,) = _containers(deployment)
+        argv = _argv(container)
+        assert argv[:2] == [command, "serve"]
+        assert _arg(argv, "--creds") == "/etc/dracap/nats/ledger.nk"
+        assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == f"dracap-{name}"
+        _one(objects, "ServiceAccount", f"dracap-{name}")
+        env = {var["name"]: var["valueFrom"] for var in container["env"]}
+        assert env["DRACAP_DATABASE_URL_LEDGER"]["secretKeyRef"]["key"] == "ledger"
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_the_agent_tolerates_device_taints_and_is_node_critical(overlay: str) -> None:
+    """GPU and NIC nodes are usually tainted; an evicted agent loses its node's lease."""
+    spec = _one(_rendered(overlay), "DaemonSet", "dracap-agent")["spec"]["template"]["spec"]
+    assert spec["priorityClassName"] == "system-node-critical"
+    keys = {t["key"]: t for t in spec["tolerations"]}
+    assert {"nvidia.com/gpu", "amd.com/gpu"} <= keys.keys()
+    # no effect named: NoSchedule and NoExecute taints of the key are both tolerated
+    assert all(t["operator"] == "Exists" and "effect" not in t for t in keys.values())
 
 
 def test_replicas_and_disruption_budgets() -> None:
@@ -802,3 +850,27 @@ def test_the_dra_examples_load_with_the_gate_on_and_are_refused_with_it_off(tmp_
             assert ref in names, ref
         used = {c["name"] for c in pod["spec"]["containers"][0]["resources"]["claims"]}
         assert used == set(claims)
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_each_pod_mounts_only_its_own_broker_key(overlay: str) -> None:
+    """A pod that mounts the broker's Secret names the keys it mounts, and its ``--creds``
+    file is one of them: no pod can read another service's seed. (The agent DaemonSet is
+    the known exception, said in agent.yaml: one pod template for every node.)"""
+    for obj in _rendered(overlay):
+        spec = _pod_spec(obj)
+        if spec is None or obj["kind"] == "DaemonSet":
+            continue
+        for volume in spec.get("volumes", []):
+            secret = volume.get("secret")
+            if not secret or secret["secretName"] != "dracap-nats":
+                continue
+            paths = {item["path"] for item in secret.get("items", [])}
+            assert paths, (overlay, obj["metadata"]["name"], "mounts every key")
+            for container in _containers(obj):
+                argv = _argv(container)
+                if "--creds" in argv:
+                    creds = Path(_arg(argv, "--creds")).name
+                    assert creds.replace("$(NODE_NAME)", "node-a") in {
+                        p.replace("$(NODE_NAME)", "node-a") for p in paths
+                    }, (overlay, obj["metadata"]["name"], creds, paths)

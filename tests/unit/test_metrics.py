@@ -228,9 +228,42 @@ def test_updates_touch_only_the_changed_devices_and_agree_with_a_recomputation()
 def test_initialise_series_creates_zero_samples() -> None:
     initialise_series(["unit-consumer"])
     families = {m.name: m for m in metrics.REGISTRY.collect()}
-    redeliveries = families["dracap_consumer_redeliveries"].samples
-    assert any(s.labels == {"consumer": "unit-consumer"} for s in redeliveries)
-    dead = families["dracap_dead_letters"].samples
-    assert any(s.labels == {"consumer": "unit-consumer"} for s in dead)
+    for family in ("consumer_redeliveries", "dead_letters", "unconfirmed_messages"):
+        samples = families[f"dracap_{family}"].samples
+        assert any(s.labels == {"consumer": "unit-consumer"} for s in samples), family
     outcomes = {s.labels.get("outcome") for s in families["dracap_claims"].samples}
     assert set(CLAIM_OUTCOMES) <= outcomes
+
+
+def test_every_known_label_value_starts_at_zero() -> None:
+    """What a service process creates at start: an ``increase()`` over a series that
+    appears at 1 reads 0, so the first event of each would raise no alert."""
+    initialise_series()
+    value = metrics.REGISTRY.get_sample_value
+    for outcome in ("returned", "fenced"):  # the node-recovery panel after the first one
+        assert value("dracap_node_recovery_seconds_count", {"outcome": outcome}) is not None
+    for outcome in ("evaluated", "deadline"):
+        assert value("dracap_selector_jobs_total", {"outcome": outcome}) is not None
+    for outcome in ("held", "lost"):
+        assert value("dracap_lease_renewals_total", {"outcome": outcome}) is not None
+    assert value("dracap_node_requests_total", {"verb": "report", "outcome": "forbidden"}) == 0
+    assert value("dracap_kubernetes_mirror_decisions_total", {"outcome": "refused"}) is not None
+    assert value("dracap_fence_hook_runs_total", {"outcome": "timeout"}) is not None
+
+
+def test_every_rejection_reason_of_admission_is_listed() -> None:
+    """``dracap_rejections_total{reason}`` starts at 0 for each kind admission refuses
+    with; a new kind must join the list."""
+    import ast
+    import inspect
+
+    from services.claims import admission
+
+    kinds = {
+        node.args[1].value
+        for node in ast.walk(ast.parse(inspect.getsource(admission)))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "refuse"
+        and isinstance(node.args[1], ast.Constant)
+    }
+    assert kinds and kinds <= set(admission.REJECTION_REASONS)

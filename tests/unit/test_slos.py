@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import uuid
 from typing import Any
 
 from events import catalog as c
@@ -10,6 +11,7 @@ from events.fold import ClusterState, apply
 from services.enforcement.decisions import released
 from services.runtime.metrics import REGISTRY
 from services.runtime.slos import SloTracker
+from tests.unit.allocator_fixtures import device_class
 from tests.unit.decision_fixtures import (
     NODE,
     Log,
@@ -251,3 +253,48 @@ def test_waiting_for_capacity_is_its_own_span_and_not_slow_or_unconverged() -> N
     assert grew("dracap_capacity_wait_seconds") == (1, 60.0)
     assert grew("dracap_claim_convergence_seconds") == (1, 0.5), "from its allocation"
     assert _gauges(tracker) == {}
+
+
+class _Subscribable(_Live):
+    """A live state a tracker can start on (``_feed`` hands it the envelopes)."""
+
+    def subscribe(self, _listener: object) -> Any:
+        return lambda: None
+
+
+def _all_gauges(tracker: SloTracker) -> dict[tuple[str, str], float]:
+    return {
+        (sample.name, sample.labels["class"]): sample.value
+        for family in tracker.collect()
+        for sample in family.samples
+    }
+
+
+def test_a_class_has_every_series_at_zero_from_its_creation() -> None:
+    """A class applied after the tracker started (an install loads its inventory after its
+    services start) has its counters and histograms at 0, and each gauge reads 0 while
+    nothing is pending: ``increase()`` sees the first event, panels never go empty."""
+    live = _Subscribable()
+    tracker = SloTracker(live, now=lambda: T0)  # type: ignore[arg-type]
+    tracker.start()
+    try:
+        cls = f"fresh-{uuid.uuid4().hex[:8]}.test.io"  # no other test counted for it
+        applied = c.DeviceClassApplied(device_class=device_class(cls), rollout="immediate")
+        log = Log(applied)  # the class is applied after the start
+        _feed(tracker, live, log, 0, 0)
+        for outcome in ("admitted", "rejected", "unschedulable"):
+            assert _sample("dracap_claim_decisions_total", outcome=outcome, **{"class": cls}) == 0
+        for name in ("scheduling_latency", "capacity_wait", "claim_convergence"):
+            assert _sample(f"dracap_{name}_seconds_count", **{"class": cls}) == 0, name
+        gauges = _all_gauges(tracker)
+        for name in (
+            "dracap_unconverged_claims",
+            "dracap_unconverged_claim_oldest_age_seconds",
+            "dracap_unknown_shares",
+            "dracap_unknown_share_oldest_age_seconds",
+            "dracap_capacity_waiting_claims",
+            "dracap_capacity_waiting_oldest_age_seconds",
+        ):
+            assert gauges[(name, cls)] == 0, name
+    finally:
+        tracker.stop()
