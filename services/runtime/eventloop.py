@@ -43,6 +43,10 @@ def log_to_stderr() -> None:
     # the migration step says itself which revision it migrates to; alembic's own
     # per-revision lines are for `alembic` users
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    # asyncpg (0.32 and later) logs each pool's failed try to restore its minimum
+    # size during an outage, once per pool and try; the health monitor and each loop
+    # already say once that the database is down and once that it is back
+    logging.getLogger("asyncpg.pool").setLevel(logging.ERROR)
 
 
 def stop_on_signals() -> asyncio.Event:

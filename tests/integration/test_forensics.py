@@ -502,6 +502,16 @@ class SnapshotService:
             assert asyncio.get_running_loop().time() < deadline, f"{lines} never shown\n{text}"
             await asyncio.sleep(0.05)
 
+    async def started(self, count: int) -> None:
+        """Wait until the log says ``count`` starts: each folded to the head first (the
+        metrics port answers before that fold)."""
+        deadline = asyncio.get_running_loop().time() + 60
+        path = self.tmp / "snapshots.log"
+        while path.read_text(errors="replace").count("snapshot writer started at") < count:
+            assert self.process is not None and self.process.returncode is None, self.log()
+            assert asyncio.get_running_loop().time() < deadline, self.log()
+            await asyncio.sleep(0.05)
+
     async def stop(self) -> int:
         assert self.process is not None
         self.process.send_signal(signal.SIGTERM)
@@ -567,6 +577,7 @@ async def test_the_snapshot_service_writes_every_n_events_serves_metrics_and_sto
         await service.metrics_show(
             f"dracap_snapshot_position {head + 5}.0", "dracap_snapshots_written_total 0.0"
         )
+        await service.started(2)
     finally:
         code = await service.stop()
     assert code == ExitCode.OK, service.log()

@@ -246,7 +246,10 @@ def test_every_known_label_value_starts_at_zero() -> None:
         assert value("dracap_selector_jobs_total", {"outcome": outcome}) is not None
     for outcome in ("held", "lost"):
         assert value("dracap_lease_renewals_total", {"outcome": outcome}) is not None
-    assert value("dracap_node_requests_total", {"verb": "report", "outcome": "forbidden"}) == 0
+    # the registry is the process's: another test may have counted one already
+    assert (
+        value("dracap_node_requests_total", {"verb": "report", "outcome": "forbidden"}) is not None
+    )
     assert value("dracap_kubernetes_mirror_decisions_total", {"outcome": "refused"}) is not None
     assert value("dracap_fence_hook_runs_total", {"outcome": "timeout"}) is not None
 
