@@ -512,6 +512,15 @@ class SnapshotService:
             assert asyncio.get_running_loop().time() < deadline, self.log()
             await asyncio.sleep(0.05)
 
+    async def logged(self, text: str) -> None:
+        """Wait until the process's log holds ``text``."""
+        deadline = asyncio.get_running_loop().time() + 120
+        path = self.tmp / "snapshots.log"
+        while text not in path.read_text(errors="replace"):
+            assert self.process is not None and self.process.returncode is None, self.log()
+            assert asyncio.get_running_loop().time() < deadline, self.log()
+            await asyncio.sleep(0.05)
+
     async def stop(self) -> int:
         assert self.process is not None
         self.process.send_signal(signal.SIGTERM)
@@ -578,6 +587,9 @@ async def test_the_snapshot_service_writes_every_n_events_serves_metrics_and_sto
             f"dracap_snapshot_position {head + 5}.0", "dracap_snapshots_written_total 0.0"
         )
         await service.started(2)
+        # and its snapshot was checked against the log: until then it writes none, not
+        # even when it stops (a snapshot is never built on an unchecked one)
+        await service.logged("this state started from is the fold of the log")
     finally:
         code = await service.stop()
     assert code == ExitCode.OK, service.log()
