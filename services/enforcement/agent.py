@@ -178,7 +178,7 @@ from services.enforcement.protocol import Report as ReportRequest
 from services.enforcement.reconciling import plan_reconcile, plan_return
 from services.enforcement.scanning import InventoryScanner
 from services.enforcement.views import NodeView
-from services.runtime.errors import ConflictError
+from services.runtime.errors import ConflictError, RetryableError
 from services.runtime.metrics import CLAIMS, ENFORCEMENT_LATENCY
 from services.runtime.slos import known_class
 
@@ -380,6 +380,8 @@ class Agent:
                 await self.retry_due()
             except ConflictError:
                 pass  # the state moved (a delete, a fence): the next sweep decides again
+            except RetryableError as exc:  # the service or the bus is away: next sweep
+                log.warning("retrying failed limits not done: %s", exc)
             except Exception:
                 log.exception("retrying failed limits failed")
             with contextlib.suppress(TimeoutError):
@@ -430,6 +432,8 @@ class Agent:
             try:
                 await self.check_health()
                 await self.check_use()
+            except RetryableError as exc:  # the service or the bus is away: next tick
+                log.warning("device health or use check not done: %s", exc)
             except Exception:
                 log.exception("device health or use check failed")
 

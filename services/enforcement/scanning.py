@@ -23,6 +23,7 @@ from events.catalog import Event, stream_of
 from events.model import ResourceSlice
 from services.enforcement.discovery import AgentConfig, InventoryError, ScanResult, discover
 from services.enforcement.publishing import Changes, Publisher
+from services.runtime.errors import RetryableError
 
 __all__ = ["InventoryScanner", "gpu_uuids_of", "interfaces_of"]
 
@@ -111,7 +112,9 @@ class InventoryScanner:
                 return
             try:
                 await self.scan_once()
-            except Exception:  # a database hiccup must not end the agent: next scan
+            except RetryableError as exc:  # the service or the bus is away: next scan
+                log.warning("inventory scan not recorded: %s", exc)
+            except Exception:  # nothing must end the agent: next scan
                 log.exception("inventory scan failed")
 
     async def _append(self, changes: Changes) -> None:
