@@ -49,6 +49,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -70,6 +71,8 @@ JOB_BUDGET_S: Final = 10.0
 #: Wall-clock seconds to wait for one item before the worker is taken for stuck (the
 #: CPU limits are the worker's own; this only catches a worker that stopped answering).
 STUCK_S: Final = 120.0
+#: How often a thread waiting for the worker looks whether the pool was closed.
+_POLL_SLICE_S: Final = 0.25
 #: How long the worker may take to start and say it is ready.
 _START_S: Final = 60.0
 #: The worker's niceness once it has started: evaluations yield every core to the services.
@@ -200,6 +203,10 @@ class SelectorPool:
             self.busy = True
             try:
                 await asyncio.to_thread(self._work, job)
+            except asyncio.CancelledError:  # the service's tasks are torn down: so is the pool
+                self._closed = True
+                self._kill()
+                raise
             except Exception as exc:  # the worker could not be started or talked to
                 if not self._closed:  # (closing kills it mid-job: that is no failure)
                     log.error("selector worker failed: %s", one_line(exc))
@@ -229,7 +236,9 @@ class SelectorPool:
     ) -> list[tuple[int, object]]:
         """Receive answers in order; kill a worker that stops answering; returns what is left."""
         for position, (key, _) in enumerate(todo):
-            if not conn.poll(self.stuck_s):
+            if not self._answered(conn):
+                if self._closed:  # the service is stopping: nothing more is wanted
+                    return []
                 self._kill(stuck=True)
                 job.stopped[key] = (
                     f"not {_DONE[job.kind]}: the selector worker did not answer within "
@@ -244,6 +253,18 @@ class SelectorPool:
             else:
                 job.answers[key] = (value, message)
         return []
+
+    def _answered(self, conn: multiprocessing.connection.Connection) -> bool:
+        """Whether the worker answered within :attr:`stuck_s`; waits in short slices so a
+        closing pool frees its thread at once (the loop's executor waits for it at exit)."""
+        deadline = time.monotonic() + self.stuck_s
+        while not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if conn.poll(min(left, _POLL_SLICE_S)):
+                return True
+        return False
 
     def _connection(self) -> multiprocessing.connection.Connection:
         if self._process is not None and self._process.is_alive() and self._conn is not None:
@@ -276,7 +297,7 @@ class SelectorPool:
         self._closed = True
         self._wake.set()
         self._kill()
-        if self._runner is not None:
+        if self._runner is not None and not self._runner.done():
             with contextlib.suppress(Exception):
                 await self._runner
         for queue in self._queues.values():

@@ -200,6 +200,8 @@ class Pipeline:
         done, pending = await asyncio.wait(self.tasks, timeout=15)
         for task in pending:
             task.cancel()
+        if pending:  # their cleanup (the selector pools: a thread waits on each) runs
+            await asyncio.wait(pending, timeout=15)
         for task in done:
             failure = None if task.cancelled() else task.exception()
             if failure is not None:
