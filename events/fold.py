@@ -839,6 +839,7 @@ def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None
     share.state = "ready"
     share.limit_level = ev.level
     share.actual = ev.actual
+    share.limit_removed = False
     share.retry_at = None
     if claim is not None and claim.allocation_version == share.allocation_version:
         _maybe_ready(state, claim, position)
@@ -1329,7 +1330,22 @@ def _upcast_claim(old: _ClaimStateV2) -> ClaimState:
 
 
 def _limit_removed(state: ClusterState, ev: LimitRemoved, position: int) -> None:
-    _share_for(state, ev.share_id, position).limit_removed = True
+    share = _share_for(state, ev.share_id, position)
+    share.limit_removed = True
+    if share.state != "ready":
+        return  # released, releasing or never applied: only noted
+    # a kubelet unprepare: still allocated, its capacity held, no limit in force; the
+    # next prepare applies it again (bound), and the claim is Ready only then
+    share.state = "bound"
+    share.limit_level = None
+    share.actual = None
+    claim = state.claims.get(share.claim)
+    if (
+        claim is not None
+        and claim.phase == "ready"
+        and claim.allocation_version == share.allocation_version
+    ):
+        _set_phase(state, claim, "allocated")
 
 
 def _claim_admitted(state: ClusterState, ev: ClaimAdmitted, position: int) -> None:

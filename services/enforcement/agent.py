@@ -118,7 +118,7 @@ import asyncio
 import contextlib
 import datetime
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Final
 
 import msgspec
@@ -148,7 +148,9 @@ from services.enforcement.consumer import Delivery, NodeConsumer
 from services.enforcement.decisions import (
     Enforce,
     Failed,
+    Release,
     Task,
+    Unprepare,
     Written,
     decide_retries,
     decide_work,
@@ -212,6 +214,46 @@ class Outgoing(msgspec.Struct, frozen=True):
         )
 
 
+class Writer:
+    """The node's one writer: held across view, kernel work and report by every path of
+    the agent that reports (consumer, retry sweep, kubelet rounds, health and use,
+    reconcile), so the agent's own reports never race each other for the node stream's
+    version. Re-entrant within one task (a report made while holding it)."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self._owner: asyncio.Task[object] | None = None
+        self._depth = 0
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Hold the writer (at once when this task already holds it)."""
+        me = asyncio.current_task()
+        if me is not None and self._owner is me:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        async with self._lock:
+            self._owner, self._depth = me, 1
+            try:
+                yield
+            finally:
+                self._owner, self._depth = None, 0
+
+
+class Round(msgspec.Struct, kw_only=True):
+    """One decision carried out: the view it was decided on, the tasks, the enforcers'
+    outcomes (by share id) and what was reported."""
+
+    state: ClusterState
+    tasks: list[Task]
+    outcomes: dict[str, AppliedLimit | Failed]
+    written: Written
+
+
 class Agent:
     """The node agent of one node (see the module docstring)."""
 
@@ -253,6 +295,8 @@ class Agent:
         self.reconciled: EnforcementReconciled | None = None
         #: the limits in force on this node now (see the module docstring)
         self.enforcing = Enforcing()
+        #: held by every path that reports (see :class:`Writer`)
+        self.writer = Writer()
         #: when the node's next retry is due, as the service last said (None: none)
         self.next_retry_at: datetime.datetime | None = None
         self._retry_moved = asyncio.Event()
@@ -260,6 +304,7 @@ class Agent:
         self._health_found: tuple[frozenset[DeviceKey], dict[DeviceKey, str | None]] | None = None
         self._used: set[str] = set()  #: shares known used (reported, or found so)
         self._listeners: list[ReportListener] = []
+        self._message_listeners: list[ReportListener] = []
         self.consumer = NodeConsumer(
             nc,
             names,
@@ -277,6 +322,11 @@ class Agent:
     def previous_boot_id(self) -> str:
         """The boot id of the node's lease before this agent took its own ("": none)."""
         return self.lease.previous_boot_id
+
+    def on_messages(self, listener: ReportListener) -> None:
+        """Call ``listener(events)`` with each group of messages the consumer hands in
+        (the kubelet plugin wakes a prepare waiting for the bridge's binding)."""
+        self._message_listeners.append(listener)
 
     def on_report(self, listener: ReportListener) -> Callable[[], None]:
         """Call ``listener(events)`` after each report is appended; returns an unsubscriber."""
@@ -333,7 +383,8 @@ class Agent:
         asked = ReportRequest(
             epoch=epoch, batches=[b.batch() for b in batches], processed=list(processed)
         )
-        reported = await self.plane.report(asked)
+        async with self.writer.held():
+            reported = await self.plane.report(asked)
         self._note_retry(reported.next_retry_at)
         events = [e for b in batches for e in b.events]
         for listener in tuple(self._listeners):
@@ -407,17 +458,73 @@ class Agent:
         The report expects the versions read with the view (a delete or a fence that got
         in first makes it conflict: :class:`ConflictError`, decide again).
         """
+        done = await self.carry_round(ask, decide, now)
+        return done.written if done.tasks else None
+
+    async def carry_round(
+        self,
+        ask: ViewAsk,
+        decide: Callable[[ClusterState], Sequence[Task]],
+        now: datetime.datetime | None = None,
+    ) -> Round:
+        """:meth:`carry_out`, under the writer, with all it saw and did (no tasks: nothing
+        done or reported).
+
+        Apply, then record: when the report is refused (:class:`ConflictError`) or its
+        answer is lost, the kernel is brought back to what a fresh view of ``ask`` says
+        before this returns or raises (:meth:`_settle`), so kernel and log agree.
+        """
         await self.lease.held.wait()
-        now = now or datetime.datetime.now(datetime.UTC)
-        view = await self.view(ask)
-        tasks = list(decide(view.state()))
-        if not tasks:
-            return None
-        versions = _versions(view, streams_to_check(self.node, tasks))
-        outcomes = await self._enforce(tasks)
-        written = record(self.node, tasks, outcomes, versions, now)
-        await self.report(_batches(written, {}))
-        return written
+        async with self.writer.held():
+            now = now or datetime.datetime.now(datetime.UTC)
+            view = await self.view(ask)
+            state = view.state()
+            tasks = list(decide(state))
+            if not tasks:
+                return Round(state=state, tasks=[], outcomes={}, written=Written())
+            versions = _versions(view, streams_to_check(self.node, tasks))
+            removed = {s: limit for s in _removals(tasks) if (limit := self.enforcing.get(s))}
+            outcomes = await self._enforce(tasks)
+            written = record(self.node, tasks, outcomes, versions, now)
+            try:
+                await self.report(_batches(written, {}))
+            except (ConflictError, RetryableError):
+                await self._settle(ask, tasks, outcomes, removed)
+                raise
+            return Round(state=state, tasks=tasks, outcomes=outcomes, written=written)
+
+    async def _settle(
+        self,
+        ask: ViewAsk,
+        tasks: Sequence[Task],
+        outcomes: Mapping[str, AppliedLimit | Failed],
+        removed: Mapping[str, ShareLimit],
+    ) -> None:
+        """After a report that did not land (or whose answer was lost): make the kernel
+        say what the log says of the shares this round touched. A limit just applied
+        whose share the log does not hold ``ready`` is removed; a limit just removed
+        whose share the log still holds ``ready`` is put back. Where no view can be had
+        now, the agent's next reconcile settles it (:mod:`services.enforcement.reconciling`)."""
+        try:
+            state = (await self.view(ask)).state()
+        except RetryableError as exc:
+            log.warning("kernel and log not compared after a lost report: %s", exc)
+            return
+        applied = [
+            limit.share_id
+            for task in tasks
+            if isinstance(task, Enforce)
+            for limit in task.limits
+            if isinstance(outcomes.get(limit.share_id), AppliedLimit)
+        ]
+        for share_id in applied:
+            share = state.shares.get(share_id)
+            if share is None or share.state != "ready":
+                await self._remove(share_id)
+        for share_id, limit in removed.items():
+            share = state.shares.get(share_id)
+            if share is not None and share.state == "ready":
+                await self._apply(limit)
 
     # -- device health and use -------------------------------------------------------------
 
@@ -444,43 +551,44 @@ class Agent:
         and report the transitions the log does not have yet.
         """
         await self.lease.held.wait()
-        scanner = self.scanner
-        found: frozenset[DeviceKey] = frozenset()
-        drivers: set[str] = set()
-        if scanner is not None and scanner.inventory is not None:
-            found = frozenset(
-                (driver, scanner.config.pool_for(driver), device.name)
-                for driver, devices in scanner.inventory.devices.items()
-                for device in devices
-            )
-            config = scanner.config
-            drivers = {c.driver for c in (config.network, config.gpu) if c.enabled}
-            drivers |= set(scanner.inventory.devices)
-        problems: dict[DeviceKey, str | None] = {}
-        try:
-            problems = dict(await self.enforcer.health())
-        except EnforcementError as exc:
-            log.warning("the enforcer's health check failed: %s", exc)
-        if self._health_found == (found, problems):
-            return []
-        state = (await self.view(ViewAsk(node=True))).state()
-        findings: dict[DeviceKey, str | None] = {}
-        if scanner is not None and scanner.inventory is not None:
-            findings.update(vanished(state, self.node, drivers, found))
-        for key, problem in problems.items():
-            if problem is not None or key not in findings:  # a problem wins
-                findings[key] = problem
-        changes = health_changes(state, self.node, findings)
-        if changes:
-            await self.report_events(changes)
-            for change in changes:
-                where = f"{change.driver}/{change.pool}/{change.device}"
-                if change.healthy:
-                    log.info("device %s is healthy again", where)
-                else:
-                    log.warning("device %s is unhealthy: %s", where, change.reason)
-        self._health_found = (found, problems)
-        return changes
+        async with self.writer.held():
+            scanner = self.scanner
+            found: frozenset[DeviceKey] = frozenset()
+            drivers: set[str] = set()
+            if scanner is not None and scanner.inventory is not None:
+                found = frozenset(
+                    (driver, scanner.config.pool_for(driver), device.name)
+                    for driver, devices in scanner.inventory.devices.items()
+                    for device in devices
+                )
+                config = scanner.config
+                drivers = {c.driver for c in (config.network, config.gpu) if c.enabled}
+                drivers |= set(scanner.inventory.devices)
+            problems: dict[DeviceKey, str | None] = {}
+            try:
+                problems = dict(await self.enforcer.health())
+            except EnforcementError as exc:
+                log.warning("the enforcer's health check failed: %s", exc)
+            if self._health_found == (found, problems):
+                return []
+            state = (await self.view(ViewAsk(node=True))).state()
+            findings: dict[DeviceKey, str | None] = {}
+            if scanner is not None and scanner.inventory is not None:
+                findings.update(vanished(state, self.node, drivers, found))
+            for key, problem in problems.items():
+                if problem is not None or key not in findings:  # a problem wins
+                    findings[key] = problem
+            changes = health_changes(state, self.node, findings)
+            if changes:
+                await self.report_events(changes)
+                for change in changes:
+                    where = f"{change.driver}/{change.pool}/{change.device}"
+                    if change.healthy:
+                        log.info("device %s is healthy again", where)
+                    else:
+                        log.warning("device %s is unhealthy: %s", where, change.reason)
+            self._health_found = (found, problems)
+            return changes
 
     async def check_use(self) -> list[ShareUsed]:
         """Report each share of the node the enforcer saw traffic through, once."""
@@ -506,122 +614,126 @@ class Agent:
     async def settle_unknown(self, state: ClusterState | None = None) -> bool:
         """Confirm or release the node's unknown shares (see the module docstring); whether
         there were any. ``state``: a view of the whole node already at hand."""
-        if state is None:
-            state = (await self.view(ViewAsk(node=True))).state()
-        if not any(state.shares[i].state == "unknown" for i in _node_shares(state, self.node)):
-            return False
-        rebooted = None
-        boot = self.lease.boot_id
-        if self.previous_boot_id and self.previous_boot_id != boot:
-            rebooted = (
-                f"node {self.node} rebooted (boot id {self.previous_boot_id} -> {boot}): "
-                "its limits are gone"
+        async with self.writer.held():
+            if state is None:
+                state = (await self.view(ViewAsk(node=True))).state()
+            if not any(state.shares[i].state == "unknown" for i in _node_shares(state, self.node)):
+                return False
+            rebooted = None
+            boot = self.lease.boot_id
+            if self.previous_boot_id and self.previous_boot_id != boot:
+                rebooted = (
+                    f"node {self.node} rebooted (boot id {self.previous_boot_id} -> {boot}): "
+                    "its limits are gone"
+                )
+            entries = dict(self.checkpoint.entries) if self.checkpoint is not None else {}
+            try:
+                observed: dict[str, AppliedLimit] | None = dict(await self.enforcer.observe())
+            except EnforcementError as exc:
+                log.error("cannot read the limits in force (%s); the checkpoint stands in", exc)
+                observed = None
+            plan = plan_return(
+                state, self.node, rebooted=rebooted, observed=observed, entries=entries
             )
-        entries = dict(self.checkpoint.entries) if self.checkpoint is not None else {}
-        try:
-            observed: dict[str, AppliedLimit] | None = dict(await self.enforcer.observe())
-        except EnforcementError as exc:
-            log.error("cannot read the limits in force (%s); the checkpoint stands in", exc)
-            observed = None
-        plan = plan_return(state, self.node, rebooted=rebooted, observed=observed, entries=entries)
-        removed: list[str] = []
-        for share_id in plan.remove:
-            await self._remove(share_id)  # raises: the lease is retaken and this tried again
-            removed.append(share_id)
-        events: list[Event] = [ShareConfirmed(share_id=s, node=self.node) for s in plan.confirm]
-        events += [
-            LimitFailed(share_id=s, node=self.node, retryable=False, reason=why)
-            for s, why in sorted(plan.fail.items())
-        ]
-        events += [LimitRemoved(share_id=s, node=self.node) for s in removed]
-        events += [released(share) for share in plan.release]
-        await self.report_events(events)
-        log.info(
-            "node %s returned: %d unknown share(s) confirmed, %d released%s",
-            self.node,
-            len(plan.confirm),
-            len(plan.release),
-            " (rebooted)" if rebooted else "",
-        )
-        return True
+            removed: list[str] = []
+            for share_id in plan.remove:
+                await self._remove(share_id)  # raises: the lease is retaken and this tried again
+                removed.append(share_id)
+            events: list[Event] = [ShareConfirmed(share_id=s, node=self.node) for s in plan.confirm]
+            events += [
+                LimitFailed(share_id=s, node=self.node, retryable=False, reason=why)
+                for s, why in sorted(plan.fail.items())
+            ]
+            events += [LimitRemoved(share_id=s, node=self.node) for s in removed]
+            events += [released(share) for share in plan.release]
+            await self.report_events(events)
+            log.info(
+                "node %s returned: %d unknown share(s) confirmed, %d released%s",
+                self.node,
+                len(plan.confirm),
+                len(plan.release),
+                " (rebooted)" if rebooted else "",
+            )
+            return True
 
     # -- restart -------------------------------------------------------------------------
 
     async def reconcile(self) -> EnforcementReconciled | None:
         """Make the node's limits match the log (see the module docstring)."""
-        state = (await self.view(ViewAsk(node=True))).state()
-        if await self.settle_unknown(state):  # the node's shares moved: look again
+        async with self.writer.held():
             state = (await self.view(ViewAsk(node=True))).state()
-        events: list[Event] = []
-        checkpoint = self.checkpoint
-        if checkpoint is not None and checkpoint.warning is not None:
-            warning = checkpoint.warning
-            log.warning(
-                "checkpoint %s set aside (%s: %s); rebuilding it from the kernel and the log",
-                warning.path,
-                warning.reason,
-                warning.detail,
-            )
-            events.append(set_aside(self.node, warning))
-        entries = dict(checkpoint.entries) if checkpoint is not None else {}
-        try:
-            observed = await self.enforcer.observe()
-        except EnforcementError as exc:
-            log.error("cannot read the limits in force (%s); not reconciling", exc)
-            # what the checkpoint says was started or done may all be in force
-            self.enforcing = Enforcing(e.limit for e in entries.values())
+            if await self.settle_unknown(state):  # the node's shares moved: look again
+                state = (await self.view(ViewAsk(node=True))).state()
+            events: list[Event] = []
+            checkpoint = self.checkpoint
+            if checkpoint is not None and checkpoint.warning is not None:
+                warning = checkpoint.warning
+                log.warning(
+                    "checkpoint %s set aside (%s: %s); rebuilding it from the kernel and the log",
+                    warning.path,
+                    warning.reason,
+                    warning.detail,
+                )
+                events.append(set_aside(self.node, warning))
+            entries = dict(checkpoint.entries) if checkpoint is not None else {}
+            try:
+                observed = await self.enforcer.observe()
+            except EnforcementError as exc:
+                log.error("cannot read the limits in force (%s); not reconciling", exc)
+                # what the checkpoint says was started or done may all be in force
+                self.enforcing = Enforcing(e.limit for e in entries.values())
+                await self.report_events(events)
+                return None
+            if checkpoint is not None and checkpoint.rebooted:
+                log.info("node rebooted since the checkpoint was written: limits are put back")
+            plan = plan_reconcile(state, self.node, observed, entries)
+            removed: list[str] = []
+            self.enforcing = Enforcing(limit_of(state.shares[s]) for s in plan.kept)
+            for share_id in plan.orphans + plan.stale:
+                if share_id in entries:  # still in force until its removal succeeds
+                    self.enforcing.add(entries[share_id].limit)
+                try:
+                    await self._remove(share_id)
+                except EnforcementError as exc:
+                    log.error("could not remove the orphaned limit of %s: %s", share_id, exc)
+                    continue
+                removed.append(share_id)
+            in_force = {s: observed[s] for s in plan.kept}
+            reapplied: list[str] = []
+            failed: list[str] = []
+            for share in plan.reapply:
+                limit = limit_of(share)
+                refusal = overcommit(state, self.enforcing, limit)
+                if refusal is not None:
+                    log.error("limit of share %s not put back: %s", share.share_id, refusal)
+                    failed.append(share.share_id)
+                    continue
+                try:
+                    in_force[share.share_id] = await self._apply(limit)
+                except EnforcementError as exc:
+                    log.error("could not put back the limit of share %s: %s", share.share_id, exc)
+                    failed.append(share.share_id)
+                    continue
+                reapplied.append(share.share_id)
+            if checkpoint is not None:
+                now = datetime.datetime.now(datetime.UTC)
+                checkpoint.entries = rebuilt_entries(state.shares, in_force, failed, now)
+                checkpoint.warning = None
+                await asyncio.to_thread(checkpoint.save)
+            report = reconciled(self.node, plan, observed, removed, reapplied, failed)
+            if report is not None:
+                events.append(report)
+                self.reconciled = report
+                log.info(
+                    "reconciled node %s: %d kept, %d reapplied, %d orphan(s) removed, %d failed",
+                    self.node,
+                    len(report.kept),
+                    len(report.reapplied),
+                    len(report.removed_orphans),
+                    len(report.failed),
+                )
             await self.report_events(events)
-            return None
-        if checkpoint is not None and checkpoint.rebooted:
-            log.info("node rebooted since the checkpoint was written: limits are put back")
-        plan = plan_reconcile(state, self.node, observed, entries)
-        removed: list[str] = []
-        self.enforcing = Enforcing(limit_of(state.shares[s]) for s in plan.kept)
-        for share_id in plan.orphans + plan.stale:
-            if share_id in entries:  # still in force until its removal succeeds
-                self.enforcing.add(entries[share_id].limit)
-            try:
-                await self._remove(share_id)
-            except EnforcementError as exc:
-                log.error("could not remove the orphaned limit of %s: %s", share_id, exc)
-                continue
-            removed.append(share_id)
-        in_force = {s: observed[s] for s in plan.kept}
-        reapplied: list[str] = []
-        failed: list[str] = []
-        for share in plan.reapply:
-            limit = limit_of(share)
-            refusal = overcommit(state, self.enforcing, limit)
-            if refusal is not None:
-                log.error("limit of share %s not put back: %s", share.share_id, refusal)
-                failed.append(share.share_id)
-                continue
-            try:
-                in_force[share.share_id] = await self._apply(limit)
-            except EnforcementError as exc:
-                log.error("could not put back the limit of share %s: %s", share.share_id, exc)
-                failed.append(share.share_id)
-                continue
-            reapplied.append(share.share_id)
-        if checkpoint is not None:
-            now = datetime.datetime.now(datetime.UTC)
-            checkpoint.entries = rebuilt_entries(state.shares, in_force, failed, now)
-            checkpoint.warning = None
-            await asyncio.to_thread(checkpoint.save)
-        report = reconciled(self.node, plan, observed, removed, reapplied, failed)
-        if report is not None:
-            events.append(report)
-            self.reconciled = report
-            log.info(
-                "reconciled node %s: %d kept, %d reapplied, %d orphan(s) removed, %d failed",
-                self.node,
-                len(report.kept),
-                len(report.reapplied),
-                len(report.removed_orphans),
-                len(report.failed),
-            )
-        await self.report_events(events)
-        return self.reconciled
+            return self.reconciled
 
     # -- inventory ---------------------------------------------------------------------------
 
@@ -668,23 +780,26 @@ class Agent:
         """Apply or remove limits for a group of messages (see the module docstring);
         the ids of those the log does not hold as sent."""
         await self.lease.held.wait()  # no work while the lease is being taken back
-        envs = [d.env for d in group]
-        redelivered = [d.env.event_id for d in group if d.delivery > 1]
-        view, viewed = await self.plane.view(ViewAsk(messages=envs, redelivered=redelivered))
-        self._note_retry(viewed.next_retry_at)
-        skip = set(viewed.unconfirmed) | set(viewed.handled) | set(viewed.refused)
-        mine = [env for env in envs if env.event_id not in skip]
-        state = view.state()
-        tasks = decide_work(state, self.node, mine, self.enforcing)
-        if tasks:
-            versions = _versions(view, streams_to_check(self.node, tasks))
-            classes = {env.event_id: _class_of(state, env) for env in mine}
-            outcomes = await self._enforce(tasks)
-            written = record(self.node, tasks, outcomes, versions)
-            causes = {env.event_id: _cause(env) for env in mine}
-            await self.report(_batches(written, causes), processed=[e.event_id for e in mine])
-            for count in _counters(written, mine, classes):
-                count()
+        async with self.writer.held():
+            envs = [d.env for d in group]
+            redelivered = [d.env.event_id for d in group if d.delivery > 1]
+            view, viewed = await self.plane.view(ViewAsk(messages=envs, redelivered=redelivered))
+            self._note_retry(viewed.next_retry_at)
+            skip = set(viewed.unconfirmed) | set(viewed.handled) | set(viewed.refused)
+            mine = [env for env in envs if env.event_id not in skip]
+            state = view.state()
+            tasks = decide_work(state, self.node, mine, self.enforcing)
+            if tasks:
+                versions = _versions(view, streams_to_check(self.node, tasks))
+                classes = {env.event_id: _class_of(state, env) for env in mine}
+                outcomes = await self._enforce(tasks)
+                written = record(self.node, tasks, outcomes, versions)
+                causes = {env.event_id: _cause(env) for env in mine}
+                await self.report(_batches(written, causes), processed=[e.event_id for e in mine])
+                for count in _counters(written, mine, classes):
+                    count()
+        for listener in tuple(self._message_listeners):
+            listener([env.event for env in mine])
         return set(viewed.unconfirmed)
 
     async def refused_undecodable(self, event_id: str) -> bool:
@@ -696,15 +811,16 @@ class Agent:
     async def dead_letter(self, env: Envelope, deliveries: int, reason: str) -> None:
         """Record that the consumer gave up on ``env`` (the message recorded as handled)."""
         await self.lease.held.wait()
-        event = MessageDeadLettered(
-            consumer=self.consumer.name,
-            event_id=env.event_id,
-            position=env.position,
-            deliveries=deliveries,
-            reason=reason[:2000],
-        )
-        batch = Outgoing(stream_of(event), None, [event], [_cause(env)])
-        await self.report([batch], processed=[env.event_id])
+        async with self.writer.held():
+            event = MessageDeadLettered(
+                consumer=self.consumer.name,
+                event_id=env.event_id,
+                position=env.position,
+                deliveries=deliveries,
+                reason=reason[:2000],
+            )
+            batch = Outgoing(stream_of(event), None, [event], [_cause(env)])
+            await self.report([batch], processed=[env.event_id])
 
     async def _enforce(self, tasks: Sequence[Task]) -> dict[str, AppliedLimit | Failed]:
         """Run the enforcers for ``tasks``; the outcome of each apply, by share id.
@@ -724,10 +840,24 @@ class Agent:
                         retryable = isinstance(exc, RetryableEnforcementError)
                         log.error("limit of share %s failed: %s", limit.share_id, exc)
                         outcomes[limit.share_id] = Failed(retryable=retryable, reason=str(exc))
+            elif isinstance(task, Unprepare):
+                for share_id in task.share_ids:
+                    await self._remove(share_id)
             else:
                 for gone in task.released:
                     await self._remove(gone.share_id)
         return outcomes
+
+
+def _removals(tasks: Sequence[Task]) -> list[str]:
+    """The shares whose limits ``tasks`` take down."""
+    out: list[str] = []
+    for task in tasks:
+        if isinstance(task, Unprepare):
+            out += task.share_ids
+        elif isinstance(task, Release):
+            out += [gone.share_id for gone in task.released]
+    return out
 
 
 def _node_shares(state: ClusterState, node: str) -> list[str]:

@@ -89,11 +89,13 @@ __all__ = [
     "Refused",
     "Release",
     "Task",
+    "Unprepare",
     "Written",
     "decide_retries",
     "decide_work",
     "enforce_claim",
     "health_changes",
+    "kubelet_round",
     "limit_of",
     "overcommit",
     "rebuilt_entries",
@@ -110,7 +112,7 @@ __all__ = [
 
 #: Share states in which the folded log demands an action (not the message alone).
 _APPLICABLE: Final = frozenset({"bound"})
-#: share states a kubelet unprepare releases (what the agent may take back on its own)
+#: share states whose limit a kubelet unprepare removes when the agent has it in force
 _UNPREPARABLE: Final = frozenset({"reserved", "bound", "ready", "releasing"})
 _RELEASABLE: Final = frozenset({"releasing"})
 #: Characters of a checkpoint problem kept in the report.
@@ -151,7 +153,16 @@ class Release(msgspec.Struct, frozen=True, kw_only=True):
     released: tuple[CapacityReleased, ...]  #: one per share, as the device stream records it
 
 
-Task: TypeAlias = Enforce | Release
+class Unprepare(msgspec.Struct, frozen=True, kw_only=True):
+    """Remove limits for a kubelet unprepare (``message``: ``unprepare:<claim>``): the
+    shares stay allocated (``bound`` again in the fold), their capacity held until
+    Kubernetes deallocates the claim, so a later prepare applies them anew."""
+
+    message: str
+    share_ids: tuple[str, ...]
+
+
+Task: TypeAlias = Enforce | Release | Unprepare
 
 
 class Failed(msgspec.Struct, frozen=True, kw_only=True):
@@ -235,14 +246,68 @@ def enforce_claim(
     return _enforce(state, node, "", bound, Draft(enforcing))
 
 
-def unprepare_claim(state: ClusterState, node: str, key: tuple[str, str]) -> Task | None:
-    """The :class:`Release` of a kubelet unprepare: every live share of the claim's current
-    allocation on ``node`` whose limit the agent may remove (not ``unknown``: the
-    reclamation service owns those) has it removed and its capacity released."""
+def unprepare_claim(
+    state: ClusterState, node: str, key: tuple[str, str], enforcing: Tally | None = None
+) -> Unprepare | None:
+    """The :class:`Unprepare` of a kubelet unprepare: every share of the claim's current
+    allocation on ``node`` that is ``ready``, or whose limit the agent has in force
+    (``enforcing``, by share id), has its limit removed; nothing is released (Kubernetes
+    still allocates the claim, and may prepare it again)."""
     claim = state.claims.get(key)
     if claim is None:
         return None
-    return _releases(state, node, "", claim, _UNPREPARABLE)
+    gone = tuple(
+        sid
+        for sid in claim.share_ids
+        if (share := state.shares.get(sid)) is not None
+        and _mine(share, node)
+        and share.allocation_version == claim.allocation_version
+        and (
+            share.state == "ready"
+            or (
+                enforcing is not None
+                and enforcing.get(sid) is not None
+                and share.state in _UNPREPARABLE
+            )
+        )
+    )
+    return Unprepare(message=f"unprepare:{key[0]}/{key[1]}", share_ids=gone) if gone else None
+
+
+def kubelet_round(
+    state: ClusterState,
+    node: str,
+    prepares: Sequence[tuple[str, str]],
+    unprepares: Sequence[tuple[str, str]],
+    enforcing: Tally,
+) -> list[Task]:
+    """What one round of the kubelet plugin's writer does: the unprepares first (their
+    limits come off), then the prepares, each fitting its device together with the
+    limits in force and those of the round's earlier prepares (one draft for all)."""
+    tasks: list[Task] = []
+    counted = Draft(enforcing)
+    for key in unprepares:
+        task = unprepare_claim(state, node, key, enforcing)
+        if task is not None:
+            for sid in task.share_ids:
+                counted.discard(sid)
+            tasks.append(task)
+    for key in prepares:
+        claim = state.claims.get(key)
+        if claim is None or claim.allocation is None:
+            continue
+        bound = AllocationBound(
+            namespace=claim.namespace,
+            name=claim.name,
+            allocation_version=claim.allocation_version,
+            node=claim.node,
+            allocation=claim.allocation,
+            share_ids=list(claim.share_ids),
+        )
+        enforce = _enforce(state, node, f"prepare:{key[0]}/{key[1]}", bound, counted)
+        if enforce is not None:
+            tasks.append(enforce)
+    return tasks
 
 
 def _releases(
@@ -492,6 +557,11 @@ def record(
             out.add(task.guard, versions[task.guard], None, task.message)
             if applied:
                 out.ready[task.message] = applied == task.shares
+        elif isinstance(task, Unprepare):
+            for sid in task.share_ids:
+                out.add(
+                    stream, versions[stream], LimitRemoved(share_id=sid, node=node), task.message
+                )
         else:
             for released in task.released:
                 removed = LimitRemoved(share_id=released.share_id, node=node)

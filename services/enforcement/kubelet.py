@@ -48,8 +48,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from typing import Final, Protocol
+from collections.abc import AsyncIterator, Collection, Sequence
+from typing import Final, Literal, Protocol
 
 from events.catalog import (
     DeviceHealthChanged,
@@ -59,13 +59,13 @@ from events.catalog import (
 )
 from events.fold import ClusterState, ShareState
 from events.model import ResourceClaim
-from services.enforcement.agent import Agent
+from services.enforcement.agent import Agent, Round
 from services.enforcement.cdi import KIND as GPU_KIND
 from services.enforcement.cdi import SHARE_KIND, CdiSpecs, build_share_spec
-from services.enforcement.decisions import Task, enforce_claim, unprepare_claim
+from services.enforcement.decisions import Enforce, Failed, Task, kubelet_round
 from services.enforcement.preparing import PrepareVerdict, judge_prepare
 from services.enforcement.protocol import ViewAsk
-from services.runtime.errors import ConflictError
+from services.runtime.errors import ConflictError, RetryableError
 from services.runtime.kube.errors import KubeApiError, NotFound
 from services.runtime.kubeletplugin import (
     ClaimRef,
@@ -81,11 +81,16 @@ log = logging.getLogger("dracap.kubelet")
 
 #: How long a prepare waits for the bridge to mirror the claim before it fails (retried).
 MIRROR_WAIT_S: Final = 20.0
-#: How often a prepare waiting for the bridge asks again.
-_MIRROR_POLL_S: Final = 0.5
+#: The longest a prepare waiting for the bridge goes without looking again (the agent's
+#: messages wake it at once; this only bounds a wake-up that never comes).
+_MIRROR_LOOK_S: Final = 2.0
 #: Reports of the agent that change what the health stream shows.
 _DEVICES_CHANGED: Final = (DeviceHealthChanged, ResourceSlicePublished, ResourceSliceWithdrawn)
-_ATTEMPTS: Final = 5  #: tries of an append that lost a race (a delete, a fence)
+_ATTEMPTS: Final = 5  #: rounds tried when an outside write (a delete, a fence) got in first
+
+Kind = Literal["prepare", "unprepare"]
+#: One claim's call in the writer's queue: what, and which claim (namespace, name, UID).
+_Item = tuple[Kind, str, str, str]
 
 
 class PrepareError(Exception):
@@ -120,11 +125,22 @@ class KubeletDriver:
         self.mirror_wait_s = mirror_wait_s
         self.health_interval_s = health_interval_s
         self._changed = asyncio.Event()
+        self._mirrored = asyncio.Event()  #: the agent got a message: a mirror may be in
+        #: calls waiting for the next round, and those of the round under way
+        self._queued: dict[_Item, asyncio.Future[list[PreparedDevice]]] = {}
+        self._running: dict[_Item, asyncio.Future[list[PreparedDevice]]] = {}
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self.rounds = 0  #: rounds the writer carried out (each: one view, one report)
         agent.on_report(self._on_report)
+        agent.on_messages(self._on_messages)
 
     def _on_report(self, events: Sequence[Event]) -> None:
         if any(isinstance(e, _DEVICES_CHANGED) for e in events):
             self._changed.set()
+
+    def _on_messages(self, _events: Sequence[Event]) -> None:
+        self._mirrored.set()
 
     async def _claim(self, key: tuple[str, str]) -> ClusterState:
         """A view of one claim (and its shares on this node)."""
@@ -134,61 +150,70 @@ class KubeletDriver:
 
     async def prepare(self, claims: list[ClaimRef]) -> dict[str, PrepareResult]:
         """``NodePrepareResources``: one result per claim UID (see the module docstring)."""
+        answers = await asyncio.gather(
+            *(self._prepare(ref) for ref in claims), return_exceptions=True
+        )
         out: dict[str, PrepareResult] = {}
-        for ref in claims:
-            try:
-                out[ref.uid] = PrepareResult(devices=tuple(await self._prepare(ref)))
-            except PrepareError as exc:
-                log.warning("prepare of %s/%s refused: %s", ref.namespace, ref.name, exc)
-                out[ref.uid] = PrepareResult(error=str(exc))
+        for ref, answer in zip(claims, answers, strict=True):
+            if isinstance(answer, PrepareError | RetryableError):
+                log.warning("prepare of %s/%s refused: %s", ref.namespace, ref.name, answer)
+                out[ref.uid] = PrepareResult(error=str(answer))
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                out[ref.uid] = PrepareResult(devices=tuple(answer))
         return out
 
     async def _prepare(self, ref: ClaimRef) -> list[PreparedDevice]:
-        await self._check_uid(ref)
-        deadline = time.monotonic() + self.mirror_wait_s
-        for _ in range(_ATTEMPTS):
-            verdict = await self._verdict(ref, deadline)
-            if verdict.verdict == "prepared":
-                return self._devices(await self._claim((ref.namespace, ref.name)), verdict)
-            if verdict.verdict != "enforce":
-                raise PrepareError(verdict.reason)
-            try:
-                await self.agent.carry_out(
-                    ViewAsk(claims=[(ref.namespace, ref.name)]), self._enforcing(ref)
-                )
-            except ConflictError:
-                continue  # released or fenced meanwhile: look again
-        raise PrepareError(f"claim {ref.namespace}/{ref.name} kept changing while prepared")
+        await self._check_claim(ref)
+        verdict = await self._verdict(ref, time.monotonic() + self.mirror_wait_s)
+        if verdict.verdict == "wait":
+            raise PrepareError(
+                f"{verdict.reason}; waited {self.mirror_wait_s:g}s for the bridge to mirror "
+                "its allocation into dracap's log (the kubelet retries)"
+            )
+        if verdict.verdict == "refused":
+            raise PrepareError(verdict.reason)
+        return await self._submit(("prepare", ref.namespace, ref.name, ref.uid))
 
-    def _enforcing(self, ref: ClaimRef) -> Callable[[ClusterState], list[Task]]:
-        """What a prepare of ``ref`` asks of the agent, decided on the state it hands in."""
-        agent, key = self.agent, (ref.namespace, ref.name)
-        return lambda state: _one(enforce_claim(state, agent.node, key, agent.enforcing))
-
-    async def _check_uid(self, ref: ClaimRef) -> None:
+    async def _check_claim(self, ref: ClaimRef) -> None:
+        """The API server's copy: the UID the kubelet named, and an allocation that has
+        this driver's devices (else the call is answered at once, with the reason)."""
+        where = f"ResourceClaim {ref.namespace}/{ref.name}"
         try:
             claim = await self.claims.get_claim(ref.namespace, ref.name)
         except NotFound as exc:
-            raise PrepareError(f"ResourceClaim {ref.namespace}/{ref.name} not found") from exc
+            raise PrepareError(f"{where} not found") from exc
         except KubeApiError as exc:
-            raise PrepareError(
-                f"cannot read ResourceClaim {ref.namespace}/{ref.name}: {exc}"
-            ) from exc
+            raise PrepareError(f"cannot read {where}: {exc}") from exc
         if claim.metadata.uid != ref.uid:
             raise PrepareError(
-                f"ResourceClaim {ref.namespace}/{ref.name} has uid {claim.metadata.uid}, "
-                f"the kubelet asked for {ref.uid}"
+                f"{where} has uid {claim.metadata.uid}, the kubelet asked for {ref.uid}"
+            )
+        allocation = claim.status.allocation if claim.status is not None else None
+        if allocation is None:
+            raise PrepareError(f"{where} is not allocated (status.allocation is empty)")
+        devices = allocation.devices
+        results = (devices.results if devices is not None else None) or []
+        drivers = sorted({r.driver for r in results})
+        if not self.drivers.intersection(drivers):
+            raise PrepareError(
+                f"{where} is allocated on {', '.join(drivers) or 'no device'}, "
+                f"none of them this plugin's ({', '.join(sorted(self.drivers))})"
             )
 
     async def _verdict(self, ref: ClaimRef, deadline: float) -> PrepareVerdict:
-        """The verdict, waiting until the claim is mirrored or the deadline passes."""
+        """The verdict, waiting until the claim is mirrored or the deadline passes; the
+        agent's messages (the bridge's binding among them) wake the wait."""
         while True:
+            self._mirrored.clear()
             state = await self._claim((ref.namespace, ref.name))
             verdict = judge_prepare(state, self.agent.node, ref.namespace, ref.name, ref.uid)
             left = deadline - time.monotonic()
             if verdict.verdict != "wait" or left <= 0:
                 return verdict
-            await asyncio.sleep(min(left, _MIRROR_POLL_S))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._mirrored.wait(), min(left, _MIRROR_LOOK_S))
 
     def _devices(self, state: ClusterState, verdict: PrepareVerdict) -> list[PreparedDevice]:
         return [self._device(state.shares[sid]) for sid in verdict.share_ids]
@@ -211,33 +236,137 @@ class KubeletDriver:
 
     async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str]:
         """``NodeUnprepareResources``: ``""`` per claim UID on success, else the error."""
+        answers = await asyncio.gather(
+            *(self._submit(("unprepare", r.namespace, r.name, r.uid)) for r in claims),
+            return_exceptions=True,
+        )
         out: dict[str, str] = {}
-        for ref in claims:
-            try:
-                await self._unprepare(ref)
+        for ref, answer in zip(claims, answers, strict=True):
+            if isinstance(answer, PrepareError | RetryableError):
+                out[ref.uid] = str(answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
                 out[ref.uid] = ""
-            except (PrepareError, ConflictError) as exc:
-                out[ref.uid] = str(exc) or "the claim kept changing; retry"
         return out
 
-    async def _unprepare(self, ref: ClaimRef) -> None:
-        node, agent, key = self.agent.node, self.agent, (ref.namespace, ref.name)
-        for _ in range(_ATTEMPTS):
-            state = await self._claim(key)
-            claim = state.claims.get(key)
-            if claim is None or claim.source != "kubernetes" or claim.uid != ref.uid:
-                return  # not ours, or not known: nothing to undo
-            owned = [sid for sid in claim.share_ids if sid in state.shares]
+    # -- the node's writer -----------------------------------------------------------------
+
+    async def _submit(self, item: _Item) -> list[PreparedDevice]:
+        """Queue one claim's call for the writer's next round; the same call already
+        queued or under way is joined (concurrent calls of one claim are one)."""
+        future = self._queued.get(item) or self._running.get(item)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._queued[item] = future
+            self._wake.set()
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write())
+        return await asyncio.shield(future)
+
+    async def _write(self) -> None:
+        """Take everything queued as one round, until nothing is."""
+        while self._queued:
+            self._running, self._queued = self._queued, {}
+            self._wake.clear()
             try:
-                await agent.carry_out(
-                    ViewAsk(claims=[key]), lambda state: _one(unprepare_claim(state, node, key))
+                answers = await self._round(list(self._running))
+            except (ConflictError, RetryableError) as exc:
+                failure: Exception = (
+                    exc
+                    if isinstance(exc, RetryableError)
+                    else PrepareError(f"the claim kept changing ({exc}); the kubelet retries")
                 )
+                answers = {item: failure for item in self._running}
+            except Exception as exc:  # a bug: every waiting call hears of it
+                log.exception("kubelet round failed")
+                answers = {item: PrepareError(f"internal error: {exc}") for item in self._running}
+            for item, future in self._running.items():
+                if future.done():
+                    continue
+                answer = answers.get(item, [])
+                if isinstance(answer, BaseException):
+                    future.set_exception(answer)
+                else:
+                    future.set_result(answer)
+            self._running = {}
+
+    async def _round(self, items: list[_Item]) -> dict[_Item, list[PreparedDevice] | Exception]:
+        """One view, every decision on it, the kernel work, one report (see the module)."""
+        self.rounds += 1
+        node = self.agent.node
+        keys = sorted({(namespace, name) for _, namespace, name, _ in items})
+        verdicts: dict[_Item, PrepareVerdict | None] = {}  # as the last view had them
+
+        def decide(state: ClusterState) -> list[Task]:
+            prepares: list[tuple[str, str]] = []
+            unprepares: list[tuple[str, str]] = []
+            verdicts.clear()
+            for item in items:
+                kind, namespace, name, uid = item
+                if kind == "prepare":
+                    verdict = judge_prepare(state, node, namespace, name, uid)
+                    verdicts[item] = verdict
+                    if verdict.verdict == "enforce":
+                        prepares.append((namespace, name))
+                else:
+                    claim = state.claims.get((namespace, name))
+                    mine = claim is not None and claim.source == "kubernetes"
+                    if mine and claim is not None and claim.uid == uid:
+                        unprepares.append((namespace, name))
+            return kubelet_round(state, node, prepares, unprepares, self.agent.enforcing)
+
+        for _ in range(_ATTEMPTS):
+            try:
+                done = await self.agent.carry_round(ViewAsk(claims=keys), decide)
             except ConflictError:
+                continue  # an outside write (a delete, a fence) got in first: decide again
+            return self._answers(items, verdicts, done)
+        raise ConflictError(f"{len(items)} claim(s) changed under {_ATTEMPTS} rounds")
+
+    def _answers(
+        self, items: list[_Item], verdicts: dict[_Item, PrepareVerdict | None], done: Round
+    ) -> dict[_Item, list[PreparedDevice] | Exception]:
+        """What each call of a round gets back, from the view and the outcomes."""
+        state = done.state
+        out: dict[_Item, list[PreparedDevice] | Exception] = {}
+        tasks = {t.message: t for t in done.tasks if isinstance(t, Enforce)}
+        answer: list[PreparedDevice] | Exception
+        for item in items:
+            kind, namespace, name, _ = item
+            where = f"{namespace}/{name}"
+            verdict = verdicts.get(item)
+            if kind == "unprepare":
+                claim = state.claims.get((namespace, name))
+                for sid in claim.share_ids if claim is not None else ():
+                    self.share_specs.remove(sid)
+                out[item] = []
                 continue
-            for sid in owned:
-                self.share_specs.remove(sid)
-            return
-        raise PrepareError(f"claim {ref.namespace}/{ref.name} kept changing while unprepared")
+            assert verdict is not None
+            task = tasks.get(f"prepare:{where}")
+            if verdict.verdict == "prepared" or (verdict.verdict == "enforce" and task is None):
+                answer = self._devices(state, verdict)
+            elif verdict.verdict == "enforce" and task is not None:
+                answer = self._outcome(state, verdict, task, done)
+            else:  # refused, retrying, or not mirrored any more
+                answer = PrepareError(verdict.reason or f"claim {where} is {verdict.verdict}")
+            out[item] = answer
+        return out
+
+    def _outcome(
+        self, state: ClusterState, verdict: PrepareVerdict, task: Enforce, done: Round
+    ) -> list[PreparedDevice] | Exception:
+        """The devices of a prepare whose limits were all applied, else why not."""
+        for refusal in task.refused:
+            return PrepareError(refusal.reason)
+        for limit in task.limits:
+            outcome = done.outcomes.get(limit.share_id)
+            if isinstance(outcome, Failed):
+                again = " (retried)" if outcome.retryable else ""
+                return PrepareError(
+                    f"limit of share {limit.share_id} failed{again}: {outcome.reason}"
+                )
+        return self._devices(state, verdict)
 
     # -- health ----------------------------------------------------------------------------
 
@@ -268,7 +397,3 @@ class KubeletDriver:
                 yield reports
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self.health_interval_s)
-
-
-def _one(task: Task | None) -> list[Task]:
-    return [task] if task is not None else []

@@ -42,7 +42,11 @@ still ran. :func:`plan_return` (pure) decides each of them before anything else:
 Shares the log owns but has not made ready (``reserved``/``bound``: their
 ``AllocationBound`` is still being handled, or will be redelivered) are left to the
 consumer: if their limit is already in the kernel it is kept, otherwise the consumer
-applies it and records the (first) ``LimitApplied``. ``releasing`` and ``unknown``
+applies it and records the (first) ``LimitApplied``. A claim mirrored from Kubernetes
+has no such message: only the kubelet's prepare applies and records its limits, so a
+limit in force for one of its ``reserved``/``bound`` shares (a prepare cut short between
+the kernel and its report, an unprepare whose report did not land) is an orphan: removed,
+and applied again with its record by the kubelet's next prepare. ``releasing`` and ``unknown``
 shares are owned too (never removed as orphans) but not put back: the release
 consumer, or the reclamation service, decides their fate. Shares whose limit level is
 ``none`` (admin access, the :class:`~services.enforcement.enforcers.NoneEnforcer`)
@@ -122,6 +126,7 @@ def plan_reconcile(
     """Compare log, kernel and checkpoint (see the module docstring)."""
     owned = owned_shares(state, node)
     plan = ReconcilePlan()
+    unrecorded: list[str] = []
     for share_id in sorted(owned):
         share = owned[share_id]
         in_force = observed.get(share_id)
@@ -133,11 +138,25 @@ def plan_reconcile(
                 plan.kept.append(share_id)
             else:
                 plan.reapply.append(share)
+        elif in_force is not None and _unrecorded(state, share):
+            unrecorded.append(share_id)
         elif in_force is not None:
             plan.kept.append(share_id)
-    plan.orphans = sorted(set(observed) - set(owned))
+    plan.orphans = sorted({*(set(observed) - set(owned)), *unrecorded})
     plan.stale = sorted(set(entries) - set(owned) - set(observed))
     return plan
+
+
+def _unrecorded(state: ClusterState, share: ShareState) -> bool:
+    """Whether a limit in force for ``share`` is one the log does not record as applied
+    and nothing but a kubelet prepare would record: a share of a claim mirrored from
+    Kubernetes, still ``reserved`` or ``bound`` (a prepare that stopped between the
+    kernel and its report, or an unprepare whose report did not land). It is removed;
+    the kubelet's next prepare applies and records it."""
+    if share.state not in ("reserved", "bound"):
+        return False
+    claim = state.claims.get(share.claim)
+    return claim is not None and claim.source == "kubernetes"
 
 
 @dataclass

@@ -27,6 +27,7 @@ import pytest
 from events import model
 from events.catalog import CapacityReserved, ClaimReserved, LimitApplied, node_stream
 from events.quantities import Quantity
+from services.replay.verify import summary, verify
 from services.runtime.kubeletplugin import ClaimRef
 from services.runtime.livestate import HEAD
 from services.runtime.settings import Settings
@@ -120,13 +121,42 @@ async def test_kubelet_prepares_enforces_and_unprepares_a_scheduled_claim(
         assert done == {uid: ""}
         assert tc_minor(cluster.iface, share_id) is None
         state = await cluster.view.fresh(HEAD)
-        assert state.claims[(NAMESPACE, "train")].phase == "released"
-        assert not any(state.devices[k].consumed_nanos.get("bandwidth") for k in state.devices)
+        # the limit is off; Kubernetes still allocates the claim: its capacity stays held
+        assert state.claims[(NAMESPACE, "train")].phase == "allocated"
+        assert state.shares[share_id].state == "bound"
+        held = state.devices[state.shares[share_id].device_key].consumed_nanos["bandwidth"]
+        assert held == Quantity.parse("400M").nanos
         unknown = await kubelet.unprepare([ClaimRef(namespace=NAMESPACE, name="nope", uid="u")])
         assert unknown == {"u": ""}
         assert (await kubelet.unprepare([ref])) == {uid: ""}  # again: nothing left to undo
+
+        # another Pod of the same claim starts on the node: prepared again, limit and all
+        back = await kubelet.prepare([ref])
+        assert back == first, back
+        assert tc_minor(cluster.iface, share_id) is not None
+        state = await cluster.view.fresh(HEAD)
+        assert state.claims[(NAMESPACE, "train")].phase == "ready"
+        assert (await kubelet.unprepare([ref])) == {uid: ""}
+        assert tc_minor(cluster.iface, share_id) is None
     finally:
         await kubelet.close()
+
+    # Kubernetes deallocates: only now is the capacity given back
+    await cluster.set_status(
+        "train", lambda _: {"allocation": None, "reservedFor": None, "devices": None}
+    )
+    state = await cluster.until(
+        lambda st: st.claims[(NAMESPACE, "train")].phase == "withdrawn", "released and withdrawn"
+    )
+    assert not any(state.devices[k].consumed_nanos.get("bandwidth") for k in state.devices)
+    applied = [
+        e
+        for e in await cluster.store.read_stream(node_stream(cluster.node))
+        if isinstance(e.event, LimitApplied)
+    ]
+    assert len(applied) == 2  # the first prepare and the one after the unprepare
+    verified = await verify(cluster.settings, from_start=True)
+    assert verified.ok, summary(verified)
 
 
 async def _logged(cluster: Cluster, start: int, line: str) -> bool:
