@@ -21,14 +21,16 @@ import msgspec
 import pytest
 
 from events import model
-from events.catalog import LimitApplied, node_stream
+from events.catalog import EnforcementReconciled, LimitApplied, node_stream
 from events.fold import ClusterState
+from services.enforcement.decisions import limit_of
+from services.enforcement.tc import TcEnforcer
 from services.runtime.kubeletclient import PluginConnection
 from services.runtime.kubeletplugin import ClaimRef
 from services.runtime.livestate import HEAD
 from services.runtime.settings import Settings
 from tests.fixtures.k8s_standin import StandinApiServer
-from tests.fixtures.kubernetes import CLASS, NAMESPACE, Cluster, in_force, share_of
+from tests.fixtures.kubernetes import CLASS, DRIVER, NAMESPACE, Cluster, in_force, share_of
 
 pytest_plugins = ["tests.fixtures.netns"]
 
@@ -86,13 +88,13 @@ async def test_parallel_prepares_then_unprepares_all_succeed_at_the_first_call(
         assert all(e == "" for e in errors.values()), errors
         state = await cluster.view.fresh(HEAD)
         assert _ready(state, shares) == set(shares)
-        assert in_force(cluster.iface, shares) == set(shares)  # the kernel agrees
+        assert await in_force(cluster.iface, shares) == set(shares)  # the kernel agrees
 
         unprepared = await asyncio.gather(*(kubelet.unprepare([ref]) for ref in refs))
         assert all(u == {r.uid: ""} for r, u in zip(refs, unprepared, strict=True)), unprepared
         state = await cluster.view.fresh(HEAD)
         assert _ready(state, shares) == set()
-        assert in_force(cluster.iface, shares) == set()
+        assert await in_force(cluster.iface, shares) == set()
         assert {state.claims[(NAMESPACE, n)].phase for n in names} == {"allocated"}
     finally:
         await kubelet.close()
@@ -114,7 +116,7 @@ async def test_concurrent_calls_for_one_claim_are_one(cluster: Cluster) -> None:
         assert applied == [share]  # applied and recorded once
         both = await asyncio.gather(kubelet.unprepare([ref]), kubelet.unprepare([ref]))
         assert both == [{ref.uid: ""}, {ref.uid: ""}]
-        assert in_force(cluster.iface, [share]) == set()
+        assert await in_force(cluster.iface, [share]) == set()
     finally:
         await kubelet.close()
 
@@ -170,3 +172,52 @@ async def test_a_claim_not_allocated_or_on_another_driver_is_answered_from_the_a
         )
     finally:
         await kubelet.close()
+
+
+async def test_a_restarted_agent_settles_what_a_crash_left_half_done(cluster: Cluster) -> None:
+    """The two crashes a prepare or an unprepare can leave behind, made by hand while the
+    agent is down: a limit applied whose report never landed (the log says bound), and a
+    limit removed whose report never landed (the log says ready). The restarted agent's
+    reconcile makes the kernel say what the log says: the first removed, the second put
+    back; the kubelet's next calls then go through."""
+    refs, state = await _allocated(cluster, ["applied", "removed"])
+    applied, removed = (share_of(state, n) for n in ("applied", "removed"))
+    kubelet = await cluster.kubelet()
+    try:
+        answer = await kubelet.prepare([refs[1]])
+        assert answer[refs[1].uid].error == ""
+    finally:
+        await kubelet.close()
+    cluster.kill_agent()
+    pool, _ = await cluster.device()
+    tc = TcEnforcer({(DRIVER, pool, cluster.iface): cluster.iface})
+    state = await cluster.view.fresh(HEAD)
+    await tc.apply(limit_of(state.shares[applied]))  # cut short before its LimitApplied
+    await tc.remove(removed)  # cut short before its LimitRemoved
+    assert await in_force(cluster.iface, [applied, removed]) == {applied}
+
+    cluster.start_agent()
+
+    async def reconciled() -> EnforcementReconciled | None:
+        for env in await cluster.store.read_stream(node_stream(cluster.node)):
+            if (
+                isinstance(env.event, EnforcementReconciled)
+                and applied in env.event.removed_orphans
+            ):
+                return env.event
+        return None
+
+    report = await cluster.until_api(reconciled, "the restarted agent's reconcile")
+    assert report.reapplied == [removed]
+    assert await in_force(cluster.iface, [applied, removed]) == {removed}  # as the log says
+    state = await cluster.view.fresh(HEAD)
+    assert _ready(state, [applied, removed]) == {removed}
+
+    kubelet = await cluster.kubelet()
+    try:  # the kubelet retries its calls: both go through now
+        answer = await kubelet.prepare([refs[0]])
+        assert answer[refs[0].uid].error == ""
+        assert await kubelet.unprepare([refs[1]]) == {refs[1].uid: ""}
+    finally:
+        await kubelet.close()
+    assert await in_force(cluster.iface, [applied, removed]) == {applied}
