@@ -60,7 +60,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import asyncpg
 import nats.js.errors
@@ -169,13 +169,16 @@ class ReadyTracker:
 
     def __init__(self) -> None:
         self.sent: dict[str, float] = {}
+        self.sent_at: dict[str, float] = {}  #: wall clock (the log's recorded_at clock)
         self.ready: dict[str, float] = {}
+        self.ready_at: dict[str, float] = {}
         self.waiters: dict[str, asyncio.Future[None]] = {}
 
     def on_view(self, view: dict[str, Any]) -> None:
         name = view.get("name", "")
         if view.get("ready") and name in self.sent and name not in self.ready:
             self.ready[name] = time.perf_counter()
+            self.ready_at[name] = time.time()
             waiter = self.waiters.pop(name, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
@@ -183,6 +186,7 @@ class ReadyTracker:
     async def apply(self, api: ApiClient, name: str) -> None:
         waiter = self.waiters[name] = asyncio.get_running_loop().create_future()
         self.sent[name] = time.perf_counter()
+        self.sent_at[name] = time.time()
         reply = await api.claims(NAMESPACE, "apply", claim(name))
         self.on_view(reply["claim"])
         await waiter
@@ -478,15 +482,68 @@ async def _measure_pipeline(
                     )
                     lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
                     for rate in args.rates:  # the curve below the half rate
-                        at = await latency(api, tracker, rate, args.seconds, f"r{rate:g}")
+                        label = f"r{rate:g}"
+                        at = await latency(api, tracker, rate, args.seconds, label)
                         p50, p99 = percentile(at, 50), percentile(at, 99)
                         print(
                             f"  at {rate:>6g} claims/s: p50 {p50:6.1f} ms   p99 {p99:6.1f} ms",
                             flush=True,
                         )
+                        if args.stages:
+                            await report_stages(settings, tracker, f"{label}-")
     out["p50"], out["p99"], out["max"] = percentile(lat, 50), percentile(lat, 99), lat[-1]
     out["rate"] = out["throughput"] / 2
     out["samples"] = len(lat)
+
+
+#: The steps of a claim's way to Ready, each timed from the step before: the apply
+#: request (the benchmark's clock), then each event's ``recorded_at`` in the log, then
+#: the watch update saying ready (the benchmark's clock again).
+STAGES: Final = (
+    ("submitted", "claims.submitted"),
+    ("admitted", "claims.admitted"),
+    ("capacity_reserved", "reservation.capacity_reserved"),
+    ("allocation_bound", "reservation.allocation_bound"),
+    ("limit_applied", "enforcement.limit_applied"),
+)
+
+
+async def report_stages(settings: Settings, tracker: ReadyTracker, prefix: str) -> None:
+    """p50/p99 of each step, for the claims named ``prefix…`` (``--stages``)."""
+    from events.catalog import CapacityReserved, LimitApplied
+    from services.runtime.eventstore import EventStore
+
+    seen: dict[str, dict[str, float]] = {}
+    claim_of: dict[str, str] = {}  # share id -> claim name
+    async with await EventStore.open(settings) as store:
+        async for env in store.read_all():
+            event = env.event
+            name = getattr(event, "name", None)
+            if isinstance(event, CapacityReserved):
+                claim_of[event.share_id] = event.name
+            elif isinstance(event, LimitApplied):
+                name = claim_of.get(event.share_id)
+            if not isinstance(name, str) or not name.startswith(prefix):
+                continue
+            kind = type(event).__struct_config__.tag
+            seen.setdefault(name, {}).setdefault(kind, env.recorded_at.timestamp())
+    steps: dict[str, list[float]] = {}
+    for name, times in seen.items():
+        if name not in tracker.ready_at:
+            continue
+        last = tracker.sent_at[name]
+        for label, kind in STAGES:
+            if kind in times:
+                steps.setdefault(label, []).append((times[kind] - last) * 1000)
+                last = times[kind]
+        steps.setdefault("ready (watch)", []).append((tracker.ready_at[name] - last) * 1000)
+    print(f"    stages ({len(seen)} claims), each from the step before:", flush=True)
+    for label, values in steps.items():
+        print(
+            f"      {label:<20} p50 {percentile(sorted(values), 50):7.1f} ms"
+            f"   p99 {percentile(sorted(values), 99):7.1f} ms",
+            flush=True,
+        )
 
 
 @contextlib.asynccontextmanager
@@ -596,6 +653,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="R,R,...",
         help="also measure apply->Ready at these fixed rates (claims/s)",
+    )
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="after each --rates run, time each step of a claim's way to Ready from the log",
     )
     return parser.parse_args(argv)
 

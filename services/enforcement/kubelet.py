@@ -3,18 +3,24 @@
 :class:`KubeletDriver` is the handler :class:`~services.runtime.kubeletplugin.KubeletPlugin`
 calls (the gRPC transport lives there). In Kubernetes mode kube-scheduler allocates, the
 bridge mirrors the allocation into the log (:mod:`services.claims.mirroring`), and the
-agent applies a claim's limits only when the kubelet prepares it:
+agent applies a claim's limits only when the kubelet prepares it. The kubelet calls the
+plugin outside its own lock: Pods starting together on a node reach it in parallel, and
+each call must succeed at the first try.
 
-``NodePrepareResources`` (per claim, in request order)
-    1. read the ResourceClaim from the API server and check that its UID is the one the
-       kubelet named (a claim deleted and recreated under the same name is another claim);
+``NodePrepareResources`` (each claim of the call at once)
+    1. read the ResourceClaim from the API server: the UID must be the one the kubelet
+       named (a claim deleted and recreated under the same name is another claim), and
+       the claim must be allocated with devices of this plugin's drivers — otherwise the
+       call is answered at once with the reason (never mirrored, so never worth a wait);
     2. wait, at most ``mirror_wait_s``, until the log holds the claim mirrored with that
-       UID (:func:`~services.enforcement.preparing.judge_prepare`); the kubelet retries a
-       prepare that fails, so a slow bridge costs a retry, never a wrong answer;
-    3. apply the limits of this node's shares through the agent
-       (:meth:`~services.enforcement.agent.Agent.carry_out` on a view of that claim: the
-       same enforcers, checkpoint, lease and last-line-of-defense check as for a standalone
-       claim), which reports ``LimitApplied``: the claim is Ready in the log only now;
+       UID (:func:`~services.enforcement.preparing.judge_prepare`); the agent's messages
+       (the bridge's ``AllocationBound`` among them) wake the wait, so it ends as soon as
+       the mirror is in; a claim still not mirrored gets an error saying so, and the
+       kubelet retries;
+    3. join the node's writer (below), which applies the limits of this node's ``bound``
+       shares (the same enforcers, checkpoint, lease and last-line-of-defense check as for
+       a standalone claim) and reports ``LimitApplied``: the claim is Ready in the log
+       only now;
     4. write each share's CDI spec (an MPS GPU share's is written by its enforcer; every
        other share gets a ``dracap.io/share`` spec) and answer the CDI names, one device per
        share. A claim dracap refused, or whose limit failed, gets an error with the reason.
@@ -23,19 +29,38 @@ agent applies a claim's limits only when the kubelet prepares it:
     ``ready`` in the log.
 
 ``NodeUnprepareResources``
-    the limits of this node's shares of the claim are removed and their capacity given
-    back (``LimitRemoved`` + ``CapacityReleased``, actor: this agent under its lease;
-    :func:`~services.enforcement.decisions.unprepare_claim`): the claim is ``released``
-    in the log. A claim the log does not hold as mirrored with that UID succeeds with
-    nothing done. (The later deallocation in Kubernetes then finds nothing to release.)
+    the limits of this node's shares of the claim are removed and ``LimitRemoved``
+    recorded (:func:`~services.enforcement.decisions.unprepare_claim`): the shares are
+    ``bound`` again and the claim ``allocated``, its capacity still held, because
+    Kubernetes still allocates it — a claim shared by Pods that come and go on one node
+    is prepared again by the next Pod. The capacity comes back when Kubernetes
+    deallocates the claim (the bridge mirrors ``ReleaseRequested``). A claim the log
+    does not hold as mirrored with that UID succeeds with nothing done.
+
+One writer per node. Every claim of every call joins a queue; one task takes everything
+queued as a *round*: one view of the round's claims, every decision on it
+(:func:`~services.enforcement.decisions.kubelet_round`: unprepares first, then prepares,
+all fitting their devices together with the limits in force), the kernel work, one
+report (:meth:`~services.enforcement.agent.Agent.carry_round`). The round holds the
+agent's writer (:class:`~services.enforcement.agent.Writer`), which the agent's consumer,
+retry sweep, health and use reports and reconcile also hold: the agent's own reports
+never race each other for the node stream's version. Only an outside write (a
+tenant's delete mirrored, a fence) can make the report conflict; the round's kernel
+work is then undone and the round decided again on a fresh view. A claim is in a round
+at most once: concurrent calls for one claim share one outcome.
+
+Apply, then record. A limit is applied before ``LimitApplied`` is reported, and
+removed before ``LimitRemoved`` is. When the report is refused, or its answer is lost,
+the agent looks at the log again before the call answers and makes the kernel say what
+the log says (a limit the log does not hold ready is removed, one it still holds ready
+is put back). A crash between the kernel and the report is settled by the restarted
+agent's reconcile (:mod:`services.enforcement.reconciling`): a ready share without its
+limit gets it back, and a limit in force for a Kubernetes claim's share the log holds
+only ``bound`` is removed, for the kubelet's retry to apply and record.
 
 Nothing of a prepared claim lives only in this process: the log says which shares a claim
 has and whether their limits are applied, and the agent's checkpoint says which limits are
 in force, so an agent restarted between prepare and unprepare answers both the same way.
-
-Every look at the log is a view the agent asks the enforcement service for (the claim,
-or the node's devices): the agent holds no fold. Waiting for the bridge to mirror a claim
-asks again every half second, at most ``mirror_wait_s``.
 
 Device health: :meth:`KubeletDriver.health_updates` streams this node's devices of the
 driver, healthy or not as the agent last reported them (``DeviceHealthChanged``): again
