@@ -191,7 +191,9 @@ class KubeletDriver:
 
     async def _prepare(self, ref: ClaimRef) -> list[PreparedDevice]:
         await self._check_claim(ref)
-        verdict = await self._verdict(ref, time.monotonic() + self.mirror_wait_s)
+        verdict, state = await self._verdict(ref, time.monotonic() + self.mirror_wait_s)
+        if verdict.verdict == "prepared":  # again: the same devices, nothing to write
+            return self._devices(state, verdict)
         if verdict.verdict == "wait":
             raise PrepareError(
                 f"{verdict.reason}; waited {self.mirror_wait_s:g}s for the bridge to mirror "
@@ -227,16 +229,17 @@ class KubeletDriver:
                 f"none of them this plugin's ({', '.join(sorted(self.drivers))})"
             )
 
-    async def _verdict(self, ref: ClaimRef, deadline: float) -> PrepareVerdict:
-        """The verdict, waiting until the claim is mirrored or the deadline passes; the
-        agent's messages (the bridge's binding among them) wake the wait."""
+    async def _verdict(self, ref: ClaimRef, deadline: float) -> tuple[PrepareVerdict, ClusterState]:
+        """The verdict and the view it was read on, waiting until the claim is mirrored or
+        the deadline passes; the agent's messages (the bridge's binding among them) wake
+        the wait."""
         while True:
             self._mirrored.clear()
             state = await self._claim((ref.namespace, ref.name))
             verdict = judge_prepare(state, self.agent.node, ref.namespace, ref.name, ref.uid)
             left = deadline - time.monotonic()
             if verdict.verdict != "wait" or left <= 0:
-                return verdict
+                return verdict, state
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._mirrored.wait(), min(left, _MIRROR_LOOK_S))
 
