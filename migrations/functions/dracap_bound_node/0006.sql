@@ -1,0 +1,4 @@
+CREATE OR REPLACE FUNCTION dracap_bound_node() RETURNS text
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = public, pg_temp AS $$
+    SELECT node FROM dracap_node_roles WHERE role = session_user::text
+$$
