@@ -1,3 +1,4 @@
+-- p_node NULL: a member of dracap_agent bound to no node — agent events of any node.
 CREATE OR REPLACE FUNCTION dracap_check_node_scope(
     p_node text, p_types text[], p_payloads jsonb[], p_guards jsonb)
 RETURNS void LANGUAGE plpgsql STABLE AS $$

@@ -1,3 +1,5 @@
+-- The node an agent's event speaks for, read by field name; NULL when it names none.
+-- p_bound is the session's node: a share or dead letter of no node is anybody's.
 CREATE OR REPLACE FUNCTION dracap_node_of(p_type text, p jsonb, p_bound text)
 RETURNS text LANGUAGE plpgsql STABLE AS $$
 DECLARE
