@@ -9,7 +9,8 @@ migration's text. To change a function: add ``<name>/<new revision>.sql`` holdin
 whole new text and a migration that installs it (its downgrade installs the previous
 version's file). Files are never edited once a release has them: a database migrated
 earlier ran their text (``tests/integration/test_migration_functions.py`` holds every
-revision's installed definitions).
+revision's installed definitions). No percent signs in the SQL: the migration driver
+treats them as placeholders.
 
 The one exception is ``functions/dracap_payload_checks.sql``, generated from the event
 catalog by ``services.runtime.payloadchecks`` (its own test guards it).

@@ -31,6 +31,9 @@ Design (docs/reclamation.md has the long form):
 * A role for the reclamation service, ``dracap_reclamation``: read the log, the leases
   and the epochs, append through the function. The claims API may read the leases and
   the epochs (``dracap node list``), and so may the agents (to find their next epoch).
+
+Its functions are ``migrations/functions/<name>/0007.sql`` (:data:`FILES` and
+``dracap_append_guarded``); the downgrade installs the versions of 0005 and 0006.
 """
 
 from __future__ import annotations
