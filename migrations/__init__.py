@@ -1,1 +1,6 @@
-"""Alembic migrations of dracap's PostgreSQL schema (run through ``services.runtime.migrating``)."""
+"""Alembic migrations of dracap's PostgreSQL schema (run through ``services.runtime.migrating``).
+
+Database functions live in ``functions/<name>/<revision>.sql``, one file per version,
+in full (see :mod:`migrations.sqlfiles`): to change a function, add its new version
+file and a migration that installs it; no migration patches another's text.
+"""

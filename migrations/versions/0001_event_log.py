@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from alembic import op
 
 from migrations.roles import app_role, quote
+from migrations.sqlfiles import function_sql
 
 revision: str = "0001"
 down_revision: str | None = None
@@ -81,15 +82,7 @@ CREATE TABLE events (
     """
 CREATE INDEX events_recorded_at_idx ON events (recorded_at)
     """,
-    """
-CREATE FUNCTION dracap_events_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    RAISE EXCEPTION USING
-        ERRCODE = 'insufficient_privilege',
-        MESSAGE = 'the event log is append-only: ' || TG_OP || ' on events refused';
-END;
-$$
-    """,
+    function_sql("dracap_events_append_only", "0001"),
     """
 CREATE TRIGGER events_append_only_rows BEFORE UPDATE OR DELETE ON events
     FOR EACH ROW EXECUTE FUNCTION dracap_events_append_only()

@@ -49,12 +49,12 @@ Design (docs/database-roles.md has the long form and the grant table):
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
 from alembic import op
 
 from migrations.roles import app_role, quote
+from migrations.sqlfiles import install
 
 revision: str = "0006"
 down_revision: str | None = "0005"
@@ -146,218 +146,11 @@ CREATE TABLE dracap_node_roles (
 )
 """
 
-# The node the session's user acts for (NULL: none), for an agent to check at start; it
-# tells a user nothing but its own binding, so PUBLIC keeps EXECUTE.
-BOUND_NODE_FUNCTION = """
-CREATE FUNCTION dracap_bound_node() RETURNS text
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = public, pg_temp AS $$
-    SELECT node FROM dracap_node_roles WHERE role = session_user::text
-$$
-"""
 
 SLICE_POOL_INDEX = """
 CREATE INDEX events_slice_pool_idx
     ON events ((payload->'slice'->'spec'->>'driver'), (payload->'slice'->'spec'->'pool'->>'name'))
  WHERE type = 'inventory.resource_slice_published'
-"""
-
-# The node an agent's event speaks for, read by field name; NULL when it names none.
-# p_bound is the session's node: a share or dead letter of no node is anybody's.
-NODE_OF_FUNCTION = """
-CREATE FUNCTION dracap_node_of(p_type text, p jsonb, p_bound text)
-RETURNS text LANGUAGE plpgsql STABLE AS $$
-DECLARE
-    v_node text;
-    v_other text;
-    v_found boolean;
-BEGIN
-    CASE p_type
-    WHEN 'enforcement.limit_applied', 'enforcement.limit_failed', 'enforcement.limit_removed',
-         'enforcement.reconciled', 'enforcement.checkpoint_set_aside',
-         'reclamation.share_confirmed' THEN
-        RETURN p->>'node';
-    WHEN 'inventory.resource_slice_published' THEN
-        v_node := p->'slice'->'spec'->>'nodeName';
-        -- the slice's name and its pool must not belong to another node
-        SELECT e.payload->'slice'->'spec'->>'nodeName' INTO v_other FROM events e
-         WHERE e.stream = 'slice:' || (p->'slice'->'metadata'->>'name')
-           AND e.type = 'inventory.resource_slice_published'
-           AND e.payload->'slice'->'spec'->>'nodeName' IS DISTINCT FROM v_node
-         LIMIT 1;
-        IF FOUND THEN
-            RETURN coalesce(v_other, '(none)');
-        END IF;
-        SELECT e.payload->'slice'->'spec'->>'nodeName' INTO v_other FROM events e
-         WHERE e.type = 'inventory.resource_slice_published'
-           AND e.payload->'slice'->'spec'->>'driver' = p->'slice'->'spec'->>'driver'
-           AND e.payload->'slice'->'spec'->'pool'->>'name' = p->'slice'->'spec'->'pool'->>'name'
-           AND e.payload->'slice'->'spec'->>'nodeName' IS DISTINCT FROM v_node
-         LIMIT 1;
-        IF FOUND THEN
-            RETURN coalesce(v_other, '(none)');
-        END IF;
-        RETURN v_node;
-    WHEN 'inventory.resource_slice_withdrawn' THEN
-        SELECT e.payload->'slice'->'spec'->>'nodeName' INTO v_node FROM events e
-         WHERE e.stream = 'slice:' || (p->>'name')
-           AND e.type = 'inventory.resource_slice_published'
-         ORDER BY e.stream_version DESC LIMIT 1;
-        RETURN v_node;
-    WHEN 'reclamation.capacity_released' THEN
-        SELECT h.node, true INTO v_node, v_found FROM held_shares h
-         WHERE h.share_id = (p->>'share_id')::uuid;
-        IF NOT FOUND THEN  -- an admin share, or one released before: its reservation
-            SELECT e.payload->>'node', true INTO v_node, v_found FROM events e
-             WHERE e.stream = 'device:' || (p->>'driver') || '/' || (p->>'pool') || '/'
-                              || (p->>'device')
-               AND e.type = 'reservation.capacity_reserved'
-               AND e.payload->>'share_id' = p->>'share_id'
-             ORDER BY e.stream_version DESC LIMIT 1;
-        END IF;
-        IF v_found AND v_node IS NULL THEN
-            RETURN p_bound;  -- a share on no node: any agent may give it back
-        END IF;
-        RETURN v_node;
-    WHEN 'runtime.message_dead_lettered' THEN
-        IF left(p->>'consumer', 6) <> 'agent-' THEN
-            RETURN NULL;
-        END IF;
-        SELECT e.payload->>'node', true INTO v_node, v_found FROM events e
-         WHERE e.position = (p->>'position')::bigint;
-        IF v_found THEN
-            RETURN v_node;
-        END IF;
-        RETURN p_bound;  -- a message the log does not hold (it only counts)
-    ELSE
-        RETURN NULL;
-    END CASE;
-END
-$$
-"""
-
-# p_node NULL: a member of dracap_agent bound to no node — agent events of any node.
-NODE_SCOPE_FUNCTION = """
-CREATE FUNCTION dracap_check_node_scope(
-    p_node text, p_types text[], p_payloads jsonb[], p_guards jsonb)
-RETURNS void LANGUAGE plpgsql STABLE AS $$
-DECLARE
-    v_agent_types text[] := ARRAY[
-        'enforcement.limit_applied', 'enforcement.limit_failed', 'enforcement.limit_removed',
-        'enforcement.reconciled', 'enforcement.checkpoint_set_aside',
-        'reclamation.share_confirmed', 'reclamation.capacity_released',
-        'inventory.resource_slice_published', 'inventory.resource_slice_withdrawn',
-        'runtime.message_dead_lettered'];
-    v_who text := 'database user ' || session_user || CASE WHEN p_node IS NULL
-                  THEN ' is a node agent''s' ELSE ' acts for node ' || quote_literal(p_node)
-                  || ' only' END || ': ';
-    v_owner text;
-    v_type text;
-    p jsonb;
-    g jsonb;
-    v_at int;
-BEGIN
-    FOR i IN 1 .. coalesce(cardinality(p_types), 0) LOOP
-        v_type := p_types[i];
-        IF NOT v_type = ANY (v_agent_types) THEN
-            RAISE EXCEPTION USING ERRCODE = 'DR004', DETAIL = v_type,
-                MESSAGE = v_who || v_type || ' is not a node agent''s event';
-        END IF;
-        IF p_node IS NOT NULL THEN
-            v_owner := dracap_node_of(v_type, p_payloads[i], p_node);
-            IF v_owner IS DISTINCT FROM p_node THEN
-                RAISE EXCEPTION USING ERRCODE = 'DR004', DETAIL = v_type,
-                    MESSAGE = v_who || v_type || ' for '
-                              || coalesce('node ' || quote_literal(v_owner), 'no node of its own')
-                              || ' refused';
-            END IF;
-        END IF;
-    END LOOP;
-    IF p_guards IS NULL THEN
-        RETURN;
-    END IF;
-    FOR g IN SELECT value FROM jsonb_array_elements(p_guards) LOOP
-        v_at := (g->>'at')::int;
-        v_type := p_types[v_at];
-        p := p_payloads[v_at];
-        IF (CASE g->>'kind'
-            WHEN 'release' THEN
-                v_type = 'reclamation.capacity_released' AND p->>'share_id' = g->>'share_id'
-            WHEN 'set_total' THEN
-                v_type = 'inventory.resource_slice_published'
-                AND p->'slice'->'spec'->>'driver' = g->>'driver'
-                AND p->'slice'->'spec'->'pool'->>'name' = g->>'pool'
-                AND EXISTS (SELECT FROM jsonb_array_elements(p->'slice'->'spec'->'devices') d
-                             WHERE d->>'name' = g->>'device'
-                               AND d->'capacity'->(g->>'capacity') IS NOT NULL)
-            ELSE false
-            END) IS NOT TRUE THEN
-            RAISE EXCEPTION USING ERRCODE = 'DR004', DETAIL = coalesce(v_type, 'none'),
-                MESSAGE = v_who || 'guard ' || quote_literal(coalesce(g->>'kind', ''))
-                          || ' does not follow from ' || coalesce(v_type, 'any event')
-                          || ' of its append';
-        END IF;
-    END LOOP;
-END
-$$
-"""
-
-APPEND_GUARDED_FUNCTION = """
-CREATE FUNCTION dracap_append_guarded(
-    p_count int,
-    p_streams text[],
-    p_expected int[],
-    p_event_ids uuid[],
-    p_event_streams text[],
-    p_versions int[],
-    p_types text[],
-    p_schema_versions int[],
-    p_namespaces text[],
-    p_actor text,
-    p_correlation_ids text[],
-    p_causation_ids text[],
-    p_recorded_at timestamptz,
-    p_payloads jsonb[],
-    p_channel text,
-    p_guards jsonb,
-    p_consumer text,
-    p_processed uuid[]
-) RETURNS TABLE (head bigint, currents int[])
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = public, pg_temp AS $$
-DECLARE
-    v_head bigint;
-    v_current int[];
-    v_marked int;
-    v_node text;
-    v_agent boolean;
-BEGIN
-    SELECT r.node, true INTO v_node, v_agent FROM dracap_node_roles r
-     WHERE r.role = session_user::text;
-    IF NOT FOUND THEN  -- an agent's user bound to no node: agent events only
-        SELECT pg_has_role(session_user, 'dracap_agent', 'MEMBER') AND NOT r.rolsuper
-          INTO v_agent FROM pg_roles r WHERE r.rolname = session_user;
-    END IF;
-    IF p_consumer IS NOT NULL THEN
-        WITH m AS (INSERT INTO processed_messages (consumer, event_id)
-                   SELECT p_consumer, unnest(p_processed) ON CONFLICT DO NOTHING RETURNING 1)
-        SELECT count(*) INTO v_marked FROM m;
-        IF v_marked <> cardinality(p_processed) THEN
-            RAISE EXCEPTION USING ERRCODE = 'DR003',
-                MESSAGE = 'consumer ' || quote_literal(p_consumer)
-                          || ' had handled some of these messages before';
-        END IF;
-    END IF;
-    SELECT a.head, a.currents INTO v_head, v_current
-      FROM dracap_append(p_count, p_streams, p_expected, p_event_ids, p_event_streams,
-                         p_versions, p_types, p_schema_versions, p_namespaces, p_actor,
-                         p_correlation_ids, p_causation_ids, p_recorded_at, p_payloads,
-                         p_channel) AS a;
-    IF v_agent THEN  -- under the head lock: every earlier append is visible
-        PERFORM dracap_check_node_scope(v_node, p_types, p_payloads, p_guards);
-    END IF;
-    PERFORM dracap_guard(v_head - p_count, p_guards);
-    RETURN QUERY SELECT v_head, v_current;
-END
-$$
 """
 
 
@@ -405,9 +198,9 @@ def upgrade() -> None:
     op.execute(NODE_ROLES)
     op.execute(SLICE_POOL_INDEX)
     op.execute(f"DROP FUNCTION {APPEND_GUARDED}")
-    for statement in (NODE_OF_FUNCTION, NODE_SCOPE_FUNCTION, APPEND_GUARDED_FUNCTION):
-        op.execute(statement)
-    op.execute(BOUND_NODE_FUNCTION)
+    for name in ("dracap_node_of", "dracap_check_node_scope", "dracap_append_guarded"):
+        install(name, revision)
+    install("dracap_bound_node", revision)
     for role in (OWNER, *SERVICE_ROLES):
         _ensure_role(role)
     for table in TABLES:
@@ -459,7 +252,6 @@ def downgrade() -> None:
     op.execute(f"DROP FUNCTION {NODE_SCOPE}")
     op.execute(f"DROP FUNCTION {NODE_OF}")
     op.execute(f"DROP FUNCTION {BOUND_NODE}")
-    guards = importlib.import_module("migrations.versions.0005_guards")
-    op.execute(getattr(guards, "APPEND_GUARDED"))  # noqa: B009 (0005's own text)
+    install("dracap_append_guarded", "0005")
     op.execute("DROP INDEX events_slice_pool_idx")
     op.execute("DROP TABLE dracap_node_roles")

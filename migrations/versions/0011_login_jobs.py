@@ -37,24 +37,24 @@ clock, and the reservation login could write the log's tables directly. From her
   their own position and only insert audit records): ``processed_messages``,
   ``consumer_checkpoints`` and ``UPDATE`` on ``audit_records``.
 
-Every function this revision writes is in ``migrations/functions/<name>.sql``, in full,
-but two, which 0012 changed since and this revision installs as it was
-(:func:`append_guarded_sql`, :func:`payload_checks_sql`): the append function with the
-node-bound users of 0006 (a bound user appends as its own node's agent only) and the
-payload checks with the jobs of 0011 (node agents' own logins, ``dracap_agent``, append
-as node agents). The downgrade restores 0010's functions and grants (the role stays:
-roles are the cluster's).
+Every function this revision writes is in ``migrations/functions/<name>/0011.sql``, in
+full (:mod:`migrations.sqlfiles`): among them the append function with the node-bound
+users of 0006 (a bound user appends as its own node's agent only; 0012 installs the
+version without). The payload checks are generated with the jobs of 0011
+(:func:`payload_checks_sql`: node agents' own logins, ``dracap_agent``, append as node
+agents). The downgrade installs 0010's versions (of 0003, 0007 and 0008) and restores
+its grants (the role stays: roles are the cluster's).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from pathlib import Path
 
 from alembic import op
 
 from migrations.roles import app_role, ensure_group_role_sql, quote
+from migrations.sqlfiles import function_sql, install
 
 revision: str = "0011"
 down_revision: str | None = "0010"
@@ -74,17 +74,18 @@ APPENDERS = (
     "dracap_agent",
     ENFORCEMENT,
 )
-FUNCTIONS = Path(__file__).resolve().parent.parent / "functions"
+#: The function files this revision installs (``migrations/functions/<name>/0011.sql``),
+#: in order; the payload checks are generated with this revision's :data:`JOBS`.
 FILES = (
-    "dracap_quantity.sql",
-    "dracap_is_datetime.sql",
-    "dracap_payload_checks.sql",
-    "dracap_guards_of.sql",
-    "dracap_node_of.sql",
-    "dracap_session_writers.sql",
-    "dracap_append.sql",
-    "dracap_append_guarded.sql",
-    "dracap_renew_leases.sql",
+    "dracap_quantity",
+    "dracap_is_datetime",
+    "dracap_payload_checks",
+    "dracap_guards_of",
+    "dracap_node_of",
+    "dracap_session_writers",
+    "dracap_append",
+    "dracap_append_guarded",
+    "dracap_renew_leases",
 )
 
 OLD_APPEND = (
@@ -180,36 +181,6 @@ JOBS = {
     "enforcement": frozenset({"agent"}),
     "agent": frozenset({"agent"}),
 }
-#: What the append function of this revision adds for a user bound to a node (0006).
-_BOUND_VARIABLE = ("    v_who text;\n", "    v_who text;\n    v_bound text;\n")
-_BOUND_CHECK = (
-    "        ELSIF v_writer = 'agent' THEN\n",
-    """        ELSIF v_writer = 'agent' THEN
-            SELECT r.node INTO v_bound FROM dracap_node_roles r WHERE r.role = session_user::text;
-            IF v_bound IS NOT NULL AND v_bound IS DISTINCT FROM v_epoch[1] THEN
-                RAISE EXCEPTION USING ERRCODE = 'DR004', DETAIL = 'actor',
-                    MESSAGE = 'database user ' || session_user || ' acts for node '
-                              || quote_literal(v_bound) || ' only: its appends name the agent '
-                              || 'and its lease epoch (agent:' || v_bound || '#<epoch>), not '
-                              || quote_literal(p_actor);
-            END IF;
-""",
-)
-
-
-def sql_file(name: str) -> str:
-    """The text of ``migrations/functions/<name>``, as one statement list."""
-    return (FUNCTIONS / name).read_text().rstrip().rstrip(";")
-
-
-def append_guarded_sql() -> str:
-    """The append function of this revision: the file's, and a user bound to a node in
-    ``dracap_node_roles`` appends as that node's agent only (0012 drops the binding)."""
-    text = sql_file("dracap_append_guarded.sql")
-    for old, new in (_BOUND_VARIABLE, _BOUND_CHECK):
-        assert text.count(old) == 1, f"dracap_append_guarded.sql: {old.strip()!r} not found once"
-        text = text.replace(old, new)
-    return text
 
 
 def payload_checks_sql() -> str:
@@ -220,11 +191,9 @@ def payload_checks_sql() -> str:
 
 
 def _installed(name: str) -> str:
-    if name == "dracap_append_guarded.sql":
-        return append_guarded_sql()
-    if name == "dracap_payload_checks.sql":
+    if name == "dracap_payload_checks":
         return payload_checks_sql()
-    return sql_file(name)
+    return function_sql(name, revision)
 
 
 def upgrade() -> None:
@@ -263,10 +232,6 @@ def upgrade() -> None:
         )
 
 
-def _revision(name: str) -> object:
-    return importlib.import_module(f"migrations.versions.{name}")
-
-
 def downgrade() -> None:
     for table in CONSUMER_TABLES:
         op.execute(f"DROP POLICY {table}_own_consumers ON {table}")
@@ -283,12 +248,11 @@ def downgrade() -> None:
     op.execute("DROP INDEX events_reserved_share_idx")
     for function in (*reversed(NEW_FUNCTIONS), *_payload_check_functions()):
         op.execute(f"DROP FUNCTION {function}")
-    # 0010's functions, as 0003, 0007 and 0008 left them
-    op.execute(getattr(_revision("0003_append_function"), "FUNCTION"))  # noqa: B009
-    op.execute(getattr(_revision("0007_leases"), "APPEND_GUARDED_FUNCTION"))  # noqa: B009
-    agents = _revision("0008_agent_reports")
-    op.execute(getattr(agents, "NODE_OF"))  # noqa: B009
-    op.execute(getattr(agents, "NODE_SCOPE"))  # noqa: B009
+    # 0010's functions: the versions of 0003, 0007 and 0008
+    install("dracap_append", "0003")
+    install("dracap_append_guarded", "0007")
+    install("dracap_node_of", "0008")
+    install("dracap_check_node_scope", "0008")
     app = app_role()
     for function in (OLD_APPEND, OLD_APPEND_GUARDED, OLD_NODE_SCOPE, NODE_OF):
         op.execute(f"ALTER FUNCTION {function} OWNER TO {OWNER}")

@@ -19,9 +19,10 @@ more, so this revision takes away what such a user could do (docs/database-roles
   revoked (reading the log, the agents' consumer rows, the leases, ``EXECUTE`` on the
   append function and on 0007's ``dracap_renew_lease``, which goes too). The group role
   itself stays, as 0009 and 0010 keep theirs: roles are the cluster's;
-* **the append function** no longer looks up a binding (the file, in full), and **the
-  jobs** no longer name ``agent``: the payload checks and writers are installed again
-  from ``migrations/functions/dracap_payload_checks.sql`` (:data:`CATALOG`).
+* **the append function** no longer looks up a binding (``dracap_append_guarded/0012.sql``,
+  in full), and **the jobs** no longer name ``agent``: the payload checks and writers
+  are installed again from ``migrations/functions/dracap_payload_checks.sql``
+  (:data:`CATALOG`).
 
 The downgrade restores 0011's schema, functions and grants: the binding table (empty),
 ``dracap_bound_node()``, ``dracap_renew_lease``, ``dracap_agent``'s rights, 0011's
@@ -38,6 +39,7 @@ from types import ModuleType
 from alembic import op
 
 from migrations.roles import app_role, quote
+from migrations.sqlfiles import generated_sql, install
 
 revision: str = "0012"
 down_revision: str | None = "0011"
@@ -106,26 +108,25 @@ def _agent_rights(verb: str) -> None:
 
 
 def upgrade() -> None:
-    jobs = _login_jobs()
     op.execute(DROP_NODE_USERS)
     _agent_rights("REVOKE")
     op.execute(f"DROP FUNCTION {RENEW}")
-    op.execute(jobs.sql_file("dracap_append_guarded.sql"))  # no binding to look up
+    install("dracap_append_guarded", revision)  # no binding to look up
     op.execute(f"DROP FUNCTION {BOUND_NODE}")
     op.execute("DROP TABLE dracap_node_roles")
-    op.execute(jobs.sql_file("dracap_payload_checks.sql"))  # jobs without ``agent``
+    op.execute(generated_sql("dracap_payload_checks"))  # jobs without ``agent``
 
 
 def downgrade() -> None:
-    jobs, roles, leases = _login_jobs(), _revision("0006_roles"), _revision("0007_leases")
+    jobs, roles = _login_jobs(), _revision("0006_roles")
     op.execute(roles.NODE_ROLES)
     op.execute(f"ALTER TABLE dracap_node_roles OWNER TO {OWNER}")
     op.execute(f"GRANT SELECT ON dracap_node_roles TO {quote(READONLY)}")
-    op.execute(roles.BOUND_NODE_FUNCTION)  # PUBLIC may ask it (0006)
+    install("dracap_bound_node", "0006")  # PUBLIC may ask it (0006)
     op.execute(f"ALTER FUNCTION {BOUND_NODE} OWNER TO {OWNER}")
-    op.execute(jobs.append_guarded_sql())
+    install("dracap_append_guarded", "0011")
     op.execute(jobs.payload_checks_sql())
-    op.execute(leases.RENEW_FUNCTION)
+    install("dracap_renew_lease", "0007")
     op.execute(f"ALTER FUNCTION {RENEW} OWNER TO {OWNER}")
     op.execute(f"REVOKE EXECUTE ON FUNCTION {RENEW} FROM PUBLIC")
     op.execute(f"GRANT EXECUTE ON FUNCTION {RENEW} TO {quote(AGENT)}")

@@ -10,7 +10,7 @@ visible) before any writer can get p + 1, and a rolled-back append rolls the cou
 back with it. A reader that tails ``position > last_seen`` never skips a late commit.
 
 Everything done while holding that lock delays every other writer, so an append is one
-statement, ``dracap_append_guarded`` (migration 0011, ``migrations/functions/``), sent
+statement, ``dracap_append_guarded`` (migration 0012, ``migrations/functions/``), sent
 outside an explicit transaction so that it commits in the server as it ends and the head
 lock is never held across a client round trip. The function checks what it is sent as
 data, never trusting it: every payload against the catalog (SQLSTATE ``DR006`` ->

@@ -24,7 +24,7 @@ so the database checks each payload against that same type, described by
 * ``dracap_catalog_digest()``: the SHA-256 of what all of it was generated from.
 
 ``python -m services.runtime.payloadchecks`` writes the result to
-``migrations/functions/dracap_payload_checks.sql``, which migration 0011 installs (a
+``migrations/functions/dracap_payload_checks.sql``, which migration 0012 installs (a
 later change of the catalog regenerates the file and adds a migration that installs it
 again, naming the new digest: ``tests/unit/test_payload_checks.py`` fails until both
 are done, and ``tests/integration/test_payload_checks.py`` compares the database's

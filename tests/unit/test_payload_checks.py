@@ -23,6 +23,7 @@ import pytest
 
 from events import catalog, writers
 from events.actors import Actor
+from migrations import sqlfiles
 from services.runtime import payloadchecks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,12 +116,13 @@ def test_actors_speak_as_their_writer(actor: Actor, writer: str | None) -> None:
 
 def test_0011_installs_its_own_jobs_and_binding_and_0012_neither() -> None:
     """0012 took ``agent`` out of the jobs and the node binding out of the append function
-    (its files); 0011 installs them as they were, which 0012's downgrade restores."""
+    (its file ``dracap_append_guarded/0012.sql``); 0011 installs them as they were (its
+    own version), which 0012's downgrade restores."""
     login_jobs = importlib.import_module("migrations.versions.0011_login_jobs")
     no_node_logins = importlib.import_module("migrations.versions.0012_no_node_logins")
     assert "agent" not in writers.JOBS and login_jobs.JOBS["agent"] == writers.JOBS["enforcement"]
     assert "WHEN 'agent' THEN" in login_jobs.payload_checks_sql()
     assert "WHEN 'agent' THEN" not in payloadchecks.generate()
-    assert "dracap_node_roles" in login_jobs.append_guarded_sql()
-    assert "dracap_node_roles" not in login_jobs.sql_file("dracap_append_guarded.sql")
+    assert "dracap_node_roles" in sqlfiles.function_sql("dracap_append_guarded", "0011")
+    assert "dracap_node_roles" not in sqlfiles.function_sql("dracap_append_guarded", "0012")
     assert no_node_logins.down_revision == login_jobs.revision

@@ -53,6 +53,7 @@ DECLARE
     v_writers text[];
     v_writer text;
     v_who text;
+    v_bound text;
     v_tenant text;
     v_namespace text;
     v_epoch text[];
@@ -115,6 +116,14 @@ BEGIN
                               || quote_literal(coalesce(v_namespace, ''));
             END IF;
         ELSIF v_writer = 'agent' THEN
+            SELECT r.node INTO v_bound FROM dracap_node_roles r WHERE r.role = session_user::text;
+            IF v_bound IS NOT NULL AND v_bound IS DISTINCT FROM v_epoch[1] THEN
+                RAISE EXCEPTION USING ERRCODE = 'DR004', DETAIL = 'actor',
+                    MESSAGE = 'database user ' || session_user || ' acts for node '
+                              || quote_literal(v_bound) || ' only: its appends name the agent '
+                              || 'and its lease epoch (agent:' || v_bound || '#<epoch>), not '
+                              || quote_literal(p_actor);
+            END IF;
             IF p_consumer IS NOT NULL AND left(p_consumer, 6) IS DISTINCT FROM 'agent-' THEN
                 RAISE EXCEPTION USING ERRCODE = 'DR005', DETAIL = 'consumer',
                     MESSAGE = v_who || ' may not record messages of consumer '
@@ -170,4 +179,4 @@ BEGIN
     END IF;
     RETURN QUERY SELECT v_head, v_current, NULL::bigint, v_at;
 END
-$$;
+$$

@@ -11,4 +11,4 @@ LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
                                                               substr(p, 6, 2)::int, 1)
                                                     + interval '1 month - 1 day')
         ELSE false END
-$$;
+$$

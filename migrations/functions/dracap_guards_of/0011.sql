@@ -80,4 +80,4 @@ BEGIN
     END LOOP;
     RETURN CASE WHEN cardinality(v_out) = 0 THEN NULL ELSE to_jsonb(v_out) END;
 END
-$$;
+$$

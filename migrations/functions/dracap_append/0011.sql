@@ -105,4 +105,4 @@ BEGIN
     PERFORM pg_notify('dracap_events', v_head::text);
     RETURN QUERY SELECT v_head, v_current, v_at;
 END
-$$;
+$$

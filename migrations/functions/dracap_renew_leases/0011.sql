@@ -17,4 +17,4 @@ SET search_path = public, pg_temp AS $$
      WHERE l.node = r.node AND l.epoch = r.epoch AND l.expires_at > clock_timestamp()
        AND r.epoch > coalesce((SELECT n.epoch FROM node_epochs n WHERE n.node = r.node), 0)
     RETURNING l.node
-$$;
+$$

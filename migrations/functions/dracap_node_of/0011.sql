@@ -118,4 +118,4 @@ BEGIN
         END IF;
     END LOOP;
 END
-$$;
+$$

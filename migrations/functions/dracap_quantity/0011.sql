@@ -111,4 +111,4 @@ BEGIN
     END IF;
     RETURN trim_scale(CASE WHEN m[1] = '-' THEN -nanos ELSE nanos END * 0.000000001);
 END
-$$;
+$$

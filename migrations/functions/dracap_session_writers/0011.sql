@@ -19,4 +19,4 @@ BEGIN
                     AND pg_has_role(session_user, g.oid, 'MEMBER'))
            END);
 END
-$$;
+$$
