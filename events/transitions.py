@@ -311,7 +311,7 @@ def _nothing(ev: Any) -> tuple[Transition, ...]:
 
 
 MEANINGS: Final[Mapping[type[Any], Callable[[Any], tuple[Transition, ...]]]] = {
-    DeviceClassApplied: lambda ev: (ClassDefined(name=ev.name),),
+    DeviceClassApplied: lambda ev: (ClassDefined(name=ev.device_class.metadata.name),),
     DeviceClassRemoved: lambda ev: (ClassRemoved(name=ev.name),),
     ClassModeSet: _nothing,
     ResourceSlicePublished: _nothing,

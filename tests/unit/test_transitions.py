@@ -32,6 +32,7 @@ from events.transitions import (
 from services.audit import records
 from services.billing import usage
 from tests.integration import sample as s
+from tests.unit.decision_fixtures import inventory
 
 
 def test_every_event_class_has_a_meaning() -> None:
@@ -106,3 +107,8 @@ def test_audit_and_billing_keep_the_folds_epochs() -> None:
     """Audit and billing hold the same ``NodeEpochs`` (one rule, not copies)."""
     assert records.NodeEpochs is NodeEpochs
     assert usage.NodeEpochs is NodeEpochs
+
+
+def test_a_class_applied_is_defined_by_its_name() -> None:
+    applied = next(e for e in inventory() if isinstance(e, catalog.DeviceClassApplied))
+    assert meaning(applied) == (ClassDefined(name=applied.device_class.metadata.name),)
