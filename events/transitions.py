@@ -356,8 +356,9 @@ def meaning(event: Event) -> tuple[Transition, ...]:
     return MEANINGS[type(event)](event)
 
 
-def first(transitions: Iterable[Transition], kind: type[_K]) -> _K | None:
-    """The first of ``transitions`` of type ``kind`` (``None``: none)."""
+def first(transitions: Iterable[Transition], kind: type[_K] | tuple[type[_K], ...]) -> _K | None:
+    """The first of ``transitions`` of type ``kind`` (or of one of the types of a tuple;
+    ``None``: none)."""
     for t in transitions:
         if isinstance(t, kind):
             return t
