@@ -351,9 +351,21 @@ MEANINGS: Final[Mapping[type[Any], Callable[[Any], tuple[Transition, ...]]]] = {
 }
 
 
+#: The last event asked about and its meaning: the listeners of a live state ask, one
+#: after the other, about the same event (a strong reference: the identity stays valid;
+#: events are frozen, so its meaning cannot change).
+_last: tuple[object, tuple[Transition, ...]] = (None, ())
+
+
 def meaning(event: Event) -> tuple[Transition, ...]:
     """The transitions ``event`` stands for, in order (empty: it changes nothing here)."""
-    return MEANINGS[type(event)](event)
+    global _last
+    last = _last
+    if last[0] is event:
+        return last[1]
+    transitions = MEANINGS[type(event)](event)
+    _last = (event, transitions)
+    return transitions
 
 
 def first(transitions: Iterable[Transition], kind: type[_K] | tuple[type[_K], ...]) -> _K | None:

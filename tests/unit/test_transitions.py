@@ -112,3 +112,11 @@ def test_audit_and_billing_keep_the_folds_epochs() -> None:
 def test_a_class_applied_is_defined_by_its_name() -> None:
     applied = next(e for e in inventory() if isinstance(e, catalog.DeviceClassApplied))
     assert meaning(applied) == (ClassDefined(name=applied.device_class.metadata.name),)
+
+
+def test_the_listeners_of_one_event_share_its_meaning() -> None:
+    """Asked again about the same event, :func:`meaning` answers what it answered."""
+    r = s.reserved("team-a", "c1", "gpu-0", "4Gi", share_id="s-1")
+    other = s.reserved("team-a", "c2", "gpu-0", "4Gi", share_id="s-2")
+    assert meaning(r) is meaning(r)
+    assert meaning(other) != meaning(r)
