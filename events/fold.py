@@ -155,6 +155,7 @@ from events.model import (
     encode_hook,
 )
 from events.quantities import Quantity
+from events.transitions import stale
 
 __all__ = [
     "LIVE_SHARE_STATES",
@@ -994,7 +995,7 @@ def _lease_acquired(state: ClusterState, ev: NodeLeaseAcquired, position: int) -
 
 def _lease_expired(state: ClusterState, ev: NodeLeaseExpired, position: int) -> None:
     node = state.nodes.get(ev.node)
-    if node is not None and (ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch):
+    if node is not None and stale(ev.epoch, node.lease_epoch, node.fenced_epoch):
         return  # stale
     shares = [state.shares[sid] for sid in node.live_shares] if node is not None else []
     node = _node(state, ev.node)
@@ -1008,7 +1009,7 @@ def _lease_expired(state: ClusterState, ev: NodeLeaseExpired, position: int) -> 
 
 def _fenced(state: ClusterState, ev: NodeFenced, position: int) -> None:
     node = state.nodes.get(ev.node)
-    if node is not None and (ev.epoch < node.lease_epoch or ev.epoch < node.fenced_epoch):
+    if node is not None and stale(ev.epoch, node.lease_epoch, node.fenced_epoch):
         return  # stale
     if node is not None:  # every look-up before a change
         _known(state.shares, node.live_shares)

@@ -25,19 +25,19 @@ from collections.abc import Iterable, Mapping, Sequence
 import msgspec
 
 from events.actors import ActorError, parse_actor
-from events.catalog import (
-    AppendRefused,
-    CapacityReleased,
-    CapacityReserved,
-    ClaimRejected,
-    ClaimSubmitted,
-    Envelope,
-    NodeFenced,
-    NodeLeaseAcquired,
-    NodeLeaseExpired,
-    tag_of,
-)
+from events.catalog import AppendRefused, ClaimRejected, Envelope, tag_of
 from events.quantities import Quantity
+from events.transitions import (
+    ClaimEntered,
+    NodeEpochs,
+    NodeFencedOff,
+    NodeLost,
+    NodeReturned,
+    ShareHeld,
+    ShareReleased,
+    first,
+    meaning,
+)
 
 __all__ = [
     "AuditRecord",
@@ -62,18 +62,6 @@ class ShareInfo(msgspec.Struct, frozen=True, kw_only=True):
     amounts: dict[str, str]
     policy_version: int
     live: bool = True
-
-
-class NodeEpochs(msgspec.Struct, frozen=True, kw_only=True):
-    """A node's newest lease epoch (acquired or expired) and fence epoch (``audit_nodes``)."""
-
-    node: str
-    lease_epoch: int = 0
-    fenced_epoch: int = 0
-
-    def stale(self, epoch: int) -> bool:
-        """Whether an expiry or fence at ``epoch`` changes nothing (the fold's rule)."""
-        return epoch < self.lease_epoch or epoch < self.fenced_epoch
 
 
 class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,12 +130,13 @@ def needs(envs: Iterable[Envelope]) -> tuple[set[str], set[str]]:
     shares: set[str] = set()
     nodes: set[str] = set()
     for env in envs:
+        transitions = meaning(env.event)
         share_id = getattr(env.event, "share_id", None)
-        if isinstance(share_id, str) and not isinstance(env.event, CapacityReserved):
+        if isinstance(share_id, str) and not any(isinstance(t, ShareHeld) for t in transitions):
             shares.add(share_id)
-        node = getattr(env.event, "node", None)
-        if isinstance(env.event, NodeFenced | NodeLeaseExpired | NodeLeaseAcquired) and node:
-            nodes.add(node)
+        for t in transitions:
+            if isinstance(t, NodeReturned | NodeLost | NodeFencedOff):
+                nodes.add(t.node)
     return shares, nodes
 
 
@@ -168,6 +157,7 @@ def build(
     epochs = dict(nodes)
     for env in sorted(envs, key=lambda e: e.position):
         event = env.event
+        transitions = meaning(event)
         tag = tag_of(event)
         base: dict[str, object] = {
             "position": env.position,
@@ -183,20 +173,22 @@ def build(
             "node": getattr(event, "node", None),
         }
         name = getattr(event, "name", None)
-        if isinstance(event, ClaimSubmitted):
-            fields["claim"] = event.claim.metadata.name
+        entered = first(transitions, ClaimEntered)
+        if entered is not None:
+            fields["claim"] = entered.name
         elif isinstance(name, str) and env.namespace is not None:
             fields["claim"] = name
-        if isinstance(event, CapacityReserved):
+        held = first(transitions, ShareHeld)
+        if held is not None:
             info = ShareInfo(
-                share_id=event.share_id,
-                namespace=event.namespace,
-                claim=event.name,
-                request=event.request,
-                device=device_name(event.driver, event.pool, event.device),
-                node=event.node,
-                amounts=_amounts(event.consumed),
-                policy_version=event.policy_version,
+                share_id=held.share_id,
+                namespace=held.namespace,
+                claim=held.claim,
+                request=held.request,
+                device=device_name(held.driver, held.pool, held.device),
+                node=held.node,
+                amounts=_amounts(held.amounts),
+                policy_version=held.policy_version,
             )
             known[info.share_id] = out.shares[info.share_id] = info
             if info.node is not None:
@@ -220,7 +212,7 @@ def build(
             else:
                 fields.update(_share_fields(seen))
             fields["node"] = getattr(event, "node", None) or seen.node
-            if isinstance(event, CapacityReleased) and seen.live:
+            if first(transitions, ShareReleased) is not None and seen.live:
                 released = msgspec.structs.replace(seen, live=False)
                 known[share_id] = out.shares[share_id] = released
                 if seen.node is not None:
@@ -232,13 +224,9 @@ def build(
             if value is not None and key not in fields:
                 fields[key] = value
         out.records.append(AuditRecord(seq=0, **base, **fields))  # type: ignore[arg-type]
-        if isinstance(event, NodeLeaseAcquired):
-            node = epochs.get(event.node, NodeEpochs(node=event.node))
-            epochs[event.node] = out.nodes[event.node] = msgspec.structs.replace(
-                node, lease_epoch=max(node.lease_epoch, event.epoch)
-            )
-        elif isinstance(event, NodeLeaseExpired | NodeFenced):
-            _node_wide(out, env, base, known, on_node, epochs)
+        for t in transitions:
+            if isinstance(t, NodeReturned | NodeLost | NodeFencedOff):
+                _node_change(out, t, base, known, on_node, epochs)
     return out
 
 
@@ -255,28 +243,24 @@ def _share_fields(info: ShareInfo) -> dict[str, object]:
     }
 
 
-def _node_wide(
+def _node_change(
     out: Update,
-    env: Envelope,
+    change: NodeReturned | NodeLost | NodeFencedOff,
     base: dict[str, object],
     known: dict[str, ShareInfo],
     on_node: dict[str, set[str]],
     epochs: dict[str, NodeEpochs],
 ) -> None:
-    """An expiry or fence that counts: a record per live share of the node."""
-    event = env.event
-    assert isinstance(event, NodeLeaseExpired | NodeFenced)
-    node = epochs.get(event.node, NodeEpochs(node=event.node))
-    if node.stale(event.epoch):
+    """A node's epochs move; an expiry or fence that counts: a record per live share."""
+    after = epochs.get(change.node, NodeEpochs(node=change.node)).after(change)
+    if after is None:  # stale
         return
-    fenced = isinstance(event, NodeFenced)
-    epochs[event.node] = out.nodes[event.node] = msgspec.structs.replace(
-        node,
-        lease_epoch=max(node.lease_epoch, event.epoch),
-        fenced_epoch=max(node.fenced_epoch, event.epoch) if fenced else node.fenced_epoch,
-    )
+    epochs[change.node] = out.nodes[change.node] = after
+    if isinstance(change, NodeReturned):
+        return
+    fenced = isinstance(change, NodeFencedOff)
     decision = "released-by-fence" if fenced else "unknown-by-expiry"
-    live = sorted(on_node.get(event.node, ()))
+    live = sorted(on_node.get(change.node, ()))
     for seq, share_id in enumerate(live, start=1):
         info = known.get(share_id)
         if info is None:
@@ -287,4 +271,4 @@ def _node_wide(
             AuditRecord(seq=seq, **{**base, "decision": decision}, **_share_fields(info))  # type: ignore[arg-type]
         )
     if fenced:
-        on_node[event.node] = set()
+        on_node[change.node] = set()

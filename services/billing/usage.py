@@ -17,10 +17,12 @@ computed from the quantity's nano-units and whole microseconds). ``dracap usage`
 it as GiB-hours and Gbit/s-hours (:func:`display`).
 
 Expiries and fences older than the node's newest lease or fence are stale and change
-nothing, as in the fold (:class:`NodeEpochs`). The service applies the log in order,
-so a share's reservation comes before what follows it; on a log written by hand, a
-reservation whose claim was never submitted is billed under the class ``""``, and an
-event about a share never reserved changes nothing.
+nothing, by the fold's one rule (:class:`events.transitions.NodeEpochs`). Billing reads
+what each event means (:func:`events.transitions.meaning`), not the event classes.
+The service applies the log in order, so a share's reservation comes before what
+follows it; on a log written by hand, a reservation whose claim was never submitted
+is billed under the class ``""``, and an event about a share never reserved changes
+nothing.
 """
 
 from __future__ import annotations
@@ -32,18 +34,20 @@ from typing import Final, Literal, TypeAlias
 
 import msgspec
 
-from events.catalog import (
-    CapacityReleased,
-    CapacityReserved,
-    ClaimSubmitted,
-    Envelope,
-    NodeFenced,
-    NodeLeaseAcquired,
-    NodeLeaseExpired,
-    ShareConfirmed,
-    ShareMarkedUnknown,
-)
+from events.catalog import ClaimSubmitted, Envelope
 from events.model import ResourceClaim
+from events.transitions import (
+    ClaimEntered,
+    NodeEpochs,
+    NodeFencedOff,
+    NodeLost,
+    NodeReturned,
+    ShareHeld,
+    ShareKnownAgain,
+    ShareReleased,
+    ShareUnknown,
+    meaning,
+)
 
 __all__ = [
     "HOUR",
@@ -84,17 +88,6 @@ class BillingShare(msgspec.Struct, frozen=True, kw_only=True):
     state: State
     since: datetime.datetime
     position: int
-
-
-class NodeEpochs(msgspec.Struct, frozen=True, kw_only=True):
-    """A node's newest lease epoch (acquired or expired) and fence epoch."""
-
-    node: str
-    lease_epoch: int = 0
-    fenced_epoch: int = 0
-
-    def stale(self, epoch: int) -> bool:
-        return epoch < self.lease_epoch or epoch < self.fenced_epoch
 
 
 class Segment(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,13 +185,14 @@ def needs(envs: Iterable[Envelope]) -> tuple[set[tuple[str, str]], set[str], set
     shares: set[str] = set()
     nodes: set[str] = set()
     for env in envs:
-        event = env.event
-        if isinstance(event, CapacityReserved):
-            claims.add((event.namespace, event.name))
-        elif isinstance(event, ShareMarkedUnknown | ShareConfirmed | CapacityReleased):
-            shares.add(event.share_id)
-        elif isinstance(event, NodeLeaseExpired | NodeFenced | NodeLeaseAcquired):
-            nodes.add(event.node)
+        for t in meaning(env.event):
+            match t:
+                case ShareHeld():
+                    claims.add((t.namespace, t.claim))
+                case ShareUnknown() | ShareKnownAgain() | ShareReleased():
+                    shares.add(t.share_id)
+                case NodeLost() | NodeFencedOff() | NodeReturned():
+                    nodes.add(t.node)
     return claims, shares, nodes
 
 
@@ -238,62 +232,59 @@ def apply(
         put(msgspec.structs.replace(share, state=then, since=at, position=position))
 
     for env in sorted(envs, key=lambda e: e.position):
-        event, at, position = env.event, env.recorded_at, env.position
-        if isinstance(event, ClaimSubmitted):
-            key = (event.claim.metadata.namespace or "", event.claim.metadata.name)
-            request_of[key] = out.claims[key] = request_classes(event.claim)
-        elif isinstance(event, CapacityReserved):
-            if event.share_id in known:
-                continue
-            classes = request_of.get((event.namespace, event.name), {})  # {}: never submitted
-            device_class = classes.get(event.request) or classes.get(
-                event.request.partition("/")[0], ""
-            )
-            put(
-                BillingShare(
-                    share_id=event.share_id,
-                    namespace=event.namespace,
-                    device_class=device_class,
-                    node=event.node,
-                    amounts={k: v.nanos for k, v in sorted(event.consumed.items())},
-                    billed=not event.admin_access,
-                    state="held",
-                    since=at,
-                    position=position,
-                )
-            )
-        elif isinstance(event, ShareMarkedUnknown | ShareConfirmed | CapacityReleased):
-            share = known.get(event.share_id)
-            if share is None:
-                continue  # never reserved in this log: nothing was billed, nothing to close
-            if isinstance(event, CapacityReleased):
-                close(share, at, "closed", position)
-            elif isinstance(event, ShareMarkedUnknown) and share.state == "held":
-                close(share, at, "unknown", position)
-            elif isinstance(event, ShareConfirmed) and share.state == "unknown":
-                close(share, at, "held", position)
-        elif isinstance(event, NodeLeaseAcquired):
-            node = epochs.get(event.node, NodeEpochs(node=event.node))
-            epochs[event.node] = out.nodes[event.node] = msgspec.structs.replace(
-                node, lease_epoch=max(node.lease_epoch, event.epoch)
-            )
-        elif isinstance(event, NodeLeaseExpired | NodeFenced):
-            node = epochs.get(event.node, NodeEpochs(node=event.node))
-            if node.stale(event.epoch):
-                continue
-            fenced = isinstance(event, NodeFenced)
-            epochs[event.node] = out.nodes[event.node] = msgspec.structs.replace(
-                node,
-                lease_epoch=max(node.lease_epoch, event.epoch),
-                fenced_epoch=max(node.fenced_epoch, event.epoch) if fenced else node.fenced_epoch,
-            )
-            on_node = sorted(
-                s.share_id for s in known.values() if s.node == event.node and s.state != "closed"
-            )
-            for share_id in on_node:
-                share = known[share_id]
-                if fenced:
-                    close(share, at, "closed", position)
-                elif share.state == "held":
-                    close(share, at, "unknown", position)
+        at, position = env.recorded_at, env.position
+        for t in meaning(env.event):
+            match t:
+                case ClaimEntered():
+                    assert isinstance(env.event, ClaimSubmitted)  # the manifest's classes
+                    key = (t.namespace, t.name)
+                    request_of[key] = out.claims[key] = request_classes(env.event.claim)
+                case ShareHeld():
+                    if t.share_id in known:
+                        continue
+                    classes = request_of.get((t.namespace, t.claim), {})  # {}: never submitted
+                    device_class = classes.get(t.request) or classes.get(
+                        t.request.partition("/")[0], ""
+                    )
+                    put(
+                        BillingShare(
+                            share_id=t.share_id,
+                            namespace=t.namespace,
+                            device_class=device_class,
+                            node=t.node,
+                            amounts={k: v.nanos for k, v in sorted(t.amounts.items())},
+                            billed=not t.admin,
+                            state="held",
+                            since=at,
+                            position=position,
+                        )
+                    )
+                case ShareReleased() | ShareUnknown() | ShareKnownAgain():
+                    share = known.get(t.share_id)
+                    if share is None:
+                        continue  # never reserved in this log: nothing billed, nothing to close
+                    if isinstance(t, ShareReleased):
+                        close(share, at, "closed", position)
+                    elif isinstance(t, ShareUnknown) and share.state == "held":
+                        close(share, at, "unknown", position)
+                    elif isinstance(t, ShareKnownAgain) and share.state == "unknown":
+                        close(share, at, "held", position)
+                case NodeReturned() | NodeLost() | NodeFencedOff():
+                    after = epochs.get(t.node, NodeEpochs(node=t.node)).after(t)
+                    if after is None:  # stale
+                        continue
+                    epochs[t.node] = out.nodes[t.node] = after
+                    if isinstance(t, NodeReturned):
+                        continue
+                    on_node = sorted(
+                        s.share_id
+                        for s in known.values()
+                        if s.node == t.node and s.state != "closed"
+                    )
+                    for share_id in on_node:
+                        share = known[share_id]
+                        if isinstance(t, NodeFencedOff):
+                            close(share, at, "closed", position)
+                        elif share.state == "held":
+                            close(share, at, "unknown", position)
     return out

@@ -27,24 +27,13 @@ Quantities are written in canonical Kubernetes form (``"10Gi"``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 
 from events.catalog import (
-    CapacityReleased,
-    CapacityReserved,
-    ClaimSubmitted,
-    DeviceHealthChanged,
     Envelope,
-    LimitApplied,
-    LimitFailed,
-    LimitRemoved,
     NamespaceAccessSet,
-    NodeFenced,
-    NodeLeaseExpired,
-    ShareConfirmed,
-    ShareMarkedUnknown,
 )
 from events.fold import (
     LIVE_SHARE_STATES,
@@ -59,6 +48,20 @@ from events.inventory import DeviceEntry, Inventory, lost_nodes
 from events.model import AllocationResult, DeviceAttribute, DeviceClass, describe_policy
 from events.model import to_builtins as model_builtins
 from events.tenancy import allow_list, class_allowed, tenant_attributes
+from events.transitions import (
+    ClaimEntered,
+    DeviceHealth,
+    LimitsRemoved,
+    LimitsSettled,
+    NodeFencedOff,
+    NodeLost,
+    ShareHeld,
+    ShareKnownAgain,
+    ShareReleased,
+    ShareUnknown,
+    Transition,
+    meaning,
+)
 from events.validation import split_qualified_name
 
 __all__ = [
@@ -470,44 +473,48 @@ def _attribute_json(attribute: DeviceAttribute) -> Any:
     return None
 
 
-_NODE_WIDE: Final = (NodeLeaseExpired, NodeFenced)  # a tuple: no union object per call
-_SHARE_EVENTS: Final = (
-    LimitApplied,
-    LimitFailed,
-    LimitRemoved,
-    CapacityReleased,
-    ShareMarkedUnknown,
-    ShareConfirmed,
-)
-
-
 def claims_touched(state: ClusterState, env: Envelope) -> list[ClaimKey]:
     """The claims whose view ``env`` may have changed, read off the whole state (a node-wide
     event or a device's health walks every share): what :class:`ClaimsTouched` answers
     at the cost of what the event names; kept as its reference."""
-    event = env.event
-    if isinstance(event, DeviceHealthChanged):
-        key = (event.driver, event.pool, event.device)
-        return sorted({s.claim for s in state.shares.values() if s.live and s.device_key == key})
-    if isinstance(event, _NODE_WIDE):
-        return sorted(
-            {
-                s.claim
-                for s in state.shares.values()
-                if s.node == event.node and (s.state == "unknown" or s.released_at == env.position)
-            }
-        )
-    return _named(state, env)
+    transitions = meaning(env.event)
+    for t in transitions:
+        match t:
+            case DeviceHealth():
+                key = (t.driver, t.pool, t.device)
+                return sorted(
+                    {s.claim for s in state.shares.values() if s.live and s.device_key == key}
+                )
+            case NodeLost() | NodeFencedOff():
+                return sorted(
+                    {
+                        s.claim
+                        for s in state.shares.values()
+                        if s.node == t.node
+                        and (s.state == "unknown" or s.released_at == env.position)
+                    }
+                )
+    return _named(state, env, transitions)
 
 
-def _named(state: ClusterState, env: Envelope) -> list[ClaimKey]:
+def _named(
+    state: ClusterState, env: Envelope, transitions: tuple[Transition, ...]
+) -> list[ClaimKey]:
     """The claim an event names, directly or through its share (none for the others)."""
     event = env.event
-    if isinstance(event, ClaimSubmitted):
-        return [(event.claim.metadata.namespace or "", event.claim.metadata.name)]
-    if isinstance(event, _SHARE_EVENTS):
-        share = state.shares.get(event.share_id)
-        return [share.claim] if share is not None else []
+    for t in transitions:
+        match t:
+            case ClaimEntered():
+                return [(t.namespace, t.name)]
+            case (
+                LimitsSettled()
+                | LimitsRemoved()
+                | ShareReleased()
+                | ShareUnknown()
+                | ShareKnownAgain()
+            ):
+                share = state.shares.get(t.share_id)
+                return [share.claim] if share is not None else []
     namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
     if (
         isinstance(namespace, str)
@@ -536,24 +543,28 @@ class ClaimsTouched:
         }
 
     def __call__(self, state: ClusterState, env: Envelope) -> list[ClaimKey]:
-        event = env.event
-        if isinstance(event, CapacityReserved) and event.node is not None:
-            self._on_node.setdefault(event.node, set()).add(event.share_id)
-        elif isinstance(event, CapacityReleased):
-            share = state.shares.get(event.share_id)
-            if share is not None and share.node is not None and not share.live:
-                self._on_node.get(share.node, set()).discard(share.share_id)
-        elif isinstance(event, DeviceHealthChanged):
-            return self._on_device(state, (event.driver, event.pool, event.device))
-        elif isinstance(event, _NODE_WIDE):
-            on_node = self._on_node.get(event.node, set())
-            shares = [state.shares[s] for s in on_node if s in state.shares]
-            touched = {
-                s.claim for s in shares if s.state == "unknown" or s.released_at == env.position
-            }
-            on_node.difference_update(s.share_id for s in shares if not s.live)
-            return sorted(touched)
-        return _named(state, env)
+        transitions = meaning(env.event)
+        for t in transitions:
+            match t:
+                case ShareHeld(node=str(node)):
+                    self._on_node.setdefault(node, set()).add(t.share_id)
+                case ShareReleased():
+                    share = state.shares.get(t.share_id)
+                    if share is not None and share.node is not None and not share.live:
+                        self._on_node.get(share.node, set()).discard(share.share_id)
+                case DeviceHealth():
+                    return self._on_device(state, (t.driver, t.pool, t.device))
+                case NodeLost() | NodeFencedOff():
+                    on_node = self._on_node.get(t.node, set())
+                    shares = [state.shares[s] for s in on_node if s in state.shares]
+                    touched = {
+                        s.claim
+                        for s in shares
+                        if s.state == "unknown" or s.released_at == env.position
+                    }
+                    on_node.difference_update(s.share_id for s in shares if not s.live)
+                    return sorted(touched)
+        return _named(state, env, transitions)
 
     def _on_device(self, state: ClusterState, device: tuple[str, str, str]) -> list[ClaimKey]:
         dev = state.devices.get(device)

@@ -58,9 +58,6 @@ import msgspec
 
 from events.actors import Actor
 from events.catalog import (
-    ClaimSubmitted,
-    DeviceClassApplied,
-    DeviceClassRemoved,
     Envelope,
     claim_stream,
     lease_stream,
@@ -68,6 +65,7 @@ from events.catalog import (
 )
 from events.fold import ClaimKey, ClusterState
 from events.tenancy import not_started as class_not_started
+from events.transitions import ClaimEntered, ClassDefined, ClassRemoved, first, meaning
 from services.reclamation.decisions import (
     NotStarted,
     candidate_of,
@@ -142,11 +140,12 @@ class NotStartedQueue:
     def observe(self, state: ClusterState, env: Envelope) -> None:
         """Queue the claim ``env`` names if it is a candidate now (after the fold)."""
         event = env.event
-        if isinstance(event, DeviceClassApplied | DeviceClassRemoved):
+        transitions = meaning(event)
+        if first(transitions, (ClassDefined, ClassRemoved)) is not None:
             self.rescan(state)
             return
-        if isinstance(event, ClaimSubmitted):
-            key: ClaimKey | None = (event.claim.metadata.namespace or "", event.claim.metadata.name)
+        if (entered := first(transitions, ClaimEntered)) is not None:
+            key: ClaimKey | None = (entered.namespace, entered.name)
         elif isinstance(share_id := getattr(event, "share_id", None), str):
             share = state.shares.get(share_id)
             key = share.claim if share is not None else None

@@ -42,20 +42,25 @@ from typing import Any, Final
 import msgspec
 
 from events.catalog import (
-    AllocationBound,
     ClaimRejected,
-    ClaimSubmitted,
-    ClaimUnschedulable,
     Event,
-    MessageDeadLettered,
-    NodeFenced,
-    NodeLeaseExpired,
-    ShareMarkedUnknown,
 )
 from events.errors import InvariantViolation
 from events.fold import ClaimKey, ClusterState
 from events.folding import Refusal, decode, fold_event, refuse
 from events.quantities import Format
+from events.transitions import (
+    ClaimBound,
+    ClaimDecided,
+    ClaimEntered,
+    MessageDropped,
+    NodeFencedOff,
+    NodeLost,
+    ShareUnknown,
+    Transition,
+    first,
+    meaning,
+)
 from services.replay.history import ReplayBrokenError
 from services.replay.sources import LogSource
 from services.replay.verify import note_refused
@@ -75,14 +80,17 @@ _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 _NUMBER = re.compile(r"\d+(\.\d+)?")
 
 
-#: The events after which more claims may be unconverged or waiting, or shares unknown.
-_PENDING_GROWS: Final = (
-    ClaimSubmitted,
-    ClaimUnschedulable,
-    AllocationBound,
-    NodeLeaseExpired,
-    ShareMarkedUnknown,
-)
+def _pending_grows(transitions: tuple[Transition, ...]) -> bool:
+    """Whether more claims may be unconverged or waiting, or shares unknown, after these."""
+    for t in transitions:
+        match t:
+            case ClaimEntered() | ClaimBound() | NodeLost() | ShareUnknown():
+                return True
+            case ClaimDecided(outcome="unschedulable"):
+                return True
+    return False
+
+
 #: What :meth:`_Fold._peak` follows: a name and the field of ``Pending`` it reads.
 _PEAKS: Final = (("unconverged", "claims"), ("waiting", "waiting"), ("unknown", "unknown"))
 
@@ -123,6 +131,9 @@ class Report(msgspec.Struct, kw_only=True):
     #: spans that ended in the window: kind (scheduling, capacity_wait, convergence,
     #: enforcement) -> class -> (how many, their sum in seconds)
     spans: dict[str, dict[str, tuple[int, float]]] = {}
+    #: decisions recorded in the window: outcome (admitted, rejected, unschedulable) ->
+    #: class -> how many (what ``dracap_claim_decisions_total`` counts)
+    decisions: dict[str, dict[str, int]] = {}
 
 
 def _time_of(value: Any) -> datetime.datetime:
@@ -137,10 +148,13 @@ def rule_of(event: ClaimRejected) -> str:
     return text if len(text) <= 60 else text[:59] + "…"
 
 
-def _claims_named(state: ClusterState, event: Event) -> list[ClaimKey]:
+def _claims_named(
+    state: ClusterState, event: Event, transitions: tuple[Transition, ...]
+) -> list[ClaimKey]:
     """The claims whose phase ``event`` may change (read before folding it)."""
-    if isinstance(event, ClaimSubmitted):
-        return [(event.claim.metadata.namespace or "", event.claim.metadata.name)]
+    entered = first(transitions, ClaimEntered)
+    if entered is not None:
+        return [(entered.namespace, entered.name)]
     namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
     if isinstance(namespace, str) and isinstance(name, str):
         return [(namespace, name)]
@@ -148,8 +162,9 @@ def _claims_named(state: ClusterState, event: Event) -> list[ClaimKey]:
     if isinstance(share_id, str):
         share = state.shares.get(share_id)
         return [share.claim] if share is not None else []
-    if isinstance(event, NodeFenced):
-        node = state.nodes.get(event.node)
+    fenced = first(transitions, NodeFencedOff)
+    if fenced is not None:
+        node = state.nodes.get(fenced.node)
         return list({state.shares[s].claim for s in node.live_shares}) if node else []
     return []
 
@@ -199,7 +214,8 @@ class _Fold:
     ) -> Refusal | None:
         """Fold ``event``, recorded ``at``; count it in ``bucket`` (``None``: before the
         window). An event the fold refuses is skipped: its refusal is returned."""
-        touched = _claims_named(self.state, event)
+        transitions = meaning(event)
+        touched = _claims_named(self.state, event, transitions)
         before = {k: c.phase for k in touched if (c := self.state.claims.get(k)) is not None}
         try:
             refusal = fold_event(self.state, event, position)
@@ -217,12 +233,13 @@ class _Fold:
             claim = self.state.claims.get(key)
             if claim is not None and claim.phase != before.get(key):
                 counts["outcome"][claim.phase][bucket] += 1
-        if isinstance(event, _PENDING_GROWS):  # the peaks of a step follow these
+        if _pending_grows(transitions):  # the peaks of a step follow these
             self._peak(bucket)
-        if isinstance(event, ClaimRejected):
+        if isinstance(event, ClaimRejected):  # the rule it names (not a transition's)
             counts["rejection"][rule_of(event)][bucket] += 1
-        elif isinstance(event, MessageDeadLettered):
-            counts["dead"][event.consumer][bucket] += 1
+        for t in transitions:
+            if isinstance(t, MessageDropped):
+                counts["dead"][t.consumer][bucket] += 1
         for o in seen:
             if o.kind == "decision":
                 self.decisions[o.outcome][o.label][bucket] += 1
@@ -350,6 +367,10 @@ async def build_report(
                 for cls, by_bucket in by_class.items()
             }
             for kind, by_class in fold.spans.items()
+        },
+        decisions={
+            outcome: {cls: int(sum(by_bucket.values())) for cls, by_bucket in by_class.items()}
+            for outcome, by_class in fold.decisions.items()
         },
     )
 

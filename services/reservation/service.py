@@ -84,9 +84,7 @@ from nats.js import JetStreamContext
 from events.actors import Actor
 from events.catalog import (
     CapacityReleased,
-    CapacityReserved,
     ClaimAdmitted,
-    ClaimSubmitted,
     DeviceHealthChanged,
     Envelope,
     NamespaceAccessSet,
@@ -100,6 +98,16 @@ from events.inventory import SelectorResult, build_inventory
 from events.model import AllocationResult
 from events.selectors import DeviceView
 from events.subjects import BusNames
+from events.transitions import (
+    ClaimDecided,
+    ClaimEntered,
+    NodeFencedOff,
+    ShareHeld,
+    ShareReleased,
+    Transition,
+    first,
+    meaning,
+)
 from services.reservation.allocating import Allocator
 from services.reservation.deriving import grant_of, live_grants
 from services.reservation.outcomes import Allocated, Grant
@@ -273,38 +281,44 @@ class ReservationService:
     def observe(self, env: Envelope) -> None:
         """Live-state listener: keep grants, pending claims and the epoch current."""
         event, state = env.event, self.live.state
-        if isinstance(event, CapacityReserved):
-            share = state.shares.get(event.share_id)
-            if share is not None and share.live and event.share_id not in self._counted:
-                grant = grant_of(share)
-                self._count(state, event.share_id, grant)
-                if self._allocator is not None:
-                    self._allocator.add_grants([grant])
-        elif isinstance(event, CapacityReleased):
-            share = state.shares.get(event.share_id)
-            if share is not None and not share.live:
-                self._forget(event.share_id, share.node)
-        elif isinstance(event, NodeFenced):  # the node's counted shares, not every one
-            on_node = self._counted_on.get(event.node, set())
-            for share_id in [s for s in on_node if not state.shares[s].live]:
-                self._forget(share_id, event.node)
+        transitions = meaning(event)
+        for t in transitions:
+            match t:
+                case ShareHeld():
+                    share = state.shares.get(t.share_id)
+                    if share is not None and share.live and t.share_id not in self._counted:
+                        grant = grant_of(share)
+                        self._count(state, t.share_id, grant)
+                        if self._allocator is not None:
+                            self._allocator.add_grants([grant])
+                case ShareReleased():
+                    share = state.shares.get(t.share_id)
+                    if share is not None and not share.live:
+                        self._forget(t.share_id, share.node)
+                case NodeFencedOff():  # the node's counted shares, not every one
+                    on_node = self._counted_on.get(t.node, set())
+                    for share_id in [s for s in on_node if not state.shares[s].live]:
+                        self._forget(share_id, t.node)
         if isinstance(event, INVENTORY_EVENTS):
             self._allocator = None
         if isinstance(event, _FREEING):
             self._epoch += 1
-        self._track_claim(env, state)
+        self._track_claim(env, state, transitions)
 
-    def _track_claim(self, env: Envelope, state: ClusterState) -> None:
+    def _track_claim(
+        self, env: Envelope, state: ClusterState, transitions: tuple[Transition, ...]
+    ) -> None:
         event = env.event
-        if isinstance(event, ClaimSubmitted):
-            key = (event.claim.metadata.namespace or "", event.claim.metadata.name)
+        if (entered := first(transitions, ClaimEntered)) is not None:
+            key = (entered.namespace, entered.name)
         else:
             namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
             if not isinstance(namespace, str) or not isinstance(name, str):
                 return
             key = (namespace, name)
         claim = state.claims.get(key)
-        if isinstance(event, ClaimAdmitted):
+        decided = first(transitions, ClaimDecided)
+        if decided is not None and decided.outcome == "admitted":
             self._pending.pop(key, None)  # re-admission goes to the back of the queue
             self._tried.pop(key, None)
         if claim is not None and claim.phase in PENDING_PHASES:

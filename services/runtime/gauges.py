@@ -46,6 +46,7 @@ from events.features import DEFAULT_GATES, FeatureGates
 from events.fold import ClusterState, DeviceKey
 from events.inventory import build_inventory
 from events.model import CapacityRequestPolicy
+from events.transitions import NodeFencedOff, ShareHeld, ShareReleased, first, meaning
 from services.runtime.livestate import INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import CAPACITY_ALLOCATED_RATIO, CAPACITY_STRANDED_RATIO
 from services.runtime.series import CLAIM_OUTCOMES, initialise_series
@@ -218,16 +219,19 @@ class CapacityGauges:
         event = envelope.event
         if isinstance(event, INVENTORY_EVENTS):
             self._members = None
-        elif isinstance(event, CapacityReserved):
-            self._dirty.add((event.driver, event.pool, event.device))
-        elif isinstance(event, CapacityReleased):
-            share = self.live.state.shares.get(event.share_id)
-            if share is not None:
-                self._dirty.add(share.device_key)
-        elif isinstance(event, NodeFenced):
-            self._dirty.update(self._devices_of.get(event.node, ()))
         else:
-            return
+            change = first(meaning(event), (ShareHeld, ShareReleased, NodeFencedOff))
+            match change:
+                case ShareHeld():
+                    self._dirty.add((change.driver, change.pool, change.device))
+                case ShareReleased():
+                    share = self.live.state.shares.get(change.share_id)
+                    if share is not None:
+                        self._dirty.add(share.device_key)
+                case NodeFencedOff():
+                    self._dirty.update(self._devices_of.get(change.node, ()))
+                case _:
+                    return
         if self._scheduled:
             return
         try:

@@ -27,8 +27,9 @@ from typing import Final, NamedTuple
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from events.catalog import DeviceClassApplied, DeviceClassRemoved, Envelope, NodeFenced
+from events.catalog import Envelope
 from events.fold import ClusterState, ShareState
+from events.transitions import ClassDefined, ClassRemoved, NodeFencedOff, first, meaning
 from services.runtime.livestate import LiveState
 from services.runtime.slos import LiveCollector, share_class
 
@@ -95,12 +96,13 @@ class HeldCapacity(LiveCollector):
 
     def _changed(self, envelope: Envelope) -> None:
         event = envelope.event
-        if isinstance(event, DeviceClassApplied | DeviceClassRemoved):
+        transitions = meaning(event)
+        if first(transitions, (ClassDefined, ClassRemoved)) is not None:
             self.rebuild()  # which classes exist: every label may change
             return
         touched: Iterable[str] = ()
-        if isinstance(event, NodeFenced):
-            touched = list(self._by_node.get(event.node, ()))
+        if (fenced := first(transitions, NodeFencedOff)) is not None:
+            touched = list(self._by_node.get(fenced.node, ()))
         elif isinstance(share_id := getattr(event, "share_id", None), str):
             touched = (share_id,)
         for share_id in touched:

@@ -68,23 +68,20 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from events.catalog import (
-    AllocationBound,
-    ClaimAdmitted,
-    ClaimRejected,
-    ClaimSubmitted,
-    ClaimUnschedulable,
-    DeviceClassApplied,
-    Envelope,
-    Event,
-    LimitApplied,
-    LimitFailed,
-    NodeFenced,
-    NodeLeaseAcquired,
-    NodeLeaseExpired,
-    ShareMarkedUnknown,
-)
+from events.catalog import Envelope, Event
 from events.fold import TERMINAL_PHASES, ClaimKey, ClusterState, ShareState
+from events.transitions import (
+    ClaimBound,
+    ClaimDecided,
+    ClaimEntered,
+    ClassDefined,
+    LimitsSettled,
+    NodeFencedOff,
+    NodeLost,
+    NodeReturned,
+    ShareUnknown,
+    meaning,
+)
 from services.runtime.livestate import LiveState
 from services.runtime.metrics import REGISTRY, SCHEDULING_LATENCY
 
@@ -206,52 +203,58 @@ class SloFold:
     ) -> list[Observation]:
         """Fold one event recorded ``at`` (``state`` already has it); what it meant."""
         out: list[Observation] = []
-        if isinstance(event, ClaimSubmitted):
-            key = (event.claim.metadata.namespace or "", event.claim.metadata.name)
-            self.pending_claims.setdefault(key, (at, known_class(state, key)))
-        elif isinstance(event, (ClaimAdmitted, ClaimRejected, ClaimUnschedulable)):
-            key = (event.namespace, event.name)
-            cls = known_class(state, key)
-            out.append(Observation("decision", cls, 1.0, _DECISION[type(event)]))
-            self._decided(event, key, cls, at, out)
-        elif isinstance(event, NodeLeaseExpired):
-            self.expired_at.setdefault(event.node, at)
-            node = state.nodes.get(event.node)
-            for share_id in node.live_shares if node is not None else ():
-                if state.shares[share_id].state == "unknown":
-                    self.unknown.setdefault(share_id, at)
-        elif isinstance(event, ShareMarkedUnknown):  # the one share it names
-            if _share_state(state, event.share_id) == "unknown":
-                self.unknown.setdefault(event.share_id, at)
-        elif isinstance(event, (NodeLeaseAcquired, NodeFenced)):
-            since = self.expired_at.pop(event.node, None)
-            if since is not None:
-                outcome = RECOVERY_OUTCOMES[1 if isinstance(event, NodeFenced) else 0]
-                out.append(Observation("recovery", outcome, (at - since).total_seconds()))
-        elif isinstance(event, AllocationBound):
-            key = (event.namespace, event.name)
-            self._decided(event, key, known_class(state, key), at, out)
-        elif isinstance(event, (LimitApplied, LimitFailed)):
-            share = state.shares.get(event.share_id)
-            if share is not None:
-                self._enforced(event, share.claim, known_class(state, share.claim), at, out)
-        self._settle(state, event, at, out)
+        node_wide = False
+        for t in meaning(event):
+            match t:
+                case ClaimEntered():
+                    key = (t.namespace, t.name)
+                    self.pending_claims.setdefault(key, (at, known_class(state, key)))
+                case ClaimDecided(outcome="admitted" | "rejected" | "unschedulable"):
+                    key = (t.namespace, t.name)
+                    cls = known_class(state, key)
+                    out.append(Observation("decision", cls, 1.0, t.outcome))
+                    self._decided(t.outcome, key, cls, at, out)
+                case NodeLost():
+                    self.expired_at.setdefault(t.node, at)
+                    node = state.nodes.get(t.node)
+                    for share_id in node.live_shares if node is not None else ():
+                        if state.shares[share_id].state == "unknown":
+                            self.unknown.setdefault(share_id, at)
+                case ShareUnknown():  # the one share it names
+                    if _share_state(state, t.share_id) == "unknown":
+                        self.unknown.setdefault(t.share_id, at)
+                case NodeReturned() | NodeFencedOff():
+                    node_wide = True
+                    since = self.expired_at.pop(t.node, None)
+                    if since is not None:
+                        outcome = RECOVERY_OUTCOMES[1 if isinstance(t, NodeFencedOff) else 0]
+                        out.append(Observation("recovery", outcome, (at - since).total_seconds()))
+                case ClaimBound():
+                    key = (t.namespace, t.name)
+                    self._decided("bound", key, known_class(state, key), at, out)
+                case LimitsSettled():
+                    share = state.shares.get(t.share_id)
+                    if share is not None:
+                        cls = known_class(state, share.claim)
+                        self._enforced(t.applied, share.claim, cls, at, out)
+        self._settle(state, event, node_wide, at, out)
         return out
 
     def _decided(
-        self, event: Event, key: ClaimKey, cls: str, at: datetime.datetime, out: list[Observation]
+        self, decision: str, key: ClaimKey, cls: str, at: datetime.datetime, out: list[Observation]
     ) -> None:
-        """Scheduling, and waiting for capacity (see the module docstring)."""
-        if isinstance(event, ClaimAdmitted):
+        """Scheduling, and waiting for capacity (see the module docstring); ``decision``:
+        admitted, rejected, unschedulable or bound."""
+        if decision == "admitted":
             self.admitted[key] = at
             return
-        if isinstance(event, ClaimRejected):
+        if decision == "rejected":
             return
         admitted = self.admitted.pop(key, None)
         if admitted is not None:  # the first decision
-            outcome = "allocated" if isinstance(event, AllocationBound) else "unschedulable"
+            outcome = "allocated" if decision == "bound" else "unschedulable"
             out.append(Observation("scheduling", cls, (at - admitted).total_seconds(), outcome))
-        if isinstance(event, ClaimUnschedulable):
+        if decision == "unschedulable":
             if key not in self.waiting:
                 self.pending_claims.pop(key, None)
                 self.waiting[key] = (at, cls)
@@ -263,22 +266,27 @@ class SloFold:
             self.pending_claims[key] = (at, cls)
 
     def _enforced(
-        self, event: Event, key: ClaimKey, cls: str, at: datetime.datetime, out: list[Observation]
+        self, applied: bool, key: ClaimKey, cls: str, at: datetime.datetime, out: list[Observation]
     ) -> None:
         bound = self.bound.pop(key, None)
         if bound is not None:
-            outcome = "applied" if isinstance(event, LimitApplied) else "failed"
+            outcome = "applied" if applied else "failed"
             out.append(Observation("enforcement", cls, (at - bound).total_seconds(), outcome))
 
     def _settle(
-        self, state: ClusterState, event: Event, at: datetime.datetime, out: list[Observation]
+        self,
+        state: ClusterState,
+        event: Event,
+        node_wide: bool,
+        at: datetime.datetime,
+        out: list[Observation],
     ) -> None:
         """Close what ``event`` finished: only the claims and shares it names (one lookup
         per event on the hot path), everything pending after a node-wide event."""
         share_id = getattr(event, "share_id", None)
         keys: Iterable[ClaimKey]
         shares: Iterable[str]
-        if isinstance(event, (NodeFenced, NodeLeaseAcquired)):
+        if node_wide:  # a node returned or fenced
             keys, shares = list(self.pending_claims), list(self.unknown)
         elif isinstance(share_id, str):
             share = state.shares.get(share_id)
@@ -315,13 +323,6 @@ class SloFold:
             _by_class(shares),
             _by_class(self.waiting.values()),
         )
-
-
-_DECISION: Final[dict[type, str]] = {
-    ClaimAdmitted: "admitted",
-    ClaimRejected: "rejected",
-    ClaimUnschedulable: "unschedulable",
-}
 
 
 class LiveCollector(Collector):
@@ -373,8 +374,9 @@ class SloTracker(LiveCollector):
 
     def observe(self, env: Envelope) -> None:
         """Fold one envelope's meaning for the metrics (``live.state`` already has it)."""
-        if isinstance(env.event, DeviceClassApplied):  # a new class's series at 0 too
-            _class_series(env.event.device_class.metadata.name)
+        for t in meaning(env.event):
+            if isinstance(t, ClassDefined):  # a new class's series at 0 too
+                _class_series(t.name)
         for seen in self.fold.observe(self.live.state, env.event, env.recorded_at):
             if seen.kind == "convergence":
                 CONVERGENCE.labels(seen.label).observe(seen.value)

@@ -1,4 +1,5 @@
-"""The SLO metrics and ``dracap report`` agree on one log: one definition, two readers.
+"""The SLO metrics and ``dracap report`` agree on one log: one definition, two readers
+(both fold the transitions of :mod:`events.transitions` through one ``SloFold``).
 
 The in-process stack (the services of ``dracap up``) fills both GPUs of a class, a third
 claim waits for capacity until one of them is deleted, and every claim becomes Ready.
@@ -32,6 +33,17 @@ HISTOGRAMS = {
 }
 
 
+def _decisions() -> dict[str, float]:
+    """``dracap_claim_decisions_total`` for the test's class, by outcome, in this process now."""
+    return {
+        outcome: REGISTRY.get_sample_value(
+            "dracap_claim_decisions_total", {"class": GPU_CLASS, "outcome": outcome}
+        )
+        or 0.0
+        for outcome in ("admitted", "rejected", "unschedulable")
+    }
+
+
 def _observed() -> dict[str, tuple[float, float]]:
     """Each histogram's count and sum for the test's class, in this process now."""
     labels = {"class": GPU_CLASS}
@@ -47,7 +59,7 @@ def _observed() -> dict[str, tuple[float, float]]:
 async def test_report_and_metrics_say_the_same_of_one_log(
     settings: Settings, nats_url: str, tmp_path: Path
 ) -> None:
-    before = _observed()
+    before, decided_before = _observed(), _decisions()
     async with running_cluster(settings, nats_url, tmp_path, INVENTORY) as cluster:
         api = cluster.api
         for name in ("big-0", "big-1"):  # both 40Gi devices, whole
@@ -58,7 +70,7 @@ async def test_report_and_metrics_say_the_same_of_one_log(
         await api.claims(NAMESPACE, "delete", {"name": "big-0"})
         await view_when(api, "late", _ready)
         await view_when(api, "big-0", lambda v: v["phase"] == "released")
-        after = _observed()
+        after, decided_after = _observed(), _decisions()
 
     connection = await connect(settings)
     try:
@@ -72,6 +84,11 @@ async def test_report_and_metrics_say_the_same_of_one_log(
         seconds = after[kind][1] - before[kind][1]
         reported = report.spans.get(kind, {}).get(GPU_CLASS, (0, 0.0))
         assert (count, pytest.approx(seconds, abs=1e-6)) == reported, kind
+    for outcome, total in decided_after.items():
+        reported_decisions = report.decisions.get(outcome, {}).get(GPU_CLASS, 0)
+        assert total - decided_before[outcome] == reported_decisions, outcome
+    assert report.decisions["admitted"][GPU_CLASS] == 3, "each claim admitted once"
+    assert report.decisions["unschedulable"][GPU_CLASS] == 1, "the late claim waited"
     assert report.spans["scheduling"][GPU_CLASS][0] == 3, "one decision per claim"
     assert report.spans["capacity_wait"][GPU_CLASS][0] == 1, "the late claim waited once"
     assert report.spans["convergence"][GPU_CLASS][0] == 3

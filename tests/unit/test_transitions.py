@@ -1,0 +1,122 @@
+"""What each event means (``events.transitions``): the table covers the catalog, each
+row says what it should, and the one staleness rule holds for the fold, audit and
+billing alike."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from events import catalog
+from events.transitions import (
+    MEANINGS,
+    ClaimBound,
+    ClaimDecided,
+    ClaimEntered,
+    ClassDefined,
+    ClassRemoved,
+    LimitsSettled,
+    NodeEpochs,
+    NodeFencedOff,
+    NodeLost,
+    NodeReturned,
+    ShareHeld,
+    ShareKnownAgain,
+    ShareReleased,
+    ShareUnknown,
+    first,
+    meaning,
+    stale,
+)
+from services.audit import records
+from services.billing import usage
+from tests.integration import sample as s
+from tests.unit.decision_fixtures import inventory
+
+
+def test_every_event_class_has_a_meaning() -> None:
+    """A new event is a row of the table: without one, :func:`meaning` would raise."""
+    assert set(MEANINGS) == set(typing.get_args(catalog.Event))
+
+
+def test_claim_transitions() -> None:
+    r = s.reserved("team-a", "c1", "gpu-0", "4Gi", share_id="s-1")
+    assert meaning(s.claim_submitted("team-a", "c1")) == (
+        ClaimEntered(namespace="team-a", name="c1"),
+    )
+    rejected = catalog.ClaimRejected(namespace="team-a", name="c1", field="f", rule="r", reason="")
+    assert meaning(rejected) == (ClaimDecided(namespace="team-a", name="c1", outcome="rejected"),)
+    assert meaning(catalog.ClaimWithdrawn(namespace="team-a", name="c1")) == (
+        ClaimDecided(namespace="team-a", name="c1", outcome="withdrawn"),
+    )
+    (bound,) = meaning(s.bound(r))
+    assert isinstance(bound, ClaimBound) and bound.share_ids == ("s-1",)
+
+
+def test_share_transitions_carry_the_amounts() -> None:
+    r = s.reserved("team-a", "c1", "gpu-0", "4Gi", share_id="s-1")
+    (held,) = meaning(r)
+    assert isinstance(held, ShareHeld)
+    assert (held.share_id, held.claim, held.device) == ("s-1", "c1", "gpu-0")
+    assert held.amounts == r.consumed and held.admin is r.admin_access
+    assert meaning(s.released(r)) == (ShareReleased(share_id="s-1"),)
+    node = s.POOL
+    assert meaning(catalog.ShareMarkedUnknown(share_id="s-1", node=node)) == (
+        ShareUnknown(share_id="s-1", node=node),
+    )
+    assert meaning(catalog.ShareConfirmed(share_id="s-1", node=node)) == (
+        ShareKnownAgain(share_id="s-1", node=node),
+    )
+    failed = catalog.LimitFailed(share_id="s-1", node=node, retryable=True, reason="x")
+    assert meaning(failed) == (
+        LimitsSettled(share_id="s-1", node=node, applied=False, retryable=True),
+    )
+
+
+def test_node_and_class_transitions() -> None:
+    acquired = catalog.NodeLeaseAcquired(node="n", epoch=2, boot_id="b", ttl_ms=1)
+    assert meaning(acquired) == (NodeReturned(node="n", epoch=2),)
+    assert meaning(catalog.NodeLeaseExpired(node="n", epoch=2)) == (NodeLost(node="n", epoch=2),)
+    assert meaning(catalog.NodeFenced(node="n", epoch=3)) == (NodeFencedOff(node="n", epoch=3),)
+    assert meaning(catalog.DeviceClassRemoved(name="gpu")) == (ClassRemoved(name="gpu"),)
+    assert first((ClassDefined(name="a"), ClassRemoved(name="a")), ClassRemoved) is not None
+    assert first((ClassDefined(name="a"),), ClassRemoved) is None
+
+
+@pytest.mark.parametrize(
+    ("epoch", "lease", "fenced", "expected"),
+    [(1, 2, 0, True), (2, 2, 0, False), (2, 0, 3, True), (3, 2, 3, False), (0, 0, 0, False)],
+)
+def test_one_staleness_rule(epoch: int, lease: int, fenced: int, expected: bool) -> None:
+    assert stale(epoch, lease, fenced) is expected
+    assert NodeEpochs(node="n", lease_epoch=lease, fenced_epoch=fenced).stale(epoch) is expected
+
+
+def test_node_epochs_after_each_change() -> None:
+    node = NodeEpochs(node="n", lease_epoch=2)
+    assert node.after(NodeReturned(node="n", epoch=1)) == node  # never goes back
+    assert node.after(NodeLost(node="n", epoch=1)) is None  # stale: nothing changes
+    assert node.after(NodeLost(node="n", epoch=3)) == NodeEpochs(node="n", lease_epoch=3)
+    assert node.after(NodeFencedOff(node="n", epoch=4)) == NodeEpochs(
+        node="n", lease_epoch=4, fenced_epoch=4
+    )
+
+
+def test_audit_and_billing_keep_the_folds_epochs() -> None:
+    """Audit and billing hold the same ``NodeEpochs`` (one rule, not copies)."""
+    assert records.NodeEpochs is NodeEpochs
+    assert usage.NodeEpochs is NodeEpochs
+
+
+def test_a_class_applied_is_defined_by_its_name() -> None:
+    applied = next(e for e in inventory() if isinstance(e, catalog.DeviceClassApplied))
+    assert meaning(applied) == (ClassDefined(name=applied.device_class.metadata.name),)
+
+
+def test_the_listeners_of_one_event_share_its_meaning() -> None:
+    """Asked again about the same event, :func:`meaning` answers what it answered."""
+    r = s.reserved("team-a", "c1", "gpu-0", "4Gi", share_id="s-1")
+    other = s.reserved("team-a", "c2", "gpu-0", "4Gi", share_id="s-2")
+    assert meaning(r) is meaning(r)
+    assert meaning(other) != meaning(r)
