@@ -419,12 +419,13 @@ async def test_a_tenant_reads_audit_and_usage_of_its_own_namespace_only(
     ):
         await b.claims("tenant-b", "apply", _claim("tenant-b", "audited-b"))
         await a.claims("tenant-a", "apply", _claim("tenant-a", "audited-a"))
-        # the audit applies the log in order: once it has alice's reservation, it has
-        # bob's submission (recorded before) too
-        async with asyncio.timeout(30):
+        # each projector applies the log in order: once the audit has alice's reservation
+        # it has bob's submission (recorded before) too; billing follows on its own
+        async with asyncio.timeout(60):
             while True:
                 records = (await a.claims("tenant-a", "audit", {"claim": "audited-a"}))["records"]
-                if any(r["decision"] == "capacity_reserved" for r in records):
+                usage = (await a.claims("tenant-a", "usage", {}))["usage"]
+                if usage and any(r["decision"] == "capacity_reserved" for r in records):
                     break
                 await asyncio.sleep(0.05)
         for op, rows in (("audit", "records"), ("usage", "usage")):
