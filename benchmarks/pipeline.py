@@ -369,11 +369,25 @@ async def stage_times(url: str, tracker: ReadyTracker, names: list[str]) -> dict
     return out
 
 
-async def report_stages(url: str, tracker: ReadyTracker, label: str, title: str) -> None:
-    """Print p50 / p99 of each step of the run ``label`` (``--stages``)."""
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) process ``pid`` has used so far; 0.0 when unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def report_stages(
+    url: str, tracker: ReadyTracker, label: str, title: str, cpu_s: float = 0.0
+) -> None:
+    """Print p50 / p99 of each step of the run ``label`` (``--stages``), and ``cpu_s``,
+    the CPU ``dracap up`` used during it, per claim."""
     names = [n for n in tracker.sent if n.startswith(label + "-")]
     steps = await stage_times(url, tracker, names)
     print(f"  stages of {title} (ms since the step before; p50 / p99 / claims):", flush=True)
+    if cpu_s and names:
+        print(f"    dracap up CPU per claim {cpu_s * 1000 / len(names):16.2f} ms", flush=True)
     previous = "apply"
     for label, values in steps.items():
         if values:
@@ -583,18 +597,23 @@ async def _measure_pipeline(
                         f"  apply -> Ready, sustained            {out['throughput']:>10,.0f}/s",
                         flush=True,
                     )
+                    cpu = cpu_seconds(reach.pid)
                     lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
                     if args.stages:
-                        await report_stages(url, tracker, "lat", "the half-rate run")
+                        cpu = cpu_seconds(reach.pid) - cpu
+                        await report_stages(url, tracker, "lat", "the half-rate run", cpu)
                     for rate in args.rates:  # the curve below the half rate
+                        cpu = cpu_seconds(reach.pid)
                         at = await latency(api, tracker, rate, args.seconds, f"r{rate:g}")
+                        cpu = cpu_seconds(reach.pid) - cpu
                         p50, p99 = percentile(at, 50), percentile(at, 99)
                         print(
                             f"  at {rate:>6g} claims/s: p50 {p50:6.1f} ms   p99 {p99:6.1f} ms",
                             flush=True,
                         )
                         if args.stages:
-                            await report_stages(url, tracker, f"r{rate:g}", f"{rate:g}/s")
+                            label, title = f"r{rate:g}", f"{rate:g}/s"
+                            await report_stages(url, tracker, label, title, cpu)
     out["p50"], out["p99"], out["max"] = percentile(lat, 50), percentile(lat, 99), lat[-1]
     out["rate"] = out["throughput"] / 2
     out["samples"] = len(lat)
