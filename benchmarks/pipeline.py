@@ -333,6 +333,13 @@ async def stage_times(url: str, tracker: ReadyTracker, names: list[str]) -> dict
         )
     finally:
         await connection.close()
+    return steps_of([tuple(r) for r in rows], tracker, wanted)
+
+
+def steps_of(
+    rows: list[tuple[Any, ...]], tracker: ReadyTracker, wanted: set[str]
+) -> dict[str, list[float]]:
+    """:func:`stage_times` of the log's rows (type, stream, name, share id, recorded at)."""
     at: dict[str, dict[str, float]] = {n: {} for n in wanted}
     share_claim: dict[str, str] = {}
     applied: list[tuple[str, float]] = []
