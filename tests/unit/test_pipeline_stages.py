@@ -38,6 +38,4 @@ def test_each_step_is_timed_from_the_one_before() -> None:
         "limit_applied": 50.0,
         "ready": 20.0,
     }
-    assert steps == {
-        k: [pytest.approx(v, abs=1e-6)] for k, v in expected.items()
-    }
+    assert steps == {k: [pytest.approx(v, abs=1e-6)] for k, v in expected.items()}
