@@ -117,7 +117,7 @@ class Projector:
         *,
         types: Collection[str] | None = None,
         batch: int = 1000,
-        linger_s: float = 0.2,
+        linger_s: float = 1.0,
         poll_s: float = 1.0,
         retry_s: float = 0.5,
         max_tries: int = 5,
