@@ -25,6 +25,10 @@ every claim of the run (``--gpu-memory``, default: enough), so capacity never de
 The table at the end gives each figure per N and its change from the first N (goal:
 within 20 %).
 
+**Stages** (``--stages``): after each latency run, p50 / p99 of each step of its claims
+from the log's ``recorded_at`` (apply -> submitted -> admitted -> capacity_reserved ->
+allocation_bound -> limit_applied -> ready): where the time goes, seen from outside.
+
 The system under test is ``dracap up`` itself, started as its own process with the URLs
 of the servers in its environment — relay, live state, claims API, ``--workers``
 reservation workers (default 1, as ``dracap up``) and one agent (NoneEnforcer) per node,
@@ -42,6 +46,7 @@ Usage::
     .venv/bin/python -m benchmarks.pipeline --rates 100,300,500,700   # the latency curve too
     .venv/bin/python -m benchmarks.pipeline --embedded   # servers of `dracap up`
     .venv/bin/python -m benchmarks.pipeline --live 0,10000,100000 --claims 3000 --seconds 8
+    .venv/bin/python -m benchmarks.pipeline --rates 50 --stages   # where the time goes
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import gc
 import json
 import os
@@ -60,7 +66,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import Any, NamedTuple
 
 import asyncpg
 import nats.js.errors
@@ -169,16 +175,15 @@ class ReadyTracker:
 
     def __init__(self) -> None:
         self.sent: dict[str, float] = {}
-        self.sent_at: dict[str, float] = {}  #: wall clock (the log's recorded_at clock)
         self.ready: dict[str, float] = {}
-        self.ready_at: dict[str, float] = {}
         self.waiters: dict[str, asyncio.Future[None]] = {}
+        #: add to a perf_counter() reading for the wall clock (the log's ``recorded_at``)
+        self.wall_offset = time.time() - time.perf_counter()
 
     def on_view(self, view: dict[str, Any]) -> None:
         name = view.get("name", "")
         if view.get("ready") and name in self.sent and name not in self.ready:
             self.ready[name] = time.perf_counter()
-            self.ready_at[name] = time.time()
             waiter = self.waiters.pop(name, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
@@ -186,7 +191,6 @@ class ReadyTracker:
     async def apply(self, api: ApiClient, name: str) -> None:
         waiter = self.waiters[name] = asyncio.get_running_loop().create_future()
         self.sent[name] = time.perf_counter()
-        self.sent_at[name] = time.time()
         reply = await api.claims(NAMESPACE, "apply", claim(name))
         self.on_view(reply["claim"])
         await waiter
@@ -288,6 +292,119 @@ def percentile(values: list[float], p: float) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=1000, method="inclusive")[int(p * 10) - 1]
+
+
+# --- where the time goes (--stages) --------------------------------------------------------
+
+#: the log's steps of a claim, in order: (label, event type)
+STEPS = (
+    ("submitted", "claims.submitted"),
+    ("admitted", "claims.admitted"),
+    ("capacity_reserved", "reservation.capacity_reserved"),
+    ("allocation_bound", "reservation.allocation_bound"),
+    ("limit_applied", "enforcement.limit_applied"),
+)
+
+_STAGE_ROWS = """
+SELECT e.type, e.stream, e.payload->>'name', e.payload->>'share_id', e.recorded_at
+  FROM events e
+ WHERE e.recorded_at >= $1 AND e.type = ANY($2::text[])
+"""
+
+
+async def stage_times(url: str, tracker: ReadyTracker, names: list[str]) -> dict[str, list[float]]:
+    """Per claim of ``names``: each step's time since the step before, in ms.
+
+    The steps are apply (the request sent), the log's ``recorded_at`` of each event of
+    :data:`STEPS` (the first ``capacity_reserved``, the last ``limit_applied`` of the
+    claim's shares: the one it waited for), and ready (the watch update). The log's
+    clock is the database's; both run on this machine, so the wall clocks agree.
+    """
+    wanted = {n for n in names if n in tracker.ready}
+    if not wanted:
+        return {}
+    since = min(tracker.sent[n] for n in wanted) + tracker.wall_offset - 1.0
+    connection = await asyncpg.connect(url)
+    try:
+        rows = await connection.fetch(
+            _STAGE_ROWS,
+            datetime.datetime.fromtimestamp(since, datetime.UTC),
+            [t for _, t in STEPS],
+        )
+    finally:
+        await connection.close()
+    return steps_of([tuple(r) for r in rows], tracker, wanted)
+
+
+def steps_of(
+    rows: list[tuple[Any, ...]], tracker: ReadyTracker, wanted: set[str]
+) -> dict[str, list[float]]:
+    """:func:`stage_times` of the log's rows (type, stream, name, share id, recorded at)."""
+    at: dict[str, dict[str, float]] = {n: {} for n in wanted}
+    share_claim: dict[str, str] = {}
+    applied: list[tuple[str, float]] = []
+    prefix = f"claim:{NAMESPACE}/"
+    for kind, stream, name, share, recorded in rows:
+        t = recorded.timestamp()
+        if kind == "enforcement.limit_applied":
+            applied.append((share, t))
+            continue
+        if name is None and stream.startswith(prefix):
+            name = stream[len(prefix) :]
+        if name not in at:
+            continue
+        if kind == "reservation.capacity_reserved":
+            share_claim[share] = name
+            at[name][kind] = min(t, at[name].get(kind, t))
+        else:
+            at[name].setdefault(kind, t)
+    for share, t in applied:
+        name = share_claim.get(share)
+        if name is not None:
+            at[name]["enforcement.limit_applied"] = max(
+                t, at[name].get("enforcement.limit_applied", t)
+            )
+    out: dict[str, list[float]] = {label: [] for label, _ in STEPS}
+    out["ready"] = []
+    for name, times in at.items():
+        previous = tracker.sent[name] + tracker.wall_offset
+        for label, kind in STEPS:
+            if kind in times:
+                out[label].append((times[kind] - previous) * 1000)
+                previous = times[kind]
+        out["ready"].append((tracker.ready[name] + tracker.wall_offset - previous) * 1000)
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) process ``pid`` has used so far; 0.0 when unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def report_stages(
+    url: str, tracker: ReadyTracker, label: str, title: str, cpu_s: float = 0.0
+) -> None:
+    """Print p50 / p99 of each step of the run ``label`` (``--stages``), and ``cpu_s``,
+    the CPU ``dracap up`` used during it, per claim."""
+    names = [n for n in tracker.sent if n.startswith(label + "-")]
+    steps = await stage_times(url, tracker, names)
+    print(f"  stages of {title} (ms since the step before; p50 / p99 / claims):", flush=True)
+    if cpu_s and names:
+        print(f"    dracap up CPU per claim {cpu_s * 1000 / len(names):16.2f} ms", flush=True)
+    previous = "apply"
+    for label, values in steps.items():
+        if values:
+            values.sort()
+            print(
+                f"    {previous + ' -> ' + label:<38} {percentile(values, 50):7.1f} "
+                f"{percentile(values, 99):8.1f} {len(values):>7}",
+                flush=True,
+            )
+            previous = label
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -400,7 +517,9 @@ class Phase(NamedTuple):
     p99_at_half: float
 
 
-async def growth(api: ApiClient, tracker: ReadyTracker, args: argparse.Namespace) -> list[Phase]:
+async def growth(
+    api: ApiClient, tracker: ReadyTracker, args: argparse.Namespace, url: str = ""
+) -> list[Phase]:
     """The ``--live`` phases (module docstring), one line printed per phase."""
     phases: list[Phase] = []
     applied = 0  # claims of the "live" label so far
@@ -431,6 +550,9 @@ async def growth(api: ApiClient, tracker: ReadyTracker, args: argparse.Namespace
             f"p99 {phase.p99_at_half:6.1f} ms" + (f" | filled at {fill:,.0f}/s" if fill else ""),
             flush=True,
         )
+        if getattr(args, "stages", False) and url:
+            await report_stages(url, tracker, f"l{n}r", f"live {n:,} at {args.live_rate:g}/s")
+            await report_stages(url, tracker, f"l{n}h", f"live {n:,} at half rate")
     return phases
 
 
@@ -463,6 +585,7 @@ def report_growth(phases: list[Phase], raw: float, rate: float) -> None:
 async def _measure_pipeline(
     settings: Settings, args: argparse.Namespace, names: BusNames, out: dict[str, float]
 ) -> None:
+    url = settings.database_url
     with tempfile.TemporaryDirectory(prefix="dracap-bench-") as work:
         async with dracap_up(settings, args, names, Path(work)) as reach:
             login = reach.credential
@@ -470,7 +593,8 @@ async def _measure_pipeline(
                 tracker = ReadyTracker()
                 async with watching(api, tracker):
                     if args.live:
-                        report_growth(await growth(api, tracker, args), out["raw"], args.live_rate)
+                        phases = await growth(api, tracker, args, url)
+                        report_growth(phases, out["raw"], args.live_rate)
                         return
                     await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
                     out["throughput"] = await throughput(
@@ -480,70 +604,26 @@ async def _measure_pipeline(
                         f"  apply -> Ready, sustained            {out['throughput']:>10,.0f}/s",
                         flush=True,
                     )
+                    cpu = cpu_seconds(reach.pid)
                     lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
+                    if args.stages:
+                        cpu = cpu_seconds(reach.pid) - cpu
+                        await report_stages(url, tracker, "lat", "the half-rate run", cpu)
                     for rate in args.rates:  # the curve below the half rate
-                        label = f"r{rate:g}"
-                        at = await latency(api, tracker, rate, args.seconds, label)
+                        cpu = cpu_seconds(reach.pid)
+                        at = await latency(api, tracker, rate, args.seconds, f"r{rate:g}")
+                        cpu = cpu_seconds(reach.pid) - cpu
                         p50, p99 = percentile(at, 50), percentile(at, 99)
                         print(
                             f"  at {rate:>6g} claims/s: p50 {p50:6.1f} ms   p99 {p99:6.1f} ms",
                             flush=True,
                         )
                         if args.stages:
-                            await report_stages(settings, tracker, f"{label}-")
+                            label, title = f"r{rate:g}", f"{rate:g}/s"
+                            await report_stages(url, tracker, label, title, cpu)
     out["p50"], out["p99"], out["max"] = percentile(lat, 50), percentile(lat, 99), lat[-1]
     out["rate"] = out["throughput"] / 2
     out["samples"] = len(lat)
-
-
-#: The steps of a claim's way to Ready, each timed from the step before: the apply
-#: request (the benchmark's clock), then each event's ``recorded_at`` in the log, then
-#: the watch update saying ready (the benchmark's clock again).
-STAGES: Final = (
-    ("submitted", "claims.submitted"),
-    ("admitted", "claims.admitted"),
-    ("capacity_reserved", "reservation.capacity_reserved"),
-    ("allocation_bound", "reservation.allocation_bound"),
-    ("limit_applied", "enforcement.limit_applied"),
-)
-
-
-async def report_stages(settings: Settings, tracker: ReadyTracker, prefix: str) -> None:
-    """p50/p99 of each step, for the claims named ``prefix…`` (``--stages``)."""
-    from events.catalog import CapacityReserved, LimitApplied
-    from services.runtime.eventstore import EventStore
-
-    seen: dict[str, dict[str, float]] = {}
-    claim_of: dict[str, str] = {}  # share id -> claim name
-    async with await EventStore.open(settings) as store:
-        async for env in store.read_all():
-            event = env.event
-            name = getattr(event, "name", None)
-            if isinstance(event, CapacityReserved):
-                claim_of[event.share_id] = event.name
-            elif isinstance(event, LimitApplied):
-                name = claim_of.get(event.share_id)
-            if not isinstance(name, str) or not name.startswith(prefix):
-                continue
-            kind = type(event).__struct_config__.tag
-            seen.setdefault(name, {}).setdefault(kind, env.recorded_at.timestamp())
-    steps: dict[str, list[float]] = {}
-    for name, times in seen.items():
-        if name not in tracker.ready_at:
-            continue
-        last = tracker.sent_at[name]
-        for label, kind in STAGES:
-            if kind in times:
-                steps.setdefault(label, []).append((times[kind] - last) * 1000)
-                last = times[kind]
-        steps.setdefault("ready (watch)", []).append((tracker.ready_at[name] - last) * 1000)
-    print(f"    stages ({len(seen)} claims), each from the step before:", flush=True)
-    for label, values in steps.items():
-        print(
-            f"      {label:<20} p50 {percentile(sorted(values), 50):7.1f} ms"
-            f"   p99 {percentile(sorted(values), 99):7.1f} ms",
-            flush=True,
-        )
 
 
 @contextlib.asynccontextmanager
@@ -646,6 +726,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="run dracap up --insecure on --nats (default: secure, with its own nats-server)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the benchmark database")
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="after each latency run, p50/p99 of each step apply -> submitted -> admitted -> "
+        "capacity_reserved -> allocation_bound -> limit_applied -> ready (the log's times)",
+    )
     parser.add_argument("--up-log", metavar="FILE", help="append dracap up's output to FILE")
     parser.add_argument(
         "--rates",
@@ -653,11 +739,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="R,R,...",
         help="also measure apply->Ready at these fixed rates (claims/s)",
-    )
-    parser.add_argument(
-        "--stages",
-        action="store_true",
-        help="after each --rates run, time each step of a claim's way to Ready from the log",
     )
     return parser.parse_args(argv)
 

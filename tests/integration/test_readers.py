@@ -404,3 +404,23 @@ async def test_the_stack_serves_claims_past_a_refused_event(
         view = await view_when(api, "after", _ready)
         assert view["ready"]
         assert cluster.stack.gauges.live.state.refused[head + 1] == "undecodable"
+
+
+async def test_a_following_projector_stops_at_the_head_it_was_given(
+    scenario: Scenario, store: EventStore
+) -> None:
+    """``run`` reads up to the head it knew after its linger and no further (issue 25):
+    ``catch_up(head, chase=False)`` stops there though the store knows a newer one,
+    in one batch; the default catch-up goes on to the newest head it knows."""
+    head = await store.head()
+    assert store.known_head == head > 3
+    caught: list[int] = []
+
+    async def apply(_connection: object, envs: Sequence[Envelope]) -> None:
+        caught.extend(e.position for e in envs)
+
+    following = Projector(store, "following", apply)
+    assert await following.catch_up(head - 2, chase=False) == head - 2
+    assert following.batches == 1 and caught == list(range(1, head - 1))
+    assert await following.catch_up(head - 2) == head
+    assert caught == list(range(1, head + 1))

@@ -1,0 +1,41 @@
+"""``benchmarks.pipeline --stages``: each step of a claim from the log's rows."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from benchmarks.pipeline import ReadyTracker, steps_of
+
+
+def _at(seconds: float) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp(1_000 + seconds, datetime.UTC)
+
+
+def test_each_step_is_timed_from_the_one_before() -> None:
+    tracker = ReadyTracker()
+    tracker.wall_offset = 1_000.0
+    tracker.sent, tracker.ready = {"a": 0.0, "other": 0.0}, {"a": 0.100, "other": 0.5}
+    rows = [
+        ("claims.submitted", "claim:bench/a", None, None, _at(0.010)),
+        ("claims.admitted", "claim:bench/a", "a", None, _at(0.010)),
+        # two shares: the first reservation counts, and the last limit (the one waited for)
+        ("reservation.capacity_reserved", "device:d/p/0", "a", "s1", _at(0.030)),
+        ("reservation.capacity_reserved", "device:d/p/1", "a", "s2", _at(0.030)),
+        ("reservation.allocation_bound", "claim:bench/a", "a", None, _at(0.030)),
+        ("enforcement.limit_applied", "share:s2", None, "s2", _at(0.080)),
+        ("enforcement.limit_applied", "share:s1", None, "s1", _at(0.060)),
+        ("enforcement.limit_applied", "share:zz", None, "zz", _at(0.090)),  # not a's
+        ("claims.admitted", "claim:bench/b", "b", None, _at(0.020)),  # not asked for
+    ]
+    steps = steps_of(rows, tracker, {"a"})
+    expected = {
+        "submitted": 10.0,
+        "admitted": 0.0,
+        "capacity_reserved": 20.0,
+        "allocation_bound": 0.0,
+        "limit_applied": 50.0,
+        "ready": 20.0,
+    }
+    assert steps == {k: [pytest.approx(v, abs=1e-6)] for k, v in expected.items()}
