@@ -362,6 +362,9 @@ class TcEnforcer:
         self.tc = tc
         self.timeout = timeout
         self._lock = asyncio.Lock()
+        #: interfaces whose root HTB qdisc this enforcer put or found in place (a failed
+        #: tc command on one forgets it: the next apply looks again)
+        self._rooted: set[str] = set()
 
     # -- the Enforcer protocol
     async def apply(self, limit: ShareLimit) -> AppliedLimit:
@@ -374,6 +377,7 @@ class TcEnforcer:
             try:
                 return await self._apply(iface, limit.share_id, rate)
             except _TcError as exc:
+                self._rooted.discard(iface)
                 raise self._error(iface, exc) from exc
 
     async def remove(self, share_id: str) -> None:
@@ -515,6 +519,11 @@ class TcEnforcer:
                 "cburst", str(burst), "quantum", str(quantum)]  # fmt: skip
 
     async def _ensure_root(self, iface: str) -> None:
+        if iface not in self._rooted:
+            await self._put_root(iface)
+            self._rooted.add(iface)
+
+    async def _put_root(self, iface: str) -> None:
         doc = json.loads(await self._run("-j", "qdisc", "show", "dev", iface, "root") or "[]")
         root = next((q for q in doc if isinstance(q, dict) and q.get("root")), None)
         kind, handle = (root or {}).get("kind"), str((root or {}).get("handle", ""))
