@@ -78,7 +78,8 @@ does not grow with what the node enforces.
 Durable checkpoint. With a :class:`~services.enforcement.checkpointing.Checkpoint`
 every kernel or daemon operation is wrapped: ``mark_started`` (written and fsynced)
 before ``apply``, ``mark_completed`` after; ``mark_removing`` before ``remove``,
-``mark_removed`` after. A checkpoint that cannot be written raises before the kernel
+``mark_removed`` after; the limits of one decision are marked in one write per phase
+(removals, then applies). A checkpoint that cannot be written raises before the kernel
 is touched (the message is nak'd and retried).
 
 Lease. The agent writes only under its node's lease
@@ -825,27 +826,53 @@ class Agent:
     async def _enforce(self, tasks: Sequence[Task]) -> dict[str, AppliedLimit | Failed]:
         """Run the enforcers for ``tasks``; the outcome of each apply, by share id.
 
-        A failed apply is an outcome (recorded, and retried when it is retryable); a
-        failed removal raises: the consumer naks the messages and nothing is recorded.
+        The removals first (they only give capacity back, as the decisions counted
+        them), then the applies; with a checkpoint, each phase is marked for all its
+        shares in one durable write before the kernel is touched and one after (not two
+        per share). A failed apply is an outcome (recorded, and retried when it is
+        retryable); a failed removal raises: nothing is recorded (the consumer naks its
+        messages; a kubelet round answers with the error and the kubelet retries).
         """
-        outcomes: dict[str, AppliedLimit | Failed] = {}
+        gone = _removals(tasks)
+        limits: list[ShareLimit] = []
         for task in tasks:
             if isinstance(task, Enforce):
                 for refusal in task.refused:
                     log.error("limit of share %s not applied: %s", refusal.share_id, refusal.reason)
-                for limit in task.limits:
-                    try:
-                        outcomes[limit.share_id] = await self._apply(limit)
-                    except EnforcementError as exc:
-                        retryable = isinstance(exc, RetryableEnforcementError)
-                        log.error("limit of share %s failed: %s", limit.share_id, exc)
-                        outcomes[limit.share_id] = Failed(retryable=retryable, reason=str(exc))
-            elif isinstance(task, Unprepare):
-                for share_id in task.share_ids:
-                    await self._remove(share_id)
-            else:
-                for gone in task.released:
-                    await self._remove(gone.share_id)
+                limits.extend(task.limits)
+        checkpoint = self.checkpoint
+        if gone:
+            if checkpoint is not None:
+                await asyncio.to_thread(checkpoint.mark_removing_all, gone)
+            done: list[str] = []
+            try:
+                for share_id in gone:
+                    await self.enforcer.remove(share_id)
+                    self.enforcing.discard(share_id)
+                    done.append(share_id)
+            finally:
+                if checkpoint is not None and done:
+                    await asyncio.to_thread(checkpoint.mark_removed_all, done)
+        outcomes: dict[str, AppliedLimit | Failed] = {}
+        if not limits:
+            return outcomes
+        if checkpoint is not None:
+            await asyncio.to_thread(checkpoint.mark_started_all, limits)
+        applied: dict[str, AppliedLimit] = {}
+        try:
+            for limit in limits:
+                try:
+                    applied[limit.share_id] = await self.enforcer.apply(limit)
+                except EnforcementError as exc:
+                    retryable = isinstance(exc, RetryableEnforcementError)
+                    log.error("limit of share %s failed: %s", limit.share_id, exc)
+                    outcomes[limit.share_id] = Failed(retryable=retryable, reason=str(exc))
+                else:
+                    self.enforcing.add(limit)
+        finally:
+            if checkpoint is not None and applied:
+                await asyncio.to_thread(checkpoint.mark_completed_all, applied)
+        outcomes.update(applied)
         return outcomes
 
 

@@ -54,7 +54,7 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias
 
@@ -217,6 +217,47 @@ class Checkpoint:
                 entry, phase="completed", applied=applied, updated_at=self._clock()
             )
         )
+
+    def mark_started_all(self, limits: Sequence[ShareLimit]) -> None:
+        """:meth:`mark_started` of every limit of a round, in one durable write."""
+        now = self._clock()
+        for limit in limits:
+            entry = CheckpointEntry(
+                share_id=limit.share_id, phase="started", limit=limit, updated_at=now
+            )
+            self.entries[limit.share_id] = entry
+        if limits:
+            self.save()
+
+    def mark_completed_all(self, applied: Mapping[str, AppliedLimit]) -> None:
+        """:meth:`mark_completed` of every limit of a round applied, in one write."""
+        now = self._clock()
+        for share_id, done in applied.items():
+            entry = self._entry(share_id)
+            self.entries[share_id] = msgspec.structs.replace(
+                entry, phase="completed", applied=done, updated_at=now
+            )
+        if applied:
+            self.save()
+
+    def mark_removing_all(self, share_ids: Sequence[str]) -> None:
+        """:meth:`mark_removing` of every removal of a round, in one durable write."""
+        now = self._clock()
+        marked = False
+        for share_id in share_ids:
+            entry = self.entries.get(share_id)
+            if entry is not None:
+                self.entries[share_id] = msgspec.structs.replace(
+                    entry, phase="removing", updated_at=now
+                )
+                marked = True
+        if marked:
+            self.save()
+
+    def mark_removed_all(self, share_ids: Sequence[str]) -> None:
+        """:meth:`mark_removed` of every removal of a round done, in one write."""
+        if [self.entries.pop(s, None) for s in share_ids].count(None) < len(share_ids):
+            self.save()
 
     def mark_removing(self, share_id: str) -> None:
         """Record, durably, that the limit of ``share_id`` is about to be removed."""
