@@ -44,7 +44,7 @@ from benchmarks import pipeline
 from events.fold import ClusterState
 from services.runtime.kubeletplugin import ClaimRef
 from tests.fixtures.k8s_standin import StandinApiServer
-from tests.fixtures.kubernetes import NAMESPACE, Cluster
+from tests.fixtures.kubernetes import NAMESPACE, Cluster, running
 
 KUBELET_TIMEOUT_S = 45.0
 #: Each claim's share (and the class policy's step): 32 of them fit the 10G device.
@@ -112,12 +112,7 @@ async def main(args: argparse.Namespace) -> tuple[Samples, dict[int, Samples], d
                 cluster = Cluster(
                     settings, args.nats, Path(work), standin, bandwidth="10G", step=SHARE
                 )
-                try:
-                    cluster.make_link()
-                    cluster.write_files()
-                    await cluster.start()
-                    cluster.start_agent()
-                    await cluster.bridge.synced.wait()
+                async with running(cluster):
                     kubelet = await cluster.kubelet()
                     for i in range(args.runs):
                         name = f"bench-{i}"
@@ -155,9 +150,6 @@ async def main(args: argparse.Namespace) -> tuple[Samples, dict[int, Samples], d
                                 )
                             await _deallocate(cluster, names)
                     await kubelet.close()
-                finally:
-                    await cluster.close()
-                    cluster.remove_link()
     return samples, batches, failed
 
 

@@ -232,6 +232,14 @@ def enforce_claim(
     The same rules as for its ``AllocationBound``: only this node's ``bound`` shares of
     that allocation, each fitting its device with the limits in force.
     """
+    return _enforce_current(state, node, key, "", Draft(enforcing))
+
+
+def _enforce_current(
+    state: ClusterState, node: str, key: tuple[str, str], message: str, counted: Draft
+) -> Task | None:
+    """:func:`enforce_claim` on a draft shared with other decisions (``message``: the
+    task's name)."""
     claim = state.claims.get(key)
     if claim is None or claim.allocation is None:
         return None
@@ -243,7 +251,7 @@ def enforce_claim(
         allocation=claim.allocation,
         share_ids=list(claim.share_ids),
     )
-    return _enforce(state, node, "", bound, Draft(enforcing))
+    return _enforce(state, node, message, bound, counted)
 
 
 def unprepare_claim(
@@ -293,18 +301,7 @@ def kubelet_round(
                 counted.discard(sid)
             tasks.append(task)
     for key in prepares:
-        claim = state.claims.get(key)
-        if claim is None or claim.allocation is None:
-            continue
-        bound = AllocationBound(
-            namespace=claim.namespace,
-            name=claim.name,
-            allocation_version=claim.allocation_version,
-            node=claim.node,
-            allocation=claim.allocation,
-            share_ids=list(claim.share_ids),
-        )
-        enforce = _enforce(state, node, f"prepare:{key[0]}/{key[1]}", bound, counted)
+        enforce = _enforce_current(state, node, key, f"prepare:{key[0]}/{key[1]}", counted)
         if enforce is not None:
             tasks.append(enforce)
     return tasks

@@ -30,7 +30,7 @@ from services.runtime.kubeletplugin import ClaimRef
 from services.runtime.livestate import HEAD
 from services.runtime.settings import Settings
 from tests.fixtures.k8s_standin import StandinApiServer
-from tests.fixtures.kubernetes import CLASS, DRIVER, NAMESPACE, Cluster, in_force, share_of
+from tests.fixtures.kubernetes import CLASS, DRIVER, NAMESPACE, Cluster, in_force, running, share_of
 
 pytest_plugins = ["tests.fixtures.netns"]
 
@@ -44,16 +44,8 @@ async def cluster(settings: Settings, nats_url: str, tmp_path: Path) -> AsyncIte
     async with StandinApiServer(history_limit=100_000) as standin:
         # room for 128 shares of the policy's step (a veth publishes at most 10G)
         stack = Cluster(settings, nats_url, tmp_path, standin, bandwidth="10G", step="50M")
-        try:
-            stack.make_link()
-            stack.write_files()
-            await stack.start()
-            stack.start_agent()
-            await stack.bridge.synced.wait()
+        async with running(stack):
             yield stack
-        finally:
-            await stack.close()
-            stack.remove_link()
 
 
 async def _allocated(cluster: Cluster, names: list[str]) -> tuple[list[ClaimRef], ClusterState]:

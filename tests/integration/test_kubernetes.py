@@ -32,7 +32,7 @@ from services.runtime.kubeletplugin import ClaimRef
 from services.runtime.livestate import HEAD
 from services.runtime.settings import Settings
 from tests.fixtures.k8s_standin import StandinApiServer
-from tests.fixtures.kubernetes import DRIVER, NAMESPACE, Cluster, share_of, tc_minor
+from tests.fixtures.kubernetes import DRIVER, NAMESPACE, Cluster, running, share_of, tc_minor
 
 pytest_plugins = ["tests.fixtures.netns"]
 
@@ -45,16 +45,8 @@ async def cluster(settings: Settings, nats_url: str, tmp_path: Path) -> AsyncIte
     settings = msgspec.structs.replace(settings, pool_max_size=4)
     async with StandinApiServer() as standin:
         stack = Cluster(settings, nats_url, tmp_path, standin)
-        try:
-            stack.make_link()
-            stack.write_files()
-            await stack.start()
-            stack.start_agent()
-            await stack.bridge.synced.wait()
+        async with running(stack):
             yield stack
-        finally:
-            await stack.close()
-            stack.remove_link()
 
 
 async def test_kubelet_prepares_enforces_and_unprepares_a_scheduled_claim(
