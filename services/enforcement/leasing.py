@@ -29,6 +29,7 @@ fencing works exactly as when an agent lost its database.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -136,12 +137,17 @@ class NodeLease:
             held_at = time.monotonic()
 
     async def lost(self, on_lost: Callable[[], Awaitable[None]]) -> None:
-        """Stop taking work and run ``on_lost`` (again after a failure) until it succeeds."""
+        """Stop taking work and run ``on_lost`` (again after a failure) until it succeeds.
+
+        ``on_lost`` takes the next lease, then reconciles, which may take longer than a
+        ttl (many limits to read and put back, or a report of the old epoch still in
+        flight that the reconcile waits for): the new lease is renewed meanwhile, so it
+        does not expire before the agent holds it."""
         self.held.clear()
         delay = 0.1
         while True:
             try:
-                await on_lost()
+                await self._renewing(asyncio.ensure_future(on_lost()), self.epoch)
             except Exception as exc:
                 log.error("node %s: could not take its lease back: %s", self.node, exc)
                 await asyncio.sleep(delay)
@@ -149,3 +155,19 @@ class NodeLease:
                 continue
             self.held.set()
             return
+
+    async def _renewing(self, work: asyncio.Future[None], lost_epoch: int | None) -> None:
+        """Wait for ``work``, renewing every ``ttl / 3`` a lease taken since ``lost_epoch``
+        (a failed renewal is left to :meth:`keep`'s next tick once ``work`` is done)."""
+        interval = self.ttl_s / 3
+        try:
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=interval)
+                if done:
+                    return work.result()
+                if self.epoch is not None and self.epoch != lost_epoch:
+                    with contextlib.suppress(Exception):
+                        await self.renew()
+        finally:
+            if not work.done():
+                work.cancel()
