@@ -45,38 +45,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
 
-from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
-from services.runtime import eventloop
-from services.runtime.bus import connect_bus
 from services.runtime.credentials import AUTH_DIR, AuthDir, Credential, read_directory
-from services.runtime.endpoints import (
-    Endpoints,
-    add_endpoint_arguments,
-    endpoints_from_args,
-    reaching,
-)
+from services.runtime.endpoints import Endpoints, add_endpoint_arguments, endpoints_from_args
 from services.runtime.eventstore import EventStore
-from services.runtime.gctuning import tune_for_long_lived_state
-from services.runtime.health import (
-    HealthMonitor,
-    bus_probe,
-    consumers_probe,
-    live_probe,
-    nats_probe,
-    service_health,
-)
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.series import initialise_series
-from services.runtime.settings import ServiceKind, SettingsError, load_settings
+from services.runtime.health import consumers_probe
+from services.runtime.hosting import run_service
+from services.runtime.livestate import LiveState
+from services.runtime.settings import ServiceKind
+from services.runtime.storehosting import ServiceContext, serving
 
 log = logging.getLogger("dracap.serve")
 
@@ -110,11 +93,6 @@ def _directory_path(args: argparse.Namespace) -> Path | None:
 
 async def serve(args: argparse.Namespace) -> int:
     """Run ``args.service`` until a signal arrives."""
-    tune_for_long_lived_state()
-    endpoints = endpoints_from_args(args, service=SERVICES[args.service])
-    database_url, nats_url = endpoints.database(), endpoints.nats()
-    settings = endpoints.settings(load_settings())
-    names = BusNames(endpoints.prefix)
     directory = None
     if args.service in _AUTHENTICATED and not args.insecure:
         path = _directory_path(args)
@@ -126,55 +104,35 @@ async def serve(args: argparse.Namespace) -> int:
                 ExitCode.BAD_INPUT,
             )
         directory = read_directory(path)
-    with reaching("PostgreSQL", database_url):
-        store = await EventStore.open(settings)
-    stop = eventloop.stop_on_signals()
-    initialise_series()
-    try:
-        async with service_health(
-            args.service, args.metrics_port, args.metrics_addr, database_url=database_url
-        ) as health:
-            with reaching("NATS", nats_url):
-                nc, js = await connect_bus(
-                    nats_url, name=f"dracap-{args.service}", credential=_login(args, endpoints)
-                )
-            # the relay owns the stream: it may ask JetStream; the others ask the server only
-            probe = nats_probe(nc, js, names.stream) if args.service == "relay" else bus_probe(nc)
-            health.register("nats", probe)
-            try:
-                run = await _service(args.service, store, nc, js, names, directory, args, health)
-                log.info("%s started (prefix %s)", args.service, names.prefix)
-                await run(stop)
-            finally:
-                with contextlib.suppress(Exception):
-                    await nc.drain()
-    finally:
-        await store.close()
+    credential = _login(args, endpoints_from_args(args))
+    async with serving(
+        args,
+        args.service,
+        login=SERVICES[args.service],
+        nats=True,
+        credential=credential,
+        # the relay owns the stream: it may ask JetStream; the others ask the server only
+        stream_check=args.service == "relay",
+    ) as context:
+        run = await _service(context, directory, args)
+        log.info("%s started (prefix %s)", args.service, context.names.prefix)
+        await run(context.stop)
     return ExitCode.OK
 
 
 async def _service(
-    name: str,
-    store: EventStore,
-    nc: Any,
-    js: Any,
-    names: BusNames,
-    directory: Any,
-    args: argparse.Namespace,
-    health: HealthMonitor,
+    context: ServiceContext, directory: Any, args: argparse.Namespace
 ) -> Callable[[asyncio.Event], Awaitable[None]]:
-    """The ``run(stop)`` of service ``name``, started; its checks registered."""
+    """The ``run(stop)`` of the service of ``context``, started; its checks registered."""
+    name, store, names = context.service, context.store, context.names
     if name == "relay":
         from services import durables
         from services.runtime.rebuilding import BusKeeper
         from services.runtime.relaying import Relay
 
-        keeper = BusKeeper(store, js, names, durables.relay_owned(names))
-        return Relay(store, js, names, keeper=keeper).run
-    live = LiveState(store)
-    await live.load_snapshot()
-    await live.fresh(HEAD)
-    health.register("state", live_probe(live))
+        keeper = BusKeeper(store, context.js, names, durables.relay_owned(names))
+        return Relay(store, context.js, names, keeper=keeper).run
+    live = await context.live_state()
     if name == "kubernetes-bridge":
         return await _bridge(store, live, args)
     if name == "enforcement":
@@ -183,8 +141,8 @@ async def _service(
         enforcement = EnforcementService(
             store,
             live,
-            nc,
-            js,
+            context.nc,
+            context.js,
             names,
             directory=directory,
             authenticated=directory is not None,
@@ -198,7 +156,7 @@ async def _service(
         api = ClaimsApi(
             store,
             live,
-            nc,
+            context.nc,
             names,
             directory=directory,
             authenticated=directory is not None,
@@ -209,16 +167,11 @@ async def _service(
         return api.run
     from services.reservation.service import ReservationService
 
-    service = ReservationService(store, live, js, names, owner=False)
-    health.register("consumers", consumers_probe(lambda: service.running))
+    service = ReservationService(store, live, context.js, names, owner=False)
+    context.health.register("consumers", consumers_probe(lambda: service.running))
 
     async def reservation(stop: asyncio.Event) -> None:
-        tail = asyncio.create_task(live.run(stop))
-        try:
-            await service.run(stop)
-        finally:
-            stop.set()
-            await tail
+        await context.tailing(live, service.run(stop))
 
     return reservation
 
@@ -266,14 +219,7 @@ def _derive_metrics(live: LiveState) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``dracap serve``."""
-    eventloop.log_to_stderr()
-    try:
-        return eventloop.run(serve(args))
-    except SettingsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-    except KeyboardInterrupt:
-        return ExitCode.OK
+    return run_service(lambda: serve(args))
 
 
 def register(sub: Any) -> None:

@@ -43,20 +43,16 @@ from services.enforcement.mps import MpsEnforcer, MpsSettings
 from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interfaces_of
 from services.enforcement.tc import TcEnforcer
 from services.exitcodes import CommandError, ExitCode
-from services.runtime import eventloop
-from services.runtime.bus import api_prefix, connect_bus
+from services.runtime.bus import api_prefix
 from services.runtime.credentials import AUTH_DIR, AuthDir, Credential
 from services.runtime.endpoints import (
     Endpoints,
     add_endpoint_arguments,
     endpoints_from_args,
-    reaching,
 )
-from services.runtime.gctuning import tune_for_long_lived_state
-from services.runtime.health import HealthMonitor, bus_probe, consumers_probe, service_health
+from services.runtime.health import HealthMonitor, consumers_probe
+from services.runtime.hosting import hosting, run_service
 from services.runtime.printable import printable
-from services.runtime.series import initialise_series
-from services.runtime.settings import SettingsError
 
 ENFORCERS: Final = ("none", "tc", "mps")
 DEFAULT_CHECKPOINT: Final = "/var/lib/dracap/agent/{node}.checkpoint.json"
@@ -100,21 +96,11 @@ def _login(args: argparse.Namespace, endpoints: Endpoints) -> Credential | None:
 
 async def serve(args: argparse.Namespace) -> int:
     """Run the agent until a signal arrives."""
-    tune_for_long_lived_state()
-    endpoints = endpoints_from_args(args)
-    nats_url = endpoints.nats()
-    names = BusNames(endpoints.prefix)
-    credential = _login(args, endpoints)
-    with reaching("NATS", nats_url):
-        nc, _ = await connect_bus(nats_url, name=f"dracap-agent-{args.node}", credential=credential)
-    stop = eventloop.stop_on_signals()
-    initialise_series()
-    try:
-        async with service_health("agent", args.metrics_port, args.metrics_addr) as health:
-            health.register("nats", bus_probe(nc))
-            await _run_agent(args, nc, names, credential, health, stop)
-    finally:
-        await nc.drain()
+    credential = _login(args, endpoints_from_args(args))
+    async with hosting(
+        args, "agent", nats=True, credential=credential, client_name=f"dracap-agent-{args.node}"
+    ) as context:
+        await _run_agent(args, context.nc, context.names, credential, context.health, context.stop)
     return ExitCode.OK
 
 
@@ -217,14 +203,7 @@ def run(args: argparse.Namespace) -> int:
     except SubjectError as exc:
         print(f"error: {printable(str(exc))}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    eventloop.log_to_stderr()
-    try:
-        return eventloop.run(serve(args))
-    except (SettingsError, ConfigError) as exc:
-        print(f"error: {printable(str(exc))}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-    except KeyboardInterrupt:
-        return ExitCode.OK
+    return run_service(lambda: serve(args), bad_input=(ConfigError,))
 
 
 def register(sub: Any) -> None:

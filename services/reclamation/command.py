@@ -14,7 +14,6 @@ With ``--metrics-port`` it serves ``/metrics``, ``/healthz`` and ``/readyz``
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import shlex
 import sys
@@ -22,13 +21,10 @@ from typing import Any
 
 from services.exitcodes import ExitCode
 from services.reclamation.service import DEFAULT_POLL_S, ReclamationService
-from services.runtime import eventloop
-from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
-from services.runtime.eventstore import EventStore
-from services.runtime.health import live_probe, service_health
-from services.runtime.livestate import LiveState
-from services.runtime.series import initialise_series
-from services.runtime.settings import ServiceKind, SettingsError, load_settings
+from services.runtime.endpoints import add_endpoint_arguments
+from services.runtime.hosting import run_service
+from services.runtime.settings import ServiceKind, SettingsError
+from services.runtime.storehosting import serving
 
 log = logging.getLogger("dracap.reclamation")
 
@@ -48,38 +44,19 @@ def hook_of(text: str | None) -> list[str]:
 
 async def serve(args: argparse.Namespace) -> int:
     """Run the service until SIGINT or SIGTERM."""
-    endpoints = endpoints_from_args(args, service=ServiceKind.RECLAMATION)
-    database_url = endpoints.database()
-    settings = endpoints.settings(load_settings())
-    with reaching("PostgreSQL", database_url):
-        store = await EventStore.open(settings)
-    stop = eventloop.stop_on_signals()
-    initialise_series()
-    try:
-        async with service_health(
-            "reclamation", args.metrics_port, args.metrics_addr, database_url=database_url
-        ) as health:
-            live = LiveState(store)
-            await live.load_snapshot()
-            health.register("state", live_probe(live))
-            service = ReclamationService(
-                store,
-                live,
-                name=args.name,
-                poll_s=args.poll,
-                fence_hook=hook_of(args.fence_hook),
-                fence_after_s=args.fence_after,
-                fence_hook_timeout_s=args.fence_hook_timeout,
-            )
-            log.info("reclamation service %s started", args.name)
-            tail = asyncio.create_task(live.run(stop))
-            try:
-                await service.run(stop)
-            finally:
-                stop.set()
-                await tail
-    finally:
-        await store.close()
+    async with serving(args, "reclamation", login=ServiceKind.RECLAMATION) as context:
+        live = await context.live_state(fresh=False)
+        service = ReclamationService(
+            context.store,
+            live,
+            name=args.name,
+            poll_s=args.poll,
+            fence_hook=hook_of(args.fence_hook),
+            fence_after_s=args.fence_after,
+            fence_hook_timeout_s=args.fence_hook_timeout,
+        )
+        log.info("reclamation service %s started", args.name)
+        await context.tailing(live, service.run(context.stop))
     return ExitCode.OK
 
 
@@ -89,15 +66,12 @@ def run(args: argparse.Namespace) -> int:
         if value <= 0:
             print(f"error: {flag} must be a positive number of seconds", file=sys.stderr)
             return ExitCode.BAD_INPUT
-    eventloop.log_to_stderr()
     try:
         hook_of(args.fence_hook)
-        return eventloop.run(serve(args))
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    except KeyboardInterrupt:
-        return ExitCode.OK
+    return run_service(lambda: serve(args))
 
 
 def register(sub: Any) -> None:

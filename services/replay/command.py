@@ -66,10 +66,8 @@ from services.replay.sources import (
 )
 from services.replay.transfer import ImportRefusedError, check_file, export_log, import_log
 from services.replay.verify import Report, recorder, refused_lines, summary, verify
-from services.runtime import eventloop
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.eventstore import connect
-from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.outputs import check_in, check_out, written
 from services.runtime.printable import json_text, printable
 from services.runtime.settings import ServiceKind, Settings, load_settings
@@ -359,13 +357,13 @@ def _snapshot(args: argparse.Namespace) -> int:
         raise CommandError(f"--every-events {args.every_events}: must be >= 1", ExitCode.BAD_INPUT)
     if args.every_minutes <= 0:
         raise CommandError(f"--every-minutes {args.every_minutes}: must be > 0", ExitCode.BAD_INPUT)
+    if not args.once:
+        from services.runtime.hosting import run_service
+
+        return run_service(lambda: _serve_snapshots(args))
     settings, url = _settings(args, ServiceKind.SNAPSHOTS)
     try:
-        if args.once:
-            return _run(args, lambda: _snapshot_once(settings), url)
-        eventloop.log_to_stderr()
-        tune_for_long_lived_state()
-        return eventloop.run(_serve_snapshots(args, settings, url))
+        return _run(args, lambda: _snapshot_once(settings), url)
     except KeyboardInterrupt:
         return ExitCode.OK
 
@@ -387,45 +385,28 @@ async def _snapshot_once(settings: Settings) -> int:
         return ExitCode.OK
 
 
-async def _serve_snapshots(args: argparse.Namespace, settings: Settings, url: str) -> int:
+async def _serve_snapshots(args: argparse.Namespace) -> int:
     """The writer as a service: fold the log as it grows, snapshot it by the rule of
     :mod:`services.runtime.snapshots`, and once more when SIGTERM or SIGINT stops it."""
-    from services.runtime.eventstore import EventStore
-    from services.runtime.health import live_probe, service_health
-    from services.runtime.livestate import HEAD, LiveState
     from services.runtime.snapshots import serve_snapshots
+    from services.runtime.storehosting import serving
 
-    with reaching("PostgreSQL", url):
-        store = await EventStore.open(settings)
-    stop = eventloop.stop_on_signals()
-    try:
-        async with service_health(
-            "snapshots", args.metrics_port, args.metrics_addr, database_url=url
-        ) as health:
-            live = LiveState(store)
-            await live.load_snapshot()
-            await live.fresh(HEAD)
-            health.register("state", live_probe(live))
-            log.info(
-                "snapshot writer started at position %d (every %d events or %g minutes)",
-                live.state.position,
-                args.every_events,
-                args.every_minutes,
-            )
-            tail = asyncio.create_task(live.run(stop))
-            try:
-                await serve_snapshots(
-                    store.pool,
-                    live,
-                    stop,
-                    every_events=args.every_events,
-                    every_seconds=args.every_minutes * 60,
-                )
-            finally:
-                stop.set()
-                await tail
-    finally:
-        await store.close()
+    async with serving(args, "snapshots", login=ServiceKind.SNAPSHOTS, series=False) as context:
+        live = await context.live_state()
+        log.info(
+            "snapshot writer started at position %d (every %d events or %g minutes)",
+            live.state.position,
+            args.every_events,
+            args.every_minutes,
+        )
+        writing = serve_snapshots(
+            context.store.pool,
+            live,
+            context.stop,
+            every_events=args.every_events,
+            every_seconds=args.every_minutes * 60,
+        )
+        await context.tailing(live, writing)
     log.info("snapshot writer stopped")
     return ExitCode.OK
 

@@ -129,34 +129,13 @@ async def serve_subscriber(
 ) -> int:
     """Run the subscriber ``make`` builds until SIGINT or SIGTERM; ``service``: its
     health checks' name (``audit``, ``billing``: ``/healthz`` and ``/readyz``)."""
-    from services.runtime.bus import connect_bus
-    from services.runtime.health import bus_probe, projector_probe, service_health
-    from services.runtime.series import initialise_series
+    from services.runtime.health import projector_probe
+    from services.runtime.storehosting import serving
 
-    endpoints = endpoints_from_args(args, service=ServiceKind.LEDGER)
-    database_url = endpoints.database()
-    settings = endpoints.settings(load_settings())
-    with reaching("PostgreSQL", database_url):
-        store = await EventStore.open(settings)
-    stop = eventloop.stop_on_signals()
-    initialise_series()
-    try:
-        async with service_health(
-            service, args.metrics_port, args.metrics_addr, database_url=database_url
-        ) as health:
-            names = BusNames(prefix=endpoints.prefix)
-            nats_url = endpoints.nats()
-            with reaching("NATS", nats_url):
-                nc, _ = await connect_bus(nats_url, credential=endpoints.credential())
-            health.register("nats", bus_probe(nc))
-            try:
-                subscriber = make(store, names, nc)
-                health.register("state", projector_probe(subscriber.projector))
-                await subscriber.run(stop)
-            finally:
-                await nc.drain()
-    finally:
-        await store.close()
+    async with serving(args, service, login=ServiceKind.LEDGER, nats=True) as context:
+        subscriber = make(context.store, context.names, context.nc)
+        context.health.register("state", projector_probe(subscriber.projector))
+        await subscriber.run(context.stop)
     return ExitCode.OK
 
 
@@ -229,8 +208,9 @@ def run_query_or_serve(
     input exits 2 before connecting."""
     try:
         if args.verb == "serve":
-            eventloop.log_to_stderr()
-            return eventloop.run(serve())
+            from services.runtime.hosting import run_service
+
+            return run_service(serve)
         if args.verb == "verify" and verify is not None:
             return eventloop.run(verify())
         for flag, text in times:
