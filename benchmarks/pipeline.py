@@ -25,6 +25,14 @@ every claim of the run (``--gpu-memory``, default: enough), so capacity never de
 The table at the end gives each figure per N and its change from the first N (goal:
 within 20 %).
 
+**Settled runs**: every run starts once the audit and billing projectors have read the
+log up to its head as of that moment (their positions in ``ledger_positions``; at most
+``SETTLE_S``), and the wait is printed. A run right after the fill of 100,000 claims, or
+right after the closed-loop sustained run, otherwise measures how fast the subscribers
+work off that backlog (they trail the log by design: ``docs/audit-billing.md``), not
+what one more claim costs with N live. ``--no-settle`` starts each run at once (the
+figures before this step).
+
 **Stages** (``--stages``): after each latency run, p50 / p99 of each step of its claims
 from the log's ``recorded_at`` (apply -> submitted -> admitted -> capacity_reserved ->
 allocation_bound -> limit_applied -> ready): where the time goes, seen from outside.
@@ -239,6 +247,37 @@ async def applied(api: ApiClient, tracker: ReadyTracker, name: str) -> None:
         raise RuntimeError(
             f"{name} not ready after 60 s: {view['phase']} {view['reason']}"
         ) from None
+
+
+#: The longest a run waits for the subscribers to catch up (module docstring).
+SETTLE_S = 600.0
+#: The subscribers whose positions say they have caught up.
+SUBSCRIBERS = ("audit", "billing")
+
+
+async def settled(url: str, args: argparse.Namespace) -> None:
+    """Wait until audit and billing have read the log up to its head as of this call."""
+    if not url or getattr(args, "no_settle", False):
+        return
+    connection = await asyncpg.connect(url)
+    try:
+        started = time.perf_counter()
+        head = await connection.fetchval("SELECT coalesce(max(position), 0) FROM events")
+        while time.perf_counter() - started < SETTLE_S:
+            there = await connection.fetchval(
+                "SELECT count(*) FROM ledger_positions WHERE subscriber = ANY($1) "
+                "AND position >= $2",
+                list(SUBSCRIBERS),
+                head,
+            )
+            if there == len(SUBSCRIBERS):
+                break
+            await asyncio.sleep(0.2)
+        waited = time.perf_counter() - started
+        if waited >= 1.0:
+            print(f"  (subscribers caught up with position {head:,} in {waited:.1f} s)", flush=True)
+    finally:
+        await connection.close()
 
 
 async def throughput(
@@ -529,8 +568,11 @@ async def growth(
         if n > applied:
             fill = await throughput(api, tracker, n - applied, args.concurrency, f"live{applied}-")
             applied = n
+        await settled(url, args)
         at = await latency(api, tracker, args.live_rate, args.seconds, f"l{n}r")
+        await settled(url, args)
         sustained = await throughput(api, tracker, args.claims, args.concurrency, f"l{n}tp")
+        await settled(url, args)
         half = await latency(api, tracker, sustained / 2, args.seconds, f"l{n}h")
         phase = Phase(
             live=n,
@@ -597,6 +639,7 @@ async def _measure_pipeline(
                         report_growth(phases, out["raw"], args.live_rate)
                         return
                     await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
+                    await settled(url, args)
                     out["throughput"] = await throughput(
                         api, tracker, args.claims, args.concurrency
                     )
@@ -604,12 +647,14 @@ async def _measure_pipeline(
                         f"  apply -> Ready, sustained            {out['throughput']:>10,.0f}/s",
                         flush=True,
                     )
+                    await settled(url, args)
                     cpu = cpu_seconds(reach.pid)
                     lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
                     if args.stages:
                         cpu = cpu_seconds(reach.pid) - cpu
                         await report_stages(url, tracker, "lat", "the half-rate run", cpu)
                     for rate in args.rates:  # the curve below the half rate
+                        await settled(url, args)
                         cpu = cpu_seconds(reach.pid)
                         at = await latency(api, tracker, rate, args.seconds, f"r{rate:g}")
                         cpu = cpu_seconds(reach.pid) - cpu
@@ -726,6 +771,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="run dracap up --insecure on --nats (default: secure, with its own nats-server)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the benchmark database")
+    parser.add_argument(
+        "--no-settle",
+        action="store_true",
+        help="start each run at once, not after the subscribers caught up (docstring)",
+    )
     parser.add_argument(
         "--stages",
         action="store_true",
