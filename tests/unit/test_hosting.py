@@ -39,13 +39,13 @@ def test_a_bad_setting_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]
 
 
 def test_errors_the_command_names_are_bad_input_too(capsys: pytest.CaptureFixture[str]) -> None:
-    class ConfigProblem(Exception):
+    class ConfigFileError(Exception):
         pass
 
     async def main() -> int:
-        raise ConfigProblem("--config: no such file")
+        raise ConfigFileError("--config: no such file")
 
-    assert run_service(main, bad_input=(ConfigProblem,)) == ExitCode.BAD_INPUT
+    assert run_service(main, bad_input=(ConfigFileError,)) == ExitCode.BAD_INPUT
     assert "error: --config: no such file" in capsys.readouterr().err
 
 
