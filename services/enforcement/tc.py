@@ -544,11 +544,17 @@ class TcEnforcer:
             return AppliedLimit(level="none", actual={})
         rate = self._rate_of(limit)
         async with self._lock:
-            try:
-                return await self._apply(iface, limit.share_id, rate)
-            except TcError as exc:
-                self._rooted.discard(iface)
-                raise self._error(iface, exc) from exc
+            assumed = iface in self._rooted
+            while True:
+                try:
+                    return await self._apply(iface, limit.share_id, rate)
+                except TcError as exc:
+                    self._rooted.discard(iface)
+                    if exc.missing or not assumed:
+                        raise self._error(iface, exc) from exc
+                    # the root this enforcer put there may be gone (the interface was
+                    # created again, an operator deleted it): look once more, now
+                    assumed = False
 
     async def remove(self, share_id: str) -> None:
         """Delete the share's filter, then its class, wherever they are (idempotent)."""

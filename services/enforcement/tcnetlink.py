@@ -92,6 +92,17 @@ HTB_R2Q: Final = 10
 TIME_UNITS_PER_SEC: Final = 1_000_000
 _RECV: Final = 1 << 20
 _HEADER: Final = struct.Struct("=IHHII")
+_NAMES: Final = {
+    RTM_GETLINK: "RTM_GETLINK",
+    RTM_NEWQDISC: "RTM_NEWQDISC",
+    RTM_GETQDISC: "RTM_GETQDISC",
+    RTM_NEWTCLASS: "RTM_NEWTCLASS",
+    RTM_DELTCLASS: "RTM_DELTCLASS",
+    RTM_GETTCLASS: "RTM_GETTCLASS",
+    RTM_NEWTFILTER: "RTM_NEWTFILTER",
+    RTM_DELTFILTER: "RTM_DELTFILTER",
+    RTM_GETTFILTER: "RTM_GETTFILTER",
+}
 _SOCK_FILTER: Final = struct.Struct("=HBBI")
 _ROOT_HANDLE: Final = HTB_MAJOR << 16
 
@@ -533,26 +544,31 @@ class NetlinkTc:
         msg_type: int,
         flags: int,
         *,
-        index: int | None = None,
         handle: int = 0,
         parent: int = 0,
         info: int = 0,
         attrs: Sequence[tuple[str, Any]] = (),
     ) -> list[Any]:
-        msg = TcMsg()
-        msg["family"] = socket.AF_UNSPEC
-        msg["index"] = await self._index(iface) if index is None else index
-        msg["handle"] = handle
-        msg["parent"] = parent
-        msg["info"] = info
-        msg["attrs"] = list(attrs)
-        try:
-            return await self._request(msg_type, flags, msg, TcMsg)
-        except TcError as exc:
-            if exc.errno == errno.ENODEV:
+        for fresh in (iface not in self._indexes, True):
+            msg = TcMsg()
+            msg["family"] = socket.AF_UNSPEC
+            msg["index"] = await self._index(iface)
+            msg["handle"] = handle
+            msg["parent"] = parent
+            msg["info"] = info
+            msg["attrs"] = list(attrs)
+            try:
+                return await self._request(msg_type, flags, msg, TcMsg)
+            except TcError as exc:
+                if exc.errno != errno.ENODEV:
+                    raise
                 self._indexes.pop(iface, None)
-                exc.missing = True
-            raise
+                if fresh:
+                    exc.missing = True
+                    raise
+                # a cached index the kernel no longer knows: the interface may have been
+                # created again under the same name; resolve it once more
+        raise AssertionError("unreachable")
 
     def _socket(self) -> socket.socket:
         if self._sock is None:
@@ -578,10 +594,10 @@ class NetlinkTc:
             seq = self._seq
             msg["header"]["sequence_number"] = seq
             msg.encode()
-            what = f"netlink request {msg_type}"
+            what = _NAMES.get(msg_type, f"netlink request {msg_type}")
             try:
                 return await asyncio.wait_for(
-                    self._exchange(sock, bytes(msg.data), seq, flags, codec), self.timeout
+                    self._exchange(sock, bytes(msg.data), seq, what, codec), self.timeout
                 )
             except TimeoutError as exc:
                 self.close()  # answers may still arrive: a fresh socket for the next call
@@ -591,7 +607,7 @@ class NetlinkTc:
                 raise TcError(what, str(exc), errno=exc.errno or 0) from exc
 
     async def _exchange(
-        self, sock: socket.socket, data: bytes, seq: int, flags: int, codec: type
+        self, sock: socket.socket, data: bytes, seq: int, what: str, codec: type
     ) -> list[Any]:
         loop = asyncio.get_running_loop()
         await loop.sock_sendall(sock, data)
@@ -613,7 +629,7 @@ class NetlinkTc:
                     (code,) = struct.unpack_from("=i", body, _HEADER.size)
                     if code == 0:
                         return out
-                    raise TcError(f"netlink request {kind}", _error_text(body, -code), errno=-code)
+                    raise TcError(what, _error_text(body, -code), errno=-code)
                 decoded = codec(body)
                 decoded.decode()
                 out.append(decoded)
