@@ -43,7 +43,7 @@ async def _kernel_text(pair: NetnsPair) -> tuple[str, str, str]:
     qdisc = await _tc(pair, "-d", "qdisc", "show", "dev", pair.tx_if, "root")
     classes = await _tc(pair, "-d", "class", "show", "dev", pair.tx_if)
     filters = await _tc(pair, "-d", "filter", "show", "dev", pair.tx_if, "parent", "dca:")
-    qdisc = re.sub(r"refcnt \d+ ", "", qdisc)
+    qdisc = re.sub(r"refcnt \d+ |direct_packets_stat \d+ ", "", qdisc)
     return qdisc, "\n".join(sorted(classes.splitlines())), filters
 
 
