@@ -16,7 +16,7 @@ import pytest
 from events.quantities import Quantity
 from services.enforcement.enforcers import PermanentEnforcementError
 from services.enforcement.proving import NetnsPair
-from services.enforcement.tc import HTB_MAJOR, TcEnforcer
+from services.enforcement.tc import HTB_MAJOR, TcEnforcer, TcError
 from services.enforcement.tcnetlink import NetlinkTc, rate_table, tick_in_usec
 
 pytest_plugins = ["tests.fixtures.netns"]
@@ -166,9 +166,9 @@ async def test_interface_created_again_is_found_by_its_new_index(netns_pair: Net
 
 async def test_missing_interface_is_reported_missing(netns_pair: NetnsPair) -> None:
     kernel = NetlinkTc(netns_pair.tx_ns)
-    with pytest.raises(Exception, match="No such device") as err:
+    with pytest.raises(TcError, match="No such device") as err:
         await kernel.root("nosuchnic0")
-    assert getattr(err.value, "missing", False)
+    assert err.value.missing
     kernel.close()
 
 
