@@ -390,7 +390,8 @@ class KubeletDriver:
         self, items: list[_Item], verdicts: dict[_Item, PrepareVerdict | None], done: Round
     ) -> dict[_Item, list[PreparedDevice] | Exception]:
         """What each call of a round gets back, from the view and the outcomes; the
-        round's CDI specs are written (and an unprepared claim's removed) all at once."""
+        unprepared claims' CDI specs are removed, then the prepared ones' written, each
+        phase all at once on worker threads."""
         state = done.state
         out: dict[_Item, list[PreparedDevice] | Exception] = {}
         tasks = {t.message: t for t in done.tasks if isinstance(t, Enforce)}
@@ -417,10 +418,10 @@ class KubeletDriver:
                 out[item] = failure
             else:
                 prepared.append((item, verdict))
-        devices, _ = await asyncio.gather(
-            self._devices_of([(state, verdict) for _, verdict in prepared]),
-            asyncio.gather(*(asyncio.to_thread(self.share_specs.remove, sid) for sid in gone)),
-        )
+        # the removals first, as the round's decisions took the limits down first: a claim
+        # unprepared and prepared again in one round keeps its spec
+        await asyncio.gather(*(asyncio.to_thread(self.share_specs.remove, sid) for sid in gone))
+        devices = await self._devices_of([(state, verdict) for _, verdict in prepared])
         for (item, _), answer in zip(prepared, devices, strict=True):
             out[item] = answer
         return out
