@@ -2,8 +2,8 @@
 
 :class:`~services.enforcement.tc.TcEnforcer` decides *what* the kernel must hold (the
 module docstring of :mod:`services.enforcement.tc`); a backend says it to the kernel.
-The process backend runs ``tc`` (about six processes per share); this one sends the same
-requests as rtnetlink messages on one socket of its own:
+The process backend runs ``tc`` (seven processes for a new share); this one sends the
+same requests as rtnetlink messages on one socket of its own:
 
 * **The same objects, the same bytes.** The HTB root (``dca:``, default class
   ``dca:ffff``), one HTB class per share and one ``cls_bpf`` filter per share carrying the
@@ -26,8 +26,14 @@ requests as rtnetlink messages on one socket of its own:
   namespace (``setns``, which moves only the calling thread) and leaves it again; a
   socket keeps the namespace it was created in.
 * **Interfaces by index.** A name is resolved once (``RTM_GETLINK``) and every request
-  names the interface by index; an index the kernel no longer knows drops the cache
-  entry, and the next call resolves the name again.
+  names the interface by index; an index the kernel no longer knows (``ENODEV``) is
+  resolved once more and the request sent again: an interface created again under the
+  same name is found, one that is gone is reported missing.
+* **GETs are echoed.** A GET of one object (the root qdisc, one class) is answered by tc
+  as a notification, which the kernel sends to the asker only with ``NLM_F_ECHO``; the
+  requests ask for it and for the ack that ends the answer.
+* **A down interface** still gets the HTB root: its root reads as the ``noop``
+  placeholder, which counts as the kernel's default.
 * **Errors** are :class:`~services.enforcement.tc.TcError` like the process backend's:
   ``missing`` is set for ``ENODEV`` (the interface is gone), from the errno, not a text.
 """
