@@ -11,13 +11,14 @@ cannot be reached at start is one line and exit 1. With ``--config`` (an agent
 configuration, ``deploy/agent-config.example.yaml``) the node's devices are discovered
 at start and every ``--scan-interval`` seconds and published as ResourceSlices;
 ``--enforcer tc`` takes each device's interface from its ``ifName`` attribute and
-``--enforcer mps`` each GPU's UUID, so both need ``--config``. ``--enforcer none`` (the
-default) applies no limit and reports enforcement level ``none``. The agent writes only
-under its node's lease (``--lease-ttl``, a heartbeat every third of it;
-``docs/reclamation.md``). ``--checkpoint PATH`` is the durable record of what the agent
-applied (``none``: keep none); on start the agent reconciles it with the kernel and the
-log. Its metrics port (``--metrics-port``, default 9401) serves ``/metrics``,
-``/healthz`` and ``/readyz``: ready while NATS answers and its consumer pulls
+``--enforcer mps`` each GPU's UUID, so both need ``--config``; ``--tc-backend`` says how
+the tc enforcer talks to the kernel (``netlink``, the default, or ``tc`` processes).
+``--enforcer none`` (the default) applies no limit and reports enforcement level
+``none``. The agent writes only under its node's lease (``--lease-ttl``, a heartbeat
+every third of it; ``docs/reclamation.md``). ``--checkpoint PATH`` is the durable record
+of what the agent applied (``none``: keep none); on start the agent reconciles it with the
+kernel and the log. Its metrics port (``--metrics-port``, default 9401) serves
+``/metrics``, ``/healthz`` and ``/readyz``: ready while NATS answers and its consumer pulls
 (:mod:`services.runtime.health`).
 """
 
@@ -41,7 +42,7 @@ from services.enforcement.enforcers import Enforcer, NoneEnforcer
 from services.enforcement.leasing import DEFAULT_TTL_S
 from services.enforcement.mps import MpsEnforcer, MpsSettings
 from services.enforcement.scanning import InventoryScanner, gpu_uuids_of, interfaces_of
-from services.enforcement.tc import TcEnforcer
+from services.enforcement.tc import BACKENDS, TcEnforcer
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus import api_prefix
 from services.runtime.credentials import AUTH_DIR, AuthDir, Credential
@@ -67,7 +68,7 @@ def build_enforcer(args: argparse.Namespace, config: AgentConfig | None) -> Enfo
     if config is None:
         raise ConfigError("--config", f"--enforcer {args.enforcer} needs the agent config")
     if args.enforcer == "tc":
-        return TcEnforcer({}, default_rate=args.tc_default_rate)
+        return TcEnforcer({}, default_rate=args.tc_default_rate, backend=args.tc_backend)
     return MpsEnforcer(
         {}, cdi=CdiSpecs(Path(args.cdi_dir)), settings=MpsSettings(root=Path(args.mps_root))
     )
@@ -243,6 +244,13 @@ def register(sub: Any) -> None:
         default=10 * 10**9,
         metavar="BIT/S",
         help="rate of the unclassified traffic's HTB class (default 10G)",
+    )
+    parser.add_argument(
+        "--tc-backend",
+        choices=BACKENDS,
+        default="netlink",
+        help="how --enforcer tc talks to the kernel: netlink (default: rtnetlink requests, "
+        "no process) or tc (a tc process per request); both put the same classes and filters",
     )
     parser.add_argument(
         "--lease-ttl",

@@ -12,7 +12,8 @@ each call must succeed at the first try.
        named (a claim deleted and recreated under the same name is another claim), and
        the claim must be allocated with devices of this plugin's drivers — otherwise the
        call is answered at once with the reason (never mirrored, so never worth a wait);
-    2. wait, at most ``mirror_wait_s``, until the log holds the claim mirrored with that
+    2. at the same time (the two reads run concurrently; a refusal of step 1 drops this
+       one) wait, at most ``mirror_wait_s``, until the log holds the claim mirrored with that
        UID (:func:`~services.enforcement.preparing.judge_prepare`); the agent's messages
        (the bridge's ``AllocationBound`` among them) wake the wait, so it ends as soon as
        the mirror is in; a claim still not mirrored gets an error saying so, and the
@@ -23,7 +24,9 @@ each call must succeed at the first try.
        only now;
     4. write each share's CDI spec (an MPS GPU share's is written by its enforcer; every
        other share gets a ``dracap.io/share`` spec) and answer the CDI names, one device per
-       share. A claim dracap refused, or whose limit failed, gets an error with the reason.
+       share. The specs of a round are written all at once, each on a worker thread (the
+       write and its fsyncs never hold the event loop). A claim dracap refused, or whose
+       limit failed, gets an error with the reason.
 
     Preparing again answers the same devices and changes nothing: the shares are already
     ``ready`` in the log.
@@ -190,10 +193,9 @@ class KubeletDriver:
         return out
 
     async def _prepare(self, ref: ClaimRef) -> list[PreparedDevice]:
-        await self._check_claim(ref)
-        verdict, state = await self._verdict(ref, time.monotonic() + self.mirror_wait_s)
+        verdict, state = await self._read(ref)
         if verdict.verdict == "prepared":  # again: the same devices, nothing to write
-            return self._devices(state, verdict)
+            return await self._devices(state, verdict)
         if verdict.verdict == "wait":
             raise PrepareError(
                 f"{verdict.reason}; waited {self.mirror_wait_s:g}s for the bridge to mirror "
@@ -202,6 +204,19 @@ class KubeletDriver:
         if verdict.verdict == "refused":
             raise PrepareError(verdict.reason)
         return await self._submit(("prepare", ref.namespace, ref.name, ref.uid))
+
+    async def _read(self, ref: ClaimRef) -> tuple[PrepareVerdict, ClusterState]:
+        """The API server's copy and the log's view of the claim, read at once: the view
+        (and its wait for the mirror) is dropped as soon as the API server's copy says
+        the claim cannot be prepared here."""
+        view = asyncio.ensure_future(self._verdict(ref, time.monotonic() + self.mirror_wait_s))
+        try:
+            await self._check_claim(ref)
+            return await view
+        finally:
+            if not view.done():
+                view.cancel()
+                await asyncio.gather(view, return_exceptions=True)
 
     async def _check_claim(self, ref: ClaimRef) -> None:
         """The API server's copy: the UID the kubelet named, and an allocation that has
@@ -243,22 +258,41 @@ class KubeletDriver:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._mirrored.wait(), min(left, _MIRROR_LOOK_S))
 
-    def _devices(self, state: ClusterState, verdict: PrepareVerdict) -> list[PreparedDevice]:
-        return [self._device(state.shares[sid]) for sid in verdict.share_ids]
+    async def _devices(self, state: ClusterState, verdict: PrepareVerdict) -> list[PreparedDevice]:
+        """The prepared devices of one claim, its CDI specs written (on worker threads)."""
+        return (await self._devices_of([(state, verdict)]))[0]
 
-    def _device(self, share: ShareState) -> PreparedDevice:
+    async def _devices_of(
+        self, claims: Sequence[tuple[ClusterState, PrepareVerdict]]
+    ) -> list[list[PreparedDevice]]:
+        """The prepared devices of each claim; every CDI spec of them is written at once,
+        each on a worker thread (a write and its fsyncs never hold the event loop)."""
+        shares = [[state.shares[sid] for sid in verdict.share_ids] for state, verdict in claims]
+        names = await asyncio.gather(
+            *(asyncio.to_thread(self._spec, share) for group in shares for share in group)
+        )
+        it = iter(names)
+        return [
+            [
+                PreparedDevice(
+                    request_names=(share.request,),
+                    pool_name=share.pool,
+                    device_name=share.device,
+                    cdi_device_ids=(next(it),),
+                )
+                for share in group
+            ]
+            for group in shares
+        ]
+
+    def _spec(self, share: ShareState) -> str:
+        """The CDI name of the share's device, its spec written where dracap writes it
+        (an MPS GPU share's spec is its enforcer's)."""
         sid = share.share_id
         if self.gpu_specs.read(sid) is not None:
-            name = self.gpu_specs.qualified_name(sid)
-        else:
-            self.share_specs.write_spec(sid, build_share_spec(sid, share.device))
-            name = self.share_specs.qualified_name(sid)
-        return PreparedDevice(
-            request_names=(share.request,),
-            pool_name=share.pool,
-            device_name=share.device,
-            cdi_device_ids=(name,),
-        )
+            return self.gpu_specs.qualified_name(sid)
+        self.share_specs.write_spec(sid, build_share_spec(sid, share.device))
+        return self.share_specs.qualified_name(sid)
 
     # -- unprepare -------------------------------------------------------------------------
 
@@ -349,42 +383,52 @@ class KubeletDriver:
                 done = await self.agent.carry_round(ViewAsk(claims=keys), decide)
             except ConflictError:
                 continue  # an outside write (a delete, a fence) got in first: decide again
-            return self._answers(items, verdicts, done)
+            return await self._answers(items, verdicts, done)
         raise ConflictError(f"{len(items)} claim(s) changed under {_ATTEMPTS} rounds")
 
-    def _answers(
+    async def _answers(
         self, items: list[_Item], verdicts: dict[_Item, PrepareVerdict | None], done: Round
     ) -> dict[_Item, list[PreparedDevice] | Exception]:
-        """What each call of a round gets back, from the view and the outcomes."""
+        """What each call of a round gets back, from the view and the outcomes; the
+        unprepared claims' CDI specs are removed, then the prepared ones' written, each
+        phase all at once on worker threads."""
         state = done.state
         out: dict[_Item, list[PreparedDevice] | Exception] = {}
         tasks = {t.message: t for t in done.tasks if isinstance(t, Enforce)}
-        answer: list[PreparedDevice] | Exception
+        prepared: list[tuple[_Item, PrepareVerdict]] = []
+        gone: list[str] = []
         for item in items:
             kind, namespace, name, _ = item
             where = f"{namespace}/{name}"
             verdict = verdicts.get(item)
             if kind == "unprepare":
                 claim = state.claims.get((namespace, name))
-                for sid in claim.share_ids if claim is not None else ():
-                    self.share_specs.remove(sid)
+                gone += claim.share_ids if claim is not None else ()
                 out[item] = []
                 continue
             assert verdict is not None
             task = tasks.get(f"prepare:{where}")
-            if verdict.verdict == "prepared" or (verdict.verdict == "enforce" and task is None):
-                answer = self._devices(state, verdict)
-            elif verdict.verdict == "enforce" and task is not None:
-                answer = self._outcome(state, verdict, task, done)
-            else:  # refused, retrying, or not mirrored any more
-                answer = PrepareError(verdict.reason or f"claim {where} is {verdict.verdict}")
+            failure: Exception | None = None
+            if verdict.verdict == "enforce" and task is not None:
+                failure = self._failure(task, done)
+            elif verdict.verdict != "prepared" and verdict.verdict != "enforce":
+                # refused, retrying, or not mirrored any more
+                failure = PrepareError(verdict.reason or f"claim {where} is {verdict.verdict}")
+            if failure is not None:
+                out[item] = failure
+            else:
+                prepared.append((item, verdict))
+        # the removals first, as the round's decisions took the limits down first: a claim
+        # unprepared and prepared again in one round keeps its spec
+        await asyncio.gather(*(asyncio.to_thread(self.share_specs.remove, sid) for sid in gone))
+        devices = await self._devices_of([(state, verdict) for _, verdict in prepared])
+        for (item, _), answer in zip(prepared, devices, strict=True):
             out[item] = answer
         return out
 
-    def _outcome(
-        self, state: ClusterState, verdict: PrepareVerdict, task: Enforce, done: Round
-    ) -> list[PreparedDevice] | Exception:
-        """The devices of a prepare whose limits were all applied, else why not."""
+    @staticmethod
+    def _failure(task: Enforce, done: Round) -> Exception | None:
+        """Why a prepare's limits are not all applied (``None``: they are)."""
         for refusal in task.refused:
             return PrepareError(refusal.reason)
         for limit in task.limits:
@@ -394,7 +438,7 @@ class KubeletDriver:
                 return PrepareError(
                     f"limit of share {limit.share_id} failed{again}: {outcome.reason}"
                 )
-        return self._devices(state, verdict)
+        return None
 
     # -- health ----------------------------------------------------------------------------
 

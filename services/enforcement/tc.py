@@ -65,15 +65,22 @@ Design
 * **Errors.** A device missing from the mapping, an interface missing from the kernel,
   a missing/zero/oversized ``bandwidth``, a foreign root qdisc or a missing ``tc``
   binary raise :class:`~services.enforcement.enforcers.PermanentEnforcementError`;
-  any other ``tc`` failure (busy, out of memory, a timeout, a read-back that does not
+  any other failure (busy, out of memory, a timeout, a read-back that does not
   match) raises :class:`~services.enforcement.enforcers.RetryableEnforcementError`.
-  A missing interface can only be told from ``tc``'s stderr (``Cannot find device``):
-  ``_missing_device`` reads it at the boundary, and from there on the error's type
-  carries the verdict. Admin-access shares consume nothing and get no class (level
-  ``none``).
+  A missing interface is told at the boundary (``ENODEV`` on netlink, ``Cannot find
+  device`` in ``tc``'s stderr) and carried by :class:`TcError`'s ``missing``; from
+  there on the error's type carries the verdict. Admin-access shares consume nothing
+  and get no class (level ``none``).
 
-``tc`` runs through asyncio subprocesses (``tc -n NETNS`` when ``netns`` is given, which
-is how the tests and ``dracap prove bandwidth`` drive namespaces). ``tc -j`` output is
+**Two backends, one kernel state.** By default (``backend="netlink"``) the requests go
+over an rtnetlink socket of the enforcer's own (:mod:`services.enforcement.tcnetlink`):
+no process per request, the interface named by index, the share's own class read back.
+``backend="tc"`` (``dracap agent --tc-backend tc``) runs ``tc`` through asyncio
+subprocesses (:class:`ProcessTc`); both write the same qdisc, classes and filters and
+read each other's. ``netns`` names the network namespace (``tc -n NETNS``, or a netlink
+socket opened in it), which is how the tests and ``dracap prove bandwidth`` drive
+namespaces. ``apply`` of a share already in force costs two reads (the filters, its own
+class); a new share adds the class, the filter and their read-back. ``tc -j`` output is
 parsed where iproute2 prints JSON; iproute2 releases before 6.3 print classes as text
 even with ``-j``, so class listings fall back to a text parser (rates printed by tc are
 rounded to 1 kbit/s above 1 Mbit/s; when the printed rate is what tc prints for the
@@ -89,7 +96,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal, Protocol
 
 from events.catalog import EnforcementLevel
 from events.quantities import Quantity
@@ -102,13 +109,18 @@ from services.enforcement.enforcers import (
 )
 
 __all__ = [
+    "BACKENDS",
     "CAPACITY",
     "DEFAULT_MINOR",
     "HTB_MAJOR",
     "SHARE_MARK_ENV",
+    "Backend",
     "ClassState",
     "FilterState",
+    "ProcessTc",
+    "TcBackend",
     "TcEnforcer",
+    "TcError",
     "candidate_minors",
     "decode_program",
     "encode_program",
@@ -327,14 +339,158 @@ def _parse_filters(doc: Any) -> list[FilterState]:
     return out
 
 
-class _TcError(Exception):
-    def __init__(self, argv: Sequence[str], code: int, stderr: str) -> None:
-        super().__init__(f"{' '.join(argv)}: exit {code}: {stderr.strip()}")
-        self.stderr = stderr
+class TcError(Exception):
+    """A request to the kernel's traffic control failed (a ``tc`` process or a netlink
+    request): ``missing`` when the interface does not exist, ``errno`` when known."""
+
+    def __init__(self, what: str, detail: str, *, errno: int = 0, missing: bool = False) -> None:
+        super().__init__(f"{what}: {detail.strip()}")
+        self.stderr = detail
+        self.errno = errno
+        self.missing = missing
+
+
+Backend = Literal["netlink", "tc"]
+#: How the enforcer talks to the kernel: rtnetlink (the default) or ``tc`` processes.
+BACKENDS: Final[tuple[Backend, ...]] = ("netlink", "tc")
+
+
+class TcBackend(Protocol):
+    """The kernel work of :class:`TcEnforcer`: the same objects, whatever the transport.
+
+    Every method raises :class:`TcError`; ``missing`` set when the interface is gone.
+    """
+
+    async def root(self, iface: str) -> tuple[str | None, str]:
+        """Kind and handle (``"dca:"``) of the root qdisc; ``None``: only the default."""
+        ...
+
+    async def replace_root(self, iface: str) -> None: ...
+
+    async def replace_class(
+        self, iface: str, minor: int, rate: int, burst: int, quantum: int
+    ) -> None: ...
+
+    async def delete_class(self, iface: str, minor: int) -> None: ...
+
+    async def replace_filter(
+        self, iface: str, minor: int, program: Sequence[tuple[int, int, int, int]]
+    ) -> None: ...
+
+    async def delete_filter(self, iface: str, pref: int) -> None: ...
+
+    async def filters(self, iface: str) -> list[FilterState]: ...
+
+    async def classes(self, iface: str, *, stats: bool = False) -> list[ClassState]: ...
+
+    async def get_class(self, iface: str, minor: int) -> list[ClassState]: ...
+
+    def close(self) -> None: ...
+
+
+def htb_parameters(rate: int, burst_time: float) -> tuple[int, int]:
+    """``(burst, quantum)`` in bytes of a class of ``rate`` bytes per second."""
+    burst = max(int(rate * burst_time), 2 * _GSO_MAX)
+    quantum = min(max(rate // 100, _QUANTUM_MIN), _QUANTUM_MAX)
+    return burst, quantum
+
+
+class ProcessTc:
+    """:class:`TcBackend` by ``tc`` processes (``tc -n NETNS`` in a namespace)."""
+
+    def __init__(self, netns: str | None = None, *, tc: str = "tc", timeout: float = 10.0) -> None:
+        self.netns = netns
+        self.tc = tc
+        self.timeout = timeout
+
+    def close(self) -> None:
+        pass
+
+    async def root(self, iface: str) -> tuple[str | None, str]:
+        doc = json.loads(await self._run("-j", "qdisc", "show", "dev", iface, "root") or "[]")
+        root = next((q for q in doc if isinstance(q, dict) and q.get("root")), None)
+        kind = (root or {}).get("kind")
+        return (None if kind is None else str(kind)), str((root or {}).get("handle", ""))
+
+    async def replace_root(self, iface: str) -> None:
+        await self._run("qdisc", "replace", "dev", iface, "root", "handle", ROOT, "htb",
+                        "default", f"{DEFAULT_MINOR:x}")  # fmt: skip
+
+    async def replace_class(
+        self, iface: str, minor: int, rate: int, burst: int, quantum: int
+    ) -> None:
+        await self._run("class", "replace", "dev", iface, "parent", ROOT, "classid",
+                        _handle(minor), "htb", "rate", f"{rate}bps", "ceil", f"{rate}bps",
+                        "burst", str(burst), "cburst", str(burst),
+                        "quantum", str(quantum))  # fmt: skip
+
+    async def delete_class(self, iface: str, minor: int) -> None:
+        await self._run("class", "del", "dev", iface, "classid", _handle(minor))
+
+    async def replace_filter(
+        self, iface: str, minor: int, program: Sequence[tuple[int, int, int, int]]
+    ) -> None:
+        bytecode = ",".join([str(len(program))] + [f"{c} {t} {f} {k}" for c, t, f, k in program])
+        await self._run("filter", "replace", "dev", iface, "parent", ROOT,
+                        "protocol", "all", "pref", str(minor), "handle", "1", "bpf",
+                        "bytecode", bytecode, "classid", _handle(minor))  # fmt: skip
+
+    async def delete_filter(self, iface: str, pref: int) -> None:
+        await self._run("filter", "del", "dev", iface, "parent", ROOT, "pref", str(pref))
+
+    async def filters(self, iface: str) -> list[FilterState]:
+        out = await self._run("-j", "filter", "show", "dev", iface, "parent", ROOT)
+        return _parse_filters(json.loads(out)) if out.strip() else []
+
+    async def classes(self, iface: str, *, stats: bool = False) -> list[ClassState]:
+        args = ["-j", *(["-s"] if stats else []), "class", "show", "dev", iface]
+        return _parse_classes(await self._run(*args))
+
+    async def get_class(self, iface: str, minor: int) -> list[ClassState]:
+        out = await self._run("-j", "class", "show", "dev", iface, "classid", _handle(minor))
+        return _parse_classes(out)
+
+    async def _run(self, *args: str) -> str:
+        argv = [self.tc, *(["-n", self.netns] if self.netns else []), *args]
+        what = " ".join(argv)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            )
+        except FileNotFoundError as exc:
+            raise PermanentEnforcementError(
+                f"the tc command ({self.tc}) is not installed",
+            ) from exc
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), self.timeout)
+        except TimeoutError as exc:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise TcError(what, f"timed out after {self.timeout}s") from exc
+        if proc.returncode != 0:
+            text = err.decode(errors="replace")
+            raise TcError(what, f"exit {proc.returncode}: {text}", missing=_missing_text(text))
+        return out.decode()
+
+
+def _parse_classes(out: str) -> list[ClassState]:
+    if out.lstrip().startswith("["):
+        return _parse_class_json(json.loads(out))
+    return parse_class_text(out)
+
+
+def _missing_text(text: str) -> bool:
+    """Whether ``tc``'s stderr says the interface does not exist (read at the boundary)."""
+    return "Cannot find device" in text or "No such device" in text or "does not exist" in text
 
 
 class TcEnforcer:
-    """Bandwidth shares as HTB classes steered by firewall mark (see the module docstring)."""
+    """Bandwidth shares as HTB classes steered by firewall mark (see the module docstring).
+
+    ``backend``: ``"netlink"`` (the default, :mod:`services.enforcement.tcnetlink`) or
+    ``"tc"`` (a ``tc`` process per request); both put the same objects in the kernel.
+    """
 
     level: EnforcementLevel = "hard"
 
@@ -347,11 +503,14 @@ class TcEnforcer:
         default_rate: int = 10 * 10**9,
         burst_time: float = 0.004,
         mark_shift: int = 16,
+        backend: Backend = "netlink",
         tc: str = "tc",
         timeout: float = 10.0,
     ) -> None:
         if not 0 <= mark_shift <= 16:
             raise ValueError("mark_shift must be within 0..16")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}")
         self.interfaces = dict(interfaces)
         self.netns = netns
         self.capacity = capacity
@@ -359,12 +518,23 @@ class TcEnforcer:
         self.burst_time = burst_time
         self.mark_shift = mark_shift
         self.mask = 0xFFFF << mark_shift
-        self.tc = tc
+        self.backend = backend
         self.timeout = timeout
+        self.kernel: TcBackend
+        if backend == "netlink":
+            from services.enforcement.tcnetlink import NetlinkTc  # imports this module
+
+            self.kernel = NetlinkTc(netns, timeout=timeout)
+        else:
+            self.kernel = ProcessTc(netns, tc=tc, timeout=timeout)
         self._lock = asyncio.Lock()
         #: interfaces whose root HTB qdisc this enforcer put or found in place (a failed
-        #: tc command on one forgets it: the next apply looks again)
+        #: request on one forgets it: the next apply looks again)
         self._rooted: set[str] = set()
+
+    def close(self) -> None:
+        """Release the backend's socket (the enforcer stays usable: it opens a new one)."""
+        self.kernel.close()
 
     # -- the Enforcer protocol
     async def apply(self, limit: ShareLimit) -> AppliedLimit:
@@ -374,11 +544,17 @@ class TcEnforcer:
             return AppliedLimit(level="none", actual={})
         rate = self._rate_of(limit)
         async with self._lock:
-            try:
-                return await self._apply(iface, limit.share_id, rate)
-            except _TcError as exc:
-                self._rooted.discard(iface)
-                raise self._error(iface, exc) from exc
+            assumed = iface in self._rooted
+            while True:
+                try:
+                    return await self._apply(iface, limit.share_id, rate)
+                except TcError as exc:
+                    self._rooted.discard(iface)
+                    if exc.missing or not assumed:
+                        raise self._error(iface, exc) from exc
+                    # the root this enforcer put there may be gone (the interface was
+                    # created again, an operator deleted it): look once more, now
+                    assumed = False
 
     async def remove(self, share_id: str) -> None:
         """Delete the share's filter, then its class, wherever they are (idempotent)."""
@@ -388,22 +564,11 @@ class TcEnforcer:
                     filters = await self.filters(iface)
                     for f in filters:
                         if f.share_id == share_id:
-                            await self._run(
-                                "filter",
-                                "del",
-                                "dev",
-                                iface,
-                                "parent",
-                                ROOT,
-                                "pref",
-                                str(f.pref),
-                            )
-                            with contextlib.suppress(_TcError):
-                                await self._run(
-                                    "class", "del", "dev", iface, "classid", _handle(f.minor)
-                                )
-                except _TcError as exc:
-                    if _missing_device(exc):
+                            await self.kernel.delete_filter(iface, f.pref)
+                            with contextlib.suppress(TcError):
+                                await self.kernel.delete_class(iface, f.minor)
+                except TcError as exc:
+                    if exc.missing:
                         continue
                     raise RetryableEnforcementError(str(exc)) from exc
 
@@ -414,8 +579,8 @@ class TcEnforcer:
             try:
                 filters = await self.filters(iface)
                 classes = {c.minor: c for c in await self.classes(iface)} if filters else {}
-            except _TcError as exc:
-                if _missing_device(exc):
+            except TcError as exc:
+                if exc.missing:
                     continue
                 raise RetryableEnforcementError(str(exc)) from exc
             for f in filters:
@@ -429,11 +594,11 @@ class TcEnforcer:
         out: dict[tuple[str, str, str], str | None] = {}
         for key, iface in sorted(self.interfaces.items()):
             try:
-                await self._run("-j", "qdisc", "show", "dev", iface, "root")
-            except _TcError as exc:
+                await self.kernel.root(iface)
+            except TcError as exc:
                 out[key] = (
                     f"interface {iface} is gone"
-                    if _missing_device(exc)
+                    if exc.missing
                     else f"tc cannot read interface {iface}: {exc.stderr.strip()[:200]}"
                 )
             except PermanentEnforcementError as exc:
@@ -451,7 +616,7 @@ class TcEnforcer:
                 if not filters:
                     continue
                 sent = {c.minor: c.bytes for c in await self.classes(iface, stats=True)}
-            except _TcError:
+            except TcError:
                 continue  # an interface that cannot be read is health's to report
             for f in filters:
                 if f.minor in sent:
@@ -462,24 +627,19 @@ class TcEnforcer:
     async def mark_of(self, share_id: str) -> int | None:
         """The firewall mark the share's packets must carry, if its limit is in force."""
         for iface in self._names():
-            with contextlib.suppress(_TcError):
+            with contextlib.suppress(TcError):
                 for f in await self.filters(iface):
                     if f.share_id == share_id:
                         return f.mark
         return None
 
     async def filters(self, iface: str) -> list[FilterState]:
-        """dracap's filters on ``iface`` (``tc -j filter show``)."""
-        out = await self._run("-j", "filter", "show", "dev", iface, "parent", ROOT)
-        return _parse_filters(json.loads(out)) if out.strip() else []
+        """dracap's filters on ``iface``."""
+        return await self.kernel.filters(iface)
 
     async def classes(self, iface: str, *, stats: bool = False) -> list[ClassState]:
-        """dracap's HTB classes on ``iface`` (``tc -j [-s] class show``)."""
-        args = ["-j", *(["-s"] if stats else []), "class", "show", "dev", iface]
-        out = await self._run(*args)
-        if out.lstrip().startswith("["):
-            return _parse_class_json(json.loads(out))
-        return parse_class_text(out)
+        """dracap's HTB classes on ``iface`` (with their counters when ``stats``)."""
+        return await self.kernel.classes(iface, stats=stats)
 
     # -- internals
     def _names(self) -> list[str]:
@@ -512,11 +672,9 @@ class TcEnforcer:
             )
         return rate
 
-    def _htb_args(self, rate: int) -> list[str]:
-        burst = max(int(rate * self.burst_time), 2 * _GSO_MAX)
-        quantum = min(max(rate // 100, _QUANTUM_MIN), _QUANTUM_MAX)
-        return ["htb", "rate", f"{rate}bps", "ceil", f"{rate}bps", "burst", str(burst),
-                "cburst", str(burst), "quantum", str(quantum)]  # fmt: skip
+    async def _replace_class(self, iface: str, minor: int, rate: int) -> None:
+        burst, quantum = htb_parameters(rate, self.burst_time)
+        await self.kernel.replace_class(iface, minor, rate, burst, quantum)
 
     async def _ensure_root(self, iface: str) -> None:
         if iface not in self._rooted:
@@ -524,9 +682,7 @@ class TcEnforcer:
             self._rooted.add(iface)
 
     async def _put_root(self, iface: str) -> None:
-        doc = json.loads(await self._run("-j", "qdisc", "show", "dev", iface, "root") or "[]")
-        root = next((q for q in doc if isinstance(q, dict) and q.get("root")), None)
-        kind, handle = (root or {}).get("kind"), str((root or {}).get("handle", ""))
+        kind, handle = await self.kernel.root(iface)
         if kind == "htb" and handle == ROOT:
             return
         if kind is not None and kind not in REPLACEABLE_ROOTS:
@@ -534,63 +690,42 @@ class TcEnforcer:
                 f"interface {iface} already has a root qdisc {kind} {handle} that dracap "
                 f"did not create; remove it or give dracap another interface",
             )
-        await self._run("qdisc", "replace", "dev", iface, "root", "handle", ROOT, "htb",
-                        "default", f"{DEFAULT_MINOR:x}")  # fmt: skip
-        default = -(-self.default_rate // 8)
-        await self._run("class", "replace", "dev", iface, "parent", ROOT, "classid",
-                        _handle(DEFAULT_MINOR), *self._htb_args(default))  # fmt: skip
+        await self.kernel.replace_root(iface)
+        await self._replace_class(iface, DEFAULT_MINOR, -(-self.default_rate // 8))
 
     async def _apply(self, iface: str, share_id: str, rate: int) -> AppliedLimit:
         await self._ensure_root(iface)
         mine = await self.filters(iface)
-        classes = {c.minor: c for c in await self.classes(iface)}
         current = next((f for f in mine if f.share_id == share_id), None)
         if current is not None and current.mark != self._mark(current.minor):
             # A filter from another mark layout: drop it, the share gets a fresh one.
-            await self._run("filter", "del", "dev", iface, "parent", ROOT,
-                            "pref", str(current.pref))  # fmt: skip
+            await self.kernel.delete_filter(iface, current.pref)
             current = None
         if current is None:
-            minor = await self._free_minor(iface, share_id, mine, classes)
+            minor = await self._free_minor(iface, share_id, mine)
         else:
             minor = current.minor
-        held = classes.get(minor)
-        if held is None or held.rate != rate or held.ceil != rate:
-            await self._run("class", "replace", "dev", iface, "parent", ROOT,
-                            "classid", _handle(minor), *self._htb_args(rate))  # fmt: skip
+        # only the share's own class is read, never the interface's whole list
+        held = next(iter(await self.kernel.get_class(iface, minor)), None)
+        if held is None or not self._holds(held, rate):
+            await self._replace_class(iface, minor, rate)
+            held = None
         if current is None:
             program = encode_program(self._mark(minor), self.mask, share_id)
-            bytecode = ",".join(
-                [str(len(program))] + [f"{c} {t} {f} {k}" for c, t, f, k in program]
-            )
-            await self._run("filter", "replace", "dev", iface, "parent", ROOT,
-                            "protocol", "all", "pref", str(minor), "handle", "1", "bpf",
-                            "bytecode", bytecode, "classid", _handle(minor))  # fmt: skip
+            await self.kernel.replace_filter(iface, minor, program)
             back = [f for f in await self.filters(iface) if f.share_id == share_id]
             if [f.minor for f in back] != [minor]:
-                raise _TcError(["tc", "filter", "show"], 0, f"filter of {share_id} not read back")
-        cls = next((c for c in await self._class(iface, minor)), None)
+                raise TcError("filter read-back", f"filter of {share_id} not read back")
+        cls = held or next(iter(await self.kernel.get_class(iface, minor)), None)
         if cls is None or not self._holds(cls, rate):
-            raise _TcError(["tc", "class", "show"], 0, f"class {_handle(minor)} not read back")
+            raise TcError("class read-back", f"class {_handle(minor)} not read back")
         return self._applied(cls, rate)
 
-    async def _class(self, iface: str, minor: int) -> list[ClassState]:
-        out = await self._run("-j", "class", "show", "dev", iface, "classid", _handle(minor))
-        if out.lstrip().startswith("["):
-            return _parse_class_json(json.loads(out))
-        return parse_class_text(out)
-
-    async def _free_minor(
-        self,
-        iface: str,
-        share_id: str,
-        mine: list[FilterState],
-        classes: Mapping[int, ClassState],
-    ) -> int:
+    async def _free_minor(self, iface: str, share_id: str, mine: list[FilterState]) -> int:
         taken = {f.minor for f in mine}
         for other in self._names():
             if other != iface:
-                with contextlib.suppress(_TcError):
+                with contextlib.suppress(TcError):
                     taken |= {f.minor for f in await self.filters(other)}
         for minor in candidate_minors(share_id):
             if minor not in taken:
@@ -610,36 +745,10 @@ class TcEnforcer:
         held = rate if rate is not None and self._holds(cls, rate) else cls.rate
         return AppliedLimit(level="hard", actual={self.capacity: Quantity.from_int(held * 8)})
 
-    def _error(self, iface: str, exc: _TcError) -> EnforcementError:
-        if _missing_device(exc):
+    def _error(self, iface: str, exc: TcError) -> EnforcementError:
+        if exc.missing:
             return PermanentEnforcementError(
                 f"network interface {iface} does not exist on this node"
                 + (f" (netns {self.netns})" if self.netns else ""),
             )
         return RetryableEnforcementError(f"tc failed on {iface}: {exc}")
-
-    async def _run(self, *args: str) -> str:
-        argv = [self.tc, *(["-n", self.netns] if self.netns else []), *args]
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-            )
-        except FileNotFoundError as exc:
-            raise PermanentEnforcementError(
-                f"the tc command ({self.tc}) is not installed",
-            ) from exc
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), self.timeout)
-        except TimeoutError as exc:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise _TcError(argv, -1, f"timed out after {self.timeout}s") from exc
-        if proc.returncode != 0:
-            raise _TcError(argv, proc.returncode or -1, err.decode(errors="replace"))
-        return out.decode()
-
-
-def _missing_device(exc: _TcError) -> bool:
-    text = exc.stderr
-    return "Cannot find device" in text or "No such device" in text or "does not exist" in text

@@ -3,6 +3,7 @@
 Traffic tests run one Python sender and one receiver per test inside the namespaces
 (:func:`services.enforcement.proving.run_load`); the sender marks each flow with its
 share's mark, the receiver counts link-layer bytes. Skipped without CAP_NET_ADMIN.
+Every test against the kernel runs over both backends (rtnetlink and ``tc`` processes).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from events.quantities import Quantity
 from services.enforcement.enforcers import PermanentEnforcementError, ShareLimit
 from services.enforcement.proving import Flow, NetnsPair, run_load
 from services.enforcement.tc import (
+    BACKENDS,
     HTB_MAJOR,
     MINOR_FIRST,
     MINOR_LAST,
+    Backend,
     TcEnforcer,
     candidate_minors,
     decode_program,
@@ -26,6 +29,14 @@ from services.enforcement.tc import (
 )
 
 pytest_plugins = ["tests.fixtures.netns"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """The enforcer's way to the kernel: each test runs with both."""
+    value: Backend = request.param
+    return value
+
 
 # -- pure parts (no kernel)
 
@@ -61,8 +72,8 @@ def test_rates_print_and_parse_like_tc() -> None:
     assert HTB_MAJOR == 0xDCA
 
 
-async def test_unknown_device_is_permanent() -> None:
-    enforcer = TcEnforcer({("d", "p", "eth0"): "eth0"})
+async def test_unknown_device_is_permanent(backend: Backend) -> None:
+    enforcer = TcEnforcer({("d", "p", "eth0"): "eth0"}, backend=backend)
     limit = ShareLimit(
         share_id="s",
         driver="d",
@@ -84,8 +95,8 @@ async def _kernel(pair: NetnsPair, enforcer: TcEnforcer) -> tuple[set[int], dict
     return classes, filters
 
 
-async def test_apply_is_idempotent_and_observed(netns_pair: NetnsPair) -> None:
-    enforcer = netns_pair.enforcer()
+async def test_apply_is_idempotent_and_observed(netns_pair: NetnsPair, backend: Backend) -> None:
+    enforcer = netns_pair.enforcer(backend=backend)
     first = await enforcer.apply(netns_pair.limit("share-a", "50M"))
     again = await enforcer.apply(netns_pair.limit("share-a", "50M"))
     assert first == again
@@ -95,15 +106,15 @@ async def test_apply_is_idempotent_and_observed(netns_pair: NetnsPair) -> None:
     assert list(filters) == ["share-a"]
     assert classes == {filters["share-a"], 0xFFFF}  # one share class + the default class
     # a fresh enforcer (an agent after a restart) sees the same from the kernel alone
-    assert await netns_pair.enforcer().observe() == {"share-a": first}
+    assert await netns_pair.enforcer(backend=backend).observe() == {"share-a": first}
     changed = await enforcer.apply(netns_pair.limit("share-a", "20M"))
     assert changed.actual == {"bandwidth": Quantity.parse("20M")}
     assert (await enforcer.observe())["share-a"] == changed
     assert (await _kernel(netns_pair, enforcer))[1] == filters  # same class, same mark
 
 
-async def test_remove_deletes_class_and_filter(netns_pair: NetnsPair) -> None:
-    enforcer = netns_pair.enforcer()
+async def test_remove_deletes_class_and_filter(netns_pair: NetnsPair, backend: Backend) -> None:
+    enforcer = netns_pair.enforcer(backend=backend)
     await enforcer.apply(netns_pair.limit("share-a", "10M"))
     await enforcer.apply(netns_pair.limit("share-b", "30M"))
     _, filters = await _kernel(netns_pair, enforcer)
@@ -116,8 +127,12 @@ async def test_remove_deletes_class_and_filter(netns_pair: NetnsPair) -> None:
     assert set(await enforcer.observe()) == {"share-b"}
 
 
-async def test_interface_missing_in_kernel_is_permanent(netns_pair: NetnsPair) -> None:
-    enforcer = TcEnforcer({("d", "p", "nic"): "nosuchnic0"}, netns=netns_pair.tx_ns)
+async def test_interface_missing_in_kernel_is_permanent(
+    netns_pair: NetnsPair, backend: Backend
+) -> None:
+    enforcer = TcEnforcer(
+        {("d", "p", "nic"): "nosuchnic0"}, netns=netns_pair.tx_ns, backend=backend
+    )
     limit = ShareLimit(
         share_id="s",
         driver="d",
@@ -131,8 +146,8 @@ async def test_interface_missing_in_kernel_is_permanent(netns_pair: NetnsPair) -
     assert await enforcer.observe() == {}
 
 
-async def test_two_shares_each_get_their_rate(netns_pair: NetnsPair) -> None:
-    enforcer = netns_pair.enforcer(default_rate=10**9)
+async def test_two_shares_each_get_their_rate(netns_pair: NetnsPair, backend: Backend) -> None:
+    enforcer = netns_pair.enforcer(default_rate=10**9, backend=backend)
     rates = {"share-50": 50e6, "share-200": 200e6}
     marks: dict[str, int] = {}
     for share_id, rate in rates.items():
