@@ -9,6 +9,17 @@ its end status (expired, no messages) comes; a request is renewed shortly before
 expires, whether or not its end status ever comes, so there is always one at the
 server.
 
+How much the open requests may still bring is counted from below, never guessed: a
+pulled message keeps its own subject, so nobody can tell which request brought it, and
+nats-server hands a burst round robin to every request waiting (not to the oldest
+first). So a request that is about to expire counts for nothing, and every message
+received since the oldest request still counted was sent counts against the counted
+ones. (Crediting each message to the oldest request let one the server no longer had
+— its end status never come — take the credit for what its renewal brought: the
+renewal looked unused though the server had filled it, so nothing was asked for until
+it expired, with messages waiting; under load the same happened again at every
+renewal, a stall of ``expires`` each time.)
+
 A request nobody receives (nats-server answers ``503``: the durable does not exist, a
 broker that lost its store) sets :attr:`Puller.missing` for its consumer to act on
 (create the durable again if it owns it, or say so once) and no request goes out for
@@ -68,9 +79,10 @@ class Puller:
         self._subject = PULL_SUBJECT.format(prefix=prefix, stream=stream, durable=durable)
         self._batch = batch
         self._expires = expires
-        #: per request still open, oldest first, by its reply token:
-        #: [messages still to come, when the server expires it]
-        self._open: dict[str, list[float]] = {}
+        #: per request still open, oldest first, by its reply token: (when the server
+        #: expires it, messages received before it was sent)
+        self._open: dict[str, tuple[float, int]] = {}
+        self._received = 0  # messages received so far
         self._asked = 0  # requests sent (each gets its own reply subject)
         self._inbox = nc.new_inbox()
         self._sub: Subscription | None = None
@@ -85,12 +97,8 @@ class Puller:
 
     async def _arrived(self, msg: Msg) -> None:
         status = (msg.headers or {}).get(Header.STATUS.value) if not msg.data else None
-        if status is None:  # a message: it keeps its own subject, so count the oldest
-            oldest = next(iter(self._open), None)
-            if oldest is not None:
-                self._open[oldest][0] -= 1
-                if self._open[oldest][0] <= 0:
-                    del self._open[oldest]
+        if status is None:  # a message: it keeps its own subject (which request? unknown)
+            self._received += 1
             self._ready.append(msg)
         elif status in _REQUEST_ENDED:  # a status comes on the request's reply subject
             self._open.pop(msg.subject.rpartition(".")[2], None)
@@ -104,22 +112,29 @@ class Puller:
         now = time.monotonic()
         if now < self._quiet_until:
             return
-        for token in [t for t, (_, expiry) in self._open.items() if expiry < now]:
+        for token in [t for t, (expiry, _) in self._open.items() if expiry < now]:
             del self._open[token]  # expired at the server, and its end status never came
-        live = (left for left, expiry in self._open.values() if expiry - _RENEW_S > now)
-        if sum(live) > self._batch // 2:
+        if self._room(now) > self._batch // 2:
             return
         expires_ns = int(self._expires * 1e9)
         request = json.dumps({"batch": self._batch, "expires": expires_ns}).encode()
         token = str(self._asked)
         self._asked += 1
-        self._open[token] = [self._batch, now + self._expires]
+        self._open[token] = (now + self._expires, self._received)
         await self._nc.publish(self._subject, request, reply=f"{self._inbox}.{token}")
+
+    def _room(self, now: float) -> int:
+        """The fewest messages the requests not about to expire can still bring: whatever
+        request the server gave each message to (module docstring)."""
+        counted = [since for expiry, since in self._open.values() if expiry - _RENEW_S > now]
+        if not counted:
+            return 0
+        return len(counted) * self._batch - (self._received - min(counted))
 
     def _renew_in(self) -> float:
         """Seconds until the next request not yet renewed is due (inf: none)."""
         now = time.monotonic()
-        due = (expiry - _RENEW_S for _, expiry in self._open.values() if expiry - _RENEW_S > now)
+        due = (expiry - _RENEW_S for expiry, _ in self._open.values() if expiry - _RENEW_S > now)
         return min(due, default=math.inf) - now
 
     async def next(self, timeout: float, most: int) -> list[Msg]:  # noqa: ASYNC109
