@@ -138,6 +138,7 @@ from services.runtime.credentials import (
     read_credential,
     write_private,
 )
+from services.runtime.pulling import MAX_EXPIRES_S
 from services.runtime.replies import MAX_REPLY_PARTS
 
 __all__ = [
@@ -150,10 +151,13 @@ __all__ = [
 
 #: The service kinds with a user each (``dracap up`` connects each with its own).
 SERVICES: Final = ("relay", "claims", "reservation", "ledger", "enforcement")
-#: How long the broker keeps the way back for the answers to one JetStream request: a
-#: pull request expires within a second (``poll_interval``), so its messages come well
-#: within this.
-JS_RESPONSE_THRESHOLD: Final = "10s"
+#: How long the broker keeps the way back for the answers to one JetStream request after
+#: the last one: longer than any pull request waits (a service's expires within a
+#: second, a node agent's within :data:`~services.runtime.pulling.MAX_EXPIRES_S`), with
+#: room to spare. A request that outlived it (an agent's 20 s ones under "10s", once)
+#: stayed at the server with nobody to answer: the messages it was given were lost until
+#: the ack wait brought them back, 30 s later, and its end status never came.
+JS_RESPONSE_THRESHOLD: Final = f"{round(MAX_EXPIRES_S + 10)}s"
 _NAME: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 

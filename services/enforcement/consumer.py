@@ -60,7 +60,7 @@ from services.enforcement.protocol import consumer_name
 from services.runtime.bus import Durable
 from services.runtime.errors import RetryableError
 from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES
-from services.runtime.pulling import Puller
+from services.runtime.pulling import MAX_EXPIRES_S, Puller
 
 __all__ = ["Delivery", "NodeConsumer", "durable"]
 
@@ -72,8 +72,9 @@ _EXCUSED_KEPT: Final = 10_000
 _WARN_EVERY_S: Final = 10.0
 #: How long one pull request waits at the server for messages. A long wait costs nothing
 #: (a message arrives as soon as it is stored) and a fleet of 5,000 agents then asks
-#: about 250 times a second, not 5,000.
-PULL_EXPIRES_S: Final = 20.0
+#: about 250 times a second, not 5,000. At most the broker's way back lasts for
+#: (:data:`~services.runtime.pulling.MAX_EXPIRES_S`).
+PULL_EXPIRES_S: Final = MAX_EXPIRES_S
 
 
 def durable(names: BusNames, node: str) -> Durable:

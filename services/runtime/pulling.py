@@ -15,10 +15,17 @@ nats-server hands a burst round robin to every request waiting (not to the oldes
 first). So a request that is about to expire counts for nothing, and every message
 received since the oldest request still counted was sent counts against the counted
 ones. (Crediting each message to the oldest request let one the server no longer had
-— its end status never come — take the credit for what its renewal brought: the
-renewal looked unused though the server had filled it, so nothing was asked for until
-it expired, with messages waiting; under load the same happened again at every
-renewal, a stall of ``expires`` each time.)
+— its way back lost, see below, or its end status never come — take the credit for
+what its renewal brought: the renewal looked unused though the server had filled it,
+so nothing was asked for until it expired, with messages waiting; under load the same
+happened again at every renewal, a stall of ``expires`` each time.)
+
+A request must not wait longer than :data:`MAX_EXPIRES_S`: across the broker's
+accounts the way back for a request's answers is kept only so long after the last one
+(``response_threshold``, :data:`services.brokerauth.JS_RESPONSE_THRESHOLD`, which is
+derived from it). A request that outlived it would stay at the server with nobody to
+answer: the messages it is given are lost until the ack wait brings them back (30 s),
+and its end status never comes.
 
 A request nobody receives (nats-server answers ``503``: the durable does not exist, a
 broker that lost its store) sets :attr:`Puller.missing` for its consumer to act on
@@ -48,7 +55,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import Header
 
-__all__ = ["PULL_SUBJECT", "Puller"]
+__all__ = ["MAX_EXPIRES_S", "PULL_SUBJECT", "Puller"]
 
 #: JetStream's pull API, under an API prefix (``$JS.API`` is the default, no domain).
 PULL_SUBJECT: Final = "{prefix}.CONSUMER.MSG.NEXT.{stream}.{durable}"
@@ -60,6 +67,9 @@ _RENEW_S: Final = 0.1
 _REQUEST_ENDED: Final = frozenset({"404", "408", "409"})
 #: The status of a pull request nobody received: the durable does not exist.
 _NO_RESPONDERS: Final = "503"
+#: The longest a pull request may wait at the server (module docstring): the node
+#: agents' (:data:`services.enforcement.consumer.PULL_EXPIRES_S`) is the longest.
+MAX_EXPIRES_S: Final = 20.0
 
 
 class Puller:
@@ -75,6 +85,8 @@ class Puller:
         expires: float,
         prefix: str = "$JS.API",
     ) -> None:
+        if not 0 < expires <= MAX_EXPIRES_S:
+            raise ValueError(f"a pull request expires after 0 to {MAX_EXPIRES_S} s, not {expires}")
         self._nc = nc
         self._subject = PULL_SUBJECT.format(prefix=prefix, stream=stream, durable=durable)
         self._batch = batch

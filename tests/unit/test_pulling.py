@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 
+from services import brokerauth
+from services.enforcement import consumer
 from services.runtime import pulling
-from services.runtime.pulling import Puller
+from services.runtime.pulling import MAX_EXPIRES_S, Puller
 
 
 class _Clock:
@@ -126,3 +128,11 @@ async def test_a_lost_request_holds_messages_back_once_at_most(clock: _Clock) ->
         await puller.next(0, 3 + step % 5)
         if puller.waiting == 0 and step * 0.05 > 20.0:
             assert not server.idle_with_messages(), f"at {step * 0.05:.2f} s"
+
+
+def test_no_pull_request_outlives_the_brokers_way_back() -> None:
+    threshold = brokerauth.JS_RESPONSE_THRESHOLD
+    assert threshold.endswith("s")
+    assert consumer.PULL_EXPIRES_S <= MAX_EXPIRES_S < float(threshold[:-1]) - 5
+    with pytest.raises(ValueError, match="expires"):
+        Puller(_Server(_Clock()), "S", "d", batch=4, expires=MAX_EXPIRES_S + 1)  # type: ignore[arg-type]
