@@ -72,8 +72,9 @@ _EXCUSED_KEPT: Final = 10_000
 _WARN_EVERY_S: Final = 10.0
 #: How long one pull request waits at the server for messages. A long wait costs nothing
 #: (a message arrives as soon as it is stored) and a fleet of 5,000 agents then asks
-#: about 250 times a second, not 5,000. At most the broker's way back lasts for
-#: (:data:`~services.runtime.pulling.MAX_EXPIRES_S`).
+#: about 250 times a second, not 5,000. No longer than a pull request may wait
+#: (:data:`~services.runtime.pulling.MAX_EXPIRES_S`: the broker keeps the way back for
+#: its answers a little longer).
 PULL_EXPIRES_S: Final = MAX_EXPIRES_S
 
 
