@@ -35,7 +35,7 @@ import asyncpg
 
 from events import catalog, model
 from events.catalog import Event, encode_payload, schema_version_of, tag_of
-from events.fold import ClusterState
+from events.state import ClusterState
 from services.replay.verify import fold_rows, paused_gc
 from services.runtime import migrating
 from services.runtime.eventstore import (

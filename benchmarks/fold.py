@@ -24,7 +24,7 @@ from events.catalog import (
     schema_version_of,
     stream_of,
 )
-from events.fold import ClusterState, apply, fold
+from events.fold import apply, fold
 from events.model import (
     CapacityRequestPolicy,
     CapacityRequestPolicyRange,
@@ -36,6 +36,7 @@ from events.model import (
     ResourceSliceSpec,
 )
 from events.quantities import Quantity
+from events.state import ClusterState
 
 DRIVER = "gpu.example.com"
 POOL = "node-a"

@@ -28,8 +28,8 @@ import msgspec
 
 from benchmarks.eventlog import DEVICES, _lifecycle
 from events import catalog
-from events.fold import ClusterState
 from events.fold import apply as fold_apply
+from events.state import ClusterState
 from services.audit.records import build
 from services.billing.usage import apply as bill
 from services.claims.views import ClaimsTouched, claims_touched

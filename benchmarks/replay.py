@@ -68,7 +68,7 @@ import msgspec
 from benchmarks.eventlog import history, load_history
 from events import catalog
 from events.catalog import Event, encode_payload, schema_version_of, tag_of
-from events.fold import snapshot_encode
+from events.statecodec import snapshot_encode
 from services.replay.checkpoints import EVERY as CHECKPOINT_EVERY
 from services.replay.checkpoints import CheckpointWriter
 from services.replay.history import state_at

@@ -19,7 +19,7 @@ An event is **refused** when
 A refused event is skipped: the state is left exactly as it was before it — a step
 checks everything it needs before it changes anything (:mod:`events.fold`; the
 property tests in ``tests/unit/test_folding.py`` hold every step to it) — except that
-the state's position moves past it and :attr:`~events.fold.ClusterState.refused`
+the state's position moves past it and :attr:`~events.state.ClusterState.refused`
 records it (position -> reason), so that a reader that starts from a snapshot still
 knows which events before it were refused, and ``dracap replay verify`` can name every
 one. Folding a log never stops at an event: the log is append-only, so an event a
@@ -53,8 +53,9 @@ import msgspec.inspect
 
 from events.catalog import EVENT_TYPES, Event, current_decoders, decode_stored, tag_of
 from events.errors import CatalogError, InvariantViolation
-from events.fold import ClusterState, Step, step_of
+from events.fold import Step, step_of
 from events.nesting import MAX_STORED_DEPTH
+from events.state import ClusterState
 
 __all__ = [
     "DEEP_CLASSES",

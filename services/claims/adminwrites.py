@@ -72,7 +72,6 @@ from events.catalog import (
 )
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import ClaimState, ClusterState
 from events.model import (
     CapacityRequestPolicy,
     CapacityRequestPolicyRange,
@@ -81,6 +80,7 @@ from events.model import (
     ResourceSlice,
 )
 from events.quantities import Quantity
+from events.state import ClaimState, ClusterState
 from events.validation import is_dns_subdomain, validate_capacity_policy
 from services.claims.admission import Refusal, refuse
 

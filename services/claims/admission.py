@@ -84,11 +84,11 @@ from events.catalog import ClaimAdmitted, ClaimRejected, ClaimSubmitted, Event
 from events.claimspecs import claim_spec
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import REUSABLE_PHASES, ClusterState, NamespaceState
 from events.inventory import CapacityInfo, Inventory, build_inventory
 from events.manifests import MAX_MANIFEST_BYTES, load_documents
 from events.model import ResourceClaim, ResourceClaimStatus
 from events.quantities import Quantity
+from events.state import REUSABLE_PHASES, ClusterState, NamespaceState
 from events.tenancy import (
     MAX_CLAIMS,
     MAX_REQUESTS_PER_CLAIM,

@@ -113,12 +113,12 @@ from events.catalog import (
 )
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import ClaimKey, ClaimState, ClusterState
 from events.inventory import build_inventory
 from events.manifests import load_documents
 from events.model import DeviceClass, Manifest, ResourceSlice, describe_policy
 from events.nesting import MAX_MANIFEST_DEPTH, depth_rule, too_deep
 from events.selectors import INLINE_COMPILE_CHARS, is_checked, record_verdict
+from events.state import ClaimKey, ClaimState, ClusterState
 from events.subjects import BusNames
 from events.tenancy import NamespacePolicy, check_policy
 from events.validation import DNS_SUBDOMAIN_RULE, is_dns_subdomain

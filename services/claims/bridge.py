@@ -43,8 +43,8 @@ from typing import Any, Final
 
 from events.actors import Actor
 from events.catalog import Envelope, Event
-from events.fold import ClaimKey, ClusterState
 from events.model import ResourceClaim
+from events.state import ClaimKey, ClusterState
 from services.claims.kubeobjects import device_statuses
 from services.claims.mirroring import (
     BRIDGE_SERVICE,

@@ -66,19 +66,14 @@ from events.catalog import (
     device_stream,
 )
 from events.errors import InvariantViolation
-from events.fold import (
-    REUSABLE_PHASES,
-    ClaimState,
-    ClusterState,
-    DeviceKey,
-    apply_event,
-)
+from events.fold import apply_event
 from events.model import (
     AllocationResult,
     DeviceRequestAllocationResult,
     ResourceClaim,
     ResourceClaimConsumerReference,
 )
+from events.state import REUSABLE_PHASES, ClaimState, ClusterState, DeviceKey
 
 __all__ = [
     "BRIDGE_SERVICE",

@@ -140,8 +140,8 @@ from events.catalog import (
     encode_payload,
     stream_of,
 )
-from events.fold import ClusterState, DeviceKey
 from events.model import ResourceSlice
+from events.state import ClusterState, DeviceKey
 from events.subjects import BusNames
 from services.enforcement.asking import ControlPlane
 from services.enforcement.checkpointing import Checkpoint, read_boot_id

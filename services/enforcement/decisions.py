@@ -74,9 +74,9 @@ from events.catalog import (
     device_stream,
     node_stream,
 )
-from events.fold import ClaimState, ClusterState, DeviceKey, ShareState
 from events.model import DeviceClass
 from events.quantities import Quantity
+from events.state import ClaimState, ClusterState, DeviceKey, ShareState
 from events.tenancy import DEFAULT_RETRY_WINDOW_S, retry_window
 from services.enforcement.checkpointing import CheckpointEntry, CheckpointWarning
 from services.enforcement.enforcers import AppliedLimit, ShareLimit

@@ -54,8 +54,8 @@ from typing import Final, Generic, Literal, TypeVar
 import msgspec
 
 from events.catalog import EnforcementLevel, Envelope
-from events.fold import ClaimKey
 from events.model import decode_hook, encode_hook
+from events.state import ClaimKey
 from events.subjects import node_token
 
 __all__ = [

@@ -67,8 +67,8 @@ from typing import Any, Final, TypeAlias
 import msgspec
 
 from events import model
-from events.fold import TERMINAL_PHASES
 from events.quantities import Quantity
+from events.state import TERMINAL_PHASES
 from services.enforcement.enforcers import ShareLimit
 from services.enforcement.tc import TcEnforcer
 from services.runtime.apiclient import ApiClient, ApiError

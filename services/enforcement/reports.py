@@ -54,7 +54,7 @@ from events.catalog import (
     stream_of,
     tag_of,
 )
-from events.fold import ClusterState
+from events.state import ClusterState
 from services.enforcement.protocol import consumer_name
 
 __all__ = [

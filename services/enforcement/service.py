@@ -87,7 +87,8 @@ from events.catalog import (
     node_stream,
 )
 from events.errors import CatalogError, InvariantViolation
-from events.fold import ClaimKey, ClusterState, DeviceKey, apply_event
+from events.fold import apply_event
+from events.state import ClaimKey, ClusterState, DeviceKey
 from events.subjects import BusNames, node_of
 from services.enforcement import leases
 from services.enforcement.consumer import durable

@@ -63,7 +63,7 @@ from events.catalog import (
     lease_stream,
     node_stream,
 )
-from events.fold import ClaimKey, ClusterState
+from events.state import ClaimKey, ClusterState
 from events.tenancy import not_started as class_not_started
 from events.transitions import ClaimEntered, ClassDefined, ClassRemoved, first, meaning
 from services.reclamation.decisions import (

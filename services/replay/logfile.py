@@ -146,7 +146,7 @@ class CheckpointLine(msgspec.Struct, kw_only=True):
 
     ``snapshot`` is base64 of a database snapshot's stored form
     (:func:`services.runtime.snapshots.frame`: its SHA-256, ``event_id``, the zlib
-    body of :func:`events.fold.snapshot_encode`); ``event_id`` is the id of the event
+    body of :func:`events.statecodec.snapshot_encode`); ``event_id`` is the id of the event
     line right before this line, which is at position ``checkpoint``.
     """
 

@@ -60,7 +60,6 @@ from dataclasses import dataclass, field
 from msgspec.structs import replace
 
 from events.errors import SelectorError
-from events.fold import DeviceKey
 from events.inventory import DeviceEntry, Inventory, SelectorsPending
 from events.model import (
     ALLOCATION_MODE_ALL,
@@ -79,6 +78,7 @@ from events.model import (
 )
 from events.quantities import Quantity
 from events.selectors import AttributeValue
+from events.state import DeviceKey
 from events.tenancy import placement
 from services.reservation.candidates import (
     UNUSABLE,

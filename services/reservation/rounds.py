@@ -55,8 +55,8 @@ from events.catalog import (
     claim_stream,
     device_stream,
 )
-from events.fold import ClaimKey, ClaimState, ClusterState
 from events.model import ResourceClaim
+from events.state import ClaimKey, ClaimState, ClusterState
 from services.reservation.allocating import Allocator, with_claim_configs
 from services.reservation.outcomes import Allocated, Deferred, Invalid
 

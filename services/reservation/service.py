@@ -93,10 +93,10 @@ from events.catalog import (
 )
 from events.errors import SelectorDeadlineExceeded, SelectorError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import ClaimKey, ClusterState
 from events.inventory import SelectorResult, build_inventory
 from events.model import AllocationResult
 from events.selectors import DeviceView
+from events.state import ClaimKey, ClusterState
 from events.subjects import BusNames
 from events.transitions import (
     ClaimDecided,

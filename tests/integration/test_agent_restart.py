@@ -47,7 +47,7 @@ from events.catalog import (
     LimitApplied,
     node_stream,
 )
-from events.fold import ClusterState
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement import checkpointing

@@ -23,7 +23,7 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from events.actors import parse_actor
-from events.fold import ClusterState
+from events.state import ClusterState
 from services import durables
 from services.enforcement.protocol import consumer_name
 from services.exitcodes import CommandError, ExitCode

@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from events.fold import ClusterState
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.brokerauth import init_auth, installation_from
 from services.runtime.apiclient import ApiClient

@@ -53,7 +53,7 @@ from events.catalog import (
     LimitApplied,
     MessageDeadLettered,
 )
-from events.fold import ClusterState
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent

@@ -28,7 +28,7 @@ import msgspec
 import pytest
 
 from events import catalog as c
-from events.fold import ClusterState
+from events.state import ClusterState
 from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
 from tests.integration.test_agent_restart import NAMESPACE, ready

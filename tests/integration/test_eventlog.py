@@ -17,7 +17,9 @@ import pytest
 
 from events import catalog
 from events.catalog import Envelope
-from events.fold import ClusterState, apply, fold, snapshot_decode, snapshot_encode, to_builtins
+from events.fold import apply, fold
+from events.state import ClusterState
+from events.statecodec import snapshot_decode, snapshot_encode, to_builtins
 from services.replay import verify as verifying
 from services.runtime.errors import (
     CapacityExceeded,

@@ -27,7 +27,7 @@ import pytest
 
 from events import catalog as c
 from events import model
-from events.fold import ClusterState
+from events.state import ClusterState
 from services.cli import main
 from services.exitcodes import ExitCode
 from services.replay.history import state_at

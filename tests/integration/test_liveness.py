@@ -61,8 +61,8 @@ import pytest
 import yaml
 
 from events.catalog import Envelope
-from events.fold import ClaimKey, ClusterState
 from events.quantities import Quantity
+from events.state import ClaimKey, ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent

@@ -30,7 +30,7 @@ import msgspec
 import pytest
 
 from events import catalog as c
-from events.fold import ClusterState
+from events.state import ClusterState
 from services import cli
 from services.exitcodes import ExitCode
 from services.reclamation.service import ReclamationService

@@ -38,7 +38,7 @@ import nats
 import pytest
 
 from events import catalog as c
-from events.fold import ClusterState
+from events.state import ClusterState
 from services import durables
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent

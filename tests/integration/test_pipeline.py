@@ -41,8 +41,8 @@ from events.catalog import (
     encode_event,
     stream_of,
 )
-from events.fold import ClusterState
 from events.quantities import Quantity
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent

@@ -22,8 +22,9 @@ import pytest
 from events import catalog as c
 from events.catalog import Envelope
 from events.features import DEFAULT_GATES
-from events.fold import ClusterState, snapshot_decode, snapshot_encode
 from events.model import DeviceClass, DeviceClassSpec, ObjectMeta, ResourceClaim, ResourceClaimSpec
+from events.state import ClusterState
+from events.statecodec import snapshot_decode, snapshot_encode
 from events.subjects import BusNames
 from services.claims.admission import decide_apply
 from services.enforcement.protocol import Reply, ViewAsk, Viewed, decode, encode

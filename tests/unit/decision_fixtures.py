@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from events import catalog as c
-from events.fold import ClaimKey, ClusterState, fold
+from events.fold import fold
 from events.inventory import build_inventory
 from events.model import ResourceClaim
+from events.state import ClaimKey, ClusterState
 from services.enforcement.enforcing import Enforcing
 from services.reservation.allocating import Allocator
 from services.reservation.deriving import live_grants

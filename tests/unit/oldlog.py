@@ -194,7 +194,8 @@ async def _head_state(path: Path) -> Any:
 
 def main(out: Path) -> None:
     """Write the files of the module docstring into ``out``."""
-    from events.fold import ClusterState, snapshot_encode
+    from events.state import ClusterState
+    from events.statecodec import snapshot_encode
     from services.replay.checkpoints import CheckpointWriter
     from services.replay.history import view
     from services.replay.verify import fold_rows

@@ -9,10 +9,11 @@ import pytest
 import yaml
 
 from events import catalog as c
-from events.fold import ClusterState, fold
+from events.fold import fold
 from events.inventory import build_inventory
 from events.manifests import load_documents
 from events.model import DeviceClass, ResourceClaim, ResourceSlice
+from events.state import ClusterState
 from services.claims.admission import (
     MAX_MANIFEST_BYTES,
     DeviceLimits,

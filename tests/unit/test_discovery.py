@@ -27,9 +27,10 @@ from events.catalog import (
     encode_event,
     stream_of,
 )
-from events.fold import ClusterState, apply_event
+from events.fold import apply_event
 from events.model import DeviceAttribute, ResourceSlice
 from events.quantities import Quantity
+from events.state import ClusterState
 from events.validation import validate
 from services.enforcement.discovery import (
     AgentConfig,

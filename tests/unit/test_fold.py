@@ -12,17 +12,7 @@ from hypothesis import strategies as st
 
 from events import catalog as c
 from events.errors import InvariantViolation
-from events.fold import (
-    REUSABLE_PHASES,
-    ClusterState,
-    apply,
-    fold,
-    snapshot_decode,
-    snapshot_encode,
-    state_digest,
-    step_of,
-    to_builtins,
-)
+from events.fold import apply, fold, step_of
 from events.model import (
     AllocationResult,
     CapacityRequestPolicy,
@@ -37,6 +27,8 @@ from events.model import (
     ResourceSliceSpec,
 )
 from events.quantities import Quantity
+from events.state import REUSABLE_PHASES, ClusterState
+from events.statecodec import snapshot_decode, snapshot_encode, state_digest, to_builtins
 
 Q = Quantity.parse
 T0 = datetime.datetime(2025, 6, 1, tzinfo=datetime.UTC)

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from events import catalog as c
 from events.errors import InvariantViolation
-from events.fold import ClusterState, same_state, snapshot_decode, snapshot_encode, to_builtins
 from events.folding import Refusal, decode, fold_event, fold_stored, refuse
 from events.nesting import MAX_STORED_DEPTH
+from events.state import ClusterState
+from events.statecodec import same_state, snapshot_decode, snapshot_encode, to_builtins
 from tests.unit.test_fold import (
     NODE,
     acquired,

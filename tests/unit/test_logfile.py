@@ -20,7 +20,7 @@ import pytest
 
 from events import catalog as c
 from events.errors import InvariantViolation
-from events.fold import ClusterState
+from events.state import ClusterState
 from services.replay import logfile
 from services.replay.logfile import LogFileError, LogWriter, read_rows
 from services.replay.verify import fold_rows

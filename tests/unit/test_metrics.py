@@ -16,7 +16,6 @@ from events.catalog import (
     Event,
     ResourceSlicePublished,
 )
-from events.fold import ClusterState
 from events.model import (
     CELDeviceSelector,
     DeviceClass,
@@ -24,6 +23,7 @@ from events.model import (
     DeviceSelector,
     ObjectMeta,
 )
+from events.state import ClusterState
 from services.runtime import metrics
 from services.runtime.gauges import (
     CLAIM_OUTCOMES,

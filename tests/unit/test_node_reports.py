@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from events import catalog as c
-from events.fold import ClusterState
+from events.state import ClusterState
 from services.enforcement.decisions import released
 from services.enforcement.leasing import NodeLease
 from services.enforcement.protocol import consumer_name

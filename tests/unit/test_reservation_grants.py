@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from events import catalog as c
-from events.fold import ClusterState, apply
+from events.fold import apply
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.reservation.deriving import live_grants
 from services.reservation.service import ReservationService

@@ -7,7 +7,8 @@ import uuid
 from typing import Any
 
 from events import catalog as c
-from events.fold import ClusterState, apply
+from events.fold import apply
+from events.state import ClusterState
 from services.enforcement.decisions import released
 from services.runtime.metrics import REGISTRY
 from services.runtime.slos import SloTracker
