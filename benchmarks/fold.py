@@ -18,12 +18,11 @@ from collections import deque
 from events.catalog import (
     CapacityReleased,
     CapacityReserved,
-    Envelope,
     Event,
     ResourceSlicePublished,
     schema_version_of,
-    stream_of,
 )
+from events.envelopes import Envelope, stream_of
 from events.fold import apply, fold
 from events.model import (
     CapacityRequestPolicy,

@@ -94,7 +94,6 @@ from events.catalog import (
     DeviceHealthChanged,
     EnforcementCheckpointSetAside,
     EnforcementReconciled,
-    Envelope,
     Event,
     LimitApplied,
     LimitFailed,
@@ -113,6 +112,7 @@ from events.catalog import (
     ShareUsed,
 )
 from events.claimspecs import allocation_without_config, claim_spec
+from events.envelopes import Envelope
 from events.errors import InvariantViolation
 from events.model import (
     CapacityRequestPolicy,

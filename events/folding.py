@@ -33,7 +33,7 @@ source (the log's keyset order, a file's checked line numbers); one out of order
 broken source, not a bad event.
 
 Depth: every payload is decoded through :func:`events.nesting.bounded` (by
-:func:`events.catalog.decode_stored`), so no reader builds a value nested deeper than
+:func:`events.eventcodec.decode_stored`), so no reader builds a value nested deeper than
 :data:`~events.nesting.MAX_STORED_DEPTH`.
 
 Speed: replay folds millions of events, so :func:`fold_stored` keeps the hot path of the
@@ -51,8 +51,9 @@ from typing import Any, Final, Literal, TypeAlias
 import msgspec
 import msgspec.inspect
 
-from events.catalog import EVENT_TYPES, Event, current_decoders, decode_stored, tag_of
+from events.catalog import EVENT_TYPES, Event, tag_of
 from events.errors import CatalogError, InvariantViolation
+from events.eventcodec import current_decoders, decode_stored
 from events.fold import Step, step_of
 from events.nesting import MAX_STORED_DEPTH
 from events.state import ClusterState
@@ -152,7 +153,7 @@ def _fast_entry(
 
 
 def _decode_slow(data: bytes, tag: str, schema_version: int, position: int) -> Event | Refusal:
-    """:func:`events.catalog.decode_stored` (upcast, bounded in depth), or the refusal."""
+    """:func:`events.eventcodec.decode_stored` (upcast, bounded in depth), or the refusal."""
     try:
         return decode_stored(data, tag, schema_version)
     except CatalogError as exc:

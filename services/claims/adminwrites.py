@@ -7,7 +7,7 @@ appends its events and replies.
 
 Admin writes (``deviceclasses.apply``, ``slices.apply``, ``namespaces.access``) are
 last-writer-wins: their events carry no expected version (each goes to its object's
-own stream, :func:`events.catalog.stream_of`), and objects equal to what the log
+own stream, :func:`events.envelopes.stream_of`), and objects equal to what the log
 already holds are skipped, so re-applying an inventory records nothing.
 
 * :func:`decide_classes`: ``DeviceClassApplied`` (rollout ``immediate``) for every

@@ -103,14 +103,8 @@ from nats.micro.service import Service
 
 from events import model
 from events.actors import Actor
-from events.catalog import (
-    Envelope,
-    Event,
-    claim_stream,
-    device_stream,
-    lease_stream,
-    stream_of,
-)
+from events.catalog import Event
+from events.envelopes import Envelope, claim_stream, device_stream, lease_stream, stream_of
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.inventory import build_inventory

@@ -42,7 +42,8 @@ from collections.abc import Callable, Collection
 from typing import Any, Final
 
 from events.actors import Actor
-from events.catalog import Envelope, Event
+from events.catalog import Event
+from events.envelopes import Envelope
 from events.model import ResourceClaim
 from events.state import ClaimKey, ClusterState
 from services.claims.kubeobjects import device_statuses

@@ -62,9 +62,8 @@ from events.catalog import (
     ClaimWithdrawn,
     Event,
     ReleaseRequested,
-    claim_stream,
-    device_stream,
 )
+from events.envelopes import claim_stream, device_stream
 from events.errors import InvariantViolation
 from events.fold import apply_event
 from events.model import (

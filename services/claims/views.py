@@ -31,10 +31,8 @@ from typing import Any
 
 import msgspec
 
-from events.catalog import (
-    Envelope,
-    NamespaceAccessSet,
-)
+from events.catalog import NamespaceAccessSet
+from events.envelopes import Envelope
 from events.inventory import DeviceEntry, Inventory, lost_nodes
 from events.model import AllocationResult, DeviceAttribute, DeviceClass, describe_policy
 from events.model import to_builtins as model_builtins

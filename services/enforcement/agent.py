@@ -129,7 +129,6 @@ from events.catalog import (
     AllocationBound,
     DeviceHealthChanged,
     EnforcementReconciled,
-    Envelope,
     Event,
     LimitFailed,
     LimitRemoved,
@@ -137,9 +136,9 @@ from events.catalog import (
     ReleaseRequested,
     ShareConfirmed,
     ShareUsed,
-    encode_payload,
-    stream_of,
 )
+from events.envelopes import Envelope, stream_of
+from events.eventcodec import encode_payload
 from events.model import ResourceSlice
 from events.state import ClusterState, DeviceKey
 from events.subjects import BusNames

@@ -63,17 +63,14 @@ from events.catalog import (
     DeviceHealthChanged,
     EnforcementCheckpointSetAside,
     EnforcementReconciled,
-    Envelope,
     Event,
     LimitApplied,
     LimitFailed,
     LimitRemoved,
     ReleaseRequested,
     ShareUsed,
-    claim_stream,
-    device_stream,
-    node_stream,
 )
+from events.envelopes import Envelope, claim_stream, device_stream, node_stream
 from events.model import DeviceClass
 from events.quantities import Quantity
 from events.state import ClaimState, ClusterState, DeviceKey, ShareState

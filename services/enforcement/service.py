@@ -77,16 +77,14 @@ from nats.js import JetStreamContext
 from events.actors import Actor
 from events.catalog import (
     AllocationBound,
-    Envelope,
     Event,
     LimitFailed,
     ReleaseRequested,
     ResourceSlicePublished,
-    claim_stream,
-    decode_event,
-    node_stream,
 )
+from events.envelopes import Envelope, claim_stream, node_stream
 from events.errors import CatalogError, InvariantViolation
+from events.eventcodec import decode_event
 from events.fold import apply_event
 from events.state import ClaimKey, ClusterState, DeviceKey
 from events.subjects import BusNames, node_of

@@ -57,12 +57,7 @@ import asyncpg
 import msgspec
 
 from events.actors import Actor
-from events.catalog import (
-    Envelope,
-    claim_stream,
-    lease_stream,
-    node_stream,
-)
+from events.envelopes import Envelope, claim_stream, lease_stream, node_stream
 from events.state import ClaimKey, ClusterState
 from events.tenancy import not_started as class_not_started
 from events.transitions import ClaimEntered, ClassDefined, ClassRemoved, first, meaning

@@ -47,14 +47,8 @@ from typing import Final
 
 import msgspec
 
-from events.catalog import (
-    AllocationBound,
-    CapacityReserved,
-    ClaimUnschedulable,
-    Event,
-    claim_stream,
-    device_stream,
-)
+from events.catalog import AllocationBound, CapacityReserved, ClaimUnschedulable, Event
+from events.envelopes import claim_stream, device_stream
 from events.model import ResourceClaim
 from events.state import ClaimKey, ClaimState, ClusterState
 from services.reservation.allocating import Allocator, with_claim_configs

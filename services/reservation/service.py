@@ -86,11 +86,11 @@ from events.catalog import (
     CapacityReleased,
     ClaimAdmitted,
     DeviceHealthChanged,
-    Envelope,
     NamespaceAccessSet,
     NodeFenced,
     NodeLeaseAcquired,
 )
+from events.envelopes import Envelope
 from events.errors import SelectorDeadlineExceeded, SelectorError
 from events.features import DEFAULT_GATES, FeatureGates
 from events.inventory import SelectorResult, build_inventory

@@ -161,8 +161,10 @@ from nats.js.api import Header
 from nats.js.errors import NotFoundError
 
 from events.actors import Actor
-from events.catalog import Envelope, MessageDeadLettered, decode_envelope
+from events.catalog import MessageDeadLettered
+from events.envelopes import Envelope
 from events.errors import CatalogError
+from events.eventcodec import decode_envelope
 from events.subjects import BusNames
 from services.runtime.bus import Durable, durable_config, prefix_of
 from services.runtime.confirming import WARN_EVERY_S, LogConfirmation

@@ -75,15 +75,10 @@ import asyncpg
 import msgspec
 
 from events.actors import ActorError, parse_actor
-from events.catalog import (
-    _TAG_BY_CLASS,
-    Envelope,
-    Event,
-    decode_stored,
-    encode_payload,
-    namespace_of,
-)
+from events.catalog import _TAG_BY_CLASS, Event
+from events.envelopes import Envelope, namespace_of
 from events.errors import CatalogError
+from events.eventcodec import decode_stored, encode_payload
 from events.folding import Refusal
 from events.model import decode_hook
 from services.runtime.dbclock import DatabaseClock
@@ -214,7 +209,7 @@ def _payload(event: Event) -> bytes:
     The check is a round trip: encode, then decode strictly into the event's own type,
     which catches wrongly typed fields and invalid quantities (a Struct built in Python
     is not validated on construction). Encoding a Struct cannot add unknown fields, so
-    the catalog's extra unknown-field check of :func:`events.catalog.decode_event` is
+    the catalog's extra unknown-field check of :func:`events.eventcodec.decode_event` is
     not needed here.
     """
     try:

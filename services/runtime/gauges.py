@@ -41,7 +41,8 @@ from typing import Final
 
 from prometheus_client import Gauge
 
-from events.catalog import CapacityReleased, CapacityReserved, Envelope, NodeFenced
+from events.catalog import CapacityReleased, CapacityReserved, NodeFenced
+from events.envelopes import Envelope
 from events.features import DEFAULT_GATES, FeatureGates
 from events.inventory import build_inventory
 from events.model import CapacityRequestPolicy

@@ -27,7 +27,7 @@ from typing import Final, NamedTuple
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from events.catalog import Envelope
+from events.envelopes import Envelope
 from events.state import ClusterState, ShareState
 from events.transitions import ClassDefined, ClassRemoved, NodeFencedOff, first, meaning
 from services.runtime.livestate import LiveState

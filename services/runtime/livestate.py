@@ -105,7 +105,6 @@ from events.catalog import (
     DeviceClassApplied,
     DeviceClassRemoved,
     DeviceHealthChanged,
-    Envelope,
     NodeFenced,
     NodeLeaseAcquired,
     NodeLeaseExpired,
@@ -113,6 +112,7 @@ from events.catalog import (
     ResourceSlicePublished,
     ResourceSliceWithdrawn,
 )
+from events.envelopes import Envelope
 from events.folding import Refusal, fold_event, fold_stored
 from events.state import ClusterState
 from services.runtime.errors import RuntimeServiceError

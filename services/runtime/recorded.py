@@ -26,7 +26,8 @@ from typing import Final
 
 import asyncpg
 
-from events.catalog import EVENT_TYPES, AllocationBound, ClaimSubmitted, claim_stream
+from events.catalog import EVENT_TYPES, AllocationBound, ClaimSubmitted
+from events.envelopes import claim_stream
 from events.model import AllocationResult, ResourceClaim
 from events.state import ClaimKey, ClaimState
 from services.runtime.eventstore import Connection

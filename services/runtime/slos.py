@@ -68,7 +68,8 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from events.catalog import Envelope, Event
+from events.catalog import Event
+from events.envelopes import Envelope
 from events.state import TERMINAL_PHASES, ClaimKey, ClusterState, ShareState
 from events.transitions import (
     ClaimBound,

@@ -49,10 +49,10 @@ from events.catalog import (
     AllocationBound,
     CapacityReserved,
     ClaimAdmitted,
-    Envelope,
     LimitApplied,
     MessageDeadLettered,
 )
+from events.envelopes import Envelope
 from events.state import ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi

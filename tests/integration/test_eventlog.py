@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from events import catalog
-from events.catalog import Envelope
+from events.envelopes import Envelope
 from events.fold import apply, fold
 from events.state import ClusterState
 from events.statecodec import snapshot_decode, snapshot_encode, to_builtins

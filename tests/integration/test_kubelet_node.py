@@ -21,7 +21,8 @@ import msgspec
 import pytest
 
 from events import model
-from events.catalog import EnforcementReconciled, LimitApplied, node_stream
+from events.catalog import EnforcementReconciled, LimitApplied
+from events.envelopes import node_stream
 from events.state import ClusterState
 from services.enforcement.decisions import limit_of
 from services.enforcement.tc import TcEnforcer

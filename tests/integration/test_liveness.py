@@ -60,7 +60,7 @@ import msgspec
 import pytest
 import yaml
 
-from events.catalog import Envelope
+from events.envelopes import Envelope
 from events.quantities import Quantity
 from events.state import ClaimKey, ClusterState
 from events.subjects import BusNames

@@ -30,17 +30,15 @@ from events.catalog import (
     CapacityReleased,
     CapacityReserved,
     ClaimAdmitted,
-    Envelope,
     LimitApplied,
     LimitFailed,
     LimitRemoved,
     NamespaceAccessSet,
     NodeFenced,
     ReleaseRequested,
-    claim_stream,
-    encode_event,
-    stream_of,
 )
+from events.envelopes import Envelope, claim_stream, stream_of
+from events.eventcodec import encode_event
 from events.quantities import Quantity
 from events.state import ClusterState
 from events.subjects import BusNames

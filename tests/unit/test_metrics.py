@@ -9,13 +9,8 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from events.catalog import (
-    DeviceClassApplied,
-    DeviceClassRemoved,
-    Envelope,
-    Event,
-    ResourceSlicePublished,
-)
+from events.catalog import DeviceClassApplied, DeviceClassRemoved, Event, ResourceSlicePublished
+from events.envelopes import Envelope
 from events.model import (
     CELDeviceSelector,
     DeviceClass,
