@@ -72,6 +72,7 @@ from events.catalog import (
 )
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
+from events.fieldchecks import is_dns_subdomain
 from events.model import (
     CapacityRequestPolicy,
     CapacityRequestPolicyRange,
@@ -80,8 +81,8 @@ from events.model import (
     ResourceSlice,
 )
 from events.quantities import Quantity
+from events.slicevalidation import validate_capacity_policy
 from events.state import ClaimState, ClusterState
-from events.validation import is_dns_subdomain, validate_capacity_policy
 from services.claims.admission import Refusal, refuse
 
 __all__ = [

@@ -107,6 +107,7 @@ from events.catalog import Event
 from events.envelopes import Envelope, claim_stream, device_stream, lease_stream, stream_of
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
+from events.fieldchecks import DNS_SUBDOMAIN_RULE, is_dns_subdomain
 from events.inventory import build_inventory
 from events.manifests import load_documents
 from events.model import DeviceClass, Manifest, ResourceSlice, describe_policy
@@ -115,7 +116,6 @@ from events.selectors import INLINE_COMPILE_CHARS, is_checked, record_verdict
 from events.state import ClaimKey, ClaimState, ClusterState
 from events.subjects import BusNames
 from events.tenancy import NamespacePolicy, check_policy
-from events.validation import DNS_SUBDOMAIN_RULE, is_dns_subdomain
 from services.claims.adminwrites import (
     AdminWrite,
     ClassMode,

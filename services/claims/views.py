@@ -33,6 +33,7 @@ import msgspec
 
 from events.catalog import NamespaceAccessSet
 from events.envelopes import Envelope
+from events.fieldchecks import split_qualified_name
 from events.inventory import DeviceEntry, Inventory, lost_nodes
 from events.model import AllocationResult, DeviceAttribute, DeviceClass, describe_policy
 from events.model import to_builtins as model_builtins
@@ -60,7 +61,6 @@ from events.transitions import (
     Transition,
     meaning,
 )
-from events.validation import split_qualified_name
 
 __all__ = [
     "CapacityView",
