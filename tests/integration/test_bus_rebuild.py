@@ -32,7 +32,7 @@ from services.runtime.credentials import AuthDir
 from services.runtime.embedded import EmbeddedNats
 from services.runtime.livestate import LiveState
 from services.runtime.settings import Settings
-from services.up import Stack, load_inventory, read_inventory
+from services.stack import Stack, load_inventory, read_inventory
 from tests.integration.test_pipeline import claim_manifest
 from tests.integration.waiting import state_reaches
 

@@ -58,7 +58,7 @@ from services.runtime.livestate import HEAD, LiveState
 from services.runtime.rebuilding import BusKeeper
 from services.runtime.relaying import Relay
 from services.runtime.settings import ServiceKind, Settings
-from services.up import load_inventory, read_inventory
+from services.stack import load_inventory, read_inventory
 from tests.fixtures.brokers import EXAMPLES, Broker, secure_broker
 from tests.fixtures.logins import login_users
 from tests.integration.waiting import state_reaches
