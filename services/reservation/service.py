@@ -115,9 +115,10 @@ from services.reservation.rounds import PENDING_PHASES, Backlog, Round, decide_r
 from services.runtime import recorded
 from services.runtime.bus import Durable
 from services.runtime.confirming import LogConfirmation
-from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.consuming import Consumer
 from services.runtime.errors import ConflictError, RuntimeServiceError
 from services.runtime.eventstore import Batch, Cause, Connection, EventStore, Metadata
+from services.runtime.handlers import Handled, HandlerContext
 from services.runtime.livestate import HEAD, INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import CLAIMS, SELECTOR_JOBS
 from services.runtime.selectorpool import SelectorPool

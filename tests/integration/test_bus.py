@@ -28,9 +28,10 @@ from events.subjects import BusNames
 from services.runtime.bus import Durable, connect_bus, ensure_stream
 from services.runtime.committing import GroupCommitter
 from services.runtime.confirming import LogConfirmation
-from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.consuming import Consumer
 from services.runtime.errors import ConflictError, InvalidEvent
 from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
+from services.runtime.handlers import Handled, HandlerContext
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import REGISTRY, RELAY_LAG

@@ -70,9 +70,9 @@ from services.enforcement.enforcers import NoneEnforcer
 from services.reservation.service import Plan, ReservationService
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.consuming import Handled, HandlerContext
 from services.runtime.errors import ConflictError
 from services.runtime.eventstore import Cause, Connection, EventStore
+from services.runtime.handlers import Handled, HandlerContext
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.relaying import Relay
 from services.runtime.settings import Settings

@@ -57,8 +57,8 @@ from services.enforcement.service import EnforcementService
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
 from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.consuming import HandlerContext
 from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.handlers import HandlerContext
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import REGISTRY
 from services.runtime.relaying import Relay
