@@ -114,9 +114,7 @@ from events.catalog import (
 from events.claimspecs import allocation_without_config, claim_spec
 from events.envelopes import Envelope
 from events.errors import InvariantViolation
-from events.model import (
-    CapacityRequestPolicy,
-)
+from events.model import CapacityRequestPolicy
 from events.quantities import Quantity
 from events.state import (
     REUSABLE_PHASES,

@@ -41,12 +41,7 @@ from typing import Final, Literal, TypeAlias
 import msgspec
 
 from events.claimspecs import ClaimSpec
-from events.model import (
-    AllocationResult,
-    CapacityRequestPolicy,
-    DeviceClass,
-    ResourceSlice,
-)
+from events.model import AllocationResult, CapacityRequestPolicy, DeviceClass, ResourceSlice
 from events.quantities import Quantity
 
 __all__ = [

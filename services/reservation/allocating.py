@@ -82,12 +82,7 @@ from events.model import (
 )
 from services.reservation import diagnosis
 from services.reservation.allocated import AllocatedState
-from services.reservation.candidates import (
-    UNUSABLE,
-    CandidateList,
-    FreeIndex,
-    MaxTree,
-)
+from services.reservation.candidates import UNUSABLE, CandidateList, FreeIndex, MaxTree
 from services.reservation.outcomes import (
     Allocated,
     Deferred,
