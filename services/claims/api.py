@@ -163,10 +163,11 @@ from services.claims.views import (
     tenant_device_views,
 )
 from services.runtime import recorded
+from services.runtime.appends import Batch, Metadata
 from services.runtime.committing import GroupCommitter
 from services.runtime.credentials import Directory
 from services.runtime.errors import CapacityExceeded, ConflictError
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, REJECTIONS
 from services.runtime.outages import is_unreachable, one_line

@@ -56,8 +56,9 @@ from services.claims.mirroring import (
     decide_deleted,
 )
 from services.claims.views import ClaimsTouched
+from services.runtime.appends import Batch, Metadata
 from services.runtime.errors import ConflictError
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.eventstore import EventStore
 from services.runtime.kube.client import KubeApi
 from services.runtime.kube.errors import Conflict, KubeApiError, NotFound, Retryable
 from services.runtime.kube.informer import Checkpoint, ClaimInformer

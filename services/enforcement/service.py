@@ -117,6 +117,7 @@ from services.enforcement.reports import (
     version_check_refusal,
 )
 from services.enforcement.views import Scope, decode_view, encode_view, scope
+from services.runtime.appends import Batch, Cause, Metadata, Processed
 from services.runtime.bus import durable_config
 from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import HANDLED_BEFORE
@@ -130,7 +131,7 @@ from services.runtime.errors import (
     StaleEpoch,
     map_bus_error,
 )
-from services.runtime.eventstore import Batch, Cause, EventStore, Metadata, Processed
+from services.runtime.eventstore import EventStore
 from services.runtime.livestate import SEEN, LiveState
 from services.runtime.metrics import NODE_REQUESTS
 from services.runtime.outages import is_unreachable

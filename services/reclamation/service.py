@@ -69,8 +69,9 @@ from services.reclamation.decisions import (
     fence_by_hook,
     not_started,
 )
+from services.runtime.appends import Batch, Metadata
 from services.runtime.errors import ConflictError, RetryableError
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import CLAIMS, FENCE_HOOK_RUNS, NODE_TRANSITIONS
 

@@ -33,7 +33,8 @@ from typing import Final
 
 from events.catalog import Event
 from events.envelopes import Envelope
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.appends import Batch, Metadata
+from services.runtime.eventstore import EventStore
 
 __all__ = ["GroupCommitter"]
 

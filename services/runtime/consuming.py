@@ -58,7 +58,7 @@ commits without an explicit transaction:
    and writes nothing; the consumer asks which were recorded, acknowledges those, and
    handles the rest again from step 1. In a group of several messages every batch
    must say, per event, which message caused it
-   (:class:`~services.runtime.eventstore.Cause`); for a single message the append's
+   (:class:`~services.runtime.appends.Cause`); for a single message the append's
    metadata says it.
 
 A service that keeps tables of its own from the log (the audit and billing
@@ -167,17 +167,11 @@ from events.envelopes import Envelope
 from events.errors import CatalogError
 from events.eventcodec import decode_envelope
 from events.subjects import BusNames
+from services.runtime.appends import Batch, Metadata, Processed
 from services.runtime.bus import Durable, durable_config, prefix_of
 from services.runtime.confirming import WARN_EVERY_S, LogConfirmation
 from services.runtime.errors import AlreadyHandled
-from services.runtime.eventstore import (
-    MARK_PROCESSED,
-    Batch,
-    Connection,
-    EventStore,
-    Metadata,
-    Processed,
-)
+from services.runtime.eventstore import MARK_PROCESSED, Connection, EventStore
 from services.runtime.handlers import GroupHandler, Handled, Handler, HandlerContext, one_at_a_time
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES

@@ -22,7 +22,8 @@ from collections.abc import Awaitable, Callable, Mapping
 import msgspec
 
 from events.envelopes import Envelope
-from services.runtime.eventstore import Batch, Connection, EventStore
+from services.runtime.appends import Batch
+from services.runtime.eventstore import Connection, EventStore
 
 __all__ = ["GroupHandler", "Handled", "Handler", "HandlerContext", "one_at_a_time"]
 

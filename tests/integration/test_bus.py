@@ -25,12 +25,13 @@ from events import catalog as c
 from events.envelopes import Envelope, stream_of
 from events.eventcodec import decode_envelope, encode_event
 from events.subjects import BusNames
+from services.runtime.appends import Batch, Cause, Metadata
 from services.runtime.bus import Durable, connect_bus, ensure_stream
 from services.runtime.committing import GroupCommitter
 from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import Consumer
 from services.runtime.errors import ConflictError, InvalidEvent
-from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
+from services.runtime.eventstore import EventStore
 from services.runtime.handlers import Handled, HandlerContext
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.livestate import HEAD, LiveState

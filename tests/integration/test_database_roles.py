@@ -34,8 +34,9 @@ from events.catalog import Event
 from events.envelopes import stream_of
 from events.eventcodec import encode_payload
 from events.guards import SetTotal, encode_guards
+from services.runtime.appends import Batch, Metadata
 from services.runtime.errors import AppendForbidden, NodeScopeViolation, PermanentError
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.eventstore import EventStore
 from services.runtime.servicestores import ServiceStores
 from services.runtime.settings import ServiceKind, Settings
 from tests.fixtures.logins import login_users

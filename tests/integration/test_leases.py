@@ -23,8 +23,9 @@ from events.envelopes import Envelope, lease_stream, node_stream
 from services.enforcement import leases
 from services.reclamation.service import ReclamationService
 from services.replay.verify import summary, verify
+from services.runtime.appends import Batch, Metadata, Processed
 from services.runtime.errors import ConflictError, StaleEpoch
-from services.runtime.eventstore import Batch, EventStore, Metadata, Processed
+from services.runtime.eventstore import EventStore
 from services.runtime.livestate import LiveState
 from services.runtime.settings import Settings
 from tests.integration import sample as s

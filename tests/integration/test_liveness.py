@@ -69,9 +69,10 @@ from services.enforcement.agent import Agent
 from services.enforcement.enforcers import NoneEnforcer
 from services.reservation.service import Plan, ReservationService
 from services.runtime.apiclient import ApiClient, ApiError
+from services.runtime.appends import Cause
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.errors import ConflictError
-from services.runtime.eventstore import Cause, Connection, EventStore
+from services.runtime.eventstore import Connection, EventStore
 from services.runtime.handlers import Handled, HandlerContext
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.relaying import Relay

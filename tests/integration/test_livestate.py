@@ -12,7 +12,8 @@ import pytest
 from events import catalog
 from events.envelopes import stream_of
 from events.eventcodec import encode_payload
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.appends import Batch, Metadata
+from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.rows import COLUMNS
 from services.runtime.settings import Settings

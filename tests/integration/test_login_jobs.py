@@ -40,6 +40,7 @@ from events.envelopes import stream_of
 from events.errors import CatalogError
 from events.eventcodec import decode_stored, encode_payload
 from events.guards import Acquire, SetTotal, encode_guards
+from services.runtime.appends import Batch, Metadata, Processed
 from services.runtime.errors import (
     AppendForbidden,
     InvalidEvent,
@@ -47,7 +48,7 @@ from services.runtime.errors import (
     StaleEpoch,
     map_database_error,
 )
-from services.runtime.eventstore import Batch, EventStore, Metadata, Processed
+from services.runtime.eventstore import EventStore
 from services.runtime.settings import ServiceKind, Settings
 from tests.fixtures.logins import login_users
 from tests.integration import sample as s

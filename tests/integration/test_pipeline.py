@@ -56,8 +56,9 @@ from services.enforcement.enforcers import (
 from services.enforcement.service import EnforcementService
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
+from services.runtime.appends import Batch, Metadata
 from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.eventstore import EventStore
 from services.runtime.handlers import HandlerContext
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import REGISTRY
