@@ -268,6 +268,8 @@ class Allocator:
         return info.total.nanos - self.allocated.consumed_nanos(entry.key, name)
 
     def candidates(self, node: str | None, spec: RequestSpec) -> CandidateList:
+        """The devices ``spec``'s class and selectors match on ``node``, built once and kept
+        current on every commit and release (the search reads them)."""
         key = (node, spec.class_name, spec.selectors)
         clist = self._lists.get(key)
         if clist is None:
@@ -311,6 +313,7 @@ class Allocator:
         return survivors, errors
 
     def free_tree(self, clist: CandidateList, name: str) -> MaxTree:
+        """The candidates' free ``name`` as a max-tree (unusable devices: ``UNUSABLE``)."""
         tree = clist.trees.get(name)
         if tree is None:
             values = []

@@ -73,6 +73,9 @@ class RequestSpec:
 
 @dataclass(slots=True)
 class Constraint:
+    """A ``matchAttribute`` or ``distinctAttribute`` constraint and the values its picks
+    have taken so far (undone on backtracking)."""
+
     requests: frozenset[str] | None  # None: all requests
     attribute: str
     distinct: bool
@@ -88,6 +91,9 @@ class Constraint:
 
 @dataclass(slots=True)
 class Pick:
+    """One device slot filled by the search: the device, what it consumes, whether as a
+    share, and the constraint values it added."""
+
     spec: RequestSpec
     device: int
     consumed: dict[str, Quantity]

@@ -246,6 +246,8 @@ class Search:
 
     # one candidate
     def in_use(self, spec: RequestSpec, index: int) -> bool:
+        """Whether device ``index`` is taken: picked whole in this call, held exclusively,
+        or dedicated and still held by shares (admin access ignores the holds)."""
         if index in self.dedicated:
             return True
         if spec.admin:
