@@ -34,13 +34,9 @@ hints name dracap as it can be run from here (:func:`invocation`).
 
 Supervision
 -----------
-Each service runs as a supervised task: if its ``run(stop)`` raises, the error is logged
-with its traceback and the service is started again after a back-off (0.5 s doubling
-to 30 s; cut short and started over when a health check passes again, so a service
-that failed during an outage restarts as soon as the server is back). Services keep no
-state that a restart loses (consumers resume from JetStream and the processed-message
-table, the live state re-folds), so one failing consumer degrades the stack instead of
-ending it.
+Each service runs as a supervised task of the stack, started again after a back-off
+when it fails (:mod:`services.stack`); a health check that passes again cuts the
+back-off short (:meth:`~services.stack.Stack.retry_now`).
 
 The embedded servers are supervised too (:mod:`services.runtime.supervising`): one
 that dies is started again on its port, with back-off, at most
