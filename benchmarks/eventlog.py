@@ -34,8 +34,10 @@ from typing import Any
 import asyncpg
 
 from events import catalog, model
-from events.catalog import Event, encode_payload, schema_version_of, tag_of
-from events.fold import ClusterState
+from events.catalog import Event, schema_version_of, tag_of
+from events.envelopes import stream_of
+from events.eventcodec import encode_payload
+from events.state import ClusterState
 from services.replay.verify import fold_rows, paused_gc
 from services.runtime import migrating
 from services.runtime.eventstore import (
@@ -116,7 +118,7 @@ def history(n: int, manifests: int | None = None) -> Iterator[tuple[Any, ...]]:
             if position >= n:
                 return
             position += 1
-            stream = catalog.stream_of(event)
+            stream = stream_of(event)
             versions[stream] = versions.get(stream, 0) + 1
             yield _row(position, stream, versions[stream], event)
         i += 1

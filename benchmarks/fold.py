@@ -18,13 +18,12 @@ from collections import deque
 from events.catalog import (
     CapacityReleased,
     CapacityReserved,
-    Envelope,
     Event,
     ResourceSlicePublished,
     schema_version_of,
-    stream_of,
 )
-from events.fold import ClusterState, apply, fold
+from events.envelopes import Envelope, stream_of
+from events.fold import apply, fold
 from events.model import (
     CapacityRequestPolicy,
     CapacityRequestPolicyRange,
@@ -36,6 +35,7 @@ from events.model import (
     ResourceSliceSpec,
 )
 from events.quantities import Quantity
+from events.state import ClusterState
 
 DRIVER = "gpu.example.com"
 POOL = "node-a"

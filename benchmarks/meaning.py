@@ -28,8 +28,9 @@ import msgspec
 
 from benchmarks.eventlog import DEVICES, _lifecycle
 from events import catalog
-from events.fold import ClusterState
+from events.envelopes import Envelope, new_envelope
 from events.fold import apply as fold_apply
+from events.state import ClusterState
 from services.audit.records import build
 from services.billing.usage import apply as bill
 from services.claims.views import ClaimsTouched, claims_touched
@@ -39,7 +40,7 @@ from tests.integration import sample as s
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 
 
-def generated_log() -> list[catalog.Envelope]:
+def generated_log() -> list[Envelope]:
     """The log of the module docstring, one second between events."""
     gpus = {f"gpu-{d}": {"memory": "80Gi"} for d in range(DEVICES)}
     events: list[catalog.Event] = [s.slice_published("bench", gpus)]
@@ -73,7 +74,7 @@ def generated_log() -> list[catalog.Envelope]:
         catalog.NodeFenced(node=node, epoch=3, reason="gone"),
     ]
     return [
-        catalog.new_envelope(
+        new_envelope(
             e,
             stream_version=1,
             actor="system:test",
@@ -88,7 +89,7 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(msgspec.json.encode(value, order="deterministic")).hexdigest()[:16]
 
 
-def outputs(envs: list[catalog.Envelope]) -> dict[str, Any]:
+def outputs(envs: list[Envelope]) -> dict[str, Any]:
     """Each consumer's output for ``envs``."""
     audit = build(envs, {}, {}, {})
     usage = bill(envs, {}, {}, {})

@@ -53,7 +53,8 @@ from typing import Any
 
 from benchmarks import pipeline
 from benchmarks.eventlog import history
-from events.fold import ClusterState, snapshot_encode
+from events.state import ClusterState
+from events.statecodec import snapshot_encode
 from events.subjects import BusNames
 from services.replay.verify import fold_rows, paused_gc
 from services.runtime.apiclient import ApiClient

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import pipeline
-from events.fold import ClusterState
+from events.state import ClusterState
 from services.runtime.kubeletplugin import ClaimRef
 from tests.fixtures.k8s_standin import StandinApiServer
 from tests.fixtures.kubernetes import NAMESPACE, Cluster, running

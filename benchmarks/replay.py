@@ -67,8 +67,10 @@ import msgspec
 
 from benchmarks.eventlog import history, load_history
 from events import catalog
-from events.catalog import Event, encode_payload, schema_version_of, tag_of
-from events.fold import snapshot_encode
+from events.catalog import Event, schema_version_of, tag_of
+from events.envelopes import namespace_of, stream_of
+from events.eventcodec import encode_payload
+from events.statecodec import snapshot_encode
 from services.replay.checkpoints import EVERY as CHECKPOINT_EVERY
 from services.replay.checkpoints import CheckpointWriter
 from services.replay.history import state_at
@@ -289,7 +291,7 @@ def example(path: Path) -> None:
     versions: dict[str, int] = {}
 
     def add(minute: float, event: Event, actor: str) -> None:
-        stream = catalog.stream_of(event)
+        stream = stream_of(event)
         versions[stream] = versions.get(stream, 0) + 1
         rows.append(
             (
@@ -299,7 +301,7 @@ def example(path: Path) -> None:
                 versions[stream],
                 tag_of(event),
                 schema_version_of(event),
-                catalog.namespace_of(event),
+                namespace_of(event),
                 actor,
                 None,
                 None,

@@ -1,6 +1,6 @@
 """What the fold keeps of a submitted ResourceClaim: exactly what decisions read. Pure.
 
-Every service folds the whole log, so whatever :class:`~events.fold.ClaimState` holds
+Every service folds the whole log, so whatever :class:`~events.state.ClaimState` holds
 is held once per claim in every process, for as long as the claim is known. A
 ResourceClaim manifest is mostly what no decision reads: metadata (labels, annotations,
 managed fields a client sent along) and opaque driver configuration
@@ -42,6 +42,10 @@ requests are what decisions are made of, so they stay whole.
 The configuration is kept as its number of entries and a SHA-256 of its sorted JSON,
 which is all admission's "same spec?" needs; two configurations that differ only in
 how a number is written (``1`` and ``1.0``) count as different.
+
+Of an allocation the fold keeps everything but its ``devices.config``
+(:func:`allocation_without_config`), which it counts; the snapshot codec upcasts older
+snapshots with the same function, so both keep the same.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from typing import Final
 import msgspec
 
 from events.model import (
+    AllocationResult,
     DeviceClaim,
     DeviceClaimConfiguration,
     DeviceConstraint,
@@ -63,7 +68,7 @@ from events.model import (
     encode_hook,
 )
 
-__all__ = ["ClaimSpec", "claim_spec", "config_digest"]
+__all__ = ["ClaimSpec", "allocation_without_config", "claim_spec", "config_digest"]
 
 _DIGEST_ENCODER: Final = msgspec.json.Encoder(enc_hook=encode_hook, order="sorted")
 
@@ -147,3 +152,14 @@ def claim_spec(claim: ResourceClaim) -> ClaimSpec:
         config_digest=config_digest(config),
         results=results,
     )
+
+
+def allocation_without_config(allocation: AllocationResult) -> tuple[AllocationResult, int]:
+    """``allocation`` without ``devices.config``, and how many entries that took away."""
+    devices = allocation.devices
+    config = devices.config if devices is not None else None
+    if not config:
+        return allocation, 0
+    assert devices is not None
+    stripped = msgspec.structs.replace(devices, config=None)
+    return msgspec.structs.replace(allocation, devices=stripped), len(config)

@@ -19,7 +19,7 @@ An event is **refused** when
 A refused event is skipped: the state is left exactly as it was before it — a step
 checks everything it needs before it changes anything (:mod:`events.fold`; the
 property tests in ``tests/unit/test_folding.py`` hold every step to it) — except that
-the state's position moves past it and :attr:`~events.fold.ClusterState.refused`
+the state's position moves past it and :attr:`~events.state.ClusterState.refused`
 records it (position -> reason), so that a reader that starts from a snapshot still
 knows which events before it were refused, and ``dracap replay verify`` can name every
 one. Folding a log never stops at an event: the log is append-only, so an event a
@@ -33,7 +33,7 @@ source (the log's keyset order, a file's checked line numbers); one out of order
 broken source, not a bad event.
 
 Depth: every payload is decoded through :func:`events.nesting.bounded` (by
-:func:`events.catalog.decode_stored`), so no reader builds a value nested deeper than
+:func:`events.eventcodec.decode_stored`), so no reader builds a value nested deeper than
 :data:`~events.nesting.MAX_STORED_DEPTH`.
 
 Speed: replay folds millions of events, so :func:`fold_stored` keeps the hot path of the
@@ -51,10 +51,12 @@ from typing import Any, Final, Literal, TypeAlias
 import msgspec
 import msgspec.inspect
 
-from events.catalog import EVENT_TYPES, Event, current_decoders, decode_stored, tag_of
+from events.catalog import EVENT_TYPES, Event, tag_of
 from events.errors import CatalogError, InvariantViolation
-from events.fold import ClusterState, Step, step_of
+from events.eventcodec import current_decoders, decode_stored
+from events.fold import Step, step_of
 from events.nesting import MAX_STORED_DEPTH
+from events.state import ClusterState
 
 __all__ = [
     "DEEP_CLASSES",
@@ -151,7 +153,7 @@ def _fast_entry(
 
 
 def _decode_slow(data: bytes, tag: str, schema_version: int, position: int) -> Event | Refusal:
-    """:func:`events.catalog.decode_stored` (upcast, bounded in depth), or the refusal."""
+    """:func:`events.eventcodec.decode_stored` (upcast, bounded in depth), or the refusal."""
     try:
         return decode_stored(data, tag, schema_version)
     except CatalogError as exc:

@@ -4,7 +4,7 @@ Admission (the largest amount a class's devices grant), the capacity gauges (the
 devices a class selects) and the allocator (everything else) all need the same view
 of the DeviceClasses and ResourceSlices the log holds, with the same CEL semantics. It
 is pure, so it lives with the contract; :func:`build_inventory` derives it from the
-fold's :class:`~events.fold.ClusterState`.
+fold's :class:`~events.state.ClusterState`.
 
 Built once from DeviceClasses and ResourceSlices and then shared by every decision,
 so nothing here is recomputed per claim:
@@ -50,7 +50,6 @@ import semver
 from events.catalog import ENFORCEMENT_LEVELS
 from events.errors import EventsError, SelectorCostExceeded, SelectorError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import ClusterState, DeviceKey
 from events.model import (
     CapacityRequestPolicy,
     Device,
@@ -70,6 +69,7 @@ from events.selectors import (
     compile_selector,
     is_compiled,
 )
+from events.state import ClusterState, DeviceKey
 from events.tenancy import shared_across_namespaces
 
 __all__ = [

@@ -62,7 +62,6 @@ from events.catalog import (
     DeviceHealthChanged,
     EnforcementCheckpointSetAside,
     EnforcementReconciled,
-    Envelope,
     Event,
     LimitApplied,
     LimitFailed,
@@ -76,6 +75,7 @@ from events.catalog import (
     ShareUsed,
     tag_of,
 )
+from events.envelopes import Envelope
 from events.errors import SubjectError
 
 __all__ = [

@@ -58,7 +58,7 @@ import msgspec
 
 from events import model
 from events.errors import ValidationError
-from events.validation import (
+from events.fieldchecks import (
     QUALIFIED_NAME_RULE,
     REQUESTS_MAX,
     is_dns_label,

@@ -2,7 +2,7 @@
 
 It builds two network namespaces joined by a veth pair and allocates the shares
 through the real control plane: the relay, live state, claims and admin APIs and a
-reservation worker run in-process (:class:`services.up.Stack`) with one node agent,
+reservation worker run in-process (:class:`services.stack.Stack`) with one node agent,
 for node ``prove-node``, whose enforcer is the tc enforcer on the sender's veth. The
 veth is published through the admin API as a shareable device whose ``bandwidth`` is
 twice the sum of the rates; each rate becomes one ResourceClaim applied through the
@@ -180,13 +180,13 @@ async def control_plane(
     """The real services, with one node agent for :data:`NODE` driving ``enforcer``.
 
     ``start_services``: relay, live state, claims/admin API and reservation workers run
-    in-process (:class:`services.up.Stack`, no agents of its own); else they are already
+    in-process (:class:`services.stack.Stack`, no agents of its own); else they are already
     running somewhere on these servers (``dracap up``) and only the agent runs here.
     Yields a client of the claims and admin APIs.
     """
     from services.enforcement.agent import Agent
     from services.runtime.bus import connect_bus
-    from services.up import Stack
+    from services.stack import Stack
 
     if start_services:
         async with Stack.running(settings, names, nodes=(), workers=workers) as stack:

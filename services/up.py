@@ -34,13 +34,9 @@ hints name dracap as it can be run from here (:func:`invocation`).
 
 Supervision
 -----------
-Each service runs as a supervised task: if its ``run(stop)`` raises, the error is logged
-with its traceback and the service is started again after a back-off (0.5 s doubling
-to 30 s; cut short and started over when a health check passes again, so a service
-that failed during an outage restarts as soon as the server is back). Services keep no
-state that a restart loses (consumers resume from JetStream and the processed-message
-table, the live state re-folds), so one failing consumer degrades the stack instead of
-ending it.
+Each service runs as a supervised task of the stack, started again after a back-off
+when it fails (:mod:`services.stack`); a health check that passes again cuts the
+back-off short (:meth:`~services.stack.Stack.retry_now`).
 
 The embedded servers are supervised too (:mod:`services.runtime.supervising`): one
 that dies is started again on its port, with back-off, at most
@@ -59,8 +55,9 @@ the NATS connection and the store, and the embedded servers are stopped last
 (nats-server first, then a fast PostgreSQL shutdown). The servers run in their own
 sessions, so the terminal's Ctrl-C reaches dracap only and the order above holds.
 
-:class:`Stack` is also what the integration tests and ``benchmarks/pipeline.py`` start,
-with their own database and subject prefix.
+The stack itself (its services, their supervision and how they stop) is
+:mod:`services.stack`, which the integration tests and ``benchmarks/pipeline.py`` start
+on their own database and subject prefix.
 """
 
 from __future__ import annotations
@@ -68,44 +65,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import shlex
 import shutil
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from events import model
-from events.manifests import ManifestError, load_paths
+from events.manifests import ManifestError
 from events.subjects import BusNames
 from services.brokerauth import init_auth, installation_from
-from services.claims.objects import apply_objects
 from services.exitcodes import CommandError, ExitCode
 from services.runtime import eventloop, migrating
 from services.runtime.apiclient import ApiClient
-from services.runtime.credentials import AUTH_DIR, AuthDir, Credential, Directory, read_directory
+from services.runtime.credentials import AUTH_DIR, AuthDir
 from services.runtime.embedded import EmbeddedError, embedded_servers
 from services.runtime.endpoints import Connection
-from services.runtime.eventstore import EventStore
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.health import HealthMonitor, PostgresProbe, nats_probe, serve
-from services.runtime.outages import one_line, quiet_outages
-from services.runtime.servicestores import ServiceStores
+from services.runtime.outages import quiet_outages
 from services.runtime.settings import ServiceKind, Settings, SettingsError, load_settings
 from services.runtime.supervising import RestartLimitError, RestartPolicy, Watchdog
+from services.stack import InventoryManifests, Stack, load_inventory, read_inventory
 
 if TYPE_CHECKING:
-    from services.runtime.gauges import CapacityGauges
+    pass
 
-STOP_GRACE_S: Final = 10.0
-RESTART_MIN_S: Final = 0.5
-RESTART_MAX_S: Final = 30.0
 READY_LINE: Final = "dracap is ready"
 HEALTH_CHECKS: Final = ("postgres", "nats", "services")
 
@@ -124,323 +114,6 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_server_restarts: int = 5  # of one embedded server within 10 minutes; 0: never
     prefix: str = "dracap"
     insecure: bool = False  # an open broker: nobody is authenticated
-
-
-# --- inventory -----------------------------------------------------------------------------
-
-
-class InventoryManifests(msgspec.Struct, frozen=True, kw_only=True):
-    """The DRA objects of ``--inventory`` that ``dracap up`` loads through the admin API."""
-
-    classes: list[model.DeviceClass]
-    slices: list[model.ResourceSlice]
-    namespaces: list[model.Namespace]
-
-    @property
-    def nodes(self) -> list[str]:
-        return sorted({s.spec.node_name for s in self.slices if s.spec.node_name})
-
-
-def read_inventory(paths: Sequence[str]) -> InventoryManifests:
-    """DeviceClasses, ResourceSlices and Namespaces of ``paths`` (claims are ignored)."""
-    objects = [obj for _, obj in load_paths(paths)] if paths else []
-    return InventoryManifests(
-        classes=[o for o in objects if isinstance(o, model.DeviceClass)],
-        slices=[o for o in objects if isinstance(o, model.ResourceSlice)],
-        namespaces=[o for o in objects if isinstance(o, model.Namespace)],
-    )
-
-
-async def load_inventory(api: ApiClient, inventory: InventoryManifests) -> int:
-    """Apply what is missing; returns how many slices were applied (0: already loaded).
-
-    A slice counts as loaded when the admin API lists every one of its devices. Classes
-    and namespace access are applied together with the first missing slice, so a
-    restart on an already loaded data directory appends nothing (and keeps what an
-    operator changed since). The objects go through :func:`services.claims.objects.
-    apply_objects`, what ``dracap apply`` runs.
-    """
-    listed = (await api.admin("devices.list"))["devices"]
-    known = {(d["driver"], d["pool"], d["device"]) for d in listed}
-    missing = [
-        s
-        for s in inventory.slices
-        if any((s.spec.driver, s.spec.pool.name, d.name) not in known for d in s.spec.devices or [])
-    ]
-    if not missing and listed:
-        return 0  # (an inventory without slices is applied each time: its writes are no-ops)
-    await apply_objects(api, [*inventory.classes, *inventory.namespaces, *missing])
-    return len(missing)
-
-
-# --- the stack -----------------------------------------------------------------------------
-
-
-class Stack:
-    """Relay, live state, claims API, reservation workers and agents as asyncio tasks.
-
-    ``async with Stack.running(settings, names, nodes=[...]) as stack:`` starts them and
-    stops them on exit (see the module docstring for the order).
-    """
-
-    def __init__(
-        self,
-        store: EventStore,
-        nc: Any,
-        js: Any,
-        names: BusNames,
-        *,
-        stores: ServiceStores | None = None,
-        logins: dict[str, tuple[Any, Any]] | None = None,
-        directory: Directory | None = None,
-    ) -> None:
-        self.store = store  #: the live state's (the reader's) store
-        #: each service's store: its database role's (see :func:`start_services`)
-        self.stores = stores or ServiceStores.single(store)
-        self.nc = nc  #: the relay's connection (every service's without credentials)
-        self.js = js
-        self.names = names
-        #: each service's own connection, by role; none: all share ``nc``
-        self.logins = logins or {}
-        #: the broker's users, when requests carry their identity (None: --insecure)
-        self.directory = directory
-        self.stop = asyncio.Event()
-        self.tasks: list[asyncio.Task[None]] = []
-        self.restarts = 0  #: service failures so far (each was logged and restarted)
-        self.failing: dict[str, str] = {}  #: services waiting to be restarted, and why
-        self._retry = asyncio.Event()  # set by retry_now(): back-offs end early
-        self.gauges: CapacityGauges | None = None  #: the capacity gauges (set on start)
-        self.slos: Any = None  #: the service-level tracker (set on start)
-        self.holdings: Any = None  #: capacity held per tenant (set on start)
-
-    def spawn(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Run ``start()`` as a supervised task: restarted with back-off if it fails."""
-        self.tasks.append(asyncio.create_task(self._supervise(name, start), name=name))
-
-    async def _supervise(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        delay = RESTART_MIN_S
-        while not self.stop.is_set():
-            try:
-                await start()
-                return
-            except Exception as exc:
-                self.restarts += 1
-                self.failing[name] = one_line(exc)
-                log.exception("%s failed; restarting it in %.1fs", name, delay)
-            retried = await self._back_off(delay)
-            self.failing.pop(name, None)
-            delay = RESTART_MIN_S if retried else min(delay * 2, RESTART_MAX_S)
-
-    async def _back_off(self, delay: float) -> bool:
-        """Wait ``delay``, or less on stop or :meth:`retry_now`; whether retry_now ended it."""
-        retry = self._retry
-        waits = {asyncio.ensure_future(self.stop.wait()), asyncio.ensure_future(retry.wait())}
-        try:
-            await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiting in waits:
-                waiting.cancel()
-        return retry.is_set()
-
-    def retry_now(self, check: str = "") -> None:
-        """End every service's back-off now and start it over (``check``, a health check
-        that passes again, is not needed): a service that failed while a server was
-        away must not wait out a delay that grew during the outage."""
-        self._retry.set()
-        self._retry = asyncio.Event()
-
-    def bus(self, role: str) -> tuple[Any, Any]:
-        """The NATS connection and JetStream context of ``role``: ``claims``,
-        ``reservation``, ``ledger``, ``enforcement`` or ``agent:<node>`` (the shared one
-        without credentials)."""
-        return self.logins.get(role, (self.nc, self.js))
-
-    async def trouble(self) -> str | None:
-        """Why not every service runs (None when they all do): the ``services`` check."""
-        problems = [f"{name} restarting after {why}" for name, why in self.failing.items()]
-        if not self.stop.is_set():
-            problems += [f"{task.get_name()} ended" for task in self.tasks if task.done()]
-        return "; ".join(problems) or None
-
-    @classmethod
-    @contextlib.asynccontextmanager
-    async def running(
-        cls,
-        settings: Settings,
-        names: BusNames,
-        *,
-        nodes: Sequence[str] = (),
-        workers: int = 1,
-        auth: AuthDir | None = None,
-    ) -> AsyncIterator[Stack]:
-        """``auth``: connect each service as its own broker user (:mod:`services.brokerauth`)
-        and require the broker's identity on API requests; None: one anonymous connection."""
-        from services.runtime.bus import connect_bus
-
-        stores = await ServiceStores.open(settings)
-        connections: list[Any] = []
-        try:
-
-            async def login(role: str, credential: Credential | None) -> tuple[Any, Any]:
-                nc, js = await connect_bus(
-                    settings.nats_url, name=f"dracap-{role}", credential=credential
-                )
-                connections.append(nc)
-                return nc, js
-
-            nc, js = await login("relay", auth.service("relay") if auth else None)
-            logins: dict[str, tuple[Any, Any]] = {}
-            directory = None
-            if auth is not None:
-                directory = read_directory(auth.directory)
-                for service in ("claims", "reservation", "ledger", "enforcement"):
-                    logins[service] = await login(service, auth.service(service))
-                for node in nodes:
-                    logins[f"agent:{node}"] = await login(f"agent-{node}", auth.agent(node))
-            stack = cls(
-                stores.reader, nc, js, names, stores=stores, logins=logins, directory=directory
-            )
-            try:
-                await start_services(stack, nodes=nodes, workers=workers)
-                yield stack
-            finally:
-                await stack.shutdown()
-        finally:
-            for connection in reversed(connections):
-                await _bounded(_close_bus(connection), "closing a NATS connection")
-            await _bounded(stores.close(), "closing the event stores")
-
-    async def shutdown(self) -> None:
-        """Set ``stop``, wait for every task, cancel what is left after the grace period."""
-        self.stop.set()
-        if self.gauges is not None:
-            self.gauges.stop()
-        if self.slos is not None:
-            self.slos.stop()
-        if self.holdings is not None:
-            self.holdings.stop()
-        if not self.tasks:
-            return
-        _, pending = await asyncio.wait(self.tasks, timeout=STOP_GRACE_S)
-        for task in pending:
-            log.warning("task %s did not stop in time; cancelling it", task.get_name())
-            task.cancel()
-        results = await asyncio.gather(*self.tasks, return_exceptions=True)
-        for task, result in zip(self.tasks, results, strict=True):
-            if isinstance(result, Exception):
-                log.error("task %s failed: %r", task.get_name(), result)
-        self.tasks.clear()
-
-
-async def _bounded(work: Coroutine[Any, Any, object], what: str) -> None:
-    """Await ``work`` for at most :data:`STOP_GRACE_S`: shutdown must never hang."""
-    try:
-        await asyncio.wait_for(work, STOP_GRACE_S)
-    except TimeoutError:
-        log.warning("%s took longer than %.0fs; going on", what, STOP_GRACE_S)
-
-
-async def _close_bus(nc: Any) -> None:
-    """Drain a connected client; close one that is not (draining needs the server)."""
-    if nc.is_connected:
-        await nc.drain()
-    else:
-        await nc.close()
-
-
-async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) -> None:
-    """Start the relay, the live state (from the newest snapshot that verifies), the
-    snapshot writer (as ``dracap_snapshots``' user when roles are set up), the APIs,
-    reservation workers, the reclamation service, the audit and billing subscribers, the
-    enforcement service and the agents (which reach only NATS: each its own connection,
-    and the enforcement service for everything of the log)."""
-    from services import durables
-    from services.audit.service import AuditService
-    from services.billing.service import BillingService
-    from services.claims.api import ClaimsApi
-    from services.enforcement.agent import Agent
-    from services.enforcement.enforcers import NoneEnforcer
-    from services.enforcement.service import STORE_KIND, EnforcementService
-    from services.reclamation.service import ReclamationService
-    from services.reservation.service import ReservationService
-    from services.runtime.bus import prefix_of
-    from services.runtime.gauges import CapacityGauges, initialise_series
-    from services.runtime.holdings import HeldCapacity
-    from services.runtime.livestate import HEAD, LiveState
-    from services.runtime.rebuilding import BusKeeper
-    from services.runtime.relaying import Relay
-    from services.runtime.slos import SloTracker
-    from services.runtime.snapshots import serve_snapshots
-
-    js, names, stop, stores = stack.js, stack.names, stack.stop, stack.stores
-    relay_store = stores.of(ServiceKind.RELAY)
-    # the relay owns the stream and the services' durables: in place before they pull
-    keeper = BusKeeper(relay_store, js, names, durables.relay_owned(names))
-    relay = Relay(relay_store, js, names, keeper=keeper)
-    await keeper.ensure(await relay.load_checkpoint(), None)
-    stack.spawn("relay", functools.partial(relay.run, stop))
-    live = LiveState(stack.store)
-    await live.load_snapshot()
-    await live.fresh(HEAD)
-    snapshots = stores.of(ServiceKind.SNAPSHOTS)
-    stack.spawn("snapshots", functools.partial(serve_snapshots, snapshots.pool, live, stop))
-    stack.gauges = CapacityGauges(live)
-    stack.gauges.start()
-    stack.slos = SloTracker(live)
-    stack.slos.start()
-    stack.holdings = HeldCapacity(live)
-    stack.holdings.start()
-    stack.spawn("livestate", functools.partial(live.run, stop))
-    api = ClaimsApi(
-        stores.of(ServiceKind.CLAIMS),
-        live,
-        stack.bus("claims")[0],
-        names,
-        directory=stack.directory,
-        authenticated=stack.directory is not None,
-    )
-    await api.start()
-    stack.spawn("claims-api", functools.partial(api.run, stop))
-    consumers: set[str] = set()
-    for i in range(workers):
-        store = stores.of(ServiceKind.RESERVATION)
-        service = ReservationService(
-            store, live, stack.bus("reservation")[1], names, worker=i, owner=False
-        )
-        consumers.update(c.name for c in service.consumers())
-        stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
-    reclamation = ReclamationService(stores.of(ServiceKind.RECLAMATION), live)
-    stack.spawn("reclamation", functools.partial(reclamation.run, stop))
-    for subscriber in (AuditService, BillingService):  # projectors and query endpoints
-        ledger = subscriber(
-            stores.of(ServiceKind.LEDGER),
-            names,
-            nc=stack.bus("ledger")[0],
-            directory=stack.directory,
-            authenticated=stack.directory is not None,
-            live=live,
-        )
-        stack.spawn(ledger.projector.name, functools.partial(ledger.run, stop))
-    enforcement_nc, enforcement_js = stack.bus("enforcement")
-    enforcement = EnforcementService(
-        stores.of(STORE_KIND),
-        live,
-        enforcement_nc,
-        enforcement_js,
-        names,
-        directory=stack.directory,
-        authenticated=stack.directory is not None,
-    )
-    await enforcement.start()
-    stack.spawn("enforcement", functools.partial(enforcement.run, stop))
-    for node in nodes:
-        agent_nc, agent_js = stack.bus(f"agent:{node}")
-        agent = Agent(
-            agent_nc, names, node=node, enforcer=NoneEnforcer(), api_prefix=prefix_of(agent_js)
-        )
-        consumers.add(agent.consumer.name)
-        stack.spawn(f"agent-{node}", functools.partial(agent.run, stop))
-    initialise_series(sorted(consumers))
 
 
 # --- dracap up -----------------------------------------------------------------------------

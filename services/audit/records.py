@@ -25,7 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import msgspec
 
 from events.actors import ActorError, parse_actor
-from events.catalog import AppendRefused, ClaimRejected, Envelope, tag_of
+from events.catalog import AppendRefused, ClaimRejected, tag_of
+from events.envelopes import Envelope
 from events.quantities import Quantity
 from events.transitions import (
     ClaimEntered,

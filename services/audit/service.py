@@ -34,7 +34,7 @@ from typing import Any, Final
 import msgspec
 from nats.aio.client import Client
 
-from events.catalog import Envelope
+from events.envelopes import Envelope
 from events.subjects import BusNames
 from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, Update, build, needs
 from services.runtime.credentials import Directory

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from events.catalog import Envelope
+from events.envelopes import Envelope
 from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, build, needs
 from services.audit.service import CONSUMER, RECORDS, SHARES, record_of, share_of
 from services.runtime.eventstore import Connection, iter_rows

@@ -42,13 +42,13 @@ from events.catalog import (
     CapacityReleased,
     CapacityReserved,
     ClaimSubmitted,
-    Envelope,
     NodeFenced,
     NodeLeaseAcquired,
     NodeLeaseExpired,
     ShareConfirmed,
     ShareMarkedUnknown,
 )
+from events.envelopes import Envelope
 from events.subjects import BusNames
 from services.billing.usage import (
     BillingShare,

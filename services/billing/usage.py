@@ -34,7 +34,8 @@ from typing import Final, Literal, TypeAlias
 
 import msgspec
 
-from events.catalog import ClaimSubmitted, Envelope
+from events.catalog import ClaimSubmitted
+from events.envelopes import Envelope
 from events.model import ResourceClaim
 from events.transitions import (
     ClaimEntered,

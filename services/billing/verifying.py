@@ -24,7 +24,7 @@ from typing import Final
 
 import msgspec
 
-from events.catalog import Envelope
+from events.envelopes import Envelope
 from services.billing.service import CONSUMER, SHARES, TYPES, share_of
 from services.billing.usage import BillingShare, NodeEpochs, Update, apply, needs
 from services.runtime.eventstore import Connection, iter_rows

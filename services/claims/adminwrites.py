@@ -7,7 +7,7 @@ appends its events and replies.
 
 Admin writes (``deviceclasses.apply``, ``slices.apply``, ``namespaces.access``) are
 last-writer-wins: their events carry no expected version (each goes to its object's
-own stream, :func:`events.catalog.stream_of`), and objects equal to what the log
+own stream, :func:`events.envelopes.stream_of`), and objects equal to what the log
 already holds are skipped, so re-applying an inventory records nothing.
 
 * :func:`decide_classes`: ``DeviceClassApplied`` (rollout ``immediate``) for every
@@ -72,7 +72,7 @@ from events.catalog import (
 )
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import ClaimState, ClusterState
+from events.fieldchecks import is_dns_subdomain
 from events.model import (
     CapacityRequestPolicy,
     CapacityRequestPolicyRange,
@@ -81,7 +81,8 @@ from events.model import (
     ResourceSlice,
 )
 from events.quantities import Quantity
-from events.validation import is_dns_subdomain, validate_capacity_policy
+from events.slicevalidation import validate_capacity_policy
+from events.state import ClaimState, ClusterState
 from services.claims.admission import Refusal, refuse
 
 __all__ = [

@@ -84,23 +84,23 @@ from events.catalog import ClaimAdmitted, ClaimRejected, ClaimSubmitted, Event
 from events.claimspecs import claim_spec
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import REUSABLE_PHASES, ClusterState, NamespaceState
-from events.inventory import CapacityInfo, Inventory, build_inventory
-from events.manifests import MAX_MANIFEST_BYTES, load_documents
-from events.model import ResourceClaim, ResourceClaimStatus
-from events.quantities import Quantity
-from events.tenancy import (
-    MAX_CLAIMS,
-    MAX_REQUESTS_PER_CLAIM,
-    OPAQUE_CONFIG_CLASSES,
-    class_allowed,
-)
-from events.validation import (
+from events.fieldchecks import (
     DNS_LABEL_RULE,
     DNS_SUBDOMAIN_RULE,
     REQUESTS_MAX,
     is_dns_label,
     is_dns_subdomain,
+)
+from events.inventory import CapacityInfo, Inventory, build_inventory
+from events.manifests import MAX_MANIFEST_BYTES, load_documents
+from events.model import ResourceClaim, ResourceClaimStatus
+from events.quantities import Quantity
+from events.state import REUSABLE_PHASES, ClusterState, NamespaceState
+from events.tenancy import (
+    MAX_CLAIMS,
+    MAX_REQUESTS_PER_CLAIM,
+    OPAQUE_CONFIG_CLASSES,
+    class_allowed,
 )
 from events.validation import validate as validate_manifest
 

@@ -42,9 +42,10 @@ from collections.abc import Callable, Collection
 from typing import Any, Final
 
 from events.actors import Actor
-from events.catalog import Envelope, Event
-from events.fold import ClaimKey, ClusterState
+from events.catalog import Event
+from events.envelopes import Envelope
 from events.model import ResourceClaim
+from events.state import ClaimKey, ClusterState
 from services.claims.kubeobjects import device_statuses
 from services.claims.mirroring import (
     BRIDGE_SERVICE,
@@ -55,8 +56,9 @@ from services.claims.mirroring import (
     decide_deleted,
 )
 from services.claims.views import ClaimsTouched
+from services.runtime.appends import Batch, Metadata
 from services.runtime.errors import ConflictError
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.eventstore import EventStore
 from services.runtime.kube.client import KubeApi
 from services.runtime.kube.errors import Conflict, KubeApiError, NotFound, Retryable
 from services.runtime.kube.informer import Checkpoint, ClaimInformer

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from events.catalog import CLASS_MODES, ENFORCEMENT_LEVELS
-from events.fold import TERMINAL_PHASES
+from events.state import TERMINAL_PHASES
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient
 from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args

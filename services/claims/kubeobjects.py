@@ -32,9 +32,9 @@ import datetime
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Final
 
-from events.fold import ClaimState, ClusterState, ShareState
 from events.model import API_VERSION, AllocationResult, ResourceClaim
 from events.model import to_builtins as model_builtins
+from events.state import ClaimState, ClusterState, ShareState
 from events.tenancy import NamespacePolicy, namespace_object
 from services.claims.adminwrites import consumer_ref, consumer_uid
 

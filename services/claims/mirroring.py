@@ -62,23 +62,17 @@ from events.catalog import (
     ClaimWithdrawn,
     Event,
     ReleaseRequested,
-    claim_stream,
-    device_stream,
 )
+from events.envelopes import claim_stream, device_stream
 from events.errors import InvariantViolation
-from events.fold import (
-    REUSABLE_PHASES,
-    ClaimState,
-    ClusterState,
-    DeviceKey,
-    apply_event,
-)
+from events.fold import apply_event
 from events.model import (
     AllocationResult,
     DeviceRequestAllocationResult,
     ResourceClaim,
     ResourceClaimConsumerReference,
 )
+from events.state import REUSABLE_PHASES, ClaimState, ClusterState, DeviceKey
 
 __all__ = [
     "BRIDGE_SERVICE",

@@ -4,7 +4,7 @@ Every reply of the tenant and admin APIs is one JSON object, either
 ``{"ok": true, ...}`` or ``{"ok": false, "error": {code, field, rule, message}}``
 (:func:`services.runtime.queries.ok_reply` / ``error_reply``, shared with the audit and
 billing queries). Views are computed from
-:class:`events.fold.ClusterState` on demand, never stored:
+:class:`events.state.ClusterState` on demand, never stored:
 
 * :class:`ClaimView`: a claim's phase and reason, ``ready`` (true only once the node
   agent reported every limit applied: invariant 7), its node, the Kubernetes
@@ -31,11 +31,13 @@ from typing import Any
 
 import msgspec
 
-from events.catalog import (
-    Envelope,
-    NamespaceAccessSet,
-)
-from events.fold import (
+from events.catalog import NamespaceAccessSet
+from events.envelopes import Envelope
+from events.fieldchecks import split_qualified_name
+from events.inventory import DeviceEntry, Inventory, lost_nodes
+from events.model import AllocationResult, DeviceAttribute, DeviceClass, describe_policy
+from events.model import to_builtins as model_builtins
+from events.state import (
     LIVE_SHARE_STATES,
     ClaimKey,
     ClaimState,
@@ -44,9 +46,6 @@ from events.fold import (
     NamespaceState,
     ShareState,
 )
-from events.inventory import DeviceEntry, Inventory, lost_nodes
-from events.model import AllocationResult, DeviceAttribute, DeviceClass, describe_policy
-from events.model import to_builtins as model_builtins
 from events.tenancy import allow_list, class_allowed, tenant_attributes
 from events.transitions import (
     ClaimEntered,
@@ -62,7 +61,6 @@ from events.transitions import (
     Transition,
     meaning,
 )
-from events.validation import split_qualified_name
 
 __all__ = [
     "CapacityView",

@@ -129,7 +129,6 @@ from events.catalog import (
     AllocationBound,
     DeviceHealthChanged,
     EnforcementReconciled,
-    Envelope,
     Event,
     LimitFailed,
     LimitRemoved,
@@ -137,11 +136,11 @@ from events.catalog import (
     ReleaseRequested,
     ShareConfirmed,
     ShareUsed,
-    encode_payload,
-    stream_of,
 )
-from events.fold import ClusterState, DeviceKey
+from events.envelopes import Envelope, stream_of
+from events.eventcodec import encode_payload
 from events.model import ResourceSlice
+from events.state import ClusterState, DeviceKey
 from events.subjects import BusNames
 from services.enforcement.asking import ControlPlane
 from services.enforcement.checkpointing import Checkpoint, read_boot_id

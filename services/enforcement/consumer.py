@@ -53,8 +53,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import Header
 
-from events.catalog import Envelope, decode_envelope
+from events.envelopes import Envelope
 from events.errors import CatalogError
+from events.eventcodec import decode_envelope
 from events.subjects import BusNames
 from services.enforcement.protocol import consumer_name
 from services.runtime.bus import Durable

@@ -63,20 +63,17 @@ from events.catalog import (
     DeviceHealthChanged,
     EnforcementCheckpointSetAside,
     EnforcementReconciled,
-    Envelope,
     Event,
     LimitApplied,
     LimitFailed,
     LimitRemoved,
     ReleaseRequested,
     ShareUsed,
-    claim_stream,
-    device_stream,
-    node_stream,
 )
-from events.fold import ClaimState, ClusterState, DeviceKey, ShareState
+from events.envelopes import Envelope, claim_stream, device_stream, node_stream
 from events.model import DeviceClass
 from events.quantities import Quantity
+from events.state import ClaimState, ClusterState, DeviceKey, ShareState
 from events.tenancy import DEFAULT_RETRY_WINDOW_S, retry_window
 from services.enforcement.checkpointing import CheckpointEntry, CheckpointWarning
 from services.enforcement.enforcers import AppliedLimit, ShareLimit

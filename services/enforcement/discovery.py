@@ -58,14 +58,14 @@ import msgspec
 import yaml
 
 from events import model
-from events.model import DeviceAttribute
-from events.quantities import Format, Quantity
-from events.validation import (
+from events.fieldchecks import (
     ATTRIBUTE_VALUE_MAX_LENGTH,
     is_dns_label,
     is_dns_subdomain,
     is_qualified_name,
 )
+from events.model import DeviceAttribute
+from events.quantities import Format, Quantity
 
 __all__ = [
     "BANDWIDTH",

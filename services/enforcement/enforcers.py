@@ -37,8 +37,8 @@ from typing import Protocol
 import msgspec
 
 from events.catalog import EnforcementLevel
-from events.fold import DeviceKey
 from events.quantities import Quantity
+from events.state import DeviceKey
 
 __all__ = [
     "AppliedLimit",

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol, TypeAlias
 
-from events.fold import DeviceKey
+from events.state import DeviceKey
 from services.enforcement.enforcers import ShareLimit
 
 __all__ = ["Draft", "Enforcing", "Tally"]

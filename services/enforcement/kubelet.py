@@ -85,8 +85,8 @@ from events.catalog import (
     ResourceSlicePublished,
     ResourceSliceWithdrawn,
 )
-from events.fold import ClusterState, ShareState
 from events.model import ResourceClaim
+from events.state import ClusterState, ShareState
 from services.enforcement.agent import Agent, Round
 from services.enforcement.cdi import KIND as GPU_KIND
 from services.enforcement.cdi import SHARE_KIND, CdiSpecs, build_share_spec

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Final
 
 from events.catalog import Event, ResourceSlicePublished, ResourceSliceWithdrawn
-from events.fold import ClusterState
 from events.model import ResourceSlice
+from events.state import ClusterState
 from services.enforcement.agent import Agent
 from services.enforcement.cdi import CdiSpecs
 from services.enforcement.kubelet import KubeletDriver

@@ -24,7 +24,8 @@ import logging
 from typing import Final
 
 from events.actors import Actor
-from events.catalog import EnforcementLevel, NodeLeaseAcquired, lease_stream
+from events.catalog import EnforcementLevel, NodeLeaseAcquired
+from events.envelopes import lease_stream
 from services.runtime.errors import ConflictError, RetryableError
 from services.runtime.eventstore import EventStore
 

@@ -24,7 +24,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from events.fold import ClusterState
+from events.state import ClusterState
 
 __all__ = ["PrepareVerdict", "judge_prepare"]
 

@@ -42,7 +42,7 @@ Every answer is a :class:`Reply`: ``{"answer": ...}`` or ``{"refusal": {"code",
 * ``internal``: a bug of the service (logged there).
 
 Requests are decoded strictly (unknown fields refused), reported events with the
-catalog's strict decoder (:func:`~events.catalog.decode_event`). Pure: no I/O here.
+catalog's strict decoder (:func:`~events.eventcodec.decode_event`). Pure: no I/O here.
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ from typing import Final, Generic, Literal, TypeVar
 
 import msgspec
 
-from events.catalog import EnforcementLevel, Envelope
-from events.fold import ClaimKey
+from events.catalog import EnforcementLevel
+from events.envelopes import Envelope
 from events.model import decode_hook, encode_hook
+from events.state import ClaimKey
 from events.subjects import node_token
 
 __all__ = [

@@ -14,7 +14,7 @@ Design
 * **Shares through the control plane.** :func:`prove_bandwidth` applies its claims
   through the real services it is handed (:data:`ControlPlane`; ``dracap prove``
   composes them in :func:`services.prove.control_plane`: by default
-  :class:`services.up.Stack` in-process — relay, live state, claims and admin APIs, a
+  :class:`services.stack.Stack` in-process — relay, live state, claims and admin APIs, a
   reservation worker — plus one node agent for ``prove-node`` whose enforcer is the
   lab's :class:`TcEnforcer`; or only that agent, next to services already running).
   Composing services belongs to the layer above them, so the enforcement package
@@ -67,8 +67,8 @@ from typing import Any, Final, TypeAlias
 import msgspec
 
 from events import model
-from events.fold import TERMINAL_PHASES
 from events.quantities import Quantity
+from events.state import TERMINAL_PHASES
 from services.enforcement.enforcers import ShareLimit
 from services.enforcement.tc import TcEnforcer
 from services.runtime.apiclient import ApiClient, ApiError

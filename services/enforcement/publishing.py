@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from events.catalog import Event, ResourceSlicePublished, ResourceSliceWithdrawn
 from events.errors import ValidationError
 from events.features import DEFAULT_GATES, FeatureGates
+from events.fieldchecks import DEVICES_MAX
 from events.model import (
     CapacityRequestPolicy,
     CapacityRequestPolicyRange,
@@ -60,7 +61,7 @@ from events.model import (
     ResourceSliceSpec,
 )
 from events.quantities import Quantity
-from events.validation import DEVICES_MAX, validate
+from events.validation import validate
 from services.enforcement.discovery import (
     AgentConfig,
     DeviceClassConfig,

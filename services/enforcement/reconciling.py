@@ -2,7 +2,7 @@
 
 When the agent starts it compares
 
-* the **log** (the fold of the event log, :class:`~events.fold.ClusterState`): which
+* the **log** (the fold of the event log, :class:`~events.state.ClusterState`): which
   shares of this node are live and which of them are ``ready`` (their ``LimitApplied``
   is recorded, with the amounts that were in force);
 * the **kernel** (``Enforcer.observe()``): which shares have a limit in force now, with
@@ -59,8 +59,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from events.fold import ClaimState, ClusterState, ShareState
 from events.quantities import Quantity
+from events.state import ClaimState, ClusterState, ShareState
 from services.enforcement.checkpointing import CheckpointEntry
 from services.enforcement.enforcers import AppliedLimit
 

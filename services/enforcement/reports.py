@@ -23,7 +23,7 @@ event                                           its node
 anything else                                   not a node agent's report: refused
 =============================================== ===========================================
 
-Each event goes to its own stream (:func:`~events.catalog.stream_of`); a batch without
+Each event goes to its own stream (:func:`~events.envelopes.stream_of`); a batch without
 events is a version check, allowed on the node's stream and the streams of the node's
 claims (it writes nothing; it makes the append conflict if the claim moved). A lease
 is taken with the ``lease`` verb, never reported. The service then folds the events
@@ -50,11 +50,10 @@ from events.catalog import (
     ResourceSliceWithdrawn,
     ShareConfirmed,
     ShareUsed,
-    node_stream,
-    stream_of,
     tag_of,
 )
-from events.fold import ClusterState
+from events.envelopes import node_stream, stream_of
+from events.state import ClusterState
 from services.enforcement.protocol import consumer_name
 
 __all__ = [

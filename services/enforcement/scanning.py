@@ -19,7 +19,8 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
-from events.catalog import Event, stream_of
+from events.catalog import Event
+from events.envelopes import stream_of
 from events.model import ResourceSlice
 from services.enforcement.discovery import AgentConfig, InventoryError, ScanResult, discover
 from services.enforcement.publishing import Changes, Publisher

@@ -77,17 +77,16 @@ from nats.js import JetStreamContext
 from events.actors import Actor
 from events.catalog import (
     AllocationBound,
-    Envelope,
     Event,
     LimitFailed,
     ReleaseRequested,
     ResourceSlicePublished,
-    claim_stream,
-    decode_event,
-    node_stream,
 )
+from events.envelopes import Envelope, claim_stream, node_stream
 from events.errors import CatalogError, InvariantViolation
-from events.fold import ClaimKey, ClusterState, DeviceKey, apply_event
+from events.eventcodec import decode_event
+from events.fold import apply_event
+from events.state import ClaimKey, ClusterState, DeviceKey
 from events.subjects import BusNames, node_of
 from services.enforcement import leases
 from services.enforcement.consumer import durable
@@ -118,6 +117,7 @@ from services.enforcement.reports import (
     version_check_refusal,
 )
 from services.enforcement.views import Scope, decode_view, encode_view, scope
+from services.runtime.appends import Batch, Cause, Metadata, Processed
 from services.runtime.bus import durable_config
 from services.runtime.confirming import LogConfirmation
 from services.runtime.consuming import HANDLED_BEFORE
@@ -131,7 +131,7 @@ from services.runtime.errors import (
     StaleEpoch,
     map_bus_error,
 )
-from services.runtime.eventstore import Batch, Cause, EventStore, Metadata, Processed
+from services.runtime.eventstore import EventStore
 from services.runtime.livestate import SEEN, LiveState
 from services.runtime.metrics import NODE_REQUESTS
 from services.runtime.outages import is_unreachable

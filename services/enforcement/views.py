@@ -2,7 +2,7 @@
 
 A node agent holds no fold of its own and no database connection. The enforcement
 service (:mod:`services.enforcement.service`) holds the whole fold and answers each of
-the agent's questions with a :class:`NodeView`: a :class:`~events.fold.ClusterState`
+the agent's questions with a :class:`NodeView`: a :class:`~events.state.ClusterState`
 holding only what the agent's pure decisions read for that question, the stream
 versions of what it may append to, and nothing of other nodes or unrelated tenants.
 The agent decides on ``view.state()`` exactly as it decided on the whole fold before
@@ -22,7 +22,7 @@ devices and classes they are given, and a view gives them what they look up.
 * ``node``: the whole node — every live share of it, the node's devices and its
   ResourceSlices (a reconcile, a returning agent, a health check, the first inventory
   scan);
-* always the node's :class:`~events.fold.NodeState`, whose ``live_shares`` lists only
+* always the node's :class:`~events.state.NodeState`, whose ``live_shares`` lists only
   the shares the view holds, and the stream versions asked for.
 
 Cost: O(what the question touches), never O(cluster): the node's devices and slices
@@ -37,7 +37,8 @@ from typing import Final
 
 import msgspec
 
-from events.fold import (
+from events.model import ResourceSlice, decode_hook, encode_hook
+from events.state import (
     LIVE_SHARE_STATES,
     ClaimKey,
     ClaimState,
@@ -48,7 +49,6 @@ from events.fold import (
     NodeState,
     ShareState,
 )
-from events.model import ResourceSlice, decode_hook, encode_hook
 
 __all__ = ["NodeView", "Scope", "decode_view", "encode_view", "scope"]
 

@@ -41,7 +41,7 @@ from events.catalog import (
     ReleaseRequested,
     ShareMarkedUnknown,
 )
-from events.fold import ClaimKey, ClaimState, ClusterState
+from events.state import ClaimKey, ClaimState, ClusterState
 from events.tenancy import not_started as class_not_started
 
 __all__ = [

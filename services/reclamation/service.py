@@ -57,13 +57,8 @@ import asyncpg
 import msgspec
 
 from events.actors import Actor
-from events.catalog import (
-    Envelope,
-    claim_stream,
-    lease_stream,
-    node_stream,
-)
-from events.fold import ClaimKey, ClusterState
+from events.envelopes import Envelope, claim_stream, lease_stream, node_stream
+from events.state import ClaimKey, ClusterState
 from events.tenancy import not_started as class_not_started
 from events.transitions import ClaimEntered, ClassDefined, ClassRemoved, first, meaning
 from services.reclamation.decisions import (
@@ -74,8 +69,9 @@ from services.reclamation.decisions import (
     fence_by_hook,
     not_started,
 )
+from services.runtime.appends import Batch, Metadata
 from services.runtime.errors import ConflictError, RetryableError
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import CLAIMS, FENCE_HOOK_RUNS, NODE_TRANSITIONS
 

@@ -38,7 +38,8 @@ from typing import Any, Final
 import msgspec
 
 from events.errors import InvariantViolation, SnapshotError
-from events.fold import ClusterState, same_state, snapshot_encode
+from events.state import ClusterState
+from events.statecodec import same_state, snapshot_encode
 from services.replay.logfile import Checkpoint, CheckpointLine, LogWriter
 from services.replay.verify import fold_rows, paused_gc
 from services.runtime.snapshots import FRAME_VERSION, frame, verify_snapshot

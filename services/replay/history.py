@@ -8,7 +8,7 @@ timeline still lists it when it names the object, with why it was refused).
 
 * :func:`state_at`: the fold up to a position (from the newest verified snapshot at or
   before it, on a database); :func:`view` turns it into the devices, shares, claims and
-  nodes a person reads (:func:`events.fold.to_builtins` form).
+  nodes a person reads (:func:`events.statecodec.to_builtins` form).
 * :func:`timeline`: every event that touched one object, in log order. *Touched* means
   the event names the object (its id appears as a JSON string in the payload) **or**
   folding it changed the object's record in the state — so a node fence appears in the
@@ -34,9 +34,10 @@ import msgspec
 from events.actors import ActorError, parse_actor
 from events.catalog import AllocationBound, ClaimSubmitted, Event
 from events.errors import InvariantViolation
-from events.fold import ClusterState, ShareState, to_builtins
 from events.folding import Refusal, fold_stored
 from events.model import AllocationResult, ResourceClaim, encode_hook
+from events.state import ClusterState, ShareState
+from events.statecodec import to_builtins
 from services.replay.sources import LogSource
 from services.replay.verify import fold_rows, note_refused, paused_gc
 from services.runtime.gauges import class_members

@@ -10,7 +10,7 @@ Format (``dracap-log`` version 2), NDJSON, one JSON value per line:
    order; ``recorded_at`` is an ISO 8601 string, ``payload`` the event's JSON object
    exactly as the database stored it, with its own ``schema_version`` beside it — an
    export made by older code keeps its old payloads and replays through the catalog's
-   upcasters (:func:`events.catalog.decode_stored`);
+   upcasters (:func:`events.eventcodec.decode_stored`);
 3. (version 2) **checkpoint** objects (:class:`CheckpointLine`), each right after the
    event line of its position: the fold up to there (:mod:`services.replay.checkpoints`);
 4. an **end** object: ``{"end": true, "count": N, "last": position, "sha256": hex,
@@ -40,7 +40,7 @@ right before it folds it. That is cheaper than decoding the page into rows and t
 each payload again (one pass over the JSON, one call per event), and the event is
 still in the CPU's cache when its step runs: at a million events, ~25% less CPU than
 the two-pass path. A line is folded that way only when it is what
-:func:`events.catalog.decode_stored` would have made of it (its payload's class is the
+:func:`events.eventcodec.decode_stored` would have made of it (its payload's class is the
 row's ``type``, its ``schema_version`` the current one, its position the next);
 anything else (an export from older code to upcast, a tag its column contradicts, a
 line that does not decode, a gap) takes the plain path of that one line, with its
@@ -146,7 +146,7 @@ class CheckpointLine(msgspec.Struct, kw_only=True):
 
     ``snapshot`` is base64 of a database snapshot's stored form
     (:func:`services.runtime.snapshots.frame`: its SHA-256, ``event_id``, the zlib
-    body of :func:`events.fold.snapshot_encode`); ``event_id`` is the id of the event
+    body of :func:`events.statecodec.snapshot_encode`); ``event_id`` is the id of the event
     line right before this line, which is at position ``checkpoint``.
     """
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from events.errors import SnapshotError
-from events.fold import ClusterState
+from events.state import ClusterState
 from services.exitcodes import CommandError, ExitCode
 from services.replay import logfile
 from services.replay.checkpoints import check_place, decode_checkpoint

@@ -35,9 +35,9 @@ from typing import Any
 import asyncpg
 
 from events.errors import InvariantViolation
-from events.fold import ClusterState
 from events.folding import Refusal, decode
 from events.guards import encode_guards, guards_of_many
+from events.state import ClusterState
 from services.replay.checkpoints import EVERY, CheckpointMismatchError, CheckpointWriter, compare
 from services.replay.logfile import Checkpoint, read_end, read_rows
 from services.replay.verify import OnRefused, fold_rows, note_refused, paused_gc

@@ -44,11 +44,13 @@ import msgspec
 
 from events.catalog import EVENT_TYPES, SCHEMA_VERSIONS
 from events.errors import InvariantViolation, SnapshotError
-from events.fold import ClusterState, Step, same_state, step_of
+from events.fold import Step, step_of
 from events.folding import DEEP_CLASSES, Refusal, fold_step, fold_stored
 from events.guards import amount
 from events.nesting import MAX_STORED_DEPTH
 from events.quantities import Quantity
+from events.state import ClusterState
+from events.statecodec import same_state
 from services.replay.logfile import LinePage, decode_line
 from services.runtime import refusals
 from services.runtime.eventstore import connect, iter_rows

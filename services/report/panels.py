@@ -46,9 +46,9 @@ from events.catalog import (
     Event,
 )
 from events.errors import InvariantViolation
-from events.fold import ClaimKey, ClusterState
 from events.folding import Refusal, decode, fold_event, refuse
 from events.quantities import Format
+from events.state import ClaimKey, ClusterState
 from events.transitions import (
     ClaimBound,
     ClaimDecided,

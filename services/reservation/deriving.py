@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from events.fold import LIVE_SHARE_STATES, ClusterState, ShareState
+from events.state import LIVE_SHARE_STATES, ClusterState, ShareState
 from services.reservation.outcomes import Grant
 
 __all__ = ["grant_of", "live_grants"]

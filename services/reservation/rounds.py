@@ -47,16 +47,10 @@ from typing import Final
 
 import msgspec
 
-from events.catalog import (
-    AllocationBound,
-    CapacityReserved,
-    ClaimUnschedulable,
-    Event,
-    claim_stream,
-    device_stream,
-)
-from events.fold import ClaimKey, ClaimState, ClusterState
+from events.catalog import AllocationBound, CapacityReserved, ClaimUnschedulable, Event
+from events.envelopes import claim_stream, device_stream
 from events.model import ResourceClaim
+from events.state import ClaimKey, ClaimState, ClusterState
 from services.reservation.allocating import Allocator, with_claim_configs
 from services.reservation.outcomes import Allocated, Deferred, Invalid
 

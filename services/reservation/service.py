@@ -86,17 +86,17 @@ from events.catalog import (
     CapacityReleased,
     ClaimAdmitted,
     DeviceHealthChanged,
-    Envelope,
     NamespaceAccessSet,
     NodeFenced,
     NodeLeaseAcquired,
 )
+from events.envelopes import Envelope
 from events.errors import SelectorDeadlineExceeded, SelectorError
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import ClaimKey, ClusterState
 from events.inventory import SelectorResult, build_inventory
 from events.model import AllocationResult
 from events.selectors import DeviceView
+from events.state import ClaimKey, ClusterState
 from events.subjects import BusNames
 from events.transitions import (
     ClaimDecided,
@@ -113,11 +113,13 @@ from services.reservation.deriving import grant_of, live_grants
 from services.reservation.outcomes import Allocated, Grant
 from services.reservation.rounds import PENDING_PHASES, Backlog, Round, decide_round
 from services.runtime import recorded
+from services.runtime.appends import Batch, Cause, Metadata
 from services.runtime.bus import Durable
 from services.runtime.confirming import LogConfirmation
-from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.consuming import Consumer
 from services.runtime.errors import ConflictError, RuntimeServiceError
-from services.runtime.eventstore import Batch, Cause, Connection, EventStore, Metadata
+from services.runtime.eventstore import Connection, EventStore
+from services.runtime.handlers import Handled, HandlerContext
 from services.runtime.livestate import HEAD, INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import CLAIMS, SELECTOR_JOBS
 from services.runtime.selectorpool import SelectorPool

@@ -19,7 +19,7 @@ Semantics stay those of a single append per caller:
   own;
 * the envelope fields of every event are as for a lone append with no correlation id
   (each event is its own correlation), and the namespace column is the event's own
-  (:func:`events.catalog.namespace_of`).
+  (:func:`events.envelopes.namespace_of`).
 
 A writer task runs only while writes are waiting; an idle committer costs nothing.
 """
@@ -31,8 +31,10 @@ import logging
 from collections.abc import Sequence
 from typing import Final
 
-from events.catalog import Envelope, Event
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from events.catalog import Event
+from events.envelopes import Envelope
+from services.runtime.appends import Batch, Metadata
+from services.runtime.eventstore import EventStore
 
 __all__ = ["GroupCommitter"]
 

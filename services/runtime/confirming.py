@@ -56,7 +56,8 @@ from typing import Final
 
 import msgspec
 
-from events.catalog import AllocationBound, ClaimSubmitted, Envelope, Event
+from events.catalog import AllocationBound, ClaimSubmitted, Event
+from events.envelopes import Envelope
 from events.folding import Refusal
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import LiveState

@@ -1,10 +1,11 @@
 """Durable, idempotent consumers of the events stream, with group commit.
 
-A service that reacts to events gives a handler: per message (:data:`Handler`: the
-envelope and a :class:`HandlerContext`: a Postgres connection to read through, and
-the store), or per *group* of messages (:data:`GroupHandler`: a list
-of envelopes). It returns what it wants written, :class:`Handled`. :class:`Consumer`
-does the rest, for one JetStream durable pull consumer (explicit ack) per service.
+A service that reacts to events gives a handler: per message
+(:data:`~services.runtime.handlers.Handler`) or per *group* of messages
+(:data:`~services.runtime.handlers.GroupHandler`); it returns what it wants written,
+:class:`~services.runtime.handlers.Handled` (the contract:
+:mod:`services.runtime.handlers`). :class:`Consumer` does the rest, for one JetStream
+durable pull consumer (explicit ack) per service.
 
 Receiving
 ---------
@@ -57,7 +58,7 @@ commits without an explicit transaction:
    and writes nothing; the consumer asks which were recorded, acknowledges those, and
    handles the rest again from step 1. In a group of several messages every batch
    must say, per event, which message caused it
-   (:class:`~services.runtime.eventstore.Cause`); for a single message the append's
+   (:class:`~services.runtime.appends.Cause`); for a single message the append's
    metadata says it.
 
 A service that keeps tables of its own from the log (the audit and billing
@@ -148,7 +149,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 import msgspec
@@ -161,27 +162,24 @@ from nats.js.api import Header
 from nats.js.errors import NotFoundError
 
 from events.actors import Actor
-from events.catalog import Envelope, MessageDeadLettered, decode_envelope
+from events.catalog import MessageDeadLettered
+from events.envelopes import Envelope
 from events.errors import CatalogError
+from events.eventcodec import decode_envelope
 from events.subjects import BusNames
+from services.runtime.appends import Batch, Metadata, Processed
 from services.runtime.bus import Durable, durable_config, prefix_of
 from services.runtime.confirming import WARN_EVERY_S, LogConfirmation
 from services.runtime.errors import AlreadyHandled
-from services.runtime.eventstore import (
-    MARK_PROCESSED,
-    Batch,
-    Connection,
-    EventStore,
-    Metadata,
-    Processed,
-)
+from services.runtime.eventstore import MARK_PROCESSED, Connection, EventStore
+from services.runtime.handlers import GroupHandler, Handled, Handler, HandlerContext, one_at_a_time
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES
 from services.runtime.outages import StateLog, is_unreachable, one_line
 from services.runtime.pulling import Puller
 from services.runtime.refusals import note
 
-__all__ = ["HANDLED_BEFORE", "Consumer", "GroupHandler", "Handled", "Handler", "HandlerContext"]
+__all__ = ["HANDLED_BEFORE", "Consumer"]
 
 _log = logging.getLogger(__name__)
 
@@ -194,41 +192,6 @@ HANDLED_BEFORE: Final = (
     "SELECT event_id::text FROM processed_messages WHERE consumer = $1 "
     "AND event_id = ANY($2::uuid[])"
 )
-
-
-class Handled(msgspec.Struct):
-    """What a handler wants written, atomically with the consumer's checkpoint.
-
-    ``actor`` defaults to ``system:<name>`` (:mod:`events.actors`). ``on_commit``:
-    callables run once the group has committed (metrics of what was written: a commit
-    that failed and was handled again must not count twice).
-    """
-
-    batches: list[Batch] = []
-    actor: str | None = None
-    on_commit: list[Callable[[], None]] = []
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HandlerContext:
-    """What a handler may use while its messages are handled."""
-
-    #: a plain connection to read through (nothing the handler writes through it
-    #: commits with the group: what it wants written goes in ``Handled.batches``)
-    connection: Connection
-    store: EventStore
-    consumer: str  #: the consumer's name
-    delivery: int  #: 1 on the first delivery; in a group, the lowest of the group
-    #: the delivery count of each message handled, by event id
-    deliveries: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    #: with a ``lock_key``: the log's head when the lock was granted, then after each
-    #: of the consumer's own commits, and at least the highest position among the
-    #: messages handled (the view must be folded that far); else ``None``
-    locked_head: int | None = None
-
-
-Handler = Callable[[HandlerContext, Envelope], Awaitable[Handled]]
-GroupHandler = Callable[[HandlerContext, list[Envelope]], Awaitable[Handled]]
 
 
 class _DeadLetter(msgspec.Struct, frozen=True):
@@ -298,7 +261,7 @@ class Consumer:
         self._names = names
         self.name = name
         self._filter = filter_subject
-        self._group: GroupHandler = group_handler or _one_at_a_time(handler)  # type: ignore[arg-type]
+        self._group: GroupHandler = group_handler or one_at_a_time(handler)  # type: ignore[arg-type]
         self._max_group = max_group if group_handler is not None else 1
         self._wants = wants
         self._lock_key = lock_key
@@ -806,16 +769,6 @@ def _is_uuid(value: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _one_at_a_time(handler: Handler) -> GroupHandler:
-    """A per-message handler as a group handler (its consumer makes groups of one)."""
-
-    async def handle(context: HandlerContext, envs: list[Envelope]) -> Handled:
-        [env] = envs
-        return await handler(context, env)
-
-    return handle
 
 
 async def _quietly(work: Awaitable[object]) -> None:

@@ -41,8 +41,9 @@ A caller that must commit other writes atomically with the events (a consumer's
 idempotency row and checkpoint) passes its own ``connection=``; the same statements
 then run inside the caller's transaction, without the store's retries.
 
-Events are validated before the transaction starts (an encode / strict-decode round
-trip through :mod:`events.catalog`); a bad event raises
+What an append is made of (:class:`~services.runtime.appends.Batch`,
+:class:`~services.runtime.appends.Metadata`, ...) and how its events are validated
+before the statement is sent is :mod:`services.runtime.appends`; a bad event raises
 :class:`~services.runtime.errors.InvalidEvent` and nothing is written. Transient
 failures (serialization failure, deadlock, lost connection, timeouts) are retried a
 few times with back-off; everything else is mapped to the typed error tree once.
@@ -66,7 +67,6 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -74,18 +74,20 @@ from typing import Any, Final, TypeVar
 import asyncpg
 import msgspec
 
-from events.actors import ActorError, parse_actor
-from events.catalog import (
-    _TAG_BY_CLASS,
-    Envelope,
-    Event,
-    decode_stored,
-    encode_payload,
-    namespace_of,
-)
-from events.errors import CatalogError
+from events.catalog import Event
+from events.envelopes import Envelope
+from events.eventcodec import decode_stored
 from events.folding import Refusal
-from events.model import decode_hook
+from services.runtime.appends import (
+    Batch,
+    Metadata,
+    Pending,
+    Processed,
+    agent_epoch,
+    moved_versions,
+    pending_of,
+    stored_envelopes,
+)
 from services.runtime.dbclock import DatabaseClock
 from services.runtime.errors import (
     InvalidEvent,
@@ -107,46 +109,6 @@ T = TypeVar("T")
 Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
 
-class Cause(msgspec.Struct, frozen=True):
-    """Why one event was written: the flow it belongs to and the event that caused it."""
-
-    correlation_id: str | None
-    causation_id: str | None
-
-    @classmethod
-    def of(cls, env: Envelope) -> Cause:
-        """The cause of an event written in reaction to ``env``."""
-        return cls(env.correlation_id, env.event_id)
-
-
-class Processed(msgspec.Struct, frozen=True):
-    """Bus messages an append records as handled by ``consumer`` (``processed_messages``).
-
-    The append then also fails, with :class:`~services.runtime.errors.AlreadyHandled`
-    and nothing written, if any of ``event_ids`` had been recorded for ``consumer``.
-    """
-
-    consumer: str
-    event_ids: list[str]
-
-
-class Batch(msgspec.Struct, frozen=True):
-    """Events for one stream, appended only if the stream is at ``expected_version``.
-
-    ``expected_version`` is the stream's current version (0: the stream must not exist
-    yet); ``None`` appends whatever the version is.
-
-    ``causes``: one :class:`Cause` per event, for an append that carries the reactions
-    to several messages at once (a consumer's group commit); ``None`` takes the
-    correlation and causation ids of the append's :class:`Metadata`.
-    """
-
-    stream: str
-    expected_version: int | None
-    events: Sequence[Event]
-    causes: Sequence[Cause] | None = None
-
-
 class Snapshot(msgspec.Struct, frozen=True):
     """A stored snapshot: state folded up to and including ``position``."""
 
@@ -154,194 +116,6 @@ class Snapshot(msgspec.Struct, frozen=True):
     schema_version: int
     payload: bytes
     created_at: datetime.datetime
-
-
-class Metadata(msgspec.Struct, frozen=True, kw_only=True):
-    """Envelope fields shared by all events of one append."""
-
-    actor: str
-    namespace: str | None = None
-    correlation_id: str | None = None
-    causation_id: str | None = None
-
-
-def agent_epoch(actor: str) -> tuple[str, int] | None:
-    """``(node, epoch)`` of an agent's actor that names its lease epoch, else ``None``.
-
-    ``dracap_append_guarded`` checks the epoch under the head lock (migration 0007) and
-    records a refusal instead of the events when it is stale.
-    """
-    if not actor.startswith("agent:"):
-        return None
-    try:
-        parsed = parse_actor(actor)
-    except ActorError:
-        return None
-    return None if parsed.epoch is None else (parsed.name, parsed.epoch)
-
-
-# --- validation ------------------------------------------------------------------------
-
-
-class _Kind(msgspec.Struct, frozen=True):
-    """What the store needs of one event class, looked up once per class."""
-
-    tag: str
-    schema_version: int
-    decoder: msgspec.json.Decoder[Any]
-    many: msgspec.json.Decoder[Any]
-
-
-_KINDS: dict[type, _Kind] = {}
-
-
-def _kind(cls: type) -> _Kind:
-    kind = _KINDS.get(cls)
-    if kind is None:
-        tag = _TAG_BY_CLASS[cls]  # KeyError: not an event of the catalog
-        kind = _KINDS[cls] = _Kind(
-            tag,
-            cls.SCHEMA_VERSION,  # type: ignore[attr-defined]
-            msgspec.json.Decoder(cls, dec_hook=decode_hook),
-            msgspec.json.Decoder(list[cls], dec_hook=decode_hook),  # type: ignore[valid-type]
-        )
-    return kind
-
-
-def _payload(event: Event) -> bytes:
-    """The stored payload of ``event``; raises InvalidEvent if it is not a valid event.
-
-    The check is a round trip: encode, then decode strictly into the event's own type,
-    which catches wrongly typed fields and invalid quantities (a Struct built in Python
-    is not validated on construction). Encoding a Struct cannot add unknown fields, so
-    the catalog's extra unknown-field check of :func:`events.catalog.decode_event` is
-    not needed here.
-    """
-    try:
-        kind = _kind(type(event))
-    except (KeyError, TypeError):
-        raise InvalidEvent(f"not an event of the catalog: {type(event).__name__}") from None
-    try:
-        payload = encode_payload(event)
-        kind.decoder.decode(payload)
-    except (msgspec.ValidationError, msgspec.DecodeError, TypeError, msgspec.EncodeError) as exc:
-        raise InvalidEvent(f"event {kind.tag!r}: {exc}") from exc
-    except CatalogError as exc:
-        raise InvalidEvent(str(exc)) from exc
-    return payload
-
-
-def _payloads(events: Sequence[Event]) -> list[bytes]:
-    """:func:`_payload` of every event; one strict decode for a run of one event type.
-
-    Encoding a list gives the same bytes per event as encoding each one; when all
-    events share a class, the payloads are joined into one JSON array and checked
-    with a single decode. Any failure falls back to checking event by event, which
-    raises the same :class:`InvalidEvent` as :func:`_payload`.
-    """
-    cls = type(events[0])
-    kind = _KINDS.get(cls)
-    if kind is None or len(events) < 2 or any(type(e) is not cls for e in events):
-        return [_payload(e) for e in events]
-    try:
-        payloads = [encode_payload(e) for e in events]
-        kind.many.decode(b"[" + b",".join(payloads) + b"]")
-    except Exception:  # the event-by-event check below says what is wrong
-        return [_payload(e) for e in events]
-    return payloads
-
-
-_HEX: Final = "0123456789abcdef"
-#: The hex digit of a UUID's variant nibble (bits ``10xx``) for each random digit.
-_VARIANT: Final = {d: _HEX[(i & 0x3) | 0x8] for i, d in enumerate(_HEX)}
-
-
-def _event_ids(count: int) -> list[str]:
-    """``count`` random (version 4) UUIDs in canonical text form, as ``uuid.uuid4()``.
-
-    One ``os.urandom`` call for all of them instead of one per id.
-    """
-    digits = os.urandom(16 * count).hex()
-    variant = _VARIANT
-    out: list[str] = []
-    for i in range(0, 32 * count, 32):
-        h = digits[i : i + 32]
-        out.append(f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{variant[h[16]]}{h[17:20]}-{h[20:]}")
-    return out
-
-
-class _Pending(msgspec.Struct, frozen=True):
-    """Validated events of one append, before positions are known (column form)."""
-
-    meta: Metadata
-    events: list[Event]
-    payloads: list[bytes]
-    event_ids: list[str]
-    streams: list[str]
-    versions: list[int]  # stream versions assuming the stream is at 0 for ``None`` batches
-    types: list[str]
-    schema_versions: list[int]
-    namespaces: list[str | None]
-    correlation_ids: list[str]
-    causation_ids: list[str | None]
-    processed: Processed | None = None
-
-    def __len__(self) -> int:
-        return len(self.events)
-
-
-def _envelopes(batches: Sequence[Batch], meta: Metadata) -> _Pending:
-    """Validate the events of ``batches``; raise InvalidEvent (nothing written) if bad."""
-    events: list[Event] = []
-    payloads: list[bytes] = []
-    streams: list[str] = []
-    versions: list[int] = []
-    causes: list[Cause | None] = []
-    for batch in batches:
-        if not batch.stream:
-            raise InvalidEvent("stream name is empty")
-        if batch.expected_version is not None and batch.expected_version < 0:
-            raise InvalidEvent(f"expected version {batch.expected_version} < 0")
-        if not batch.events:
-            continue
-        if batch.causes is not None and len(batch.causes) != len(batch.events):
-            raise InvalidEvent(
-                f"stream {batch.stream!r}: {len(batch.causes)} causes for "
-                f"{len(batch.events)} events"
-            )
-        # With expected_version None the offset from the current version is added
-        # inside the append transaction, once the version is known.
-        payloads += _payloads(batch.events)
-        events += batch.events
-        count = len(batch.events)
-        base = batch.expected_version or 0
-        streams += [batch.stream] * count
-        versions += range(base + 1, base + count + 1)
-        causes += batch.causes if batch.causes is not None else [None] * count
-    kinds = [_KINDS[type(e)] for e in events]  # filled by _payloads
-    ids = _event_ids(len(events))
-    if meta.namespace is not None:
-        namespaces: list[str | None] = [meta.namespace] * len(events)
-    else:
-        namespaces = [namespace_of(e) for e in events]
-    correlation_ids = [
-        (c.correlation_id if c is not None else meta.correlation_id) or eid
-        for c, eid in zip(causes, ids, strict=True)
-    ]
-    causation_ids = [c.causation_id if c is not None else meta.causation_id for c in causes]
-    return _Pending(
-        meta=meta,
-        events=events,
-        payloads=payloads,
-        event_ids=ids,
-        streams=streams,
-        versions=versions,
-        types=[k.tag for k in kinds],
-        schema_versions=[k.schema_version for k in kinds],
-        namespaces=namespaces,
-        correlation_ids=correlation_ids,
-        causation_ids=causation_ids,
-    )
 
 
 # --- connection setup ---------------------------------------------------------------------
@@ -551,7 +325,7 @@ class EventStore:
         streams = [b.stream for b in typed]
         if len(set(streams)) != len(streams):
             raise InvalidEvent("a stream appears twice in one append")
-        pending = _envelopes(typed, meta)
+        pending = pending_of(typed, meta)
         if processed is not None:
             pending = msgspec.structs.replace(pending, processed=processed)
         if not pending.events:
@@ -569,7 +343,7 @@ class EventStore:
             self._committed(stored, pending)
         return stored
 
-    async def _append_pooled(self, batches: Sequence[Batch], pending: _Pending) -> list[Envelope]:
+    async def _append_pooled(self, batches: Sequence[Batch], pending: Pending) -> list[Envelope]:
         async with self._pool.acquire() as connection:
             stored = await self._write(connection, batches, pending)
         self._committed(stored, pending)
@@ -591,7 +365,7 @@ class EventStore:
 
         return unsubscribe
 
-    def _committed(self, stored: list[Envelope], pending: _Pending) -> None:
+    def _committed(self, stored: list[Envelope], pending: Pending) -> None:
         commits = self._commits
         commits.head = max(commits.head, stored[-1].position)
         if not commits.listeners:
@@ -610,7 +384,7 @@ class EventStore:
                 _log.exception("commit listener failed")
 
     async def _write(
-        self, connection: Connection, batches: Sequence[Batch], pending: _Pending
+        self, connection: Connection, batches: Sequence[Batch], pending: Pending
     ) -> list[Envelope]:
         """One append on ``connection``: one call of ``dracap_append_guarded``."""
         count, processed = len(pending.events), pending.processed
@@ -644,7 +418,7 @@ class EventStore:
             for b, version in zip(batches, row[1], strict=True)
         }
         positions = list(range(head - count + 1, head + 1))
-        return _stored(pending, positions, _moved(pending, current), recorded_at)
+        return stored_envelopes(pending, positions, moved_versions(pending, current), recorded_at)
 
     async def renew_leases(self, leases: Mapping[str, int]) -> set[str]:
         """Renew every node's lease ``node -> epoch`` in one statement
@@ -833,55 +607,3 @@ MARK_PROCESSED: Final = (
     "INSERT INTO processed_messages (consumer, event_id) SELECT $1, unnest($2::uuid[]) "
     "ON CONFLICT DO NOTHING RETURNING event_id::text"
 )
-
-
-def _moved(pending: _Pending, current: dict[str, int]) -> list[int]:
-    """Stream versions with ``None`` batches moved past their stream's current version."""
-    if not any(current.values()):
-        return pending.versions
-    return [v + current[s] for v, s in zip(pending.versions, pending.streams, strict=True)]
-
-
-def _stored(
-    pending: _Pending, positions: list[int], versions: list[int], now: datetime.datetime
-) -> list[Envelope]:
-    """The envelopes of an append, with their positions, stream versions and time."""
-    meta = pending.meta
-    actor = meta.actor
-    return [
-        Envelope(
-            event_id=eid,
-            stream=stream,
-            stream_version=version,
-            position=position,
-            namespace=namespace,
-            actor=actor,
-            correlation_id=correlation_id,
-            causation_id=causation_id,
-            recorded_at=now,
-            schema_version=schema_version,
-            event=event,
-        )
-        for (
-            eid,
-            stream,
-            version,
-            position,
-            namespace,
-            correlation_id,
-            causation_id,
-            schema_version,
-            event,
-        ) in zip(
-            pending.event_ids,
-            pending.streams,
-            versions,
-            positions,
-            pending.namespaces,
-            pending.correlation_ids,
-            pending.causation_ids,
-            pending.schema_versions,
-            pending.events,
-            strict=True,
-        )
-    ]

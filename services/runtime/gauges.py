@@ -3,7 +3,7 @@
 ``dracap_capacity_allocated_ratio{class,capacity}`` is a property of the cluster as the
 log describes it, so no service increments it: :class:`CapacityGauges` listens to a
 :class:`~services.runtime.livestate.LiveState` and recomputes the gauge from the fold
-(:class:`events.fold.ClusterState`) whenever an event changed what is allocated or
+(:class:`events.state.ClusterState`) whenever an event changed what is allocated or
 what exists:
 
 * ``CapacityReserved``, ``CapacityReleased`` and ``NodeFenced`` move the consumed
@@ -41,11 +41,12 @@ from typing import Final
 
 from prometheus_client import Gauge
 
-from events.catalog import CapacityReleased, CapacityReserved, Envelope, NodeFenced
+from events.catalog import CapacityReleased, CapacityReserved, NodeFenced
+from events.envelopes import Envelope
 from events.features import DEFAULT_GATES, FeatureGates
-from events.fold import ClusterState, DeviceKey
 from events.inventory import build_inventory
 from events.model import CapacityRequestPolicy
+from events.state import ClusterState, DeviceKey
 from events.transitions import NodeFencedOff, ShareHeld, ShareReleased, first, meaning
 from services.runtime.livestate import INVENTORY_EVENTS, LiveState
 from services.runtime.metrics import CAPACITY_ALLOCATED_RATIO, CAPACITY_STRANDED_RATIO

@@ -1,6 +1,6 @@
 """Garbage-collector settings for processes that hold the fold in memory.
 
-A service process keeps :class:`events.fold.ClusterState` — every claim, share and
+A service process keeps :class:`events.state.ClusterState` — every claim, share and
 device of the log — as long-lived Python objects, and creates many short-lived ones
 per message (envelopes, events, futures). With CPython's default thresholds (a young
 collection every 700 net allocations, the oldest generation every ~100 young ones),

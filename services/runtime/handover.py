@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
-from events.catalog import Envelope
+from events.envelopes import Envelope
 from services.runtime.eventstore import EventStore
 
 __all__ = ["Handover"]

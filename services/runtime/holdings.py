@@ -27,8 +27,8 @@ from typing import Final, NamedTuple
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from events.catalog import Envelope
-from events.fold import ClusterState, ShareState
+from events.envelopes import Envelope
+from events.state import ClusterState, ShareState
 from events.transitions import ClassDefined, ClassRemoved, NodeFencedOff, first, meaning
 from services.runtime.livestate import LiveState
 from services.runtime.slos import LiveCollector, share_class

@@ -2,7 +2,7 @@
 
 Every service that decides something (admission, reservation, the node agent) needs
 the cluster as the log describes it *now*. :class:`LiveState` holds one
-:class:`events.fold.ClusterState` and folds into it every event after
+:class:`events.state.ClusterState` and folds into it every event after
 ``state.position``.
 
 Freshness: one way to ask
@@ -74,7 +74,7 @@ Refused events
 The view folds through the fold's driver (:mod:`events.folding`), like every reader of
 the log: an event whose payload does not decode, or whose step the fold refuses (an
 ``InvariantViolation`` or any other error of the step), is *skipped* — the state stays
-as it was before it, :attr:`~events.fold.ClusterState.refused` records it, the
+as it was before it, :attr:`~events.state.ClusterState.refused` records it, the
 listeners do not hear of it, :mod:`services.runtime.refusals` counts and logs it once
 per process, and the latest are kept in :attr:`LiveState.violations`. The log is the
 source of truth and is never rewritten, so one bad event must not stop the view (and
@@ -105,7 +105,6 @@ from events.catalog import (
     DeviceClassApplied,
     DeviceClassRemoved,
     DeviceHealthChanged,
-    Envelope,
     NodeFenced,
     NodeLeaseAcquired,
     NodeLeaseExpired,
@@ -113,8 +112,9 @@ from events.catalog import (
     ResourceSlicePublished,
     ResourceSliceWithdrawn,
 )
-from events.fold import ClusterState
+from events.envelopes import Envelope
 from events.folding import Refusal, fold_event, fold_stored
+from events.state import ClusterState
 from services.runtime.errors import RuntimeServiceError
 from services.runtime.eventstore import Connection, EventStore, iter_rows
 from services.runtime.handover import Handover

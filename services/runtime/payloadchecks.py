@@ -2,7 +2,7 @@
 
 No application login may commit a payload the fold cannot decode (issue 24): a stored
 event that does not decode would stop every reader of the log. The fold decodes a
-stored payload with msgspec into its catalog type (:func:`events.catalog.decode_stored`),
+stored payload with msgspec into its catalog type (:func:`events.eventcodec.decode_stored`),
 so the database checks each payload against that same type, described by
 ``msgspec.inspect`` — the catalog is the one home, this module only translates it:
 

@@ -68,7 +68,7 @@ from typing import Final
 
 from prometheus_client import Gauge
 
-from events.catalog import Envelope
+from events.envelopes import Envelope
 from events.folding import Refusal
 from services.runtime.eventstore import Connection, EventStore
 from services.runtime.livestate import LiveState

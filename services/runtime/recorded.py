@@ -1,7 +1,7 @@
 """What the log holds of a claim beyond what the fold keeps: its manifest, its allocation whole.
 
 The fold keeps of a claim what decisions read (:class:`events.claimspecs.ClaimSpec`) and
-its allocation without ``devices.config`` (:class:`events.fold.ClaimState`), so that a
+its allocation without ``devices.config`` (:class:`events.state.ClaimState`), so that a
 claim's memory does not grow with opaque configuration in every process. The few
 readers that show or copy the rest read it here, from the log, when asked:
 
@@ -26,9 +26,10 @@ from typing import Final
 
 import asyncpg
 
-from events.catalog import EVENT_TYPES, AllocationBound, ClaimSubmitted, claim_stream
-from events.fold import ClaimKey, ClaimState
+from events.catalog import EVENT_TYPES, AllocationBound, ClaimSubmitted
+from events.envelopes import claim_stream
 from events.model import AllocationResult, ResourceClaim
+from events.state import ClaimKey, ClaimState
 from services.runtime.eventstore import Connection
 from services.runtime.rows import POSITION, SELECT, STREAM, decoded
 

@@ -56,7 +56,7 @@ the relay advances and, on its own timer (every ``lag_interval``), from the head
 from the log (the head heard of, when the database does not answer): it grows while
 the broker is away, when nothing is published, and ``DracapRelayLag`` fires.
 
-Wire form: the envelope JSON of :func:`events.catalog.encode_event`. For rows written
+Wire form: the envelope JSON of :func:`events.eventcodec.encode_event`. For rows written
 under the current schema version the stored payload is spliced in unchanged
 (``msgspec.Raw``), which spares a decode and re-encode per event; rows of an older
 schema version are decoded (upcast) and published in the current form, with the
@@ -81,7 +81,9 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 
-from events.catalog import SCHEMA_VERSIONS, Envelope, encode_event, schema_version_of
+from events.catalog import SCHEMA_VERSIONS, schema_version_of
+from events.envelopes import Envelope
+from events.eventcodec import encode_event
 from events.folding import Refusal
 from events.subjects import NODE_TAGS, BusNames
 from services.runtime import rows

@@ -4,9 +4,9 @@ A stored event is one row of twelve columns (:data:`COLUMNS`). Readers select th
 that order (:data:`SELECT`), ``dracap replay import`` copies them in that order;
 :func:`decoded` gives a row's event, or the :class:`~events.folding.Refusal` of one the
 fold's driver refuses to decode (every reader skips those: :mod:`events.folding`);
-:func:`envelope_of` turns a row into the :class:`~events.catalog.Envelope` every service
+:func:`envelope_of` turns a row into the :class:`~events.envelopes.Envelope` every service
 folds (``CatalogError`` for a refused one), :func:`raw_envelope_of` into the relay's
-:class:`~events.catalog.RawEnvelope`, which keeps the stored JSON of the event as it is.
+:class:`~events.envelopes.RawEnvelope`, which keeps the stored JSON of the event as it is.
 Hot loops (replay) index rows with the named positions below rather than building
 objects per row.
 """
@@ -19,7 +19,8 @@ from typing import Any, Final, TypeVar
 import asyncpg
 import msgspec
 
-from events.catalog import Envelope, Event, RawEnvelope
+from events.catalog import Event
+from events.envelopes import Envelope, RawEnvelope
 from events.errors import CatalogError
 from events.folding import Refusal, decode
 

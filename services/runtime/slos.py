@@ -1,7 +1,7 @@
 """Service-level metrics read off the log as it is folded, by DeviceClass: one home.
 
 Nothing here is counted by a service. The rules live in :class:`SloFold`, which folds
-each event's meaning for the SLOs next to the :class:`~events.fold.ClusterState` that
+each event's meaning for the SLOs next to the :class:`~events.state.ClusterState` that
 already holds it (the envelope's ``recorded_at`` is the clock) and hands back
 :class:`Observation` s. :class:`SloTracker` exports them as Prometheus series from a
 live state; ``dracap report`` (:mod:`services.report.panels`) draws the same
@@ -68,8 +68,9 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from events.catalog import Envelope, Event
-from events.fold import TERMINAL_PHASES, ClaimKey, ClusterState, ShareState
+from events.catalog import Event
+from events.envelopes import Envelope
+from events.state import TERMINAL_PHASES, ClaimKey, ClusterState, ShareState
 from events.transitions import (
     ClaimBound,
     ClaimDecided,

@@ -17,7 +17,7 @@ beside its tailer (:meth:`~services.runtime.livestate.LiveState.run`):
    under a millisecond); reading pages of :data:`PAGE` rows costs the loop nothing;
 2. once it is within a chunk of the live state, it holds the live state still
    (:meth:`~services.runtime.livestate.LiveState.frozen`), folds the last few events,
-   and compares the two states at the same position (:func:`events.fold.same_state`).
+   and compares the two states at the same position (:func:`events.statecodec.same_state`).
    The comparison of two large states takes a while, so where ``os.fork`` exists it
    runs in a forked child (:func:`services.runtime.snapshots.detach`) on the image of
    that instant and the live state is released as soon as the child exists;
@@ -47,8 +47,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Final
 
-from events.fold import ClusterState, same_state
 from events.folding import Refusal, fold_stored
+from events.state import ClusterState
+from events.statecodec import same_state
 from services.runtime.eventstore import Connection, iter_rows
 from services.runtime.metrics import SNAPSHOT_CHECKS
 from services.runtime.refusals import note

@@ -11,7 +11,7 @@ and ``dracap replay verify`` checks every one.
 Stored form (the ``snapshots`` table of migration 0001, no new migration)
 -------------------------------------------------------------------------
 ``payload`` is a frame: one ASCII header line, then the body of
-:func:`events.fold.snapshot_encode` compressed with zlib (level 1)::
+:func:`events.statecodec.snapshot_encode` compressed with zlib (level 1)::
 
     dracap-snapshot 1 <sha256 of the compressed body> <event_id at position>\\n<zlib body>
 
@@ -47,8 +47,8 @@ Verification (:func:`verify_snapshot`), in this order, each cheap before the cos
 3. the event stored at ``position`` has the header's event id (a snapshot of another
    log: event ids are random, so a database re-created or imported under the same
    positions has other ids);
-4. the body decodes with :func:`events.fold.snapshot_decode` (its format is this code's
-   :data:`~events.fold.SNAPSHOT_FORMAT`) and the state's position equals the row's.
+4. the body decodes with :func:`events.statecodec.snapshot_decode` (its format is this code's
+   :data:`~events.statecodec.SNAPSHOT_FORMAT`) and the state's position equals the row's.
 
 Writing and pruning (:class:`SnapshotWriter`)
 --------------------------------------------
@@ -92,7 +92,8 @@ from typing import TYPE_CHECKING, Final, NoReturn
 import asyncpg
 
 from events.errors import SnapshotError
-from events.fold import ClusterState, snapshot_decode, snapshot_encode
+from events.state import ClusterState
+from events.statecodec import snapshot_decode, snapshot_encode
 from services.runtime.metrics import SNAPSHOT_FAILURES, SNAPSHOT_POSITION, SNAPSHOTS_WRITTEN
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import msgspec
 from nats.aio.client import Client
 
-from events.catalog import Envelope
+from events.envelopes import Envelope
 from events.subjects import BusNames
 from services.runtime.credentials import Directory
 from services.runtime.eventstore import Connection, EventStore

@@ -15,14 +15,14 @@ from events.subjects import BusNames
 from services.runtime.apiclient import ApiClient
 from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
-from services.up import Stack, load_inventory, read_inventory
+from services.stack import Stack, load_inventory, read_inventory
 from tests.fixtures.logins import login_users
 
 
 class Cluster(msgspec.Struct, kw_only=True):
     api: ApiClient
     flags: list[str]  #: what the CLI needs to reach it
-    stack: Any = None  #: the in-process :class:`~services.up.Stack` (its store, live state)
+    stack: Any = None  #: the in-process :class:`~services.stack.Stack` (its store, live state)
 
 
 def namespace_and_class(namespace: str, driver: str) -> list[dict[str, Any]]:

@@ -16,6 +16,8 @@ from typing import Any
 import asyncpg
 
 from events import catalog
+from events.envelopes import stream_of
+from events.eventcodec import encode_payload
 from services.runtime.eventstore import CHANNEL
 from services.runtime.rows import COLUMNS
 
@@ -32,9 +34,9 @@ def row(
 ) -> tuple[Any, ...]:
     """A stored row at ``position`` of ``event``, or of a raw ``payload`` tagged ``type_tag``."""
     if event is not None:
-        payload = payload if payload is not None else catalog.encode_payload(event)
+        payload = payload if payload is not None else encode_payload(event)
         type_tag = type_tag or catalog.tag_of(event)
-        stream = stream or catalog.stream_of(event)
+        stream = stream or stream_of(event)
     assert payload is not None and type_tag is not None
     return (
         position,

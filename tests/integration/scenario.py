@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from events import catalog
-from events.catalog import Envelope, Event
+from events.catalog import Event
+from events.envelopes import Envelope, stream_of
 from services.runtime.eventstore import EventStore
 from tests.integration import sample as s
 
@@ -16,7 +17,7 @@ async def put(store: EventStore, *events: Event, actor: str = "test") -> list[En
     """Append each event to its natural stream, whatever the stream's version."""
     out: list[Envelope] = []
     for event in events:
-        out += await store.append(catalog.stream_of(event), None, [event], actor=actor)
+        out += await store.append(stream_of(event), None, [event], actor=actor)
     return out
 
 
@@ -30,7 +31,7 @@ async def lease(store: EventStore, node: str, *, ttl_ms: int = 600_000) -> str:
     epoch = int(current or 0) + 1
     actor = f"agent:{node}#{epoch}"
     event = catalog.NodeLeaseAcquired(node=node, epoch=epoch, boot_id="test-boot", ttl_ms=ttl_ms)
-    await store.append(catalog.stream_of(event), None, [event], actor=actor)
+    await store.append(stream_of(event), None, [event], actor=actor)
     return actor
 
 

@@ -40,14 +40,9 @@ import yaml
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from events.catalog import (
-    EnforcementCheckpointSetAside,
-    EnforcementReconciled,
-    Envelope,
-    LimitApplied,
-    node_stream,
-)
-from events.fold import ClusterState
+from events.catalog import EnforcementCheckpointSetAside, EnforcementReconciled, LimitApplied
+from events.envelopes import Envelope, node_stream
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement import checkpointing

@@ -37,7 +37,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from events import catalog
-from events.catalog import Envelope
+from events.envelopes import Envelope
 from events.subjects import BusNames
 from services.audit.records import build
 from services.audit.service import AuditService

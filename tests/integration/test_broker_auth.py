@@ -23,7 +23,7 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from events.actors import parse_actor
-from events.fold import ClusterState
+from events.state import ClusterState
 from services import durables
 from services.enforcement.protocol import consumer_name
 from services.exitcodes import CommandError, ExitCode
@@ -38,7 +38,7 @@ from services.runtime.credentials import (
 from services.runtime.livestate import LiveState
 from services.runtime.pulling import Puller
 from services.runtime.settings import Settings
-from services.up import Stack, load_inventory, read_inventory
+from services.stack import Stack, load_inventory, read_inventory
 from tests.fixtures.blobs import blob_endpoint
 from tests.fixtures.brokers import EXAMPLES, Broker, secure_broker
 from tests.integration.waiting import state_reaches

@@ -22,13 +22,17 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from events import catalog as c
+from events.envelopes import Envelope, stream_of
+from events.eventcodec import decode_envelope, encode_event
 from events.subjects import BusNames
+from services.runtime.appends import Batch, Cause, Metadata
 from services.runtime.bus import Durable, connect_bus, ensure_stream
 from services.runtime.committing import GroupCommitter
 from services.runtime.confirming import LogConfirmation
-from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.consuming import Consumer
 from services.runtime.errors import ConflictError, InvalidEvent
-from services.runtime.eventstore import Batch, Cause, EventStore, Metadata
+from services.runtime.eventstore import EventStore
+from services.runtime.handlers import Handled, HandlerContext
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import REGISTRY, RELAY_LAG
@@ -115,7 +119,7 @@ async def assert_stream_is_the_log(b: Bus) -> None:
     log = [env async for env in b.store.read_all()]
     messages = await stream_messages(b, len(log))
     assert [m.headers and m.headers["Nats-Msg-Id"] for m in messages] == [e.event_id for e in log]
-    assert [c.decode_envelope(m.data) for m in messages] == log
+    assert [decode_envelope(m.data) for m in messages] == log
     assert [m.subject for m in messages] == [b.names.event_subject(e) for e in log]
 
 
@@ -323,8 +327,8 @@ async def test_wire_form_is_the_envelope(bus: Bus) -> None:
     [row] = [row async for rows in bus.store.read_rows() for row in rows]
     [env] = [e async for e in bus.store.read_all()]
     fresh = outgoing(bus.names, row)
-    assert c.decode_envelope(fresh.data) == env
-    assert msgspec.json.decode(fresh.data) == msgspec.json.decode(c.encode_event(env))
+    assert decode_envelope(fresh.data) == env
+    assert msgspec.json.decode(fresh.data) == msgspec.json.decode(encode_event(env))
 
 
 def test_old_schema_rows_are_published_upcast() -> None:
@@ -340,7 +344,7 @@ def test_old_schema_rows_are_published_upcast() -> None:
     row: tuple[object, ...] = (7, str(uuid.uuid4()), "device:d/p/gpu-0", 1, v1["type"], 1)
     row += ("team-a", "test", "corr", None, when, msgspec.json.encode(v1))
     message = outgoing(BusNames(), cast(Any, row))
-    env = c.decode_envelope(message.data)
+    env = decode_envelope(message.data)
     assert env.schema_version == 2 and env.position == 7
     assert isinstance(env.event, c.CapacityReserved)
     assert env.event.shared is False and env.event.share_id  # upcast once, not twice
@@ -353,7 +357,7 @@ def test_old_schema_rows_are_published_upcast() -> None:
 def echo_handler(calls: list[tuple[str, int]]) -> Callable[..., Awaitable[Handled]]:
     """Appends one LimitRemoved per event to ``echo:<event id>`` (which must be new)."""
 
-    async def handle(ctx: HandlerContext, env: c.Envelope) -> Handled:
+    async def handle(ctx: HandlerContext, env: Envelope) -> Handled:
         calls.append((env.event_id, ctx.delivery))
         assert not ctx.connection.is_in_transaction()  # what it writes goes in Handled
         event = c.LimitRemoved(share_id=env.event_id, node="echo")
@@ -371,7 +375,7 @@ def consumer(b: Bus, handler: Any, name: str = "echo", **kwargs: Any) -> Consume
     return Consumer(b.store, b.js, b.names, name=name, **options)
 
 
-async def echoes(store: EventStore) -> list[c.Envelope]:
+async def echoes(store: EventStore) -> list[Envelope]:
     return [e async for e in store.read_all() if e.stream.startswith("echo:")]
 
 
@@ -404,7 +408,7 @@ async def test_handler_appends_commit_with_the_checkpoint(bus: Bus) -> None:
 async def test_a_failed_transaction_leaves_nothing_and_is_retried(bus: Bus) -> None:
     calls: list[int] = []
 
-    async def handle(ctx: HandlerContext, env: c.Envelope) -> Handled:
+    async def handle(ctx: HandlerContext, env: Envelope) -> Handled:
         calls.append(ctx.delivery)
         stale = 0 if ctx.delivery > 1 else 7  # a stale expected version the first time
         event = c.LimitRemoved(share_id=env.event_id, node="echo")
@@ -416,7 +420,7 @@ async def test_a_failed_transaction_leaves_nothing_and_is_retried(bus: Bus) -> N
     seen: list[tuple[int, int]] = []
     original = k._handle
 
-    async def spying(env: c.Envelope, delivery: int) -> bool:
+    async def spying(env: Envelope, delivery: int) -> bool:
         try:
             return await original(env, delivery)
         except ConflictError:
@@ -480,7 +484,7 @@ async def test_redelivery_and_replay_change_nothing(bus: Bus) -> None:
 async def test_always_failing_handler_is_dead_lettered(bus: Bus) -> None:
     calls: list[int] = []
 
-    async def handle(ctx: HandlerContext, env: c.Envelope) -> Handled:
+    async def handle(ctx: HandlerContext, env: Envelope) -> Handled:
         calls.append(ctx.delivery)
         raise RuntimeError("handler bug")
 
@@ -539,7 +543,7 @@ async def test_a_refused_event_of_the_log_is_skipped_by_the_relay_and_every_cons
     await bus.store.append_many([Batch("node:n", 0, [unknown])], Metadata(actor="t"))  # refused
     seen: list[int] = []
 
-    async def record(ctx: HandlerContext, env: c.Envelope) -> Handled:
+    async def record(ctx: HandlerContext, env: Envelope) -> Handled:
         seen.append(env.position)
         return Handled([])
 
@@ -565,14 +569,14 @@ async def test_a_refused_event_of_the_log_is_skipped_by_the_relay_and_every_cons
 # --- messages the log does not confirm ------------------------------------------------------
 
 
-def forgeries(names: BusNames, real: c.Envelope) -> list[tuple[str, bytes, str]]:
+def forgeries(names: BusNames, real: Envelope) -> list[tuple[str, bytes, str]]:
     """(subject, data, Nats-Msg-Id) of messages that imitate ``real`` but are not it."""
     subject = names.event_subject(real)
     never_logged = msgspec.structs.replace(real, event_id=str(uuid.uuid4()), position=10**9)
     other_payload = msgspec.structs.replace(real, event=access(99))
     past_the_head = msgspec.structs.replace(real, position=real.position + 1000)
     out = [  # a fresh Nats-Msg-Id each, or JetStream would drop them as duplicates
-        (subject, c.encode_event(env), str(uuid.uuid4()))
+        (subject, encode_event(env), str(uuid.uuid4()))
         for env in (never_logged, other_payload, past_the_head)
     ]
     return [*out, (subject, b"not json", str(uuid.uuid4())), (subject, b"{}", "not-a-uuid")]
@@ -619,7 +623,7 @@ def echo_group(sizes: list[int], poison: set[int]) -> Callable[..., Awaitable[Ha
     known only after the append, when the consumer may already have handled it).
     """
 
-    async def handle(ctx: HandlerContext, envs: list[c.Envelope]) -> Handled:
+    async def handle(ctx: HandlerContext, envs: list[Envelope]) -> Handled:
         sizes.append(len(envs))
         if poison & {e.position for e in envs}:
             raise RuntimeError("poison in the group")
@@ -709,7 +713,7 @@ async def test_lock_key_serialises_handlers_across_consumers(bus: Bus) -> None:
     spans: list[tuple[float, float]] = []
     heads: list[int | None] = []
 
-    async def slow(ctx: HandlerContext, envs: list[c.Envelope]) -> Handled:
+    async def slow(ctx: HandlerContext, envs: list[Envelope]) -> Handled:
         entered = asyncio.get_running_loop().time()
         heads.append(ctx.locked_head)
         await asyncio.sleep(0.15)  # long enough for the other consumer to try to enter
@@ -752,7 +756,7 @@ async def test_a_kept_lock_tells_a_handler_at_least_its_messages_positions(bus: 
     message is acknowledged without its effect: an admitted claim nobody plans)."""
     seen: list[tuple[int | None, list[int]]] = []
 
-    async def plans_nothing(ctx: HandlerContext, envs: list[c.Envelope]) -> Handled:
+    async def plans_nothing(ctx: HandlerContext, envs: list[Envelope]) -> Handled:
         seen.append((ctx.locked_head, [e.position for e in envs]))
         return Handled()
 
@@ -790,7 +794,7 @@ async def test_a_group_commits_records_and_events_together(bus: Bus) -> None:
 async def test_the_lock_goes_with_a_cancelled_handler(bus: Bus) -> None:
     entered = asyncio.Event()
 
-    async def stuck(ctx: HandlerContext, envs: list[c.Envelope]) -> Handled:
+    async def stuck(ctx: HandlerContext, envs: list[Envelope]) -> Handled:
         entered.set()
         await asyncio.sleep(60)
         return Handled()
@@ -838,7 +842,7 @@ async def test_a_server_outage_does_not_count_towards_dead_lettering(bus: Bus) -
     await append_burst(bus.store, 1)
     outages: list[int] = []
 
-    async def handle(ctx: HandlerContext, env: c.Envelope) -> Handled:
+    async def handle(ctx: HandlerContext, env: Envelope) -> Handled:
         outages.append(ctx.delivery)
         if len(outages) <= 5:  # longer than max_deliver: the database "restarting"
             raise ConnectionRefusedError("the server is restarting")
@@ -866,7 +870,7 @@ async def test_a_projector_dead_letters_an_event_it_cannot_handle_and_goes_on(
     poison = log[12]
     applied: list[int] = []
 
-    async def apply(_connection: object, envs: Sequence[c.Envelope]) -> None:
+    async def apply(_connection: object, envs: Sequence[Envelope]) -> None:
         if any(e.event_id == poison.event_id for e in envs):
             raise ValueError("a payload this subscriber does not expect")
         applied.extend(e.position for e in envs)
@@ -895,7 +899,7 @@ class CountingStore(EventStore):
 
     reads = 0
 
-    async def read_positions(self, positions: Any) -> list[c.Envelope]:
+    async def read_positions(self, positions: Any) -> list[Envelope]:
         self.reads += 1
         return await super().read_positions(positions)
 
@@ -911,7 +915,7 @@ async def test_the_confirmation_window_holds_no_tenant_payload_and_still_confirm
         live = LiveState(store)
         confirmation = LogConfirmation(store, live)
         for event in oldlog.events():
-            await store.append(c.stream_of(event), None, [event], actor="system:test")
+            await store.append(stream_of(event), None, [event], actor="system:test")
         await live.fresh(HEAD)
         logged = [env async for env in store.read_all()]
         heavy = [

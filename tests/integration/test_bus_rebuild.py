@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from events.fold import ClusterState
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.brokerauth import init_auth, installation_from
 from services.runtime.apiclient import ApiClient
@@ -32,7 +32,7 @@ from services.runtime.credentials import AuthDir
 from services.runtime.embedded import EmbeddedNats
 from services.runtime.livestate import LiveState
 from services.runtime.settings import Settings
-from services.up import Stack, load_inventory, read_inventory
+from services.stack import Stack, load_inventory, read_inventory
 from tests.integration.test_pipeline import claim_manifest
 from tests.integration.waiting import state_reaches
 

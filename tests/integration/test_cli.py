@@ -1,6 +1,6 @@
 """``dracap claim ...`` / ``dracap devices`` against the real services, and ``dracap up``.
 
-The first tests start the whole stack in-process (:class:`services.up.Stack`) on the
+The first tests start the whole stack in-process (:class:`services.stack.Stack`) on the
 test's own database and a unique subject prefix, load the example inventory through
 the admin API, and drive it only through ``services.cli.main`` — as a user would.
 The last ones run ``dracap up`` as a subprocess with no server URLs at all (embedded
@@ -38,7 +38,8 @@ from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
 from services.runtime.dbroles import url_as
 from services.runtime.settings import Settings
-from services.up import READY_LINE, Stack, load_inventory, read_inventory
+from services.stack import Stack, load_inventory, read_inventory
+from services.up import READY_LINE
 from tests.fixtures.services import database_url_for
 
 ROOT = Path(__file__).resolve().parents[2]

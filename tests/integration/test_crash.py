@@ -49,11 +49,11 @@ from events.catalog import (
     AllocationBound,
     CapacityReserved,
     ClaimAdmitted,
-    Envelope,
     LimitApplied,
     MessageDeadLettered,
 )
-from events.fold import ClusterState
+from events.envelopes import Envelope
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent
@@ -62,8 +62,9 @@ from services.enforcement.service import EnforcementService
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
 from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.consuming import Consumer, Handled, HandlerContext
+from services.runtime.consuming import Consumer
 from services.runtime.eventstore import EventStore
+from services.runtime.handlers import Handled, HandlerContext
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import CONSUMER_REDELIVERIES
 from services.runtime.relaying import Relay

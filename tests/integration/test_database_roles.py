@@ -31,9 +31,12 @@ import pytest
 
 from events import catalog
 from events.catalog import Event
+from events.envelopes import stream_of
+from events.eventcodec import encode_payload
 from events.guards import SetTotal, encode_guards
+from services.runtime.appends import Batch, Metadata
 from services.runtime.errors import AppendForbidden, NodeScopeViolation, PermanentError
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.eventstore import EventStore
 from services.runtime.servicestores import ServiceStores
 from services.runtime.settings import ServiceKind, Settings
 from tests.fixtures.logins import login_users
@@ -305,7 +308,7 @@ async def test_an_agent_cannot_append_what_is_not_its_nodes(
     case: str, nodes: tuple[str, str], reporter: Settings, store: EventStore
 ) -> None:
     a, b = nodes
-    batches = [Batch(catalog.stream_of(e), None, [e]) for e in _refusals(a, b)[case]]
+    batches = [Batch(stream_of(e), None, [e]) for e in _refusals(a, b)[case]]
     head = await store.head()
     async with await EventStore.open(reporter) as agent:
         actor = await lease(agent, a)
@@ -357,7 +360,7 @@ async def test_an_agent_cannot_smuggle_a_guard(
     forged = encode_guards(
         [SetTotal(at=1, driver=s.DRIVER, pool=b, device="gpu-0", capacity="memory", total="1")]
     )
-    report = catalog.encode_payload(_applied(_share(a), a))
+    report = encode_payload(_applied(_share(a), a))
     async with await EventStore.open(reporter) as agent:
         actor = await lease(agent, a)
         with pytest.raises(asyncpg.UndefinedFunctionError):
@@ -426,9 +429,7 @@ async def test_a_large_append_is_checked_and_guarded_like_a_small_one(
 ) -> None:
     a, _ = nodes
     shares = [s.reserved(name=f"bulk-{i}", pool=a, consumed="1Mi") for i in range(300)]
-    await store.append_many(
-        [Batch(catalog.stream_of(shares[0]), None, shares)], Metadata(actor="test")
-    )
+    await store.append_many([Batch(stream_of(shares[0]), None, shares)], Metadata(actor="test"))
     held = await store.pool.fetchval(
         "SELECT count(*) FROM held_shares WHERE share_id = ANY($1::uuid[])",
         [uuid.UUID(r.share_id) for r in shares],

@@ -28,7 +28,8 @@ import msgspec
 import pytest
 
 from events import catalog as c
-from events.fold import ClusterState
+from events.envelopes import node_stream
+from events.state import ClusterState
 from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
 from tests.integration.test_agent_restart import NAMESPACE, ready
@@ -98,7 +99,7 @@ async def test_traffic_through_a_share_is_recorded_as_its_use_once(node: Lossy) 
     await stack.until(lambda st: st.shares[busy].used)
     await asyncio.to_thread(_send, address, mark)  # more traffic: no second record
     await asyncio.sleep(1.0)  # three more checks of the agent
-    used = await stack.events_of(c.node_stream(stack.node), c.ShareUsed)
+    used = await stack.events_of(node_stream(stack.node), c.ShareUsed)
     assert [e.event.share_id for e in used] == [busy]
     assert "bytes through its limit" in used[0].event.evidence
     assert not stack.view.state.shares[quiet].used
@@ -133,7 +134,7 @@ async def test_a_device_whose_interface_is_gone_is_unhealthy_and_takes_no_share(
     await stack.until(ready("holder"))
     await asyncio.to_thread(subprocess.run, ["ip", "link", "del", stack.iface], check=True)
     await stack.until(_unhealthy)
-    [change] = await stack.events_of(c.node_stream(stack.node), c.DeviceHealthChanged)
+    [change] = await stack.events_of(node_stream(stack.node), c.DeviceHealthChanged)
     assert not change.event.healthy and f"interface {stack.iface} is gone" in change.event.reason
     assert change.actor.startswith(f"agent:{stack.node}#")
 

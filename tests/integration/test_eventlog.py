@@ -16,9 +16,12 @@ import msgspec
 import pytest
 
 from events import catalog
-from events.catalog import Envelope
-from events.fold import ClusterState, apply, fold, snapshot_decode, snapshot_encode, to_builtins
+from events.envelopes import Envelope
+from events.fold import apply, fold
+from events.state import ClusterState
+from events.statecodec import snapshot_decode, snapshot_encode, to_builtins
 from services.replay import verify as verifying
+from services.runtime.appends import Batch, Metadata
 from services.runtime.errors import (
     CapacityExceeded,
     CapacityNotPublished,
@@ -26,7 +29,7 @@ from services.runtime.errors import (
     InvalidEvent,
     map_database_error,
 )
-from services.runtime.eventstore import Batch, EventStore, Metadata, connect
+from services.runtime.eventstore import EventStore, connect
 from services.runtime.settings import Settings
 from tests.integration import sample as s
 from tests.integration import scenario

@@ -27,7 +27,9 @@ import pytest
 
 from events import catalog as c
 from events import model
-from events.fold import ClusterState
+from events.envelopes import stream_of
+from events.eventcodec import encode_payload
+from events.state import ClusterState
 from services.cli import main
 from services.exitcodes import ExitCode
 from services.replay.history import state_at
@@ -293,11 +295,11 @@ async def test_verify_names_an_injected_oversubscription_as_refused(
     bad = list(rows[-1])
     bad[0] = scenario.head + 1
     bad[1] = uuid.uuid4()
-    bad[2] = c.stream_of(over)
+    bad[2] = stream_of(over)
     bad[3] = 1
     bad[4] = c.tag_of(over)
     bad[5] = c.schema_version_of(over)
-    bad[11] = c.encode_payload(over)
+    bad[11] = encode_payload(over)
     path = tmp_path / "injected.ndjson"
     writer = LogWriter(path)
     writer.write([*rows, bad])
@@ -313,7 +315,7 @@ async def test_an_export_of_an_older_schema_version_replays(
 ) -> None:
     await put(store, s.slice_published(), actor=OPERATOR)
     rows = await _rows(store)
-    old = msgspec.json.decode(c.encode_payload(s.reserved("team-a", "old", "gpu-0", "5Gi")))
+    old = msgspec.json.decode(encode_payload(s.reserved("team-a", "old", "gpu-0", "5Gi")))
     del old["shared"], old["policy_version"]  # as schema version 1 wrote it
     v1 = list(rows[0])
     v1[0], v1[1], v1[2], v1[3] = 2, uuid.uuid4(), "device:old", 1

@@ -20,6 +20,8 @@ import msgspec
 
 from events import catalog
 from events.catalog import Event
+from events.envelopes import Envelope
+from events.eventcodec import encode_payload
 from events.guards import encode_guards, guards_of_many
 from services.runtime.eventstore import EventStore
 from services.runtime.settings import Settings
@@ -44,7 +46,7 @@ async def _compare(db: asyncpg.Connection, events: list[Event]) -> None:
     derived = await db.fetchval(
         "SELECT dracap_guards_of($1::text[], $2::jsonb[])",
         [catalog.tag_of(e) for e in events],
-        [catalog.encode_payload(e) for e in events],
+        [encode_payload(e) for e in events],
     )
     expected = guards_of_many(events)
     model = msgspec.json.decode(encode_guards(expected)) if expected else None
@@ -54,7 +56,7 @@ async def _compare(db: asyncpg.Connection, events: list[Event]) -> None:
 async def test_every_append_of_the_scenario(db: asyncpg.Connection, settings: Settings) -> None:
     appends: list[list[Event]] = []
 
-    async def keep(envs: list[catalog.Envelope]) -> None:
+    async def keep(envs: list[Envelope]) -> None:
         appends.append([e.event for e in envs])
 
     async with await EventStore.open(settings) as store:

@@ -21,8 +21,9 @@ import msgspec
 import pytest
 
 from events import model
-from events.catalog import EnforcementReconciled, LimitApplied, node_stream
-from events.fold import ClusterState
+from events.catalog import EnforcementReconciled, LimitApplied
+from events.envelopes import node_stream
+from events.state import ClusterState
 from services.enforcement.decisions import limit_of
 from services.enforcement.tc import TcEnforcer
 from services.runtime.kubeletclient import PluginConnection

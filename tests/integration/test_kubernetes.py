@@ -25,7 +25,8 @@ import msgspec
 import pytest
 
 from events import model
-from events.catalog import CapacityReserved, ClaimReserved, LimitApplied, node_stream
+from events.catalog import CapacityReserved, ClaimReserved, LimitApplied
+from events.envelopes import node_stream
 from events.quantities import Quantity
 from services.replay.verify import summary, verify
 from services.runtime.kubeletplugin import ClaimRef

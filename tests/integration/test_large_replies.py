@@ -27,7 +27,7 @@ from services.runtime.embedded import EmbeddedNats
 from services.runtime.endpoints import ServerUnavailable
 from services.runtime.replies import HEADROOM, MAX_REPLY_PARTS
 from services.runtime.settings import Settings
-from services.up import Stack, load_inventory, read_inventory
+from services.stack import Stack, load_inventory, read_inventory
 from tests.fixtures.blobs import blob_endpoint
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,11 +19,13 @@ import pytest
 
 from events import catalog as c
 from events.actors import Actor
+from events.envelopes import Envelope, lease_stream, node_stream
 from services.enforcement import leases
 from services.reclamation.service import ReclamationService
 from services.replay.verify import summary, verify
+from services.runtime.appends import Batch, Metadata, Processed
 from services.runtime.errors import ConflictError, StaleEpoch
-from services.runtime.eventstore import Batch, EventStore, Metadata, Processed
+from services.runtime.eventstore import EventStore
 from services.runtime.livestate import LiveState
 from services.runtime.settings import Settings
 from tests.integration import sample as s
@@ -70,7 +72,7 @@ async def _with_share(store: EventStore, ttl_s: float = 60.0) -> tuple[NodeLease
     return lease, reserved.share_id
 
 
-async def _events(store: EventStore, kind: type[c.Event]) -> list[c.Envelope]:
+async def _events(store: EventStore, kind: type[c.Event]) -> list[Envelope]:
     return [e async for e in store.read_all() if isinstance(e.event, kind)]
 
 
@@ -83,7 +85,7 @@ async def test_each_new_lease_gets_the_next_epoch_and_one_of_two_racers_wins(
     racing = c.NodeLeaseAcquired(node=NODE, epoch=2, boot_id="b", ttl_ms=1000)
     results = await asyncio.gather(
         *(
-            store.append(c.lease_stream(NODE), None, [racing], actor=f"agent:{NODE}#2")
+            store.append(lease_stream(NODE), None, [racing], actor=f"agent:{NODE}#2")
             for _ in range(2)
         ),
         return_exceptions=True,
@@ -91,7 +93,7 @@ async def test_each_new_lease_gets_the_next_epoch_and_one_of_two_racers_wins(
     assert sum(isinstance(r, ConflictError) for r in results) == 1, results
     too_far = c.NodeLeaseAcquired(node=NODE, epoch=5, boot_id="b", ttl_ms=1000)
     with pytest.raises(ConflictError, match="next lease is epoch 3, not 5"):
-        await store.append(c.lease_stream(NODE), None, [too_far], actor=f"agent:{NODE}#5")
+        await store.append(lease_stream(NODE), None, [too_far], actor=f"agent:{NODE}#5")
     assert not await first.renew(), "a newer lease exists: the first one is lost"
 
 
@@ -132,7 +134,7 @@ async def test_a_stale_append_is_refused_once_and_the_refusal_logged_instead(
     head = await store.head()
     applied = c.LimitApplied(share_id=share, node=NODE, level="hard", actual={})
     report = c.EnforcementReconciled(node=NODE)
-    batches = [Batch(c.node_stream(NODE), None, [applied, report])]
+    batches = [Batch(node_stream(NODE), None, [applied, report])]
     processed = Processed("agent-node-a", ["6b7f6f4e-0000-4000-8000-000000000001"])
     async with store.pool.acquire() as connection:
         with pytest.raises(StaleEpoch) as refused:

@@ -20,7 +20,7 @@ decides every pending claim, so a stall heals then); it fails at the end with ev
 stall. Healthy rounds settle in well under a second, busy cores included.
 
 Each stack runs as one is run for real: ``up`` is ``dracap up`` in-process
-(:class:`services.up.Stack`: one live state, tailed, shared by every service, two
+(:class:`services.stack.Stack`: one live state, tailed, shared by every service, two
 reservation workers); ``serve`` gives each service a store and a tailed live state of its
 own, as ``dracap serve`` runs them in separate containers (two workers); ``bare`` is one
 worker on a live state nobody tails, as the integration tests' stacks run it (reads only
@@ -60,23 +60,24 @@ import msgspec
 import pytest
 import yaml
 
-from events.catalog import Envelope
-from events.fold import ClaimKey, ClusterState
+from events.envelopes import Envelope
 from events.quantities import Quantity
+from events.state import ClaimKey, ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent
 from services.enforcement.enforcers import NoneEnforcer
 from services.reservation.service import Plan, ReservationService
 from services.runtime.apiclient import ApiClient, ApiError
+from services.runtime.appends import Cause
 from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.consuming import Handled, HandlerContext
 from services.runtime.errors import ConflictError
-from services.runtime.eventstore import Cause, Connection, EventStore
+from services.runtime.eventstore import Connection, EventStore
+from services.runtime.handlers import Handled, HandlerContext
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.relaying import Relay
 from services.runtime.settings import Settings
-from services.up import Stack, load_inventory, read_inventory
+from services.stack import Stack, load_inventory, read_inventory
 from tests.fixtures.links import InProcessServices
 from tests.integration.cluster import namespace_and_class, node_slice
 from tests.integration.waiting import state_reaches

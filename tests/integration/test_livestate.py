@@ -10,7 +10,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from events import catalog
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from events.envelopes import stream_of
+from events.eventcodec import encode_payload
+from services.runtime.appends import Batch, Metadata
+from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.rows import COLUMNS
 from services.runtime.settings import Settings
@@ -92,7 +95,7 @@ async def test_a_catch_up_without_listeners_folds_as_one_with_them(store: EventS
         (
             head + i + 1,
             uuid.uuid4(),
-            catalog.stream_of(e),
+            stream_of(e),
             version,
             catalog.tag_of(e),
             catalog.schema_version_of(e),
@@ -101,7 +104,7 @@ async def test_a_catch_up_without_listeners_folds_as_one_with_them(store: EventS
             str(uuid.uuid4()),
             None,
             datetime.datetime.now(datetime.UTC),
-            catalog.encode_payload(e),
+            encode_payload(e),
         )
         for i, (e, version) in enumerate(((greedy, 2), (later, 1)))  # r1 took gpu-0's 1
     ]  # copied in past the database's guards, as a broken writer might have
@@ -121,4 +124,4 @@ async def test_a_catch_up_without_listeners_folds_as_one_with_them(store: EventS
     assert [p for p, _ in quiet.violations] == [p for p, _ in listened.violations] == [head + 1]
     assert quiet.inventory_generation == listened.inventory_generation == 1
     assert quiet._versions == listened._versions
-    assert await quiet.stream_version(catalog.stream_of(greedy)) == 2
+    assert await quiet.stream_version(stream_of(greedy)) == 2

@@ -36,7 +36,11 @@ import pytest
 
 from events import catalog
 from events.catalog import Event
+from events.envelopes import stream_of
+from events.errors import CatalogError
+from events.eventcodec import decode_stored, encode_payload
 from events.guards import Acquire, SetTotal, encode_guards
+from services.runtime.appends import Batch, Metadata, Processed
 from services.runtime.errors import (
     AppendForbidden,
     InvalidEvent,
@@ -44,7 +48,7 @@ from services.runtime.errors import (
     StaleEpoch,
     map_database_error,
 )
-from services.runtime.eventstore import Batch, EventStore, Metadata, Processed
+from services.runtime.eventstore import EventStore
 from services.runtime.settings import ServiceKind, Settings
 from tests.fixtures.logins import login_users
 from tests.integration import sample as s
@@ -103,7 +107,7 @@ async def logins(settings: Settings, postgres_admin_url: str) -> AsyncIterator[d
 async def _append(login: Settings, actor: str, *events: Event, **kw: Any) -> None:
     async with await EventStore.open(login) as own:
         await own.append_many(
-            [Batch(catalog.stream_of(e), None, [e]) for e in events], Metadata(actor=actor), **kw
+            [Batch(stream_of(e), None, [e]) for e in events], Metadata(actor=actor), **kw
         )
 
 
@@ -272,11 +276,11 @@ async def test_guards_that_do_not_follow_from_the_events_are_refused(
                 "SELECT * FROM dracap_append_guarded(1, $1, ARRAY[NULL]::int[], $2, $1, "
                 "ARRAY[1], $3, ARRAY[1], ARRAY[NULL]::text[], $4, ARRAY['c'], "
                 "ARRAY[NULL]::text[], now(), $5, 'dracap_events', $6, NULL, NULL)",
-                [catalog.stream_of(own)],
+                [stream_of(own)],
                 [uuid.uuid4()],
                 [catalog.tag_of(own)],
                 _actor(kind, world),
-                [catalog.encode_payload(own).decode()],
+                [encode_payload(own).decode()],
                 encode_guards(FORGED).decode(),
             )
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
@@ -321,8 +325,8 @@ async def test_a_payload_the_fold_cannot_decode_is_refused(
 ) -> None:
     before = await _tables(store)
     type_, payload, field = _undecodable(kind)
-    with pytest.raises(catalog.CatalogError):
-        catalog.decode_stored(msgspec.json.encode(payload), type_, catalog.SCHEMA_VERSIONS[type_])
+    with pytest.raises(CatalogError):
+        decode_stored(msgspec.json.encode(payload), type_, catalog.SCHEMA_VERSIONS[type_])
     with pytest.raises(InvalidEvent) as refused:
         await _raw(logins[kind.value], _actor(kind, world), type_, payload)
     assert field in str(refused.value) and type_ in str(refused.value)

@@ -1,6 +1,6 @@
 """The metrics endpoint of a running stack reports every metric of the issue.
 
-The stack is :class:`services.up.Stack` (what ``dracap up`` runs), so this also checks
+The stack is :class:`services.stack.Stack` (what ``dracap up`` runs), so this also checks
 the wiring: the capacity gauges listen to the stack's live state and the per-consumer
 series exist from the start. Counters are process-wide, so the checks compare a scrape
 after the claim is ready with one taken before it was applied.
@@ -26,7 +26,7 @@ from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
 from services.runtime.metrics import start_metrics_server
 from services.runtime.settings import Settings
-from services.up import Stack
+from services.stack import Stack
 from tests.integration.test_pipeline import (
     GPU,
     INVENTORY_CLASSES,

@@ -30,7 +30,8 @@ import msgspec
 import pytest
 
 from events import catalog as c
-from events.fold import ClusterState
+from events.envelopes import Envelope, lease_stream, node_stream
+from events.state import ClusterState
 from services import cli
 from services.exitcodes import ExitCode
 from services.reclamation.service import ReclamationService
@@ -72,7 +73,7 @@ class Lossy(Node):
         reply = json.loads((await self.nc.request(subject, body, timeout=10)).data)
         assert reply["ok"], reply
 
-    async def events_of(self, stream: str, kind: type[c.Event]) -> list[c.Envelope]:
+    async def events_of(self, stream: str, kind: type[c.Event]) -> list[Envelope]:
         return [e for e in await self.store.read_stream(stream) if isinstance(e.event, kind)]
 
     async def dracap(self, *argv: str) -> tuple[int, str]:
@@ -137,10 +138,10 @@ async def _forge_stale_append(stack: Lossy, share_id: str, epoch: int) -> None:
     async with await EventStore.open(stack.settings) as store:
         with pytest.raises(StaleEpoch) as refused:
             await store.append(
-                c.node_stream(stack.node), None, [applied], actor=f"agent:{stack.node}#{epoch}"
+                node_stream(stack.node), None, [applied], actor=f"agent:{stack.node}#{epoch}"
             )
     assert refused.value.epoch == epoch
-    [record] = await stack.events_of(c.node_stream(stack.node), c.AppendRefused)
+    [record] = await stack.events_of(node_stream(stack.node), c.AppendRefused)
     assert record.actor == f"agent:{stack.node}#{epoch}"
     assert record.event == c.AppendRefused(
         node=stack.node,
@@ -169,13 +170,13 @@ async def test_a_lost_node_holds_its_capacity_until_fenced_then_a_new_boot_serve
     assert state.devices[key].consumed()["bandwidth"].canonical() == "9G", "capacity held"
 
     # two replicas ran; the expiry and its unknown shares were recorded once
-    lease_stream = c.lease_stream(stack.node)
-    assert len(await stack.events_of(lease_stream, c.NodeLeaseExpired)) == 1
-    marked = await stack.events_of(c.node_stream(stack.node), c.ShareMarkedUnknown)
+    leases = lease_stream(stack.node)
+    assert len(await stack.events_of(leases, c.NodeLeaseExpired)) == 1
+    marked = await stack.events_of(node_stream(stack.node), c.ShareMarkedUnknown)
     assert sorted(e.event.share_id for e in marked) == held
     await asyncio.sleep(0.5)  # more ticks of both replicas change nothing
     assert sum(r.expired for r in stack.replicas) == 1
-    assert len(await stack.events_of(lease_stream, c.NodeLeaseExpired)) == 1
+    assert len(await stack.events_of(leases, c.NodeLeaseExpired)) == 1
 
     # a claim that fits the free capacity is still not placed there, and says why
     await stack.apply("d", "1G")
@@ -207,7 +208,7 @@ async def test_a_lost_node_holds_its_capacity_until_fenced_then_a_new_boot_serve
         "SELECT count(*) FROM held_shares WHERE node = $1", stack.node
     )
     assert held_rows == 0, "the fence gave the capacity back in the ledger too"
-    [fence] = await stack.events_of(lease_stream, c.NodeFenced)
+    [fence] = await stack.events_of(leases, c.NodeFenced)
     assert fence.actor.startswith(("operator:", "anonymous:"))
 
     # the node comes back after a power cycle: another boot, a new process
@@ -215,7 +216,7 @@ async def test_a_lost_node_holds_its_capacity_until_fenced_then_a_new_boot_serve
     stack.agent_args = ["--lease-ttl", TTL, "--boot-id", "boot-2"]
     stack.start_agent()
     await stack.until(ready("c", "d"), within=60)
-    acquired = await stack.events_of(lease_stream, c.NodeLeaseAcquired)
+    acquired = await stack.events_of(leases, c.NodeLeaseAcquired)
     assert [(e.event.epoch, e.event.boot_id) for e in acquired] == [(1, "boot-1"), (2, "boot-2")]
     in_force = await stack.tc.observe()
     assert not set(held) & set(in_force), "the fenced shares' limits were removed as orphans"
@@ -248,9 +249,9 @@ async def test_a_resumed_agent_confirms_what_it_enforces_and_releases_the_rest(
     assert state.shares[a].state == "ready"
     assert state.shares[b].state == state.shares[cc].state == "released"
     assert "no longer in force" in (state.claim(NAMESPACE, "c").reason or "")  # type: ignore[union-attr]
-    node_stream = c.node_stream(stack.node)
-    assert [e.event.share_id for e in await stack.events_of(node_stream, c.ShareConfirmed)] == [a]
-    acquired = await stack.events_of(c.lease_stream(stack.node), c.NodeLeaseAcquired)
+    node = node_stream(stack.node)
+    assert [e.event.share_id for e in await stack.events_of(node, c.ShareConfirmed)] == [a]
+    acquired = await stack.events_of(lease_stream(stack.node), c.NodeLeaseAcquired)
     assert [(e.event.epoch, e.event.boot_id) for e in acquired] == [(1, "boot-1"), (2, "boot-1")]
     in_force = await stack.tc.observe()
     assert a in in_force and b not in in_force and cc not in in_force

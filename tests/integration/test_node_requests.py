@@ -38,7 +38,8 @@ import nats
 import pytest
 
 from events import catalog as c
-from events.fold import ClusterState
+from events.envelopes import claim_stream, node_stream
+from events.state import ClusterState
 from services import durables
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent
@@ -57,7 +58,7 @@ from services.runtime.livestate import HEAD, LiveState
 from services.runtime.rebuilding import BusKeeper
 from services.runtime.relaying import Relay
 from services.runtime.settings import ServiceKind, Settings
-from services.up import load_inventory, read_inventory
+from services.stack import load_inventory, read_inventory
 from tests.fixtures.brokers import EXAMPLES, Broker, secure_broker
 from tests.fixtures.logins import login_users
 from tests.integration.waiting import state_reaches
@@ -337,7 +338,7 @@ async def test_reports_that_are_not_the_agents_to_write_are_refused(services: Se
                 c.LimitApplied(share_id=share, node="node-a", level="none", actual={})
             )
 
-        stream = c.node_stream("node-a")
+        stream = node_stream("node-a")
         cases: list[tuple[int, str, bytes, type[Exception], str]] = [
             (first, stream, applied(shares["node-a"]), StaleEpoch, "stale"),
             (epoch, stream, applied(shares["node-b"]), Refused, "forbidden"),
@@ -352,7 +353,7 @@ async def test_reports_that_are_not_the_agents_to_write_are_refused(services: Se
             ),
             (
                 epoch,
-                c.claim_stream("tenant-a", "a1"),
+                claim_stream("tenant-a", "a1"),
                 msgspec.json.encode(c.ClaimAdmitted(namespace="tenant-a", name="a1")),
                 Refused,
                 "invalid",
@@ -476,7 +477,7 @@ async def test_an_agent_cut_off_from_nats_goes_unknown_and_confirms_on_return(
             lambda st: st.shares[share].state == "ready" and st.nodes[CUT].lease_epoch == 2
         )
         confirmed = [
-            e.event for e in await services.store.read_stream(c.node_stream(CUT))
+            e.event for e in await services.store.read_stream(node_stream(CUT))
             if isinstance(e.event, c.ShareConfirmed)
         ]  # fmt: skip
         assert [e.share_id for e in confirmed] == [share]

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from events import catalog as c
+from events.envelopes import claim_stream
 from services.exitcodes import ExitCode
 from services.reclamation.service import ReclamationService
 from services.replay.verify import summary, verify
@@ -111,7 +112,7 @@ async def test_an_unused_claim_is_released_exactly_once_with_the_reason(
     released = await view_when(api, "idle", lambda v: v["phase"] == "released")
     assert "not started within 1s" in (released["reason"] or "")
     assert await _consumed(running) == "0"
-    stream = c.claim_stream(NAMESPACE, "idle")
+    stream = claim_stream(NAMESPACE, "idle")
     log = await running.stack.store.read_stream(stream)
     requests = [e for e in log if isinstance(e.event, c.ReleaseRequested)]
     assert len(requests) == 1, "two replicas, one release"
@@ -175,7 +176,7 @@ async def test_a_stalled_claim_keeps_its_capacity_until_a_consumer_reserves_it(
     assert code == ExitCode.OK, err
     again = await view_when(api, "parked", lambda v: v["phase"] == "stalled")
     assert again["reserved_for"] == []
-    stream = c.claim_stream(NAMESPACE, "parked")
+    stream = claim_stream(NAMESPACE, "parked")
     log = await running.stack.store.read_stream(stream)
     assert len([e for e in log if isinstance(e.event, c.ClaimStalled)]) == 2
     assert not [e for e in log if isinstance(e.event, c.ReleaseRequested)]

@@ -25,7 +25,7 @@ from services import cli
 from services.exitcodes import ExitCode
 from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
-from services.up import Stack, read_inventory
+from services.stack import Stack, read_inventory
 
 pytestmark = pytest.mark.integration
 

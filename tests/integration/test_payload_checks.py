@@ -4,7 +4,7 @@ Differential tests against a real PostgreSQL: for every event type of the catalo
 payload with every optional field set (so every struct, list and dict is visited) is
 mutated at every path — each value replaced by each of a set of wrong ones, or removed —
 and the database's verdict (``dracap_payload_error``) is compared with msgspec's
-(:func:`events.catalog.decode_stored`) on the JSON exactly as the server stores it. The
+(:func:`events.eventcodec.decode_stored`) on the JSON exactly as the server stores it. The
 database may be stricter in two ways only, on purpose: the ``type`` tag is required
 (dracap always writes it) and quantities must be strings (dracap writes them so). Never
 the other way: that is the finding (an undecodable event stops every reader).
@@ -29,6 +29,7 @@ import msgspec.inspect as mi
 
 from events import catalog
 from events.errors import CatalogError, QuantityError
+from events.eventcodec import decode_stored
 from events.quantities import Quantity
 from services.runtime import payloadchecks
 
@@ -107,7 +108,7 @@ def cases() -> Iterator[tuple[str, Any]]:
 
 def _decodes(text: str, tag: str) -> bool:
     try:
-        catalog.decode_stored(text.encode(), tag, catalog.SCHEMA_VERSIONS[tag])
+        decode_stored(text.encode(), tag, catalog.SCHEMA_VERSIONS[tag])
     except CatalogError:
         return False
     return True

@@ -30,19 +30,17 @@ from events.catalog import (
     CapacityReleased,
     CapacityReserved,
     ClaimAdmitted,
-    Envelope,
     LimitApplied,
     LimitFailed,
     LimitRemoved,
     NamespaceAccessSet,
     NodeFenced,
     ReleaseRequested,
-    claim_stream,
-    encode_event,
-    stream_of,
 )
-from events.fold import ClusterState
+from events.envelopes import Envelope, claim_stream, stream_of
+from events.eventcodec import encode_event
 from events.quantities import Quantity
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent
@@ -58,9 +56,10 @@ from services.enforcement.enforcers import (
 from services.enforcement.service import EnforcementService
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
+from services.runtime.appends import Batch, Metadata
 from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.consuming import HandlerContext
-from services.runtime.eventstore import Batch, EventStore, Metadata
+from services.runtime.eventstore import EventStore
+from services.runtime.handlers import HandlerContext
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import REGISTRY
 from services.runtime.relaying import Relay

@@ -1,6 +1,6 @@
 """Sharing and request policies changing under live shares, through the real stack.
 
-The whole stack runs in-process (:class:`services.up.Stack`) on the test's own database
+The whole stack runs in-process (:class:`services.stack.Stack`) on the test's own database
 and a unique subject prefix, with a one-GPU inventory (40Gi, min 5Gi, step 5Gi) loaded
 through the admin API; claims go through the claims API and are watched until their
 phase says what the test waits for (a condition, never a delay).

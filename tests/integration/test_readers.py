@@ -20,10 +20,12 @@ import msgspec
 import pytest
 
 from events import catalog as c
-from events.catalog import Envelope
+from events.envelopes import Envelope
+from events.eventcodec import encode_payload
 from events.features import DEFAULT_GATES
-from events.fold import ClusterState, snapshot_decode, snapshot_encode
 from events.model import DeviceClass, DeviceClassSpec, ObjectMeta, ResourceClaim, ResourceClaimSpec
+from events.state import ClusterState
+from events.statecodec import snapshot_decode, snapshot_encode
 from events.subjects import BusNames
 from services.claims.admission import decide_apply
 from services.enforcement.protocol import Reply, ViewAsk, Viewed, decode, encode
@@ -62,7 +64,7 @@ async def _with_refused_events(scenario: Scenario, database_url: str) -> tuple[i
     refuses (its share was released by the fence), then an admission that folds."""
     head = scenario.head
     bad = msgspec.json.decode(
-        c.encode_payload(
+        encode_payload(
             c.LimitApplied(share_id=scenario.r3.share_id, node=NODE, level="hard", actual={})
         )
     )
@@ -273,7 +275,7 @@ async def test_a_deep_event_already_in_the_log_is_read_verified_and_exported(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    claim = msgspec.json.decode(c.encode_payload(c.ClaimSubmitted(claim=_resource_claim())))
+    claim = msgspec.json.decode(encode_payload(c.ClaimSubmitted(claim=_resource_claim())))
     deep = '{"a":[' * 1225 + "]}" * 1225  # 2,450 levels: admitted before the limit
     config = {"opaque": {"driver": "gpu.example.com", "parameters": "HOLE"}}
     claim["claim"]["spec"] = {"devices": {"config": [config]}}

@@ -1,6 +1,6 @@
 """What the operator lets each tenant do, through the real API (docs/tenancy.md).
 
-The whole stack runs in-process (:class:`services.up.Stack`) on the test's own database
+The whole stack runs in-process (:class:`services.stack.Stack`) on the test's own database
 and a unique subject prefix, with the example inventory loaded from
 ``deploy/examples`` exactly as ``dracap up`` loads it: ``tenant-a`` may not pass opaque
 driver configuration, ``ops`` may (``dracap.io/opaque-config-classes: "*"``), and the
@@ -29,7 +29,7 @@ from services.replay.verify import summary, verify
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.bus import connect_bus
 from services.runtime.settings import Settings
-from services.up import Stack, load_inventory, read_inventory
+from services.stack import Stack, load_inventory, read_inventory
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 GPU_CLASS = "gpu-memory.dracap.io"

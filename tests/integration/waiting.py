@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from nats.js import JetStreamContext
 
-from events.fold import ClusterState
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, LiveState

@@ -17,9 +17,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from events import catalog as c
-from events.fold import ClaimKey, ClusterState, fold
+from events.envelopes import Envelope, new_envelope, stream_of
+from events.fold import fold
 from events.inventory import build_inventory
 from events.model import ResourceClaim
+from events.state import ClaimKey, ClusterState
 from services.enforcement.enforcing import Enforcing
 from services.reservation.allocating import Allocator
 from services.reservation.deriving import live_grants
@@ -83,19 +85,19 @@ class Log:
     """An append-only list of envelopes with stream versions and positions."""
 
     def __init__(self, *events: c.Event) -> None:
-        self.envelopes: list[c.Envelope] = []
+        self.envelopes: list[Envelope] = []
         self._versions: collections.Counter[str] = collections.Counter()
         self._share_ids = share_ids("held-")  # shares reserved by reserve(), held-1, …
         self.add(*events)
 
-    def add(self, *events: c.Event) -> list[c.Envelope]:
+    def add(self, *events: c.Event) -> list[Envelope]:
         """Append ``events``; their envelopes."""
         out = []
         for event in events:
-            stream = c.stream_of(event)
+            stream = stream_of(event)
             self._versions[stream] += 1
             position = len(self.envelopes) + 1
-            env = c.new_envelope(
+            env = new_envelope(
                 event,
                 stream_version=self._versions[stream],
                 actor="test",
@@ -107,7 +109,7 @@ class Log:
             out.append(env)
         return out
 
-    def extend(self, events: Iterable[c.Event]) -> list[c.Envelope]:
+    def extend(self, events: Iterable[c.Event]) -> list[Envelope]:
         return self.add(*events)
 
     def state(self) -> ClusterState:
@@ -119,7 +121,7 @@ class Log:
     def versions(self, streams: Iterable[str]) -> dict[str, int]:
         return {s: self.version(s) for s in streams}
 
-    def reserve(self, *claims: ResourceClaim) -> list[c.Envelope]:
+    def reserve(self, *claims: ResourceClaim) -> list[Envelope]:
         """Admit ``claims`` and append what a planning round decides for them."""
         for rc in claims:
             self.extend(admitted(rc))

@@ -35,6 +35,7 @@ import msgspec
 
 from events import catalog as c
 from events import model
+from events.envelopes import stream_of
 from tests.integration import sample as s
 from tests.unit.test_logfile import _row
 
@@ -159,7 +160,7 @@ def rows() -> list[list[Any]]:
     versions: dict[str, int] = {}
     out: list[list[Any]] = []
     for position, event in enumerate(events(), start=1):
-        stream = c.stream_of(event)
+        stream = stream_of(event)
         versions[stream] = versions.get(stream, 0) + 1
         event_id = str(uuid.UUID(int=1000 + position))
         at = T0 + datetime.timedelta(seconds=position)
@@ -194,7 +195,8 @@ async def _head_state(path: Path) -> Any:
 
 def main(out: Path) -> None:
     """Write the files of the module docstring into ``out``."""
-    from events.fold import ClusterState, snapshot_encode
+    from events.state import ClusterState
+    from events.statecodec import snapshot_encode
     from services.replay.checkpoints import CheckpointWriter
     from services.replay.history import view
     from services.replay.verify import fold_rows

@@ -15,7 +15,7 @@ import pytest
 
 from events import catalog as c
 from events import model
-from events.fold import ClusterState
+from events.state import ClusterState
 from services.claims.adminwrites import (
     LEDGER_REFUSED,
     AdminWrite,

@@ -9,10 +9,12 @@ import pytest
 import yaml
 
 from events import catalog as c
-from events.fold import ClusterState, fold
+from events.envelopes import new_envelope
+from events.fold import fold
 from events.inventory import build_inventory
 from events.manifests import load_documents
 from events.model import DeviceClass, ResourceClaim, ResourceSlice
+from events.state import ClusterState
 from services.claims.admission import (
     MAX_MANIFEST_BYTES,
     DeviceLimits,
@@ -95,7 +97,7 @@ def _state() -> ClusterState:
     )
     events.append(c.NamespaceAccessSet(namespace="tenant-full", classes=["*"], max_claims=0))
     envelopes = [
-        c.new_envelope(e, stream_version=1, actor="test", position=i + 1)
+        new_envelope(e, stream_version=1, actor="test", position=i + 1)
         for i, e in enumerate(events)
     ]
     return fold(envelopes)
@@ -502,7 +504,7 @@ def _with_claim(phase_events: list[c.Event]) -> ClusterState:
     assert isinstance(claim, ResourceClaim)
     events: list[c.Event] = [c.ClaimSubmitted(claim=claim), *phase_events]
     for i, event in enumerate(events):
-        fold([c.new_envelope(event, stream_version=1, actor="t", position=100 + i)], state)
+        fold([new_envelope(event, stream_version=1, actor="t", position=100 + i)], state)
     return state
 
 
@@ -551,7 +553,7 @@ def test_a_live_claim_applied_again_with_configuration(body: dict[str, Any], sam
         c.ClaimAdmitted(namespace="tenant-q", name="train"),
     ]
     for i, event in enumerate(events):
-        fold([c.new_envelope(event, stream_version=1, actor="t", position=100 + i)], state)
+        fold([new_envelope(event, stream_version=1, actor="t", position=100 + i)], state)
     decision = decide_apply(state, "tenant-q", as_yaml(body))
     if same:
         assert decision.unchanged and decision.refusal is None and decision.events == ()
@@ -612,7 +614,7 @@ def test_a_rejected_claim_names_its_field_and_rule_once(memory: str, detail: str
     assert decision.refusal is not None
     events = list(decision.events)
     for i, event in enumerate(events):
-        fold([c.new_envelope(event, stream_version=i + 1, actor="t", position=100 + i)], state)
+        fold([new_envelope(event, stream_version=i + 1, actor="t", position=100 + i)], state)
     claim = state.claim("tenant-a", "train")
     assert claim is not None and claim.phase == "rejected" and claim.reason is not None
     field, rule = decision.refusal.field, decision.refusal.rule
@@ -641,7 +643,7 @@ def test_a_refusal_message_says_field_and_rule_once(
 
 def _fold_into(state: ClusterState, *events: c.Event) -> None:
     for event in events:
-        envelope = c.new_envelope(event, stream_version=1, actor="t", position=state.position + 1)
+        envelope = new_envelope(event, stream_version=1, actor="t", position=state.position + 1)
         fold([envelope], state)
 
 
@@ -710,7 +712,7 @@ def test_opaque_config_names_the_subrequest_it_configures() -> None:
 def _after(*events: c.Event) -> ClusterState:
     state = _state()
     for i, event in enumerate(events):
-        fold([c.new_envelope(event, stream_version=1, actor="t", position=200 + i)], state)
+        fold([new_envelope(event, stream_version=1, actor="t", position=200 + i)], state)
     return state
 
 

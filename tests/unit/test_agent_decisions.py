@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from events import catalog as c
+from events.envelopes import Envelope, new_envelope
 from events.quantities import Quantity
 from services.enforcement.checkpointing import CheckpointWarning
 from services.enforcement.decisions import (
@@ -296,13 +297,13 @@ def _tell(story: list[str]) -> Log:
     return log
 
 
-def _message(log: Log, line: str) -> c.Envelope:
+def _message(log: Log, line: str) -> Envelope:
     verb, name, *rest = line.split()
     if verb == "forged-release":
         event = c.ReleaseRequested(
             namespace=NAMESPACE, name=name, allocation_version=int(rest[0][1:]), node=NODE
         )
-        return c.new_envelope(event, stream_version=99, actor="intruder", event_id="forged")
+        return new_envelope(event, stream_version=99, actor="intruder", event_id="forged")
     kind = c.AllocationBound if verb == "bound" else c.ReleaseRequested
     return next(
         env

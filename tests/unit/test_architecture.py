@@ -6,8 +6,13 @@
 * ``services/runtime/`` imports no service, nor the commands that compose services;
 * the node agent reaches NATS only: none of its modules imports the event store, a
   fold of its own or a database role (the enforcement service holds those);
-* ``services/`` is layered: ``cli`` > ``prove`` > ``up`` > the services > ``runtime``
-  > ``exitcodes``, and every sub-package must be declared in a layer.
+* ``services/`` is layered: ``cli`` > ``prove`` > ``up`` > ``stack`` > the services >
+  ``runtime`` > ``exitcodes``, and every sub-package must be declared in a layer;
+* the big modules' parts are layered too: the fold and the state codec above the
+  state, the event codec above envelopes above the catalog; validation above a slice's
+  rules above the field rules; the allocator above diagnosis above the search above
+  the requests and the allocated state; ``ClaimsApi`` above its parts above their
+  core; consumers above their handlers above the event store above appends.
 
 The tree must keep every contract, and each contract must catch the import it exists
 to forbid: the second test copies the sources, adds one such import, and expects the
@@ -34,8 +39,14 @@ CONTRACTS = {
     "runtime-imports-no-service",
     "services-layers",
     "agent-off-the-database",
+    "events-meaning-above-records",
+    "validation-layers",
+    "allocator-layers",
+    "claims-api-layers",
+    "store-layers",
 }
 AGENT = "agent-off-the-database"
+ALLOCATOR = "allocator-layers"
 LINT_ONE = """
 import sys
 from importlinter.cli import lint_imports
@@ -81,6 +92,20 @@ def _lint_copy(tmp_path: Path, contract: str) -> subprocess.CompletedProcess[str
         ("services/enforcement/proving.py", "import services.up", "services-layers"),
         ("services/exitcodes.py", "import services.runtime.errors", "services-layers"),
         ("services/ledger/__init__.py", "", "services-layers"),  # a package in no layer
+        ("services/stack.py", "import services.up", "services-layers"),
+        ("services/reservation/searching.py", "import nats", "decisions-pure"),
+        ("events/state.py", "import events.fold", "events-meaning-above-records"),
+        ("events/statecodec.py", "import events.fold", "events-meaning-above-records"),
+        ("events/catalog.py", "import events.envelopes", "events-meaning-above-records"),
+        ("events/fieldchecks.py", "import events.validation", "validation-layers"),
+        ("events/slicevalidation.py", "import events.validation", "validation-layers"),
+        ("services/reservation/searching.py", "import services.reservation.allocating", ALLOCATOR),
+        ("services/reservation/allocated.py", "import services.reservation.searching", ALLOCATOR),
+        ("services/claims/apicore.py", "import services.claims.api", "claims-api-layers"),
+        ("services/claims/apitenant.py", "import services.claims.apiwrites", "claims-api-layers"),
+        ("services/runtime/appends.py", "import services.runtime.eventstore", "store-layers"),
+        ("services/runtime/handlers.py", "import services.runtime.consuming", "store-layers"),
+        ("services/enforcement/agent.py", "import services.runtime.handlers", AGENT),
     ],
 )  # fmt: skip
 def test_a_contract_breaks_when_its_import_comes_back(

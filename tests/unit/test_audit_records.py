@@ -7,7 +7,8 @@ import datetime
 import pytest
 
 from events import catalog
-from events.catalog import Envelope, Event
+from events.catalog import Event
+from events.envelopes import Envelope, new_envelope
 from services.audit.records import NodeEpochs, build
 from tests.integration import sample as s
 
@@ -15,9 +16,7 @@ T0 = datetime.datetime(2026, 12, 1, 9, 30, tzinfo=datetime.UTC)
 
 
 def env(event: Event, position: int, actor: str = "system:reservation-0") -> Envelope:
-    return catalog.new_envelope(
-        event, stream_version=1, actor=actor, position=position, recorded_at=T0
-    )
+    return new_envelope(event, stream_version=1, actor=actor, position=position, recorded_at=T0)
 
 
 def test_a_lifecycle_names_namespace_claim_share_device_amounts_and_actors() -> None:

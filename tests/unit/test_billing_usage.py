@@ -8,7 +8,8 @@ from decimal import Decimal
 import pytest
 
 from events import catalog
-from events.catalog import Envelope, Event
+from events.catalog import Event
+from events.envelopes import Envelope, new_envelope
 from services.billing.usage import (
     BillingShare,
     NodeEpochs,
@@ -29,7 +30,7 @@ def at(minutes: float) -> datetime.datetime:
 
 
 def env(event: Event, position: int, minutes: float) -> Envelope:
-    return catalog.new_envelope(
+    return new_envelope(
         event, stream_version=1, actor="system:test", position=position, recorded_at=at(minutes)
     )
 

@@ -9,7 +9,25 @@ import uuid
 import pytest
 
 from events import catalog as c
+from events.envelopes import (
+    claim_stream,
+    class_stream,
+    device_stream,
+    new_envelope,
+    node_stream,
+    slice_stream,
+    stream_of,
+)
 from events.errors import CatalogError
+from events.eventcodec import (
+    UPCASTERS,
+    decode_command_envelope,
+    decode_envelope,
+    decode_event,
+    decode_stored,
+    encode_event,
+    encode_payload,
+)
 from events.model import (
     AllocationResult,
     CapacityRequestPolicy,
@@ -207,37 +225,37 @@ def test_every_tag_is_covered() -> None:
 
 @pytest.mark.parametrize("event", EVENTS, ids=IDS)
 def test_payload_round_trip(event: c.Event) -> None:
-    payload = c.encode_payload(event)
+    payload = encode_payload(event)
     assert json.loads(payload)["type"] == c.tag_of(event)
-    assert c.decode_event(payload) == event
-    stored = c.decode_stored(payload, c.tag_of(event), c.schema_version_of(event))
+    assert decode_event(payload) == event
+    stored = decode_stored(payload, c.tag_of(event), c.schema_version_of(event))
     assert stored == event
-    assert c.decode_stored(payload.decode(), c.tag_of(event), c.schema_version_of(event)) == event
+    assert decode_stored(payload.decode(), c.tag_of(event), c.schema_version_of(event)) == event
 
 
 @pytest.mark.parametrize("event", EVENTS, ids=IDS)
 def test_envelope_round_trip(event: c.Event) -> None:
-    env = c.new_envelope(event, stream_version=1, actor="test", recorded_at=T0, position=7)
-    data = c.encode_event(env)
-    assert c.decode_envelope(data) == env
-    assert c.decode_command_envelope(data) == env
+    env = new_envelope(event, stream_version=1, actor="test", recorded_at=T0, position=7)
+    data = encode_event(env)
+    assert decode_envelope(data) == env
+    assert decode_command_envelope(data) == env
     assert env.schema_version == c.SCHEMA_VERSIONS[c.tag_of(event)]
-    assert env.stream == c.stream_of(event)
+    assert env.stream == stream_of(event)
 
 
 def test_quantities_are_canonical_on_the_wire() -> None:
-    payload = json.loads(c.encode_payload(_reserved(consumed={"memory": Q("4096Mi")})))
+    payload = json.loads(encode_payload(_reserved(consumed={"memory": Q("4096Mi")})))
     assert payload["consumed"] == {"memory": "4Gi"}
-    decoded = c.decode_event(json.dumps(payload))
+    decoded = decode_event(json.dumps(payload))
     assert isinstance(decoded, c.CapacityReserved)
     assert isinstance(decoded.consumed["memory"], Quantity)
 
 
 def test_unknown_tag_is_rejected_everywhere() -> None:
     with pytest.raises(CatalogError, match=r"claims\.exploded"):
-        c.decode_event(b'{"type": "claims.exploded"}')
+        decode_event(b'{"type": "claims.exploded"}')
     with pytest.raises(CatalogError, match=r"claims\.exploded"):
-        c.decode_stored(b"{}", "claims.exploded", 1)
+        decode_stored(b"{}", "claims.exploded", 1)
 
 
 @pytest.mark.parametrize(
@@ -250,10 +268,10 @@ def test_unknown_tag_is_rejected_everywhere() -> None:
     ],
 )
 def test_bad_payload_names_tag_and_field(mutate: object, field: str) -> None:
-    payload = json.loads(c.encode_payload(_reserved()))
+    payload = json.loads(encode_payload(_reserved()))
     mutate(payload)  # type: ignore[operator]
     data = json.dumps(payload)
-    for decode in (c.decode_event, lambda d: c.decode_stored(d, payload["type"], 2)):
+    for decode in (decode_event, lambda d: decode_stored(d, payload["type"], 2)):
         with pytest.raises(CatalogError) as err:
             decode(data)
         assert "reservation.capacity_reserved" in str(err.value)
@@ -261,45 +279,45 @@ def test_bad_payload_names_tag_and_field(mutate: object, field: str) -> None:
 
 
 def test_strict_rejects_unknown_fields_tolerant_ignores_them() -> None:
-    payload = json.loads(c.encode_payload(_reserved()))
+    payload = json.loads(encode_payload(_reserved()))
     payload["added_later"] = True
     data = json.dumps(payload)
     with pytest.raises(CatalogError, match="added_later"):
-        c.decode_event(data)
-    assert c.decode_stored(data, "reservation.capacity_reserved", 2) == _reserved()
+        decode_event(data)
+    assert decode_stored(data, "reservation.capacity_reserved", 2) == _reserved()
 
 
 def test_not_json_and_not_an_object() -> None:
     with pytest.raises(CatalogError):
-        c.decode_event(b"{nope")
+        decode_event(b"{nope")
     with pytest.raises(CatalogError):
-        c.decode_event(b"[1, 2]")
+        decode_event(b"[1, 2]")
     with pytest.raises(CatalogError):
-        c.decode_stored(b"{nope", "claims.admitted", 1)
+        decode_stored(b"{nope", "claims.admitted", 1)
 
 
 def test_stored_tag_must_agree_with_column() -> None:
-    payload = c.encode_payload(c.ClaimAdmitted(namespace="a", name="b"))
+    payload = encode_payload(c.ClaimAdmitted(namespace="a", name="b"))
     with pytest.raises(CatalogError):
-        c.decode_stored(payload, "claims.rejected", 1)
+        decode_stored(payload, "claims.rejected", 1)
 
 
 def _v1_payload(share_id: str | None) -> dict[str, object]:
-    payload: dict[str, object] = json.loads(c.encode_payload(_reserved()))
+    payload: dict[str, object] = json.loads(encode_payload(_reserved()))
     del payload["shared"], payload["policy_version"]
     payload["share_id"] = share_id
     return payload
 
 
 def test_upcast_v1_capacity_reserved_shared() -> None:
-    event = c.decode_stored(json.dumps(_v1_payload("s-1")), "reservation.capacity_reserved", 1)
+    event = decode_stored(json.dumps(_v1_payload("s-1")), "reservation.capacity_reserved", 1)
     assert event == _reserved(policy_version=c.POLICY_VERSION_UNRECORDED)
 
 
 def test_upcast_v1_capacity_reserved_dedicated_gets_deterministic_share_id() -> None:
     data = json.dumps(_v1_payload(None))
-    first = c.decode_stored(data, "reservation.capacity_reserved", 1)
-    again = c.decode_stored(data, "reservation.capacity_reserved", 1)
+    first = decode_stored(data, "reservation.capacity_reserved", 1)
+    again = decode_stored(data, "reservation.capacity_reserved", 1)
     assert isinstance(first, c.CapacityReserved)
     assert first == again
     assert first.shared is False
@@ -308,28 +326,28 @@ def test_upcast_v1_capacity_reserved_dedicated_gets_deterministic_share_id() -> 
 
 
 def test_upcast_applies_to_envelopes_from_the_bus() -> None:
-    env = c.new_envelope(_reserved(), stream_version=3, actor="t", recorded_at=T0)
-    raw = json.loads(c.encode_event(env))
+    env = new_envelope(_reserved(), stream_version=3, actor="t", recorded_at=T0)
+    raw = json.loads(encode_event(env))
     raw["schema_version"] = 1
     raw["event"] = _v1_payload("s-1")
-    decoded = c.decode_envelope(json.dumps(raw))
+    decoded = decode_envelope(json.dumps(raw))
     assert decoded.schema_version == 2
     assert decoded.event == _reserved(policy_version=c.POLICY_VERSION_UNRECORDED)
     with pytest.raises(CatalogError, match=r"shared|schema_version"):
-        c.decode_command_envelope(json.dumps(raw))
+        decode_command_envelope(json.dumps(raw))
 
 
 def test_v1_payload_is_not_valid_as_current() -> None:
     with pytest.raises(CatalogError, match=r"shared|policy_version"):
-        c.decode_stored(json.dumps(_v1_payload("s-1")), "reservation.capacity_reserved", 2)
+        decode_stored(json.dumps(_v1_payload("s-1")), "reservation.capacity_reserved", 2)
 
 
 def test_future_and_invalid_schema_versions_are_errors() -> None:
-    payload = c.encode_payload(_reserved())
+    payload = encode_payload(_reserved())
     with pytest.raises(CatalogError, match="newer"):
-        c.decode_stored(payload, "reservation.capacity_reserved", 3)
+        decode_stored(payload, "reservation.capacity_reserved", 3)
     with pytest.raises(CatalogError, match="invalid schema version"):
-        c.decode_stored(payload, "reservation.capacity_reserved", 0)
+        decode_stored(payload, "reservation.capacity_reserved", 0)
 
 
 def test_schema_versions() -> None:
@@ -338,7 +356,7 @@ def test_schema_versions() -> None:
     assert all(v >= 1 for v in c.SCHEMA_VERSIONS.values())
     for tag, version in c.SCHEMA_VERSIONS.items():
         for older in range(1, version):
-            assert (tag, older) in c.UPCASTERS
+            assert (tag, older) in UPCASTERS
 
 
 def test_events_are_frozen() -> None:
@@ -348,21 +366,21 @@ def test_events_are_frozen() -> None:
 
 
 def test_stream_names() -> None:
-    assert c.claim_stream("team-a", "train") == "claim:team-a/train"
-    assert c.device_stream("gpu.example.com", "node-a", "gpu-0") == (
+    assert claim_stream("team-a", "train") == "claim:team-a/train"
+    assert device_stream("gpu.example.com", "node-a", "gpu-0") == (
         "device:gpu.example.com/node-a/gpu-0"
     )
-    assert c.class_stream("gpu") == "class:gpu"
-    assert c.slice_stream("s") == "slice:s"
-    assert c.node_stream("n") == "node:n"
-    assert c.stream_of(_reserved()) == "device:gpu.example.com/node-a/gpu-0"
-    assert c.stream_of(c.ClaimSubmitted(claim=_claim())) == "claim:team-a/train"
-    assert c.stream_of(c.NodeFenced(node="n", epoch=1)) == "lease:n"
-    assert c.stream_of(c.ShareConfirmed(share_id="s", node="n")) == "node:n"
+    assert class_stream("gpu") == "class:gpu"
+    assert slice_stream("s") == "slice:s"
+    assert node_stream("n") == "node:n"
+    assert stream_of(_reserved()) == "device:gpu.example.com/node-a/gpu-0"
+    assert stream_of(c.ClaimSubmitted(claim=_claim())) == "claim:team-a/train"
+    assert stream_of(c.NodeFenced(node="n", epoch=1)) == "lease:n"
+    assert stream_of(c.ShareConfirmed(share_id="s", node="n")) == "node:n"
 
 
 def test_new_envelope_defaults() -> None:
-    env = c.new_envelope(_reserved(), stream_version=1, actor="reservation")
+    env = new_envelope(_reserved(), stream_version=1, actor="reservation")
     assert env.namespace == "team-a"
     assert env.position == 0
     assert env.correlation_id == env.event_id

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from events.fold import ClusterState
+from events.state import ClusterState
 from services.replay import logfile
 from services.replay.checkpoints import (
     CheckpointMismatchError,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from events import catalog as c
-from events.fold import ClusterState, ShareState, apply
+from events.fold import apply
+from events.state import ClusterState, ShareState
 from services.claims.views import ClaimsTouched, claims_touched
 from tests.unit.decision_fixtures import NODE, POOL, Log, gpu, inventory, memory_claim
 

@@ -16,8 +16,10 @@ import pytest
 from events import catalog as c
 from events import model
 from events.claimspecs import ClaimSpec, claim_spec
-from events.fold import ClaimState, ClusterState, apply_event, snapshot_decode, snapshot_encode
+from events.fold import apply_event
 from events.quantities import Quantity
+from events.state import ClaimState, ClusterState
+from events.statecodec import snapshot_decode, snapshot_encode
 from tests.unit.oldlog import CONFIG, events
 
 KEY = ("team-a", "tuned")

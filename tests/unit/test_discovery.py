@@ -20,16 +20,13 @@ import msgspec
 import pytest
 
 from events import model
-from events.catalog import (
-    ResourceSlicePublished,
-    ResourceSliceWithdrawn,
-    decode_event,
-    encode_event,
-    stream_of,
-)
-from events.fold import ClusterState, apply_event
+from events.catalog import ResourceSlicePublished, ResourceSliceWithdrawn
+from events.envelopes import stream_of
+from events.eventcodec import decode_event, encode_event
+from events.fold import apply_event
 from events.model import DeviceAttribute, ResourceSlice
 from events.quantities import Quantity
+from events.state import ClusterState
 from events.validation import validate
 from services.enforcement.discovery import (
     AgentConfig,

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.fold import ClusterState, DeviceKey, DeviceState
 from events.quantities import Quantity
+from events.state import ClusterState, DeviceKey, DeviceState
 from services.enforcement.decisions import overcommit
 from services.enforcement.enforcers import ShareLimit
 from services.enforcement.enforcing import Draft, Enforcing

@@ -20,7 +20,8 @@ import pytest
 import events
 from events import celcost
 from events.errors import EventsError, SnapshotError, SubjectError
-from events.fold import ClusterState, snapshot_decode, snapshot_encode
+from events.state import ClusterState
+from events.statecodec import snapshot_decode, snapshot_encode
 from events.subjects import node_token
 from services.enforcement.enforcers import (
     EnforcementError,

@@ -11,18 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events import catalog as c
+from events.envelopes import Envelope, new_envelope
 from events.errors import InvariantViolation
-from events.fold import (
-    REUSABLE_PHASES,
-    ClusterState,
-    apply,
-    fold,
-    snapshot_decode,
-    snapshot_encode,
-    state_digest,
-    step_of,
-    to_builtins,
-)
+from events.eventcodec import decode_stored, encode_payload
+from events.fold import apply, fold, step_of
 from events.model import (
     AllocationResult,
     CapacityRequestPolicy,
@@ -37,6 +29,8 @@ from events.model import (
     ResourceSliceSpec,
 )
 from events.quantities import Quantity
+from events.state import REUSABLE_PHASES, ClusterState
+from events.statecodec import snapshot_decode, snapshot_encode, state_digest, to_builtins
 
 Q = Quantity.parse
 T0 = datetime.datetime(2025, 6, 1, tzinfo=datetime.UTC)
@@ -140,8 +134,8 @@ def applied(share_id: str, node: str = NODE) -> c.LimitApplied:
     return c.LimitApplied(share_id=share_id, node=node, level="hard", actual={})
 
 
-def envelope(event: c.Event, position: int) -> c.Envelope:
-    return c.new_envelope(
+def envelope(event: c.Event, position: int) -> Envelope:
+    return new_envelope(
         event, stream_version=1, actor="test", recorded_at=T0, position=position, event_id="e"
     )
 
@@ -151,7 +145,7 @@ class Log:
 
     def __init__(self, *events: c.Event) -> None:
         self.state = ClusterState()
-        self.envelopes: list[c.Envelope] = []
+        self.envelopes: list[Envelope] = []
         for event in events:
             self.add(event)
 
@@ -550,14 +544,14 @@ def test_republished_slice_bumps_policy_version_only_on_change() -> None:
 
 def test_unrecorded_policy_version_from_v1_is_resolved() -> None:
     log = shared_log()
-    payload = json.loads(c.encode_payload(reserve("s-1", "3Gi")))
+    payload = json.loads(encode_payload(reserve("s-1", "3Gi")))
     del payload["shared"], payload["policy_version"]
-    event = c.decode_stored(json.dumps(payload), "reservation.capacity_reserved", 1)
+    event = decode_stored(json.dumps(payload), "reservation.capacity_reserved", 1)
     log.add(event)
     assert log.state.shares["s-1"].policy_version == 1
     payload["share_id"] = "s-2"
     payload["consumed"] = {"memory": "1536Mi"}
-    bad = c.decode_stored(json.dumps(payload), "reservation.capacity_reserved", 1)
+    bad = decode_stored(json.dumps(payload), "reservation.capacity_reserved", 1)
     log.violates(bad, "policy")
 
 

@@ -11,10 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events import catalog as c
+from events.envelopes import new_envelope
 from events.errors import InvariantViolation
-from events.fold import ClusterState, same_state, snapshot_decode, snapshot_encode, to_builtins
+from events.eventcodec import decode_envelope, encode_event, encode_payload
 from events.folding import Refusal, decode, fold_event, fold_stored, refuse
 from events.nesting import MAX_STORED_DEPTH
+from events.state import ClusterState
+from events.statecodec import same_state, snapshot_decode, snapshot_encode, to_builtins
 from tests.unit.test_fold import (
     NODE,
     acquired,
@@ -37,7 +40,7 @@ def _apart(state: ClusterState) -> dict[str, Any]:
 
 
 def _stored(state: ClusterState, event: c.Event) -> c.Event | Refusal:
-    return fold_stored(state, c.encode_payload(event), c.tag_of(event), 1, state.position + 1)
+    return fold_stored(state, encode_payload(event), c.tag_of(event), 1, state.position + 1)
 
 
 def _ready_log() -> ClusterState:
@@ -57,7 +60,7 @@ def _ready_log() -> ClusterState:
 def test_a_payload_that_does_not_decode_is_refused_and_skipped() -> None:
     state = _ready_log()
     before = _apart(state)
-    payload = msgspec.json.decode(c.encode_payload(applied("s-1")))
+    payload = msgspec.json.decode(encode_payload(applied("s-1")))
     payload["level"] = 5  # what a hostile login appended: not hard/soft/none
     refusal = fold_stored(
         state, json.dumps(payload).encode(), "enforcement.limit_applied", 1, state.position + 1
@@ -87,7 +90,7 @@ def test_a_valid_event_the_fold_refuses_is_skipped() -> None:
 
 def test_an_unknown_type_and_a_newer_schema_are_undecodable() -> None:
     state = ClusterState()
-    payload = c.encode_payload(c.ClaimAdmitted(namespace="a", name="b"))
+    payload = encode_payload(c.ClaimAdmitted(namespace="a", name="b"))
     assert isinstance(fold_stored(state, payload, "claims.exploded", 1, 1), Refusal)
     assert isinstance(fold_stored(state, payload, "claims.admitted", 99, 2), Refusal)
     assert isinstance(fold_stored(state, b"not json", "claims.admitted", 1, 3), Refusal)
@@ -191,7 +194,7 @@ def test_a_refused_event_leaves_the_state_exactly_as_before(picks: list[int]) ->
 
 
 def _deep_claim(levels: int) -> bytes:
-    payload = msgspec.json.decode(c.encode_payload(submitted()))
+    payload = msgspec.json.decode(encode_payload(submitted()))
     config = {"opaque": {"driver": "gpu.example.com", "parameters": "HOLE"}}
     payload["claim"]["spec"] = {"devices": {"config": [config]}}
     text = json.dumps(payload)
@@ -215,13 +218,13 @@ def test_a_deep_event_is_read_with_its_deep_part_kept_as_text() -> None:
     assert same_state(snapshot_decode(snapshot_encode(state)), state)  # encodes, decodes
     assert to_builtins(state)["claims"]
     # the bus form of the same event decodes alike (one level more: the envelope)
-    env = c.new_envelope(event, stream_version=1, actor="t", position=1, event_id="e")
-    wire = c.encode_event(env).replace(c.encode_payload(event), payload)
-    assert c.decode_envelope(wire).event == event
+    env = new_envelope(event, stream_version=1, actor="t", position=1, event_id="e")
+    wire = encode_event(env).replace(encode_payload(event), payload)
+    assert decode_envelope(wire).event == event
 
 
 def test_an_event_within_the_bound_decodes_as_it_is() -> None:
     payload = _deep_claim(50)  # 107 levels: under the reading bound
     event = decode(payload, "claims.submitted", 1, 1)
     assert isinstance(event, c.ClaimSubmitted)
-    assert msgspec.json.decode(c.encode_payload(event)) == msgspec.json.decode(payload)
+    assert msgspec.json.decode(encode_payload(event)) == msgspec.json.decode(payload)

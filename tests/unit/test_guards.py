@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from events import catalog
-from events.fold import ClusterState, apply_event
+from events.fold import apply_event
 from events.guards import (
     Acquire,
     Fence,
@@ -27,6 +27,7 @@ from events.guards import (
     guards_of,
     guards_of_many,
 )
+from events.state import ClusterState
 from tests.integration import sample as s
 
 SHARED = s.reserved("ns", "a", consumed="10Gi", share_id="11111111-1111-4111-8111-111111111111")

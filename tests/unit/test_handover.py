@@ -9,13 +9,14 @@ from collections.abc import Callable
 import pytest
 
 from events import catalog as c
+from events.envelopes import Envelope, new_envelope
 from services.runtime.handover import Handover
 from services.runtime.waiting import all_of, first_of
 
 
-def _envelopes(*positions: int) -> list[c.Envelope]:
+def _envelopes(*positions: int) -> list[Envelope]:
     event = c.ClaimAdmitted(namespace="t", name="a")
-    return [c.new_envelope(event, stream_version=p, actor="t", position=p) for p in positions]
+    return [new_envelope(event, stream_version=p, actor="t", position=p) for p in positions]
 
 
 class _Reader:
@@ -74,9 +75,9 @@ def test_a_reader_far_behind_gets_no_more_offers() -> None:
 
 class _Store:
     def __init__(self) -> None:
-        self.listeners: list[Callable[[list[c.Envelope]], None]] = []
+        self.listeners: list[Callable[[list[Envelope]], None]] = []
 
-    def on_commit(self, listener: Callable[[list[c.Envelope]], None]) -> Callable[[], None]:
+    def on_commit(self, listener: Callable[[list[Envelope]], None]) -> Callable[[], None]:
         self.listeners.append(listener)
         return lambda: self.listeners.remove(listener)
 

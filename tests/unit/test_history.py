@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from events.fold import ClaimState, ClusterState, DeviceState
+from events.state import ClaimState, ClusterState, DeviceState
 from services.replay.history import AmbiguousNameError, field_changes, find_entity
 
 

@@ -6,7 +6,8 @@ import copy
 from typing import Any
 
 from events import catalog as c
-from events.fold import ClusterState, apply
+from events.fold import apply
+from events.state import ClusterState
 from services.enforcement.decisions import released
 from services.runtime.holdings import HeldCapacity, held_by_tenant, share_holding
 from tests.unit.decision_fixtures import NODE, Log, gpu, inventory, memory_claim

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from events import catalog as c
-from events.fold import ClusterState
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.enforcement.agent import Agent
 from services.enforcement.decisions import Enforce, Unprepare, kubelet_round, limit_of

@@ -19,8 +19,10 @@ import msgspec
 import pytest
 
 from events import catalog as c
-from events.errors import InvariantViolation
-from events.fold import ClusterState
+from events.envelopes import namespace_of, stream_of
+from events.errors import CatalogError, InvariantViolation
+from events.eventcodec import encode_payload
+from events.state import ClusterState
 from services.replay import logfile
 from services.replay.logfile import LogFileError, LogWriter, read_rows
 from services.replay.verify import fold_rows
@@ -33,16 +35,16 @@ def _row(position: int, event: c.Event, **override: Any) -> list[Any]:
     row = [
         position,
         str(uuid.uuid4()),
-        c.stream_of(event),
+        stream_of(event),
         1,
         c.tag_of(event),
         c.schema_version_of(event),
-        c.namespace_of(event),
+        namespace_of(event),
         "system:test",
         None,
         None,
         T0 + datetime.timedelta(seconds=position),
-        c.encode_payload(event),
+        encode_payload(event),
     ]
     for index, value in override.items():
         row[int(index.lstrip("_"))] = value
@@ -96,7 +98,7 @@ def fold(path: Path, *, lines: bool, to: int | None = None) -> ClusterState:
 def outcome(path: Path, *, lines: bool) -> tuple[str, str]:
     try:
         return "state", repr(fold(path, lines=lines))
-    except (LogFileError, InvariantViolation, c.CatalogError) as exc:
+    except (LogFileError, InvariantViolation, CatalogError) as exc:
         return type(exc).__name__, str(exc)
 
 
@@ -113,7 +115,7 @@ def test_lines_fold_to_the_same_state_as_rows(tmp_path: Path, monkeypatch: Any) 
 
 def test_a_line_to_upcast_takes_the_plain_path(tmp_path: Path) -> None:
     rows = history(2)
-    old = msgspec.json.decode(c.encode_payload(s.reserved("team-a", "old", "gpu-0", "5Gi")))
+    old = msgspec.json.decode(encode_payload(s.reserved("team-a", "old", "gpu-0", "5Gi")))
     del old["shared"], old["policy_version"]  # as schema version 1 wrote it
     rows.append(
         _row(

@@ -9,14 +9,8 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from events.catalog import (
-    DeviceClassApplied,
-    DeviceClassRemoved,
-    Envelope,
-    Event,
-    ResourceSlicePublished,
-)
-from events.fold import ClusterState
+from events.catalog import DeviceClassApplied, DeviceClassRemoved, Event, ResourceSlicePublished
+from events.envelopes import Envelope
 from events.model import (
     CELDeviceSelector,
     DeviceClass,
@@ -24,6 +18,7 @@ from events.model import (
     DeviceSelector,
     ObjectMeta,
 )
+from events.state import ClusterState
 from services.runtime import metrics
 from services.runtime.gauges import (
     CLAIM_OUTCOMES,

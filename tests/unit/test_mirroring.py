@@ -17,8 +17,8 @@ import pytest
 
 from events import catalog as c
 from events import model
-from events.fold import ClusterState
 from events.quantities import Quantity
+from events.state import ClusterState
 from services.claims.kubeobjects import device_statuses, resource_claim_object
 from services.claims.mirroring import decide_claim, decide_deleted, share_id_of
 from services.enforcement.decisions import decide_work, enforce_claim, released

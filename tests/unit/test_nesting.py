@@ -96,9 +96,9 @@ def test_bounded_keeps_every_value_deeper_than_the_bound_as_its_text() -> None:
 
 
 def test_an_api_request_nested_too_deep_is_refused_naming_the_field() -> None:
-    from services.claims import api
+    from services.claims import apicore
 
     body = b'{"name": "x", "junk": ' + b'{"a": ' * 3000 + b"1" + b"}" * 3000 + b"}"
-    with pytest.raises(api._InvalidRequestError) as err:
-        api._decode(body, api._NameRequest)
+    with pytest.raises(apicore.InvalidRequestError) as err:
+        apicore.decode_request(body, apicore.NameRequest)
     assert "64 levels" in str(err.value.rule) and "junk" in str(err.value.field)

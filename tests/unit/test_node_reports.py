@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import pytest
 
 from events import catalog as c
-from events.fold import ClusterState
+from events.envelopes import claim_stream, lease_stream, node_stream, stream_of
+from events.state import ClusterState
 from services.enforcement.decisions import released
 from services.enforcement.leasing import NodeLease
 from services.enforcement.protocol import consumer_name
@@ -145,7 +146,7 @@ ROWS = [
 
 @pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
 def test_what_an_agent_may_report(row: Row) -> None:
-    stream = row.stream or c.stream_of(row.event)
+    stream = row.stream or stream_of(row.event)
     found = refusal(STATE, A, stream, row.event)
     if row.refused is None:
         assert found is None
@@ -155,10 +156,10 @@ def test_what_an_agent_may_report(row: Row) -> None:
 
 
 def test_a_version_check_is_allowed_on_its_own_streams_only() -> None:
-    assert version_check_refusal(STATE, A, c.node_stream(A)) is None
-    assert version_check_refusal(STATE, A, c.claim_stream(NAMESPACE, "a1")) is None
-    assert version_check_refusal(STATE, A, c.claim_stream(NAMESPACE, "b1")) is not None
-    assert version_check_refusal(STATE, A, c.lease_stream(B)) is not None
+    assert version_check_refusal(STATE, A, node_stream(A)) is None
+    assert version_check_refusal(STATE, A, claim_stream(NAMESPACE, "a1")) is None
+    assert version_check_refusal(STATE, A, claim_stream(NAMESPACE, "b1")) is not None
+    assert version_check_refusal(STATE, A, lease_stream(B)) is not None
 
 
 # --- views ------------------------------------------------------------------------------------

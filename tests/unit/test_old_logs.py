@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from events.fold import ClusterState, snapshot_decode, state_digest
+from events.state import ClusterState
+from events.statecodec import snapshot_decode, state_digest
 from services.replay.history import state_at, view
 from services.replay.sources import FileSource
 from services.replay.transfer import check_file

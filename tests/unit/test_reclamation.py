@@ -336,7 +336,8 @@ def test_durations(text: str, seconds: float | None) -> None:
 def test_the_not_started_queue_answers_as_a_walk_over_every_claim() -> None:
     """The reclamation service's queue gives the candidates :func:`not_started` finds
     walking every claim, after every event, and only a class change walks the claims."""
-    from events.fold import ClusterState, apply
+    from events.fold import apply
+    from events.state import ClusterState
     from services.reclamation.service import NotStartedQueue
 
     log = _ready_log("a", "b", "c", "d")

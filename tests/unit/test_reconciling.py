@@ -6,8 +6,8 @@ import datetime
 
 import msgspec
 
-from events.fold import ClaimState, ClusterState, ShareState
 from events.quantities import Quantity
+from events.state import ClaimState, ClusterState, ShareState
 from services.enforcement.checkpointing import CheckpointEntry
 from services.enforcement.enforcers import AppliedLimit, ShareLimit
 from services.enforcement.reconciling import plan_reconcile, plan_return

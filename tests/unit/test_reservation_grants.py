@@ -11,7 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from events import catalog as c
-from events.fold import ClusterState, apply
+from events.envelopes import Envelope
+from events.fold import apply
+from events.state import ClusterState
 from events.subjects import BusNames
 from services.reservation.deriving import live_grants
 from services.reservation.service import ReservationService
@@ -23,16 +25,16 @@ class _Live:
 
     def __init__(self) -> None:
         self.state = ClusterState()
-        self.listeners: list[Callable[[c.Envelope], None]] = []
+        self.listeners: list[Callable[[Envelope], None]] = []
 
-    def subscribe(self, listener: Callable[[c.Envelope], None]) -> Callable[[], None]:
+    def subscribe(self, listener: Callable[[Envelope], None]) -> Callable[[], None]:
         self.listeners.append(listener)
         return lambda: self.listeners.remove(listener)
 
     def on_replaced(self, _listener: Callable[[ClusterState], None]) -> None:
         """Never replaced here (a snapshot check's mismatch replaces a real view)."""
 
-    def add(self, env: c.Envelope) -> None:
+    def add(self, env: Envelope) -> None:
         apply(self.state, env)
         for listener in self.listeners:
             listener(env)

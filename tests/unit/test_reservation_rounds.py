@@ -15,6 +15,7 @@ import pytest
 
 from events import catalog as c
 from events import model
+from events.envelopes import claim_stream
 from events.model import ResourceClaim
 from services.reservation.outcomes import Allocated
 from services.reservation.rounds import Backlog, Round, decide_round
@@ -303,7 +304,7 @@ def _configured(name: str, memory: str) -> ResourceClaim:
 def _bound_of(decided: Round, name: str) -> c.AllocationBound:
     [bound] = [
         e
-        for e, _ in decided.writes[c.claim_stream(NAMESPACE, name)]
+        for e, _ in decided.writes[claim_stream(NAMESPACE, name)]
         if isinstance(e, c.AllocationBound)
     ]
     return bound

@@ -7,7 +7,9 @@ import uuid
 from typing import Any
 
 from events import catalog as c
-from events.fold import ClusterState, apply
+from events.envelopes import Envelope
+from events.fold import apply
+from events.state import ClusterState
 from services.enforcement.decisions import released
 from services.runtime.metrics import REGISTRY
 from services.runtime.slos import SloTracker
@@ -34,8 +36,8 @@ class _Live:
 def _feed(tracker: SloTracker, live: _Live, log: Log, start: int, seconds: float) -> None:
     """Fold and hand over the envelopes from ``start``, recorded ``seconds`` after T0."""
     for env in log.envelopes[start:]:
-        stamped = c.Envelope(
-            **{f: getattr(env, f) for f in c.Envelope.__struct_fields__ if f != "recorded_at"},
+        stamped = Envelope(
+            **{f: getattr(env, f) for f in Envelope.__struct_fields__ if f != "recorded_at"},
             recorded_at=T0 + datetime.timedelta(seconds=seconds),
         )
         apply(live.state, stamped)
@@ -113,11 +115,11 @@ def test_free_capacity_below_a_devices_smallest_grant_is_stranded() -> None:
     assert stranded_ratios(fits.state(), members) == {("gpu.test.io", "memory"): 0.0}
 
 
-def _stamped(log: Log, start: int, seconds: list[float]) -> list[c.Envelope]:
+def _stamped(log: Log, start: int, seconds: list[float]) -> list[Envelope]:
     """The envelopes from ``start``, the i-th recorded ``seconds[i]`` after T0."""
     return [
-        c.Envelope(
-            **{f: getattr(env, f) for f in c.Envelope.__struct_fields__ if f != "recorded_at"},
+        Envelope(
+            **{f: getattr(env, f) for f in Envelope.__struct_fields__ if f != "recorded_at"},
             recorded_at=T0 + datetime.timedelta(seconds=at),
         )
         for env, at in zip(log.envelopes[start:], seconds, strict=True)

@@ -15,7 +15,9 @@ import pytest
 
 from events import catalog as c
 from events.errors import SnapshotError
-from events.fold import ClusterState, apply_event, snapshot_decode, snapshot_encode
+from events.fold import apply_event
+from events.state import ClusterState
+from events.statecodec import snapshot_decode, snapshot_encode
 from services.runtime import snapshots
 from tests.integration import sample as s
 

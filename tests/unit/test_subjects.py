@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from events import catalog as c
+from events.envelopes import Envelope, new_envelope
 from events.subjects import NODE_EVENTS, NODE_REPORTS, BusNames, SubjectError, node_of, node_token
 from tests.unit.test_catalog import every_event
 
@@ -17,8 +18,8 @@ NAMES = BusNames(prefix="dracap")
 _TOKEN = re.compile(r"[^\s.*>]+")
 
 
-def _env(event: c.Event) -> c.Envelope:
-    return c.new_envelope(event, stream_version=1, actor="test")
+def _env(event: c.Event) -> Envelope:
+    return new_envelope(event, stream_version=1, actor="test")
 
 
 def _with_node(event: c.Event, node: str | None) -> c.Event:

@@ -8,10 +8,10 @@ import pytest
 
 from events import catalog as c
 from events.errors import ValidationError
-from events.fold import NamespaceState
 from events.inventory import build_inventory
 from events.manifests import ManifestError, dump_yaml, load_documents
 from events.model import Namespace, ObjectMeta
+from events.state import NamespaceState
 from events.tenancy import (
     NamespacePolicy,
     check_policy,

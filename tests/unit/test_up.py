@@ -16,7 +16,8 @@ import pytest
 
 from events.subjects import BusNames
 from services import up
-from services.up import Stack, invocation
+from services.stack import Stack, read_inventory
+from services.up import invocation
 
 
 @pytest.fixture
@@ -80,7 +81,8 @@ def test_python_dash_m(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 async def test_a_recovery_ends_the_back_off_of_a_failed_service(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(up, "RESTART_MIN_S", 3600.0)  # without a recovery: no restart here
+    # without a recovery: no restart here
+    monkeypatch.setattr("services.stack.RESTART_MIN_S", 3600.0)
     stack = Stack(store=None, nc=None, js=None, names=BusNames(prefix="t"))  # type: ignore[arg-type]
     runs: list[int] = []
     again = asyncio.Event()
@@ -111,7 +113,7 @@ async def _until(condition: Callable[[], bool], within: float = 30.0) -> None:
 
 
 def test_agents_none_means_no_agent() -> None:
-    inventory = up.read_inventory([str(Path(__file__).resolve().parents[2] / "deploy/examples")])
+    inventory = read_inventory([str(Path(__file__).resolve().parents[2] / "deploy/examples")])
     assert inventory.nodes == ["node-a", "node-b"]
     assert up._nodes("none", inventory) == []
     assert up._nodes("auto", inventory) == ["node-a", "node-b"]

@@ -16,6 +16,13 @@ import pytest
 from events import model, validation
 from events.errors import ValidationError
 from events.features import FeatureGates
+from events.fieldchecks import (
+    is_dns_label,
+    is_dns_subdomain,
+    is_fully_qualified_name,
+    is_qualified_name,
+    split_qualified_name,
+)
 
 Data = dict[str, Any]
 DELETE = object()
@@ -1132,15 +1139,15 @@ def test_valid_edge_cases() -> None:
 def test_name_helpers(
     name: str, label: bool, subdomain: bool, qualified: bool, fully: bool
 ) -> None:
-    assert validation.is_dns_label(name) is label
-    assert validation.is_dns_subdomain(name) is subdomain
-    assert validation.is_qualified_name(name) is qualified
-    assert validation.is_fully_qualified_name(name) is fully
+    assert is_dns_label(name) is label
+    assert is_dns_subdomain(name) is subdomain
+    assert is_qualified_name(name) is qualified
+    assert is_fully_qualified_name(name) is fully
 
 
 def test_split_qualified_name() -> None:
-    assert validation.split_qualified_name("memory", "gpu.dracap.io") == ("gpu.dracap.io", "memory")
-    assert validation.split_qualified_name("x.io/memory", "gpu.dracap.io") == ("x.io", "memory")
+    assert split_qualified_name("memory", "gpu.dracap.io") == ("gpu.dracap.io", "memory")
+    assert split_qualified_name("x.io/memory", "gpu.dracap.io") == ("x.io", "memory")
 
 
 def test_validate_rejects_other_types() -> None:

@@ -37,7 +37,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
-from events.validation import DRIVER_NAME_MAX_LENGTH, is_dns_subdomain
+from events.fieldchecks import DRIVER_NAME_MAX_LENGTH, is_dns_subdomain
 from services.runtime.kubeletapi import dra_health_v1alpha1_pb2 as health_pb
 from services.runtime.kubeletapi import dra_v1_pb2 as dra_pb
 from services.runtime.kubeletapi import pluginregistration_pb2 as reg_pb
