@@ -710,9 +710,11 @@ class Consumer:
             return
         try:
             await held.connection.execute("SELECT pg_advisory_unlock($1)", self._lock_key)
-        except BaseException:
+        except BaseException as exc:
             held.connection.terminate()  # the pool resets nothing: the lock must not stay
-            raise
+            if not is_unreachable(exc):
+                raise
+            # the session died with its server (a failover): its lock went with it
         finally:
             await self._store.pool.release(held.connection)
 

@@ -4,8 +4,10 @@ Callers decide what to do by type, never by message text::
 
     RuntimeServiceError
     ├── RetryableError        transient: serialization failure, deadlock, lost
-    │                         connection, statement timeout, a NATS request nobody
-    │                         answered (yet); the same call may succeed
+    │                         connection, statement timeout, a failover (no host
+    │                         accepts writes yet, a session on a server that turned
+    │                         read-only), a NATS request nobody answered (yet); the
+    │                         same call may succeed
     ├── PermanentError        the same call will fail the same way again
     │   ├── InvalidEvent      an event is not part of the catalog or fails validation
     │   │                     (here, or in the database: SQLSTATE DR006)
@@ -171,6 +173,11 @@ _RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.CannotConnectNowError,
     asyncpg.TooManyConnectionsError,
     asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    # a failover (services.runtime.failover): no host accepts writes yet
+    # (TargetServerAttributeNotMatched), or a session on a server that is read-only now
+    asyncpg.InternalClientError,  # also a pooled connection whose server just died
+    asyncpg.ReadOnlySQLTransactionError,
     ConnectionError,
     OSError,
     asyncio.TimeoutError,
