@@ -89,6 +89,7 @@ from events.model import decode_hook
 from services.runtime.dbclock import DatabaseClock
 from services.runtime.errors import (
     ConflictError,
+    ConnectionLost,
     InvalidEvent,
     RetryableError,
     RuntimeServiceError,
@@ -575,8 +576,6 @@ class EventStore:
                 if ambiguous and (stored := await self._stored_already(pending)):
                     return self._found_committed(stored, pending)
                 return await self._append_pooled(batches, pending)
-            except RuntimeServiceError:
-                raise
             except Exception as exc:
                 mapped = map_database_error(exc, stream=stream)
                 # the earlier try may have committed meanwhile (its server was slow, not
@@ -585,6 +584,8 @@ class EventStore:
                 if conflict and (stored := await self._stored_already(pending)):
                     return self._found_committed(stored, pending)
                 if not isinstance(mapped, RetryableError) or not await deadline.wait():
+                    if mapped is exc:
+                        raise
                     raise mapped from exc
                 ambiguous = ambiguous or is_ambiguous(exc)
 
@@ -608,6 +609,10 @@ class EventStore:
                 stored = await self._write(connection, batches, pending)
             except asyncpg.ReadOnlySQLTransactionError:
                 connection.terminate()  # a demoted primary: connect again, to the new one
+                raise
+            except Exception as exc:
+                if connection.is_closed():  # whatever asyncpg raised: the session broke
+                    raise ConnectionLost(f"connection lost during an append: {exc}") from exc
                 raise
         self._committed(stored, pending)
         return stored
@@ -750,15 +755,19 @@ class EventStore:
         deadline = Deadline(self._settings.failover_timeout_s)
         position = from_position
         while True:
+            lost = False
             try:
                 async with self._pool.acquire() as connection:
-                    async for rows in iter_rows(connection, position, batch_size, to_position):
-                        position = rows[-1][0]
-                        yield rows
+                    try:
+                        async for rows in iter_rows(connection, position, batch_size, to_position):
+                            position = rows[-1][0]
+                            yield rows
+                    finally:
+                        lost = connection.is_closed()
                 return
             except Exception as exc:
-                mapped = map_database_error(exc)
-                if not isinstance(mapped, RetryableError) or not await deadline.wait():
+                retryable = lost or isinstance(map_database_error(exc), RetryableError)
+                if not retryable or not await deadline.wait():
                     raise
 
     async def read_all(

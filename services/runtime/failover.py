@@ -48,7 +48,7 @@ from typing import Any, Final
 
 import asyncpg
 
-from services.runtime.errors import RetryableError, map_database_error
+from services.runtime.errors import ConnectionLost, RetryableError, map_database_error
 
 __all__ = [
     "AMBIGUOUS",
@@ -67,6 +67,7 @@ BACKOFF_MAX_S: Final = 0.5
 #: Failures after which an append may or may not have been committed: the connection
 #: broke while the statement ran (the server died, or was shut down under it).
 AMBIGUOUS: Final[tuple[type[BaseException], ...]] = (
+    ConnectionLost,
     asyncpg.ConnectionDoesNotExistError,
     asyncpg.AdminShutdownError,
     asyncpg.CrashShutdownError,
