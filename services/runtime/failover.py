@@ -71,7 +71,6 @@ AMBIGUOUS: Final[tuple[type[BaseException], ...]] = (
     asyncpg.ConnectionDoesNotExistError,
     asyncpg.AdminShutdownError,
     asyncpg.CrashShutdownError,
-    asyncpg.InternalClientError,
     ConnectionError,
     OSError,
     asyncio.TimeoutError,
