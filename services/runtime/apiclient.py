@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 
 from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
-from services.runtime.bus import server_urls
+from services.runtime.bus import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S, server_urls
 from services.runtime.credentials import Credential
 from services.runtime.endpoints import reaching
 from services.runtime.replies import Assembly, ReplyPartError
@@ -157,6 +157,8 @@ class ApiClient:
                 servers=servers,
                 connect_timeout=3,
                 allow_reconnect=len(servers) > 1,
+                ping_interval=PING_INTERVAL_S,  # a hung server: lost after two pings
+                max_outstanding_pings=MAX_OUTSTANDING_PINGS,
                 max_reconnect_attempts=1,  # 0 would mean "forever" to nats-py
                 reconnect_time_wait=0.1,
                 error_cb=denials.error,

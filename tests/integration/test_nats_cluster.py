@@ -4,8 +4,8 @@ item 2).
 Three nats-servers with JetStream (:func:`tests.fixtures.replicas.nats_cluster`), the
 in-process stack given all three (a comma-separated list) and the events stream with
 three replicas (``stream_replicas``; its durables take the stream's). A burst of claims
-is applied; in its middle the server that leads the events stream is killed (SIGKILL).
-Then:
+is applied; in its middle the server that leads the events stream is killed (SIGKILL),
+or hangs (SIGSTOP: its connections stay open, only pings tell). Then:
 
 * every claim is acknowledged (a request lost with its server is asked again, as any
   client does: applying a claim twice changes nothing);
@@ -17,6 +17,7 @@ Then:
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -53,6 +54,7 @@ async def cluster(settings: Settings, nats3: NatsCluster, tmp_path: Path) -> Asy
     replicated = msgspec.structs.replace(settings, stream_replicas=3, nats_ping_interval_s=1.0)
     async with running_cluster(replicated, nats3.url, tmp_path, INVENTORY) as running:
         yield running
+    gc.collect()  # what nats-py leaked (see _NATS_PY_LEAK) is collected in this test
 
 
 async def _apply(api: ApiClient, name: str, deadline: float) -> None:
@@ -112,15 +114,30 @@ async def _log_ids(cluster: Cluster) -> list[str]:
     return ids
 
 
+#: nats-py (2.x) leaks the socket of a reconnect attempt that reached a hung server
+#: but never got its INFO: the StreamWriter is replaced without being closed, and
+#: asyncio warns when it is collected. Not dracap's to close; collected at teardown.
+_NATS_PY_LEAK = [
+    pytest.mark.filterwarnings("ignore:unclosed <StreamWriter:ResourceWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:Exception ignored in. <function StreamWriter.__del__"
+        ":pytest.PytestUnraisableExceptionWarning"
+    ),
+]
+
+
+@pytest.mark.parametrize("fault", ["kill", pytest.param("pause", marks=_NATS_PY_LEAK)])
 async def test_losing_the_stream_leader_mid_burst_loses_nothing(
-    cluster: Cluster, nats3: NatsCluster, caplog: pytest.LogCaptureFixture
+    cluster: Cluster, nats3: NatsCluster, caplog: pytest.LogCaptureFixture, fault: str
 ) -> None:
+    """``kill``: the leader's process is gone (its sockets closed at once); ``pause``: it
+    hangs (SIGSTOP), its sockets open, and only the clients' pings tell it is lost."""
     with _tracebacks(caplog) as tracebacks:
-        await _lose_the_leader(cluster, nats3)
+        await _lose_the_leader(cluster, nats3, fault)
     assert not tracebacks, "\n".join(tracebacks)
 
 
-async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster) -> None:
+async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster, fault: str) -> None:
     api, stack = cluster.api, cluster.stack
     info = await stack.js.stream_info(stack.names.stream)
     assert info.config.num_replicas == 3
@@ -131,13 +148,14 @@ async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster) -> None:
     assert not burst.done(), "the burst ended before the server was lost"
     leader = (await stack.js.stream_info(stack.names.stream)).cluster
     assert leader is not None and leader.leader
-    await asyncio.to_thread(nats3.kill, nats3.node(leader.leader))
+    lost = nats3.node(leader.leader)
+    await asyncio.to_thread(nats3.kill if fault == "kill" else nats3.pause, lost)
     await asyncio.wait_for(burst, 90)
 
     assert sorted(acked) == sorted(names)
     for name in names:
         await view_when(api, name, lambda v: bool(v.get("ready")), within=60)
-    survivors = ",".join(n.url for n in nats3.nodes if n.alive())
+    survivors = ",".join(n.url for n in nats3.nodes if n is not lost)
     deadline = time.monotonic() + 30
     while True:  # the relay may still be publishing the newest events
         log_ids = await _log_ids(cluster)
