@@ -171,7 +171,7 @@ from services.claims.views import (
 from services.runtime import recorded
 from services.runtime.committing import GroupCommitter
 from services.runtime.credentials import Directory
-from services.runtime.errors import CapacityExceeded, ConflictError
+from services.runtime.errors import CapacityExceeded, ConflictError, RetryableError
 from services.runtime.eventstore import Batch, EventStore, Metadata
 from services.runtime.livestate import HEAD, SEEN, LiveState
 from services.runtime.metrics import CLAIMS, REJECTIONS
@@ -441,8 +441,14 @@ class ClaimsApi:
                 except _InvalidRequestError as exc:
                     reply = _invalid_reply(exc)
                 except Exception as exc:
-                    log.exception("request on %s failed", request.subject)
-                    reply = error_reply("internal", f"{type(exc).__name__}: {exc}")
+                    if isinstance(exc, RetryableError) or is_unreachable(exc):
+                        # a server stayed away (past a failover's deadline): the caller
+                        # may try again; not a bug, so no traceback
+                        log.warning("request on %s failed: %s", request.subject, one_line(exc))
+                        reply = error_reply("unavailable", f"try again: {one_line(exc)}")
+                    else:
+                        log.exception("request on %s failed", request.subject)
+                        reply = error_reply("internal", f"{type(exc).__name__}: {exc}")
                 with contextlib.suppress(Exception):
                     await send_reply(request, reply, self.nc.max_payload)
 

@@ -96,7 +96,13 @@ from services.runtime.errors import (
     StaleEpoch,
     map_database_error,
 )
-from services.runtime.failover import Connector, Deadline, connect_through, is_ambiguous
+from services.runtime.failover import (
+    Connector,
+    Deadline,
+    connect_through,
+    is_ambiguous,
+    quiet_pool_log,
+)
 from services.runtime.rows import SELECT, decoded, envelope_of, envelope_with
 from services.runtime.settings import Settings
 
@@ -463,6 +469,7 @@ class EventStore:
         to either hears of the appends of both (:mod:`services.runtime.servicestores`).
         """
         connector = Connector(settings.failover_timeout_s)
+        quiet_pool_log()
         pool = await asyncpg.create_pool(
             settings.database_url,
             min_size=settings.pool_min_size,

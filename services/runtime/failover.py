@@ -57,6 +57,7 @@ __all__ = [
     "Deadline",
     "connect_through",
     "is_ambiguous",
+    "quiet_pool_log",
 ]
 
 _log = logging.getLogger("dracap.failover")
@@ -175,6 +176,31 @@ class Connector:
             connection: asyncpg.Connection = await asyncpg.connect(dsn, **options)
             return connection
         return await connect_through(dsn, self._timeout, **options)
+
+
+class _PoolLogLine(logging.Filter):
+    """asyncpg's pool logs, with a traceback, each failure to refill its floor of
+    connections; while no server accepts writes that is the failover, not a bug: one
+    warning line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and isinstance(map_database_error(exc), RetryableError):
+            record.msg = f"{record.getMessage()}: {_line(exc)}"
+            record.args = None
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_POOL_LOG_LINE: Final = _PoolLogLine()
+
+
+def quiet_pool_log() -> None:
+    """Have asyncpg's pool log a failover as one line (see :class:`_PoolLogLine`)."""
+    pool_log = logging.getLogger("asyncpg.pool")
+    if _POOL_LOG_LINE not in pool_log.filters:
+        pool_log.addFilter(_POOL_LOG_LINE)
 
 
 def _line(exc: BaseException) -> str:

@@ -34,7 +34,7 @@ import yaml
 from events import catalog as c
 from services.replay.verify import summary, verify
 from services.runtime import migrating
-from services.runtime.apiclient import ApiClient
+from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.settings import Settings
 from tests.fixtures.replicas import PostgresPair, postgres_binaries, postgres_pair
 from tests.integration.cluster import Cluster, running_cluster
@@ -212,3 +212,30 @@ async def test_a_failover_mid_burst_loses_no_acknowledged_claim(
     assert not tracebacks, "\n".join(tracebacks)
     report = await verify(msgspec.structs.replace(ha_settings, database_url=promoted))
     assert report.ok, summary(report)
+
+
+@pytest.fixture
+async def short_deadline(
+    ha_settings: Settings, nats_url: str, tmp_path: Path
+) -> AsyncIterator[Cluster]:
+    """The stack with a 2 s failover deadline."""
+    settings = msgspec.structs.replace(ha_settings, failover_timeout_s=2.0)
+    async with running_cluster(settings, nats_url, tmp_path, INVENTORY) as running:
+        yield running
+
+
+async def test_a_failover_past_the_deadline_is_a_refusal_to_retry(
+    short_deadline: Cluster, pair: PostgresPair, caplog: pytest.LogCaptureFixture
+) -> None:
+    api = short_deadline.api
+    api.timeout = 60.0
+    await api.claims(NAMESPACE, "apply", _claim("before"))
+    with _tracebacks(caplog) as tracebacks:
+        await asyncio.to_thread(pair.kill_primary)
+        with pytest.raises(ApiError) as refused:
+            await api.claims(NAMESPACE, "apply", _claim("during"))
+        assert refused.value.code == "unavailable", refused.value
+        await asyncio.to_thread(pair.promote)
+        await api.claims(NAMESPACE, "apply", _claim("during"))  # asked again: served
+        await view_when(api, "during", lambda v: bool(v.get("ready")), within=60)
+    assert not tracebacks, "\n".join(tracebacks)
