@@ -57,8 +57,9 @@ async def cluster(settings: Settings, nats3: NatsCluster, tmp_path: Path) -> Asy
     gc.collect()  # what nats-py leaked (see _NATS_PY_LEAK) is collected in this test
 
 
-async def _apply(api: ApiClient, name: str, deadline: float) -> None:
+async def _apply(api: ApiClient, name: str) -> None:
     """Apply until acknowledged: a request lost with its server is asked again."""
+    deadline = time.monotonic() + 45
     while True:
         try:
             await api.claims(NAMESPACE, "apply", _claim(name))
@@ -71,11 +72,10 @@ async def _apply(api: ApiClient, name: str, deadline: float) -> None:
 
 async def _burst(api: ApiClient, names: list[str], acked: list[str]) -> None:
     slots = asyncio.Semaphore(CONCURRENCY)
-    deadline = time.monotonic() + 60
 
     async def one(name: str) -> None:
         async with slots:
-            await _apply(api, name, deadline)
+            await _apply(api, name)
             acked.append(name)
 
     await asyncio.gather(*(one(name) for name in names))
