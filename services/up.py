@@ -212,7 +212,8 @@ class Stack:
         self.gauges: CapacityGauges | None = None  #: the capacity gauges (set on start)
         self.slos: Any = None  #: the service-level tracker (set on start)
         self.holdings: Any = None  #: capacity held per tenant (set on start)
-        self.stream_replicas = 1  #: the events stream's replicas (DRACAP_STREAM_REPLICAS)
+        #: the events stream's replicas (DRACAP_STREAM_REPLICAS; None: 1, or as it is)
+        self.stream_replicas: int | None = None
 
     def spawn(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``start()`` as a supervised task: restarted with back-off if it fails."""

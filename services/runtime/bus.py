@@ -18,7 +18,8 @@ Stream configuration, and why:
   refuses both API calls for this stream, whoever sends them, and no update can lift
   the flags once set; the stream only loses messages by age;
 * **replicas** (``Settings.stream_replicas``, ``DRACAP_STREAM_REPLICAS``,
-  ``dracap serve relay --stream-replicas N``; default 1): on a clustered NATS, 3 keeps
+  ``dracap serve relay --stream-replicas N``; unset: a new stream gets 1 and an
+  existing one keeps its own, so only a number given changes it): on a clustered NATS, 3 keeps
   the stream — and every durable consumer, which takes its stream's replica count
   (``num_replicas`` 0) — on three servers: a publish is acknowledged once a majority
   stored it, and the loss of one server (the stream's leader too) loses nothing
@@ -220,13 +221,14 @@ def stream_config(
     duplicate_window: float = DUPLICATE_WINDOW_S,
     max_age: float = MAX_AGE_S,
     first_seq: int | None = None,
-    replicas: int = 1,
+    replicas: int | None = None,
 ) -> StreamConfig:
     """The configuration of the events stream (see the module docstring); ``first_seq``:
     the sequence its first message takes (a stream rebuilt from the log starts at the
-    first position it republishes); ``replicas``: its copies on a clustered NATS."""
+    first position it republishes); ``replicas``: its copies on a clustered NATS (None:
+    1)."""
     return StreamConfig(
-        num_replicas=replicas,
+        num_replicas=replicas or 1,
         name=names.stream,
         subjects=[names.events_subjects],
         storage=StorageType.FILE,
@@ -249,12 +251,13 @@ async def ensure_stream(
     max_age: float = MAX_AGE_S,
     first_seq: int | None = None,
     current: StreamInfo | None = None,
-    replicas: int = 1,
+    replicas: int | None = None,
 ) -> StreamInfo:
     """Create the events stream, or update an existing one to this configuration
     (``first_seq`` counts only for a stream created now; ``current``: the stream's info
     just read, which spares reading it again; ``replicas``: its copies, changed on an
-    existing stream too — nats-server adds or removes peers).
+    existing stream too — nats-server adds or removes peers; None: 1 for a new stream,
+    an existing one keeps its own).
 
     A failure is an error of the runtime tree (:func:`~services.runtime.errors.map_bus_error`).
     """
@@ -266,13 +269,13 @@ async def ensure_stream(
         replicas=replicas,
     )
     try:
-        return await _ensure(js, config, current)
+        return await _ensure(js, config, current, keep_replicas=replicas is None)
     except (nats.errors.Error, OSError) as exc:
         raise map_bus_error(exc, subject=names.events_subjects) from exc
 
 
 async def _ensure(
-    js: JetStreamContext, config: StreamConfig, current: StreamInfo | None
+    js: JetStreamContext, config: StreamConfig, current: StreamInfo | None, *, keep_replicas: bool
 ) -> StreamInfo:
     name = config.name
     assert name is not None
@@ -285,6 +288,8 @@ async def _ensure(
             if exc.err_code != STREAM_NAME_IN_USE:
                 raise
             current = await js.stream_info(name)
+    if keep_replicas:  # nobody asked for a number: an operator's choice stays
+        config = config.evolve(num_replicas=current.config.num_replicas)
     if _differs(current.config, config):
         return await js.update_stream(config.evolve(first_seq=None))
     return current

@@ -108,7 +108,7 @@ class BusKeeper:
         max_age: float = MAX_AGE_S,
         duplicate_window: float = DUPLICATE_WINDOW_S,
         interval: float = CHECK_INTERVAL_S,
-        replicas: int = 1,
+        replicas: int | None = None,
     ) -> None:
         self._store = store
         #: the stream's replicas (its durables take the same: :mod:`services.runtime.bus`)

@@ -13,8 +13,9 @@ variable                        meaning                                      def
                                 replicated server)
 ``DRACAP_NATS_URL``             NATS server URL, or several servers of one   local
                                 cluster, comma-separated
-``DRACAP_STREAM_REPLICAS``      replicas of the events stream and its        1
-                                consumers (3 on a clustered NATS)
+``DRACAP_STREAM_REPLICAS``      replicas of the events stream and its        keep
+                                consumers (3 on a clustered NATS); unset: a
+                                new stream gets 1, an existing one keeps its
 ``DRACAP_NATS_PING_INTERVAL_S`` seconds between a NATS client's pings; two   5
                                 unanswered pings: the server is lost
 ``DRACAP_STATEMENT_TIMEOUT_MS`` ``statement_timeout`` of every connection    30000
@@ -91,8 +92,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     #: seconds a failover may last: connects, appends and log reads are tried again
     #: for this long (:mod:`services.runtime.failover`)
     failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S
-    #: replicas of the events stream and its durable consumers (1: one nats-server)
-    stream_replicas: int = 1
+    #: replicas of the events stream and its durable consumers; None: a new stream gets
+    #: 1 (one nats-server), an existing one keeps its own
+    stream_replicas: int | None = None
     #: seconds between two pings of a NATS client (a server that misses two is lost)
     nats_ping_interval_s: float = DEFAULT_NATS_PING_INTERVAL_S
     #: service kind (a :class:`ServiceKind`) -> the URL its services connect with, as that
@@ -159,7 +161,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         failover_timeout_s=_seconds(
             env, "DRACAP_FAILOVER_TIMEOUT_S", DEFAULT_FAILOVER_TIMEOUT_S, 0.0
         ),
-        stream_replicas=stream_replicas(_int(env, "DRACAP_STREAM_REPLICAS", 1, 1)),
+        stream_replicas=(
+            stream_replicas(_int(env, "DRACAP_STREAM_REPLICAS", 1, 1))
+            if env.get("DRACAP_STREAM_REPLICAS")
+            else None
+        ),
         nats_ping_interval_s=_seconds(
             env, "DRACAP_NATS_PING_INTERVAL_S", DEFAULT_NATS_PING_INTERVAL_S, 0.1
         ),

@@ -27,8 +27,10 @@ import msgspec
 import pytest
 from nats.js.api import Header
 
+from events.subjects import BusNames
 from services.runtime.apiclient import ApiClient
-from services.runtime.bus import connect_bus
+from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.endpoints import EndpointError
 from services.runtime.relaying import outgoing
 from services.runtime.settings import Settings
 from tests.fixtures.replicas import NatsCluster, nats_binary, nats_cluster
@@ -68,6 +70,18 @@ async def _apply(api: ApiClient, name: str) -> None:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+async def _ready(api: ApiClient, name: str) -> None:
+    """Until the claim is ready; a watch lost with its server is started again."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            await view_when(api, name, lambda v: bool(v.get("ready")), within=30)
+            return
+        except EndpointError:  # no reply: the request went to the lost server
+            if time.monotonic() > deadline:
+                raise
 
 
 async def _burst(api: ApiClient, names: list[str], acked: list[str]) -> None:
@@ -154,7 +168,7 @@ async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster, fault: str) -> 
 
     assert sorted(acked) == sorted(names)
     for name in names:
-        await view_when(api, name, lambda v: bool(v.get("ready")), within=60)
+        await _ready(api, name)
     survivors = ",".join(n.url for n in nats3.nodes if n is not lost)
     deadline = time.monotonic() + 30
     while True:  # the relay may still be publishing the newest events
@@ -167,3 +181,17 @@ async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster, fault: str) -> 
         await asyncio.sleep(0.2)
     assert len(set(stream_ids)) == len(stream_ids), "an event is in the stream twice"
     assert stream_ids == log_ids, "the stream holds the log, in order"
+
+
+async def test_the_stream_keeps_its_replicas_unless_told(nats3: NatsCluster) -> None:
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
+    nc, js = await connect_bus(nats3.url)
+    try:
+        assert (await ensure_stream(js, names, replicas=3)).config.num_replicas == 3
+        assert (await ensure_stream(js, names)).config.num_replicas == 3, "kept"
+        assert (await ensure_stream(js, names, replicas=1)).config.num_replicas == 1
+        await js.delete_stream(names.stream)
+        assert (await ensure_stream(js, names)).config.num_replicas == 1, "a new one: 1"
+    finally:
+        await js.delete_stream(names.stream)
+        await nc.close()

@@ -65,10 +65,10 @@ def test_a_syntax_error_stays_permanent() -> None:
 
 def test_the_defaults_keep_one_server() -> None:
     settings = load_settings({})
-    assert settings.stream_replicas == 1
+    assert settings.stream_replicas is None  # a new stream gets 1, an old one keeps its own
     assert settings.failover_timeout_s == 30.0
     assert settings.nats_ping_interval_s == 5.0
-    assert Settings().stream_replicas == 1
+    assert Settings().stream_replicas is None
 
 
 def test_the_variables_are_read() -> None:
