@@ -9,7 +9,9 @@ their commands already; this module gives the others theirs:
 * ``relay``: the transactional outbox, from the event log to the JetStream stream
   (:class:`~services.runtime.relaying.Relay`); run one. It owns the stream and the
   services' durable consumers and puts them back if the broker loses them
-  (:mod:`services.runtime.rebuilding`);
+  (:mod:`services.runtime.rebuilding`); ``--stream-replicas N`` (else
+  ``DRACAP_STREAM_REPLICAS``, else 1) is how many servers of a clustered NATS keep the
+  stream and its consumers;
 * ``claims``: the claims and admin API (:class:`~services.claims.api.ClaimsApi`) with
   its live state; instances share the load in their NATS queue group. It uses no
   JetStream at all;
@@ -58,7 +60,7 @@ from services.runtime.eventstore import EventStore
 from services.runtime.health import consumers_probe
 from services.runtime.hosting import run_service
 from services.runtime.livestate import LiveState
-from services.runtime.settings import ServiceKind
+from services.runtime.settings import ServiceKind, SettingsError, stream_replicas
 from services.runtime.storehosting import ServiceContext, serving
 
 log = logging.getLogger("dracap.serve")
@@ -130,7 +132,8 @@ async def _service(
         from services.runtime.rebuilding import BusKeeper
         from services.runtime.relaying import Relay
 
-        keeper = BusKeeper(store, context.js, names, durables.relay_owned(names))
+        replicas = args.stream_replicas or context.settings.stream_replicas
+        keeper = BusKeeper(store, context.js, names, durables.relay_owned(names), replicas=replicas)
         return Relay(store, context.js, names, keeper=keeper).run
     live = await context.live_state()
     if name == "kubernetes-bridge":
@@ -254,6 +257,21 @@ def register(sub: Any) -> None:
         help="kubernetes-bridge: the kubeconfig (default: in-cluster, else $KUBECONFIG, "
         "else ~/.kube/config)",
     )
+    parser.add_argument(
+        "--stream-replicas",
+        type=_replicas,
+        default=None,
+        metavar="N",
+        help="relay: copies of the events stream and its consumers on a clustered NATS "
+        "(default $DRACAP_STREAM_REPLICAS, else 1; 3 rides out the loss of a server)",
+    )
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     parser.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR")
     parser.set_defaults(func=run)
+
+
+def _replicas(text: str) -> int:
+    try:
+        return stream_replicas(int(text), "--stream-replicas")
+    except (ValueError, SettingsError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

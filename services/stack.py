@@ -146,6 +146,8 @@ class Stack:
         self.gauges: CapacityGauges | None = None  #: the capacity gauges (set on start)
         self.slos: Any = None  #: the service-level tracker (set on start)
         self.holdings: Any = None  #: capacity held per tenant (set on start)
+        #: the events stream's replicas (DRACAP_STREAM_REPLICAS; None: 1, or as it is)
+        self.stream_replicas: int | None = None
 
     def spawn(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``start()`` as a supervised task: restarted with back-off if it fails."""
@@ -217,7 +219,10 @@ class Stack:
 
             async def login(role: str, credential: Credential | None) -> tuple[Any, Any]:
                 nc, js = await connect_bus(
-                    settings.nats_url, name=f"dracap-{role}", credential=credential
+                    settings.nats_url,
+                    name=f"dracap-{role}",
+                    credential=credential,
+                    ping_interval=settings.nats_ping_interval_s,
                 )
                 connections.append(nc)
                 return nc, js
@@ -234,6 +239,7 @@ class Stack:
             stack = cls(
                 stores.reader, nc, js, names, stores=stores, logins=logins, directory=directory
             )
+            stack.stream_replicas = settings.stream_replicas
             try:
                 await start_services(stack, nodes=nodes, workers=workers)
                 yield stack
@@ -309,7 +315,9 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     js, names, stop, stores = stack.js, stack.names, stack.stop, stack.stores
     relay_store = stores.of(ServiceKind.RELAY)
     # the relay owns the stream and the services' durables: in place before they pull
-    keeper = BusKeeper(relay_store, js, names, durables.relay_owned(names))
+    keeper = BusKeeper(
+        relay_store, js, names, durables.relay_owned(names), replicas=stack.stream_replicas
+    )
     relay = Relay(relay_store, js, names, keeper=keeper)
     await keeper.ensure(await relay.load_checkpoint(), None)
     stack.spawn("relay", functools.partial(relay.run, stop))

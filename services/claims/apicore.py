@@ -43,9 +43,10 @@ from services.claims.views import ClaimsTouched, ClaimView, claim_view
 from services.runtime import recorded
 from services.runtime.committing import GroupCommitter
 from services.runtime.credentials import Directory
-from services.runtime.errors import ConflictError
+from services.runtime.errors import ConflictError, RetryableError
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, SEEN, LiveState
+from services.runtime.outages import is_unreachable, one_line
 from services.runtime.queries import admin_caller, error_reply, send_reply, tenant_caller
 from services.runtime.selectorpool import SelectorPool
 
@@ -186,8 +187,14 @@ class ApiCore:
                 except InvalidRequestError as exc:
                     reply = invalid_reply(exc)
                 except Exception as exc:
-                    log.exception("request on %s failed", request.subject)
-                    reply = error_reply("internal", f"{type(exc).__name__}: {exc}")
+                    if isinstance(exc, RetryableError) or is_unreachable(exc):
+                        # a server stayed away (past a failover's deadline): the caller
+                        # may try again; not a bug, so no traceback
+                        log.warning("request on %s failed: %s", request.subject, one_line(exc))
+                        reply = error_reply("unavailable", f"try again: {one_line(exc)}")
+                    else:
+                        log.exception("request on %s failed", request.subject)
+                        reply = error_reply("internal", f"{type(exc).__name__}: {exc}")
                 with contextlib.suppress(Exception):
                     await send_reply(request, reply, self.nc.max_payload)
 

@@ -74,6 +74,7 @@ from services.runtime.errors import ConflictError, RetryableError
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.metrics import CLAIMS, FENCE_HOOK_RUNS, NODE_TRANSITIONS
+from services.runtime.outages import is_unreachable, one_line
 
 __all__ = ["DEFAULT_POLL_S", "DUE_PER_TICK", "NotStartedQueue", "ReclamationService"]
 
@@ -231,8 +232,12 @@ class ReclamationService:
         while not stop.is_set():
             try:
                 await self.tick()
-            except (RetryableError, OSError, asyncpg.PostgresError) as exc:
-                log.warning("%s: tick skipped: %s", self.name, exc)
+            except Exception as exc:
+                # asyncpg.InterfaceError: a pooled session closed under the query (failover)
+                expected = (RetryableError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
+                if not (isinstance(exc, expected) or is_unreachable(exc)):
+                    raise
+                log.warning("%s: tick skipped: %s", self.name, one_line(exc))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.poll_s)
 

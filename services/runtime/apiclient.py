@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 
 from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
+from services.runtime.bus import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S, server_urls
 from services.runtime.credentials import Credential
 from services.runtime.endpoints import reaching
 from services.runtime.replies import Assembly, ReplyPartError
@@ -143,14 +144,21 @@ class ApiClient:
     async def connect(
         cls, url: str, prefix: str, credential: Credential | None = None
     ) -> AsyncIterator[ApiClient]:
-        """A client over a new connection, logged in as ``credential`` when given."""
+        """A client over a new connection, logged in as ``credential`` when given.
+
+        ``url``: one server, or a cluster's, comma-separated: then each is tried once (at
+        the start, and once more should the one reached be lost), and a command rides
+        out the loss of one server."""
         denials = _Denials()
         login = credential.connect_options() if credential is not None else {}
+        servers = server_urls(url)
         with reaching("NATS", url):
             nc = await nats.connect(
-                url,
+                servers=servers,
                 connect_timeout=3,
-                allow_reconnect=False,
+                allow_reconnect=len(servers) > 1,
+                ping_interval=PING_INTERVAL_S,  # a hung server: lost after two pings
+                max_outstanding_pings=MAX_OUTSTANDING_PINGS,
                 max_reconnect_attempts=1,  # 0 would mean "forever" to nats-py
                 reconnect_time_wait=0.1,
                 error_cb=denials.error,

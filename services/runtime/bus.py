@@ -17,6 +17,14 @@ Stream configuration, and why:
 * **no purge, no message deletes** (``deny_purge``, ``deny_delete``): nats-server
   refuses both API calls for this stream, whoever sends them, and no update can lift
   the flags once set; the stream only loses messages by age;
+* **replicas** (``Settings.stream_replicas``, ``DRACAP_STREAM_REPLICAS``,
+  ``dracap serve relay --stream-replicas N``; unset: a new stream gets 1 and an
+  existing one keeps its own, so only a number given changes it): on a clustered NATS, 3 keeps
+  the stream — and every durable consumer, which takes its stream's replica count
+  (``num_replicas`` 0) — on three servers: a publish is acknowledged once a majority
+  stored it, and the loss of one server (the stream's leader too) loses nothing
+  acknowledged; the relay publishes again what was not, and the duplicate window
+  below absorbs what was. ``dracap up`` runs one server and keeps 1;
 * **duplicate window** (default 2 minutes): the server remembers each message's
   ``Nats-Msg-Id`` (the event id) for this long and acknowledges a second publish of
   it as a duplicate without storing it. The relay re-publishes at most one window of
@@ -33,7 +41,9 @@ Durable consumers: :class:`Durable` names one (its name and filter) and
 :func:`durable_config` is its JetStream configuration, the same for whoever creates it
 (its owner: :mod:`services.durables` says who that is for each).
 
-:func:`connect_bus` logs in with a user's credential (its JetStream context then uses
+:func:`connect_bus` connects to one server or to any of a cluster's (a comma-separated
+list), pings it every :data:`PING_INTERVAL_S` seconds (two pings unanswered: lost, try
+another), logs in with a user's credential (its JetStream context then uses
 the API prefix of the user's account: ``Credential.js_api_prefix``), reconnects
 forever and logs the connection's changes of state only: a lost connection is one
 warning, its return one info line. nats-py's default error callback would log every
@@ -82,6 +92,7 @@ __all__ = [
     "durable_config",
     "ensure_stream",
     "prefix_of",
+    "server_urls",
     "stream_config",
 ]
 
@@ -90,6 +101,11 @@ DUPLICATE_WINDOW_S: Final = 120.0
 MAX_CONSUMERS: Final = 100_000
 MAX_AGE_S: Final = 7 * 24 * 3600.0
 ACK_WAIT_S: Final = 30.0
+#: Seconds between a client's pings (nats-py's default is 120: a server that hangs
+#: would go unnoticed for four minutes).
+PING_INTERVAL_S: Final = 5.0
+#: Unanswered pings after which the server is taken as lost and another one tried.
+MAX_OUTSTANDING_PINGS: Final = 2
 STREAM_NAME_IN_USE: Final = 10058  # JetStream API error code
 #: nats-server's own JetStream API prefix (no domain)
 DEFAULT_API_PREFIX: Final = "$JS.API"
@@ -118,27 +134,42 @@ class _ConnectionLog:
             _log.error("NATS %s: %s", self._url, one_line(exc), exc_info=exc)
 
 
+def server_urls(url: str) -> list[str]:
+    """The servers of a NATS URL setting: one URL, or several of one cluster separated
+    by commas (``nats://h1:4222,nats://h2:4222``); blanks around them are ignored."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    return servers or [url]
+
+
 async def connect_bus(
     url: str,
     *,
     name: str = "dracap",
     connect_timeout: float = 5.0,
     credential: Credential | None = None,
+    ping_interval: float = PING_INTERVAL_S,
 ) -> tuple[Client, JetStreamContext]:
     """A NATS connection (reconnecting forever) and its JetStream context.
 
-    ``credential``: log in as that user (NKey, own inbox prefix); ``None`` connects
-    without credentials, which only an open server (``dracap up --insecure``) accepts.
+    ``url``: one server, or several of a cluster, comma-separated (:func:`server_urls`):
+    the client connects to one of them and, when it is lost, to another (nats-py also
+    learns the cluster's other servers from the one it reached). ``credential``: log in
+    as that user (NKey, own inbox prefix); ``None`` connects without credentials, which
+    only an open server (``dracap up --insecure``) accepts. ``ping_interval``: seconds
+    between pings; a server that leaves :data:`MAX_OUTSTANDING_PINGS` unanswered is
+    taken as lost (one that hangs keeps its socket open: only the pings tell).
     """
     events = _ConnectionLog(url)
     login = credential.connect_options() if credential is not None else {}
     nc = await nats.connect(
-        url,
+        servers=server_urls(url),
         name=name,
         **login,
         connect_timeout=connect_timeout,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
+        ping_interval=ping_interval,
+        max_outstanding_pings=MAX_OUTSTANDING_PINGS,
         error_cb=events.error,
         disconnected_cb=events.disconnected,
         reconnected_cb=events.reconnected,
@@ -190,11 +221,14 @@ def stream_config(
     duplicate_window: float = DUPLICATE_WINDOW_S,
     max_age: float = MAX_AGE_S,
     first_seq: int | None = None,
+    replicas: int | None = None,
 ) -> StreamConfig:
     """The configuration of the events stream (see the module docstring); ``first_seq``:
     the sequence its first message takes (a stream rebuilt from the log starts at the
-    first position it republishes)."""
+    first position it republishes); ``replicas``: its copies on a clustered NATS (None:
+    1)."""
     return StreamConfig(
+        num_replicas=replicas or 1,
         name=names.stream,
         subjects=[names.events_subjects],
         storage=StorageType.FILE,
@@ -217,24 +251,31 @@ async def ensure_stream(
     max_age: float = MAX_AGE_S,
     first_seq: int | None = None,
     current: StreamInfo | None = None,
+    replicas: int | None = None,
 ) -> StreamInfo:
     """Create the events stream, or update an existing one to this configuration
     (``first_seq`` counts only for a stream created now; ``current``: the stream's info
-    just read, which spares reading it again).
+    just read, which spares reading it again; ``replicas``: its copies, changed on an
+    existing stream too — nats-server adds or removes peers; None: 1 for a new stream,
+    an existing one keeps its own).
 
     A failure is an error of the runtime tree (:func:`~services.runtime.errors.map_bus_error`).
     """
     config = stream_config(
-        names, duplicate_window=duplicate_window, max_age=max_age, first_seq=first_seq
+        names,
+        duplicate_window=duplicate_window,
+        max_age=max_age,
+        first_seq=first_seq,
+        replicas=replicas,
     )
     try:
-        return await _ensure(js, config, current)
+        return await _ensure(js, config, current, keep_replicas=replicas is None)
     except (nats.errors.Error, OSError) as exc:
         raise map_bus_error(exc, subject=names.events_subjects) from exc
 
 
 async def _ensure(
-    js: JetStreamContext, config: StreamConfig, current: StreamInfo | None
+    js: JetStreamContext, config: StreamConfig, current: StreamInfo | None, *, keep_replicas: bool
 ) -> StreamInfo:
     name = config.name
     assert name is not None
@@ -247,6 +288,8 @@ async def _ensure(
             if exc.err_code != STREAM_NAME_IN_USE:
                 raise
             current = await js.stream_info(name)
+    if keep_replicas:  # nobody asked for a number: an operator's choice stays
+        config = config.evolve(num_replicas=current.config.num_replicas)
     if _differs(current.config, config):
         return await js.update_stream(config.evolve(first_seq=None))
     return current
@@ -260,4 +303,5 @@ def _differs(current: StreamConfig, wanted: StreamConfig) -> bool:
         or current.max_consumers != wanted.max_consumers
         or current.deny_purge != wanted.deny_purge
         or current.deny_delete != wanted.deny_delete
+        or (current.num_replicas or 1) != (wanted.num_replicas or 1)
     )

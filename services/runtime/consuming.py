@@ -154,7 +154,7 @@ from typing import Final
 
 import msgspec
 import nats.errors
-from asyncpg import Record
+from asyncpg import InterfaceError, Record
 from asyncpg.pool import PoolConnectionProxy
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -673,9 +673,14 @@ class Consumer:
             return
         try:
             await held.connection.execute("SELECT pg_advisory_unlock($1)", self._lock_key)
-        except BaseException:
-            held.connection.terminate()  # the pool resets nothing: the lock must not stay
-            raise
+        except BaseException as exc:
+            # the pool resets nothing: the lock must not stay (a session given back
+            # already — its server died under a commit — holds none)
+            with contextlib.suppress(InterfaceError):
+                held.connection.terminate()
+            if not is_unreachable(exc):
+                raise
+            # the session died with its server (a failover): its lock went with it
         finally:
             await self._store.pool.release(held.connection)
 

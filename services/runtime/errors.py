@@ -4,8 +4,12 @@ Callers decide what to do by type, never by message text::
 
     RuntimeServiceError
     ├── RetryableError        transient: serialization failure, deadlock, lost
-    │                         connection, statement timeout, a NATS request nobody
-    │                         answered (yet); the same call may succeed
+    │   │                     connection, statement timeout, a failover (no host
+    │   │                     accepts writes yet, a session on a server that turned
+    │   │                     read-only), a NATS request nobody answered (yet); the
+    │   │                     same call may succeed
+    │   └── ConnectionLost    the session broke during the operation: a write may or
+    │                         may not have been committed (services.runtime.failover)
     ├── PermanentError        the same call will fail the same way again
     │   ├── InvalidEvent      an event is not part of the catalog or fails validation
     │   │                     (here, or in the database: SQLSTATE DR006)
@@ -85,6 +89,11 @@ class RuntimeServiceError(Exception):
 
 class RetryableError(RuntimeServiceError):
     """A transient failure; repeating the same operation may succeed."""
+
+
+class ConnectionLost(RetryableError):  # noqa: N818 (a condition, like NotFound)
+    """The database session broke while an operation ran on it (its server died, a
+    failover): a write may or may not have been committed; look before writing again."""
 
 
 class PermanentError(RuntimeServiceError):
@@ -171,6 +180,11 @@ _RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.CannotConnectNowError,
     asyncpg.TooManyConnectionsError,
     asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    # a failover (services.runtime.failover): no host accepts writes yet
+    # (TargetServerAttributeNotMatched), or a session on a server that is read-only now
+    asyncpg.InternalClientError,  # also a pooled connection whose server just died
+    asyncpg.ReadOnlySQLTransactionError,
     ConnectionError,
     OSError,
     asyncio.TimeoutError,

@@ -68,8 +68,8 @@ import contextlib
 import datetime
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Final, TypeVar
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, Final
 
 import asyncpg
 import msgspec
@@ -90,11 +90,20 @@ from services.runtime.appends import (
 )
 from services.runtime.dbclock import DatabaseClock
 from services.runtime.errors import (
+    ConflictError,
+    ConnectionLost,
     InvalidEvent,
     RetryableError,
     RuntimeServiceError,
     StaleEpoch,
     map_database_error,
+)
+from services.runtime.failover import (
+    Connector,
+    Deadline,
+    connect_through,
+    is_ambiguous,
+    quiet_pool_log,
 )
 from services.runtime.rows import SELECT, decoded, envelope_of, envelope_with
 from services.runtime.settings import Settings
@@ -102,10 +111,6 @@ from services.runtime.settings import Settings
 _log = logging.getLogger(__name__)
 
 CHANNEL: Final = "dracap_events"
-RETRY_ATTEMPTS: Final = 4
-RETRY_BASE_DELAY_S: Final = 0.02
-
-T = TypeVar("T")
 Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
 
@@ -150,27 +155,18 @@ def server_settings(settings: Settings) -> dict[str, str]:
     return out
 
 
-async def connect(settings: Settings) -> asyncpg.Connection:
-    """One connection set up like the pool's (app role, timeout, jsonb as bytes)."""
-    connection = await asyncpg.connect(
-        settings.database_url, server_settings=server_settings(settings)
-    )
+async def connect(settings: Settings, *, through_failover: bool = False) -> asyncpg.Connection:
+    """One connection set up like the pool's (app role, timeout, jsonb as bytes);
+    ``through_failover``: tried again while no host accepts writes
+    (:func:`services.runtime.failover.connect_through`)."""
+    options: dict[str, Any] = {"server_settings": server_settings(settings)}
+    if through_failover:
+        timeout = settings.failover_timeout_s
+        connection = await connect_through(settings.database_url, timeout, **options)
+    else:
+        connection = await asyncpg.connect(settings.database_url, **options)
     await _init_connection(connection)
     return connection
-
-
-async def _retrying(operation: Callable[[], Awaitable[T]], stream: str | None) -> T:
-    for attempt in range(RETRY_ATTEMPTS):
-        try:
-            return await operation()
-        except RuntimeServiceError:
-            raise
-        except Exception as exc:
-            mapped = map_database_error(exc, stream=stream)
-            if not isinstance(mapped, RetryableError) or attempt == RETRY_ATTEMPTS - 1:
-                raise mapped from exc
-        await asyncio.sleep(RETRY_BASE_DELAY_S * 2**attempt)
-    raise AssertionError("unreachable")
 
 
 # --- the store -----------------------------------------------------------------------------
@@ -246,6 +242,8 @@ class EventStore:
         whose commit listeners and known head this one shares, so that a reader attached
         to either hears of the appends of both (:mod:`services.runtime.servicestores`).
         """
+        connector = Connector(settings.failover_timeout_s)
+        quiet_pool_log()
         pool = await asyncpg.create_pool(
             settings.database_url,
             min_size=settings.pool_min_size,
@@ -253,7 +251,9 @@ class EventStore:
             init=_init_connection,
             reset=_keep_session,
             server_settings=server_settings(settings),
+            connect=connector,
         )
+        connector.opened()  # from here on a connect rides out a failover
         return cls(pool, settings, sharing=sharing)
 
     async def close(self) -> None:
@@ -332,7 +332,7 @@ class EventStore:
             return []
         first = streams[0] if len(streams) == 1 else None
         if connection is None:
-            return await _retrying(lambda: self._append_pooled(typed, pending), first)
+            return await self._append_retrying(typed, pending, first)
         try:
             stored = await self._write(connection, typed, pending)
         except RuntimeServiceError:
@@ -343,9 +343,58 @@ class EventStore:
             self._committed(stored, pending)
         return stored
 
+    async def _append_retrying(
+        self, batches: Sequence[Batch], pending: Pending, stream: str | None
+    ) -> list[Envelope]:
+        """:meth:`_append_pooled` until it succeeds, fails for good, or a failover
+        outlasts its deadline; an append that may have been committed before its
+        connection broke is looked up by its event ids before it is sent again
+        (:mod:`services.runtime.failover`)."""
+        deadline = Deadline(self._settings.failover_timeout_s)
+        ambiguous = False  # an earlier try may have been committed
+        while True:
+            try:
+                if ambiguous and (stored := await self._stored_already(pending)):
+                    return self._found_committed(stored, pending)
+                return await self._append_pooled(batches, pending)
+            except Exception as exc:
+                mapped = map_database_error(exc, stream=stream)
+                # the earlier try may have committed meanwhile (its server was slow, not
+                # dead): then this try clashed with it, not with somebody else
+                conflict = ambiguous and isinstance(mapped, ConflictError)
+                if conflict and (stored := await self._stored_already(pending)):
+                    return self._found_committed(stored, pending)
+                if not isinstance(mapped, RetryableError) or not await deadline.wait():
+                    if mapped is exc:
+                        raise
+                    raise mapped from exc
+                ambiguous = ambiguous or is_ambiguous(exc)
+
+    def _found_committed(self, stored: list[Envelope], pending: Pending) -> list[Envelope]:
+        _log.info("an append whose connection broke had been committed: not written again")
+        self._committed(stored, pending)
+        return stored
+
+    async def _stored_already(self, pending: Pending) -> list[Envelope]:
+        """The stored envelopes of ``pending`` when the log holds its events (an earlier
+        try committed them); else an empty list. One append is one transaction: its
+        first event is there exactly when all of them are."""
+        rows = await self._pool.fetch(
+            f"{SELECT} WHERE event_id = ANY($1::uuid[]) ORDER BY position", pending.event_ids
+        )
+        return [envelope_of(row) for row in rows]
+
     async def _append_pooled(self, batches: Sequence[Batch], pending: Pending) -> list[Envelope]:
         async with self._pool.acquire() as connection:
-            stored = await self._write(connection, batches, pending)
+            try:
+                stored = await self._write(connection, batches, pending)
+            except asyncpg.ReadOnlySQLTransactionError:
+                connection.terminate()  # a demoted primary: connect again, to the new one
+                raise
+            except Exception as exc:
+                if connection.is_closed():  # whatever asyncpg raised: the session broke
+                    raise ConnectionLost(f"connection lost during an append: {exc}") from exc
+                raise
         self._committed(stored, pending)
         return stored
 
@@ -480,10 +529,27 @@ class EventStore:
     async def read_rows(
         self, from_position: int = 0, batch_size: int = 1000, to_position: int | None = None
     ) -> AsyncIterator[list[asyncpg.Record]]:
-        """Raw rows after ``from_position`` (up to ``to_position``), one batch at a time."""
-        async with self._pool.acquire() as connection:
-            async for rows in iter_rows(connection, from_position, batch_size, to_position):
-                yield rows
+        """Raw rows after ``from_position`` (up to ``to_position``), one batch at a time.
+
+        A failure the failover deadline covers (a lost connection, no primary yet) reads
+        on from the last row handed out, on a new connection, until the deadline."""
+        deadline = Deadline(self._settings.failover_timeout_s)
+        position = from_position
+        while True:
+            lost = False
+            try:
+                async with self._pool.acquire() as connection:
+                    try:
+                        async for rows in iter_rows(connection, position, batch_size, to_position):
+                            position = rows[-1][0]
+                            yield rows
+                    finally:
+                        lost = connection.is_closed()
+                return
+            except Exception as exc:
+                retryable = lost or isinstance(map_database_error(exc), RetryableError)
+                if not retryable or not await deadline.wait():
+                    raise
 
     async def read_all(
         self, from_position: int = 0, batch_size: int = 1000, to_position: int | None = None
@@ -528,7 +594,7 @@ class EventStore:
             if self._listener is not None and self._listener.is_closed():
                 self._listener = None  # the server went away with it: listen anew
             if self._listener is None:
-                listener = await connect(self._settings)
+                listener = await connect(self._settings, through_failover=True)
                 try:
                     await listener.add_listener(CHANNEL, self._notified)
                     # Listening from here on: the head read now plus every NOTIFY after

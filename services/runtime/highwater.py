@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from services.runtime.eventstore import EventStore
+from services.runtime.outages import is_unreachable, one_line
 
 __all__ = ["SAVE_CHECKPOINT", "HighWaterMark"]
 
@@ -91,8 +92,16 @@ class HighWaterMark:
             if position > self.saved:
                 try:
                     await self._save(position)
-                except Exception:
-                    log.exception("%s: could not store position %d", self.name, position)
+                except Exception as exc:
+                    if is_unreachable(exc):  # the database is away (a failover): one line
+                        log.warning(
+                            "%s: could not store position %d: %s",
+                            self.name,
+                            position,
+                            one_line(exc),
+                        )
+                    else:
+                        log.exception("%s: could not store position %d", self.name, position)
                     if done.is_set():
                         return
                     self._moved.set()

@@ -130,6 +130,7 @@ async def hosting(
                 nats_url,
                 name=client_name or f"dracap-{service}",
                 credential=endpoints.credential() if credential is None else credential,
+                ping_interval=settings.nats_ping_interval_s,
             )
     try:
         stop = eventloop.stop_on_signals()

@@ -108,8 +108,11 @@ class BusKeeper:
         max_age: float = MAX_AGE_S,
         duplicate_window: float = DUPLICATE_WINDOW_S,
         interval: float = CHECK_INTERVAL_S,
+        replicas: int | None = None,
     ) -> None:
         self._store = store
+        #: the stream's replicas (its durables take the same: :mod:`services.runtime.bus`)
+        self.replicas = replicas
         self._js = js
         self._names = names
         self.durables = list(durables)
@@ -154,6 +157,7 @@ class BusKeeper:
             duplicate_window=self._duplicate_window,
             max_age=self._max_age,
             current=info,
+            replicas=self.replicas,
         )
         if last_seq is not None and info.state.last_seq >= last_seq:
             return None  # holds at least what was published
@@ -185,6 +189,7 @@ class BusKeeper:
             duplicate_window=self._duplicate_window,
             max_age=self._max_age,
             first_seq=first_seq,
+            replicas=self.replicas,
         )
         self.streams_created += 1
 

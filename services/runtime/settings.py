@@ -7,11 +7,24 @@ else reads ``os.environ`` for these values. The variables are:
 =============================== ============================================ =========
 variable                        meaning                                      default
 =============================== ============================================ =========
-``DRACAP_DATABASE_URL``         PostgreSQL URL (libpq form)                  local
-``DRACAP_NATS_URL``             NATS server URL                              local
+``DRACAP_DATABASE_URL``         PostgreSQL URL (libpq form; several hosts    local
+                                ``h1:p1,h2:p2`` with
+                                ``target_session_attrs=read-write`` for a
+                                replicated server)
+``DRACAP_NATS_URL``             NATS server URL, or several servers of one   local
+                                cluster, comma-separated
+``DRACAP_STREAM_REPLICAS``      replicas of the events stream and its        keep
+                                consumers (3 on a clustered NATS); unset: a
+                                new stream gets 1, an existing one keeps its
+``DRACAP_NATS_PING_INTERVAL_S`` seconds between a NATS client's pings; two   5
+                                unanswered pings: the server is lost
 ``DRACAP_STATEMENT_TIMEOUT_MS`` ``statement_timeout`` of every connection    30000
 ``DRACAP_POOL_MIN_SIZE``        asyncpg pool minimum size                    1
 ``DRACAP_POOL_MAX_SIZE``        asyncpg pool maximum size                    10
+``DRACAP_FAILOVER_TIMEOUT_S``   how long connects, appends and reads of the  30
+                                log are tried again while no database host
+                                accepts writes (a failover:
+                                :mod:`services.runtime.failover`)
 ``DRACAP_APP_ROLE``             role the services act as (``SET ROLE``);     dracap_app
                                 empty string: act as the connecting user
 ``DRACAP_DATABASE_URL_<KIND>``  the URL the services of one kind connect     —
@@ -43,6 +56,10 @@ import msgspec
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/dracap"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_APP_ROLE = "dracap_app"
+DEFAULT_FAILOVER_TIMEOUT_S = 30.0
+DEFAULT_NATS_PING_INTERVAL_S = 5.0
+#: the most replicas a JetStream stream may have
+MAX_STREAM_REPLICAS = 5
 
 
 class SettingsError(ValueError):
@@ -72,6 +89,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     pool_min_size: int = 1
     pool_max_size: int = 10
     app_role: str = DEFAULT_APP_ROLE
+    #: seconds a failover may last: connects, appends and log reads are tried again
+    #: for this long (:mod:`services.runtime.failover`)
+    failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S
+    #: replicas of the events stream and its durable consumers; None: a new stream gets
+    #: 1 (one nats-server), an existing one keeps its own
+    stream_replicas: int | None = None
+    #: seconds between two pings of a NATS client (a server that misses two is lost)
+    nats_ping_interval_s: float = DEFAULT_NATS_PING_INTERVAL_S
     #: service kind (a :class:`ServiceKind`) -> the URL its services connect with, as that
     #: URL's user
     database_urls: dict[str, str] = msgspec.field(default_factory=dict)
@@ -103,6 +128,26 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
     return value
 
 
+def _seconds(env: Mapping[str, str], name: str, default: float, minimum: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: not a number of seconds") from None
+    if not value >= minimum:  # NaN too
+        raise SettingsError(f"{name}={value}: must be at least {minimum}")
+    return value
+
+
+def stream_replicas(value: int, source: str = "DRACAP_STREAM_REPLICAS") -> int:
+    """``value`` if JetStream accepts it as a stream's replica count (1 to 5)."""
+    if not 1 <= value <= MAX_STREAM_REPLICAS:
+        raise SettingsError(f"{source}={value}: must be from 1 to {MAX_STREAM_REPLICAS}")
+    return value
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Build :class:`Settings` from ``env`` (default: the process environment)."""
     env = os.environ if env is None else env
@@ -113,6 +158,17 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         pool_min_size=_int(env, "DRACAP_POOL_MIN_SIZE", 1, 0),
         pool_max_size=_int(env, "DRACAP_POOL_MAX_SIZE", 10, 1),
         app_role=env.get("DRACAP_APP_ROLE", DEFAULT_APP_ROLE),
+        failover_timeout_s=_seconds(
+            env, "DRACAP_FAILOVER_TIMEOUT_S", DEFAULT_FAILOVER_TIMEOUT_S, 0.0
+        ),
+        stream_replicas=(
+            stream_replicas(_int(env, "DRACAP_STREAM_REPLICAS", 1, 1))
+            if env.get("DRACAP_STREAM_REPLICAS")
+            else None
+        ),
+        nats_ping_interval_s=_seconds(
+            env, "DRACAP_NATS_PING_INTERVAL_S", DEFAULT_NATS_PING_INTERVAL_S, 0.1
+        ),
         database_urls={
             kind.value: url
             for kind in ServiceKind

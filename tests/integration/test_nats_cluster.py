@@ -1,0 +1,197 @@
+"""A clustered NATS loses a server under load: nothing acknowledged is lost (issue 29,
+item 2).
+
+Three nats-servers with JetStream (:func:`tests.fixtures.replicas.nats_cluster`), the
+in-process stack given all three (a comma-separated list) and the events stream with
+three replicas (``stream_replicas``; its durables take the stream's). A burst of claims
+is applied; in its middle the server that leads the events stream is killed (SIGKILL),
+or hangs (SIGSTOP: its connections stay open, only pings tell). Then:
+
+* every claim is acknowledged (a request lost with its server is asked again, as any
+  client does: applying a claim twice changes nothing);
+* every acknowledged claim is decided: reserved and made ready, which needs the relay,
+  the reservation consumers and the node agent to go on through the loss;
+* the stream holds every event of the log exactly once, in the log's order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from nats.js.api import Header
+
+from events.subjects import BusNames
+from services.runtime.apiclient import ApiClient
+from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.endpoints import EndpointError
+from services.runtime.relaying import outgoing
+from services.runtime.settings import Settings
+from tests.fixtures.replicas import NatsCluster, nats_binary, nats_cluster
+from tests.integration.cluster import Cluster, running_cluster
+from tests.integration.test_failover import INVENTORY, _claim, _tracebacks
+from tests.integration.test_policy import NAMESPACE, view_when
+
+BURST = 40
+CONCURRENCY = 8
+KILL_AFTER = 10
+
+pytestmark = pytest.mark.skipif(nats_binary() is None, reason="no nats-server binary")
+
+
+@pytest.fixture
+def nats3() -> Iterator[NatsCluster]:
+    with nats_cluster(3) as started:
+        yield started
+
+
+@pytest.fixture
+async def cluster(settings: Settings, nats3: NatsCluster, tmp_path: Path) -> AsyncIterator[Cluster]:
+    replicated = msgspec.structs.replace(settings, stream_replicas=3, nats_ping_interval_s=1.0)
+    async with running_cluster(replicated, nats3.url, tmp_path, INVENTORY) as running:
+        yield running
+    gc.collect()  # what nats-py leaked (see _NATS_PY_LEAK) is collected in this test
+
+
+async def _apply(api: ApiClient, name: str) -> None:
+    """Apply until acknowledged: a request lost with its server is asked again."""
+    deadline = time.monotonic() + 45
+    while True:
+        try:
+            await api.claims(NAMESPACE, "apply", _claim(name))
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def _ready(api: ApiClient, name: str) -> None:
+    """Until the claim is ready; a watch lost with its server is started again."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            await view_when(api, name, lambda v: bool(v.get("ready")), within=30)
+            return
+        except EndpointError:  # no reply: the request went to the lost server
+            if time.monotonic() > deadline:
+                raise
+
+
+async def _burst(api: ApiClient, names: list[str], acked: list[str]) -> None:
+    slots = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(name: str) -> None:
+        async with slots:
+            await _apply(api, name)
+            acked.append(name)
+
+    await asyncio.gather(*(one(name) for name in names))
+
+
+async def _until(check: object, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def _stream_ids(cluster: Cluster, url: str) -> list[str]:
+    """The ``Nats-Msg-Id`` of every message of the events stream, in stream order."""
+    nc, js = await connect_bus(url)
+    try:
+        stream = cluster.stack.names.stream
+        info = await js.stream_info(stream)
+        ids = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            message = await js.get_msg(stream, seq)
+            ids.append((message.headers or {}).get(Header.MSG_ID.value, ""))
+        return ids
+    finally:
+        await nc.close()
+
+
+async def _log_ids(cluster: Cluster) -> list[str]:
+    """The ids of the log's events the relay publishes, in position order."""
+    ids = []
+    async for page in cluster.stack.store.read_rows(0):
+        for row in page:
+            if outgoing(cluster.stack.names, row) is not None:
+                ids.append(str(row["event_id"]))
+    return ids
+
+
+#: nats-py (2.x) leaks the socket of a reconnect attempt that reached a hung server
+#: but never got its INFO: the StreamWriter is replaced without being closed, and
+#: asyncio warns when it is collected. Not dracap's to close; collected at teardown.
+_NATS_PY_LEAK = [
+    pytest.mark.filterwarnings("ignore:unclosed <StreamWriter:ResourceWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:Exception ignored in. <function StreamWriter.__del__"
+        ":pytest.PytestUnraisableExceptionWarning"
+    ),
+]
+
+
+@pytest.mark.parametrize("fault", ["kill", pytest.param("pause", marks=_NATS_PY_LEAK)])
+async def test_losing_the_stream_leader_mid_burst_loses_nothing(
+    cluster: Cluster, nats3: NatsCluster, caplog: pytest.LogCaptureFixture, fault: str
+) -> None:
+    """``kill``: the leader's process is gone (its sockets closed at once); ``pause``: it
+    hangs (SIGSTOP), its sockets open, and only the clients' pings tell it is lost."""
+    with _tracebacks(caplog) as tracebacks:
+        await _lose_the_leader(cluster, nats3, fault)
+    assert not tracebacks, "\n".join(tracebacks)
+
+
+async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster, fault: str) -> None:
+    api, stack = cluster.api, cluster.stack
+    info = await stack.js.stream_info(stack.names.stream)
+    assert info.config.num_replicas == 3
+    names = [f"burst-{i:02d}-{uuid.uuid4().hex[:6]}" for i in range(BURST)]
+    acked: list[str] = []
+    burst = asyncio.create_task(_burst(api, names, acked))
+    await _until(lambda: len(acked) >= KILL_AFTER or burst.done(), 30, "the first acks")
+    assert not burst.done(), "the burst ended before the server was lost"
+    leader = (await stack.js.stream_info(stack.names.stream)).cluster
+    assert leader is not None and leader.leader
+    lost = nats3.node(leader.leader)
+    await asyncio.to_thread(nats3.kill if fault == "kill" else nats3.pause, lost)
+    await asyncio.wait_for(burst, 90)
+
+    assert sorted(acked) == sorted(names)
+    for name in names:
+        await _ready(api, name)
+    survivors = ",".join(n.url for n in nats3.nodes if n is not lost)
+    deadline = time.monotonic() + 30
+    while True:  # the relay may still be publishing the newest events
+        log_ids = await _log_ids(cluster)
+        stream_ids = await _stream_ids(cluster, survivors)
+        if stream_ids == log_ids or time.monotonic() > deadline:
+            break
+        if len(stream_ids) >= len(log_ids):
+            break  # all there: what differs now is order or duplicates
+        await asyncio.sleep(0.2)
+    assert len(set(stream_ids)) == len(stream_ids), "an event is in the stream twice"
+    assert stream_ids == log_ids, "the stream holds the log, in order"
+
+
+async def test_the_stream_keeps_its_replicas_unless_told(nats3: NatsCluster) -> None:
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
+    nc, js = await connect_bus(nats3.url)
+    try:
+        assert (await ensure_stream(js, names, replicas=3)).config.num_replicas == 3
+        assert (await ensure_stream(js, names)).config.num_replicas == 3, "kept"
+        assert (await ensure_stream(js, names, replicas=1)).config.num_replicas == 1
+        await js.delete_stream(names.stream)
+        assert (await ensure_stream(js, names)).config.num_replicas == 1, "a new one: 1"
+    finally:
+        await js.delete_stream(names.stream)
+        await nc.close()

@@ -1,0 +1,103 @@
+"""Two relays on one log and one stream: no event published twice or skipped (issue 29,
+item 1).
+
+A second relay is what a rolling update or a replica that was meant as a stand-by
+makes: two processes publishing the same log. Each has its own store and its own NATS
+connection (as two processes would), and appends arrive meanwhile from three stores —
+each relay's own (published from memory, the hand-over path) and a third process's
+(read from the log). The stream must hold every event of the log exactly once, in the
+log's order: each relay publishes in position order, and JetStream drops a second
+publish of an event id (``Nats-Msg-Id``) within its duplicate window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+from nats.js.api import Header
+
+from events.subjects import BusNames
+from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.eventstore import EventStore
+from services.runtime.rebuilding import BusKeeper
+from services.runtime.relaying import Relay, outgoing
+from services.runtime.settings import Settings
+from tests.integration.test_bus import append_burst
+
+BURSTS = 6
+PER_BURST = 150
+
+
+@contextlib.asynccontextmanager
+async def _relay(settings: Settings, nats_url: str, names: BusNames) -> AsyncIterator[Relay]:
+    """A relay as its own process would run it: own store, own connection, own keeper."""
+    store = await EventStore.open(settings)
+    nc, js = await connect_bus(nats_url)
+    relay = Relay(store, js, names, window=64, idle_poll=0.2, keeper=BusKeeper(store, js, names))
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    try:
+        yield relay
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await nc.close()
+        await store.close()
+
+
+async def _stream_ids(nats_url: str, names: BusNames) -> list[str]:
+    nc, js = await connect_bus(nats_url)
+    try:
+        info = await js.stream_info(names.stream)
+        if not info.state.messages:
+            return []
+        ids = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            message = await js.get_msg(names.stream, seq)
+            ids.append((message.headers or {}).get(Header.MSG_ID.value, ""))
+        return ids
+    finally:
+        await nc.close()
+
+
+async def _log_ids(store: EventStore, names: BusNames) -> list[str]:
+    return [
+        str(row["event_id"])
+        async for page in store.read_rows(0)
+        for row in page
+        if outgoing(names, row) is not None
+    ]
+
+
+async def test_two_relays_publish_each_event_once_in_order(
+    settings: Settings, nats_url: str
+) -> None:
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
+    nc, js = await connect_bus(nats_url)
+    await ensure_stream(js, names)
+    writer = await EventStore.open(settings)
+    try:
+        async with (
+            _relay(settings, nats_url, names) as first,
+            _relay(settings, nats_url, names) as second,
+        ):
+            stores = [first._store, second._store, writer]
+            for _ in range(BURSTS):
+                await asyncio.gather(*(append_burst(s, PER_BURST, 25) for s in stores))
+            total = BURSTS * PER_BURST * len(stores)
+            async with asyncio.timeout(60):
+                while min(first.position, second.position) < total:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            stream_ids = await _stream_ids(nats_url, names)
+            log_ids = await _log_ids(writer, names)
+        assert len(log_ids) == total
+        assert len(set(stream_ids)) == len(stream_ids), "an event was published twice"
+        assert stream_ids == log_ids, "the stream holds the log, in order, nothing skipped"
+        assert first.published + second.published == total, "each stored by one relay"
+    finally:
+        await writer.close()
+        await js.delete_stream(names.stream)
+        await nc.close()
