@@ -15,9 +15,10 @@ import msgspec
 import pytest
 
 from events import catalog
-from events.catalog import Envelope
+from events.envelopes import Envelope
+from services.runtime.appends import Batch, Pending
 from services.runtime.errors import ConflictError, ConnectionLost, RetryableError
-from services.runtime.eventstore import Batch, EventStore, _Pending
+from services.runtime.eventstore import EventStore
 from services.runtime.settings import Settings
 from tests.integration import sample as s
 
@@ -31,7 +32,7 @@ class _BreakingStore(EventStore):
         self.committed = committed
         self.tries = 0
 
-    async def _append_pooled(self, batches: Sequence[Batch], pending: _Pending) -> list[Envelope]:
+    async def _append_pooled(self, batches: Sequence[Batch], pending: Pending) -> list[Envelope]:
         self.tries += 1
         if self.tries > 1:
             return await super()._append_pooled(batches, pending)
@@ -87,11 +88,11 @@ async def test_a_real_conflict_after_a_break_stays_a_conflict(
 async def test_retries_end_at_the_deadline(plain: EventStore, settings: Settings) -> None:
     class _Gone(EventStore):
         async def _append_pooled(
-            self, batches: Sequence[Batch], pending: _Pending
+            self, batches: Sequence[Batch], pending: Pending
         ) -> list[Envelope]:
             raise ConnectionLost("the server is gone (injected)")
 
-        async def _stored_already(self, pending: _Pending) -> list[Envelope]:
+        async def _stored_already(self, pending: Pending) -> list[Envelope]:
             return []
 
     store = _Gone(plain.pool, msgspec.structs.replace(settings, failover_timeout_s=0.3))
