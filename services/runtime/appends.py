@@ -34,6 +34,7 @@ from events.model import decode_hook
 from services.runtime.errors import InvalidEvent
 
 __all__ = [
+    "AdmissionPremise",
     "Batch",
     "Cause",
     "Metadata",
@@ -69,6 +70,23 @@ class Processed(msgspec.Struct, frozen=True):
     event_ids: list[str]
 
 
+class AdmissionPremise(msgspec.Struct, frozen=True):
+    """What a quota decision took for granted, checked by the database with its append.
+
+    The claims API decided on its fold as of position ``seen`` that ``namespace`` has room
+    for the claim, counting the claims named in ``counted`` (its own admissions in flight)
+    besides the fold's. The append then also fails, with a
+    :class:`~services.runtime.errors.ConflictError` on stream ``admissions:<namespace>``
+    and nothing written, if a claim of the namespace that ``counted`` does not name was
+    admitted after ``seen`` (``dracap_expect_admissions``, migration 0013): somebody else
+    (another replica, the Kubernetes bridge) took quota meanwhile; decide again.
+    """
+
+    namespace: str
+    seen: int
+    counted: tuple[str, ...] = ()
+
+
 class Batch(msgspec.Struct, frozen=True):
     """Events for one stream, appended only if the stream is at ``expected_version``.
 
@@ -78,12 +96,16 @@ class Batch(msgspec.Struct, frozen=True):
     ``causes``: one :class:`Cause` per event, for an append that carries the reactions
     to several messages at once (a consumer's group commit); ``None`` takes the
     correlation and causation ids of the append's :class:`Metadata`.
+
+    ``premise``: an admission's quota premise, checked with the append
+    (:class:`AdmissionPremise`).
     """
 
     stream: str
     expected_version: int | None
     events: Sequence[Event]
     causes: Sequence[Cause] | None = None
+    premise: AdmissionPremise | None = None
 
 
 class Metadata(msgspec.Struct, frozen=True, kw_only=True):

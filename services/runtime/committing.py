@@ -33,7 +33,7 @@ from typing import Final
 
 from events.catalog import Event
 from events.envelopes import Envelope
-from services.runtime.appends import Batch, Metadata
+from services.runtime.appends import AdmissionPremise, Batch, Metadata
 from services.runtime.eventstore import EventStore
 
 __all__ = ["GroupCommitter"]
@@ -71,15 +71,19 @@ class GroupCommitter:
         events: Sequence[Event],
         *,
         actor: str | None = None,
+        premise: AdmissionPremise | None = None,
     ) -> list[Envelope]:
         """Append ``events`` to ``stream`` at ``expected_version``; returns the envelopes.
 
         ``actor``: who caused them (default: the committer's); a group holds the writes
-        of one actor only, since an append records one actor.
+        of one actor only, since an append records one actor. ``premise``: an
+        admission's quota premise, checked with the group (a broken one fails the group,
+        and then only its own write appended alone).
         """
         done: asyncio.Future[list[Envelope]] = asyncio.get_running_loop().create_future()
         meta = self._meta if actor is None else Metadata(actor=actor)
-        self._waiting.append(_Write(Batch(stream, expected_version, events), meta, done))
+        batch = Batch(stream, expected_version, events, premise=premise)
+        self._waiting.append(_Write(batch, meta, done))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_all())
         return await done

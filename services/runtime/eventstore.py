@@ -25,7 +25,11 @@ ledger, held shares, exclusive holds and node epochs; a CHECK violation of the l
 becomes :class:`~services.runtime.errors.CapacityExceeded`, a second hold of a dedicated
 device a :class:`~services.runtime.errors.ConflictError`), and
 ``pg_notify('dracap_events', head)`` — delivered at commit to
-:meth:`EventStore.wait_for_new`, which learns the head from the payload. Large appends
+:meth:`EventStore.wait_for_new`, which learns the head from the payload. An append whose
+batches carry an admission's quota premise (:class:`~services.runtime.appends.
+AdmissionPremise`) has it checked in the same statement, after the function and still
+under its lock (``dracap_expect_admissions``, migration 0013; a broken premise is
+``DR001`` too, on stream ``admissions:<namespace>``). Large appends
 (a planning round over a long backlog) take the same path: no login writes the log's
 tables itself, so nothing reaches them unchecked.
 
@@ -437,9 +441,10 @@ class EventStore:
     ) -> list[Envelope]:
         """One append on ``connection``: one call of ``dracap_append_guarded``."""
         count, processed = len(pending.events), pending.processed
+        premises = [b.premise for b in batches if b.premise is not None]
         sent = time.monotonic()
         row = await connection.fetchrow(
-            _APPEND,
+            _APPEND_EXPECTING if premises else _APPEND,
             count,
             [b.stream for b in batches],
             [b.expected_version for b in batches],
@@ -453,6 +458,7 @@ class EventStore:
             pending.causation_ids,
             pending.payloads,
             *((None, None) if processed is None else (processed.consumer, processed.event_ids)),
+            *((msgspec.json.encode(premises),) if premises else ()),
         )
         assert row is not None  # the function returns exactly one row
         head: int = row[0]
@@ -667,6 +673,14 @@ class EventStore:
 _APPEND: Final = (
     "SELECT head, currents, refused, recorded_at FROM dracap_append_guarded($1, $2, $3, $4, "
     "$5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
+)
+#: The same with the quota premises of admissions (``appends.AdmissionPremise``), checked
+#: in the same statement after the append, under its head lock (migration 0013); the
+#: events before this append's own are the ones a premise may not find.
+_APPEND_EXPECTING: Final = (
+    "SELECT a.head, a.currents, a.refused, a.recorded_at, "
+    "dracap_expect_admissions(a.head - $1, $15) FROM dracap_append_guarded($1, $2, $3, $4, "
+    "$5, $6, $7, $8, $9, $10, $11, $12, $13, $14) AS a"
 )
 #: Record bus messages as handled by a consumer; returns the ids that were new.
 MARK_PROCESSED: Final = (
