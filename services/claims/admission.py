@@ -113,6 +113,7 @@ __all__ = [
     "admit",
     "decide_apply",
     "evaluate",
+    "quota_of",
     "read_claim",
     "refuse",
 ]
@@ -424,12 +425,17 @@ def _opaque_config(
     return None
 
 
+def quota_of(state: ClusterState, namespace: str) -> int | None:
+    """The namespace's quota of live claims (``max_claims``); ``None``: it has none."""
+    record = state.namespaces.get(namespace)
+    return record.max_claims if record is not None else None
+
+
 def _over_quota(
     state: ClusterState, namespace: str, name: str, admitting: Collection[str]
 ) -> Refusal | None:
     """The quota: live claims plus the ones being admitted, before this one."""
-    record = state.namespaces.get(namespace)
-    limit = record.max_claims if record is not None else None
+    limit = quota_of(state, namespace)
     if limit is None:
         return None
     pending = 0

@@ -41,6 +41,7 @@ from services.claims.adminwrites import AdminWrite
 from services.claims.admission import DeviceLimits, Refusal
 from services.claims.views import ClaimsTouched, ClaimView, claim_view
 from services.runtime import recorded
+from services.runtime.appends import AdmissionPremise
 from services.runtime.committing import GroupCommitter
 from services.runtime.credentials import Directory
 from services.runtime.errors import ConflictError, RetryableError
@@ -235,9 +236,14 @@ class ApiCore:
         return self._limits[1]
 
     async def _append(
-        self, stream: str, version: int | None, events: list[Event], actor: Actor
+        self,
+        stream: str,
+        version: int | None,
+        events: list[Event],
+        actor: Actor,
+        premise: AdmissionPremise | None = None,
     ) -> None:
-        await self._committer.append(stream, version, events, actor=str(actor))
+        await self._committer.append(stream, version, events, actor=str(actor), premise=premise)
 
     async def _fresh(self, attempt: int) -> None:
         """Before a decision: what is known first, the whole log after a conflict."""

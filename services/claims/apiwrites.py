@@ -4,7 +4,13 @@ Each is a pure decision (:func:`services.claims.admission.decide_apply`, the oth
 :mod:`services.claims.adminwrites`) on a frozen live state, appended with the claim
 stream's expected version and decided again on the whole log when it lost a race. An
 admitted claim counts against its namespace's quota from the decision until its append
-is folded (:meth:`TenantWrites._hold`), so concurrent applies cannot overrun it. Long
+is folded (:meth:`TenantWrites._hold`), so concurrent applies of this instance cannot
+overrun it; other replicas' admissions not folded yet are the database's to catch: an
+admission in a namespace with a quota appends with its premise (the fold's position and
+the claims in flight it counted, :class:`~services.runtime.appends.AdmissionPremise`),
+which the append refuses as a conflict when another claim of the namespace was admitted
+meanwhile, and the apply is decided again on the whole log (at most
+:data:`QUOTA_RACES` times; docs/tenancy.md). Long
 selector expressions are compiled in the selector pool before admission, at most
 :data:`CHECKS_PER_NAMESPACE` applies of a namespace at a time.
 """
@@ -23,6 +29,7 @@ from services.claims.admission import (
     ApplyDecision,
     Refusal,
     decide_apply,
+    quota_of,
     read_claim,
     selector_expressions,
 )
@@ -33,17 +40,44 @@ from services.claims.apicore import (
     not_found_reply,
     refusal_reply,
 )
+from services.runtime.appends import AdmissionPremise
 from services.runtime.errors import ConflictError
 from services.runtime.livestate import SEEN
 from services.runtime.metrics import CLAIMS, REJECTIONS
 from services.runtime.queries import error_reply, ok_reply
 
-__all__ = ["CHECKS_PER_NAMESPACE", "TenantWrites"]
+__all__ = ["CHECKS_PER_NAMESPACE", "QUOTA_RACES", "TenantWrites", "premise_stream"]
 
 log = logging.getLogger("dracap.claims")
 
 #: Applies of one namespace that may wait for the selector pool at once (see apply).
 CHECKS_PER_NAMESPACE: Final = 4
+
+
+#: Races an apply may lose to other admissions of its namespace before it is answered
+#: ``conflict`` (besides :attr:`ApiCore.max_attempts` for its own stream). Each lost race
+#: is another claim of the namespace admitted meanwhile, so a burst at the quota ends in
+#: a refusal by quota long before; the bound only keeps a request from circling forever.
+QUOTA_RACES: Final = 64
+
+
+def premise_stream(namespace: str) -> str:
+    """The stream a broken quota premise names (``dracap_expect_admissions``)."""
+    return f"admissions:{namespace}"
+
+
+def _premise(
+    state: ClusterState, decision: ApplyDecision, counted: tuple[str, ...]
+) -> AdmissionPremise | None:
+    """What an admission in a namespace with a quota took for granted: the fold's
+    position and the claims in flight it counted (:class:`AdmissionPremise`); the
+    database checks it with the append, where every replica's admissions meet."""
+    if decision.refusal is not None or not decision.events or decision.name is None:
+        return None
+    if quota_of(state, decision.namespace) is None:
+        return None
+    others = tuple(name for name in counted if name != decision.name)
+    return AdmissionPremise(decision.namespace, state.position, others)
 
 
 class TenantWrites(ApiCore):
@@ -55,27 +89,35 @@ class TenantWrites(ApiCore):
         busy = await self._check_selectors(namespace, data)
         if busy is not None:
             return busy
-        for attempt in range(self.max_attempts):
-            await self._fresh(attempt)
+        attempt = races = 0
+        while attempt < self.max_attempts:
+            await self._fresh(attempt + races)  # the whole log after any lost race
             async with self.live.frozen() as state:
+                counted = tuple(sorted(self._admitting.get(namespace, ())))
                 decision = decide_apply(
                     state,
                     namespace,
                     data,
                     self.gates,
                     limits=self._device_limits(state),
-                    admitting=self._admitting.get(namespace, ()),
+                    admitting=counted,
                 )
                 held = self._hold(namespace, decision)  # before any await: the quota sees it
+                premise = _premise(state, decision, counted)
                 stream = claim_stream(namespace, decision.name or "")
                 version = await self.live.stream_version(stream) if decision.events else 0
             try:
-                reply = await self._record_apply(namespace, decision, stream, version, actor)
+                return await self._record_apply(
+                    namespace, decision, stream, version, actor, premise
+                )
+            except ConflictError as exc:
+                if exc.stream == premise_stream(namespace) and races < QUOTA_RACES:
+                    races += 1  # somebody else took quota: decide again, on the whole log
+                else:
+                    attempt += 1
             finally:
                 if held is not None:
                     self._unhold(namespace, held)
-            if reply is not None:
-                return reply
         return error_reply("conflict", "the claim kept changing while it was applied; retry")
 
     def _hold(self, namespace: str, decision: ApplyDecision) -> str | None:
@@ -97,14 +139,18 @@ class TenantWrites(ApiCore):
                 del self._admitting[namespace]
 
     async def _record_apply(
-        self, namespace: str, decision: ApplyDecision, stream: str, version: int, actor: Actor
-    ) -> bytes | None:
-        """Append an apply's decision and reply; ``None``: it lost a race, decide again."""
+        self,
+        namespace: str,
+        decision: ApplyDecision,
+        stream: str,
+        version: int,
+        actor: Actor,
+        premise: AdmissionPremise | None,
+    ) -> bytes:
+        """Append an apply's decision and reply; :class:`ConflictError`: it lost a race
+        (the claim's stream moved, or its quota premise broke), decide again."""
         if decision.events:
-            try:
-                await self._append(stream, version, list(decision.events), actor)
-            except ConflictError:
-                return None
+            await self._append(stream, version, list(decision.events), actor, premise)
             self._count(decision.refusal)
         elif decision.refusal is not None:
             REJECTIONS.labels(reason=decision.refusal.kind).inc()

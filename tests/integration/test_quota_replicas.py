@@ -24,9 +24,14 @@ import msgspec
 import pytest
 import yaml
 
+from events.actors import Actor
+from events.catalog import ClaimAdmitted
+from events.envelopes import claim_stream
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
+from services.runtime.appends import AdmissionPremise, Batch, Metadata
 from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.errors import ConflictError
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import LiveState
 from services.runtime.settings import Settings
@@ -103,10 +108,6 @@ async def admin(replicas: Replicas, op: str, payload: bytes | dict[str, Any]) ->
     assert reply["ok"], reply
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 29: the quota is exact within one API instance only (10 admitted of 5)",
-)
 async def test_the_quota_is_exact_across_two_replicas(
     replicas: Replicas, db: asyncpg.Connection
 ) -> None:
@@ -142,3 +143,48 @@ async def test_the_quota_is_exact_across_two_replicas(
         NAMESPACE,
     )
     assert submitted == QUOTA  # a refusal by quota records nothing
+
+
+# --- the premise, where the replicas meet ---------------------------------------------------
+
+
+def admission(name: str, premise: AdmissionPremise | None, namespace: str = NAMESPACE) -> Batch:
+    event = ClaimAdmitted(namespace=namespace, name=name)
+    return Batch(claim_stream(namespace, name), 0, [event], premise=premise)
+
+
+async def test_an_admission_whose_premise_broke_is_a_conflict_and_writes_nothing(
+    settings: Settings,
+) -> None:
+    """The claims login's store: an admission of the namespace after the premise's
+    position that the premise does not count fails the append; one it counts, one at or
+    before its position, and another namespace's, do not."""
+    claims = msgspec.structs.replace(settings, app_role="dracap_claims")
+    tenant = Metadata(actor=str(Actor.anonymous(NAMESPACE)))
+    async with await EventStore.open(claims) as store:
+        [a] = await store.append_many([admission("a", None)], tenant)
+        with pytest.raises(ConflictError) as lost:
+            await store.append_many([admission("b", AdmissionPremise(NAMESPACE, 0))], tenant)
+        assert lost.value.stream == f"admissions:{NAMESPACE}"
+        assert "'a'" in str(lost.value) and await store.head() == a.position
+
+        [b] = await store.append_many(
+            [admission("b", AdmissionPremise(NAMESPACE, 0, ("a",)))], tenant
+        )
+        other = Metadata(actor=str(Actor.anonymous("tenant-other")))
+        await store.append_many([admission("x", None, "tenant-other")], other)
+        await store.append_many([admission("c", AdmissionPremise(NAMESPACE, b.position))], tenant)
+
+
+async def test_only_the_claims_login_checks_a_premise(database_url: str) -> None:
+    for role, allowed in (("dracap_claims", True), ("dracap_reservation", False)):
+        connection = await asyncpg.connect(database_url, server_settings={"role": role})
+        try:
+            check = connection.fetchval("SELECT dracap_expect_admissions(0, '[]')")
+            if allowed:
+                assert await check is True
+            else:
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await check
+        finally:
+            await connection.close()
