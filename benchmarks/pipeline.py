@@ -80,6 +80,7 @@ import asyncpg
 import nats.js.errors
 
 from events.subjects import BusNames
+from events.tenancy import MAX_CLAIMS
 from services.runtime import migrating
 from services.runtime.apiclient import ApiClient
 from services.runtime.bus import connect_bus
@@ -629,7 +630,8 @@ async def _measure_pipeline(
 ) -> None:
     url = settings.database_url
     with tempfile.TemporaryDirectory(prefix="dracap-bench-") as work:
-        async with dracap_up(settings, args, names, Path(work)) as reach:
+        quota = {MAX_CLAIMS: str(args.max_claims)} if args.max_claims else None
+        async with dracap_up(settings, args, names, Path(work), annotations=quota) as reach:
             login = reach.credential
             async with ApiClient.connect(reach.nats_url, names.prefix, login) as api:
                 tracker = ReadyTracker()
@@ -781,6 +783,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="after each latency run, p50/p99 of each step apply -> submitted -> admitted -> "
         "capacity_reserved -> allocation_bound -> limit_applied -> ready (the log's times)",
+    )
+    parser.add_argument(
+        "--max-claims",
+        type=int,
+        metavar="N",
+        help="give the tenant a quota of N live claims (dracap.io/max-claims; large enough "
+        "never to refuse): every admission then carries its quota premise to the database",
     )
     parser.add_argument("--up-log", metavar="FILE", help="append dracap up's output to FILE")
     parser.add_argument(
