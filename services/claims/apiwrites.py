@@ -18,6 +18,7 @@ selector expressions are compiled in the selector pool before admission, at most
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Final
 
 from events.actors import Actor
@@ -67,17 +68,20 @@ def premise_stream(namespace: str) -> str:
 
 
 def _premise(
-    state: ClusterState, decision: ApplyDecision, counted: tuple[str, ...]
+    decision: ApplyDecision, quota: int | None, seen: int, admitting: Collection[str]
 ) -> AdmissionPremise | None:
-    """What an admission in a namespace with a quota took for granted: the fold's
-    position and the claims in flight it counted (:class:`AdmissionPremise`); the
-    database checks it with the append, where every replica's admissions meet."""
-    if decision.refusal is not None or not decision.events or decision.name is None:
+    """What an admission in a namespace with a ``quota`` takes for granted: that no claim
+    of the namespace was admitted after the fold's position ``seen`` but the ones this
+    instance is admitting (:class:`AdmissionPremise`). The database checks it with the
+    append, where every replica's admissions meet.
+
+    ``admitting`` is taken when the append is sent, not at the decision: a claim this
+    instance decided meanwhile counted this one, so together they stay within the quota
+    whichever is appended first (docs/tenancy.md has the argument)."""
+    if quota is None or decision.refusal is not None or not decision.events:
         return None
-    if quota_of(state, decision.namespace) is None:
-        return None
-    others = tuple(name for name in counted if name != decision.name)
-    return AdmissionPremise(decision.namespace, state.position, others)
+    others = tuple(sorted(name for name in admitting if name != decision.name))
+    return AdmissionPremise(decision.namespace, seen, others)
 
 
 class TenantWrites(ApiCore):
@@ -93,19 +97,21 @@ class TenantWrites(ApiCore):
         while attempt < self.max_attempts:
             await self._fresh(attempt + races)  # the whole log after any lost race
             async with self.live.frozen() as state:
-                counted = tuple(sorted(self._admitting.get(namespace, ())))
                 decision = decide_apply(
                     state,
                     namespace,
                     data,
                     self.gates,
                     limits=self._device_limits(state),
-                    admitting=counted,
+                    admitting=self._admitting.get(namespace, ()),
                 )
                 held = self._hold(namespace, decision)  # before any await: the quota sees it
-                premise = _premise(state, decision, counted)
+                quota = quota_of(state, namespace)
+                seen = state.position
                 stream = claim_stream(namespace, decision.name or "")
                 version = await self.live.stream_version(stream) if decision.events else 0
+            # the claims this instance admits now: the ones decided meanwhile counted this one
+            premise = _premise(decision, quota, seen, self._admitting.get(namespace, ()))
             try:
                 return await self._record_apply(
                     namespace, decision, stream, version, actor, premise
