@@ -44,7 +44,7 @@ from services.claims.apicore import (
 from services.runtime.appends import AdmissionPremise
 from services.runtime.errors import ConflictError
 from services.runtime.livestate import SEEN
-from services.runtime.metrics import CLAIMS, REJECTIONS
+from services.runtime.metrics import ADMISSION_RACES, CLAIMS, REJECTIONS
 from services.runtime.queries import error_reply, ok_reply
 
 __all__ = ["CHECKS_PER_NAMESPACE", "QUOTA_RACES", "TenantWrites", "premise_stream"]
@@ -119,6 +119,7 @@ class TenantWrites(ApiCore):
             except ConflictError as exc:
                 if exc.stream == premise_stream(namespace) and races < QUOTA_RACES:
                     races += 1  # somebody else took quota: decide again, on the whole log
+                    ADMISSION_RACES.inc()
                 else:
                     attempt += 1
             finally:

@@ -96,6 +96,13 @@ REJECTIONS: Final = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+ADMISSION_RACES: Final = Counter(
+    "dracap_admission_races_total",
+    "Applies decided again because another claim of their namespace was admitted after "
+    "the position they were decided at (the quota's premise broke: claims API replicas "
+    "racing at a namespace with a quota).",
+    registry=REGISTRY,
+)
 CAPACITY_ALLOCATED_RATIO: Final = Gauge(
     "dracap_capacity_allocated_ratio",
     "Allocated / total capacity summed over the devices of a DeviceClass.",
