@@ -21,10 +21,14 @@ Where ``kubectl`` is installed, :func:`test_the_renderer_agrees_with_kubectl_kus
 checks that ``kubectl kustomize`` renders every overlay to the same objects, so a patch
 outside this subset fails there. Every rendered object and every example validates
 against the Kubernetes 1.34 schemas (``kubernetes-validate``, strict: an unknown field is
-an error); the Prometheus Operator's objects, which it has no schema for, are checked
-field by field. Every container's command parses with dracap's own command line, and
-every DRA example (a template's claim as a claim) loads with dracap's manifest loader
-with the DRAConsumableCapacity gate on and is refused with it off.
+an error); the Prometheus Operator's objects and the CloudNativePG ``Cluster`` of the
+production overlay, which it has no schema for, are checked field by field. Every
+Secret, ConfigMap, key and ServiceAccount a pod reads (the NATS StatefulSet's too) is
+rendered or in a template of what is created first. What makes ``overlays/production``
+a production topology is checked in ``tests/unit/test_production_topology.py``. Every
+container's command parses with dracap's own command line, and every DRA example (a
+template's claim as a claim) loads with dracap's manifest loader with the
+DRAConsumableCapacity gate on and is refused with it off.
 
 Each standalone overlay has a Kubernetes-mode twin (``overlays/<name>-driver``: the
 overlay plus the ``driver`` component). The twins are checked to change nothing of their
