@@ -135,6 +135,17 @@ def test_every_deployment_runs_two_or_more_spread_over_nodes_with_a_budget() -> 
     }
 
 
+def test_in_kubernetes_mode_only_the_bridge_runs_alone() -> None:
+    """``production-driver`` adds the bridge, one replica (docs/kubernetes.md: a restarted
+    bridge lists every claim again); every other Deployment is production's."""
+    objects = copy.deepcopy(_rendered("production-driver"))
+    bridge = _one(objects, "Deployment", "dracap-kubernetes-bridge")
+    assert bridge["spec"]["replicas"] == 1
+    _check_deployments([obj for obj in objects if obj is not bridge])
+    with pytest.raises(AssertionError):
+        _check_deployments(objects)
+
+
 def _deployment(name: str) -> Callable[[list[Obj]], Obj]:
     return lambda objects: _one(objects, "Deployment", name)
 
