@@ -595,6 +595,7 @@ REGISTRATION_DIR = "/var/lib/kubelet/plugins_registry"
 PLUGINS_DIR = "/var/lib/kubelet/plugins"
 CDI_DIR = "/var/run/cdi"
 CHECKPOINT_DIR = "/var/lib/dracap-agent"
+NODE_KEY_DIR = "/etc/dracap/node-credentials"  # the node's own NATS key, put there by provisioning
 SUN_PATH_MAX = 107  #: a Unix socket's path, without its terminating NUL
 
 
@@ -618,13 +619,19 @@ def test_the_agent_gets_exactly_what_tc_needs(overlay: str) -> None:
     assert _arg(args, "--enforcer") == "tc"
     host_paths = sorted(v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v)
     if _driver_mode(overlay):
-        # its checkpoint, the kubelet's registration directory, its own plugin directory
-        # and the CDI specs: nothing of the host else
+        # its checkpoint, its node's key, the kubelet's registration directory, its own
+        # plugin directory and the CDI specs: nothing of the host else
         assert host_paths == sorted(
-            [CHECKPOINT_DIR, REGISTRATION_DIR, f"{PLUGINS_DIR}/{_agent_driver()}", CDI_DIR]
+            [
+                CHECKPOINT_DIR,
+                NODE_KEY_DIR,
+                REGISTRATION_DIR,
+                f"{PLUGINS_DIR}/{_agent_driver()}",
+                CDI_DIR,
+            ]
         )
-    else:
-        assert host_paths == [CHECKPOINT_DIR]  # its checkpoint, nothing of the host else
+    else:  # its checkpoint and its node's key, nothing of the host else
+        assert host_paths == sorted([CHECKPOINT_DIR, NODE_KEY_DIR])
     for obj in objects:
         if obj is agent:
             continue
@@ -941,10 +948,9 @@ def test_every_secret_key_the_manifests_read_is_in_the_template_and_is_a_placeho
         assert not _by_kind(objects, "Secret"), "Secrets are created by the operator, not applied"
         _check_references(objects, created)
     template = {s["metadata"]["name"]: s["stringData"] for s in _documents(SECRETS)}
-    (agent,) = _by_kind(_rendered("dev"), "DaemonSet")
-    args = agent["spec"]["template"]["spec"]["containers"][0]["args"]
-    creds = Path(args[args.index("--creds") + 1].replace("$(NODE_NAME)", "node-a")).name
-    assert creds in template["dracap-nats"]
+    assert not [k for k in template["dracap-nats"] if k.startswith("agent")], (
+        "an agent's key in the Secret every agent pod could be given"
+    )
 
 
 @pytest.mark.parametrize(
@@ -1031,14 +1037,70 @@ def test_the_dra_examples_load_with_the_gate_on_and_are_refused_with_it_off(tmp_
         assert used == set(claims)
 
 
+def _node_key_problems(agent: dict[str, Any]) -> list[str]:
+    """Why the agent DaemonSet's pods could read a key other than their own node's."""
+    spec = agent["spec"]["template"]["spec"]
+    problems = [
+        f"volume {v['name']} mounts Secret {v['secret']['secretName']}"
+        for v in spec.get("volumes", [])
+        if "secret" in v
+    ]
+    (container,) = [c for c in spec["containers"] if c["name"] == "agent"]
+    creds = _arg(container["args"], "--creds")
+    if "$(" in creds:
+        problems.append(f"--creds {creds} is chosen per pod: every node's key is at hand")
+    mounts = [
+        m for m in container.get("volumeMounts", []) if creds.startswith(m["mountPath"] + "/")
+    ]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    if not mounts or "hostPath" not in volumes.get(mounts[-1]["name"], {}):
+        problems.append(f"--creds {creds} is not on a directory of the pod's own node")
+    return problems
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_an_agent_pod_can_read_its_own_nodes_key_only(overlay: str) -> None:
+    """The agent's key comes from its node (hostPath), not from a Secret that would hold
+    every node's key for every agent pod (base/agent.yaml, Credentials)."""
+    for agent in _by_kind(_rendered(overlay), "DaemonSet"):
+        assert _node_key_problems(agent) == [], (overlay, _node_key_problems(agent))
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda spec: spec["volumes"].append(
+            {"name": "all", "secret": {"secretName": "dracap-nats"}}
+        ),
+        lambda spec: spec["containers"][0]["args"].__setitem__(
+            spec["containers"][0]["args"].index("--creds") + 1,
+            "/etc/dracap/nats/agent-$(NODE_NAME).nk",
+        ),
+        lambda spec: [
+            v.update(secret={"secretName": "dracap-nats"}, hostPath=None)
+            for v in spec["volumes"]
+            if v["name"] == "nats"
+        ],
+    ],
+    ids=["secret-volume", "per-pod-path", "key-from-secret"],
+)
+def test_an_agent_reading_other_nodes_keys_is_caught(mutate: Any) -> None:
+    (agent,) = _by_kind(copy.deepcopy(_rendered("dev")), "DaemonSet")
+    mutate(agent["spec"]["template"]["spec"])
+    for volume in agent["spec"]["template"]["spec"]["volumes"]:
+        if volume.get("hostPath", "") is None:
+            del volume["hostPath"]
+    assert _node_key_problems(agent)
+
+
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_each_pod_mounts_only_its_own_broker_key(overlay: str) -> None:
     """A pod that mounts the broker's Secret names the keys it mounts, and its ``--creds``
-    file is one of them: no pod can read another service's seed. (The agent DaemonSet is
-    the known exception, said in agent.yaml: one pod template for every node.)"""
+    file is one of them: no pod can read another service's seed (the agents' keys are not
+    in it: :func:`test_an_agent_pod_can_read_its_own_nodes_key_only`)."""
     for obj in _rendered(overlay):
         spec = _pod_spec(obj)
-        if spec is None or obj["kind"] == "DaemonSet":
+        if spec is None:
             continue
         for volume in spec.get("volumes", []):
             secret = volume.get("secret")
