@@ -218,7 +218,7 @@ class CapacityGauges:
 
     def _changed(self, envelope: Envelope) -> None:
         event = envelope.event
-        if isinstance(event, INVENTORY_EVENTS):
+        if type(event) in INVENTORY_EVENTS:
             self._members = None
         else:
             change = first(meaning(event), (ShareHeld, ShareReleased, NodeFencedOff))
