@@ -51,6 +51,7 @@ from events.transitions import (
 )
 
 __all__ = [
+    "BILLED",
     "HOUR",
     "BillingShare",
     "NodeEpochs",
@@ -65,6 +66,17 @@ __all__ = [
     "request_classes",
 ]
 
+#: The transitions billing acts on (:func:`apply` ignores the others).
+BILLED: Final = (
+    ClaimEntered,
+    ShareHeld,
+    ShareReleased,
+    ShareUnknown,
+    ShareKnownAgain,
+    NodeReturned,
+    NodeLost,
+    NodeFencedOff,
+)
 HOUR: Final = datetime.timedelta(hours=1)
 _MICRO: Final = datetime.timedelta(microseconds=1)
 _NANO_MICRO: Final = Decimal(10) ** 15  # nano-units x microseconds -> units x seconds

@@ -37,6 +37,7 @@ from events.transitions import (
     stale,
 )
 from services.audit import records
+from services.billing import service as billing_service
 from services.billing import usage
 from services.reservation.service import TRIGGERS
 from services.runtime import livestate
@@ -185,3 +186,16 @@ def test_inventory_and_access_transitions() -> None:
     assert meaning(mode) == (ClassModeChanged(name="gpu"),)
     access = next(e for e in every_event() if isinstance(e, catalog.NamespaceAccessSet))
     assert meaning(access) == (AccessChanged(namespace=access.namespace),)
+
+
+def test_billing_reads_the_events_that_stand_for_what_it_bills() -> None:
+    assert set(billing_service.EVENTS) == {
+        catalog.ClaimSubmitted,
+        catalog.CapacityReserved,
+        catalog.CapacityReleased,
+        catalog.ShareMarkedUnknown,
+        catalog.ShareConfirmed,
+        catalog.NodeLeaseAcquired,
+        catalog.NodeLeaseExpired,
+        catalog.NodeFenced,
+    }
