@@ -20,7 +20,7 @@ ask it, through :class:`NodeEpochs` where they keep a node's epochs themselves.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Final, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, TypeVar
 
 import msgspec
 
@@ -62,6 +62,9 @@ from events.catalog import (
 )
 from events.quantities import Quantity
 
+if TYPE_CHECKING:
+    from events.state import ClusterState
+
 __all__ = [
     "INVENTORY_CHANGES",
     "KINDS",
@@ -88,6 +91,7 @@ __all__ = [
     "ShareUnknown",
     "SliceChanged",
     "Transition",
+    "counted",
     "events_meaning",
     "first",
     "meaning",
@@ -495,6 +499,26 @@ def stale(epoch: int, lease_epoch: int, fenced_epoch: int) -> bool:
     """Whether an expiry or fence at ``epoch`` changes nothing: older than the node's
     newest lease (acquired or expired) or fence."""
     return epoch < lease_epoch or epoch < fenced_epoch
+
+
+def counted(state: ClusterState, transitions: tuple[Transition, ...]) -> tuple[Transition, ...]:
+    """``transitions`` less a stale expiry or fence, read off ``state`` *after* the fold
+    applied their event (the fold left the node as it was for a stale one, so the rule
+    gives the same answer after as before). For a reader that holds the fold: what the
+    event changed, not only what it said; the same tuple when it has no node change."""
+    for t in transitions:
+        if isinstance(t, NodeLost | NodeFencedOff):
+            break
+    else:
+        return transitions
+    return tuple(t for t in transitions if not _stale_in(state, t))
+
+
+def _stale_in(state: ClusterState, t: Transition) -> bool:
+    if not isinstance(t, NodeLost | NodeFencedOff):
+        return False
+    node = state.nodes.get(t.node)
+    return node is not None and stale(t.epoch, node.lease_epoch, node.fenced_epoch)
 
 
 class NodeEpochs(msgspec.Struct, frozen=True, kw_only=True):
