@@ -83,6 +83,7 @@ __all__ = [
     "NodeEpochs",
     "NodeFencedOff",
     "NodeLost",
+    "NodeOutcome",
     "NodeReturned",
     "PolicyChanged",
     "ShareHeld",
@@ -532,6 +533,19 @@ class NodeEpochs(msgspec.Struct, frozen=True, kw_only=True):
         """Whether an expiry or fence at ``epoch`` changes nothing (:func:`stale`)."""
         return stale(epoch, self.lease_epoch, self.fenced_epoch)
 
+    def outcome(self, change: NodeChange) -> NodeOutcome | None:
+        """What ``change`` does: the epochs after it and what becomes of the node's live
+        shares (kept: a new lease; unknown: an expiry; released: a fence); ``None``: a
+        stale expiry or fence, nothing changes."""
+        after = self.after(change)
+        if after is None:
+            return None
+        if isinstance(change, NodeReturned):
+            return NodeOutcome(epochs=after, shares="kept")
+        return NodeOutcome(
+            epochs=after, shares="released" if isinstance(change, NodeFencedOff) else "unknown"
+        )
+
     def after(self, change: NodeChange) -> NodeEpochs | None:
         """The epochs after ``change``; ``None``: a stale expiry or fence, nothing changes."""
         if isinstance(change, NodeReturned):
@@ -544,3 +558,10 @@ class NodeEpochs(msgspec.Struct, frozen=True, kw_only=True):
             lease_epoch=max(self.lease_epoch, change.epoch),
             fenced_epoch=max(self.fenced_epoch, change.epoch) if fenced else self.fenced_epoch,
         )
+
+
+class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What a node change that counts does (:meth:`NodeEpochs.outcome`)."""
+
+    epochs: NodeEpochs
+    shares: Literal["kept", "unknown", "released"]

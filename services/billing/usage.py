@@ -283,11 +283,11 @@ def apply(
                     elif isinstance(t, ShareKnownAgain) and share.state == "unknown":
                         close(share, at, "held", position)
                 case NodeReturned() | NodeLost() | NodeFencedOff():
-                    after = epochs.get(t.node, NodeEpochs(node=t.node)).after(t)
-                    if after is None:  # stale
+                    outcome = epochs.get(t.node, NodeEpochs(node=t.node)).outcome(t)
+                    if outcome is None:  # stale
                         continue
-                    epochs[t.node] = out.nodes[t.node] = after
-                    if isinstance(t, NodeReturned):
+                    epochs[t.node] = out.nodes[t.node] = outcome.epochs
+                    if outcome.shares == "kept":
                         continue
                     on_node = sorted(
                         s.share_id
@@ -296,7 +296,7 @@ def apply(
                     )
                     for share_id in on_node:
                         share = known[share_id]
-                        if isinstance(t, NodeFencedOff):
+                        if outcome.shares == "released":
                             close(share, at, "closed", position)
                         elif share.state == "held":
                             close(share, at, "unknown", position)

@@ -199,3 +199,16 @@ def test_billing_reads_the_events_that_stand_for_what_it_bills() -> None:
         catalog.NodeLeaseExpired,
         catalog.NodeFenced,
     }
+
+
+def test_a_node_changes_outcome_says_what_becomes_of_its_shares() -> None:
+    """What audit and billing do to a node's live shares, said once."""
+    node = NodeEpochs(node="n", lease_epoch=2)
+    assert node.outcome(NodeLost(node="n", epoch=1)) is None  # stale
+    returned = node.outcome(NodeReturned(node="n", epoch=3))
+    assert returned is not None and returned.shares == "kept"
+    lost = node.outcome(NodeLost(node="n", epoch=2))
+    assert lost is not None and lost.shares == "unknown" and lost.epochs == node
+    fenced = node.outcome(NodeFencedOff(node="n", epoch=2))
+    assert fenced is not None and fenced.shares == "released"
+    assert fenced.epochs == NodeEpochs(node="n", lease_epoch=2, fenced_epoch=2)
