@@ -73,6 +73,7 @@ __all__ = [
     "ClaimBound",
     "ClaimDecided",
     "ClaimEntered",
+    "ClaimReleasing",
     "ClassDefined",
     "ClassModeChanged",
     "ClassRemoved",
@@ -133,6 +134,15 @@ class ClaimBound(_T, frozen=True, kw_only=True):
     name: str
     node: str | None
     share_ids: tuple[str, ...]
+
+
+class ClaimReleasing(_T, frozen=True, kw_only=True):
+    """A claim's release was asked: the agent of ``node`` removes its limits, then its
+    shares give their capacity back."""
+
+    namespace: str
+    name: str
+    node: str | None
 
 
 # --- shares -------------------------------------------------------------------------------
@@ -279,6 +289,7 @@ Transition: TypeAlias = (
     ClaimEntered
     | ClaimDecided
     | ClaimBound
+    | ClaimReleasing
     | ShareHeld
     | ShareReleased
     | ShareUnknown
@@ -428,7 +439,10 @@ _TABLE: Final[Mapping[type[Any], tuple[_Meaning, _Kinds]]] = {
         lambda ev: (ShareKnownAgain(share_id=ev.share_id, node=ev.node),),
         (ShareKnownAgain,),
     ),
-    ReleaseRequested: (_nothing, ()),
+    ReleaseRequested: (
+        lambda ev: (ClaimReleasing(namespace=ev.namespace, name=ev.name, node=ev.node),),
+        (ClaimReleasing,),
+    ),
     ClaimStalled: (_nothing, ()),
     AppendRefused: (_nothing, ()),
     NamespaceAccessSet: (lambda ev: (AccessChanged(namespace=ev.namespace),), (AccessChanged,)),

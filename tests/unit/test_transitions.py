@@ -17,6 +17,7 @@ from events.transitions import (
     ClaimBound,
     ClaimDecided,
     ClaimEntered,
+    ClaimReleasing,
     ClassDefined,
     ClassModeChanged,
     ClassRemoved,
@@ -212,3 +213,8 @@ def test_a_node_changes_outcome_says_what_becomes_of_its_shares() -> None:
     fenced = node.outcome(NodeFencedOff(node="n", epoch=2))
     assert fenced is not None and fenced.shares == "released"
     assert fenced.epochs == NodeEpochs(node="n", lease_epoch=2, fenced_epoch=2)
+
+
+def test_a_release_asked_is_the_claims_agents_work() -> None:
+    asked = catalog.ReleaseRequested(namespace="team-a", name="c1", allocation_version=1, node="n")
+    assert meaning(asked) == (ClaimReleasing(namespace="team-a", name="c1", node="n"),)
