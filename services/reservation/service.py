@@ -404,10 +404,10 @@ class ReservationService:
             for e in triggers
             if (d := first(meaning(e.event), ClaimDecided)) is not None and d.outcome == "admitted"
         }
-        first = Cause.of(triggers[0])
+        earliest = Cause.of(triggers[0])
 
         def cause(key: ClaimKey) -> Cause:
-            return admissions.get(key, first)
+            return admissions.get(key, earliest)
 
         # The consumer holds PLANNER_LOCK while this runs and until its append has
         # committed: one planner at a time, in any process (a round plans every
