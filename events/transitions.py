@@ -20,7 +20,7 @@ ask it, through :class:`NodeEpochs` where they keep a node's epochs themselves.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Final, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, TypeVar
 
 import msgspec
 
@@ -62,12 +62,20 @@ from events.catalog import (
 )
 from events.quantities import Quantity
 
+if TYPE_CHECKING:
+    from events.state import ClusterState
+
 __all__ = [
+    "INVENTORY_CHANGES",
+    "KINDS",
     "MEANINGS",
+    "AccessChanged",
     "ClaimBound",
     "ClaimDecided",
     "ClaimEntered",
+    "ClaimReleasing",
     "ClassDefined",
+    "ClassModeChanged",
     "ClassRemoved",
     "DeviceHealth",
     "LimitsRemoved",
@@ -76,12 +84,17 @@ __all__ = [
     "NodeEpochs",
     "NodeFencedOff",
     "NodeLost",
+    "NodeOutcome",
     "NodeReturned",
+    "PolicyChanged",
     "ShareHeld",
     "ShareKnownAgain",
     "ShareReleased",
     "ShareUnknown",
+    "SliceChanged",
     "Transition",
+    "counted",
+    "events_meaning",
     "first",
     "meaning",
     "stale",
@@ -121,6 +134,15 @@ class ClaimBound(_T, frozen=True, kw_only=True):
     name: str
     node: str | None
     share_ids: tuple[str, ...]
+
+
+class ClaimReleasing(_T, frozen=True, kw_only=True):
+    """A claim's release was asked: the agent of ``node`` removes its limits, then its
+    shares give their capacity back."""
+
+    namespace: str
+    name: str
+    node: str | None
 
 
 # --- shares -------------------------------------------------------------------------------
@@ -227,6 +249,35 @@ class ClassRemoved(_T, frozen=True, kw_only=True):
     name: str
 
 
+class ClassModeChanged(_T, frozen=True, kw_only=True):
+    """A DeviceClass's mode (consumable, whole-device, disabled) or enforcement floor was set."""
+
+    name: str
+
+
+class SliceChanged(_T, frozen=True, kw_only=True):
+    """A ResourceSlice was published (new, or changed) or withdrawn."""
+
+    name: str
+    withdrawn: bool
+
+
+class PolicyChanged(_T, frozen=True, kw_only=True):
+    """A device capacity's request policy changed; ``policy_version`` is its new version."""
+
+    driver: str
+    pool: str
+    device: str
+    capacity: str
+    policy_version: int
+
+
+class AccessChanged(_T, frozen=True, kw_only=True):
+    """What a namespace may use (classes, adminAccess, quotas) was set."""
+
+    namespace: str
+
+
 class MessageDropped(_T, frozen=True, kw_only=True):
     """A consumer gave a message up after its maximum deliveries."""
 
@@ -238,6 +289,7 @@ Transition: TypeAlias = (
     ClaimEntered
     | ClaimDecided
     | ClaimBound
+    | ClaimReleasing
     | ShareHeld
     | ShareReleased
     | ShareUnknown
@@ -250,6 +302,10 @@ Transition: TypeAlias = (
     | DeviceHealth
     | ClassDefined
     | ClassRemoved
+    | ClassModeChanged
+    | SliceChanged
+    | PolicyChanged
+    | AccessChanged
     | MessageDropped
 )
 
@@ -306,49 +362,123 @@ def _failed(ev: LimitFailed) -> tuple[Transition, ...]:
     )
 
 
+def _policy(ev: RequestPolicyChanged) -> tuple[Transition, ...]:
+    return (
+        PolicyChanged(
+            driver=ev.driver,
+            pool=ev.pool,
+            device=ev.device,
+            capacity=ev.capacity,
+            policy_version=ev.policy_version,
+        ),
+    )
+
+
 def _nothing(ev: Any) -> tuple[Transition, ...]:
     return ()
 
 
-MEANINGS: Final[Mapping[type[Any], Callable[[Any], tuple[Transition, ...]]]] = {
-    DeviceClassApplied: lambda ev: (ClassDefined(name=ev.device_class.metadata.name),),
-    DeviceClassRemoved: lambda ev: (ClassRemoved(name=ev.name),),
-    ClassModeSet: _nothing,
-    ResourceSlicePublished: _nothing,
-    ResourceSliceWithdrawn: _nothing,
-    RequestPolicyChanged: _nothing,
-    ClaimSubmitted: _submitted,
-    ClaimAdmitted: _decided("admitted"),
-    ClaimRejected: _decided("rejected"),
-    ClaimUnschedulable: _decided("unschedulable"),
-    ClaimWithdrawn: _decided("withdrawn"),
-    ClaimReserved: _nothing,
-    ClaimUnreserved: _nothing,
-    CapacityReserved: _reserved,
-    AllocationBound: _bound,
-    LimitApplied: _applied,
-    LimitFailed: _failed,
-    LimitRemoved: lambda ev: (LimitsRemoved(share_id=ev.share_id, node=ev.node),),
-    EnforcementReconciled: _nothing,
-    EnforcementCheckpointSetAside: _nothing,
-    ShareUsed: _nothing,
-    DeviceHealthChanged: lambda ev: (
-        DeviceHealth(
-            node=ev.node, driver=ev.driver, pool=ev.pool, device=ev.device, healthy=ev.healthy
-        ),
+_Meaning: TypeAlias = Callable[[Any], tuple[Transition, ...]]
+_Kinds: TypeAlias = tuple[type[Transition], ...]
+
+#: Each event class: the function giving an event's transitions, and the kinds of
+#: transition it can give (so a reader can pick the event classes that matter to it once,
+#: at import: :func:`events_meaning`; ``tests/unit/test_transitions.py`` holds the two to
+#: each other on a sample of every class).
+_TABLE: Final[Mapping[type[Any], tuple[_Meaning, _Kinds]]] = {
+    DeviceClassApplied: (
+        lambda ev: (ClassDefined(name=ev.device_class.metadata.name),),
+        (ClassDefined,),
     ),
-    CapacityReleased: lambda ev: (ShareReleased(share_id=ev.share_id),),
-    NodeLeaseAcquired: lambda ev: (NodeReturned(node=ev.node, epoch=ev.epoch),),
-    NodeLeaseExpired: lambda ev: (NodeLost(node=ev.node, epoch=ev.epoch),),
-    NodeFenced: lambda ev: (NodeFencedOff(node=ev.node, epoch=ev.epoch),),
-    ShareMarkedUnknown: lambda ev: (ShareUnknown(share_id=ev.share_id, node=ev.node),),
-    ShareConfirmed: lambda ev: (ShareKnownAgain(share_id=ev.share_id, node=ev.node),),
-    ReleaseRequested: _nothing,
-    ClaimStalled: _nothing,
-    AppendRefused: _nothing,
-    NamespaceAccessSet: _nothing,
-    MessageDeadLettered: lambda ev: (MessageDropped(consumer=ev.consumer, event_id=ev.event_id),),
+    DeviceClassRemoved: (lambda ev: (ClassRemoved(name=ev.name),), (ClassRemoved,)),
+    ClassModeSet: (lambda ev: (ClassModeChanged(name=ev.name),), (ClassModeChanged,)),
+    ResourceSlicePublished: (
+        lambda ev: (SliceChanged(name=ev.slice.metadata.name, withdrawn=False),),
+        (SliceChanged,),
+    ),
+    ResourceSliceWithdrawn: (
+        lambda ev: (SliceChanged(name=ev.name, withdrawn=True),),
+        (SliceChanged,),
+    ),
+    RequestPolicyChanged: (_policy, (PolicyChanged,)),
+    ClaimSubmitted: (_submitted, (ClaimEntered,)),
+    ClaimAdmitted: (_decided("admitted"), (ClaimDecided,)),
+    ClaimRejected: (_decided("rejected"), (ClaimDecided,)),
+    ClaimUnschedulable: (_decided("unschedulable"), (ClaimDecided,)),
+    ClaimWithdrawn: (_decided("withdrawn"), (ClaimDecided,)),
+    ClaimReserved: (_nothing, ()),
+    ClaimUnreserved: (_nothing, ()),
+    CapacityReserved: (_reserved, (ShareHeld,)),
+    AllocationBound: (_bound, (ClaimBound,)),
+    LimitApplied: (_applied, (LimitsSettled,)),
+    LimitFailed: (_failed, (LimitsSettled,)),
+    LimitRemoved: (
+        lambda ev: (LimitsRemoved(share_id=ev.share_id, node=ev.node),),
+        (LimitsRemoved,),
+    ),
+    EnforcementReconciled: (_nothing, ()),
+    EnforcementCheckpointSetAside: (_nothing, ()),
+    ShareUsed: (_nothing, ()),
+    DeviceHealthChanged: (
+        lambda ev: (
+            DeviceHealth(
+                node=ev.node, driver=ev.driver, pool=ev.pool, device=ev.device, healthy=ev.healthy
+            ),
+        ),
+        (DeviceHealth,),
+    ),
+    CapacityReleased: (lambda ev: (ShareReleased(share_id=ev.share_id),), (ShareReleased,)),
+    NodeLeaseAcquired: (lambda ev: (NodeReturned(node=ev.node, epoch=ev.epoch),), (NodeReturned,)),
+    NodeLeaseExpired: (lambda ev: (NodeLost(node=ev.node, epoch=ev.epoch),), (NodeLost,)),
+    NodeFenced: (lambda ev: (NodeFencedOff(node=ev.node, epoch=ev.epoch),), (NodeFencedOff,)),
+    ShareMarkedUnknown: (
+        lambda ev: (ShareUnknown(share_id=ev.share_id, node=ev.node),),
+        (ShareUnknown,),
+    ),
+    ShareConfirmed: (
+        lambda ev: (ShareKnownAgain(share_id=ev.share_id, node=ev.node),),
+        (ShareKnownAgain,),
+    ),
+    ReleaseRequested: (
+        lambda ev: (ClaimReleasing(namespace=ev.namespace, name=ev.name, node=ev.node),),
+        (ClaimReleasing,),
+    ),
+    ClaimStalled: (_nothing, ()),
+    AppendRefused: (_nothing, ()),
+    NamespaceAccessSet: (lambda ev: (AccessChanged(namespace=ev.namespace),), (AccessChanged,)),
+    MessageDeadLettered: (
+        lambda ev: (MessageDropped(consumer=ev.consumer, event_id=ev.event_id),),
+        (MessageDropped,),
+    ),
 }
+
+#: Each event class -> the function giving its transitions, in order.
+MEANINGS: Final[Mapping[type[Any], _Meaning]] = {cls: row[0] for cls, row in _TABLE.items()}
+#: Each event class -> the kinds of transition it can stand for (``()``: none).
+KINDS: Final[Mapping[type[Any], _Kinds]] = {cls: row[1] for cls, row in _TABLE.items()}
+
+#: What the allocator's inventory is built from: classes and their modes, slices,
+#: request policies, nodes (a lost node's devices are tainted:
+#: :func:`events.inventory.lost_nodes`) and device health (an unhealthy device takes no
+#: new share). A reader that caches anything built from the inventory drops it on these.
+INVENTORY_CHANGES: Final[_Kinds] = (
+    ClassDefined,
+    ClassRemoved,
+    ClassModeChanged,
+    SliceChanged,
+    PolicyChanged,
+    NodeReturned,
+    NodeLost,
+    NodeFencedOff,
+    DeviceHealth,
+)
+
+
+def events_meaning(*kinds: type[Transition]) -> frozenset[type[Any]]:
+    """The event classes that can stand for a transition of one of ``kinds``: a reader
+    picks, once, the events that matter to it (catalog events are final: ``type(event)
+    in`` the set is the test, cheaper than asking :func:`meaning` on a hot path)."""
+    return frozenset(cls for cls, can in KINDS.items() if any(k in can for k in kinds))
 
 
 #: The last event asked about and its meaning: the listeners of a live state ask, one
@@ -386,6 +516,26 @@ def stale(epoch: int, lease_epoch: int, fenced_epoch: int) -> bool:
     return epoch < lease_epoch or epoch < fenced_epoch
 
 
+def counted(state: ClusterState, transitions: tuple[Transition, ...]) -> tuple[Transition, ...]:
+    """``transitions`` less a stale expiry or fence, read off ``state`` *after* the fold
+    applied their event (the fold left the node as it was for a stale one, so the rule
+    gives the same answer after as before). For a reader that holds the fold: what the
+    event changed, not only what it said; the same tuple when it has no node change."""
+    for t in transitions:
+        if isinstance(t, NodeLost | NodeFencedOff):
+            break
+    else:
+        return transitions
+    return tuple(t for t in transitions if not _stale_in(state, t))
+
+
+def _stale_in(state: ClusterState, t: Transition) -> bool:
+    if not isinstance(t, NodeLost | NodeFencedOff):
+        return False
+    node = state.nodes.get(t.node)
+    return node is not None and stale(t.epoch, node.lease_epoch, node.fenced_epoch)
+
+
 class NodeEpochs(msgspec.Struct, frozen=True, kw_only=True):
     """A node's newest lease epoch (acquired or expired) and fence epoch."""
 
@@ -396,6 +546,19 @@ class NodeEpochs(msgspec.Struct, frozen=True, kw_only=True):
     def stale(self, epoch: int) -> bool:
         """Whether an expiry or fence at ``epoch`` changes nothing (:func:`stale`)."""
         return stale(epoch, self.lease_epoch, self.fenced_epoch)
+
+    def outcome(self, change: NodeChange) -> NodeOutcome | None:
+        """What ``change`` does: the epochs after it and what becomes of the node's live
+        shares (kept: a new lease; unknown: an expiry; released: a fence); ``None``: a
+        stale expiry or fence, nothing changes."""
+        after = self.after(change)
+        if after is None:
+            return None
+        if isinstance(change, NodeReturned):
+            return NodeOutcome(epochs=after, shares="kept")
+        return NodeOutcome(
+            epochs=after, shares="released" if isinstance(change, NodeFencedOff) else "unknown"
+        )
 
     def after(self, change: NodeChange) -> NodeEpochs | None:
         """The epochs after ``change``; ``None``: a stale expiry or fence, nothing changes."""
@@ -409,3 +572,10 @@ class NodeEpochs(msgspec.Struct, frozen=True, kw_only=True):
             lease_epoch=max(self.lease_epoch, change.epoch),
             fenced_epoch=max(self.fenced_epoch, change.epoch) if fenced else self.fenced_epoch,
         )
+
+
+class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What a node change that counts does (:meth:`NodeEpochs.outcome`)."""
+
+    epochs: NodeEpochs
+    shares: Literal["kept", "unknown", "released"]

@@ -253,13 +253,13 @@ def _node_change(
     epochs: dict[str, NodeEpochs],
 ) -> None:
     """A node's epochs move; an expiry or fence that counts: a record per live share."""
-    after = epochs.get(change.node, NodeEpochs(node=change.node)).after(change)
-    if after is None:  # stale
+    outcome = epochs.get(change.node, NodeEpochs(node=change.node)).outcome(change)
+    if outcome is None:  # stale
         return
-    epochs[change.node] = out.nodes[change.node] = after
-    if isinstance(change, NodeReturned):
+    epochs[change.node] = out.nodes[change.node] = outcome.epochs
+    if outcome.shares == "kept":
         return
-    fenced = isinstance(change, NodeFencedOff)
+    fenced = outcome.shares == "released"
     decision = "released-by-fence" if fenced else "unknown-by-expiry"
     live = sorted(on_node.get(change.node, ()))
     for seq, share_id in enumerate(live, start=1):

@@ -37,20 +37,12 @@ from typing import Any, Final
 import msgspec
 from nats.aio.client import Client
 
-from events.catalog import (
-    EVENT_TYPES,
-    CapacityReleased,
-    CapacityReserved,
-    ClaimSubmitted,
-    NodeFenced,
-    NodeLeaseAcquired,
-    NodeLeaseExpired,
-    ShareConfirmed,
-    ShareMarkedUnknown,
-)
+from events.catalog import EVENT_TYPES
 from events.envelopes import Envelope
 from events.subjects import BusNames
+from events.transitions import events_meaning
 from services.billing.usage import (
+    BILLED,
     BillingShare,
     NodeEpochs,
     Segment,
@@ -82,17 +74,9 @@ __all__ = [
 log = logging.getLogger("dracap.billing")
 
 CONSUMER: Final = "billing"
-#: The events billing acts on (the only ones it reads).
-EVENTS: Final = (
-    ClaimSubmitted,
-    CapacityReserved,
-    CapacityReleased,
-    ShareMarkedUnknown,
-    ShareConfirmed,
-    NodeLeaseAcquired,
-    NodeLeaseExpired,
-    NodeFenced,
-)
+#: The events billing acts on (the only ones it reads): those that stand for a
+#: transition :func:`services.billing.usage.apply` bills (:data:`~services.billing.usage.BILLED`).
+EVENTS: Final = events_meaning(*BILLED)
 
 #: Their tags (the ``type`` column of the log).
 TYPES: Final = frozenset(tag for tag, cls in EVENT_TYPES.items() if cls in EVENTS)

@@ -51,6 +51,7 @@ from events.transitions import (
 )
 
 __all__ = [
+    "BILLED",
     "HOUR",
     "BillingShare",
     "NodeEpochs",
@@ -65,6 +66,17 @@ __all__ = [
     "request_classes",
 ]
 
+#: The transitions billing acts on (:func:`apply` ignores the others).
+BILLED: Final = (
+    ClaimEntered,
+    ShareHeld,
+    ShareReleased,
+    ShareUnknown,
+    ShareKnownAgain,
+    NodeReturned,
+    NodeLost,
+    NodeFencedOff,
+)
 HOUR: Final = datetime.timedelta(hours=1)
 _MICRO: Final = datetime.timedelta(microseconds=1)
 _NANO_MICRO: Final = Decimal(10) ** 15  # nano-units x microseconds -> units x seconds
@@ -271,11 +283,11 @@ def apply(
                     elif isinstance(t, ShareKnownAgain) and share.state == "unknown":
                         close(share, at, "held", position)
                 case NodeReturned() | NodeLost() | NodeFencedOff():
-                    after = epochs.get(t.node, NodeEpochs(node=t.node)).after(t)
-                    if after is None:  # stale
+                    outcome = epochs.get(t.node, NodeEpochs(node=t.node)).outcome(t)
+                    if outcome is None:  # stale
                         continue
-                    epochs[t.node] = out.nodes[t.node] = after
-                    if isinstance(t, NodeReturned):
+                    epochs[t.node] = out.nodes[t.node] = outcome.epochs
+                    if outcome.shares == "kept":
                         continue
                     on_node = sorted(
                         s.share_id
@@ -284,7 +296,7 @@ def apply(
                     )
                     for share_id in on_node:
                         share = known[share_id]
-                        if isinstance(t, NodeFencedOff):
+                        if outcome.shares == "released":
                             close(share, at, "closed", position)
                         elif share.state == "held":
                             close(share, at, "unknown", position)

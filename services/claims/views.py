@@ -31,7 +31,6 @@ from typing import Any
 
 import msgspec
 
-from events.catalog import NamespaceAccessSet
 from events.envelopes import Envelope
 from events.fieldchecks import split_qualified_name
 from events.inventory import DeviceEntry, Inventory, lost_nodes
@@ -48,6 +47,7 @@ from events.state import (
 )
 from events.tenancy import allow_list, class_allowed, tenant_attributes
 from events.transitions import (
+    AccessChanged,
     ClaimEntered,
     DeviceHealth,
     LimitsRemoved,
@@ -504,6 +504,8 @@ def _named(
         match t:
             case ClaimEntered():
                 return [(t.namespace, t.name)]
+            case AccessChanged():  # a namespace's, no claim's
+                return []
             case (
                 LimitsSettled()
                 | LimitsRemoved()
@@ -514,11 +516,7 @@ def _named(
                 share = state.shares.get(t.share_id)
                 return [share.claim] if share is not None else []
     namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
-    if (
-        isinstance(namespace, str)
-        and isinstance(name, str)
-        and not isinstance(event, NamespaceAccessSet)
-    ):
+    if isinstance(namespace, str) and isinstance(name, str):
         return [(namespace, name)]
     return []
 

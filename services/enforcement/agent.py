@@ -126,14 +126,12 @@ import msgspec
 from nats.aio.client import Client
 
 from events.catalog import (
-    AllocationBound,
     DeviceHealthChanged,
     EnforcementReconciled,
     Event,
     LimitFailed,
     LimitRemoved,
     MessageDeadLettered,
-    ReleaseRequested,
     ShareConfirmed,
     ShareUsed,
 )
@@ -142,6 +140,7 @@ from events.eventcodec import encode_payload
 from events.model import ResourceSlice
 from events.state import ClusterState, DeviceKey
 from events.subjects import BusNames
+from events.transitions import ClaimBound, ClaimReleasing, first, meaning
 from services.enforcement.asking import ControlPlane
 from services.enforcement.checkpointing import Checkpoint, read_boot_id
 from services.enforcement.consumer import Delivery, NodeConsumer
@@ -190,7 +189,8 @@ log = logging.getLogger("dracap.agent")
 
 #: The shortest wait between two retry sweeps (a retry is due at most this late).
 RETRY_SWEEP_S: Final = 0.25
-_WORK: Final = (AllocationBound, ReleaseRequested)
+#: What an agent acts on: a claim bound (limits to apply) or being released (to remove).
+_WORK: Final[tuple[type[ClaimBound | ClaimReleasing], ...]] = (ClaimBound, ClaimReleasing)
 
 #: Called with the events of each report once it is appended.
 ReportListener = Callable[[Sequence[Event]], None]
@@ -773,8 +773,8 @@ class Agent:
 
     def wants(self, env: Envelope) -> bool:
         """The messages this agent acts on: its node's bindings and release requests."""
-        event = env.event
-        return isinstance(event, _WORK) and event.node == self.node
+        work = first(meaning(env.event), _WORK)
+        return work is not None and work.node == self.node
 
     async def handle(self, group: list[Delivery]) -> set[str]:
         """Apply or remove limits for a group of messages (see the module docstring);
@@ -913,8 +913,8 @@ def _batches(written: Written, causes: dict[str, Cause]) -> list[Outgoing]:
 
 def _class_of(state: ClusterState, env: Envelope) -> str:
     """The DeviceClass of the claim a message is about (a metric label)."""
-    event = env.event
-    return known_class(state, (event.namespace, event.name)) if isinstance(event, _WORK) else ""
+    work = first(meaning(env.event), _WORK)
+    return known_class(state, (work.namespace, work.name)) if work is not None else ""
 
 
 def _counters(

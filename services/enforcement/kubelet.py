@@ -79,13 +79,11 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Final, Literal, Protocol
 
 from events.catalog import (
-    DeviceHealthChanged,
     Event,
-    ResourceSlicePublished,
-    ResourceSliceWithdrawn,
 )
 from events.model import ResourceClaim
 from events.state import ClusterState, ShareState
+from events.transitions import DeviceHealth, SliceChanged, events_meaning
 from services.enforcement.agent import Agent, Round
 from services.enforcement.cdi import KIND as GPU_KIND
 from services.enforcement.cdi import SHARE_KIND, CdiSpecs, build_share_spec
@@ -112,8 +110,9 @@ MIRROR_WAIT_S: Final = 20.0
 #: The longest a prepare waiting for the bridge goes without looking again (the agent's
 #: messages wake it at once; this only bounds a wake-up that never comes).
 _MIRROR_LOOK_S: Final = 2.0
-#: Reports of the agent that change what the health stream shows.
-_DEVICES_CHANGED: Final = (DeviceHealthChanged, ResourceSlicePublished, ResourceSliceWithdrawn)
+#: Reports of the agent that change what the health stream shows: a device's health, or
+#: a slice (the devices it lists).
+_DEVICES_CHANGED: Final = events_meaning(DeviceHealth, SliceChanged)
 _ATTEMPTS: Final = 5  #: rounds tried when an outside write (a delete, a fence) got in first
 
 Kind = Literal["prepare", "unprepare"]
@@ -166,7 +165,7 @@ class KubeletDriver:
         agent.on_messages(self._on_messages)
 
     def _on_report(self, events: Sequence[Event]) -> None:
-        if any(isinstance(e, _DEVICES_CHANGED) for e in events):
+        if any(type(e) in _DEVICES_CHANGED for e in events):
             self._changed.set()
 
     def _on_messages(self, _events: Sequence[Event]) -> None:

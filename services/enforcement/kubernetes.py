@@ -26,9 +26,10 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Final
 
-from events.catalog import Event, ResourceSlicePublished, ResourceSliceWithdrawn
+from events.catalog import Event
 from events.model import ResourceSlice
 from events.state import ClusterState
+from events.transitions import SliceChanged, events_meaning
 from services.enforcement.agent import Agent
 from services.enforcement.cdi import CdiSpecs
 from services.enforcement.kubelet import KubeletDriver
@@ -44,6 +45,8 @@ log = logging.getLogger("dracap.agent.kubernetes")
 
 #: Seconds between tries of a slice sync the API server refused or could not take.
 RESYNC_S: Final = 5.0
+#: The agent's reports that change this node's slices.
+_SLICES_CHANGED: Final = events_meaning(SliceChanged)
 
 
 def node_slices(state: ClusterState, node: str, driver: str) -> list[ResourceSlice]:
@@ -69,7 +72,7 @@ class SlicePublisher:
         self.generations: dict[str, int] = {}
 
     def _on_report(self, events: Sequence[Event]) -> None:
-        if any(isinstance(e, ResourceSlicePublished | ResourceSliceWithdrawn) for e in events):
+        if any(type(e) in _SLICES_CHANGED for e in events):
             self._changed.set()
 
     async def sync(self) -> None:

@@ -76,10 +76,8 @@ from nats.js import JetStreamContext
 
 from events.actors import Actor
 from events.catalog import (
-    AllocationBound,
     Event,
     LimitFailed,
-    ReleaseRequested,
     ResourceSlicePublished,
 )
 from events.envelopes import Envelope, claim_stream, node_stream
@@ -88,6 +86,7 @@ from events.eventcodec import decode_event
 from events.fold import apply_event
 from events.state import ClaimKey, ClusterState, DeviceKey
 from events.subjects import BusNames, node_of
+from events.transitions import ClaimBound, ClaimReleasing, meaning
 from services.enforcement import leases
 from services.enforcement.consumer import durable
 from services.enforcement.protocol import (
@@ -444,11 +443,13 @@ class EnforcementService:
         claims: list[ClaimKey] = list(ask.claims)
         shares: list[str] = list(ask.shares)
         for env in confirmed:
-            event = env.event
-            if isinstance(event, AllocationBound | ReleaseRequested):
-                claims.append((event.namespace, event.name))
-            if isinstance(event, AllocationBound):
-                shares += event.share_ids
+            for t in meaning(env.event):
+                match t:
+                    case ClaimBound():
+                        claims.append((t.namespace, t.name))
+                        shares += t.share_ids
+                    case ClaimReleasing():
+                        claims.append((t.namespace, t.name))
         if ask.retries:
             shares += index.retrying(state, node)
         what = Scope(claims=tuple(claims), shares=tuple(shares), node=ask.node)

@@ -418,7 +418,7 @@ async def usage_series(
                 scoped_devices.add(tuple(key.split("/")))  # type: ignore[arg-type]
             elif kind == "node":
                 scoped_devices.update(k for k, d in state.devices.items() if d.node == key)
-            elif isinstance(event, INVENTORY_EVENTS):
+            elif type(event) in INVENTORY_EVENTS:
                 members_stale = True
             elif members_stale:  # the run of inventory events is over: select anew
                 members, members_stale = set(class_members(state).get(key, ())), False

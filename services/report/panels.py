@@ -223,7 +223,7 @@ class _Fold:
             raise ReplayBrokenError(exc.position, str(exc)) from None
         if refusal is not None:
             return refusal  # skipped, as every reader skips it (events.folding)
-        if isinstance(event, INVENTORY_EVENTS):
+        if type(event) in INVENTORY_EVENTS:
             self.members = None
         seen = self.slos.observe(self.state, event, at)
         if bucket is None:

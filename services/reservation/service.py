@@ -83,12 +83,7 @@ from nats.js import JetStreamContext
 
 from events.actors import Actor
 from events.catalog import (
-    CapacityReleased,
     ClaimAdmitted,
-    DeviceHealthChanged,
-    NamespaceAccessSet,
-    NodeFenced,
-    NodeLeaseAcquired,
 )
 from events.envelopes import Envelope
 from events.errors import SelectorDeadlineExceeded, SelectorError
@@ -99,12 +94,16 @@ from events.selectors import DeviceView
 from events.state import ClaimKey, ClusterState
 from events.subjects import BusNames
 from events.transitions import (
+    AccessChanged,
     ClaimDecided,
     ClaimEntered,
+    DeviceHealth,
     NodeFencedOff,
+    NodeReturned,
     ShareHeld,
     ShareReleased,
     Transition,
+    events_meaning,
     first,
     meaning,
 )
@@ -150,13 +149,16 @@ def durables(names: BusNames, name: str = "reservation") -> list[Durable]:
 
 
 #: Events that make a worker plan.
+#: What a worker plans for besides the inventory's changes: an admission, and what gives
+#: capacity back (a release, a fence), lets a lost node's or an unhealthy device's
+#: devices take shares again (a new lease, health) or may grant adminAccess (a
+#: namespace's access) — as event classes, for the feeds (:data:`FEEDS`).
 TRIGGERS: Final = (
     ClaimAdmitted,
-    CapacityReleased,
-    NodeFenced,
-    NodeLeaseAcquired,  # a lost node's agent is back: its devices take shares again
-    DeviceHealthChanged,  # a device well again takes shares again
-    NamespaceAccessSet,
+    *sorted(
+        events_meaning(ShareReleased, NodeFencedOff, NodeReturned, DeviceHealth, AccessChanged),
+        key=lambda cls: cls.__name__,
+    ),
 )
 #: The advisory lock that serialises planning rounds of all workers.
 PLANNER_LOCK: Final = 0x64726163_61700001  # "dracap" + 1
@@ -164,7 +166,9 @@ PLANNER_LOCK: Final = 0x64726163_61700001  # "dracap" + 1
 #: that it is evaluated in the selector pool (cel-python: 35-80 µs per unit, so the
 #: decision spends at most about 7-16 ms on one tenant selector per candidate set).
 INLINE_BUDGET: Final = 200
-_FREEING: Final = (CapacityReleased, NodeFenced, NamespaceAccessSet, *INVENTORY_EVENTS)
+_FREEING: Final = INVENTORY_EVENTS | events_meaning(ShareReleased, NodeFencedOff, AccessChanged)
+#: Every event class a worker plans for.
+_WANTED: Final = INVENTORY_EVENTS | frozenset(TRIGGERS)
 
 
 class Plan:
@@ -301,9 +305,9 @@ class ReservationService:
                     on_node = self._counted_on.get(t.node, set())
                     for share_id in [s for s in on_node if not state.shares[s].live]:
                         self._forget(share_id, t.node)
-        if isinstance(event, INVENTORY_EVENTS):
+        if type(event) in INVENTORY_EVENTS:
             self._allocator = None
-        if isinstance(event, _FREEING):
+        if type(event) in _FREEING:
             self._epoch += 1
         self._track_claim(env, state, transitions)
 
@@ -392,18 +396,18 @@ class ReservationService:
         A lost race (``ConflictError``) writes nothing; the consumer handles the
         messages again (see the module docstring).
         """
-        triggers = [e for e in envs if isinstance(e.event, TRIGGERS + INVENTORY_EVENTS)]
+        triggers = [e for e in envs if type(e.event) in _WANTED]
         if not triggers:
             return Handled()
         admissions = {
-            (e.event.namespace, e.event.name): Cause.of(e)
+            (d.namespace, d.name): Cause.of(e)
             for e in triggers
-            if isinstance(e.event, ClaimAdmitted)
+            if (d := first(meaning(e.event), ClaimDecided)) is not None and d.outcome == "admitted"
         }
-        first = Cause.of(triggers[0])
+        earliest = Cause.of(triggers[0])
 
         def cause(key: ClaimKey) -> Cause:
-            return admissions.get(key, first)
+            return admissions.get(key, earliest)
 
         # The consumer holds PLANNER_LOCK while this runs and until its append has
         # committed: one planner at a time, in any process (a round plans every
@@ -562,7 +566,7 @@ class ReservationService:
 
 
 def _wanted(env: Envelope) -> bool:
-    return isinstance(env.event, TRIGGERS + INVENTORY_EVENTS)
+    return type(env.event) in _WANTED
 
 
 def _as_allocated(grants: Sequence[Grant]) -> Allocated:

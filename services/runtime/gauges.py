@@ -6,10 +6,10 @@ log describes it, so no service increments it: :class:`CapacityGauges` listens t
 (:class:`events.state.ClusterState`) whenever an event changed what is allocated or
 what exists:
 
-* ``CapacityReserved``, ``CapacityReleased`` and ``NodeFenced`` move the consumed
-  amounts;
-* the inventory events (classes, slices, request policies) change which devices a
-  class selects and their totals.
+* a share held, a share released and a node fenced (``ShareHeld``, ``ShareReleased``,
+  ``NodeFencedOff``: :mod:`events.transitions`) move the consumed amounts;
+* the inventory's changes (classes, slices, request policies, nodes, health:
+  ``INVENTORY_CHANGES``) change which devices a class selects and their totals.
 
 For every DeviceClass and every capacity its devices publish, the value is the sum of
 the consumed amounts over the sum of the totals of the devices the class's CEL
@@ -37,11 +37,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
-from typing import Final
 
 from prometheus_client import Gauge
 
-from events.catalog import CapacityReleased, CapacityReserved, NodeFenced
 from events.envelopes import Envelope
 from events.features import DEFAULT_GATES, FeatureGates
 from events.inventory import build_inventory
@@ -65,8 +63,6 @@ __all__ = [
 
 log = logging.getLogger("dracap.gauges")
 
-
-_CAPACITY_EVENTS: Final = (CapacityReserved, CapacityReleased, NodeFenced)
 
 Ratios = dict[tuple[str, str], float]
 #: per capacity of one device: (allocated, total, stranded) nanos
@@ -218,7 +214,7 @@ class CapacityGauges:
 
     def _changed(self, envelope: Envelope) -> None:
         event = envelope.event
-        if isinstance(event, INVENTORY_EVENTS):
+        if type(event) in INVENTORY_EVENTS:
             self._members = None
         else:
             change = first(meaning(event), (ShareHeld, ShareReleased, NodeFencedOff))

@@ -100,21 +100,10 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Final, TypeAlias
 
-from events.catalog import (
-    ClassModeSet,
-    DeviceClassApplied,
-    DeviceClassRemoved,
-    DeviceHealthChanged,
-    NodeFenced,
-    NodeLeaseAcquired,
-    NodeLeaseExpired,
-    RequestPolicyChanged,
-    ResourceSlicePublished,
-    ResourceSliceWithdrawn,
-)
 from events.envelopes import Envelope
 from events.folding import Refusal, fold_event, fold_stored
 from events.state import ClusterState
+from events.transitions import INVENTORY_CHANGES, events_meaning
 from services.runtime.errors import RuntimeServiceError
 from services.runtime.eventstore import Connection, EventStore, iter_rows
 from services.runtime.handover import Handover
@@ -155,21 +144,9 @@ SEEN: Final = Mark.SEEN
 #: What :meth:`LiveState.fresh` accepts: a log position or a :class:`Mark`.
 Freshness: TypeAlias = int | Mark
 
-#: Events that change what the allocator's inventory is built from.
-INVENTORY_EVENTS: Final = (
-    DeviceClassApplied,
-    DeviceClassRemoved,
-    ClassModeSet,
-    ResourceSlicePublished,
-    ResourceSliceWithdrawn,
-    RequestPolicyChanged,
-    NodeLeaseAcquired,  # a lost node's devices are tainted (events.inventory.lost_nodes)
-    NodeLeaseExpired,
-    NodeFenced,
-    DeviceHealthChanged,  # an unhealthy device takes no new share
-)
-#: The classes of INVENTORY_EVENTS (catalog events are final: a set lookup suffices).
-_INVENTORY_TYPES: Final = frozenset(INVENTORY_EVENTS)
+#: The event classes that change what the allocator's inventory is built from
+#: (:data:`events.transitions.INVENTORY_CHANGES`); ``type(event) in`` it is the test.
+INVENTORY_EVENTS: Final = events_meaning(*INVENTORY_CHANGES)
 _VIOLATIONS_KEPT: Final = 100
 #: Handed-over envelopes kept at most (beyond that the tailer reads the log instead).
 _OFFERED_KEPT: Final = 4096
@@ -297,7 +274,7 @@ class LiveState:
         if refusal is not None:
             self._refused(refusal, envelope.event_id, envelope.actor)
             return
-        if isinstance(envelope.event, INVENTORY_EVENTS):
+        if type(envelope.event) in INVENTORY_EVENTS:
             self.inventory_generation += 1
         self._tell(envelope)
 
@@ -311,7 +288,7 @@ class LiveState:
     def _fold_rows(self, rows: Sequence[Row]) -> None:
         """Fold stored rows; an envelope is built only when somebody listens."""
         state, versions = self.state, self._versions
-        inventory = _INVENTORY_TYPES
+        inventory = INVENTORY_EVENTS
         listening = bool(self._listeners)
         for row in rows:
             position = row[POSITION]

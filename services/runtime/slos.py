@@ -81,6 +81,7 @@ from events.transitions import (
     NodeLost,
     NodeReturned,
     ShareUnknown,
+    counted,
     meaning,
 )
 from services.runtime.livestate import LiveState
@@ -205,7 +206,7 @@ class SloFold:
         """Fold one event recorded ``at`` (``state`` already has it); what it meant."""
         out: list[Observation] = []
         node_wide = False
-        for t in meaning(event):
+        for t in counted(state, meaning(event)):  # a stale expiry or fence: no span
             match t:
                 case ClaimEntered():
                     key = (t.namespace, t.name)

@@ -8,11 +8,11 @@ from typing import Any
 
 from events import catalog as c
 from events.envelopes import Envelope
-from events.fold import apply
+from events.fold import apply, apply_event
 from events.state import ClusterState
 from services.enforcement.decisions import released
 from services.runtime.metrics import REGISTRY
-from services.runtime.slos import SloTracker
+from services.runtime.slos import SloFold, SloTracker
 from tests.unit.allocator_fixtures import device_class
 from tests.unit.decision_fixtures import (
     NODE,
@@ -300,3 +300,23 @@ def test_a_class_has_every_series_at_zero_from_its_creation() -> None:
             assert gauges[(name, cls)] == 0, name
     finally:
         tracker.stop()
+
+
+def test_a_stale_expiry_or_fence_starts_and_ends_no_recovery() -> None:
+    """The SLO fold reads what the fold did: an expiry or a fence older than the node's
+    lease changed nothing, so it neither starts a node's loss nor ends one."""
+    fold, state = SloFold(), ClusterState()
+    spans: list[tuple[str, float]] = []
+
+    def at(seconds: float, event: c.Event) -> None:
+        apply_event(state, event, 0)
+        seen = fold.observe(state, event, T0 + datetime.timedelta(seconds=seconds))
+        spans.extend((o.label, o.value) for o in seen if o.kind == "recovery")
+
+    at(0, c.NodeLeaseAcquired(node=NODE, epoch=1, boot_id="b", ttl_ms=1))
+    at(1, c.NodeLeaseAcquired(node=NODE, epoch=2, boot_id="b", ttl_ms=1))
+    at(2, c.NodeLeaseExpired(node=NODE, epoch=1))  # stale: lease 2 holds
+    at(10, c.NodeLeaseExpired(node=NODE, epoch=2))
+    at(11, c.NodeFenced(node=NODE, epoch=1))  # stale: the node is not fenced
+    at(15, c.NodeLeaseAcquired(node=NODE, epoch=3, boot_id="b", ttl_ms=1))
+    assert spans == [("returned", 5.0)]
