@@ -54,8 +54,10 @@ __all__ = [
     "REGISTRY",
     "REJECTIONS",
     "RELAY_LAG",
+    "RELAY_MESSAGES",
     "SCHEDULING_LATENCY",
     "SELECTOR_JOBS",
+    "SERVICE_ACTIVE",
     "SNAPSHOTS_WRITTEN",
     "SNAPSHOT_CHECKS",
     "SNAPSHOT_FAILURES",
@@ -125,6 +127,21 @@ ENFORCEMENT_LATENCY: Final = Histogram(
 RELAY_LAG: Final = Gauge(
     "dracap_relay_lag_events",
     "Events in the Postgres log that the relay has not yet published to JetStream.",
+    registry=REGISTRY,
+)
+RELAY_MESSAGES: Final = Counter(
+    "dracap_relay_messages_total",
+    "Messages the relay published, by what the stream did with them: stored, or "
+    "recognised as a duplicate of one stored before (a relay taking over from the "
+    "checkpoint, or two relays publishing at once).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+SERVICE_ACTIVE: Final = Gauge(
+    "dracap_service_active",
+    "1 while this instance of a single-active service (relay, snapshot writer) holds its "
+    "lease and acts; 0 while it stands by.",
+    ["service"],
     registry=REGISTRY,
 )
 EMBEDDED_SERVER_RESTARTS: Final = Counter(

@@ -71,7 +71,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import asyncpg
@@ -91,7 +91,7 @@ from services.runtime.errors import NotFound
 from services.runtime.eventstore import EventStore
 from services.runtime.handover import Handover
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
-from services.runtime.metrics import RELAY_LAG
+from services.runtime.metrics import RELAY_LAG, RELAY_MESSAGES
 from services.runtime.outages import StateLog
 from services.runtime.rebuilding import BusKeeper
 from services.runtime.refusals import note
@@ -184,6 +184,7 @@ class Relay:
         retry_delay: float = 0.5,
         keeper: BusKeeper | None = None,
         lag_interval: float = 1.0,
+        leased: Callable[[], None] = lambda: None,
     ) -> None:
         if window < 1:
             raise ValueError("window must be at least 1")
@@ -201,6 +202,8 @@ class Relay:
         self._idle_poll = idle_poll
         self._retry_delay = retry_delay
         self._lag_interval = lag_interval
+        #: raises NotActive when this relay may not publish (it lost its lease)
+        self._leased = leased
         self.position = 0  #: every event up to here is in the stream
         self._mark = HighWaterMark(store, checkpoint)
         self.published = 0  #: messages the stream stored
@@ -318,6 +321,7 @@ class Relay:
 
     async def _publish_window(self, messages: Sequence[Outgoing]) -> None:
         """Write every message, then await all acknowledgements together."""
+        self._leased()  # a relay that lost its lease publishes nothing more
         acks: list[asyncio.Future[PubAck]] = []
         try:
             for message in messages:
@@ -331,6 +335,8 @@ class Relay:
         self._last_seq = max(result.seq for result in results)
         self.duplicates += duplicates
         self.published += len(results) - duplicates
+        RELAY_MESSAGES.labels("stored").inc(len(results) - duplicates)
+        RELAY_MESSAGES.labels("duplicate").inc(duplicates)
         self.windows += 1
 
     async def _publish_async(self, message: Outgoing) -> asyncio.Future[PubAck]:

@@ -48,7 +48,7 @@ async def _relay(settings: Settings, nats_url: str, names: BusNames) -> AsyncIte
         await store.close()
 
 
-async def _stream_ids(nats_url: str, names: BusNames) -> list[str]:
+async def stream_ids(nats_url: str, names: BusNames) -> list[str]:
     nc, js = await connect_bus(nats_url)
     try:
         info = await js.stream_info(names.stream)
@@ -63,7 +63,7 @@ async def _stream_ids(nats_url: str, names: BusNames) -> list[str]:
         await nc.close()
 
 
-async def _log_ids(store: EventStore, names: BusNames) -> list[str]:
+async def log_ids(store: EventStore, names: BusNames) -> list[str]:
     return [
         str(row["event_id"])
         async for page in store.read_rows(0)
@@ -91,11 +91,11 @@ async def test_two_relays_publish_each_event_once_in_order(
             async with asyncio.timeout(60):
                 while min(first.position, second.position) < total:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
-            stream_ids = await _stream_ids(nats_url, names)
-            log_ids = await _log_ids(writer, names)
-        assert len(log_ids) == total
-        assert len(set(stream_ids)) == len(stream_ids), "an event was published twice"
-        assert stream_ids == log_ids, "the stream holds the log, in order, nothing skipped"
+            stored = await stream_ids(nats_url, names)
+            logged = await log_ids(writer, names)
+        assert len(logged) == total
+        assert len(set(stored)) == len(stored), "an event was published twice"
+        assert stored == logged, "the stream holds the log, in order, nothing skipped"
         assert first.published + second.published == total, "each stored by one relay"
     finally:
         await writer.close()
