@@ -3,8 +3,9 @@
 Services import the metric objects from here and never create their own, so names,
 units and labels stay consistent and one grep shows what an operator can chart.
 Conventions (STYLE.md): the ``dracap_`` prefix, base units (seconds, plain counts,
-ratios in [0, 1]), ``_total`` for counters, and only low-cardinality labels
-(outcome, reason, class, capacity, consumer, server, check) — never a claim, share or event id.
+ratios in [0, 1]), ``_total`` for counters, and only low-cardinality labels (outcome,
+reason, class, capacity, consumer, server, check, service) — never a claim, share or
+event id.
 
 The metrics live in a registry of their own (:data:`REGISTRY`) together with the
 standard process, platform and GC collectors; :func:`start_metrics_server` serves it
