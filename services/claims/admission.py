@@ -111,6 +111,7 @@ __all__ = [
     "DeviceLimits",
     "Refusal",
     "admit",
+    "class_names",
     "decide_apply",
     "evaluate",
     "quota_of",
@@ -585,3 +586,8 @@ def selector_expressions(claim: ResourceClaim) -> list[str]:
         for selectors in selector_lists:
             expressions += [s.cel.expression for s in selectors or [] if s.cel is not None]
     return expressions
+
+
+def class_names(claim: ResourceClaim) -> tuple[str, ...]:
+    """The DeviceClasses the claim's requests and their alternatives name, sorted."""
+    return tuple(sorted({r.class_name for alts in _requests(claim) for r in alts}))

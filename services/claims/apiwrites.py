@@ -5,12 +5,14 @@ Each is a pure decision (:func:`services.claims.admission.decide_apply`, the oth
 stream's expected version and decided again on the whole log when it lost a race. An
 admitted claim counts against its namespace's quota from the decision until its append
 is folded (:meth:`TenantWrites._hold`), so concurrent applies of this instance cannot
-overrun it; other replicas' admissions not folded yet are the database's to catch: an
-admission in a namespace with a quota appends with its premise (the fold's position and
-the claims in flight it counted, :class:`~services.runtime.appends.AdmissionPremise`),
-which the append refuses as a conflict when another claim of the namespace was admitted
-meanwhile, and the apply is decided again on the whole log (at most
-:data:`QUOTA_RACES` times; docs/tenancy.md). Long
+overrun it; what other replicas wrote and this fold lacks is the database's to catch:
+every admission appends with its premise (the fold's position, the classes the claim
+names and, with a quota, the claims in flight it counted,
+:class:`~services.runtime.appends.AdmissionPremise`), which the append refuses as a
+conflict when another claim of the namespace was admitted meanwhile (with a quota), or
+the namespace's access record or a named class's mode or existence changed, and the
+apply is decided again on the whole log (at most :data:`QUOTA_RACES` times;
+docs/tenancy.md). Long
 selector expressions are compiled in the selector pool before admission, at most
 :data:`CHECKS_PER_NAMESPACE` applies of a namespace at a time.
 """
@@ -22,6 +24,7 @@ from collections.abc import Collection
 from typing import Final
 
 from events.actors import Actor
+from events.catalog import ClaimSubmitted
 from events.envelopes import claim_stream
 from events.selectors import INLINE_COMPILE_CHARS, is_checked, record_verdict
 from events.state import ClusterState
@@ -29,6 +32,7 @@ from services.claims.adminwrites import AdminWrite, Reservation, decide_delete, 
 from services.claims.admission import (
     ApplyDecision,
     Refusal,
+    class_names,
     decide_apply,
     quota_of,
     read_claim,
@@ -70,18 +74,27 @@ def premise_stream(namespace: str) -> str:
 def _premise(
     decision: ApplyDecision, quota: int | None, seen: int, admitting: Collection[str]
 ) -> AdmissionPremise | None:
-    """What an admission in a namespace with a ``quota`` takes for granted: that no claim
-    of the namespace was admitted after the fold's position ``seen`` but the ones this
-    instance is admitting (:class:`AdmissionPremise`). The database checks it with the
-    append, where every replica's admissions meet.
+    """What an admission takes for granted (:class:`AdmissionPremise`): that nothing
+    after the fold's position ``seen`` changed the namespace's access record or the
+    classes the claim names, and, in a namespace with a ``quota``, that no claim of the
+    namespace was admitted meanwhile but the ones this instance is admitting. The
+    database checks it with the append, where every replica's admissions meet.
 
     ``admitting`` is taken when the append is sent, not at the decision: a claim this
     instance decided meanwhile counted this one, so together they stay within the quota
     whichever is appended first (docs/tenancy.md has the argument)."""
-    if quota is None or decision.refusal is not None or not decision.events:
+    if decision.refusal is not None or not decision.events:
         return None
+    classes = tuple(
+        name
+        for event in decision.events
+        if isinstance(event, ClaimSubmitted)
+        for name in class_names(event.claim)
+    )
+    if quota is None:  # the namespace's policy and the classes only
+        return AdmissionPremise(decision.namespace, seen, quota=False, classes=classes)
     others = tuple(sorted(name for name in admitting if name != decision.name))
-    return AdmissionPremise(decision.namespace, seen, others)
+    return AdmissionPremise(decision.namespace, seen, others, classes=classes)
 
 
 class TenantWrites(ApiCore):
