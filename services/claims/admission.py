@@ -105,6 +105,7 @@ from events.tenancy import (
 from events.validation import validate as validate_manifest
 
 __all__ = [
+    "FOLD_RULES",
     "MAX_MANIFEST_BYTES",
     "REJECTION_REASONS",
     "ApplyDecision",
@@ -157,6 +158,17 @@ REJECTION_REASONS: Final = (
     "above-maximum", "admin-access", "class-access", "class-disabled", "name", "name-conflict",
     "namespace", "opaque-config", "parse", "quota", "size", "status", "too-many-requests",
     "unknown-class", "validation", "whole-device",
+)  # fmt: skip
+
+
+#: the rules that read the fold (the others read only the request): a refusal by one of
+#: them on a fold that lacks another replica's write is decided again on the whole log
+#: (:mod:`services.claims.apiwrites`)
+FOLD_RULES: Final = frozenset(
+    {
+        "above-maximum", "admin-access", "class-access", "class-disabled", "name-conflict",
+        "opaque-config", "quota", "too-many-requests", "unknown-class", "whole-device",
+    }
 )  # fmt: skip
 
 

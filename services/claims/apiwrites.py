@@ -12,7 +12,10 @@ names and, with a quota, the claims in flight it counted,
 conflict when another claim of the namespace was admitted meanwhile (with a quota), or
 the namespace's access record or a named class's mode or existence changed, and the
 apply is decided again on the whole log (at most :data:`QUOTA_RACES` times;
-docs/tenancy.md). Long
+docs/tenancy.md). A refusal carries no premise: one by a rule that reads the fold
+(:data:`~services.claims.admission.FOLD_RULES`) is decided again on the whole log before
+it is recorded or answered, so what another replica wrote before the request came (an
+administrator's grant, a delete that freed quota) is never missed. Long
 selector expressions are compiled in the selector pool before admission, at most
 :data:`CHECKS_PER_NAMESPACE` applies of a namespace at a time.
 """
@@ -30,6 +33,7 @@ from events.selectors import INLINE_COMPILE_CHARS, is_checked, record_verdict
 from events.state import ClusterState
 from services.claims.adminwrites import AdminWrite, Reservation, decide_delete, decide_reservation
 from services.claims.admission import (
+    FOLD_RULES,
     ApplyDecision,
     Refusal,
     class_names,
@@ -97,6 +101,16 @@ def _premise(
     return AdmissionPremise(decision.namespace, seen, others, classes=classes)
 
 
+def _recheck(decision: ApplyDecision, tries: int) -> bool:
+    """Whether a refusal by a rule that reads the fold must be decided again on the whole
+    log first: the fold may lack what another replica wrote before this request came
+    (an administrator's grant, a delete that freed quota), and a refusal carries no
+    premise for the database to check. Only the first decision, made on what this
+    instance has heard of, is rechecked: every later one is on the whole log already."""
+    refusal = decision.refusal
+    return tries == 0 and refusal is not None and refusal.kind in FOLD_RULES
+
+
 class TenantWrites(ApiCore):
     """The tenant endpoints that write (see the module docstring)."""
 
@@ -106,9 +120,10 @@ class TenantWrites(ApiCore):
         busy = await self._check_selectors(namespace, data)
         if busy is not None:
             return busy
-        attempt = races = 0
+        attempt = races = rechecks = 0
         while attempt < self.max_attempts:
-            await self._fresh(attempt + races)  # the whole log after any lost race
+            # the whole log after any lost race, and before a refusal by the fold's rules
+            await self._fresh(attempt + races + rechecks)
             async with self.live.frozen() as state:
                 decision = decide_apply(
                     state,
@@ -118,6 +133,9 @@ class TenantWrites(ApiCore):
                     limits=self._device_limits(state),
                     admitting=self._admitting.get(namespace, ()),
                 )
+                if _recheck(decision, attempt + races + rechecks):
+                    rechecks += 1
+                    continue
                 held = self._hold(namespace, decision)  # before any await: the quota sees it
                 quota = quota_of(state, namespace)
                 seen = state.position
