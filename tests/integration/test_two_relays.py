@@ -1,8 +1,11 @@
 """Two relays on one log and one stream: no event published twice or skipped (issue 29,
 item 1).
 
-A second relay is what a rolling update or a replica that was meant as a stand-by
-makes: two processes publishing the same log. Each has its own store and its own NATS
+Deployed relays hold a lease, so one publishes at a time
+(``tests/integration/test_relay_takeover.py``); this is the case the lease cannot rule
+out entirely, two relays publishing at once for a moment (a takeover while the old one's
+last window is in flight, a database failover), carried to the end: two relays with no
+lease, both publishing the same log. Each has its own store and its own NATS
 connection (as two processes would), and appends arrive meanwhile from three stores —
 each relay's own (published from memory, the hand-over path) and a third process's
 (read from the log). The stream must hold every event of the log exactly once, in the
