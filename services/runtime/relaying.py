@@ -54,7 +54,16 @@ the relay logs one line when that begins and one when it ends
 Lag: ``dracap_relay_lag_events`` is the log's head less the relay's position, set as
 the relay advances and, on its own timer (every ``lag_interval``), from the head read
 from the log (the head heard of, when the database does not answer): it grows while
-the broker is away, when nothing is published, and ``DracapRelayLag`` fires.
+the broker is away, when nothing is published, and ``DracapRelayLag`` fires. It is 0
+when :meth:`Relay.run` returns: a replica standing by (:mod:`services.runtime.leadership`)
+lags nothing; the active one reports the lag.
+
+Lease: a deployed relay runs while it holds its lease (``dracap serve relay``,
+:class:`~services.runtime.leadership.Leadership`), and ``leased`` raises
+:class:`~services.runtime.errors.NotActive` before each window once it no longer does:
+a relay that lost its lease publishes nothing more, its run stops, and it stands by.
+Each window's messages are counted by what the stream did with them
+(``dracap_relay_messages_total{outcome="stored"|"duplicate"}``).
 
 Wire form: the envelope JSON of :func:`events.eventcodec.encode_event`. For rows written
 under the current schema version the stored payload is spliced in unchanged
@@ -235,6 +244,7 @@ class Relay:
             lag.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await lag
+            RELAY_LAG.set(0)  # a relay that stands by lags nothing: the active one says
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper  # on a clean stop: stores the final position
 
