@@ -57,6 +57,21 @@ def _counter(port: int, name: str, labels: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+async def _allocated(ports: list[int], count: int) -> list[float]:
+    """Each worker's ``dracap_claims_total{outcome="allocated"}``, once they add up to
+    ``count`` (a worker counts a round after its commit)."""
+    async with asyncio.timeout(60):
+        while True:
+            counts = [
+                await asyncio.to_thread(_counter, p, "dracap_claims_total", 'outcome="allocated"')
+                for p in ports
+            ]
+            assert sum(counts) <= count, f"more allocations counted than claims: {counts}"
+            if sum(counts) == count:
+                return counts
+            await asyncio.sleep(0.05)
+
+
 async def _apply(api: ApiClient, names: list[str], memory: str) -> None:
     replies = await asyncio.gather(
         *(api.claims(NAMESPACE, "apply", _claim(name, memory)) for name in names)
@@ -97,7 +112,6 @@ async def test_two_reservation_processes_share_the_work_and_never_oversubscribe(
     for i, port in enumerate(ports):
         argv = procs.argv("serve", "reservation", "--metrics-port", str(port))
         await procs.start(f"reservation-{i}", argv)
-    allocated = "dracap_claims_total"
     try:
         async with ApiClient.connect(nats_url, prefix) as api:
             await _inventory(api, DEVICES)
@@ -107,11 +121,10 @@ async def test_two_reservation_processes_share_the_work_and_never_oversubscribe(
                 await _apply(api, names, "1Gi")
                 applied += len(names)
                 await _decided(db, applied, procs)
-                counts = [_counter(p, allocated, 'outcome="allocated"') for p in ports]
+                counts = await _allocated(ports, applied)
                 if min(counts) > 0:
                     break
             assert min(counts) > 0, f"a reservation worker never allocated: {counts}"
-            assert sum(counts) == applied
 
             burst = [f"b-{i}" for i in range(DEVICES * DEVICE_GI // 4)]  # more than fits
             await _apply(api, burst, "4Gi")
