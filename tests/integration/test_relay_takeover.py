@@ -1,8 +1,9 @@
 """Two relay processes: one publishes, the other stands by and takes over when the first
 is killed (issue 29, item 1).
 
-``dracap serve relay`` twice, as a deployment with two replicas runs it, against the
-real PostgreSQL and nats-server; the test appends bursts from a third store meanwhile.
+``dracap serve relay`` twice, as a deployment with two replicas runs it (each with the
+relay's own database login, a member of ``dracap_relay``), against the real PostgreSQL
+and nats-server; the test appends bursts from a third store meanwhile.
 While the first relay lives, the second publishes nothing (its
 ``dracap_relay_messages_total`` stays 0: one active publisher, not two racing ones
 that lean on JetStream's duplicate window). The first is killed (SIGKILL) in the
@@ -18,12 +19,16 @@ import re
 import signal
 import urllib.request
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import asyncpg
+import pytest
 from nats.js.errors import NotFoundError
 
 from events.subjects import BusNames
 from services.runtime.bus import connect_bus
+from services.runtime.dbroles import ensure_login, url_as
 from services.runtime.eventstore import EventStore
 from services.runtime.settings import Settings
 from tests.integration.test_bus import append_burst
@@ -64,22 +69,42 @@ async def _stream_holds(nats_url: str, names: BusNames, count: int) -> None:
         await nc.close()
 
 
+@pytest.fixture
+async def relay_login(database_url: str, postgres_admin_url: str) -> AsyncIterator[str]:
+    """The URL of a login user of ``dracap_relay``, the relay's own (dropped afterwards)."""
+    user = f"test_relay_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(database_url)
+    try:
+        await ensure_login(admin, user, "dracap_relay", None)
+    finally:
+        await admin.close()
+    yield url_as(database_url, user, None)
+    admin = await asyncpg.connect(postgres_admin_url)
+    try:
+        await admin.execute(f'DROP ROLE IF EXISTS "{user}"')
+    finally:
+        await admin.close()
+
+
 async def test_a_standby_relay_takes_over_when_the_active_one_is_killed(
-    settings: Settings, nats_url: str, tmp_path: Path
+    settings: Settings, nats_url: str, tmp_path: Path, relay_login: str
 ) -> None:
     prefix = f"t{uuid.uuid4().hex[:10]}"
     names = BusNames(prefix=prefix)
     procs = Processes(settings, nats_url, prefix, tmp_path)
+    # each relay as deployed: the relay's own database login, nothing else
+    env = {k: v for k, v in procs.without_database().items() if k != "DRACAP_APP_ROLE"}
+    env["DRACAP_DATABASE_URL_RELAY"] = relay_login
     ports = {"first": _free_port(), "second": _free_port()}
+
+    def relay(name: str) -> list[str]:
+        return procs.argv("serve", "relay", "--metrics-port", str(ports[name]), database=False)
+
     writer = await EventStore.open(settings)
     try:
-        await procs.start(
-            "first", procs.argv("serve", "relay", "--metrics-port", str(ports["first"]))
-        )
+        await procs.start("first", relay("first"), env)
         await _log_says(procs, "first", _ACTIVE)
-        await procs.start(
-            "second", procs.argv("serve", "relay", "--metrics-port", str(ports["second"]))
-        )
+        await procs.start("second", relay("second"), env)
         await _log_says(procs, "second", " started")
         for _ in range(BURSTS // 2):
             await append_burst(writer, PER_BURST, 25)
