@@ -1,8 +1,9 @@
 """Two replicas of the N-active services, each its own process (issue 29, item 1).
 
 ``dracap serve`` / ``dracap reclaim`` / ``dracap audit serve`` / ``dracap usage serve``
-started twice each, as a deployment at two replicas runs them, against the real
-PostgreSQL and nats-server; the log is the judge.
+started twice each, as a deployment at two replicas runs them — each process with its
+own kind's database login (``dracap db logins``) — against the real PostgreSQL and
+nats-server; the log is the judge.
 
 * **Reservation**: two workers take waves of claims until both have allocated some
   (fair progress: neither starves), then one burst larger than the devices: no device
@@ -21,10 +22,12 @@ import collections
 import re
 import urllib.request
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+import pytest
 
 from services.audit import verifying as audit_verifying
 from services.billing import verifying as billing_verifying
@@ -32,7 +35,9 @@ from services.replay.verify import summary, verify
 from services.runtime.apiclient import ApiClient
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, LiveState
+from services.runtime.provisioning import KINDS
 from services.runtime.settings import Settings
+from tests.integration.test_db_logins import _logins
 from tests.integration.test_serve import NAMESPACE, Processes, _admin, _claim, _free_port
 from tests.integration.test_serve import _inventory as _serve_inventory
 
@@ -41,6 +46,34 @@ DEVICE_GI = 40
 WAVE = 6
 MAX_WAVES = 25
 ENDS = ("reservation.allocation_bound", "reservation.claim_unschedulable")
+
+
+class Deployed(Processes):
+    """The processes as deployed: each with its own kind's database login (``dracap db
+    logins`` wrote them into the data directory, where each finds its own), no other
+    database URL, no shared role."""
+
+    def __init__(self, settings: Settings, nats_url: str, prefix: str, tmp: Path) -> None:
+        super().__init__(settings, nats_url, prefix, tmp)
+        self.env = {k: v for k, v in self.without_database().items() if k != "DRACAP_APP_ROLE"}
+
+    def argv(self, *words: str, database: bool = True, nats: bool = True) -> list[str]:
+        return super().argv(*words, database=False, nats=nats)
+
+
+@pytest.fixture
+async def logins(database_url: str, tmp_path: Path) -> AsyncIterator[None]:
+    """Each service kind's login in ``tmp_path / "d"`` (dropped afterwards)."""
+    token = f"t{uuid.uuid4().hex[:8]}"
+    done = await asyncio.to_thread(_logins, tmp_path / "d", database_url, token)
+    assert done.returncode == 0, done.stderr
+    yield
+    admin = await asyncpg.connect(database_url)
+    try:
+        for kind in KINDS:
+            await admin.execute(f'DROP ROLE IF EXISTS "{token}_{kind.value}_login"')
+    finally:
+        await admin.close()
 
 
 async def _inventory(api: ApiClient, devices: int) -> None:
@@ -102,10 +135,10 @@ def _within_capacity(state: Any) -> None:
 
 
 async def test_two_reservation_processes_share_the_work_and_never_oversubscribe(
-    settings: Settings, nats_url: str, tmp_path: Path, db: asyncpg.Connection
+    settings: Settings, nats_url: str, tmp_path: Path, db: asyncpg.Connection, logins: None
 ) -> None:
     prefix = f"t{uuid.uuid4().hex[:10]}"
-    procs = Processes(settings, nats_url, prefix, tmp_path)
+    procs = Deployed(settings, nats_url, prefix, tmp_path)
     ports = [_free_port(), _free_port()]
     await procs.start("relay", procs.argv("serve", "relay"))
     await procs.start("claims", procs.argv("serve", "claims", "--insecure"))
@@ -167,10 +200,10 @@ async def _phases(api: ApiClient, names: list[str], want: str, procs: Processes)
 
 
 async def test_two_replicas_of_each_service_have_each_effect_once(
-    settings: Settings, nats_url: str, tmp_path: Path, db: asyncpg.Connection
+    settings: Settings, nats_url: str, tmp_path: Path, db: asyncpg.Connection, logins: None
 ) -> None:
     prefix = f"t{uuid.uuid4().hex[:10]}"
-    procs = Processes(settings, nats_url, prefix, tmp_path)
+    procs = Deployed(settings, nats_url, prefix, tmp_path)
     for i in range(2):
         await procs.start(f"relay-{i}", procs.argv("serve", "relay"))
         await procs.start(f"claims-{i}", procs.argv("serve", "claims", "--insecure"))
@@ -184,7 +217,7 @@ async def test_two_replicas_of_each_service_have_each_effect_once(
     agent = procs.argv(
         "agent", "--node", "node-a", "--checkpoint", "none", "--metrics-port", "0", database=False
     )
-    await procs.start("agent", agent, procs.without_database())
+    await procs.start("agent", agent)
     names = [f"c-{i}" for i in range(CLAIMS)]
     try:
         async with ApiClient.connect(nats_url, prefix) as api:
