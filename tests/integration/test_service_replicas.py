@@ -22,7 +22,6 @@ import collections
 import re
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +34,9 @@ from services.replay.verify import summary, verify
 from services.runtime.apiclient import ApiClient
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, LiveState
-from services.runtime.provisioning import KINDS
 from services.runtime.settings import Settings
 from tests.integration.test_db_logins import _logins
+from tests.integration.test_db_logins import prefix as login_prefix  # noqa: F401 (a fixture)
 from tests.integration.test_serve import NAMESPACE, Processes, _admin, _claim, _free_port
 from tests.integration.test_serve import _inventory as _serve_inventory
 
@@ -62,18 +61,14 @@ class Deployed(Processes):
 
 
 @pytest.fixture
-async def logins(database_url: str, tmp_path: Path) -> AsyncIterator[None]:
-    """Each service kind's login in ``tmp_path / "d"`` (dropped afterwards)."""
-    token = f"t{uuid.uuid4().hex[:8]}"
-    done = await asyncio.to_thread(_logins, tmp_path / "d", database_url, token)
+async def logins(
+    database_url: str,
+    tmp_path: Path,
+    login_prefix: str,  # noqa: F811 (test_db_logins' fixture: it drops the logins afterwards)
+) -> None:
+    """Each service kind's login in ``tmp_path / "d"``."""
+    done = await asyncio.to_thread(_logins, tmp_path / "d", database_url, login_prefix)
     assert done.returncode == 0, done.stderr
-    yield
-    admin = await asyncpg.connect(database_url)
-    try:
-        for kind in KINDS:
-            await admin.execute(f'DROP ROLE IF EXISTS "{token}_{kind.value}_login"')
-    finally:
-        await admin.close()
 
 
 async def _inventory(api: ApiClient, devices: int) -> None:
