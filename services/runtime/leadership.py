@@ -204,7 +204,10 @@ class Leadership:
                     self._valid_until = 0.0
                     lost.set()
                     return
-                continue  # a slow answer: ask again while the lease lasts
+                # a slow answer (or a session still busy with the one given up): ask
+                # again while the lease lasts
+                await asyncio.sleep(min(interval / 4, max(0.0, self._valid_until - sent)))
+                continue
             self._valid_until = sent + self._ttl_s
             await asyncio.sleep(interval)
 
