@@ -70,6 +70,7 @@ from services.runtime.apiclient import ApiClient
 from services.runtime.bus import connect_bus, prefix_of
 from services.runtime.credentials import AuthDir
 from services.runtime.embedded import EmbeddedNats, free_port
+from services.runtime.eventloop import cancel_on_sigterm
 from services.runtime.gctuning import tune_for_long_lived_state
 from services.runtime.settings import Settings
 
@@ -269,10 +270,11 @@ async def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
         ):
             database = settings.database_url.rsplit("/", 1)[1]
             plane = ControlPlane(settings, url, names, auth, work)
-            await plane.start()
             fleet = Fleet(url, names, auth, args.ttl)
-            db = await asyncpg.connect(settings.database_url)
-            try:
+            db: asyncpg.Connection | None = None
+            try:  # a stop (Ctrl-C, SIGTERM) mid-start leaves no process behind either
+                await plane.start()
+                db = await asyncpg.connect(settings.database_url)
                 operator = auth.operator()
                 async with ApiClient.connect(url, names.prefix, operator) as admin:
                     await until(lambda: _answers(admin), "the claims API", 120)
@@ -300,7 +302,8 @@ async def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
                 out["fleet"] = rss_mib(os.getpid())
             finally:
                 await fleet.close()
-                await db.close()
+                if db is not None:
+                    await db.close()
                 await plane.stop()
     return out
 
@@ -407,6 +410,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
+    cancel_on_sigterm()  # as Ctrl-C: the processes and servers started are stopped
     gc.freeze()
     tune_for_long_lived_state()
     rows = []
@@ -438,4 +442,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    try:
+        asyncio.run(main(parse()))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        sys.exit("fleet: interrupted; the processes it started are stopped")

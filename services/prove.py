@@ -57,7 +57,7 @@ from services.enforcement.proving import (
     have_net_admin,
     prove_bandwidth,
 )
-from services.enforcement.tc import TcEnforcer
+from services.enforcement.tc import BACKENDS, TcEnforcer
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.apiclient import ApiClient
 from services.runtime.embedded import EmbeddedError, embedded_servers
@@ -231,6 +231,7 @@ async def _prove(args: argparse.Namespace, rates: list[Quantity]) -> ProofReport
             where=where,
             duration=args.duration,
             aggressor=not args.no_neighbour,
+            tc_backend=args.tc_backend,
         )
 
 
@@ -288,6 +289,13 @@ def register(sub: Any) -> None:
     )
     parser.add_argument(
         "--no-neighbour", action="store_true", help="no unclassified saturating neighbour"
+    )
+    parser.add_argument(
+        "--tc-backend",
+        choices=BACKENDS,
+        default="netlink",
+        help="how the prove agent's tc enforcer talks to the kernel: netlink (default) or tc "
+        "(a tc process per request), as dracap agent --tc-backend",
     )
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
     parser.add_argument(

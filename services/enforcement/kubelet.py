@@ -73,7 +73,6 @@ after each of the agent's reports that changes them, and every ``health_interval
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
@@ -93,6 +92,7 @@ from services.enforcement.cdi import SHARE_KIND, CdiSpecs, build_share_spec
 from services.enforcement.decisions import Enforce, Failed, Task, kubelet_round
 from services.enforcement.preparing import PrepareVerdict, judge_prepare
 from services.enforcement.protocol import ViewAsk
+from services.runtime.clock import SYSTEM, Clock
 from services.runtime.errors import ConflictError, RetryableError
 from services.runtime.kube.errors import KubeApiError, NotFound
 from services.runtime.kubeletplugin import (
@@ -143,6 +143,7 @@ class KubeletDriver:
         cdi_dir: CdiSpecs | None = None,
         mirror_wait_s: float = MIRROR_WAIT_S,
         health_interval_s: float = 60.0,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.agent = agent
         self.claims = claims
@@ -152,6 +153,7 @@ class KubeletDriver:
         self.share_specs = CdiSpecs(base.spec_dir, kind=SHARE_KIND)
         self.mirror_wait_s = mirror_wait_s
         self.health_interval_s = health_interval_s
+        self.clock = clock  #: the clock of the waits for the mirror and for health changes
         self._changed = asyncio.Event()
         self._mirrored = asyncio.Event()  #: the agent got a message: a mirror may be in
         #: calls waiting for the next round, and those of the round under way
@@ -209,7 +211,9 @@ class KubeletDriver:
         """The API server's copy and the log's view of the claim, read at once: the view
         (and its wait for the mirror) is dropped as soon as the API server's copy says
         the claim cannot be prepared here."""
-        view = asyncio.ensure_future(self._verdict(ref, time.monotonic() + self.mirror_wait_s))
+        view = asyncio.ensure_future(
+            self._verdict(ref, self.clock.monotonic() + self.mirror_wait_s)
+        )
         try:
             await self._check_claim(ref)
             return await view
@@ -252,11 +256,10 @@ class KubeletDriver:
             self._mirrored.clear()
             state = await self._claim((ref.namespace, ref.name))
             verdict = judge_prepare(state, self.agent.node, ref.namespace, ref.name, ref.uid)
-            left = deadline - time.monotonic()
+            left = deadline - self.clock.monotonic()
             if verdict.verdict != "wait" or left <= 0:
                 return verdict, state
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._mirrored.wait(), min(left, _MIRROR_LOOK_S))
+            await self.clock.wait(self._mirrored, min(left, _MIRROR_LOOK_S))
 
     async def _devices(self, state: ClusterState, verdict: PrepareVerdict) -> list[PreparedDevice]:
         """The prepared devices of one claim, its CDI specs written (on worker threads)."""
@@ -467,5 +470,4 @@ class KubeletDriver:
             if now != last:
                 last = now
                 yield reports
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self.health_interval_s)
+            await self.clock.wait(self._changed, self.health_interval_s)

@@ -31,13 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
 from events.actors import Actor
 from events.catalog import EnforcementLevel
 from services.enforcement.asking import ControlPlane
+from services.runtime.clock import SYSTEM, Clock
 from services.runtime.errors import ConflictError, RetryableError
 
 __all__ = ["DEFAULT_TTL_S", "NodeLease"]
@@ -59,6 +59,7 @@ class NodeLease:
         boot_id: str,
         ttl_s: float = DEFAULT_TTL_S,
         enforcement: EnforcementLevel = "none",
+        clock: Clock = SYSTEM,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError("the lease time to live must be positive")
@@ -67,6 +68,7 @@ class NodeLease:
         self.boot_id = boot_id
         self.ttl_s = ttl_s
         self.enforcement: EnforcementLevel = enforcement
+        self.clock = clock  #: the clock of the renewals and back-offs
         self.epoch: int | None = None  #: the epoch held (None: none yet)
         #: the boot id of the node's lease before the one held ("": none)
         self.previous_boot_id = ""
@@ -86,7 +88,7 @@ class NodeLease:
                 leased = await self.plane.lease(self.boot_id, self.ttl_s, self.enforcement)
             except (ConflictError, RetryableError) as exc:
                 log.info("lease of node %s: %s; trying again", self.node, exc)
-                await asyncio.sleep(delay)
+                await self.clock.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
             self.epoch = leased.epoch
@@ -114,27 +116,24 @@ class NodeLease:
         is lost, whether or not an answer saying so ever comes.
         """
         interval = self.ttl_s / 3
-        held_at = time.monotonic()
+        held_at = self.clock.monotonic()
         while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=interval)
+            if await self.clock.wait(stop, interval):
                 return
-            except TimeoutError:
-                pass
             try:
                 renewed = await self.renew()
             except Exception as exc:  # an outage: the next tick tries again
-                if time.monotonic() - held_at <= self.ttl_s:
+                if self.clock.monotonic() - held_at <= self.ttl_s:
                     log.warning("lease of node %s not renewed: %s", self.node, exc)
                     continue
                 log.warning("lease of node %s not renewed for a whole ttl: %s", self.node, exc)
                 renewed = False
             if renewed:
-                held_at = time.monotonic()
+                held_at = self.clock.monotonic()
                 continue
             log.warning("node %s: lease of epoch %s is lost", self.node, self.epoch)
             await self.lost(on_lost)
-            held_at = time.monotonic()
+            held_at = self.clock.monotonic()
 
     async def lost(self, on_lost: Callable[[], Awaitable[None]]) -> None:
         """Stop taking work and run ``on_lost`` (again after a failure) until it succeeds.
@@ -150,7 +149,7 @@ class NodeLease:
                 await self._renewing(asyncio.ensure_future(on_lost()), self.epoch)
             except Exception as exc:
                 log.error("node %s: could not take its lease back: %s", self.node, exc)
-                await asyncio.sleep(delay)
+                await self.clock.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
             self.held.set()
@@ -160,10 +159,11 @@ class NodeLease:
         """Wait for ``work``, renewing every ``ttl / 3`` a lease taken since ``lost_epoch``
         (a failed renewal is left to :meth:`keep`'s next tick once ``work`` is done)."""
         interval = self.ttl_s / 3
+        finished = asyncio.Event()
+        work.add_done_callback(lambda _: finished.set())
         try:
             while True:
-                done, _ = await asyncio.wait({work}, timeout=interval)
-                if done:
+                if await self.clock.wait(finished, interval):
                     return work.result()
                 if self.epoch is not None and self.epoch != lost_epoch:
                     with contextlib.suppress(Exception):

@@ -70,7 +70,7 @@ from events import model
 from events.quantities import Quantity
 from events.state import TERMINAL_PHASES
 from services.enforcement.enforcers import ShareLimit
-from services.enforcement.tc import TcEnforcer
+from services.enforcement.tc import Backend, TcEnforcer
 from services.runtime.apiclient import ApiClient, ApiError
 
 __all__ = [
@@ -617,13 +617,14 @@ async def prove_bandwidth(
     probe_rate: Quantity | None = None,
     aggressor: bool = True,
     changes: int = 10,
+    tc_backend: Backend = "netlink",
 ) -> ProofReport:
     """Allocate through the control plane, baseline each share alone, then all at once.
 
     The shares are ResourceClaims applied through the tenant API of ``control_plane``
     and made real by its node agent of :data:`NODE`, whose enforcer shapes the lab's
-    veth. ``services`` and ``where`` describe the services and the servers for the
-    report.
+    veth (through ``tc_backend``). ``services`` and ``where`` describe the services and
+    the servers for the report.
     """
     probe_q = probe_rate or Quantity.parse("10M")
     total = sum((_bits(r) for r in rates), _bits(probe_q))
@@ -631,7 +632,7 @@ async def prove_bandwidth(
     # of a link twice their sum, so the neighbour saturates a class of its own.
     link = Quantity.from_int(2 * total)
     async with NetnsPair() as pair:
-        enforcer = pair.enforcer(default_rate=total)
+        enforcer = pair.enforcer(default_rate=total, backend=tc_backend)
         async with control_plane(enforcer) as api:
             dclass, rslice = device_manifests(pair, link)
             await api.admin("deviceclasses.apply", dclass)
@@ -652,7 +653,7 @@ async def prove_bandwidth(
             # withdraw the device (the slice again, without devices).
             report.capacity_returned = await release_claims(api, pair.tag, applied)
             await api.admin("slices.apply", withdraw)
-            agent = f"agent of {NODE} with TcEnforcer on {pair.tx_if}"
+            agent = f"agent of {NODE} with TcEnforcer ({tc_backend}) on {pair.tx_if}"
             report.control_plane = f"{services} + {agent}" + (f"; {where}" if where else "")
             return report
 

@@ -45,11 +45,9 @@ longer than ``--fence-hook-timeout``, is logged and tried again after another
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 import os
-import time
 from collections.abc import Sequence
 from typing import Final
 
@@ -70,6 +68,7 @@ from services.reclamation.decisions import (
     not_started,
 )
 from services.runtime.appends import Batch, Metadata
+from services.runtime.clock import SYSTEM, Clock
 from services.runtime.errors import ConflictError, RetryableError
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import HEAD, LiveState
@@ -212,6 +211,7 @@ class ReclamationService:
         fence_hook: Sequence[str] = (),
         fence_after_s: float = 60.0,
         fence_hook_timeout_s: float = 60.0,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.store = store
         self.live = live
@@ -220,9 +220,11 @@ class ReclamationService:
         self.fence_hook = tuple(fence_hook)
         self.fence_after_s = fence_after_s
         self.fence_hook_timeout_s = fence_hook_timeout_s
+        self.clock = clock  #: the ticks' and the hook's retries' clock
         self.expired = 0  #: expiries this replica recorded
         self.lost_races = 0  #: expiries or fences another writer recorded first
         self.fenced = 0  #: fences this replica recorded for the hook
+        self.ticks = 0  #: ticks done to the end
         self._hook_tried: dict[tuple[str, int], float] = {}
         self.queue = NotStartedQueue(live.state)
         live.subscribe(lambda env: self.queue.observe(live.state, env))
@@ -238,8 +240,7 @@ class ReclamationService:
                 if not (isinstance(exc, expected) or is_unreachable(exc)):
                     raise
                 log.warning("%s: tick skipped: %s", self.name, one_line(exc))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.poll_s)
+            await self.clock.wait(stop, self.poll_s)
 
     async def tick(self) -> int:
         """Record every expired lease found now; run the fence hook where due.
@@ -253,6 +254,7 @@ class ReclamationService:
             for row in await self.store.pool.fetch(LONG_EXPIRED, self.fence_after_s):
                 recorded += await self._run_hook(_Lease(row["node"], row["epoch"], row["version"]))
         recorded += await self._not_started()
+        self.ticks += 1
         return recorded
 
     async def _not_started(self) -> int:
@@ -324,9 +326,9 @@ class ReclamationService:
             return 0  # fenced already (the table does not tell a fence from an expiry)
         key = (lease.node, lease.epoch)
         tried = self._hook_tried.get(key)
-        if tried is not None and time.monotonic() - tried < self.fence_after_s:
+        if tried is not None and self.clock.monotonic() - tried < self.fence_after_s:
             return 0
-        self._hook_tried[key] = time.monotonic()
+        self._hook_tried[key] = self.clock.monotonic()
         command = " ".join(self.fence_hook)
         env = {**os.environ, "DRACAP_NODE": lease.node, "DRACAP_EPOCH": str(lease.epoch)}
         try:

@@ -14,7 +14,9 @@ standard one (to rule the loop out when chasing a problem).
 :func:`log_to_stderr` is how every long-running process logs: INFO and above, one
 line each, to standard error (what a container runtime collects); :func:`stop_on_signals`
 is how it learns to stop: SIGINT or SIGTERM sets an event its services watch, so each
-ends its work cleanly instead of being interrupted.
+ends its work cleanly instead of being interrupted. A command that runs once and owns
+child processes meanwhile (a benchmark) uses :func:`cancel_on_sigterm` instead: SIGTERM
+cancels it as Ctrl-C does, and its ``finally`` blocks stop what it started.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["log_to_stderr", "loop_name", "run", "stop_on_signals"]
+__all__ = ["cancel_on_sigterm", "log_to_stderr", "loop_name", "run", "stop_on_signals"]
 
 T = TypeVar("T")
 
@@ -57,6 +59,19 @@ def stop_on_signals() -> asyncio.Event:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def cancel_on_sigterm() -> None:
+    """Let SIGTERM cancel the running task as Ctrl-C does under :func:`asyncio.run`.
+
+    For the commands that own child processes and servers for the length of one run
+    (the benchmarks): their ``finally`` blocks stop what they started, which SIGTERM's
+    default action (the process ends at once) would skip."""
+    task = asyncio.current_task()
+    if task is None:
+        return
+    with contextlib.suppress(NotImplementedError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
 
 
 def loop_name() -> str:

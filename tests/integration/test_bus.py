@@ -40,6 +40,7 @@ from services.runtime.projecting import Projector
 from services.runtime.rebuilding import BusKeeper
 from services.runtime.relaying import Relay, outgoing
 from services.runtime.settings import Settings
+from tests.fixtures.polling import until
 from tests.integration.injecting import inject, row
 from tests.unit import oldlog
 
@@ -63,12 +64,6 @@ async def bus(settings: Settings, nats_url: str) -> AsyncIterator[Bus]:
         await js.delete_stream(names.stream)
         await nc.close()
         await store.close()
-
-
-async def until(predicate: Callable[[], bool], within: float = 30.0) -> None:
-    async with asyncio.timeout(within):
-        while not predicate():  # noqa: ASYNC110 (polls counters of the code under test)
-            await asyncio.sleep(0.02)
 
 
 class Running:

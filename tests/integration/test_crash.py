@@ -383,6 +383,15 @@ async def unfinished(cluster: Cluster) -> int:
     return CLAIMS - done
 
 
+async def while_down(cluster: Cluster, submitting: asyncio.Task[None]) -> None:
+    """Until the burst appended ten more events (or ended) while a service is down."""
+    store = cluster.stores[0]
+    goal = await store.head() + 10
+    async with asyncio.timeout(60):
+        while not submitting.done() and await store.wait_for_new(goal - 1, 0.5) < goal:
+            pass
+
+
 def redeliveries() -> float:
     """``dracap_consumer_redeliveries_total`` summed over every consumer."""
     return sum(
@@ -446,7 +455,7 @@ async def test_killed_worker_loses_and_duplicates_nothing(
     await cluster.until(allocated(KILL_AFTER))
     await cluster.worker_run.kill()
     assert await unfinished(cluster) > 0, "the burst was over before the kill"
-    await asyncio.sleep(0.3)  # the burst goes on without a worker
+    await while_down(cluster, submitting)  # the burst goes on without a worker
     cluster.worker, cluster.worker_run = await cluster.start_worker()
     await submitting
     await check_exactly_once(cluster, settings)
@@ -504,7 +513,7 @@ async def test_killed_relay_loses_and_duplicates_nothing(
     await cluster.until(allocated(KILL_AFTER))
     await cluster.relay_run.kill()
     assert await unfinished(cluster) > 0, "the burst was over before the kill"
-    await asyncio.sleep(0.3)  # events pile up in the log meanwhile
+    await while_down(cluster, submitting)  # events pile up in the log meanwhile
     cluster.relay, cluster.relay_run = await cluster.start_relay()
     await submitting
     await check_exactly_once(cluster, settings)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from services.replay.verify import summary, verify
 from services.runtime import migrating
 from services.runtime.apiclient import ApiClient, ApiError
 from services.runtime.settings import Settings
+from tests.fixtures.polling import until
 from tests.fixtures.replicas import PostgresPair, postgres_binaries, postgres_pair
 from tests.integration.cluster import Cluster, running_cluster
 from tests.integration.test_policy import NAMESPACE, view_when
@@ -140,14 +140,6 @@ async def _burst(api: ApiClient, names: list[str], acked: list[str], errors: lis
     await asyncio.gather(*(one(name) for name in names))
 
 
-async def _until(check: Any, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def _admitted_on(url: str) -> dict[str, int]:
     """Claim name -> how many ClaimAdmitted events the log at ``url`` holds for it."""
     connection = await asyncpg.connect(url)
@@ -188,7 +180,7 @@ async def test_a_failover_mid_burst_loses_no_acknowledged_claim(
     errors: list[str] = []
     with _tracebacks(caplog) as tracebacks:
         burst = asyncio.create_task(_burst(api, names, acked, errors))
-        await _until(lambda: len(acked) >= KILL_AFTER or burst.done(), 30, "the first acks")
+        await until(lambda: len(acked) >= KILL_AFTER or burst.done(), 30, "the first acks")
         assert not burst.done(), "the burst ended before the failover"
         await asyncio.to_thread(pair.kill_primary)
         killed_with = len(acked)

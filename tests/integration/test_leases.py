@@ -28,6 +28,8 @@ from services.runtime.errors import ConflictError, StaleEpoch
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import LiveState
 from services.runtime.settings import Settings
+from tests.fixtures.clock import FakeClock
+from tests.fixtures.dbtime import age_leases
 from tests.integration import sample as s
 from tests.integration.scenario import put
 
@@ -163,8 +165,8 @@ async def test_an_epoch_never_granted_is_refused_too(store: EventStore) -> None:
 
 
 async def test_two_replicas_record_an_expiry_once(store: EventStore, settings: Settings) -> None:
-    lease, share = await _with_share(store, ttl_s=0.2)
-    await asyncio.sleep(0.4)
+    lease, share = await _with_share(store, ttl_s=10)
+    await age_leases(store.pool, NODE, 20)  # twice the ttl without a renewal
     async with (
         await EventStore.open(settings) as one,
         await EventStore.open(settings) as two,
@@ -192,7 +194,7 @@ async def test_two_replicas_record_an_expiry_once(store: EventStore, settings: S
 async def test_the_fence_hook_fences_a_node_it_reports_off(
     store: EventStore, settings: Settings, tmp_path: Path, exit_status: int
 ) -> None:
-    _, share = await _with_share(store, ttl_s=0.2)
+    _, share = await _with_share(store, ttl_s=10)
     calls = tmp_path / "calls"
     hook = [
         sys.executable,
@@ -202,12 +204,20 @@ async def test_the_fence_hook_fences_a_node_it_reports_off(
         str(calls),
         str(exit_status),
     ]
+    clock = FakeClock()
     service = ReclamationService(
-        store, LiveState(store), fence_hook=hook, fence_after_s=0.3, fence_hook_timeout_s=20
+        store,
+        LiveState(store),
+        fence_hook=hook,
+        fence_after_s=30,
+        fence_hook_timeout_s=20,
+        clock=clock,
     )
-    await asyncio.sleep(0.3)
+    assert await service.tick() == 0  # held: nothing to do
+    await age_leases(store.pool, NODE, 10)
     assert await service.tick() == 1  # the expiry; the hook is not due yet
-    await asyncio.sleep(0.4)
+    assert await service.tick() == 0 and not calls.exists()
+    await age_leases(store.pool, NODE, 30)  # expired for longer than fence-after
     await service.tick()
     assert calls.read_text() == f"{NODE} 1\n"
     fences = await _events(store, c.NodeFenced)
@@ -220,8 +230,12 @@ async def test_the_fence_hook_fences_a_node_it_reports_off(
         assert await service.tick() == 0, "fenced once"
     else:
         assert fences == [] and held == 1, f"{share} keeps its capacity: the node is not off"
+        await clock.advance(29)
         assert await service.tick() == 0  # not tried again before another fence-after
         assert calls.read_text().count("\n") == 1
+        await clock.advance(1)
+        assert await service.tick() == 0  # tried again: the node is still not off
+        assert calls.read_text() == f"{NODE} 1\n" * 2
     report = await verify(settings, from_start=True)
     assert report.ok, summary(report)
 

@@ -33,6 +33,7 @@ from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.endpoints import EndpointError
 from services.runtime.relaying import outgoing
 from services.runtime.settings import Settings
+from tests.fixtures.polling import until
 from tests.fixtures.replicas import NatsCluster, nats_binary, nats_cluster
 from tests.integration.cluster import Cluster, running_cluster
 from tests.integration.test_failover import INVENTORY, _claim, _tracebacks
@@ -95,14 +96,6 @@ async def _burst(api: ApiClient, names: list[str], acked: list[str]) -> None:
     await asyncio.gather(*(one(name) for name in names))
 
 
-async def _until(check: object, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def _stream_ids(cluster: Cluster, url: str) -> list[str]:
     """The ``Nats-Msg-Id`` of every message of the events stream, in stream order."""
     nc, js = await connect_bus(url)
@@ -158,7 +151,7 @@ async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster, fault: str) -> 
     names = [f"burst-{i:02d}-{uuid.uuid4().hex[:6]}" for i in range(BURST)]
     acked: list[str] = []
     burst = asyncio.create_task(_burst(api, names, acked))
-    await _until(lambda: len(acked) >= KILL_AFTER or burst.done(), 30, "the first acks")
+    await until(lambda: len(acked) >= KILL_AFTER or burst.done(), 30, "the first acks")
     assert not burst.done(), "the burst ended before the server was lost"
     leader = (await stack.js.stream_info(stack.names.stream)).cluster
     assert leader is not None and leader.leader

@@ -41,6 +41,7 @@ from services.runtime.errors import StaleEpoch
 from services.runtime.eventstore import EventStore
 from services.runtime.livestate import LiveState
 from services.runtime.settings import Settings
+from tests.fixtures.polling import until
 from tests.integration.test_agent_restart import NAMESPACE, Node, ready
 
 pytest_plugins = ["tests.fixtures.netns"]
@@ -174,7 +175,11 @@ async def test_a_lost_node_holds_its_capacity_until_fenced_then_a_new_boot_serve
     assert len(await stack.events_of(leases, c.NodeLeaseExpired)) == 1
     marked = await stack.events_of(node_stream(stack.node), c.ShareMarkedUnknown)
     assert sorted(e.event.share_id for e in marked) == held
-    await asyncio.sleep(0.5)  # more ticks of both replicas change nothing
+    ticked = [r.ticks for r in stack.replicas]
+    await until(  # more ticks of both replicas change nothing
+        lambda: all(r.ticks >= t + 3 for r, t in zip(stack.replicas, ticked, strict=True)),
+        what="three more ticks of each replica",
+    )
     assert sum(r.expired for r in stack.replicas) == 1
     assert len(await stack.events_of(leases, c.NodeLeaseExpired)) == 1
 

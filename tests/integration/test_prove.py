@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid
 
 import msgspec
@@ -42,16 +41,21 @@ def net_admin() -> None:
     require_net_admin()
 
 
+@pytest.mark.parametrize("backend", ["netlink", "tc"])
 async def test_prove_bandwidth_through_the_control_plane(
-    net_admin: None, database_url: str, nats_url: str, capsys: pytest.CaptureFixture[str]
+    net_admin: None,
+    database_url: str,
+    nats_url: str,
+    capsys: pytest.CaptureFixture[str],
+    backend: str,
 ) -> None:
     prefix = f"t{uuid.uuid4().hex[:10]}"
     argv = [
         "prove", "bandwidth", "--rates", "20M,50M", "--duration", "2", "-o", "json",
         "--database-url", database_url, "--nats", nats_url, "--prefix", prefix,
+        "--tc-backend", backend,
     ]  # fmt: skip
     capsys.readouterr()
-    started = time.monotonic()
     try:
         code = await asyncio.to_thread(cli.main, argv)
     finally:
@@ -59,7 +63,6 @@ async def test_prove_bandwidth_through_the_control_plane(
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await js.delete_stream(BusNames(prefix).stream)
         await nc.close()
-    took = time.monotonic() - started
     out, err = capsys.readouterr()
     # INVARIANT_VIOLATED: a 3 % goal missed over the short window; others: no run
     assert code in (ExitCode.OK, ExitCode.INVARIANT_VIOLATED), err
@@ -70,6 +73,7 @@ async def test_prove_bandwidth_through_the_control_plane(
     assert all(set(s) == set(ShareFigures.__struct_fields__) for s in raw["shares"])
     assert report.allocation.startswith("control plane")
     assert "in-process stack" in report.control_plane
+    assert f"TcEnforcer ({backend})" in report.control_plane
     assert report.duration == 2
     assert report.capacity_returned, "the claims' capacity was not given back"
     assert [s.configured for s in report.shares] == list(RATES)
@@ -87,4 +91,3 @@ async def test_prove_bandwidth_through_the_control_plane(
         for what, rate in (("alone", share.alone), ("loaded", share.achieved)):
             assert abs(rate / share.configured - 1) <= TOLERANCE, (what, share)
         assert abs(share.kernel_rate / share.configured - 1) <= TOLERANCE, share
-    assert took < 40, f"the proof took {took:.1f} s"

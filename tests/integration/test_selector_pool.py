@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -12,6 +12,7 @@ from events.errors import SelectorDeadlineExceeded, SelectorError
 from events.quantities import Quantity
 from events.selectors import DeviceView, compile_selector
 from services.runtime.selectorpool import SelectorPool
+from tests.fixtures.polling import until
 
 DRIVER = "gpu.test.io"
 
@@ -112,12 +113,6 @@ async def test_owners_take_turns(pool: SelectorPool) -> None:
     assert order == ["g1", "o1", "g2", "g3"]
 
 
-async def _until(check: Callable[[], bool], within: float) -> None:
-    async with asyncio.timeout(within):
-        while not check():  # noqa: ASYNC110 (the pool's own state)
-            await asyncio.sleep(0.02)
-
-
 @pytest.mark.parametrize("how", ["closed", "cancelled"])
 async def test_a_stopping_service_frees_the_thread_waiting_on_a_busy_worker(how: str) -> None:
     """Whether the pool is closed or its runner torn down mid-job, the worker process dies
@@ -125,7 +120,7 @@ async def test_a_stopping_service_frees_the_thread_waiting_on_a_busy_worker(how:
     pool = SelectorPool(deadline_s=600, job_budget_s=600, stuck_s=600)
     waiting = asyncio.ensure_future(pool.evaluate(SLOW, DEVICES[:1], owner="tenant-a"))
     try:
-        await _until(lambda: pool.busy and pool._process is not None, 120)
+        await until(lambda: pool.busy and pool._process is not None, 120)
         process = pool._process
         assert process is not None
         if how == "closed":
@@ -136,7 +131,7 @@ async def test_a_stopping_service_frees_the_thread_waiting_on_a_busy_worker(how:
             runner.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await runner
-        await _until(lambda: not process.is_alive(), 30)
+        await until(lambda: not process.is_alive(), 30)
         # the thread is back in the executor: shutting it down does not wait for the worker
         await asyncio.wait_for(asyncio.get_running_loop().shutdown_default_executor(), 30)
     finally:

@@ -21,10 +21,14 @@ Where ``kubectl`` is installed, :func:`test_the_renderer_agrees_with_kubectl_kus
 checks that ``kubectl kustomize`` renders every overlay to the same objects, so a patch
 outside this subset fails there. Every rendered object and every example validates
 against the Kubernetes 1.34 schemas (``kubernetes-validate``, strict: an unknown field is
-an error); the Prometheus Operator's objects, which it has no schema for, are checked
-field by field. Every container's command parses with dracap's own command line, and
-every DRA example (a template's claim as a claim) loads with dracap's manifest loader
-with the DRAConsumableCapacity gate on and is refused with it off.
+an error); the Prometheus Operator's objects and the CloudNativePG ``Cluster`` of the
+production overlay, which it has no schema for, are checked field by field. Every
+Secret, ConfigMap, key and ServiceAccount a pod reads (the NATS StatefulSet's too) is
+rendered or in a template of what is created first. What makes ``overlays/production``
+a production topology is checked in ``tests/unit/test_production_topology.py``. Every
+container's command parses with dracap's own command line, and every DRA example (a
+template's claim as a claim) loads with dracap's manifest loader with the
+DRAConsumableCapacity gate on and is refused with it off.
 
 Each standalone overlay has a Kubernetes-mode twin (``overlays/<name>-driver``: the
 overlay plus the ``driver`` component). The twins are checked to change nothing of their
@@ -77,9 +81,14 @@ KNOWN_KINDS = CLUSTER_SCOPED | {
     "Service",
     "ServiceAccount",
     "ServiceMonitor",
+    "StatefulSet",
+    "Cluster",
 }
 WORKLOADS = {"Deployment", "DaemonSet", "Job"}
 MONITORING = "monitoring.coreos.com/v1"
+CNPG = "postgresql.cnpg.io/v1"
+#: what production adds to the Secrets of SECRETS (created first as well)
+PRODUCTION_SECRETS = OVERLAYS["production"] / "secrets.template.yaml"
 
 
 # --- the renderer ---------------------------------------------------------------------
@@ -239,6 +248,8 @@ def test_every_kind_is_one_the_renderer_knows(overlay: str) -> None:
 def _validate(obj: Obj) -> None:
     if obj["apiVersion"] == MONITORING:
         _check_monitoring(obj)
+    elif obj["apiVersion"] == CNPG:
+        _check_postgres_cluster(obj)
     else:
         kubernetes_validate.validate(obj, VERSION, strict=True)
 
@@ -313,6 +324,93 @@ def _check_monitoring(obj: Obj) -> None:
             for name in re.findall(r"\bdracap_[a-z_]+", rule["expr"]):
                 family = re.sub(r"_(total|bucket|sum|count)$", "", name)
                 assert family in families, f"{rule.get('alert')}: {name} is not exported"
+
+
+# --- the CloudNativePG operator's Cluster ----------------------------------------------
+
+#: the fields of a postgresql.cnpg.io/v1 Cluster the production overlay may use, each
+#: with the type (or the values) the operator's CRD gives it; anything else is refused
+#: (the CRD's schema is not vendored here: these are checked field by field, as the
+#: Prometheus Operator's objects are)
+CNPG_FIELDS: dict[str, Any] = {
+    "instances": int,
+    "inheritedMetadata": {"labels": dict, "annotations": dict},
+    "postgresql": {
+        "parameters": dict,
+        "synchronous": {
+            "method": {"any", "first"},
+            "number": int,
+            "dataDurability": {"required", "preferred"},
+            "maxStandbyNamesFromCluster": int,
+        },
+    },
+    "minSyncReplicas": int,
+    "maxSyncReplicas": int,
+    "bootstrap": {"initdb": {"database": str, "owner": str, "secret": {"name": str}}},
+    "managed": {"roles": list},
+    "enableSuperuserAccess": bool,
+    "storage": {"size": str, "storageClass": str},
+    "affinity": {
+        "enablePodAntiAffinity": bool,
+        "podAntiAffinityType": {"preferred", "required"},
+        "topologyKey": str,
+    },
+    "enablePDB": bool,
+    "resources": dict,
+}
+#: the fields of one entry of ``spec.managed.roles``
+CNPG_ROLE_FIELDS: dict[str, Any] = {
+    "name": str,
+    "ensure": {"present", "absent"},
+    "login": bool,
+    "createrole": bool,
+    "createdb": bool,
+    "superuser": bool,
+    "inherit": bool,
+    "inRoles": list,
+    "passwordSecret": {"name": str},
+}
+
+
+def _check_fields(value: Any, shape: Any, where: str) -> None:
+    if isinstance(shape, dict):
+        assert isinstance(value, dict), where
+        unknown = set(value) - set(shape)
+        assert not unknown, f"{where}: fields the CRD does not have: {unknown}"
+        for key, item in value.items():
+            _check_fields(item, shape[key], f"{where}.{key}")
+    elif isinstance(shape, set):
+        assert value in shape, f"{where}: {value!r} is none of {sorted(shape)}"
+    else:
+        assert isinstance(value, shape), f"{where}: not a {shape.__name__}"
+        assert shape is bool or not isinstance(value, bool), f"{where}: a bool"
+
+
+def _check_postgres_cluster(obj: Obj) -> None:
+    assert obj["kind"] == "Cluster", obj["kind"]
+    assert set(obj) == {"apiVersion", "kind", "metadata", "spec"}
+    _check_fields(obj["spec"], CNPG_FIELDS, "spec")
+    for role in obj["spec"].get("managed", {}).get("roles", []):
+        _check_fields(role, CNPG_ROLE_FIELDS, "spec.managed.roles[]")
+    spec = obj["spec"]
+    # the operator refuses the deprecated fields beside the synchronous stanza
+    legacy = {"minSyncReplicas", "maxSyncReplicas"} & set(spec)
+    assert not (legacy and "synchronous" in spec.get("postgresql", {})), legacy
+
+
+def test_a_cluster_field_the_operator_does_not_know_is_refused() -> None:
+    cluster = copy.deepcopy(_one(_rendered("production"), "Cluster", "dracap-postgresql"))
+    _check_postgres_cluster(cluster)
+    for mutate in (
+        lambda c: c["spec"]["postgresql"]["synchronous"].update(dataDurability="strict"),
+        lambda c: c["spec"].update(instance=3),
+        lambda c: c["spec"].update(minSyncReplicas=1),  # beside the synchronous stanza
+        lambda c: c["spec"]["managed"]["roles"][0].update(createRole=True),
+    ):
+        broken = copy.deepcopy(cluster)
+        mutate(broken)
+        with pytest.raises(AssertionError):
+            _check_postgres_cluster(broken)
 
 
 def test_the_monitoring_objects_select_the_metrics_service() -> None:
@@ -455,11 +553,14 @@ def test_the_agent_tolerates_device_taints_and_is_node_critical(overlay: str) ->
 
 
 def test_replicas_and_disruption_budgets() -> None:
+    """The base runs one relay and one snapshot writer, never two side by side; every
+    budget lets a drain go on. (The production overlay runs two of every Deployment:
+    tests/unit/test_production_topology.py.)"""
     base = {
-        name: _one(_rendered("production"), "Deployment", f"dracap-{name}")
+        name: _one(render(KUBE / "base"), "Deployment", f"dracap-{name}")
         for name in ("relay", "reclamation", "snapshots")
     }
-    for one in ("relay", "snapshots"):  # exactly one: a second adds nothing
+    for one in ("relay", "snapshots"):
         assert base[one]["spec"]["replicas"] == 1
         assert base[one]["spec"]["strategy"] == {"type": "Recreate"}
     assert base["reclamation"]["spec"]["replicas"] == 2
@@ -476,9 +577,6 @@ def test_replicas_and_disruption_budgets() -> None:
                 assert deployment["spec"]["replicas"] > budget["spec"]["minAvailable"], (
                     f"{overlay}: {budget['metadata']['name']} would block every drain"
                 )
-    production = _rendered("production")
-    assert _one(production, "Deployment", "dracap-claims")["spec"]["replicas"] > 1
-    assert _one(production, "Deployment", "dracap-reservation")["spec"]["replicas"] > 1
 
 
 # --- privileges -----------------------------------------------------------------------
@@ -497,6 +595,7 @@ REGISTRATION_DIR = "/var/lib/kubelet/plugins_registry"
 PLUGINS_DIR = "/var/lib/kubelet/plugins"
 CDI_DIR = "/var/run/cdi"
 CHECKPOINT_DIR = "/var/lib/dracap-agent"
+NODE_KEY_DIR = "/etc/dracap/node-credentials"  # the node's own NATS key, put there by provisioning
 SUN_PATH_MAX = 107  #: a Unix socket's path, without its terminating NUL
 
 
@@ -520,13 +619,19 @@ def test_the_agent_gets_exactly_what_tc_needs(overlay: str) -> None:
     assert _arg(args, "--enforcer") == "tc"
     host_paths = sorted(v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v)
     if _driver_mode(overlay):
-        # its checkpoint, the kubelet's registration directory, its own plugin directory
-        # and the CDI specs: nothing of the host else
+        # its checkpoint, its node's key, the kubelet's registration directory, its own
+        # plugin directory and the CDI specs: nothing of the host else
         assert host_paths == sorted(
-            [CHECKPOINT_DIR, REGISTRATION_DIR, f"{PLUGINS_DIR}/{_agent_driver()}", CDI_DIR]
+            [
+                CHECKPOINT_DIR,
+                NODE_KEY_DIR,
+                REGISTRATION_DIR,
+                f"{PLUGINS_DIR}/{_agent_driver()}",
+                CDI_DIR,
+            ]
         )
-    else:
-        assert host_paths == [CHECKPOINT_DIR]  # its checkpoint, nothing of the host else
+    else:  # its checkpoint and its node's key, nothing of the host else
+        assert host_paths == sorted([CHECKPOINT_DIR, NODE_KEY_DIR])
     for obj in objects:
         if obj is agent:
             continue
@@ -760,33 +865,113 @@ def test_each_service_connects_as_its_own_kinds_database_user(overlay: str) -> N
 # --- secrets --------------------------------------------------------------------------
 
 
+#: the Secrets and ConfigMaps created before an overlay is applied, by (kind, name)
+Created = dict[tuple[str, str], dict[str, str]]
+
+
+def _created_first(overlay: str) -> Created:
+    """The Secrets and ConfigMaps the operator creates before applying ``overlay``
+    (``(kind, name)``: their keys and placeholder values): ../secrets.template.yaml, and
+    for production its own template besides (whose ``dracap-database`` replaces the
+    common one, with the same keys)."""
+    paths = [SECRETS]
+    if overlay.startswith("production"):
+        paths.append(PRODUCTION_SECRETS)
+    created: Created = {}
+    for path in paths:
+        for obj in _documents(path):
+            kubernetes_validate.validate(obj, VERSION, strict=True)
+            key = (obj["kind"], obj["metadata"]["name"])
+            values = obj.get("stringData", obj.get("data", {}))
+            if key in created:
+                assert set(values) == set(created[key]), (path.name, key)
+            created[key] = values
+    return created
+
+
+def _any_pod_spec(obj: Obj) -> Obj | None:
+    """A pod template's spec: the workloads' and the StatefulSets' (NATS)."""
+    if obj["kind"] == "StatefulSet":
+        return obj["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+    return _pod_spec(obj)
+
+
+def _check_references(objects: list[Obj], created: Created) -> None:
+    """Every Secret, ConfigMap and key a pod reads exists: rendered (ConfigMaps) or
+    created first (the templates), and every pod's ServiceAccount is rendered."""
+    have = {(obj["kind"], obj["metadata"]["name"]): obj.get("data", {}) for obj in objects}
+    have |= created
+    accounts = {obj["metadata"]["name"] for obj in _by_kind(objects, "ServiceAccount")}
+
+    def read(kind: str, name: str, keys: list[str]) -> None:
+        assert (kind, name) in have, f"{kind} {name} is neither rendered nor created first"
+        assert set(keys) <= set(have[kind, name]), (kind, name, keys)
+
+    for obj in objects:
+        spec = _any_pod_spec(obj)
+        if spec is None:
+            continue
+        assert spec["serviceAccountName"] in accounts, obj["metadata"]["name"]
+        for container in list(spec.get("initContainers", [])) + list(spec["containers"]):
+            for source in container.get("envFrom", []):
+                if "configMapRef" in source:
+                    read("ConfigMap", source["configMapRef"]["name"], [])
+                if "secretRef" in source:
+                    read("Secret", source["secretRef"]["name"], [])
+            for var in container.get("env", []):
+                for field, kind in (("secretKeyRef", "Secret"), ("configMapKeyRef", "ConfigMap")):
+                    ref = var.get("valueFrom", {}).get(field)
+                    if ref:
+                        read(kind, ref["name"], [ref["key"]])
+        sources = []
+        for volume in spec.get("volumes", []):
+            sources += [volume, *volume.get("projected", {}).get("sources", [])]
+        for source in sources:
+            if "secret" in source:
+                secret = source["secret"]
+                name = secret.get("secretName", secret.get("name"))
+                read("Secret", name, [item["key"] for item in secret.get("items", [])])
+            if "configMap" in source:
+                config_map = source["configMap"]
+                keys = [item["key"] for item in config_map.get("items", [])]
+                read("ConfigMap", config_map["name"], keys)
+
+
 def test_every_secret_key_the_manifests_read_is_in_the_template_and_is_a_placeholder() -> None:
-    template = {s["metadata"]["name"]: s["stringData"] for s in _documents(SECRETS)}
-    for obj in _documents(SECRETS):
-        kubernetes_validate.validate(obj, VERSION, strict=True)
-    for values in template.values():
-        assert all("REPLACE" in value for value in values.values())
     for overlay in sorted(OVERLAYS):
+        created = _created_first(overlay)
+        for (kind, name), values in created.items():
+            for key, value in values.items():
+                if (name, key) != ("dracap-postgresql-owner", "username"):  # the Cluster's owner
+                    assert "REPLACE" in value, (kind, name, key)
         objects = _rendered(overlay)
         assert not _by_kind(objects, "Secret"), "Secrets are created by the operator, not applied"
-        for obj in objects:
-            spec = _pod_spec(obj)
-            if spec is None:
-                continue
-            for container in _containers(obj):
-                for var in container.get("env", []):
-                    ref = var.get("valueFrom", {}).get("secretKeyRef")
-                    if ref:
-                        assert ref["key"] in template[ref["name"]], ref
-            for volume in spec.get("volumes", []):
-                if "secret" in volume:
-                    secret = volume["secret"]
-                    keys = [item["key"] for item in secret.get("items", [])]
-                    assert set(keys) <= set(template[secret["secretName"]]), keys
-    (agent,) = _by_kind(_rendered("dev"), "DaemonSet")
-    args = agent["spec"]["template"]["spec"]["containers"][0]["args"]
-    creds = Path(args[args.index("--creds") + 1].replace("$(NODE_NAME)", "node-a")).name
-    assert creds in template["dracap-nats"]
+        _check_references(objects, created)
+    template = {s["metadata"]["name"]: s["stringData"] for s in _documents(SECRETS)}
+    assert not [k for k in template["dracap-nats"] if k.startswith("agent")], (
+        "an agent's key in the Secret every agent pod could be given"
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda spec: spec["volumes"][0]["projected"]["sources"][1]["configMap"].update(
+            name="nats-accounts"
+        ),
+        lambda spec: spec["containers"][0]["env"].append(
+            {"name": "X", "valueFrom": {"secretKeyRef": {"name": "dracap-nats", "key": "x.nk"}}}
+        ),
+        lambda spec: spec.update(serviceAccountName="default"),
+    ],
+    ids=["configmap", "secret-key", "service-account"],
+)
+def test_a_reference_to_nothing_is_caught(mutate: Any) -> None:
+    objects = copy.deepcopy(_rendered("production"))
+    _check_references(objects, _created_first("production"))
+    mutate(_one(objects, "StatefulSet", "nats")["spec"]["template"]["spec"])
+    with pytest.raises(AssertionError):
+        _check_references(objects, _created_first("production"))
 
 
 # --- the DRA examples -----------------------------------------------------------------
@@ -852,14 +1037,70 @@ def test_the_dra_examples_load_with_the_gate_on_and_are_refused_with_it_off(tmp_
         assert used == set(claims)
 
 
+def _node_key_problems(agent: dict[str, Any]) -> list[str]:
+    """Why the agent DaemonSet's pods could read a key other than their own node's."""
+    spec = agent["spec"]["template"]["spec"]
+    problems = [
+        f"volume {v['name']} mounts Secret {v['secret']['secretName']}"
+        for v in spec.get("volumes", [])
+        if "secret" in v
+    ]
+    (container,) = [c for c in spec["containers"] if c["name"] == "agent"]
+    creds = _arg(container["args"], "--creds")
+    if "$(" in creds:
+        problems.append(f"--creds {creds} is chosen per pod: every node's key is at hand")
+    mounts = [
+        m for m in container.get("volumeMounts", []) if creds.startswith(m["mountPath"] + "/")
+    ]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    if not mounts or "hostPath" not in volumes.get(mounts[-1]["name"], {}):
+        problems.append(f"--creds {creds} is not on a directory of the pod's own node")
+    return problems
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_an_agent_pod_can_read_its_own_nodes_key_only(overlay: str) -> None:
+    """The agent's key comes from its node (hostPath), not from a Secret that would hold
+    every node's key for every agent pod (base/agent.yaml, Credentials)."""
+    for agent in _by_kind(_rendered(overlay), "DaemonSet"):
+        assert _node_key_problems(agent) == [], (overlay, _node_key_problems(agent))
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda spec: spec["volumes"].append(
+            {"name": "all", "secret": {"secretName": "dracap-nats"}}
+        ),
+        lambda spec: spec["containers"][0]["args"].__setitem__(
+            spec["containers"][0]["args"].index("--creds") + 1,
+            "/etc/dracap/nats/agent-$(NODE_NAME).nk",
+        ),
+        lambda spec: [
+            v.update(secret={"secretName": "dracap-nats"}, hostPath=None)
+            for v in spec["volumes"]
+            if v["name"] == "nats"
+        ],
+    ],
+    ids=["secret-volume", "per-pod-path", "key-from-secret"],
+)
+def test_an_agent_reading_other_nodes_keys_is_caught(mutate: Any) -> None:
+    (agent,) = _by_kind(copy.deepcopy(_rendered("dev")), "DaemonSet")
+    mutate(agent["spec"]["template"]["spec"])
+    for volume in agent["spec"]["template"]["spec"]["volumes"]:
+        if volume.get("hostPath", "") is None:
+            del volume["hostPath"]
+    assert _node_key_problems(agent)
+
+
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_each_pod_mounts_only_its_own_broker_key(overlay: str) -> None:
     """A pod that mounts the broker's Secret names the keys it mounts, and its ``--creds``
-    file is one of them: no pod can read another service's seed. (The agent DaemonSet is
-    the known exception, said in agent.yaml: one pod template for every node.)"""
+    file is one of them: no pod can read another service's seed (the agents' keys are not
+    in it: :func:`test_an_agent_pod_can_read_its_own_nodes_key_only`)."""
     for obj in _rendered(overlay):
         spec = _pod_spec(obj)
-        if spec is None or obj["kind"] == "DaemonSet":
+        if spec is None:
             continue
         for volume in spec.get("volumes", []):
             secret = volume.get("secret")

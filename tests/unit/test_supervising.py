@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ import pytest
 from services.runtime.embedded import EmbeddedError
 from services.runtime.metrics import REGISTRY
 from services.runtime.supervising import RestartLimitError, RestartPolicy, Watchdog
+from tests.fixtures.polling import until
 
 FAST = {"first_delay_s": 0.001, "max_delay_s": 0.004}
 
@@ -46,13 +45,6 @@ class StandIn:
             raise EmbeddedError("port 4222 is in use")
         self.running = True
         return "nats://127.0.0.1:4222"
-
-
-async def _until(condition: Callable[[], bool], within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
 
 
 def _restarts() -> float:
@@ -84,7 +76,7 @@ async def test_a_dead_server_is_started_again_with_a_line_each_way(
     before = _restarts()
     task = asyncio.create_task(watchdog.run(stop))
     server.running = False
-    await _until(lambda: server.running and not watchdog.down)
+    await until(lambda: server.running and not watchdog.down)
     stop.set()
     await task
     assert server.starts == 1 and watchdog.restarts == {"nats": 1}
@@ -113,7 +105,7 @@ async def test_a_failed_start_then_a_good_one_recovers() -> None:
     watchdog = Watchdog([server], RestartPolicy(limit=3, **FAST), interval=0.005)
     task = asyncio.create_task(watchdog.run(stop))
     server.running = False
-    await _until(lambda: server.running and not watchdog.down)
+    await until(lambda: server.running and not watchdog.down)
     stop.set()
     await task
     assert server.starts == 3 and watchdog.gave_up is None

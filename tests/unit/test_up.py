@@ -7,9 +7,7 @@ import asyncio
 import os
 import shlex
 import sys
-import time
 import types
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from events.subjects import BusNames
 from services import up
 from services.stack import Stack, read_inventory
 from services.up import invocation
+from tests.fixtures.polling import until
 
 
 @pytest.fixture
@@ -95,7 +94,7 @@ async def test_a_recovery_ends_the_back_off_of_a_failed_service(
         await stack.stop.wait()
 
     stack.spawn("relay", service)
-    await _until(lambda: "relay" in stack.failing)
+    await until(lambda: "relay" in stack.failing)
     assert await stack.trouble() == (
         "relay restarting after ConnectionRefusedError: [Errno 111] Connection refused"
     )
@@ -103,13 +102,6 @@ async def test_a_recovery_ends_the_back_off_of_a_failed_service(
     await asyncio.wait_for(again.wait(), 30)
     assert runs == [0, 1] and await stack.trouble() is None
     await stack.shutdown()
-
-
-async def _until(condition: Callable[[], bool], within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
 
 
 def test_agents_none_means_no_agent() -> None:
