@@ -35,7 +35,10 @@ For the relay that overlap re-publishes event ids JetStream drops as duplicates
 (:mod:`services.runtime.relaying`, "Exactly once"), in the log's order; for the
 snapshot writer two writers are harmless (the same position gets the same fold).
 
-``dracap_service_active{service}`` is 1 while this instance is the active one.
+``dracap_service_active{service}`` is 1 while this instance is the active one. The
+instants and waits are a :class:`~services.runtime.clock.Clock`'s (the system's as it
+runs); a ping's own timeout is the network's, in real seconds, as is the server's idle
+timeout that the holder's count of its lease stays inside.
 
 Every database login can take an advisory lock (PostgreSQL grants
 ``pg_try_advisory_lock`` to everyone), so a login that takes a service's key stalls
@@ -48,12 +51,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
 import asyncpg
 
+from services.runtime.clock import SYSTEM, Clock
 from services.runtime.errors import NotActive
 from services.runtime.eventstore import server_settings
 from services.runtime.metrics import SERVICE_ACTIVE
@@ -94,6 +97,7 @@ class Leadership:
         *,
         ttl_s: float = TTL_S,
         retry_s: float = RETRY_S,
+        clock: Clock = SYSTEM,
     ) -> None:
         if ttl_s <= 0 or retry_s <= 0:
             raise ValueError("ttl_s and retry_s must be positive")
@@ -102,6 +106,7 @@ class Leadership:
         self.service = service
         self._ttl_s = ttl_s
         self._retry_s = retry_s
+        self._clock = clock
         self._valid_until = 0.0  # monotonic: active until then, unless told otherwise
         self._trouble = StateLog(_log, f"{service} lease")
         self.terms = 0  #: times this instance became the active one
@@ -109,7 +114,7 @@ class Leadership:
 
     def active(self) -> bool:
         """Whether this instance holds the lease now (as far as it can know)."""
-        return time.monotonic() < self._valid_until
+        return self._clock.monotonic() < self._valid_until
 
     def check(self) -> None:
         """Raise :class:`NotActive` unless :meth:`active`."""
@@ -161,7 +166,7 @@ class Leadership:
                 try:
                     if connection is None or connection.is_closed():
                         connection = await self._connect()
-                    sent = time.monotonic()
+                    sent = self._clock.monotonic()
                     if await connection.fetchval("SELECT pg_try_advisory_lock($1)", self._key):
                         self._valid_until = sent + self._ttl_s
                         self._trouble.recovered()
@@ -172,7 +177,7 @@ class Leadership:
                     if connection is not None:
                         await _close(connection)
                         connection = None
-                await first_of(asyncio.sleep(self._retry_s), stop.wait())
+                await self._clock.wait(stop, self._retry_s)
             return None
         finally:
             if connection is not None:
@@ -194,7 +199,7 @@ class Leadership:
         runs out unanswered."""
         interval = self._ttl_s / 4
         while True:
-            sent = time.monotonic()
+            sent = self._clock.monotonic()
             left = self._valid_until - sent
             try:
                 async with asyncio.timeout(max(0.0, min(interval, left))):
@@ -206,10 +211,10 @@ class Leadership:
                     return
                 # a slow answer (or a session still busy with the one given up): ask
                 # again while the lease lasts
-                await asyncio.sleep(min(interval / 4, max(0.0, self._valid_until - sent)))
+                await self._clock.sleep(min(interval / 4, max(0.0, self._valid_until - sent)))
                 continue
             self._valid_until = sent + self._ttl_s
-            await asyncio.sleep(interval)
+            await self._clock.sleep(interval)
 
 
 async def _close(connection: asyncpg.Connection) -> None:
