@@ -2,7 +2,9 @@
 real PostgreSQL: one of two instances is active; when the server ends the holder's
 session (what a crash, a partition past the idle timeout or a failover come to), the
 holder's work is told to stop, it no longer counts itself active, and the other takes
-over; and a holder whose session sits idle past its timeout loses it.
+over; a holder whose session sits idle past its timeout loses it; and through a
+failover of a primary and its synchronous standby (``tests/fixtures/replicas.py``) the
+holder stands by and one instance leads on the promoted server.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import pytest
 from services.runtime.errors import NotActive
 from services.runtime.leadership import Leadership
 from services.runtime.settings import Settings
+from tests.fixtures.replicas import PostgresPair, postgres_binaries
+from tests.integration.test_failover import ha_settings, pair  # noqa: F401 (fixtures)
 
 KEY = 0x64726163_617000FF  # a test's own: no service's
 
@@ -118,3 +122,22 @@ async def test_a_holder_whose_session_sits_idle_past_its_timeout_loses_it(
         stop.set()
         await asyncio.wait_for(task, 15)
         await db.execute("SELECT pg_advisory_unlock_all()")
+
+
+@pytest.mark.skipif(postgres_binaries() is None, reason="no PostgreSQL server binaries")
+async def test_after_a_failover_the_holder_stands_by_and_one_leads_on_the_new_primary(
+    ha_settings: Settings,  # noqa: F811 (test_failover's fixture: a primary and a standby)
+    pair: PostgresPair,  # noqa: F811
+) -> None:
+    """The new primary holds no locks: the holder learns at its next ping that its
+    session died with the old primary and stops its work; once the standby is promoted,
+    one instance leads again there."""
+    async with _instances(ha_settings, 2) as instances:
+        first = await _one_active(instances)
+        term = first.terms[-1]
+        pair.kill_primary()
+        async with asyncio.timeout(60):
+            await term.wait()
+        assert not first.lease.active()
+        pair.promote()
+        await _one_active(instances)
