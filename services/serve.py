@@ -7,7 +7,9 @@ The node agent (``dracap agent``) and the reclamation service (``dracap reclaim`
 their commands already; this module gives the others theirs:
 
 * ``relay``: the transactional outbox, from the event log to the JetStream stream
-  (:class:`~services.runtime.relaying.Relay`); run one. It owns the stream and the
+  (:class:`~services.runtime.relaying.Relay`); run one or more: one is active at a
+  time, the others stand by and take over when it dies
+  (:mod:`services.runtime.leadership`). It owns the stream and the
   services' durable consumers and puts them back if the broker loses them
   (:mod:`services.runtime.rebuilding`); ``--stream-replicas N`` (else
   ``DRACAP_STREAM_REPLICAS``, else 1) is how many servers of a clustered NATS keep the
@@ -129,12 +131,19 @@ async def _service(
     name, store, names = context.service, context.store, context.names
     if name == "relay":
         from services import durables
+        from services.runtime.leadership import RELAY_KEY, Leadership
         from services.runtime.rebuilding import BusKeeper
         from services.runtime.relaying import Relay
 
         replicas = args.stream_replicas or context.settings.stream_replicas
         keeper = BusKeeper(store, context.js, names, durables.relay_owned(names), replicas=replicas)
-        return Relay(store, context.js, names, keeper=keeper).run
+        lease = Leadership(context.settings, RELAY_KEY, "relay")
+        relay = Relay(store, context.js, names, keeper=keeper, leased=lease.check)
+
+        async def relay_while_leased(stop: asyncio.Event) -> None:
+            await lease.run(stop, relay.run)
+
+        return relay_while_leased
     live = await context.live_state()
     if name == "kubernetes-bridge":
         return await _bridge(store, live, args)

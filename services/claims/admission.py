@@ -105,12 +105,14 @@ from events.tenancy import (
 from events.validation import validate as validate_manifest
 
 __all__ = [
+    "FOLD_RULES",
     "MAX_MANIFEST_BYTES",
     "REJECTION_REASONS",
     "ApplyDecision",
     "DeviceLimits",
     "Refusal",
     "admit",
+    "class_names",
     "decide_apply",
     "evaluate",
     "quota_of",
@@ -156,6 +158,17 @@ REJECTION_REASONS: Final = (
     "above-maximum", "admin-access", "class-access", "class-disabled", "name", "name-conflict",
     "namespace", "opaque-config", "parse", "quota", "size", "status", "too-many-requests",
     "unknown-class", "validation", "whole-device",
+)  # fmt: skip
+
+
+#: the rules that read the fold (the others read only the request): a refusal by one of
+#: them on a fold that lacks another replica's write is decided again on the whole log
+#: (:mod:`services.claims.apiwrites`)
+FOLD_RULES: Final = frozenset(
+    {
+        "above-maximum", "admin-access", "class-access", "class-disabled", "name-conflict",
+        "opaque-config", "quota", "too-many-requests", "unknown-class", "whole-device",
+    }
 )  # fmt: skip
 
 
@@ -585,3 +598,8 @@ def selector_expressions(claim: ResourceClaim) -> list[str]:
         for selectors in selector_lists:
             expressions += [s.cel.expression for s in selectors or [] if s.cel is not None]
     return expressions
+
+
+def class_names(claim: ResourceClaim) -> tuple[str, ...]:
+    """The DeviceClasses the claim's requests and their alternatives name, sorted."""
+    return tuple(sorted({r.class_name for alts in _requests(claim) for r in alts}))

@@ -5,12 +5,17 @@ Each is a pure decision (:func:`services.claims.admission.decide_apply`, the oth
 stream's expected version and decided again on the whole log when it lost a race. An
 admitted claim counts against its namespace's quota from the decision until its append
 is folded (:meth:`TenantWrites._hold`), so concurrent applies of this instance cannot
-overrun it; other replicas' admissions not folded yet are the database's to catch: an
-admission in a namespace with a quota appends with its premise (the fold's position and
-the claims in flight it counted, :class:`~services.runtime.appends.AdmissionPremise`),
-which the append refuses as a conflict when another claim of the namespace was admitted
-meanwhile, and the apply is decided again on the whole log (at most
-:data:`QUOTA_RACES` times; docs/tenancy.md). Long
+overrun it; what other replicas wrote and this fold lacks is the database's to catch:
+every admission appends with its premise (the fold's position, the classes the claim
+names and, with a quota, the claims in flight it counted,
+:class:`~services.runtime.appends.AdmissionPremise`), which the append refuses as a
+conflict when another claim of the namespace was admitted meanwhile (with a quota), or
+the namespace's access record or a named class's mode or existence changed, and the
+apply is decided again on the whole log (at most :data:`QUOTA_RACES` times;
+docs/tenancy.md). A refusal carries no premise: one by a rule that reads the fold
+(:data:`~services.claims.admission.FOLD_RULES`) is decided again on the whole log before
+it is recorded or answered, so what another replica wrote before the request came (an
+administrator's grant, a delete that freed quota) is never missed. Long
 selector expressions are compiled in the selector pool before admission, at most
 :data:`CHECKS_PER_NAMESPACE` applies of a namespace at a time.
 """
@@ -22,13 +27,16 @@ from collections.abc import Collection
 from typing import Final
 
 from events.actors import Actor
+from events.catalog import ClaimSubmitted
 from events.envelopes import claim_stream
 from events.selectors import INLINE_COMPILE_CHARS, is_checked, record_verdict
 from events.state import ClusterState
 from services.claims.adminwrites import AdminWrite, Reservation, decide_delete, decide_reservation
 from services.claims.admission import (
+    FOLD_RULES,
     ApplyDecision,
     Refusal,
+    class_names,
     decide_apply,
     quota_of,
     read_claim,
@@ -70,18 +78,37 @@ def premise_stream(namespace: str) -> str:
 def _premise(
     decision: ApplyDecision, quota: int | None, seen: int, admitting: Collection[str]
 ) -> AdmissionPremise | None:
-    """What an admission in a namespace with a ``quota`` takes for granted: that no claim
-    of the namespace was admitted after the fold's position ``seen`` but the ones this
-    instance is admitting (:class:`AdmissionPremise`). The database checks it with the
-    append, where every replica's admissions meet.
+    """What an admission takes for granted (:class:`AdmissionPremise`): that nothing
+    after the fold's position ``seen`` changed the namespace's access record or the
+    classes the claim names, and, in a namespace with a ``quota``, that no claim of the
+    namespace was admitted meanwhile but the ones this instance is admitting. The
+    database checks it with the append, where every replica's admissions meet.
 
     ``admitting`` is taken when the append is sent, not at the decision: a claim this
     instance decided meanwhile counted this one, so together they stay within the quota
     whichever is appended first (docs/tenancy.md has the argument)."""
-    if quota is None or decision.refusal is not None or not decision.events:
+    if decision.refusal is not None or not decision.events:
         return None
+    classes = tuple(
+        name
+        for event in decision.events
+        if isinstance(event, ClaimSubmitted)
+        for name in class_names(event.claim)
+    )
+    if quota is None:  # the namespace's policy and the classes only
+        return AdmissionPremise(decision.namespace, seen, quota=False, classes=classes)
     others = tuple(sorted(name for name in admitting if name != decision.name))
-    return AdmissionPremise(decision.namespace, seen, others)
+    return AdmissionPremise(decision.namespace, seen, others, classes=classes)
+
+
+def _recheck(decision: ApplyDecision, tries: int) -> bool:
+    """Whether a refusal by a rule that reads the fold must be decided again on the whole
+    log first: the fold may lack what another replica wrote before this request came
+    (an administrator's grant, a delete that freed quota), and a refusal carries no
+    premise for the database to check. Only the first decision, made on what this
+    instance has heard of, is rechecked: every later one is on the whole log already."""
+    refusal = decision.refusal
+    return tries == 0 and refusal is not None and refusal.kind in FOLD_RULES
 
 
 class TenantWrites(ApiCore):
@@ -93,9 +120,10 @@ class TenantWrites(ApiCore):
         busy = await self._check_selectors(namespace, data)
         if busy is not None:
             return busy
-        attempt = races = 0
+        attempt = races = rechecks = 0
         while attempt < self.max_attempts:
-            await self._fresh(attempt + races)  # the whole log after any lost race
+            # the whole log after any lost race, and before a refusal by the fold's rules
+            await self._fresh(attempt + races + rechecks)
             async with self.live.frozen() as state:
                 decision = decide_apply(
                     state,
@@ -105,6 +133,9 @@ class TenantWrites(ApiCore):
                     limits=self._device_limits(state),
                     admitting=self._admitting.get(namespace, ()),
                 )
+                if _recheck(decision, attempt + races + rechecks):
+                    rechecks += 1
+                    continue
                 held = self._hold(namespace, decision)  # before any await: the quota sees it
                 quota = quota_of(state, namespace)
                 seen = state.position

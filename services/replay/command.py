@@ -387,7 +387,10 @@ async def _snapshot_once(settings: Settings) -> int:
 
 async def _serve_snapshots(args: argparse.Namespace) -> int:
     """The writer as a service: fold the log as it grows, snapshot it by the rule of
-    :mod:`services.runtime.snapshots`, and once more when SIGTERM or SIGINT stops it."""
+    :mod:`services.runtime.snapshots`, and once more when SIGTERM or SIGINT stops it.
+    Of several writers one writes at a time, the others fold and stand by
+    (:mod:`services.runtime.leadership`)."""
+    from services.runtime.leadership import SNAPSHOT_WRITER_KEY, Leadership
     from services.runtime.snapshots import serve_snapshots
     from services.runtime.storehosting import serving
 
@@ -399,12 +402,16 @@ async def _serve_snapshots(args: argparse.Namespace) -> int:
             args.every_events,
             args.every_minutes,
         )
-        writing = serve_snapshots(
-            context.store.pool,
-            live,
+        lease = Leadership(context.settings, SNAPSHOT_WRITER_KEY, "snapshots")
+        writing = lease.run(
             context.stop,
-            every_events=args.every_events,
-            every_seconds=args.every_minutes * 60,
+            lambda stop: serve_snapshots(
+                context.store.pool,
+                live,
+                stop,
+                every_events=args.every_events,
+                every_seconds=args.every_minutes * 60,
+            ),
         )
         await context.tailing(live, writing)
     log.info("snapshot writer stopped")

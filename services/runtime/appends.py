@@ -71,20 +71,29 @@ class Processed(msgspec.Struct, frozen=True):
 
 
 class AdmissionPremise(msgspec.Struct, frozen=True):
-    """What a quota decision took for granted, checked by the database with its append.
+    """What an admission took for granted, checked by the database with its append.
 
-    The claims API decided on its fold as of position ``seen`` that ``namespace`` has room
-    for the claim, counting the claims named in ``counted`` (its own admissions in flight)
-    besides the fold's. The append then also fails, with a
+    The claims API decided on its fold as of position ``seen`` that ``namespace`` may
+    have the claim. The append then also fails, with a
     :class:`~services.runtime.errors.ConflictError` on stream ``admissions:<namespace>``
-    and nothing written, if a claim of the namespace that ``counted`` does not name was
-    admitted after ``seen`` (``dracap_expect_admissions``, migration 0013): somebody else
-    (another replica, the Kubernetes bridge) took quota meanwhile; decide again.
+    and nothing written (``dracap_expect_admissions``, migrations 0013 and 0014), when
+    an event after ``seen`` changed what the decision read:
+
+    * ``quota`` (the namespace has one): a claim of the namespace that ``counted`` (this
+      instance's admissions in flight) does not name was admitted — somebody else
+      (another replica, the Kubernetes bridge) took quota meanwhile;
+    * the namespace's access record was set again (classes, adminAccess, opaque
+      configuration, quota, requests per claim);
+    * a DeviceClass in ``classes`` (the ones the claim names) changed mode or was removed.
+
+    Decide again, on the whole log.
     """
 
     namespace: str
     seen: int
     counted: tuple[str, ...] = ()
+    quota: bool = True
+    classes: tuple[str, ...] = ()
 
 
 class Batch(msgspec.Struct, frozen=True):

@@ -8,8 +8,10 @@ Callers decide what to do by type, never by message text::
     │   │                     accepts writes yet, a session on a server that turned
     │   │                     read-only), a NATS request nobody answered (yet); the
     │   │                     same call may succeed
-    │   └── ConnectionLost    the session broke during the operation: a write may or
-    │                         may not have been committed (services.runtime.failover)
+    │   ├── ConnectionLost    the session broke during the operation: a write may or
+    │   │                     may not have been committed (services.runtime.failover)
+    │   └── NotActive         a single-active service's instance is not (or no longer)
+    │                         the active one: it must not act (services.runtime.leadership)
     ├── PermanentError        the same call will fail the same way again
     │   ├── InvalidEvent      an event is not part of the catalog or fails validation
     │   │                     (here, or in the database: SQLSTATE DR006)
@@ -94,6 +96,11 @@ class RetryableError(RuntimeServiceError):
 class ConnectionLost(RetryableError):  # noqa: N818 (a condition, like NotFound)
     """The database session broke while an operation ran on it (its server died, a
     failover): a write may or may not have been committed; look before writing again."""
+
+
+class NotActive(RetryableError):  # noqa: N818 (a condition, like NotFound)
+    """This instance of a single-active service does not hold its lease (it never did,
+    or its session ended): it stands by, and acts again only once granted the lease."""
 
 
 class PermanentError(RuntimeServiceError):

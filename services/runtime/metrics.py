@@ -3,8 +3,9 @@
 Services import the metric objects from here and never create their own, so names,
 units and labels stay consistent and one grep shows what an operator can chart.
 Conventions (STYLE.md): the ``dracap_`` prefix, base units (seconds, plain counts,
-ratios in [0, 1]), ``_total`` for counters, and only low-cardinality labels
-(outcome, reason, class, capacity, consumer, server, check) — never a claim, share or event id.
+ratios in [0, 1]), ``_total`` for counters, and only low-cardinality labels (outcome,
+reason, class, capacity, consumer, server, check, service) — never a claim, share or
+event id.
 
 The metrics live in a registry of their own (:data:`REGISTRY`) together with the
 standard process, platform and GC collectors; :func:`start_metrics_server` serves it
@@ -54,8 +55,10 @@ __all__ = [
     "REGISTRY",
     "REJECTIONS",
     "RELAY_LAG",
+    "RELAY_MESSAGES",
     "SCHEDULING_LATENCY",
     "SELECTOR_JOBS",
+    "SERVICE_ACTIVE",
     "SNAPSHOTS_WRITTEN",
     "SNAPSHOT_CHECKS",
     "SNAPSHOT_FAILURES",
@@ -125,6 +128,21 @@ ENFORCEMENT_LATENCY: Final = Histogram(
 RELAY_LAG: Final = Gauge(
     "dracap_relay_lag_events",
     "Events in the Postgres log that the relay has not yet published to JetStream.",
+    registry=REGISTRY,
+)
+RELAY_MESSAGES: Final = Counter(
+    "dracap_relay_messages_total",
+    "Messages the relay published, by what the stream did with them: stored, or "
+    "recognised as a duplicate of one stored before (a relay taking over from the "
+    "checkpoint, or two relays publishing at once).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+SERVICE_ACTIVE: Final = Gauge(
+    "dracap_service_active",
+    "1 while this instance of a single-active service (relay, snapshot writer) holds its "
+    "lease and acts; 0 while it stands by.",
+    ["service"],
     registry=REGISTRY,
 )
 EMBEDDED_SERVER_RESTARTS: Final = Counter(

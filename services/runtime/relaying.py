@@ -54,7 +54,16 @@ the relay logs one line when that begins and one when it ends
 Lag: ``dracap_relay_lag_events`` is the log's head less the relay's position, set as
 the relay advances and, on its own timer (every ``lag_interval``), from the head read
 from the log (the head heard of, when the database does not answer): it grows while
-the broker is away, when nothing is published, and ``DracapRelayLag`` fires.
+the broker is away, when nothing is published, and ``DracapRelayLag`` fires. It is 0
+when :meth:`Relay.run` returns: a replica standing by (:mod:`services.runtime.leadership`)
+lags nothing; the active one reports the lag.
+
+Lease: a deployed relay runs while it holds its lease (``dracap serve relay``,
+:class:`~services.runtime.leadership.Leadership`), and ``leased`` raises
+:class:`~services.runtime.errors.NotActive` before each window once it no longer does:
+a relay that lost its lease publishes nothing more, its run stops, and it stands by.
+Each window's messages are counted by what the stream did with them
+(``dracap_relay_messages_total{outcome="stored"|"duplicate"}``).
 
 Wire form: the envelope JSON of :func:`events.eventcodec.encode_event`. For rows written
 under the current schema version the stored payload is spliced in unchanged
@@ -71,7 +80,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import asyncpg
@@ -91,7 +100,7 @@ from services.runtime.errors import NotFound
 from services.runtime.eventstore import EventStore
 from services.runtime.handover import Handover
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
-from services.runtime.metrics import RELAY_LAG
+from services.runtime.metrics import RELAY_LAG, RELAY_MESSAGES
 from services.runtime.outages import StateLog
 from services.runtime.rebuilding import BusKeeper
 from services.runtime.refusals import note
@@ -184,6 +193,7 @@ class Relay:
         retry_delay: float = 0.5,
         keeper: BusKeeper | None = None,
         lag_interval: float = 1.0,
+        leased: Callable[[], None] = lambda: None,
     ) -> None:
         if window < 1:
             raise ValueError("window must be at least 1")
@@ -201,6 +211,8 @@ class Relay:
         self._idle_poll = idle_poll
         self._retry_delay = retry_delay
         self._lag_interval = lag_interval
+        #: raises NotActive when this relay may not publish (it lost its lease)
+        self._leased = leased
         self.position = 0  #: every event up to here is in the stream
         self._mark = HighWaterMark(store, checkpoint)
         self.published = 0  #: messages the stream stored
@@ -232,6 +244,7 @@ class Relay:
             lag.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await lag
+            RELAY_LAG.set(0)  # a relay that stands by lags nothing: the active one says
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper  # on a clean stop: stores the final position
 
@@ -318,6 +331,7 @@ class Relay:
 
     async def _publish_window(self, messages: Sequence[Outgoing]) -> None:
         """Write every message, then await all acknowledgements together."""
+        self._leased()  # a relay that lost its lease publishes nothing more
         acks: list[asyncio.Future[PubAck]] = []
         try:
             for message in messages:
@@ -331,6 +345,8 @@ class Relay:
         self._last_seq = max(result.seq for result in results)
         self.duplicates += duplicates
         self.published += len(results) - duplicates
+        RELAY_MESSAGES.labels("stored").inc(len(results) - duplicates)
+        RELAY_MESSAGES.labels("duplicate").inc(duplicates)
         self.windows += 1
 
     async def _publish_async(self, message: Outgoing) -> asyncio.Future[PubAck]:

@@ -45,7 +45,7 @@ DRIVER = "gpu.dracap.io"
 NAMESPACE = "tenant-a"
 
 
-def _inventory() -> tuple[bytes, bytes]:
+def _inventory(devices: int = 1, memory: str = "40Gi") -> tuple[bytes, bytes]:
     device_class = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "DeviceClass",
@@ -62,18 +62,19 @@ def _inventory() -> tuple[bytes, bytes]:
             "pool": {"name": "node-a-gpus", "generation": 1, "resourceSliceCount": 1},
             "devices": [
                 {
-                    "name": "gpu-0",
+                    "name": f"gpu-{i}",
                     "allowMultipleAllocations": True,
-                    "capacity": {"memory": {"value": "40Gi"}},
+                    "capacity": {"memory": {"value": memory}},
                 }
+                for i in range(devices)
             ],
         },
     }
     return json.dumps(device_class).encode(), json.dumps(rslice).encode()
 
 
-def _claim(name: str) -> bytes:
-    exactly = {"deviceClassName": DRIVER, "capacity": {"requests": {"memory": "10Gi"}}}
+def _claim(name: str, memory: str = "10Gi") -> bytes:
+    exactly = {"deviceClassName": DRIVER, "capacity": {"requests": {"memory": memory}}}
     return json.dumps(
         {
             "apiVersion": "resource.k8s.io/v1",

@@ -119,10 +119,13 @@ async def test_db_upgrade_then_downgrade(
     premise = "function:dracap_expect_admissions:definer"
     assert premise in await _privileges(empty_database_url, "dracap_claims")
     assert not [p for p in reservation if "dracap_expect_admissions" in p]
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0012
+    # 0014: the same function checks every admission's premise; down to 0013 it stays
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0013
+    assert premise in await _privileges(empty_database_url, "dracap_claims")
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more: 0012
     assert "dracap_expect_admissions" not in await _functions(empty_database_url)
     assert "dracap_node_roles" not in await _tables(empty_database_url)
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more: 0011
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # and one more: 0011
     assert "dracap_node_roles" in await _tables(empty_database_url)
     agent = await _privileges(empty_database_url, "dracap_agent")
     assert "function:dracap_append_guarded:definer" in agent
@@ -130,8 +133,9 @@ async def test_db_upgrade_then_downgrade(
     assert "function:dracap_renew_lease:definer" in agent
     assert {"node_leases:SELECT", "node_epochs:SELECT"} <= agent
     assert "dracap_node_roles" in await _append_source(empty_database_url)
-    assert await asyncio.to_thread(db, ["upgrade"]) == 0  # 0013 again, then back
+    assert await asyncio.to_thread(db, ["upgrade"]) == 0  # 0014 again, then back
     assert "dracap_node_roles" not in await _append_source(empty_database_url)
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # 0013
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # 0012
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # 0011
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more step: 0010
@@ -176,7 +180,7 @@ async def test_db_upgrade_then_downgrade(
     }
     assert "events:INSERT" in await _privileges(empty_database_url, "dracap_app")
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # and up again
-    for _ in range(8):  # 0012, 0011, 0010, 0009, 0008, 0007, 0006, 0005
+    for _ in range(9):  # 0013, 0012, 0011, 0010, 0009, 0008, 0007, 0006, 0005
         assert await asyncio.to_thread(db, ["downgrade"]) == 0
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more step: 0004
     assert {"shares", "claims"} <= await _tables(empty_database_url)

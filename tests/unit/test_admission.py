@@ -794,3 +794,14 @@ def test_a_mode_applies_to_every_first_available_alternative() -> None:
     refusal = decide_apply(_after(DISABLED), "tenant-a", as_yaml(doc)).refusal
     assert refusal is not None and refusal.kind == "class-disabled"
     assert refusal.field == "spec.devices.requests[0].firstAvailable[0].deviceClassName"
+
+
+def test_the_rules_that_read_the_fold_are_rejection_reasons() -> None:
+    """A refusal by one of them is decided again on the whole log (apiwrites._recheck);
+    the rest read only the request."""
+    from services.claims.admission import FOLD_RULES, REJECTION_REASONS
+
+    assert set(REJECTION_REASONS) > FOLD_RULES
+    assert set(REJECTION_REASONS) - FOLD_RULES == {
+        "name", "namespace", "parse", "size", "status", "validation",
+    }  # fmt: skip

@@ -85,6 +85,7 @@ def test_no_claim_or_share_labels() -> None:
     allowed |= {"namespace", "state"}
     allowed |= {"method"}  # the kubelet's gRPC methods: five
     allowed |= {"verb"}  # a node agent's requests: four (lease, heartbeat, view, report)
+    allowed |= {"service"}  # the single-active services: two (relay, snapshots)
     for name in metrics.__all__:
         labelnames = getattr(getattr(metrics, name), "_labelnames", None)
         if labelnames is not None:
