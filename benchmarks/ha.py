@@ -49,6 +49,7 @@ import functools
 import itertools
 import json
 import random
+import signal
 import statistics
 import sys
 import time
@@ -432,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     async def run() -> int:
+        this = asyncio.current_task()
+        assert this is not None
+        # SIGTERM (a test's timeout) stops every process and server the run started
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, this.cancel)
         async with running_topology(NODES, keep=args.keep) as topology:
             harness = Harness(topology, args)
             try:
