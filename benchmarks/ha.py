@@ -182,7 +182,13 @@ class Workload:
         size = self.rng.choice(SIZES_GI)
         deadline = time.monotonic() + CONVERGE_S
         body = _claim(name, size)
-        await _until_acknowledged(lambda: self.api.claims(NAMESPACE, "apply", body), deadline)
+        replies: list[dict[str, Any]] = []
+
+        async def ask() -> None:
+            replies.append(await self.api.claims(NAMESPACE, "apply", body))
+
+        await _until_acknowledged(ask, deadline)
+        self.book.replies[name] = str(replies[-1].get("claim", {}).get("phase"))
         self.book.applied[name] = now = time.monotonic()
         self.acks.append(now)
 

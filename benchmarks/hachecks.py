@@ -58,6 +58,8 @@ class Book:
 
     applied: dict[str, float] = field(default_factory=dict)
     deleted: dict[str, float] = field(default_factory=dict)
+    #: claim name -> what the acknowledgement of its apply said (its phase then)
+    replies: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +89,8 @@ class LogView:
         self.over: list[str] = []
         self.refused: list[str] = []
         self.peak: dict[DeviceKey, Quantity] = {}
+        #: claim name -> the tags of its stream's events, with their positions
+        self.history: dict[str, list[str]] = {}
 
     async def close(self) -> None:
         if self._connection is not None:
@@ -113,6 +117,9 @@ class LogView:
         self._scan(decode_stored(row[PAYLOAD], row[TYPE], row[SCHEMA_VERSION]), position)
 
     def _scan(self, event: Event, position: int) -> None:
+        name = getattr(event, "name", None)
+        if isinstance(name, str) and getattr(event, "namespace", None) == self._namespace:
+            self.history.setdefault(name, []).append(f"{position} {type(event).__name__}")
         match event:
             case ClaimAdmitted(namespace=ns, name=name) if ns == self._namespace:
                 self.submitted.add(name)
@@ -151,15 +158,20 @@ class LogView:
 
 def findings(book: Book, view: LogView) -> list[str]:
     """What the log says is wrong (see the module docstring); [] when nothing is."""
-    found = [
-        f"acknowledged apply not in the log: {n}" for n in book.applied if n not in view.submitted
-    ]
-    found += [
-        f"acknowledged delete not in the log: {n}" for n in book.deleted if n not in view.deletes
-    ]
+    lost = [n for n in book.applied if n not in view.submitted]
+    found = [f"acknowledged apply not in the log: {_told(book, view, n)}" for n in lost]
+    lost = [n for n in book.deleted if n not in view.deletes]
+    found += [f"acknowledged delete not in the log: {_told(book, view, n)}" for n in lost]
     found += [f"over capacity at {o}" for o in view.over]
     found += [f"refused by the fold: {r}" for r in view.refused]
     return found
+
+
+def _told(book: Book, view: LogView, name: str) -> str:
+    """A claim's acknowledgements and what the log holds of it."""
+    tags = ", ".join(view.history.get(name, [])) or "nothing"
+    reply = book.replies.get(name, "?")
+    return f"{name} (apply acknowledged as {reply!r}; the log holds: {tags})"
 
 
 def converged(view: LogView, name: str) -> bool:

@@ -282,3 +282,15 @@ async def _running(root: Path, nodes: list[str]) -> AsyncIterator[Topology]:
             for group in topology.processes.values():
                 for process in group:
                     await asyncio.to_thread(process.stop)
+            _keep_server_logs(topology)
+
+
+def _keep_server_logs(topology: Topology) -> None:
+    """The servers' logs beside the services' (their directories are removed with them)."""
+    logs = topology.root / "logs"
+    for server in (topology.pg.primary, topology.pg.standby):
+        with contextlib.suppress(OSError):
+            shutil.copy(server.log, logs / f"postgres-{server.name}.log")
+    for node in topology.nats.nodes:
+        with contextlib.suppress(OSError):
+            shutil.copy(node.log, logs / f"nats-{node.name}.log")
