@@ -308,8 +308,15 @@ class Harness:
 
     async def check(self, when: str) -> list[str]:
         """Every check of the module docstring, now; what failed."""
-        await self.refresh()
-        found = findings(self.book, self.view)
+        read_at = time.monotonic()  # (the tenants go on meanwhile)
+        for attempt in range(3):
+            try:
+                await self.view.refresh()
+                break
+            except Exception:  # a connection lost in a failover: one more on a new one
+                if attempt == 2:
+                    raise
+        found = findings(self.book, self.view, read_at)
         report = await verify(self.settings)
         if not report.ok:
             found.append(f"replay verify: {summary(report)}")
@@ -450,7 +457,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 await harness.view.close()
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    except asyncio.CancelledError:  # SIGTERM: everything it started is stopped
+        print("stopped (SIGTERM)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -156,11 +156,13 @@ class LogView:
         return None if claim is None else claim.phase
 
 
-def findings(book: Book, view: LogView) -> list[str]:
-    """What the log says is wrong (see the module docstring); [] when nothing is."""
-    lost = [n for n in book.applied if n not in view.submitted]
+def findings(book: Book, view: LogView, read_at: float) -> list[str]:
+    """What the log says is wrong (see the module docstring); [] when nothing is.
+    ``read_at``: a moment before the view last read the log (``time.monotonic()``): what
+    was acknowledged later may be committed after that read."""
+    lost = [n for n, at in book.applied.items() if at < read_at and n not in view.submitted]
     found = [f"acknowledged apply not in the log: {_told(book, view, n)}" for n in lost]
-    lost = [n for n in book.deleted if n not in view.deletes]
+    lost = [n for n, at in book.deleted.items() if at < read_at and n not in view.deletes]
     found += [f"acknowledged delete not in the log: {_told(book, view, n)}" for n in lost]
     found += [f"over capacity at {o}" for o in view.over]
     found += [f"refused by the fold: {r}" for r in view.refused]
