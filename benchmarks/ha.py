@@ -29,10 +29,13 @@ once the log holds its delete), read from the log (:mod:`benchmarks.hachecks`); 
 from the fault's start to then is its convergence time. After each fault, and at the end
 (the workload stopped, every claim converged), the harness checks: every acknowledged
 apply and delete is in the log; no device ever held more than its total (the log
-replayed); the fold refused nothing; ``replay verify`` is clean; no service process
-ended on its own. It prints each kind's convergence p50 / p99 / max and the throughput
-(acknowledged operations a second) during faults (from a fault's start to its
-convergence) and without; exit 1 on any finding.
+replayed); the fold refused nothing; ``replay verify`` is clean. It prints each kind's
+convergence p50 / p99 / max and the throughput (acknowledged operations a second)
+during faults (from a fault's start to its convergence) and without; exit 1 on any
+finding. A service process that ends on its own is started again, as a supervisor
+would, and named at the end with its last log line (a process that is starting when
+the database fails over exits: a server it cannot reach at its start is exit 1), as is
+every service log that holds a traceback.
 
 Usage::
 
@@ -291,6 +294,12 @@ class Harness:
         self.view = LogView(settings, NAMESPACE, _totals())
         self.faults: list[Fault] = []
         self.problems: list[str] = []
+        self.restarts: list[str] = []  #: processes that ended on their own, started again
+
+    async def supervise(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.restarts += self.topology.supervise()  # (on the loop: faults are too)
+            await _pause(stop, 0.5)
 
     async def refresh(self) -> None:
         with contextlib.suppress(Exception):  # (a failover: read again on the next call)
@@ -320,7 +329,6 @@ class Harness:
         report = await verify(self.settings)
         if not report.ok:
             found.append(f"replay verify: {summary(report)}")
-        found += [f"a process ended: {d}" for d in self.topology.dead()]
         return [f"{when}: {f}" for f in found]
 
     async def fault(self, kind: str, injector: Injector, workload: Workload) -> Fault:
@@ -347,7 +355,6 @@ class Harness:
         return fault
 
     async def run(self) -> int:
-        args = self.args
         operator = self.topology.auth.operator()
         tenant = self.topology.auth.tenant(NAMESPACE, NAMESPACE)
         async with _client(self.topology.nats.url, operator) as admin:
@@ -356,6 +363,16 @@ class Harness:
                 await _until_acknowledged(functools.partial(admin.admin, op, body), deadline)
             access = {"namespace": NAMESPACE, "classes": ["*"]}
             await _until_acknowledged(lambda: admin.admin("namespaces.access", access), deadline)
+        done = asyncio.Event()
+        supervisor = asyncio.create_task(self.supervise(done))
+        try:
+            return await self._run(tenant)
+        finally:
+            done.set()
+            await supervisor
+
+    async def _run(self, tenant: Credential) -> int:
+        args = self.args
         async with _client(self.topology.nats.url, tenant) as api:
             workload = Workload(api, self.book, args.rate, args.workers, random.Random(args.seed))
             await workload.apply("warm-up")
@@ -405,6 +422,8 @@ class Harness:
         print(f"claims applied: {len(self.book.applied)}, deleted: {len(self.book.deleted)}, "
               f"log head: {self.view.state.position}")  # fmt: skip
         print(f"load (uptime): {_uptime()}")
+        for restart in self.restarts:
+            print(f"noted: ended on its own and started again: {restart[:300]}")
         for log, ends in self.topology.tracebacks().items():
             for end in ends:
                 print(f"noted: a traceback in {log}'s log: {end}")

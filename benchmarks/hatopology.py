@@ -18,10 +18,11 @@ the servers of :mod:`tests.fixtures.replicas`:
   none``: NATS only, no database URL in its environment).
 
 :class:`Topology` starts and stops all of it and applies faults to single processes
-(:meth:`Topology.kill`, :meth:`Topology.pause`, :meth:`Topology.resume`,
-:meth:`Topology.start`); faults to servers go through :attr:`Topology.nats` and
-:attr:`Topology.pg`. Every process logs to ``<root>/logs/<name>-<replica>.log``,
-appended across restarts.
+(:meth:`Topology.kill`, :meth:`Topology.pause`, :meth:`Topology.resume`, and
+:meth:`Process.start` again) and, as a supervisor does, starts again a process that
+ended on its own (:meth:`Topology.supervise`); faults to servers go through
+:attr:`Topology.nats` and :attr:`Topology.pg`. Every process logs to
+``<root>/logs/<name>-<replica>.log``, appended across restarts.
 """
 
 from __future__ import annotations
@@ -75,8 +76,11 @@ class Process:
     env: dict[str, str]
     log: Path
     popen: subprocess.Popen[bytes] | None = None
+    #: killed by the harness, to be started again by it (the supervisor leaves it down)
+    held: bool = False
 
     def start(self) -> None:
+        self.held = False
         with self.log.open("ab") as handle:
             self.popen = subprocess.Popen(
                 self.argv,
@@ -138,7 +142,8 @@ class Topology:
         return self.processes[service][index]
 
     def kill(self, process: Process) -> None:
-        """SIGKILL, and reaped."""
+        """SIGKILL, and reaped; down until :meth:`Process.start`."""
+        process.held = True
         if process.popen is not None and process.popen.poll() is None:
             process.popen.kill()
             process.popen.wait()
@@ -149,14 +154,18 @@ class Topology:
     def resume(self, process: Process) -> None:
         process.signal(signal.SIGCONT)
 
-    def dead(self) -> list[str]:
-        """The processes that ended on their own (none should)."""
-        return [
-            f"{p.log.stem} (exit {p.popen.returncode if p.popen else '?'})"
-            for group in self.processes.values()
-            for p in group
-            if not p.alive()
-        ]
+    def supervise(self) -> list[str]:
+        """Start again every process that ended on its own, as a supervisor (Kubernetes,
+        compose's ``restart``) would; for each, its name, exit code and last log line."""
+        restarted = []
+        for group in self.processes.values():
+            for process in group:
+                if process.popen is None or process.popen.poll() is None or process.held:
+                    continue
+                lines = process.log.read_text(errors="replace").splitlines() or ["?"]
+                restarted.append(f"{process.name} (exit {process.popen.returncode}): {lines[-1]}")
+                process.start()
+        return restarted
 
     def logs(self, tail: int = 1500) -> str:
         return "\n".join(
