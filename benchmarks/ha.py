@@ -264,7 +264,7 @@ class Injector:
                 for process in replicas:
                     process.start() if kind == "service-kill" else topology.resume(process)
 
-            return f"replica {index} of each", self._later(end)
+            return f"replica {index} of each", self._later(end, blocking=False)
         if kind == "postgres-failover":
             target = topology.pg.primary.name
             topology.pg.kill_primary()
@@ -273,10 +273,18 @@ class Injector:
         topology.pg.pause_primary()
         return topology.pg.primary.name, self._later(topology.pg.resume_primary)
 
-    def _later(self, end: Callable[[], None], after: float | None = None) -> asyncio.Task[None]:
+    def _later(
+        self, end: Callable[[], None], after: float | None = None, *, blocking: bool = True
+    ) -> asyncio.Task[None]:
+        """``end`` after the hold (or ``after`` s): in a thread when it waits on a server,
+        on the loop when it starts processes (as the supervisor does: never both at once)."""
+
         async def run() -> None:
             await asyncio.sleep(self.hold_s if after is None else after)
-            await asyncio.to_thread(end)
+            if blocking:
+                await asyncio.to_thread(end)
+            else:
+                end()
 
         return asyncio.create_task(run())
 

@@ -80,7 +80,8 @@ class Process:
     held: bool = False
 
     def start(self) -> None:
-        self.held = False
+        """Start the process (again); called on the event loop only, as the supervisor
+        and the faults are, so that no two of them start one process."""
         with self.log.open("ab") as handle:
             self.popen = subprocess.Popen(
                 self.argv,
@@ -91,6 +92,7 @@ class Process:
                 stderr=handle,
                 start_new_session=True,
             )
+        self.held = False
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
