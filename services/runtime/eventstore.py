@@ -159,6 +159,17 @@ def server_settings(settings: Settings) -> dict[str, str]:
     return out
 
 
+def _broken(connection: Any) -> bool:
+    """Whether a pooled connection's session is gone. asyncpg takes a connection that
+    closed back into its pool at once and detaches the caller's proxy, whose
+    ``is_closed()`` then raises instead of answering."""
+    try:
+        closed: bool = connection.is_closed()
+    except asyncpg.InterfaceError:
+        return True
+    return closed
+
+
 async def connect(settings: Settings, *, through_failover: bool = False) -> asyncpg.Connection:
     """One connection set up like the pool's (app role, timeout, jsonb as bytes);
     ``through_failover``: tried again while no host accepts writes
@@ -396,7 +407,7 @@ class EventStore:
                 connection.terminate()  # a demoted primary: connect again, to the new one
                 raise
             except Exception as exc:
-                if connection.is_closed():  # whatever asyncpg raised: the session broke
+                if _broken(connection):  # whatever asyncpg raised: the session broke
                     raise ConnectionLost(f"connection lost during an append: {exc}") from exc
                 raise
         self._committed(stored, pending)
@@ -549,8 +560,9 @@ class EventStore:
                         async for rows in iter_rows(connection, position, batch_size, to_position):
                             position = rows[-1][0]
                             yield rows
-                    finally:
-                        lost = connection.is_closed()
+                    except Exception:  # (not GeneratorExit: a reader that stopped early)
+                        lost = _broken(connection)
+                        raise
                 return
             except Exception as exc:
                 retryable = lost or isinstance(map_database_error(exc), RetryableError)

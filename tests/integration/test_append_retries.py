@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
+import asyncpg
 import msgspec
 import pytest
 
@@ -18,7 +19,7 @@ from events import catalog
 from events.envelopes import Envelope
 from services.runtime.appends import Batch, Pending
 from services.runtime.errors import ConflictError, ConnectionLost, RetryableError
-from services.runtime.eventstore import EventStore
+from services.runtime.eventstore import EventStore, _broken
 from services.runtime.settings import Settings
 from tests.integration import sample as s
 
@@ -99,3 +100,14 @@ async def test_retries_end_at_the_deadline(plain: EventStore, settings: Settings
     with pytest.raises(RetryableError):
         await store.append("claim:a/y", 0, _claim("y"), actor="t")
     assert await plain.head() == 0
+
+
+async def test_a_pooled_session_that_ended_reads_as_broken(plain: EventStore) -> None:
+    """asyncpg takes a connection that closed back into its pool at once and detaches the
+    caller's proxy, whose ``is_closed()`` then raises: the store's appends and reads of
+    the log must still see a broken session there (and retry), not that error."""
+    async with plain.pool.acquire() as connection:
+        connection.terminate()  # what a session that broke ends in
+        with pytest.raises(asyncpg.InterfaceError):
+            connection.is_closed()
+        assert _broken(connection)
