@@ -23,17 +23,40 @@ up the fold and the events (Kubernetes objects, events, envelopes, claim and sha
 states, grants, limits) are declared ``gc=False`` — pure data trees that never form a
 reference cycle, so the collector need not track them; that took the tracked objects
 per claim from ~39 to ~15.
+
+What is left tracked still grows with what is live (the containers inside those
+Structs: ~8 objects per claim of the fold), and a full collection walks all of it: the
+fold of 1,000,000 events of ``benchmarks/eventlog.py``'s history is ~1.1 million tracked
+objects, and one full collection of it paused the process for seconds
+(``benchmarks/gcpause.py``). CPython starts one each time the survivors of the middle
+generation reach a quarter of what the last one kept, so under a steady churn of
+claims a service with 100,000 live ones paused every minute or so for as long as the
+whole walk takes — a stall that lands on every claim in flight, and the first thing
+that makes a p99 grow with the cluster (issue 25).
+
+:func:`freeze_survivors` takes the survivors out of the walk: after every full
+collection it moves what survived it to the permanent generation (``gc.freeze()``), so
+the next full collection walks only what survived since — a pause that grows with the
+churn between two collections, not with what is live. A frozen object that dies is
+still freed by its reference count (the fold is acyclic); only a *cycle* among frozen
+objects that turns to garbage waits. So that such garbage does not pile up, once the
+frozen set has grown to :data:`REWALK_GROWTH` times what it was after the last walk of
+everything, it is unfrozen and the next full collection walks everything once: a long
+pause only each time the live state (or the garbage) doubles.
 """
 
 from __future__ import annotations
 
 import gc
-from typing import Final
+from collections.abc import Callable
+from typing import Any, Final
 
-__all__ = ["THRESHOLDS", "tune_for_long_lived_state"]
+__all__ = ["REWALK_GROWTH", "THRESHOLDS", "freeze_survivors", "tune_for_long_lived_state"]
 
 #: (young, middle, old) generation thresholds.
 THRESHOLDS: Final = (10_000, 2, 100)
+#: The frozen set's growth since the last full walk at which it is walked again.
+REWALK_GROWTH: Final = 2
 
 
 def tune_for_long_lived_state() -> tuple[int, int, int]:
@@ -41,3 +64,41 @@ def tune_for_long_lived_state() -> tuple[int, int, int]:
     previous = gc.get_threshold()
     gc.set_threshold(*THRESHOLDS)
     return previous
+
+
+class _SurvivorFreezer:
+    """The ``gc.callbacks`` entry of :func:`freeze_survivors`."""
+
+    def __init__(self) -> None:
+        self.walked: int | None = None  #: frozen after the last walk of everything
+        self.rewalk = True  #: the next full collection walks everything
+        self.frozen = 0  #: full collections whose survivors were frozen
+        self.rewalks = 0  #: times the frozen set was handed back to be walked
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase != "stop" or info.get("generation") != 2:
+            return
+        gc.freeze()
+        self.frozen += 1
+        count = gc.get_freeze_count()
+        if self.rewalk or self.walked is None:
+            self.walked, self.rewalk = count, False
+        elif count > REWALK_GROWTH * max(self.walked, 1):
+            gc.unfreeze()  # the next full collection walks everything, cycles and all
+            self.rewalk = True
+            self.rewalks += 1
+
+
+def freeze_survivors() -> Callable[[], None]:
+    """Freeze what each full collection leaves (module docstring) until the returned
+    function is called, which unfreezes everything again. For a process's main loop
+    (``dracap up``, a service command), not for a library."""
+    freezer = _SurvivorFreezer()
+    gc.callbacks.append(freezer)
+
+    def undo() -> None:
+        if freezer in gc.callbacks:
+            gc.callbacks.remove(freezer)
+        gc.unfreeze()
+
+    return undo

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
-from services.runtime.gctuning import THRESHOLDS, tune_for_long_lived_state
+from services.runtime.gctuning import (
+    REWALK_GROWTH,
+    THRESHOLDS,
+    _SurvivorFreezer,
+    freeze_survivors,
+    tune_for_long_lived_state,
+)
 
 CPYTHON_DEFAULT = (700, 10, 10)
 
@@ -22,3 +29,43 @@ def test_tuning_sets_the_thresholds_and_returns_the_previous_ones() -> None:
         assert gc.isenabled()  # cycles are still collected
     finally:
         gc.set_threshold(*before)
+
+
+def test_a_full_collection_freezes_what_survived_it_until_undone() -> None:
+    undo = freeze_survivors()
+    try:
+        kept = [{"claim": i} for i in range(1_000)]  # tracked containers, like the fold's
+        gc.collect()
+        assert gc.get_freeze_count() >= len(kept)  # the next full walk leaves them out
+    finally:
+        undo()
+    assert gc.get_freeze_count() == 0  # everything is walked again
+    assert not any(isinstance(c, _SurvivorFreezer) for c in gc.callbacks)
+
+
+def test_frozen_cycles_are_collected_once_the_frozen_set_has_doubled() -> None:
+    class Node:
+        def __init__(self) -> None:
+            self.other: Node | None = None
+
+    freezer = _SurvivorFreezer()
+    gc.callbacks.append(freezer)
+    try:
+        gc.collect()  # walks everything; its survivors are the baseline
+        baseline = gc.get_freeze_count()
+        first, second = Node(), Node()
+        first.other, second.other = second, first
+        alive = weakref.ref(first)
+        gc.collect()  # the cycle survives (still referenced): frozen
+        del first, second
+        gc.collect()
+        assert alive() is not None  # a frozen cycle is not walked
+        grown = [[i] for i in range(REWALK_GROWTH * baseline + 1)]
+        gc.collect()  # the frozen set has doubled: handed back to be walked
+        assert freezer.rewalks == 1
+        gc.collect()
+        assert alive() is None  # the walk of everything collected the cycle
+        assert grown
+    finally:
+        gc.callbacks.remove(freezer)
+        gc.unfreeze()
