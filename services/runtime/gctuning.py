@@ -37,31 +37,33 @@ that makes a p99 grow with the cluster (issue 25).
 :func:`freeze_survivors` takes the survivors out of the walk: after every full
 collection it moves what survived it to the permanent generation (``gc.freeze()``), so
 the next full collection walks only what survived since — a pause that grows with the
-churn between two collections, not with what is live. It starts with a full collection
-of its own, at startup, whose survivors are the first frozen set. A frozen object that dies is
+churn between two collections, not with what is live. A frozen object that dies is
 still freed by its reference count (the fold is acyclic); only a *cycle* among frozen
-objects that turns to garbage waits. So that such garbage does not pile up, once the
-frozen set has grown to :data:`REWALK_GROWTH` times what it was after the last walk of
-everything, it is unfrozen and the next full collection walks everything once: a long
-pause each time the live state (or the garbage) doubles — while the state grows, as
-often as it doubles (CPython's own rule walks it at every quarter); at a steady size,
-not until garbage cycles have doubled it. In ``dracap up`` the first such walk comes
-with ~8,000 claims folded (0.6-2.1 s on a loaded 2-core machine, as without freezing:
-``benchmarks/pipeline.py --live 0,20000`` with a collector probe).
+objects that turns to garbage waits. So that such garbage does not pile up, the frozen
+set is unfrozen once :data:`REWALK_S` (10 minutes) have passed since the last walk of
+everything, and the next full collection walks everything, cycles and all: one long
+pause in ten minutes at most, whatever the state does. It starts with a full
+collection of its own, at startup, whose survivors are the first frozen set.
+
+A rule on the frozen set's size (walk everything again once it has doubled) was tried
+first: with a small frozen set at startup its first doubling came with ~8,000 claims
+folded, and walked them all (0.75 s in ``dracap up`` on a loaded 2-core machine, in
+the middle of a latency run), as CPython's own first full collection had (0.6-2.1 s).
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ["REWALK_GROWTH", "THRESHOLDS", "freeze_survivors", "tune_for_long_lived_state"]
+__all__ = ["REWALK_S", "THRESHOLDS", "freeze_survivors", "tune_for_long_lived_state"]
 
 #: (young, middle, old) generation thresholds.
 THRESHOLDS: Final = (10_000, 2, 100)
-#: The frozen set's growth since the last full walk at which it is walked again.
-REWALK_GROWTH: Final = 2
+#: Seconds between two full collections that walk everything, frozen set and all.
+REWALK_S: Final = 600.0
 
 
 def tune_for_long_lived_state() -> tuple[int, int, int]:
@@ -72,10 +74,11 @@ def tune_for_long_lived_state() -> tuple[int, int, int]:
 
 
 class _SurvivorFreezer:
-    """The ``gc.callbacks`` entry of :func:`freeze_survivors`."""
+    """The ``gc.callbacks`` entry of :func:`freeze_survivors`; ``clock``: seconds."""
 
-    def __init__(self) -> None:
-        self.walked: int | None = None  #: frozen after the last walk of everything
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.walked_at = clock()  #: when a full collection last walked everything
         self.rewalk = True  #: the next full collection walks everything
         self.frozen = 0  #: full collections whose survivors were frozen
         self.rewalks = 0  #: times the frozen set was handed back to be walked
@@ -85,10 +88,10 @@ class _SurvivorFreezer:
             return
         gc.freeze()
         self.frozen += 1
-        count = gc.get_freeze_count()
-        if self.rewalk or self.walked is None:
-            self.walked, self.rewalk = count, False
-        elif count > REWALK_GROWTH * max(self.walked, 1):
+        now = self.clock()
+        if self.rewalk:
+            self.walked_at, self.rewalk = now, False
+        elif now - self.walked_at >= REWALK_S:
             gc.unfreeze()  # the next full collection walks everything, cycles and all
             self.rewalk = True
             self.rewalks += 1

@@ -6,7 +6,7 @@ import gc
 import weakref
 
 from services.runtime.gctuning import (
-    REWALK_GROWTH,
+    REWALK_S,
     THRESHOLDS,
     _SurvivorFreezer,
     freeze_survivors,
@@ -46,29 +46,31 @@ def test_a_full_collection_freezes_what_survived_it_until_undone() -> None:
     assert not any(isinstance(c, _SurvivorFreezer) for c in gc.callbacks)
 
 
-def test_frozen_cycles_are_collected_once_the_frozen_set_has_doubled() -> None:
+def test_frozen_cycles_are_collected_once_the_rewalk_interval_has_passed() -> None:
     class Node:
         def __init__(self) -> None:
             self.other: Node | None = None
 
-    freezer = _SurvivorFreezer()
+    now = [0.0]
+    freezer = _SurvivorFreezer(clock=lambda: now[0])
     gc.callbacks.append(freezer)
     try:
-        gc.collect()  # walks everything; its survivors are the baseline
-        baseline = gc.get_freeze_count()
+        gc.collect()  # walks everything; its survivors are frozen
         first, second = Node(), Node()
         first.other, second.other = second, first
         alive = weakref.ref(first)
         gc.collect()  # the cycle survives (still referenced): frozen
         del first, second
+        now[0] = REWALK_S - 1
         gc.collect()
         assert alive() is not None  # a frozen cycle is not walked
-        grown = [[i] for i in range(REWALK_GROWTH * baseline + 1)]
-        gc.collect()  # the frozen set has doubled: handed back to be walked
+        assert freezer.rewalks == 0
+        now[0] = REWALK_S
+        gc.collect()  # the interval has passed: the frozen set is handed back
         assert freezer.rewalks == 1
         gc.collect()
         assert alive() is None  # the walk of everything collected the cycle
-        assert grown
+        assert gc.get_freeze_count() > 0  # and froze what it left
     finally:
         gc.callbacks.remove(freezer)
         gc.unfreeze()
