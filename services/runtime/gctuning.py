@@ -28,11 +28,13 @@ What is left tracked still grows with what is live (the containers inside those
 Structs: ~8 objects per claim of the fold), and a full collection walks all of it: the
 fold of 1,000,000 events of ``benchmarks/eventlog.py``'s history is ~1.1 million tracked
 objects, and one full collection of it paused the process for seconds
-(``benchmarks/gcpause.py``). CPython starts one each time the survivors of the middle
-generation reach a quarter of what the last one kept, so under a steady churn of
-claims a service with 100,000 live ones paused every minute or so for as long as the
-whole walk takes — a stall that lands on every claim in flight, and the first thing
-that makes a p99 grow with the cluster (issue 25).
+(``benchmarks/gcpause.py``). CPython starts one after a hundred middle collections,
+once the survivors promoted since the last one reach a quarter of what it kept: in a
+process that lives for hours with a large fold, a pause as long as the whole walk,
+that lands on every claim in flight and grows with the cluster (issue 25). (In the
+minutes of a ``benchmarks/pipeline.py`` run, even ``--live 0,20000``, ``dracap up``
+made none before its services had stopped: one at exit, 0.1-2.1 s on a loaded 2-core
+machine.)
 
 :func:`freeze_survivors` takes the survivors out of the walk: after every full
 collection it moves what survived it to the permanent generation (``gc.freeze()``), so
@@ -46,9 +48,8 @@ pause in ten minutes at most, whatever the state does. It starts with a full
 collection of its own, at startup, whose survivors are the first frozen set.
 
 A rule on the frozen set's size (walk everything again once it has doubled) was tried
-first: with a small frozen set at startup its first doubling came with ~8,000 claims
-folded, and walked them all (0.75 s in ``dracap up`` on a loaded 2-core machine, in
-the middle of a latency run), as CPython's own first full collection had (0.6-2.1 s).
+first: the frozen set at startup is only the imports (~106,000 objects), so it would
+double early, after some 13,000 claims (~8 tracked objects each), and walk them all.
 """
 
 from __future__ import annotations
