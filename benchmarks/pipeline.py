@@ -37,6 +37,11 @@ figures before this step).
 from the log's ``recorded_at`` (apply -> submitted -> admitted -> capacity_reserved ->
 allocation_bound -> limit_applied -> ready): where the time goes, seen from outside.
 
+**Timeline** (``--timeline FILE``): every claim's run, send time and apply->Ready
+latency as CSV, to see a percentile's tail over time: a window in which every claim is
+late is a stall of the whole pipeline (a pause of one process, a checkpoint of the
+database server), a tail spread over the run is queueing.
+
 The system under test is ``dracap up`` itself, started as its own process with the URLs
 of the servers in its environment — relay, live state, claims API, ``--workers``
 reservation workers (default 1, as ``dracap up``) and one agent (NoneEnforcer) per node,
@@ -416,6 +421,22 @@ def steps_of(
     return out
 
 
+def write_timeline(path: Path, tracker: ReadyTracker) -> None:
+    """``--timeline``: one CSV row per claim applied, in the order sent — its run (the
+    name's label: ``warm``, ``tp``, ``lat``, ``r50``, ``l0r``, ...), the wall time it was
+    sent (Unix seconds) and its apply->Ready latency in ms (empty: never ready). Latency
+    over time shows what a percentile hides: a stall of the whole pipeline (every claim
+    sent in one window late) against a slow tail spread over the run."""
+    rows = sorted(tracker.sent.items(), key=lambda item: item[1])
+    with path.open("w") as out:
+        out.write("run,sent_unix_s,latency_ms\n")
+        for name, sent in rows:
+            ready = tracker.ready.get(name)
+            latency_ms = "" if ready is None else f"{(ready - sent) * 1000:.2f}"
+            label = name.rsplit("-", 1)[0].rstrip("-")
+            out.write(f"{label},{sent + tracker.wall_offset:.4f},{latency_ms}\n")
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system) process ``pid`` has used so far; 0.0 when unknown."""
     try:
@@ -629,12 +650,17 @@ async def _measure_pipeline(
     settings: Settings, args: argparse.Namespace, names: BusNames, out: dict[str, float]
 ) -> None:
     url = settings.database_url
-    with tempfile.TemporaryDirectory(prefix="dracap-bench-") as work:
+    with (
+        tempfile.TemporaryDirectory(prefix="dracap-bench-") as work,
+        contextlib.ExitStack() as cleanup,
+    ):
         quota = {MAX_CLAIMS: str(args.max_claims)} if args.max_claims else None
         async with dracap_up(settings, args, names, Path(work), annotations=quota) as reach:
             login = reach.credential
             async with ApiClient.connect(reach.nats_url, names.prefix, login) as api:
                 tracker = ReadyTracker()
+                if args.timeline:
+                    cleanup.callback(write_timeline, Path(args.timeline), tracker)
                 async with watching(api, tracker):
                     if args.live:
                         phases = await growth(api, tracker, args, url)
@@ -792,6 +818,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "never to refuse): every admission then carries its quota premise to the database",
     )
     parser.add_argument("--up-log", metavar="FILE", help="append dracap up's output to FILE")
+    parser.add_argument(
+        "--timeline",
+        metavar="FILE",
+        help="write every claim's run, send time and apply->Ready latency to FILE (CSV)",
+    )
     parser.add_argument(
         "--rates",
         type=lambda text: [float(r) for r in text.split(",") if r],

@@ -86,7 +86,7 @@ from services.runtime.apiclient import ApiClient
 from services.runtime.credentials import AUTH_DIR, AuthDir
 from services.runtime.embedded import EmbeddedError, embedded_servers
 from services.runtime.endpoints import Connection
-from services.runtime.gctuning import tune_for_long_lived_state
+from services.runtime.gctuning import freeze_survivors, tune_for_long_lived_state
 from services.runtime.health import HealthMonitor, PostgresProbe, nats_probe, serve
 from services.runtime.outages import quiet_outages
 from services.runtime.settings import ServiceKind, Settings, SettingsError, load_settings
@@ -406,6 +406,7 @@ def _start_metrics(port: int, monitor: HealthMonitor, addr: str = "127.0.0.1") -
 
 async def _main(options: UpOptions) -> int:
     tune_for_long_lived_state()
+    thaw = freeze_survivors()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -415,6 +416,7 @@ async def _main(options: UpOptions) -> int:
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
+        thaw()
 
 
 def run(args: argparse.Namespace) -> int:

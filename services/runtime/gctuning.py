@@ -23,17 +23,48 @@ up the fold and the events (Kubernetes objects, events, envelopes, claim and sha
 states, grants, limits) are declared ``gc=False`` — pure data trees that never form a
 reference cycle, so the collector need not track them; that took the tracked objects
 per claim from ~39 to ~15.
+
+What is left tracked still grows with what is live (the containers inside those
+Structs: ~8 objects per claim of the fold), and a full collection walks all of it: the
+fold of 1,000,000 events of ``benchmarks/eventlog.py``'s history is ~1.1 million tracked
+objects, and one full collection of it paused the process for seconds
+(``benchmarks/gcpause.py``). CPython starts one after a hundred middle collections,
+once the survivors promoted since the last one reach a quarter of what it kept: in a
+process that lives for hours with a large fold, a pause as long as the whole walk,
+that lands on every claim in flight and grows with the cluster (issue 25). (In the
+minutes of a ``benchmarks/pipeline.py`` run, even ``--live 0,20000``, ``dracap up``
+made none before its services had stopped: one at exit, 0.1-2.1 s on a loaded 2-core
+machine.)
+
+:func:`freeze_survivors` takes the survivors out of the walk: after every full
+collection it moves what survived it to the permanent generation (``gc.freeze()``), so
+the next full collection walks only what survived since — a pause that grows with the
+churn between two collections, not with what is live. A frozen object that dies is
+still freed by its reference count (the fold is acyclic); only a *cycle* among frozen
+objects that turns to garbage waits. So that such garbage does not pile up, the frozen
+set is unfrozen once :data:`REWALK_S` (10 minutes) have passed since the last walk of
+everything, and the next full collection walks everything, cycles and all: one long
+pause in ten minutes at most, whatever the state does. It starts with a full
+collection of its own, at startup, whose survivors are the first frozen set.
+
+A rule on the frozen set's size (walk everything again once it has doubled) was tried
+first: the frozen set at startup is only the imports (~106,000 objects), so it would
+double early, after some 13,000 claims (~8 tracked objects each), and walk them all.
 """
 
 from __future__ import annotations
 
 import gc
-from typing import Final
+import time
+from collections.abc import Callable
+from typing import Any, Final
 
-__all__ = ["THRESHOLDS", "tune_for_long_lived_state"]
+__all__ = ["REWALK_S", "THRESHOLDS", "freeze_survivors", "tune_for_long_lived_state"]
 
 #: (young, middle, old) generation thresholds.
 THRESHOLDS: Final = (10_000, 2, 100)
+#: Seconds between two full collections that walk everything, frozen set and all.
+REWALK_S: Final = 600.0
 
 
 def tune_for_long_lived_state() -> tuple[int, int, int]:
@@ -41,3 +72,43 @@ def tune_for_long_lived_state() -> tuple[int, int, int]:
     previous = gc.get_threshold()
     gc.set_threshold(*THRESHOLDS)
     return previous
+
+
+class _SurvivorFreezer:
+    """The ``gc.callbacks`` entry of :func:`freeze_survivors`; ``clock``: seconds."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.walked_at = clock()  #: when a full collection last walked everything
+        self.rewalk = True  #: the next full collection walks everything
+        self.frozen = 0  #: full collections whose survivors were frozen
+        self.rewalks = 0  #: times the frozen set was handed back to be walked
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase != "stop" or info.get("generation") != 2:
+            return
+        gc.freeze()
+        self.frozen += 1
+        now = self.clock()
+        if self.rewalk:
+            self.walked_at, self.rewalk = now, False
+        elif now - self.walked_at >= REWALK_S:
+            gc.unfreeze()  # the next full collection walks everything, cycles and all
+            self.rewalk = True
+            self.rewalks += 1
+
+
+def freeze_survivors() -> Callable[[], None]:
+    """Freeze what each full collection leaves (module docstring) until the returned
+    function is called, which unfreezes everything again. For a process's main loop
+    (``dracap up``, a service command), not for a library."""
+    freezer = _SurvivorFreezer()
+    gc.callbacks.append(freezer)
+    gc.collect()  # the first walk of everything, while there is little: then frozen
+
+    def undo() -> None:
+        if freezer in gc.callbacks:
+            gc.callbacks.remove(freezer)
+        gc.unfreeze()
+
+    return undo

@@ -5,8 +5,9 @@
 signal. What surrounds the service is the same for all of them, and lives here:
 
 1. :func:`run_service` is the entry point's part: one line per record to standard
-   error, the collector tuned for a long-lived fold
-   (:mod:`services.runtime.gctuning`), the service loop
+   error, the collector tuned for a long-lived fold (:mod:`services.runtime.gctuning`:
+   thresholds, and the survivors of full collections frozen while the loop runs), the
+   service loop
    (:mod:`services.runtime.eventloop`); a bad setting is one line and exit 2, Ctrl-C
    exit 0.
 2. :func:`hosting` is the process's part, in this order: the servers found as every
@@ -49,7 +50,7 @@ from services.runtime.bus import connect_bus
 from services.runtime.credentials import Credential
 from services.runtime.endpoints import Endpoints, endpoints_from_args, reaching
 from services.runtime.errors import PermanentError
-from services.runtime.gctuning import tune_for_long_lived_state
+from services.runtime.gctuning import freeze_survivors, tune_for_long_lived_state
 from services.runtime.health import (
     HealthMonitor,
     bus_probe,
@@ -160,6 +161,7 @@ def run_service(
     refused: tuple[type[Exception], ...] = (SettingsError, *bad_input)
     eventloop.log_to_stderr()
     tune_for_long_lived_state()
+    thaw = freeze_survivors()
     try:
         return eventloop.run(main())
     except refused as exc:
@@ -167,3 +169,5 @@ def run_service(
         return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
         return ExitCode.OK
+    finally:
+        thaw()

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
-from services.runtime.gctuning import THRESHOLDS, tune_for_long_lived_state
+from services.runtime.gctuning import (
+    REWALK_S,
+    THRESHOLDS,
+    _SurvivorFreezer,
+    freeze_survivors,
+    tune_for_long_lived_state,
+)
 
 CPYTHON_DEFAULT = (700, 10, 10)
 
@@ -22,3 +29,48 @@ def test_tuning_sets_the_thresholds_and_returns_the_previous_ones() -> None:
         assert gc.isenabled()  # cycles are still collected
     finally:
         gc.set_threshold(*before)
+
+
+def test_a_full_collection_freezes_what_survived_it_until_undone() -> None:
+    kept_before = [[i] for i in range(1_000)]
+    undo = freeze_survivors()
+    try:
+        assert gc.get_freeze_count() >= len(kept_before)  # installing walks once, at once
+        kept = [[i] for i in range(1_000)]  # tracked containers, like the fold's
+        frozen = gc.get_freeze_count()
+        gc.collect()
+        assert gc.get_freeze_count() >= frozen + len(kept)
+    finally:
+        undo()
+    assert gc.get_freeze_count() == 0  # everything is walked again
+    assert not any(isinstance(c, _SurvivorFreezer) for c in gc.callbacks)
+
+
+def test_frozen_cycles_are_collected_once_the_rewalk_interval_has_passed() -> None:
+    class Node:
+        def __init__(self) -> None:
+            self.other: Node | None = None
+
+    now = [0.0]
+    freezer = _SurvivorFreezer(clock=lambda: now[0])
+    gc.callbacks.append(freezer)
+    try:
+        gc.collect()  # walks everything; its survivors are frozen
+        first, second = Node(), Node()
+        first.other, second.other = second, first
+        alive = weakref.ref(first)
+        gc.collect()  # the cycle survives (still referenced): frozen
+        del first, second
+        now[0] = REWALK_S - 1
+        gc.collect()
+        assert alive() is not None  # a frozen cycle is not walked
+        assert freezer.rewalks == 0
+        now[0] = REWALK_S
+        gc.collect()  # the interval has passed: the frozen set is handed back
+        assert freezer.rewalks == 1
+        gc.collect()
+        assert alive() is None  # the walk of everything collected the cycle
+        assert gc.get_freeze_count() > 0  # and froze what it left
+    finally:
+        gc.callbacks.remove(freezer)
+        gc.unfreeze()

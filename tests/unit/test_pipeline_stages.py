@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 
 import pytest
 
-from benchmarks.pipeline import ReadyTracker, steps_of
+from benchmarks.pipeline import ReadyTracker, steps_of, write_timeline
 
 
 def _at(seconds: float) -> datetime.datetime:
@@ -39,3 +40,18 @@ def test_each_step_is_timed_from_the_one_before() -> None:
         "ready": 20.0,
     }
     assert steps == {k: [pytest.approx(v, abs=1e-6)] for k, v in expected.items()}
+
+
+def test_the_timeline_has_a_row_per_claim_in_the_order_sent(tmp_path: Path) -> None:
+    tracker = ReadyTracker()
+    tracker.wall_offset = 1_000.0
+    tracker.sent = {"lat-1": 0.2, "live0--7": 0.1, "tp-3": 0.3}
+    tracker.ready = {"lat-1": 0.25, "live0--7": 0.15}
+    path = tmp_path / "timeline.csv"
+    write_timeline(path, tracker)
+    assert path.read_text().splitlines() == [
+        "run,sent_unix_s,latency_ms",
+        "live0,1000.1000,50.00",
+        "lat,1000.2000,50.00",
+        "tp,1000.3000,",  # never ready
+    ]
