@@ -22,15 +22,14 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import asyncpg
 import pytest
 from nats.js.errors import NotFoundError
 
 from events.subjects import BusNames
 from services.runtime.bus import connect_bus
-from services.runtime.dbroles import ensure_login, url_as
 from services.runtime.eventstore import EventStore
-from services.runtime.settings import Settings
+from services.runtime.settings import ServiceKind, Settings
+from tests.fixtures.logins import login_users
 from tests.integration.test_bus import append_burst
 from tests.integration.test_serve import Processes, _free_port
 from tests.integration.test_two_relays import log_ids, stream_ids
@@ -72,18 +71,8 @@ async def _stream_holds(nats_url: str, names: BusNames, count: int) -> None:
 @pytest.fixture
 async def relay_login(database_url: str, postgres_admin_url: str) -> AsyncIterator[str]:
     """The URL of a login user of ``dracap_relay``, the relay's own (dropped afterwards)."""
-    user = f"test_relay_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(database_url)
-    try:
-        await ensure_login(admin, user, "dracap_relay", None)
-    finally:
-        await admin.close()
-    yield url_as(database_url, user, None)
-    admin = await asyncpg.connect(postgres_admin_url)
-    try:
-        await admin.execute(f'DROP ROLE IF EXISTS "{user}"')
-    finally:
-        await admin.close()
+    async with login_users(database_url, postgres_admin_url, [ServiceKind.RELAY]) as urls:
+        yield urls[ServiceKind.RELAY.value]
 
 
 async def test_a_standby_relay_takes_over_when_the_active_one_is_killed(
