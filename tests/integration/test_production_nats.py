@@ -26,12 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.js.api import StreamInfo
+from nats.js.client import JetStreamContext
 
 from events.quantities import parse_quantity
 from events.subjects import BusNames
 from services.brokerauth import Installation, init_auth
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.credentials import ACCOUNTS, AuthDir, read_credential
+from services.runtime.errors import RetryableError
 from tests.fixtures.replicas import nats_binary
 from tests.unit.test_kubernetes_manifests import _one, _rendered
 
@@ -118,6 +121,19 @@ def _servers(tmp_path: Path, auth: AuthDir) -> Iterator[None]:
                 process.wait()
 
 
+async def _ensure_stream_of_three(js: JetStreamContext) -> StreamInfo:
+    """The events stream on three servers, asked again after a retryable failure, as
+    the relay's keeper does: a young cluster can take longer than one request's timeout
+    to place a stream's first raft group when the machine is busy."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            return await ensure_stream(js, BusNames(), replicas=SERVERS)
+        except RetryableError:
+            if time.monotonic() > deadline:
+                raise
+
+
 async def test_the_production_nats_configuration_forms_a_jetstream_cluster_of_three(
     tmp_path: Path,
 ) -> None:
@@ -140,7 +156,7 @@ async def test_the_production_nats_configuration_forms_a_jetstream_cluster_of_th
         servers = ",".join(f"nats://{_address(i)}:4222" for i in range(SERVERS))
         nc, js = await connect_bus(servers, credential=credential)
         try:
-            info = await ensure_stream(js, BusNames(), replicas=SERVERS)
+            info = await _ensure_stream_of_three(js)
             assert info.config.num_replicas == SERVERS
             assert info.cluster is not None and info.cluster.name == "dracap"
             placed = {info.cluster.leader} | {r.name for r in info.cluster.replicas or []}
