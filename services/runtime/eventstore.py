@@ -72,8 +72,8 @@ import contextlib
 import datetime
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, Final
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar
 
 import asyncpg
 import msgspec
@@ -113,6 +113,7 @@ from services.runtime.rows import SELECT, decoded, envelope_of, envelope_with
 from services.runtime.settings import Settings
 
 _log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 CHANNEL: Final = "dracap_events"
 Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
@@ -502,9 +503,27 @@ class EventStore:
 
     # -- reading -------------------------------------------------------------------------
 
+    async def reading(self, read: Callable[[asyncpg.Pool], Awaitable[_T]]) -> _T:
+        """``read(pool)``, asked again while the failure is one a failover makes (a lost
+        session, no primary yet) until the failover deadline; then a
+        :class:`~services.runtime.errors.RetryableError`. For reads only: it may run
+        twice. Other failures pass through unchanged."""
+        deadline = Deadline(self._settings.failover_timeout_s)
+        while True:
+            try:
+                return await read(self._pool)
+            except Exception as exc:
+                error = map_database_error(exc)
+                if not isinstance(error, RetryableError):
+                    raise
+                if not await deadline.wait():
+                    raise error from exc
+
     async def head(self) -> int:
         """Position of the newest committed event (0 for an empty log)."""
-        position: int = await self._pool.fetchval("SELECT position FROM event_log_head")
+        position: int = await self.reading(
+            lambda pool: pool.fetchval("SELECT position FROM event_log_head")
+        )
         return position
 
     async def stream_version(self, stream: str) -> int:
@@ -672,10 +691,12 @@ class EventStore:
 
     async def load_latest_snapshot(self, at_or_before: int | None = None) -> Snapshot | None:
         """The newest snapshot (at or before ``at_or_before`` when given)."""
-        row = await self._pool.fetchrow(
-            "SELECT position, schema_version, payload, created_at FROM snapshots "
-            "WHERE position <= $1 ORDER BY position DESC LIMIT 1",
-            at_or_before if at_or_before is not None else 2**63 - 1,
+        row = await self.reading(
+            lambda pool: pool.fetchrow(
+                "SELECT position, schema_version, payload, created_at FROM snapshots "
+                "WHERE position <= $1 ORDER BY position DESC LIMIT 1",
+                at_or_before if at_or_before is not None else 2**63 - 1,
+            )
         )
         if row is None:
             return None

@@ -295,8 +295,10 @@ class Relay:
 
     async def load_checkpoint(self) -> int:
         """The stored checkpoint (0 when the relay has never run)."""
-        position: int | None = await self._store.pool.fetchval(
-            "SELECT position FROM consumer_checkpoints WHERE consumer = $1", self._checkpoint
+        position: int | None = await self._store.reading(
+            lambda pool: pool.fetchval(
+                "SELECT position FROM consumer_checkpoints WHERE consumer = $1", self._checkpoint
+            )
         )
         return position or 0
 

@@ -395,3 +395,29 @@ async def test_a_listener_lost_with_its_server_is_opened_again(
     await store.wait_for_new(0, 0.01)
     assert store._listener is not None and store._listener is not first
     assert not store._listener.is_closed()
+
+
+async def test_a_read_whose_session_is_lost_is_asked_again_on_a_new_one(
+    store: EventStore, app_connection: asyncpg.Connection, postgres_admin_url: str
+) -> None:
+    """What a service reads as it starts (its snapshot, its checkpoint) rides out a
+    session lost mid-read, as in a failover, instead of ending the process."""
+    database = await app_connection.fetchval("SELECT current_database()")
+    admin = await asyncpg.connect(postgres_admin_url)
+    try:
+        async with app_connection.transaction():
+            await app_connection.execute("LOCK TABLE snapshots IN ACCESS EXCLUSIVE MODE")
+            read = asyncio.create_task(store.load_latest_snapshot())
+            waiting: int | None = None
+            async with asyncio.timeout(30):
+                while waiting is None:  # the read waits behind the lock: end its session
+                    waiting = await admin.fetchval(
+                        "SELECT pid FROM pg_stat_activity WHERE datname = $1 "
+                        "AND wait_event_type = 'Lock'",
+                        database,
+                    )
+            await admin.execute("SELECT pg_terminate_backend($1)", waiting)
+        async with asyncio.timeout(30):
+            assert await read is None  # asked again on a new session: no snapshot yet
+    finally:
+        await admin.close()
