@@ -55,13 +55,14 @@ Writing and pruning (:class:`SnapshotWriter`)
 The writer watches a :class:`LiveState` (it folds nothing itself) — once that state is
 checked, if it started from a snapshot (:mod:`services.runtime.snapshotcheck`: a forged
 snapshot is never copied into new ones) — and writes a snapshot when the state is at
-least ``every_events`` (default :data:`EVERY_EVENTS`, 25,000) past the newest
-snapshot, or ``every_seconds`` (default 10 minutes) have passed and at least
-one event was folded since, and once more when it stops (a clean shutdown), so that the
-next start begins at the head instead of folding up to ``every_events`` again. 25,000
-bounds what a start after a crash folds (~0.3 s at 1 M events, below the 2 s start-up
-goal with the snapshot's load, where 100,000 took ~1.0-1.3 s); what it costs is CPU
-in the forked child (~2.5 s per write at 1 M events, off the loop) every 25,000 events.
+least ``every_events`` (default :data:`EVERY_EVENTS`, 25,000) past the newest snapshot,
+or ``every_seconds`` (default 10 minutes, on the writer's
+:class:`~services.runtime.clock.Clock`) have passed and at least one event was folded
+since, and once more when it stops (a clean shutdown), so that the next start begins at
+the head instead of folding up to ``every_events`` again. 25,000 bounds what a start
+after a crash folds (~0.3 s at 1 M events, below the 2 s start-up goal with the
+snapshot's load, where 100,000 took ~1.0-1.3 s); what it costs is CPU in the forked
+child (~2.5 s per write at 1 M events, off the loop) every 25,000 events.
 After each write it prunes: it **keeps the newest** :data:`KEEP` **(3) snapshots** and
 deletes older ones — three, so that one torn or unverifiable snapshot still leaves two
 to fall back on, and bounded, so the table does not grow with the log. ``dracap replay
@@ -83,7 +84,6 @@ import hashlib
 import logging
 import os
 import signal
-import time
 import warnings
 import zlib
 from collections.abc import Awaitable, Callable
@@ -94,6 +94,7 @@ import asyncpg
 from events.errors import SnapshotError
 from events.state import ClusterState
 from events.statecodec import snapshot_decode, snapshot_encode
+from services.runtime.clock import SYSTEM, Clock
 from services.runtime.metrics import SNAPSHOT_FAILURES, SNAPSHOT_POSITION, SNAPSHOTS_WRITTEN
 
 if TYPE_CHECKING:
@@ -353,6 +354,7 @@ class SnapshotWriter:
         keep: int = KEEP,
         check_every_s: float = 1.0,
         checked: Callable[[], bool] = lambda: True,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.pool = pool
         self.state = state
@@ -363,15 +365,16 @@ class SnapshotWriter:
         self.every_seconds = every_seconds
         self.keep = keep
         self.check_every_s = check_every_s
+        self.clock = clock  #: the ``every_seconds`` rule and the checks run on it
         self.last_position = 0
-        self.last_time = time.monotonic()
+        self.last_time = clock.monotonic()
         self.written = 0
 
     async def start(self) -> None:
         """Learn where the newest stored snapshot is."""
         newest = await self.pool.fetchval("SELECT max(position) FROM snapshots")
         self.last_position = newest or 0
-        self.last_time = time.monotonic()
+        self.last_time = self.clock.monotonic()
         SNAPSHOT_POSITION.set(self.last_position)
 
     def due(self) -> bool:
@@ -381,7 +384,7 @@ class SnapshotWriter:
             return False
         if position - self.last_position >= self.every_events:
             return True
-        return time.monotonic() - self.last_time >= self.every_seconds
+        return self.clock.monotonic() - self.last_time >= self.every_seconds
 
     async def maybe_write(self, *, stopping: bool = False) -> bool:
         """Write a snapshot if one is due (``stopping``: if anything was folded since the
@@ -394,7 +397,7 @@ class SnapshotWriter:
         elif not self.due():
             return False
         position = await write_snapshot(self.pool, self.state(), keep=self.keep)
-        self.last_position, self.last_time = position, time.monotonic()
+        self.last_position, self.last_time = position, self.clock.monotonic()
         self.written += 1
         SNAPSHOTS_WRITTEN.inc()
         SNAPSHOT_POSITION.set(position)
@@ -412,8 +415,7 @@ class SnapshotWriter:
             if wake is not None:
                 await wake()
                 continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.check_every_s)
+            await self.clock.wait(stop, self.check_every_s)
         await self._write(stopping=True)
 
     async def _write(self, *, stopping: bool) -> None:

@@ -41,6 +41,8 @@ from services.runtime.eventstore import EventStore, iter_rows
 from services.runtime.livestate import HEAD, LiveState
 from services.runtime.settings import Settings
 from services.runtime.snapshots import SnapshotWriter, load_verified, write_snapshot
+from tests.fixtures.clock import FakeClock
+from tests.fixtures.polling import until
 from tests.fixtures.services import fresh_database
 from tests.integration import sample as s
 from tests.integration.scenario import lease, put
@@ -433,6 +435,30 @@ async def test_the_writer_snapshots_every_n_events_as_the_live_state_moves(
     started = LiveState(store)
     assert await started.load_snapshot()
     assert started.state.position == scenario.head
+
+
+async def test_the_writer_snapshots_once_its_interval_passed_on_its_clock(
+    scenario: Scenario, store: EventStore
+) -> None:
+    """The ``every_seconds`` rule, with time moved by the test instead of waited for."""
+    live = LiveState(store)
+    await live.fresh(HEAD)
+    clock = FakeClock()
+    writer = SnapshotWriter(
+        store.pool, lambda: live.state, every_events=10**9, every_seconds=600, clock=clock
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(writer.run(stop))
+    try:
+        await until(lambda: clock.waiting == 1, what="the writer's first check")
+        await clock.advance(599)  # a check every second on the way, none due yet
+        assert writer.written == 0
+        await clock.advance(1)
+        await until(lambda: writer.written == 1, what="the snapshot of the interval")
+        assert writer.last_position == scenario.head
+    finally:
+        stop.set()
+        await task
 
 
 async def test_the_writer_snapshots_what_was_folded_when_it_stops(
