@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import msgspec
 import pytest
 
@@ -36,12 +35,12 @@ from services.replay.history import state_at
 from services.replay.logfile import LogWriter, read_end, read_rows
 from services.replay.sources import DatabaseSource
 from services.replay.verify import summary, verify
-from services.runtime.dbroles import ensure_login, url_as
 from services.runtime.eventstore import EventStore, iter_rows
 from services.runtime.livestate import HEAD, LiveState
-from services.runtime.settings import Settings
+from services.runtime.settings import ServiceKind, Settings
 from services.runtime.snapshots import SnapshotWriter, load_verified, write_snapshot
 from tests.fixtures.clock import FakeClock
+from tests.fixtures.logins import login_users
 from tests.fixtures.polling import until
 from tests.fixtures.services import fresh_database
 from tests.integration import sample as s
@@ -566,18 +565,8 @@ def _free_port() -> int:
 @pytest.fixture
 async def snapshots_user(database_url: str, postgres_admin_url: str) -> AsyncIterator[str]:
     """The URL of a login user of ``dracap_snapshots`` (dropped afterwards)."""
-    user = f"test_snapshots_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(database_url)
-    try:
-        await ensure_login(admin, user, "dracap_snapshots", None)
-    finally:
-        await admin.close()
-    yield url_as(database_url, user, None)
-    admin = await asyncpg.connect(postgres_admin_url)
-    try:
-        await admin.execute(f'DROP ROLE IF EXISTS "{user}"')
-    finally:
-        await admin.close()
+    async with login_users(database_url, postgres_admin_url, [ServiceKind.SNAPSHOTS]) as urls:
+        yield urls[ServiceKind.SNAPSHOTS.value]
 
 
 async def _admit(store: EventStore, count: int) -> None:
