@@ -149,12 +149,19 @@ def _new_claim(state: ClusterState, key: ClaimKey, phase: ClaimPhase) -> ClaimSt
     """A claim seen for the first time, in a live ``phase``."""
     claim = state.claims[key] = ClaimState(namespace=key[0], name=key[1], phase=phase)
     state.live_claims[key[0]] = state.live_claims.get(key[0], 0) + 1
+    state.phases_before.setdefault(key, None)
     return claim
 
 
 def _set_phase(state: ClusterState, claim: ClaimState, phase: ClaimPhase) -> None:
-    """Move ``claim`` to ``phase``, keeping :attr:`ClusterState.live_claims` current."""
-    was_live = claim.phase not in REUSABLE_PHASES
+    """Move ``claim`` to ``phase``, keeping :attr:`ClusterState.live_claims` and
+    :attr:`ClusterState.phases_before` current: every change of a claim's phase is made
+    here (or by :func:`_new_claim`)."""
+    before = claim.phase
+    if before == phase:
+        return
+    state.phases_before.setdefault((claim.namespace, claim.name), before)
+    was_live = before not in REUSABLE_PHASES
     claim.phase = phase
     if was_live != (phase not in REUSABLE_PHASES):
         counts = state.live_claims
@@ -192,6 +199,8 @@ def apply_event(state: ClusterState, event: Event, position: int) -> ClusterStat
     """
     if position and position <= state.position:
         raise InvariantViolation(position, "order", f"position {position} after {state.position}")
+    if moved := state.phases_before:  # the journal of the event before
+        moved.clear()
     _STEPS[type(event)](state, event, position)
     if position:
         state.position = position
@@ -557,7 +566,7 @@ def _maybe_ready(state: ClusterState, claim: ClaimState, position: int) -> None:
         return
     shares = state.shares
     if _all_ready([shares[s] for s in claim.share_ids]):
-        claim.phase = "ready"  # allocated -> ready: live either way
+        _set_phase(state, claim, "ready")  # allocated -> ready
         claim.ready_position = position
 
 
@@ -592,7 +601,7 @@ def _limit_failed(state: ClusterState, ev: LimitFailed, position: int) -> None:
             and claim.allocation_version == share.allocation_version
             and claim.phase in ("allocated", "retrying")
         ):
-            claim.phase = "retrying"  # allocated -> retrying: live either way
+            _set_phase(state, claim, "retrying")  # allocated -> retrying
             claim.reason = (
                 f"{ev.reason} (try {ev.attempt} failed; next try at "
                 f"{ev.retry_at.isoformat(timespec='seconds')})"
@@ -960,7 +969,7 @@ def _device_health(state: ClusterState, ev: DeviceHealthChanged, position: int) 
 def _started(state: ClusterState, claim: ClaimState) -> None:
     """A stalled claim that a consumer reserved or used is Ready again."""
     if claim.phase == "stalled":
-        claim.phase = "ready"  # stalled -> ready: live either way
+        _set_phase(state, claim, "ready")  # stalled -> ready
         claim.reason = None
 
 
@@ -993,7 +1002,7 @@ def _claim_stalled(state: ClusterState, ev: ClaimStalled, position: int) -> None
     claim = state.claims.get((ev.namespace, ev.name))
     if claim is None or claim.phase != "ready" or claim.allocation_version != ev.allocation_version:
         return  # stale: released, reserved or used meanwhile (the decider read a version)
-    claim.phase = "stalled"  # ready -> stalled: live either way
+    _set_phase(state, claim, "stalled")  # ready -> stalled
     claim.reason = ev.reason
 
 

@@ -164,7 +164,9 @@ def _decode_slow(data: bytes, tag: str, schema_version: int, position: int) -> E
 
 
 def _refuse(state: ClusterState, refusal: Refusal) -> Refusal:
-    """Record ``refusal`` in ``state`` and move its position past it."""
+    """Record ``refusal`` in ``state`` and move its position past it (a refused event
+    changed no claim's phase)."""
+    state.phases_before.clear()
     if refusal.position:
         state.refused[refusal.position] = refusal.reason
         if refusal.position > state.position:
@@ -193,6 +195,8 @@ def fold_step(state: ClusterState, step: Step, event: Event, position: int) -> R
     """Run ``step`` (:func:`events.fold.step_of` the event's class) for an event stored at
     ``position``; its :class:`Refusal` if the step raised. For replay loops that decode and
     dispatch themselves: they check the order of positions, as :func:`fold_event` does."""
+    if moved := state.phases_before:  # the journal of the event before
+        moved.clear()
     try:
         step(state, event, position)
     except Exception as exc:
@@ -236,6 +240,8 @@ def fold_stored(
         except _MSGSPEC_ERRORS:
             pass  # the slow path names what is wrong
         else:
+            if moved := state.phases_before:  # the journal of the event before
+                moved.clear()
             try:
                 entry[2](state, event, position)
             except Exception as exc:

@@ -57,6 +57,7 @@ __all__ = [
     "DeviceState",
     "NamespaceState",
     "NodeState",
+    "PhaseChange",
     "PolicyRecord",
     "PoolState",
     "ShareState",
@@ -92,6 +93,14 @@ REUSABLE_PHASES: Final = TERMINAL_PHASES - {"failed"}
 
 
 # --- state --------------------------------------------------------------------------------
+
+
+class PhaseChange(msgspec.Struct, frozen=True, gc=False):
+    """A claim's phase before the last folded event and after it (``before`` None: the
+    event made the claim)."""
+
+    before: ClaimPhase | None
+    after: ClaimPhase
 
 
 class PolicyRecord(msgspec.Struct, kw_only=True):
@@ -278,8 +287,11 @@ class NamespaceState(msgspec.Struct, kw_only=True):
     max_requests_per_claim: int | None = None
 
 
-class ClusterState(msgspec.Struct, kw_only=True):
-    """Everything the log says, folded. Change it only through :func:`events.fold.apply`."""
+class ClusterState(msgspec.Struct, kw_only=True, eq=False):
+    """Everything the log says, folded. Change it only through :func:`events.fold.apply`.
+
+    Two states are equal when they hold the same fold: ``phases_before``, the journal
+    of the last event folded, is not compared."""
 
     position: int = 0
     classes: dict[str, DeviceClassState] = {}
@@ -297,6 +309,29 @@ class ClusterState(msgspec.Struct, kw_only=True):
     #: live claims (phase not in :data:`REUSABLE_PHASES`) per namespace: an index of
     #: ``claims`` kept by the fold's steps (``events.fold._set_phase``), not stored in snapshots
     live_claims: dict[str, int] = {}
+    #: the claims the last folded event moved, each with its phase before the event
+    #: (None: the event made the claim); :meth:`phase_changes` says which of them end in
+    #: another phase. The fold's driver empties it before each event and the steps fill
+    #: it (``events.fold._set_phase``): what "a claim's phase changed" means is said there
+    #: once, for every reader (the report's panels, ...). Not stored in snapshots, not
+    #: compared.
+    phases_before: dict[ClaimKey, ClaimPhase | None] = {}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ClusterState):
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in _FOLDED)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def phase_changes(self) -> dict[ClaimKey, PhaseChange]:
+        """The claims whose phase the last folded event changed, and how."""
+        claims = self.claims
+        return {
+            key: PhaseChange(before, after)
+            for key, before in self.phases_before.items()
+            if (after := claims[key].phase) != before
+        }
 
     def device(self, driver: str, pool: str, name: str) -> DeviceState | None:
         """The device ``driver/pool/name``, if known."""
@@ -309,3 +344,7 @@ class ClusterState(msgspec.Struct, kw_only=True):
     def live_claim_count(self, namespace: str) -> int:
         """Claims of ``namespace`` in a live phase (not rejected, withdrawn or released)."""
         return self.live_claims.get(namespace, 0)
+
+
+#: the fields :meth:`ClusterState.__eq__` compares: all but the last event's journal
+_FOLDED: Final = tuple(f for f in ClusterState.__struct_fields__ if f != "phases_before")

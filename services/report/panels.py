@@ -48,17 +48,15 @@ from events.catalog import (
 from events.errors import InvariantViolation
 from events.folding import Refusal, decode, fold_event, refuse
 from events.quantities import Format
-from events.state import ClaimKey, ClusterState
+from events.state import ClusterState
 from events.transitions import (
     ClaimBound,
     ClaimDecided,
     ClaimEntered,
     MessageDropped,
-    NodeFencedOff,
     NodeLost,
     ShareUnknown,
     Transition,
-    first,
     meaning,
 )
 from services.replay.history import ReplayBrokenError
@@ -148,27 +146,6 @@ def rule_of(event: ClaimRejected) -> str:
     return text if len(text) <= 60 else text[:59] + "…"
 
 
-def _claims_named(
-    state: ClusterState, event: Event, transitions: tuple[Transition, ...]
-) -> list[ClaimKey]:
-    """The claims whose phase ``event`` may change (read before folding it)."""
-    entered = first(transitions, ClaimEntered)
-    if entered is not None:
-        return [(entered.namespace, entered.name)]
-    namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
-    if isinstance(namespace, str) and isinstance(name, str):
-        return [(namespace, name)]
-    share_id = getattr(event, "share_id", None)
-    if isinstance(share_id, str):
-        share = state.shares.get(share_id)
-        return [share.claim] if share is not None else []
-    fenced = first(transitions, NodeFencedOff)
-    if fenced is not None:
-        node = state.nodes.get(fenced.node)
-        return list({state.shares[s].claim for s in node.live_shares}) if node else []
-    return []
-
-
 def _scale(state: ClusterState, capacity: str) -> tuple[float, str]:
     """Nanos per display unit of ``capacity``, and the unit (GiB for binary quantities)."""
     for device in state.devices.values():
@@ -215,8 +192,6 @@ class _Fold:
         """Fold ``event``, recorded ``at``; count it in ``bucket`` (``None``: before the
         window). An event the fold refuses is skipped: its refusal is returned."""
         transitions = meaning(event)
-        touched = _claims_named(self.state, event, transitions)
-        before = {k: c.phase for k in touched if (c := self.state.claims.get(k)) is not None}
         try:
             refusal = fold_event(self.state, event, position)
         except InvariantViolation as exc:
@@ -229,10 +204,8 @@ class _Fold:
         if bucket is None:
             return None
         counts = self.counts
-        for key in touched:
-            claim = self.state.claims.get(key)
-            if claim is not None and claim.phase != before.get(key):
-                counts["outcome"][claim.phase][bucket] += 1
+        for change in self.state.phase_changes().values():  # the fold's own journal
+            counts["outcome"][change.after][bucket] += 1
         if _pending_grows(transitions):  # the peaks of a step follow these
             self._peak(bucket)
         if isinstance(event, ClaimRejected):  # the rule it names (not a transition's)

@@ -15,6 +15,7 @@ from events.envelopes import Envelope, new_envelope
 from events.errors import InvariantViolation
 from events.eventcodec import decode_stored, encode_payload
 from events.fold import apply, fold, step_of
+from events.folding import fold_event
 from events.model import (
     AllocationResult,
     CapacityRequestPolicy,
@@ -29,7 +30,7 @@ from events.model import (
     ResourceSliceSpec,
 )
 from events.quantities import Quantity
-from events.state import REUSABLE_PHASES, ClusterState
+from events.state import REUSABLE_PHASES, ClusterState, PhaseChange
 from events.statecodec import snapshot_decode, snapshot_encode, state_digest, to_builtins
 
 Q = Quantity.parse
@@ -150,9 +151,19 @@ class Log:
             self.add(event)
 
     def add(self, *events: c.Event) -> Log:
+        """Fold ``events``; after each, the fold's journal of phase changes must be the
+        difference of every claim's phase before and after it (every test here checks)."""
         for event in events:
             env = envelope(event, len(self.envelopes) + 1)
+            before = {key: claim.phase for key, claim in self.state.claims.items()}
             apply(self.state, env)
+            after = {key: claim.phase for key, claim in self.state.claims.items()}
+            changed = {
+                key: PhaseChange(before.get(key), phase)
+                for key, phase in after.items()
+                if before.get(key) != phase
+            }
+            assert self.state.phase_changes() == changed, type(event).__name__
             self.envelopes.append(env)
         return self
 
@@ -735,3 +746,13 @@ def test_the_live_claim_index_equals_a_recount(ops: list[tuple[str, str, str]]) 
         assert log.state.live_claims == _recount(log.state)
     assert snapshot_decode(snapshot_encode(log.state)) == log.state
     assert fold(log.envelopes).live_claims == log.state.live_claims
+
+
+def test_a_refused_event_changes_no_phase_and_the_journal_is_not_compared() -> None:
+    log = Log(submitted())
+    assert log.state.phase_changes() == {("team-a", "train"): PhaseChange(None, "submitted")}
+    refusal = fold_event(log.state, reserve("s-1", "4Gi", dev="no-such-gpu"), 2)
+    assert refusal is not None and log.state.phase_changes() == {}
+    again = Log(submitted())
+    again.state.phases_before.clear()
+    assert again.state == Log(submitted()).state  # equal folds, whatever the last event did
