@@ -60,13 +60,13 @@ class HighWaterMark:
         *,
         save: Callable[[int], Awaitable[None]] | None = None,
         retry_delay: float = 0.5,
-        interval: float = INTERVAL_S,
+        interval: float | None = None,
     ) -> None:
         self._store = store
         self.name = name
         self._save = save or self.store_position
         self._retry_delay = retry_delay
-        self._interval = interval
+        self._interval = INTERVAL_S if interval is None else interval  # looked up now
         self.position = 0  #: the highest position reached
         self.saved = 0  #: the highest position stored
         self._moved = asyncio.Event()
