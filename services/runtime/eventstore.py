@@ -72,7 +72,7 @@ import contextlib
 import datetime
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import asyncpg
@@ -116,6 +116,11 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 CHANNEL: Final = "dracap_events"
+#: How long a reader waits for this process's appends in flight to be answered before it
+#: reads a gap from the log (:meth:`EventStore.appends_answered`): an append's answer
+#: normally follows its NOTIFY by less than a round trip; one that retries through a
+#: failover is not waited for.
+ANSWER_WAIT_S: Final = 0.1
 Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
 
@@ -230,6 +235,8 @@ class _Commits:
         self.listeners: list[Callable[[list[Envelope]], None]] = []
         self.head = 0
         self.clock = DatabaseClock()
+        #: appends sent and not yet answered (each done once its commit was reported)
+        self.in_flight: set[asyncio.Future[None]] = set()
 
 
 class EventStore:
@@ -243,7 +250,7 @@ class EventStore:
         self._listener: asyncpg.Connection | None = None
         self._listener_lock = asyncio.Lock()
         self._closed = False
-        self._waiters: set[asyncio.Future[None]] = set()
+        self._waiters: set[asyncio.Future[bool]] = set()
         # listeners and the highest head announced by NOTIFY (or read at LISTEN), shared
         # with the stores this one was opened alongside
         self._commits: _Commits = _Commits() if sharing is None else sharing._commits
@@ -348,16 +355,51 @@ class EventStore:
             return []
         first = streams[0] if len(streams) == 1 else None
         if connection is None:
-            return await self._append_retrying(typed, pending, first)
+            with self._in_flight():
+                return await self._append_retrying(typed, pending, first)
+        if connection.is_in_transaction():  # the caller commits: nothing to report
+            return await self._write_on(connection, typed, pending, first)
+        with self._in_flight():
+            stored = await self._write_on(connection, typed, pending, first)
+            self._committed(stored, pending)
+            return stored
+
+    async def _write_on(
+        self, connection: Connection, batches: Sequence[Batch], pending: Pending, first: str | None
+    ) -> list[Envelope]:
         try:
-            stored = await self._write(connection, typed, pending)
+            return await self._write(connection, batches, pending)
         except RuntimeServiceError:
             raise
         except Exception as exc:
             raise map_database_error(exc, stream=first) from exc
-        if not connection.is_in_transaction():
-            self._committed(stored, pending)
-        return stored
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """An append this store will report (or fail) when the block ends."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        in_flight = self._commits.in_flight
+        in_flight.add(done)
+        try:
+            yield
+        finally:
+            in_flight.discard(done)
+            done.set_result(None)
+
+    async def appends_answered(self, within: float) -> bool:
+        """Wait (up to ``within`` seconds) for the appends of this process in flight now;
+        False at once when there are none.
+
+        For a reader that heard of a head past its position and found no commit handed
+        over for the gap: when this process has appends in flight, the gap is most
+        likely one of them — committed, its NOTIFY already in, its answer not yet —
+        and its commit is handed over as it is answered, with no read of the log.
+        """
+        waiting = set(self._commits.in_flight)
+        if not waiting:
+            return False
+        await asyncio.wait(waiting, timeout=within)
+        return True
 
     async def _append_retrying(
         self, batches: Sequence[Batch], pending: Pending, stream: str | None
@@ -615,12 +657,15 @@ class EventStore:
         return self._commits.head if self._listener is not None else None
 
     def _notified(self, _connection: object, _pid: int, _channel: str, payload: object) -> None:
-        with contextlib.suppress(ValueError):  # not ours: wake the waiters anyway
+        try:
             self._commits.head = max(self._commits.head, int(str(payload)))
+            announced = True
+        except ValueError:  # not ours: wake the waiters anyway, to read the head
+            announced = False
         waiters, self._waiters = self._waiters, set()
         for waiter in waiters:
             if not waiter.done():
-                waiter.set_result(None)
+                waiter.set_result(announced)
 
     async def _listen(self) -> None:
         # Several tasks tail one store; the lock makes sure only one of them opens the
@@ -649,20 +694,30 @@ class EventStore:
         Returns the head position (``after_position`` or less on a timeout). The head
         comes from the NOTIFY payloads (each append announces its new head), so a
         waiter costs no query; only a wait that times out reads the head from the
-        database, in case a notification was lost with a broken listener connection.
+        database, in case a notification was lost with a broken listener connection
+        (and one woken by a notification that names no head). A notification of a head
+        the caller has already reached — its own append, folded or published from the
+        commit before the NOTIFY came — is no news: the wait goes on for the time
+        left. (It used to end there and read the head: a statement for nothing, about
+        one in eight claims at 30 claims/s.)
         """
         await self._listen()
         if self._commits.head > after_position:
             return self._commits.head
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.add(waiter)
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(waiter), timeout)
-        finally:
-            self._waiters.discard(waiter)
-        if self._commits.head > after_position:
-            return self._commits.head
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (left := deadline - loop.time()) > 0:
+            waiter: asyncio.Future[bool] = loop.create_future()
+            self._waiters.add(waiter)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(waiter), left)
+            finally:
+                self._waiters.discard(waiter)
+            if self._commits.head > after_position:
+                return self._commits.head
+            if not waiter.done() or not waiter.result():
+                break  # the time ran out, or a notification without a head
         head = await self._read_head(self._pool)
         self._commits.head = max(self._commits.head, head)
         return head

@@ -16,6 +16,13 @@ once, at most one per ``interval`` (under load a store per group would be a fift
 all the statements the services send), ``GREATEST`` so a row never goes back. On a
 clean stop the last position is stored before ``run`` returns; a crash loses at most
 what moved since the last store.
+
+The interval is :data:`INTERVAL_S`, a second. At 100 ms every busy consumer stored its
+row about ten times a second, however few messages it had: at 30 claims/s that was
+0.6 statements per claim of ``dracap up``'s 6.2 (a tenth of them), for a row that only
+sets where a rebuilt stream starts again and where a restarted relay resumes. Both
+cost nothing more for a second more: what comes again is a no-op
+(``processed_messages``, JetStream's duplicate window).
 """
 
 from __future__ import annotations
@@ -29,9 +36,12 @@ from typing import Final
 from services.runtime.eventstore import EventStore
 from services.runtime.outages import is_unreachable, one_line
 
-__all__ = ["SAVE_CHECKPOINT", "HighWaterMark"]
+__all__ = ["INTERVAL_S", "SAVE_CHECKPOINT", "HighWaterMark"]
 
 log = logging.getLogger("dracap.highwater")
+
+#: At most one store of a position per this many seconds (see the module docstring).
+INTERVAL_S: Final = 1.0
 
 SAVE_CHECKPOINT: Final = (
     "INSERT INTO consumer_checkpoints (consumer, position) VALUES ($1, $2) "
@@ -50,13 +60,13 @@ class HighWaterMark:
         *,
         save: Callable[[int], Awaitable[None]] | None = None,
         retry_delay: float = 0.5,
-        interval: float = 0.1,
+        interval: float | None = None,
     ) -> None:
         self._store = store
         self.name = name
         self._save = save or self.store_position
         self._retry_delay = retry_delay
-        self._interval = interval
+        self._interval = INTERVAL_S if interval is None else interval  # looked up now
         self.position = 0  #: the highest position reached
         self.saved = 0  #: the highest position stored
         self._moved = asyncio.Event()

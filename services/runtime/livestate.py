@@ -105,7 +105,7 @@ from events.folding import Refusal, fold_event, fold_stored
 from events.state import ClusterState
 from events.transitions import INVENTORY_CHANGES, events_meaning
 from services.runtime.errors import RuntimeServiceError
-from services.runtime.eventstore import Connection, EventStore, iter_rows
+from services.runtime.eventstore import ANSWER_WAIT_S, Connection, EventStore, iter_rows
 from services.runtime.handover import Handover
 from services.runtime.outages import is_unreachable
 from services.runtime.refusals import note
@@ -433,6 +433,12 @@ class LiveState:
                     try:
                         offered.clear()
                         await self._fold_offered()
+                        if (
+                            not read
+                            and self.store.known_head > self.state.position
+                            and await self.store.appends_answered(ANSWER_WAIT_S)
+                        ):
+                            await self._fold_offered()  # the gap was an append of ours
                         if read or self.store.known_head > self.state.position:
                             await self._read(None)  # others' commits (or a gap): read them
                         read = False

@@ -97,7 +97,7 @@ from events.folding import Refusal
 from events.subjects import NODE_TAGS, BusNames
 from services.runtime import rows
 from services.runtime.errors import NotFound
-from services.runtime.eventstore import EventStore
+from services.runtime.eventstore import ANSWER_WAIT_S, EventStore
 from services.runtime.handover import Handover
 from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.metrics import RELAY_LAG, RELAY_MESSAGES
@@ -306,6 +306,12 @@ class Relay:
         self._handover.offered.clear()  # an offer from here on wakes the next wait at once
         while not stop.is_set():
             offered = self._take_offered()
+            if (
+                not offered
+                and self._store.known_head > self.position
+                and await self._store.appends_answered(ANSWER_WAIT_S)
+            ):
+                offered = self._take_offered()  # the gap was an append of ours, unanswered
             if offered:  # this process's own appends, next in line: no read
                 await self._publish_window(offered)
                 self._advance(offered[-1].position)

@@ -25,6 +25,7 @@ from events import catalog as c
 from events.envelopes import Envelope, stream_of
 from events.eventcodec import decode_envelope, encode_event
 from events.subjects import BusNames
+from services.runtime import livestate, relaying
 from services.runtime.appends import Batch, Cause, Metadata
 from services.runtime.bus import Durable, connect_bus, ensure_stream
 from services.runtime.committing import GroupCommitter
@@ -166,9 +167,16 @@ async def test_relay_publishes_every_event_once_in_order(bus: Bus) -> None:
 
 
 async def test_relay_hands_over_own_appends_and_reads_the_others(
-    bus: Bus, settings: Settings
+    bus: Bus, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """This process's appends go out from memory; another process's are read; one order."""
+    """This process's appends go out from memory; another process's are read; one order.
+
+    The test waits for the relay after each foreign append: a relay that heard of a
+    foreign append while one of its own was in flight waits for that one's answer and
+    reads both (``EventStore.appends_answered``), which would leave what is handed over
+    to the timing.
+    """
+    monkeypatch.setattr(relaying, "ANSWER_WAIT_S", 60.0)  # however slow the machine is
 
     class Slow(Relay):  # appends pile up while a window is out: gaps in the hand-over
         async def _publish_window(self, messages: Any) -> None:
@@ -183,13 +191,53 @@ async def test_relay_hands_over_own_appends_and_reads_the_others(
             await until(lambda: r.position == 0 and bus.store.committed_head() is not None)
             for i in range(30):
                 store = bus.store if i % 3 else other  # every third append is foreign
-                await store.append_many([Batch(f"mix:{i}", 0, [access(i), access(i + 1)])], meta)
+                [*_, last] = await store.append_many(
+                    [Batch(f"mix:{i}", 0, [access(i), access(i + 1)])], meta
+                )
+                if store is other:
+                    await until(lambda at=last.position: r.position == at)
             await until(lambda: r.position == 60)
     finally:
         await other.close()
     await assert_stream_is_the_log(bus)
     assert r.published == 60 and r.duplicates == 0
-    assert 0 < r.handed_over < 60  # own appends were handed over, foreign ones read
+    assert r.handed_over == 40  # own appends were handed over, foreign ones read
+
+
+async def test_an_append_announced_before_it_was_answered_is_handed_over_not_read(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its NOTIFY may reach the process before the append's own answer does: the relay
+    and the live view then wait for this process's append in flight, whose commit is
+    handed over as it is answered, and read nothing from the log for it."""
+    monkeypatch.setattr(relaying, "ANSWER_WAIT_S", 60.0)  # however slow the machine is
+    monkeypatch.setattr(livestate, "ANSWER_WAIT_S", 60.0)
+    store, gate = bus.store, asyncio.Event()
+    write, read_rows = store._write, store.read_rows
+    reads: list[int] = []
+
+    async def answered_late(*args: Any) -> Any:
+        stored = await write(*args)
+        await gate.wait()  # committed (and announced): the answer is held back
+        return stored
+
+    def counted(after: int, *args: Any, **kwargs: Any) -> Any:
+        reads.append(after)
+        return read_rows(after, *args, **kwargs)
+
+    r, live = relay(bus), LiveState(store)
+    async with Running(r.run), Running(live.run):
+        await until(lambda: live._reads_done == 1 and store.committed_head() is not None)
+        store._write = answered_late  # type: ignore[method-assign]
+        store.read_rows = counted  # type: ignore[method-assign]
+        append = asyncio.create_task(
+            store.append_many([Batch("mine:0", 0, [access(0)])], Metadata(actor="test"))
+        )
+        await until(lambda: store.known_head == 1, what="the NOTIFY before the answer")
+        gate.set()
+        await append
+        await until(lambda: r.position == 1 and live.state.position == 1)
+    assert r.handed_over == 1 and live._reads_done == 1 and reads == []
 
 
 async def test_relay_crash_between_acks_and_checkpoint_duplicates_nothing(bus: Bus) -> None:

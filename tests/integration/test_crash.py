@@ -61,6 +61,7 @@ from services.enforcement.enforcers import NoneEnforcer
 from services.enforcement.service import EnforcementService
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
+from services.runtime import highwater
 from services.runtime.bus import connect_bus, ensure_stream
 from services.runtime.consuming import Consumer
 from services.runtime.eventstore import EventStore
@@ -520,8 +521,10 @@ async def test_killed_relay_loses_and_duplicates_nothing(
 
 
 async def test_relay_killed_between_acks_and_checkpoint(
-    cluster: Cluster, settings: Settings
+    cluster: Cluster, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # a checkpoint every 100 ms, not every second: the fifth comes while the burst goes on
+    monkeypatch.setattr(highwater, "INTERVAL_S", 0.1)
     await cluster.relay_run.kill()
     relay, incarnation = await cluster.start_relay()
     trap = Trap(after=5)

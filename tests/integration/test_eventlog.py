@@ -29,8 +29,9 @@ from services.runtime.errors import (
     InvalidEvent,
     map_database_error,
 )
-from services.runtime.eventstore import EventStore, connect
+from services.runtime.eventstore import CHANNEL, EventStore, connect
 from services.runtime.settings import Settings
+from tests.fixtures.polling import until
 from tests.integration import sample as s
 from tests.integration import scenario
 from tests.integration.scenario import put
@@ -376,6 +377,32 @@ async def test_fresh_waits_for_the_tailer_instead_of_reading(
     state = await live.fresh(env.position)
     assert state.claim("t", "b") is not None
     assert live._reads_started == reads + 1
+
+
+async def test_a_notification_of_a_head_reached_ends_no_wait(store: EventStore) -> None:
+    """A NOTIFY of the head the waiter is at (its own append, taken from the commit
+    before the NOTIFY came) is no news: the wait goes on, and the head is not read from
+    the database for it; the next append ends the wait."""
+    await put(store, s.claim_submitted())
+    assert await store.wait_for_new(0, 5) == 1  # listening, the head known
+    reads: list[int] = []
+    read_head = store._read_head
+
+    async def counted(connection: Any) -> int:
+        reads.append(await read_head(connection))
+        return reads[-1]
+
+    store._read_head = counted  # type: ignore[method-assign]
+    waiter = asyncio.create_task(store.wait_for_new(1, 60))
+    await until(lambda: store._waiters, what="the wait to begin")
+    [first] = store._waiters
+    await store.pool.execute("SELECT pg_notify($1, '1')", CHANNEL)
+    await until(first.done, what="the notification")
+    await until(lambda: waiter.done() or store._waiters, what="the waiter to go on or end")
+    assert not waiter.done() and reads == []
+    await put(store, s.claim_submitted())
+    assert await asyncio.wait_for(waiter, 30) == 2
+    assert reads == []
 
 
 async def test_a_listener_lost_with_its_server_is_opened_again(
