@@ -17,6 +17,10 @@ no answer         :class:`~services.runtime.errors.RetryableError` (nobody liste
 ``internal``
 ================= ====================================================================
 
+Views and reports, whose answers may come in parts, all come back to one subscription
+of the agent's connection (:class:`~services.runtime.apiclient.Inbox`), not to a
+subscription made and dropped per request.
+
 It remembers the newest log position the agent's own writes reached (its lease, its
 reports): every view asks for at least that (``at_least``), so a view answered by any
 replica of the service shows what the agent wrote last (read-your-writes across
@@ -50,7 +54,7 @@ from services.enforcement.protocol import (
     encode,
 )
 from services.enforcement.views import NodeView, decode_view
-from services.runtime.apiclient import ask
+from services.runtime.apiclient import Inbox
 from services.runtime.errors import (
     ConflictError,
     PermanentError,
@@ -91,6 +95,7 @@ class ControlPlane:
         #: the newest position of the agent's own writes (its lease, its reports)
         self.seen = 0
         self.requests = 0  #: requests sent so far
+        self._inbox = Inbox(nc)  # every answer that may come in parts, on one subscription
 
     async def _ask(
         self,
@@ -108,7 +113,7 @@ class ControlPlane:
             if small:  # one message answers: the connection's shared reply inbox will do
                 data = (await self.nc.request(subject, encode(request), timeout=timeout)).data
             else:  # an answer that may come in parts
-                data = await ask(self.nc, subject, encode(request), timeout)
+                data = await self._inbox.ask(subject, encode(request), timeout)
         except ReplyPartError as exc:
             raise RetryableError(f"a broken answer on {subject}: {exc}") from None
         except (nats.errors.Error, OSError) as exc:
