@@ -130,7 +130,15 @@ import asyncio
 import contextlib
 import datetime
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from typing import Final
 
 import msgspec
@@ -185,7 +193,7 @@ from services.enforcement.enforcers import (
 )
 from services.enforcement.enforcing import Enforcing
 from services.enforcement.leasing import DEFAULT_TTL_S, NodeLease
-from services.enforcement.protocol import Cause, ReportBatch, ViewAsk, consumer_name
+from services.enforcement.protocol import Cause, ReportBatch, Reported, ViewAsk, consumer_name
 from services.enforcement.protocol import Report as ReportRequest
 from services.enforcement.reconciling import plan_reconcile, plan_return
 from services.enforcement.scanning import InventoryScanner
@@ -426,7 +434,17 @@ class Agent:
 
     async def _send(self, asked: ReportRequest, batches: Sequence[Outgoing]) -> None:
         """Send a report (the writer held by whoever asked for it) and tell the listeners."""
-        reported = await self.plane.report(asked)
+        await (await self._sent(asked, batches))
+
+    async def _sent(
+        self, asked: ReportRequest, batches: Sequence[Outgoing]
+    ) -> Coroutine[None, None, None]:
+        """:meth:`_send` in two steps: the report is on its way once this returns; the
+        coroutine returned waits for its answer and tells the listeners."""
+        return self._reported(await self.plane.send_report(asked), batches)
+
+    async def _reported(self, answer: Awaitable[Reported], batches: Sequence[Outgoing]) -> None:
+        reported = await answer
         self._note_retry(reported.next_retry_at)
         events = [e for b in batches for e in b.events]
         for listener in tuple(self._listeners):
@@ -822,7 +840,7 @@ class Agent:
         """Apply or remove limits for a group of messages (see the module docstring);
         the ids of those the log does not hold as sent."""
         async with self.hold():
-            return await self.land(await self.stage(group), None)
+            return await (await self.land(await self.stage(group), None))
 
     @contextlib.asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
@@ -863,9 +881,12 @@ class Agent:
             staged.now = datetime.datetime.now(datetime.UTC)
         return staged
 
-    async def land(self, staged: Staged, after: Staged | None) -> set[str]:
+    async def land(self, staged: Staged, after: Staged | None) -> Coroutine[None, None, set[str]]:
         """The second half of :meth:`handle` (under :meth:`hold`): report what ``staged``
-        did, with its messages recorded as handled.
+        did, with its messages recorded as handled. Once this returns the report is on
+        its way; the coroutine returned waits for the answer and gives the ids of the
+        messages the log does not hold as sent (the consumer runs it as a task while it
+        stages the next group: the report goes out at once, not a turn of the loop later).
 
         ``after``: the group whose report was in flight while ``staged`` was viewed, and
         which has landed since. The view may not show that report, so the node stream is
@@ -873,27 +894,34 @@ class Agent:
         the append still conflicts if anyone else wrote to the node stream since the
         view (a fence, another agent), as a report decided after the other landed would.
         """
-        if staged.tasks:
-            versions = dict(staged.versions)
+        if not staged.tasks:
+            return self._landed(staged, None, Written())
+        versions = dict(staged.versions)
+        stream = node_stream(self.node)
+        if after is not None and after.landed is not None and stream in versions:
+            versions[stream] = max(versions[stream], after.landed)
+        written = record(self.node, staged.tasks, staged.outcomes, versions, staged.now)
+        causes = {env.event_id: _cause(env) for env in staged.mine}
+        epoch = self.lease.epoch
+        assert epoch is not None, "a report before the lease"
+        batches = _batches(written, causes)
+        asked = ReportRequest(
+            epoch=epoch,
+            batches=[b.batch() for b in batches],
+            processed=[e.event_id for e in staged.mine],
+        )
+        return self._landed(staged, await self._sent(asked, batches), written)
+
+    async def _landed(
+        self, staged: Staged, answer: Awaitable[None] | None, written: Written
+    ) -> set[str]:
+        if answer is not None:
+            await answer
             stream = node_stream(self.node)
-            if after is not None and after.landed is not None and stream in versions:
-                versions[stream] = max(versions[stream], after.landed)
-            written = record(self.node, staged.tasks, staged.outcomes, versions, staged.now)
-            mine = staged.mine
-            causes = {env.event_id: _cause(env) for env in mine}
-            epoch = self.lease.epoch
-            assert epoch is not None, "a report before the lease"
-            batches = _batches(written, causes)
-            asked = ReportRequest(
-                epoch=epoch,
-                batches=[b.batch() for b in batches],
-                processed=[e.event_id for e in mine],
-            )
-            await self._send(asked, batches)
             if stream in written.streams:
                 version, events, _ = written.streams[stream]
                 staged.landed = (version or 0) + len(events)
-            for count in _counters(written, mine, staged.classes):
+            for count in _counters(written, staged.mine, staged.classes):
                 count()
         for listener in tuple(self._message_listeners):
             listener([env.event for env in staged.mine])

@@ -52,7 +52,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Final, Protocol
 
@@ -125,9 +125,10 @@ class Stages(Protocol):
     async def stage(self, group: list[Delivery]) -> Any:
         """View, decide and enforce ``group``; what :meth:`land` reports."""
 
-    async def land(self, staged: Any, after: Any | None) -> set[str]:
-        """Report ``staged`` (``after``: the group whose report was in flight while it
-        was staged, reported since); the ids of messages the log does not hold as sent."""
+    async def land(self, staged: Any, after: Any | None) -> Coroutine[Any, Any, set[str]]:
+        """Send the report of ``staged`` (``after``: the group whose report was in flight
+        while it was staged, reported since); the coroutine returned waits for the answer
+        and gives the ids of messages the log does not hold as sent."""
 
 
 class _Incoming(msgspec.Struct):
@@ -299,7 +300,12 @@ class NodeConsumer:
                 if again:
                     break
                 if group:
-                    flight = (group, staged, asyncio.create_task(stages.land(staged, after)))
+                    try:
+                        answer = await stages.land(staged, after)  # sent: on its way now
+                    except Exception as exc:
+                        again.append((group, exc))
+                        break
+                    flight = (group, staged, asyncio.create_task(answer))
                     group = []
                 if flight is None:
                     break

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Final
 
 import nats
@@ -163,6 +163,16 @@ class Inbox:
 
     async def ask(self, subject: str, payload: bytes, timeout: float) -> bytes:  # noqa: ASYNC109
         """As :func:`ask`."""
+        return await (await self.send(subject, payload, timeout))
+
+    async def send(
+        self,
+        subject: str,
+        payload: bytes,
+        timeout: float,  # noqa: ASYNC109
+    ) -> Coroutine[None, None, bytes]:
+        """Publish a request; once this returns it is out, and the coroutine returned
+        waits for its answer (as :func:`ask`; it must be awaited, or run as a task)."""
         if not self._prefix:
             await self._start()
         token = str(self._asked)
@@ -171,6 +181,13 @@ class Inbox:
         self._waiting[token] = (whole, Assembly())
         try:
             await self._nc.publish(subject, payload, reply=f"{self._prefix}.{token}")
+        except BaseException:
+            del self._waiting[token]
+            raise
+        return self._answer(token, whole, timeout)
+
+    async def _answer(self, token: str, whole: asyncio.Future[bytes], timeout: float) -> bytes:  # noqa: ASYNC109
+        try:
             try:
                 return await asyncio.wait_for(whole, timeout)
             except TimeoutError:

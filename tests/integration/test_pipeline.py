@@ -15,7 +15,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -908,9 +908,9 @@ class HeldReports:
 
     def __init__(self, agent: Agent) -> None:
         self.view_of = agent.plane.view
-        self.report_of = agent.plane.report
+        self.send_report_of = agent.plane.send_report
         agent.plane.view = self.view  # type: ignore[method-assign]
-        agent.plane.report = self.report  # type: ignore[method-assign]
+        agent.plane.send_report = self.send_report  # type: ignore[method-assign]
         self.gate = asyncio.Event()
         self.in_flight = 0
         self.beside: list[ViewAsk] = []  #: views asked while a report was in flight
@@ -922,17 +922,20 @@ class HeldReports:
             self.beside.append(ask)
         return await self.view_of(ask)
 
-    async def report(self, report: Report) -> Reported:
+    async def send_report(self, report: Report) -> Coroutine[None, None, Reported]:
         if not report.processed:
-            return await self.report_of(report)
+            return await self.send_report_of(report)
         self.in_flight += 1
+        return self.held(report)
+
+    async def held(self, report: Report) -> Reported:
         try:
             await self.gate.wait()
             if self.fail is not None:
                 failure, self.fail = self.fail, None
                 raise failure
             self.sent.append(list(report.processed))
-            return await self.report_of(report)
+            return await (await self.send_report_of(report))
         finally:
             self.in_flight -= 1
 
