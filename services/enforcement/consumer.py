@@ -22,13 +22,16 @@ service:
   returns the ids the log does not hold as sent — those are terminated and counted
   (``dracap_unconfirmed_messages_total``), the others acknowledged;
 * with ``stages`` (the agent: :class:`Stages`) a group is handled in two steps — view,
-  decide and enforce (``stage``), then report (``land``) — and the next group, if one
-  has arrived, is staged while the report of the one before is in flight: one report
-  at a time, in order, each group's messages settled once its report is answered, all
-  under ``hold()`` (the agent's lease and writer), which the run gives back as soon as
-  nothing more has arrived or another path of the agent waits for its writer
-  (``going``). A group staged beside a report that failed is not reported: both are
-  handled again message by message, after the run;
+  decide and enforce (``stage``), then report (``land``, which sends the report and
+  leaves a coroutine to wait for the answer) — and when more messages are already
+  waiting as a report goes out (a backlog), they are staged while it is in flight: one
+  report at a time, in order, each group's messages settled once its report is
+  answered, all under ``hold()`` (the agent's lease and writer), which the run gives
+  back as soon as nothing waits or another path of the agent waits for its writer
+  (``going``). Without a backlog nothing is staged beside a report: what arrives
+  meanwhile makes one group after it, so groups stay as large as before and the
+  requests per message as few. A group staged beside a report that failed is not
+  reported: both are handled again message by message, after the run;
 * a group that fails is handled again message by message; a message that fails is
   nak'd with back-off, and on its ``max_deliver``-th delivery it is dead-lettered
   (``MessageDeadLettered``, reported like any other event, with the message recorded
@@ -309,11 +312,8 @@ class NodeConsumer:
                     group = []
                 if flight is None:
                     break
-                arrival = asyncio.ensure_future(puller.arrival())
-                try:
-                    await asyncio.wait({flight[2], arrival}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    arrival.cancel()
+                # a backlog: what waits now is staged beside the report; what arrives
+                # while it is in flight makes the next group, as one group at a time did
                 if puller.waiting and stages.going() and not stop.is_set():
                     group = await self._sorted(await puller.next(0, self._max_group))
         for incoming_group, failure in again:

@@ -171,15 +171,6 @@ class Puller:
         await self._ask()  # keep the flow going while this group is handled
         return out
 
-    async def arrival(self) -> None:
-        """Wait until a message has arrived and waits to be taken (at once if one does);
-        takes nothing, so it may be cancelled at any point."""
-        while not self._ready:
-            self._arrival.clear()
-            if self._ready:
-                return
-            await self._arrival.wait()
-
     @property
     def waiting(self) -> int:
         """Messages that have arrived and wait to be taken."""

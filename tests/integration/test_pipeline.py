@@ -902,15 +902,18 @@ async def test_one_tenant_cannot_hold_every_api_slot_with_long_selectors(
 
 
 class HeldReports:
-    """The agent's requests to the enforcement service, watched: its message reports
-    wait for ``gate``; the views asked while a report is in flight are kept; a report
-    may be made to fail (``fail``) instead of being sent."""
+    """The agent's requests to the enforcement service, watched: its first view of
+    messages waits for ``view_gate``, its message reports for ``gate``; the views asked
+    while a report is in flight are kept; a report may be made to fail (``fail``)
+    instead of being sent."""
 
     def __init__(self, agent: Agent) -> None:
         self.view_of = agent.plane.view
         self.send_report_of = agent.plane.send_report
         agent.plane.view = self.view  # type: ignore[method-assign]
         agent.plane.send_report = self.send_report  # type: ignore[method-assign]
+        self.view_gate = asyncio.Event()
+        self.views_held = 0
         self.gate = asyncio.Event()
         self.in_flight = 0
         self.beside: list[ViewAsk] = []  #: views asked while a report was in flight
@@ -920,6 +923,9 @@ class HeldReports:
     async def view(self, ask: ViewAsk) -> tuple[NodeView, Viewed]:
         if self.in_flight and ask.messages:
             self.beside.append(ask)
+        if ask.messages and not self.view_gate.is_set():
+            self.views_held += 1
+            await self.view_gate.wait()
         return await self.view_of(ask)
 
     async def send_report(self, report: Report) -> Coroutine[None, None, Reported]:
@@ -950,10 +956,22 @@ async def _bound_event_id(pipeline: Pipeline, name: str) -> str:
 
 
 async def _decided_beside_a_report(pipeline: Pipeline, held: HeldReports) -> None:
-    """Claim p0's report is held; claim p1 is applied and viewed meanwhile."""
+    """A backlog: claim p1's binding waits at the agent while p0 is being decided; p0's
+    report is held, and p1 is viewed meanwhile."""
     assert (await pipeline.tenant("tenant-a", "apply", claim_manifest("p0", None)))["ok"]
-    await until(lambda: held.in_flight == 1, 60, "p0's report in flight")
+    await until(lambda: held.views_held == 1, 60, "p0's view held")
     assert (await pipeline.tenant("tenant-a", "apply", claim_manifest("p1", None)))["ok"]
+    durable = pipeline.agents[0].consumer.name
+
+    async def both_delivered() -> bool:
+        info = await pipeline.js.consumer_info(pipeline.names.stream, durable)
+        return info.num_ack_pending == 2
+
+    async with asyncio.timeout(60):
+        while not await both_delivered():  # noqa: ASYNC110 (asks the broker)
+            await asyncio.sleep(0.01)
+    held.view_gate.set()
+    await until(lambda: held.in_flight == 1, 60, "p0's report in flight")
     # with one group at a time, p1 would be viewed only once p0's report is answered
     await until(lambda: bool(held.beside), 60, "a view of p1 while p0's report is held")
     assert not phase_is("tenant-a", "p0", "ready")(await pipeline.state())
