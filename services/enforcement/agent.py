@@ -64,9 +64,10 @@ failure stays with its own message; enforcers are idempotent, so a limit applied
 group whose report failed is simply applied again.
 
 A group is handled in two halves, :meth:`Agent.stage` (view, decide, enforce) and
-:meth:`Agent.land` (report), and the consumer stages the next group while the report
-of the one before is in flight (:class:`~services.enforcement.consumer.NodeConsumer`),
-under one hold of the writer: a group no longer waits for two round trips of the group
+:meth:`Agent.land` (send the report; a coroutine waits for its answer), and when
+messages already wait as a report goes out (a backlog), the consumer stages them
+while it is in flight (:class:`~services.enforcement.consumer.NodeConsumer`), under
+one hold of the writer: a backlog no longer waits for both round trips of the group
 before it, only for its report. The view of the next group may not show that report
 yet, so its report expects the node stream at the later of the view's version and the
 version the report before left (:meth:`Agent.land`): it still conflicts when anyone
