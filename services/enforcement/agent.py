@@ -435,7 +435,7 @@ class Agent:
 
     async def _send(self, asked: ReportRequest, batches: Sequence[Outgoing]) -> None:
         """Send a report (the writer held by whoever asked for it) and tell the listeners."""
-        await (await self._sent(asked, batches))
+        await self._reported(self.plane.report(asked), batches)
 
     async def _sent(
         self, asked: ReportRequest, batches: Sequence[Outgoing]
