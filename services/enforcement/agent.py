@@ -63,6 +63,18 @@ clashed, an enforcer failed), its messages are handled again one by one, so the
 failure stays with its own message; enforcers are idempotent, so a limit applied for a
 group whose report failed is simply applied again.
 
+A group is handled in two halves, :meth:`Agent.stage` (view, decide, enforce) and
+:meth:`Agent.land` (send the report; a coroutine waits for its answer), and when
+messages already wait as a report goes out (a backlog), the consumer stages them
+while it is in flight (:class:`~services.enforcement.consumer.NodeConsumer`), under
+one hold of the writer: a backlog no longer waits for both round trips of the group
+before it, only for its report. The view of the next group may not show that report
+yet, so its report expects the node stream at the later of the view's version and the
+version the report before left (:meth:`Agent.land`): it still conflicts when anyone
+else wrote to the node stream since its view. Only the agent's own reports of groups
+with different messages are overlapped; if the report before fails, the next group's
+report is never sent and its messages are decided again on a fresh view.
+
 Last line of defense (invariant 12). The agent keeps :attr:`Agent.enforcing`
 (:class:`~services.enforcement.enforcing.Enforcing`), the limits it has in force now by
 share id with, per device and capacity, the sum they consume: seeded by
@@ -119,7 +131,15 @@ import asyncio
 import contextlib
 import datetime
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from typing import Final
 
 import msgspec
@@ -135,7 +155,7 @@ from events.catalog import (
     ShareConfirmed,
     ShareUsed,
 )
-from events.envelopes import Envelope, stream_of
+from events.envelopes import Envelope, node_stream, stream_of
 from events.eventcodec import encode_payload
 from events.model import ResourceSlice
 from events.state import ClusterState, DeviceKey
@@ -174,7 +194,7 @@ from services.enforcement.enforcers import (
 )
 from services.enforcement.enforcing import Enforcing
 from services.enforcement.leasing import DEFAULT_TTL_S, NodeLease
-from services.enforcement.protocol import Cause, ReportBatch, ViewAsk, consumer_name
+from services.enforcement.protocol import Cause, ReportBatch, Reported, ViewAsk, consumer_name
 from services.enforcement.protocol import Report as ReportRequest
 from services.enforcement.reconciling import plan_reconcile, plan_return
 from services.enforcement.scanning import InventoryScanner
@@ -224,6 +244,12 @@ class Writer:
         self._lock = asyncio.Lock()
         self._owner: asyncio.Task[object] | None = None
         self._depth = 0
+        self._waiting = 0  # tasks waiting to hold it
+
+    @property
+    def contended(self) -> bool:
+        """Whether another task waits to hold the writer."""
+        return self._waiting > 0
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -236,12 +262,17 @@ class Writer:
             finally:
                 self._depth -= 1
             return
-        async with self._lock:
+        self._waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._waiting -= 1
+        try:
             self._owner, self._depth = me, 1
-            try:
-                yield
-            finally:
-                self._owner, self._depth = None, 0
+            yield
+        finally:
+            self._owner, self._depth = None, 0
+            self._lock.release()
 
 
 class Round(msgspec.Struct, kw_only=True):
@@ -252,6 +283,21 @@ class Round(msgspec.Struct, kw_only=True):
     tasks: list[Task]
     outcomes: dict[str, AppliedLimit | Failed]
     written: Written
+
+
+class Staged(msgspec.Struct, kw_only=True):
+    """A group of messages decided and enforced, its report not sent yet
+    (:meth:`Agent.stage`, :meth:`Agent.land`)."""
+
+    mine: list[Envelope]  #: the messages acted on (confirmed, not handled before)
+    unconfirmed: set[str]  #: the ids of those the log does not hold as sent
+    tasks: list[Task]
+    outcomes: dict[str, AppliedLimit | Failed]
+    versions: dict[str, int]  #: the streams' versions as of the view
+    classes: dict[str, str]  #: each message's DeviceClass (a metric label)
+    now: datetime.datetime
+    #: the node stream's version once its report landed (None: not landed, or no events)
+    landed: int | None = None
 
 
 class Agent:
@@ -314,6 +360,7 @@ class Agent:
             wants=self.wants,
             undecodable=self.refused_undecodable,
             missing=self.plane.consumer,
+            stages=self,
             api_prefix=api_prefix,
             max_deliver=max_deliver,
         )
@@ -384,7 +431,21 @@ class Agent:
             epoch=epoch, batches=[b.batch() for b in batches], processed=list(processed)
         )
         async with self.writer.held():
-            reported = await self.plane.report(asked)
+            await self._send(asked, batches)
+
+    async def _send(self, asked: ReportRequest, batches: Sequence[Outgoing]) -> None:
+        """Send a report (the writer held by whoever asked for it) and tell the listeners."""
+        await self._reported(self.plane.report(asked), batches)
+
+    async def _sent(
+        self, asked: ReportRequest, batches: Sequence[Outgoing]
+    ) -> Coroutine[None, None, None]:
+        """:meth:`_send` in two steps: the report is on its way once this returns; the
+        coroutine returned waits for its answer and tells the listeners."""
+        return self._reported(await self.plane.send_report(asked), batches)
+
+    async def _reported(self, answer: Awaitable[Reported], batches: Sequence[Outgoing]) -> None:
+        reported = await answer
         self._note_retry(reported.next_retry_at)
         events = [e for b in batches for e in b.events]
         for listener in tuple(self._listeners):
@@ -779,28 +840,93 @@ class Agent:
     async def handle(self, group: list[Delivery]) -> set[str]:
         """Apply or remove limits for a group of messages (see the module docstring);
         the ids of those the log does not hold as sent."""
+        async with self.hold():
+            return await (await self.land(await self.stage(group), None))
+
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[None]:
+        """What handling messages holds: the lease (waited for) and the writer."""
         await self.lease.held.wait()  # no work while the lease is being taken back
         async with self.writer.held():
-            envs = [d.env for d in group]
-            redelivered = [d.env.event_id for d in group if d.delivery > 1]
-            view, viewed = await self.plane.view(ViewAsk(messages=envs, redelivered=redelivered))
-            self._note_retry(viewed.next_retry_at)
-            skip = set(viewed.unconfirmed) | set(viewed.handled) | set(viewed.refused)
-            mine = [env for env in envs if env.event_id not in skip]
-            state = view.state()
-            tasks = decide_work(state, self.node, mine, self.enforcing)
-            if tasks:
-                versions = _versions(view, streams_to_check(self.node, tasks))
-                classes = {env.event_id: _class_of(state, env) for env in mine}
-                outcomes = await self._enforce(tasks)
-                written = record(self.node, tasks, outcomes, versions)
-                causes = {env.event_id: _cause(env) for env in mine}
-                await self.report(_batches(written, causes), processed=[e.event_id for e in mine])
-                for count in _counters(written, mine, classes):
-                    count()
+            yield
+
+    def going(self) -> bool:
+        """Whether the consumer may take one more group while it holds the writer: the
+        lease is held and no other path (a retry, a kubelet round, a health check) waits."""
+        return self.lease.held.is_set() and not self.writer.contended
+
+    async def stage(self, group: list[Delivery]) -> Staged:
+        """The first half of :meth:`handle` (under :meth:`hold`): ask for a view of the
+        group, decide, enforce; :meth:`land` reports it."""
+        envs = [d.env for d in group]
+        redelivered = [d.env.event_id for d in group if d.delivery > 1]
+        view, viewed = await self.plane.view(ViewAsk(messages=envs, redelivered=redelivered))
+        self._note_retry(viewed.next_retry_at)
+        skip = set(viewed.unconfirmed) | set(viewed.handled) | set(viewed.refused)
+        mine = [env for env in envs if env.event_id not in skip]
+        state = view.state()
+        tasks = decide_work(state, self.node, mine, self.enforcing)
+        staged = Staged(
+            mine=mine,
+            unconfirmed=set(viewed.unconfirmed),
+            tasks=tasks,
+            outcomes={},
+            versions={},
+            classes={},
+            now=datetime.datetime.now(datetime.UTC),
+        )
+        if tasks:
+            staged.versions = _versions(view, streams_to_check(self.node, tasks))
+            staged.classes = {env.event_id: _class_of(state, env) for env in mine}
+            staged.outcomes = await self._enforce(tasks)
+            staged.now = datetime.datetime.now(datetime.UTC)
+        return staged
+
+    async def land(self, staged: Staged, after: Staged | None) -> Coroutine[None, None, set[str]]:
+        """The second half of :meth:`handle` (under :meth:`hold`): report what ``staged``
+        did, with its messages recorded as handled. Once this returns the report is on
+        its way; the coroutine returned waits for the answer and gives the ids of the
+        messages the log does not hold as sent (the consumer runs it as a task while it
+        stages the next group: the report goes out at once, not a turn of the loop later).
+
+        ``after``: the group whose report was in flight while ``staged`` was viewed, and
+        which has landed since. The view may not show that report, so the node stream is
+        expected at the later of the view's version and the version that report left:
+        the append still conflicts if anyone else wrote to the node stream since the
+        view (a fence, another agent), as a report decided after the other landed would.
+        """
+        if not staged.tasks:
+            return self._landed(staged, None, Written())
+        versions = dict(staged.versions)
+        stream = node_stream(self.node)
+        if after is not None and after.landed is not None and stream in versions:
+            versions[stream] = max(versions[stream], after.landed)
+        written = record(self.node, staged.tasks, staged.outcomes, versions, staged.now)
+        causes = {env.event_id: _cause(env) for env in staged.mine}
+        epoch = self.lease.epoch
+        assert epoch is not None, "a report before the lease"
+        batches = _batches(written, causes)
+        asked = ReportRequest(
+            epoch=epoch,
+            batches=[b.batch() for b in batches],
+            processed=[e.event_id for e in staged.mine],
+        )
+        return self._landed(staged, await self._sent(asked, batches), written)
+
+    async def _landed(
+        self, staged: Staged, answer: Awaitable[None] | None, written: Written
+    ) -> set[str]:
+        if answer is not None:
+            await answer
+            stream = node_stream(self.node)
+            if stream in written.streams:
+                version, events, _ = written.streams[stream]
+                staged.landed = (version or 0) + len(events)
+            for count in _counters(written, staged.mine, staged.classes):
+                count()
         for listener in tuple(self._message_listeners):
-            listener([env.event for env in mine])
-        return set(viewed.unconfirmed)
+            listener([env.event for env in staged.mine])
+        return staged.unconfirmed
 
     async def refused_undecodable(self, event_id: str) -> bool:
         """Whether a message that did not decode is an event of the log the fold refuses

@@ -17,6 +17,10 @@ no answer         :class:`~services.runtime.errors.RetryableError` (nobody liste
 ``internal``
 ================= ====================================================================
 
+Views and reports, whose answers may come in parts, all come back to one subscription
+of the agent's connection (:class:`~services.runtime.apiclient.Inbox`), not to a
+subscription made and dropped per request.
+
 It remembers the newest log position the agent's own writes reached (its lease, its
 reports): every view asks for at least that (``at_least``), so a view answered by any
 replica of the service shows what the agent wrote last (read-your-writes across
@@ -25,6 +29,7 @@ replicas).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Coroutine
 from typing import Final, TypeVar
 
 import msgspec
@@ -50,7 +55,7 @@ from services.enforcement.protocol import (
     encode,
 )
 from services.enforcement.views import NodeView, decode_view
-from services.runtime.apiclient import ask
+from services.runtime.apiclient import Inbox
 from services.runtime.errors import (
     ConflictError,
     PermanentError,
@@ -91,6 +96,7 @@ class ControlPlane:
         #: the newest position of the agent's own writes (its lease, its reports)
         self.seen = 0
         self.requests = 0  #: requests sent so far
+        self._inbox = Inbox(nc)  # every answer that may come in parts, on one subscription
 
     async def _ask(
         self,
@@ -102,17 +108,46 @@ class ControlPlane:
         *,
         small: bool = False,
     ) -> _T:
+        if not small:  # an answer that may come in parts
+            return await (await self._send(verb, request, kind, timeout, epoch))
+        subject = self.names.node_request(self.node, verb)
+        self.requests += 1
+        try:  # one message answers: the connection's shared reply inbox will do
+            data = (await self.nc.request(subject, encode(request), timeout=timeout)).data
+        except (nats.errors.Error, OSError) as exc:
+            raise map_bus_error(exc, subject=subject) from None
+        return self._answer(subject, data, kind, epoch)
+
+    async def _send(
+        self,
+        verb: str,
+        request: msgspec.Struct,
+        kind: type[_T],
+        timeout: float,  # noqa: ASYNC109
+        epoch: int = 0,
+    ) -> Coroutine[None, None, _T]:
+        """Send a request whose answer may come in parts; once this returns it is out,
+        and the coroutine returned waits for the answer (it must be awaited)."""
         subject = self.names.node_request(self.node, verb)
         self.requests += 1
         try:
-            if small:  # one message answers: the connection's shared reply inbox will do
-                data = (await self.nc.request(subject, encode(request), timeout=timeout)).data
-            else:  # an answer that may come in parts
-                data = await ask(self.nc, subject, encode(request), timeout)
+            answer = await self._inbox.send(subject, encode(request), timeout)
+        except (nats.errors.Error, OSError) as exc:
+            raise map_bus_error(exc, subject=subject) from None
+        return self._answered(subject, answer, kind, epoch)
+
+    async def _answered(
+        self, subject: str, answer: Awaitable[bytes], kind: type[_T], epoch: int
+    ) -> _T:
+        try:
+            data = await answer
         except ReplyPartError as exc:
             raise RetryableError(f"a broken answer on {subject}: {exc}") from None
         except (nats.errors.Error, OSError) as exc:
             raise map_bus_error(exc, subject=subject) from None
+        return self._answer(subject, data, kind, epoch)
+
+    def _answer(self, subject: str, data: bytes, kind: type[_T], epoch: int) -> _T:
         try:
             reply: Reply[_T] = decode(data, Reply[kind])  # type: ignore[valid-type]
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -164,9 +199,19 @@ class ControlPlane:
 
     async def report(self, report: Report) -> Reported:
         """Append what the agent did (under its lease epoch)."""
+        return await (await self.send_report(report))
+
+    async def send_report(self, report: Report) -> Coroutine[None, None, Reported]:
+        """:meth:`report`, in two steps: once this returns the report is on its way, and
+        the coroutine returned waits for the answer (it must be awaited: the agent runs
+        it as a task while it decides the next message group)."""
         if report.at_least < self.seen:
             report = msgspec.structs.replace(report, at_least=self.seen)
-        reported = await self._ask("report", report, Reported, self.timeout, report.epoch)
+        answer = await self._send("report", report, Reported, self.timeout, report.epoch)
+        return self._reported(answer)
+
+    async def _reported(self, answer: Awaitable[Reported]) -> Reported:
+        reported = await answer
         self._saw(reported.position)
         return reported
 

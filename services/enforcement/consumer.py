@@ -21,6 +21,17 @@ service:
   ``processed_messages`` rows of this consumer), decides, enforces, reports, and
   returns the ids the log does not hold as sent — those are terminated and counted
   (``dracap_unconfirmed_messages_total``), the others acknowledged;
+* with ``stages`` (the agent: :class:`Stages`) a group is handled in two steps — view,
+  decide and enforce (``stage``), then report (``land``, which sends the report and
+  leaves a coroutine to wait for the answer) — and when more messages are already
+  waiting as a report goes out (a backlog), they are staged while it is in flight: one
+  report at a time, in order, each group's messages settled once its report is
+  answered, all under ``hold()`` (the agent's lease and writer), which the run gives
+  back as soon as nothing waits or another path of the agent waits for its writer
+  (``going``). Without a backlog nothing is staged beside a report: what arrives
+  meanwhile makes one group after it, so groups stay as large as before and the
+  requests per message as few. A group staged beside a report that failed is not
+  reported: both are handled again message by message, after the run;
 * a group that fails is handled again message by message; a message that fails is
   nak'd with back-off, and on its ``max_deliver``-th delivery it is dead-lettered
   (``MessageDeadLettered``, reported like any other event, with the message recorded
@@ -44,8 +55,9 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Final
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Final, Protocol
 
 import msgspec
 import nats.errors
@@ -63,7 +75,7 @@ from services.runtime.errors import RetryableError
 from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES
 from services.runtime.pulling import MAX_EXPIRES_S, Puller
 
-__all__ = ["Delivery", "NodeConsumer", "durable"]
+__all__ = ["Delivery", "NodeConsumer", "Stages", "durable"]
 
 log = logging.getLogger("dracap.agent")
 
@@ -102,6 +114,26 @@ Missing = Callable[[], Awaitable[object]]
 DeadLetter = Callable[[Envelope, int, str], Awaitable[None]]
 
 
+class Stages(Protocol):
+    """A group handler in two steps, so that one group's report can be in flight while
+    the next group is decided (see the module docstring). ``stage`` returns what
+    ``land`` reports; both run while ``hold()`` is held."""
+
+    def hold(self) -> AbstractAsyncContextManager[None]:
+        """Held around a run of groups (the agent: its lease held, its writer taken)."""
+
+    def going(self) -> bool:
+        """Whether to take one more group into the run (nobody else waits for it)."""
+
+    async def stage(self, group: list[Delivery]) -> Any:
+        """View, decide and enforce ``group``; what :meth:`land` reports."""
+
+    async def land(self, staged: Any, after: Any | None) -> Coroutine[Any, Any, set[str]]:
+        """Send the report of ``staged`` (``after``: the group whose report was in flight
+        while it was staged, reported since); the coroutine returned waits for the answer
+        and gives the ids of messages the log does not hold as sent."""
+
+
 class _Incoming(msgspec.Struct):
     msg: Msg
     env: Envelope
@@ -122,6 +154,7 @@ class NodeConsumer:
         wants: Callable[[Envelope], bool],
         undecodable: Undecodable | None = None,
         missing: Missing | None = None,
+        stages: Stages | None = None,
         api_prefix: str = "$JS.API",
         max_deliver: int = 5,
         backoff: Sequence[float] = (0.1, 0.5, 2, 5),
@@ -140,6 +173,7 @@ class NodeConsumer:
         self._wants = wants
         self._undecodable = undecodable
         self._missing = missing
+        self._stages = stages
         self._api_prefix = api_prefix
         self._max_deliver = max_deliver
         self._backoff = tuple(backoff)
@@ -195,7 +229,10 @@ class NodeConsumer:
                     await self._recreate()
                 if msgs:
                     self._durable_missing = False
-                    await self.process(msgs)
+                    if self._stages is None:
+                        await self.process(msgs)
+                    else:
+                        await self._run_of(puller, msgs, self._stages, stop)
         finally:
             self._pulling = False
             for msg in await puller.stop():
@@ -216,6 +253,85 @@ class NodeConsumer:
 
     async def process(self, msgs: Sequence[Msg]) -> None:
         """Handle received messages: together where possible (see the module docstring)."""
+        group = await self._sorted(msgs)
+        if len(group) > 1:
+            try:
+                dropped = await self._handle(_deliveries(group))
+            except Exception as exc:
+                log.debug(
+                    "consumer %s: group of %d failed (%r); one by one", self.name, len(group), exc
+                )
+            else:
+                await self._settle(group, dropped)
+                return
+        for incoming in group:
+            await self._one(incoming)
+
+    async def _run_of(
+        self, puller: Puller, msgs: Sequence[Msg], stages: Stages, stop: asyncio.Event
+    ) -> None:
+        """Handle ``msgs`` and the groups that arrive meanwhile, each decided while the
+        report of the one before is in flight (see the module docstring)."""
+        group = await self._sorted(msgs)
+        if not group:
+            return
+        again: list[tuple[list[_Incoming], Exception | None]] = []  # after the run, one by one
+        async with stages.hold():
+            flight: tuple[list[_Incoming], Any, asyncio.Task[set[str]]] | None = None
+            while True:
+                staged: Any = None
+                if group:
+                    try:
+                        staged = await stages.stage(_deliveries(group))
+                    except Exception as exc:
+                        again.append((group, exc))
+                        group = []
+                after: Any = None
+                if flight is not None:
+                    done, after, task = flight
+                    flight = None
+                    try:
+                        dropped = await task
+                    except Exception as exc:
+                        again.insert(0, (done, exc))
+                        after = None
+                    else:
+                        await self._settle(done, dropped)
+                    if again and group:  # decided beside a report that failed: again
+                        again.append((group, None))
+                        group = []
+                if again:
+                    break
+                if group:
+                    try:
+                        answer = await stages.land(staged, after)  # sent: on its way now
+                    except Exception as exc:
+                        again.append((group, exc))
+                        break
+                    flight = (group, staged, asyncio.create_task(answer))
+                    group = []
+                if flight is None:
+                    break
+                # a backlog: what waits now is staged beside the report; what arrives
+                # while it is in flight makes the next group, as one group at a time did
+                if puller.waiting and stages.going() and not stop.is_set():
+                    group = await self._sorted(await puller.next(0, self._max_group))
+        for incoming_group, failure in again:
+            if failure is not None and len(incoming_group) == 1:
+                await self._failed_one(incoming_group[0], failure)
+                continue
+            if failure is not None:
+                log.debug(
+                    "consumer %s: group of %d failed (%r); one by one",
+                    self.name,
+                    len(incoming_group),
+                    failure,
+                )
+            for incoming in incoming_group:
+                await self._one(incoming)
+
+    async def _sorted(self, msgs: Sequence[Msg]) -> list[_Incoming]:
+        """Decode ``msgs``; settle those the agent does not act on; the others, in order."""
         group: list[_Incoming] = []
         for msg in msgs:
             incoming = await self._decoded(msg)
@@ -229,18 +345,7 @@ class NodeConsumer:
                 self.ignored += 1
             else:
                 group.append(incoming)
-        if len(group) > 1:
-            try:
-                dropped = await self._handle([Delivery(i.env, i.delivery) for i in group])
-            except Exception as exc:
-                log.debug(
-                    "consumer %s: group of %d failed (%r); one by one", self.name, len(group), exc
-                )
-            else:
-                await self._settle(group, dropped)
-                return
-        for incoming in group:
-            await self._one(incoming)
+        return group
 
     async def _decoded(self, msg: Msg) -> _Incoming | None:
         delivered = msg.metadata.num_delivered
@@ -280,16 +385,20 @@ class NodeConsumer:
 
     async def _one(self, incoming: _Incoming) -> None:
         try:
-            dropped = await self._handle([Delivery(incoming.env, incoming.delivery)])
-        except RetryableError as exc:  # the service away: not the message's fault
-            self._excuse(incoming, exc)
-            await _quietly(incoming.msg.nak(delay=self._backoff[-1]))
-            return
+            dropped = await self._handle(_deliveries([incoming]))
         except Exception as exc:
-            await self._failed(incoming, exc)
+            await self._failed_one(incoming, exc)
             return
         self._excused.pop(incoming.env.event_id, None)
         await self._settle([incoming], dropped)
+
+    async def _failed_one(self, incoming: _Incoming, exc: Exception) -> None:
+        """A message handled alone failed: wait for the service, or back off and count."""
+        if isinstance(exc, RetryableError):  # the service away: not the message's fault
+            self._excuse(incoming, exc)
+            await _quietly(incoming.msg.nak(delay=self._backoff[-1]))
+            return
+        await self._failed(incoming, exc)
 
     async def _settle(self, group: Sequence[_Incoming], dropped: set[str]) -> None:
         for incoming in group:
@@ -358,6 +467,10 @@ class NodeConsumer:
             )
             self._logged_at = now
             self._unlogged = 0
+
+
+def _deliveries(group: Sequence[_Incoming]) -> list[Delivery]:
+    return [Delivery(i.env, i.delivery) for i in group]
 
 
 async def _quietly(work: Awaitable[object]) -> None:

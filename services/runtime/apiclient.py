@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Final
 
 import nats
@@ -39,7 +39,7 @@ from services.runtime.credentials import Credential
 from services.runtime.endpoints import reaching
 from services.runtime.replies import Assembly, ReplyPartError
 
-__all__ = ["REQUEST_TIMEOUT_S", "ApiClient", "ApiError", "ask"]
+__all__ = ["REQUEST_TIMEOUT_S", "ApiClient", "ApiError", "Inbox", "ask"]
 
 REQUEST_TIMEOUT_S: Final = 10.0
 _EXIT_BY_CODE: Final = {
@@ -97,6 +97,22 @@ class _Denials:
                         future.set_result(None)
 
 
+def _take(whole: asyncio.Future[bytes], assembly: Assembly, msg: Msg) -> None:
+    """One message of a reply: the whole reply, a part, or why there is none."""
+    if whole.done():
+        return
+    if msg.headers and msg.headers.get(_STATUS) == _NO_RESPONDERS and not msg.data:
+        whole.set_exception(nats.errors.NoRespondersError())
+        return
+    try:
+        data = assembly.add(msg.data, msg.headers)
+    except ReplyPartError as exc:
+        whole.set_exception(exc)
+        return
+    if data is not None:
+        whole.set_result(data)
+
+
 async def ask(nc: Client, subject: str, payload: bytes, timeout: float) -> bytes:  # noqa: ASYNC109
     """Publish a request and wait for the whole reply, however many messages it takes
     (:mod:`services.runtime.replies`): ``nats.errors.TimeoutError`` after ``timeout``,
@@ -105,18 +121,7 @@ async def ask(nc: Client, subject: str, payload: bytes, timeout: float) -> bytes
     assembly = Assembly()
 
     async def arrived(msg: Msg) -> None:
-        if whole.done():
-            return
-        if msg.headers and msg.headers.get(_STATUS) == _NO_RESPONDERS and not msg.data:
-            whole.set_exception(nats.errors.NoRespondersError())
-            return
-        try:
-            data = assembly.add(msg.data, msg.headers)
-        except ReplyPartError as exc:
-            whole.set_exception(exc)
-            return
-        if data is not None:
-            whole.set_result(data)
+        _take(whole, assembly, msg)
 
     sub = await nc.subscribe(nc.new_inbox(), cb=arrived)
     try:
@@ -128,6 +133,67 @@ async def ask(nc: Client, subject: str, payload: bytes, timeout: float) -> bytes
     finally:
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
+
+
+class Inbox:
+    """:func:`ask` for a client that asks again and again: every reply comes to one
+    subscription (``<inbox>.*``, made at the first request), each request's to a token of
+    its own, instead of a subscription made and dropped per request (a ``SUB`` written
+    and flushed, a task started, an ``UNSUB``, and nats-server's bookkeeping of each).
+    The parts of one reply come in order on the one subscription, as on a private one."""
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._prefix = ""
+        self._waiting: dict[str, tuple[asyncio.Future[bytes], Assembly]] = {}
+        self._asked = 0
+        self._starting = asyncio.Lock()
+
+    async def _start(self) -> None:
+        async with self._starting:
+            if not self._prefix:
+                prefix = self._nc.new_inbox()
+                await self._nc.subscribe(f"{prefix}.*", cb=self._arrived)
+                self._prefix = prefix
+
+    async def _arrived(self, msg: Msg) -> None:
+        waiting = self._waiting.get(msg.subject.rpartition(".")[2])
+        if waiting is not None:
+            _take(*waiting, msg)
+
+    async def ask(self, subject: str, payload: bytes, timeout: float) -> bytes:  # noqa: ASYNC109
+        """As :func:`ask`."""
+        return await (await self.send(subject, payload, timeout))
+
+    async def send(
+        self,
+        subject: str,
+        payload: bytes,
+        timeout: float,  # noqa: ASYNC109
+    ) -> Coroutine[None, None, bytes]:
+        """Publish a request; once this returns it is out, and the coroutine returned
+        waits for its answer (as :func:`ask`; it must be awaited, or run as a task)."""
+        if not self._prefix:
+            await self._start()
+        token = str(self._asked)
+        self._asked += 1
+        whole: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._waiting[token] = (whole, Assembly())
+        try:
+            await self._nc.publish(subject, payload, reply=f"{self._prefix}.{token}")
+        except BaseException:
+            del self._waiting[token]
+            raise
+        return self._answer(token, whole, timeout)
+
+    async def _answer(self, token: str, whole: asyncio.Future[bytes], timeout: float) -> bytes:  # noqa: ASYNC109
+        try:
+            try:
+                return await asyncio.wait_for(whole, timeout)
+            except TimeoutError:
+                raise nats.errors.TimeoutError from None
+        finally:
+            del self._waiting[token]
 
 
 class ApiClient:

@@ -17,15 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
 import pytest
+from nats.aio.msg import Msg
 
 from events.subjects import BusNames
 from services.exitcodes import ExitCode
-from services.runtime.apiclient import ApiClient, ApiError
+from services.runtime.apiclient import ApiClient, ApiError, Inbox
 from services.runtime.bus import connect_bus
 from services.runtime.embedded import EmbeddedNats
 from services.runtime.endpoints import ServerUnavailable
-from services.runtime.replies import HEADROOM, MAX_REPLY_PARTS
+from services.runtime.replies import HEADROOM, MAX_REPLY_PARTS, split
 from services.runtime.settings import Settings
 from services.stack import Stack, load_inventory, read_inventory
 from tests.fixtures.blobs import blob_endpoint
@@ -135,3 +137,32 @@ async def test_a_request_nobody_answers_fails_at_once(small_nats: str) -> None:
         async with asyncio.timeout(30):
             with pytest.raises(ServerUnavailable, match="no dracap API answers on"):
                 await client.admin("devices.list")
+
+
+async def test_one_inbox_takes_the_parts_of_many_replies_at_once(small_nats: str) -> None:
+    """:class:`Inbox` (the node agents' views and reports): replies in parts to requests
+    in flight together come back whole, each to its own request, on one subscription."""
+    subject = f"t{uuid.uuid4().hex[:10]}.echo"
+    server, _ = await connect_bus(small_nats)
+    client, _ = await connect_bus(small_nats)
+    try:
+
+        async def echo(msg: Msg) -> None:  # a reply of several parts, the request repeated
+            reply = msg.data * 5
+            for data, headers in split(reply, server.max_payload) or []:
+                await server.publish(msg.reply, data, headers=headers)
+
+        await server.subscribe(subject, cb=echo)
+        await server.flush()
+        inbox = Inbox(client)
+        bodies = [bytes([i]) * (MAX_PAYLOAD - i) for i in range(8)]  # 5 parts each
+        replies = await asyncio.gather(*(inbox.ask(subject, b, 30) for b in bodies))
+        assert replies == [b * 5 for b in bodies]
+        subscriptions = len(client._subs)  # nats-py's own table: none made per request
+        assert await inbox.ask(subject, b"again", 30) == b"again" * 5
+        assert len(client._subs) == subscriptions
+        with pytest.raises(nats.errors.NoRespondersError):
+            await inbox.ask(f"{subject}.nobody", b"", 30)
+    finally:
+        await client.close()
+        await server.close()

@@ -15,7 +15,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -53,11 +53,14 @@ from services.enforcement.enforcers import (
     RetryableEnforcementError,
     ShareLimit,
 )
+from services.enforcement.protocol import Report, Reported, ViewAsk, Viewed
 from services.enforcement.service import EnforcementService
+from services.enforcement.views import NodeView
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
 from services.runtime.appends import Batch, Metadata
 from services.runtime.bus import connect_bus, ensure_stream
+from services.runtime.errors import ConflictError
 from services.runtime.eventstore import EventStore
 from services.runtime.handlers import HandlerContext
 from services.runtime.livestate import HEAD, LiveState
@@ -65,6 +68,7 @@ from services.runtime.metrics import REGISTRY
 from services.runtime.relaying import Relay
 from services.runtime.selectorpool import SelectorPool
 from services.runtime.settings import Settings
+from tests.fixtures.polling import until
 from tests.integration.waiting import bus_idle, state_reaches
 
 GPU = "gpu-memory.dracap.io"
@@ -892,3 +896,121 @@ async def test_one_tenant_cannot_hold_every_api_slot_with_long_selectors(
     pool.gate.set()
     replies = [await task for task in waiting if task not in done]
     assert len(replies) == 4 and all(r["ok"] for r in replies), replies
+
+
+# --- the agent decides the next group while the last report is in flight -----------------
+
+
+class HeldReports:
+    """The agent's requests to the enforcement service, watched: its first view of
+    messages waits for ``view_gate``, its message reports for ``gate``; the views asked
+    while a report is in flight are kept; a report may be made to fail (``fail``)
+    instead of being sent."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.view_of = agent.plane.view
+        self.send_report_of = agent.plane.send_report
+        agent.plane.view = self.view  # type: ignore[method-assign]
+        agent.plane.send_report = self.send_report  # type: ignore[method-assign]
+        self.view_gate = asyncio.Event()
+        self.views_held = 0
+        self.gate = asyncio.Event()
+        self.in_flight = 0
+        self.beside: list[ViewAsk] = []  #: views asked while a report was in flight
+        self.sent: list[list[str]] = []  #: the messages of each report sent
+        self.fail: Exception | None = None
+
+    async def view(self, ask: ViewAsk) -> tuple[NodeView, Viewed]:
+        if self.in_flight and ask.messages:
+            self.beside.append(ask)
+        if ask.messages and not self.view_gate.is_set():
+            self.views_held += 1
+            await self.view_gate.wait()
+        return await self.view_of(ask)
+
+    async def send_report(self, report: Report) -> Coroutine[None, None, Reported]:
+        if not report.processed:
+            return await self.send_report_of(report)
+        self.in_flight += 1
+        return self.held(report)
+
+    async def held(self, report: Report) -> Reported:
+        try:
+            await self.gate.wait()
+            if self.fail is not None:
+                failure, self.fail = self.fail, None
+                raise failure
+            self.sent.append(list(report.processed))
+            return await (await self.send_report_of(report))
+        finally:
+            self.in_flight -= 1
+
+
+async def _bound_event_id(pipeline: Pipeline, name: str) -> str:
+    (event_id,) = [
+        e.event_id
+        async for e in pipeline.stores[0].read_all()
+        if isinstance(e.event, AllocationBound) and e.event.name == name
+    ]
+    return event_id
+
+
+async def _decided_beside_a_report(pipeline: Pipeline, held: HeldReports) -> None:
+    """A backlog: claim p1's binding waits at the agent while p0 is being decided; p0's
+    report is held, and p1 is viewed meanwhile."""
+    assert (await pipeline.tenant("tenant-a", "apply", claim_manifest("p0", None)))["ok"]
+    await until(lambda: held.views_held == 1, 60, "p0's view held")
+    assert (await pipeline.tenant("tenant-a", "apply", claim_manifest("p1", None)))["ok"]
+    durable = pipeline.agents[0].consumer.name
+
+    async def both_delivered() -> bool:
+        info = await pipeline.js.consumer_info(pipeline.names.stream, durable)
+        return info.num_ack_pending == 2
+
+    async with asyncio.timeout(60):
+        while not await both_delivered():  # noqa: ASYNC110 (asks the broker)
+            await asyncio.sleep(0.01)
+    held.view_gate.set()
+    await until(lambda: held.in_flight == 1, 60, "p0's report in flight")
+    # with one group at a time, p1 would be viewed only once p0's report is answered
+    await until(lambda: bool(held.beside), 60, "a view of p1 while p0's report is held")
+    assert not phase_is("tenant-a", "p0", "ready")(await pipeline.state())
+
+
+async def test_the_next_group_is_decided_while_the_last_report_is_in_flight(
+    pipeline: Pipeline, settings: Settings
+) -> None:
+    held = HeldReports(pipeline.agents[0])
+    await _decided_beside_a_report(pipeline, held)
+    held.gate.set()
+    await pipeline.until(phase_is("tenant-a", "p0", "ready"))
+    await pipeline.until(phase_is("tenant-a", "p1", "ready"))
+    # p1's report expected the node stream as p0's report left it (its view did not
+    # show p0's events): it landed at once, with no conflict and no second try
+    p0, p1 = [await _bound_event_id(pipeline, n) for n in ("p0", "p1")]
+    assert held.sent == [[p0], [p1]]
+    applied = [
+        e.event async for e in pipeline.stores[0].read_all() if isinstance(e.event, LimitApplied)
+    ]
+    assert len(applied) == 2
+    await assert_verified(settings)
+
+
+async def test_a_group_decided_beside_a_failed_report_is_decided_again(
+    pipeline: Pipeline, settings: Settings
+) -> None:
+    held = HeldReports(pipeline.agents[0])
+    await _decided_beside_a_report(pipeline, held)
+    held.fail = ConflictError("the state moved")
+    held.gate.set()
+    await pipeline.until(phase_is("tenant-a", "p0", "ready"))
+    await pipeline.until(phase_is("tenant-a", "p1", "ready"))
+    # p1's report, decided beside p0's that failed, was never sent: p1 was viewed and
+    # decided again on its own, and reported once
+    p1 = await _bound_event_id(pipeline, "p1")
+    assert [sent for sent in held.sent if p1 in sent] == [[p1]]
+    applied = [
+        e.event async for e in pipeline.stores[0].read_all() if isinstance(e.event, LimitApplied)
+    ]
+    assert len(applied) == 2
+    await assert_verified(settings)
