@@ -23,7 +23,9 @@ applied (256 in flight) until N of them are live and left live; then the latency
 live too, so phase N starts with at least N live claims. The GPUs are sized to hold
 every claim of the run (``--gpu-memory``, default: enough), so capacity never decides.
 The table at the end gives each figure per N and its change from the first N (goal:
-within 20 %).
+within 20 %), and ``dracap up``'s CPU per claim (``/proc``) of the fixed-rate run
+(``cpu@50``: the same rate at every N, so the same batching — what a claim costs the
+process, whatever the machine's load does to the latencies) and of the sustained run.
 
 **Settled runs**: every run starts once the audit and billing projectors have read the
 log up to its head as of that moment (their positions in ``ledger_positions``; at most
@@ -576,12 +578,16 @@ class Phase(NamedTuple):
     half_rate: float
     p50_at_half: float
     p99_at_half: float
+    cpu_at_rate: float = 0.0  #: ms of ``dracap up``'s CPU per claim of the fixed-rate run
+    cpu_sustained: float = 0.0  #: the same, of the sustained run
 
 
 async def growth(
-    api: ApiClient, tracker: ReadyTracker, args: argparse.Namespace, url: str = ""
+    api: ApiClient, tracker: ReadyTracker, args: argparse.Namespace, url: str = "", pid: int = 0
 ) -> list[Phase]:
-    """The ``--live`` phases (module docstring), one line printed per phase."""
+    """The ``--live`` phases (module docstring), one line printed per phase; ``pid``:
+    ``dracap up``'s, whose CPU per claim of the fixed-rate and sustained runs is kept
+    (the fixed rate's is the one to compare across N: same rate, same batching)."""
     phases: list[Phase] = []
     applied = 0  # claims of the "live" label so far
     await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
@@ -591,11 +597,17 @@ async def growth(
             fill = await throughput(api, tracker, n - applied, args.concurrency, f"live{applied}-")
             applied = n
         await settled(url, args)
+        cpu = cpu_seconds(pid) if pid else 0.0
         at = await latency(api, tracker, args.live_rate, args.seconds, f"l{n}r")
+        cpu_at = cpu_seconds(pid) - cpu if pid else 0.0
         await settled(url, args)
+        cpu = cpu_seconds(pid) if pid else 0.0
         sustained = await throughput(api, tracker, args.claims, args.concurrency, f"l{n}tp")
+        cpu_sustained = cpu_seconds(pid) - cpu if pid else 0.0
         await settled(url, args)
+        cpu = cpu_seconds(pid) if pid else 0.0
         half = await latency(api, tracker, sustained / 2, args.seconds, f"l{n}h")
+        cpu_half = cpu_seconds(pid) - cpu if pid else 0.0
         phase = Phase(
             live=n,
             fill_rate=fill,
@@ -605,6 +617,8 @@ async def growth(
             half_rate=sustained / 2,
             p50_at_half=percentile(half, 50),
             p99_at_half=percentile(half, 99),
+            cpu_at_rate=cpu_at * 1000 / max(1, len(at)),
+            cpu_sustained=cpu_sustained * 1000 / max(1, args.claims),
         )
         phases.append(phase)
         print(
@@ -615,8 +629,9 @@ async def growth(
             flush=True,
         )
         if getattr(args, "stages", False) and url:
-            await report_stages(url, tracker, f"l{n}r", f"live {n:,} at {args.live_rate:g}/s")
-            await report_stages(url, tracker, f"l{n}h", f"live {n:,} at half rate")
+            title = f"live {n:,} at {args.live_rate:g}/s"
+            await report_stages(url, tracker, f"l{n}r", title, cpu_at)
+            await report_stages(url, tracker, f"l{n}h", f"live {n:,} at half rate", cpu_half)
     return phases
 
 
@@ -626,12 +641,14 @@ def report_growth(phases: list[Phase], raw: float, rate: float) -> None:
     print(f"\ngrowth (raw commit rate {raw:,.0f}/s; change from live {first.live:,}):")
     print(
         f"  {'live':>8} {'p50@' + format(rate, 'g'):>9} {'p99@' + format(rate, 'g'):>9} "
-        f"{'claims/s':>9} {'p50@half':>9} {'p99@half':>9}"
+        f"{'claims/s':>9} {'p50@half':>9} {'p99@half':>9} {'cpu@' + format(rate, 'g'):>9} "
+        f"{'cpu@sust':>9}"
     )
     for p in phases:
         print(
             f"  {p.live:>8,} {p.p50_at_rate:>9.1f} {p.p99_at_rate:>9.1f} {p.throughput:>9,.0f} "
-            f"{p.p50_at_half:>9.1f} {p.p99_at_half:>9.1f}"
+            f"{p.p50_at_half:>9.1f} {p.p99_at_half:>9.1f} {p.cpu_at_rate:>9.2f} "
+            f"{p.cpu_sustained:>9.2f}"
         )
     if len(phases) > 1:
         last = phases[-1]
@@ -663,7 +680,7 @@ async def _measure_pipeline(
                     cleanup.callback(write_timeline, Path(args.timeline), tracker)
                 async with watching(api, tracker):
                     if args.live:
-                        phases = await growth(api, tracker, args, url)
+                        phases = await growth(api, tracker, args, url, reach.pid)
                         report_growth(phases, out["raw"], args.live_rate)
                         return
                     await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")

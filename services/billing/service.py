@@ -7,9 +7,10 @@ nothing to the log. Per batch (one transaction, a bounded number of statements
 whatever its size), :func:`write_update`
 
 1. reads what billing knows of the claims, shares and nodes the batch names
-   (``billing_claims``; ``billing_shares`` by ShareID through its primary key, and the
-   open shares of the nodes an expiry or fence names through ``billing_shares_node_idx``;
-   ``billing_nodes``): one statement each, only those the batch needs,
+   (``billing_claims`` and ``billing_shares`` through their primary keys, one probe per
+   claim or ShareID the batch names, never a scan of the table; the open shares of the
+   nodes an expiry or fence names through ``billing_shares_node_idx``; ``billing_nodes``):
+   one statement each, only those the batch needs,
 2. applies the pure :func:`services.billing.usage.apply`,
 3. upserts those rows and *adds* the closed segments, cut per hour, to
    ``billing_usage``: one ``executemany`` each;
@@ -81,9 +82,16 @@ EVENTS: Final = events_meaning(*BILLED)
 #: Their tags (the ``type`` column of the log).
 TYPES: Final = frozenset(tag for tag, cls in EVENT_TYPES.items() if cls in EVENTS)
 
+#: one probe of the primary key per claim the batch names, whatever the table holds: as
+#: ``(namespace, name) IN (SELECT * FROM unnest(...))`` the planner answered a batch of
+#: more than ~100 claims with a hash join over a scan of every claim billing ever saw (a
+#: cost per batch that grew with the claims, issue 25); the ``LIMIT`` keeps the lateral
+#: subquery from being flattened into such a join
 _CLAIMS: Final = (
-    "SELECT namespace, name, classes::text FROM billing_claims "
-    "WHERE (namespace, name) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
+    "SELECT c.namespace, c.name, c.classes::text "
+    "FROM unnest($1::text[], $2::text[]) AS k(namespace, name) "
+    "CROSS JOIN LATERAL (SELECT * FROM billing_claims b "
+    "WHERE b.namespace = k.namespace AND b.name = k.name LIMIT 1) c"
 )
 _SHARE_COLUMNS: Final = (
     "SELECT share_id, namespace, device_class, node, amounts::text, billed, state, since, "

@@ -57,3 +57,13 @@ async def test_a_child_that_fails_writes_no_snapshot(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(snapshots, "snapshot_encode", broken)  # the child inherits it
     with pytest.raises(SnapshotError, match="exited with 1"):
         await snapshots.encode_detached(_state(1)[0])
+
+
+def test_the_child_encodes_at_the_lowest_priority() -> None:
+    """The encoding takes what the services leave of a busy CPU (issue 25): the child
+    runs ``CHILD_NICENESS`` nicer than its parent (capped at 19, the lowest)."""
+    parent = os.getpriority(os.PRIO_PROCESS, 0)
+    detached = snapshots.detach(lambda: str(os.getpriority(os.PRIO_PROCESS, 0)).encode())
+    body, code = asyncio.run(detached.result())
+    assert code == 0
+    assert int(body) == min(19, parent + snapshots.CHILD_NICENESS) > parent
