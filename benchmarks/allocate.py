@@ -37,7 +37,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from services.reservation import command  # noqa: E402
+from services.commands import allocate as command  # noqa: E402
 
 DRIVER = "gpu.bench.io"
 CLASS = "gpu-memory.bench.io"

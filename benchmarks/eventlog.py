@@ -38,15 +38,15 @@ from events.catalog import Event, schema_version_of, tag_of
 from events.envelopes import stream_of
 from events.eventcodec import encode_payload
 from events.state import ClusterState
+from migrations import runner as migrating
 from services.replay.verify import fold_rows, paused_gc
-from services.runtime import migrating
-from services.runtime.eventstore import (
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import (
     EventStore,
     _init_connection,
     connect,
     iter_rows,
 )
-from services.runtime.settings import Settings
 from tests.integration import sample as s
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)

@@ -66,13 +66,13 @@ from events.subjects import BusNames
 from services.brokerauth import Installation, init_auth
 from services.enforcement.agent import Agent
 from services.enforcement.enforcers import NoneEnforcer
-from services.runtime.apiclient import ApiClient
-from services.runtime.bus import connect_bus, prefix_of
-from services.runtime.credentials import AuthDir
-from services.runtime.embedded import EmbeddedNats, free_port
-from services.runtime.eventloop import cancel_on_sigterm
-from services.runtime.gctuning import tune_for_long_lived_state
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.credentials import AuthDir
+from services.runtime.bus.jetstream import connect_bus, prefix_of
+from services.runtime.ground.eventloop import cancel_on_sigterm
+from services.runtime.ground.gctuning import tune_for_long_lived_state
+from services.runtime.ground.settings import Settings
+from services.runtime.ops.embedded import EmbeddedNats, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("relay", "claims", "reservation", "enforcement")

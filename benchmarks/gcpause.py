@@ -6,7 +6,7 @@ snapshot), tunes the collector as a service process does, then makes ``--churn``
 lived tracked objects of the shape a service makes per message (a few thousand in
 flight at a time), and reports, per generation, how many collections ran, the longest
 pause and their sum, and the wall time of the churn. Each run is its own process, with
-the survivors of full collections frozen (``freeze``: :func:`services.runtime.gctuning.
+the survivors of full collections frozen (``freeze``: :func:`services.runtime.ground.gctuning.
 freeze_survivors`, what ``dracap up`` and the service commands do) and without
 (``plain``), alternating; the figures are in ``docs/services.md`` (Growth).
 """
@@ -24,7 +24,7 @@ from typing import Any
 from benchmarks.eventlog import history
 from events.state import ClusterState
 from services.replay.verify import fold_rows, paused_gc
-from services.runtime.gctuning import freeze_survivors, tune_for_long_lived_state
+from services.runtime.ground.gctuning import freeze_survivors, tune_for_long_lived_state
 
 
 def folded(events: int) -> ClusterState:

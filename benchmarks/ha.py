@@ -68,9 +68,9 @@ from benchmarks.hatopology import NAMESPACE, PREFIX, Topology, running_topology
 from events.quantities import Quantity
 from events.subjects import BusNames
 from services.replay.verify import summary, verify
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.credentials import Credential
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.bus.credentials import Credential
+from services.runtime.ground.settings import Settings
 
 KINDS: Final = (
     "nats-kill",

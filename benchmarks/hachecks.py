@@ -44,9 +44,9 @@ from events.eventcodec import decode_stored
 from events.folding import Refusal, fold_stored
 from events.quantities import Quantity
 from events.state import ClusterState
-from services.runtime.eventstore import connect, iter_rows
-from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
-from services.runtime.settings import Settings
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import connect, iter_rows
+from services.runtime.store.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
 
 DeviceKey = tuple[str, str, str]  #: driver, pool, device
 DELETED: Final = frozenset({"released", "withdrawn"})

@@ -42,7 +42,7 @@ from typing import Final
 
 import asyncpg
 
-from services.runtime.credentials import AuthDir
+from services.runtime.bus.credentials import AuthDir
 from tests.fixtures.replicas import NatsCluster, PostgresPair, nats_cluster, postgres_pair
 
 ROOT: Final = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """What a service process's health checks cost: one round, and one ``/readyz``.
 
 Every service process runs a round of its checks every 0.5 s
-(:mod:`services.runtime.health`); this measures, against the real PostgreSQL and
+(:mod:`services.runtime.ops.health`); this measures, against the real PostgreSQL and
 nats-server, the round of the heaviest process (``postgres``: ``SELECT 1`` on the
 check's own connection; ``nats``: a flush; ``state``: in memory) and an HTTP GET of
 ``/readyz`` answered from the last round (no probing on request). Times are wall
@@ -18,14 +18,14 @@ import statistics
 import time
 import urllib.request
 
-from services.runtime.bus import connect_bus
-from services.runtime.health import (
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.metrics import start_metrics_server
+from services.runtime.ops.health import (
     HealthMonitor,
     PostgresProbe,
     bus_probe,
     serve,
 )
-from services.runtime.metrics import start_metrics_server
 
 
 def _quantiles(samples: list[float]) -> str:

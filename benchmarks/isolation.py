@@ -41,9 +41,9 @@ from typing import Any
 
 from benchmarks import pipeline
 from events.subjects import BusNames
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.gctuning import tune_for_long_lived_state
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.ground.gctuning import tune_for_long_lived_state
+from services.runtime.ground.settings import Settings
 
 NOISY = "noisy"
 

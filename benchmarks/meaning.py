@@ -34,7 +34,7 @@ from events.state import ClusterState
 from services.audit.records import build
 from services.billing.usage import apply as bill
 from services.claims.views import ClaimsTouched, claims_touched
-from services.runtime.slos import SloFold
+from services.runtime.ops.slos import SloFold
 from tests.integration import sample as s
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)

@@ -13,7 +13,7 @@ Two parts (issue 25, build 5; ``docs/services.md`` has the figures):
    ``--settle`` seconds the resident set is read again, halfway and at the end. The
    figures are the growth per 1,000 claims over all of them, and over the second half
    alone: by then the bounded caches (the consumers' confirmation window of 16,384
-   events, ``services/runtime/confirming.py``) are full, so it is what one more live
+   events, ``services/runtime/delivery/confirming.py``) are full, so it is what one more live
    claim costs. Kinds:
 
    * ``small``: the pipeline's claim (one request for 1Gi of a GPU), Ready;
@@ -57,8 +57,8 @@ from events.state import ClusterState
 from events.statecodec import snapshot_encode
 from events.subjects import BusNames
 from services.replay.verify import fold_rows, paused_gc
-from services.runtime.apiclient import ApiClient
-from services.runtime.gctuning import tune_for_long_lived_state
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.ground.gctuning import tune_for_long_lived_state
 
 KINDS = ("small", "large", "unschedulable")
 DECIDED = ("ready", "unschedulable")

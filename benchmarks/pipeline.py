@@ -88,15 +88,15 @@ import nats.js.errors
 
 from events.subjects import BusNames
 from events.tenancy import MAX_CLAIMS
-from services.runtime import migrating
-from services.runtime.apiclient import ApiClient
-from services.runtime.bus import connect_bus
-from services.runtime.credentials import Credential, read_credential
-from services.runtime.embedded import embedded_servers
-from services.runtime.endpoints import read_connection
-from services.runtime.gctuning import tune_for_long_lived_state
-from services.runtime.settings import Settings
-from services.up import READY_LINE
+from migrations import runner as migrating
+from services.commands.up import READY_LINE
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.credentials import Credential, read_credential
+from services.runtime.bus.endpoints import read_connection
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.gctuning import tune_for_long_lived_state
+from services.runtime.ground.settings import Settings
+from services.runtime.ops.embedded import embedded_servers
 
 NAMESPACE = "bench"
 DRIVER = "gpu.bench.dracap.io"

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from events.tenancy import PLACEMENTS
-from services.planning.command import DEFAULT_SIZES, fleets_of
+from services.commands.plan import DEFAULT_SIZES, fleets_of
 from services.planning.fleets import CONSUMABLE, parse_mode
 from services.planning.plotting import plot
 from services.planning.reporting import SIM_HEADER, result_rows

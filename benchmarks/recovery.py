@@ -47,8 +47,8 @@ import asyncpg
 
 from benchmarks import pipeline
 from events.subjects import BusNames
-from services.runtime.apiclient import ApiClient
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.ground.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,14 +30,14 @@ Two parts (``docs/forensics.md`` has the figures):
 2. **Start-up** (``--admin-url``; skipped with ``--no-database``): a fresh database,
    migrated, the same history loaded with binary ``COPY`` (as ``benchmarks/eventlog.py``
    does: bulk rows, no per-append work), then the time from nothing to a
-   :class:`~services.runtime.livestate.LiveState` current at the head (``load_snapshot``
+   :class:`~services.runtime.store.livestate.LiveState` current at the head (``load_snapshot``
    + ``fresh(HEAD)``, what ``dracap up`` does before its services start): without a
    snapshot, with one at the head, with one ``EVERY_EVENTS - 1`` events behind (the
    worst case of the writer's rule) and one 99,999 behind (the rule before). Also the
    snapshot's size and write time, and how long the event loop stalls while a
    snapshot is encoded: the longest gap between the ticks of a 10 ms timer task,
    encoding on the loop (as before) and in a forked child
-   (:func:`~services.runtime.snapshots.encode_detached`, now), and the ``fork()`` alone.
+   (:func:`~services.runtime.store.snapshots.encode_detached`, now), and the ``fork()`` alone.
 
 ``--example FILE`` instead writes the small demo log of ``docs/forensics.md`` (three
 tenants on one node over an hour, releases, a lease expiry and a fence) and exits.
@@ -71,17 +71,17 @@ from events.catalog import Event, schema_version_of, tag_of
 from events.envelopes import namespace_of, stream_of
 from events.eventcodec import encode_payload
 from events.statecodec import snapshot_encode
+from migrations import runner as migrating
 from services.replay.checkpoints import EVERY as CHECKPOINT_EVERY
 from services.replay.checkpoints import CheckpointWriter
 from services.replay.history import state_at
 from services.replay.logfile import CHUNK_BYTES, CheckpointLine, FileRow, LogWriter, read_end
 from services.replay.sources import DatabaseSource, FileSource
 from services.replay.transfer import check_file
-from services.runtime import migrating
-from services.runtime.eventstore import EventStore, _init_connection, connect
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.settings import Settings
-from services.runtime.snapshots import EVERY_EVENTS, encode_detached, write_snapshot
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore, _init_connection, connect
+from services.runtime.store.livestate import HEAD, LiveState
+from services.runtime.store.snapshots import EVERY_EVENTS, encode_detached, write_snapshot
 from tests.integration import sample as s
 
 

@@ -1,9 +1,9 @@
 """Time to receive a query reply whole, from one message to many parts.
 
-A query endpoint (:func:`services.runtime.queries.answering`, as the audit and
+A query endpoint (:func:`services.runtime.bus.queries.answering`, as the audit and
 billing subscribers serve theirs) answers with a reply of a given size; the CLI's
-:class:`~services.runtime.apiclient.ApiClient` asks for it and joins the parts
-(:mod:`services.runtime.replies`). The sizes go from one message (0.5 MB) to the
+:class:`~services.runtime.bus.apiclient.ApiClient` asks for it and joins the parts
+(:mod:`services.runtime.bus.replies`). The sizes go from one message (0.5 MB) to the
 length of a full ``dracap audit`` (10,000 records are about 4.5 MB) and beyond, on the
 broker's default ``max_payload`` of 1 MiB. What is measured is the request until the
 whole reply is decoded: serving, splitting, the bus, joining and JSON.
@@ -23,9 +23,9 @@ import uuid
 
 from benchmarks.pipeline import add_server_arguments
 from events.subjects import BusNames
-from services.runtime.apiclient import ApiClient
-from services.runtime.bus import connect_bus
-from services.runtime.replies import HEADROOM
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.bus.replies import HEADROOM
 from tests.fixtures.blobs import blob_endpoint
 
 SIZES = (500_000, 4_500_000, 20_000_000, 60_000_000)

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from events.tenancy import PLACEMENTS
-from services.planning.command import DEFAULT_SIZES, fleets_of
+from services.commands.plan import DEFAULT_SIZES, fleets_of
 from services.planning.fleets import parse_mode
 from services.planning.simulating import Options, simulate
 from services.planning.traces import SyntheticSpec, parse_sizes, rate_for_load, synthetic

@@ -8,7 +8,7 @@ whose ``dracap_service_active`` is 1:
 
 * ``kill``: SIGKILL (its session ends with its socket: the lock is released at once);
 * ``pause``: SIGSTOP (its session stays open until the server's ``idle_session_timeout``
-  ends it, :data:`services.runtime.leadership.TTL_S`), SIGCONT once the other took over.
+  ends it, :data:`services.runtime.ops.leadership.TTL_S`), SIGCONT once the other took over.
 
 and measures, from the moment the faulted relay can publish no more (its process
 reaped, or its state ``T``):
@@ -47,9 +47,9 @@ from pathlib import Path
 from benchmarks.fleet import scrape
 from benchmarks.pipeline import add_server_arguments, fresh_database
 from events.subjects import BusNames
-from services.runtime.bus import connect_bus
-from services.runtime.eventstore import EventStore
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore
 from tests.integration.test_bus import append_burst
 
 Rounds = dict[str, list[tuple[float, float]]]

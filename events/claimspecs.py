@@ -7,7 +7,7 @@ managed fields a client sent along) and opaque driver configuration
 (``spec.devices.config``, up to 32 entries of 10 KiB each) that only the driver on the
 node interprets. :class:`ClaimSpec` is the compact form the fold keeps instead; the
 manifest itself stays in the log (its ``ClaimSubmitted``), from where the few readers
-that show or copy it fetch it (``services.runtime.recorded``).
+that show or copy it fetch it (``services.runtime.store.recorded``).
 
 What each decision reads of a claim, and where it is here:
 

@@ -25,7 +25,7 @@ knows which events before it were refused, and ``dracap replay verify`` can name
 one. Folding a log never stops at an event: the log is append-only, so an event a
 reader stopped at would stop it forever. What a reader does with a :class:`Refusal`
 beyond that (count it, log it once, report it) is I/O and lives in
-:mod:`services.runtime.refusals`.
+:mod:`services.runtime.store.refusals`.
 
 Not a refusal: an event at a position that does not come after the state's
 (``InvariantViolation(..., "order", ...)`` is raised). Positions come from the reader's

@@ -37,7 +37,7 @@ it runs under (:data:`MAX_COST` unless the caller asks for less). Both are upstr
 rules, in cel-go's cost units (:mod:`events.celcost`). cel-python needs tens of
 microseconds per unit, so a selector near the limit runs for many seconds: a service
 that evaluates tenants' selectors keeps the expensive ones off its event loop
-(:mod:`services.runtime.selectorpool`).
+(:mod:`services.runtime.ops.selectorpool`).
 
 Performance: :func:`compile_selector` is cached on ``(expression, flag)``. Converting
 a :class:`DeviceView` into celpy values is done once per view object and stored in a

@@ -26,7 +26,7 @@ operators and the bridge; the reservation and reclamation services as themselves
 enforcement service as node agents (node agents have no database login since migration
 0012). ``AppendRefused`` has no writer: the database writes it itself.
 
-:mod:`services.runtime.payloadchecks` turns both tables into the database's functions,
+:mod:`services.runtime.store.payloadchecks` turns both tables into the database's functions,
 so the database and this module cannot disagree (a test compares the generated file with
 this module). A new event type must be listed here: the test of the catalog's coverage
 fails until it is, and the database refuses it from every service login meanwhile.

@@ -1,4 +1,4 @@
-"""Alembic migrations of dracap's PostgreSQL schema (run through ``services.runtime.migrating``).
+"""Alembic migrations of dracap's PostgreSQL schema (run through ``migrations.runner``).
 
 Database functions live in ``functions/<name>/<revision>.sql``, one file per version,
 in full (see :mod:`migrations.sqlfiles`): to change a function, add its new version

@@ -7,11 +7,11 @@ from alembic import context
 
 
 def app_role() -> str:
-    """The role's name, from the settings ``services.runtime.migrating`` passes in."""
+    """The role's name, from the settings ``migrations.runner`` passes in."""
     settings = context.config.attributes.get("settings")
     role = getattr(settings, "app_role", None)
     if role is None:
-        from services.runtime.settings import load_settings
+        from services.runtime.ground.settings import load_settings
 
         role = load_settings().app_role
     return str(role)

@@ -13,7 +13,7 @@ revision's installed definitions). No percent signs in the SQL: the migration dr
 treats them as placeholders.
 
 The one exception is ``functions/dracap_payload_checks.sql``, generated from the event
-catalog by ``services.runtime.payloadchecks`` (its own test guards it).
+catalog by ``services.runtime.store.payloadchecks`` (its own test guards it).
 """
 
 from __future__ import annotations

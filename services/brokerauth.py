@@ -7,11 +7,11 @@ reads the namespaces and nodes of an installation and writes, under an auth dire
 * ``accounts.conf``: the ``accounts`` block for nats-server (public keys only; start a
   server with ``-c accounts.conf`` or ``include`` it from the server's own file);
 * ``directory.json``: every user's public facts, from which a service names the
-  sender of a request (:func:`services.runtime.credentials.caller_of`,
-  :func:`~services.runtime.credentials.principal_of`);
+  sender of a request (:func:`services.runtime.bus.credentials.caller_of`,
+  :func:`~services.runtime.bus.credentials.principal_of`);
 * ``creds/<user>.nk``: one NKey seed file per user, mode 0600 — the seed alone, as the
   ``nats`` CLI (``--nkey``) and nats-py (``nkeys_seed=``) read it
-  (:mod:`services.runtime.credentials`).
+  (:mod:`services.runtime.bus.credentials`).
 
 Accounts
 --------
@@ -27,7 +27,7 @@ allow.
   that subject names. It exports ``$JS.API.>`` (one export), ``$JS.ACK.<stream>.>`` and
   ``{p}.ev.>`` to the accounts below, and each of them imports exactly the subjects its
   users' jobs need — the API subjects under the local prefix
-  :data:`~services.runtime.credentials.JS_API_PREFIX`, because nats-server answers
+  :data:`~services.runtime.bus.credentials.JS_API_PREFIX`, because nats-server answers
   ``$JS.API.>`` in every account itself. An answer to a request made across an import
   comes back into the requester's account, on the reply subject it named: there,
   nothing but that account's own imports exists, and nats-server does not let a
@@ -37,7 +37,7 @@ allow.
 * ``RELAY`` (the relay), ``RESERVATION`` (the reservation workers), ``ENFORCEMENT``
   (the enforcement service): one account per service kind, each importing its own
   JetStream subjects. ``LEDGER`` (the audit and billing subscribers) has no JetStream
-  subject at all: they read the log, not the bus (:mod:`services.runtime.projecting`);
+  subject at all: they read the log, not the bus (:mod:`services.runtime.delivery.projecting`);
   it only answers their queries.
 * ``DRACAP`` holds the claims API: it exports the API and watch subjects to the
   tenants' and operators' accounts, and imports the ledger's query subjects from
@@ -72,7 +72,7 @@ DRACAP stream ``{p}.watch.>``         OPERATORS
 ===================================== ========================= ===========================
 
 The service exports answer with ``response_type: stream``: a large reply comes in
-several messages (:mod:`services.runtime.replies`), a pull request in many.
+several messages (:mod:`services.runtime.bus.replies`), a pull request in many.
 
 Users and their permissions
 ---------------------------
@@ -82,7 +82,7 @@ permissions violation. docs/security.md has the table, and a test tries every
 JetStream operation and subject class with every kind of credential against it.
 Which service owns (creates) each durable consumer is :mod:`services.durables`'s.
 
-"Replies" are up to :data:`~services.runtime.replies.MAX_REPLY_PARTS` messages to the
+"Replies" are up to :data:`~services.runtime.bus.replies.MAX_REPLY_PARTS` messages to the
 reply subject of each request received (``allow_responses``). "Its inbox" is a prefix of
 the user's own (:attr:`Principal.inbox_prefix`), so a reply or a pulled message meant for
 one user never reaches another. An agent can neither publish to the event subjects nor
@@ -116,8 +116,7 @@ from events.model import Namespace, ResourceSlice
 from events.subjects import BusNames, node_token
 from services import durables
 from services.exitcodes import CommandError, ExitCode
-from services.runtime.bus import Durable
-from services.runtime.credentials import (
+from services.runtime.bus.credentials import (
     ACCOUNTS,
     AUTH_DIR,
     CREDS_DIR,
@@ -138,8 +137,9 @@ from services.runtime.credentials import (
     read_credential,
     write_private,
 )
-from services.runtime.pulling import MAX_EXPIRES_S
-from services.runtime.replies import MAX_REPLY_PARTS
+from services.runtime.bus.jetstream import Durable
+from services.runtime.bus.replies import MAX_REPLY_PARTS
+from services.runtime.delivery.pulling import MAX_EXPIRES_S
 
 __all__ = [
     "SERVICES",
@@ -153,7 +153,7 @@ __all__ = [
 SERVICES: Final = ("relay", "claims", "reservation", "ledger", "enforcement")
 #: How long the broker keeps the way back for the answers to one JetStream request after
 #: the last one: longer than any pull request waits (a service's expires within a
-#: second, a node agent's within :data:`~services.runtime.pulling.MAX_EXPIRES_S`), with
+#: second, a node agent's within :data:`~services.runtime.delivery.pulling.MAX_EXPIRES_S`), with
 #: room to spare. A request that outlived it (an agent's 20 s ones under "10s", once)
 #: stayed at the server with nobody to answer: the messages it was given were lost until
 #: the ack wait brought them back, 30 s later, and its end status never came.
@@ -250,7 +250,7 @@ class Permissions(msgspec.Struct, frozen=True):
             "publish": {"allow": self.publish},
             "subscribe": {"allow": self.subscribe},
         }
-        if self.allow_responses:  # a reply may come in parts (services.runtime.replies)
+        if self.allow_responses:  # a reply may come in parts (services.runtime.bus.replies)
             config["allow_responses"] = {"max": MAX_REPLY_PARTS}
         return config
 

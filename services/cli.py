@@ -12,12 +12,12 @@ and its one-line help, so ``dracap --help`` lists every command without importin
 them, and ``dracap claim list`` imports ``services.claims.command`` alone (which in turn
 imports what listing claims needs, not the manifest loader or the CEL parser). nats-py
 imports aiohttp (0.1 s) for a WebSocket transport dracap never uses: the CLI defers that
-import to its first use (:mod:`services.runtime.deferred`). ``tests/unit/test_cli_main.py``
+import to its first use (:mod:`services.runtime.ground.deferred`). ``tests/unit/test_cli_main.py``
 checks both; docs/operations.md gives the figures.
 
 Errors
 ------
-Every command finds its servers the same way (:mod:`services.runtime.endpoints`), and
+Every command finds its servers the same way (:mod:`services.runtime.bus.endpoints`), and
 an expected failure — no server configured or reachable, a missing database, a server
 that does not answer in time, a :class:`~services.exitcodes.CommandError` — is one
 line on stderr, never a traceback. The error types of modules the command did not
@@ -58,7 +58,8 @@ class Command(NamedTuple):
 #: exit code) and the line ``dracap --help`` shows for it — the one home of that line.
 COMMANDS: Final = {
     "up": Command(
-        "services.up", "run the whole control plane in one process (embedded servers if needed)"
+        "services.commands.up",
+        "run the whole control plane in one process (embedded servers if needed)",
     ),
     "apply": Command(
         "services.claims.objects",
@@ -76,58 +77,58 @@ COMMANDS: Final = {
     "class": Command("services.claims.command", "list DeviceClasses, set one's mode or remove it"),
     "node": Command("services.claims.command", "node leases, lost nodes and fencing"),
     "audit": Command(
-        "services.audit.command", "who did what to which share, when and why (audit records)"
+        "services.commands.audit", "who did what to which share, when and why (audit records)"
     ),
     "usage": Command(
-        "services.billing.command",
+        "services.commands.usage",
         "usage per namespace and DeviceClass (GiB-hours, Gbit/s-hours), unknown apart",
     ),
     "report": Command(
-        "services.report.command",
+        "services.commands.report",
         "the Grafana dashboard's panels as one PNG, computed from the event log",
     ),
     "replay": Command(
-        "services.replay.command",
+        "services.commands.replay",
         "replay the event log (forensics): verify, state, timeline, diff, plot, export, …",
     ),
     "allocate": Command(
-        "services.reservation.command",
+        "services.commands.allocate",
         "decide ResourceClaims against DeviceClasses and ResourceSlices from files",
     ),
     "simulate": Command(
-        "services.planning.command",
+        "services.commands.plan",
         "simulate a trace of claims per mode and placement policy on the real allocator",
     ),
     "plan": Command(
-        "services.planning.command", "capacity math step by step, from raw to schedulable"
+        "services.commands.plan", "capacity math step by step, from raw to schedulable"
     ),
     "serve": Command(
-        "services.serve",
+        "services.commands.serve",
         "run one control-plane service as its own process (relay, claims, reservation, "
         "enforcement, kubernetes-bridge)",
     ),
     "agent": Command(
-        "services.enforcement.command",
+        "services.commands.agent",
         "run the node agent of one node (applies and removes share limits)",
     ),
     "reclaim": Command(
-        "services.reclamation.command",
+        "services.commands.reclaim",
         "run the reclamation service (node lease expiry, fence hook)",
     ),
     "auth": Command("services.brokerauth", "broker accounts, users and credentials"),
-    "db": Command("services.runtime.dbcommand", "database schema migrations and database users"),
-    "prove": Command("services.prove", "prove on this machine that limits hold"),
+    "db": Command("services.commands.db", "database schema migrations and database users"),
+    "prove": Command("services.commands.prove", "prove on this machine that limits hold"),
 }
 COMMAND_MODULES: Final = tuple(dict.fromkeys(c.module for c in COMMANDS.values()))
 #: The exceptions that are one line on stderr (module, class, exit code; ``None``: bad
 #: input for the ``bad_input`` ones, else an error), once their module is loaded.
 _ONE_LINE: Final = (
-    ("services.runtime.endpoints", "ConnectionFileError", ExitCode.BAD_INPUT),
-    ("services.runtime.credentials", "CredentialError", ExitCode.BAD_INPUT),
-    ("services.runtime.loginfiles", "LoginFileError", ExitCode.BAD_INPUT),
-    ("services.runtime.settings", "SettingsError", ExitCode.BAD_INPUT),
-    ("services.runtime.endpoints", "EndpointError", ExitCode.ERROR),
-    ("services.runtime.errors", "RetryableError", ExitCode.ERROR),
+    ("services.runtime.bus.endpoints", "ConnectionFileError", ExitCode.BAD_INPUT),
+    ("services.runtime.bus.credentials", "CredentialError", ExitCode.BAD_INPUT),
+    ("services.runtime.ground.loginfiles", "LoginFileError", ExitCode.BAD_INPUT),
+    ("services.runtime.ground.settings", "SettingsError", ExitCode.BAD_INPUT),
+    ("services.runtime.bus.endpoints", "EndpointError", ExitCode.ERROR),
+    ("services.runtime.ground.errors", "RetryableError", ExitCode.ERROR),
 )
 
 
@@ -175,7 +176,7 @@ def _stop_now(_signum: int, _frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # this process is the command: SIGTERM before it runs ends it (130)
         signal.signal(signal.SIGTERM, _stop_now)
-        from services.runtime.deferred import defer_unused_imports
+        from services.runtime.ground.deferred import defer_unused_imports
 
         defer_unused_imports()
     try:
@@ -219,7 +220,7 @@ def _dispatch(argv: list[str]) -> int:
 
 
 def _say(exc: BaseException) -> None:
-    from services.runtime.printable import printable
+    from services.runtime.ground.printable import printable
 
     print(f"error: {printable(exc)}", file=sys.stderr)
 

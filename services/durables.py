@@ -20,10 +20,10 @@ durable                                  filter          read by            owne
                                                                             missing)
 ======================================== ============== ================== ===============
 
-The relay owns the stream as well (:mod:`services.runtime.rebuilding`), and the broker's
+The relay owns the stream as well (:mod:`services.runtime.delivery.rebuilding`), and the broker's
 accounts (:mod:`services.brokerauth`) grant exactly these powers: the owner may create
 and read its durables, the reader may pull and acknowledge. The audit and billing
-subscribers have none: they read the log (:mod:`services.runtime.projecting`).
+subscribers have none: they read the log (:mod:`services.runtime.delivery.projecting`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 from events.subjects import BusNames
 from services.enforcement import consumer
 from services.reservation.service import durables as reservation_durables
-from services.runtime.bus import Durable
+from services.runtime.bus.jetstream import Durable
 
 __all__ = ["agent", "relay_owned", "reservation"]
 

@@ -1,7 +1,7 @@
 """The stack: every service of the control plane as supervised asyncio tasks in one loop.
 
 :class:`Stack` is what ``dracap up`` runs once its servers, migrations, database users
-and bus are in place (:mod:`services.up`), and what the integration tests,
+and bus are in place (:mod:`services.commands.up`), and what the integration tests,
 ``dracap prove`` and ``benchmarks/pipeline.py`` start on their own database and subject
 prefix. :func:`start_services` starts, in order: the relay (which owns the stream and
 the services' durable consumers), the live state from the newest snapshot that
@@ -43,15 +43,15 @@ from events import model
 from events.manifests import load_paths
 from events.subjects import BusNames
 from services.claims.objects import apply_objects
-from services.runtime.apiclient import ApiClient
-from services.runtime.credentials import AuthDir, Credential, Directory, read_directory
-from services.runtime.eventstore import EventStore
-from services.runtime.outages import one_line
-from services.runtime.servicestores import ServiceStores
-from services.runtime.settings import ServiceKind, Settings
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.credentials import AuthDir, Credential, Directory, read_directory
+from services.runtime.ground.outages import one_line
+from services.runtime.ground.settings import ServiceKind, Settings
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.servicestores import ServiceStores
 
 if TYPE_CHECKING:
-    from services.runtime.gauges import CapacityGauges
+    from services.runtime.ops.gauges import CapacityGauges
 
 STOP_GRACE_S: Final = 10.0
 RESTART_MIN_S: Final = 0.5
@@ -211,7 +211,7 @@ class Stack:
     ) -> AsyncIterator[Stack]:
         """``auth``: connect each service as its own broker user (:mod:`services.brokerauth`)
         and require the broker's identity on API requests; None: one anonymous connection."""
-        from services.runtime.bus import connect_bus
+        from services.runtime.bus.jetstream import connect_bus
 
         stores = await ServiceStores.open(settings)
         connections: list[Any] = []
@@ -303,14 +303,14 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     from services.enforcement.service import STORE_KIND, EnforcementService
     from services.reclamation.service import ReclamationService
     from services.reservation.service import ReservationService
-    from services.runtime.bus import prefix_of
-    from services.runtime.gauges import CapacityGauges, initialise_series
-    from services.runtime.holdings import HeldCapacity
-    from services.runtime.livestate import HEAD, LiveState
-    from services.runtime.rebuilding import BusKeeper
-    from services.runtime.relaying import Relay
-    from services.runtime.slos import SloTracker
-    from services.runtime.snapshots import serve_snapshots
+    from services.runtime.bus.jetstream import prefix_of
+    from services.runtime.delivery.rebuilding import BusKeeper
+    from services.runtime.delivery.relaying import Relay
+    from services.runtime.ops.gauges import CapacityGauges, initialise_series
+    from services.runtime.ops.holdings import HeldCapacity
+    from services.runtime.ops.slos import SloTracker
+    from services.runtime.store.livestate import HEAD, LiveState
+    from services.runtime.store.snapshots import serve_snapshots
 
     js, names, stop, stores = stack.js, stack.names, stack.stop, stack.stores
     relay_store = stores.of(ServiceKind.RELAY)

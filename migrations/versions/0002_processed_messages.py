@@ -4,7 +4,7 @@ Revision ID: 0002
 Revises: 0001
 Create Date: 2026-12-02
 
-Design: a consumer (:mod:`services.runtime.consuming`) inserts ``(consumer,
+Design: a consumer (:mod:`services.runtime.delivery.consuming`) inserts ``(consumer,
 event_id)`` into ``processed_messages`` in the same transaction as the events its
 handler appends and its checkpoint. The primary key makes a redelivered message a
 conflict ("already done"), so JetStream's at-least-once delivery becomes

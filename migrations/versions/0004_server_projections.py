@@ -12,7 +12,7 @@ not the database, bounded how fast the whole control plane could go.
 
 ``dracap_project(base, ops)`` applies the row changes of :mod:`events.ledger` in log
 order, one by one, with the same statements as the client-side path
-(:mod:`services.runtime.projecting`). ``ops`` is one JSON array; each op is
+(:mod:`services.runtime.delivery.projecting`). ``ops`` is one JSON array; each op is
 ``[kind, offset, arg, ...]``, the event's position being ``base + offset`` and the
 arguments those of the client-side statement, in its order. A capacity that no slice
 published raises SQLSTATE ``DR002`` (``CapacityNotPublished``); the ledger's checks and
@@ -25,7 +25,7 @@ happens in the server right after: the head lock is held for the server's own wo
 only. With a ``consumer`` it first records the ``processed`` message ids in
 ``processed_messages`` (before taking the head lock); if any was recorded before it
 raises SQLSTATE ``DR003`` and nothing is written — a bus consumer's whole group then
-commits in this one statement (:mod:`services.runtime.consuming`).
+commits in this one statement (:mod:`services.runtime.delivery.consuming`).
 
 ``dracap_lock(key)`` takes a session-level advisory lock and returns the log's head
 read after the lock was granted: a consumer that serialises its handlers on a lock

@@ -28,7 +28,7 @@ Design (docs/database-roles.md has the long form and the grant table):
   without any privilege on the tables themselves. The reservation service keeps
   ``INSERT`` on ``events`` and the guard tables for the bulk path (``COPY``); the store
   sees whether its role may take that path and otherwise sends every append through the
-  function (``services.runtime.eventstore``).
+  function (``services.runtime.store.eventstore``).
 
 * **Node-bound roles.** ``dracap_node_roles`` maps a login role to the one node it acts
   for (``dracap db node-role NODE`` creates and binds one). When the *session* user

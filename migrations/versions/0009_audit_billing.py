@@ -7,13 +7,13 @@ Create Date: 2026-12-08
 Both subscribers (``services/audit``, ``services/billing``; ``docs/audit-billing.md``)
 are durable consumers of the bus that keep what they derive in tables of their own,
 written in the same transaction as the messages' ``processed_messages`` rows
-(``Handled.writes``, :mod:`services.runtime.consuming`), so each row exists exactly
+(``Handled.writes``, :mod:`services.runtime.delivery.consuming`), so each row exists exactly
 once however often a message is delivered. None of these tables is the truth: each is
 a function of the log and could be rebuilt by consuming it again.
 
 * ``ledger_positions``: how far in the log each subscriber has applied, moved in the
   same transaction as its rows (the subscriber reads the log from there, in order:
-  ``services/runtime/projecting.py``);
+  ``services/runtime/delivery/projecting.py``);
 * ``audit_records``: one row per decision or change, keyed by its log position and a
   sequence number within the event (a fence gives a row per share it released);
 * ``audit_shares``: what the audit knows of each share (namespace, claim, request,

@@ -5,7 +5,7 @@ Revises: 0009
 Create Date: 2026-12-09
 
 The snapshot writer (``dracap replay snapshot``, and the one inside ``dracap up``;
-``services/runtime/snapshots.py``) folds the log and stores the fold in ``snapshots``,
+``services/runtime/store/snapshots.py``) folds the log and stores the fold in ``snapshots``,
 then prunes all but the newest few. No role of 0006 or 0009 may write that table (they
 read it), so until now the writer ran as the database's administrator. ``dracap_snapshots``
 reads the log and may ``SELECT, INSERT, UPDATE, DELETE`` on ``snapshots`` (``UPDATE``: a

@@ -11,7 +11,7 @@ from no event, commit a payload the fold cannot decode, date its events with its
 clock, and the reservation login could write the log's tables directly. From here:
 
 * **payloads are checked against the catalog** (``dracap_payload_error``, generated from
-  ``events/catalog.py`` by :mod:`services.runtime.payloadchecks` into
+  ``events/catalog.py`` by :mod:`services.runtime.store.payloadchecks` into
   ``migrations/functions/dracap_payload_checks.sql``; its digest is :data:`CATALOG`):
   an event msgspec would not decode, nested free JSON deeper than 100 levels, an unknown
   type or an old schema version is refused (SQLSTATE ``DR006``) for every caller;
@@ -112,7 +112,7 @@ RELEASE_HELD = "dracap_release_held(uuid, bigint)"
 
 
 def _payload_check_functions() -> list[str]:
-    checks = importlib.import_module("services.runtime.payloadchecks")
+    checks = importlib.import_module("services.runtime.store.payloadchecks")
     names: list[str] = checks.function_names()
     return names
 
@@ -185,7 +185,7 @@ JOBS = {
 
 def payload_checks_sql() -> str:
     """The payload checks and writers with this revision's :data:`JOBS`."""
-    checks = importlib.import_module("services.runtime.payloadchecks")
+    checks = importlib.import_module("services.runtime.store.payloadchecks")
     text: str = checks.generate(JOBS)
     return text.rstrip().rstrip(";")
 

@@ -1,7 +1,7 @@
 """The audit subscriber: every decision and change of the log, as rows people can query.
 
 A :class:`AuditService` is a catch-up projector of the log (``audit``,
-:mod:`services.runtime.projecting`): it reads every event from its position in
+:mod:`services.runtime.delivery.projecting`): it reads every event from its position in
 ``ledger_positions``, in log order, and writes nothing to the log. Per batch of events
 (hundreds under load, one transaction, a bounded number of statements whatever its
 size), :func:`write_update`
@@ -21,7 +21,7 @@ position key). (A share the log never reserved is recorded without a namespace r
 than stopping the audit: :mod:`services.audit.records`.)
 
 Queries (:func:`query`) read ``audit_records`` with the filters of ``dracap audit``;
-the tenant endpoint scopes them to the subject's namespace (:mod:`services.runtime.queries`).
+the tenant endpoint scopes them to the subject's namespace (:mod:`services.runtime.bus.queries`).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from nats.aio.client import Client
 from events.envelopes import Envelope
 from events.subjects import BusNames
 from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, Update, build, needs
-from services.runtime.credentials import Directory
-from services.runtime.eventstore import Connection, EventStore
-from services.runtime.livestate import LiveState
-from services.runtime.queries import QueryError, limited_to
-from services.runtime.subscribers import QueryingSubscriber, decode_query
+from services.runtime.bus.credentials import Directory
+from services.runtime.bus.queries import QueryError, limited_to
+from services.runtime.delivery.subscribers import QueryingSubscriber, decode_query
+from services.runtime.store.eventstore import Connection, EventStore
+from services.runtime.store.livestate import LiveState
 
 __all__ = [
     "CONSUMER",

@@ -23,9 +23,9 @@ from typing import Any, Final
 from events.envelopes import Envelope
 from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, build, needs
 from services.audit.service import CONSUMER, RECORDS, SHARES, record_of, share_of
-from services.runtime.eventstore import Connection, iter_rows
-from services.runtime.rows import envelope_of
-from services.runtime.subscribers import Difference, differences
+from services.runtime.delivery.subscribers import Difference, differences
+from services.runtime.store.eventstore import Connection, iter_rows
+from services.runtime.store.rows import envelope_of
 
 __all__ = ["PAGE", "verify"]
 

@@ -1,7 +1,7 @@
 """The billing subscriber: usage per namespace and DeviceClass, rolled up per hour.
 
 A :class:`BillingService` is a catch-up projector of the log (``billing``,
-:mod:`services.runtime.projecting`) that reads only the events of :data:`EVENTS` (the
+:mod:`services.runtime.delivery.projecting`) that reads only the events of :data:`EVENTS` (the
 database filters them; its position moves past the others all the same) and writes
 nothing to the log. Per batch (one transaction, a bounded number of statements
 whatever its size), :func:`write_update`
@@ -53,12 +53,12 @@ from services.billing.usage import (
     needs,
     usage_rows,
 )
-from services.runtime.credentials import Directory
-from services.runtime.eventstore import Connection, EventStore
-from services.runtime.livestate import LiveState
-from services.runtime.metrics import USAGE
-from services.runtime.queries import limited_to
-from services.runtime.subscribers import QueryingSubscriber, decode_query
+from services.runtime.bus.credentials import Directory
+from services.runtime.bus.queries import limited_to
+from services.runtime.delivery.subscribers import QueryingSubscriber, decode_query
+from services.runtime.ground.metrics import USAGE
+from services.runtime.store.eventstore import Connection, EventStore
+from services.runtime.store.livestate import LiveState
 
 __all__ = [
     "CONSUMER",

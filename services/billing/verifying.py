@@ -27,9 +27,9 @@ import msgspec
 from events.envelopes import Envelope
 from services.billing.service import CONSUMER, SHARES, TYPES, share_of
 from services.billing.usage import BillingShare, NodeEpochs, Update, apply, needs
-from services.runtime.eventstore import Connection, iter_rows
-from services.runtime.rows import TYPE, envelope_of
-from services.runtime.subscribers import Difference, differences
+from services.runtime.delivery.subscribers import Difference, differences
+from services.runtime.store.eventstore import Connection, iter_rows
+from services.runtime.store.rows import TYPE, envelope_of
 
 __all__ = ["PAGE", "verify"]
 

@@ -76,7 +76,7 @@ registers the endpoints.
 
 Requests are served concurrently (a task per request, at most ``concurrency`` at a
 time); decisions serialise only on the live state's lock, and the tenant writes of
-concurrent requests are committed together (:mod:`services.runtime.committing`), each
+concurrent requests are committed together (:mod:`services.runtime.store.committing`), each
 still with its own stream's expected version.
 
 Watch
@@ -107,7 +107,7 @@ from services.claims.apicore import AdminOperation, TenantOperation
 from services.claims.apitenant import TenantReads
 from services.claims.apiwatch import WatchApi
 from services.claims.apiwrites import TenantWrites
-from services.runtime.metrics import REJECTIONS
+from services.runtime.ground.metrics import REJECTIONS
 
 __all__ = ["ADMIN_OPS", "TENANT_OPS", "ClaimsApi"]
 

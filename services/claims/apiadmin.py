@@ -45,10 +45,10 @@ from services.claims.admission import MAX_MANIFEST_BYTES
 from services.claims.apicore import ApiCore, InvalidRequestError, decode_request, refusal_reply
 from services.claims.kubeobjects import class_objects, namespace_objects, slice_objects
 from services.claims.views import LeaseRow, class_views, device_views, node_views, policy_views
-from services.runtime.appends import Batch, Metadata
-from services.runtime.errors import CapacityExceeded
-from services.runtime.livestate import HEAD, SEEN
-from services.runtime.queries import error_reply, ok_reply
+from services.runtime.bus.queries import error_reply, ok_reply
+from services.runtime.ground.errors import CapacityExceeded
+from services.runtime.store.appends import Batch, Metadata
+from services.runtime.store.livestate import HEAD, SEEN
 
 __all__ = ["AdminApi", "NodeName"]
 

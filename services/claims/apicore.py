@@ -40,16 +40,16 @@ from events.subjects import BusNames
 from services.claims.adminwrites import AdminWrite
 from services.claims.admission import DeviceLimits, Refusal
 from services.claims.views import ClaimsTouched, ClaimView, claim_view
-from services.runtime import recorded
-from services.runtime.appends import AdmissionPremise
-from services.runtime.committing import GroupCommitter
-from services.runtime.credentials import Directory
-from services.runtime.errors import ConflictError, RetryableError
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import HEAD, SEEN, LiveState
-from services.runtime.outages import is_unreachable, one_line
-from services.runtime.queries import admin_caller, error_reply, send_reply, tenant_caller
-from services.runtime.selectorpool import SelectorPool
+from services.runtime.bus.credentials import Directory
+from services.runtime.bus.queries import admin_caller, error_reply, send_reply, tenant_caller
+from services.runtime.ground.errors import ConflictError, RetryableError
+from services.runtime.ground.outages import is_unreachable, one_line
+from services.runtime.ops.selectorpool import SelectorPool
+from services.runtime.store import recorded
+from services.runtime.store.appends import AdmissionPremise
+from services.runtime.store.committing import GroupCommitter
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, SEEN, LiveState
 
 __all__ = [
     "AdminOperation",

@@ -3,7 +3,7 @@
 Each answers from the live state, fresh with everything this process has appended or
 been notified of (``live.fresh(SEEN)``). A claim's view carries its allocation whole:
 what the fold keeps without its configuration is read from the log
-(:mod:`services.runtime.recorded`), and the ResourceClaim objects of ``get`` and
+(:mod:`services.runtime.store.recorded`), and the ResourceClaim objects of ``get`` and
 ``list`` (``{"objects": true}``) are built from the manifests the state folded, read
 while the state is held still. Withdrawn and released claims are not listed.
 """
@@ -21,9 +21,9 @@ from events.state import ClaimState, ClusterState
 from services.claims.apicore import ApiCore, NameRequest, decode_request, not_found_reply
 from services.claims.kubeobjects import resource_claim_object
 from services.claims.views import claim_view, tenant_device_views
-from services.runtime import recorded
-from services.runtime.livestate import SEEN
-from services.runtime.queries import ok_reply
+from services.runtime.bus.queries import ok_reply
+from services.runtime.store import recorded
+from services.runtime.store.livestate import SEEN
 
 __all__ = ["TenantReads"]
 

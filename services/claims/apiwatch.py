@@ -20,9 +20,9 @@ from events.fieldchecks import DNS_SUBDOMAIN_RULE, is_dns_subdomain
 from events.state import ClaimState
 from services.claims.apicore import ApiCore, InvalidRequestError, decode_request
 from services.claims.views import claim_view
-from services.runtime import recorded
-from services.runtime.outages import is_unreachable, one_line
-from services.runtime.queries import ok_reply
+from services.runtime.bus.queries import ok_reply
+from services.runtime.ground.outages import is_unreachable, one_line
+from services.runtime.store import recorded
 
 __all__ = ["WatchApi"]
 

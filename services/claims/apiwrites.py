@@ -8,7 +8,7 @@ is folded (:meth:`TenantWrites._hold`), so concurrent applies of this instance c
 overrun it; what other replicas wrote and this fold lacks is the database's to catch:
 every admission appends with its premise (the fold's position, the classes the claim
 names and, with a quota, the claims in flight it counted,
-:class:`~services.runtime.appends.AdmissionPremise`), which the append refuses as a
+:class:`~services.runtime.store.appends.AdmissionPremise`), which the append refuses as a
 conflict when another claim of the namespace was admitted meanwhile (with a quota), or
 the namespace's access record or a named class's mode or existence changed, and the
 apply is decided again on the whole log (at most :data:`QUOTA_RACES` times;
@@ -49,11 +49,11 @@ from services.claims.apicore import (
     not_found_reply,
     refusal_reply,
 )
-from services.runtime.appends import AdmissionPremise
-from services.runtime.errors import ConflictError
-from services.runtime.livestate import SEEN
-from services.runtime.metrics import ADMISSION_RACES, CLAIMS, REJECTIONS
-from services.runtime.queries import error_reply, ok_reply
+from services.runtime.bus.queries import error_reply, ok_reply
+from services.runtime.ground.errors import ConflictError
+from services.runtime.ground.metrics import ADMISSION_RACES, CLAIMS, REJECTIONS
+from services.runtime.store.appends import AdmissionPremise
+from services.runtime.store.livestate import SEEN
 
 __all__ = ["CHECKS_PER_NAMESPACE", "QUOTA_RACES", "TenantWrites", "premise_stream"]
 

@@ -56,14 +56,14 @@ from services.claims.mirroring import (
     decide_deleted,
 )
 from services.claims.views import ClaimsTouched
-from services.runtime.appends import Batch, Metadata
-from services.runtime.errors import ConflictError
-from services.runtime.eventstore import EventStore
+from services.runtime.ground.errors import ConflictError
+from services.runtime.ground.metrics import KUBERNETES_MIRROR, KUBERNETES_STATUS_WRITES
 from services.runtime.kube.client import KubeApi
 from services.runtime.kube.errors import Conflict, KubeApiError, NotFound, Retryable
 from services.runtime.kube.informer import Checkpoint, ClaimInformer
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.metrics import KUBERNETES_MIRROR, KUBERNETES_STATUS_WRITES
+from services.runtime.store.appends import Batch, Metadata
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, LiveState
 
 __all__ = ["Bridge"]
 

@@ -5,7 +5,7 @@ NATS request/reply calls to the claims API (``names.api(namespace, op)``) or the
 API (``names.admin(op)``), the subjects of :class:`events.subjects.BusNames`; payloads
 are in ``docs/services.md``. Replies are JSON, ``{"ok": true, ...}`` or ``{"ok": false,
 "error": {"code", "field", "rule", "message"}}``;
-:class:`~services.runtime.apiclient.ApiClient` turns the second form into an
+:class:`~services.runtime.bus.apiclient.ApiClient` turns the second form into an
 ``ApiError``, whose ``code`` picks the exit code (:mod:`services.exitcodes`):
 ``invalid`` -> 2, ``not_found`` -> 3, ``rejected`` / ``conflict`` -> 4. A server that
 does not answer (no ``dracap up`` running, wrong prefix) is exit code 1.
@@ -16,7 +16,7 @@ Where the API is
 ``<data-dir>/connection.json`` written by ``dracap up`` (``--data-dir``, default
 ``.dracap``). The subject prefix comes from ``--prefix``, else ``connection.json``, else
 ``dracap``. Every command resolves its servers this way
-(:mod:`services.runtime.endpoints`).
+(:mod:`services.runtime.bus.endpoints`).
 
 Size
 ----
@@ -68,9 +68,9 @@ from typing import Any, Final
 from events.catalog import CLASS_MODES, ENFORCEMENT_LEVELS
 from events.state import TERMINAL_PHASES
 from services.exitcodes import CommandError, ExitCode
-from services.runtime.apiclient import ApiClient
-from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args
-from services.runtime.printable import json_text, table, yaml_text
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.endpoints import add_endpoint_arguments, endpoints_from_args
+from services.runtime.ground.printable import json_text, table, yaml_text
 
 __all__ = ["claim_manifest", "claim_rows", "emit", "read_claims", "register"]
 
@@ -186,7 +186,7 @@ def device_rows(devices: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 def emit(output: str, data: Any, render_table: Callable[[], str]) -> None:
     """``data`` as JSON or YAML, or the table ``render_table`` gives, each escaped for a
-    terminal (:mod:`services.runtime.printable`)."""
+    terminal (:mod:`services.runtime.ground.printable`)."""
     if output == "json":
         print(json_text(json.dumps(data, indent=2)))
     elif output == "yaml":

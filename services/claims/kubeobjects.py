@@ -193,7 +193,7 @@ def resource_claim_object(
     """``claim`` as a ResourceClaim of ``resource.k8s.io/v1``, ``view`` under ``dracap``.
 
     ``recorded``: the manifest as submitted, ``allocation``: the current allocation whole,
-    both read from the log (the fold keeps neither whole: ``services.runtime.recorded``);
+    both read from the log (the fold keeps neither whole: ``services.runtime.store.recorded``);
     without them, ``metadata`` and ``spec`` are bare and the allocation is the fold's.
     """
     metadata: dict[str, Any] = {}

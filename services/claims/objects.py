@@ -57,9 +57,9 @@ from typing import Any, Final, NamedTuple
 
 from services.claims.command import CLAIM_HEADER, claim_manifest, claim_rows, emit
 from services.exitcodes import CommandError, ExitCode
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.endpoints import add_endpoint_arguments, endpoints_from_args
-from services.runtime.printable import table
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.bus.endpoints import add_endpoint_arguments, endpoints_from_args
+from services.runtime.ground.printable import table
 
 __all__ = ["KINDS", "Applied", "Kind", "apply_objects", "kind_of", "read_objects", "register"]
 

@@ -2,7 +2,7 @@
 
 Every reply of the tenant and admin APIs is one JSON object, either
 ``{"ok": true, ...}`` or ``{"ok": false, "error": {code, field, rule, message}}``
-(:func:`services.runtime.queries.ok_reply` / ``error_reply``, shared with the audit and
+(:func:`services.runtime.bus.queries.ok_reply` / ``error_reply``, shared with the audit and
 billing queries). Views are computed from
 :class:`events.state.ClusterState` on demand, never stored:
 

@@ -199,9 +199,9 @@ from services.enforcement.protocol import Report as ReportRequest
 from services.enforcement.reconciling import plan_reconcile, plan_return
 from services.enforcement.scanning import InventoryScanner
 from services.enforcement.views import NodeView
-from services.runtime.errors import ConflictError, RetryableError
-from services.runtime.metrics import CLAIMS, ENFORCEMENT_LATENCY
-from services.runtime.slos import known_class
+from services.runtime.ground.errors import ConflictError, RetryableError
+from services.runtime.ground.metrics import CLAIMS, ENFORCEMENT_LATENCY
+from services.runtime.ops.slos import known_class
 
 __all__ = ["Agent", "consumer_name"]
 

@@ -7,10 +7,10 @@ tree, by the refusal's code (never its text):
 ================= ====================================================================
 refusal / failure raised as
 ================= ====================================================================
-``conflict``      :class:`~services.runtime.errors.ConflictError`: decide again
-``stale_epoch``   :class:`~services.runtime.errors.StaleEpoch`: take the next lease
-``unavailable``   :class:`~services.runtime.errors.RetryableError`
-no answer         :class:`~services.runtime.errors.RetryableError` (nobody listens, a
+``conflict``      :class:`~services.runtime.ground.errors.ConflictError`: decide again
+``stale_epoch``   :class:`~services.runtime.ground.errors.StaleEpoch`: take the next lease
+``unavailable``   :class:`~services.runtime.ground.errors.RetryableError`
+no answer         :class:`~services.runtime.ground.errors.RetryableError` (nobody listens, a
                   timeout, the connection away): an outage, as a database away was
 ``forbidden``,    :class:`Refused` (permanent: the same request fails the same way)
 ``invalid``,
@@ -18,7 +18,7 @@ no answer         :class:`~services.runtime.errors.RetryableError` (nobody liste
 ================= ====================================================================
 
 Views and reports, whose answers may come in parts, all come back to one subscription
-of the agent's connection (:class:`~services.runtime.apiclient.Inbox`), not to a
+of the agent's connection (:class:`~services.runtime.bus.apiclient.Inbox`), not to a
 subscription made and dropped per request.
 
 It remembers the newest log position the agent's own writes reached (its lease, its
@@ -55,8 +55,9 @@ from services.enforcement.protocol import (
     encode,
 )
 from services.enforcement.views import NodeView, decode_view
-from services.runtime.apiclient import Inbox
-from services.runtime.errors import (
+from services.runtime.bus.apiclient import Inbox
+from services.runtime.bus.replies import ReplyPartError
+from services.runtime.ground.errors import (
     ConflictError,
     PermanentError,
     RetryableError,
@@ -64,7 +65,6 @@ from services.runtime.errors import (
     StaleEpoch,
     map_bus_error,
 )
-from services.runtime.replies import ReplyPartError
 
 __all__ = ["REQUEST_TIMEOUT_S", "ControlPlane", "Refused"]
 

@@ -5,8 +5,8 @@ The node's events reach its agent through the durable JetStream consumer
 creates when the agent takes its lease; the agent's credential may only pull from it
 (``$JS.API.CONSUMER.MSG.NEXT``) and acknowledge its messages (``$JS.ACK``).
 :class:`NodeConsumer` keeps pull requests outstanding
-(:class:`~services.runtime.pulling.Puller`) and hands what arrived to the agent in
-groups, as :class:`services.runtime.consuming.Consumer` does for the services, but
+(:class:`~services.runtime.delivery.pulling.Puller`) and hands what arrived to the agent in
+groups, as :class:`services.runtime.delivery.consuming.Consumer` does for the services, but
 everything that needs the log goes through the agent's handler and the enforcement
 service:
 
@@ -36,11 +36,11 @@ service:
   nak'd with back-off, and on its ``max_deliver``-th delivery it is dead-lettered
   (``MessageDeadLettered``, reported like any other event, with the message recorded
   as handled) and terminated. A failure that says the service cannot be reached
-  (:class:`~services.runtime.errors.RetryableError`) is an outage: the message waits
+  (:class:`~services.runtime.ground.errors.RetryableError`) is an outage: the message waits
   with the longest back-off and the try does not count.
 
 The pull requests go to the API prefix of the agent's account (``JS.API`` across the
-broker's imports, :data:`~services.runtime.credentials.JS_API_PREFIX`; ``$JS.API`` on
+broker's imports, :data:`~services.runtime.bus.credentials.JS_API_PREFIX`; ``$JS.API`` on
 an open broker). When they find nobody to answer (``503``: the broker lost its store, and
 the durable with it), the consumer asks its owner, the enforcement service, to create it
 again (``missing``), then pulls on.
@@ -70,10 +70,14 @@ from events.errors import CatalogError
 from events.eventcodec import decode_envelope
 from events.subjects import BusNames
 from services.enforcement.protocol import consumer_name
-from services.runtime.bus import Durable
-from services.runtime.errors import RetryableError
-from services.runtime.metrics import CONSUMER_REDELIVERIES, DEAD_LETTERS, UNCONFIRMED_MESSAGES
-from services.runtime.pulling import MAX_EXPIRES_S, Puller
+from services.runtime.bus.jetstream import Durable
+from services.runtime.delivery.pulling import MAX_EXPIRES_S, Puller
+from services.runtime.ground.errors import RetryableError
+from services.runtime.ground.metrics import (
+    CONSUMER_REDELIVERIES,
+    DEAD_LETTERS,
+    UNCONFIRMED_MESSAGES,
+)
 
 __all__ = ["Delivery", "NodeConsumer", "Stages", "durable"]
 
@@ -86,7 +90,7 @@ _WARN_EVERY_S: Final = 10.0
 #: How long one pull request waits at the server for messages. A long wait costs nothing
 #: (a message arrives as soon as it is stored) and a fleet of 5,000 agents then asks
 #: about 250 times a second, not 5,000. No longer than a pull request may wait
-#: (:data:`~services.runtime.pulling.MAX_EXPIRES_S`: the broker keeps the way back for
+#: (:data:`~services.runtime.delivery.pulling.MAX_EXPIRES_S`: the broker keeps the way back for
 #: its answers a little longer).
 PULL_EXPIRES_S: Final = MAX_EXPIRES_S
 

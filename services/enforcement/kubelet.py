@@ -90,8 +90,8 @@ from services.enforcement.cdi import SHARE_KIND, CdiSpecs, build_share_spec
 from services.enforcement.decisions import Enforce, Failed, Task, kubelet_round
 from services.enforcement.preparing import PrepareVerdict, judge_prepare
 from services.enforcement.protocol import ViewAsk
-from services.runtime.clock import SYSTEM, Clock
-from services.runtime.errors import ConflictError, RetryableError
+from services.runtime.ground.clock import SYSTEM, Clock
+from services.runtime.ground.errors import ConflictError, RetryableError
 from services.runtime.kube.errors import KubeApiError, NotFound
 from services.runtime.kubeletplugin import (
     ClaimRef,

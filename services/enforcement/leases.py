@@ -9,7 +9,7 @@ the agent's own login did before, for any number of nodes over one connection po
   fence), actor ``agent:<node>#<epoch>``. The store's ``acquire`` guard checks that
   number under the log's head lock; two agents of one node racing both read the same
   number, one wins, the other's append conflicts and it reads again.
-* renewals are the store's: :meth:`~services.runtime.eventstore.EventStore.renew_leases`
+* renewals are the store's: :meth:`~services.runtime.store.eventstore.EventStore.renew_leases`
   extends every lease of a tick in **one statement** (migration 0011's
   ``dracap_renew_leases(text[], bigint[])``): each ``(node, epoch)`` that is current,
   unexpired and not fenced moves its expiry by its own ttl on the database's clock; the
@@ -26,8 +26,8 @@ from typing import Final
 from events.actors import Actor
 from events.catalog import EnforcementLevel, NodeLeaseAcquired
 from events.envelopes import lease_stream
-from services.runtime.errors import ConflictError, RetryableError
-from services.runtime.eventstore import EventStore
+from services.runtime.ground.errors import ConflictError, RetryableError
+from services.runtime.store.eventstore import EventStore
 
 __all__ = ["ACQUIRE_ATTEMPTS", "NEWEST_EPOCH", "acquire"]
 

@@ -37,8 +37,8 @@ from typing import Final
 from events.actors import Actor
 from events.catalog import EnforcementLevel
 from services.enforcement.asking import ControlPlane
-from services.runtime.clock import SYSTEM, Clock
-from services.runtime.errors import ConflictError, RetryableError
+from services.runtime.ground.clock import SYSTEM, Clock
+from services.runtime.ground.errors import ConflictError, RetryableError
 
 __all__ = ["DEFAULT_TTL_S", "NodeLease"]
 

@@ -5,7 +5,7 @@ A node agent has no database login. It sends every request to the enforcement se
 (:meth:`~events.subjects.BusNames.node_request`; only that node's credential may
 publish there) and waits for the answer (NATS request/reply, JSON of the Structs
 below; an answer larger than the server's ``max_payload`` comes in parts,
-:mod:`services.runtime.replies`):
+:mod:`services.runtime.bus.replies`):
 
 ========== =================== ================== ============================================
 verb       request             answer             what the service does

@@ -1,6 +1,6 @@
 """Proving bandwidth limits: network namespaces, a traffic generator, measurements.
 
-``dracap prove bandwidth`` (:mod:`services.prove`) and the tc
+``dracap prove bandwidth`` (:mod:`services.commands.prove`) and the tc
 integration tests use this module to show, on the machine they run on, that a share's
 HTB class really delivers its rate — no more, no less — whatever its neighbours do.
 
@@ -13,7 +13,7 @@ Design
   node's vNIC.
 * **Shares through the control plane.** :func:`prove_bandwidth` applies its claims
   through the real services it is handed (:data:`ControlPlane`; ``dracap prove``
-  composes them in :func:`services.prove.control_plane`: by default
+  composes them in :func:`services.commands.prove.control_plane`: by default
   :class:`services.stack.Stack` in-process — relay, live state, claims and admin APIs, a
   reservation worker — plus one node agent for ``prove-node`` whose enforcer is the
   lab's :class:`TcEnforcer`; or only that agent, next to services already running).
@@ -71,7 +71,7 @@ from events.quantities import Quantity
 from events.state import TERMINAL_PHASES
 from services.enforcement.enforcers import ShareLimit
 from services.enforcement.tc import Backend, TcEnforcer
-from services.runtime.apiclient import ApiClient, ApiError
+from services.runtime.bus.apiclient import ApiClient, ApiError
 
 __all__ = [
     "DRIVER",
@@ -406,7 +406,7 @@ RELEASE_WITHIN: Final = 30.0
 
 #: What :func:`prove_bandwidth` applies its claims through: given the lab's enforcer,
 #: the services with one node agent for :data:`NODE` driving it, as a client of their
-#: APIs (:func:`services.prove.control_plane`).
+#: APIs (:func:`services.commands.prove.control_plane`).
 ControlPlane: TypeAlias = Callable[[TcEnforcer], AbstractAsyncContextManager[ApiClient]]
 
 

@@ -4,7 +4,7 @@ Every node agent beats every ``ttl / 3`` (``dracap agent --lease-ttl``). Renewin
 beat on its own would cost the database one statement per beat — 1,500 a second for
 5,000 nodes with the default 10 s ttl. :class:`Renewals` collects the beats that
 arrive during one tick (:data:`TICK_S`) and renews them all with
-:meth:`~services.runtime.eventstore.EventStore.renew_leases` (``dracap_renew_leases``),
+:meth:`~services.runtime.store.eventstore.EventStore.renew_leases` (``dracap_renew_leases``),
 then answers each: held or lost. A replica of the enforcement service therefore sends
 at most ``1 / TICK_S`` renewal statements
 a second, and none while no agent beats; a beat waits at most one tick plus the
@@ -26,8 +26,8 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
-from services.runtime.metrics import LEASE_RENEWAL_STATEMENTS, LEASE_RENEWALS
-from services.runtime.waiting import first_of
+from services.runtime.ground.metrics import LEASE_RENEWAL_STATEMENTS, LEASE_RENEWALS
+from services.runtime.ground.waiting import first_of
 
 __all__ = ["TICK_S", "Renewals"]
 

@@ -24,7 +24,7 @@ from events.envelopes import stream_of
 from events.model import ResourceSlice
 from services.enforcement.discovery import AgentConfig, InventoryError, ScanResult, discover
 from services.enforcement.publishing import Changes, Publisher
-from services.runtime.errors import RetryableError
+from services.runtime.ground.errors import RetryableError
 
 __all__ = ["InventoryScanner", "gpu_uuids_of", "interfaces_of"]
 

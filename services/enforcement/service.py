@@ -5,7 +5,7 @@ reads of the log and everything it records goes through this service, over NATS
 request/reply on ``{prefix}.node.<node token>.<verb>``
 (:mod:`services.enforcement.protocol`). Any number of replicas run side by side: each
 subscribes ``{prefix}.node.*.>`` in the queue group ``enforcement``, holds the whole
-fold (a :class:`~services.runtime.livestate.LiveState`) and one small connection pool,
+fold (a :class:`~services.runtime.store.livestate.LiveState`) and one small connection pool,
 so the database's connections do not grow with the fleet.
 
 Who asks
@@ -27,13 +27,13 @@ The verbs
 * ``heartbeat``: :class:`~services.enforcement.renewing.Renewals` renews every beat of
   a tick in one statement.
 * ``view``: each bus message the agent sends is confirmed against the log
-  (:class:`~services.runtime.confirming.LogConfirmation`: the event at that position,
+  (:class:`~services.runtime.delivery.confirming.LogConfirmation`: the event at that position,
   same id and payload, addressed to this node); a confirmed message of an event the
   fold refused, and a message that did not decode whose id the log holds as an event
   the fold's driver refuses (:mod:`events.folding`), are answered ``refused``: the agent
   acknowledges them unhandled and never acts on them, as every consumer does
-  (:meth:`~services.runtime.confirming.LogConfirmation.refused`,
-  :meth:`~services.runtime.confirming.LogConfirmation.undecodable`); the redelivered
+  (:meth:`~services.runtime.delivery.confirming.LogConfirmation.refused`,
+  :meth:`~services.runtime.delivery.confirming.LogConfirmation.undecodable`); the redelivered
   ones are looked up in ``processed_messages`` of the node's consumer; the fold is
   brought at least to the messages and to the agent's own last write (``at_least``);
   the answer is a node-scoped view (:func:`services.enforcement.views.scope`) with the
@@ -50,7 +50,7 @@ The verbs
   ``dracap_enforcement``, may append nothing else: migration 0011).
 * ``consumer``: the agent's pull requests found no durable (a broker that lost its
   store): the node's durable is created again if it is missing
-  (:func:`services.runtime.rebuilding.ensure_durables`, as the relay does for the
+  (:func:`services.runtime.delivery.rebuilding.ensure_durables`, as the relay does for the
   services' durables).
 
 Cost per request: O(what the request touches) — the node's devices, slices and
@@ -116,12 +116,13 @@ from services.enforcement.reports import (
     version_check_refusal,
 )
 from services.enforcement.views import Scope, decode_view, encode_view, scope
-from services.runtime.appends import Batch, Cause, Metadata, Processed
-from services.runtime.bus import durable_config
-from services.runtime.confirming import LogConfirmation
-from services.runtime.consuming import HANDLED_BEFORE
-from services.runtime.credentials import Directory, Principal, principal_of
-from services.runtime.errors import (
+from services.runtime.bus.credentials import Directory, Principal, principal_of
+from services.runtime.bus.jetstream import durable_config
+from services.runtime.bus.replies import split
+from services.runtime.delivery.confirming import LogConfirmation
+from services.runtime.delivery.consuming import HANDLED_BEFORE
+from services.runtime.delivery.rebuilding import ensure_durables
+from services.runtime.ground.errors import (
     ConflictError,
     InvalidEvent,
     NodeScopeViolation,
@@ -130,14 +131,13 @@ from services.runtime.errors import (
     StaleEpoch,
     map_bus_error,
 )
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import SEEN, LiveState
-from services.runtime.metrics import NODE_REQUESTS
-from services.runtime.outages import is_unreachable
-from services.runtime.rebuilding import ensure_durables
-from services.runtime.refusals import note
-from services.runtime.replies import split
-from services.runtime.settings import ServiceKind
+from services.runtime.ground.metrics import NODE_REQUESTS
+from services.runtime.ground.outages import is_unreachable
+from services.runtime.ground.settings import ServiceKind
+from services.runtime.store.appends import Batch, Cause, Metadata, Processed
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import SEEN, LiveState
+from services.runtime.store.refusals import note
 
 __all__ = ["QUEUE_GROUP", "STORE_KIND", "EnforcementService", "NodeIndex", "agent_of_request"]
 
@@ -493,7 +493,7 @@ class EnforcementService:
 
     async def _unrefused(self, confirmed: list[Envelope]) -> tuple[list[Envelope], list[str]]:
         """``confirmed`` less the events the fold refused, and the ids of those (their
-        messages are acknowledged unhandled: :mod:`services.runtime.confirming`)."""
+        messages are acknowledged unhandled: :mod:`services.runtime.delivery.confirming`)."""
         reasons = await self.confirmation.refused(confirmed)
         kept = [env for env, reason in zip(confirmed, reasons, strict=True) if reason is None]
         refused = [env.event_id for env, r in zip(confirmed, reasons, strict=True) if r]

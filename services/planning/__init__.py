@@ -9,7 +9,7 @@
 * :mod:`~services.planning.capacity` -- the capacity math of ``dracap plan``;
 * :mod:`~services.planning.reporting` / :mod:`~services.planning.plotting` -- tables,
   JSON and the comparison PNG;
-* :mod:`~services.planning.command` -- the two commands.
+* :mod:`~services.commands.plan` -- the two commands.
 
 It builds on the allocator only (``services.reservation``), and on the admin API's
 client for ``dracap plan --live``.

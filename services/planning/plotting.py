@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from services.planning.simulating import SimResult
-from services.runtime.plotting import require_matplotlib
+from services.runtime.ground.plotting import require_matplotlib
 
 __all__ = ["check_plotting", "plot"]
 

@@ -16,7 +16,7 @@ import msgspec
 from services.planning.capacity import CapacityPlan
 from services.planning.simulating import SimResult
 from services.planning.traces import TraceClaim, format_bytes
-from services.runtime.printable import table
+from services.runtime.ground.printable import table
 
 __all__ = ["plan_table", "result_rows", "table", "to_json", "trace_summary"]
 

@@ -12,7 +12,7 @@ state (:func:`~services.reclamation.decisions.decide_expiry`),
 Exactly once, with any number of replicas: the lease stream receives only lease
 transitions (a new lease, an expiry, a fence), so two replicas that read the same
 expired lease append at the same version and the store lets exactly one of them in;
-the other gets a :class:`~services.runtime.errors.ConflictError`, and its next tick no
+the other gets a :class:`~services.runtime.ground.errors.ConflictError`, and its next tick no
 longer finds the lease (its epoch is now recorded). An agent that takes a new lease in
 between moves the version too, so an expiry is never recorded over a fresh lease. A
 renewal cannot revive an expired lease (``dracap_renew_lease`` refuses it), so a lease
@@ -67,13 +67,13 @@ from services.reclamation.decisions import (
     fence_by_hook,
     not_started,
 )
-from services.runtime.appends import Batch, Metadata
-from services.runtime.clock import SYSTEM, Clock
-from services.runtime.errors import ConflictError, RetryableError
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.metrics import CLAIMS, FENCE_HOOK_RUNS, NODE_TRANSITIONS
-from services.runtime.outages import is_unreachable, one_line
+from services.runtime.ground.clock import SYSTEM, Clock
+from services.runtime.ground.errors import ConflictError, RetryableError
+from services.runtime.ground.metrics import CLAIMS, FENCE_HOOK_RUNS, NODE_TRANSITIONS
+from services.runtime.ground.outages import is_unreachable, one_line
+from services.runtime.store.appends import Batch, Metadata
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, LiveState
 
 __all__ = ["DEFAULT_POLL_S", "DUE_PER_TICK", "NotStartedQueue", "ReclamationService"]
 

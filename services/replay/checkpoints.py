@@ -4,7 +4,7 @@
 after every ``every`` events (default :data:`EVERY`, 100,000; 0: none) and after the
 last event, writes a **checkpoint line** (:class:`~services.replay.logfile.CheckpointLine`):
 the position, the id of the event at that position, and the fold's state in the stored
-form of a database snapshot (:func:`services.runtime.snapshots.frame`: one home for the
+form of a database snapshot (:func:`services.runtime.store.snapshots.frame`: one home for the
 encoding), base64 in the JSON line. The file's SHA-256 covers checkpoint lines like
 every line.
 
@@ -13,7 +13,7 @@ A replay to a point (``replay state --at P --log FILE``,
 but starts its fold from the newest checkpoint at or before ``P`` that verifies
 (:func:`checkpoint_state`): the line decodes, its position is the event line's before
 it, its event id is that line's, and the snapshot verifies as a database snapshot does
-(checksum, event id, format, position: :func:`~services.runtime.snapshots.verify_snapshot`).
+(checksum, event id, format, position: :func:`~services.runtime.store.snapshots.verify_snapshot`).
 One that does not is skipped with a warning and the next older one tried, else the fold
 starts at 0.
 
@@ -42,7 +42,7 @@ from events.state import ClusterState
 from events.statecodec import same_state, snapshot_encode
 from services.replay.logfile import Checkpoint, CheckpointLine, LogWriter
 from services.replay.verify import fold_rows, paused_gc
-from services.runtime.snapshots import FRAME_VERSION, frame, verify_snapshot
+from services.runtime.store.snapshots import FRAME_VERSION, frame, verify_snapshot
 
 __all__ = [
     "EVERY",

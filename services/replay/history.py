@@ -40,10 +40,10 @@ from events.state import ClusterState, ShareState
 from events.statecodec import to_builtins
 from services.replay.sources import LogSource
 from services.replay.verify import fold_rows, note_refused, paused_gc
-from services.runtime.gauges import class_members
-from services.runtime.livestate import INVENTORY_EVENTS
-from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
-from services.runtime.slos import share_class
+from services.runtime.ops.gauges import class_members
+from services.runtime.ops.slos import share_class
+from services.runtime.store.livestate import INVENTORY_EVENTS
+from services.runtime.store.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
 
 __all__ = [
     "AmbiguousNameError",
@@ -388,7 +388,7 @@ async def usage_series(
     Folds the whole log; a sample is taken after every event that changed what the
     scope holds, its total or whether some of it is Unknown. A class's total is every
     device its selectors select (as the allocator and the capacity gauges select them:
-    :func:`services.runtime.gauges.class_members`, taken again after each run of
+    :func:`services.runtime.ops.gauges.class_members`, taken again after each run of
     inventory events), and every device that held one of its shares. Returns the samples
     and the unit (``GiB`` for binary quantities).
     """

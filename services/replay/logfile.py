@@ -4,7 +4,7 @@ Format (``dracap-log`` version 2), NDJSON, one JSON value per line:
 
 1. a **header** object: ``{"format": "dracap-log", "version": 2, "columns": [...],
    "schema_versions": {type: version}, "exported_at": ISO time, "source": text}`` —
-   ``columns`` names the fields of every event line (:data:`~services.runtime.rows.COLUMNS`),
+   ``columns`` names the fields of every event line (:data:`~services.runtime.store.rows.COLUMNS`),
    ``schema_versions`` the catalog of the code that wrote the file;
 2. one **event** array per stored event, in position order, its fields in ``columns``
    order; ``recorded_at`` is an ISO 8601 string, ``payload`` the event's JSON object
@@ -68,7 +68,7 @@ import msgspec
 
 from events.catalog import SCHEMA_VERSIONS, Event
 from events.model import decode_hook
-from services.runtime.rows import COLUMNS
+from services.runtime.store.rows import COLUMNS
 
 __all__ = [
     "FORMAT",
@@ -145,7 +145,7 @@ class CheckpointLine(msgspec.Struct, kw_only=True):
     """A checkpoint line (version 2): the fold right after the event at ``checkpoint``.
 
     ``snapshot`` is base64 of a database snapshot's stored form
-    (:func:`services.runtime.snapshots.frame`: its SHA-256, ``event_id``, the zlib
+    (:func:`services.runtime.store.snapshots.frame`: its SHA-256, ``event_id``, the zlib
     body of :func:`events.statecodec.snapshot_encode`); ``event_id`` is the id of the event
     line right before this line, which is at position ``checkpoint``.
     """

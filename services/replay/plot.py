@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from services.replay.history import Sample
-from services.runtime.plotting import label, require_matplotlib
+from services.runtime.ground.plotting import label, require_matplotlib
 
 __all__ = ["check_plotting", "plot_usage"]
 

@@ -6,7 +6,7 @@ recursion, so no depth of a stored value can stop it. The progress line goes to 
 only when it is a terminal (:func:`progress_for`), and is erased when the work is done.
 
 Text a tenant can influence (claim and share names, reasons, a refused event's detail,
-opaque configuration) goes through :mod:`services.runtime.printable` in every format:
+opaque configuration) goes through :mod:`services.runtime.ground.printable` in every format:
 each table cell and YAML string, with its control characters escaped.
 """
 
@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import msgspec
 
 from services.replay.history import Change, Step
-from services.runtime.printable import json_text, table
+from services.runtime.ground.printable import json_text, table
 
 __all__ = ["Progress", "diff_table", "progress_for", "state_table", "timeline_table", "to_yaml"]
 

@@ -1,12 +1,12 @@
 """Where a forensic replay reads the log: the live database, or an exported file.
 
-Both hand out pages of stored rows in :data:`~services.runtime.rows.COLUMNS` order, so
+Both hand out pages of stored rows in :data:`~services.runtime.store.rows.COLUMNS` order, so
 one fold loop (:func:`services.replay.verify.fold_rows`) serves both:
 
 * :class:`DatabaseSource`: one ``REPEATABLE READ`` read-only transaction (every question
   is answered as of one instant, while services keep appending); a replay to position
   *p* starts from the newest snapshot at or before *p* that verifies
-  (:func:`services.runtime.snapshots.load_verified`), the rest from position 0;
+  (:func:`services.runtime.store.snapshots.load_verified`), the rest from position 0;
 * :class:`FileSource`: a ``dracap-log`` file (:mod:`services.replay.logfile`), no
   database at all; a replay to position *p* starts from the newest checkpoint line at
   or before *p* that verifies (:mod:`services.replay.checkpoints`), else from position
@@ -33,9 +33,9 @@ from events.state import ClusterState
 from services.exitcodes import CommandError, ExitCode
 from services.replay import logfile
 from services.replay.checkpoints import check_place, decode_checkpoint
-from services.runtime.eventstore import iter_rows
-from services.runtime.rows import POSITION
-from services.runtime.snapshots import load_verified
+from services.runtime.store.eventstore import iter_rows
+from services.runtime.store.rows import POSITION
+from services.runtime.store.snapshots import load_verified
 
 __all__ = ["DatabaseSource", "FileSource", "LogSource", "Point", "parse_point"]
 

@@ -41,8 +41,8 @@ from events.state import ClusterState
 from services.replay.checkpoints import EVERY, CheckpointMismatchError, CheckpointWriter, compare
 from services.replay.logfile import Checkpoint, read_end, read_rows
 from services.replay.verify import OnRefused, fold_rows, note_refused, paused_gc
-from services.runtime.eventstore import CHANNEL, iter_rows
-from services.runtime.rows import COLUMNS, PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
+from services.runtime.store.eventstore import CHANNEL, iter_rows
+from services.runtime.store.rows import COLUMNS, PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
 
 __all__ = ["ImportRefusedError", "check_file", "export_log", "import_log"]
 

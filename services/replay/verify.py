@@ -13,7 +13,7 @@ says otherwise:
    not decode, or the fold refuses its step) is skipped as every reader skips it, and
    listed with its position, type, actor, reason and detail (:class:`RefusedEvent`);
 3. at the position of every stored snapshot, compare the snapshot with the fold
-   (:class:`SnapshotCheck`): one that verifies (:func:`services.runtime.snapshots.
+   (:class:`SnapshotCheck`): one that verifies (:func:`services.runtime.store.snapshots.
    verify_snapshot`: a reader would start from it) but holds another state is forged or
    stale — a failure naming its position. One that does not verify is no reader's start
    (every reader skips it) and is only listed. Verification never starts from a
@@ -52,12 +52,12 @@ from events.quantities import Quantity
 from events.state import ClusterState
 from events.statecodec import same_state
 from services.replay.logfile import LinePage, decode_line
-from services.runtime import refusals
-from services.runtime.eventstore import connect, iter_rows
-from services.runtime.printable import printable
-from services.runtime.rows import ACTOR, EVENT_ID, PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
-from services.runtime.settings import Settings
-from services.runtime.snapshots import verify_snapshot
+from services.runtime.ground.printable import printable
+from services.runtime.ground.settings import Settings
+from services.runtime.store import refusals
+from services.runtime.store.eventstore import connect, iter_rows
+from services.runtime.store.rows import ACTOR, EVENT_ID, PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
+from services.runtime.store.snapshots import verify_snapshot
 
 Rows = dict[tuple[str, ...], tuple[Any, ...]]
 
@@ -291,14 +291,14 @@ OnRefused = Callable[[Refusal, Any], None]
 
 
 def note_refused(refusal: Refusal, row: Any) -> None:
-    """Count and log a refused event once per process (:mod:`services.runtime.refusals`)."""
+    """Count and log a refused event once per process (:mod:`services.runtime.store.refusals`)."""
     refusals.note(refusal, str(row[EVENT_ID]), row[ACTOR])
 
 
 def fold_rows(
     state: ClusterState, rows: Sequence[Any] | LinePage, on_refused: OnRefused = note_refused
 ) -> None:
-    """Fold stored event rows (:mod:`services.runtime.rows` order) without building envelopes.
+    """Fold stored event rows (:mod:`services.runtime.store.rows` order) without building envelopes.
 
     Each row goes through the fold's driver (:func:`events.folding.fold_stored`: the hot
     path of a payload at its type's current schema version, upcasting otherwise); an

@@ -3,5 +3,5 @@
 * :mod:`~services.report.panels` -- fold the log (database or exported file) into the
   panels' series;
 * :mod:`~services.report.figure` -- draw them (matplotlib, optional);
-* :mod:`~services.report.command` -- the command line.
+* :mod:`~services.commands.report` -- the command line.
 """

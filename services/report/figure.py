@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.report.panels import Panel, Report, Series
-from services.runtime.plotting import label, require_matplotlib
+from services.runtime.ground.plotting import label, require_matplotlib
 
 __all__ = ["check_plotting", "draw"]
 

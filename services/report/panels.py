@@ -5,18 +5,18 @@ it folds the event log (the database, or an exported file) and derives each pane
 series from the same definitions the services' metrics use:
 
 * capacity allocated / total and stranded / total per class and capacity:
-  :func:`~services.runtime.gauges.allocated_ratios` and
-  :func:`~services.runtime.gauges.stranded_ratios` of the folded state;
+  :func:`~services.runtime.ops.gauges.allocated_ratios` and
+  :func:`~services.runtime.ops.gauges.stranded_ratios` of the folded state;
 * claims by outcome: each claim's phase change (admitted, rejected, allocated, ready,
   released, …: the outcomes of ``dracap_claims_total``); rejections by the rule of their
   ``ClaimRejected`` (a refusal that never reached the log — a manifest that does not
   parse — is not there);
-* capacity held per tenant, class and capacity: :func:`~services.runtime.holdings.
+* capacity held per tenant, class and capacity: :func:`~services.runtime.ops.holdings.
   held_by_tenant`, the rule of ``dracap_capacity_held``;
 * scheduling latency (the decision's time), the wait for capacity, enforcement and
   convergence latency, decisions (the rejection rate per class), node recovery,
   unconverged claims, claims waiting for capacity and Unknown shares with their ages: a
-  :class:`~services.runtime.slos.SloFold`, the one definition behind
+  :class:`~services.runtime.ops.slos.SloFold`, the one definition behind
   ``dracap_scheduling_latency_seconds``, ``dracap_capacity_wait_seconds``,
   ``dracap_claim_convergence_seconds`` and the other SLO series (:attr:`Report.spans`
   sums each kind of span per class, as those histograms' ``_count`` and ``_sum`` do);
@@ -62,11 +62,11 @@ from events.transitions import (
 from services.replay.history import ReplayBrokenError
 from services.replay.sources import LogSource
 from services.replay.verify import note_refused
-from services.runtime.gauges import allocated_ratios, class_members, stranded_ratios
-from services.runtime.holdings import held_by_tenant
-from services.runtime.livestate import INVENTORY_EVENTS
-from services.runtime.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
-from services.runtime.slos import Pending, SloFold
+from services.runtime.ops.gauges import allocated_ratios, class_members, stranded_ratios
+from services.runtime.ops.holdings import held_by_tenant
+from services.runtime.ops.slos import Pending, SloFold
+from services.runtime.store.livestate import INVENTORY_EVENTS
+from services.runtime.store.rows import PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
 
 __all__ = ["Panel", "Report", "ReportError", "Series", "build_report"]
 
@@ -522,7 +522,7 @@ def _panels(fold: _Fold, step: float, buckets: int) -> list[Panel]:
 
 def _devices(state: ClusterState) -> Panel:
     """Allocated / total of each present device at the window's end (the per-class rule
-    of :func:`~services.runtime.gauges.allocated_ratios`, applied to one device)."""
+    of :func:`~services.runtime.ops.gauges.allocated_ratios`, applied to one device)."""
     members: dict[str, list[Any]] = {}
     totals: dict[str, str] = {}
     for key, device in state.devices.items():

@@ -1,7 +1,7 @@
 """The reservation service: admitted claims in, capacity reservations out.
 
 One worker is a :class:`ReservationService`: a few durable JetStream consumers that
-share one handler, over a :class:`~services.runtime.livestate.LiveState`. Several
+share one handler, over a :class:`~services.runtime.store.livestate.LiveState`. Several
 workers (in one process or many) bind the *same* durable consumers, so each message
 goes to one of them (a work queue); correctness never depends on that, because every
 decision is appended with expected stream versions.
@@ -18,7 +18,7 @@ What wakes it (consumer ``{name}-{feed}``, :data:`FEEDS`):
 * ``admin`` (the category): ``NamespaceAccessSet`` — adminAccess may have been granted.
 
 Other events of those categories are acknowledged without a transaction (``wants``).
-The consumers commit in groups (:mod:`services.runtime.consuming`): the messages that
+The consumers commit in groups (:mod:`services.runtime.delivery.consuming`): the messages that
 arrived while the previous group was handled are planned for *once*, and the plan and
 the group's ``processed_messages`` rows commit in one statement —
 which is also why a burst of admissions costs few commits.
@@ -111,18 +111,18 @@ from services.reservation.allocating import Allocator
 from services.reservation.deriving import grant_of, live_grants
 from services.reservation.outcomes import Allocated, Grant
 from services.reservation.rounds import PENDING_PHASES, Backlog, Round, decide_round
-from services.runtime import recorded
-from services.runtime.appends import Batch, Cause, Metadata
-from services.runtime.bus import Durable
-from services.runtime.confirming import LogConfirmation
-from services.runtime.consuming import Consumer
-from services.runtime.errors import ConflictError, RuntimeServiceError
-from services.runtime.eventstore import Connection, EventStore
-from services.runtime.handlers import Handled, HandlerContext
-from services.runtime.livestate import HEAD, INVENTORY_EVENTS, LiveState
-from services.runtime.metrics import CLAIMS, SELECTOR_JOBS
-from services.runtime.selectorpool import SelectorPool
-from services.runtime.waiting import all_of, first_of
+from services.runtime.bus.jetstream import Durable
+from services.runtime.delivery.confirming import LogConfirmation
+from services.runtime.delivery.consuming import Consumer
+from services.runtime.delivery.handlers import Handled, HandlerContext
+from services.runtime.ground.errors import ConflictError, RuntimeServiceError
+from services.runtime.ground.metrics import CLAIMS, SELECTOR_JOBS
+from services.runtime.ground.waiting import all_of, first_of
+from services.runtime.ops.selectorpool import SelectorPool
+from services.runtime.store import recorded
+from services.runtime.store.appends import Batch, Cause, Metadata
+from services.runtime.store.eventstore import Connection, EventStore
+from services.runtime.store.livestate import HEAD, INVENTORY_EVENTS, LiveState
 
 __all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService", "durables"]
 
@@ -233,7 +233,7 @@ class ReservationService:
         self._tried: dict[ClaimKey, int] = {}
         self._epoch = 0
         self.inline_budget = inline_budget
-        #: where tenants' expensive selectors are evaluated (services.runtime.selectorpool)
+        #: where tenants' expensive selectors are evaluated (services.runtime.ops.selectorpool)
         self.selectors = selectors if selectors is not None else SelectorPool()
         #: claims waiting for a selector's results: why they were planned, and the selector
         self._deferred: dict[ClaimKey, tuple[Cause, str]] = {}
@@ -429,7 +429,7 @@ class ReservationService:
     def _counter(self, plan: Plan) -> Callable[[], None]:
         """The outcomes of ``plan``, counted once it has committed. (Its latency is the
         log's: ``dracap_scheduling_latency_seconds`` is observed from the folded log,
-        :mod:`services.runtime.slos`, as ``dracap report`` reads it.)"""
+        :mod:`services.runtime.ops.slos`, as ``dracap report`` reads it.)"""
         allocated, unschedulable = len(plan.allocated), len(plan.unschedulable)
 
         def count() -> None:

@@ -12,9 +12,9 @@ import msgspec
 import yaml
 
 from events.subjects import BusNames
-from services.runtime.apiclient import ApiClient
-from services.runtime.bus import connect_bus
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.settings import Settings
 from services.stack import Stack, load_inventory, read_inventory
 from tests.fixtures.logins import login_users
 

@@ -18,8 +18,8 @@ import asyncpg
 from events import catalog
 from events.envelopes import stream_of
 from events.eventcodec import encode_payload
-from services.runtime.eventstore import CHANNEL
-from services.runtime.rows import COLUMNS
+from services.runtime.store.eventstore import CHANNEL
+from services.runtime.store.rows import COLUMNS
 
 
 def row(

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from events import catalog
 from events.catalog import Event
 from events.envelopes import Envelope, stream_of
-from services.runtime.eventstore import EventStore
+from services.runtime.store.eventstore import EventStore
 from tests.integration import sample as s
 
 Step = Callable[[], Awaitable[list[Envelope]]]

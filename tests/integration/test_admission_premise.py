@@ -22,10 +22,10 @@ from events.catalog import (
     NamespaceAccessSet,
 )
 from events.envelopes import claim_stream
-from services.runtime.appends import AdmissionPremise, Batch, Metadata
-from services.runtime.errors import ConflictError
-from services.runtime.eventstore import EventStore
-from services.runtime.settings import Settings
+from services.runtime.ground.errors import ConflictError
+from services.runtime.ground.settings import Settings
+from services.runtime.store.appends import AdmissionPremise, Batch, Metadata
+from services.runtime.store.eventstore import EventStore
 
 NAMESPACE = "tenant-p"
 CLASS = "gpu.dracap.io"

@@ -55,10 +55,10 @@ from services.enforcement.tc import (
 )
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
-from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.relaying import Relay
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import connect_bus, ensure_stream
+from services.runtime.delivery.relaying import Relay
+from services.runtime.ground.settings import Settings
+from services.runtime.store.livestate import HEAD, LiveState
 from tests.fixtures.links import (
     HostVeth,
     InProcessServices,

@@ -17,10 +17,10 @@ import pytest
 
 from events import catalog
 from events.envelopes import Envelope
-from services.runtime.appends import Batch, Pending
-from services.runtime.errors import ConflictError, ConnectionLost, RetryableError
-from services.runtime.eventstore import EventStore, _broken
-from services.runtime.settings import Settings
+from services.runtime.ground.errors import ConflictError, ConnectionLost, RetryableError
+from services.runtime.ground.settings import Settings
+from services.runtime.store.appends import Batch, Pending
+from services.runtime.store.eventstore import EventStore, _broken
 from tests.integration import sample as s
 
 

@@ -44,12 +44,12 @@ from services.audit.service import AuditService
 from services.billing.service import BillingService
 from services.billing.usage import apply
 from services.cli import main
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.eventstore import EventStore
-from services.runtime.metrics import REGISTRY
-from services.runtime.relaying import Relay
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.bus.jetstream import connect_bus, ensure_stream
+from services.runtime.delivery.relaying import Relay
+from services.runtime.ground.metrics import REGISTRY
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore
 from tests.integration import scenario
 
 pytestmark = pytest.mark.integration

@@ -27,17 +27,17 @@ from events.state import ClusterState
 from services import durables
 from services.enforcement.protocol import consumer_name
 from services.exitcodes import CommandError, ExitCode
-from services.runtime.apiclient import ApiClient
-from services.runtime.bus import connect_bus, durable_config
-from services.runtime.credentials import (
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.credentials import (
     JS_API_PREFIX,
     Credential,
     read_credential,
     read_directory,
 )
-from services.runtime.livestate import LiveState
-from services.runtime.pulling import Puller
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import connect_bus, durable_config
+from services.runtime.delivery.pulling import Puller
+from services.runtime.ground.settings import Settings
+from services.runtime.store.livestate import LiveState
 from services.stack import Stack, load_inventory, read_inventory
 from tests.fixtures.blobs import blob_endpoint
 from tests.fixtures.brokers import EXAMPLES, Broker, secure_broker
@@ -220,7 +220,7 @@ async def test_a_node_agent_pulls_the_consumer_the_enforcement_service_made(
     names = broker.names
     relay, relay_js = await connect_bus(broker.url, credential=broker.auth.service("relay"))
     try:
-        from services.runtime.bus import ensure_stream
+        from services.runtime.bus.jetstream import ensure_stream
 
         await ensure_stream(relay_js, names)
         service, service_js = await connect_bus(

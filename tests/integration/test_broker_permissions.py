@@ -44,21 +44,21 @@ from nats.aio.msg import Msg
 from events.subjects import BusNames
 from services import durables
 from services.brokerauth import Installation, init_auth
-from services.runtime.bus import (
-    Durable,
-    connect_bus,
-    durable_config,
-    ensure_stream,
-    stream_config,
-)
-from services.runtime.credentials import (
+from services.runtime.bus.credentials import (
     JS_API_PREFIX,
     AuthDir,
     Credential,
     principal_of,
     read_directory,
 )
-from services.runtime.embedded import EmbeddedNats
+from services.runtime.bus.jetstream import (
+    Durable,
+    connect_bus,
+    durable_config,
+    ensure_stream,
+    stream_config,
+)
+from services.runtime.ops.embedded import EmbeddedNats
 
 ROOT = Path(__file__).resolve().parents[2]
 SECURITY = ROOT / "docs" / "security.md"

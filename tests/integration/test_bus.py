@@ -25,22 +25,23 @@ from events import catalog as c
 from events.envelopes import Envelope, stream_of
 from events.eventcodec import decode_envelope, encode_event
 from events.subjects import BusNames
-from services.runtime import livestate, relaying
-from services.runtime.appends import Batch, Cause, Metadata
-from services.runtime.bus import Durable, connect_bus, ensure_stream
-from services.runtime.committing import GroupCommitter
-from services.runtime.confirming import LogConfirmation
-from services.runtime.consuming import Consumer
-from services.runtime.errors import ConflictError, InvalidEvent
-from services.runtime.eventstore import EventStore
-from services.runtime.handlers import Handled, HandlerContext
-from services.runtime.highwater import SAVE_CHECKPOINT, HighWaterMark
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.metrics import REGISTRY, RELAY_LAG
-from services.runtime.projecting import Projector
-from services.runtime.rebuilding import BusKeeper
-from services.runtime.relaying import Relay, outgoing
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import Durable, connect_bus, ensure_stream
+from services.runtime.delivery import relaying
+from services.runtime.delivery.confirming import LogConfirmation
+from services.runtime.delivery.consuming import Consumer
+from services.runtime.delivery.handlers import Handled, HandlerContext
+from services.runtime.delivery.highwater import SAVE_CHECKPOINT, HighWaterMark
+from services.runtime.delivery.projecting import Projector
+from services.runtime.delivery.rebuilding import BusKeeper
+from services.runtime.delivery.relaying import Relay, outgoing
+from services.runtime.ground.errors import ConflictError, InvalidEvent
+from services.runtime.ground.metrics import REGISTRY, RELAY_LAG
+from services.runtime.ground.settings import Settings
+from services.runtime.store import livestate
+from services.runtime.store.appends import Batch, Cause, Metadata
+from services.runtime.store.committing import GroupCommitter
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, LiveState
 from tests.fixtures.polling import until
 from tests.integration.injecting import inject, row
 from tests.unit import oldlog
@@ -294,7 +295,8 @@ async def test_relay_lag_grows_while_the_broker_does_not_answer(bus: Bus, nats_u
     RELAY_LAG.set(0)  # others of this process read it
 
 
-# --- the stream rebuilt from the log (services.runtime.rebuilding) ----------------------------
+# --- the stream rebuilt from the log (services.runtime.delivery.rebuilding)
+# ----------------------------
 
 
 async def reached(store: EventStore, consumer: str, position: int) -> None:

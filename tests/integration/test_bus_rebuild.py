@@ -27,11 +27,11 @@ import pytest
 from events.state import ClusterState
 from events.subjects import BusNames
 from services.brokerauth import init_auth, installation_from
-from services.runtime.apiclient import ApiClient
-from services.runtime.credentials import AuthDir
-from services.runtime.embedded import EmbeddedNats
-from services.runtime.livestate import LiveState
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.credentials import AuthDir
+from services.runtime.ground.settings import Settings
+from services.runtime.ops.embedded import EmbeddedNats
+from services.runtime.store.livestate import LiveState
 from services.stack import Stack, load_inventory, read_inventory
 from tests.integration.test_pipeline import claim_manifest
 from tests.integration.waiting import state_reaches

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from services.exitcodes import ExitCode
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.ground.settings import Settings
 from tests.integration.cluster import Cluster, namespace_and_class, running_cluster
 from tests.integration.test_policy import NAMESPACE, POLICY, _ready, claim_doc, dracap, view_when
 

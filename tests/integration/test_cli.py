@@ -33,13 +33,13 @@ from events import model
 from events.subjects import BusNames
 from services import cli
 from services.claims import adminwrites
+from services.commands.up import READY_LINE
 from services.exitcodes import CommandError, ExitCode
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.bus import connect_bus
-from services.runtime.dbroles import url_as
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.settings import Settings
+from services.runtime.store.dbroles import url_as
 from services.stack import Stack, load_inventory, read_inventory
-from services.up import READY_LINE
 from tests.fixtures.services import database_url_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -61,15 +61,15 @@ from services.enforcement.enforcers import NoneEnforcer
 from services.enforcement.service import EnforcementService
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
-from services.runtime import highwater
-from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.consuming import Consumer
-from services.runtime.eventstore import EventStore
-from services.runtime.handlers import Handled, HandlerContext
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.metrics import CONSUMER_REDELIVERIES
-from services.runtime.relaying import Relay
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import connect_bus, ensure_stream
+from services.runtime.delivery import highwater
+from services.runtime.delivery.consuming import Consumer
+from services.runtime.delivery.handlers import Handled, HandlerContext
+from services.runtime.delivery.relaying import Relay
+from services.runtime.ground.metrics import CONSUMER_REDELIVERIES
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, LiveState
 from tests.integration.waiting import bus_idle, state_reaches
 
 CLAIMS = 100

@@ -8,8 +8,8 @@
 * the enforcement service's login (node agents have none since 0012) appends a node's
   reports as that node's agent (``agent:<node>#<epoch>``) and nothing else: another
   node's report, a slice or pool of another node, or another node's share are refused
-  with :class:`~services.runtime.errors.NodeScopeViolation`; an event that is not an
-  agent's with :class:`~services.runtime.errors.AppendForbidden` (migration 0011:
+  with :class:`~services.runtime.ground.errors.NodeScopeViolation`; an event that is not an
+  agent's with :class:`~services.runtime.ground.errors.AppendForbidden` (migration 0011:
   ``tests/integration/test_login_jobs.py`` tries every login), and no guard can be
   passed at all (the database derives them).
 
@@ -34,11 +34,11 @@ from events.catalog import Event
 from events.envelopes import stream_of
 from events.eventcodec import encode_payload
 from events.guards import SetTotal, encode_guards
-from services.runtime.appends import Batch, Metadata
-from services.runtime.errors import AppendForbidden, NodeScopeViolation, PermanentError
-from services.runtime.eventstore import EventStore
-from services.runtime.servicestores import ServiceStores
-from services.runtime.settings import ServiceKind, Settings
+from services.runtime.ground.errors import AppendForbidden, NodeScopeViolation, PermanentError
+from services.runtime.ground.settings import ServiceKind, Settings
+from services.runtime.store.appends import Batch, Metadata
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.servicestores import ServiceStores
 from tests.fixtures.logins import login_users
 from tests.integration import sample as s
 from tests.integration.scenario import lease, put

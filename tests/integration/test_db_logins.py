@@ -21,9 +21,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from services.runtime.dbroles import group_role
-from services.runtime.loginfiles import login_file, read_login_url
-from services.runtime.provisioning import KINDS
+from services.runtime.ground.loginfiles import login_file, read_login_url
+from services.runtime.store.dbroles import group_role
+from services.runtime.store.provisioning import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -30,8 +30,8 @@ import pytest
 from events import catalog as c
 from events.envelopes import node_stream
 from events.state import ClusterState
-from services.runtime.bus import connect_bus
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.settings import Settings
 from tests.integration.test_agent_restart import NAMESPACE, ready
 from tests.integration.test_node_loss import Lossy, phases
 

@@ -8,7 +8,7 @@ import asyncpg
 import nats
 import pytest
 
-from services.runtime.embedded import EmbeddedError, data_dir_lock, embedded_servers
+from services.runtime.ops.embedded import EmbeddedError, data_dir_lock, embedded_servers
 
 STREAM = "EMBEDDED_TEST"
 

@@ -21,16 +21,16 @@ from events.fold import apply, fold
 from events.state import ClusterState
 from events.statecodec import snapshot_decode, snapshot_encode, to_builtins
 from services.replay import verify as verifying
-from services.runtime.appends import Batch, Metadata
-from services.runtime.errors import (
+from services.runtime.ground.errors import (
     CapacityExceeded,
     CapacityNotPublished,
     ConflictError,
     InvalidEvent,
     map_database_error,
 )
-from services.runtime.eventstore import CHANNEL, EventStore, connect
-from services.runtime.settings import Settings
+from services.runtime.ground.settings import Settings
+from services.runtime.store.appends import Batch, Metadata
+from services.runtime.store.eventstore import CHANNEL, EventStore, connect
 from tests.fixtures.polling import until
 from tests.integration import sample as s
 from tests.integration import scenario
@@ -341,7 +341,7 @@ async def test_verify_reports_first_violating_position(
 async def test_fresh_waits_for_the_tailer_instead_of_reading(
     store: EventStore, settings: Settings
 ) -> None:
-    from services.runtime.livestate import SEEN, LiveState
+    from services.runtime.store.livestate import SEEN, LiveState
 
     live = LiveState(store)
     meta = Metadata(actor="test")

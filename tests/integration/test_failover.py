@@ -31,10 +31,10 @@ import pytest
 import yaml
 
 from events import catalog as c
+from migrations import runner as migrating
 from services.replay.verify import summary, verify
-from services.runtime import migrating
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.ground.settings import Settings
 from tests.fixtures.polling import until
 from tests.fixtures.replicas import PostgresPair, postgres_binaries, postgres_pair
 from tests.integration.cluster import Cluster, running_cluster

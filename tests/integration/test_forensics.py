@@ -35,10 +35,10 @@ from services.replay.history import state_at
 from services.replay.logfile import LogWriter, read_end, read_rows
 from services.replay.sources import DatabaseSource
 from services.replay.verify import summary, verify
-from services.runtime.eventstore import EventStore, iter_rows
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.settings import ServiceKind, Settings
-from services.runtime.snapshots import SnapshotWriter, load_verified, write_snapshot
+from services.runtime.ground.settings import ServiceKind, Settings
+from services.runtime.store.eventstore import EventStore, iter_rows
+from services.runtime.store.livestate import HEAD, LiveState
+from services.runtime.store.snapshots import SnapshotWriter, load_verified, write_snapshot
 from tests.fixtures.clock import FakeClock
 from tests.fixtures.logins import login_users
 from tests.fixtures.polling import until

@@ -23,8 +23,8 @@ from events.catalog import Event
 from events.envelopes import Envelope
 from events.eventcodec import encode_payload
 from events.guards import encode_guards, guards_of_many
-from services.runtime.eventstore import EventStore
-from services.runtime.settings import Settings
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore
 from tests.integration import sample as s
 from tests.integration import scenario
 

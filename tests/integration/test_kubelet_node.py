@@ -26,11 +26,11 @@ from events.envelopes import node_stream
 from events.state import ClusterState
 from services.enforcement.decisions import limit_of
 from services.enforcement.tc import TcEnforcer
-from services.runtime.kubeletclient import PluginConnection
+from services.runtime.ground.settings import Settings
 from services.runtime.kubeletplugin import ClaimRef
-from services.runtime.livestate import HEAD
-from services.runtime.settings import Settings
+from services.runtime.store.livestate import HEAD
 from tests.fixtures.k8s_standin import StandinApiServer
+from tests.fixtures.kubeletclient import PluginConnection
 from tests.fixtures.kubernetes import CLASS, DRIVER, NAMESPACE, Cluster, in_force, running, share_of
 
 pytest_plugins = ["tests.fixtures.netns"]

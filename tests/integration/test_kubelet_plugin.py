@@ -2,7 +2,7 @@
 
 Each test starts a :class:`KubeletPlugin` around a small in-test handler (no dracap
 logic) in its own temporary directory, and talks to it with
-:class:`~services.runtime.kubeletclient.KubeletClient` — or with the generated stubs,
+:class:`~tests.fixtures.kubeletclient.KubeletClient` — or with the generated stubs,
 to prove the hand-registered method paths are the ``.proto`` files'. Nothing waits on
 time: tests wait for the plugin's ``registered`` event, for stream messages, or for
 the calls to return.
@@ -19,13 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.runtime.kubeletapi import (
-    dra_v1_pb2,
-    dra_v1_pb2_grpc,
-    pluginregistration_pb2,
-    pluginregistration_pb2_grpc,
-)
-from services.runtime.kubeletclient import KubeletClient, PluginConnection
+from services.runtime.ground.metrics import REGISTRY
 from services.runtime.kubeletplugin import (
     ClaimRef,
     DeviceHealthReport,
@@ -37,7 +31,13 @@ from services.runtime.kubeletplugin import (
     PrepareResult,
     RegistrationRefused,
 )
-from services.runtime.metrics import REGISTRY
+from services.runtime.kubeletplugin.api import (
+    dra_v1_pb2,
+    dra_v1_pb2_grpc,
+    pluginregistration_pb2,
+    pluginregistration_pb2_grpc,
+)
+from tests.fixtures.kubeletclient import KubeletClient, PluginConnection
 
 DRIVER = "gpu.example.com"
 

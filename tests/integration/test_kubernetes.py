@@ -10,7 +10,7 @@ claims on the ResourceSlices the agent published there, by writing ``status.allo
 Real parts: PostgreSQL, nats-server, the relay and the bridge in-process, the node agent
 as a subprocess (``dracap agent --enforcer tc --kubelet-plugin``) with a veth whose peer
 lives in a fresh network namespace, and the kubelet side over real gRPC on Unix sockets
-(:class:`~services.runtime.kubeletclient.KubeletClient`: registers through the
+(:class:`~tests.fixtures.kubeletclient.KubeletClient`: registers through the
 registration socket, then calls the advertised endpoint). Skipped, with the reason,
 without CAP_NET_ADMIN.
 """
@@ -29,9 +29,9 @@ from events.catalog import CapacityReserved, ClaimReserved, LimitApplied
 from events.envelopes import node_stream
 from events.quantities import Quantity
 from services.replay.verify import summary, verify
+from services.runtime.ground.settings import Settings
 from services.runtime.kubeletplugin import ClaimRef
-from services.runtime.livestate import HEAD
-from services.runtime.settings import Settings
+from services.runtime.store.livestate import HEAD
 from tests.fixtures.k8s_standin import StandinApiServer
 from tests.fixtures.kubernetes import DRIVER, NAMESPACE, Cluster, running, share_of, tc_minor
 

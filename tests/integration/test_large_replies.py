@@ -23,12 +23,12 @@ from nats.aio.msg import Msg
 
 from events.subjects import BusNames
 from services.exitcodes import ExitCode
-from services.runtime.apiclient import ApiClient, ApiError, Inbox
-from services.runtime.bus import connect_bus
-from services.runtime.embedded import EmbeddedNats
-from services.runtime.endpoints import ServerUnavailable
-from services.runtime.replies import HEADROOM, MAX_REPLY_PARTS, split
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError, Inbox
+from services.runtime.bus.endpoints import ServerUnavailable
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.bus.replies import HEADROOM, MAX_REPLY_PARTS, split
+from services.runtime.ground.settings import Settings
+from services.runtime.ops.embedded import EmbeddedNats
 from services.stack import Stack, load_inventory, read_inventory
 from tests.fixtures.blobs import blob_endpoint
 

@@ -1,4 +1,4 @@
-"""The lease of a single-active service (:mod:`services.runtime.leadership`), against the
+"""The lease of a single-active service (:mod:`services.runtime.ops.leadership`), against the
 real PostgreSQL: one of two instances is active; when the server ends the holder's
 session (what a crash, a partition past the idle timeout or a failover come to), the
 holder's work is told to stop, it no longer counts itself active, and the other takes
@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from services.runtime.errors import NotActive
-from services.runtime.leadership import Leadership
-from services.runtime.settings import Settings
+from services.runtime.ground.errors import NotActive
+from services.runtime.ground.settings import Settings
+from services.runtime.ops.leadership import Leadership
 from tests.fixtures.replicas import PostgresPair, postgres_binaries
 from tests.integration.test_failover import ha_settings, pair  # noqa: F401 (fixtures)
 

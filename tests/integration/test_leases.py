@@ -23,11 +23,11 @@ from events.envelopes import Envelope, lease_stream, node_stream
 from services.enforcement import leases
 from services.reclamation.service import ReclamationService
 from services.replay.verify import summary, verify
-from services.runtime.appends import Batch, Metadata, Processed
-from services.runtime.errors import ConflictError, StaleEpoch
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import LiveState
-from services.runtime.settings import Settings
+from services.runtime.ground.errors import ConflictError, StaleEpoch
+from services.runtime.ground.settings import Settings
+from services.runtime.store.appends import Batch, Metadata, Processed
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import LiveState
 from tests.fixtures.clock import FakeClock
 from tests.fixtures.dbtime import age_leases
 from tests.integration import sample as s

@@ -68,15 +68,15 @@ from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent
 from services.enforcement.enforcers import NoneEnforcer
 from services.reservation.service import Plan, ReservationService
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.appends import Cause
-from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.errors import ConflictError
-from services.runtime.eventstore import Connection, EventStore
-from services.runtime.handlers import Handled, HandlerContext
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.relaying import Relay
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.bus.jetstream import connect_bus, ensure_stream
+from services.runtime.delivery.handlers import Handled, HandlerContext
+from services.runtime.delivery.relaying import Relay
+from services.runtime.ground.errors import ConflictError
+from services.runtime.ground.settings import Settings
+from services.runtime.store.appends import Cause
+from services.runtime.store.eventstore import Connection, EventStore
+from services.runtime.store.livestate import HEAD, LiveState
 from services.stack import Stack, load_inventory, read_inventory
 from tests.fixtures.links import InProcessServices
 from tests.integration.cluster import namespace_and_class, node_slice

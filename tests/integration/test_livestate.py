@@ -12,11 +12,11 @@ import pytest
 from events import catalog
 from events.envelopes import stream_of
 from events.eventcodec import encode_payload
-from services.runtime.appends import Batch, Metadata
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import HEAD, SEEN, LiveState
-from services.runtime.rows import COLUMNS
-from services.runtime.settings import Settings
+from services.runtime.ground.settings import Settings
+from services.runtime.store.appends import Batch, Metadata
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, SEEN, LiveState
+from services.runtime.store.rows import COLUMNS
 from tests.integration import sample as s
 from tests.integration.scenario import put
 

@@ -15,10 +15,10 @@ what the log must refuse, through the one function the login may call:
 
 and the enforcement login as node agents' proxy: another node's reports, a stale epoch,
 another node's admin-access share (finding 5), other consumers' rows, lease renewals.
-Every refusal is typed (:class:`~services.runtime.errors.AppendForbidden`,
-:class:`~services.runtime.errors.InvalidEvent`,
-:class:`~services.runtime.errors.NodeScopeViolation`,
-:class:`~services.runtime.errors.StaleEpoch`) and leaves the log and the guard tables as
+Every refusal is typed (:class:`~services.runtime.ground.errors.AppendForbidden`,
+:class:`~services.runtime.ground.errors.InvalidEvent`,
+:class:`~services.runtime.ground.errors.NodeScopeViolation`,
+:class:`~services.runtime.ground.errors.StaleEpoch`) and leaves the log and the guard tables as
 they were. Logins are real login users in their groups (the session user is what the
 database judges), created for the test and dropped.
 """
@@ -40,16 +40,16 @@ from events.envelopes import stream_of
 from events.errors import CatalogError
 from events.eventcodec import decode_stored, encode_payload
 from events.guards import Acquire, SetTotal, encode_guards
-from services.runtime.appends import Batch, Metadata, Processed
-from services.runtime.errors import (
+from services.runtime.ground.errors import (
     AppendForbidden,
     InvalidEvent,
     NodeScopeViolation,
     StaleEpoch,
     map_database_error,
 )
-from services.runtime.eventstore import EventStore
-from services.runtime.settings import ServiceKind, Settings
+from services.runtime.ground.settings import ServiceKind, Settings
+from services.runtime.store.appends import Batch, Metadata, Processed
+from services.runtime.store.eventstore import EventStore
 from tests.fixtures.logins import login_users
 from tests.integration import sample as s
 from tests.integration.scenario import lease, put
@@ -490,7 +490,7 @@ async def test_a_writer_ten_minutes_behind_does_not_shorten_a_not_started_timeou
     the recorded_at of the Ready event, on the database's clock: nothing is due."""
     from events import model
     from services.reclamation.service import ReclamationService
-    from services.runtime.livestate import HEAD, LiveState
+    from services.runtime.store.livestate import HEAD, LiveState
 
     device_class = model.convert(
         {

@@ -22,10 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from events.subjects import BusNames
 from services.replay.verify import summary, verify
 from services.reservation.service import FEEDS
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.bus import connect_bus
-from services.runtime.metrics import start_metrics_server
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.metrics import start_metrics_server
+from services.runtime.ground.settings import Settings
 from services.stack import Stack
 from tests.integration.test_pipeline import (
     GPU,

@@ -25,8 +25,9 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 
 import migrations
-from services.runtime import migrating, payloadchecks
-from services.runtime.settings import Settings
+from migrations import runner as migrating
+from services.runtime.ground.settings import Settings
+from services.runtime.store import payloadchecks
 from tests.fixtures.services import APP_ROLE
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "function_defs"

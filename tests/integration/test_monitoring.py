@@ -14,8 +14,8 @@ import re
 import urllib.request
 from pathlib import Path
 
-from services.runtime.metrics import start_metrics_server
-from services.runtime.settings import Settings
+from services.runtime.ground.metrics import start_metrics_server
+from services.runtime.ground.settings import Settings
 from tests.integration.cluster import running_cluster
 from tests.integration.test_class_modes import INVENTORY
 from tests.integration.test_policy import NAMESPACE, _ready, claim_doc, view_when

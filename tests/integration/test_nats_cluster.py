@@ -28,11 +28,11 @@ import pytest
 from nats.js.api import Header
 
 from events.subjects import BusNames
-from services.runtime.apiclient import ApiClient
-from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.endpoints import EndpointError
-from services.runtime.relaying import outgoing
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.endpoints import EndpointError
+from services.runtime.bus.jetstream import connect_bus, ensure_stream
+from services.runtime.delivery.relaying import outgoing
+from services.runtime.ground.settings import Settings
 from tests.fixtures.polling import until
 from tests.fixtures.replicas import NatsCluster, nats_binary, nats_cluster
 from tests.integration.cluster import Cluster, running_cluster

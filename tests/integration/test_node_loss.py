@@ -36,11 +36,11 @@ from services import cli
 from services.exitcodes import ExitCode
 from services.reclamation.service import ReclamationService
 from services.replay.verify import summary, verify
-from services.runtime.bus import connect_bus
-from services.runtime.errors import StaleEpoch
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import LiveState
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.errors import StaleEpoch
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import LiveState
 from tests.fixtures.polling import until
 from tests.integration.test_agent_restart import NAMESPACE, Node, ready
 

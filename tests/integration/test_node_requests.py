@@ -49,15 +49,15 @@ from services.enforcement.protocol import Report, ReportBatch
 from services.enforcement.service import EnforcementService
 from services.reclamation.service import ReclamationService
 from services.reservation.service import ReservationService
-from services.runtime.apiclient import ApiClient
-from services.runtime.bus import connect_bus, prefix_of
-from services.runtime.credentials import REQUEST_INFO_HEADER, read_directory
-from services.runtime.errors import StaleEpoch
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.rebuilding import BusKeeper
-from services.runtime.relaying import Relay
-from services.runtime.settings import ServiceKind, Settings
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.credentials import REQUEST_INFO_HEADER, read_directory
+from services.runtime.bus.jetstream import connect_bus, prefix_of
+from services.runtime.delivery.rebuilding import BusKeeper
+from services.runtime.delivery.relaying import Relay
+from services.runtime.ground.errors import StaleEpoch
+from services.runtime.ground.settings import ServiceKind, Settings
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, LiveState
 from services.stack import load_inventory, read_inventory
 from tests.fixtures.brokers import EXAMPLES, Broker, secure_broker
 from tests.fixtures.logins import login_users

@@ -24,8 +24,8 @@ from events.envelopes import claim_stream
 from services.exitcodes import ExitCode
 from services.reclamation.service import ReclamationService
 from services.replay.verify import summary, verify
-from services.runtime.livestate import LiveState
-from services.runtime.settings import ServiceKind, Settings
+from services.runtime.ground.settings import ServiceKind, Settings
+from services.runtime.store.livestate import LiveState
 from tests.integration.cluster import Cluster, running_cluster
 from tests.integration.test_policy import NAMESPACE, dracap, view_when
 

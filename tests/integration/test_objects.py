@@ -23,8 +23,8 @@ import yaml
 from events.subjects import BusNames
 from services import cli
 from services.exitcodes import ExitCode
-from services.runtime.bus import connect_bus
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.settings import Settings
 from services.stack import Stack, read_inventory
 
 pytestmark = pytest.mark.integration

@@ -31,7 +31,7 @@ from events import catalog
 from events.errors import CatalogError, QuantityError
 from events.eventcodec import decode_stored
 from events.quantities import Quantity
-from services.runtime import payloadchecks
+from services.runtime.store import payloadchecks
 
 
 def example(t: mi.Type) -> Any:

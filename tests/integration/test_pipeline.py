@@ -58,16 +58,16 @@ from services.enforcement.service import EnforcementService
 from services.enforcement.views import NodeView
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
-from services.runtime.appends import Batch, Metadata
-from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.errors import ConflictError
-from services.runtime.eventstore import EventStore
-from services.runtime.handlers import HandlerContext
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.metrics import REGISTRY
-from services.runtime.relaying import Relay
-from services.runtime.selectorpool import SelectorPool
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import connect_bus, ensure_stream
+from services.runtime.delivery.handlers import HandlerContext
+from services.runtime.delivery.relaying import Relay
+from services.runtime.ground.errors import ConflictError
+from services.runtime.ground.metrics import REGISTRY
+from services.runtime.ground.settings import Settings
+from services.runtime.ops.selectorpool import SelectorPool
+from services.runtime.store.appends import Batch, Metadata
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, LiveState
 from tests.fixtures.polling import until
 from tests.integration.waiting import bus_idle, state_reaches
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from services.exitcodes import ExitCode
-from services.runtime.settings import Settings
+from services.runtime.ground.settings import Settings
 from tests.integration.cluster import Cluster, namespace_and_class, node_slice, running_cluster
 from tests.integration.test_policy import NAMESPACE, _ready, claim_doc, dracap, view_when
 

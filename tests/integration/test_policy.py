@@ -21,8 +21,8 @@ import yaml
 from services import cli
 from services.claims.command import follow
 from services.exitcodes import ExitCode
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.ground.settings import Settings
 from tests.integration.cluster import Cluster, namespace_and_class, running_cluster
 
 GPU_CLASS = "gpu.dracap.io"

@@ -32,9 +32,9 @@ from nats.js.client import JetStreamContext
 from events.quantities import parse_quantity
 from events.subjects import BusNames
 from services.brokerauth import Installation, init_auth
-from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.credentials import ACCOUNTS, AuthDir, read_credential
-from services.runtime.errors import RetryableError
+from services.runtime.bus.credentials import ACCOUNTS, AuthDir, read_credential
+from services.runtime.bus.jetstream import connect_bus, ensure_stream
+from services.runtime.ground.errors import RetryableError
 from tests.fixtures.replicas import nats_binary
 from tests.unit.test_kubernetes_manifests import _one, _rendered
 

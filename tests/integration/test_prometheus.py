@@ -28,9 +28,9 @@ import yaml
 
 from events.subjects import BusNames
 from services import durables
-from services.runtime.bus import connect_bus
-from services.runtime.metrics import start_metrics_server
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.metrics import start_metrics_server
+from services.runtime.ground.settings import Settings
 from tests.integration.cluster import running_cluster
 from tests.integration.test_class_modes import GPU_CLASS, INVENTORY
 from tests.integration.test_policy import NAMESPACE, _ready, claim_doc, view_when

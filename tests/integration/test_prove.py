@@ -25,7 +25,7 @@ from events.subjects import BusNames
 from services import cli
 from services.enforcement.proving import ProofReport, ShareFigures
 from services.exitcodes import ExitCode
-from services.runtime.bus import connect_bus
+from services.runtime.bus.jetstream import connect_bus
 
 pytest_plugins = ["tests.fixtures.netns"]
 

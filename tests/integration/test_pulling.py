@@ -1,4 +1,4 @@
-"""What nats-server does with pull requests, which services.runtime.pulling counts on
+"""What nats-server does with pull requests, which services.runtime.delivery.pulling counts on
 (and tests/unit/test_pulling.py models): waiting requests are served round robin."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import nats
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from services.runtime.pulling import PULL_SUBJECT
+from services.runtime.delivery.pulling import PULL_SUBJECT
 
 
 async def test_waiting_pull_requests_are_served_round_robin(nats_url: str) -> None:

@@ -29,12 +29,12 @@ from events.catalog import ClaimAdmitted
 from events.envelopes import claim_stream
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
-from services.runtime.appends import AdmissionPremise, Batch, Metadata
-from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.errors import ConflictError
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import LiveState
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import connect_bus, ensure_stream
+from services.runtime.ground.errors import ConflictError
+from services.runtime.ground.settings import Settings
+from services.runtime.store.appends import AdmissionPremise, Batch, Metadata
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import LiveState
 
 NAMESPACE = "tenant-q"
 QUOTA = 5

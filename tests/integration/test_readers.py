@@ -31,13 +31,13 @@ from services.claims.admission import decide_apply
 from services.enforcement.protocol import Reply, ViewAsk, Viewed, decode, encode
 from services.enforcement.service import EnforcementService
 from services.exitcodes import ExitCode
-from services.runtime.bus import connect_bus
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.metrics import REGISTRY
-from services.runtime.projecting import Projector
-from services.runtime.settings import Settings
-from services.runtime.snapshots import FRAME_VERSION, SnapshotWriter, frame, write_snapshot
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.delivery.projecting import Projector
+from services.runtime.ground.metrics import REGISTRY
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, LiveState
+from services.runtime.store.snapshots import FRAME_VERSION, SnapshotWriter, frame, write_snapshot
 from tests.fixtures.services import fresh_database
 from tests.integration import test_forensics as forensics
 from tests.integration.injecting import inject, row

@@ -26,9 +26,9 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from events.subjects import BusNames
-from services.runtime.bus import connect_bus
-from services.runtime.eventstore import EventStore
-from services.runtime.settings import ServiceKind, Settings
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.settings import ServiceKind, Settings
+from services.runtime.store.eventstore import EventStore
 from tests.fixtures.logins import login_users
 from tests.integration.test_bus import append_burst
 from tests.integration.test_serve import Processes, _free_port

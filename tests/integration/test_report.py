@@ -21,8 +21,8 @@ from events import model
 from services.cli import main
 from services.replay.sources import DatabaseSource, FileSource
 from services.report.panels import Panel, Report, build_report
-from services.runtime.eventstore import EventStore
-from services.runtime.settings import Settings
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore
 from tests.integration import sample as s
 from tests.integration.scenario import lease, put
 

@@ -11,7 +11,7 @@ import pytest
 from events.errors import SelectorDeadlineExceeded, SelectorError
 from events.quantities import Quantity
 from events.selectors import DeviceView, compile_selector
-from services.runtime.selectorpool import SelectorPool
+from services.runtime.ops.selectorpool import SelectorPool
 from tests.fixtures.polling import until
 
 DRIVER = "gpu.test.io"

@@ -35,10 +35,10 @@ import pytest
 
 from services.brokerauth import Installation, init_auth
 from services.exitcodes import ExitCode
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.credentials import AuthDir
-from services.runtime.embedded import EmbeddedNats
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.bus.credentials import AuthDir
+from services.runtime.ground.settings import Settings
+from services.runtime.ops.embedded import EmbeddedNats
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = "gpu.dracap.io"

@@ -31,10 +31,10 @@ import pytest
 from services.audit import verifying as audit_verifying
 from services.billing import verifying as billing_verifying
 from services.replay.verify import summary, verify
-from services.runtime.apiclient import ApiClient
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, LiveState
 from tests.integration.test_db_logins import _logins
 from tests.integration.test_db_logins import prefix as login_prefix  # noqa: F401 (a fixture)
 from tests.integration.test_serve import NAMESPACE, Processes, _admin, _claim, _free_port

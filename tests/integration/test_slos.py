@@ -16,9 +16,9 @@ import pytest
 
 from services.replay.sources import DatabaseSource
 from services.report.panels import build_report
-from services.runtime.eventstore import connect
-from services.runtime.metrics import REGISTRY
-from services.runtime.settings import Settings
+from services.runtime.ground.metrics import REGISTRY
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import connect
 from tests.integration.cluster import running_cluster
 from tests.integration.test_class_modes import GPU_CLASS, INVENTORY
 from tests.integration.test_policy import NAMESPACE, _ready, claim_doc, view_when

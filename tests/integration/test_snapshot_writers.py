@@ -6,9 +6,9 @@ As processes (``dracap replay snapshot`` twice, each as a member of
 killed, the other takes over and writes the snapshots that follow.
 
 And safe even when two write at once (what a lease's overlap can let happen for a
-moment, :mod:`services.runtime.leadership`): two writers without a lease, racing on
+moment, :mod:`services.runtime.ops.leadership`): two writers without a lease, racing on
 the same log as it grows, store only snapshots that verify, keep the newest
-:data:`~services.runtime.snapshots.KEEP`, and ``replay verify`` is clean.
+:data:`~services.runtime.store.snapshots.KEEP`, and ``replay verify`` is clean.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from services.replay.verify import summary, verify
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import HEAD, LiveState
-from services.runtime.settings import Settings
-from services.runtime.snapshots import KEEP, SnapshotWriter, verify_snapshot
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, LiveState
+from services.runtime.store.snapshots import KEEP, SnapshotWriter, verify_snapshot
 from tests.integration.test_forensics import (  # noqa: F401 (a fixture)
     SnapshotService,
     _admit,

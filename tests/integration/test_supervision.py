@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from services.runtime.embedded import free_port
-from services.up import READY_LINE
+from services.commands.up import READY_LINE
+from services.runtime.ops.embedded import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "examples"

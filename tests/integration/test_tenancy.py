@@ -26,9 +26,9 @@ from services import cli
 from services.claims.command import wait_ready
 from services.exitcodes import ExitCode
 from services.replay.verify import summary, verify
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.bus import connect_bus
-from services.runtime.settings import Settings
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.settings import Settings
 from services.stack import Stack, load_inventory, read_inventory
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"

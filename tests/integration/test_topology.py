@@ -46,11 +46,11 @@ import pytest
 import yaml
 
 from services.exitcodes import CommandError
-from services.runtime.apiclient import ApiClient, ApiError
-from services.runtime.credentials import AuthDir
-from services.runtime.embedded import EmbeddedNats
-from services.runtime.endpoints import EndpointError
-from services.runtime.provisioning import KINDS
+from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.bus.credentials import AuthDir
+from services.runtime.bus.endpoints import EndpointError
+from services.runtime.ops.embedded import EmbeddedNats
+from services.runtime.store.provisioning import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -23,11 +23,11 @@ from collections.abc import AsyncIterator
 from nats.js.api import Header
 
 from events.subjects import BusNames
-from services.runtime.bus import connect_bus, ensure_stream
-from services.runtime.eventstore import EventStore
-from services.runtime.rebuilding import BusKeeper
-from services.runtime.relaying import Relay, outgoing
-from services.runtime.settings import Settings
+from services.runtime.bus.jetstream import connect_bus, ensure_stream
+from services.runtime.delivery.rebuilding import BusKeeper
+from services.runtime.delivery.relaying import Relay, outgoing
+from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore
 from tests.integration.test_bus import append_burst
 
 BURSTS = 6

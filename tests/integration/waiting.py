@@ -10,8 +10,8 @@ from nats.js import JetStreamContext
 
 from events.state import ClusterState
 from events.subjects import BusNames
-from services.runtime.eventstore import EventStore
-from services.runtime.livestate import HEAD, LiveState
+from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import HEAD, LiveState
 
 
 async def state_reaches(

@@ -20,7 +20,7 @@ from services.brokerauth import (
     permissions_of,
 )
 from services.exitcodes import CommandError
-from services.runtime.credentials import (
+from services.runtime.bus.credentials import (
     REQUEST_INFO_HEADER,
     AuthDir,
     CredentialError,

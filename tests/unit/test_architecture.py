@@ -6,8 +6,14 @@
 * ``services/runtime/`` imports no service, nor the commands that compose services;
 * the node agent reaches NATS only: none of its modules imports the event store, a
   fold of its own or a database role (the enforcement service holds those);
-* ``services/`` is layered: ``cli`` > ``prove`` > ``up`` > ``stack`` > the services >
+* ``services/`` is layered: ``cli`` > ``commands`` > ``stack`` > the services >
   ``runtime`` > ``exitcodes``, and every sub-package must be declared in a layer;
+* the command words are one folder, ``services/commands/``: ``prove`` above ``up``,
+  the other words independent, above what ``audit`` and ``usage`` share;
+* ``services/runtime/`` is floored: ``hosting`` > ``delivery`` | ``ops`` > ``store`` |
+  ``bus`` | ``kube`` | ``kubeletplugin`` > ``ground``, every module in a floor; the
+  store imports no nats, the two Kubernetes sides neither asyncpg nor nats; the live
+  state stands above the check of its start, above the snapshots;
 * the big modules' parts are layered too: the fold and the state codec above the
   state, the event codec above envelopes above the catalog; validation above a slice's
   rules above the field rules; the allocator above diagnosis above the search above
@@ -44,9 +50,19 @@ CONTRACTS = {
     "allocator-layers",
     "claims-api-layers",
     "store-layers",
+    "runtime-floors",
+    "live-state-layers",
+    "store-speaks-sql",
+    "kubernetes-sides-off-the-servers",
+    "commands-layers",
 }
 AGENT = "agent-off-the-database"
 ALLOCATOR = "allocator-layers"
+FLOORS = "runtime-floors"
+LIVE = "live-state-layers"
+KUBE_SIDES = "kubernetes-sides-off-the-servers"
+COMMANDS = "commands-layers"
+NO_SERVICE = "runtime-imports-no-service"
 LINT_ONE = """
 import sys
 from importlinter.cli import lint_imports
@@ -81,18 +97,22 @@ def _lint_copy(tmp_path: Path, contract: str) -> subprocess.CompletedProcess[str
 @pytest.mark.parametrize(
     ("module", "line", "contract"),
     [
-        ("events/fold.py", "import services.runtime.errors", "events-pure"),
+        ("events/fold.py", "import services.runtime.ground.errors", "events-pure"),
         ("services/reservation/allocating.py", "import nats", "decisions-pure"),
         ("services/claims/admission.py", "import services.reservation", "services-independent"),
         ("services/enforcement/proving.py", "import services.claims", "services-independent"),
-        ("services/runtime/gauges.py", "import services.reservation", "runtime-imports-no-service"),
-        ("services/runtime/dbcommand.py", "import services.cli", "runtime-imports-no-service"),
-        ("services/enforcement/agent.py", "import services.runtime.eventstore", AGENT),
+        (
+            "services/runtime/ops/gauges.py",
+            "import services.reservation",
+            "runtime-imports-no-service",
+        ),
+        ("services/runtime/hosting/process.py", "import services.cli", NO_SERVICE),
+        ("services/enforcement/agent.py", "import services.runtime.store.eventstore", AGENT),
         ("services/enforcement/leasing.py", "import services.enforcement.leases", AGENT),
-        ("services/enforcement/proving.py", "import services.up", "services-layers"),
-        ("services/exitcodes.py", "import services.runtime.errors", "services-layers"),
+        ("services/enforcement/proving.py", "import services.commands.up", "services-layers"),
+        ("services/exitcodes.py", "import services.runtime.ground.errors", "services-layers"),
         ("services/ledger/__init__.py", "", "services-layers"),  # a package in no layer
-        ("services/stack.py", "import services.up", "services-layers"),
+        ("services/stack.py", "import services.commands.up", "services-layers"),
         ("services/reservation/searching.py", "import nats", "decisions-pure"),
         ("events/state.py", "import events.fold", "events-meaning-above-records"),
         ("events/statecodec.py", "import events.fold", "events-meaning-above-records"),
@@ -103,9 +123,39 @@ def _lint_copy(tmp_path: Path, contract: str) -> subprocess.CompletedProcess[str
         ("services/reservation/allocated.py", "import services.reservation.searching", ALLOCATOR),
         ("services/claims/apicore.py", "import services.claims.api", "claims-api-layers"),
         ("services/claims/apitenant.py", "import services.claims.apiwrites", "claims-api-layers"),
-        ("services/runtime/appends.py", "import services.runtime.eventstore", "store-layers"),
-        ("services/runtime/handlers.py", "import services.runtime.consuming", "store-layers"),
-        ("services/enforcement/agent.py", "import services.runtime.handlers", AGENT),
+        (
+            "services/runtime/store/appends.py",
+            "import services.runtime.store.eventstore",
+            "store-layers",
+        ),
+        (
+            "services/runtime/delivery/handlers.py",
+            "import services.runtime.delivery.consuming",
+            "store-layers",
+        ),
+        ("services/enforcement/agent.py", "import services.runtime.delivery.handlers", AGENT),
+        ("services/commands/up.py", "import services.commands.prove", COMMANDS),
+        ("services/commands/audit.py", "import services.commands.usage", COMMANDS),
+        ("services/commands/querying.py", "import services.commands.audit", COMMANDS),
+        ("services/commands/stray.py", "", COMMANDS),  # a command in no layer
+        ("services/runtime/ops/health.py", "import services.commands", NO_SERVICE),
+        ("services/runtime/ground/errors.py", "import services.runtime.store", FLOORS),
+        ("services/runtime/store/rows.py", "import services.runtime.bus", FLOORS),
+        ("services/runtime/bus/replies.py", "import services.runtime.store", FLOORS),
+        ("services/runtime/ops/health.py", "import services.runtime.delivery", FLOORS),
+        ("services/runtime/delivery/pulling.py", "import services.runtime.ops", FLOORS),
+        ("services/runtime/kube/client.py", "import services.runtime.hosting", FLOORS),
+        ("services/runtime/stray.py", "", FLOORS),  # a module in no floor
+        ("services/runtime/store/snapshots.py", "import services.runtime.store.livestate", LIVE),
+        (
+            "services/runtime/store/snapshotcheck.py",
+            "import services.runtime.store.livestate",
+            LIVE,
+        ),
+        ("services/runtime/store/rows.py", "import nats", "store-speaks-sql"),
+        ("services/runtime/kube/slices.py", "import asyncpg", KUBE_SIDES),
+        ("services/runtime/kubeletplugin/wire.py", "import nats", KUBE_SIDES),
+        ("services/enforcement/agent.py", "import services.runtime.store.rows", AGENT),
     ],
 )  # fmt: skip
 def test_a_contract_breaks_when_its_import_comes_back(

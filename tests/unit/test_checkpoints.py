@@ -31,7 +31,7 @@ from services.replay.history import state_at
 from services.replay.logfile import LogFileError, read_rows
 from services.replay.sources import FileSource
 from services.replay.transfer import check_file
-from services.runtime.snapshots import frame
+from services.runtime.store.snapshots import frame
 from tests.unit.test_logfile import history, write
 
 EVERY = 10

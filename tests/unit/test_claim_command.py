@@ -10,7 +10,7 @@ import pytest
 from services import cli
 from services.claims import command
 from services.exitcodes import CommandError, ExitCode
-from services.runtime.apiclient import ApiError
+from services.runtime.bus.apiclient import ApiError
 
 CLAIM = """
 apiVersion: resource.k8s.io/v1
@@ -133,8 +133,8 @@ def test_device_table() -> None:
 
 def test_connection_file_is_written_into_a_new_data_directory(tmp_path: Path) -> None:
     # servers from the environment: nothing embedded created the directory before
-    from services.runtime.endpoints import Connection, read_connection
-    from services.up import write_connection
+    from services.commands.up import write_connection
+    from services.runtime.bus.endpoints import Connection, read_connection
 
     data_dir = tmp_path / "not" / "yet"
     connection = Connection(database_url="postgresql://db/x", nats_url="nats://n:4222")

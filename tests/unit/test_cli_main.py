@@ -3,7 +3,7 @@
 ``dracap --help`` lists every command without importing any command module, nats-py,
 asyncio or the database drivers; ``dracap claim list`` imports neither the manifest
 loader (and with it the CEL parser), nor alembic and SQLAlchemy, nor aiohttp (nats-py's
-WebSocket transport, deferred by :mod:`services.runtime.deferred`).
+WebSocket transport, deferred by :mod:`services.runtime.ground.deferred`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 from services import cli
 cli.build_parser(["allocate", "-f", "x"])
 loaded = sorted(m for m in cli.COMMAND_MODULES if m in sys.modules)
-print(",".join(loaded), "alembic" in sys.modules, "services.up" in sys.modules)
+print(",".join(loaded), "alembic" in sys.modules, "services.commands.up" in sys.modules)
 """
 
 #: what a start-up may not have imported: (argv, modules)
@@ -34,7 +34,7 @@ HEAVY = ("alembic", "sqlalchemy", "aiohttp", "celpy", "events.selectors", "event
 LOADED = """
 import sys
 from services import cli
-from services.runtime.deferred import defer_unused_imports
+from services.runtime.ground.deferred import defer_unused_imports
 defer_unused_imports()
 argv = sys.argv[1:]
 try:
@@ -91,7 +91,7 @@ def test_a_command_imports_only_its_own_module() -> None:
         text=True,
         check=True,
     )
-    assert done.stdout.split() == ["services.reservation.command", "False", "False"]
+    assert done.stdout.split() == ["services.commands.allocate", "False", "False"]
 
 
 def test_help_imports_no_command_and_no_client_library() -> None:
@@ -111,7 +111,7 @@ def test_claim_list_imports_no_manifest_loader_database_driver_layer_or_aiohttp(
 def test_a_deferred_module_is_imported_at_its_first_use() -> None:
     probe = """
 import sys
-from services.runtime.deferred import defer_unused_imports
+from services.runtime.ground.deferred import defer_unused_imports
 defer_unused_imports()
 import nats.aio.client  # imports aiohttp: the stand-in
 print(type(sys.modules["aiohttp"]).__name__)

@@ -7,8 +7,8 @@ import base64
 import hashlib
 import hmac
 
-from services.runtime.dbroles import group_role, login_user, scram_verifier, url_as
-from services.runtime.settings import ServiceKind, load_settings
+from services.runtime.ground.settings import ServiceKind, load_settings
+from services.runtime.store.dbroles import group_role, login_user, scram_verifier, url_as
 
 
 def test_no_role_url_keeps_the_url_and_the_app_role() -> None:

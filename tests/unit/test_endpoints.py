@@ -9,15 +9,15 @@ import pytest
 
 from services import cli
 from services.exitcodes import ExitCode
-from services.runtime import endpoints
-from services.runtime.endpoints import (
+from services.runtime.bus import endpoints
+from services.runtime.bus.endpoints import (
     ConnectionFileError,
     NoEndpoint,
     ServerUnavailable,
     reaching,
     resolve_endpoints,
 )
-from services.runtime.settings import ServiceKind, Settings
+from services.runtime.ground.settings import ServiceKind, Settings
 
 SAVED = {"database_url": "postgresql://up/db", "nats_url": "nats://up:1", "prefix": "p"}
 #: Nothing listens on port 1 of the loopback address.

@@ -28,7 +28,7 @@ from services.enforcement.enforcers import (
     PermanentEnforcementError,
     RetryableEnforcementError,
 )
-from services.runtime.errors import (
+from services.runtime.ground.errors import (
     LEDGER_CAPACITY_CHECK,
     AlreadyHandled,
     AppendForbidden,

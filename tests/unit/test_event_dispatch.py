@@ -30,7 +30,7 @@ ALLOWED: dict[str, int] = {
     "services/enforcement/decisions.py": 3,  # the allocation to enforce, a release
     "services/audit/records.py": 2,  # a rejection's summary, a refused append's text
     "services/replay/history.py": 2,  # a claim's manifest and allocation, as the log has them
-    "services/runtime/recorded.py": 2,  # the same, read for the views
+    "services/runtime/store/recorded.py": 2,  # the same, read for the views
     "services/billing/usage.py": 1,  # the manifest's classes
     "services/claims/adminwrites.py": 1,  # the slices the write itself publishes
     "services/claims/apiwrites.py": 1,  # the classes its own admission names (the premise)

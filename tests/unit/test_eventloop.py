@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from services.runtime import eventloop
+from services.runtime.ground import eventloop
 
 
 async def _loop_type() -> type:
@@ -31,7 +31,7 @@ def test_the_standard_loop_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> Non
 
 _SIGTERMED = """
 import asyncio, os, signal, sys
-from services.runtime.eventloop import cancel_on_sigterm
+from services.runtime.ground.eventloop import cancel_on_sigterm
 
 async def main():
     cancel_on_sigterm()

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from services import cli
+from services.commands import replay as replay_command
 from services.exitcodes import ExitCode
-from services.replay import command as replay_command
 from services.replay.verify import Report
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.runtime.clock import SYSTEM
+from services.runtime.ground.clock import SYSTEM
 from tests.fixtures.clock import FakeClock
 
 

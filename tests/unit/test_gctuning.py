@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from services.runtime.gctuning import (
+from services.runtime.ground.gctuning import (
     REWALK_S,
     THRESHOLDS,
     _SurvivorFreezer,

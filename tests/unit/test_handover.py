@@ -1,5 +1,5 @@
-"""The commit hand-over (services.runtime.handover); first_of and all_of
-(services.runtime.waiting)."""
+"""The commit hand-over (services.runtime.store.handover); first_of and all_of
+(services.runtime.ground.waiting)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from events import catalog as c
 from events.envelopes import Envelope, new_envelope
-from services.runtime.handover import Handover
-from services.runtime.waiting import all_of, first_of
+from services.runtime.ground.waiting import all_of, first_of
+from services.runtime.store.handover import Handover
 
 
 def _envelopes(*positions: int) -> list[Envelope]:

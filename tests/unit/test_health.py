@@ -15,17 +15,17 @@ import asyncpg
 import nats.errors
 import pytest
 
-from services.runtime import health
-from services.runtime.errors import RetryableError
-from services.runtime.health import (
+from services.runtime.ground.errors import RetryableError
+from services.runtime.ground.metrics import REGISTRY, start_metrics_server
+from services.runtime.ground.outages import QuietOutages, is_unreachable, one_line
+from services.runtime.ops import health
+from services.runtime.ops.health import (
     HealthMonitor,
     consumers_probe,
     live_probe,
     projector_probe,
     serve,
 )
-from services.runtime.metrics import REGISTRY, start_metrics_server
-from services.runtime.outages import QuietOutages, is_unreachable, one_line
 
 
 class Switch:
@@ -95,7 +95,7 @@ async def test_a_probe_that_hangs_is_down_after_the_timeout() -> None:
 
 
 def test_liveness_says_alive_until_the_watchdog_gives_up() -> None:
-    from services.runtime.supervising import Watchdog
+    from services.runtime.ops.supervising import Watchdog
 
     monitor = HealthMonitor(["postgres"])
     monitor.watchdog = Watchdog([])

@@ -21,15 +21,15 @@ import asyncpg
 import pytest
 
 from events.subjects import BusNames
-from services.runtime.bus import server_urls, stream_config
-from services.runtime.errors import (
+from services.runtime.bus.jetstream import server_urls, stream_config
+from services.runtime.ground.errors import (
     ConnectionLost,
     PermanentError,
     RetryableError,
     map_database_error,
 )
-from services.runtime.failover import Deadline, is_ambiguous
-from services.runtime.settings import Settings, SettingsError, load_settings
+from services.runtime.ground.settings import Settings, SettingsError, load_settings
+from services.runtime.store.failover import Deadline, is_ambiguous
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,7 @@ def test_the_stream_takes_its_replicas() -> None:
 
 
 def test_the_relay_flag_parses_and_refuses() -> None:
-    from services import serve
+    from services.commands import serve
 
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())

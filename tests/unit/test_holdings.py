@@ -9,7 +9,7 @@ from events import catalog as c
 from events.fold import apply
 from events.state import ClusterState
 from services.enforcement.decisions import released
-from services.runtime.holdings import HeldCapacity, held_by_tenant, share_holding
+from services.runtime.ops.holdings import HeldCapacity, held_by_tenant, share_holding
 from tests.unit.decision_fixtures import NODE, Log, gpu, inventory, memory_claim
 
 GI = 2**30 * 10**9  # nanos

@@ -1,4 +1,4 @@
-"""The wiring every service command shares (services/runtime/hosting.py)."""
+"""The wiring every service command shares (services/runtime/hosting/process.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from services.exitcodes import ExitCode
-from services.runtime.hosting import NotConnectedError, hosting, run_service
-from services.runtime.settings import SettingsError
+from services.runtime.ground.settings import SettingsError
+from services.runtime.hosting.process import NotConnectedError, hosting, run_service
 
 
 def _args(tmp_path: Path) -> argparse.Namespace:

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from events.model import ResourceClaimStatus
-from services.runtime import errors as runtime_errors
+from services.runtime.ground import errors as runtime_errors
 from services.runtime.kube import (
     AlreadyExists,
     Bookmark,

@@ -22,7 +22,7 @@ from services.enforcement.enforcers import NoneEnforcer
 from services.enforcement.kubelet import KubeletDriver
 from services.enforcement.protocol import Report, Reported, ViewAsk, Viewed
 from services.enforcement.views import NodeView
-from services.runtime.clock import SYSTEM, Clock
+from services.runtime.ground.clock import SYSTEM, Clock
 from services.runtime.kube.errors import NotFound
 from services.runtime.kubeletplugin import ClaimRef
 from tests.fixtures.clock import FakeClock

@@ -28,7 +28,7 @@ from services.enforcement.enforcers import NoneEnforcer
 from services.enforcement.enforcing import Enforcing
 from services.enforcement.protocol import Report, Reported, ViewAsk, Viewed
 from services.enforcement.views import NodeView
-from services.runtime.errors import ConflictError, RetryableError
+from services.runtime.ground.errors import ConflictError, RetryableError
 from tests.unit.allocator_fixtures import claim, request
 from tests.unit.decision_fixtures import NAMESPACE, NODE, Log, gpu, inventory
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.kubeletapi import dra_health_v1alpha1_pb2 as health_pb
 from services.runtime.kubeletplugin import wire
+from services.runtime.kubeletplugin.api import dra_health_v1alpha1_pb2 as health_pb
 from services.runtime.kubeletplugin.calling import answer_claims
 from services.runtime.kubeletplugin.contract import (
     ClaimRef,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from services.runtime.kubeletapi import (
+from services.runtime.kubeletplugin.api import (
     dra_health_v1alpha1_pb2,
     dra_v1_pb2,
     generate,
@@ -22,7 +22,9 @@ def test_the_committed_stubs_equal_a_fresh_generation(tmp_path: Path) -> None:
     assert sorted(fresh) == sorted(generate.generated_names())
     for name, data in fresh.items():
         committed = (generate.PACKAGE_DIR / name).read_bytes()
-        assert committed == data, f"{name} is stale: python -m services.runtime.kubeletapi.generate"
+        assert committed == data, (
+            f"{name} is stale: python -m services.runtime.kubeletplugin.api.generate"
+        )
 
 
 def test_the_check_mode_reports_drift(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

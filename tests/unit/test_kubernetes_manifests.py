@@ -54,8 +54,9 @@ from events.features import FeatureGates
 from events.manifests import ManifestError, load_paths
 from services import cli
 from services.enforcement.discovery import load_config
-from services.runtime import metrics, slos
-from services.runtime.settings import ServiceKind
+from services.runtime.ground import metrics
+from services.runtime.ground.settings import ServiceKind
+from services.runtime.ops import slos
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -512,8 +513,8 @@ def test_every_service_is_probed_on_its_metrics_port_and_requests_resources(over
 
 
 def test_the_probed_paths_are_the_ones_the_metrics_port_serves() -> None:
-    """The paths the probes ask are the ones :mod:`services.runtime.health` serves."""
-    from services.runtime.metrics import METRICS_PATHS
+    """The paths the probes ask are the ones :mod:`services.runtime.ops.health` serves."""
+    from services.runtime.ground.metrics import METRICS_PATHS
 
     served = METRICS_PATHS | {"/healthz", "/readyz"}
     for overlay in sorted(OVERLAYS):

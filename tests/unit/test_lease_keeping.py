@@ -6,7 +6,7 @@ import asyncio
 
 from services.enforcement.leasing import NodeLease
 from services.enforcement.protocol import Leased
-from services.runtime.errors import RetryableError
+from services.runtime.ground.errors import RetryableError
 from tests.fixtures.clock import FakeClock
 
 

@@ -19,8 +19,8 @@ from events.model import (
     ObjectMeta,
 )
 from events.state import ClusterState
-from services.runtime import metrics
-from services.runtime.gauges import (
+from services.runtime.ground import metrics
+from services.runtime.ops.gauges import (
     CLAIM_OUTCOMES,
     CapacityGauges,
     allocated_ratios,
@@ -92,7 +92,7 @@ def test_no_claim_or_share_labels() -> None:
             assert set(labelnames) <= allowed, (name, labelnames)
 
 
-# --- the capacity gauges (services.runtime.gauges) ----------------------------------------
+# --- the capacity gauges (services.runtime.ops.gauges) ----------------------------------------
 
 
 def device_class(name: str, expression: str | None) -> DeviceClass:

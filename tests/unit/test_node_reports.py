@@ -23,7 +23,7 @@ from services.enforcement.protocol import consumer_name
 from services.enforcement.renewing import Renewals
 from services.enforcement.reports import refusal, version_check_refusal
 from services.enforcement.views import Scope, decode_view, encode_view, scope
-from services.runtime.errors import RetryableError
+from services.runtime.ground.errors import RetryableError
 from tests.unit.allocator_fixtures import DRIVER, slice_
 from tests.unit.decision_fixtures import NAMESPACE, Log, gpu, inventory, memory_claim
 

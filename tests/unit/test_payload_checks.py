@@ -1,7 +1,7 @@
 """The database's payload checks and writers come from the catalog, and cannot fall behind.
 
 * the generated file ``migrations/functions/dracap_payload_checks.sql`` is exactly what
-  :mod:`services.runtime.payloadchecks` makes of today's catalog and writers: a change of
+  :mod:`services.runtime.store.payloadchecks` makes of today's catalog and writers: a change of
   either that was not regenerated fails here;
 * the newest migration that installs it names that file's digest: a regenerated file
   needs a migration that installs it again;
@@ -24,7 +24,7 @@ import pytest
 from events import catalog, writers
 from events.actors import Actor
 from migrations import sqlfiles
-from services.runtime import payloadchecks
+from services.runtime.store import payloadchecks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_generated_file_is_todays_catalog() -> None:
     committed = (ROOT / payloadchecks.FILE).read_text()
     assert committed == payloadchecks.generate(), (
-        "the catalog or events/writers.py changed: run `python -m services.runtime.payloadchecks`"
+        "the catalog or events/writers.py changed: run `python -m"
+        " services.runtime.store.payloadchecks`"
         " and add a migration that installs the file again"
     )
 

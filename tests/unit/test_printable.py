@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from services.claims import command as claims_command
+from services.commands.querying import emit as query_emit
 from services.replay.history import Step
 from services.replay.render import timeline_table, to_yaml
-from services.runtime.printable import json_text, printable, table, yaml_text
-from services.runtime.querycommand import emit as query_emit
+from services.runtime.ground.printable import json_text, printable, table, yaml_text
 
 #: What a hostile tenant puts in a name or reason: ESC (colour, title, cursor), BEL, CR
 #: (overwrite the line), a C1 CSI, DEL, a right-to-left override, a newline.

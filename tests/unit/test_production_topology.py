@@ -17,7 +17,7 @@ schemas); this module checks what makes it a production topology (issue 29):
   required``), its owner's Secret naming its owner;
 * each dracap container's environment — the ConfigMaps it reads whole, its own
   variables and the production template's Secret — loads with dracap's own
-  :func:`~services.runtime.settings.load_settings`: every NATS server of the
+  :func:`~services.runtime.ground.settings.load_settings`: every NATS server of the
   StatefulSet, the stream on as many replicas as there are servers, and each service
   kind's database URL naming both of the Cluster's Services with
   ``target_session_attrs=read-write``, as the documented ``dracap db logins --url-host``
@@ -42,10 +42,10 @@ import pytest
 
 from events.quantities import parse_quantity
 from services.brokerauth import Installation, init_auth
-from services.runtime.credentials import AuthDir
-from services.runtime.dbroles import url_as
-from services.runtime.logins import _with_host
-from services.runtime.settings import ServiceKind, load_settings
+from services.runtime.bus.credentials import AuthDir
+from services.runtime.ground.settings import ServiceKind, load_settings
+from services.runtime.store.dbroles import url_as
+from services.runtime.store.logins import _with_host
 from tests.fixtures.replicas import nats_binary
 from tests.unit.test_kubernetes_manifests import (
     PRODUCTION_SECRETS,

@@ -1,4 +1,5 @@
-"""Pull requests kept outstanding (services.runtime.pulling), against a model of the server.
+"""Pull requests kept outstanding (services.runtime.delivery.pulling), against a model of the
+server.
 
 The model does what nats-server does with pull requests (checked against the real one in
 tests/integration/test_pulling.py): the requests waiting are served round robin, one
@@ -20,8 +21,8 @@ from nats.aio.msg import Msg
 
 from services import brokerauth
 from services.enforcement import consumer
-from services.runtime import pulling
-from services.runtime.pulling import MAX_EXPIRES_S, Puller
+from services.runtime.delivery import pulling
+from services.runtime.delivery.pulling import MAX_EXPIRES_S, Puller
 
 
 class _Clock:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from services.commands.querying import emit, parse_time
 from services.exitcodes import CommandError, ExitCode
-from services.runtime.querycommand import emit, parse_time
 
 
 @pytest.mark.parametrize(

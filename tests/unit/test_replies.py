@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.runtime.replies import (
+from services.runtime.bus.replies import (
     HEADROOM,
     MAX_REPLY_PARTS,
     PART_HEADER,

@@ -11,8 +11,8 @@ from events.envelopes import Envelope
 from events.fold import apply, apply_event
 from events.state import ClusterState
 from services.enforcement.decisions import released
-from services.runtime.metrics import REGISTRY
-from services.runtime.slos import SloFold, SloTracker
+from services.runtime.ground.metrics import REGISTRY
+from services.runtime.ops.slos import SloFold, SloTracker
 from tests.unit.allocator_fixtures import device_class
 from tests.unit.decision_fixtures import (
     NODE,
@@ -99,7 +99,7 @@ def test_convergence_unconverged_claims_and_unknown_shares() -> None:
 
 
 def test_free_capacity_below_a_devices_smallest_grant_is_stranded() -> None:
-    from services.runtime.gauges import stranded_ratios
+    from services.runtime.ops.gauges import stranded_ratios
     from tests.unit.allocator_fixtures import device
     from tests.unit.decision_fixtures import memory_claim as claim_of
 
@@ -127,7 +127,7 @@ def _stamped(log: Log, start: int, seconds: list[float]) -> list[Envelope]:
 
 
 def test_the_fold_gives_scheduling_enforcement_and_decisions_by_class() -> None:
-    from services.runtime.slos import Observation, SloFold
+    from services.runtime.ops.slos import Observation, SloFold
 
     log = Log(*inventory(gpu()))
     log.add(c.NodeLeaseAcquired(node=NODE, epoch=1, boot_id="b", ttl_ms=10_000))

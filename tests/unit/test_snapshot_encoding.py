@@ -1,4 +1,4 @@
-"""Encoding a snapshot in a forked child (``services.runtime.snapshots.encode_detached``).
+"""Encoding a snapshot in a forked child (``services.runtime.store.snapshots.encode_detached``).
 
 The child's image of the state is the state at the instant of the fork: folding more
 into the parent's state while the child encodes must not show up in the snapshot (a
@@ -18,7 +18,7 @@ from events.errors import SnapshotError
 from events.fold import apply_event
 from events.state import ClusterState
 from events.statecodec import snapshot_decode, snapshot_encode
-from services.runtime import snapshots
+from services.runtime.store import snapshots
 from tests.integration import sample as s
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.embedded import EmbeddedError
-from services.runtime.metrics import REGISTRY
-from services.runtime.supervising import RestartLimitError, RestartPolicy, Watchdog
+from services.runtime.ground.metrics import REGISTRY
+from services.runtime.ops.embedded import EmbeddedError
+from services.runtime.ops.supervising import RestartLimitError, RestartPolicy, Watchdog
 from tests.fixtures.polling import until
 
 FAST = {"first_delay_s": 0.001, "max_delay_s": 0.004}

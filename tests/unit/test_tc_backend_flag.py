@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.enforcement.command import build_enforcer, register
+from services.commands.agent import build_enforcer, register
 from services.enforcement.discovery import load_config
 from services.enforcement.tc import ProcessTc, TcEnforcer
 from services.enforcement.tcnetlink import NetlinkTc

@@ -41,7 +41,7 @@ from services.audit import records
 from services.billing import service as billing_service
 from services.billing import usage
 from services.reservation.service import TRIGGERS
-from services.runtime import livestate
+from services.runtime.store import livestate
 from tests.integration import sample as s
 from tests.unit.decision_fixtures import inventory
 from tests.unit.test_catalog import every_event

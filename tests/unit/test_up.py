@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from events.subjects import BusNames
-from services import up
+from services.commands import up
+from services.commands.up import invocation
 from services.stack import Stack, read_inventory
-from services.up import invocation
 from tests.fixtures.polling import until
 
 

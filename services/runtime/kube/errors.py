@@ -15,7 +15,7 @@
         └── Invalid              422; ``causes`` name the fields and the rules
 
 Each class also derives from the runtime's error of the same meaning
-(:mod:`services.runtime.errors`: ``ConflictError``, ``RetryableError``, ``PermanentError``,
+(:mod:`services.runtime.ground.errors`: ``ConflictError``, ``RetryableError``, ``PermanentError``,
 ``NotFound``), so code that handles runtime errors in general handles these too.
 :class:`Gone` derives from none of them: it is neither a retry of the same call nor a
 failure, but an instruction to re-list.
@@ -33,7 +33,7 @@ from typing import Any, Final
 import aiohttp
 import msgspec
 
-from services.runtime import errors as runtime_errors
+from services.runtime.ground import errors as runtime_errors
 
 __all__ = [
     "AlreadyExists",

@@ -12,7 +12,7 @@ health v1alpha1, over Unix sockets. The modules:
 * :mod:`.wire` — protobuf to values and back; :mod:`.sockets` — socket paths;
 * :mod:`.metering` — the two metrics; :mod:`.errors` — the typed errors.
 
-:mod:`services.runtime.kubeletclient` is the kubelet's side, for tests and benchmarks.
+:mod:`tests.fixtures.kubeletclient` is the kubelet's side, for tests and benchmarks.
 See ``docs/kubelet-plugin.md``.
 """
 

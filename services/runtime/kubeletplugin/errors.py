@@ -1,4 +1,4 @@
-"""The typed errors of the kubelet transport (a branch of :mod:`services.runtime.errors`)::
+"""The typed errors of the kubelet transport (a branch of :mod:`services.runtime.ground.errors`)::
 
     KubeletPluginError                       root (a RuntimeServiceError)
     ├── PluginConfigError (PermanentError)   a bad driver name, directory or timeout
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import grpc
 
-from services.runtime.errors import PermanentError, RetryableError, RuntimeServiceError
+from services.runtime.ground.errors import PermanentError, RetryableError, RuntimeServiceError
 
 __all__ = [
     "ClaimFailure",

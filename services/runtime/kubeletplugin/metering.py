@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Final
 
-from services.runtime.metrics import KUBELET_CALL_DURATION, KUBELET_CALLS
+from services.runtime.ground.metrics import KUBELET_CALL_DURATION, KUBELET_CALLS
 
 __all__ = ["OUTCOMES", "Outcome", "initialise_series", "measured"]
 

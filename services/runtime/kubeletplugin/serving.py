@@ -38,10 +38,10 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
 from events.fieldchecks import DRIVER_NAME_MAX_LENGTH, is_dns_subdomain
-from services.runtime.kubeletapi import dra_health_v1alpha1_pb2 as health_pb
-from services.runtime.kubeletapi import dra_v1_pb2 as dra_pb
-from services.runtime.kubeletapi import pluginregistration_pb2 as reg_pb
 from services.runtime.kubeletplugin import metering, wire
+from services.runtime.kubeletplugin.api import dra_health_v1alpha1_pb2 as health_pb
+from services.runtime.kubeletplugin.api import dra_v1_pb2 as dra_pb
+from services.runtime.kubeletplugin.api import pluginregistration_pb2 as reg_pb
 from services.runtime.kubeletplugin.calling import answer_claims
 from services.runtime.kubeletplugin.contract import DriverHandler, HealthReporting
 from services.runtime.kubeletplugin.errors import ClaimFailure, DeadlineExceeded, PluginConfigError

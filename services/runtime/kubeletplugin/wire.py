@@ -2,7 +2,7 @@
 
 One home for every conversion, both ways: the plugin side (requests to
 :class:`ClaimRef`, answers to replies) and the kubelet side of
-:mod:`services.runtime.kubeletclient` (replies back to values). Service and method
+:mod:`tests.fixtures.kubeletclient` (replies back to values). Service and method
 names are read from the generated descriptors, so they are the ``.proto`` files' and
 cannot be misspelt here.
 """
@@ -14,9 +14,9 @@ from typing import Final
 
 from google.protobuf.descriptor import ServiceDescriptor
 
-from services.runtime.kubeletapi import dra_health_v1alpha1_pb2 as health_pb
-from services.runtime.kubeletapi import dra_v1_pb2 as dra_pb
-from services.runtime.kubeletapi import pluginregistration_pb2 as reg_pb
+from services.runtime.kubeletplugin.api import dra_health_v1alpha1_pb2 as health_pb
+from services.runtime.kubeletplugin.api import dra_v1_pb2 as dra_pb
+from services.runtime.kubeletplugin.api import pluginregistration_pb2 as reg_pb
 from services.runtime.kubeletplugin.contract import (
     ClaimRef,
     DeviceHealthReport,

@@ -1,0 +1,167 @@
+"""What the log's subscribers that answer queries (audit, billing) share.
+
+Each is a catch-up projector of the log (:class:`~services.runtime.delivery.projecting.
+Projector`: it reads the log itself from its position and writes its own tables in
+batches, one transaction per batch) and, given a NATS connection, serves its queries on
+``<prefix>.<service>...`` while it projects (:func:`~services.runtime.bus.queries.
+serving_queries`: a tenant's subject answers for that tenant's namespace only).
+:class:`QueryingSubscriber` is that shell; a subscriber adds ``write`` (its reads and
+writes for a batch of envelopes, in log order) and ``query`` (its answer to a decoded
+filter). :func:`decode_query` reads a query's filter, naming the field that is wrong.
+
+Their tables are a function of the log, so they can be checked against it (issue 24:
+the ledger's login could rewrite them and nothing would notice): each subscriber
+recomputes its rows from the log up to its position with the same pure functions and
+reports every row that differs, as :class:`Difference` s (:func:`differences` compares
+two keyed sets of rows; ``dracap audit verify``, ``dracap usage verify``).
+
+Like every reader of the log they skip the events the fold refuses
+(:mod:`events.folding`): the projector leaves out a row that does not decode, and one
+the subscriber's live view refused (the process's own view, given one, else a
+:class:`~services.runtime.store.livestate.LiveState` the subscriber keeps and tails itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+from nats.aio.client import Client
+
+from events.envelopes import Envelope
+from events.subjects import BusNames
+from services.runtime.bus.credentials import Directory
+from services.runtime.bus.queries import QueryError, serving_queries
+from services.runtime.delivery.projecting import Projector
+from services.runtime.store.eventstore import Connection, EventStore
+from services.runtime.store.livestate import LiveState
+
+__all__ = ["Difference", "QueryingSubscriber", "decode_query", "differences"]
+
+F = TypeVar("F")
+
+
+def decode_query(data: bytes, typ: type[F]) -> F:
+    """The filter ``typ`` of a query payload; :class:`QueryError` naming the field otherwise."""
+    try:
+        return msgspec.json.decode(data or b"{}", type=typ)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        field = text.split("`$.", 1)[1].split("`", 1)[0] if "`$." in text else "request"
+        raise QueryError(field, text) from None
+    except msgspec.DecodeError as exc:
+        raise QueryError("request", f"must be a JSON object: {exc}") from None
+
+
+class Difference(msgspec.Struct, frozen=True, kw_only=True):
+    """A row of a subscriber's table that is not what the log says it must be.
+
+    ``problem``: ``missing`` (the log implies the row, the table lacks it), ``extra``
+    (the table has a row the log does not imply) or ``differs`` (``columns`` differ:
+    ``expected`` from the log, ``found`` in the table).
+    """
+
+    table: str
+    key: str
+    problem: str
+    columns: list[str] = []
+    expected: dict[str, Any] = {}
+    found: dict[str, Any] = {}
+
+
+def differences(
+    table: str,
+    expected: Mapping[Any, msgspec.Struct],
+    found: Mapping[Any, msgspec.Struct],
+) -> list[Difference]:
+    """Every key whose row differs between ``expected`` and ``found`` (same Struct type),
+    in key order."""
+    out: list[Difference] = []
+    for key in sorted(expected.keys() | found.keys(), key=repr):
+        want, got = expected.get(key), found.get(key)
+        name = "/".join(str(part) for part in key) if isinstance(key, tuple) else str(key)
+        if got is None:
+            out.append(Difference(table=table, key=name, problem="missing"))
+        elif want is None:
+            out.append(Difference(table=table, key=name, problem="extra"))
+        elif want != got:
+            wanted, seen = msgspec.to_builtins(want), msgspec.to_builtins(got)
+            columns = [c for c in wanted if wanted[c] != seen.get(c)]
+            out.append(
+                Difference(
+                    table=table,
+                    key=name,
+                    problem="differs",
+                    columns=columns,
+                    expected={c: wanted[c] for c in columns},
+                    found={c: seen.get(c) for c in columns},
+                )
+            )
+    return out
+
+
+class QueryingSubscriber:
+    """A projector of the log that serves queries on ``service`` (module docstring)."""
+
+    #: the queries' subject word (``audit``, ``usage``)
+    service: str = ""
+
+    def __init__(
+        self,
+        store: EventStore,
+        names: BusNames,
+        *,
+        name: str,
+        nc: Client | None = None,
+        directory: Directory | None = None,
+        authenticated: bool = False,
+        types: Collection[str] | None = None,
+        live: LiveState | None = None,
+    ) -> None:
+        self.store = store
+        #: the view that says which events the fold refused (the process's, or its own)
+        self.live = live if live is not None else LiveState(store)
+        self._own_live = live is None
+        self.names = names
+        self.nc = nc
+        self.directory = directory
+        self.authenticated = authenticated
+        #: ``types``: the event tags the subscriber reads (None: every event)
+        self.projector = Projector(store, name, self.write, types=types, live=self.live)
+
+    async def write(
+        self, connection: Connection, envs: Sequence[Envelope]
+    ) -> Callable[[], None] | None:
+        """The subscriber's reads and writes for ``envs`` (a batch, in log order), inside
+        the transaction that moves its position; what to run once it has committed."""
+        raise NotImplementedError
+
+    async def query(self, namespace: str | None, data: bytes) -> dict[str, Any]:
+        """The answer to a query; ``namespace``: the tenant it is limited to."""
+        raise NotImplementedError
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Project (and serve queries, with ``nc``) until ``stop`` is set."""
+        tail: asyncio.Task[None] | None = None
+        if self._own_live:  # nobody else tails it: its tailer lives as long as this run
+            if not self.live.state.position:
+                await self.live.load_snapshot()
+            tail = asyncio.create_task(self.live.run(asyncio.Event()))
+        try:
+            await serving_queries(
+                lambda: self.projector.run(stop),
+                self.nc,
+                self.names,
+                service=self.service,
+                query=self.query,
+                directory=self.directory,
+                authenticated=self.authenticated,
+            )
+        finally:
+            if tail is not None:
+                tail.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await tail
