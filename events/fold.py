@@ -129,6 +129,7 @@ from events.state import (
     PolicyRecord,
     PoolState,
     ShareState,
+    ShareStatus,
 )
 from events.transitions import stale
 
@@ -172,6 +173,15 @@ def _set_phase(state: ClusterState, claim: ClaimState, phase: ClaimPhase) -> Non
             del counts[claim.namespace]
 
 
+def _set_share(state: ClusterState, share: ShareState, status: ShareStatus) -> None:
+    """Move ``share`` to ``status``, keeping :attr:`ClusterState.shares_before` current:
+    every change of a share's state after its reservation is made here."""
+    before = share.state
+    if before != status:
+        state.shares_before.setdefault(share.share_id, before)
+        share.state = status
+
+
 # --- the fold -----------------------------------------------------------------------------
 
 
@@ -201,6 +211,8 @@ def apply_event(state: ClusterState, event: Event, position: int) -> ClusterStat
         raise InvariantViolation(position, "order", f"position {position} after {state.position}")
     if moved := state.phases_before:  # the journal of the event before
         moved.clear()
+    if held := state.shares_before:
+        held.clear()
     _STEPS[type(event)](state, event, position)
     if position:
         state.position = position
@@ -303,6 +315,7 @@ def _reserve(state: ClusterState, ev: CapacityReserved, position: int) -> None:
     elif version == POLICY_VERSION_UNRECORDED:
         version = dev.policy_version
     node = ev.node
+    state.shares_before[share_id] = None
     shares[share_id] = ShareState(
         share_id=share_id,
         state="reserved",
@@ -453,7 +466,7 @@ def _free(state: ClusterState, share: ShareState, position: int) -> None:
         elif dev.exclusive_share == share.share_id:
             dev.exclusive_holder = None
             dev.exclusive_share = None
-    share.state = "released"
+    _set_share(state, share, "released")
     share.released_at = position
     if share.node is not None:
         node = state.nodes.get(share.node)
@@ -512,7 +525,7 @@ def _bind(state: ClusterState, ev: AllocationBound, position: int) -> None:
         claim = _new_claim(state, key, "allocated")
     for share in shares:
         if share.state == "reserved":
-            share.state = "bound"
+            _set_share(state, share, "bound")
     claim.allocation_version = allocation_version
     claim.allocation, claim.allocation_configs = allocation_without_config(ev.allocation)
     claim.node = ev.node
@@ -544,7 +557,7 @@ def _limit_applied(state: ClusterState, ev: LimitApplied, position: int) -> None
     claim = state.claims.get(share.claim)
     if claim is not None:  # every look-up before a change
         _known(state.shares, claim.share_ids)
-    share.state = "ready"
+    _set_share(state, share, "ready")
     share.limit_level = ev.level
     share.actual = ev.actual
     share.limit_removed = False
@@ -631,7 +644,7 @@ def _release_requested(state: ClusterState, ev: ReleaseRequested, position: int)
             continue
         status = share.state
         if status == "reserved" or status == "bound" or status == "ready":
-            share.state = "releasing"
+            _set_share(state, share, "releasing")
             released = False
         elif status != "released":
             released = False
@@ -670,10 +683,10 @@ def _node(state: ClusterState, name: str) -> NodeState:
     return node
 
 
-def _mark_unknown(share: ShareState) -> None:
+def _mark_unknown(state: ClusterState, share: ShareState) -> None:
     if share.state not in ("released", "unknown"):
         share.prior_state = share.state
-        share.state = "unknown"
+        _set_share(state, share, "unknown")
 
 
 def _vouched(state: ClusterState, share: ShareState) -> bool:
@@ -711,7 +724,7 @@ def _lease_expired(state: ClusterState, ev: NodeLeaseExpired, position: int) -> 
     node.lease = "expired"
     node.reason = f"lease of epoch {ev.epoch} expired"
     for share in shares:
-        _mark_unknown(share)
+        _mark_unknown(state, share)
 
 
 def _fenced(state: ClusterState, ev: NodeFenced, position: int) -> None:
@@ -758,9 +771,9 @@ def _confirmed(state: ClusterState, ev: ShareConfirmed, position: int) -> None:
             and claim.phase == "releasing"
             and claim.allocation_version == share.allocation_version
         ):
-            share.state = "releasing"  # deleted while unknown: its agent removes it next
+            _set_share(state, share, "releasing")  # deleted while unknown: removed next
         else:
-            share.state = share.prior_state or "ready"
+            _set_share(state, share, share.prior_state or "ready")
         share.prior_state = None
     node = state.nodes.get(ev.node)
     if node is not None and node.lease == "expired":
@@ -883,7 +896,7 @@ def _limit_removed(state: ClusterState, ev: LimitRemoved, position: int) -> None
         return  # released, releasing or never applied: only noted
     # a kubelet unprepare: still allocated, its capacity held, no limit in force; the
     # next prepare applies it again (bound), and the claim is Ready only then
-    share.state = "bound"
+    _set_share(state, share, "bound")
     share.limit_level = None
     share.actual = None
     claim = state.claims.get(share.claim)
@@ -917,7 +930,7 @@ def _claim_unschedulable(state: ClusterState, ev: ClaimUnschedulable, position: 
 
 
 def _share_unknown(state: ClusterState, ev: ShareMarkedUnknown, position: int) -> None:
-    _mark_unknown(_share_for(state, ev.share_id, position))
+    _mark_unknown(state, _share_for(state, ev.share_id, position))
 
 
 def _class_applied(state: ClusterState, ev: DeviceClassApplied, position: int) -> None:

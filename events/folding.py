@@ -165,8 +165,9 @@ def _decode_slow(data: bytes, tag: str, schema_version: int, position: int) -> E
 
 def _refuse(state: ClusterState, refusal: Refusal) -> Refusal:
     """Record ``refusal`` in ``state`` and move its position past it (a refused event
-    changed no claim's phase)."""
+    changed no claim's phase, no share's state)."""
     state.phases_before.clear()
+    state.shares_before.clear()
     if refusal.position:
         state.refused[refusal.position] = refusal.reason
         if refusal.position > state.position:
@@ -197,6 +198,8 @@ def fold_step(state: ClusterState, step: Step, event: Event, position: int) -> R
     dispatch themselves: they check the order of positions, as :func:`fold_event` does."""
     if moved := state.phases_before:  # the journal of the event before
         moved.clear()
+    if held := state.shares_before:
+        held.clear()
     try:
         step(state, event, position)
     except Exception as exc:
@@ -242,6 +245,8 @@ def fold_stored(
         else:
             if moved := state.phases_before:  # the journal of the event before
                 moved.clear()
+            if held := state.shares_before:
+                held.clear()
             try:
                 entry[2](state, event, position)
             except Exception as exc:

@@ -60,6 +60,7 @@ __all__ = [
     "PhaseChange",
     "PolicyRecord",
     "PoolState",
+    "ShareChange",
     "ShareState",
     "ShareStatus",
 ]
@@ -101,6 +102,14 @@ class PhaseChange(msgspec.Struct, frozen=True, gc=False):
 
     before: ClaimPhase | None
     after: ClaimPhase
+
+
+class ShareChange(msgspec.Struct, frozen=True, gc=False):
+    """A share's state before the last folded event and after it (``before`` None: the
+    event reserved it): held (``reserved`` on), ``unknown``, ``released``."""
+
+    before: ShareStatus | None
+    after: ShareStatus
 
 
 class PolicyRecord(msgspec.Struct, kw_only=True):
@@ -290,8 +299,8 @@ class NamespaceState(msgspec.Struct, kw_only=True):
 class ClusterState(msgspec.Struct, kw_only=True, eq=False):
     """Everything the log says, folded. Change it only through :func:`events.fold.apply`.
 
-    Two states are equal when they hold the same fold: ``phases_before``, the journal
-    of the last event folded, is not compared."""
+    Two states are equal when they hold the same fold: ``phases_before`` and
+    ``shares_before``, the journal of the last event folded, are not compared."""
 
     position: int = 0
     classes: dict[str, DeviceClassState] = {}
@@ -316,6 +325,11 @@ class ClusterState(msgspec.Struct, kw_only=True, eq=False):
     #: once, for every reader (the report's panels, ...). Not stored in snapshots, not
     #: compared.
     phases_before: dict[ClaimKey, ClaimPhase | None] = {}
+    #: the shares the last folded event moved, each with its state before the event
+    #: (None: the event reserved it); :meth:`share_changes` says which of them end in
+    #: another state. Kept like ``phases_before`` (``events.fold._set_share``): a share
+    #: held, Unknown, known again or released is said there once. Not stored, not compared.
+    shares_before: dict[str, ShareStatus | None] = {}
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ClusterState):
@@ -333,6 +347,15 @@ class ClusterState(msgspec.Struct, kw_only=True, eq=False):
             if (after := claims[key].phase) != before
         }
 
+    def share_changes(self) -> dict[str, ShareChange]:
+        """The shares whose state the last folded event changed, and how."""
+        shares = self.shares
+        return {
+            share_id: ShareChange(before, after)
+            for share_id, before in self.shares_before.items()
+            if (after := shares[share_id].state) != before
+        }
+
     def device(self, driver: str, pool: str, name: str) -> DeviceState | None:
         """The device ``driver/pool/name``, if known."""
         return self.devices.get((driver, pool, name))
@@ -347,4 +370,5 @@ class ClusterState(msgspec.Struct, kw_only=True, eq=False):
 
 
 #: the fields :meth:`ClusterState.__eq__` compares: all but the last event's journal
-_FOLDED: Final = tuple(f for f in ClusterState.__struct_fields__ if f != "phases_before")
+_JOURNAL: Final = frozenset({"phases_before", "shares_before"})
+_FOLDED: Final = tuple(f for f in ClusterState.__struct_fields__ if f not in _JOURNAL)

@@ -89,17 +89,17 @@ def state_digest(state: ClusterState) -> dict[str, Any]:
 
 def same_state(a: ClusterState, b: ClusterState) -> bool:
     """Whether two states hold the same fold (a snapshot or checkpoint against the fold
-    at its position). ``live_claims`` and ``phases_before`` are indexes, not compared;
-    two states equal in meaning but not in representation (a tuple decoded where the
-    fold kept a list) count as the same: then the digests, which compare plain data,
-    decide."""
+    at its position). ``live_claims`` and the last event's journal (``phases_before``,
+    ``shares_before``) are not compared; two states equal in meaning but not in
+    representation (a tuple decoded where the fold kept a list) count as the same: then
+    the digests, which compare plain data, decide."""
     if all(getattr(a, f) == getattr(b, f) for f in _COMPARED):
         return True
     return state_digest(a) == state_digest(b)
 
 
 #: the indexes the steps keep beside the fold (neither stored nor compared)
-_INDEXES: Final = frozenset({"live_claims", "phases_before"})
+_INDEXES: Final = frozenset({"live_claims", "phases_before", "shares_before"})
 _COMPARED: Final = tuple(f for f in ClusterState.__struct_fields__ if f not in _INDEXES)
 
 #: 1 was msgpack, which overflowed on large devices; 2 kept each claim's whole manifest

@@ -1,4 +1,4 @@
-"""The broker's accounts, users and permissions: ``dracap auth init``.
+"""The broker's accounts, users and permissions (what ``dracap auth init`` writes).
 
 nats-server enforces every boundary of the bus; this module says what it enforces. It
 reads the namespaces and nodes of an installation and writes, under an auth directory
@@ -102,7 +102,6 @@ The JSON ``.creds`` files of earlier versions are read once for their keys, repl
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -118,7 +117,6 @@ from services import durables
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus.credentials import (
     ACCOUNTS,
-    AUTH_DIR,
     CREDS_DIR,
     DEFAULT_OPERATOR,
     JETSTREAM_ACCOUNT,
@@ -497,7 +495,7 @@ def _service_import(subject: str, account: str = SERVICES_ACCOUNT) -> dict[str, 
     return {"service": {"account": account, "subject": subject}, "share": True}
 
 
-# --- dracap auth init --------------------------------------------------------------------------
+# --- the installation that dracap auth init and dracap up write accounts for ---------------------
 
 
 def installation_from(
@@ -534,66 +532,3 @@ def installation_from(
         nodes=sorted(node_names),
         operators=list(operators) or [DEFAULT_OPERATOR],
     )
-
-
-def run(args: argparse.Namespace) -> int:
-    from events.manifests import ManifestError, load_paths
-
-    try:
-        objects = [obj for _, obj in load_paths(args.inventory)] if args.inventory else []
-    except ManifestError as exc:
-        raise CommandError(str(exc), ExitCode.BAD_INPUT) from None
-    installation = installation_from(
-        objects,
-        prefix=args.prefix,
-        namespaces=args.namespace,
-        nodes=args.node,
-        users=args.user,
-        operators=args.operator,
-    )
-    auth = AuthDir(args.auth_dir or Path(args.data_dir) / AUTH_DIR)
-    try:
-        principals = init_auth(auth, installation)
-    except OSError as exc:
-        raise CommandError(
-            f"cannot write {auth.path}: {exc.strerror or exc}", ExitCode.ERROR
-        ) from None
-    counts: dict[str, int] = {}
-    for principal in principals:
-        counts[principal.kind] = counts.get(principal.kind, 0) + 1
-    summary = ", ".join(f"{n} {kind}" for kind, n in counts.items())
-    print(f"wrote {auth.accounts} and {auth.directory}")
-    print(f"credentials for {summary} in {auth.path / CREDS_DIR} (mode 0600)")
-    return ExitCode.OK
-
-
-def register(sub: Any) -> None:
-    parser = sub.add_parser("auth", help="broker accounts, users and credentials")
-    actions = parser.add_subparsers(dest="action", required=True)
-    init = actions.add_parser(
-        "init",
-        help="write the broker's accounts and every user's credentials",
-        description="Write nats-server accounts (public keys) and one credential file "
-        "per user: services, node agents, operators, tenant users.",
-    )
-    init.add_argument(
-        "--inventory",
-        nargs="*",
-        default=[],
-        metavar="PATH",
-        help="manifests naming Namespaces and ResourceSlices (their nodes)",
-    )
-    init.add_argument("--namespace", action="append", default=[], metavar="NS")
-    init.add_argument("--node", action="append", default=[], metavar="NODE")
-    init.add_argument(
-        "--user",
-        action="append",
-        default=[],
-        metavar="NS/USER",
-        help="a tenant user (default: one user named like its namespace)",
-    )
-    init.add_argument("--operator", action="append", default=[], metavar="NAME")
-    init.add_argument("--prefix", default="dracap", help="subject prefix (default: dracap)")
-    init.add_argument("--data-dir", default=".dracap", metavar="DIR")
-    init.add_argument("--auth-dir", metavar="DIR", help="default: <data-dir>/auth")
-    init.set_defaults(func=run)

@@ -9,7 +9,7 @@ Start-up
 --------
 A command imports only what it uses. :data:`COMMANDS` names each command word's module
 and its one-line help, so ``dracap --help`` lists every command without importing any of
-them, and ``dracap claim list`` imports ``services.claims.command`` alone (which in turn
+them, and ``dracap claim list`` imports ``services.commands.claim`` alone (which in turn
 imports what listing claims needs, not the manifest loader or the CEL parser). nats-py
 imports aiohttp (0.1 s) for a WebSocket transport dracap never uses: the CLI defers that
 import to its first use (:mod:`services.runtime.ground.deferred`). ``tests/unit/test_cli_main.py``
@@ -62,20 +62,20 @@ COMMANDS: Final = {
         "run the whole control plane in one process (embedded servers if needed)",
     ),
     "apply": Command(
-        "services.claims.objects",
+        "services.commands.objects",
         "apply DeviceClasses, ResourceSlices, Namespaces and ResourceClaims from files",
     ),
-    "get": Command("services.claims.objects", "show objects of one kind, or one by name"),
-    "delete": Command("services.claims.objects", "delete an object by kind and name"),
+    "get": Command("services.commands.objects", "show objects of one kind, or one by name"),
+    "delete": Command("services.commands.objects", "delete an object by kind and name"),
     "claim": Command(
-        "services.claims.command", "apply, get, list, delete, watch and reserve ResourceClaims"
+        "services.commands.claim", "apply, get, list, delete, watch and reserve ResourceClaims"
     ),
     "devices": Command(
-        "services.claims.command", "capacity, consumption and tenants of every device"
+        "services.commands.claim", "capacity, consumption and tenants of every device"
     ),
-    "policy": Command("services.claims.command", "change a device capacity's request policy"),
-    "class": Command("services.claims.command", "list DeviceClasses, set one's mode or remove it"),
-    "node": Command("services.claims.command", "node leases, lost nodes and fencing"),
+    "policy": Command("services.commands.claim", "change a device capacity's request policy"),
+    "class": Command("services.commands.claim", "list DeviceClasses, set one's mode or remove it"),
+    "node": Command("services.commands.claim", "node leases, lost nodes and fencing"),
     "audit": Command(
         "services.commands.audit", "who did what to which share, when and why (audit records)"
     ),
@@ -115,7 +115,7 @@ COMMANDS: Final = {
         "services.commands.reclaim",
         "run the reclamation service (node lease expiry, fence hook)",
     ),
-    "auth": Command("services.brokerauth", "broker accounts, users and credentials"),
+    "auth": Command("services.commands.auth", "broker accounts, users and credentials"),
     "db": Command("services.commands.db", "database schema migrations and database users"),
     "prove": Command("services.commands.prove", "prove on this machine that limits hold"),
 }

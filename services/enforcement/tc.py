@@ -77,14 +77,17 @@ over an rtnetlink socket of the enforcer's own (:mod:`services.enforcement.tcnet
 no process per request, the interface named by index, the share's own class read back.
 ``backend="tc"`` (``dracap agent --tc-backend tc``) runs ``tc`` through asyncio
 subprocesses (:class:`ProcessTc`); both write the same qdisc, classes and filters and
-read each other's. ``netns`` names the network namespace (``tc -n NETNS``, or a netlink
-socket opened in it), which is how the tests and ``dracap prove bandwidth`` drive
-namespaces. ``apply`` of a share already in force costs two reads (the filters, its own
-class); a new share adds the class, the filter and their read-back. ``tc -j`` output is
-parsed where iproute2 prints JSON; iproute2 releases before 6.3 print classes as text
-even with ``-j``, so class listings fall back to a text parser (rates printed by tc are
-rounded to 1 kbit/s above 1 Mbit/s; when the printed rate is what tc prints for the
-rate dracap set, the exact rate is taken).
+read each other's. What the two share (the handles, the BPF program, a class and a
+filter as read back, :class:`TcError`, the :class:`TcBackend` protocol) is
+:mod:`services.enforcement.tcobjects`, below both: the netlink backend never imports
+this module back (contract ``tc-layers``). ``netns`` names the network namespace (``tc
+-n NETNS``, or a netlink socket opened in it), which is how the tests and ``dracap prove
+bandwidth`` drive namespaces. ``apply`` of a share already in force costs two reads (the
+filters, its own class); a new share adds the class, the filter and their read-back.
+``tc -j`` output is parsed where iproute2 prints JSON; iproute2 releases before 6.3
+print classes as text even with ``-j``, so class listings fall back to a text parser
+(rates printed by tc are rounded to 1 kbit/s above 1 Mbit/s; when the printed rate is
+what tc prints for the rate dracap set, the exact rate is taken).
 """
 
 from __future__ import annotations
@@ -95,8 +98,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal
 
 from events.catalog import EnforcementLevel
 from events.quantities import Quantity
@@ -106,6 +108,17 @@ from services.enforcement.enforcers import (
     PermanentEnforcementError,
     RetryableEnforcementError,
     ShareLimit,
+)
+from services.enforcement.tcobjects import (
+    DEFAULT_MINOR,
+    HTB_MAJOR,
+    MAX_SHARE_ID_BYTES,
+    ClassState,
+    FilterState,
+    TcBackend,
+    TcError,
+    decode_program,
+    encode_program,
 )
 
 __all__ = [
@@ -131,23 +144,13 @@ __all__ = [
 
 CAPACITY: Final = "bandwidth"
 SHARE_MARK_ENV: Final = "DRACAP_SHARE_MARK"
-HTB_MAJOR: Final = 0xDCA
-DEFAULT_MINOR: Final = 0xFFFF
 MINOR_FIRST: Final = 0x0010
 MINOR_LAST: Final = 0xFEFF
 MINOR_COUNT: Final = MINOR_LAST - MINOR_FIRST + 1
-MAX_SHARE_ID_BYTES: Final = 240
+_U32: Final = 0xFFFFFFFF
 # Kernel default root qdiscs dracap may replace; anything else belongs to someone.
 REPLACEABLE_ROOTS: Final = frozenset({"noqueue", "mq", "pfifo_fast", "fq_codel", "fq", "pfifo"})
 
-# Classic BPF opcodes and the ancillary offset of skb->mark (linux/filter.h).
-_LD_W_ABS: Final = 0x20
-_LD_IMM: Final = 0x00
-_ALU_AND_K: Final = 0x54
-_JEQ_K: Final = 0x15
-_RET_K: Final = 0x06
-_SKF_AD_MARK: Final = (-0x1000 + 20) & 0xFFFFFFFF  # SKF_AD_OFF + SKF_AD_MARK
-_U32: Final = 0xFFFFFFFF
 _GSO_MAX: Final = 65536
 _QUANTUM_MIN: Final = 9014
 _QUANTUM_MAX: Final = 200_000
@@ -166,47 +169,6 @@ def candidate_minors(share_id: str) -> Iterator[int]:
     start = int.from_bytes(hashlib.sha256(share_id.encode()).digest()[:8], "big") % MINOR_COUNT
     for i in range(MINOR_COUNT):
         yield MINOR_FIRST + (start + i) % MINOR_COUNT
-
-
-def encode_program(mark: int, mask: int, share_id: str) -> list[tuple[int, int, int, int]]:
-    """The classic BPF filter: match ``skb->mark & mask == mark``, labelled with the id."""
-    raw = share_id.encode()
-    if not raw or len(raw) > MAX_SHARE_ID_BYTES:
-        raise ValueError(f"a ShareID must have 1..{MAX_SHARE_ID_BYTES} bytes")
-    padded = raw + b"\0" * (-len(raw) % 4)
-    words = [len(raw)] + [
-        int.from_bytes(padded[i : i + 4], "big") for i in range(0, len(padded), 4)
-    ]
-    return [
-        (_LD_W_ABS, 0, 0, _SKF_AD_MARK),
-        (_ALU_AND_K, 0, 0, mask),
-        (_JEQ_K, 0, len(words) + 1, mark),
-        (_RET_K, 0, 0, _U32),  # -1: the filter's classid
-        *[(_LD_IMM, 0, 0, w) for w in words],  # unreachable: the ShareID label
-        (_RET_K, 0, 0, 0),  # no match
-    ]
-
-
-def decode_program(insns: Sequence[tuple[int, int, int, int]]) -> tuple[int, int, str] | None:
-    """``(mark, mask, share_id)`` of a program :func:`encode_program` wrote, else None."""
-    if len(insns) < 6:
-        return None
-    head, tail = insns[:4], insns[4:-1]
-    if (head[0][0], head[0][3]) != (_LD_W_ABS, _SKF_AD_MARK) or head[1][0] != _ALU_AND_K:
-        return None
-    if head[2][0] != _JEQ_K or head[2][2] != len(tail) + 1 or head[3] != (_RET_K, 0, 0, _U32):
-        return None
-    if insns[-1] != (_RET_K, 0, 0, 0) or any(i[0] != _LD_IMM for i in tail):
-        return None
-    length, words = tail[0][3], [i[3] for i in tail[1:]]
-    raw = b"".join(w.to_bytes(4, "big") for w in words)
-    if length > len(raw) or len(raw) - length >= 4:
-        return None
-    try:
-        share_id = raw[:length].decode()
-    except UnicodeDecodeError:
-        return None
-    return head[2][3], head[1][3], share_id
 
 
 def sprint_rate(bytes_per_s: int) -> str:
@@ -235,31 +197,6 @@ def parse_rate_text(text: str) -> int:
     scale = base ** " KMGT".index(prefix or " ")
     value = float(number) * scale if "." in number else int(number) * scale
     return int(value) // 8 if unit == "bit" else int(value)
-
-
-@dataclass(frozen=True)
-class ClassState:
-    """One HTB class as the kernel holds it (rates in bytes per second)."""
-
-    minor: int
-    rate: int
-    ceil: int
-    rate_text: str | None = None  # what tc printed, when it printed text
-    bytes: int = 0
-    packets: int = 0
-    drops: int = 0
-    overlimits: int = 0
-
-
-@dataclass(frozen=True)
-class FilterState:
-    """One dracap filter: its priority, the class it steers to, its mark and ShareID."""
-
-    pref: int
-    minor: int
-    mark: int
-    mask: int
-    share_id: str
 
 
 _CLASS_HEAD: Final = re.compile(r"^class (\S+) ([0-9a-f]+):([0-9a-f]+) ")
@@ -339,53 +276,9 @@ def _parse_filters(doc: Any) -> list[FilterState]:
     return out
 
 
-class TcError(Exception):
-    """A request to the kernel's traffic control failed (a ``tc`` process or a netlink
-    request): ``missing`` when the interface does not exist, ``errno`` when known."""
-
-    def __init__(self, what: str, detail: str, *, errno: int = 0, missing: bool = False) -> None:
-        super().__init__(f"{what}: {detail.strip()}")
-        self.stderr = detail
-        self.errno = errno
-        self.missing = missing
-
-
 Backend = Literal["netlink", "tc"]
 #: How the enforcer talks to the kernel: rtnetlink (the default) or ``tc`` processes.
 BACKENDS: Final[tuple[Backend, ...]] = ("netlink", "tc")
-
-
-class TcBackend(Protocol):
-    """The kernel work of :class:`TcEnforcer`: the same objects, whatever the transport.
-
-    Every method raises :class:`TcError`; ``missing`` set when the interface is gone.
-    """
-
-    async def root(self, iface: str) -> tuple[str | None, str]:
-        """Kind and handle (``"dca:"``) of the root qdisc; ``None``: only the default."""
-        ...
-
-    async def replace_root(self, iface: str) -> None: ...
-
-    async def replace_class(
-        self, iface: str, minor: int, rate: int, burst: int, quantum: int
-    ) -> None: ...
-
-    async def delete_class(self, iface: str, minor: int) -> None: ...
-
-    async def replace_filter(
-        self, iface: str, minor: int, program: Sequence[tuple[int, int, int, int]]
-    ) -> None: ...
-
-    async def delete_filter(self, iface: str, pref: int) -> None: ...
-
-    async def filters(self, iface: str) -> list[FilterState]: ...
-
-    async def classes(self, iface: str, *, stats: bool = False) -> list[ClassState]: ...
-
-    async def get_class(self, iface: str, minor: int) -> list[ClassState]: ...
-
-    def close(self) -> None: ...
 
 
 def htb_parameters(rate: int, burst_time: float) -> tuple[int, int]:
@@ -522,7 +415,7 @@ class TcEnforcer:
         self.timeout = timeout
         self.kernel: TcBackend
         if backend == "netlink":
-            from services.enforcement.tcnetlink import NetlinkTc  # imports this module
+            from services.enforcement.tcnetlink import NetlinkTc  # pyroute2: when chosen
 
             self.kernel = NetlinkTc(netns, timeout=timeout)
         else:

@@ -7,7 +7,7 @@ same requests as rtnetlink messages on one socket of its own:
 
 * **The same objects, the same bytes.** The HTB root (``dca:``, default class
   ``dca:ffff``), one HTB class per share and one ``cls_bpf`` filter per share carrying the
-  *classic* BPF program of :func:`~services.enforcement.tc.encode_program` (``TCA_BPF_OPS``
+  *classic* BPF program of :func:`~services.enforcement.tcobjects.encode_program` (``TCA_BPF_OPS``
   and ``TCA_BPF_OPS_LEN``, the attributes ``tc filter ... bpf bytecode`` sends; no eBPF,
   no object file). The HTB parameters are the ones ``tc class replace ... htb rate R ceil
   R burst B cburst B quantum Q`` sends, rate tables (``TCA_HTB_RTAB``/``CTAB``) included,
@@ -34,7 +34,7 @@ same requests as rtnetlink messages on one socket of its own:
   requests ask for it and for the ack that ends the answer.
 * **A down interface** still gets the HTB root: its root reads as the ``noop``
   placeholder, which counts as the kernel's default.
-* **Errors** are :class:`~services.enforcement.tc.TcError` like the process backend's:
+* **Errors** are :class:`~services.enforcement.tcobjects.TcError` like the process backend's:
   ``missing`` is set for ``ENODEV`` (the interface is gone), from the errno, not a text.
 """
 
@@ -56,7 +56,7 @@ from typing import Any, Final
 from pyroute2.netlink import nla, nlmsg
 from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 
-from services.enforcement.tc import (
+from services.enforcement.tcobjects import (
     DEFAULT_MINOR,
     HTB_MAJOR,
     ClassState,

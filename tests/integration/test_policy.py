@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from services import cli
-from services.claims.command import follow
+from services.commands.claim import follow
 from services.exitcodes import ExitCode
 from services.runtime.bus.apiclient import ApiClient, ApiError
 from services.runtime.ground.settings import Settings

@@ -23,7 +23,7 @@ import yaml
 from events import model
 from events.subjects import BusNames
 from services import cli
-from services.claims.command import wait_ready
+from services.commands.claim import wait_ready
 from services.exitcodes import ExitCode
 from services.replay.verify import summary, verify
 from services.runtime.bus.apiclient import ApiClient, ApiError

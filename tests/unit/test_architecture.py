@@ -14,6 +14,8 @@
   ``bus`` | ``kube`` | ``kubeletplugin`` > ``ground``, every module in a floor; the
   store imports no nats, the two Kubernetes sides neither asyncpg nor nats; the live
   state stands above the check of its start, above the snapshots;
+* the tc enforcer stands above its netlink backend, both above what they share (no
+  circle between them);
 * the big modules' parts are layered too: the fold and the state codec above the
   state, the event codec above envelopes above the catalog; validation above a slice's
   rules above the field rules; the allocator above diagnosis above the search above
@@ -55,6 +57,7 @@ CONTRACTS = {
     "store-speaks-sql",
     "kubernetes-sides-off-the-servers",
     "commands-layers",
+    "tc-layers",
 }
 AGENT = "agent-off-the-database"
 ALLOCATOR = "allocator-layers"
@@ -156,6 +159,10 @@ def _lint_copy(tmp_path: Path, contract: str) -> subprocess.CompletedProcess[str
         ("services/runtime/kube/slices.py", "import asyncpg", KUBE_SIDES),
         ("services/runtime/kubeletplugin/wire.py", "import nats", KUBE_SIDES),
         ("services/enforcement/agent.py", "import services.runtime.store.rows", AGENT),
+        ("services/enforcement/tcnetlink.py", "import services.enforcement.tc", "tc-layers"),
+        ("services/enforcement/tcobjects.py", "import services.enforcement.tcnetlink", "tc-layers"),
+        ("services/commands/showing.py", "import services.commands.claim", COMMANDS),
+        ("services/commands/claim.py", "import services.commands.objects", COMMANDS),
     ],
 )  # fmt: skip
 def test_a_contract_breaks_when_its_import_comes_back(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services import cli
-from services.claims import command
+from services.commands import claim as command
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus.apiclient import ApiError
 

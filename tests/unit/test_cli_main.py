@@ -104,7 +104,7 @@ def test_help_imports_no_command_and_no_client_library() -> None:
 def test_claim_list_imports_no_manifest_loader_database_driver_layer_or_aiohttp() -> None:
     # the connection is refused at once (nothing listens on port 1): the imports are made
     loaded = _loaded("claim", "list", "--nats", "nats://127.0.0.1:1")
-    assert "services.claims.command" in loaded and "nats" in loaded
+    assert "services.commands.claim" in loaded and "nats" in loaded
     assert not loaded & set(HEAVY)
 
 

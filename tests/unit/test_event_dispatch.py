@@ -99,3 +99,53 @@ def test_the_count_sees_a_dispatch(tmp_path: Path) -> None:
         "    return isinstance(e, NODE_WIDE) or isinstance(t, NodeFencedOff)\n"
     )
     assert dispatches(tmp_path) == Counter({"services/probe.py": 1})
+
+
+#: consumers that learn what an event did from its transitions and the fold's journal
+#: (``ClusterState.phase_changes`` / ``share_changes``) alone: no field of the event read
+JOURNAL_READERS: tuple[str, ...] = (
+    "services/runtime/ops/slos.py",
+    "services/runtime/ops/holdings.py",
+)
+
+
+def event_reads(path: Path) -> list[str]:
+    """Where ``path`` reads a field of an event: ``event.x``, ``envelope.event.x`` or
+    ``getattr(event, ...)`` (handing the event itself on, to ``meaning``, is not one)."""
+
+    def is_event(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in ("event", "ev")) or (
+            isinstance(node, ast.Attribute) and node.attr == "event"
+        )
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and is_event(node.value):
+            out.append(f"{path.name}:{node.lineno} .{node.attr}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+            and node.args
+            and is_event(node.args[0])
+        ):
+            out.append(f"{path.name}:{node.lineno} getattr")
+    return out
+
+
+def test_the_slo_fold_and_the_held_gauge_read_no_event_field() -> None:
+    """They once worked out which claims and shares an event names (its ``namespace``,
+    ``name``, ``share_id``) and walked a fenced node's shares themselves: the fold says
+    which ones it moved, once."""
+    found = [hit for module in JOURNAL_READERS for hit in event_reads(ROOT / module)]
+    assert not found, f"read the fold's journal or the transitions instead: {found}"
+
+
+def test_the_event_field_reads_are_seen(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def f(event, env, state):\n"
+        "    meaning(event)\n"
+        "    return getattr(event, 'share_id'), env.event.name, state.share_changes()\n"
+    )
+    assert event_reads(probe) == ["probe.py:3 getattr", "probe.py:3 .name"]

@@ -30,7 +30,7 @@ from events.model import (
     ResourceSliceSpec,
 )
 from events.quantities import Quantity
-from events.state import REUSABLE_PHASES, ClusterState, PhaseChange
+from events.state import REUSABLE_PHASES, ClusterState, PhaseChange, ShareChange
 from events.statecodec import snapshot_decode, snapshot_encode, state_digest, to_builtins
 
 Q = Quantity.parse
@@ -151,11 +151,13 @@ class Log:
             self.add(event)
 
     def add(self, *events: c.Event) -> Log:
-        """Fold ``events``; after each, the fold's journal of phase changes must be the
-        difference of every claim's phase before and after it (every test here checks)."""
+        """Fold ``events``; after each, the fold's journal must be the difference of every
+        claim's phase, and of every share's state, before and after it (every test here
+        checks)."""
         for event in events:
             env = envelope(event, len(self.envelopes) + 1)
             before = {key: claim.phase for key, claim in self.state.claims.items()}
+            held = {share_id: share.state for share_id, share in self.state.shares.items()}
             apply(self.state, env)
             after = {key: claim.phase for key, claim in self.state.claims.items()}
             changed = {
@@ -164,6 +166,12 @@ class Log:
                 if before.get(key) != phase
             }
             assert self.state.phase_changes() == changed, type(event).__name__
+            moved = {
+                share_id: ShareChange(held.get(share_id), share.state)
+                for share_id, share in self.state.shares.items()
+                if held.get(share_id) != share.state
+            }
+            assert self.state.share_changes() == moved, type(event).__name__
             self.envelopes.append(env)
         return self
 
@@ -753,6 +761,8 @@ def test_a_refused_event_changes_no_phase_and_the_journal_is_not_compared() -> N
     assert log.state.phase_changes() == {("team-a", "train"): PhaseChange(None, "submitted")}
     refusal = fold_event(log.state, reserve("s-1", "4Gi", dev="no-such-gpu"), 2)
     assert refusal is not None and log.state.phase_changes() == {}
+    assert log.state.share_changes() == {}
     again = Log(submitted())
     again.state.phases_before.clear()
+    again.state.shares_before["s-0"] = None
     assert again.state == Log(submitted()).state  # equal folds, whatever the last event did

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import yaml
 
-from services.claims import command as claims_command
+from services.commands import claim as claims_command
 from services.commands.querying import emit as query_emit
 from services.replay.history import Step
 from services.replay.render import timeline_table, to_yaml

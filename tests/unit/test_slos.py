@@ -175,8 +175,8 @@ class _CountingSet(set[str]):
 
 
 def test_a_share_marked_unknown_costs_that_share_not_its_node() -> None:
-    """Same answers as before (each share unknown since its node's expiry), but the
-    per-share events of an expiry no longer walk every live share of the node each."""
+    """Each share is unknown since its node's expiry, and no event makes the tracker walk
+    the node's live shares: it reads which shares went Unknown off the fold's journal."""
     live = _Live()
     now = [T0]
     tracker = SloTracker(live, now=lambda: now[0])  # type: ignore[arg-type]
@@ -194,8 +194,8 @@ def test_a_share_marked_unknown_costs_that_share_not_its_node() -> None:
         log.add(c.ShareMarkedUnknown(share_id=share, node=NODE))
     _feed(tracker, live, log, start, 10.0)
     assert tracker.fold.unknown == {s: T0 + datetime.timedelta(seconds=10) for s in shares}
-    # the fold walks them once for the expiry, the tracker once: not once per share more
-    assert _CountingSet.walks == 2
+    # the fold walks them once for the expiry; the tracker never (it walked them once too)
+    assert _CountingSet.walks == 1
 
 
 def test_waiting_for_capacity_is_its_own_span_and_not_slow_or_unconverged() -> None:

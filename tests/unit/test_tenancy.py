@@ -20,8 +20,8 @@ from events.tenancy import (
     shared_across_namespaces,
     tenant_attributes,
 )
-from services.claims.command import tenant_device_rows
 from services.claims.views import tenant_device_views
+from services.commands.claim import tenant_device_rows
 from tests.unit.allocator_fixtures import claim, device, device_class, request, slice_
 from tests.unit.decision_fixtures import Log, allocator_of
 

@@ -13,9 +13,10 @@ hour shows nothing there until the share is released, and the gauge now.
 
 :class:`HeldCapacity` serves the gauge from a live state and costs what an event touches:
 it keeps each live share's holding and the sums per (namespace, class, capacity), and an
-event updates only the shares it names (a reservation, a release), every share of the
-node a fence releases, or everything after an event that changes which classes exist
-(or a live state that replaced its state). The value is in the capacity's base unit
+event updates only the shares whose state it changed, as the fold's journal says
+(:meth:`~events.state.ClusterState.share_changes`: a reservation, a release, every share
+a fence releases), or everything after an event that changes which classes exist (or a
+live state that replaced its state). The value is in the capacity's base unit
 (bytes of ``memory``, bit/s of ``bandwidth``); a label set that held something and holds
 nothing now reads 0 instead of vanishing.
 """
@@ -29,7 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from events.envelopes import Envelope
 from events.state import ClusterState, ShareState
-from events.transitions import ClassDefined, ClassRemoved, NodeFencedOff, first, meaning
+from events.transitions import ClassDefined, ClassRemoved, meaning
 from services.runtime.ops.slos import LiveCollector, share_class
 from services.runtime.store.livestate import LiveState
 
@@ -77,7 +78,6 @@ class HeldCapacity(LiveCollector):
     def __init__(self, live: LiveState) -> None:
         super().__init__(live)
         self._shares: dict[str, Holding] = {}
-        self._by_node: dict[str, set[str]] = {}
         self._sums: dict[Key, int] = {}
 
     def start(self) -> None:
@@ -89,38 +89,29 @@ class HeldCapacity(LiveCollector):
 
     def rebuild(self) -> None:
         """Every holding again, from the live state (the sums seen stay, at 0 if gone)."""
-        self._shares, self._by_node = {}, {}
+        self._shares = {}
         self._sums = dict.fromkeys(self._sums, 0)
         for share_id in self.live.state.shares:
             self._update(share_id)
 
     def _changed(self, envelope: Envelope) -> None:
-        event = envelope.event
-        transitions = meaning(event)
-        if first(transitions, (ClassDefined, ClassRemoved)) is not None:
-            self.rebuild()  # which classes exist: every label may change
-            return
-        touched: Iterable[str] = ()
-        if (fenced := first(transitions, NodeFencedOff)) is not None:
-            touched = list(self._by_node.get(fenced.node, ()))
-        elif isinstance(share_id := getattr(event, "share_id", None), str):
-            touched = (share_id,)
-        for share_id in touched:
+        for t in meaning(envelope.event):
+            match t:
+                case ClassDefined() | ClassRemoved():
+                    self.rebuild()  # which classes exist: every label may change
+                    return
+        for share_id in self.live.state.share_changes():  # the fold's journal of the event
             self._update(share_id)
 
     def _update(self, share_id: str) -> None:
         old = self._shares.pop(share_id, None)
         if old is not None:
             self._add(old, -1)
-            if old.node is not None:
-                self._by_node.get(old.node, set()).discard(share_id)
         share = self.live.state.shares.get(share_id)
         new = share_holding(self.live.state, share) if share is not None else None
         if new is not None:
             self._shares[share_id] = new
             self._add(new, 1)
-            if new.node is not None:
-                self._by_node.setdefault(new.node, set()).add(share_id)
 
     def _add(self, holding: Holding, sign: int) -> None:
         for capacity, nanos in holding.amounts.items():

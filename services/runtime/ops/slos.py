@@ -6,7 +6,12 @@ already holds it (the envelope's ``recorded_at`` is the clock) and hands back
 :class:`Observation` s. :class:`SloTracker` exports them as Prometheus series from a
 live state; ``dracap report`` (:mod:`services.report.panels`) draws the same
 observations from the log: the two cannot disagree, and
-``tests/integration/test_slos.py`` checks that they do not on one log.
+``tests/integration/test_slos.py`` and ``tests/integration/test_report.py`` check that they
+do not on one log. What an event did comes from its transitions
+(:func:`events.transitions.meaning`), what it finished from the fold's journal
+(:meth:`~events.state.ClusterState.phase_changes`,
+:meth:`~events.state.ClusterState.share_changes`): the fold says once which claims and
+shares an event moved, and nothing here reads an event's fields.
 
 Slow and full are told apart. A claim that does not fit when it is decided
 (``ClaimUnschedulable``) is *waiting for capacity* until an allocation ends the wait:
@@ -80,7 +85,6 @@ from events.transitions import (
     NodeFencedOff,
     NodeLost,
     NodeReturned,
-    ShareUnknown,
     counted,
     meaning,
 )
@@ -203,9 +207,15 @@ class SloFold:
     def observe(
         self, state: ClusterState, event: Event, at: datetime.datetime
     ) -> list[Observation]:
-        """Fold one event recorded ``at`` (``state`` already has it); what it meant."""
+        """Fold one event recorded ``at`` (``state`` already has it); what it meant.
+
+        What the event says happened comes from its transitions
+        (:func:`~events.transitions.meaning`); what it finished — a claim Ready or ended,
+        a share Unknown, known again or released — from the fold's journal of the event
+        (:meth:`~events.state.ClusterState.phase_changes`,
+        :meth:`~events.state.ClusterState.share_changes`): nothing here reads the event
+        itself."""
         out: list[Observation] = []
-        node_wide = False
         for t in counted(state, meaning(event)):  # a stale expiry or fence: no span
             match t:
                 case ClaimEntered():
@@ -218,19 +228,10 @@ class SloFold:
                     self._decided(t.outcome, key, cls, at, out)
                 case NodeLost():
                     self.expired_at.setdefault(t.node, at)
-                    node = state.nodes.get(t.node)
-                    for share_id in node.live_shares if node is not None else ():
-                        if state.shares[share_id].state == "unknown":
-                            self.unknown.setdefault(share_id, at)
-                case ShareUnknown():  # the one share it names
-                    if _share_state(state, t.share_id) == "unknown":
-                        self.unknown.setdefault(t.share_id, at)
-                case NodeReturned() | NodeFencedOff():
-                    node_wide = True
-                    since = self.expired_at.pop(t.node, None)
-                    if since is not None:
-                        outcome = RECOVERY_OUTCOMES[1 if isinstance(t, NodeFencedOff) else 0]
-                        out.append(Observation("recovery", outcome, (at - since).total_seconds()))
+                case NodeReturned():
+                    self._recovered(t.node, "returned", at, out)
+                case NodeFencedOff():
+                    self._recovered(t.node, "fenced", at, out)
                 case ClaimBound():
                     key = (t.namespace, t.name)
                     self._decided("bound", key, known_class(state, key), at, out)
@@ -239,8 +240,15 @@ class SloFold:
                     if share is not None:
                         cls = known_class(state, share.claim)
                         self._enforced(t.applied, share.claim, cls, at, out)
-        self._settle(state, event, node_wide, at, out)
+        self._settle(state, at, out)
         return out
+
+    def _recovered(
+        self, node: str, outcome: str, at: datetime.datetime, out: list[Observation]
+    ) -> None:
+        since = self.expired_at.pop(node, None)
+        if since is not None:
+            out.append(Observation("recovery", outcome, (at - since).total_seconds()))
 
     def _decided(
         self, decision: str, key: ClaimKey, cls: str, at: datetime.datetime, out: list[Observation]
@@ -275,43 +283,26 @@ class SloFold:
             outcome = "applied" if applied else "failed"
             out.append(Observation("enforcement", cls, (at - bound).total_seconds(), outcome))
 
-    def _settle(
-        self,
-        state: ClusterState,
-        event: Event,
-        node_wide: bool,
-        at: datetime.datetime,
-        out: list[Observation],
-    ) -> None:
-        """Close what ``event`` finished: only the claims and shares it names (one lookup
-        per event on the hot path), everything pending after a node-wide event."""
-        share_id = getattr(event, "share_id", None)
-        keys: Iterable[ClaimKey]
-        shares: Iterable[str]
-        if node_wide:  # a node returned or fenced
-            keys, shares = list(self.pending_claims), list(self.unknown)
-        elif isinstance(share_id, str):
-            share = state.shares.get(share_id)
-            keys, shares = ([share.claim] if share is not None else []), [share_id]
-        else:
-            namespace, name = getattr(event, "namespace", None), getattr(event, "name", None)
-            keys = (
-                [(namespace, name)] if isinstance(namespace, str) and isinstance(name, str) else []
-            )
-            shares = []
-        for key in keys:
-            phase = _phase(state, key)
+    def _settle(self, state: ClusterState, at: datetime.datetime, out: list[Observation]) -> None:
+        """Close what the last folded event finished, as the fold's journal says: the
+        claims whose phase it changed, the shares whose state it changed (a fence's every
+        share and claim among them) — a few entries per event on the hot path."""
+        for key, change in state.phase_changes().items():
+            phase = change.after
             if phase in TERMINAL_PHASES:  # nothing more to wait for
                 self.admitted.pop(key, None)
                 self.bound.pop(key, None)
                 self.waiting.pop(key, None)
-            if key in self.pending_claims and phase in _DONE:
+            if phase in _DONE and key in self.pending_claims:
                 since, cls = self.pending_claims.pop(key)
                 if phase in ("ready", "stalled"):
                     out.append(Observation("convergence", cls, (at - since).total_seconds()))
-        for unknown in shares:
-            if unknown in self.unknown and _share_state(state, unknown) != "unknown":
-                del self.unknown[unknown]
+        unknown = self.unknown
+        for share_id, moved in state.share_changes().items():
+            if moved.after == "unknown":  # its node lost its lease
+                unknown.setdefault(share_id, at)
+            elif moved.before == "unknown":  # confirmed, fenced or released
+                unknown.pop(share_id, None)
 
     def pending(self, state: ClusterState) -> Pending:
         """Unconverged claims, claims waiting for capacity and unknown shares now, by class."""
@@ -377,8 +368,9 @@ class SloTracker(LiveCollector):
     def observe(self, env: Envelope) -> None:
         """Fold one envelope's meaning for the metrics (``live.state`` already has it)."""
         for t in meaning(env.event):
-            if isinstance(t, ClassDefined):  # a new class's series at 0 too
-                _class_series(t.name)
+            match t:
+                case ClassDefined():  # a new class's series at 0 too
+                    _class_series(t.name)
         for seen in self.fold.observe(self.live.state, env.event, env.recorded_at):
             if seen.kind == "convergence":
                 CONVERGENCE.labels(seen.label).observe(seen.value)
@@ -445,16 +437,6 @@ def _class_series(cls: str) -> None:
         DECISIONS.labels(cls, outcome)
     for histogram in (SCHEDULING_LATENCY, CAPACITY_WAIT, CONVERGENCE):
         histogram.labels(cls)
-
-
-def _phase(state: ClusterState, key: ClaimKey) -> str:
-    claim = state.claims.get(key)
-    return claim.phase if claim is not None else "withdrawn"
-
-
-def _share_state(state: ClusterState, share_id: str) -> str:
-    share = state.shares.get(share_id)
-    return share.state if share is not None else "released"
 
 
 def _by_class(

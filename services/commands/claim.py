@@ -1,4 +1,4 @@
-"""``dracap claim ...`` and ``dracap devices``: the claims API from a terminal.
+"""``dracap claim``, ``devices``, ``policy``, ``class`` and ``node``: the claims API, by hand.
 
 The CLI holds no state and never touches PostgreSQL: every command is one or a few
 NATS request/reply calls to the claims API (``names.api(namespace, op)``) or the admin
@@ -61,63 +61,25 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from events.catalog import CLASS_MODES, ENFORCEMENT_LEVELS
 from events.state import TERMINAL_PHASES
+from services.claims.objects import claim_manifest
+from services.commands.showing import CLAIM_HEADER, claim_rows, emit
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.endpoints import add_endpoint_arguments, endpoints_from_args
 from services.runtime.ground.printable import json_text, table, yaml_text
 
-__all__ = ["claim_manifest", "claim_rows", "emit", "read_claims", "register"]
+__all__ = ["read_claims", "register"]
 
 
 # --- rendering -----------------------------------------------------------------------------
 
 
-def _consumed(share: dict[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in (share.get("consumed") or {}).items()) or "-"
-
-
-def claim_rows(views: Sequence[dict[str, Any]]) -> list[list[str]]:
-    """One row per share (a claim without shares gets one row)."""
-    rows = []
-    for view in views:
-        first = [
-            view.get("namespace", ""),
-            view.get("name", ""),
-            view.get("phase", ""),
-            view.get("node") or "-",
-        ]
-        shares = view.get("shares") or [{}]
-        for i, share in enumerate(shares):
-            device = "/".join(share[k] for k in ("pool", "device") if share.get(k)) or "-"
-            lead = first if i == 0 else ["", "", "", ""]
-            rows.append(
-                [
-                    *lead,
-                    device,
-                    _consumed(share),
-                    share.get("share_id") or "-",
-                    (view.get("reason") or "") if i == 0 else "",
-                ]
-            )
-    return rows
-
-
-CLAIM_HEADER: Final = [
-    "NAMESPACE",
-    "NAME",
-    "PHASE",
-    "NODE",
-    "DEVICE",
-    "CONSUMED",
-    "SHARE",
-    "REASON",
-]
 DEVICE_HEADER: Final = [
     "NODE",
     "DRIVER",
@@ -184,18 +146,6 @@ def device_rows(devices: Sequence[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def emit(output: str, data: Any, render_table: Callable[[], str]) -> None:
-    """``data`` as JSON or YAML, or the table ``render_table`` gives, each escaped for a
-    terminal (:mod:`services.runtime.ground.printable`)."""
-    if output == "json":
-        print(json_text(json.dumps(data, indent=2)))
-    elif output == "yaml":
-        sys.stdout.write(yaml_text(data))
-    else:
-        print(render_table())
-    sys.stdout.flush()
-
-
 def emit_claims(output: str, views: list[dict[str, Any]], *, single: bool) -> None:
     data: Any = views[0] if single and views else views
     emit(output, data, lambda: table(CLAIM_HEADER, claim_rows(views)))
@@ -229,30 +179,6 @@ def read_claims(path: str, namespace: str | None) -> list[tuple[str, bytes]]:
     if not claims:
         raise CommandError(f"{path}: no ResourceClaim found", ExitCode.BAD_INPUT)
     return claims
-
-
-def claim_manifest(claim: Any, namespace: str | None, source: str) -> tuple[str, bytes]:
-    """``(namespace, JSON manifest)`` of a ResourceClaim ``claim`` (its namespace:
-    ``namespace``, else its own, else ``default``); :class:`CommandError` (exit 2) when it
-    is larger than the API takes, before anything is sent."""
-    import msgspec
-
-    from events import model
-    from events.manifests import MAX_MANIFEST_BYTES
-
-    ns = namespace or claim.metadata.namespace or "default"
-    if claim.metadata.namespace is None:
-        meta = msgspec.structs.replace(claim.metadata, namespace=ns)
-        claim = msgspec.structs.replace(claim, metadata=meta)
-    manifest = model.encode_json(claim)
-    if len(manifest) > MAX_MANIFEST_BYTES:
-        raise CommandError(
-            f"{source}: ResourceClaim {ns}/{claim.metadata.name}: {len(manifest)} bytes; "
-            f"a claim must be at most {MAX_MANIFEST_BYTES} bytes "
-            f"({MAX_MANIFEST_BYTES // 1024} KiB, the API's limit)",
-            ExitCode.BAD_INPUT,
-        )
-    return ns, manifest
 
 
 async def _apply(api: ApiClient, args: argparse.Namespace) -> int:
