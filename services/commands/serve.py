@@ -60,10 +60,11 @@ from services.runtime.bus.credentials import AUTH_DIR, AuthDir, Credential, read
 from services.runtime.bus.endpoints import Endpoints, add_endpoint_arguments, endpoints_from_args
 from services.runtime.ground.settings import ServiceKind, SettingsError, stream_replicas
 from services.runtime.hosting.process import run_service
-from services.runtime.hosting.storehosting import ServiceContext, serving
+from services.runtime.hosting.storehosting import StoreProcessContext, serving
 from services.runtime.ops.health import consumers_probe
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import LiveState
+from services.runtime.store.logandfold import LogAndFold
 
 log = logging.getLogger("dracap.serve")
 
@@ -125,7 +126,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 async def _service(
-    context: ServiceContext, directory: Any, args: argparse.Namespace
+    context: StoreProcessContext, directory: Any, args: argparse.Namespace
 ) -> Callable[[asyncio.Event], Awaitable[None]]:
     """The ``run(stop)`` of the service of ``context``, started; its checks registered."""
     name, store, names = context.service, context.store, context.names
@@ -138,7 +139,7 @@ async def _service(
         replicas = args.stream_replicas or context.settings.stream_replicas
         keeper = BusKeeper(store, context.js, names, durables.relay_owned(names), replicas=replicas)
         lease = Leadership(context.settings, RELAY_KEY, "relay")
-        relay = Relay(store, context.js, names, keeper=keeper, leased=lease.check)
+        relay = Relay(context.service_context(store), keeper=keeper, leased=lease.check)
 
         async def relay_while_leased(stop: asyncio.Event) -> None:
             await lease.run(stop, relay.run)
@@ -151,11 +152,7 @@ async def _service(
         from services.enforcement.service import EnforcementService
 
         enforcement = EnforcementService(
-            store,
-            live,
-            context.nc,
-            context.js,
-            names,
+            context.service_context(LogAndFold(store, live)),
             directory=directory,
             authenticated=directory is not None,
             tail=True,  # nobody else folds the log in this process
@@ -166,10 +163,7 @@ async def _service(
         from services.claims.api import ClaimsApi
 
         api = ClaimsApi(
-            store,
-            live,
-            context.nc,
-            names,
+            context.service_context(LogAndFold(store, live)),
             directory=directory,
             authenticated=directory is not None,
             tail=True,  # nobody else folds the log in this process
@@ -179,7 +173,7 @@ async def _service(
         return api.run
     from services.reservation.service import ReservationService
 
-    service = ReservationService(store, live, context.js, names, owner=False)
+    service = ReservationService(context.service_context(LogAndFold(store, live)), owner=False)
     context.health.register("consumers", consumers_probe(lambda: service.running))
 
     async def reservation(stop: asyncio.Event) -> None:

@@ -147,7 +147,6 @@ from collections.abc import (
 from typing import Final
 
 import msgspec
-from nats.aio.client import Client
 
 from events.catalog import (
     DeviceHealthChanged,
@@ -163,7 +162,6 @@ from events.envelopes import Envelope, node_stream, stream_of
 from events.eventcodec import encode_payload
 from events.model import ResourceSlice
 from events.state import ClusterState, DeviceKey
-from events.subjects import BusNames
 from events.transitions import ClaimBound, ClaimReleasing, first, meaning
 from services.enforcement.asking import ControlPlane
 from services.enforcement.checkpointing import Checkpoint, read_boot_id
@@ -203,7 +201,8 @@ from services.enforcement.protocol import Report as ReportRequest
 from services.enforcement.reconciling import plan_reconcile, plan_return
 from services.enforcement.scanning import InventoryScanner
 from services.enforcement.views import NodeView
-from services.runtime.ground.clock import SYSTEM, Clock
+from services.runtime.bus.jetstream import DEFAULT_API_PREFIX, prefix_of
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RetryableError
 from services.runtime.ground.metrics import CLAIMS, ENFORCEMENT_LATENCY
 from services.runtime.ops.slos import known_class
@@ -310,8 +309,7 @@ class Agent:
 
     def __init__(
         self,
-        nc: Client,
-        names: BusNames,
+        context: ServiceContext[None],
         *,
         node: str,
         enforcer: Enforcer,
@@ -323,13 +321,14 @@ class Agent:
         lease_ttl: float = DEFAULT_TTL_S,
         boot_id: str | None = None,
         health_interval: float = 10.0,
-        api_prefix: str = "$JS.API",
-        clock: Clock = SYSTEM,
     ) -> None:
-        self.nc = nc
+        nc = self.nc = context.nc
+        names = self.names = context.names
         #: the clock of the retries' due times and of the health checks' ticks
-        self.clock = clock
-        self.names = names
+        self.clock = context.clock
+        # the JetStream API of the agent's account: its JetStream context's when it has one
+        js = context.jetstream
+        api_prefix = prefix_of(js) if js is not None else DEFAULT_API_PREFIX
         self.node = node
         self.enforcer = enforcer
         self.plane = plane if plane is not None else ControlPlane(nc, names, node)

@@ -79,8 +79,6 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
-from nats.js import JetStreamContext
-
 from events.actors import Actor
 from events.catalog import (
     ClaimAdmitted,
@@ -115,14 +113,16 @@ from services.runtime.bus.jetstream import Durable
 from services.runtime.delivery.confirming import LogConfirmation
 from services.runtime.delivery.consuming import Consumer
 from services.runtime.delivery.handlers import Handled, HandlerContext
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RuntimeServiceError
 from services.runtime.ground.metrics import CLAIMS, SELECTOR_JOBS
 from services.runtime.ground.waiting import all_of, first_of
 from services.runtime.ops.selectorpool import SelectorPool
 from services.runtime.store import recorded
 from services.runtime.store.appends import Batch, Cause, Metadata
-from services.runtime.store.eventstore import Connection, EventStore
-from services.runtime.store.livestate import HEAD, INVENTORY_EVENTS, LiveState
+from services.runtime.store.eventstore import Connection
+from services.runtime.store.livestate import HEAD, INVENTORY_EVENTS
+from services.runtime.store.logandfold import LogAndFold
 
 __all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService", "durables"]
 
@@ -200,10 +200,7 @@ class ReservationService:
 
     def __init__(
         self,
-        store: EventStore,
-        live: LiveState,
-        js: JetStreamContext,
-        names: BusNames,
+        context: ServiceContext[LogAndFold],
         *,
         worker: int = 0,
         name: str = "reservation",
@@ -213,10 +210,10 @@ class ReservationService:
         selectors: SelectorPool | None = None,
         owner: bool = True,
     ) -> None:
-        self.store = store
-        self.live = live
-        self.js = js
-        self.names = names
+        store = self.store = context.stores.store
+        live = self.live = context.stores.live
+        self.js = context.js
+        self.names = context.names
         self.worker = worker
         #: the consumers :meth:`run` pulls with (a health check asks them)
         self.running: list[Consumer] = []

@@ -70,6 +70,7 @@ from services.runtime.store.appends import Batch, Metadata
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, LiveState
 from tests.fixtures.clock import FakeClock
+from tests.fixtures.contexts import folded, handed
 from tests.fixtures.polling import until
 from tests.integration.waiting import bus_idle, state_reaches
 
@@ -182,10 +183,10 @@ class Pipeline:
         self.tasks.append(asyncio.ensure_future(work))
 
     async def start(self) -> None:
-        self.spawn(Relay(await self.store(), self.js, self.names).run(self.stop))
+        self.spawn(Relay(handed(await self.store(), self.names, js=self.js)).run(self.stop))
         api_store = await self.store()
         api_live = LiveState(api_store)
-        self.api = ClaimsApi(api_store, api_live, self.nc, self.names, tail=True)
+        self.api = ClaimsApi(folded(api_store, self.names, self.nc, live=api_live), tail=True)
         await self.api.start()
         self.spawn(self.api.run(self.stop))
         for i in range(2):
@@ -193,18 +194,20 @@ class Pipeline:
             # a long deadline: an expensive selector keeps the pool busy for the whole test
             pool = SelectorPool(deadline_s=120, job_budget_s=240)
             worker = ReservationService(
-                store, LiveState(store), self.js, self.names, worker=i, selectors=pool
+                folded(store, self.names, js=self.js), worker=i, selectors=pool
             )
             self.workers.append(worker)
             self.spawn(worker.run(self.stop))
         enforcement_store = await self.store()
         enforcement = EnforcementService(
-            enforcement_store, LiveState(enforcement_store), self.nc, self.js, self.names, tail=True
+            folded(enforcement_store, self.names, self.nc, self.js), tail=True
         )
         await enforcement.start()
         self.spawn(enforcement.run(self.stop))
         agent = Agent(
-            self.nc, self.names, node=NODE, enforcer=NoneEnforcer(), clock=self.agent_clock
+            handed(None, self.names, self.nc, clock=self.agent_clock),
+            node=NODE,
+            enforcer=NoneEnforcer(),
         )
         self.agents.append(agent)
         self.spawn(agent.run(self.stop))

@@ -22,6 +22,7 @@ from services.enforcement.decisions import Task, Written
 from services.enforcement.enforcers import NoneEnforcer
 from services.enforcement.protocol import ViewAsk
 from tests.fixtures.clock import FakeClock
+from tests.fixtures.contexts import NO_NATS, handed
 
 NODE = "node-a"
 
@@ -38,13 +39,11 @@ class Recording(Agent):
 
     def __init__(self, clock: FakeClock, health_interval: float = 0.0) -> None:
         super().__init__(
-            None,  # type: ignore[arg-type]  # nothing here talks to the bus
-            BusNames("t"),
+            handed(None, BusNames("t"), NO_NATS, clock=clock),  # nothing here talks to the bus
             node=NODE,
             enforcer=NoneEnforcer(),
             plane=Plane(),  # type: ignore[arg-type]
             health_interval=health_interval,
-            clock=clock,
         )
         self.fake = clock
         self.retried: list[float] = []

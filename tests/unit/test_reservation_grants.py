@@ -17,6 +17,8 @@ from events.state import ClusterState
 from events.subjects import BusNames
 from services.reservation.deriving import live_grants
 from services.reservation.service import ReservationService
+from services.runtime.store.logandfold import LogAndFold
+from tests.fixtures.contexts import NO_NATS, handed
 from tests.unit.decision_fixtures import Log, gpu, inventory, memory_claim
 
 
@@ -57,7 +59,8 @@ def test_a_fence_forgets_its_nodes_grants_without_walking_the_others() -> None:
     nodes = {s.node for s in log.state().shares.values()}
     assert nodes == {"node-a", "node-b"}, nodes
     live = _Live()
-    service = ReservationService(None, live, None, BusNames(prefix="t"))  # type: ignore[arg-type]
+    context = handed(LogAndFold(None, live), BusNames(prefix="t"), NO_NATS, NO_NATS)  # type: ignore[arg-type]
+    service = ReservationService(context)
     for env in log.envelopes:
         live.add(env)
     service._counted = _Walked(service._counted)
