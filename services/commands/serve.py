@@ -58,11 +58,11 @@ from typing import Any, Final
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus.credentials import AUTH_DIR, AuthDir, Credential, read_directory
 from services.runtime.bus.endpoints import Endpoints, add_endpoint_arguments, endpoints_from_args
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.settings import ServiceKind, SettingsError, stream_replicas
 from services.runtime.hosting.process import run_service
 from services.runtime.hosting.storehosting import StoreProcessContext, serving
 from services.runtime.ops.health import consumers_probe
-from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import LiveState
 from services.runtime.store.logandfold import LogAndFold
 
@@ -147,7 +147,7 @@ async def _service(
         return relay_while_leased
     live = await context.live_state()
     if name == "kubernetes-bridge":
-        return await _bridge(store, live, args)
+        return await _bridge(context.service_context(LogAndFold(store, live)), args)
     if name == "enforcement":
         from services.enforcement.service import EnforcementService
 
@@ -183,7 +183,7 @@ async def _service(
 
 
 async def _bridge(
-    store: EventStore, live: LiveState, args: argparse.Namespace
+    context: ServiceContext[LogAndFold], args: argparse.Namespace
 ) -> Callable[[asyncio.Event], Awaitable[None]]:
     from services.claims.bridge import Bridge
     from services.runtime.kube.client import KubeApi
@@ -199,7 +199,7 @@ async def _bridge(
         api = await KubeApi.from_environment(kubeconfig=args.kubeconfig)
     except KubeApiError as exc:
         raise CommandError(f"Kubernetes API: {exc}", ExitCode.BAD_INPUT) from exc
-    bridge = Bridge(store, live, api, drivers=args.driver)
+    bridge = Bridge(context, api, drivers=args.driver)
 
     async def run(stop: asyncio.Event) -> None:
         async with api:
