@@ -253,7 +253,7 @@ class EnforcementService:
         self.authenticated = authenticated
         self._known = directory.index() if directory is not None else {}
         self.tail = tail
-        self.renewals = Renewals(store.renew_leases, tick_s=tick_s)
+        self.renewals = Renewals(store.renew_leases, tick_s=tick_s, clock=context.clock)
         self.confirmation = LogConfirmation(store, live)
         self.index: NodeIndex | None = None
         self._slots = asyncio.Semaphore(concurrency)
