@@ -128,6 +128,9 @@ __all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService", "durables"]
 
 log = logging.getLogger("dracap.reservation")
 
+#: Seconds before a replan that failed (the database or the bus away) is tried again.
+REPLAN_RETRY_S: Final = 1.0
+
 #: What a worker consumes: feed name -> the tag (with a dot) or category it reads.
 FEEDS: Final = {
     "admissions": "claims.admitted",  # ClaimAdmitted's tag
@@ -214,6 +217,7 @@ class ReservationService:
         live = self.live = context.stores.live
         self.js = context.js
         self.names = context.names
+        self.clock = context.clock  #: the clock of the retry of a failed replan
         self.worker = worker
         #: the consumers :meth:`run` pulls with (a health check asks them)
         self.running: list[Consumer] = []
@@ -496,7 +500,7 @@ class ReservationService:
                 self._replan.set()  # a concurrent append: plan again on a fresh view
             except (OSError, RuntimeServiceError) as exc:
                 log.warning("could not plan after a selector evaluation: %s", exc)
-                await first_of(asyncio.sleep(1.0), stop.wait())
+                await self.clock.wait(stop, REPLAN_RETRY_S)
                 self._replan.set()
 
     async def replan(self) -> None:
