@@ -68,7 +68,8 @@ from services.enforcement.agent import Agent
 from services.enforcement.enforcers import NoneEnforcer
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import AuthDir
-from services.runtime.bus.jetstream import connect_bus, prefix_of
+from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.eventloop import cancel_on_sigterm
 from services.runtime.ground.gctuning import tune_for_long_lived_state
 from services.runtime.ground.settings import Settings
@@ -195,8 +196,9 @@ class Fleet:
     async def _start(self, node: str) -> None:
         nc, js = await connect_bus(self.url, name=f"fleet-{node}", credential=self.auth.agent(node))
         agent = Agent(
-            nc, self.names, node=node, enforcer=NoneEnforcer(), lease_ttl=self.ttl,
-            boot_id="fleet", health_interval=0, api_prefix=prefix_of(js),
+            ServiceContext(stores=None, names=self.names, connection=nc, jetstream=js),
+            node=node, enforcer=NoneEnforcer(), lease_ttl=self.ttl, boot_id="fleet",
+            health_interval=0,
         )  # fmt: skip
         stop = asyncio.Event()
         self.agents[node] = (nc, stop, asyncio.ensure_future(agent.run(stop)))

@@ -35,7 +35,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import msgspec
 
@@ -45,6 +45,8 @@ from events.subjects import BusNames
 from services.claims.objects import apply_objects
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import AuthDir, Credential, Directory, read_directory
+from services.runtime.ground.clock import SYSTEM, Clock
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.outages import one_line
 from services.runtime.ground.settings import ServiceKind, Settings
 from services.runtime.store.eventstore import EventStore
@@ -110,6 +112,9 @@ async def load_inventory(api: ApiClient, inventory: InventoryManifests) -> int:
 # --- the stack -----------------------------------------------------------------------------
 
 
+StoresT = TypeVar("StoresT")
+
+
 class Stack:
     """Relay, live state, claims API, reservation workers and agents as asyncio tasks.
 
@@ -148,6 +153,8 @@ class Stack:
         self.holdings: Any = None  #: capacity held per tenant (set on start)
         #: the events stream's replicas (DRACAP_STREAM_REPLICAS; None: 1, or as it is)
         self.stream_replicas: int | None = None
+        self.settings = Settings()  #: the process's settings (set by :meth:`running`)
+        self.clock: Clock = SYSTEM  #: the services' timers' clock
 
     def spawn(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``start()`` as a supervised task: restarted with back-off if it fails."""
@@ -190,6 +197,23 @@ class Stack:
         ``reservation``, ``ledger``, ``enforcement`` or ``agent:<node>`` (the shared one
         without credentials)."""
         return self.logins.get(role, (self.nc, self.js))
+
+    def context(
+        self, service: str, stores: StoresT, *, bus: str | None = None
+    ) -> ServiceContext[StoresT]:
+        """What ``service`` is handed (:mod:`services.runtime.ground.context`): the stack's
+        settings, names and clock, ``stores``, and the connection of the ``bus`` role
+        (:meth:`bus`; None: none)."""
+        nc, js = self.bus(bus) if bus is not None else (None, None)
+        return ServiceContext(
+            stores=stores,
+            names=self.names,
+            settings=self.settings,
+            connection=nc,
+            jetstream=js,
+            clock=self.clock,
+            service=service,
+        )
 
     async def trouble(self) -> str | None:
         """Why not every service runs (None when they all do): the ``services`` check."""
@@ -240,6 +264,7 @@ class Stack:
                 stores.reader, nc, js, names, stores=stores, logins=logins, directory=directory
             )
             stack.stream_replicas = settings.stream_replicas
+            stack.settings = settings
             try:
                 await start_services(stack, nodes=nodes, workers=workers)
                 yield stack
@@ -303,13 +328,13 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     from services.enforcement.service import STORE_KIND, EnforcementService
     from services.reclamation.service import ReclamationService
     from services.reservation.service import ReservationService
-    from services.runtime.bus.jetstream import prefix_of
     from services.runtime.delivery.rebuilding import BusKeeper
     from services.runtime.delivery.relaying import Relay
     from services.runtime.ops.gauges import CapacityGauges, initialise_series
     from services.runtime.ops.holdings import HeldCapacity
     from services.runtime.ops.slos import SloTracker
     from services.runtime.store.livestate import HEAD, LiveState
+    from services.runtime.store.logandfold import LogAndFold
     from services.runtime.store.snapshots import serve_snapshots
 
     js, names, stop, stores = stack.js, stack.names, stack.stop, stack.stores
@@ -318,7 +343,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     keeper = BusKeeper(
         relay_store, js, names, durables.relay_owned(names), replicas=stack.stream_replicas
     )
-    relay = Relay(relay_store, js, names, keeper=keeper)
+    relay = Relay(stack.context("relay", relay_store, bus="relay"), keeper=keeper)
     await keeper.ensure(await relay.load_checkpoint(), None)
     stack.spawn("relay", functools.partial(relay.run, stop))
     live = LiveState(stack.store)
@@ -334,10 +359,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     stack.holdings.start()
     stack.spawn("livestate", functools.partial(live.run, stop))
     api = ClaimsApi(
-        stores.of(ServiceKind.CLAIMS),
-        live,
-        stack.bus("claims")[0],
-        names,
+        stack.context("claims", LogAndFold(stores.of(ServiceKind.CLAIMS), live), bus="claims"),
         directory=stack.directory,
         authenticated=stack.directory is not None,
     )
@@ -346,39 +368,34 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
     consumers: set[str] = set()
     for i in range(workers):
         store = stores.of(ServiceKind.RESERVATION)
-        service = ReservationService(
-            store, live, stack.bus("reservation")[1], names, worker=i, owner=False
-        )
+        context = stack.context(f"reservation-{i}", LogAndFold(store, live), bus="reservation")
+        service = ReservationService(context, worker=i, owner=False)
         consumers.update(c.name for c in service.consumers())
         stack.spawn(f"reservation-{i}", functools.partial(service.run, stop))
-    reclamation = ReclamationService(stores.of(ServiceKind.RECLAMATION), live)
+    reclamation = ReclamationService(
+        stack.context("reclamation", LogAndFold(stores.of(ServiceKind.RECLAMATION), live))
+    )
     stack.spawn("reclamation", functools.partial(reclamation.run, stop))
     for subscriber in (AuditService, BillingService):  # projectors and query endpoints
         ledger = subscriber(
-            stores.of(ServiceKind.LEDGER),
-            names,
-            nc=stack.bus("ledger")[0],
+            stack.context(subscriber.service, stores.of(ServiceKind.LEDGER), bus="ledger"),
             directory=stack.directory,
             authenticated=stack.directory is not None,
             live=live,
         )
         stack.spawn(ledger.projector.name, functools.partial(ledger.run, stop))
-    enforcement_nc, enforcement_js = stack.bus("enforcement")
     enforcement = EnforcementService(
-        stores.of(STORE_KIND),
-        live,
-        enforcement_nc,
-        enforcement_js,
-        names,
+        stack.context("enforcement", LogAndFold(stores.of(STORE_KIND), live), bus="enforcement"),
         directory=stack.directory,
         authenticated=stack.directory is not None,
     )
     await enforcement.start()
     stack.spawn("enforcement", functools.partial(enforcement.run, stop))
     for node in nodes:
-        agent_nc, agent_js = stack.bus(f"agent:{node}")
         agent = Agent(
-            agent_nc, names, node=node, enforcer=NoneEnforcer(), api_prefix=prefix_of(agent_js)
+            stack.context(f"agent-{node}", None, bus=f"agent:{node}"),
+            node=node,
+            enforcer=NoneEnforcer(),
         )
         consumers.add(agent.consumer.name)
         stack.spawn(f"agent-{node}", functools.partial(agent.run, stop))

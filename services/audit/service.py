@@ -32,14 +32,13 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import msgspec
-from nats.aio.client import Client
 
 from events.envelopes import Envelope
-from events.subjects import BusNames
 from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, Update, build, needs
 from services.runtime.bus.credentials import Directory
 from services.runtime.bus.queries import QueryError, limited_to
 from services.runtime.delivery.subscribers import QueryingSubscriber, decode_query
+from services.runtime.ground.context import ServiceContext
 from services.runtime.store.eventstore import Connection, EventStore
 from services.runtime.store.livestate import LiveState
 
@@ -170,20 +169,16 @@ class AuditService(QueryingSubscriber):
 
     def __init__(
         self,
-        store: EventStore,
-        names: BusNames,
+        context: ServiceContext[EventStore],
         *,
         name: str = CONSUMER,
-        nc: Client | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
         live: LiveState | None = None,
     ) -> None:
         super().__init__(
-            store,
-            names,
+            context,
             name=name,
-            nc=nc,
             directory=directory,
             authenticated=authenticated,
             live=live,

@@ -36,11 +36,9 @@ from decimal import Decimal
 from typing import Any, Final
 
 import msgspec
-from nats.aio.client import Client
 
 from events.catalog import EVENT_TYPES
 from events.envelopes import Envelope
-from events.subjects import BusNames
 from events.transitions import events_meaning
 from services.billing.usage import (
     BILLED,
@@ -56,6 +54,7 @@ from services.billing.usage import (
 from services.runtime.bus.credentials import Directory
 from services.runtime.bus.queries import limited_to
 from services.runtime.delivery.subscribers import QueryingSubscriber, decode_query
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.metrics import USAGE
 from services.runtime.store.eventstore import Connection, EventStore
 from services.runtime.store.livestate import LiveState
@@ -226,20 +225,16 @@ class BillingService(QueryingSubscriber):
 
     def __init__(
         self,
-        store: EventStore,
-        names: BusNames,
+        context: ServiceContext[EventStore],
         *,
         name: str = CONSUMER,
-        nc: Client | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
         live: LiveState | None = None,
     ) -> None:
         super().__init__(
-            store,
-            names,
+            context,
             name=name,
-            nc=nc,
             directory=directory,
             authenticated=authenticated,
             types=TYPES,

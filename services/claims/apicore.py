@@ -24,7 +24,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
 from nats.micro.request import Request
 from nats.micro.service import Service
 
@@ -36,20 +35,20 @@ from events.features import DEFAULT_GATES, FeatureGates
 from events.inventory import build_inventory
 from events.nesting import MAX_MANIFEST_DEPTH, depth_rule, too_deep
 from events.state import ClaimKey, ClaimState, ClusterState
-from events.subjects import BusNames
 from services.claims.adminwrites import AdminWrite
 from services.claims.admission import DeviceLimits, Refusal
 from services.claims.views import ClaimsTouched, ClaimView, claim_view
 from services.runtime.bus.credentials import Directory
 from services.runtime.bus.queries import admin_caller, error_reply, send_reply, tenant_caller
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RetryableError
 from services.runtime.ground.outages import is_unreachable, one_line
 from services.runtime.ops.selectorpool import SelectorPool
 from services.runtime.store import recorded
 from services.runtime.store.appends import AdmissionPremise
 from services.runtime.store.committing import GroupCommitter
-from services.runtime.store.eventstore import EventStore
-from services.runtime.store.livestate import HEAD, SEEN, LiveState
+from services.runtime.store.livestate import HEAD, SEEN
+from services.runtime.store.logandfold import LogAndFold
 
 __all__ = [
     "AdminOperation",
@@ -135,10 +134,7 @@ class ApiCore:
 
     def __init__(
         self,
-        store: EventStore,
-        live: LiveState,
-        nc: Client,
-        names: BusNames,
+        context: ServiceContext[LogAndFold],
         *,
         gates: FeatureGates = DEFAULT_GATES,
         directory: Directory | None = None,
@@ -148,13 +144,13 @@ class ApiCore:
         tail: bool = False,
         selectors: SelectorPool | None = None,
     ) -> None:
-        self.store = store
+        store = self.store = context.stores.store
         #: where tenants' long selector expressions are compiled (not on this loop); at the
         #: usual priority: a compile is bounded (10 KiB, 2 s) and the tenant waits for it
         self.selectors = selectors if selectors is not None else SelectorPool(niceness=0)
-        self.live = live
-        self.nc = nc
-        self.names = names
+        live = self.live = context.stores.live
+        self.nc = context.nc
+        self.names = context.names
         self.gates = gates
         #: requests must carry the broker's identity (a broker with accounts); without,
         #: every request is anonymous (``dracap up --insecure``)

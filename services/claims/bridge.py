@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 from collections.abc import Callable, Collection
 from typing import Any, Final
@@ -56,14 +55,15 @@ from services.claims.mirroring import (
     decide_deleted,
 )
 from services.claims.views import ClaimsTouched
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError
 from services.runtime.ground.metrics import KUBERNETES_MIRROR, KUBERNETES_STATUS_WRITES
 from services.runtime.kube.client import KubeApi
 from services.runtime.kube.errors import Conflict, KubeApiError, NotFound, Retryable
 from services.runtime.kube.informer import Checkpoint, ClaimInformer
 from services.runtime.store.appends import Batch, Metadata
-from services.runtime.store.eventstore import EventStore
-from services.runtime.store.livestate import HEAD, LiveState
+from services.runtime.store.livestate import HEAD
+from services.runtime.store.logandfold import LogAndFold
 
 __all__ = ["Bridge"]
 
@@ -77,18 +77,16 @@ class Bridge:
 
     def __init__(
         self,
-        store: EventStore,
-        live: LiveState,
+        context: ServiceContext[LogAndFold],
         api: KubeApi,
         *,
         drivers: Collection[str],
-        now: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     ) -> None:
-        self.store = store
-        self.live = live
+        self.store = context.stores.store
+        live = self.live = context.stores.live
         self.api = api
         self.drivers = frozenset(drivers)
-        self.now = now
+        self.now = context.clock.utcnow  #: the devices' status times
         self.actor = str(Actor.system(BRIDGE_SERVICE))
         self._dirty: set[ClaimKey] = set()
         self._wake = asyncio.Event()

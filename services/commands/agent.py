@@ -50,7 +50,7 @@ from services.runtime.bus.endpoints import (
     add_endpoint_arguments,
     endpoints_from_args,
 )
-from services.runtime.bus.jetstream import api_prefix
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.printable import printable
 from services.runtime.hosting.process import hosting, run_service
 from services.runtime.ops.health import HealthMonitor, consumers_probe
@@ -101,15 +101,13 @@ async def serve(args: argparse.Namespace) -> int:
     async with hosting(
         args, "agent", nats=True, credential=credential, client_name=f"dracap-agent-{args.node}"
     ) as context:
-        await _run_agent(args, context.nc, context.names, credential, context.health, context.stop)
+        await _run_agent(args, context.service_context(None), context.health, context.stop)
     return ExitCode.OK
 
 
 async def _run_agent(
     args: argparse.Namespace,
-    nc: Any,
-    names: BusNames,
-    credential: Credential | None,
+    context: ServiceContext[None],
     health: HealthMonitor,
     stop: asyncio.Event,
 ) -> None:
@@ -121,8 +119,7 @@ async def _run_agent(
         path = Path(args.checkpoint or DEFAULT_CHECKPOINT.format(node=args.node))
         checkpoint = await asyncio.to_thread(checkpointing.load, path)
     agent = Agent(
-        nc,
-        names,
+        context,
         node=args.node,
         enforcer=enforcer,
         checkpoint=checkpoint,
@@ -130,7 +127,6 @@ async def _run_agent(
         lease_ttl=args.lease_ttl,
         boot_id=args.boot_id,
         health_interval=args.health_interval,
-        api_prefix=api_prefix(credential),
     )
     if config is not None:
         agent.scanner = InventoryScanner(

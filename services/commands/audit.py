@@ -69,9 +69,7 @@ async def _query(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    return await serve_subscriber(
-        args, lambda store, names, nc: AuditService(store, names, nc=nc), "audit"
-    )
+    return await serve_subscriber(args, AuditService, "audit")
 
 
 def run(args: argparse.Namespace) -> int:

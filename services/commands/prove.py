@@ -186,11 +186,14 @@ async def control_plane(
     """
     from services.enforcement.agent import Agent
     from services.runtime.bus.jetstream import connect_bus
+    from services.runtime.ground.context import ServiceContext
     from services.stack import Stack
 
     if start_services:
         async with Stack.running(settings, names, nodes=(), workers=workers) as stack:
-            agent = Agent(stack.nc, names, node=NODE, enforcer=enforcer)
+            agent = Agent(
+                stack.context(f"agent-{NODE}", None, bus="relay"), node=NODE, enforcer=enforcer
+            )
             stack.spawn(f"agent-{NODE}", functools.partial(agent.run, stack.stop))
             async with ApiClient.connect(settings.nats_url, names.prefix) as api:
                 yield api
@@ -198,7 +201,8 @@ async def control_plane(
     nc, _ = await connect_bus(settings.nats_url, name=f"dracap-prove-{NODE}")
     try:
         stop = asyncio.Event()
-        agent = Agent(nc, names, node=NODE, enforcer=enforcer)
+        context = ServiceContext(stores=None, names=names, settings=settings, connection=nc)
+        agent = Agent(context, node=NODE, enforcer=enforcer)
         task = asyncio.create_task(agent.run(stop), name=f"agent-{NODE}")
         try:
             async with ApiClient.connect(settings.nats_url, names.prefix) as api:

@@ -33,14 +33,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-from nats.aio.client import Client
 
-from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.delivery.subscribers import Difference
 from services.runtime.ground import eventloop
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.printable import json_text, printable, table
 from services.runtime.ground.settings import ServiceKind, load_settings
 from services.runtime.store.eventstore import Connection, EventStore, connect
@@ -124,7 +123,7 @@ class Subscriber(Protocol):
 
 async def serve_subscriber(
     args: argparse.Namespace,
-    make: Callable[[EventStore, BusNames, Client], Subscriber],
+    make: Callable[[ServiceContext[EventStore]], Subscriber],
     service: str,
 ) -> int:
     """Run the subscriber ``make`` builds until SIGINT or SIGTERM; ``service``: its
@@ -133,7 +132,7 @@ async def serve_subscriber(
     from services.runtime.ops.health import projector_probe
 
     async with serving(args, service, login=ServiceKind.LEDGER, nats=True) as context:
-        subscriber = make(context.store, context.names, context.nc)
+        subscriber = make(context.service_context(context.store))
         context.health.register("state", projector_probe(subscriber.projector))
         await subscriber.run(context.stop)
     return ExitCode.OK

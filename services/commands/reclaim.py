@@ -25,6 +25,7 @@ from services.runtime.bus.endpoints import add_endpoint_arguments
 from services.runtime.ground.settings import ServiceKind, SettingsError
 from services.runtime.hosting.process import run_service
 from services.runtime.hosting.storehosting import serving
+from services.runtime.store.logandfold import LogAndFold
 
 log = logging.getLogger("dracap.reclamation")
 
@@ -47,8 +48,7 @@ async def serve(args: argparse.Namespace) -> int:
     async with serving(args, "reclamation", login=ServiceKind.RECLAMATION) as context:
         live = await context.live_state(fresh=False)
         service = ReclamationService(
-            context.store,
-            live,
+            context.service_context(LogAndFold(context.store, live)),
             name=args.name,
             poll_s=args.poll,
             fence_hook=hook_of(args.fence_hook),

@@ -58,12 +58,13 @@ from typing import Any, Final
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus.credentials import AUTH_DIR, AuthDir, Credential, read_directory
 from services.runtime.bus.endpoints import Endpoints, add_endpoint_arguments, endpoints_from_args
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.settings import ServiceKind, SettingsError, stream_replicas
 from services.runtime.hosting.process import run_service
-from services.runtime.hosting.storehosting import ServiceContext, serving
+from services.runtime.hosting.storehosting import StoreProcessContext, serving
 from services.runtime.ops.health import consumers_probe
-from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import LiveState
+from services.runtime.store.logandfold import LogAndFold
 
 log = logging.getLogger("dracap.serve")
 
@@ -125,7 +126,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 async def _service(
-    context: ServiceContext, directory: Any, args: argparse.Namespace
+    context: StoreProcessContext, directory: Any, args: argparse.Namespace
 ) -> Callable[[asyncio.Event], Awaitable[None]]:
     """The ``run(stop)`` of the service of ``context``, started; its checks registered."""
     name, store, names = context.service, context.store, context.names
@@ -138,7 +139,7 @@ async def _service(
         replicas = args.stream_replicas or context.settings.stream_replicas
         keeper = BusKeeper(store, context.js, names, durables.relay_owned(names), replicas=replicas)
         lease = Leadership(context.settings, RELAY_KEY, "relay")
-        relay = Relay(store, context.js, names, keeper=keeper, leased=lease.check)
+        relay = Relay(context.service_context(store), keeper=keeper, leased=lease.check)
 
         async def relay_while_leased(stop: asyncio.Event) -> None:
             await lease.run(stop, relay.run)
@@ -146,16 +147,12 @@ async def _service(
         return relay_while_leased
     live = await context.live_state()
     if name == "kubernetes-bridge":
-        return await _bridge(store, live, args)
+        return await _bridge(context.service_context(LogAndFold(store, live)), args)
     if name == "enforcement":
         from services.enforcement.service import EnforcementService
 
         enforcement = EnforcementService(
-            store,
-            live,
-            context.nc,
-            context.js,
-            names,
+            context.service_context(LogAndFold(store, live)),
             directory=directory,
             authenticated=directory is not None,
             tail=True,  # nobody else folds the log in this process
@@ -166,10 +163,7 @@ async def _service(
         from services.claims.api import ClaimsApi
 
         api = ClaimsApi(
-            store,
-            live,
-            context.nc,
-            names,
+            context.service_context(LogAndFold(store, live)),
             directory=directory,
             authenticated=directory is not None,
             tail=True,  # nobody else folds the log in this process
@@ -179,7 +173,7 @@ async def _service(
         return api.run
     from services.reservation.service import ReservationService
 
-    service = ReservationService(store, live, context.js, names, owner=False)
+    service = ReservationService(context.service_context(LogAndFold(store, live)), owner=False)
     context.health.register("consumers", consumers_probe(lambda: service.running))
 
     async def reservation(stop: asyncio.Event) -> None:
@@ -189,7 +183,7 @@ async def _service(
 
 
 async def _bridge(
-    store: EventStore, live: LiveState, args: argparse.Namespace
+    context: ServiceContext[LogAndFold], args: argparse.Namespace
 ) -> Callable[[asyncio.Event], Awaitable[None]]:
     from services.claims.bridge import Bridge
     from services.runtime.kube.client import KubeApi
@@ -205,7 +199,7 @@ async def _bridge(
         api = await KubeApi.from_environment(kubeconfig=args.kubeconfig)
     except KubeApiError as exc:
         raise CommandError(f"Kubernetes API: {exc}", ExitCode.BAD_INPUT) from exc
-    bridge = Bridge(store, live, api, drivers=args.driver)
+    bridge = Bridge(context, api, drivers=args.driver)
 
     async def run(stop: asyncio.Event) -> None:
         async with api:

@@ -55,9 +55,7 @@ async def _query(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    return await serve_subscriber(
-        args, lambda store, names, nc: BillingService(store, names, nc=nc), "billing"
-    )
+    return await serve_subscriber(args, BillingService, "billing")
 
 
 def run(args: argparse.Namespace) -> int:

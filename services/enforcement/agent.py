@@ -108,7 +108,11 @@ claim was deleted meanwhile.
 
 Retries. No message drives them and the agent does not poll for them: every view and
 report answers when the node's next retry is due (``next_retry_at``), and the agent
-asks for a view of its retrying shares only then.
+asks for a view of its retrying shares only then. The due time is wall time on the
+agent's :class:`~services.runtime.ground.clock.Clock` (``clock.utcnow()``, also the
+``now`` its decisions write into ``retry_at``), and the wait for it, like the health
+checks' tick, is a wait on that clock: a test hands the agent a fake clock and advances
+it to bring a retry or a check due (``tests/unit/test_agent_timers.py``).
 
 Health and use. Every ``health_interval`` the agent reads the enforcer's health and
 use and its last scan; only when what it found differs from what it last reported does
@@ -143,7 +147,6 @@ from collections.abc import (
 from typing import Final
 
 import msgspec
-from nats.aio.client import Client
 
 from events.catalog import (
     DeviceHealthChanged,
@@ -159,7 +162,6 @@ from events.envelopes import Envelope, node_stream, stream_of
 from events.eventcodec import encode_payload
 from events.model import ResourceSlice
 from events.state import ClusterState, DeviceKey
-from events.subjects import BusNames
 from events.transitions import ClaimBound, ClaimReleasing, first, meaning
 from services.enforcement.asking import ControlPlane
 from services.enforcement.checkpointing import Checkpoint, read_boot_id
@@ -199,6 +201,8 @@ from services.enforcement.protocol import Report as ReportRequest
 from services.enforcement.reconciling import plan_reconcile, plan_return
 from services.enforcement.scanning import InventoryScanner
 from services.enforcement.views import NodeView
+from services.runtime.bus.jetstream import DEFAULT_API_PREFIX, prefix_of
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RetryableError
 from services.runtime.ground.metrics import CLAIMS, ENFORCEMENT_LATENCY
 from services.runtime.ops.slos import known_class
@@ -305,8 +309,7 @@ class Agent:
 
     def __init__(
         self,
-        nc: Client,
-        names: BusNames,
+        context: ServiceContext[None],
         *,
         node: str,
         enforcer: Enforcer,
@@ -318,10 +321,14 @@ class Agent:
         lease_ttl: float = DEFAULT_TTL_S,
         boot_id: str | None = None,
         health_interval: float = 10.0,
-        api_prefix: str = "$JS.API",
     ) -> None:
-        self.nc = nc
-        self.names = names
+        nc = self.nc = context.nc
+        names = self.names = context.names
+        #: the clock of the retries' due times and of the health checks' ticks
+        self.clock = context.clock
+        # the JetStream API of the agent's account: its JetStream context's when it has one
+        js = context.jetstream
+        api_prefix = prefix_of(js) if js is not None else DEFAULT_API_PREFIX
         self.node = node
         self.enforcer = enforcer
         self.plane = plane if plane is not None else ControlPlane(nc, names, node)
@@ -470,38 +477,42 @@ class Agent:
     # -- retries -------------------------------------------------------------------------
 
     async def _retry(self, stop: asyncio.Event) -> None:
-        """Until ``stop``: when the next retry is due, :meth:`retry_due`."""
-        while not stop.is_set():
-            due = self.next_retry_at
-            now = datetime.datetime.now(datetime.UTC)
-            wait = None if due is None else max((due - now).total_seconds(), RETRY_SWEEP_S)
-            self._retry_moved.clear()
-            waits = {
-                asyncio.ensure_future(stop.wait()),
-                asyncio.ensure_future(self._retry_moved.wait()),
-            }
-            try:
-                await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiting in waits:
-                    waiting.cancel()
-            due = self.next_retry_at
-            if stop.is_set() or due is None or due > datetime.datetime.now(datetime.UTC):
-                continue
-            try:
-                await self.retry_due()
-            except ConflictError:
-                pass  # the state moved (a delete, a fence): the next sweep decides again
-            except RetryableError as exc:  # the service or the bus is away: next sweep
-                log.warning("retrying failed limits not done: %s", exc)
-            except Exception:
-                log.exception("retrying failed limits failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), RETRY_SWEEP_S)
+        """Until ``stop``: when the next retry is due, :meth:`retry_due`.
+
+        The due time is the wall time on the agent's clock (:meth:`Clock.utcnow`), the
+        wait for it a wait on that clock: a test's fake clock brings a retry due."""
+        stopping = asyncio.ensure_future(stop.wait())
+        stopping.add_done_callback(lambda _: self._retry_moved.set())
+        try:
+            while not stop.is_set():
+                due = self.next_retry_at
+                if due is None:
+                    wait = None
+                else:
+                    wait = max((due - self.clock.utcnow()).total_seconds(), RETRY_SWEEP_S)
+                self._retry_moved.clear()
+                if wait is None:
+                    await self._retry_moved.wait()
+                else:
+                    await self.clock.wait(self._retry_moved, wait)
+                due = self.next_retry_at
+                if stop.is_set() or due is None or due > self.clock.utcnow():
+                    continue
+                try:
+                    await self.retry_due()
+                except ConflictError:
+                    pass  # the state moved (a delete, a fence): the next sweep decides again
+                except RetryableError as exc:  # the service or the bus is away: next sweep
+                    log.warning("retrying failed limits not done: %s", exc)
+                except Exception:
+                    log.exception("retrying failed limits failed")
+                await self.clock.wait(stop, RETRY_SWEEP_S)
+        finally:
+            stopping.cancel()
 
     async def retry_due(self) -> Written | None:
         """Apply again the limits whose retry time has come; record the outcomes."""
-        now = datetime.datetime.now(datetime.UTC)
+        now = self.clock.utcnow()
         return await self.carry_out(
             ViewAsk(retries=True),
             lambda state: decide_retries(state, self.node, now, self.enforcing),
@@ -537,7 +548,7 @@ class Agent:
         """
         await self.lease.held.wait()
         async with self.writer.held():
-            now = now or datetime.datetime.now(datetime.UTC)
+            now = now or self.clock.utcnow()
             view = await self.view(ask)
             state = view.state()
             tasks = list(decide(state))
@@ -593,8 +604,7 @@ class Agent:
         """Check device health and share use every ``health_interval`` s until ``stop``;
         a failed check is logged and tried at the next tick."""
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.health_interval)
+            await self.clock.wait(stop, self.health_interval)
             if stop.is_set():
                 return
             try:
@@ -777,7 +787,7 @@ class Agent:
                     continue
                 reapplied.append(share.share_id)
             if checkpoint is not None:
-                now = datetime.datetime.now(datetime.UTC)
+                now = self.clock.utcnow()
                 checkpoint.entries = rebuilt_entries(state.shares, in_force, failed, now)
                 checkpoint.warning = None
                 await asyncio.to_thread(checkpoint.save)
@@ -873,13 +883,13 @@ class Agent:
             outcomes={},
             versions={},
             classes={},
-            now=datetime.datetime.now(datetime.UTC),
+            now=self.clock.utcnow(),
         )
         if tasks:
             staged.versions = _versions(view, streams_to_check(self.node, tasks))
             staged.classes = {env.event_id: _class_of(state, env) for env in mine}
             staged.outcomes = await self._enforce(tasks)
-            staged.now = datetime.datetime.now(datetime.UTC)
+            staged.now = self.clock.utcnow()
         return staged
 
     async def land(self, staged: Staged, after: Staged | None) -> Coroutine[None, None, set[str]]:

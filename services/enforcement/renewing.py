@@ -16,16 +16,19 @@ the newest lease can be current). A statement that fails (the database away) fai
 every beat of the tick with the same error: the agents try again at their next beat,
 as they did when each renewed on its own, and their leases run out if the outage
 lasts.
+
+The ticks are counted on the service's :class:`~services.runtime.ground.clock.Clock`
+(the context's): a test moves a fake one to end a tick.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
+from services.runtime.ground.clock import SYSTEM, Clock
 from services.runtime.ground.metrics import LEASE_RENEWAL_STATEMENTS, LEASE_RENEWALS
 from services.runtime.ground.waiting import first_of
 
@@ -42,9 +45,10 @@ Renew = Callable[[Mapping[str, int]], Awaitable[set[str]]]
 class Renewals:
     """The beats of one tick and the task that renews them (see the module docstring)."""
 
-    def __init__(self, renew: Renew, *, tick_s: float = TICK_S) -> None:
+    def __init__(self, renew: Renew, *, tick_s: float = TICK_S, clock: Clock = SYSTEM) -> None:
         self._renew = renew
         self.tick_s = tick_s
+        self.clock = clock  #: the clock the ticks are counted on
         #: node -> (epoch, the beats waiting for that renewal)
         self._pending: dict[str, tuple[int, list[asyncio.Future[bool]]]] = {}
         self._arrived = asyncio.Event()
@@ -75,8 +79,7 @@ class Renewals:
         try:
             while not stop.is_set():
                 await self._wait_for_beats(stop)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.tick_s)
+                await self.clock.wait(stop, self.tick_s)
                 if stop.is_set():
                     break
                 await self.tick()

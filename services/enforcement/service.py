@@ -69,10 +69,8 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 import nats.errors
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
 
 from events.actors import Actor
 from events.catalog import (
@@ -85,7 +83,7 @@ from events.errors import CatalogError, InvariantViolation
 from events.eventcodec import decode_event
 from events.fold import apply_event
 from events.state import ClaimKey, ClusterState, DeviceKey
-from events.subjects import BusNames, node_of
+from events.subjects import node_of
 from events.transitions import ClaimBound, ClaimReleasing, meaning
 from services.enforcement import leases
 from services.enforcement.consumer import durable
@@ -122,6 +120,7 @@ from services.runtime.bus.replies import split
 from services.runtime.delivery.confirming import LogConfirmation
 from services.runtime.delivery.consuming import HANDLED_BEFORE
 from services.runtime.delivery.rebuilding import ensure_durables
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import (
     ConflictError,
     InvalidEvent,
@@ -135,8 +134,8 @@ from services.runtime.ground.metrics import NODE_REQUESTS
 from services.runtime.ground.outages import is_unreachable
 from services.runtime.ground.settings import ServiceKind
 from services.runtime.store.appends import Batch, Cause, Metadata, Processed
-from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import SEEN, LiveState
+from services.runtime.store.logandfold import LogAndFold
 from services.runtime.store.refusals import note
 
 __all__ = ["QUEUE_GROUP", "STORE_KIND", "EnforcementService", "NodeIndex", "agent_of_request"]
@@ -237,11 +236,7 @@ class EnforcementService:
 
     def __init__(
         self,
-        store: EventStore,
-        live: LiveState,
-        nc: Client,
-        js: JetStreamContext,
-        names: BusNames,
+        context: ServiceContext[LogAndFold],
         *,
         directory: Directory | None = None,
         authenticated: bool = False,
@@ -249,16 +244,16 @@ class EnforcementService:
         tail: bool = False,
         concurrency: int = CONCURRENCY,
     ) -> None:
-        self.store = store
-        self.live = live
-        self.nc = nc
-        self.js = js
-        self.names = names
+        store = self.store = context.stores.store
+        live = self.live = context.stores.live
+        self.nc = context.nc
+        self.js = context.js
+        self.names = context.names
         #: requests must carry the broker's stamp of an agent's key (a broker with accounts)
         self.authenticated = authenticated
         self._known = directory.index() if directory is not None else {}
         self.tail = tail
-        self.renewals = Renewals(store.renew_leases, tick_s=tick_s)
+        self.renewals = Renewals(store.renew_leases, tick_s=tick_s, clock=context.clock)
         self.confirmation = LogConfirmation(store, live)
         self.index: NodeIndex | None = None
         self._slots = asyncio.Semaphore(concurrency)

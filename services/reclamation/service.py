@@ -67,13 +67,13 @@ from services.reclamation.decisions import (
     fence_by_hook,
     not_started,
 )
-from services.runtime.ground.clock import SYSTEM, Clock
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RetryableError
 from services.runtime.ground.metrics import CLAIMS, FENCE_HOOK_RUNS, NODE_TRANSITIONS
 from services.runtime.ground.outages import is_unreachable, one_line
 from services.runtime.store.appends import Batch, Metadata
-from services.runtime.store.eventstore import EventStore
-from services.runtime.store.livestate import HEAD, LiveState
+from services.runtime.store.livestate import HEAD
+from services.runtime.store.logandfold import LogAndFold
 
 __all__ = ["DEFAULT_POLL_S", "DUE_PER_TICK", "NotStartedQueue", "ReclamationService"]
 
@@ -203,24 +203,22 @@ class ReclamationService:
 
     def __init__(
         self,
-        store: EventStore,
-        live: LiveState,
+        context: ServiceContext[LogAndFold],
         *,
         name: str = "reclamation-0",
         poll_s: float = DEFAULT_POLL_S,
         fence_hook: Sequence[str] = (),
         fence_after_s: float = 60.0,
         fence_hook_timeout_s: float = 60.0,
-        clock: Clock = SYSTEM,
     ) -> None:
-        self.store = store
-        self.live = live
+        self.store = context.stores.store
+        live = self.live = context.stores.live
         self.name = name
         self.poll_s = poll_s
         self.fence_hook = tuple(fence_hook)
         self.fence_after_s = fence_after_s
         self.fence_hook_timeout_s = fence_hook_timeout_s
-        self.clock = clock  #: the ticks' and the hook's retries' clock
+        self.clock = context.clock  #: the ticks' and the hook's retries' clock
         self.expired = 0  #: expiries this replica recorded
         self.lost_races = 0  #: expiries or fences another writer recorded first
         self.fenced = 0  #: fences this replica recorded for the hook

@@ -79,8 +79,6 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
-from nats.js import JetStreamContext
-
 from events.actors import Actor
 from events.catalog import (
     ClaimAdmitted,
@@ -115,18 +113,23 @@ from services.runtime.bus.jetstream import Durable
 from services.runtime.delivery.confirming import LogConfirmation
 from services.runtime.delivery.consuming import Consumer
 from services.runtime.delivery.handlers import Handled, HandlerContext
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RuntimeServiceError
 from services.runtime.ground.metrics import CLAIMS, SELECTOR_JOBS
 from services.runtime.ground.waiting import all_of, first_of
 from services.runtime.ops.selectorpool import SelectorPool
 from services.runtime.store import recorded
 from services.runtime.store.appends import Batch, Cause, Metadata
-from services.runtime.store.eventstore import Connection, EventStore
-from services.runtime.store.livestate import HEAD, INVENTORY_EVENTS, LiveState
+from services.runtime.store.eventstore import Connection
+from services.runtime.store.livestate import HEAD, INVENTORY_EVENTS
+from services.runtime.store.logandfold import LogAndFold
 
 __all__ = ["FEEDS", "TRIGGERS", "Plan", "ReservationService", "durables"]
 
 log = logging.getLogger("dracap.reservation")
+
+#: Seconds before a replan that failed (the database or the bus away) is tried again.
+REPLAN_RETRY_S: Final = 1.0
 
 #: What a worker consumes: feed name -> the tag (with a dot) or category it reads.
 FEEDS: Final = {
@@ -200,10 +203,7 @@ class ReservationService:
 
     def __init__(
         self,
-        store: EventStore,
-        live: LiveState,
-        js: JetStreamContext,
-        names: BusNames,
+        context: ServiceContext[LogAndFold],
         *,
         worker: int = 0,
         name: str = "reservation",
@@ -213,10 +213,11 @@ class ReservationService:
         selectors: SelectorPool | None = None,
         owner: bool = True,
     ) -> None:
-        self.store = store
-        self.live = live
-        self.js = js
-        self.names = names
+        store = self.store = context.stores.store
+        live = self.live = context.stores.live
+        self.js = context.js
+        self.names = context.names
+        self.clock = context.clock  #: the clock of the retry of a failed replan
         self.worker = worker
         #: the consumers :meth:`run` pulls with (a health check asks them)
         self.running: list[Consumer] = []
@@ -499,7 +500,7 @@ class ReservationService:
                 self._replan.set()  # a concurrent append: plan again on a fresh view
             except (OSError, RuntimeServiceError) as exc:
                 log.warning("could not plan after a selector evaluation: %s", exc)
-                await first_of(asyncio.sleep(1.0), stop.wait())
+                await self.clock.wait(stop, REPLAN_RETRY_S)
                 self._replan.set()
 
     async def replan(self) -> None:

@@ -59,6 +59,7 @@ from services.runtime.bus.jetstream import connect_bus, ensure_stream
 from services.runtime.delivery.relaying import Relay
 from services.runtime.ground.settings import Settings
 from services.runtime.store.livestate import HEAD, LiveState
+from tests.fixtures.contexts import folded, handed
 from tests.fixtures.links import (
     HostVeth,
     InProcessServices,
@@ -131,11 +132,11 @@ class Node(InProcessServices):
     async def start(self) -> None:
         await ensure_stream(self.js, self.names)
         relay_store, api_store, worker_store = [await self._store() for _ in range(3)]
-        self._run(Relay(relay_store, self.js, self.names).run)
-        self.api = ClaimsApi(api_store, LiveState(api_store), self.nc, self.names, tail=True)
+        self._run(Relay(handed(relay_store, self.names, js=self.js)).run)
+        self.api = ClaimsApi(folded(api_store, self.names, self.nc), tail=True)
         await self.api.start()
         self._run(self.api.run)
-        worker = ReservationService(worker_store, LiveState(worker_store), self.js, self.names)
+        worker = ReservationService(folded(worker_store, self.names, js=self.js))
         self._run(worker.run)
         self.enforcement = await self._enforcement(self.nc, self.js, self.names)
         self.store = await self._store()

@@ -50,6 +50,7 @@ from services.runtime.delivery.relaying import Relay
 from services.runtime.ground.metrics import REGISTRY
 from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import EventStore
+from tests.fixtures.contexts import handed
 from tests.integration import scenario
 
 pytestmark = pytest.mark.integration
@@ -105,7 +106,7 @@ class Subscribers:
         self.store = await self.open_store()
         self.nc, self.js = await self.bus()
         await ensure_stream(self.js, self.names)
-        relay = Relay(await self.open_store(), self.js, self.names)
+        relay = Relay(handed(await self.open_store(), self.names, js=self.js))
         self.tasks.append(asyncio.ensure_future(relay.run(self.stop)))
         await self.start_subscribers()
 
@@ -114,7 +115,7 @@ class Subscribers:
         store = await self.open_store()
         nc, _ = await self.bus()
         for make in (AuditService, BillingService):
-            service = make(store, self.names, nc=nc if serve else None)
+            service = make(handed(store, self.names, nc if serve else None))
             task = asyncio.ensure_future(service.run(self.stop))
             self.tasks.append(task)
             self.victims.append((task, nc))

@@ -42,6 +42,7 @@ from services.runtime.store.appends import Batch, Cause, Metadata
 from services.runtime.store.committing import GroupCommitter
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, LiveState
+from tests.fixtures.contexts import handed
 from tests.fixtures.polling import until
 from tests.integration.injecting import inject, row
 from tests.unit import oldlog
@@ -121,7 +122,7 @@ async def assert_stream_is_the_log(b: Bus) -> None:
 
 
 def relay(b: Bus, window: int = 64, js: JetStreamContext | None = None, **kwargs: Any) -> Relay:
-    return Relay(b.store, js or b.js, b.names, window=window, idle_poll=0.2, **kwargs)
+    return Relay(handed(b.store, b.names, js=js or b.js), window=window, idle_poll=0.2, **kwargs)
 
 
 # --- relay ----------------------------------------------------------------------------------
@@ -153,7 +154,9 @@ async def test_relay_publishes_every_event_once_in_order(bus: Bus) -> None:
     node_events = [c.LimitRemoved(share_id=f"s-{i}", node="ip-1.zone") for i in range(3)]
     await bus.store.append_many([Batch("node:ip-1.zone", 0, node_events)], meta)
     recording = RecordingJetStream(bus.js)
-    r = Relay(bus.store, cast(JetStreamContext, recording), bus.names, window=64, idle_poll=0.2)
+    r = Relay(
+        handed(bus.store, bus.names, js=cast(JetStreamContext, recording)), window=64, idle_poll=0.2
+    )
     async with Running(r.run):
         await until(lambda: r.position == 303)
         await append_burst(bus.store, 40)  # the relay wakes on NOTIFY and goes on
@@ -187,7 +190,7 @@ async def test_relay_hands_over_own_appends_and_reads_the_others(
     other = await EventStore.open(settings)  # another process, as far as the relay knows
     meta = Metadata(actor="test")
     try:
-        r = Slow(bus.store, bus.js, bus.names, window=8, idle_poll=0.2)
+        r = Slow(handed(bus.store, bus.names, js=bus.js), window=8, idle_poll=0.2)
         async with Running(r.run):
             await until(lambda: r.position == 0 and bus.store.committed_head() is not None)
             for i in range(30):
@@ -249,7 +252,7 @@ async def test_relay_crash_between_acks_and_checkpoint_duplicates_nothing(bus: B
             await super()._save_checkpoint(position)
 
     await append_burst(bus.store, 500)
-    first = Stalled(bus.store, bus.js, bus.names, window=50, idle_poll=0.2)
+    first = Stalled(handed(bus.store, bus.names, js=bus.js), window=50, idle_poll=0.2)
     task = asyncio.create_task(first.run(asyncio.Event()))
     await until(lambda: first.position == 500)
     task.cancel()  # the process dies: no clean stop, no final checkpoint

@@ -70,6 +70,7 @@ from services.runtime.ground.metrics import CONSUMER_REDELIVERIES
 from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, LiveState
+from tests.fixtures.contexts import folded, handed
 from tests.integration.waiting import bus_idle, state_reaches
 
 CLAIMS = 100
@@ -179,17 +180,17 @@ class Cluster:
         self.nc, self.js = await self.bus()
         await ensure_stream(self.js, self.names)
         api_store = await self.store()
-        self.api = ClaimsApi(api_store, LiveState(api_store), self.nc, self.names, tail=True)
+        self.api = ClaimsApi(folded(api_store, self.names, self.nc), tail=True)
         await self.api.start()
         self.spawn(self.api.run(self.stop))
         enforcement_store = await self.store()
         live = LiveState(enforcement_store)
         enforcement = EnforcementService(
-            enforcement_store, live, self.nc, self.js, self.names, tail=True
+            folded(enforcement_store, self.names, self.nc, self.js, live=live), tail=True
         )
         await enforcement.start()
         self.spawn(enforcement.run(self.stop))
-        self.agent = Agent(self.nc, self.names, node=NODE, enforcer=NoneEnforcer())
+        self.agent = Agent(handed(None, self.names, self.nc), node=NODE, enforcer=NoneEnforcer())
         self.spawn(self.agent.run(self.stop))
         self.view = LiveState(await self.store())
         self.relay, self.relay_run = await self.start_relay()
@@ -198,7 +199,7 @@ class Cluster:
     async def start_relay(self) -> tuple[Relay, Incarnation]:
         store = await self.store()
         nc, js = await self.bus()
-        relay = Relay(store, js, self.names)
+        relay = Relay(handed(store, self.names, js=js))
         return relay, Incarnation(self.spawn(relay.run(self.stop)), store, nc)
 
     async def start_worker(
@@ -206,7 +207,7 @@ class Cluster:
     ) -> tuple[Worker, Incarnation]:
         store = await self.store()
         nc, js = await self.bus()
-        worker = Worker(store, LiveState(store), js, self.names, worker=0)
+        worker = Worker(folded(store, self.names, js=js), worker=0)
         if wrap is not None:
             wrap(worker)
         return worker, Incarnation(self.spawn(worker.run(self.stop)), store, nc)

@@ -27,8 +27,8 @@ from services.runtime.ground.errors import ConflictError, StaleEpoch
 from services.runtime.ground.settings import Settings
 from services.runtime.store.appends import Batch, Metadata, Processed
 from services.runtime.store.eventstore import EventStore
-from services.runtime.store.livestate import LiveState
 from tests.fixtures.clock import FakeClock
+from tests.fixtures.contexts import folded
 from tests.fixtures.dbtime import age_leases
 from tests.integration import sample as s
 from tests.integration.scenario import put
@@ -172,8 +172,8 @@ async def test_two_replicas_record_an_expiry_once(store: EventStore, settings: S
         await EventStore.open(settings) as two,
     ):
         replicas = [
-            ReclamationService(one, LiveState(one), name="reclamation-0"),
-            ReclamationService(two, LiveState(two), name="reclamation-1"),
+            ReclamationService(folded(one), name="reclamation-0"),
+            ReclamationService(folded(two), name="reclamation-1"),
         ]
         done = await asyncio.gather(*(r.tick() for r in replicas))
         assert sorted(done) == [0, 1]
@@ -206,12 +206,10 @@ async def test_the_fence_hook_fences_a_node_it_reports_off(
     ]
     clock = FakeClock()
     service = ReclamationService(
-        store,
-        LiveState(store),
+        folded(store, clock=clock),
         fence_hook=hook,
         fence_after_s=30,
         fence_hook_timeout_s=20,
-        clock=clock,
     )
     assert await service.tick() == 0  # held: nothing to do
     await age_leases(store.pool, NODE, 10)

@@ -78,6 +78,7 @@ from services.runtime.store.appends import Cause
 from services.runtime.store.eventstore import Connection, EventStore
 from services.runtime.store.livestate import HEAD, LiveState
 from services.stack import Stack, load_inventory, read_inventory
+from tests.fixtures.contexts import folded, handed
 from tests.fixtures.links import InProcessServices
 from tests.integration.cluster import namespace_and_class, node_slice
 from tests.integration.waiting import state_reaches
@@ -158,17 +159,19 @@ class Services(InProcessServices):
         return live
 
     async def start(self) -> None:
-        self._run(Relay(await self._store(), self.js, self.names).run)
+        self._run(Relay(handed(await self._store(), self.names, js=self.js)).run)
         api_live = LiveState(await self._store())
-        api = ClaimsApi(api_live.store, api_live, self.nc, self.names, tail=True)
+        api = ClaimsApi(folded(api_live.store, self.names, self.nc, live=api_live), tail=True)
         await api.start()
         self._run(api.run)
         for i in range(2 if self.tail else 1):
             live = await self._live()
-            self.workers.append(self.worker(live.store, live, self.js, self.names, worker=i))
+            self.workers.append(
+                self.worker(folded(live.store, self.names, js=self.js, live=live), worker=i)
+            )
             self._run(self.workers[-1].run)
         await self._enforcement(self.nc, self.js, self.names)
-        agent = Agent(self.nc, self.names, node=NODE, enforcer=NoneEnforcer())
+        agent = Agent(handed(None, self.names, self.nc), node=NODE, enforcer=NoneEnforcer())
         self._run(agent.run)
 
     async def close(self) -> None:

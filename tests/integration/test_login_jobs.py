@@ -50,6 +50,7 @@ from services.runtime.ground.errors import (
 from services.runtime.ground.settings import ServiceKind, Settings
 from services.runtime.store.appends import Batch, Metadata, Processed
 from services.runtime.store.eventstore import EventStore
+from tests.fixtures.contexts import folded
 from tests.fixtures.logins import login_users
 from tests.integration import sample as s
 from tests.integration.scenario import lease, put
@@ -490,7 +491,7 @@ async def test_a_writer_ten_minutes_behind_does_not_shorten_a_not_started_timeou
     the recorded_at of the Ready event, on the database's clock: nothing is due."""
     from events import model
     from services.reclamation.service import ReclamationService
-    from services.runtime.store.livestate import HEAD, LiveState
+    from services.runtime.store.livestate import HEAD
 
     device_class = model.convert(
         {
@@ -514,7 +515,7 @@ async def test_a_writer_ten_minutes_behind_does_not_shorten_a_not_started_timeou
     )
     await put(store, ready, actor=actor)
     monkeypatch.undo()
-    reclamation = ReclamationService(store, LiveState(store))
+    reclamation = ReclamationService(folded(store))
     state = await reclamation.live.fresh(HEAD)
     assert state.claims[("team-a", "c1")].phase == "ready"
     assert await reclamation.tick() == 0  # 60 s have not passed on the database's clock

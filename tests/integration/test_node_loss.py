@@ -40,7 +40,7 @@ from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground.errors import StaleEpoch
 from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import EventStore
-from services.runtime.store.livestate import LiveState
+from tests.fixtures.contexts import folded
 from tests.fixtures.polling import until
 from tests.integration.test_agent_restart import NAMESPACE, Node, ready
 
@@ -59,7 +59,7 @@ class Lossy(Node):
         for i in range(2):
             store = await self._store()
             replica = ReclamationService(
-                store, LiveState(store), name=f"reclamation-{i}", poll_s=0.1
+                folded(store, self.names), name=f"reclamation-{i}", poll_s=0.1
             )
             self.replicas.append(replica)
             self._run(replica.run)

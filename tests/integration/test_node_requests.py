@@ -51,7 +51,7 @@ from services.reclamation.service import ReclamationService
 from services.reservation.service import ReservationService
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import REQUEST_INFO_HEADER, read_directory
-from services.runtime.bus.jetstream import connect_bus, prefix_of
+from services.runtime.bus.jetstream import connect_bus
 from services.runtime.delivery.rebuilding import BusKeeper
 from services.runtime.delivery.relaying import Relay
 from services.runtime.ground.errors import StaleEpoch
@@ -60,6 +60,7 @@ from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, LiveState
 from services.stack import load_inventory, read_inventory
 from tests.fixtures.brokers import EXAMPLES, Broker, secure_broker
+from tests.fixtures.contexts import folded, handed
 from tests.fixtures.logins import login_users
 from tests.integration.waiting import state_reaches
 
@@ -110,31 +111,29 @@ class Services:
         # enforcement service's): in place before anyone pulls
         keeper = BusKeeper(relay_store, relay_js, self.names, durables.relay_owned(self.names))
         await keeper.ensure(0, None)
-        self._run(Relay(relay_store, relay_js, self.names, keeper=keeper).run)
+        self._run(Relay(handed(relay_store, self.names, js=relay_js), keeper=keeper).run)
         claims_nc, _ = await self._bus("claims")
         store = await self._store()
         api = ClaimsApi(
-            store, LiveState(store), claims_nc, self.names,
+            folded(store, self.names, claims_nc),
             directory=self.directory, authenticated=True, tail=True,
         )  # fmt: skip
         await api.start()
         self._run(api.run)
         _, reservation_js = await self._bus("reservation")
         store = await self._store()
-        worker = ReservationService(
-            store, LiveState(store), reservation_js, self.names, owner=False
-        )
+        worker = ReservationService(folded(store, self.names, js=reservation_js), owner=False)
         self._run(worker.run)
         nc, js = await self._bus("enforcement")
         store = await self._store(ServiceKind.ENFORCEMENT)
         self.enforcement = EnforcementService(
-            store, LiveState(store), nc, js, self.names,
+            folded(store, self.names, nc, js),
             directory=self.directory, authenticated=True, tail=True, tick_s=0.5,
         )  # fmt: skip
         await self.enforcement.start()
         self._run(self.enforcement.run)
         store = await self._store()
-        self._run(ReclamationService(store, LiveState(store), poll_s=0.1).run)
+        self._run(ReclamationService(folded(store, self.names), poll_s=0.1).run)
         self.store = await self._store()
         self.view = LiveState(self.store)
         operator = self.broker.auth.operator()
@@ -458,8 +457,8 @@ async def test_an_agent_cut_off_from_nats_goes_unknown_and_confirms_on_return(
     nc, js = await connect_bus(f"nats://127.0.0.1:{proxy.port}", credential=broker.auth.agent(CUT))
     stop = asyncio.Event()
     agent = Agent(
-        nc, names, node=CUT, enforcer=NoneEnforcer(), lease_ttl=2.0, boot_id="boot-c",
-        api_prefix=prefix_of(js),
+        handed(None, names, nc, js), node=CUT, enforcer=NoneEnforcer(), lease_ttl=2.0,
+        boot_id="boot-c",
     )  # fmt: skip
     running = asyncio.ensure_future(agent.run(stop))
     try:

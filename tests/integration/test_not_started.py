@@ -25,7 +25,7 @@ from services.exitcodes import ExitCode
 from services.reclamation.service import ReclamationService
 from services.replay.verify import summary, verify
 from services.runtime.ground.settings import ServiceKind, Settings
-from services.runtime.store.livestate import LiveState
+from tests.fixtures.contexts import folded
 from tests.integration.cluster import Cluster, running_cluster
 from tests.integration.test_policy import NAMESPACE, dracap, view_when
 
@@ -87,7 +87,7 @@ async def cluster(
         settings, nats_url, tmp_path, INVENTORY, admin_url=postgres_admin_url
     ) as running:
         store = running.stack.stores.of(ServiceKind.RECLAMATION)
-        replica = ReclamationService(store, LiveState(store), name="reclamation-1", poll_s=0.05)
+        replica = ReclamationService(folded(store), name="reclamation-1", poll_s=0.05)
         stop = asyncio.Event()
         task = asyncio.create_task(replica.run(stop))
         try:

@@ -61,6 +61,7 @@ from services.reservation.service import ReservationService
 from services.runtime.bus.jetstream import connect_bus, ensure_stream
 from services.runtime.delivery.handlers import HandlerContext
 from services.runtime.delivery.relaying import Relay
+from services.runtime.ground.clock import SYSTEM, Clock
 from services.runtime.ground.errors import ConflictError
 from services.runtime.ground.metrics import REGISTRY
 from services.runtime.ground.settings import Settings
@@ -68,6 +69,8 @@ from services.runtime.ops.selectorpool import SelectorPool
 from services.runtime.store.appends import Batch, Metadata
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, LiveState
+from tests.fixtures.clock import FakeClock
+from tests.fixtures.contexts import folded, handed
 from tests.fixtures.polling import until
 from tests.integration.waiting import bus_idle, state_reaches
 
@@ -151,8 +154,16 @@ def claim_manifest(
 class Pipeline:
     """The running services of one test, and helpers to talk to them."""
 
-    def __init__(self, settings: Settings, nc: Client, js: JetStreamContext, names: BusNames):
+    def __init__(
+        self,
+        settings: Settings,
+        nc: Client,
+        js: JetStreamContext,
+        names: BusNames,
+        agent_clock: Clock = SYSTEM,
+    ):
         self.settings = settings
+        self.agent_clock = agent_clock
         self.nc = nc
         self.js = js
         self.names = names
@@ -172,10 +183,10 @@ class Pipeline:
         self.tasks.append(asyncio.ensure_future(work))
 
     async def start(self) -> None:
-        self.spawn(Relay(await self.store(), self.js, self.names).run(self.stop))
+        self.spawn(Relay(handed(await self.store(), self.names, js=self.js)).run(self.stop))
         api_store = await self.store()
         api_live = LiveState(api_store)
-        self.api = ClaimsApi(api_store, api_live, self.nc, self.names, tail=True)
+        self.api = ClaimsApi(folded(api_store, self.names, self.nc, live=api_live), tail=True)
         await self.api.start()
         self.spawn(self.api.run(self.stop))
         for i in range(2):
@@ -183,17 +194,21 @@ class Pipeline:
             # a long deadline: an expensive selector keeps the pool busy for the whole test
             pool = SelectorPool(deadline_s=120, job_budget_s=240)
             worker = ReservationService(
-                store, LiveState(store), self.js, self.names, worker=i, selectors=pool
+                folded(store, self.names, js=self.js), worker=i, selectors=pool
             )
             self.workers.append(worker)
             self.spawn(worker.run(self.stop))
         enforcement_store = await self.store()
         enforcement = EnforcementService(
-            enforcement_store, LiveState(enforcement_store), self.nc, self.js, self.names, tail=True
+            folded(enforcement_store, self.names, self.nc, self.js), tail=True
         )
         await enforcement.start()
         self.spawn(enforcement.run(self.stop))
-        agent = Agent(self.nc, self.names, node=NODE, enforcer=NoneEnforcer())
+        agent = Agent(
+            handed(None, self.names, self.nc, clock=self.agent_clock),
+            node=NODE,
+            enforcer=NoneEnforcer(),
+        )
         self.agents.append(agent)
         self.spawn(agent.run(self.stop))
         self.view = LiveState(await self.store())
@@ -246,12 +261,20 @@ class Pipeline:
 
 
 @pytest.fixture
-async def pipeline(settings: Settings, nats_url: str) -> AsyncIterator[Pipeline]:
+def agent_clock() -> Clock:
+    """The node agent's clock (a test parametrizes it with a FakeClock to move it)."""
+    return SYSTEM
+
+
+@pytest.fixture
+async def pipeline(
+    settings: Settings, nats_url: str, agent_clock: Clock
+) -> AsyncIterator[Pipeline]:
     settings = msgspec.structs.replace(settings, pool_max_size=4)
     nc, js = await connect_bus(nats_url)
     names = BusNames(f"t{uuid.uuid4().hex[:12]}")
     await ensure_stream(js, names)
-    pipe = Pipeline(settings, nc, js, names)
+    pipe = Pipeline(settings, nc, js, names, agent_clock)
     try:
         await pipe.start()
         await pipe.admin("deviceclasses.apply", INVENTORY_CLASSES.encode())
@@ -354,12 +377,27 @@ class FailingEnforcer(NoneEnforcer):
         return await super().apply(limit)
 
 
+@pytest.mark.parametrize("agent_clock", [FakeClock(start=0.0)])
 async def test_the_type_of_an_enforcement_error_decides_retry_or_failure(
-    pipeline: Pipeline, settings: Settings
+    pipeline: Pipeline, settings: Settings, agent_clock: FakeClock
 ) -> None:
     agent = pipeline.agents[0]
     agent.enforcer = FailingEnforcer(*[RetryableEnforcementError("daemon still starting")] * 2)
     assert (await pipeline.tenant("tenant-a", "apply", claim_manifest("again", "tenant-a")))["ok"]
+
+    def tried(attempts: int) -> Callable[[ClusterState], bool]:
+        def check(state: ClusterState) -> bool:
+            shares = [s for s in state.shares.values() if s.claim[1] == "again"]
+            return bool(shares) and shares[0].attempts == attempts
+
+        return check
+
+    # each retry comes when the agent's clock reaches its retry_at (0.5 s, then 1 s
+    # later): the test moves the clock instead of waiting for the back-off to pass
+    await pipeline.until(tried(1))
+    await agent_clock.advance(0.5)
+    await pipeline.until(tried(2))
+    await agent_clock.advance(1.0)
     await pipeline.until(phase_is("tenant-a", "again", "ready"))
     (share,) = [s for s in (await pipeline.state()).shares.values() if s.claim[1] == "again"]
     assert share.last_error == "daemon still starting"  # visible: recorded at once

@@ -34,7 +34,7 @@ from services.runtime.ground.errors import ConflictError
 from services.runtime.ground.settings import Settings
 from services.runtime.store.appends import AdmissionPremise, Batch, Metadata
 from services.runtime.store.eventstore import EventStore
-from services.runtime.store.livestate import LiveState
+from tests.fixtures.contexts import folded
 
 NAMESPACE = "tenant-q"
 QUOTA = 5
@@ -81,7 +81,7 @@ async def replicas(settings: Settings, nats_url: str) -> AsyncIterator[Replicas]
             stores.append(store)
             nc, _js = await connect_bus(nats_url)
             connections.append(nc)
-            api = ClaimsApi(store, LiveState(store), nc, names, tail=True)
+            api = ClaimsApi(folded(store, names, nc), tail=True)
             await api.start()
             tasks.append(asyncio.create_task(api.run(stop)))
             apis.append(api)

@@ -38,6 +38,7 @@ from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, LiveState
 from services.runtime.store.snapshots import FRAME_VERSION, SnapshotWriter, frame, write_snapshot
+from tests.fixtures.contexts import folded
 from tests.fixtures.services import fresh_database
 from tests.integration import test_forensics as forensics
 from tests.integration.injecting import inject, row
@@ -359,7 +360,7 @@ async def test_the_enforcement_service_answers_an_agents_refused_messages_as_ref
     await live.fresh(HEAD)
     names = BusNames(prefix="treaders")
     nc, js = await connect_bus(nats_url)
-    service = EnforcementService(store, live, nc, js, names)
+    service = EnforcementService(folded(store, names, nc, js, live=live))
     try:
         await service.start()
         (refused,) = await store.read_positions([refused_at])  # it decodes; the fold refuses it

@@ -28,6 +28,7 @@ from services.runtime.delivery.rebuilding import BusKeeper
 from services.runtime.delivery.relaying import Relay, outgoing
 from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import EventStore
+from tests.fixtures.contexts import handed
 from tests.integration.test_bus import append_burst
 
 BURSTS = 6
@@ -39,7 +40,9 @@ async def _relay(settings: Settings, nats_url: str, names: BusNames) -> AsyncIte
     """A relay as its own process would run it: own store, own connection, own keeper."""
     store = await EventStore.open(settings)
     nc, js = await connect_bus(nats_url)
-    relay = Relay(store, js, names, window=64, idle_poll=0.2, keeper=BusKeeper(store, js, names))
+    relay = Relay(
+        handed(store, names, js=js), window=64, idle_poll=0.2, keeper=BusKeeper(store, js, names)
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     try:

@@ -26,6 +26,7 @@ from services.runtime.ground.clock import SYSTEM, Clock
 from services.runtime.kube.errors import NotFound
 from services.runtime.kubeletplugin import ClaimRef
 from tests.fixtures.clock import FakeClock
+from tests.fixtures.contexts import NO_NATS, handed
 
 NODE = "node-a"
 DRIVER = "net.dracap.io"
@@ -95,7 +96,8 @@ class Claims:
 def _driver(
     plane: Plane, claims: Claims, tmp_path: Path, mirror_wait_s: float, clock: Clock = SYSTEM
 ) -> KubeletDriver:
-    agent = Agent(None, BusNames("t"), node=NODE, enforcer=NoneEnforcer(), plane=plane)  # type: ignore[arg-type]
+    context = handed(None, BusNames("t"), NO_NATS)
+    agent = Agent(context, node=NODE, enforcer=NoneEnforcer(), plane=plane)  # type: ignore[arg-type]
     agent.lease.epoch = 1
     agent.lease.held.set()
     return KubeletDriver(

@@ -29,6 +29,7 @@ from services.enforcement.enforcing import Enforcing
 from services.enforcement.protocol import Report, Reported, ViewAsk, Viewed
 from services.enforcement.views import NodeView
 from services.runtime.ground.errors import ConflictError, RetryableError
+from tests.fixtures.contexts import NO_NATS, handed
 from tests.unit.allocator_fixtures import claim, request
 from tests.unit.decision_fixtures import NAMESPACE, NODE, Log, gpu, inventory
 
@@ -155,7 +156,8 @@ class Plane:
 
 def _agent(plane: Plane) -> tuple[Agent, NoneEnforcer]:
     kernel = NoneEnforcer()
-    agent = Agent(None, BusNames("t"), node=NODE, enforcer=kernel, plane=plane)  # type: ignore[arg-type]
+    context = handed(None, BusNames("t"), NO_NATS)
+    agent = Agent(context, node=NODE, enforcer=kernel, plane=plane)  # type: ignore[arg-type]
     agent.lease.epoch = 1
     agent.lease.held.set()
     return agent, kernel

@@ -24,6 +24,7 @@ from services.enforcement.renewing import Renewals
 from services.enforcement.reports import refusal, version_check_refusal
 from services.enforcement.views import Scope, decode_view, encode_view, scope
 from services.runtime.ground.errors import RetryableError
+from tests.fixtures.clock import FakeClock
 from tests.unit.allocator_fixtures import DRIVER, slice_
 from tests.unit.decision_fixtures import NAMESPACE, Log, gpu, inventory, memory_claim
 
@@ -210,6 +211,31 @@ async def test_the_heartbeats_of_a_tick_renew_in_one_statement_whatever_their_nu
     assert all(await asyncio.gather(*beats)) and not await late and not await older
     await renewals.tick()
     assert renewals.statements == 1, "no beat, no statement"
+
+
+async def test_the_beats_of_a_tick_are_renewed_when_the_tick_ends_on_the_clock() -> None:
+    asked: list[dict[str, int]] = []
+
+    async def renew(due: dict[str, int]) -> set[str]:
+        asked.append(dict(due))
+        return set(due)
+
+    clock = FakeClock(start=0.0)
+    renewals = Renewals(renew, tick_s=0.25, clock=clock)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    running = asyncio.ensure_future(renewals.run(stop))
+    first = asyncio.ensure_future(renewals.beat("node-a", 1))
+    await clock.advance(0.2)
+    second = asyncio.ensure_future(renewals.beat("node-b", 1))  # the same tick
+    await clock.advance(0.04)
+    assert asked == [] and not first.done()  # the tick has not ended yet
+    await clock.advance(0.01)
+    assert asked == [{"node-a": 1, "node-b": 1}]
+    assert await first and await second
+    await clock.advance(10, steps=4)
+    assert renewals.statements == 1, "no beat, no statement"
+    stop.set()
+    await asyncio.wait_for(running, 10)
 
 
 # --- the agent's lease without answers --------------------------------------------------------

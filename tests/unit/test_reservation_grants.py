@@ -7,6 +7,7 @@ find the released ones; it walks its node's now, with the same grants left.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,10 @@ from events.fold import apply
 from events.state import ClusterState
 from events.subjects import BusNames
 from services.reservation.deriving import live_grants
-from services.reservation.service import ReservationService
+from services.reservation.service import REPLAN_RETRY_S, ReservationService
+from services.runtime.store.logandfold import LogAndFold
+from tests.fixtures.clock import FakeClock
+from tests.fixtures.contexts import NO_NATS, handed
 from tests.unit.decision_fixtures import Log, gpu, inventory, memory_claim
 
 
@@ -57,7 +61,8 @@ def test_a_fence_forgets_its_nodes_grants_without_walking_the_others() -> None:
     nodes = {s.node for s in log.state().shares.values()}
     assert nodes == {"node-a", "node-b"}, nodes
     live = _Live()
-    service = ReservationService(None, live, None, BusNames(prefix="t"))  # type: ignore[arg-type]
+    context = handed(LogAndFold(None, live), BusNames(prefix="t"), NO_NATS, NO_NATS)  # type: ignore[arg-type]
+    service = ReservationService(context)
     for env in log.envelopes:
         live.add(env)
     service._counted = _Walked(service._counted)
@@ -68,3 +73,37 @@ def test_a_fence_forgets_its_nodes_grants_without_walking_the_others() -> None:
     assert _Walked.walks == 0  # (before the checks below walk it themselves)
     assert set(service._counted) == {sid for sid, _ in live_grants(live.state)}
     assert {live.state.shares[s].node for s in service._counted} == {"node-b"}
+
+
+class _FailingReplans(ReservationService):
+    """A service whose first replan finds the database away; the clock of each is kept."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        stores = LogAndFold(None, _Live())  # type: ignore[arg-type]
+        context = handed(stores, BusNames(prefix="t"), NO_NATS, NO_NATS, clock=clock)
+        super().__init__(context)
+        self.fake = clock
+        self.replans: list[float] = []
+
+    async def replan(self) -> None:
+        self.replans.append(self.fake.monotonic())
+        if len(self.replans) == 1:
+            raise OSError("the database is away")
+
+
+async def test_a_failed_replan_is_tried_again_once_its_pause_passed_on_the_clock() -> None:
+    clock = FakeClock(start=0.0)
+    service = _FailingReplans(clock)
+    stop = asyncio.Event()
+    running = asyncio.ensure_future(service._replanner(stop))
+    service._replan.set()
+    await clock.advance(0)
+    assert service.replans == [0.0]
+    await clock.advance(REPLAN_RETRY_S - 0.1)
+    assert service.replans == [0.0]  # still pausing
+    await clock.advance(0.1)
+    assert service.replans == [0.0, REPLAN_RETRY_S]
+    await clock.advance(30, steps=3)
+    assert len(service.replans) == 2  # it succeeded: no more
+    stop.set()
+    await asyncio.wait_for(running, 10)

@@ -87,7 +87,6 @@ import asyncpg
 import msgspec
 import nats.errors
 import nats.js.errors
-from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 
 from events.catalog import SCHEMA_VERSIONS, schema_version_of
@@ -97,6 +96,7 @@ from events.folding import Refusal
 from events.subjects import NODE_TAGS, BusNames
 from services.runtime.delivery.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.delivery.rebuilding import BusKeeper
+from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import NotFound
 from services.runtime.ground.metrics import RELAY_LAG, RELAY_MESSAGES
 from services.runtime.ground.outages import StateLog
@@ -182,9 +182,7 @@ class Relay:
 
     def __init__(
         self,
-        store: EventStore,
-        js: JetStreamContext,
-        names: BusNames,
+        context: ServiceContext[EventStore],
         *,
         window: int = 256,
         checkpoint: str = CHECKPOINT,
@@ -197,14 +195,14 @@ class Relay:
     ) -> None:
         if window < 1:
             raise ValueError("window must be at least 1")
-        self._store = store
+        store = self._store = context.stores
         self._keeper = keeper
         self._check_at = 0.0  # monotonic time of the keeper's next check
         #: the stream sequence of the last message published (None: not known)
         self._last_seq: int | None = None
         self._trouble = StateLog(_log, "relay")
-        self._js = js
-        self._names = names
+        self._js = context.js
+        self._names = context.names
         self._window = window
         self._checkpoint = checkpoint
         self._ack_timeout = ack_timeout

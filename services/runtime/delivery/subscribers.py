@@ -29,13 +29,12 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
-from nats.aio.client import Client
 
 from events.envelopes import Envelope
-from events.subjects import BusNames
 from services.runtime.bus.credentials import Directory
 from services.runtime.bus.queries import QueryError, serving_queries
 from services.runtime.delivery.projecting import Projector
+from services.runtime.ground.context import ServiceContext
 from services.runtime.store.eventstore import Connection, EventStore
 from services.runtime.store.livestate import LiveState
 
@@ -111,22 +110,20 @@ class QueryingSubscriber:
 
     def __init__(
         self,
-        store: EventStore,
-        names: BusNames,
+        context: ServiceContext[EventStore],
         *,
         name: str,
-        nc: Client | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
         types: Collection[str] | None = None,
         live: LiveState | None = None,
     ) -> None:
-        self.store = store
+        store = self.store = context.stores
         #: the view that says which events the fold refused (the process's, or its own)
         self.live = live if live is not None else LiveState(store)
         self._own_live = live is None
-        self.names = names
-        self.nc = nc
+        self.names = context.names
+        self.nc = context.connection  #: None: the projector only, no query endpoints
         self.directory = directory
         self.authenticated = authenticated
         #: ``types``: the event tags the subscriber reads (None: every event)

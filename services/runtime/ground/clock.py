@@ -7,15 +7,22 @@ through a :class:`Clock`, so a test can hand the service a clock it moves by han
 (``tests/fixtures/clock.py``) and see a ttl run out, a retry come due or a lease be lost
 without waiting for the time to pass, on a machine however busy.
 
+One timer is counted on the wall clock: an agent's retries, whose due times
+(``retry_at``) it writes into the log and the enforcement service answers back. The
+clock gives that wall time too (:meth:`Clock.utcnow`): a test's moves with its
+monotonic seconds, so a retry comes due when the test advances past it.
+
 :data:`SYSTEM` is the clock of every service as it runs: :func:`time.monotonic` for
-instants, :func:`asyncio.sleep` and :func:`asyncio.wait_for` for waits. A clock measures
-durations only; the database's wall clock, on which the log's ``recorded_at`` and the
-leases' expiry are counted, is :class:`~services.runtime.store.dbclock.DatabaseClock`.
+instants, :func:`asyncio.sleep` and :func:`asyncio.wait_for` for waits. Apart from
+:meth:`Clock.utcnow`, a clock measures durations only; the database's wall clock, on
+which the log's ``recorded_at`` and the leases' expiry are counted, is
+:class:`~services.runtime.store.dbclock.DatabaseClock`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 from typing import Final, Protocol
 
@@ -27,6 +34,10 @@ class Clock(Protocol):
 
     def monotonic(self) -> float:
         """Seconds since an arbitrary start; never goes back."""
+        ...
+
+    def utcnow(self) -> datetime.datetime:
+        """The wall-clock time now, in UTC."""
         ...
 
     async def sleep(self, seconds: float) -> None:
@@ -44,6 +55,10 @@ class SystemClock:
     def monotonic(self) -> float:
         """:func:`time.monotonic`."""
         return time.monotonic()
+
+    def utcnow(self) -> datetime.datetime:
+        """:meth:`datetime.datetime.now` in UTC."""
+        return datetime.datetime.now(datetime.UTC)
 
     async def sleep(self, seconds: float) -> None:
         """:func:`asyncio.sleep`."""

@@ -21,7 +21,10 @@ signal. What surrounds the service is the same for all of them, and lives here:
    ``nats`` are registered here, the rest by the service as what they check starts).
    On the way out NATS is drained, whatever ended the service.
 
-The service gets everything as one :class:`ProcessContext`. The node agent needs no
+The process gets everything as one :class:`ProcessContext`; the service is handed its
+part, :meth:`ProcessContext.service_context` (a
+:class:`~services.runtime.ground.context.ServiceContext`: settings, stores, bus,
+metrics, clock). The node agent needs no
 more (it has no database, and an import contract keeps the event store out of its
 reach); every other service opens the event store as its own login through
 :func:`services.runtime.hosting.storehosting.serving`, which adds the store and the fold to the
@@ -38,7 +41,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -49,7 +52,7 @@ from services.runtime.bus.credentials import Credential
 from services.runtime.bus.endpoints import Endpoints, endpoints_from_args, reaching
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground import eventloop
-from services.runtime.ground.errors import PermanentError
+from services.runtime.ground.context import NotConnectedError, ServiceContext
 from services.runtime.ground.gctuning import freeze_survivors, tune_for_long_lived_state
 from services.runtime.ground.printable import printable
 from services.runtime.ground.settings import ServiceKind, Settings, SettingsError, load_settings
@@ -65,9 +68,7 @@ __all__ = ["NotConnectedError", "ProcessContext", "hosting", "run_service"]
 
 log = logging.getLogger("dracap.serve")
 
-
-class NotConnectedError(PermanentError):
-    """A service asked for a server its command did not connect to (a wiring defect)."""
+StoresT = TypeVar("StoresT")
 
 
 @dataclass(slots=True)
@@ -87,16 +88,24 @@ class ProcessContext:
     @property
     def nc(self) -> Client:
         """The NATS connection, with the service's credential."""
-        if self.connection is None:
-            raise NotConnectedError(f"{self.service} was started without NATS")
-        return self.connection
+        return self.service_context(None).nc
 
     @property
     def js(self) -> JetStreamContext:
         """The JetStream context of :attr:`nc`."""
-        if self.jetstream is None:
-            raise NotConnectedError(f"{self.service} was started without NATS")
-        return self.jetstream
+        return self.service_context(None).js
+
+    def service_context(self, stores: StoresT) -> ServiceContext[StoresT]:
+        """What the service is handed (:mod:`services.runtime.ground.context`): this
+        process's settings, bus and names, with ``stores``."""
+        return ServiceContext(
+            stores=stores,
+            names=self.names,
+            settings=self.settings,
+            connection=self.connection,
+            jetstream=self.jetstream,
+            service=self.service,
+        )
 
 
 @contextlib.asynccontextmanager

@@ -3,9 +3,9 @@
 Every service process but the node agent's reads and appends the event log:
 :func:`serving` is :func:`services.runtime.hosting.process.hosting` with the event store opened
 first, as the service's own database login (one line and exit 1 when PostgreSQL cannot
-be reached), and closed on the way out. :meth:`ServiceContext.live_state` loads the fold
+be reached), and closed on the way out. :meth:`StoreProcessContext.live_state` loads the fold
 (the newest snapshot, then the log up to its head) and registers the ``state`` check;
-:meth:`ServiceContext.tailing` keeps that fold following the log while the service
+:meth:`StoreProcessContext.tailing` keeps that fold following the log while the service
 runs, and stops both together.
 """
 
@@ -26,11 +26,11 @@ from services.runtime.ops.health import live_probe
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, LiveState
 
-__all__ = ["ServiceContext", "serving"]
+__all__ = ["StoreProcessContext", "serving"]
 
 
 @dataclass(slots=True)
-class ServiceContext(ProcessContext):
+class StoreProcessContext(ProcessContext):
     """A :class:`~services.runtime.hosting.process.ProcessContext` with the event store."""
 
     store: EventStore
@@ -58,7 +58,7 @@ class ServiceContext(ProcessContext):
 @contextlib.asynccontextmanager
 async def serving(
     args: argparse.Namespace, service: str, *, login: ServiceKind, **process: Any
-) -> AsyncIterator[ServiceContext]:
+) -> AsyncIterator[StoreProcessContext]:
     """:func:`~services.runtime.hosting.process.hosting` (``process``: its options) with the event
     store opened as ``login``."""
     endpoints = endpoints_from_args(args, service=login)
@@ -68,6 +68,6 @@ async def serving(
     try:
         async with hosting(args, service, login=login, **process) as context:
             fields = {f.name: getattr(context, f.name) for f in dataclasses.fields(context)}
-            yield ServiceContext(**fields, store=store)
+            yield StoreProcessContext(**fields, store=store)
     finally:
         await store.close()
