@@ -20,6 +20,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
+from nats.aio.msg import Msg
 from nats.js.api import Header
 
 from events.subjects import BusNames
@@ -28,6 +29,7 @@ from services.runtime.delivery.rebuilding import BusKeeper
 from services.runtime.delivery.relaying import Relay, outgoing
 from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import EventStore
+from tests.fixtures.polling import until
 from tests.integration.test_bus import append_burst
 
 BURSTS = 6
@@ -102,5 +104,42 @@ async def test_two_relays_publish_each_event_once_in_order(
         assert first.published + second.published == total, "each stored by one relay"
     finally:
         await writer.close()
+        await js.delete_stream(names.stream)
+        await nc.close()
+
+
+async def test_a_relay_publishes_on_while_its_keepers_check_is_unanswered(
+    settings: Settings, nats_url: str
+) -> None:
+    """JetStream does not answer the keeper's check (as while a clustered stream or
+    durable is between two leaders; here a subscriber that swallows the keeper's API
+    requests): the check is put off and the relay publishes on. (Each check used to wait
+    out the API's timeout and fail the relay's round: nothing was published until the
+    check was answered, here never.)"""
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
+    nc, js = await connect_bus(nats_url)
+    await ensure_stream(js, names)
+    silent = f"silent{uuid.uuid4().hex[:8]}.API"
+    swallowed: list[Msg] = []
+
+    async def swallow(msg: Msg) -> None:
+        swallowed.append(msg)  # and no answer
+
+    await nc.subscribe(f"{silent}.>", cb=swallow)
+    store = await EventStore.open(settings)
+    keeper = BusKeeper(store, nc.jetstream(prefix=silent), names)
+    relay = Relay(store, js, names, window=64, idle_poll=0.2, keeper=keeper)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    try:
+        await append_burst(store, 100, 25)
+        await until(lambda: relay.position >= 100 or task.done(), 60, "the events published")
+        assert not task.done()
+        assert swallowed, "the keeper asked"
+        assert len(await stream_ids(nats_url, names)) == 100
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await store.close()
         await js.delete_stream(names.stream)
         await nc.close()
