@@ -17,18 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 
+import nats
+import pytest
 from nats.aio.msg import Msg
 from nats.js.api import Header
 
 from events.subjects import BusNames
+from services.enforcement.protocol import ConsumerAsk, encode
+from services.enforcement.service import EnforcementService
 from services.runtime.bus.jetstream import connect_bus, ensure_stream
 from services.runtime.delivery.rebuilding import BusKeeper
 from services.runtime.delivery.relaying import Relay, outgoing
+from services.runtime.ground.errors import RetryableError
 from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import LiveState
 from tests.fixtures.polling import until
 from tests.integration.test_bus import append_burst
 
@@ -143,3 +150,31 @@ async def test_a_relay_publishes_on_while_its_keepers_check_is_unanswered(
         await store.close()
         await js.delete_stream(names.stream)
         await nc.close()
+
+
+async def test_a_node_consumer_check_that_goes_unanswered_is_refused_at_once(
+    settings: Settings, nats_url: str
+) -> None:
+    """The same for the enforcement service's ``consumer`` request (an agent's pull met
+    no durable): its ``CONSUMER.INFO`` unanswered, the agent hears "not now" once
+    ``ANSWER_WAIT_S`` has passed, not the API's timeout (the agent does not pull while
+    it asks)."""
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
+    nc = await nats.connect(nats_url)
+    silent = f"silent{uuid.uuid4().hex[:8]}.API"
+    await nc.subscribe(f"{silent}.>", cb=_swallow)
+    js = nc.jetstream(prefix=silent)  # nats-py's default timeout: 5 s
+    store = await EventStore.open(settings)
+    service = EnforcementService(store, LiveState(store), nc, js, names)
+    try:
+        asked = time.monotonic()
+        with pytest.raises(RetryableError, match="cannot be made now"):
+            await service.consumer("node-x", encode(ConsumerAsk()))
+        assert time.monotonic() < asked + 5.0, "it waited out the API's timeout"
+    finally:
+        await store.close()
+        await nc.close()
+
+
+async def _swallow(msg: Msg) -> None:
+    """A JetStream API that never answers."""
