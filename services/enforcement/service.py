@@ -51,7 +51,11 @@ The verbs
 * ``consumer``: the agent's pull requests found no durable (a broker that lost its
   store): the node's durable is created again if it is missing
   (:func:`services.runtime.delivery.rebuilding.ensure_durables`, as the relay does for the
-  services' durables).
+  services' durables). Its ``CONSUMER.INFO`` waits
+  :data:`~services.runtime.delivery.rebuilding.ANSWER_WAIT_S` for an answer: a clustered
+  durable between two leaders (its server killed) answers nothing for seconds, and the
+  agent, which does not pull while it asks, should hear "not now" and ask again at its
+  next ``503``, not after the API's 5 s (issue 29).
 
 Cost per request: O(what the request touches) — the node's devices, slices and
 retrying shares are indexed (:class:`NodeIndex`), never found by scanning the fold.
@@ -115,11 +119,11 @@ from services.enforcement.reports import (
 )
 from services.enforcement.views import Scope, decode_view, encode_view, scope
 from services.runtime.bus.credentials import Directory, Principal, principal_of
-from services.runtime.bus.jetstream import durable_config
+from services.runtime.bus.jetstream import durable_config, with_timeout
 from services.runtime.bus.replies import split
 from services.runtime.delivery.confirming import LogConfirmation
 from services.runtime.delivery.consuming import HANDLED_BEFORE
-from services.runtime.delivery.rebuilding import ensure_durables
+from services.runtime.delivery.rebuilding import ANSWER_WAIT_S, ensure_durables
 from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import (
     ConflictError,
@@ -248,6 +252,7 @@ class EnforcementService:
         live = self.live = context.stores.live
         self.nc = context.nc
         self.js = context.js
+        self._look = with_timeout(self.js, ANSWER_WAIT_S)  # what only looks: answered at once
         self.names = context.names
         #: requests must carry the broker's stamp of an agent's key (a broker with accounts)
         self.authenticated = authenticated
@@ -407,7 +412,9 @@ class EnforcementService:
         missing); one log line when it does."""
         self._decode(data, ConsumerAsk)
         try:
-            created = await ensure_durables(self.js, self.names, [durable(self.names, node)])
+            created = await ensure_durables(
+                self.js, self.names, [durable(self.names, node)], look=self._look
+            )
         except (nats.errors.Error, OSError) as exc:
             raise self._no_consumer(node, exc) from exc
         return encode(Reply(answer=Consumed(created=created > 0)))

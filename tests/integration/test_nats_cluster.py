@@ -24,13 +24,18 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
+import nats
 import pytest
+from nats.aio.client import Server
+from nats.aio.msg import Msg
 from nats.js.api import Header
 
 from events.subjects import BusNames
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.endpoints import EndpointError
-from services.runtime.bus.jetstream import connect_bus, ensure_stream
+from services.runtime.bus.jetstream import Durable, connect_bus, durable_config, ensure_stream
+from services.runtime.delivery import pulling
+from services.runtime.delivery.pulling import MAX_EXPIRES_S, Puller
 from services.runtime.delivery.relaying import outgoing
 from services.runtime.ground.settings import Settings
 from tests.fixtures.polling import until
@@ -188,3 +193,67 @@ async def test_the_stream_keeps_its_replicas_unless_told(nats3: NatsCluster) -> 
     finally:
         await js.delete_stream(names.stream)
         await nc.close()
+
+
+async def test_a_pull_request_lost_with_its_server_is_asked_again_at_once(
+    nats3: NatsCluster,
+) -> None:
+    """The server a puller is connected to is killed and a message comes before the
+    puller is back on another server: the consumer's leader finds nobody to give it to
+    and drops the request (its reply subject lost its interest). The puller, back, asks
+    again at once: the message comes while the lost request would still be waiting, not
+    when it expires (20 s: a node agent's)."""
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
+    durable = Durable(name="probe", filter_subject=f"{names.prefix}.ev.>")
+    # the puller's server leads neither the stream nor the consumer: its loss only costs
+    # the puller its request (the stream and consumer are made before it is chosen)
+    first, *_ = nats3.nodes
+    admin, js = await connect_bus(first.url)
+    await ensure_stream(js, names, replicas=3)
+    await js.add_consumer(names.stream, durable_config(durable))
+    clusters = [
+        (await js.stream_info(names.stream)).cluster,
+        (await js.consumer_info(names.stream, durable.name)).cluster,
+    ]
+    leading = {info.leader for info in clusters if info is not None}
+    lost = next(node for node in reversed(nats3.nodes) if node.name not in leading)
+    await admin.close()
+    survivors = ",".join(node.url for node in nats3.nodes if node is not lost)
+    admin, js = await connect_bus(survivors)
+    try:
+        order = [lost.url] + [node.url for node in nats3.nodes if node is not lost]
+        held = True  # the puller's reconnect is held (tried on the lost server) until False
+
+        def reconnect_to(servers: list[Server], _: object) -> tuple[Server, float]:
+            return next(s for s in servers if (s.uri.port == lost.port) == held), 0.05
+
+        nc = await nats.connect(
+            servers=order, dont_randomize=True, reconnect_to_server_handler=reconnect_to
+        )
+        try:
+            puller = Puller(nc, names.stream, durable.name, batch=4, expires=MAX_EXPIRES_S)
+            await puller.start()
+            # the old code asks again only when renewing the lost request, just before it
+            # would expire: a message that comes before then came by a new request
+            renewal = time.monotonic() + MAX_EXPIRES_S - pulling._RENEW_S
+            async with asyncio.timeout(30):  # its request out (once the server knows the
+                # durable: a request before then is answered 503, and asked again)
+                while (await js.consumer_info(names.stream, durable.name)).num_waiting < 1:
+                    assert await puller.next(0.05, 1) == []
+            await asyncio.to_thread(nats3.kill, lost)
+            await js.publish(f"{names.prefix}.ev.x", b"x", stream=names.stream)
+            async with asyncio.timeout(30):  # dropped: nobody to give the message to
+                while (await js.consumer_info(names.stream, durable.name)).num_waiting:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            held = False
+            await until(lambda: nc.stats["reconnects"] >= 1, 30, "the puller on another server")
+            got: list[Msg] = []
+            while not got and time.monotonic() < renewal + 10:
+                got = await puller.next(1.0, 1)
+            assert got, "the message never came"
+            assert time.monotonic() < renewal, "it came only when the lost request was renewed"
+            await puller.stop()
+        finally:
+            await nc.close()
+    finally:  # (the cluster, and the stream with it, goes with the test)
+        await admin.close()

@@ -17,18 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 
+import nats
+import pytest
+from nats.aio.msg import Msg
 from nats.js.api import Header
 
 from events.subjects import BusNames
+from services.enforcement.protocol import ConsumerAsk, encode
+from services.enforcement.service import EnforcementService
 from services.runtime.bus.jetstream import connect_bus, ensure_stream
 from services.runtime.delivery.rebuilding import BusKeeper
 from services.runtime.delivery.relaying import Relay, outgoing
+from services.runtime.ground.errors import RetryableError
 from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import EventStore
-from tests.fixtures.contexts import handed
+from tests.fixtures.contexts import folded, handed
+from tests.fixtures.polling import until
 from tests.integration.test_bus import append_burst
 
 BURSTS = 6
@@ -107,3 +115,68 @@ async def test_two_relays_publish_each_event_once_in_order(
         await writer.close()
         await js.delete_stream(names.stream)
         await nc.close()
+
+
+async def test_a_relay_publishes_on_while_its_keepers_check_is_unanswered(
+    settings: Settings, nats_url: str
+) -> None:
+    """JetStream does not answer the keeper's check (as while a clustered stream or
+    durable is between two leaders; here a subscriber that swallows the keeper's API
+    requests): the check is put off and the relay publishes on. (Each check used to wait
+    out the API's timeout and fail the relay's round: nothing was published until the
+    check was answered, here never.)"""
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
+    nc, js = await connect_bus(nats_url)
+    await ensure_stream(js, names)
+    silent = f"silent{uuid.uuid4().hex[:8]}.API"
+    swallowed: list[Msg] = []
+
+    async def swallow(msg: Msg) -> None:
+        swallowed.append(msg)  # and no answer
+
+    await nc.subscribe(f"{silent}.>", cb=swallow)
+    store = await EventStore.open(settings)
+    keeper = BusKeeper(store, nc.jetstream(prefix=silent), names)
+    relay = Relay(handed(store, names, js=js), window=64, idle_poll=0.2, keeper=keeper)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    try:
+        await append_burst(store, 100, 25)
+        await until(lambda: relay.position >= 100 or task.done(), 60, "the events published")
+        assert not task.done()
+        assert swallowed, "the keeper asked"
+        assert len(await stream_ids(nats_url, names)) == 100
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await store.close()
+        await js.delete_stream(names.stream)
+        await nc.close()
+
+
+async def test_a_node_consumer_check_that_goes_unanswered_is_refused_at_once(
+    settings: Settings, nats_url: str
+) -> None:
+    """The same for the enforcement service's ``consumer`` request (an agent's pull met
+    no durable): its ``CONSUMER.INFO`` unanswered, the agent hears "not now" once
+    ``ANSWER_WAIT_S`` has passed, not the API's timeout (the agent does not pull while
+    it asks)."""
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
+    nc = await nats.connect(nats_url)
+    silent = f"silent{uuid.uuid4().hex[:8]}.API"
+    await nc.subscribe(f"{silent}.>", cb=_swallow)
+    js = nc.jetstream(prefix=silent)  # nats-py's default timeout: 5 s
+    store = await EventStore.open(settings)
+    service = EnforcementService(folded(store, names, nc, js))
+    try:
+        asked = time.monotonic()
+        with pytest.raises(RetryableError, match="cannot be made now"):
+            await service.consumer("node-x", encode(ConsumerAsk()))
+        assert time.monotonic() < asked + 5.0, "it waited out the API's timeout"
+    finally:
+        await store.close()
+        await nc.close()
+
+
+async def _swallow(msg: Msg) -> None:
+    """A JetStream API that never answers."""

@@ -94,6 +94,7 @@ __all__ = [
     "prefix_of",
     "server_urls",
     "stream_config",
+    "with_timeout",
 ]
 
 DUPLICATE_WINDOW_S: Final = 120.0
@@ -190,6 +191,13 @@ def prefix_of(js: JetStreamContext) -> str:
     nats-py keeps it private)."""
     prefix: str = js._prefix
     return prefix
+
+
+def with_timeout(js: JetStreamContext, timeout: float) -> JetStreamContext:
+    """A JetStream context on ``js``'s connection and API prefix whose requests wait at
+    most ``timeout`` seconds for their answer (nats-py keeps both private)."""
+    nc: Client = js._nc
+    return nc.jetstream(prefix=prefix_of(js), timeout=timeout)
 
 
 class Durable(msgspec.Struct, frozen=True):

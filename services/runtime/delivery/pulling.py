@@ -27,10 +27,24 @@ derived from it). A request that outlived it would stay at the server with nobod
 answer: the messages it is given are lost until the ack wait brings them back (30 s),
 and its end status never comes.
 
+A request is also lost, without a word, with the nats-server of a cluster that the
+client was connected to: the consumer's leader drops a waiting request whose reply
+subject lost its interest. Counted on until its expiry, it stalled the consumer that
+long after a server was killed (a node agent's 20 s request: 13-20 s; issue 29). So
+every request still counted is forgotten once the connection is back on another server
+(nats-py's count of reconnects moved), and a new one goes out at once. (A request the
+server still held would cost one batch more in flight, no more.) A request on a
+connection that stayed is not lost when the consumer's leader dies: the leader elected
+next serves it (nats-server 2.10 and later; seen with 2.15).
+
 A request nobody receives (nats-server answers ``503``: the durable does not exist, a
-broker that lost its store) sets :attr:`Puller.missing` for its consumer to act on
-(create the durable again if it owns it, or say so once) and no request goes out for
-one ``expires`` after it.
+broker that lost its store, or a clustered consumer between two leaders) sets
+:attr:`Puller.missing` for its consumer to act on (create the durable again if it owns
+it, or say so once) and no request goes out for a while after it: a quarter of a second
+after the first, twice as long after each one more, at most :data:`MISSING_WAIT_S` (or
+``expires``, if shorter). One ``expires`` each time, as before, kept a node agent from
+asking for 20 s when its first request after a server's loss met the election of the
+consumer's new leader (a few seconds).
 
 It publishes only the consumer's next-message subject (under the API prefix of the
 connection's JetStream context: ``JS.API`` across the broker's imports,
@@ -55,7 +69,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import Header
 
-__all__ = ["MAX_EXPIRES_S", "PULL_SUBJECT", "Puller"]
+__all__ = ["MAX_EXPIRES_S", "MISSING_WAIT_S", "PULL_SUBJECT", "Puller"]
 
 #: JetStream's pull API, under an API prefix (``$JS.API`` is the default, no domain).
 PULL_SUBJECT: Final = "{prefix}.CONSUMER.MSG.NEXT.{stream}.{durable}"
@@ -67,6 +81,10 @@ _RENEW_S: Final = 0.1
 _REQUEST_ENDED: Final = frozenset({"404", "408", "409"})
 #: The status of a pull request nobody received: the durable does not exist.
 _NO_RESPONDERS: Final = "503"
+#: The longest wait before asking again after requests that nobody received.
+MISSING_WAIT_S: Final = 2.0
+#: ... and the first such wait.
+_MISSING_FIRST_S: Final = 0.25
 #: The longest a pull request may wait at the server (module docstring): the node
 #: agents' (:data:`services.enforcement.consumer.PULL_EXPIRES_S`) is the longest.
 MAX_EXPIRES_S: Final = 20.0
@@ -103,6 +121,8 @@ class Puller:
         #: a request found nobody to answer it: the durable is missing (taken by the consumer)
         self.missing = False
         self._quiet_until = 0.0  # no request before then (the durable was missing)
+        self._quiet_s = 0.0  # the last such wait (0: the last request was received)
+        self._reconnects = self._reconnect_count()
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._arrived)
@@ -112,12 +132,16 @@ class Puller:
         if status is None:  # a message: it keeps its own subject (which request? unknown)
             self._received += 1
             self._ready.append(msg)
+            self._quiet_s = 0.0
         elif status in _REQUEST_ENDED:  # a status comes on the request's reply subject
             self._open.pop(msg.subject.rpartition(".")[2], None)
-        elif status == _NO_RESPONDERS:  # nobody took it: ask again after a poll interval
+            self._quiet_s = 0.0
+        elif status == _NO_RESPONDERS:  # nobody took it: ask again after a while
             self._open.pop(msg.subject.rpartition(".")[2], None)
             self.missing = True
-            self._quiet_until = time.monotonic() + self._expires
+            longest = min(MISSING_WAIT_S, self._expires)
+            self._quiet_s = min(longest, 2 * self._quiet_s or _MISSING_FIRST_S)
+            self._quiet_until = time.monotonic() + self._quiet_s
         self._arrival.set()
 
     async def _ask(self) -> None:
@@ -126,6 +150,10 @@ class Puller:
             return
         for token in [t for t, (expiry, _) in self._open.items() if expiry < now]:
             del self._open[token]  # expired at the server, and its end status never came
+        reconnects = self._reconnect_count()
+        if reconnects != self._reconnects:  # back on another server: its requests are gone
+            self._reconnects = reconnects
+            self._open.clear()
         if self._room(now) > self._batch // 2:
             return
         expires_ns = int(self._expires * 1e9)
@@ -134,6 +162,10 @@ class Puller:
         self._asked += 1
         self._open[token] = (now + self._expires, self._received)
         await self._nc.publish(self._subject, request, reply=f"{self._inbox}.{token}")
+
+    def _reconnect_count(self) -> int:
+        stats = getattr(self._nc, "stats", None)  # nats-py's counters
+        return int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0
 
     def _room(self, now: float) -> int:
         """The fewest messages the requests not about to expire can still bring: whatever

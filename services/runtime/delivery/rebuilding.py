@@ -8,7 +8,10 @@ consumer's place are gone, or the stream lacks its newest messages. Nothing rest
 
 * the **stream's owner**, the relay, checks the stream with :meth:`BusKeeper.ensure` at
   its start, right after a publish found no stream, and every ``interval`` seconds
-  (a ``STREAM.INFO`` and a ``CONSUMER.INFO`` per durable it owns: cheap). It creates
+  (a ``STREAM.INFO`` and a ``CONSUMER.INFO`` per durable it owns: cheap, and each
+  given :data:`ANSWER_WAIT_S` for its answer; no answer in time raises
+  :class:`~services.runtime.ground.errors.Unanswered`, which the relay takes as "look
+  again later", not as a failure of its round). It creates
   what is missing (the stream as :func:`~services.runtime.bus.jetstream.stream_config` says, each
   durable as :func:`~services.runtime.bus.jetstream.durable_config` says) and leaves what exists
   alone;
@@ -76,16 +79,19 @@ from services.runtime.bus.jetstream import (
     Durable,
     durable_config,
     ensure_stream,
+    with_timeout,
 )
-from services.runtime.ground.errors import map_bus_error
+from services.runtime.ground.errors import Unanswered, map_bus_error
 from services.runtime.store.eventstore import EventStore
 
-__all__ = ["CHECK_INTERVAL_S", "BusKeeper", "ensure_durables"]
+__all__ = ["ANSWER_WAIT_S", "CHECK_INTERVAL_S", "BusKeeper", "ensure_durables"]
 
 log = logging.getLogger("dracap.rebuilding")
 
 #: Seconds between two checks of the stream and the durables by their owner.
 CHECK_INTERVAL_S: Final = 5.0
+#: The longest the keeper waits for an answer to one of its JetStream API requests.
+ANSWER_WAIT_S: Final = 1.0
 
 _CHECKPOINTS: Final = "SELECT consumer, position FROM consumer_checkpoints WHERE consumer <> $1"
 _OLDEST_KEPT: Final = (
@@ -113,7 +119,8 @@ class BusKeeper:
         self._store = store
         #: the stream's replicas (its durables take the same: :mod:`services.runtime.bus.jetstream`)
         self.replicas = replicas
-        self._js = js
+        self._js = js  # what changes the stream or a durable: its creation may take a while
+        self._look = with_timeout(js, ANSWER_WAIT_S)  # what only looks: answered at once
         self._names = names
         self.durables = list(durables)
         self._checkpoint = checkpoint
@@ -133,6 +140,9 @@ class BusKeeper:
         try:
             start = await self._ensure_stream(relayed, last_seq)
             await self._ensure_durables()
+        except nats.errors.TimeoutError as exc:
+            where = self._names.events_subjects
+            raise Unanswered(f"the bus did not answer the keeper's check ({where})") from exc
         except (nats.errors.Error, OSError) as exc:
             raise map_bus_error(exc, subject=self._names.events_subjects) from exc
         self._checked = True
@@ -178,7 +188,7 @@ class BusKeeper:
 
     async def _stream_info(self) -> StreamInfo | None:
         try:
-            return await self._js.stream_info(self._names.stream)
+            return await self._look.stream_info(self._names.stream)
         except NotFoundError:
             return None
 
@@ -197,7 +207,7 @@ class BusKeeper:
         """The log position of the stream's last message (0: none, or not an event)."""
         if not info.state.messages or not info.state.last_seq:
             return 0
-        message = await self._js.get_msg(self._names.stream, seq=info.state.last_seq)
+        message = await self._look.get_msg(self._names.stream, seq=info.state.last_seq)
         event_id = (message.headers or {}).get(Header.MSG_ID.value, "")
         try:
             position = await self._store.pool.fetchval(_POSITION_OF, event_id)
@@ -220,23 +230,31 @@ class BusKeeper:
         return min(max(needed, int(oldest_kept)), relayed + 1)
 
     async def _ensure_durables(self) -> None:
-        created = await ensure_durables(self._js, self._names, self.durables, new=not self._checked)
+        created = await ensure_durables(
+            self._js, self._names, self.durables, new=not self._checked, look=self._look
+        )
         self.durables_created += created
 
 
 async def ensure_durables(
-    js: JetStreamContext, names: BusNames, durables: Iterable[Durable], *, new: bool = False
+    js: JetStreamContext,
+    names: BusNames,
+    durables: Iterable[Durable],
+    *,
+    new: bool = False,
+    look: JetStreamContext | None = None,
 ) -> int:
     """Create each of ``durables`` that the stream lacks; how many were created.
 
     For any owner of durables (the relay's keeper; the enforcement service for the node
     agents'): a ``CONSUMER.INFO`` each, a ``CONSUMER.CREATE`` for each missing one, one
     log line each (a warning, unless ``new``: a first start creates them all).
+    ``look``: the context for the ``CONSUMER.INFO`` requests (default ``js``).
     """
     created = 0
     for durable in durables:
         try:
-            await js.consumer_info(names.stream, durable.name)
+            await (look or js).consumer_info(names.stream, durable.name)
             continue
         except NotFoundError:
             pass

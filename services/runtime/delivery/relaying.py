@@ -47,7 +47,13 @@ The stream: the relay owns it, and the service durables
 :class:`~services.runtime.delivery.rebuilding.BusKeeper`). At its start, every ``keeper.interval``
 seconds and right after a publish found no stream, it has the keeper put back what is missing; when
 the stream lacks events the relay had published (a broker that lost its store), it publishes them
-again from the position the keeper names, then goes on. While the broker is away, or the stream is,
+again from the position the keeper names, then goes on. A check that JetStream does not answer
+(the keeper's requests wait :data:`~services.runtime.delivery.rebuilding.ANSWER_WAIT_S`; a
+clustered stream or durable between two leaders answers nothing for a few seconds) is put off
+for an interval, and the relay publishes on: a stream that is missing says so by the next
+publish's ``503``, which has the keeper look again. (Each check waited out the API's 5 s instead,
+and failed the relay's round: a killed nats-server that led the stream or a durable stalled the
+relay 10 s or more; issue 29.) While the broker is away, or the stream is,
 the relay logs one line when that begins and one when it ends
 (:class:`~services.runtime.ground.outages.StateLog`), not a traceback per retry.
 
@@ -97,7 +103,7 @@ from events.subjects import NODE_TAGS, BusNames
 from services.runtime.delivery.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.delivery.rebuilding import BusKeeper
 from services.runtime.ground.context import ServiceContext
-from services.runtime.ground.errors import NotFound
+from services.runtime.ground.errors import NotFound, Unanswered
 from services.runtime.ground.metrics import RELAY_LAG, RELAY_MESSAGES
 from services.runtime.ground.outages import StateLog
 from services.runtime.ground.waiting import first_of
@@ -278,7 +284,12 @@ class Relay:
         keeper = self._keeper
         if keeper is None or time.monotonic() < self._check_at:
             return
-        start = await keeper.ensure(self.position, self._last_seq)
+        try:
+            start = await keeper.ensure(self.position, self._last_seq)
+        except Unanswered as exc:  # a stream or durable between two leaders: publish on
+            _log.debug("relay: the keeper's check is put off: %s", exc)
+            self._check_at = time.monotonic() + keeper.interval
+            return
         self._check_at = time.monotonic() + keeper.interval
         if start is not None and start <= self.position:
             self.position = start - 1

@@ -98,6 +98,11 @@ class ConnectionLost(RetryableError):  # noqa: N818 (a condition, like NotFound)
     failover): a write may or may not have been committed; look before writing again."""
 
 
+class Unanswered(RetryableError):  # noqa: N818 (a condition, like NotFound)
+    """A request that nobody answered in time (a JetStream API request while the stream
+    or a consumer has no leader, say): it may yet be answered if asked again."""
+
+
 class NotActive(RetryableError):  # noqa: N818 (a condition, like NotFound)
     """This instance of a single-active service does not hold its lease (it never did,
     or its session ended): it stands by, and acts again only once granted the lease."""
