@@ -49,6 +49,7 @@ from services.runtime.ground.clock import SYSTEM, Clock
 from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.outages import one_line
 from services.runtime.ground.settings import ServiceKind, Settings
+from services.runtime.ground.waiting import wait_for
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.servicestores import ServiceStores
 
@@ -300,7 +301,7 @@ class Stack:
 async def _bounded(work: Coroutine[Any, Any, object], what: str) -> None:
     """Await ``work`` for at most :data:`STOP_GRACE_S`: shutdown must never hang."""
     try:
-        await asyncio.wait_for(work, STOP_GRACE_S)
+        await wait_for(work, STOP_GRACE_S)
     except TimeoutError:
         log.warning("%s took longer than %.0fs; going on", what, STOP_GRACE_S)
 

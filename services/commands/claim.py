@@ -73,6 +73,7 @@ from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.endpoints import add_endpoint_arguments, endpoints_from_args
 from services.runtime.ground.printable import json_text, table, yaml_text
+from services.runtime.ground.waiting import wait_for
 
 __all__ = ["read_claims", "register"]
 
@@ -234,7 +235,7 @@ async def follow(
             if left is not None and left <= 0:
                 return
             try:
-                view = await asyncio.wait_for(queue.get(), left)
+                view = await wait_for(queue.get(), left)
             except TimeoutError:
                 return
             key = (view.get("namespace", namespace), view.get("name", ""))

@@ -62,6 +62,7 @@ from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.endpoints import DEFAULT_DATA_DIR, redact, resolve_endpoints
 from services.runtime.ground.settings import Settings, SettingsError, load_settings
+from services.runtime.ground.waiting import wait_for
 from services.runtime.ops.embedded import EmbeddedError, embedded_servers
 
 ACCURACY_GOAL = 0.03
@@ -210,7 +211,7 @@ async def control_plane(
         finally:
             stop.set()
             try:
-                await asyncio.wait_for(task, 10)
+                await wait_for(task, 10)
             except TimeoutError:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -78,6 +78,7 @@ from services.runtime.ground.metrics import (
     DEAD_LETTERS,
     UNCONFIRMED_MESSAGES,
 )
+from services.runtime.ground.waiting import wait_for
 
 __all__ = ["Delivery", "NodeConsumer", "Stages", "durable"]
 
@@ -225,7 +226,7 @@ class NodeConsumer:
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
                     log.warning("consumer %s: bus connection unavailable", self.name)
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), self._poll)
+                        await wait_for(stop.wait(), self._poll)
                     continue
                 if puller.missing:
                     puller.missing = False

@@ -34,6 +34,7 @@ from services.enforcement.agent import Agent
 from services.enforcement.cdi import CdiSpecs
 from services.enforcement.kubelet import KubeletDriver
 from services.enforcement.protocol import ViewAsk
+from services.runtime.ground.waiting import wait_for
 from services.runtime.kube.client import KubeApi
 from services.runtime.kube.errors import KubeApiError
 from services.runtime.kube.slices import sync_slices
@@ -94,7 +95,7 @@ class SlicePublisher:
         """Sync at start and after every change, until ``stop``; a failure is retried."""
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), RESYNC_S)
+                await wait_for(self._changed.wait(), RESYNC_S)
             if stop.is_set():
                 return
             if not self._changed.is_set():
@@ -106,7 +107,7 @@ class SlicePublisher:
                 log.warning("ResourceSlices not synced (%s); trying again", exc)
                 self._changed.set()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), RESYNC_S)
+                    await wait_for(stop.wait(), RESYNC_S)
 
 
 async def run_kubernetes_mode(

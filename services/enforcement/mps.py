@@ -90,6 +90,7 @@ from services.enforcement.enforcers import (
     RetryableEnforcementError,
     ShareLimit,
 )
+from services.runtime.ground.waiting import wait_for
 
 __all__ = ["MpsEnforcer", "MpsSettings", "mib_of", "parse_limit_reply"]
 
@@ -325,7 +326,7 @@ class MpsEnforcer:
         except OSError as exc:
             raise RetryableEnforcementError(f"cannot run {binary}: {exc}") from exc
         try:
-            code = await asyncio.wait_for(proc.wait(), self.settings.start_timeout_s)
+            code = await wait_for(proc.wait(), self.settings.start_timeout_s)
         except TimeoutError as exc:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
@@ -394,7 +395,7 @@ class MpsEnforcer:
             env=share.env(),
         )
         try:
-            out, _ = await asyncio.wait_for(
+            out, _ = await wait_for(
                 proc.communicate((command + "\n").encode("ascii")), self.settings.command_timeout_s
             )
         except TimeoutError:

@@ -72,6 +72,7 @@ from events.state import TERMINAL_PHASES
 from services.enforcement.enforcers import ShareLimit
 from services.enforcement.tc import Backend, TcEnforcer
 from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.ground.waiting import wait_for
 
 __all__ = [
     "DRIVER",
@@ -364,7 +365,7 @@ async def run_load(
     tx: asyncio.subprocess.Process | None = None
     try:
         assert rx.stdout is not None
-        ready = await asyncio.wait_for(rx.stdout.readline(), 10)
+        ready = await wait_for(rx.stdout.readline(), 10)
         if ready.strip() != b"ready":
             err = await rx.stderr.read() if rx.stderr is not None else b""
             raise RuntimeError("the receiver did not start: " + err.decode())
@@ -372,10 +373,10 @@ async def run_load(
             "ip", "netns", "exec", pair.tx_ns, sys.executable, "-c", SENDER, json.dumps(tx_cfg),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
-        tx_out, tx_err = await asyncio.wait_for(tx.communicate(), end + 30)
+        tx_out, tx_err = await wait_for(tx.communicate(), end + 30)
         if tx.returncode != 0:
             raise RuntimeError("the sender failed: " + tx_err.decode())
-        rx_out, rx_err = await asyncio.wait_for(rx.communicate(), 30)
+        rx_out, rx_err = await wait_for(rx.communicate(), 30)
         if rx.returncode != 0:
             raise RuntimeError("the receiver failed: " + rx_err.decode())
     finally:
@@ -560,7 +561,7 @@ async def apply_until_ready(
                     f"(phase {view.get('phase')})"
                 )
             try:
-                view = await asyncio.wait_for(views.get(), min(left, 0.5))
+                view = await wait_for(views.get(), min(left, 0.5))
             except TimeoutError:
                 view = (await api.claims(NAMESPACE, "get", {"name": name}))["claim"]
         elapsed = (time.perf_counter() - start) * 1000

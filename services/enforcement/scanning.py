@@ -25,6 +25,7 @@ from events.model import ResourceSlice
 from services.enforcement.discovery import AgentConfig, InventoryError, ScanResult, discover
 from services.enforcement.publishing import Changes, Publisher
 from services.runtime.ground.errors import RetryableError
+from services.runtime.ground.waiting import wait_for
 
 __all__ = ["InventoryScanner", "gpu_uuids_of", "interfaces_of"]
 
@@ -108,7 +109,7 @@ class InventoryScanner:
         """Scan every ``interval`` s until ``stop`` is set (the first scan is the caller's)."""
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
+                await wait_for(stop.wait(), interval)
             if stop.is_set():
                 return
             try:

@@ -120,6 +120,7 @@ from services.enforcement.tcobjects import (
     decode_program,
     encode_program,
 )
+from services.runtime.ground.waiting import wait_for
 
 __all__ = [
     "BACKENDS",
@@ -355,7 +356,7 @@ class ProcessTc:
                 f"the tc command ({self.tc}) is not installed",
             ) from exc
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), self.timeout)
+            out, err = await wait_for(proc.communicate(), self.timeout)
         except TimeoutError as exc:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

@@ -64,6 +64,7 @@ from services.enforcement.tcobjects import (
     TcError,
     decode_program,
 )
+from services.runtime.ground.waiting import wait_for
 
 __all__ = ["NetlinkTc", "TcMsg", "rate_table", "tick_in_usec"]
 
@@ -601,7 +602,7 @@ class NetlinkTc:
             msg.encode()
             what = _NAMES.get(msg_type, f"netlink request {msg_type}")
             try:
-                return await asyncio.wait_for(
+                return await wait_for(
                     self._exchange(sock, bytes(msg.data), seq, what), self.timeout
                 )
             except TimeoutError as exc:

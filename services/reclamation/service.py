@@ -71,6 +71,7 @@ from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RetryableError
 from services.runtime.ground.metrics import CLAIMS, FENCE_HOOK_RUNS, NODE_TRANSITIONS
 from services.runtime.ground.outages import is_unreachable, one_line
+from services.runtime.ground.waiting import wait_for
 from services.runtime.store.appends import Batch, Metadata
 from services.runtime.store.livestate import HEAD
 from services.runtime.store.logandfold import LogAndFold
@@ -342,7 +343,7 @@ class ReclamationService:
             log.error("fence hook for node %s could not start: %s", lease.node, exc)
             return 0
         try:
-            _, err = await asyncio.wait_for(process.communicate(), self.fence_hook_timeout_s)
+            _, err = await wait_for(process.communicate(), self.fence_hook_timeout_s)
         except TimeoutError:
             process.kill()
             await process.wait()

@@ -144,8 +144,11 @@ class Incarnation:
     async def kill(self) -> None:
         """What a crash does: the task stops where it is, its connection goes away."""
         self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        # bounded: a service that lost its cancellation fails the test, not hangs the suite
+        done, _ = await asyncio.wait([self.task], timeout=30)
+        assert done, "the killed service went on running (its cancellation was lost)"
+        if not self.task.cancelled() and self.task.exception() is not None:
+            raise self.task.exception()  # type: ignore[misc]
         await self.nc.close()
 
 

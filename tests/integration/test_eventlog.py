@@ -180,6 +180,20 @@ class EventStoreContract:
         await put(store, s.claim_submitted())
         assert await asyncio.wait_for(waiter, 5) == 1
 
+    async def test_a_waiter_cancelled_as_its_notification_arrives_ends(
+        self, store: EventStore
+    ) -> None:
+        # A service told to stop while a NOTIFY wakes it must stop: on Python 3.11,
+        # asyncio.wait_for returned the notification instead (the cancellation lost),
+        # and a killed reservation worker went on running, its test waiting forever.
+        head = await store.head()
+        waiter = asyncio.create_task(store.wait_for_new(head, 30))
+        await until(lambda: bool(store._waiters), what="the waiter to listen")
+        store._notified(None, 0, CHANNEL, str(head + 1))  # the listener's callback
+        waiter.cancel()  # in the same turn of the loop
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+
 
 class TestPostgresEventStore(EventStoreContract):
     @pytest.fixture

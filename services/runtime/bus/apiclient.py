@@ -38,6 +38,7 @@ from services.runtime.bus.credentials import Credential
 from services.runtime.bus.endpoints import reaching
 from services.runtime.bus.jetstream import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S, server_urls
 from services.runtime.bus.replies import Assembly, ReplyPartError
+from services.runtime.ground.waiting import wait_for
 
 __all__ = ["REQUEST_TIMEOUT_S", "ApiClient", "ApiError", "Inbox", "ask"]
 
@@ -127,7 +128,7 @@ async def ask(nc: Client, subject: str, payload: bytes, timeout: float) -> bytes
     try:
         await nc.publish(subject, payload, reply=sub.subject)
         try:
-            return await asyncio.wait_for(whole, timeout)
+            return await wait_for(whole, timeout)
         except TimeoutError:
             raise nats.errors.TimeoutError from None
     finally:
@@ -189,7 +190,7 @@ class Inbox:
     async def _answer(self, token: str, whole: asyncio.Future[bytes], timeout: float) -> bytes:  # noqa: ASYNC109
         try:
             try:
-                return await asyncio.wait_for(whole, timeout)
+                return await wait_for(whole, timeout)
             except TimeoutError:
                 raise nats.errors.TimeoutError from None
         finally:

@@ -185,6 +185,7 @@ from services.runtime.ground.metrics import (
     UNCONFIRMED_MESSAGES,
 )
 from services.runtime.ground.outages import StateLog, is_unreachable, one_line
+from services.runtime.ground.waiting import wait_for
 from services.runtime.store.appends import Batch, Metadata, Processed
 from services.runtime.store.eventstore import MARK_PROCESSED, Connection, EventStore
 from services.runtime.store.refusals import note
@@ -384,7 +385,7 @@ class Consumer:
                     _log.warning("consumer %s: waiting for the events stream", self.name)
                     waiting = True
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self._poll)
+                    await wait_for(stop.wait(), self._poll)
                 continue
             if waiting:
                 _log.info("consumer %s: the events stream is there; consuming", self.name)

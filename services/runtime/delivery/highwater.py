@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from services.runtime.ground.outages import is_unreachable, one_line
+from services.runtime.ground.waiting import wait_for
 from services.runtime.store.eventstore import EventStore
 
 __all__ = ["INTERVAL_S", "SAVE_CHECKPOINT", "HighWaterMark"]
@@ -121,4 +122,4 @@ class HighWaterMark:
             if done.is_set():
                 return
             with contextlib.suppress(TimeoutError):  # what moves meanwhile waits its turn
-                await asyncio.wait_for(done.wait(), self._interval)
+                await wait_for(done.wait(), self._interval)

@@ -72,6 +72,7 @@ from events.envelopes import Envelope
 from events.folding import Refusal
 from services.runtime.ground.metrics import DEAD_LETTERS, REGISTRY
 from services.runtime.ground.outages import is_unreachable, one_line
+from services.runtime.ground.waiting import wait_for
 from services.runtime.store.eventstore import Connection, EventStore
 from services.runtime.store.livestate import LiveState
 from services.runtime.store.refusals import note
@@ -294,4 +295,4 @@ async def _decoded(rows: Sequence[Row], refused: Collection[int]) -> list[Envelo
 
 async def _wait(stop: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
+        await wait_for(stop.wait(), seconds)

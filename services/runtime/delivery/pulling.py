@@ -69,6 +69,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import Header
 
+from services.runtime.ground.waiting import wait_for
+
 __all__ = ["MAX_EXPIRES_S", "MISSING_WAIT_S", "PULL_SUBJECT", "Puller"]
 
 #: JetStream's pull API, under an API prefix (``$JS.API`` is the default, no domain).
@@ -197,7 +199,7 @@ class Puller:
             if left <= 0:
                 return []
             with contextlib.suppress(TimeoutError):  # woken to renew a request in time
-                await asyncio.wait_for(self._arrival.wait(), min(left, self._renew_in()))
+                await wait_for(self._arrival.wait(), min(left, self._renew_in()))
         ready = self._ready
         out = [ready.popleft() for _ in range(min(most, len(ready)))]
         await self._ask()  # keep the flow going while this group is handled

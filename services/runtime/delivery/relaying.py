@@ -106,7 +106,7 @@ from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import NotFound, Unanswered
 from services.runtime.ground.metrics import RELAY_LAG, RELAY_MESSAGES
 from services.runtime.ground.outages import StateLog
-from services.runtime.ground.waiting import first_of
+from services.runtime.ground.waiting import first_of, wait_for
 from services.runtime.store import rows
 from services.runtime.store.eventstore import ANSWER_WAIT_S, EventStore
 from services.runtime.store.handover import Handover
@@ -261,7 +261,7 @@ class Relay:
                 head = 0
             RELAY_LAG.set(max(0, max(head, self._store.known_head) - self.position))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), self._lag_interval)
+                await wait_for(done.wait(), self._lag_interval)
 
     async def _relay(self, stop: asyncio.Event) -> None:
         """Drain and wait until ``stop`` is set, retrying after a failure."""

@@ -26,6 +26,8 @@ import datetime
 import time
 from typing import Final, Protocol
 
+from services.runtime.ground.waiting import wait_for
+
 __all__ = ["SYSTEM", "Clock", "SystemClock"]
 
 
@@ -69,7 +71,7 @@ class SystemClock:
         if event.is_set():
             return True
         try:
-            await asyncio.wait_for(event.wait(), seconds)
+            await wait_for(event.wait(), seconds)
         except TimeoutError:
             return event.is_set()
         return True

@@ -12,14 +12,34 @@ propagates, it is never swallowed.
 life (a worker's consumers): it returns when all are done, and when one fails it
 cancels the others before raising, so a supervisor that restarts the service never
 leaves the failed one's siblings running beside the new ones.
+
+:func:`wait_for` is :func:`asyncio.wait_for` without Python 3.11's lost cancellation:
+there, a task cancelled in the same turn of the loop as the awaited thing completes
+gets its result instead of the ``CancelledError`` (CPython gh-86296, fixed in 3.12), so
+a service told to stop runs on, and whoever awaits its end waits forever (a reservation
+worker woken by a NOTIFY as its test killed it hung the suite). It is written with
+:func:`asyncio.timeout`, which counts cancellations and never drops one; ruff bans
+``asyncio.wait_for`` in the project's code (``[tool.ruff.lint.flake8-tidy-imports]``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from typing import TypeVar
 
-__all__ = ["all_of", "first_of"]
+__all__ = ["all_of", "first_of", "wait_for"]
+
+_T = TypeVar("_T")
+
+
+async def wait_for(awaitable: Awaitable[_T], seconds: float | None) -> _T:
+    """``awaitable``'s result, or :class:`TimeoutError` after ``seconds`` (None: no limit).
+
+    As :func:`asyncio.wait_for`, but the caller's cancellation always wins.
+    """
+    async with asyncio.timeout(seconds):
+        return await awaitable
 
 
 async def first_of(*awaitables: Awaitable[object]) -> None:

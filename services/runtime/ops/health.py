@@ -80,6 +80,7 @@ from nats.js import JetStreamContext
 
 from services.runtime.ground.metrics import HEALTH_CHECK_UP, start_metrics_server
 from services.runtime.ground.outages import one_line
+from services.runtime.ground.waiting import wait_for
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
@@ -213,7 +214,7 @@ class HealthMonitor:
         while not stop.is_set():
             await self.check_once()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self._interval)
+                await wait_for(stop.wait(), self._interval)
 
     async def check_once(self) -> None:
         """Run every registered check once, log what changed, publish the round."""

@@ -43,6 +43,7 @@ from typing import Final, NoReturn
 import msgspec
 
 from services.runtime.ground.metrics import EMBEDDED_SERVER_RESTARTS
+from services.runtime.ground.waiting import wait_for
 from services.runtime.ops.embedded import EmbeddedError, EmbeddedServer
 
 __all__ = ["WATCH_INTERVAL_S", "RestartLimitError", "RestartPolicy", "Watchdog"]
@@ -155,5 +156,5 @@ class Watchdog:
 async def _stopped(stop: asyncio.Event, delay: float) -> bool:
     """Wait up to ``delay`` for ``stop``; whether it is set."""
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), delay)
+        await wait_for(stop.wait(), delay)
     return stop.is_set()

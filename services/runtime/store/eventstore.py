@@ -92,6 +92,7 @@ from services.runtime.ground.errors import (
     map_database_error,
 )
 from services.runtime.ground.settings import Settings
+from services.runtime.ground.waiting import wait_for
 from services.runtime.store.appends import (
     Batch,
     Metadata,
@@ -711,7 +712,7 @@ class EventStore:
             self._waiters.add(waiter)
             try:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(waiter), left)
+                    await wait_for(asyncio.shield(waiter), left)
             finally:
                 self._waiters.discard(waiter)
             if self._commits.head > after_position:

@@ -106,7 +106,7 @@ from events.state import ClusterState
 from events.transitions import INVENTORY_CHANGES, events_meaning
 from services.runtime.ground.errors import RuntimeServiceError
 from services.runtime.ground.outages import is_unreachable
-from services.runtime.ground.waiting import first_of
+from services.runtime.ground.waiting import first_of, wait_for
 from services.runtime.store.eventstore import ANSWER_WAIT_S, Connection, EventStore, iter_rows
 from services.runtime.store.handover import Handover
 from services.runtime.store.refusals import note
@@ -367,7 +367,7 @@ class LiveState:
         waiter = asyncio.get_running_loop().create_future()
         self._position_waiters.append((position, waiter))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(waiter, within)
+            await wait_for(waiter, within)
         return self.state.position >= position
 
     def _wake_position_waiters(self) -> None:

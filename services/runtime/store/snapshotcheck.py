@@ -51,6 +51,7 @@ from events.folding import Refusal, fold_stored
 from events.state import ClusterState
 from events.statecodec import same_state
 from services.runtime.ground.metrics import SNAPSHOT_CHECKS
+from services.runtime.ground.waiting import wait_for
 from services.runtime.store.eventstore import Connection, EventStore, iter_rows
 from services.runtime.store.refusals import note
 from services.runtime.store.rows import ACTOR, EVENT_ID, PAYLOAD, POSITION, SCHEMA_VERSION, TYPE
@@ -105,7 +106,7 @@ async def check_start(live: Checked, stop: asyncio.Event) -> bool | None:
             SNAPSHOT_CHECKS.labels(outcome="failed").inc()
             log.warning("snapshot check at %d interrupted, retried: %s", start, exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), RETRY_S)
+                await wait_for(stop.wait(), RETRY_S)
     return None
 
 
