@@ -108,6 +108,8 @@ PING_INTERVAL_S: Final = 5.0
 #: Unanswered pings after which the server is taken as lost and another one tried.
 MAX_OUTSTANDING_PINGS: Final = 2
 STREAM_NAME_IN_USE: Final = 10058  # JetStream API error code
+#: How nats-server's refusal of a publish or subscribe begins (after "nats: ").
+PERMISSIONS_VIOLATION: Final = "permissions violation"
 #: nats-server's own JetStream API prefix (no domain)
 DEFAULT_API_PREFIX: Final = "$JS.API"
 
@@ -131,7 +133,11 @@ class _ConnectionLog:
     async def error(self, exc: Exception) -> None:
         if is_unreachable(exc):  # a lost connection or a failed reconnect attempt
             _log.debug("NATS %s: %s", self._url, one_line(exc))
-        else:
+        elif type(exc) is nats.errors.Error and PERMISSIONS_VIOLATION in str(exc):
+            # the server's word (-ERR), no traceback of ours to show: after a broker
+            # restart, a reply to a request the old server routed is refused this way
+            _log.warning("NATS %s: %s", self._url, one_line(exc))
+        else:  # an exception of a callback of ours: its traceback says where
             _log.error("NATS %s: %s", self._url, one_line(exc), exc_info=exc)
 
 
