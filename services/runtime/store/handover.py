@@ -12,7 +12,9 @@ buffer between the two, keyed by position:
   log anyway, so the offer is dropped — nothing is lost, the log has it.
 * :meth:`Handover.take` returns the envelopes that come *next* (position + 1, + 2, …,
   up to a limit), in order, and drops those the reader has passed by reading the log
-  (:meth:`Handover.discard_passed` does only the latter).
+  (:meth:`Handover.discard_passed` does only the latter); :meth:`Handover.next_waiting`
+  says whether the next one is there (what a reader waiting for its own appends in
+  flight waits for: ``EventStore.appends_answered``).
 
 The reader owns its position; the hand-over asks for it (the ``position`` callable)
 and never keeps a copy, so the two cannot disagree. A hand-over receives offers while
@@ -64,6 +66,10 @@ class Handover:
             if env.position > position:
                 self._waiting[env.position] = env
         self.offered.set()
+
+    def next_waiting(self) -> bool:
+        """Whether the envelope that comes next (position + 1) is waiting to be taken."""
+        return self._position() + 1 in self._waiting
 
     def take(self, limit: int | None = None) -> list[Envelope]:
         """The waiting envelopes that come next, in order (at most ``limit``)."""
