@@ -241,13 +241,14 @@ async def test_an_append_announced_before_it_was_answered_is_handed_over_not_rea
     assert r.handed_over == 1 and live._reads_done == 1 and reads == []
 
 
-async def test_readers_wait_for_the_append_that_comes_next_not_for_every_one_in_flight(
+async def test_readers_wait_for_the_appends_announced_not_for_every_one_in_flight(
     bus: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An append of this process announced before it was answered is waited for, but
-    not the other appends in flight with it: one still on its way to the database (here:
-    held before its statement, as one waiting for a connection of the pool is) does not
-    hold the relay and the live view once the commit they need is handed over. (They
+    not the other appends in flight with it, which nobody announced: one still on its
+    way to the database (here: held before its statement, as one waiting for a
+    connection of the pool is) does not hold the relay and the live view once the
+    commits up to the head they heard of are handed over. (They
     waited for every append in flight, up to ``ANSWER_WAIT_S``: under load a wait of tens
     of milliseconds on every stage of every claim, issue 25's half-rate tail.)"""
     monkeypatch.setattr(relaying, "ANSWER_WAIT_S", 60.0)  # longer than `until` waits

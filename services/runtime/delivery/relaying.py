@@ -310,7 +310,7 @@ class Relay:
                 not offered
                 and self._store.known_head > self.position
                 and await self._store.appends_answered(
-                    ANSWER_WAIT_S, enough=self._handover.next_waiting
+                    ANSWER_WAIT_S, enough=lambda: self._handover.covers(self._store.known_head)
                 )
             ):
                 offered = self._take_offered()  # the gap was an append of ours, unanswered

@@ -397,11 +397,12 @@ class EventStore:
         over for the gap: when this process has appends in flight, the gap is most
         likely one of them — committed, its NOTIFY already in, its answer not yet —
         and its commit is handed over as it is answered, with no read of the log.
-        ``enough`` is the reader's "the commit that comes next is handed over": the
-        other appends in flight may not even have reached the database yet (waiting for
-        a connection of the pool, or for the log's head lock behind the one that came
-        first), and under load waiting for all of them held every reader — the relay,
-        so every stage of every claim — for up to ``within`` (issue 25's half-rate tail).
+        ``enough`` is the reader's "every commit up to the head I heard of is handed
+        over": the other appends in flight were not announced, and may not even have
+        reached the database yet (waiting for a connection of the pool, or for the
+        log's head lock), and under load waiting for all of them held every reader —
+        the relay, so every stage of every claim — for up to ``within`` (issue 25's
+        half-rate tail).
         """
         waiting = set(self._commits.in_flight)
         if not waiting:

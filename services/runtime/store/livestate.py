@@ -437,7 +437,8 @@ class LiveState:
                             not read
                             and self.store.known_head > self.state.position
                             and await self.store.appends_answered(
-                                ANSWER_WAIT_S, enough=self._handover.next_waiting
+                                ANSWER_WAIT_S,
+                                enough=lambda: self._handover.covers(self.store.known_head),
                             )
                         ):
                             await self._fold_offered()  # the gap was an append of ours
