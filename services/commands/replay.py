@@ -500,7 +500,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     snap = verbs.add_parser("snapshot", help="write snapshots of the fold (once, or as a service)")
     snap.add_argument("--once", action="store_true", help="write one now and exit")
-    snap.add_argument("--every-events", type=int, default=EVERY_EVENTS, metavar="N")
+    snap.add_argument(
+        "--every-events",
+        type=int,
+        default=EVERY_EVENTS,
+        metavar="N",
+        help="events between two snapshots of a small state; grows with the state "
+        "(services/runtime/store/snapshots.py)",
+    )
     snap.add_argument("--every-minutes", type=float, default=10.0, metavar="M")
     snap.add_argument(
         "--metrics-port", type=int, default=0, help="service: Prometheus port (0: off)"

@@ -73,7 +73,7 @@ from services.runtime.ground.metrics import CLAIMS, FENCE_HOOK_RUNS, NODE_TRANSI
 from services.runtime.ground.outages import is_unreachable, one_line
 from services.runtime.ground.waiting import wait_for
 from services.runtime.store.appends import Batch, Metadata
-from services.runtime.store.livestate import HEAD
+from services.runtime.store.livestate import HEAD, SEEN
 from services.runtime.store.logandfold import LogAndFold
 
 __all__ = ["DEFAULT_POLL_S", "DUE_PER_TICK", "NotStartedQueue", "ReclamationService"]
@@ -258,9 +258,14 @@ class ReclamationService:
 
     async def _not_started(self) -> int:
         """Release or mark stalled each claim not started within its class's timeout."""
-        state = await self.live.fresh(HEAD)
+        # the classes as far as this process heard of the log (no read while the live
+        # view's tailer keeps up: this ran 4 times a second, and each read of the head
+        # held the tailer's fold of the process's own commits for a round trip); the log
+        # itself is read only when a class sets a timeout
+        state = await self.live.fresh(SEEN)
         if not any(class_not_started(c.device_class) for c in state.classes.values()):
             return 0  # the usual case, in O(classes)
+        state = await self.live.fresh(HEAD)
         candidates = self.queue.oldest(state)
         if not candidates:
             return 0

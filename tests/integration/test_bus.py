@@ -244,6 +244,57 @@ async def test_an_append_announced_before_it_was_answered_is_handed_over_not_rea
     assert r.handed_over == 1 and live._reads_done == 1 and reads == []
 
 
+async def test_readers_wait_for_the_appends_announced_not_for_every_one_in_flight(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An append of this process announced before it was answered is waited for, but
+    not the other appends in flight with it, which nobody announced: one still on its
+    way to the database (here: held before its statement, as one waiting for a
+    connection of the pool is) does not hold the relay and the live view once the
+    commits up to the head they heard of are handed over. (They
+    waited for every append in flight, up to ``ANSWER_WAIT_S``: under load a wait of tens
+    of milliseconds on every stage of every claim, issue 25's half-rate tail.)"""
+    monkeypatch.setattr(relaying, "ANSWER_WAIT_S", 60.0)  # longer than `until` waits
+    monkeypatch.setattr(livestate, "ANSWER_WAIT_S", 60.0)
+    store, gate, held = bus.store, asyncio.Event(), asyncio.Event()
+    write, read_rows = store._write, store.read_rows
+    reads: list[int] = []
+
+    async def slow_or_late(connection: Any, batches: Any, pending: Any) -> Any:
+        if batches[0].stream == "slow:0":
+            await held.wait()  # not sent yet: on its way to the database
+            return await write(connection, batches, pending)
+        stored = await write(connection, batches, pending)
+        await gate.wait()  # committed (and announced): the answer is held back
+        return stored
+
+    def counted(after: int, *args: Any, **kwargs: Any) -> Any:
+        reads.append(after)
+        return read_rows(after, *args, **kwargs)
+
+    r, live = relay(bus), LiveState(store)
+    meta = Metadata(actor="test")
+    async with Running(r.run), Running(live.run):
+        await until(lambda: live._reads_done == 1 and store.committed_head() is not None)
+        store._write = slow_or_late  # type: ignore[method-assign]
+        store.read_rows = counted  # type: ignore[method-assign]
+        slow = asyncio.create_task(store.append_many([Batch("slow:0", 0, [access(1)])], meta))
+        try:
+            mine = store.append_many([Batch("mine:0", 0, [access(0)])], meta)
+            mine_task = asyncio.create_task(mine)
+            await until(lambda: store.known_head == 1, what="the NOTIFY before the answer")
+            gate.set()
+            await mine_task
+            await until(lambda: r.position == 1 and live.state.position == 1, what="handed over")
+            assert not slow.done()  # the readers went on while it was still in flight
+        finally:
+            gate.set()
+            held.set()
+            await slow
+        await until(lambda: r.position == 2 and live.state.position == 2)
+    assert r.handed_over == 2 and live._reads_done == 1 and reads == []
+
+
 async def test_relay_crash_between_acks_and_checkpoint_duplicates_nothing(bus: Bus) -> None:
     class Stalled(Relay):
         async def _save_checkpoint(self, position: int) -> None:

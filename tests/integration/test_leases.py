@@ -27,9 +27,11 @@ from services.runtime.ground.errors import ConflictError, StaleEpoch
 from services.runtime.ground.settings import Settings
 from services.runtime.store.appends import Batch, Metadata, Processed
 from services.runtime.store.eventstore import EventStore
+from services.runtime.store.livestate import LiveState
 from tests.fixtures.clock import FakeClock
 from tests.fixtures.contexts import folded
 from tests.fixtures.dbtime import age_leases
+from tests.fixtures.polling import until
 from tests.integration import sample as s
 from tests.integration.scenario import put
 
@@ -162,6 +164,35 @@ async def test_an_epoch_never_granted_is_refused_too(store: EventStore) -> None:
         await put(store, report, actor=f"agent:{NODE}#9")
     with pytest.raises(StaleEpoch):
         await put(store, report, actor="agent:node-never-leased#1")
+
+
+async def test_an_idle_tick_reads_nothing_of_the_log_while_the_live_view_keeps_up(
+    store: EventStore,
+) -> None:
+    """No class sets a not-started timeout (the usual case): a tick asks the live view for
+    what this process heard of the log, which its tailer already folded, and reads no
+    more. (It read the log's head on every tick, 4 times a second, each read holding the
+    tailer's fold of the process's own commits for a round trip; issue 25.)"""
+    live = LiveState(store)
+    await put(store, c.NamespaceAccessSet(namespace="team-a", classes=["*"]))
+    stop = asyncio.Event()
+    tailing = asyncio.create_task(live.run(stop))
+    try:
+        await until(  # the tailer has read what is there and listens for the rest
+            lambda: (
+                store.committed_head() is not None
+                and live._reads_done >= 1
+                and live.state.position == store.known_head
+            )
+        )
+        reads = live._reads_done
+        service = ReclamationService(folded(store, live=live))
+        for _ in range(5):
+            assert await service.tick() == 0
+        assert live._reads_done == reads and service.ticks == 5
+    finally:
+        stop.set()
+        await tailing
 
 
 async def test_two_replicas_record_an_expiry_once(store: EventStore, settings: Settings) -> None:

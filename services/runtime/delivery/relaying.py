@@ -318,7 +318,9 @@ class Relay:
             if (
                 not offered
                 and self._store.known_head > self.position
-                and await self._store.appends_answered(ANSWER_WAIT_S)
+                and await self._store.appends_answered(
+                    ANSWER_WAIT_S, enough=lambda: self._handover.covers(self._store.known_head)
+                )
             ):
                 offered = self._take_offered()  # the gap was an append of ours, unanswered
             if offered:  # this process's own appends, next in line: no read

@@ -12,7 +12,9 @@ buffer between the two, keyed by position:
   log anyway, so the offer is dropped — nothing is lost, the log has it.
 * :meth:`Handover.take` returns the envelopes that come *next* (position + 1, + 2, …,
   up to a limit), in order, and drops those the reader has passed by reading the log
-  (:meth:`Handover.discard_passed` does only the latter).
+  (:meth:`Handover.discard_passed` does only the latter); :meth:`Handover.covers` says
+  whether all of them up to a head are there (what a reader waiting for its own
+  appends in flight waits for: ``EventStore.appends_answered``).
 
 The reader owns its position; the hand-over asks for it (the ``position`` callable)
 and never keeps a copy, so the two cannot disagree. A hand-over receives offers while
@@ -64,6 +66,12 @@ class Handover:
             if env.position > position:
                 self._waiting[env.position] = env
         self.offered.set()
+
+    def covers(self, head: int) -> bool:
+        """Whether every envelope after the reader's position up to ``head`` is waiting
+        to be taken (the gap to a head the reader heard of is filled from memory)."""
+        waiting = self._waiting
+        return all(p in waiting for p in range(self._position() + 1, head + 1))
 
     def take(self, limit: int | None = None) -> list[Envelope]:
         """The waiting envelopes that come next, in order (at most ``limit``)."""

@@ -436,7 +436,10 @@ class LiveState:
                         if (
                             not read
                             and self.store.known_head > self.state.position
-                            and await self.store.appends_answered(ANSWER_WAIT_S)
+                            and await self.store.appends_answered(
+                                ANSWER_WAIT_S,
+                                enough=lambda: self._handover.covers(self.store.known_head),
+                            )
                         ):
                             await self._fold_offered()  # the gap was an append of ours
                         if read or self.store.known_head > self.state.position:

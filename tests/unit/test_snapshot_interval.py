@@ -1,0 +1,76 @@
+"""When the snapshot writer writes: an interval that grows with the state (issue 25).
+
+A snapshot is the whole state, so a write costs in proportion to the records it holds.
+At a fixed interval that was a cost per event that grew with the claims live; the
+interval now grows with the records (``snapshots.interval``), so the records encoded
+per event folded stay bounded whatever the state, while the events a start after a
+crash folds stay a bounded multiple of the records it loads. The writer's rule is run
+here on a state grown by hand, on a fake clock: work counted in records, not timed.
+"""
+
+from __future__ import annotations
+
+from events.state import ClusterState
+from services.runtime.store.snapshots import (
+    EVENTS_PER_RECORD,
+    EVERY_EVENTS,
+    SnapshotWriter,
+    interval,
+    snapshot_records,
+)
+from tests.fixtures.clock import FakeClock
+from tests.unit.test_snapshot_encoding import _state
+
+
+def _writer(state: ClusterState) -> SnapshotWriter:
+    # the time rule never fires: the clock does not move
+    return SnapshotWriter(None, lambda: state, clock=FakeClock())  # type: ignore[arg-type]
+
+
+def test_a_small_state_is_written_every_25000_events_as_before() -> None:
+    state, _ = _state(10)
+    writer = _writer(state)
+    assert snapshot_records(state) < 100
+    state.position = EVERY_EVENTS - 1
+    assert not writer.due()
+    state.position = EVERY_EVENTS
+    assert writer.due()
+
+
+def test_a_large_state_waits_half_an_event_per_record() -> None:
+    state, _ = _state(1)
+    share = next(iter(state.shares.values()))
+    state.shares = {f"s{i}": share for i in range(200_000)}
+    records = snapshot_records(state)
+    assert records >= 200_000 and interval(records) == int(records * EVENTS_PER_RECORD)
+    writer = _writer(state)
+    state.position = EVERY_EVENTS  # due at a fixed 25,000: 8 writes of the state per interval
+    assert not writer.due()
+    state.position = interval(records)
+    assert writer.due()
+
+
+def test_the_records_encoded_per_event_stay_bounded_as_the_state_grows() -> None:
+    """Two million events, each claim two records (claim, share) every four events: the
+    records encoded per event folded stay under 1 / EVENTS_PER_RECORD (with a fixed
+    25,000 they grew with the state, to ~20 per event here), and the events folded
+    after a crash under one interval of the state's size."""
+    state, _ = _state(1)
+    share = next(iter(state.shares.values()))
+    shares: dict[str, object] = {}
+    state.shares = shares  # type: ignore[assignment]
+    writer = _writer(state)
+    step, encoded, writes, worst_gap = 1_000, 0, 0, 0.0
+    for position in range(step, 2_000_001, step):
+        for i in range(len(shares), position // 2):  # two records per four events
+            shares[f"s{i}"] = share
+        state.position = position
+        records = snapshot_records(state)
+        worst_gap = max(worst_gap, (position - writer.last_position) / interval(records))
+        if writer.due():  # written: what maybe_write does, less the database
+            encoded += records
+            writes += 1
+            writer.last_position = position
+    assert writes > 5
+    assert encoded / state.position <= 1 / EVENTS_PER_RECORD
+    assert worst_gap <= 1.0 + step / EVERY_EVENTS  # never more than an interval unsaved
