@@ -20,7 +20,7 @@ import asyncio
 import gc
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -195,6 +195,20 @@ async def test_the_stream_keeps_its_replicas_unless_told(nats3: NatsCluster) -> 
         await nc.close()
 
 
+async def _placed(create: Callable[[], Awaitable[object]], within: float = 30) -> None:
+    """``create()`` once every peer is back: a server an earlier test of the module
+    killed or paused may not have rejoined yet ("no suitable peers for placement")."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            await create()
+            return
+        except Exception as exc:
+            if "no suitable peers" not in str(exc) or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.25)
+
+
 async def test_a_pull_request_lost_with_its_server_is_asked_again_at_once(
     nats3: NatsCluster,
 ) -> None:
@@ -209,15 +223,17 @@ async def test_a_pull_request_lost_with_its_server_is_asked_again_at_once(
     # the puller its request (the stream and consumer are made before it is chosen)
     first, *_ = nats3.nodes
     admin, js = await connect_bus(first.url)
-    await ensure_stream(js, names, replicas=3)
-    await js.add_consumer(names.stream, durable_config(durable))
-    clusters = [
-        (await js.stream_info(names.stream)).cluster,
-        (await js.consumer_info(names.stream, durable.name)).cluster,
-    ]
+    try:
+        await _placed(lambda: ensure_stream(js, names, replicas=3))
+        await _placed(lambda: js.add_consumer(names.stream, durable_config(durable)))
+        clusters = [
+            (await js.stream_info(names.stream)).cluster,
+            (await js.consumer_info(names.stream, durable.name)).cluster,
+        ]
+    finally:
+        await admin.close()
     leading = {info.leader for info in clusters if info is not None}
     lost = next(node for node in reversed(nats3.nodes) if node.name not in leading)
-    await admin.close()
     survivors = ",".join(node.url for node in nats3.nodes if node is not lost)
     admin, js = await connect_bus(survivors)
     try:
