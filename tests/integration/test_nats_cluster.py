@@ -195,6 +195,10 @@ async def test_the_stream_keeps_its_replicas_unless_told(nats3: NatsCluster) -> 
         await nc.close()
 
 
+#: JetStream's "no suitable peers for placement" (a replica's server is not back yet)
+NO_PEERS = 10005
+
+
 async def _placed(create: Callable[[], Awaitable[object]], within: float = 30) -> None:
     """``create()`` once every peer is back: a server an earlier test of the module
     killed or paused may not have rejoined yet ("no suitable peers for placement")."""
@@ -204,7 +208,8 @@ async def _placed(create: Callable[[], Awaitable[object]], within: float = 30) -
             await create()
             return
         except Exception as exc:
-            if "no suitable peers" not in str(exc) or time.monotonic() > deadline:
+            cause = exc.__cause__ or exc  # ensure_stream wraps the server's answer
+            if getattr(cause, "err_code", None) != NO_PEERS or time.monotonic() > deadline:
                 raise
         await asyncio.sleep(0.25)
 
