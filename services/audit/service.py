@@ -35,12 +35,9 @@ import msgspec
 
 from events.envelopes import Envelope
 from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, Update, build, needs
-from services.runtime.bus.credentials import Directory
 from services.runtime.bus.queries import QueryError, limited_to
 from services.runtime.delivery.subscribers import QueryingSubscriber, decode_query
-from services.runtime.ground.context import ServiceContext
-from services.runtime.store.eventstore import Connection, EventStore
-from services.runtime.store.livestate import LiveState
+from services.runtime.store.eventstore import Connection
 
 __all__ = [
     "CONSUMER",
@@ -166,23 +163,7 @@ class AuditService(QueryingSubscriber):
     """The audit projector, and its query endpoints when given a connection to serve on."""
 
     service = "audit"
-
-    def __init__(
-        self,
-        context: ServiceContext[EventStore],
-        *,
-        name: str = CONSUMER,
-        directory: Directory | None = None,
-        authenticated: bool = False,
-        live: LiveState | None = None,
-    ) -> None:
-        super().__init__(
-            context,
-            name=name,
-            directory=directory,
-            authenticated=authenticated,
-            live=live,
-        )
+    consumer = CONSUMER
 
     async def write(self, connection: Connection, envs: Sequence[Envelope]) -> None:
         """Records for ``envs``, in the transaction that moves the position."""

@@ -51,13 +51,10 @@ from services.billing.usage import (
     needs,
     usage_rows,
 )
-from services.runtime.bus.credentials import Directory
 from services.runtime.bus.queries import limited_to
 from services.runtime.delivery.subscribers import QueryingSubscriber, decode_query
-from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.metrics import USAGE
-from services.runtime.store.eventstore import Connection, EventStore
-from services.runtime.store.livestate import LiveState
+from services.runtime.store.eventstore import Connection
 
 __all__ = [
     "CONSUMER",
@@ -222,24 +219,8 @@ class BillingService(QueryingSubscriber):
     """The billing projector, and the usage endpoints when given a connection to serve on."""
 
     service = "usage"
-
-    def __init__(
-        self,
-        context: ServiceContext[EventStore],
-        *,
-        name: str = CONSUMER,
-        directory: Directory | None = None,
-        authenticated: bool = False,
-        live: LiveState | None = None,
-    ) -> None:
-        super().__init__(
-            context,
-            name=name,
-            directory=directory,
-            authenticated=authenticated,
-            types=TYPES,
-            live=live,
-        )
+    consumer = CONSUMER
+    types = TYPES
 
     async def write(self, connection: Connection, envs: Sequence[Envelope]) -> Callable[[], None]:
         """Billing's changes for ``envs``; counts the usage once the batch commits."""

@@ -107,15 +107,18 @@ class QueryingSubscriber:
 
     #: the queries' subject word (``audit``, ``usage``)
     service: str = ""
+    #: the projector's name (its position's row) unless given another
+    consumer: str = ""
+    #: the event tags the subscriber reads (None: every event)
+    types: Collection[str] | None = None
 
     def __init__(
         self,
         context: ServiceContext[EventStore],
         *,
-        name: str,
+        name: str | None = None,
         directory: Directory | None = None,
         authenticated: bool = False,
-        types: Collection[str] | None = None,
         live: LiveState | None = None,
     ) -> None:
         store = self.store = context.stores
@@ -126,8 +129,9 @@ class QueryingSubscriber:
         self.nc = context.connection  #: None: the projector only, no query endpoints
         self.directory = directory
         self.authenticated = authenticated
-        #: ``types``: the event tags the subscriber reads (None: every event)
-        self.projector = Projector(store, name, self.write, types=types, live=self.live)
+        self.projector = Projector(
+            store, name or self.consumer, self.write, types=self.types, live=self.live
+        )
 
     async def write(
         self, connection: Connection, envs: Sequence[Envelope]
