@@ -34,9 +34,14 @@ from typing import Any, Final
 import msgspec
 
 from events.envelopes import Envelope
-from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, Update, build, needs
+from services.audit.records import AuditRecord, ShareInfo, Update, build, needs
 from services.runtime.bus.queries import QueryError, limited_to
-from services.runtime.delivery.subscribers import QueryingSubscriber, decode_query
+from services.runtime.delivery.subscribers import (
+    QueryingSubscriber,
+    decode_query,
+    read_node_epochs,
+    write_node_epochs,
+)
 from services.runtime.store.eventstore import Connection
 
 __all__ = [
@@ -65,9 +70,6 @@ _SHARES: Final = f"{_SHARE_COLUMNS} WHERE share_id = ANY($1::text[])"
 #: every row of ``audit_shares``, in :func:`share_of`'s order
 SHARES: Final = _SHARE_COLUMNS
 _NODE_SHARES: Final = f"{_SHARE_COLUMNS} WHERE live AND node = ANY($1::text[])"
-_NODES: Final = (
-    "SELECT node, lease_epoch, fenced_epoch FROM audit_nodes WHERE node = ANY($1::text[])"
-)
 _INSERT: Final = """
 INSERT INTO audit_records (position, seq, event_id, recorded_at, type, decision, reason,
     namespace, claim, request, share_id, device, node, amounts, policy_version, actor,
@@ -81,11 +83,6 @@ INSERT INTO audit_shares (share_id, namespace, claim, request, device, node, amo
     policy_version, live)
 VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8, $9)
 ON CONFLICT (share_id) DO UPDATE SET live = excluded.live
-"""
-_UPSERT_NODE: Final = """
-INSERT INTO audit_nodes (node, lease_epoch, fenced_epoch) VALUES ($1, $2, $3)
-ON CONFLICT (node) DO UPDATE SET lease_epoch = excluded.lease_epoch,
-    fenced_epoch = excluded.fenced_epoch
 """
 
 
@@ -103,10 +100,7 @@ async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Upda
         shares[info.share_id] = info
         if info.live and info.node in nodes:
             node_shares.setdefault(info.node, []).append(info.share_id)
-    epochs = {
-        row[0]: NodeEpochs(node=row[0], lease_epoch=row[1], fenced_epoch=row[2])
-        for row in (await connection.fetch(_NODES, sorted(nodes)) if nodes else [])
-    }
+    epochs = await read_node_epochs(connection, "audit_nodes", nodes)
     update = build(envs, shares, node_shares, epochs)
     if update.records:
         await connection.executemany(_INSERT, [_row(r) for r in update.records])
@@ -128,10 +122,7 @@ async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Upda
                 for s in update.shares.values()
             ],
         )
-    if update.nodes:
-        await connection.executemany(
-            _UPSERT_NODE, [(n.node, n.lease_epoch, n.fenced_epoch) for n in update.nodes.values()]
-        )
+    await write_node_epochs(connection, "audit_nodes", update.nodes)
     return update
 
 

@@ -18,12 +18,12 @@ login that may read the log and the tables (the read-only role); it writes nothi
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
 from events.envelopes import Envelope
 from services.audit.records import AuditRecord, NodeEpochs, ShareInfo, build, needs
 from services.audit.service import CONSUMER, RECORDS, SHARES, record_of, share_of
-from services.runtime.delivery.subscribers import Difference, differences
+from services.runtime.delivery.subscribers import Difference, differences, read_node_epochs
 from services.runtime.store.eventstore import Connection, iter_rows
 from services.runtime.store.rows import envelope_of
 
@@ -32,7 +32,6 @@ __all__ = ["PAGE", "verify"]
 PAGE: Final = 2000
 _POSITION: Final = "SELECT position FROM ledger_positions WHERE subscriber = $1"
 _RECORDS_IN: Final = f"{RECORDS} WHERE position >= $1 AND position <= $2"
-_NODES: Final = "SELECT node, lease_epoch, fenced_epoch FROM audit_nodes"
 
 
 class _Known:
@@ -91,10 +90,7 @@ async def verify(connection: Connection) -> list[Difference]:
     ]
     shares = {row[0]: share_of(row) for row in await connection.fetch(SHARES)}
     out += differences("audit_shares", known.shares, shares)
-    nodes = {row[0]: _node(row) for row in await connection.fetch(_NODES)}
-    out += differences("audit_nodes", known.nodes, nodes)
+    out += differences(
+        "audit_nodes", known.nodes, await read_node_epochs(connection, "audit_nodes")
+    )
     return out
-
-
-def _node(row: Any) -> NodeEpochs:
-    return NodeEpochs(node=row[0], lease_epoch=row[1], fenced_epoch=row[2])

@@ -43,7 +43,6 @@ from events.transitions import events_meaning
 from services.billing.usage import (
     BILLED,
     BillingShare,
-    NodeEpochs,
     Segment,
     Update,
     apply,
@@ -52,7 +51,12 @@ from services.billing.usage import (
     usage_rows,
 )
 from services.runtime.bus.queries import limited_to
-from services.runtime.delivery.subscribers import QueryingSubscriber, decode_query
+from services.runtime.delivery.subscribers import (
+    QueryingSubscriber,
+    decode_query,
+    read_node_epochs,
+    write_node_epochs,
+)
 from services.runtime.ground.metrics import USAGE
 from services.runtime.store.eventstore import Connection
 
@@ -96,9 +100,6 @@ _SHARE_COLUMNS: Final = (
 #: two statements, not one with an ``OR`` (which the planner answers with a scan)
 _SHARES: Final = f"{_SHARE_COLUMNS} WHERE share_id = ANY($1::text[])"
 _NODE_SHARES: Final = f"{_SHARE_COLUMNS} WHERE state <> 'closed' AND node = ANY($1::text[])"
-_NODES: Final = (
-    "SELECT node, lease_epoch, fenced_epoch FROM billing_nodes WHERE node = ANY($1::text[])"
-)
 _UPSERT_CLAIM: Final = (
     "INSERT INTO billing_claims (namespace, name, classes) VALUES ($1, $2, $3::jsonb) "
     "ON CONFLICT (namespace, name) DO UPDATE SET classes = excluded.classes"
@@ -109,11 +110,6 @@ INSERT INTO billing_shares (share_id, namespace, device_class, node, amounts, bi
 VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9)
 ON CONFLICT (share_id) DO UPDATE SET state = excluded.state, since = excluded.since,
     position = excluded.position
-"""
-_UPSERT_NODE: Final = """
-INSERT INTO billing_nodes (node, lease_epoch, fenced_epoch) VALUES ($1, $2, $3)
-ON CONFLICT (node) DO UPDATE SET lease_epoch = excluded.lease_epoch,
-    fenced_epoch = excluded.fenced_epoch
 """
 _ADD_USAGE: Final = """
 INSERT INTO billing_usage (namespace, device_class, capacity, hour, state, unit_seconds)
@@ -159,10 +155,7 @@ async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Upda
     if nodes:
         found += await connection.fetch(_NODE_SHARES, sorted(nodes))
     shares = {row[0]: share_of(row) for row in found}
-    epochs = {
-        row[0]: NodeEpochs(node=row[0], lease_epoch=row[1], fenced_epoch=row[2])
-        for row in (await connection.fetch(_NODES, sorted(nodes)) if nodes else [])
-    }
+    epochs = await read_node_epochs(connection, "billing_nodes", nodes)
     update = apply(envs, claims, shares, epochs)
     if update.claims:
         await connection.executemany(
@@ -187,10 +180,7 @@ async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Upda
                 for s in update.shares.values()
             ],
         )
-    if update.nodes:
-        await connection.executemany(
-            _UPSERT_NODE, [(n.node, n.lease_epoch, n.fenced_epoch) for n in update.nodes.values()]
-        )
+    await write_node_epochs(connection, "billing_nodes", update.nodes)
     rows = update.usage()
     if rows:
         await connection.executemany(

@@ -27,7 +27,7 @@ import msgspec
 from events.envelopes import Envelope
 from services.billing.service import CONSUMER, SHARES, TYPES, share_of
 from services.billing.usage import BillingShare, NodeEpochs, Update, apply, needs
-from services.runtime.delivery.subscribers import Difference, differences
+from services.runtime.delivery.subscribers import Difference, differences, read_node_epochs
 from services.runtime.store.eventstore import Connection, iter_rows
 from services.runtime.store.rows import TYPE, envelope_of
 
@@ -121,9 +121,6 @@ async def verify(connection: Connection) -> list[Difference]:
             )
         },
     )
-    nodes = {
-        r[0]: NodeEpochs(node=r[0], lease_epoch=r[1], fenced_epoch=r[2])
-        for r in await connection.fetch("SELECT node, lease_epoch, fenced_epoch FROM billing_nodes")
-    }
+    nodes = await read_node_epochs(connection, "billing_nodes")
     out += differences("billing_nodes", known.nodes, nodes)
     return out

@@ -205,16 +205,21 @@ def decide_remove(state: ClusterState, name: str) -> AdminWrite:
     return AdminWrite(events=(DeviceClassRemoved(name=name),), applied=(name,))
 
 
-def _unknown_class(name: str) -> Refusal:
-    detail = f"DeviceClass {name!r} does not exist"
+def _not_found(kind: str, field: str, rule: str, detail: str) -> Refusal:
+    """A ``not_found`` refusal whose message reads ``field: detail``."""
     return Refusal(
         code="not_found",
-        kind="unknown-class",
-        field="name",
-        rule="must name an applied DeviceClass",
-        message=f"name: {detail}",
+        kind=kind,
+        field=field,
+        rule=rule,
+        message=f"{field}: {detail}",
         detail=detail,
     )
+
+
+def _unknown_class(name: str) -> Refusal:
+    detail = f"DeviceClass {name!r} does not exist"
+    return _not_found("unknown-class", "name", "must name an applied DeviceClass", detail)
 
 
 def decide_slices(state: ClusterState, slices: Sequence[ResourceSlice]) -> AdminWrite:
@@ -352,12 +357,12 @@ def decide_policy(
     where = f"{change.driver}/{change.pool}/{change.device}"
     dev = state.device(change.driver, change.pool, change.device)
     if dev is None or not dev.present:
-        return AdminWrite(refusal=_not_found("device", f"no published device {where}"))
+        return AdminWrite(refusal=_unknown_device("device", f"no published device {where}"))
     total = dev.total.get(change.capacity)
     if total is None:
         known = ", ".join(sorted(dev.total)) or "none"
         detail = f"device {where} has no capacity {change.capacity!r} (it has: {known})"
-        return AdminWrite(refusal=_not_found("capacity", detail))
+        return AdminWrite(refusal=_unknown_device("capacity", detail))
     policy = change.policy
     if change.patch is not None:
         if change.policy is not None:
@@ -387,15 +392,9 @@ def decide_policy(
     return AdminWrite(events=(event,), applied=(name,))
 
 
-def _not_found(field: str, detail: str) -> Refusal:
-    return Refusal(
-        code="not_found",
-        kind="unknown-device",
-        field=field,
-        rule="must name a published device and one of its capacities",
-        message=f"{field}: {detail}",
-        detail=detail,
-    )
+def _unknown_device(field: str, detail: str) -> Refusal:
+    rule = "must name a published device and one of its capacities"
+    return _not_found("unknown-device", field, rule, detail)
 
 
 def _invalid_policy(exc: ValidationError) -> Refusal:
@@ -508,16 +507,8 @@ def decide_reservation(
     claim = state.claim(namespace, request.name)
     if claim is None:
         detail = f"claim {namespace}/{request.name} does not exist"
-        return AdminWrite(
-            refusal=Refusal(
-                code="not_found",
-                kind="unknown-claim",
-                field="name",
-                rule="must name a claim of the namespace",
-                message=f"name: {detail}",
-                detail=detail,
-            )
-        )
+        rule = "must name a claim of the namespace"
+        return AdminWrite(refusal=_not_found("unknown-claim", "name", rule, detail))
     held = next((c for c in claim.reserved_for if consumer_ref(c).key == key), None)
     event: Event
     if not reserve:
@@ -642,16 +633,8 @@ def decide_fence(state: ClusterState, request: NodeFence) -> AdminWrite:
     node = state.nodes.get(request.node)
     if node is None:
         detail = f"node {request.node!r} never held a lease nor a share"
-        return AdminWrite(
-            refusal=Refusal(
-                code="not_found",
-                kind="unknown-node",
-                field="node",
-                rule="must name a node the log knows",
-                message=f"node: {detail}",
-                detail=detail,
-            )
-        )
+        rule = "must name a node the log knows"
+        return AdminWrite(refusal=_not_found("unknown-node", "node", rule, detail))
     epoch = max(node.lease_epoch, node.fenced_epoch)
     if node.lease == "fenced" and node.fenced_epoch == epoch:
         return AdminWrite(unchanged=(request.node,))

@@ -51,6 +51,7 @@ from services.runtime.bus.endpoints import (
     endpoints_from_args,
 )
 from services.runtime.ground.context import ServiceContext
+from services.runtime.ground.metrics import add_metrics_arguments
 from services.runtime.ground.printable import printable
 from services.runtime.hosting.process import hosting, run_service
 from services.runtime.ops.health import HealthMonitor, consumers_probe
@@ -302,17 +303,9 @@ def register(sub: Any) -> None:
         help="where each driver's service socket goes (<dir>/<driver>/dra.sock)",
     )
     parser.add_argument("--mps-root", default="/run/dracap/mps", help="MPS daemons' root")
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=9401,
-        help="Prometheus port (0: off; default 9401, beside dracap up's 9400)",
-    )
-    parser.add_argument(
-        "--metrics-addr",
-        default="127.0.0.1",
-        metavar="ADDR",
-        help="address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 for a scraper "
-        "on another machine)",
+    add_metrics_arguments(
+        parser,
+        port=9401,
+        port_help="Prometheus port (0: off; default 9401, beside dracap up's 9400)",
     )
     parser.set_defaults(func=run)

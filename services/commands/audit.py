@@ -25,16 +25,13 @@ from typing import Any, Final
 from services.audit.service import AuditService
 from services.audit.verifying import verify
 from services.commands.querying import (
-    add_serve_verb,
+    add_query_command,
     ask,
     emit,
     parse_time,
     run_query_or_serve,
-    serve_subscriber,
-    verify_subscriber,
 )
 from services.exitcodes import ExitCode
-from services.runtime.bus.endpoints import add_endpoint_arguments
 
 COLUMNS: Final = (
     "position",
@@ -68,27 +65,19 @@ async def _query(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    return await serve_subscriber(args, AuditService, "audit")
-
-
 def run(args: argparse.Namespace) -> int:
     return run_query_or_serve(
         args,
-        lambda: _serve(args),
         lambda: _query(args),
         [("--since", args.since), ("--until", args.until)],
-        lambda: verify_subscriber(args, verify, "audit"),
+        make=AuditService,
+        service="audit",
+        check=verify,
+        what="audit",
     )
 
 
-def register(sub: Any) -> None:
-    parser = sub.add_parser(
-        "audit",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-    )
-    add_serve_verb(parser, "audit").set_defaults(func=run, verb="serve")
-    parser.add_argument("-n", "--namespace", help="a tenant's namespace (its own subject)")
+def _flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--claim", metavar="NAME")
     parser.add_argument("--share", metavar="ID")
     parser.add_argument(
@@ -102,6 +91,7 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--limit", type=int, default=10_000, help="the newest this many records (default 10000)"
     )
-    parser.add_argument("-o", "--output", choices=("table", "json", "csv"), default="table")
-    add_endpoint_arguments(parser, nats=True)
-    parser.set_defaults(func=run, verb=None)
+
+
+def register(sub: Any) -> None:
+    add_query_command(sub, "audit", __doc__, "audit", run, _flags)

@@ -212,15 +212,7 @@ async def follow(
     api: ApiClient, namespace: str, name: str | None, within_s: float | None
 ) -> AsyncGenerator[dict[str, Any], None]:
     """The current view(s), then each change, for ``within_s`` seconds (None: forever)."""
-    subject = (await api.claims(namespace, "watch", {"name": name}))["subject"]
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-
-    async def on_change(msg: Any) -> None:
-        queue.put_nowait(json.loads(msg.data))
-
-    sub = await api.nc.subscribe(subject, cb=on_change)
-    try:
-        await api.nc.flush()
+    async with api.claim_changes(namespace, name) as queue:
         if name is None:
             current = (await api.claims(namespace, "list"))["claims"]
         else:
@@ -242,8 +234,6 @@ async def follow(
             if seen.get(key) != view:
                 seen[key] = view
                 yield view
-    finally:
-        await sub.unsubscribe()
 
 
 async def _watch(api: ApiClient, args: argparse.Namespace) -> int:

@@ -18,6 +18,9 @@
   log and print every row that differs (:class:`~services.runtime.delivery.subscribers.
   Difference`); exit 0 when none does, 5 (``INVARIANT_VIOLATED``) otherwise. It
   connects as ``DRACAP_DATABASE_URL_READONLY``'s user when set (it only reads).
+* :func:`run_query_or_serve` and :func:`add_query_command`: a command's run (serve,
+  verify or one query) and its parser, written once; a command gives its subscriber,
+  its check, its query and its own flags.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Subscriber",
+    "add_query_command",
     "add_serve_verb",
     "ask",
     "emit",
@@ -197,23 +201,46 @@ def add_serve_verb(parser: argparse.ArgumentParser, what: str) -> argparse.Argum
 
 def run_query_or_serve(
     args: argparse.Namespace,
-    serve: Callable[[], Coroutine[Any, Any, int]],
     query: Callable[[], Coroutine[Any, Any, int]],
     times: Sequence[tuple[str, str | None]],
-    verify: Callable[[], Coroutine[Any, Any, int]] | None = None,
+    *,
+    make: Callable[[ServiceContext[EventStore]], Subscriber],
+    service: str,
+    check: Check,
+    what: str,
 ) -> int:
-    """Serve (``args.verb == "serve"``, logging to stderr), verify (``"verify"``) or
-    answer one query; the query's ``times`` (``(flag, text)``) are checked first, so bad
-    input exits 2 before connecting."""
+    """Serve (``args.verb == "serve"``: :func:`serve_subscriber` of ``make`` as
+    ``service``, logging to stderr), verify (``"verify"``: :func:`verify_subscriber` of
+    ``check`` as ``what``) or answer one query; the query's ``times`` (``(flag, text)``)
+    are checked first, so bad input exits 2 before connecting."""
     try:
         if args.verb == "serve":
             from services.runtime.hosting.process import run_service
 
-            return run_service(serve)
-        if args.verb == "verify" and verify is not None:
-            return eventloop.run(verify())
+            return run_service(lambda: serve_subscriber(args, make, service))
+        if args.verb == "verify":
+            return eventloop.run(verify_subscriber(args, check, what))
         for flag, text in times:
             parse_time(flag, text)
         return eventloop.run(query())
     except KeyboardInterrupt:
         return ExitCode.OK
+
+
+def add_query_command(
+    sub: Any,
+    name: str,
+    doc: str | None,
+    what: str,
+    run: Callable[[argparse.Namespace], int],
+    flags: Callable[[argparse.ArgumentParser], None],
+) -> None:
+    """``dracap <name>``: its ``serve`` and ``verify`` verbs (:func:`add_serve_verb` of
+    ``what``), ``--namespace``, the query's own ``flags``, ``-o`` and the endpoints."""
+    parser = sub.add_parser(name, description=doc.split("\n\n")[1] if doc else None)
+    add_serve_verb(parser, what).set_defaults(func=run, verb="serve")
+    parser.add_argument("-n", "--namespace", help="a tenant's namespace (its own subject)")
+    flags(parser)
+    parser.add_argument("-o", "--output", choices=("table", "json", "csv"), default="table")
+    add_endpoint_arguments(parser, nats=True)
+    parser.set_defaults(func=run, verb=None)

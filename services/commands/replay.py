@@ -40,7 +40,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Final, TypeVar
 
 import msgspec
@@ -51,6 +51,7 @@ from services.replay.checkpoints import EVERY as CHECKPOINT_EVERY
 from services.replay.checkpoints import CheckpointMismatchError
 from services.replay.logfile import LogFileError
 from services.replay.render import (
+    Progress,
     diff_table,
     progress_for,
     state_table,
@@ -70,7 +71,7 @@ from services.runtime.bus.endpoints import add_endpoint_arguments, endpoints_fro
 from services.runtime.ground.outputs import check_in, check_out, written
 from services.runtime.ground.printable import json_text, printable
 from services.runtime.ground.settings import ServiceKind, Settings, load_settings
-from services.runtime.store.eventstore import connect
+from services.runtime.store.eventstore import connected
 from services.runtime.store.snapshots import EVERY_EVENTS
 
 T = TypeVar("T")
@@ -103,23 +104,26 @@ def _run(
         raise CommandError(str(exc), code) from None
 
 
+@contextlib.contextmanager
+def _progress(what: str, unit: str) -> Iterator[Progress | None]:
+    """:func:`progress_for` ``what`` in ``unit``, closed on exit."""
+    progress = progress_for(what, unit)
+    try:
+        yield progress
+    finally:
+        if progress is not None:
+            progress.close()
+
+
 @contextlib.asynccontextmanager
 async def _source(args: argparse.Namespace, settings: Settings | None) -> AsyncIterator[LogSource]:
     if args.log:
-        progress = progress_for(f"reading {args.log}", "bytes")
-        try:
+        with _progress(f"reading {args.log}", "bytes") as progress:
             yield FileSource(args.log, progress)
-        finally:
-            if progress is not None:
-                progress.close()
         return
     assert settings is not None
-    connection = await connect(settings)
-    try:
-        async with DatabaseSource(connection) as source:
-            yield source
-    finally:
-        await connection.close()
+    async with connected(settings) as connection, DatabaseSource(connection) as source:
+        yield source
 
 
 def _question(args: argparse.Namespace, ask: Callable[[LogSource], Awaitable[T]]) -> T:
@@ -164,23 +168,20 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _verify_file(args: argparse.Namespace) -> int:
-    progress = progress_for(f"verifying {args.log}", "bytes")
     report = Report()
-    try:
-        state = check_file(args.log, progress, checkpoints=True, on_refused=recorder(report))
-    except ImportRefusedError as exc:
-        _print(f"INVARIANT VIOLATED at position {exc.position}: {exc}")
-        print(f"FAILED: first violating position {exc.position}")
-        return ExitCode.INVARIANT_VIOLATED
-    except CheckpointMismatchError as exc:
-        _print(f"CHECKPOINT MISMATCH at position {exc.position}: {exc}")
-        print(f"FAILED: forged or stale checkpoint at position {exc.position}")
-        return ExitCode.SNAPSHOT_MISMATCH
-    except LogFileError as exc:
-        raise CommandError(str(exc), ExitCode.BAD_INPUT) from None
-    finally:
-        if progress is not None:
-            progress.close()
+    with _progress(f"verifying {args.log}", "bytes") as progress:
+        try:
+            state = check_file(args.log, progress, checkpoints=True, on_refused=recorder(report))
+        except ImportRefusedError as exc:
+            _print(f"INVARIANT VIOLATED at position {exc.position}: {exc}")
+            print(f"FAILED: first violating position {exc.position}")
+            return ExitCode.INVARIANT_VIOLATED
+        except CheckpointMismatchError as exc:
+            _print(f"CHECKPOINT MISMATCH at position {exc.position}: {exc}")
+            print(f"FAILED: forged or stale checkpoint at position {exc.position}")
+            return ExitCode.SNAPSHOT_MISMATCH
+        except LogFileError as exc:
+            raise CommandError(str(exc), ExitCode.BAD_INPUT) from None
     _print(f"replayed {state.position} events of {args.log}")
     for line in refused_lines(report.refused):
         _print(line)
@@ -305,28 +306,22 @@ def _export(args: argparse.Namespace) -> int:
         )
     check_out("--out", args.out)
     settings, url = _settings(args, ServiceKind.READONLY)
-    progress = progress_for(f"exporting to {args.out}", "events")
+    with _progress(f"exporting to {args.out}", "events") as progress:
 
-    async def work() -> tuple[int, int]:
-        connection = await connect(settings)
+        async def work() -> tuple[int, int]:
+            async with connected(settings) as connection:
+                return await export_log(
+                    connection,
+                    args.out,
+                    source=args.source,
+                    progress=progress,
+                    checkpoint_every=args.checkpoint_every,
+                )
+
         try:
-            return await export_log(
-                connection,
-                args.out,
-                source=args.source,
-                progress=progress,
-                checkpoint_every=args.checkpoint_every,
-            )
-        finally:
-            await connection.close()
-
-    try:
-        count, last = _run(args, work, url)
-    except OSError as exc:
-        raise CommandError(f"--out {args.out}: {exc.strerror}", ExitCode.BAD_INPUT) from None
-    finally:
-        if progress is not None:
-            progress.close()
+            count, last = _run(args, work, url)
+        except OSError as exc:
+            raise CommandError(f"--out {args.out}: {exc.strerror}", ExitCode.BAD_INPUT) from None
     print(f"exported {count} events (positions 1..{last}) to {args.out}")
     return ExitCode.OK
 
@@ -334,20 +329,13 @@ def _export(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     check_in("FILE", args.file)
     settings, url = _settings(args, None)
-    progress = progress_for(f"importing {args.file}", "bytes")
+    with _progress(f"importing {args.file}", "bytes") as progress:
 
-    async def work() -> int:
-        connection = await connect(settings)
-        try:
-            return await import_log(connection, args.file, progress=progress)
-        finally:
-            await connection.close()
+        async def work() -> int:
+            async with connected(settings) as connection:
+                return await import_log(connection, args.file, progress=progress)
 
-    try:
         count = _run(args, work, url)
-    finally:
-        if progress is not None:
-            progress.close()
     print(f"imported {count} events from {args.file}")
     return ExitCode.OK
 

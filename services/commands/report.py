@@ -34,7 +34,7 @@ from services.report.panels import Report, ReportError, build_report
 from services.runtime.bus.endpoints import add_endpoint_arguments, endpoints_from_args, reaching
 from services.runtime.ground.outputs import check_out, written
 from services.runtime.ground.settings import ServiceKind, load_settings
-from services.runtime.store.eventstore import connect
+from services.runtime.store.eventstore import connected
 
 __all__ = ["register"]
 
@@ -56,12 +56,11 @@ async def _from_file(path: str, window: _Window) -> Report:
 
 async def _from_database(url: str, window: _Window) -> Report:
     settings = load_settings().with_database(url)
-    connection = await connect(settings)
-    try:
-        async with DatabaseSource(connection, snapshots=False) as source:
-            return await build_report(source, **window._asdict())
-    finally:
-        await connection.close()
+    async with (
+        connected(settings) as connection,
+        DatabaseSource(connection, snapshots=False) as source,
+    ):
+        return await build_report(source, **window._asdict())
 
 
 def _report(args: argparse.Namespace) -> int:

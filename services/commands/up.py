@@ -87,6 +87,7 @@ from services.runtime.bus.credentials import AUTH_DIR, AuthDir
 from services.runtime.bus.endpoints import Connection
 from services.runtime.ground import eventloop
 from services.runtime.ground.gctuning import freeze_survivors, tune_for_long_lived_state
+from services.runtime.ground.metrics import add_metrics_arguments
 from services.runtime.ground.outages import quiet_outages
 from services.runtime.ground.settings import ServiceKind, Settings, SettingsError, load_settings
 from services.runtime.ops.embedded import EmbeddedError, embedded_servers
@@ -475,18 +476,10 @@ def register(sub: Any) -> None:
         help="reservation workers (default 1: planning rounds take turns on one lock, so "
         "a second worker in the same process adds lock hand-offs, not capacity)",
     )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=9400,
-        help="Prometheus metrics, /healthz and /readyz (0: off; default 9400)",
-    )
-    parser.add_argument(
-        "--metrics-addr",
-        default="127.0.0.1",
-        metavar="ADDR",
-        help="address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 for a scraper "
-        "on another machine)",
+    add_metrics_arguments(
+        parser,
+        port=9400,
+        port_help="Prometheus metrics, /healthz and /readyz (0: off; default 9400)",
     )
     parser.add_argument(
         "--max-server-restarts",

@@ -26,16 +26,13 @@ from typing import Any, Final
 from services.billing.service import BillingService
 from services.billing.verifying import verify
 from services.commands.querying import (
-    add_serve_verb,
+    add_query_command,
     ask,
     emit,
     parse_time,
     run_query_or_serve,
-    serve_subscriber,
-    verify_subscriber,
 )
 from services.exitcodes import ExitCode
-from services.runtime.bus.endpoints import add_endpoint_arguments
 
 COLUMNS: Final = ("namespace", "device_class", "capacity", "state", "amount", "unit", "open")
 
@@ -54,33 +51,26 @@ async def _query(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    return await serve_subscriber(args, BillingService, "billing")
-
-
 def run(args: argparse.Namespace) -> int:
     return run_query_or_serve(
         args,
-        lambda: _serve(args),
         lambda: _query(args),
         [("--from", args.start), ("--to", args.end)],
-        lambda: verify_subscriber(args, verify, "usage"),
+        make=BillingService,
+        service="billing",
+        check=verify,
+        what="usage",
     )
 
 
-def register(sub: Any) -> None:
-    parser = sub.add_parser(
-        "usage",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-    )
-    add_serve_verb(parser, "billing").set_defaults(func=run, verb="serve")
-    parser.add_argument("-n", "--namespace", help="a tenant's namespace (its own subject)")
+def _flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--class", dest="device_class", metavar="C", help="a DeviceClass")
     parser.add_argument("--from", dest="start", metavar="T", help="ISO 8601 time or now")
     parser.add_argument("--to", dest="end", metavar="T", help="ISO 8601 time or now")
     parser.add_argument(
         "--closed-only", action="store_true", help="leave out what open shares ran so far"
     )
-    parser.add_argument("-o", "--output", choices=("table", "json", "csv"), default="table")
-    add_endpoint_arguments(parser, nats=True)
-    parser.set_defaults(func=run, verb=None)
+
+
+def register(sub: Any) -> None:
+    add_query_command(sub, "usage", __doc__, "billing", run, _flags)

@@ -110,8 +110,7 @@ class ControlPlane:
     ) -> _T:
         if not small:  # an answer that may come in parts
             return await (await self._send(verb, request, kind, timeout, epoch))
-        subject = self.names.node_request(self.node, verb)
-        self.requests += 1
+        subject = self._subject(verb)
         try:  # one message answers: the connection's shared reply inbox will do
             data = (await self.nc.request(subject, encode(request), timeout=timeout)).data
         except (nats.errors.Error, OSError) as exc:
@@ -128,13 +127,18 @@ class ControlPlane:
     ) -> Coroutine[None, None, _T]:
         """Send a request whose answer may come in parts; once this returns it is out,
         and the coroutine returned waits for the answer (it must be awaited)."""
-        subject = self.names.node_request(self.node, verb)
-        self.requests += 1
+        subject = self._subject(verb)
         try:
             answer = await self._inbox.send(subject, encode(request), timeout)
         except (nats.errors.Error, OSError) as exc:
             raise map_bus_error(exc, subject=subject) from None
         return self._answered(subject, answer, kind, epoch)
+
+    def _subject(self, verb: str) -> str:
+        """The subject of one more request with ``verb`` (counted in ``requests``)."""
+        subject = self.names.node_request(self.node, verb)
+        self.requests += 1
+        return subject
 
     async def _answered(
         self, subject: str, answer: Awaitable[bytes], kind: type[_T], epoch: int

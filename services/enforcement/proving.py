@@ -537,15 +537,7 @@ async def apply_until_ready(
     claim ends in another terminal phase, a share is not enforced ``hard``, or the
     claim is not Ready within ``within`` seconds.
     """
-    subject = (await api.claims(NAMESPACE, "watch", {"name": name}))["subject"]
-    views: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-
-    async def on_change(msg: Any) -> None:
-        views.put_nowait(json.loads(msg.data))
-
-    sub = await api.nc.subscribe(subject, cb=on_change)
-    try:
-        await api.nc.flush()
+    async with api.claim_changes(NAMESPACE, name) as views:
         start = time.perf_counter()
         view: dict[str, Any] = (await api.claims(NAMESPACE, "apply", manifest))["claim"]
         deadline = start + within
@@ -565,8 +557,6 @@ async def apply_until_ready(
             except TimeoutError:
                 view = (await api.claims(NAMESPACE, "get", {"name": name}))["claim"]
         elapsed = (time.perf_counter() - start) * 1000
-    finally:
-        await sub.unsubscribe()
     shares = view.get("shares") or []
     if len(shares) != 1 or shares[0].get("level") != "hard":
         raise RuntimeError(f"claim {NAMESPACE}/{name} is Ready but not enforced hard: {shares}")

@@ -11,7 +11,8 @@ rejected, anything else -> error (:mod:`services.exitcodes`).
 It is plumbing shared by whoever talks to the API from outside the service: the
 ``dracap claim`` commands, ``dracap up`` loading its inventory, ``dracap prove``. So it
 lives here, not in the claims package, and no service imports another's internals to
-reach it. A server that cannot be reached is a
+reach it. :meth:`ApiClient.claim_changes` queues what a claims ``watch`` publishes
+(``dracap claim watch``, ``dracap prove``). A server that cannot be reached is a
 :class:`~services.runtime.bus.endpoints.ServerUnavailable`; a request nobody answers, one
 that times out, or one larger than the server's ``max_payload`` is a
 :class:`~services.exitcodes.CommandError` with a message for a person. A reply larger
@@ -297,3 +298,22 @@ class ApiClient:
     async def admin(self, op: str, body: Any = None) -> dict[str, Any]:
         payload = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
         return await self.request(self.names.admin(op), payload)
+
+    @contextlib.asynccontextmanager
+    async def claim_changes(
+        self, namespace: str, name: str | None
+    ) -> AsyncIterator[asyncio.Queue[dict[str, Any]]]:
+        """The claim views the ``watch`` of ``namespace`` (``name``: one claim) publishes,
+        queued from entry (subscribed and flushed) to exit (unsubscribed)."""
+        subject = (await self.claims(namespace, "watch", {"name": name}))["subject"]
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        async def on_change(msg: Msg) -> None:
+            queue.put_nowait(json.loads(msg.data))
+
+        sub = await self.nc.subscribe(subject, cb=on_change)
+        try:
+            await self.nc.flush()
+            yield queue
+        finally:
+            await sub.unsubscribe()

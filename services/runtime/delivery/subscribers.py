@@ -15,6 +15,10 @@ recomputes its rows from the log up to its position with the same pure functions
 reports every row that differs, as :class:`Difference` s (:func:`differences` compares
 two keyed sets of rows; ``dracap audit verify``, ``dracap usage verify``).
 
+Both keep the nodes' epochs (:class:`~events.transitions.NodeEpochs`) in a table of
+their own (``audit_nodes``, ``billing_nodes``) of the same columns;
+:func:`read_node_epochs` and :func:`write_node_epochs` read and write it.
+
 Like every reader of the log they skip the events the fold refuses
 (:mod:`events.folding`): the projector leaves out a row that does not decode, and one
 the subscriber's live view refused (the process's own view, given one, else a
@@ -31,6 +35,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from events.envelopes import Envelope
+from events.transitions import NodeEpochs
 from services.runtime.bus.credentials import Directory
 from services.runtime.bus.queries import QueryError, serving_queries
 from services.runtime.delivery.projecting import Projector
@@ -38,7 +43,14 @@ from services.runtime.ground.context import ServiceContext
 from services.runtime.store.eventstore import Connection, EventStore
 from services.runtime.store.livestate import LiveState
 
-__all__ = ["Difference", "QueryingSubscriber", "decode_query", "differences"]
+__all__ = [
+    "Difference",
+    "QueryingSubscriber",
+    "decode_query",
+    "differences",
+    "read_node_epochs",
+    "write_node_epochs",
+]
 
 F = TypeVar("F")
 
@@ -166,3 +178,35 @@ class QueryingSubscriber:
                 tail.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await tail
+
+
+async def read_node_epochs(
+    connection: Connection, table: str, nodes: Collection[str] | None = None
+) -> dict[str, NodeEpochs]:
+    """The rows of ``table`` (a subscriber's nodes' epochs) of ``nodes``, by node; every
+    row when ``nodes`` is None."""
+    sql = f"SELECT node, lease_epoch, fenced_epoch FROM {table}"
+    if nodes is None:
+        rows = await connection.fetch(sql)
+    elif nodes:
+        rows = await connection.fetch(f"{sql} WHERE node = ANY($1::text[])", sorted(nodes))
+    else:
+        rows = []
+    return {
+        row[0]: NodeEpochs(node=row[0], lease_epoch=row[1], fenced_epoch=row[2]) for row in rows
+    }
+
+
+async def write_node_epochs(
+    connection: Connection, table: str, epochs: Mapping[str, NodeEpochs]
+) -> None:
+    """Upsert ``epochs`` into ``table`` (a subscriber's nodes' epochs)."""
+    if epochs:
+        await connection.executemany(
+            f"""
+INSERT INTO {table} (node, lease_epoch, fenced_epoch) VALUES ($1, $2, $3)
+ON CONFLICT (node) DO UPDATE SET lease_epoch = excluded.lease_epoch,
+    fenced_epoch = excluded.fenced_epoch
+""",
+            [(n.node, n.lease_epoch, n.fenced_epoch) for n in epochs.values()],
+        )

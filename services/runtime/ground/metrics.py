@@ -12,11 +12,13 @@ standard process, platform and GC collectors; :func:`start_metrics_server` serve
 over HTTP from a daemon thread on ``/metrics`` (``/`` too, as the client library does);
 any other path is ``404`` (:mod:`services.runtime.ops.health` adds ``/healthz`` and
 ``/readyz`` beside it). ``dracap_build_info{version}`` is always 1, the
-usual way to publish the running version.
+usual way to publish the running version. :func:`add_metrics_arguments` gives a
+long-running command its ``--metrics-port`` and ``--metrics-addr`` flags.
 """
 
 from __future__ import annotations
 
+import argparse
 from importlib import metadata
 from threading import Thread
 from typing import TYPE_CHECKING, Final
@@ -65,6 +67,7 @@ __all__ = [
     "SNAPSHOT_POSITION",
     "UNCONFIRMED_MESSAGES",
     "USAGE",
+    "add_metrics_arguments",
     "not_found",
     "only_metrics",
     "start_metrics_server",
@@ -298,6 +301,19 @@ def version() -> str:
 
 
 BUILD_INFO.labels(version=version()).set(1)
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser, *, port: int, port_help: str) -> None:
+    """``--metrics-port`` (default ``port``, 0: off) and ``--metrics-addr`` of a
+    long-running command (``dracap up``, ``dracap agent``)."""
+    parser.add_argument("--metrics-port", type=int, default=port, help=port_help)
+    parser.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 for a scraper "
+        "on another machine)",
+    )
 
 
 def start_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, Thread]:

@@ -44,24 +44,21 @@ async def wait_for(awaitable: Awaitable[_T], seconds: float | None) -> _T:
 
 async def first_of(*awaitables: Awaitable[object]) -> None:
     """Wait until one of ``awaitables`` is done, cancel the rest, raise a failure."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks)
-    for task in tasks:
-        if not task.cancelled() and task.exception() is not None:
-            task.result()  # raises it
+    await _wait_then_cancel(awaitables, asyncio.FIRST_COMPLETED)
 
 
 async def all_of(*awaitables: Awaitable[object]) -> None:
     """Wait until every one of ``awaitables`` is done; on a failure, cancel the rest and
     raise it."""
+    await _wait_then_cancel(awaitables, asyncio.FIRST_EXCEPTION)
+
+
+async def _wait_then_cancel(awaitables: tuple[Awaitable[object], ...], return_when: str) -> None:
+    """Run ``awaitables`` as tasks until ``return_when``; cancel and await what is left,
+    then raise the first failure."""
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(tasks, return_when=return_when)
     finally:
         for task in tasks:
             task.cancel()

@@ -191,6 +191,16 @@ async def connect(settings: Settings, *, through_failover: bool = False) -> asyn
     return connection
 
 
+@contextlib.asynccontextmanager
+async def connected(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
+    """:func:`connect`, the connection closed on exit."""
+    connection = await connect(settings)
+    try:
+        yield connection
+    finally:
+        await connection.close()
+
+
 # --- the store -----------------------------------------------------------------------------
 
 
