@@ -45,7 +45,7 @@ from services.runtime.delivery.pulling import MAX_EXPIRES_S, Puller
 from services.runtime.delivery.relaying import outgoing
 from services.runtime.ground.settings import Settings
 from tests.fixtures.polling import until
-from tests.fixtures.replicas import NatsCluster, nats_binary, nats_cluster
+from tests.fixtures.replicas import NatsCluster, NatsNode, nats_binary, nats_cluster
 from tests.integration.cluster import Cluster, running_cluster
 from tests.integration.test_failover import INVENTORY, _claim, _tracebacks
 from tests.integration.test_policy import NAMESPACE, view_when
@@ -225,18 +225,10 @@ async def _placed(create: Callable[[], Awaitable[object]], within: float = 30) -
         await asyncio.sleep(0.25)
 
 
-async def test_a_pull_request_lost_with_its_server_is_asked_again_at_once(
-    nats3: NatsCluster,
-) -> None:
-    """The server a puller is connected to is killed and a message comes before the
-    puller is back on another server: the consumer's leader finds nobody to give it to
-    and drops the request (its reply subject lost its interest). The puller, back, asks
-    again at once: the message comes while the lost request would still be waiting, not
-    when it expires (20 s: a node agent's)."""
-    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
-    durable = Durable(name="probe", filter_subject=f"{names.prefix}.ev.>")
-    # the puller's server leads neither the stream nor the consumer: its loss only costs
-    # the puller its request (the stream and consumer are made before it is chosen)
+async def _a_follower(nats3: NatsCluster, names: BusNames, durable: Durable) -> NatsNode:
+    """Make the 3-replica stream and ``durable``; the node that leads neither: a
+    puller's server whose loss only costs the puller its request (chosen after both
+    are made, as their leaders are only known then)."""
     first, *_ = nats3.nodes
     admin, js = await connect_bus(first.url)
     try:
@@ -249,7 +241,20 @@ async def test_a_pull_request_lost_with_its_server_is_asked_again_at_once(
     finally:
         await admin.close()
     leading = {info.leader for info in clusters if info is not None}
-    lost = next(node for node in reversed(nats3.nodes) if node.name not in leading)
+    return next(node for node in reversed(nats3.nodes) if node.name not in leading)
+
+
+async def test_a_pull_request_lost_with_its_server_is_asked_again_at_once(
+    nats3: NatsCluster,
+) -> None:
+    """The server a puller is connected to is killed and a message comes before the
+    puller is back on another server: the consumer's leader finds nobody to give it to
+    and drops the request (its reply subject lost its interest). The puller, back, asks
+    again at once: the message comes while the lost request would still be waiting, not
+    when it expires (20 s: a node agent's)."""
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
+    durable = Durable(name="probe", filter_subject=f"{names.prefix}.ev.>")
+    lost = await _a_follower(nats3, names, durable)
     survivors = ",".join(node.url for node in nats3.nodes if node is not lost)
     admin, js = await connect_bus(survivors)
     try:
@@ -306,19 +311,7 @@ async def test_a_message_handed_to_a_hung_servers_client_comes_again_after_the_a
     ack_wait = 4.0
     names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
     durable = Durable(name="probe", filter_subject=f"{names.prefix}.ev.>", ack_wait=ack_wait)
-    first, *_ = nats3.nodes
-    admin, js = await connect_bus(first.url)
-    try:
-        await _placed(lambda: ensure_stream(js, names, replicas=3))
-        await _placed(lambda: js.add_consumer(names.stream, durable_config(durable)))
-        clusters = [
-            (await js.stream_info(names.stream)).cluster,
-            (await js.consumer_info(names.stream, durable.name)).cluster,
-        ]
-    finally:
-        await admin.close()
-    leading = {info.leader for info in clusters if info is not None}
-    hung = next(node for node in reversed(nats3.nodes) if node.name not in leading)
+    hung = await _a_follower(nats3, names, durable)
     admin, js = await connect_bus(",".join(n.url for n in nats3.nodes if n is not hung))
     nc = await nats.connect(
         servers=[hung.url], ping_interval=1, max_outstanding_pings=2, reconnect_time_wait=0.1

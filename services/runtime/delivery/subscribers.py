@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -45,6 +45,7 @@ from services.runtime.store.livestate import LiveState
 
 __all__ = [
     "Difference",
+    "NodeTable",
     "QueryingSubscriber",
     "decode_query",
     "differences",
@@ -180,8 +181,12 @@ class QueryingSubscriber:
                     await tail
 
 
+#: the subscribers' tables of node epochs (a name from code, never from input, goes into SQL)
+NodeTable = Literal["audit_nodes", "billing_nodes"]
+
+
 async def read_node_epochs(
-    connection: Connection, table: str, nodes: Collection[str] | None = None
+    connection: Connection, table: NodeTable, nodes: Collection[str] | None = None
 ) -> dict[str, NodeEpochs]:
     """The rows of ``table`` (a subscriber's nodes' epochs) of ``nodes``, by node; every
     row when ``nodes`` is None."""
@@ -198,7 +203,7 @@ async def read_node_epochs(
 
 
 async def write_node_epochs(
-    connection: Connection, table: str, epochs: Mapping[str, NodeEpochs]
+    connection: Connection, table: NodeTable, epochs: Mapping[str, NodeEpochs]
 ) -> None:
     """Upsert ``epochs`` into ``table`` (a subscriber's nodes' epochs)."""
     if epochs:
