@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import nats
@@ -182,7 +183,7 @@ async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster, fault: str) -> 
     deadline = time.monotonic() + 30
     while True:  # the relay may still be publishing the newest events
         log_ids = await _log_ids(cluster)
-        stream_ids = await _stream_ids(cluster, survivors)
+        stream_ids = await _placed(lambda: _stream_ids(cluster, survivors))
         if stream_ids == log_ids or time.monotonic() > deadline:
             break
         if len(stream_ids) >= len(log_ids):
@@ -206,21 +207,33 @@ async def test_the_stream_keeps_its_replicas_unless_told(nats3: NatsCluster) -> 
         await nc.close()
 
 
+_T = TypeVar("_T")
+
 #: JetStream's "no suitable peers for placement" (a replica's server is not back yet)
 NO_PEERS = 10005
+#: "JetStream system temporarily unavailable" (the cluster's meta leader is being chosen)
+UNAVAILABLE = 10008
 
 
-async def _placed(create: Callable[[], Awaitable[object]], within: float = 30) -> None:
-    """``create()`` once every peer is back: a server an earlier test of the module
-    killed or paused may not have rejoined yet ("no suitable peers for placement")."""
+def _not_now(exc: BaseException) -> bool:
+    """Whether the cluster answered "not now": a server an earlier test of the module
+    killed or paused has not rejoined yet, or its meta leader is being chosen (then
+    the API does not answer at all)."""
+    cause = exc.__cause__ or exc  # ensure_stream wraps the server's answer
+    return isinstance(cause, nats.errors.TimeoutError) or getattr(cause, "err_code", None) in (
+        NO_PEERS,
+        UNAVAILABLE,
+    )
+
+
+async def _placed(create: Callable[[], Awaitable[_T]], within: float = 30) -> _T:
+    """``create()`` once the cluster answers it (:func:`_not_now`)."""
     deadline = time.monotonic() + within
     while True:
         try:
-            await create()
-            return
+            return await create()
         except Exception as exc:
-            cause = exc.__cause__ or exc  # ensure_stream wraps the server's answer
-            if getattr(cause, "err_code", None) != NO_PEERS or time.monotonic() > deadline:
+            if not _not_now(exc) or time.monotonic() > deadline:
                 raise
         await asyncio.sleep(0.25)
 
