@@ -35,6 +35,14 @@ work off that backlog (they trail the log by design: ``docs/audit-billing.md``),
 what one more claim costs with N live. ``--no-settle`` starts each run at once (the
 figures before this step).
 
+**The machine's bound**: the sustained run also prints the CPU the whole machine spent
+per claim during it (every process: ``dracap up``, its nats-server, PostgreSQL, this
+load generator; ``/proc/stat``) and ``dracap up``'s share; the ratios end with what the
+machine's cores could sustain at that cost if every one of them were busy with it
+(cores / CPU per claim), and what ``dracap up``'s one thread could sustain at its own
+CPU per claim, each against the raw commit rate: a ratio goal above either bound is out
+of reach at that cost per claim.
+
 **Stages** (``--stages``): after each latency run, p50 / p99 of each step of its claims
 from the log's ``recorded_at`` (apply -> submitted -> admitted -> capacity_reserved ->
 allocation_bound -> limit_applied -> ready): where the time goes, seen from outside.
@@ -448,6 +456,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_cpu_seconds() -> float:
+    """CPU time all cores of the machine have spent busy so far (``/proc/stat``: user,
+    nice, system, irq, softirq, steal); 0.0 when unknown."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        user, nice, system, _, _, irq, softirq, steal = (int(f) for f in fields[1:9])
+    except (OSError, ValueError):
+        return 0.0
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 async def report_stages(
     url: str, tracker: ReadyTracker, label: str, title: str, cpu_s: float = 0.0
 ) -> None:
@@ -685,11 +704,19 @@ async def _measure_pipeline(
                         return
                     await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
                     await settled(url, args)
+                    machine, own = machine_cpu_seconds(), cpu_seconds(reach.pid)
                     out["throughput"] = await throughput(
                         api, tracker, args.claims, args.concurrency
                     )
+                    out["machine_ms"] = (machine_cpu_seconds() - machine) * 1000 / args.claims
+                    out["own_ms"] = (cpu_seconds(reach.pid) - own) * 1000 / args.claims
                     print(
                         f"  apply -> Ready, sustained            {out['throughput']:>10,.0f}/s",
+                        flush=True,
+                    )
+                    print(
+                        f"  (CPU per claim of it: the machine {out['machine_ms']:.2f} ms, "
+                        f"dracap up {out['own_ms']:.2f} ms)",
                         flush=True,
                     )
                     await settled(url, args)
@@ -764,6 +791,19 @@ def report(r: dict[str, float]) -> None:
     print(f"  p50 {r['p50']:.1f} ms   p99 {r['p99']:.1f} ms   max {r['max']:.1f} ms")
     print("\nratios (goal in brackets):")
     print(f"  throughput / raw commit rate         {ratio:6.2f}x  [>= 0.5]")
+    if r.get("machine_ms"):  # what the machine's cores allow at that CPU per claim
+        cores = os.cpu_count() or 1
+        bound = cores * 1000 / r["machine_ms"]
+        print(
+            f"  the machine's bound ({cores} cores / {r['machine_ms']:.2f} ms per claim) "
+            f"{bound:,.0f}/s = {bound / r['raw']:.2f}x"
+        )
+    if r.get("own_ms"):  # dracap up's services share one thread
+        bound = 1000 / r["own_ms"]
+        print(
+            f"  dracap up's thread's bound (1 / {r['own_ms']:.2f} ms per claim) "
+            f"{bound:,.0f}/s = {bound / r['raw']:.2f}x"
+        )
     print(f"  p99 apply->Ready at half max rate    {r['p99']:6.1f} ms [<= 50]")
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks.pipeline import ReadyTracker, steps_of, write_timeline
+from benchmarks.pipeline import ReadyTracker, machine_cpu_seconds, steps_of, write_timeline
 
 
 def _at(seconds: float) -> datetime.datetime:
@@ -55,3 +56,13 @@ def test_the_timeline_has_a_row_per_claim_in_the_order_sent(tmp_path: Path) -> N
         "lat,1000.2000,50.00",
         "tp,1000.3000,",  # never ready
     ]
+
+
+def test_the_machines_cpu_counts_this_process_busy_time() -> None:
+    """``machine_cpu_seconds`` (the bound printed after the sustained run) counts every
+    process's busy time: at least what this one spent between two reads."""
+    machine, own = machine_cpu_seconds(), time.process_time()
+    while time.process_time() - own < 0.3:
+        pass
+    spent = time.process_time() - own
+    assert machine_cpu_seconds() - machine >= spent - 0.05  # (clock ticks of 10 ms)
