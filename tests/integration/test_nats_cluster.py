@@ -51,6 +51,8 @@ from tests.integration.cluster import Cluster, running_cluster
 from tests.integration.test_failover import INVENTORY, _claim, _tracebacks
 from tests.integration.test_policy import NAMESPACE, view_when
 
+_T = TypeVar("_T")
+
 BURST = 40
 CONCURRENCY = 8
 KILL_AFTER = 10
@@ -183,7 +185,7 @@ async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster, fault: str) -> 
     deadline = time.monotonic() + 30
     while True:  # the relay may still be publishing the newest events
         log_ids = await _log_ids(cluster)
-        stream_ids = await _placed(lambda: _stream_ids(cluster, survivors))
+        stream_ids = await _once_answered(lambda: _stream_ids(cluster, survivors))
         if stream_ids == log_ids or time.monotonic() > deadline:
             break
         if len(stream_ids) >= len(log_ids):
@@ -207,8 +209,6 @@ async def test_the_stream_keeps_its_replicas_unless_told(nats3: NatsCluster) -> 
         await nc.close()
 
 
-_T = TypeVar("_T")
-
 #: JetStream's "no suitable peers for placement" (a replica's server is not back yet)
 NO_PEERS = 10005
 #: "JetStream system temporarily unavailable" (the cluster's meta leader is being chosen)
@@ -226,12 +226,12 @@ def _not_now(exc: BaseException) -> bool:
     )
 
 
-async def _placed(create: Callable[[], Awaitable[_T]], within: float = 30) -> _T:
-    """``create()`` once the cluster answers it (:func:`_not_now`)."""
+async def _once_answered(call: Callable[[], Awaitable[_T]], within: float = 30) -> _T:
+    """``call()``'s result once the cluster answers it (:func:`_not_now`)."""
     deadline = time.monotonic() + within
     while True:
         try:
-            return await create()
+            return await call()
         except Exception as exc:
             if not _not_now(exc) or time.monotonic() > deadline:
                 raise
@@ -245,8 +245,8 @@ async def _a_follower(nats3: NatsCluster, names: BusNames, durable: Durable) -> 
     first, *_ = nats3.nodes
     admin, js = await connect_bus(first.url)
     try:
-        await _placed(lambda: ensure_stream(js, names, replicas=3))
-        await _placed(lambda: js.add_consumer(names.stream, durable_config(durable)))
+        await _once_answered(lambda: ensure_stream(js, names, replicas=3))
+        await _once_answered(lambda: js.add_consumer(names.stream, durable_config(durable)))
         clusters = [
             (await js.stream_info(names.stream)).cluster,
             (await js.consumer_info(names.stream, durable.name)).cluster,
