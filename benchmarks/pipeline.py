@@ -37,7 +37,9 @@ figures before this step).
 
 **The machine's bound**: the sustained run also prints the CPU the whole machine spent
 per claim during it (every process: ``dracap up``, its nats-server, PostgreSQL, this
-load generator; ``/proc/stat``) and ``dracap up``'s share; the ratios end with what the
+load generator; ``/proc/stat``), ``dracap up``'s share and its audit and billing
+process's (``dracap serve ledger``, its child; it trails the log by a second, so part
+of what it spends on a run's claims falls after the run); the ratios end with what the
 machine's cores could sustain at that cost if every one of them were busy with it
 (cores / CPU per claim), and what ``dracap up``'s one thread could sustain at its own
 CPU per claim, each against the raw commit rate: a ratio goal above either bound is out
@@ -456,6 +458,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def ledger_cpu_seconds(parent: int) -> float:
+    """CPU time the audit and billing process of ``dracap up`` (``parent``'s child
+    ``dracap serve ledger``) has used so far; 0.0 when there is none."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == parent and b"serve" in words and b"ledger" in words:
+            return cpu_seconds(int(entry.name))
+    return 0.0
+
+
 def machine_cpu_seconds() -> float:
     """CPU time all cores of the machine have spent busy so far (``/proc/stat``: user,
     nice, system, irq, softirq, steal); 0.0 when unknown."""
@@ -705,18 +723,22 @@ async def _measure_pipeline(
                     await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
                     await settled(url, args)
                     machine, own = machine_cpu_seconds(), cpu_seconds(reach.pid)
+                    ledger = ledger_cpu_seconds(reach.pid)
                     out["throughput"] = await throughput(
                         api, tracker, args.claims, args.concurrency
                     )
                     out["machine_ms"] = (machine_cpu_seconds() - machine) * 1000 / args.claims
                     out["own_ms"] = (cpu_seconds(reach.pid) - own) * 1000 / args.claims
+                    ledger = ledger_cpu_seconds(reach.pid) - ledger
+                    out["ledger_ms"] = ledger * 1000 / args.claims
                     print(
                         f"  apply -> Ready, sustained            {out['throughput']:>10,.0f}/s",
                         flush=True,
                     )
                     print(
                         f"  (CPU per claim of it: the machine {out['machine_ms']:.2f} ms, "
-                        f"dracap up {out['own_ms']:.2f} ms)",
+                        f"dracap up {out['own_ms']:.2f} ms, its audit and billing process "
+                        f"{out['ledger_ms']:.2f} ms)",
                         flush=True,
                     )
                     await settled(url, args)

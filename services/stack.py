@@ -233,12 +233,16 @@ class Stack:
         nodes: Sequence[str] = (),
         workers: int = 1,
         auth: AuthDir | None = None,
+        subscribers: bool = True,
     ) -> AsyncIterator[Stack]:
         """``auth``: connect each service as its own broker user (:mod:`services.brokerauth`)
-        and require the broker's identity on API requests; None: one anonymous connection."""
+        and require the broker's identity on API requests; None: one anonymous connection.
+        ``subscribers``: run audit and billing here (False: they run elsewhere, as
+        ``dracap up`` runs them: ``dracap serve ledger``, a process of their own)."""
         from services.runtime.bus.jetstream import connect_bus
 
-        stores = await ServiceStores.open(settings)
+        elsewhere = () if subscribers else (ServiceKind.LEDGER,)
+        stores = await ServiceStores.open(settings, without=elsewhere)
         connections: list[Any] = []
         try:
 
@@ -258,6 +262,8 @@ class Stack:
             if auth is not None:
                 directory = read_directory(auth.directory)
                 for service in ("claims", "reservation", "ledger", "enforcement"):
+                    if service == "ledger" and not subscribers:
+                        continue
                     logins[service] = await login(service, auth.service(service))
                 for node in nodes:
                     logins[f"agent:{node}"] = await login(f"agent-{node}", auth.agent(node))
@@ -267,7 +273,7 @@ class Stack:
             stack.stream_replicas = settings.stream_replicas
             stack.settings = settings
             try:
-                await start_services(stack, nodes=nodes, workers=workers)
+                await start_services(stack, nodes=nodes, workers=workers, subscribers=subscribers)
                 yield stack
             finally:
                 await stack.shutdown()
@@ -314,12 +320,15 @@ async def _close_bus(nc: Any) -> None:
         await nc.close()
 
 
-async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) -> None:
+async def start_services(
+    stack: Stack, *, nodes: Sequence[str], workers: int, subscribers: bool = True
+) -> None:
     """Start the relay, the live state (from the newest snapshot that verifies), the
     snapshot writer (as ``dracap_snapshots``' user when roles are set up), the APIs,
-    reservation workers, the reclamation service, the audit and billing subscribers, the
-    enforcement service and the agents (which reach only NATS: each its own connection,
-    and the enforcement service for everything of the log)."""
+    reservation workers, the reclamation service, the audit and billing subscribers
+    (unless ``subscribers`` is False), the enforcement service and the agents (which
+    reach only NATS: each its own connection, and the enforcement service for
+    everything of the log)."""
     from services import durables
     from services.audit.service import AuditService
     from services.billing.service import BillingService
@@ -377,7 +386,7 @@ async def start_services(stack: Stack, *, nodes: Sequence[str], workers: int) ->
         stack.context("reclamation", LogAndFold(stores.of(ServiceKind.RECLAMATION), live))
     )
     stack.spawn("reclamation", functools.partial(reclamation.run, stop))
-    for subscriber in (AuditService, BillingService):  # projectors and query endpoints
+    for subscriber in (AuditService, BillingService) if subscribers else ():  # and queries
         ledger = subscriber(
             stack.context(subscriber.service, stores.of(ServiceKind.LEDGER), bus="ledger"),
             directory=stack.directory,

@@ -24,6 +24,12 @@ their commands already; this module gives the others theirs:
   ``{prefix}.node.*.>`` (queue group ``enforcement``), appends their reports, renews
   their leases in batches and creates (and recreates) their durable consumers; run any
   number, each with one small connection pool whatever the number of nodes;
+* ``ledger``: the audit and billing subscribers with their query endpoints
+  (:class:`~services.audit.service.AuditService`, :class:`~services.billing.service.
+  BillingService`) in one process sharing one fold of the log, as the ``ledger`` login
+  (database and NATS). ``dracap up`` runs this one as a child process of its own, so
+  their batches never hold up the services that decide; ``dracap audit serve`` and
+  ``dracap usage serve`` run each alone (as compose does);
 * ``kubernetes-bridge``: Kubernetes mode's intake (:class:`~services.claims.bridge.Bridge`):
   mirrors the ResourceClaims kube-scheduler allocated on ``--driver`` devices into the log
   and writes their ``status.devices`` back; run one per cluster. It reaches the API
@@ -74,10 +80,11 @@ SERVICES: Final = {
     "claims": ServiceKind.CLAIMS,
     "reservation": ServiceKind.RESERVATION,
     "enforcement": ServiceKind.ENFORCEMENT,
+    "ledger": ServiceKind.LEDGER,  # the audit and billing subscribers
     "kubernetes-bridge": ServiceKind.CLAIMS,  # claim intake: the claims API's role
 }
 #: The services that name each request's sender from the broker's directory.
-_AUTHENTICATED: Final = ("claims", "enforcement")
+_AUTHENTICATED: Final = ("claims", "enforcement", "ledger")
 
 
 def _login(args: argparse.Namespace, endpoints: Endpoints) -> Credential | None:
@@ -159,6 +166,8 @@ async def _service(
         )
         await enforcement.start()
         return enforcement.run
+    if name == "ledger":
+        return _ledger(context, live, directory)
     if name == "claims":
         from services.claims.api import ClaimsApi
 
@@ -211,6 +220,34 @@ async def _bridge(
     return run
 
 
+def _ledger(
+    context: StoreProcessContext, live: LiveState, directory: Any
+) -> Callable[[asyncio.Event], Awaitable[None]]:
+    """Audit and billing on one fold of the log (``live``), each with its ``audit`` or
+    ``billing`` check."""
+    from services.audit.service import AuditService
+    from services.billing.service import BillingService
+    from services.runtime.ground.waiting import all_of
+    from services.runtime.ops.health import projector_probe
+
+    subscribers = [
+        make(
+            context.service_context(context.store),
+            directory=directory,
+            authenticated=directory is not None,
+            live=live,
+        )
+        for make in (AuditService, BillingService)
+    ]
+    for subscriber in subscribers:
+        context.health.register(subscriber.projector.name, projector_probe(subscriber.projector))
+
+    async def ledger(stop: asyncio.Event) -> None:
+        await context.tailing(live, all_of(*(s.run(stop) for s in subscribers)))
+
+    return ledger
+
+
 def _derive_metrics(live: LiveState) -> None:
     """Serve the metrics derived from the log (capacity, SLOs) from this live state, as
     ``dracap up`` does: the claims API folds every event, the other services may not."""
@@ -239,13 +276,14 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--directory",
         metavar="FILE",
-        help="the broker's directory of users (claims, enforcement; default "
+        help="the broker's directory of users (claims, enforcement, ledger; default "
         "<data-dir>/auth/directory.json)",
     )
     parser.add_argument(
         "--insecure",
         action="store_true",
-        help="claims, enforcement: serve requests without the broker's identity (experiments only)",
+        help="claims, enforcement, ledger: serve requests without the broker's identity "
+        "(experiments only)",
     )
     parser.add_argument(
         "--driver",

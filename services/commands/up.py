@@ -1,7 +1,7 @@
 """``dracap up``: the whole control plane in one process, on one machine.
 
 One command starts everything the issue's services need, as asyncio tasks in one
-event loop::
+event loop, and audit and billing as a child process (below)::
 
     PostgreSQL (event log) ──relay──> JetStream stream ──> reservation workers
           ^                                           └──> one node agent per node
@@ -24,7 +24,7 @@ lock) -> the services' database users (on the embedded PostgreSQL: one per servi
 :mod:`services.runtime.store.provisioning`; node agents have none) -> bus stream and the
 services' durable consumers (the relay's keeper, :mod:`services.runtime.delivery.rebuilding`) ->
 :class:`Stack` (relay, live state, claims API, reservation workers, reclamation service,
-audit and billing subscribers, the enforcement service, agents) -> the
+the enforcement service, agents) -> the ledger process -> the
 example inventory through
 the admin API (each ResourceSlice only if its devices are not listed yet, so a restart
 does not append it again) ->
@@ -37,6 +37,14 @@ Supervision
 Each service runs as a supervised task of the stack, started again after a back-off
 when it fails (:mod:`services.stack`); a health check that passes again cuts the
 back-off short (:meth:`~services.stack.Stack.retry_now`).
+
+The audit and billing subscribers run as ``dracap serve ledger``, a child process
+(:func:`ledger_process`, kept by :class:`~services.runtime.ops.children.ChildService`):
+in the loop, each of their batches held every claim in flight for 30-120 ms a few
+times a second (issue 25). It gets the ledger's database and broker logins in its
+environment, serves its metrics and checks on ``--ledger-metrics-port`` (default
+``--metrics-port`` + 2), is started again when it exits and stopped first on the way
+out; the ``ledger`` check says whether it runs.
 
 The embedded servers are supervised too (:mod:`services.runtime.ops.supervising`): one
 that dies is started again on its port, with back-off, at most
@@ -65,6 +73,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shlex
@@ -83,23 +92,36 @@ from migrations import runner as migrating
 from services.brokerauth import init_auth, installation_from
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus.apiclient import ApiClient
-from services.runtime.bus.credentials import AUTH_DIR, AuthDir
+from services.runtime.bus.credentials import AUTH_DIR, AuthDir, Principal
 from services.runtime.bus.endpoints import Connection
 from services.runtime.ground import eventloop
 from services.runtime.ground.gctuning import freeze_survivors, tune_for_long_lived_state
 from services.runtime.ground.metrics import add_metrics_arguments
 from services.runtime.ground.outages import quiet_outages
 from services.runtime.ground.settings import ServiceKind, Settings, SettingsError, load_settings
+from services.runtime.ops.children import ChildService
 from services.runtime.ops.embedded import EmbeddedError, embedded_servers
 from services.runtime.ops.health import HealthMonitor, PostgresProbe, nats_probe, serve
 from services.runtime.ops.supervising import RestartLimitError, RestartPolicy, Watchdog
-from services.stack import InventoryManifests, Stack, load_inventory, read_inventory
+from services.stack import (
+    STOP_GRACE_S,
+    InventoryManifests,
+    Stack,
+    load_inventory,
+    read_inventory,
+)
 
 if TYPE_CHECKING:
     pass
 
 READY_LINE: Final = "dracap is ready"
-HEALTH_CHECKS: Final = ("postgres", "nats", "services")
+#: the ledger process's time to drain on stop, within the stack's own grace period
+LEDGER_STOP_GRACE_S: Final = STOP_GRACE_S - 2
+HEALTH_CHECKS: Final = ("postgres", "nats", "services", "ledger")
+#: the broker user of the audit and billing process (:mod:`services.brokerauth`)
+LEDGER_USER: Final = Principal(name="ledger", kind="service", public_key="")
+#: the ledger's metrics port, past dracap up's own (+1 is a standalone agent's default)
+LEDGER_PORT_OFFSET: Final = 2
 
 log = logging.getLogger("dracap.up")
 
@@ -113,6 +135,8 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     workers: int = 1
     metrics_port: int = 9400  # 0: no metrics server (and no health endpoints)
     metrics_addr: str = "127.0.0.1"  # where the metrics server binds
+    #: the ledger process's metrics port (None: metrics_port + 2, or 0 when that is 0)
+    ledger_metrics_port: int | None = None
     max_server_restarts: int = 5  # of one embedded server within 10 minutes; 0: never
     prefix: str = "dracap"
     insecure: bool = False  # an open broker: nobody is authenticated
@@ -176,6 +200,7 @@ def banner(
     nodes: Sequence[str],
     metrics: int,
     command: str = "dracap",
+    ledger_metrics: int = 0,
 ) -> str:
     where = "" if data_dir == Path(".dracap") else f" --data-dir {shlex.quote(str(data_dir))}"
     base = f"http://127.0.0.1:{metrics}"
@@ -192,6 +217,8 @@ def banner(
         f"  agents      {', '.join(nodes) or 'none'} (NoneEnforcer)",
         f"  metrics     {base}/metrics" if metrics else "  metrics     off",
         f"  health      {base}/healthz, {base}/readyz" if metrics else "  health      off",
+        "  audit       audit and billing in a process of their own (dracap serve ledger)"
+        + (f", metrics http://127.0.0.1:{ledger_metrics}/metrics" if ledger_metrics else ""),
         "",
         "Try, from another terminal in this directory:",
         f"  {command} claim apply -f deploy/examples/claims.yaml --wait{where}",
@@ -302,18 +329,55 @@ async def _supervised(watchdog: Watchdog) -> AsyncIterator[asyncio.Task[None]]:
             raise failure
 
 
+def ledger_port(options: UpOptions) -> int:
+    """The ledger process's metrics port (0: none)."""
+    if options.ledger_metrics_port is not None:
+        return options.ledger_metrics_port
+    return options.metrics_port + LEDGER_PORT_OFFSET if options.metrics_port else 0
+
+
+def ledger_process(
+    options: UpOptions, settings: Settings, names: BusNames, auth: AuthDir | None
+) -> ChildService:
+    """Audit and billing as ``dracap serve ledger``, a child process of this one.
+
+    It finds what the stack's services are handed: the NATS server and prefix, the
+    ledger's database login (the one ``dracap up`` provisioned, else the operator's
+    ``DRACAP_DATABASE_URL_LEDGER``, else the shared URL) in its environment, and the
+    ledger's broker credential and the broker's directory in ``<data-dir>/auth``
+    (``--insecure``: neither). The secrets travel in the environment, not in its
+    command line, which every user of the machine can read.
+    """
+    argv = [sys.executable, "-m", "services.cli", "serve", "ledger"]
+    argv += ["--data-dir", str(options.data_dir), "--prefix", names.prefix]
+    argv += ["--metrics-port", str(ledger_port(options)), "--metrics-addr", options.metrics_addr]
+    env = dict(os.environ, DRACAP_NATS_URL=settings.nats_url)
+    own = settings.database_urls.get(ServiceKind.LEDGER)
+    if own:
+        env[f"DRACAP_DATABASE_URL_{ServiceKind.LEDGER.name}"] = own
+    else:
+        env["DRACAP_DATABASE_URL"] = settings.database_url
+    if auth is None:
+        argv.append("--insecure")
+    else:
+        env["DRACAP_NATS_CREDS"] = str(auth.creds_path(LEDGER_USER).resolve())
+    return ChildService("ledger", argv, env, grace_s=LEDGER_STOP_GRACE_S)
+
+
 @contextlib.asynccontextmanager
 async def _health_checks(
-    monitor: HealthMonitor, stack: Stack, settings: Settings
+    monitor: HealthMonitor, stack: Stack, settings: Settings, ledger: ChildService
 ) -> AsyncIterator[None]:
     """Check PostgreSQL (as the read-only service's user when roles are set up: nothing
-    connects as the administrator once the services run), NATS and the services of
-    ``stack`` while inside."""
+    connects as the administrator once the services run), NATS, the services of
+    ``stack`` and the ledger process while inside."""
     postgres = PostgresProbe(settings.for_service(ServiceKind.READONLY).database_url)
     monitor.register("postgres", postgres)
     monitor.register("nats", nats_probe(stack.nc, stack.js, stack.names.stream))
     monitor.register("services", stack.trouble)
+    monitor.register("ledger", ledger.trouble)
     monitor.on_recovery(stack.retry_now)
+    monitor.on_recovery(ledger.retry_now)
     done = asyncio.Event()
     task = asyncio.create_task(monitor.run(done), name="health")
     try:
@@ -360,7 +424,14 @@ async def _open_for_use(
     path = write_connection(options.data_dir, connection)
     print(f"connection written to {path}", flush=True)
     nodes = _nodes(options.agents, inventory)  # the agents Stack.running started
-    text = banner(connection, options.data_dir, nodes, options.metrics_port, invocation())
+    text = banner(
+        connection,
+        options.data_dir,
+        nodes,
+        options.metrics_port,
+        invocation(),
+        ledger_metrics=ledger_port(options),
+    )
     print(text, flush=True)
 
 
@@ -382,10 +453,17 @@ async def up(options: UpOptions, stop: asyncio.Event) -> int:
                 print(f"migrating the event log to {head}", flush=True)
                 settings = await _database_users(options, settings)
                 async with Stack.running(
-                    settings, names, nodes=nodes, workers=options.workers, auth=auth
+                    settings,
+                    names,
+                    nodes=nodes,
+                    workers=options.workers,
+                    auth=auth,
+                    subscribers=False,
                 ) as stack:
+                    ledger = ledger_process(options, settings, names, auth)
+                    stack.spawn("ledger", functools.partial(ledger.run, stack.stop))
                     await _open_for_use(options, settings, names, inventory, auth)
-                    async with _health_checks(monitor, stack, settings):
+                    async with _health_checks(monitor, stack, settings, ledger):
                         await _until_stopped(stop, supervisor)
                 print("stopping: services drained", flush=True)
     finally:
@@ -430,6 +508,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
+        ledger_metrics_port=args.ledger_metrics_port,
         max_server_restarts=args.max_server_restarts,
         prefix=args.prefix,
         insecure=args.insecure,
@@ -480,6 +559,14 @@ def register(sub: Any) -> None:
         parser,
         port=9400,
         port_help="Prometheus metrics, /healthz and /readyz (0: off; default 9400)",
+    )
+    parser.add_argument(
+        "--ledger-metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="the metrics, /healthz and /readyz of the audit and billing process (0: off; "
+        "default: --metrics-port + 2, off when that is off)",
     )
     parser.add_argument(
         "--max-server-restarts",

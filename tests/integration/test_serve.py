@@ -266,8 +266,16 @@ def secure_nats(tmp_path: Path) -> Iterator[tuple[str, AuthDir, str]]:
         server.stop()
 
 
+#: audit and billing as compose runs them (a process each) and as ``dracap up`` does (one)
+LEDGERS: Final = {
+    "apart": [("audit", ("audit", "serve")), ("usage", ("usage", "serve"))],
+    "together": [("ledger", ("serve", "ledger"))],
+}
+
+
+@pytest.mark.parametrize("ledger", sorted(LEDGERS))
 async def test_each_service_with_its_own_credential_serves_the_claim_flow(
-    settings: Settings, secure_nats: tuple[str, AuthDir, str], tmp_path: Path
+    settings: Settings, secure_nats: tuple[str, AuthDir, str], tmp_path: Path, ledger: str
 ) -> None:
     url, auth, prefix = secure_nats
     procs = Processes(settings, url, prefix, tmp_path)
@@ -282,8 +290,8 @@ async def test_each_service_with_its_own_credential_serves_the_claim_flow(
     await procs.start("reservation", reservation)
     reclaim = procs.argv("reclaim", "--poll", "0.2", nats=False)
     await procs.start("reclaim", [*reclaim, "--metrics-port", str(_free_port())])
-    for ledger in ("audit", "usage"):
-        await procs.start(ledger, [*procs.argv(ledger, "serve"), *creds("service-ledger")])
+    for name, command in LEDGERS[ledger]:
+        await procs.start(name, [*procs.argv(*command), *creds("service-ledger")])
     enforcement = [*procs.argv("serve", "enforcement"), *creds("service-enforcement")]
     await procs.start("enforcement", enforcement)
     agent = procs.argv("agent", "--node", "node-a", "--checkpoint", "none", database=False)

@@ -275,3 +275,68 @@ def test_with_restarts_off_a_dead_server_ends_it_with_one_line(
     assert "embedded nats: killed by SIGKILL" in errors[0] and "restarts are off" in errors[0]
     assert "Traceback" not in log
     assert not (up.data_dir / "postgres" / "postmaster.pid").exists()  # stopped cleanly
+
+
+def _ledger_pids(data_dir: Path) -> list[int]:
+    """The ``dracap serve ledger`` processes of the ``dracap up`` on ``data_dir``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"ledger" in words and str(data_dir).encode() in words:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if stat[0] != "Z":
+                    found.append(int(entry.name))
+    return found
+
+
+def _environment(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_audit_and_billing_run_as_a_process_of_their_own_with_the_ledger_login(
+    up_factory: Callable[..., Up], tmp_path: Path
+) -> None:
+    up = up_factory()
+    banner = up.wait_ready()
+    assert "audit and billing in a process of their own" in banner
+    [pid] = _eventually(lambda: _ledger_pids(up.data_dir), RECOVER_S, "the ledger process runs")
+    assert os.getpgid(pid) != os.getpgid(up.process.pid)  # Ctrl-C reaches dracap up only
+    # its logins: the ledger's own, in its environment; no secret on its command line
+    env = _environment(pid)
+    assert "dracap_ledger_login" in env["DRACAP_DATABASE_URL_LEDGER"]
+    assert Path(env["DRACAP_NATS_CREDS"]).name == "service-ledger.nk"
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert b"postgresql://" not in cmdline and b".nk" not in cmdline
+    _tour(up, banner)
+    hint = up.hint(banner, "claim list")
+    audit = [*hint[: hint.index("claim")], "audit", "--claim", "train-small"]
+    audit += ["--data-dir", str(up.data_dir), "-o", "json"]
+
+    def audited(decision: str) -> bool:
+        done = _run(audit)
+        return done.returncode == 0 and decision in done.stdout
+
+    _eventually(lambda: audited("limit_applied"), RECOVER_S, "the audit has the tour")
+    _ready(up)
+    mark = up.size()
+
+    os.kill(pid, signal.SIGKILL)  # started again; the audit answers again, and follows
+    _eventually(lambda: _ledger_pids(up.data_dir) not in ([], [pid]), RECOVER_S, "a new one")
+    _run([*up.hint(banner, "claim delete")])
+    _eventually(lambda: audited("capacity_released"), RECOVER_S, "the audit follows the log")
+    _ready(up)
+    log = up.text(mark)
+    assert "ledger exited (killed by SIGKILL); starting it again" in log, log
+    assert "Traceback" not in log, log
+
+    [again] = _ledger_pids(up.data_dir)
+    up.process.send_signal(signal.SIGKILL)  # no orphan: the ledger stops with dracap up
+    up.process.wait()
+    _eventually(lambda: not _ledger_pids(up.data_dir), RECOVER_S, f"ledger {again} stops")
+    for server in ("nats", "postgres"):  # the servers of a killed dracap up are its test's
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            up.kill(server)

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import datetime
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks.pipeline import ReadyTracker, machine_cpu_seconds, steps_of, write_timeline
+from benchmarks.pipeline import (
+    ReadyTracker,
+    ledger_cpu_seconds,
+    machine_cpu_seconds,
+    steps_of,
+    write_timeline,
+)
 
 
 def _at(seconds: float) -> datetime.datetime:
@@ -66,3 +75,23 @@ def test_the_machines_cpu_counts_this_process_busy_time() -> None:
         pass
     spent = time.process_time() - own
     assert machine_cpu_seconds() - machine >= spent - 0.05  # (clock ticks of 10 ms)
+
+
+def test_the_ledger_process_is_found_among_the_children_and_its_cpu_counted() -> None:
+    """``ledger_cpu_seconds`` reads the child ``dracap serve ledger`` of a ``dracap up``:
+    a child with those words that spent CPU counts it; a process without one is 0."""
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    child = subprocess.run(  # ends before the read: not a child any more, nothing found
+        [sys.executable, "-c", busy, "serve", "ledger"], check=True
+    )
+    assert child.returncode == 0 and ledger_cpu_seconds(os.getpid()) == 0.0
+    code = f"{busy}\nimport sys\nsys.stdout.write('done\\n'); sys.stdout.flush()\ntime.sleep(60)"
+    with subprocess.Popen(
+        [sys.executable, "-c", code, "serve", "ledger"], stdout=subprocess.PIPE, text=True
+    ) as process:
+        try:
+            assert process.stdout is not None and process.stdout.readline() == "done\n"
+            assert ledger_cpu_seconds(os.getpid()) >= 0.25
+            assert ledger_cpu_seconds(process.pid) == 0.0  # it has no such child
+        finally:
+            process.kill()

@@ -9,7 +9,9 @@ signal. What surrounds the service is the same for all of them, and lives here:
    thresholds, and the survivors of full collections frozen while the loop runs), the
    service loop
    (:mod:`services.runtime.ground.eventloop`); a bad setting is one line and exit 2, Ctrl-C
-   exit 0.
+   exit 0. A service that ``dracap up`` runs as its child (``dracap serve ledger``) first
+   asks to be stopped when ``dracap up`` dies (:func:`~services.runtime.ops.children.
+   stop_with_parent`).
 2. :func:`hosting` is the process's part, in this order: the servers found as every
    command finds them (:mod:`services.runtime.bus.endpoints`); NATS connected with the
    service's credential (one line and exit 1 when it cannot be reached); only then
@@ -56,6 +58,7 @@ from services.runtime.ground.context import NotConnectedError, ServiceContext
 from services.runtime.ground.gctuning import freeze_survivors, tune_for_long_lived_state
 from services.runtime.ground.printable import printable
 from services.runtime.ground.settings import ServiceKind, Settings, SettingsError, load_settings
+from services.runtime.ops.children import stop_with_parent
 from services.runtime.ops.health import (
     HealthMonitor,
     bus_probe,
@@ -147,7 +150,9 @@ async def hosting(
         if series:
             initialise_series()
         port, addr = args.metrics_port, args.metrics_addr
-        async with service_health(service, port, addr, database_url=database_url) as health:
+        async with service_health(
+            service, port, addr, database_url=database_url, stop=stop
+        ) as health:
             if nc is not None and js is not None:
                 probe = nats_probe(nc, js, names.stream) if stream_check else bus_probe(nc)
                 health.register("nats", probe)
@@ -168,6 +173,8 @@ def run_service(
     """A service command's entry point (see the module docstring): ``main()``'s exit
     code; a bad setting (or one of ``bad_input``) is one line and exit 2, Ctrl-C 0."""
     refused: tuple[type[Exception], ...] = (SettingsError, *bad_input)
+    if not stop_with_parent():  # a child of dracap up whose dracap up is gone already
+        return ExitCode.OK
     eventloop.log_to_stderr()
     tune_for_long_lived_state()
     thaw = freeze_survivors()

@@ -117,7 +117,7 @@ STALE_LIVENESS_S: Final = 30.0
 #: How long a live view (or a projector) may stay behind a head it heard of and be fresh.
 STALE_STATE_S: Final = 30.0
 
-#: The checks of each service process (``/readyz``; ``dracap up`` has its own three).
+#: The checks of each service process (``/readyz``; ``dracap up`` has its own).
 SERVICE_CHECKS: Final[dict[str, tuple[str, ...]]] = {
     "relay": ("postgres", "nats"),
     "claims": ("postgres", "nats", "state"),
@@ -127,6 +127,7 @@ SERVICE_CHECKS: Final[dict[str, tuple[str, ...]]] = {
     "reclamation": ("postgres", "state"),
     "audit": ("postgres", "nats", "state"),
     "billing": ("postgres", "nats", "state"),
+    "ledger": ("postgres", "nats", "state", "audit", "billing"),  # both, on one fold
     "snapshots": ("postgres", "state"),
     "agent": ("nats", "consumers"),
 }
@@ -465,11 +466,13 @@ async def service_health(
     *,
     database_url: str | None = None,
     interval: float = CHECK_INTERVAL_S,
+    stop: asyncio.Event | None = None,
 ) -> AsyncIterator[HealthMonitor]:
     """A service process's monitor while inside: its :data:`SERVICE_CHECKS` declared
     (``postgres`` registered on ``database_url``; the caller registers the others as
-    what they check starts), its rounds running, and with ``port`` the metrics server
-    with ``/healthz`` and ``/readyz``."""
+    what they check starts), its rounds running until ``stop`` (a service that stops
+    takes down what its checks look at: no round logs that as an outage), and with
+    ``port`` the metrics server with ``/healthz`` and ``/readyz``."""
     monitor = HealthMonitor(SERVICE_CHECKS[service], interval=interval)
     postgres = PostgresProbe(database_url) if database_url is not None else None
     if postgres is not None and "postgres" in SERVICE_CHECKS[service]:
@@ -478,7 +481,7 @@ async def service_health(
     if port:
         server, _ = start_metrics_server(port, addr=addr)
         serve(server, monitor)
-    done = asyncio.Event()
+    done = stop if stop is not None else asyncio.Event()
     task = asyncio.create_task(monitor.run(done), name=f"health-{service}")
     try:
         yield monitor

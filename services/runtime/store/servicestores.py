@@ -25,6 +25,7 @@ server's ``max_connections``.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Final
 
 import msgspec
@@ -61,14 +62,17 @@ class ServiceStores:
         return cls(store)
 
     @classmethod
-    async def open(cls, settings: Settings) -> ServiceStores:
-        """A store per distinct connection of the services."""
+    async def open(
+        cls, settings: Settings, *, without: Collection[ServiceKind] = ()
+    ) -> ServiceStores:
+        """A store per distinct connection of the services (but those of ``without``:
+        services of those kinds run elsewhere)."""
         reader_settings = settings.for_service(ServiceKind.READONLY)
         stores = cls(await EventStore.open(reader_settings))
         by_connection = {_connection(reader_settings): stores.reader}
         try:
             for kind in ServiceKind:
-                if kind == ServiceKind.READONLY:
+                if kind == ServiceKind.READONLY or kind in without:
                     continue
                 own = settings.for_service(kind)
                 store = by_connection.get(_connection(own))
