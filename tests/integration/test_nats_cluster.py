@@ -44,6 +44,7 @@ from services.runtime.bus.jetstream import (
 from services.runtime.delivery import pulling
 from services.runtime.delivery.pulling import MAX_EXPIRES_S, Puller
 from services.runtime.delivery.relaying import outgoing
+from services.runtime.ground.errors import RetryableError
 from services.runtime.ground.settings import Settings
 from tests.fixtures.polling import until
 from tests.fixtures.replicas import NatsCluster, NatsNode, nats_binary, nats_cluster
@@ -198,14 +199,19 @@ async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster, fault: str) -> 
 async def test_the_stream_keeps_its_replicas_unless_told(nats3: NatsCluster) -> None:
     names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
     nc, js = await connect_bus(nats3.url)
-    try:
-        assert (await ensure_stream(js, names, replicas=3)).config.num_replicas == 3
-        assert (await ensure_stream(js, names)).config.num_replicas == 3, "kept"
-        assert (await ensure_stream(js, names, replicas=1)).config.num_replicas == 1
-        await js.delete_stream(names.stream)
-        assert (await ensure_stream(js, names)).config.num_replicas == 1, "a new one: 1"
+
+    async def replicas(wanted: int | None) -> int:  # the cluster may still be regrouping
+        info = await _once_answered(lambda: ensure_stream(js, names, replicas=wanted))
+        return info.config.num_replicas or 0
+
+    try:  # (after the tests that kill or pause a server of the cluster)
+        assert await replicas(3) == 3
+        assert await replicas(None) == 3, "kept"
+        assert await replicas(1) == 1
+        await _once_answered(lambda: js.delete_stream(names.stream))
+        assert await replicas(None) == 1, "a new one: 1"
     finally:
-        await js.delete_stream(names.stream)
+        await _once_answered(lambda: js.delete_stream(names.stream))
         await nc.close()
 
 
@@ -218,12 +224,14 @@ UNAVAILABLE = 10008
 def _not_now(exc: BaseException) -> bool:
     """Whether the cluster answered "not now": a server an earlier test of the module
     killed or paused has not rejoined yet, or its meta leader is being chosen (then
-    the API does not answer at all)."""
-    cause = exc.__cause__ or exc  # ensure_stream wraps the server's answer
-    return isinstance(cause, nats.errors.TimeoutError) or getattr(cause, "err_code", None) in (
-        NO_PEERS,
-        UNAVAILABLE,
-    )
+    the API does not answer at all, or nobody answers on it yet). ``ensure_stream``
+    wraps the server's answer in the runtime's error, whose type says "retryable"."""
+    if isinstance(exc, RetryableError):
+        return True
+    cause = exc.__cause__ or exc
+    return isinstance(cause, nats.errors.TimeoutError | nats.errors.NoRespondersError) or getattr(
+        cause, "err_code", None
+    ) in (NO_PEERS, UNAVAILABLE)
 
 
 async def _once_answered(call: Callable[[], Awaitable[_T]], within: float = 30) -> _T:
