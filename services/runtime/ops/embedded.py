@@ -67,6 +67,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final, Protocol
 
+from services.runtime.ops.children import exit_reason
+
 PG_SYSTEM_USER: Final = "embedded_postgres"
 PG_SUPERUSER: Final = "postgres"
 DATABASE: Final = "dracap"
@@ -423,12 +425,7 @@ class EmbeddedNats:
         code = None if self._process is None else self._process.poll()
         if code is None:
             return "not running"
-        if code >= 0:
-            return f"exited with code {code}"
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
+        return f"exited with code {code}" if code >= 0 else exit_reason(code)
 
     def _stop_leftover(self) -> None:
         """Stop a nats-server on this store left running by a killed ``dracap up``."""
