@@ -55,7 +55,10 @@ async def test_a_child_that_exits_is_started_again_and_its_trouble_says_why(
     stop = asyncio.Event()
     task = asyncio.create_task(child.run(stop))
     await _until(lambda: runs.exists() and len(runs.read_text()) >= 3, "three runs")
-    assert await child.trouble() == "worker exited (status 3)" == child.problem
+    # The third run has written but may not have exited yet: wait for its back-off.
+    exited = "worker exited (status 3)"
+    await _until(lambda: child.problem == exited, "the trouble names the exit")
+    assert await child.trouble() == exited
     stop.set()
     await wait_for(task, DEADLINE_S)
     assert child.starts >= 3 and child.pid is None
