@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from services.runtime.ground.waiting import wait_for
 from services.runtime.ops.children import PARENT_PID_ENV, ChildService
+from tests.fixtures.procstat import alive, niceness
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 30.0
@@ -30,15 +31,6 @@ async def _until(check: Callable[[], T | None], what: str) -> T:
         assert time.monotonic() < deadline, f"not within {DEADLINE_S:.0f} s: {what}"
         await asyncio.sleep(0.02)
     return result
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _python(code: str) -> list[str]:
@@ -82,8 +74,21 @@ async def test_a_running_child_is_healthy_and_stop_ends_it_with_sigterm(tmp_path
     assert os.getsid(pid) == pid  # a session of its own: the terminal's Ctrl-C is not its
     stop.set()
     await wait_for(task, DEADLINE_S)
-    assert said.read_text() == "terminated" and not _alive(pid)
+    assert said.read_text() == "terminated" and not alive(pid)
     assert child.starts == 1
+
+
+async def test_a_nicer_child_runs_at_a_lower_priority_than_its_parent(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    code = f"import time; open({str(ready)!r}, 'w').write('1'); time.sleep(600)"
+    child = ChildService("subscriber", _python(code), os.environ, niceness=5)
+    stop = asyncio.Event()
+    task = asyncio.create_task(child.run(stop))
+    await _until(ready.exists, "the child runs")
+    assert child.pid is not None
+    assert niceness(child.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)
+    stop.set()
+    await wait_for(task, DEADLINE_S)
 
 
 async def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(
@@ -104,7 +109,7 @@ async def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(
     assert pid is not None
     stop.set()
     await wait_for(task, DEADLINE_S)
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 async def test_a_child_that_cannot_start_says_so_and_is_tried_again(tmp_path: Path) -> None:
@@ -154,7 +159,7 @@ def test_a_child_stops_with_its_parent_killed_with_sigkill(tmp_path: Path) -> No
             time.sleep(0.02)
         process.send_signal(signal.SIGKILL)
         process.wait()
-        while _alive(pid):
+        while alive(pid):
             assert time.monotonic() < deadline, "the child outlived its parent"
             time.sleep(0.02)
         assert said.read_text() == "terminated"  # SIGTERM: it drained, it was not killed

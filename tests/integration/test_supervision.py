@@ -31,6 +31,7 @@ import pytest
 
 from services.commands.up import READY_LINE
 from services.runtime.ops.embedded import free_port
+from tests.fixtures.procstat import niceness
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "examples"
@@ -305,6 +306,7 @@ def test_audit_and_billing_run_as_a_process_of_their_own_with_the_ledger_login(
     assert "audit and billing in a process of their own" in banner
     [pid] = _eventually(lambda: _ledger_pids(up.data_dir), RECOVER_S, "the ledger process runs")
     assert os.getpgid(pid) != os.getpgid(up.process.pid)  # Ctrl-C reaches dracap up only
+    assert niceness(pid) > niceness(up.process.pid)  # claims first, the ledger after
     # its logins: the ledger's own, in its environment; no secret on its command line
     env = _environment(pid)
     assert "dracap_ledger_login" in env["DRACAP_DATABASE_URL_LEDGER"]

@@ -19,6 +19,9 @@ and every claim in flight waited that long (issue 25, ``docs/services.md``).
   again (:meth:`ChildService.retry_now`: a child that could not start during an
   outage starts as soon as the server is back). No traceback: a child's exit is
   expected.
+* **Priority.** ``niceness`` makes the child nicer than ``dracap up`` (set on the
+  process right after it starts, so its threads inherit it): on a busy machine the
+  deciding services come first, and a subscriber catches up when they leave it a core.
 * **Health.** :meth:`ChildService.trouble` is ``dracap up``'s check of it: None while
   the process runs, else why not (starting, exited and when it starts again).
 * **Stop.** SIGTERM (the child drains as on Ctrl-C), SIGKILL after ``grace_s``.
@@ -88,6 +91,7 @@ class ChildService:
         grace_s: float = 10.0,
         first_delay_s: float = 0.5,
         max_delay_s: float = 30.0,
+        niceness: int = 0,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -95,6 +99,7 @@ class ChildService:
         self.grace_s = grace_s
         self.first_delay_s = first_delay_s
         self.max_delay_s = max_delay_s
+        self.niceness = niceness
         self.pid: int | None = None  #: the running child's, else None
         self.starts = 0  #: processes started so far
         self._trouble: str | None = f"{name} is starting"
@@ -132,6 +137,7 @@ class ChildService:
                 self._trouble = f"{self.name} could not start ({exc.strerror or exc})"
             else:
                 self.starts += 1
+                self._lower_priority(process.pid)
                 self.pid, self._trouble = process.pid, None
                 returncode = await self._until_exit(process, stop)
                 self.pid = None
@@ -145,6 +151,14 @@ class ChildService:
             with contextlib.suppress(TimeoutError):
                 await wait_for(first_of(stop.wait(), retry.wait()), delay)
             delay = self.first_delay_s if retry.is_set() else min(delay * 2, self.max_delay_s)
+
+    def _lower_priority(self, pid: int) -> None:
+        """Make the new child :attr:`niceness` nicer than this process (at most 19)."""
+        if self.niceness <= 0:
+            return
+        wanted = min(19, os.getpriority(os.PRIO_PROCESS, 0) + self.niceness)
+        with contextlib.suppress(ProcessLookupError):  # it exited already: run() sees it
+            os.setpriority(os.PRIO_PROCESS, pid, wanted)
 
     async def _until_exit(
         self, process: asyncio.subprocess.Process, stop: asyncio.Event
