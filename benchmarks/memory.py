@@ -7,7 +7,9 @@ Two parts (issue 25, build 5; ``docs/services.md`` has the figures):
    (the same one ``benchmarks/pipeline.py`` starts: relay, live state, claims API,
    reservation, an agent per node, audit, billing, snapshots, SLO tracker,
    reclamation), whose tenant may pass opaque configuration. After a warm-up of 100
-   small claims, its resident set (``VmRSS``) is read; then ``--claims`` claims of the
+   small claims, its resident set (``VmRSS``) is read, with that of its child ``dracap
+   serve ledger`` (audit and billing, a process of their own since 2026-12-05: the
+   figures are the sum, and the ledger's part is printed beside); then ``--claims`` claims of the
    kind are applied (``--concurrency`` in flight) and left live, each waited for until
    its watch says it was decided (``ready``, or ``unschedulable``); after
    ``--settle`` seconds the resident set is read again, halfway and at the end. The
@@ -88,6 +90,13 @@ def resident_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
+def up_resident_bytes(pid: int) -> tuple[int, int]:
+    """``VmRSS`` of ``dracap up`` (``pid``) and of its audit and billing process (0 when
+    it has none): the memory the machine holds for it is their sum."""
+    ledger = pipeline.ledger_pid(pid)
+    return resident_bytes(pid), 0 if ledger is None else resident_bytes(ledger)
+
+
 class Decided:
     """Waits for claims until their watch update says they were decided."""
 
@@ -151,24 +160,26 @@ async def measure_kind(kind: str, args: argparse.Namespace) -> tuple[float, floa
             ):
                 await apply_all(api, "small", 100, args, "warm")
                 await asyncio.sleep(args.settle)
-                before = resident_bytes(reach.pid)
+                before = up_resident_bytes(reach.pid)
                 started = time.perf_counter()
                 half = args.claims // 2
                 await apply_all(api, kind, half, args, f"{kind}-a")
                 await asyncio.sleep(args.settle)
-                middle = resident_bytes(reach.pid)
+                middle = up_resident_bytes(reach.pid)
                 await apply_all(api, kind, args.claims - half, args, f"{kind}-b")
                 seconds = time.perf_counter() - started
                 await asyncio.sleep(args.settle)
-                after = resident_bytes(reach.pid)
+                after = up_resident_bytes(reach.pid)
         with contextlib.suppress(Exception):
             await pipeline._delete_stream(settings.nats_url, names.stream)
-    whole = (after - before) / args.claims * 1000 / 2**20
-    marginal = (after - middle) / (args.claims - half) * 1000 / 2**20
+    whole = (sum(after) - sum(before)) / args.claims * 1000 / 2**20
+    marginal = (sum(after) - sum(middle)) / (args.claims - half) * 1000 / 2**20
+    ledger = (after[1] - before[1]) / args.claims * 1000 / 2**20
     print(
         f"  {kind:<14} {args.claims:>6,} claims in {seconds:5.1f}s: resident "
-        f"{before / 2**20:6.1f} -> {middle / 2**20:6.1f} -> {after / 2**20:6.1f} MiB: "
-        f"{whole:6.2f} MiB per 1,000 live claims ({marginal:6.2f} in the second half)",
+        f"{sum(before) / 2**20:6.1f} -> {sum(middle) / 2**20:6.1f} -> "
+        f"{sum(after) / 2**20:6.1f} MiB: {whole:6.2f} MiB per 1,000 live claims "
+        f"({marginal:6.2f} in the second half; the ledger process's part {ledger:5.2f})",
         flush=True,
     )
     return whole, marginal

@@ -458,9 +458,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def ledger_cpu_seconds(parent: int) -> float:
-    """CPU time the audit and billing process of ``dracap up`` (``parent``'s child
-    ``dracap serve ledger``) has used so far; 0.0 when there is none."""
+def ledger_pid(parent: int) -> int | None:
+    """The pid of ``parent``'s child ``dracap serve ledger`` (``dracap up``'s audit and
+    billing process); None when there is none."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -470,8 +470,15 @@ def ledger_cpu_seconds(parent: int) -> float:
         except OSError:
             continue
         if int(stat[1]) == parent and b"serve" in words and b"ledger" in words:
-            return cpu_seconds(int(entry.name))
-    return 0.0
+            return int(entry.name)
+    return None
+
+
+def ledger_cpu_seconds(parent: int) -> float:
+    """CPU time the audit and billing process of ``dracap up`` (``parent``) has used so
+    far; 0.0 when there is none."""
+    pid = ledger_pid(parent)
+    return 0.0 if pid is None else cpu_seconds(pid)
 
 
 def machine_cpu_seconds() -> float:

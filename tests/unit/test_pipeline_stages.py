@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.memory import resident_bytes, up_resident_bytes
 from benchmarks.pipeline import (
     ReadyTracker,
     ledger_cpu_seconds,
@@ -93,5 +94,9 @@ def test_the_ledger_process_is_found_among_the_children_and_its_cpu_counted() ->
             assert process.stdout is not None and process.stdout.readline() == "done\n"
             assert ledger_cpu_seconds(os.getpid()) >= 0.25
             assert ledger_cpu_seconds(process.pid) == 0.0  # it has no such child
+            # the memory benchmark counts it beside the parent, and nothing without it
+            own, ledger = up_resident_bytes(os.getpid())
+            assert own > 0 and ledger == resident_bytes(process.pid) > 0  # it sleeps: steady
+            assert up_resident_bytes(process.pid)[1] == 0
         finally:
             process.kill()
