@@ -127,6 +127,23 @@ async def _stream_ids(cluster: Cluster, url: str) -> list[str]:
         await nc.close()
 
 
+async def _consumers(cluster: Cluster, faulted: float) -> str:
+    """Each durable of the events stream: delivered, pending, waiting for an ack, and
+    the time since the fault; for a failure's message."""
+    lines = [f"{time.monotonic() - faulted:.1f} s after the fault:"]
+    try:
+        for info in await cluster.stack.js.consumers_info(cluster.stack.names.stream):
+            lines.append(
+                f"  {info.name}: delivered {info.delivered.stream_seq if info.delivered else '?'}"
+                f", pending {info.num_pending}, ack pending {info.num_ack_pending}"
+                f", redelivered {info.num_redelivered}, waiting {info.num_waiting}"
+                f", leader {info.cluster.leader if info.cluster else '?'}"
+            )
+    except Exception as exc:  # the diagnosis must not hide the failure
+        lines.append(f"  (consumers not read: {exc!r})")
+    return "\n".join(lines)
+
+
 async def _log_ids(cluster: Cluster) -> list[str]:
     """The ids of the log's events the relay publishes, in position order."""
     ids = []
@@ -180,8 +197,12 @@ async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster, fault: str) -> 
     await asyncio.wait_for(burst, 90)
 
     assert sorted(acked) == sorted(names)
+    faulted = decided_by - ACK_WAIT_S - 30
     for name in names:
-        await _ready(api, name, decided_by)
+        try:
+            await _ready(api, name, decided_by)
+        except AssertionError as exc:  # say where each consumer stands (CI saw this once)
+            raise AssertionError(f"{exc}\n{await _consumers(cluster, faulted)}") from None
     survivors = ",".join(n.url for n in nats3.nodes if n is not lost)
     deadline = time.monotonic() + 30
     while True:  # the relay may still be publishing the newest events
