@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from services.runtime.ground.waiting import wait_for
-from services.runtime.ops.children import PARENT_PID_ENV, ChildService
+from services.runtime.ops.children import LOG_TAG_ENV, PARENT_PID_ENV, ChildService, log_tag
 from tests.fixtures.procstat import alive, niceness
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +76,42 @@ async def test_a_running_child_is_healthy_and_stop_ends_it_with_sigterm(tmp_path
     await wait_for(task, DEADLINE_S)
     assert said.read_text() == "terminated" and not alive(pid)
     assert child.starts == 1
+
+
+async def test_a_child_knows_the_name_its_log_lines_carry(tmp_path: Path) -> None:
+    said = tmp_path / "said"
+    code = (
+        "import logging, sys\n"
+        "from services.runtime.ground.eventloop import log_to_stderr\n"
+        "from services.runtime.ops.children import log_tag\n"
+        "log_to_stderr(log_tag())\n"
+        f"logging.getLogger('dracap.health').warning('postgres is down: %s', {str(said)!r})\n"
+        f"open({str(said)!r}, 'w').write(str(log_tag()))\n"
+        "raise SystemExit(0)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    child = ChildService("ledger", _python(code), env, first_delay_s=30)
+    stop = asyncio.Event()
+    task = asyncio.create_task(child.run(stop))
+    await _until(lambda: said.exists() and said.read_text(), "the child ran")
+    stop.set()
+    await wait_for(task, DEADLINE_S)
+    assert said.read_text() == "ledger"
+
+
+def test_a_tagged_log_line_names_the_child() -> None:
+    code = (
+        "import logging\n"
+        "from services.runtime.ground.eventloop import log_to_stderr\n"
+        "log_to_stderr('ledger')\n"
+        "logging.getLogger('dracap.health').warning('postgres is down: gone')\n"
+    )
+    done = subprocess.run(
+        _python(code), capture_output=True, text=True, cwd=ROOT, timeout=DEADLINE_S, check=True
+    )
+    assert " [ledger] dracap.health WARNING postgres is down: gone" in done.stderr
+    assert log_tag({LOG_TAG_ENV: "ledger"}) == "ledger"
+    assert log_tag({}) is None and log_tag({LOG_TAG_ENV: "a%(b)s"}) is None  # not a format
 
 
 async def test_a_nicer_child_runs_at_a_lower_priority_than_its_parent(tmp_path: Path) -> None:

@@ -35,12 +35,14 @@ __all__ = ["cancel_on_sigterm", "log_to_stderr", "loop_name", "run", "stop_on_si
 T = TypeVar("T")
 
 
-def log_to_stderr() -> None:
-    """Log INFO and above to standard error, one timestamped line per record."""
+def log_to_stderr(tag: str | None = None) -> None:
+    """Log INFO and above to standard error, one timestamped line per record; ``tag``
+    (a child process's name) follows the time as ``[tag]``."""
+    named = f"[{tag}] " if tag else ""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        format=f"%(asctime)s {named}%(name)s %(levelname)s %(message)s",
     )
     # the migration step says itself which revision it migrates to; alembic's own
     # per-revision lines are for `alembic` users

@@ -58,7 +58,7 @@ from services.runtime.ground.context import NotConnectedError, ServiceContext
 from services.runtime.ground.gctuning import freeze_survivors, tune_for_long_lived_state
 from services.runtime.ground.printable import printable
 from services.runtime.ground.settings import ServiceKind, Settings, SettingsError, load_settings
-from services.runtime.ops.children import stop_with_parent
+from services.runtime.ops.children import log_tag, stop_with_parent
 from services.runtime.ops.health import (
     HealthMonitor,
     bus_probe,
@@ -175,7 +175,7 @@ def run_service(
     refused: tuple[type[Exception], ...] = (SettingsError, *bad_input)
     if not stop_with_parent():  # a child of dracap up whose dracap up is gone already
         return ExitCode.OK
-    eventloop.log_to_stderr()
+    eventloop.log_to_stderr(log_tag())
     tune_for_long_lived_state()
     thaw = freeze_survivors()
     try:

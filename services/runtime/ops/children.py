@@ -11,7 +11,9 @@ and every claim in flight waited that long (issue 25, ``docs/services.md``).
   environment names ``dracap up``'s pid in :data:`PARENT_PID_ENV`; the child's
   :func:`stop_with_parent` asks the kernel for a SIGTERM when that process dies, so a
   ``dracap up`` killed with SIGKILL leaves no child behind (Linux; elsewhere the child
-  outlives it).
+  outlives it). It also names the child in :data:`LOG_TAG_ENV`: the child's log lines,
+  on the standard error both share, carry ``[name]`` (:func:`log_tag`), so that a
+  server's outage that both report reads as two processes' lines, not one said twice.
 * **Watching.** A child that exits while ``dracap up`` runs is one log line (its exit
   status, or the signal that killed it; its own reasons are on the shared standard
   error) and is started again after a back-off: 0.5 s doubling to 30 s, back to 0.5 s
@@ -42,12 +44,22 @@ from typing import Final
 
 from services.runtime.ground.waiting import first_of, wait_for
 
-__all__ = ["PARENT_PID_ENV", "STEADY_S", "ChildService", "exit_reason", "stop_with_parent"]
+__all__ = [
+    "LOG_TAG_ENV",
+    "PARENT_PID_ENV",
+    "STEADY_S",
+    "ChildService",
+    "exit_reason",
+    "log_tag",
+    "stop_with_parent",
+]
 
 log = logging.getLogger("dracap.children")
 
 #: The variable that names the parent a child stops with (:func:`stop_with_parent`).
 PARENT_PID_ENV: Final = "DRACAP_PARENT_PID"
+#: The variable that names a child in its log lines (:func:`log_tag`): its service's name.
+LOG_TAG_ENV: Final = "DRACAP_LOG_TAG"
 #: A run this long resets the restart back-off to its first delay.
 STEADY_S: Final = 60.0
 _PR_SET_PDEATHSIG: Final = 1  # <linux/prctl.h>
@@ -79,6 +91,14 @@ def stop_with_parent(env: Mapping[str, str] | None = None) -> bool:
     return os.getppid() == int(named)  # it died before the request: no signal will come
 
 
+def log_tag(env: Mapping[str, str] | None = None) -> str | None:
+    """In a child of ``dracap up``: the name its log lines carry (they go to the standard
+    error it shares with ``dracap up``, whose own lines say the same things about the
+    same servers); None in a process of its own."""
+    tag = (os.environ if env is None else env).get(LOG_TAG_ENV, "")
+    return tag if tag.isidentifier() else None
+
+
 class ChildService:
     """One child process of ``dracap up`` (module docstring): ``run(stop)`` keeps it."""
 
@@ -95,7 +115,7 @@ class ChildService:
     ) -> None:
         self.name = name
         self.argv = list(argv)
-        self.env = {**env, PARENT_PID_ENV: str(os.getpid())}
+        self.env = {**env, PARENT_PID_ENV: str(os.getpid()), LOG_TAG_ENV: name}
         self.grace_s = grace_s
         self.first_delay_s = first_delay_s
         self.max_delay_s = max_delay_s
