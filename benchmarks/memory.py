@@ -9,9 +9,9 @@ Two parts (issue 25, build 5; ``docs/services.md`` has the figures):
    reclamation), whose tenant may pass opaque configuration. After a warm-up of 100
    small claims, its resident set (``VmRSS``) is read, with that of its child ``dracap
    serve ledger`` (audit and billing, a process of their own since 2026-12-05: the
-   figures are the sum, and the ledger's part is printed beside); then ``--claims`` claims of the
-   kind are applied (``--concurrency`` in flight) and left live, each waited for until
-   its watch says it was decided (``ready``, or ``unschedulable``); after
+   figures are the sum, and the ledger's part is printed beside); then ``--claims``
+   claims of the kind are applied (``--concurrency`` in flight) and left live, each
+   waited for until its watch says it was decided (``ready``, or ``unschedulable``); after
    ``--settle`` seconds the resident set is read again, halfway and at the end. The
    figures are the growth per 1,000 claims over all of them, and over the second half
    alone: by then the bounded caches (the consumers' confirmation window of 16,384
