@@ -63,7 +63,7 @@ from typing import Any, Final
 import nats
 from nats.aio.client import Client
 
-from benchmarks.hachecks import Book, DeviceKey, LogView, findings, unconverged
+from benchmarks.hachecks import Book, DeviceKey, LogView, findings, told, unconverged
 from benchmarks.hatopology import NAMESPACE, PREFIX, Topology, running_topology
 from events.quantities import Quantity
 from events.subjects import BusNames
@@ -351,11 +351,12 @@ class Harness:
                 fault.converged_s = time.monotonic() - started
             else:
                 late = unconverged(self.book, self.view, [*before, probe])
-                fault.problems.append(f"did not converge in {CONVERGE_S:.0f} s: {late[:10]}")
+                where = "; ".join(told(self.book, self.view, n) for n in late[:3])
+                fault.problems.append(
+                    f"did not converge in {CONVERGE_S:.0f} s: {late[:10]}; {where}"
+                )
         finally:
             await ending
-        if kind == "postgres-failover":
-            self.view.reset()  # (module docstring of benchmarks.hachecks)
         fault.problems += await self.check(f"after {kind} #{injector.count[kind]} ({target})")
         if kind == "postgres-failover":
             await asyncio.to_thread(self.topology.pg.rebuild_standby)

@@ -14,9 +14,14 @@ it follows a failover) and keeps, from position 0 on:
   every event: independent of the fold's and the database's checks it is meant to
   confirm.
 
-After a PostgreSQL failover the view starts again from position 0: a commit is visible
-on the old primary a moment before its standby confirms it, so the view may have read
-an event the promoted server never got (its client was never told it succeeded).
+Each time the view connects again (its connection lost: a failover, a server paused
+past a timeout) it starts again from position 0. A commit can be visible on the old
+primary before its standby has it: a backend waiting for the standby's confirmation
+that sees its postmaster die stops waiting, and its transaction becomes visible to the
+sessions not yet killed. The view may have read such an event; the promoted server
+never got it (its client was never told it succeeded) and hands its positions to the
+next appends. A view that went on from where it was would skip those appends: a claim
+applied right after the failover would never look Ready to it.
 
 :func:`findings` says what is wrong: an acknowledged apply or delete missing from the
 log, a device over its total, a refused event. :func:`unconverged` says which claims
@@ -77,6 +82,7 @@ class LogView:
         self._namespace = namespace
         self._totals = totals
         self._connection: asyncpg.Connection | None = None
+        self._connected = False  #: whether it had a connection before
         self.reset()
 
     def reset(self) -> None:
@@ -95,17 +101,24 @@ class LogView:
     async def close(self) -> None:
         if self._connection is not None:
             connection, self._connection = self._connection, None
-            await connection.close(timeout=2)
+            try:
+                await connection.close(timeout=2)
+            except Exception:  # (a session already broken: drop it)
+                connection.terminate()
 
     async def refresh(self) -> None:
-        """Read what was appended since the last call (reconnecting when needed)."""
+        """Read what was appended since the last call; from position 0 on a new
+        connection after a lost one (see the module docstring)."""
         if self._connection is None or self._connection.is_closed():
+            if self._connected:
+                self.reset()
             self._connection = await connect(self._settings, through_failover=True)
+            self._connected = True
         try:
             async for rows in iter_rows(self._connection, self.state.position):
                 for row in rows:
                     self._take(row)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        except Exception:  # (asyncpg's InternalClientError too: a session ended under it)
             await self.close()
             raise
 
@@ -161,15 +174,15 @@ def findings(book: Book, view: LogView, read_at: float) -> list[str]:
     ``read_at``: a moment before the view last read the log (``time.monotonic()``): what
     was acknowledged later may be committed after that read."""
     lost = [n for n, at in book.applied.items() if at < read_at and n not in view.submitted]
-    found = [f"acknowledged apply not in the log: {_told(book, view, n)}" for n in lost]
+    found = [f"acknowledged apply not in the log: {told(book, view, n)}" for n in lost]
     lost = [n for n, at in book.deleted.items() if at < read_at and n not in view.deletes]
-    found += [f"acknowledged delete not in the log: {_told(book, view, n)}" for n in lost]
+    found += [f"acknowledged delete not in the log: {told(book, view, n)}" for n in lost]
     found += [f"over capacity at {o}" for o in view.over]
     found += [f"refused by the fold: {r}" for r in view.refused]
     return found
 
 
-def _told(book: Book, view: LogView, name: str) -> str:
+def told(book: Book, view: LogView, name: str) -> str:
     """A claim's acknowledgements and what the log holds of it."""
     tags = ", ".join(view.history.get(name, [])) or "nothing"
     reply = book.replies.get(name, "?")
