@@ -31,6 +31,7 @@ import csv
 import datetime
 import io
 import json
+import logging
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -61,6 +62,8 @@ __all__ = [
     "serve_subscriber",
     "verify_subscriber",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def parse_time(flag: str, text: str | None) -> str | None:
@@ -138,6 +141,7 @@ async def serve_subscriber(
     async with serving(args, service, login=ServiceKind.LEDGER, nats=True) as context:
         subscriber = make(context.service_context(context.store))
         context.health.register("state", projector_probe(subscriber.projector))
+        log.info("%s started (prefix %s)", service, context.names.prefix)  # as `dracap serve`
         await subscriber.run(context.stop)
     return ExitCode.OK
 

@@ -126,16 +126,20 @@ class Processes:
     async def started(self) -> None:
         """Wait until every process says it runs (a process told to stop while it still
         starts ends with 130, not 0: the teardown's clean exit is asked of running ones)."""
-        async with asyncio.timeout(60):
-            for name in self.running:
-                log = self.tmp / f"{name}.log"
-                while not _STARTED.search(log.read_text(errors="replace")):
-                    if self.running[name].returncode is not None:
-                        return  # ended early: the exit code tells
-                    await asyncio.sleep(0.1)
+        name = ""
+        try:
+            async with asyncio.timeout(60):
+                for name in self.running:
+                    log = self.tmp / f"{name}.log"
+                    while not _STARTED.search(log.read_text(errors="replace")):
+                        if self.running[name].returncode is not None:
+                            return  # ended early: the exit code tells
+                        await asyncio.sleep(0.1)
+        except TimeoutError:
+            raise AssertionError(f"{name} never said it started\n{self.logs()}") from None
 
     async def stop(self) -> dict[str, int | None]:
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(AssertionError):
             await self.started()
         for process in self.running.values():
             if process.returncode is None:
@@ -312,6 +316,7 @@ async def test_each_service_with_its_own_credential_serves_the_claim_flow(
             await alice.claims(NAMESPACE, "delete", {"name": "train"})
             await _phase(alice, "train", "released", procs)
         await _every_process_ready(procs)
+        await procs.started()  # each said so in its log, as an operator reads it
     finally:
         codes = await procs.stop()
     assert all(code == 0 for code in codes.values()), (codes, procs.logs())
