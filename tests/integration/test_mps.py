@@ -27,6 +27,7 @@ from services.enforcement.enforcers import (
     ShareLimit,
 )
 from services.enforcement.mps import MpsEnforcer, MpsSettings, mib_of, parse_limit_reply
+from tests.fixtures.procstat import alive
 from tests.unit.test_cdi import check_spec
 
 FAKE = Path(__file__).resolve().parents[1] / "fixtures" / "fake_mps_control"
@@ -85,7 +86,7 @@ class World:
                 os.kill(pid, signal.SIGKILL)
                 pids.append(pid)
         deadline = time.monotonic() + 30
-        while any(_state(pid) not in ("Z", "gone") for pid in pids):
+        while any(alive(pid) for pid in pids):
             assert time.monotonic() < deadline, "a stand-in daemon does not die"
             time.sleep(0.01)
 
@@ -182,7 +183,7 @@ async def test_remove_quits_the_daemon_and_deletes_spec_and_dirs(world: World) -
     assert world.commands() == ["quit"]
     assert not world.cdi.path_of(SHARE).exists()
     assert not (world.root / SHARE).exists()
-    assert _state(pid) in ("Z", "gone")
+    assert not alive(pid)
     assert await world.enforcer.observe() == {}
     await world.enforcer.remove(SHARE)  # idempotent
     await world.enforcer.remove("never-applied")
@@ -331,10 +332,3 @@ def test_mib_never_exceeds_the_share() -> None:
         q = Quantity.parse(text)
         mib = mib_of(limit(text))
         assert mib * 2**20 <= q.nanos // 10**9 < (mib + 1) * 2**20
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return "gone"
