@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -13,9 +15,10 @@ import yaml
 
 from events.subjects import BusNames
 from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.endpoints import ServerUnavailable
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground.settings import Settings
-from services.stack import Stack, load_inventory, read_inventory
+from services.stack import InventoryManifests, Stack, load_inventory, read_inventory
 from tests.fixtures.logins import login_users
 
 
@@ -53,6 +56,26 @@ def node_slice(node: str, driver: str, devices: list[dict[str, Any]]) -> dict[st
     }
 
 
+#: how long the API may take to answer through every server of a NATS cluster
+ANSWERED_WITHIN_S = 30.0
+
+
+async def _load_once_answered(api: ApiClient, manifests: InventoryManifests) -> None:
+    """``load_inventory`` once the API answers. On a cluster of nats-servers a service's
+    subscription reaches the other servers over their routes a moment after it is made:
+    a request through another server meanwhile finds nobody to answer (CI, 2026-12-05:
+    "no dracap API answers on ….admin.devices.list" as the stack had just started)."""
+    deadline = time.monotonic() + ANSWERED_WITHIN_S
+    while True:
+        try:
+            await load_inventory(api, manifests)
+            return
+        except ServerUnavailable:
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.1)
+
+
 @contextlib.asynccontextmanager
 async def running_cluster(
     settings: Settings,
@@ -80,7 +103,7 @@ async def running_cluster(
             Stack.running(settings, names, nodes=manifests.nodes, workers=1) as stack,
             ApiClient.connect(nats_url, names.prefix) as api,
         ):
-            await load_inventory(api, manifests)
+            await _load_once_answered(api, manifests)
             flags = ["--nats", nats_url, "--prefix", names.prefix]
             yield Cluster(api=api, flags=flags, stack=stack)
     nc, js = await connect_bus(nats_url)
