@@ -116,7 +116,8 @@ it to bring a retry or a check due (``tests/unit/test_agent_timers.py``).
 
 Health and use. Every ``health_interval`` the agent reads the enforcer's health and
 use and its last scan; only when what it found differs from what it last reported does
-it ask for a view and report the transitions (``DeviceHealthChanged``, ``ShareUsed``).
+it ask for a view and report the transitions (``DeviceHealthChanged``, ``ShareUsed``);
+with no scan and no problem there is nothing to compare, and no view is asked.
 
 Restart. :meth:`Agent.run` first runs the inventory scan (when a scanner is given:
 the enforcers' device maps come from it), then :meth:`Agent.reconcile`: the log, the
@@ -641,6 +642,11 @@ class Agent:
             except EnforcementError as exc:
                 log.warning("the enforcer's health check failed: %s", exc)
             if self._health_found == (found, problems):
+                return []
+            if (scanner is None or scanner.inventory is None) and not problems:
+                # no scan and no problem: no finding to hold against the log, so no view
+                # of the whole node (its cost grows with the node's live shares)
+                self._health_found = (found, problems)
                 return []
             state = (await self.view(ViewAsk(node=True))).state()
             findings: dict[DeviceKey, str | None] = {}
