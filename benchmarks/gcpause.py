@@ -9,6 +9,10 @@ pause and their sum, and the wall time of the churn. Each run is its own process
 the survivors of full collections frozen (``freeze``: :func:`services.runtime.ground.gctuning.
 freeze_survivors`, what ``dracap up`` and the service commands do) and without
 (``plain``), alternating; the figures are in ``docs/services.md`` (Growth).
+
+``--grow`` measures the other case: the fold grows *while* the collector runs as in a
+service (tuned, survivors frozen, the churn spread over the fill), the longest pause
+per generation during the fill, then one full collection after it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,50 @@ def folded(events: int) -> ClusterState:
                 chunk = []
         fold_rows(state, chunk)
     return state
+
+
+def grown(events: int, churn: int) -> dict[str, Any]:
+    """``--grow``: the fold grows while the collector runs as in a service (tuned,
+    survivors frozen), with the churn of ``churn`` objects spread over it; then one full
+    collection, as the first to come after a fill: how long it walks."""
+    tune_for_long_lived_state()
+    pauses: list[tuple[int, float]] = []
+    began = [0.0]
+
+    def timed(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], time.perf_counter() - began[0]))
+
+    thaw = freeze_survivors()
+    gc.callbacks.insert(0, timed)
+    state = ClusterState()
+    chunk: list[tuple[Any, ...]] = []
+    in_flight: list[dict[str, Any]] = []
+    per_row = max(1, churn // max(1, events))
+    started = time.perf_counter()
+    for i, row in enumerate(history(events, 0)):
+        chunk.append(row)
+        for j in range(per_row):
+            in_flight.append({"claim": [i, j], "shares": {i}})
+        if len(in_flight) > 20_000:
+            del in_flight[:10_000]
+        if len(chunk) == 1_000:
+            fold_rows(state, chunk)
+            chunk = []
+    fold_rows(state, chunk)
+    wall = time.perf_counter() - started
+    before = time.perf_counter()
+    gc.collect()
+    after_fill = time.perf_counter() - before
+    gc.callbacks.remove(timed)
+    thaw()
+    out: dict[str, Any] = {"claims": len(state.claims), "wall_s": wall, "full_after_s": after_fill}
+    for generation in (0, 1, 2):
+        mine = [p for g, p in pauses if g == generation]
+        out[f"gen{generation}"] = (len(mine), max(mine, default=0.0), sum(mine))
+    return out
 
 
 def one_run(events: int, churn: int, freeze: bool) -> dict[str, Any]:
@@ -83,8 +131,26 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--churn", type=int, default=3_000_000, help="objects made")
     parser.add_argument("--runs", type=int, default=3, help="pairs of runs")
+    parser.add_argument(
+        "--grow",
+        action="store_true",
+        help="fold while the collector runs (survivors frozen), then time one full collection",
+    )
     parser.add_argument("--one", choices=("plain", "freeze"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.grow:
+        for run in range(args.runs):
+            result = grown(args.events, args.churn)
+            cells = "  ".join(
+                f"gen{g} {n:>4} max {mx * 1000:7.1f} ms"
+                for g, (n, mx, _total) in ((g, result[f"gen{g}"]) for g in (0, 1, 2))
+            )
+            print(
+                f"run {run + 1} grown to {result['claims']:,} claims in {result['wall_s']:.1f} s: "
+                f"{cells}; the next full collection {result['full_after_s'] * 1000:.1f} ms",
+                flush=True,
+            )
+        return
     if args.one:
         print(json.dumps(one_run(args.events, args.churn, args.one == "freeze")))
         return
