@@ -23,6 +23,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks.eventlog import history
@@ -45,12 +46,8 @@ def folded(events: int) -> ClusterState:
     return state
 
 
-def grown(events: int, churn: int) -> dict[str, Any]:
-    """``--grow``: the fold grows while the collector runs as in a service (tuned,
-    survivors frozen), with the churn of ``churn`` objects spread over it; then one full
-    collection, as the first to come after a fill: how long it walks."""
-    tune_for_long_lived_state()
-    pauses: list[tuple[int, float]] = []
+def _recorder(pauses: list[tuple[int, float]]) -> Callable[[str, dict[str, Any]], None]:
+    """A ``gc.callbacks`` entry that appends (generation, seconds) of each collection."""
     began = [0.0]
 
     def timed(phase: str, info: dict[str, Any]) -> None:
@@ -59,6 +56,16 @@ def grown(events: int, churn: int) -> dict[str, Any]:
         else:
             pauses.append((info["generation"], time.perf_counter() - began[0]))
 
+    return timed
+
+
+def grown(events: int, churn: int) -> dict[str, Any]:
+    """``--grow``: the fold grows while the collector runs as in a service (tuned,
+    survivors frozen), with the churn of ``churn`` objects spread over it; then one full
+    collection, as the first to come after a fill: how long it walks."""
+    tune_for_long_lived_state()
+    pauses: list[tuple[int, float]] = []
+    timed = _recorder(pauses)
     thaw = freeze_survivors()
     gc.callbacks.insert(0, timed)
     state = ClusterState()
@@ -96,14 +103,7 @@ def one_run(events: int, churn: int, freeze: bool) -> dict[str, Any]:
     tune_for_long_lived_state()
     gc.collect()
     pauses: list[tuple[int, float]] = []
-    began = [0.0]
-
-    def timed(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            began[0] = time.perf_counter()
-        else:
-            pauses.append((info["generation"], time.perf_counter() - began[0]))
-
+    timed = _recorder(pauses)
     gc.callbacks.insert(0, timed)
     thaw = freeze_survivors() if freeze else None
     if freeze:

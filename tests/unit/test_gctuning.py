@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
+from collections.abc import Iterator
 
 from services.runtime.ground.gctuning import (
     REWALK_S,
@@ -14,6 +16,19 @@ from services.runtime.ground.gctuning import (
 )
 
 CPYTHON_DEFAULT = (700, 10, 10)
+
+
+@contextlib.contextmanager
+def installed(now: list[float]) -> Iterator[_SurvivorFreezer]:
+    """A freezer on the clock ``now[0]``, in ``gc.callbacks`` while inside; on the way
+    out everything is unfrozen, as the process found it."""
+    freezer = _SurvivorFreezer(clock=lambda: now[0])
+    gc.callbacks.append(freezer)
+    try:
+        yield freezer
+    finally:
+        gc.callbacks.remove(freezer)
+        gc.unfreeze()
 
 
 def test_tuning_sets_the_thresholds_and_returns_the_previous_ones() -> None:
@@ -52,9 +67,7 @@ def test_frozen_cycles_are_collected_once_the_rewalk_interval_has_passed() -> No
             self.other: Node | None = None
 
     now = [0.0]
-    freezer = _SurvivorFreezer(clock=lambda: now[0])
-    gc.callbacks.append(freezer)
-    try:
+    with installed(now) as freezer:
         gc.collect()  # walks everything; its survivors are frozen
         first, second = Node(), Node()
         first.other, second.other = second, first
@@ -71,16 +84,11 @@ def test_frozen_cycles_are_collected_once_the_rewalk_interval_has_passed() -> No
         gc.collect()
         assert alive() is None  # the walk of everything collected the cycle
         assert gc.get_freeze_count() > 0  # and froze what it left
-    finally:
-        gc.callbacks.remove(freezer)
-        gc.unfreeze()
 
 
 def test_what_a_middle_collection_promotes_is_frozen_without_waiting_for_a_full_one() -> None:
     now = [0.0]
-    freezer = _SurvivorFreezer(clock=lambda: now[0])
-    gc.callbacks.append(freezer)
-    try:
+    with installed(now) as freezer:
         gc.collect()  # walks everything; its survivors are frozen
         kept = [[i] for i in range(1_000)]  # tracked containers, like the fold's
         frozen = gc.get_freeze_count()
@@ -88,16 +96,11 @@ def test_what_a_middle_collection_promotes_is_frozen_without_waiting_for_a_full_
         # frozen at once: the next full collection does not walk a whole fill of claims
         assert gc.get_freeze_count() >= frozen + len(kept)
         assert freezer.frozen == 1  # no full collection was needed for it
-    finally:
-        gc.callbacks.remove(freezer)
-        gc.unfreeze()
 
 
 def test_while_a_walk_of_everything_is_due_a_middle_collection_freezes_nothing() -> None:
     now = [0.0]
-    freezer = _SurvivorFreezer(clock=lambda: now[0])
-    gc.callbacks.append(freezer)
-    try:
+    with installed(now):
         gc.collect()
         now[0] = REWALK_S
         gc.collect()  # the interval has passed: everything is handed back to be walked
@@ -107,6 +110,3 @@ def test_while_a_walk_of_everything_is_due_a_middle_collection_freezes_nothing()
         assert gc.get_freeze_count() == 0  # the walk of everything comes first
         gc.collect()
         assert gc.get_freeze_count() >= len(kept)  # then its survivors are frozen again
-    finally:
-        gc.callbacks.remove(freezer)
-        gc.unfreeze()
