@@ -12,7 +12,8 @@ freeze_survivors`, what ``dracap up`` and the service commands do) and without
 
 ``--grow`` measures the other case: the fold grows *while* the collector runs as in a
 service (tuned, survivors frozen, the churn spread over the fill), the longest pause
-per generation during the fill, then one full collection after it.
+per generation during the fill, then one full collection after it (docs/services.md,
+"While the fold grows").
 """
 
 from __future__ import annotations

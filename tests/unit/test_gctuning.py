@@ -84,29 +84,3 @@ def test_frozen_cycles_are_collected_once_the_rewalk_interval_has_passed() -> No
         gc.collect()
         assert alive() is None  # the walk of everything collected the cycle
         assert gc.get_freeze_count() > 0  # and froze what it left
-
-
-def test_what_a_middle_collection_promotes_is_frozen_without_waiting_for_a_full_one() -> None:
-    now = [0.0]
-    with installed(now) as freezer:
-        gc.collect()  # walks everything; its survivors are frozen
-        kept = [[i] for i in range(1_000)]  # tracked containers, like the fold's
-        frozen = gc.get_freeze_count()
-        gc.collect(1)  # a middle collection promotes them to the oldest generation
-        # frozen at once: the next full collection does not walk a whole fill of claims
-        assert gc.get_freeze_count() >= frozen + len(kept)
-        assert freezer.frozen == 1  # no full collection was needed for it
-
-
-def test_while_a_walk_of_everything_is_due_a_middle_collection_freezes_nothing() -> None:
-    now = [0.0]
-    with installed(now):
-        gc.collect()
-        now[0] = REWALK_S
-        gc.collect()  # the interval has passed: everything is handed back to be walked
-        assert gc.get_freeze_count() == 0
-        kept = [[i] for i in range(1_000)]
-        gc.collect(1)
-        assert gc.get_freeze_count() == 0  # the walk of everything comes first
-        gc.collect()
-        assert gc.get_freeze_count() >= len(kept)  # then its survivors are frozen again

@@ -39,23 +39,13 @@ machine.)
 :func:`freeze_survivors` takes the survivors out of the walk: after every full
 collection it moves what survived it to the permanent generation (``gc.freeze()``), so
 the next full collection walks only what survived since — a pause that grows with the
-churn between two collections, not with what is live. It also freezes after every
-middle collection what that collection promoted to the oldest generation
-(``gc.freeze()`` splices lists, it walks nothing): a full collection comes only after a
-hundred middle ones, and one that comes while the fold grows walks every claim folded
-since the last — up to 186-215 ms with the loop held at 143,000 claims folded
-(``python -m benchmarks.gcpause --grow``), a pause that grows with the fill (issue 25).
-Frozen at each middle collection, the oldest generation holds only what was promoted
-since the last one, and a full collection walks next to nothing (1.0 ms there).
-
-A frozen object that dies is still freed by its reference count (the fold is
-acyclic); only a *cycle* among frozen objects that turns to garbage waits (frozen at a
-middle collection, a cycle that outlived two collections). So that such garbage does
-not pile up, the frozen set is unfrozen once :data:`REWALK_S` (10 minutes) have passed
-since the last walk of everything, and the next full collection walks everything,
-cycles and all: one long pause in ten minutes at most, whatever the state does. It
-starts with a full collection of its own, at startup, whose survivors are the first
-frozen set.
+churn between two collections, not with what is live. A frozen object that dies is
+still freed by its reference count (the fold is acyclic); only a *cycle* among frozen
+objects that turns to garbage waits. So that such garbage does not pile up, the frozen
+set is unfrozen once :data:`REWALK_S` (10 minutes) have passed since the last walk of
+everything, and the next full collection walks everything, cycles and all: one long
+pause in ten minutes at most, whatever the state does. It starts with a full
+collection of its own, at startup, whose survivors are the first frozen set.
 
 A rule on the frozen set's size (walk everything again once it has doubled) was tried
 first: the frozen set at startup is only the imports (~106,000 objects), so it would
@@ -95,14 +85,7 @@ class _SurvivorFreezer:
         self.rewalks = 0  #: times the frozen set was handed back to be walked
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
-        if phase != "stop":
-            return
-        generation = info.get("generation")
-        if generation == 1:
-            if not self.rewalk:  # what a middle collection promoted joins the frozen set
-                gc.freeze()
-            return
-        if generation != 2:
+        if phase != "stop" or info.get("generation") != 2:
             return
         gc.freeze()
         self.frozen += 1
