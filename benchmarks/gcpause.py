@@ -60,6 +60,23 @@ def _recorder(pauses: list[tuple[int, float]]) -> Callable[[str, dict[str, Any]]
     return timed
 
 
+def _per_generation(pauses: list[tuple[int, float]]) -> dict[str, tuple[int, float, float]]:
+    """``gen0``..``gen2``: (collections, longest pause, sum of pauses) in seconds."""
+    out: dict[str, tuple[int, float, float]] = {}
+    for generation in (0, 1, 2):
+        mine = [p for g, p in pauses if g == generation]
+        out[f"gen{generation}"] = (len(mine), max(mine, default=0.0), sum(mine))
+    return out
+
+
+def _cells(result: dict[str, Any], sums: bool) -> str:
+    """The per-generation columns of a report line (``sums``: with each sum of pauses)."""
+    return "  ".join(
+        f"gen{g} {n:>4} max {mx * 1000:7.1f} ms" + (f" sum {total * 1000:7.0f} ms" if sums else "")
+        for g, (n, mx, total) in ((g, result[f"gen{g}"]) for g in (0, 1, 2))
+    )
+
+
 def grown(events: int, churn: int) -> dict[str, Any]:
     """``--grow``: the fold grows while the collector runs as in a service (tuned,
     survivors frozen), with the churn of ``churn`` objects spread over it; then one full
@@ -91,9 +108,7 @@ def grown(events: int, churn: int) -> dict[str, Any]:
     gc.callbacks.remove(timed)
     thaw()
     out: dict[str, Any] = {"claims": len(state.claims), "wall_s": wall, "full_after_s": after_fill}
-    for generation in (0, 1, 2):
-        mine = [p for g, p in pauses if g == generation]
-        out[f"gen{generation}"] = (len(mine), max(mine, default=0.0), sum(mine))
+    out.update(_per_generation(pauses))
     return out
 
 
@@ -121,9 +136,7 @@ def one_run(events: int, churn: int, freeze: bool) -> dict[str, Any]:
         thaw()
     gc.callbacks.remove(timed)
     out: dict[str, Any] = {"claims": len(state.claims), "tracked": tracked, "wall_s": wall}
-    for generation in (0, 1, 2):
-        mine = [p for g, p in pauses if g == generation]
-        out[f"gen{generation}"] = (len(mine), max(mine, default=0.0), sum(mine))
+    out.update(_per_generation(pauses))
     return out
 
 
@@ -142,10 +155,7 @@ def main() -> None:
     if args.grow:
         for run in range(args.runs):
             result = grown(args.events, args.churn)
-            cells = "  ".join(
-                f"gen{g} {n:>4} max {mx * 1000:7.1f} ms"
-                for g, (n, mx, _total) in ((g, result[f"gen{g}"]) for g in (0, 1, 2))
-            )
+            cells = _cells(result, sums=False)
             print(
                 f"run {run + 1} grown to {result['claims']:,} claims in {result['wall_s']:.1f} s: "
                 f"{cells}; the next full collection {result['full_after_s'] * 1000:.1f} ms",
@@ -160,10 +170,7 @@ def main() -> None:
             command = [sys.executable, "-m", "benchmarks.gcpause", "--one", mode]
             command += ["--events", str(args.events), "--churn", str(args.churn)]
             result = json.loads(subprocess.run(command, check=True, capture_output=True).stdout)
-            cells = "  ".join(
-                f"gen{g} {n:>4} max {mx * 1000:7.1f} ms sum {total * 1000:7.0f} ms"
-                for g, (n, mx, total) in ((g, result[f"gen{g}"]) for g in (0, 1, 2))
-            )
+            cells = _cells(result, sums=True)
             print(
                 f"run {run + 1} {mode:<6} claims {result['claims']:,} tracked "
                 f"{result['tracked']:,}: {cells}  churn {result['wall_s']:.2f} s",
