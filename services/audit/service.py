@@ -7,9 +7,10 @@ A :class:`AuditService` is a catch-up projector of the log (``audit``,
 size), :func:`write_update`
 
 1. reads what the audit knows of the shares and nodes the batch names
-   (``audit_shares`` by ShareID, through its primary key; the live shares of the nodes
-   an expiry or fence names, through ``audit_shares_node_idx``; ``audit_nodes``): one
-   statement each, only the node ones when the batch has node-wide events,
+   (``audit_shares`` by ShareID, one probe of its primary key per share named; the live
+   shares of the nodes an expiry or fence names, through ``audit_shares_node_idx``;
+   ``audit_nodes``): one statement each, only the node ones when the batch has
+   node-wide events,
 2. builds the records with the pure :func:`services.audit.records.build`,
 3. inserts them into ``audit_records`` (keyed by log position and sequence), upserts
    ``audit_shares`` / ``audit_nodes``: one ``executemany`` each;
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -39,6 +40,8 @@ from services.runtime.bus.queries import QueryError, limited_to
 from services.runtime.delivery.subscribers import (
     QueryingSubscriber,
     decode_query,
+    key_probe,
+    planned_now,
     read_node_epochs,
     write_node_epochs,
 )
@@ -51,6 +54,7 @@ __all__ = [
     "AuditFilter",
     "AuditService",
     "query",
+    "read_shares",
     "record_of",
     "share_of",
     "write_update",
@@ -61,12 +65,13 @@ log = logging.getLogger("dracap.audit")
 CONSUMER: Final = "audit"
 MAX_ROWS: Final = 10_000
 
-_SHARE_COLUMNS: Final = (
-    "SELECT share_id, namespace, claim, request, device, node, amounts::text, policy_version, "
-    "live FROM audit_shares"
+_COLUMNS_OF_SHARES: Final = (
+    "share_id, namespace, claim, request, device, node, amounts::text, policy_version, live"
 )
-#: two statements, not one with an ``OR`` (which the planner answers with a scan)
-_SHARES: Final = f"{_SHARE_COLUMNS} WHERE share_id = ANY($1::text[])"
+_SHARE_COLUMNS: Final = f"SELECT {_COLUMNS_OF_SHARES} FROM audit_shares"
+#: the shares a batch names, one probe of the key each (``key_probe``); two statements,
+#: not one with an ``OR`` for the nodes' (which the planner answers with a scan)
+_SHARES: Final = key_probe("audit_shares", _COLUMNS_OF_SHARES, ("share_id",))
 #: every row of ``audit_shares``, in :func:`share_of`'s order
 SHARES: Final = _SHARE_COLUMNS
 _NODE_SHARES: Final = f"{_SHARE_COLUMNS} WHERE live AND node = ANY($1::text[])"
@@ -92,10 +97,7 @@ async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Upda
     share_ids, nodes = needs(envs)
     shares: dict[str, ShareInfo] = {}
     node_shares: dict[str, list[str]] = {}
-    rows = await connection.fetch(_SHARES, sorted(share_ids)) if share_ids else []
-    if nodes:
-        rows += await connection.fetch(_NODE_SHARES, sorted(nodes))
-    for row in rows:
+    for row in await read_shares(connection, share_ids, nodes):
         info = share_of(row)
         shares[info.share_id] = info
         if info.live and info.node in nodes:
@@ -124,6 +126,19 @@ async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Upda
         )
     await write_node_epochs(connection, "audit_nodes", update.nodes)
     return update
+
+
+async def read_shares(
+    connection: Connection, share_ids: Collection[str], nodes: Collection[str]
+) -> list[Any]:
+    """The rows of ``audit_shares`` of ``share_ids`` and the live ones of ``nodes``: one
+    probe of the key per share, planned for the table as it is now (in a transaction;
+    :mod:`services.runtime.delivery.subscribers`, "Look-ups by key")."""
+    async with planned_now(connection):
+        rows = list(await connection.fetch(_SHARES, sorted(share_ids))) if share_ids else []
+        if nodes:
+            rows += await connection.fetch(_NODE_SHARES, sorted(nodes))
+    return rows
 
 
 def _row(r: AuditRecord) -> tuple[Any, ...]:

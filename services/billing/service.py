@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from decimal import Decimal
 from typing import Any, Final
 
@@ -54,6 +54,8 @@ from services.runtime.bus.queries import limited_to
 from services.runtime.delivery.subscribers import (
     QueryingSubscriber,
     decode_query,
+    key_probe,
+    planned_now,
     read_node_epochs,
     write_node_epochs,
 )
@@ -67,6 +69,7 @@ __all__ = [
     "TYPES",
     "BillingService",
     "UsageFilter",
+    "read_known",
     "share_of",
     "usage",
     "write_update",
@@ -82,23 +85,20 @@ EVENTS: Final = events_meaning(*BILLED)
 #: Their tags (the ``type`` column of the log).
 TYPES: Final = frozenset(tag for tag, cls in EVENT_TYPES.items() if cls in EVENTS)
 
-#: one probe of the primary key per claim the batch names, whatever the table holds: as
-#: ``(namespace, name) IN (SELECT * FROM unnest(...))`` the planner answered a batch of
-#: more than ~100 claims with a hash join over a scan of every claim billing ever saw (a
-#: cost per batch that grew with the claims, issue 25); the ``LIMIT`` keeps the lateral
-#: subquery from being flattened into such a join
-_CLAIMS: Final = (
-    "SELECT c.namespace, c.name, c.classes::text "
-    "FROM unnest($1::text[], $2::text[]) AS k(namespace, name) "
-    "CROSS JOIN LATERAL (SELECT * FROM billing_claims b "
-    "WHERE b.namespace = k.namespace AND b.name = k.name LIMIT 1) c"
+#: one probe of the primary key per claim the batch names, whatever the table holds
+#: (``key_probe``): as ``(namespace, name) IN (SELECT * FROM unnest(...))`` the planner
+#: answered a batch of more than ~100 claims with a hash join over a scan of every claim
+#: billing ever saw (a cost per batch that grew with the claims, issue 25)
+_CLAIMS: Final = key_probe(
+    "billing_claims", "namespace, name, classes::text", ("namespace", "name")
 )
-_SHARE_COLUMNS: Final = (
-    "SELECT share_id, namespace, device_class, node, amounts::text, billed, state, since, "
-    "position FROM billing_shares"
+_COLUMNS_OF_SHARES: Final = (
+    "share_id, namespace, device_class, node, amounts::text, billed, state, since, position"
 )
-#: two statements, not one with an ``OR`` (which the planner answers with a scan)
-_SHARES: Final = f"{_SHARE_COLUMNS} WHERE share_id = ANY($1::text[])"
+_SHARE_COLUMNS: Final = f"SELECT {_COLUMNS_OF_SHARES} FROM billing_shares"
+#: the shares a batch names, one probe of the key each (``key_probe``); two statements,
+#: not one with an ``OR`` for the nodes' (which the planner answers with a scan)
+_SHARES: Final = key_probe("billing_shares", _COLUMNS_OF_SHARES, ("share_id",))
 _NODE_SHARES: Final = f"{_SHARE_COLUMNS} WHERE state <> 'closed' AND node = ANY($1::text[])"
 _UPSERT_CLAIM: Final = (
     "INSERT INTO billing_claims (namespace, name, classes) VALUES ($1, $2, $3::jsonb) "
@@ -138,23 +138,35 @@ def share_of(row: Any) -> BillingShare:
     )
 
 
-async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Update:
-    """Apply ``envs`` (the log's next events billing acts on, in order) to what the
-    tables know, and write the result."""
-    claim_keys, share_ids, nodes = needs(envs)
+async def read_known(
+    connection: Connection,
+    claim_keys: Collection[tuple[str, str]],
+    share_ids: Collection[str],
+    nodes: Collection[str],
+) -> tuple[dict[tuple[str, str], Any], dict[str, BillingShare]]:
+    """What billing knows of the claims (``(namespace, name)``) and shares a batch names,
+    and of the open shares of ``nodes``: one probe of the key per claim or share, planned
+    for the tables as they are now (in a transaction; :mod:`services.runtime.delivery.
+    subscribers`, "Look-ups by key")."""
     ordered = sorted(claim_keys)
-    claims = {
-        (row[0], row[1]): msgspec.json.decode(row[2])
-        for row in (
+    async with planned_now(connection):
+        found = (
             await connection.fetch(_CLAIMS, [k[0] for k in ordered], [k[1] for k in ordered])
             if ordered
             else []
         )
-    }
-    found = await connection.fetch(_SHARES, sorted(share_ids)) if share_ids else []
-    if nodes:
-        found += await connection.fetch(_NODE_SHARES, sorted(nodes))
-    shares = {row[0]: share_of(row) for row in found}
+        claims = {(row[0], row[1]): msgspec.json.decode(row[2]) for row in found}
+        found = list(await connection.fetch(_SHARES, sorted(share_ids))) if share_ids else []
+        if nodes:
+            found += await connection.fetch(_NODE_SHARES, sorted(nodes))
+    return claims, {row[0]: share_of(row) for row in found}
+
+
+async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Update:
+    """Apply ``envs`` (the log's next events billing acts on, in order) to what the
+    tables know, and write the result."""
+    claim_keys, share_ids, nodes = needs(envs)
+    claims, shares = await read_known(connection, claim_keys, share_ids, nodes)
     epochs = await read_node_epochs(connection, "billing_nodes", nodes)
     update = apply(envs, claims, shares, epochs)
     if update.claims:

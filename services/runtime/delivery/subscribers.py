@@ -19,6 +19,27 @@ Both keep the nodes' epochs (:class:`~events.transitions.NodeEpochs`) in a table
 their own (``audit_nodes``, ``billing_nodes``) of the same columns;
 :func:`read_node_epochs` and :func:`write_node_epochs` read and write it.
 
+**Look-ups by key** (:func:`key_probe`, :func:`planned_now`). A batch reads the rows of
+the claims and shares it names from tables that hold a row for every claim or share
+ever seen, so a look-up must cost what the batch names, not what the table holds. Two
+rules, each for a way it did not (issue 25):
+
+* the statement is one probe of the primary key per key named (``unnest`` of the keys,
+  a ``LATERAL`` subquery with ``LIMIT 1`` per key), not ``IN (SELECT * FROM
+  unnest(...))``, which the planner answered, for a batch of more than ~100 keys, with a
+  hash join over a scan of the whole table;
+* it is planned for the table as it is *now*: asyncpg keeps a prepared statement for as
+  long as the connection lives, and PostgreSQL may then reuse one generic plan, made
+  while the table was small, until an ``ANALYZE`` of it (never, on a server without
+  autovacuum). Audit's ``share_id = ANY($1)`` was so planned early in a run as a scan:
+  190 ms per batch at 100,000 claims (a core of PostgreSQL for half a minute after a
+  fill, a burst each second in every run after); a key probe planned while the table
+  was small and analysed is a loop of scans, worse. :func:`planned_now` has the batch's
+  look-ups planned at each execution (``plan_cache_mode``, for them only: the batch's
+  inserts keep their cached plans).
+
+``tests/integration/test_lookup_plans.py`` shows both on real PostgreSQL.
+
 Like every reader of the log they skip the events the fold refuses
 (:mod:`events.folding`): the projector leaves out a row that does not decode, and one
 the subscriber's live view refused (the process's own view, given one, else a
@@ -29,7 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -49,6 +70,8 @@ __all__ = [
     "QueryingSubscriber",
     "decode_query",
     "differences",
+    "key_probe",
+    "planned_now",
     "read_node_epochs",
     "write_node_epochs",
 ]
@@ -179,6 +202,29 @@ class QueryingSubscriber:
                 tail.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await tail
+
+
+def key_probe(table: str, columns: str, key: Sequence[str]) -> str:
+    """A statement of the rows of ``table`` (its ``columns``: expressions of the row,
+    comma-separated) whose ``key`` columns (text, its primary key) are one of the keys given as one
+    text array per key column (``$1``, ``$2``, ...): one probe of the key per key given
+    (module docstring). ``table`` and the columns come from code, never from input."""
+    params = ", ".join(f"${i}::text[]" for i in range(1, len(key) + 1))
+    match = " AND ".join(f"t.{k} = k.{k}" for k in key)
+    return (
+        f"SELECT {', '.join('r.' + c.strip() for c in columns.split(','))} "
+        f"FROM unnest({params}) AS k({', '.join(key)}) "
+        f"CROSS JOIN LATERAL (SELECT * FROM {table} t WHERE {match} LIMIT 1) r"
+    )
+
+
+@contextlib.asynccontextmanager
+async def planned_now(connection: Connection) -> AsyncIterator[None]:
+    """Within a transaction: the statements run inside are planned for the tables as they
+    are at each execution, not with a plan the connection cached (module docstring)."""
+    await connection.execute("SET LOCAL plan_cache_mode = force_custom_plan")
+    yield
+    await connection.execute("SET LOCAL plan_cache_mode TO DEFAULT")
 
 
 #: the subscribers' tables of node epochs (a name from code, never from input, goes into SQL)
