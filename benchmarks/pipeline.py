@@ -26,6 +26,14 @@ The table at the end gives each figure per N and its change from the first N (go
 within 20 %), and ``dracap up``'s CPU per claim (``/proc``) of the fixed-rate run
 (``cpu@50``: the same rate at every N, so the same batching — what a claim costs the
 process, whatever the machine's load does to the latencies) and of the sustained run.
+Each phase also names the runs during which ``dracap up`` was encoding a snapshot of its
+state (``snapshot during``: ``rate``, ``sust``, ``half``; its forked encoder seen alive,
+sampled every 0.2 s by :class:`ForkWatch`): at 100,000
+live claims an encoding takes a core for over a second, in a forked child at the lowest
+priority, and any such work costs a 2-core machine a fifth of the sustained rate while
+it runs (a ``nice`` 19 or ``SCHED_IDLE`` busy loop did, ``docs/services.md``), so a
+3,000-claim sustained run that meets one says as much about when the writer's interval
+fell as about what a claim costs with N live.
 
 **Settled runs**: every run starts once the audit and billing projectors have read the
 log up to its head as of that moment (their positions in ``ledger_positions``; at most
@@ -296,6 +304,47 @@ async def settled(url: str, args: argparse.Namespace) -> None:
             print(f"  (subscribers caught up with position {head:,} in {waited:.1f} s)", flush=True)
     finally:
         await connection.close()
+
+
+class ForkWatch:
+    """When ``dracap up`` (``pid``) had a forked child — its snapshot encoder
+    (:func:`services.runtime.store.snapshots.detach`), a child whose command line is its
+    own — sampled every ``every_s`` from ``/proc/<pid>/task/<pid>/children`` (module
+    docstring, growth)."""
+
+    def __init__(self, pid: int, every_s: float = 0.2) -> None:
+        self.pid = pid
+        self.every_s = every_s
+        self.seen: list[float] = []  #: wall-clock times a forked child was there
+
+    def _forked(self) -> bool:
+        try:
+            own = Path(f"/proc/{self.pid}/cmdline").read_bytes()
+            children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
+        except OSError:
+            return False
+        for child in children:
+            try:
+                if Path(f"/proc/{child}/cmdline").read_bytes() == own:
+                    return True
+            except OSError:
+                continue
+        return False
+
+    async def run(self) -> None:
+        """Sample until cancelled."""
+        while True:
+            if self._forked():
+                self.seen.append(time.time())
+            await asyncio.sleep(self.every_s)
+
+    def during(self, runs: dict[str, tuple[float, float]]) -> tuple[str, ...]:
+        """The runs (label -> wall-clock start and end) with a forked child seen in them."""
+        return tuple(
+            label
+            for label, (start, end) in runs.items()
+            if any(start <= t <= end for t in self.seen)
+        )
 
 
 async def throughput(
@@ -624,6 +673,8 @@ class Phase(NamedTuple):
     p99_at_half: float
     cpu_at_rate: float = 0.0  #: ms of ``dracap up``'s CPU per claim of the fixed-rate run
     cpu_sustained: float = 0.0  #: the same, of the sustained run
+    #: the runs (``rate``, ``sust``, ``half``) a snapshot was encoded or written during
+    snapshots: tuple[str, ...] = ()
 
 
 async def growth(
@@ -634,48 +685,65 @@ async def growth(
     (the fixed rate's is the one to compare across N: same rate, same batching)."""
     phases: list[Phase] = []
     applied = 0  # claims of the "live" label so far
-    await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
-    for n in sorted(args.live):
-        fill = 0.0
-        if n > applied:
-            fill = await throughput(api, tracker, n - applied, args.concurrency, f"live{applied}-")
-            applied = n
-        await settled(url, args)
-        cpu = cpu_seconds(pid) if pid else 0.0
-        at = await latency(api, tracker, args.live_rate, args.seconds, f"l{n}r")
-        cpu_at = cpu_seconds(pid) - cpu if pid else 0.0
-        await settled(url, args)
-        cpu = cpu_seconds(pid) if pid else 0.0
-        sustained = await throughput(api, tracker, args.claims, args.concurrency, f"l{n}tp")
-        cpu_sustained = cpu_seconds(pid) - cpu if pid else 0.0
-        await settled(url, args)
-        cpu = cpu_seconds(pid) if pid else 0.0
-        half = await latency(api, tracker, sustained / 2, args.seconds, f"l{n}h")
-        cpu_half = cpu_seconds(pid) - cpu if pid else 0.0
-        phase = Phase(
-            live=n,
-            fill_rate=fill,
-            p50_at_rate=percentile(at, 50),
-            p99_at_rate=percentile(at, 99),
-            throughput=sustained,
-            half_rate=sustained / 2,
-            p50_at_half=percentile(half, 50),
-            p99_at_half=percentile(half, 99),
-            cpu_at_rate=cpu_at * 1000 / max(1, len(at)),
-            cpu_sustained=cpu_sustained * 1000 / max(1, args.claims),
-        )
-        phases.append(phase)
-        print(
-            f"  live {n:>7,}: at {args.live_rate:g}/s p50 {phase.p50_at_rate:6.1f} ms "
-            f"p99 {phase.p99_at_rate:6.1f} ms | sustained {sustained:7,.0f}/s | "
-            f"at {sustained / 2:,.0f}/s p50 {phase.p50_at_half:6.1f} ms "
-            f"p99 {phase.p99_at_half:6.1f} ms" + (f" | filled at {fill:,.0f}/s" if fill else ""),
-            flush=True,
-        )
-        if getattr(args, "stages", False) and url:
-            title = f"live {n:,} at {args.live_rate:g}/s"
-            await report_stages(url, tracker, f"l{n}r", title, cpu_at)
-            await report_stages(url, tracker, f"l{n}h", f"live {n:,} at half rate", cpu_half)
+    forks = ForkWatch(pid) if pid else None
+    watching = asyncio.create_task(forks.run()) if forks is not None else None
+    try:
+        await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
+        for n in sorted(args.live):
+            fill = 0.0
+            if n > applied:
+                fill = await throughput(
+                    api, tracker, n - applied, args.concurrency, f"live{applied}-"
+                )
+                applied = n
+            runs: dict[str, tuple[float, float]] = {}
+            await settled(url, args)
+            cpu, began = cpu_seconds(pid) if pid else 0.0, time.time()
+            at = await latency(api, tracker, args.live_rate, args.seconds, f"l{n}r")
+            cpu_at = cpu_seconds(pid) - cpu if pid else 0.0
+            runs["rate"] = (began, time.time())
+            await settled(url, args)
+            cpu, began = cpu_seconds(pid) if pid else 0.0, time.time()
+            sustained = await throughput(api, tracker, args.claims, args.concurrency, f"l{n}tp")
+            cpu_sustained = cpu_seconds(pid) - cpu if pid else 0.0
+            runs["sust"] = (began, time.time())
+            await settled(url, args)
+            cpu, began = cpu_seconds(pid) if pid else 0.0, time.time()
+            half = await latency(api, tracker, sustained / 2, args.seconds, f"l{n}h")
+            cpu_half = cpu_seconds(pid) - cpu if pid else 0.0
+            runs["half"] = (began, time.time())
+            phase = Phase(
+                live=n,
+                fill_rate=fill,
+                p50_at_rate=percentile(at, 50),
+                p99_at_rate=percentile(at, 99),
+                throughput=sustained,
+                half_rate=sustained / 2,
+                p50_at_half=percentile(half, 50),
+                p99_at_half=percentile(half, 99),
+                cpu_at_rate=cpu_at * 1000 / max(1, len(at)),
+                cpu_sustained=cpu_sustained * 1000 / max(1, args.claims),
+                snapshots=forks.during(runs) if forks is not None else (),
+            )
+            phases.append(phase)
+            print(
+                f"  live {n:>7,}: at {args.live_rate:g}/s p50 {phase.p50_at_rate:6.1f} ms "
+                f"p99 {phase.p99_at_rate:6.1f} ms | sustained {sustained:7,.0f}/s | "
+                f"at {sustained / 2:,.0f}/s p50 {phase.p50_at_half:6.1f} ms "
+                f"p99 {phase.p99_at_half:6.1f} ms"
+                + (f" | filled at {fill:,.0f}/s" if fill else "")
+                + (f" | snapshot during: {', '.join(phase.snapshots)}" if phase.snapshots else ""),
+                flush=True,
+            )
+            if getattr(args, "stages", False) and url:
+                title = f"live {n:,} at {args.live_rate:g}/s"
+                await report_stages(url, tracker, f"l{n}r", title, cpu_at)
+                await report_stages(url, tracker, f"l{n}h", f"live {n:,} at half rate", cpu_half)
+    finally:
+        if watching is not None:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
     return phases
 
 
@@ -686,13 +754,13 @@ def report_growth(phases: list[Phase], raw: float, rate: float) -> None:
     print(
         f"  {'live':>8} {'p50@' + format(rate, 'g'):>9} {'p99@' + format(rate, 'g'):>9} "
         f"{'claims/s':>9} {'p50@half':>9} {'p99@half':>9} {'cpu@' + format(rate, 'g'):>9} "
-        f"{'cpu@sust':>9}"
+        f"{'cpu@sust':>9}  snapshot during"
     )
     for p in phases:
         print(
             f"  {p.live:>8,} {p.p50_at_rate:>9.1f} {p.p99_at_rate:>9.1f} {p.throughput:>9,.0f} "
             f"{p.p50_at_half:>9.1f} {p.p99_at_half:>9.1f} {p.cpu_at_rate:>9.2f} "
-            f"{p.cpu_sustained:>9.2f}"
+            f"{p.cpu_sustained:>9.2f}  {','.join(p.snapshots) or '-'}"
         )
     if len(phases) > 1:
         last = phases[-1]

@@ -7,12 +7,14 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 from benchmarks.memory import resident_bytes, up_resident_bytes
 from benchmarks.pipeline import (
+    ForkWatch,
     ReadyTracker,
     ledger_cpu_seconds,
     machine_cpu_seconds,
@@ -100,3 +102,31 @@ def test_the_ledger_process_is_found_among_the_children_and_its_cpu_counted() ->
             assert up_resident_bytes(process.pid)[1] == 0
         finally:
             process.kill()
+
+
+def test_the_fork_watch_sees_a_forked_child_and_names_the_runs_it_was_in() -> None:
+    watch = ForkWatch(os.getpid())
+    assert not watch._forked()  # no child of this process carries its command line
+    read_fd, write_fd = os.pipe()
+    with warnings.catch_warnings():  # 3.12+: forking a process with threads (none here)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        child = os.fork()
+    if child == 0:  # a forked child, as the snapshot encoder: wait for the parent's word
+        os.close(write_fd)
+        os.read(read_fd, 1)
+        os._exit(0)
+    os.close(read_fd)
+    try:
+        assert watch._forked()
+        watch.seen.append(time.time())
+    finally:
+        os.close(write_fd)
+        os.waitpid(child, 0)
+    assert not watch._forked()
+    seen = watch.seen[0]
+    runs = {
+        "before": (seen - 2, seen - 1),
+        "during": (seen - 1, seen + 1),
+        "after": (seen + 1, seen + 2),
+    }
+    assert watch.during(runs) == ("during",)
