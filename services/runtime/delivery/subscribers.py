@@ -25,9 +25,10 @@ ever seen, so a look-up must cost what the batch names, not what the table holds
 rules, each for a way it did not (issue 25):
 
 * the statement is one probe of the primary key per key named (``unnest`` of the keys,
-  a ``LATERAL`` subquery with ``LIMIT 1`` per key), not ``IN (SELECT * FROM
-  unnest(...))``, which the planner answered, for a batch of more than ~100 keys, with a
-  hash join over a scan of the whole table;
+  a ``LATERAL`` subquery with ``LIMIT 1`` per key: the ``LIMIT`` keeps the planner from
+  flattening it into a join), not ``IN (SELECT * FROM unnest(...))``, which the planner
+  answered, for a batch of more than ~100 keys, with a hash join over a scan of the
+  whole table;
 * it is planned for the table as it is *now*: asyncpg keeps a prepared statement for as
   long as the connection lives, and PostgreSQL may then reuse one generic plan, made
   while the table was small, until an ``ANALYZE`` of it (never, on a server without
