@@ -26,14 +26,18 @@ The table at the end gives each figure per N and its change from the first N (go
 within 20 %), and ``dracap up``'s CPU per claim (``/proc``) of the fixed-rate run
 (``cpu@50``: the same rate at every N, so the same batching — what a claim costs the
 process, whatever the machine's load does to the latencies) and of the sustained run.
+After a fill, a phase starts once the subscribers have caught up (below) and ``dracap
+up`` itself is quiet (:func:`quiet`: under 5 % of a core, no snapshot encoder alive): the
+fill's own tail — the encoding of a snapshot the fill made due, the last batches — is
+the fill's cost, not that of a claim with N live.
 Each phase also names the runs during which ``dracap up`` was encoding a snapshot of its
 state (``snapshot during``: ``rate``, ``sust``, ``half``; its forked encoder seen alive,
-sampled every 0.2 s by :class:`ForkWatch`): at 100,000
-live claims an encoding takes a core for over a second, in a forked child at the lowest
-priority, and any such work costs a 2-core machine a fifth of the sustained rate while
-it runs (a ``nice`` 19 or ``SCHED_IDLE`` busy loop did, ``docs/services.md``), so a
-3,000-claim sustained run that meets one says as much about when the writer's interval
-fell as about what a claim costs with N live.
+sampled every 0.2 s by :class:`ForkWatch`): at 100,000 live claims an encoding takes a
+core for over a second, in a forked child at the lowest priority, and any such work
+costs a 2-core machine a fifth of the sustained rate while it runs (a ``nice`` 19 or
+``SCHED_IDLE`` busy loop did, ``docs/services.md``), so a 3,000-claim sustained run that
+meets one says as much about when the writer's interval fell as about what a claim
+costs with N live.
 
 **Settled runs**: every run starts once the audit and billing projectors have read the
 log up to its head as of that moment (their positions in ``ledger_positions``; at most
@@ -317,7 +321,8 @@ class ForkWatch:
         self.every_s = every_s
         self.seen: list[float] = []  #: wall-clock times a forked child was there
 
-    def _forked(self) -> bool:
+    def forked(self) -> bool:
+        """Whether ``dracap up`` has a forked child now."""
         try:
             own = Path(f"/proc/{self.pid}/cmdline").read_bytes()
             children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
@@ -334,7 +339,7 @@ class ForkWatch:
     async def run(self) -> None:
         """Sample until cancelled."""
         while True:
-            if self._forked():
+            if self.forked():
                 self.seen.append(time.time())
             await asyncio.sleep(self.every_s)
 
@@ -345,6 +350,29 @@ class ForkWatch:
             for label, (start, end) in runs.items()
             if any(start <= t <= end for t in self.seen)
         )
+
+
+#: ``dracap up``'s CPU (cores) under which it counts as idle (timers and polls: 0-4 %)
+QUIET_CORES = 0.05
+
+
+async def quiet(pid: int, forks: ForkWatch | None, limit_s: float = 60.0) -> bool:
+    """Wait until ``dracap up`` (``pid``) has worked off a fill (module docstring, growth):
+    under :data:`QUIET_CORES` of a core over half a second, and no forked snapshot encoder
+    alive; at most ``limit_s``. The wait is printed when it took a second or more; False
+    when ``dracap up`` was still busy at the end of it."""
+    started = time.perf_counter()
+    calm = False
+    while not calm and time.perf_counter() - started < limit_s:
+        before = cpu_seconds(pid)
+        await asyncio.sleep(0.5)
+        busy = (cpu_seconds(pid) - before) / 0.5
+        calm = busy < QUIET_CORES and (forks is None or not forks.forked())
+    waited = time.perf_counter() - started
+    if waited >= 1.0:
+        state = "quiet" if calm else "still busy"
+        print(f"  (dracap up {state} after the fill, {waited:.1f} s)", flush=True)
+    return calm
 
 
 async def throughput(
@@ -696,6 +724,8 @@ async def growth(
                     api, tracker, n - applied, args.concurrency, f"live{applied}-"
                 )
                 applied = n
+                if pid:
+                    await quiet(pid, forks)  # the phase is measured all the same
             runs: dict[str, tuple[float, float]] = {}
             await settled(url, args)
             cpu, began = cpu_seconds(pid) if pid else 0.0, time.time()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import os
 import subprocess
@@ -18,6 +19,7 @@ from benchmarks.pipeline import (
     ReadyTracker,
     ledger_cpu_seconds,
     machine_cpu_seconds,
+    quiet,
     steps_of,
     write_timeline,
 )
@@ -106,7 +108,7 @@ def test_the_ledger_process_is_found_among_the_children_and_its_cpu_counted() ->
 
 def test_the_fork_watch_sees_a_forked_child_and_names_the_runs_it_was_in() -> None:
     watch = ForkWatch(os.getpid())
-    assert not watch._forked()  # no child of this process carries its command line
+    assert not watch.forked()  # no child of this process carries its command line
     read_fd, write_fd = os.pipe()
     with warnings.catch_warnings():  # 3.12+: forking a process with threads (none here)
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -117,12 +119,12 @@ def test_the_fork_watch_sees_a_forked_child_and_names_the_runs_it_was_in() -> No
         os._exit(0)
     os.close(read_fd)
     try:
-        assert watch._forked()
+        assert watch.forked()
         watch.seen.append(time.time())
     finally:
         os.close(write_fd)
         os.waitpid(child, 0)
-    assert not watch._forked()
+    assert not watch.forked()
     seen = watch.seen[0]
     runs = {
         "before": (seen - 2, seen - 1),
@@ -130,3 +132,15 @@ def test_the_fork_watch_sees_a_forked_child_and_names_the_runs_it_was_in() -> No
         "after": (seen + 1, seen + 2),
     }
     assert watch.during(runs) == ("during",)
+
+
+async def test_quiet_waits_for_a_busy_process_and_not_for_an_idle_one() -> None:
+    busy = await asyncio.create_subprocess_exec(sys.executable, "-c", "while True: pass")
+    idle = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)")
+    try:
+        assert await quiet(idle.pid, None, limit_s=30.0)
+        assert not await quiet(busy.pid, None, limit_s=1.0)
+    finally:
+        for process in (busy, idle):
+            process.kill()
+            await process.wait()
