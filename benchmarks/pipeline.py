@@ -92,6 +92,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import os
@@ -101,9 +102,9 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import asyncpg
 import nats.js.errors
@@ -125,6 +126,7 @@ DRIVER = "gpu.bench.dracap.io"
 CLASS = "gpu.bench.dracap.io"
 GPUS_PER_NODE = 8
 READY = b'"ready":true'  # how a ready ClaimView reads on the watch subject (compact JSON)
+R = TypeVar("R")
 
 
 # --- inventory and claims ------------------------------------------------------------------
@@ -701,7 +703,7 @@ class Phase(NamedTuple):
     p99_at_half: float
     cpu_at_rate: float = 0.0  #: ms of ``dracap up``'s CPU per claim of the fixed-rate run
     cpu_sustained: float = 0.0  #: the same, of the sustained run
-    #: the runs (``rate``, ``sust``, ``half``) a snapshot was encoded or written during
+    #: the runs (``rate``, ``sust``, ``half``) during which a snapshot was being encoded
     snapshots: tuple[str, ...] = ()
 
 
@@ -727,21 +729,16 @@ async def growth(
                 if pid:
                     await quiet(pid, forks)  # the phase is measured all the same
             runs: dict[str, tuple[float, float]] = {}
-            await settled(url, args)
-            cpu, began = cpu_seconds(pid) if pid else 0.0, time.time()
-            at = await latency(api, tracker, args.live_rate, args.seconds, f"l{n}r")
-            cpu_at = cpu_seconds(pid) - cpu if pid else 0.0
-            runs["rate"] = (began, time.time())
-            await settled(url, args)
-            cpu, began = cpu_seconds(pid) if pid else 0.0, time.time()
-            sustained = await throughput(api, tracker, args.claims, args.concurrency, f"l{n}tp")
-            cpu_sustained = cpu_seconds(pid) - cpu if pid else 0.0
-            runs["sust"] = (began, time.time())
-            await settled(url, args)
-            cpu, began = cpu_seconds(pid) if pid else 0.0, time.time()
-            half = await latency(api, tracker, sustained / 2, args.seconds, f"l{n}h")
-            cpu_half = cpu_seconds(pid) - cpu if pid else 0.0
-            runs["half"] = (began, time.time())
+            step = functools.partial(_settled_run, url, args, pid, runs)
+            at, cpu_at = await step(
+                "rate", latency(api, tracker, args.live_rate, args.seconds, f"l{n}r")
+            )
+            sustained, cpu_sustained = await step(
+                "sust", throughput(api, tracker, args.claims, args.concurrency, f"l{n}tp")
+            )
+            half, cpu_half = await step(
+                "half", latency(api, tracker, sustained / 2, args.seconds, f"l{n}h")
+            )
             phase = Phase(
                 live=n,
                 fill_rate=fill,
@@ -775,6 +772,24 @@ async def growth(
             with contextlib.suppress(asyncio.CancelledError):
                 await watching
     return phases
+
+
+async def _settled_run(
+    url: str,
+    args: argparse.Namespace,
+    pid: int,
+    runs: dict[str, tuple[float, float]],
+    label: str,
+    run: Awaitable[R],
+) -> tuple[R, float]:
+    """``run`` once the subscribers caught up (:func:`settled`); what it returned and the
+    CPU seconds ``dracap up`` (``pid``, 0: none) used meanwhile; its wall-clock start and
+    end go into ``runs`` under ``label`` (:meth:`ForkWatch.during`)."""
+    await settled(url, args)
+    cpu, began = cpu_seconds(pid) if pid else 0.0, time.time()
+    result = await run
+    runs[label] = (began, time.time())
+    return result, cpu_seconds(pid) - cpu if pid else 0.0
 
 
 def report_growth(phases: list[Phase], raw: float, rate: float) -> None:

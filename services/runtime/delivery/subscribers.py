@@ -207,9 +207,10 @@ class QueryingSubscriber:
 
 def key_probe(table: str, columns: str, key: Sequence[str]) -> str:
     """A statement of the rows of ``table`` (its ``columns``: expressions of the row,
-    comma-separated) whose ``key`` columns (text, its primary key) are one of the keys given as one
-    text array per key column (``$1``, ``$2``, ...): one probe of the key per key given
-    (module docstring). ``table`` and the columns come from code, never from input."""
+    comma-separated) whose ``key`` columns (text, its primary key) are one of the keys
+    given as one text array per key column (``$1``, ``$2``, ...): one probe of the key
+    per key given (module docstring). ``table`` and the columns come from code, never
+    from input."""
     params = ", ".join(f"${i}::text[]" for i in range(1, len(key) + 1))
     match = " AND ".join(f"t.{k} = k.{k}" for k in key)
     return (
