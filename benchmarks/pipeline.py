@@ -115,7 +115,7 @@ from migrations import runner as migrating
 from services.commands.up import READY_LINE
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import Credential, read_credential
-from services.runtime.bus.endpoints import read_connection
+from services.runtime.bus.endpoints import EndpointError, reaching, read_connection
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground.gctuning import tune_for_long_lived_state
 from services.runtime.ground.settings import Settings
@@ -270,15 +270,26 @@ async def raw_commit_rate(url: str, commits: int) -> float:
         await connection.close()
 
 
+class RunError(Exception):
+    """A run that cannot go on: a claim not Ready in time, ``dracap up`` gone."""
+
+
+@contextlib.asynccontextmanager
+async def stalls_are_run_errors() -> AsyncIterator[None]:
+    """While ``dracap up`` runs, its NATS server not answering is the run failing."""
+    try:
+        yield
+    except EndpointError as exc:
+        raise RunError(str(exc)) from exc
+
+
 async def applied(api: ApiClient, tracker: ReadyTracker, name: str) -> None:
     """Apply ``name`` and wait for Ready; a claim stuck for a minute stops the run."""
     try:
         await asyncio.wait_for(tracker.apply(api, name), 60)
     except TimeoutError:
         view = (await api.claims(NAMESPACE, "get", {"name": name}))["claim"]
-        raise RuntimeError(
-            f"{name} not ready after 60 s: {view['phase']} {view['reason']}"
-        ) from None
+        raise RunError(f"{name} not ready after 60 s: {view['phase']} {view['reason']}") from None
 
 
 #: The longest a run waits for the subscribers to catch up (module docstring).
@@ -638,7 +649,7 @@ async def dracap_up(
             while True:
                 line = (await process.stdout.readline()).decode()
                 if not line:
-                    raise RuntimeError("dracap up ended:\n" + "".join(output))
+                    raise RunError("dracap up ended:\n" + "".join(output))
                 output.append(line)
                 if line.startswith(READY_LINE):
                     break
@@ -829,7 +840,10 @@ async def _measure_pipeline(
         contextlib.ExitStack() as cleanup,
     ):
         quota = {MAX_CLAIMS: str(args.max_claims)} if args.max_claims else None
-        async with dracap_up(settings, args, names, Path(work), annotations=quota) as reach:
+        async with (
+            dracap_up(settings, args, names, Path(work), annotations=quota) as reach,
+            stalls_are_run_errors(),
+        ):
             login = reach.credential
             async with ApiClient.connect(reach.nats_url, names.prefix, login) as api:
                 tracker = ReadyTracker()
@@ -893,7 +907,8 @@ async def fresh_database(args: argparse.Namespace) -> AsyncIterator[Settings]:
             servers = await stack.enter_async_context(embedded_servers(data))
             admin_url, nats_url = servers.admin_url, servers.nats_url
         name = f"dracap_bench_{uuid.uuid4().hex[:8]}"
-        root = await asyncpg.connect(admin_url)
+        with reaching("PostgreSQL", admin_url):
+            root = await asyncpg.connect(admin_url)
         await root.execute(f"CREATE DATABASE {name}")
         await root.close()
         settings = Settings(
@@ -1031,5 +1046,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """Run the benchmark; a server it cannot use, or a run that stalls, ends it with one
+    line on stderr and exit status 1 (no traceback)."""
+    args = parse(argv)
+    try:
+        asyncio.run(main(args))
+    except EndpointError as exc:
+        print(f"pipeline: {exc}", file=sys.stderr)
+        return 1
+    except RunError as exc:
+        hint = "" if args.up_log else " (--up-log FILE keeps dracap up's output)"
+        print(f"pipeline: {exc}{hint}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    sys.exit(cli())

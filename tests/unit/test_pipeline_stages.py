@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gc
 import os
 import subprocess
 import sys
@@ -17,12 +18,16 @@ from benchmarks.memory import resident_bytes, up_resident_bytes
 from benchmarks.pipeline import (
     ForkWatch,
     ReadyTracker,
+    RunError,
+    cli,
     ledger_cpu_seconds,
     machine_cpu_seconds,
     quiet,
+    stalls_are_run_errors,
     steps_of,
     write_timeline,
 )
+from services.runtime.bus.endpoints import ServerUnavailable
 
 
 def _at(seconds: float) -> datetime.datetime:
@@ -144,3 +149,25 @@ async def test_quiet_waits_for_a_busy_process_and_not_for_an_idle_one() -> None:
         for process in (busy, idle):
             process.kill()
             await process.wait()
+
+
+def test_a_server_it_cannot_reach_ends_the_run_with_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    thresholds = gc.get_threshold()
+    try:  # port 1: nothing listens, the connection is refused at once
+        status = cli(["--admin-url", "postgresql://postgres@127.0.0.1:1/postgres"])
+    finally:  # the benchmark tunes the collector for its own process
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err.startswith("pipeline: PostgreSQL at postgresql://postgres@127.0.0.1:1/postgres")
+    assert "is it running?" in err and "--up-log" not in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+async def test_a_server_going_silent_while_dracap_up_runs_is_the_run_failing() -> None:
+    with pytest.raises(RunError, match="no reply"):
+        async with stalls_are_run_errors():
+            raise ServerUnavailable("NATS at nats://127.0.0.1:4222: no reply within 10.0s")
