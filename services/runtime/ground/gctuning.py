@@ -11,12 +11,13 @@ throughput ~300 -> ~320-336 claims/s and p99 at half that rate ~370-420 -> ~250-
 
 :func:`tune_for_long_lived_state` raises the young-generation threshold (fewer
 young collections: short-lived objects are mostly gone by then) but keeps the middle
-generation small, and keeps full collections rare. A young collection's pause grows
-with the objects that survived since the last one, and a middle one's with the
-survivors of all young ones since: with (50,000, 20) the middle collections walked up
-to a million objects and paused the event loop for 190-360 ms, a stall that alone
-broke the p99 of a latency run; with (10,000, 2) the pauses measured 2-3 ms (young)
-and 5-8 ms (middle) at 650 claims/s. Reference cycles are still collected.
+generation small, and makes full collections come more often than CPython's default
+(below). A young collection's pause grows with the objects that survived since the
+last one, and a middle one's with the survivors of all young ones since: with (50,000,
+20) the middle collections walked up to a million objects and paused the event loop
+for 190-360 ms, a stall that alone broke the p99 of a latency run; with (10,000, 2) the
+pauses measured 2-3 ms (young) and 5-8 ms (middle) at 650 claims/s. Reference cycles
+are still collected.
 
 The other half is not creating work for the collector at all: the Structs that make
 up the fold and the events (Kubernetes objects, events, envelopes, claim and share
@@ -47,6 +48,18 @@ everything, and the next full collection walks everything, cycles and all: one l
 pause in ten minutes at most, whatever the state does. It starts with a full
 collection of its own, at startup, whose survivors are the first frozen set.
 
+How often a full collection comes is the third threshold: one per 10 middle
+collections (~330,000 net allocations; ~10,000 claims' worth of a ``dracap up`` under
+load), where CPython's 100 let one come only after ~3 million. Each walks what survived
+since the one before, so the rarer they are the longer each pause: with 100, no full
+collection came during a whole ``--live 0,100000`` fill, and the first one after it — in
+the half-rate run at 100,000 live — walked every claim folded since the start: 1.35 s
+(``benchmarks/pipeline.py``, a ``gc.callbacks`` probe). With 10 the same work comes in
+pieces: eleven full collections in the same run, the longest 190 ms, 171 ms for the one in
+that half-rate run (``python -m benchmarks.gcpause --grow --events 700000``: the longest
+full collection during a 100,000-claim fill 316 -> 62 ms, the next one after it 192 -> 13
+ms). The walk per object is the same; it is not all paid at once.
+
 A rule on the frozen set's size (walk everything again once it has doubled) was tried
 first: the frozen set at startup is only the imports (~106,000 objects), so it would
 double early, after some 13,000 claims (~8 tracked objects each), and walk them all.
@@ -62,7 +75,7 @@ from typing import Any, Final
 __all__ = ["REWALK_S", "THRESHOLDS", "freeze_survivors", "tune_for_long_lived_state"]
 
 #: (young, middle, old) generation thresholds.
-THRESHOLDS: Final = (10_000, 2, 100)
+THRESHOLDS: Final = (10_000, 2, 10)
 #: Seconds between two full collections that walk everything, frozen set and all.
 REWALK_S: Final = 600.0
 
