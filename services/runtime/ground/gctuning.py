@@ -29,13 +29,13 @@ What is left tracked still grows with what is live (the containers inside those
 Structs: ~8 objects per claim of the fold), and a full collection walks all of it: the
 fold of 1,000,000 events of ``benchmarks/eventlog.py``'s history is ~1.1 million tracked
 objects, and one full collection of it paused the process for seconds
-(``benchmarks/gcpause.py``). CPython starts one after a hundred middle collections,
-once the survivors promoted since the last one reach a quarter of what it kept: in a
-process that lives for hours with a large fold, a pause as long as the whole walk,
-that lands on every claim in flight and grows with the cluster (issue 25). (In the
-minutes of a ``benchmarks/pipeline.py`` run, even ``--live 0,20000``, ``dracap up``
-made none before its services had stopped: one at exit, 0.1-2.1 s on a loaded 2-core
-machine.)
+(``benchmarks/gcpause.py``). CPython starts one after a number of middle collections
+(by default a hundred; ten here, below), once the survivors promoted since the last one
+reach a quarter of what it kept: in a process that lives for hours with a large fold, a
+pause as long as the whole walk, that lands on every claim in flight and grows with the
+cluster (issue 25). (With a hundred, in the minutes of a ``benchmarks/pipeline.py`` run
+with ``--live 0,20000``, ``dracap up`` made none before its services had stopped: one
+at exit, 0.1-2.1 s on a loaded 2-core machine; a longer run met one, below.)
 
 :func:`freeze_survivors` takes the survivors out of the walk: after every full
 collection it moves what survived it to the permanent generation (``gc.freeze()``), so
