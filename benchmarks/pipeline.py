@@ -1052,11 +1052,9 @@ def cli(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
         asyncio.run(main(args))
-    except EndpointError as exc:
-        print(f"pipeline: {exc}", file=sys.stderr)
-        return 1
-    except RunError as exc:
-        hint = "" if args.up_log else " (--up-log FILE keeps dracap up's output)"
+    except (EndpointError, RunError) as exc:
+        stalled = isinstance(exc, RunError) and not args.up_log
+        hint = " (--up-log FILE keeps dracap up's output)" if stalled else ""
         print(f"pipeline: {exc}{hint}", file=sys.stderr)
         return 1
     return 0
