@@ -16,7 +16,6 @@ the log's format. Pure.
 from __future__ import annotations
 
 import datetime
-import uuid
 
 import msgspec
 
@@ -58,6 +57,7 @@ from events.catalog import (
     schema_version_of,
 )
 from events.errors import CatalogError
+from events.uuids import time_ordered_uuid
 
 __all__ = [
     "Envelope",
@@ -127,7 +127,7 @@ def new_envelope(
     position: int = 0,
 ) -> Envelope:
     """Wrap a new ``event``; stream, ids, time and schema version default sensibly."""
-    eid = event_id or str(uuid.uuid4())
+    eid = event_id or time_ordered_uuid()
     return Envelope(
         event_id=eid,
         stream=stream if stream is not None else stream_of(event),

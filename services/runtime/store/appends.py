@@ -19,9 +19,8 @@ store itself (:mod:`services.runtime.store.eventstore`) sends it and maps its er
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 
@@ -31,6 +30,7 @@ from events.envelopes import Envelope, namespace_of
 from events.errors import CatalogError
 from events.eventcodec import encode_payload
 from events.model import decode_hook
+from events.uuids import time_ordered_uuids
 from services.runtime.ground.errors import InvalidEvent
 
 __all__ = [
@@ -209,25 +209,6 @@ def _payloads(events: Sequence[Event]) -> list[bytes]:
     return payloads
 
 
-_HEX: Final = "0123456789abcdef"
-#: The hex digit of a UUID's variant nibble (bits ``10xx``) for each random digit.
-_VARIANT: Final = {d: _HEX[(i & 0x3) | 0x8] for i, d in enumerate(_HEX)}
-
-
-def _event_ids(count: int) -> list[str]:
-    """``count`` random (version 4) UUIDs in canonical text form, as ``uuid.uuid4()``.
-
-    One ``os.urandom`` call for all of them instead of one per id.
-    """
-    digits = os.urandom(16 * count).hex()
-    variant = _VARIANT
-    out: list[str] = []
-    for i in range(0, 32 * count, 32):
-        h = digits[i : i + 32]
-        out.append(f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{variant[h[16]]}{h[17:20]}-{h[20:]}")
-    return out
-
-
 class Pending(msgspec.Struct, frozen=True):
     """Validated events of one append, before positions are known (column form)."""
 
@@ -277,7 +258,7 @@ def pending_of(batches: Sequence[Batch], meta: Metadata) -> Pending:
         versions += range(base + 1, base + count + 1)
         causes += batch.causes if batch.causes is not None else [None] * count
     kinds = [_KINDS[type(e)] for e in events]  # filled by _payloads
-    ids = _event_ids(len(events))
+    ids = time_ordered_uuids(len(events))
     if meta.namespace is not None:
         namespaces: list[str | None] = [meta.namespace] * len(events)
     else:

@@ -53,8 +53,8 @@ Verification (:func:`verify_snapshot`), in this order, each cheap before the cos
 2. the frame header parses and the stored body's SHA-256 equals the header's (a
    torn or edited row), and it inflates;
 3. the event stored at ``position`` has the header's event id (a snapshot of another
-   log: event ids are random, so a database re-created or imported under the same
-   positions has other ids);
+   log: an event id's 74 random bits (:mod:`events.uuids`) give a database re-created
+   or imported under the same positions other ids);
 4. the body decodes with :func:`events.statecodec.snapshot_decode` (its format is this code's
    :data:`~events.statecodec.SNAPSHOT_FORMAT`) and the state's position equals the row's.
 
