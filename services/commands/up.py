@@ -95,7 +95,7 @@ from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import AUTH_DIR, AuthDir, Principal
 from services.runtime.bus.endpoints import Connection
 from services.runtime.ground import eventloop
-from services.runtime.ground.gctuning import freeze_survivors, tune_for_long_lived_state
+from services.runtime.ground.gctuning import long_lived_state
 from services.runtime.ground.metrics import add_metrics_arguments
 from services.runtime.ground.outages import quiet_outages
 from services.runtime.ground.settings import ServiceKind, Settings, SettingsError, load_settings
@@ -485,18 +485,16 @@ def _start_metrics(port: int, monitor: HealthMonitor, addr: str = "127.0.0.1") -
 
 
 async def _main(options: UpOptions) -> int:
-    tune_for_long_lived_state()
-    thaw = freeze_survivors()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        return await up(options, stop)
+        with long_lived_state():
+            return await up(options, stop)
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
-        thaw()
 
 
 def run(args: argparse.Namespace) -> int:

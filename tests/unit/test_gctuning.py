@@ -14,6 +14,7 @@ from services.runtime.ground.gctuning import (
     THRESHOLDS,
     _SurvivorFreezer,
     freeze_survivors,
+    long_lived_state,
     tune_for_long_lived_state,
 )
 
@@ -61,6 +62,22 @@ def test_a_full_collection_freezes_what_survived_it_until_undone() -> None:
         undo()
     assert gc.get_freeze_count() == 0  # everything is walked again
     assert not any(isinstance(c, _SurvivorFreezer) for c in gc.callbacks)
+
+
+def test_the_long_lived_settings_are_undone_on_the_way_out() -> None:
+    before = gc.get_threshold()
+    gc.set_threshold(*CPYTHON_DEFAULT)
+    callbacks = list(gc.callbacks)
+    try:
+        with long_lived_state():
+            assert gc.get_threshold() == THRESHOLDS
+            assert gc.get_freeze_count() > 0  # the first walk's survivors
+            assert any(isinstance(c, _SurvivorFreezer) for c in gc.callbacks)
+        assert gc.get_threshold() == CPYTHON_DEFAULT
+        assert gc.callbacks == callbacks
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_frozen_cycles_are_collected_once_the_rewalk_interval_has_passed() -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 from pathlib import Path
 
 import pytest
 
 from services.exitcodes import ExitCode
+from services.runtime.ground.gctuning import THRESHOLDS
 from services.runtime.ground.settings import SettingsError
 from services.runtime.hosting.process import NotConnectedError, hosting, run_service
 
@@ -54,3 +56,22 @@ def test_the_service_exit_code_is_the_command_s() -> None:
         return ExitCode.OK
 
     assert run_service(main) == ExitCode.OK
+
+
+def test_a_service_run_leaves_the_collector_as_it_found_it() -> None:
+    seen: list[tuple[int, int, int]] = []
+
+    async def main() -> int:
+        seen.append(gc.get_threshold())
+        return ExitCode.OK
+
+    before, callbacks = gc.get_threshold(), list(gc.callbacks)
+    gc.set_threshold(700, 10, 10)  # CPython's default, whatever ran in this process before
+    try:
+        assert run_service(main) == ExitCode.OK
+        assert seen == [THRESHOLDS]  # tuned while the service ran
+        assert gc.get_threshold() == (700, 10, 10)
+        assert gc.callbacks == callbacks
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.set_threshold(*before)

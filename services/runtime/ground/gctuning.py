@@ -63,16 +63,27 @@ ms). The walk per object is the same; it is not all paid at once.
 A rule on the frozen set's size (walk everything again once it has doubled) was tried
 first: the frozen set at startup is only the imports (~106,000 objects), so it would
 double early, after some 13,000 claims (~8 tracked objects each), and walk them all.
+
+:func:`long_lived_state` is both for the length of a ``with`` block, and puts the
+collector back as it found it on the way out (thresholds, callbacks, nothing frozen):
+a service run inside another program — a test, an embedding — leaves it untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
-__all__ = ["REWALK_S", "THRESHOLDS", "freeze_survivors", "tune_for_long_lived_state"]
+__all__ = [
+    "REWALK_S",
+    "THRESHOLDS",
+    "freeze_survivors",
+    "long_lived_state",
+    "tune_for_long_lived_state",
+]
 
 #: (young, middle, old) generation thresholds.
 THRESHOLDS: Final = (10_000, 2, 10)
@@ -125,3 +136,16 @@ def freeze_survivors() -> Callable[[], None]:
         gc.unfreeze()
 
     return undo
+
+
+@contextlib.contextmanager
+def long_lived_state() -> Iterator[None]:
+    """:func:`tune_for_long_lived_state` and :func:`freeze_survivors` while inside;
+    the previous thresholds back, and nothing frozen, on the way out."""
+    previous = tune_for_long_lived_state()
+    thaw = freeze_survivors()
+    try:
+        yield
+    finally:
+        thaw()
+        gc.set_threshold(*previous)

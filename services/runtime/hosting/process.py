@@ -6,8 +6,8 @@ signal. What surrounds the service is the same for all of them, and lives here:
 
 1. :func:`run_service` is the entry point's part: one line per record to standard
    error, the collector tuned for a long-lived fold (:mod:`services.runtime.ground.gctuning`:
-   thresholds, and the survivors of full collections frozen while the loop runs), the
-   service loop
+   thresholds, and the survivors of full collections frozen while the loop runs; put
+   back as they were when it ends), the service loop
    (:mod:`services.runtime.ground.eventloop`); a bad setting is one line and exit 2, Ctrl-C
    exit 0. A service that ``dracap up`` runs as its child (``dracap serve ledger``) first
    asks to be stopped when ``dracap up`` dies (:func:`~services.runtime.ops.children.
@@ -55,7 +55,7 @@ from services.runtime.bus.endpoints import Endpoints, endpoints_from_args, reach
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground import eventloop
 from services.runtime.ground.context import NotConnectedError, ServiceContext
-from services.runtime.ground.gctuning import freeze_survivors, tune_for_long_lived_state
+from services.runtime.ground.gctuning import long_lived_state
 from services.runtime.ground.printable import printable
 from services.runtime.ground.settings import ServiceKind, Settings, SettingsError, load_settings
 from services.runtime.ops.children import log_tag, stop_with_parent
@@ -176,14 +176,11 @@ def run_service(
     if not stop_with_parent():  # a child of dracap up whose dracap up is gone already
         return ExitCode.OK
     eventloop.log_to_stderr(log_tag())
-    tune_for_long_lived_state()
-    thaw = freeze_survivors()
     try:
-        return eventloop.run(main())
+        with long_lived_state():
+            return eventloop.run(main())
     except refused as exc:
         print(f"error: {printable(str(exc))}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
         return ExitCode.OK
-    finally:
-        thaw()
