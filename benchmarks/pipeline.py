@@ -11,7 +11,9 @@ run and on the same database it measures:
    update says ``ready`` — claims/s from the first apply to the last Ready. A closed
    loop measures in-flight / latency until it has enough in flight to saturate the
    services: 64 gave ~1,300/s with the service process at ~65 % of a core, 256 gives
-   the capacity (~1,600-1,900/s here), and the default is 256;
+   the capacity (~1,600-1,900/s here), and the default is 256; it starts after 100
+   claims to warm up and once ``dracap up`` is quiet (:func:`quiet`, below: its audit
+   and billing process starts beside it);
 3. **latency at half that rate**: claims applied open-loop at 50% of (2) for
    ``--seconds``; apply->Ready per claim, p50 / p99 / max.
 
@@ -26,10 +28,13 @@ The table at the end gives each figure per N and its change from the first N (go
 within 20 %), and ``dracap up``'s CPU per claim (``/proc``) of the fixed-rate run
 (``cpu@50``: the same rate at every N, so the same batching — what a claim costs the
 process, whatever the machine's load does to the latencies) and of the sustained run.
-After a fill, a phase starts once the subscribers have caught up (below) and ``dracap
-up`` itself is quiet (:func:`quiet`: under 5 % of a core, no snapshot encoder alive): the
-fill's own tail — the encoding of a snapshot the fill made due, the last batches — is
-the fill's cost, not that of a claim with N live.
+A phase starts once the subscribers have caught up (below) and ``dracap up`` is quiet
+(:func:`quiet`: it and its audit and billing process each under 5 % of a core, no
+snapshot encoder alive): the fill's own tail — the encoding of a snapshot the fill made
+due, the last batches — is the fill's cost, not that of a claim with N live; and the
+first phase, with no fill before it, does not meet ``dracap up``'s start instead (its
+audit and billing process starting and catching up: before this wait, the first two
+seconds of the run at 50/s with 0 live took 50-110 ms a claim).
 Each phase also names the runs during which ``dracap up`` was encoding a snapshot of its
 state (``snapshot during``: ``rate``, ``sust``, ``half``; its forked encoder seen alive,
 sampled every 0.2 s by :class:`ForkWatch`): at 100,000 live claims an encoding takes a
@@ -369,22 +374,26 @@ class ForkWatch:
 QUIET_CORES = 0.05
 
 
-async def quiet(pid: int, forks: ForkWatch | None, limit_s: float = 60.0) -> bool:
-    """Wait until ``dracap up`` (``pid``) has worked off a fill (module docstring, growth):
-    under :data:`QUIET_CORES` of a core over half a second, and no forked snapshot encoder
-    alive; at most ``limit_s``. The wait is printed when it took a second or more; False
-    when ``dracap up`` was still busy at the end of it."""
+async def quiet(
+    pid: int, forks: ForkWatch | None, limit_s: float = 60.0, after: str = "the fill"
+) -> bool:
+    """Wait until ``dracap up`` (``pid``) has worked off what came before a phase (module
+    docstring, growth): it and its audit and billing process each under
+    :data:`QUIET_CORES` of a core over half a second, and no forked snapshot encoder
+    alive; at most ``limit_s``. The wait is printed (``after``: what came before) when
+    it took a second or more; False when either was still busy at the end of it."""
     started = time.perf_counter()
     calm = False
     while not calm and time.perf_counter() - started < limit_s:
-        before = cpu_seconds(pid)
+        before, ledger = cpu_seconds(pid), ledger_cpu_seconds(pid)
         await asyncio.sleep(0.5)
         busy = (cpu_seconds(pid) - before) / 0.5
-        calm = busy < QUIET_CORES and (forks is None or not forks.forked())
+        busy_ledger = (ledger_cpu_seconds(pid) - ledger) / 0.5
+        calm = max(busy, busy_ledger) < QUIET_CORES and (forks is None or not forks.forked())
     waited = time.perf_counter() - started
     if waited >= 1.0:
         state = "quiet" if calm else "still busy"
-        print(f"  (dracap up {state} after the fill, {waited:.1f} s)", flush=True)
+        print(f"  (dracap up {state} after {after}, {waited:.1f} s)", flush=True)
     return calm
 
 
@@ -737,8 +746,8 @@ async def growth(
                     api, tracker, n - applied, args.concurrency, f"live{applied}-"
                 )
                 applied = n
-                if pid:
-                    await quiet(pid, forks)  # the phase is measured all the same
+            if pid:  # the phase is measured all the same
+                await quiet(pid, forks, after="the fill" if fill else "the start")
             runs: dict[str, tuple[float, float]] = {}
             step = functools.partial(_settled_run, url, args, pid, runs)
             at, cpu_at = await step(
@@ -855,6 +864,7 @@ async def _measure_pipeline(
                         report_growth(phases, out["raw"], args.live_rate)
                         return
                     await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
+                    await quiet(reach.pid, None, after="the start")
                     await settled(url, args)
                     machine, own = machine_cpu_seconds(), cpu_seconds(reach.pid)
                     ledger = ledger_cpu_seconds(reach.pid)

@@ -6,6 +6,7 @@ import asyncio
 import datetime
 import gc
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from benchmarks.pipeline import (
     RunError,
     cli,
     ledger_cpu_seconds,
+    ledger_pid,
     machine_cpu_seconds,
     quiet,
     stalls_are_run_errors,
@@ -28,6 +30,7 @@ from benchmarks.pipeline import (
     write_timeline,
 )
 from services.runtime.bus.endpoints import ServerUnavailable
+from tests.fixtures.polling import until
 
 
 def _at(seconds: float) -> datetime.datetime:
@@ -171,3 +174,24 @@ async def test_a_server_going_silent_while_dracap_up_runs_is_the_run_failing() -
     with pytest.raises(RunError, match="no reply"):
         async with stalls_are_run_errors():
             raise ServerUnavailable("NATS at nats://127.0.0.1:4222: no reply within 10.0s")
+
+
+async def test_quiet_waits_for_the_audit_and_billing_process_too() -> None:
+    # An idle "dracap up" whose child "dracap serve ledger" is busy (starting, catching
+    # up) is not quiet: a phase started then measures the child's start.
+    parent = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'while True: pass', 'serve', 'ledger'])\n"
+        "time.sleep(60)",
+    )
+    try:
+        await until(lambda: ledger_pid(parent.pid) is not None, what="the ledger child")
+        assert not await quiet(parent.pid, None, limit_s=1.0)
+    finally:
+        child = ledger_pid(parent.pid)
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        parent.kill()
+        await parent.wait()
