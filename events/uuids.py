@@ -10,10 +10,11 @@ to the WAL — a cost per claim that grows with the claims already live (issue 2
 
 Version 7 UUIDs (RFC 9562) start with the Unix time in milliseconds, so ids minted
 one after another sort one after another: inserts go to the right edge of each index,
-a few hot pages, whatever its size. The other 74 bits are random, as unguessable and
-as unlikely to collide as before; an id's order says when it was minted, nothing more
-(the log's order is its ``position``). Ids already stored stay as they are: the indexes
-mix both kinds without harm.
+a few hot pages, whatever its size. The other 74 bits are random (a version 4 UUID has
+122): two ids of the same millisecond collide with odds of 2^-74, and an id still says
+nothing of another log's; its order says when it was minted, nothing more (the log's
+order is its ``position``), and a clock set back only costs the index its locality.
+Ids already stored stay as they are: the indexes mix both kinds without harm.
 
 Share ids stay random (version 4), as upstream's allocator makes them
 (its ``GenerateShareID``).
