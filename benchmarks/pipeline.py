@@ -384,12 +384,13 @@ async def quiet(
     it took a second or more; False when either was still busy at the end of it."""
     started = time.perf_counter()
     calm = False
+    ledger = ledger_pid(pid)  # found once: a scan of /proc
+    watched = [pid] if ledger is None else [pid, ledger]
     while not calm and time.perf_counter() - started < limit_s:
-        before, ledger = cpu_seconds(pid), ledger_cpu_seconds(pid)
+        before = [cpu_seconds(p) for p in watched]
         await asyncio.sleep(0.5)
-        busy = (cpu_seconds(pid) - before) / 0.5
-        busy_ledger = (ledger_cpu_seconds(pid) - ledger) / 0.5
-        calm = max(busy, busy_ledger) < QUIET_CORES and (forks is None or not forks.forked())
+        busy = max(cpu_seconds(p) - b for p, b in zip(watched, before, strict=True)) / 0.5
+        calm = busy < QUIET_CORES and (forks is None or not forks.forked())
     waited = time.perf_counter() - started
     if waited >= 1.0:
         state = "quiet" if calm else "still busy"
