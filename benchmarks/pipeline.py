@@ -17,6 +17,14 @@ run and on the same database it measures:
 3. **latency at half that rate**: claims applied open-loop at 50% of (2) for
    ``--seconds``; apply->Ready per claim, p50 / p99 / max.
 
+**Placement.** Every GPU has room for every claim of a run, and the allocator takes the
+first device that fits, so by default every claim lands on the first node's first GPU:
+one node agent does all the enforcing, in groups as large as the rate makes them, and
+the other agents idle. ``--spread`` gives each node's GPUs a driver and class of their
+own and each claim the class its name hashes to, so the claims land on every node
+evenly, as a cluster's pods do: every agent then views and reports its own, smaller
+groups (more round trips per claim through the enforcement service).
+
 **Growth** (``--live N,N,...``, issue 25): whether a claim costs more when many are
 already live. For each N, in ascending order and on the same ``dracap up``, claims are
 applied (256 in flight) until N of them are live and left live; then the latency run at
@@ -107,6 +115,7 @@ import sys
 import tempfile
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -137,16 +146,24 @@ R = TypeVar("R")
 # --- inventory and claims ------------------------------------------------------------------
 
 
-def device_class() -> dict[str, Any]:
+def driver_of(k: int) -> str:
+    """The driver (and class) of the ``k``-th node's GPUs under ``--spread``; the first is
+    :data:`DRIVER`, the one every node has without it."""
+    return DRIVER if k == 0 else f"gpu{k}.bench.dracap.io"
+
+
+def device_class(k: int = 0) -> dict[str, Any]:
+    """The class of :func:`driver_of` ``k``'s devices (named as its driver)."""
+    driver = driver_of(k)
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "DeviceClass",
-        "metadata": {"name": CLASS},
-        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+        "metadata": {"name": driver},
+        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]},
     }
 
 
-def resource_slice(node: str, memory: str = "1000Gi") -> dict[str, Any]:
+def resource_slice(node: str, memory: str = "1000Gi", driver: str = DRIVER) -> dict[str, Any]:
     devices = [
         {
             "name": f"gpu-{i}",
@@ -160,7 +177,7 @@ def resource_slice(node: str, memory: str = "1000Gi") -> dict[str, Any]:
         "kind": "ResourceSlice",
         "metadata": {"name": f"{node}-bench"},
         "spec": {
-            "driver": DRIVER,
+            "driver": driver,
             "nodeName": node,
             "pool": {"name": f"{node}-gpus", "generation": 1, "resourceSliceCount": 1},
             "devices": devices,
@@ -168,10 +185,16 @@ def resource_slice(node: str, memory: str = "1000Gi") -> dict[str, Any]:
     }
 
 
-def claim(name: str) -> bytes:
+def claim(name: str, classes: int = 1) -> bytes:
+    """A claim for 1Gi of one GPU; with ``classes`` > 1, of the class its name hashes to
+    (``--spread``: the claims of a run land on every node, evenly)."""
+    k = zlib.crc32(name.encode()) % classes if classes > 1 else 0
     request = {
         "name": "gpu",
-        "exactly": {"deviceClassName": CLASS, "capacity": {"requests": {"memory": "1Gi"}}},
+        "exactly": {
+            "deviceClassName": driver_of(k),
+            "capacity": {"requests": {"memory": "1Gi"}},
+        },
     }
     body = {
         "apiVersion": "resource.k8s.io/v1",
@@ -195,11 +218,15 @@ def write_inventory(
     namespaces: tuple[str, ...] = (NAMESPACE,),
     memory: str = "1000Gi",
     annotations: dict[str, str] | None = None,
+    spread: bool = False,
 ) -> Path:
     """The synthetic inventory as one JSON ``List``; ``memory``: each GPU's;
-    ``annotations``: the tenants' (``dracap.io/`` tenancy rules)."""
+    ``annotations``: the tenants' (``dracap.io/`` tenancy rules); ``spread``: each node's
+    GPUs of a driver and class of their own (:func:`driver_of`), else all of one."""
     tenants = [namespace(n, annotations) for n in namespaces]
-    documents = [device_class(), *tenants, *(resource_slice(n, memory) for n in nodes)]
+    kinds = len(nodes) if spread else 1
+    slices = [resource_slice(n, memory, driver_of(k if spread else 0)) for k, n in enumerate(nodes)]
+    documents = [*(device_class(k) for k in range(kinds)), *tenants, *slices]
     path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": documents}))
     return path
 
@@ -219,6 +246,7 @@ class ReadyTracker:
     """Times each claim from the apply request to the first watch update saying ready."""
 
     def __init__(self) -> None:
+        self.classes = 1  #: the classes claims are spread over (``--spread``: one per node)
         self.sent: dict[str, float] = {}
         self.ready: dict[str, float] = {}
         self.waiters: dict[str, asyncio.Future[None]] = {}
@@ -236,7 +264,7 @@ class ReadyTracker:
     async def apply(self, api: ApiClient, name: str) -> None:
         waiter = self.waiters[name] = asyncio.get_running_loop().create_future()
         self.sent[name] = time.perf_counter()
-        reply = await api.claims(NAMESPACE, "apply", claim(name))
+        reply = await api.claims(NAMESPACE, "apply", claim(name, self.classes))
         self.on_view(reply["claim"])
         await waiter
 
@@ -634,7 +662,10 @@ async def dracap_up(
     """
     nodes = [f"node-{i}" for i in range(args.nodes)]
     memory = getattr(args, "gpu_memory", None) or gpu_memory(args)
-    inventory = write_inventory(work / "inventory.json", nodes, namespaces, memory, annotations)
+    spread = getattr(args, "spread", False)
+    inventory = write_inventory(
+        work / "inventory.json", nodes, namespaces, memory, annotations, spread=spread
+    )
     env = dict(
         os.environ,
         DRACAP_DATABASE_URL=settings.database_url,
@@ -857,6 +888,8 @@ async def _measure_pipeline(
             login = reach.credential
             async with ApiClient.connect(reach.nats_url, names.prefix, login) as api:
                 tracker = ReadyTracker()
+                if args.spread:
+                    tracker.classes = args.nodes
                 if args.timeline:
                     cleanup.callback(write_timeline, Path(args.timeline), tracker)
                 async with watching(api, tracker):
@@ -1000,6 +1033,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the latency run")
     parser.add_argument("--commits", type=int, default=2000, help="raw commits timed")
     parser.add_argument("--nodes", type=int, default=4, help="nodes (one agent each)")
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="claims on every node, evenly (default: all on the first node's first GPU)",
+    )
     parser.add_argument(
         "--live",
         type=lambda text: [int(n) for n in text.split(",") if n],

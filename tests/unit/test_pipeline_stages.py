@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -17,9 +19,11 @@ import pytest
 
 from benchmarks.memory import resident_bytes, up_resident_bytes
 from benchmarks.pipeline import (
+    DRIVER,
     ForkWatch,
     ReadyTracker,
     RunError,
+    claim,
     cli,
     ledger_cpu_seconds,
     ledger_pid,
@@ -27,6 +31,7 @@ from benchmarks.pipeline import (
     quiet,
     stalls_are_run_errors,
     steps_of,
+    write_inventory,
     write_timeline,
 )
 from services.runtime.bus.endpoints import ServerUnavailable
@@ -195,3 +200,33 @@ async def test_quiet_waits_for_the_audit_and_billing_process_too() -> None:
             os.kill(child, signal.SIGKILL)
         parent.kill()
         await parent.wait()
+
+
+def test_spread_gives_each_node_a_class_and_the_claims_every_class(tmp_path: Path) -> None:
+    nodes = [f"node-{i}" for i in range(4)]
+    documents = json.loads(write_inventory(tmp_path / "i.json", nodes, spread=True).read_text())
+    classes = {d["metadata"]["name"] for d in documents["items"] if d["kind"] == "DeviceClass"}
+    drivers = {
+        d["spec"]["nodeName"]: d["spec"]["driver"]
+        for d in documents["items"]
+        if d["kind"] == "ResourceSlice"
+    }
+    assert len(set(drivers.values())) == 4 and set(drivers.values()) == classes
+    asked = collections.Counter(
+        json.loads(claim(f"lat-{i}", 4))["spec"]["devices"]["requests"][0]["exactly"][
+            "deviceClassName"
+        ]
+        for i in range(400)
+    )
+    assert set(asked) == classes
+    assert min(asked.values()) > 60  # about 100 each
+
+
+def test_without_spread_every_node_and_claim_has_the_one_class(tmp_path: Path) -> None:
+    nodes = [f"node-{i}" for i in range(4)]
+    documents = json.loads(write_inventory(tmp_path / "i.json", nodes).read_text())
+    classes = [d["metadata"]["name"] for d in documents["items"] if d["kind"] == "DeviceClass"]
+    drivers = {d["spec"]["driver"] for d in documents["items"] if d["kind"] == "ResourceSlice"}
+    assert classes == [DRIVER] and drivers == {DRIVER}
+    request = json.loads(claim("lat-1"))["spec"]["devices"]["requests"][0]
+    assert request["exactly"]["deviceClassName"] == DRIVER
