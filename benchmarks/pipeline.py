@@ -245,8 +245,8 @@ class Reach(NamedTuple):
 class ReadyTracker:
     """Times each claim from the apply request to the first watch update saying ready."""
 
-    def __init__(self) -> None:
-        self.classes = 1  #: the classes claims are spread over (``--spread``: one per node)
+    def __init__(self, classes: int = 1) -> None:
+        self.classes = classes  #: the classes claims are spread over (``--spread``: per node)
         self.sent: dict[str, float] = {}
         self.ready: dict[str, float] = {}
         self.waiters: dict[str, asyncio.Future[None]] = {}
@@ -887,9 +887,7 @@ async def _measure_pipeline(
         ):
             login = reach.credential
             async with ApiClient.connect(reach.nats_url, names.prefix, login) as api:
-                tracker = ReadyTracker()
-                if args.spread:
-                    tracker.classes = args.nodes
+                tracker = ReadyTracker(args.nodes if args.spread else 1)
                 if args.timeline:
                     cleanup.callback(write_timeline, Path(args.timeline), tracker)
                 async with watching(api, tracker):
