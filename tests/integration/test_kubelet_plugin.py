@@ -15,6 +15,7 @@ import socket
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -37,6 +38,7 @@ from services.runtime.kubeletplugin.api import (
     pluginregistration_pb2,
     pluginregistration_pb2_grpc,
 )
+from services.runtime.kubeletplugin.serving import STAGING_NAME
 from tests.fixtures.kubeletclient import KubeletClient, PluginConnection
 
 DRIVER = "gpu.example.com"
@@ -303,11 +305,39 @@ async def test_stale_sockets_are_replaced(tmp_path: Path) -> None:
     plugin = new_plugin(tmp_path, Driver())
     for path in (plugin.registration_socket, plugin.endpoint):
         _leave_stale_socket(path)
+        _leave_stale_socket(path.with_name(STAGING_NAME))  # killed while starting
     try:
         async with await registered(tmp_path, plugin) as kubelet:
             assert (await kubelet.prepare([claim("a")]))["a"].error == ""
     finally:
         await plugin.stop()
+
+
+async def test_a_socket_appears_only_once_its_server_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubelet registers as soon as it sees the file: a socket bound and not yet
+    listening refuses it, and the refused channel backs off (once seen on a loaded
+    machine, as "Connection refused" from a restarted agent). The file is only put in
+    place once its server has started."""
+    plugin = new_plugin(tmp_path, Driver())
+    seen_before_start: list[list[str]] = []
+    start = grpc.aio._server.Server.start
+
+    async def watched_start(self: Any) -> None:
+        paths = (plugin.endpoint, plugin.registration_socket)
+        seen_before_start.append([p.name for p in paths if p.exists()])
+        await start(self)
+
+    monkeypatch.setattr(grpc.aio._server.Server, "start", watched_start)
+    try:
+        async with await registered(tmp_path, plugin) as kubelet:
+            assert (await kubelet.prepare([claim("a")]))["a"].error == ""
+    finally:
+        await plugin.stop()
+    assert seen_before_start == [[], ["dra.sock"]]  # the endpoint's, then the registration's
+    for directory in ("reg", "plug"):
+        assert not (tmp_path / directory / STAGING_NAME).exists()
 
 
 async def test_a_file_that_is_not_a_socket_is_not_replaced(tmp_path: Path) -> None:

@@ -287,22 +287,35 @@ class KubeletPlugin:
             _log.warning("DRA plugin %s: device health updates ended", self.driver_name)
 
 
+#: The name a socket is bound under before it is moved to its own: it starts with a dot,
+#: which the kubelet's plugin watcher ignores, and is no longer than ``dra.sock``, so a
+#: path that fits ``sun_path`` still fits with it.
+STAGING_NAME = ".pending"
+
+
 async def _serve(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc.aio.Server:
     """A started server on the socket at ``path`` (a stale socket file replaced).
 
-    The socket is its owner's only (mode 0600; a directory made for it, 0700): the
-    kubelet runs as root, and nobody else on the node may prepare or unprepare claims.
+    The socket is bound under :data:`STAGING_NAME`, made its owner's only (mode 0600;
+    a directory made for it, 0700: the kubelet runs as root, and nobody else on the
+    node may prepare or unprepare claims), and renamed to ``path`` once the server
+    serves. So the file the kubelet watches for appears only when a connection to it
+    is answered: bound and not yet listening, a socket refuses, and a gRPC channel
+    that was refused waits out a back-off before it tries again.
     """
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     clear_stale_socket(path)
+    staging = path.with_name(STAGING_NAME)
+    clear_stale_socket(staging)  # a process killed while starting left it
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(handlers)
     try:
-        server.add_insecure_port(unix_target(path))
+        server.add_insecure_port(unix_target(staging))
     except RuntimeError as exc:
         raise PluginConfigError(f"cannot listen on {path}: {exc}") from exc
     await server.start()
-    os.chmod(path, 0o600)
+    os.chmod(staging, 0o600)
+    os.replace(staging, path)
     return server
 
 
