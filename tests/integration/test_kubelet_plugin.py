@@ -38,7 +38,7 @@ from services.runtime.kubeletplugin.api import (
     pluginregistration_pb2,
     pluginregistration_pb2_grpc,
 )
-from services.runtime.kubeletplugin.serving import STAGING_NAME
+from services.runtime.kubeletplugin.serving import staging_path
 from tests.fixtures.kubeletclient import KubeletClient, PluginConnection
 
 DRIVER = "gpu.example.com"
@@ -305,7 +305,7 @@ async def test_stale_sockets_are_replaced(tmp_path: Path) -> None:
     plugin = new_plugin(tmp_path, Driver())
     for path in (plugin.registration_socket, plugin.endpoint):
         _leave_stale_socket(path)
-        _leave_stale_socket(path.with_name(STAGING_NAME))  # killed while starting
+        _leave_stale_socket(staging_path(path))  # killed while starting
     try:
         async with await registered(tmp_path, plugin) as kubelet:
             assert (await kubelet.prepare([claim("a")]))["a"].error == ""
@@ -336,8 +336,37 @@ async def test_a_socket_appears_only_once_its_server_serves(
     finally:
         await plugin.stop()
     assert seen_before_start == [[], ["dra.sock"]]  # the endpoint's, then the registration's
-    for directory in ("reg", "plug"):
-        assert not (tmp_path / directory / STAGING_NAME).exists()
+    for path in (plugin.endpoint, plugin.registration_socket):
+        assert not staging_path(path).exists()
+    assert staging_path(plugin.endpoint).name == ".dra"
+
+
+async def test_two_plugins_starting_at_once_in_one_registration_directory_keep_their_own(
+    tmp_path: Path,
+) -> None:
+    """Two drivers' plugins on one node share the kubelet's registration directory;
+    started at once, each one's socket is its own (a shared staging name let the second
+    remove the first's socket, and the first rename the second's as its own)."""
+    plugins = [
+        KubeletPlugin(
+            name,
+            Driver(),
+            registration_dir=tmp_path / "reg",
+            plugin_dir=tmp_path / name,
+        )
+        for name in (DRIVER, "nic.example.com")
+    ]
+    await asyncio.gather(*(plugin.start() for plugin in plugins))
+    try:
+        kubelet = KubeletClient(tmp_path / "reg")
+        for plugin in plugins:
+            async with await kubelet.register(plugin.registration_socket) as connection:
+                assert connection.driver_name == plugin.driver_name
+                assert connection.endpoint == plugin.endpoint
+                assert (await connection.prepare([claim("a")]))["a"].error == ""
+    finally:
+        await asyncio.gather(*(plugin.stop() for plugin in plugins))
+    assert sorted(p.name for p in (tmp_path / "reg").iterdir()) == []
 
 
 async def test_a_file_that_is_not_a_socket_is_not_replaced(tmp_path: Path) -> None:

@@ -287,16 +287,20 @@ class KubeletPlugin:
             _log.warning("DRA plugin %s: device health updates ended", self.driver_name)
 
 
-#: The name a socket is bound under before it is moved to its own: it starts with a dot,
-#: which the kubelet's plugin watcher ignores, and is no longer than ``dra.sock``, so a
-#: path that fits ``sun_path`` still fits with it.
-STAGING_NAME = ".pending"
+def staging_path(path: Path) -> Path:
+    """Where the socket of ``path`` is bound before it is moved there: its name without
+    the suffix, after a dot (``.dra``, ``.<driver>-reg``). The kubelet's plugin watcher
+    ignores names that start with a dot; the name is shorter than the socket's own, so
+    it fits ``sun_path`` wherever that does; and it is the socket's alone, so two
+    plugins (two drivers' agents on one node) that start at once in the shared
+    registration directory never take each other's."""
+    return path.with_name(f".{path.stem}")
 
 
 async def _serve(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc.aio.Server:
     """A started server on the socket at ``path`` (a stale socket file replaced).
 
-    The socket is bound under :data:`STAGING_NAME`, made its owner's only (mode 0600;
+    The socket is bound at :func:`staging_path`, made its owner's only (mode 0600;
     a directory made for it, 0700: the kubelet runs as root, and nobody else on the
     node may prepare or unprepare claims), and renamed to ``path`` once the server
     serves. So the file the kubelet watches for appears only when a connection to it
@@ -305,7 +309,7 @@ async def _serve(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc.aio
     """
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     clear_stale_socket(path)
-    staging = path.with_name(STAGING_NAME)
+    staging = staging_path(path)
     clear_stale_socket(staging)  # a process killed while starting left it
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(handlers)
