@@ -369,6 +369,21 @@ async def test_two_plugins_starting_at_once_in_one_registration_directory_keep_t
     assert sorted(p.name for p in (tmp_path / "reg").iterdir()) == []
 
 
+async def test_a_socket_that_cannot_be_put_in_place_fails_the_start_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugin = new_plugin(tmp_path, Driver())
+
+    def refused(source: Path, target: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(target))
+
+    monkeypatch.setattr("services.runtime.kubeletplugin.serving.os.replace", refused)
+    with pytest.raises(PluginConfigError, match=f"cannot put the socket at {plugin.endpoint}"):
+        await plugin.start()
+    for path in (plugin.endpoint, plugin.registration_socket):  # nothing served, nothing left
+        assert not path.exists() and not staging_path(path).exists()
+
+
 async def test_a_file_that_is_not_a_socket_is_not_replaced(tmp_path: Path) -> None:
     plugin = new_plugin(tmp_path, Driver())
     plugin.endpoint.parent.mkdir(parents=True)

@@ -318,8 +318,12 @@ async def _serve(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc.aio
     except RuntimeError as exc:
         raise PluginConfigError(f"cannot listen on {path}: {exc}") from exc
     await server.start()
-    os.chmod(staging, 0o600)
-    os.replace(staging, path)
+    try:
+        os.chmod(staging, 0o600)
+        os.replace(staging, path)
+    except OSError as exc:
+        await server.stop(0)
+        raise PluginConfigError(f"cannot put the socket at {path}: {exc}") from exc
     return server
 
 
