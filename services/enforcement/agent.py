@@ -174,6 +174,7 @@ from services.enforcement.decisions import (
     Task,
     Unprepare,
     Written,
+    decide_bound,
     decide_retries,
     decide_work,
     health_changes,
@@ -548,6 +549,16 @@ class Agent:
         before this returns or raises (:meth:`_settle`), so kernel and log agree.
         """
         await self.lease.held.wait()
+        return await self._carry_round(ask, decide, now)
+
+    async def _carry_round(
+        self,
+        ask: ViewAsk,
+        decide: Callable[[ClusterState], Sequence[Task]],
+        now: datetime.datetime | None = None,
+    ) -> Round:
+        """:meth:`carry_round` without waiting for the lease (a reconcile, which runs
+        while the lease is being taken back)."""
         async with self.writer.held():
             now = now or self.clock.utcnow()
             view = await self.view(ask)
@@ -810,7 +821,26 @@ class Agent:
                     len(report.failed),
                 )
             await self.report_events(events)
+            await self._apply_bound()
             return self.reconciled
+
+    async def _apply_bound(self) -> None:
+        """Apply and record the node's ``bound`` shares (:func:`decide_bound`): one whose
+        message was taken while it was ``unknown`` has nothing else to apply it. A claim
+        deleted meanwhile makes the report conflict: its release takes it from there."""
+        try:
+            done = await self._carry_round(
+                ViewAsk(node=True), lambda state: decide_bound(state, self.node, self.enforcing)
+            )
+        except ConflictError as exc:
+            log.info("node %s: bound shares not applied at reconcile (%s)", self.node, exc)
+            return
+        if done.tasks:
+            log.info(
+                "node %s: %d bound share(s) applied at reconcile",
+                self.node,
+                sum(len(t.limits) for t in done.tasks if isinstance(t, Enforce)),
+            )
 
     # -- inventory ---------------------------------------------------------------------------
 

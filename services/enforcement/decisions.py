@@ -88,6 +88,7 @@ __all__ = [
     "Task",
     "Unprepare",
     "Written",
+    "decide_bound",
     "decide_retries",
     "decide_work",
     "enforce_claim",
@@ -210,6 +211,36 @@ def decide_work(
             task = _release(state, node, env.event_id, event)
             for released in task.released if isinstance(task, Release) else ():
                 counted.discard(released.share_id)  # removed before later tasks run
+        if task is not None:
+            tasks.append(task)
+    return tasks
+
+
+def decide_bound(state: ClusterState, node: str, enforcing: Tally) -> list[Task]:
+    """The :class:`Enforce` of every claim with a share of ``node`` ``bound`` (the agent's
+    reconcile; ``apply`` is idempotent, so one already in force is recorded; a claim
+    mirrored from Kubernetes waits for its prepare).
+
+    A share's ``AllocationBound`` may have been taken while the share was ``unknown``
+    (the node's lease expired before the agent noticed): no task then, and the message
+    acknowledged. Confirmed on the node's return, the share is ``bound`` again with no
+    message left to apply it, so the reconcile after a return applies it as its
+    message would have (``test_a_bound_share_whose_message_was_taken_is_applied_at_reconcile``).
+    """
+    counted = Draft(enforcing)
+    keys = sorted(
+        {
+            share.claim
+            for share_id in _live_on(state, node)
+            if (share := state.shares.get(share_id)) is not None and share.state in _APPLICABLE
+        }
+    )
+    tasks: list[Task] = []
+    for key in keys:
+        claim = state.claims.get(key)
+        if claim is None or claim.source == "kubernetes":
+            continue
+        task = _enforce_current(state, node, key, "", counted)
         if task is not None:
             tasks.append(task)
     return tasks

@@ -39,19 +39,20 @@ still ran. :func:`plan_return` (pure) decides each of them before anything else:
   still shows (the checkpoint, where the kernel cannot be read): *confirmed*;
 * a ready share whose limit is gone: *released*, its claim failed ("no longer in force").
 
-Shares the log owns but has not made ready (``reserved``/``bound``: their
-``AllocationBound`` is still being handled, or will be redelivered) are left to the
-consumer: if their limit is already in the kernel it is kept, otherwise the consumer
-applies it and records the (first) ``LimitApplied``. A claim mirrored from Kubernetes
-has no such message: only the kubelet's prepare applies and records its limits, so a
-limit in force for one of its ``reserved``/``bound`` shares (a prepare cut short between
-the kernel and its report, an unprepare whose report did not land) is an orphan: removed,
-and applied again with its record by the kubelet's next prepare. ``releasing`` and ``unknown``
-shares are owned too (never removed as orphans) but not put back: the release
-consumer, or the reclamation service, decides their fate. Shares whose limit level is
-``none`` (admin access, the :class:`~services.enforcement.enforcers.NoneEnforcer`)
-have nothing in force to find, so they are neither reapplied nor reported.
-"""
+Shares the log owns but has not made ready (``reserved``/``bound``) are not part of the
+plan: if their limit is already in the kernel it is kept; a ``bound`` one is applied
+(again: ``apply`` is idempotent) and recorded after the plan, as its ``AllocationBound``
+would have it (:func:`~services.enforcement.decisions.decide_bound`: that message may
+have been taken while the share was ``unknown`` and acknowledged with nothing done). A
+claim mirrored from Kubernetes has no such message: only the kubelet's prepare applies
+and records its limits, so a limit in force for one of its ``reserved``/``bound`` shares
+(a prepare cut short between the kernel and its report, an unprepare whose report did
+not land) is an orphan: removed, and applied again with its record by the kubelet's next
+prepare. ``releasing`` and ``unknown`` shares are owned too (never removed as orphans)
+but not put back: the release consumer, or the reclamation service, decides their fate.
+Shares whose limit level is ``none`` (admin access, the
+:class:`~services.enforcement.enforcers.NoneEnforcer`) have nothing in force to find, so
+they are neither reapplied nor reported."""
 
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ from events.state import ClusterState
 from events.subjects import BusNames
 from services.claims.api import ClaimsApi
 from services.enforcement import checkpointing
+from services.enforcement.protocol import consumer_name
 from services.enforcement.tc import (
     HTB_MAJOR,
     TcEnforcer,
@@ -56,6 +57,7 @@ from services.enforcement.tc import (
 from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
 from services.runtime.bus.jetstream import connect_bus, ensure_stream
+from services.runtime.delivery.pulling import Puller
 from services.runtime.delivery.relaying import Relay
 from services.runtime.ground.settings import Settings
 from services.runtime.store.livestate import HEAD, LiveState
@@ -363,6 +365,44 @@ async def test_restart_keeps_limits_and_removes_orphans(node: Node, settings: Se
     assert {e.phase for e in saved.entries.values()} == {"completed"}
     report_ok = await verify(settings, from_start=True)
     assert report_ok.ok, summary(report_ok)
+
+
+async def test_a_bound_share_whose_message_was_taken_is_applied_at_reconcile(
+    node: Node,
+) -> None:
+    """A share's ``AllocationBound`` can be taken with nothing done: while the share was
+    ``unknown`` (the node's lease expired before its agent noticed; CI saw a claim
+    ``allocated`` for good that way after the stream's leader hung). The agent's
+    reconcile applies every ``bound`` share of its node, so the claim is still made
+    ready. Here the message is taken and acknowledged by hand while the agent is away."""
+    node.kill_agent()
+    await node.apply("late", "10M")
+    await node.until(
+        lambda st: (c := st.claim(NAMESPACE, "late")) is not None and c.phase == "allocated"
+    )
+    durable = consumer_name(node.node)
+    async with asyncio.timeout(30):  # the relay has published the claim's AllocationBound
+        while (await node.js.consumer_info(node.names.stream, durable)).num_pending < 1:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    puller = Puller(node.nc, node.names.stream, durable, batch=16, expires=5.0)
+    await puller.start()
+    try:
+        taken = 0
+        while (await node.js.consumer_info(node.names.stream, durable)).num_pending:
+            for msg in await puller.next(1.0, 16):
+                await msg.ack_sync()
+                taken += 1
+        assert taken >= 1
+    finally:
+        await puller.stop()
+    [share] = node.share_ids(node.view.state, "late")
+    assert node.view.state.shares[share].state == "bound"
+
+    node.start_agent()
+    await node.until(ready("late"))
+    assert share in await node.tc.observe()
+    applied = [e.event for e in await node.node_events() if isinstance(e.event, LimitApplied)]
+    assert [e.share_id for e in applied] == [share]
 
 
 async def test_corrupt_checkpoint_is_set_aside_and_rebuilt(node: Node) -> None:

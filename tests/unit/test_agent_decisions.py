@@ -24,6 +24,7 @@ from services.enforcement.decisions import (
     Enforce,
     Failed,
     RetryState,
+    decide_bound,
     decide_retries,
     decide_work,
     limit_of,
@@ -411,6 +412,25 @@ def test_the_sweep_retries_a_retrying_claims_due_shares_only() -> None:
     log.add(c.LimitApplied(share_id=share_id, node=NODE, level="hard", actual={}))
     job = log.state().claim(NAMESPACE, "job")
     assert job is not None and job.phase == "ready"
+
+
+def test_the_reconcile_applies_each_bound_share_of_the_node_and_nothing_else() -> None:
+    log = _tell(["reserve c1", "reserve c2", "ready c2", "reserve c3", "release c3"])
+    state = log.state()
+    bound = state.claims[(NAMESPACE, "c1")].share_ids
+    tasks = decide_bound(state, NODE, Enforcing())
+    assert [[limit.share_id for limit in t.limits] for t in tasks if isinstance(t, Enforce)] == [
+        bound
+    ]
+    assert decide_bound(state, "node-b", Enforcing()) == []
+    # in force already (its record lost with its message): applied again, so recorded
+    [again] = decide_bound(state, NODE, _enforcing(log, bound))
+    assert isinstance(again, Enforce) and [lim.share_id for lim in again.limits] == bound
+    assert again.refused == ()  # its own limit is not counted twice
+    # while the node's shares are unknown nothing is applied: the return decides first
+    lost = _tell(["reserve c1", "lost node-a"])
+    assert {s.state for s in lost.state().shares.values()} == {"unknown"}
+    assert decide_bound(lost.state(), NODE, Enforcing()) == []
 
 
 # --- reconcile ------------------------------------------------------------------------
