@@ -540,25 +540,19 @@ class Agent:
         ask: ViewAsk,
         decide: Callable[[ClusterState], Sequence[Task]],
         now: datetime.datetime | None = None,
+        *,
+        leased: bool = False,
     ) -> Round:
         """:meth:`carry_out`, under the writer, with all it saw and did (no tasks: nothing
-        done or reported).
+        done or reported). ``leased``: the caller holds the lease already (a reconcile,
+        which runs while the lease is being taken back); otherwise this waits for it.
 
         Apply, then record: when the report is refused (:class:`ConflictError`) or its
         answer is lost, the kernel is brought back to what a fresh view of ``ask`` says
         before this returns or raises (:meth:`_settle`), so kernel and log agree.
         """
-        await self.lease.held.wait()
-        return await self._carry_round(ask, decide, now)
-
-    async def _carry_round(
-        self,
-        ask: ViewAsk,
-        decide: Callable[[ClusterState], Sequence[Task]],
-        now: datetime.datetime | None = None,
-    ) -> Round:
-        """:meth:`carry_round` without waiting for the lease (a reconcile, which runs
-        while the lease is being taken back)."""
+        if not leased:
+            await self.lease.held.wait()
         async with self.writer.held():
             now = now or self.clock.utcnow()
             view = await self.view(ask)
@@ -829,8 +823,10 @@ class Agent:
         message was taken while it was ``unknown`` has nothing else to apply it. A claim
         deleted meanwhile makes the report conflict: its release takes it from there."""
         try:
-            done = await self._carry_round(
-                ViewAsk(node=True), lambda state: decide_bound(state, self.node, self.enforcing)
+            done = await self.carry_round(
+                ViewAsk(node=True),
+                lambda state: decide_bound(state, self.node, self.enforcing),
+                leased=True,
             )
         except ConflictError as exc:
             log.info("node %s: bound shares not applied at reconcile (%s)", self.node, exc)
