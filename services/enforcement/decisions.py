@@ -240,7 +240,7 @@ def decide_bound(state: ClusterState, node: str, enforcing: Tally) -> list[Task]
         claim = state.claims.get(key)
         if claim is None or claim.source == "kubernetes":
             continue
-        task = _enforce_current(state, node, key, "", counted)
+        task = _enforce_current(state, node, key, f"reconcile:{key[0]}/{key[1]}", counted)
         if task is not None:
             tasks.append(task)
     return tasks

@@ -422,6 +422,7 @@ def test_the_reconcile_applies_each_bound_share_of_the_node_and_nothing_else() -
     assert [[limit.share_id for limit in t.limits] for t in tasks if isinstance(t, Enforce)] == [
         bound
     ]
+    assert [t.message for t in tasks] == [f"reconcile:{NAMESPACE}/c1"]  # one name each
     assert decide_bound(state, "node-b", Enforcing()) == []
     # in force already (its record lost with its message): applied again, so recorded
     [again] = decide_bound(state, NODE, _enforcing(log, bound))
