@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -69,13 +71,31 @@ def _eventually(check: Callable[[], T | None], within: float, what: str) -> T:
         time.sleep(0.1)
 
 
+def _metrics_port() -> int:
+    """A port for ``--metrics-port`` below the kernel's ephemeral range, with the ledger
+    process's (+2) free too: a port from ``free_port()`` is in that range, so a client
+    connection (every pool reconnecting after a server restart) could take the ledger's
+    port before its restarted process binds it again (CI saw "Address already in use")."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12_000), low - 4)
+        try:
+            for candidate in (port, port + 2):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    return free_port()
+
+
 class Up:
     """``dracap up`` on embedded servers in ``data_dir``; its output goes to a file."""
 
     def __init__(self, tmp_path: Path, *extra: str) -> None:
         self.data_dir = tmp_path / "dracap"
         self.log = tmp_path / "up.log"
-        self.metrics_port = free_port()
+        self.metrics_port = _metrics_port()
         command = [sys.executable, "-m", "services.cli", "up", "--data-dir", str(self.data_dir)]
         command += ["--inventory", str(EXAMPLES), "--metrics-port", str(self.metrics_port)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("DRACAP_")}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import urllib.request
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from events.model import (
 )
 from events.state import ClusterState
 from services.runtime.ground import metrics
+from services.runtime.ground.settings import SettingsError
 from services.runtime.ops.gauges import (
     CLAIM_OUTCOMES,
     CapacityGauges,
@@ -266,3 +268,14 @@ def test_every_rejection_reason_of_admission_is_listed() -> None:
         and isinstance(node.args[1], ast.Constant)
     }
     assert kinds and kinds <= set(admission.REJECTION_REASONS)
+
+
+def test_a_metrics_port_in_use_is_a_setting_error_naming_it() -> None:
+    """A busy port is one line from the command (a setting), not a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(metrics.MetricsPortError, match=f"--metrics-port {port} on 127.0.0.1"):
+            metrics.start_metrics_server(port, addr="127.0.0.1")
+    assert issubclass(metrics.MetricsPortError, SettingsError)  # run_service: one line, exit 2

@@ -35,6 +35,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from services.runtime.ground.settings import SettingsError
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
     from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
@@ -67,6 +69,7 @@ __all__ = [
     "SNAPSHOT_POSITION",
     "UNCONFIRMED_MESSAGES",
     "USAGE",
+    "MetricsPortError",
     "add_metrics_arguments",
     "not_found",
     "only_metrics",
@@ -316,13 +319,22 @@ def add_metrics_arguments(parser: argparse.ArgumentParser, *, port: int, port_he
     )
 
 
+class MetricsPortError(SettingsError):
+    """The metrics server cannot listen where it was told (a port in use): a setting to
+    change, said in one line by the command, never a traceback."""
+
+
 def start_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, Thread]:
     """Serve :data:`REGISTRY` on ``http://addr:port/metrics`` (port 0: any free port).
 
     Returns the server (``server.server_port`` is the bound port; ``shutdown()``
     stops it) and its daemon thread. Paths other than ``/metrics`` and ``/`` are 404.
+    :class:`MetricsPortError` when it cannot listen there.
     """
-    server, thread = start_http_server(port, addr=addr, registry=REGISTRY)
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=REGISTRY)
+    except OSError as exc:  # the port taken, or the address not this host's
+        raise MetricsPortError(f"--metrics-port {port} on {addr}: {exc.strerror or exc}") from exc
     metrics = server.get_app()
     assert metrics is not None, "the metrics server has no application"
     server.set_app(only_metrics(metrics))
