@@ -388,10 +388,11 @@ async def test_a_bound_share_whose_message_was_taken_is_applied_at_reconcile(
     await puller.start()
     try:
         taken = 0
-        while (await node.js.consumer_info(node.names.stream, durable)).num_pending:
-            for msg in await puller.next(1.0, 16):
-                await msg.ack_sync()
-                taken += 1
+        async with asyncio.timeout(30):  # every pending message taken and acknowledged
+            while (await node.js.consumer_info(node.names.stream, durable)).num_pending:
+                for msg in await puller.next(1.0, 16):
+                    await msg.ack_sync()
+                    taken += 1
         assert taken >= 1
     finally:
         await puller.stop()
