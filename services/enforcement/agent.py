@@ -765,6 +765,9 @@ class Agent:
                 # what the checkpoint says was started or done may all be in force
                 self.enforcing = Enforcing(e.limit for e in entries.values())
                 await self.report_events(events)
+                # still tried: a bound share has nothing else to apply it, and a kernel
+                # that cannot be read is recorded as its failure, retried from there
+                await self._apply_bound()
                 return None
             if checkpoint is not None and checkpoint.rebooted:
                 log.info("node rebooted since the checkpoint was written: limits are put back")

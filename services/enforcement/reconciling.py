@@ -43,14 +43,15 @@ Shares the log owns but has not made ready (``reserved``/``bound``) are not part
 plan: if their limit is already in the kernel it is kept; a ``bound`` one is applied
 (again: ``apply`` is idempotent) and recorded after the plan, as its ``AllocationBound``
 would have it (:func:`~services.enforcement.decisions.decide_bound`: that message may
-have been taken while the share was ``unknown`` and acknowledged with nothing done). A
-claim mirrored from Kubernetes has no such message: only the kubelet's prepare applies
-and records its limits, so a limit in force for one of its ``reserved``/``bound`` shares
-(a prepare cut short between the kernel and its report, an unprepare whose report did
-not land) is an orphan: removed, and applied again with its record by the kubelet's next
-prepare. ``releasing`` and ``unknown`` shares are owned too (never removed as orphans)
-but not put back: the release consumer, or the reclamation service, decides their fate.
-Shares whose limit level is ``none`` (admin access, the
+have been taken while the share was ``unknown`` and acknowledged with nothing done),
+even when the kernel cannot be read and the plan is skipped (its failure is then
+recorded, and retried). A claim mirrored from Kubernetes has no such message: only the
+kubelet's prepare applies and records its limits, so a limit in force for one of its
+``reserved``/``bound`` shares (a prepare cut short between the kernel and its report, an
+unprepare whose report did not land) is an orphan: removed, and applied again with its
+record by the kubelet's next prepare. ``releasing`` and ``unknown`` shares are owned too
+(never removed as orphans) but not put back: the release consumer, or the reclamation
+service, decides their fate. Shares whose limit level is ``none`` (admin access, the
 :class:`~services.enforcement.enforcers.NoneEnforcer`) have nothing in force to find, so
 they are neither reapplied nor reported."""
 
