@@ -16,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -72,21 +70,11 @@ def _eventually(check: Callable[[], T | None], within: float, what: str) -> T:
 
 
 def _metrics_port() -> int:
-    """A port for ``--metrics-port`` below the kernel's ephemeral range, with the ledger
-    process's (+2) free too: a port from ``free_port()`` is in that range, so a client
-    connection (every pool reconnecting after a server restart) could take the ledger's
-    port before its restarted process binds it again (CI saw "Address already in use")."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(100):
-        port = random.randrange(max(1024, low - 12_000), low - 4)
-        try:
-            for candidate in (port, port + 2):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", candidate))
-        except OSError:
-            continue
-        return port
-    return free_port()
+    """A port for ``--metrics-port`` with the ledger process's (+2) free too, below the
+    kernel's ephemeral range (``free_port``): a client connection (every pool
+    reconnecting after a server restart) could otherwise take the ledger's port before
+    its restarted process binds it again (CI saw "Address already in use")."""
+    return free_port(also=(2,))
 
 
 class Up:

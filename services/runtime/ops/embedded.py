@@ -24,8 +24,10 @@ Design
 * **Loopback TCP only.** PostgreSQL listens on ``127.0.0.1`` (no unix socket: data-dir
   paths are often too long for one), nats-server on ``127.0.0.1`` without
   authentication: a development stack for one machine. Ports are free ones picked at
-  start unless fixed by the caller; the URLs are returned (and ``dracap up`` writes them
-  to ``connection.json``).
+  start unless fixed by the caller, below the kernel's ephemeral range (:func:`free_port`:
+  a restart binds the same port again, and no outgoing connection can have taken it
+  meanwhile); the URLs are returned (and ``dracap up`` writes them to
+  ``connection.json``).
 * **Who may log in.** ``pg_hba.conf`` is written at every start (:data:`PG_HBA`): the
   superuser ``postgres`` keeps ``trust`` on loopback — ``dracap up``'s own tooling
   (``psql``, migrations, provisioning) and the CLI next to it use it, as before — and
@@ -54,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import random
 import shutil
 import signal
 import socket
@@ -126,12 +129,50 @@ class Servers:
     processes: tuple[EmbeddedServer, ...] = ()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
+#: Where the kernel's ephemeral ports (those of outgoing connections) begin.
+EPHEMERAL_RANGE: Final = Path("/proc/sys/net/ipv4/ip_local_port_range")
+#: How far below the ephemeral range :func:`free_port` looks.
+BELOW_EPHEMERAL: Final = 12_000
+
+
+def free_port(host: str = "127.0.0.1", *, also: tuple[int, ...] = ()) -> int:
+    """A TCP port nobody listens on now, with ``port + k`` free too for each ``k`` in
+    ``also``; below the kernel's ephemeral range where there is room.
+
+    A server restarted later comes back on the same port (the URLs handed out stay
+    valid), so the port must stay free while the server is down. One from the ephemeral
+    range may be taken meanwhile by any outgoing connection — the clients reconnecting
+    to that very server among them (seen in CI for a metrics port: "Address already in
+    use"); the kernel never hands out a port below the range on its own.
+    """
+    low = _ephemeral_low()
+    if low is not None:
+        bottom, top = max(1025, low - BELOW_EPHEMERAL), low - max(also, default=0)
+        rng = random.SystemRandom()
+        for _ in range(100 if top > bottom else 0):
+            port = rng.randrange(bottom, top)
+            if all(_bindable(host, port + k) for k in (0, *also)):
+                return port
+    with socket.socket() as sock:  # no room below the range: any port free now
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
+        port = int(sock.getsockname()[1])
         return port
+
+
+def _ephemeral_low() -> int | None:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def _pid_alive(pid: int) -> bool:
