@@ -35,14 +35,16 @@ every claim of the run (``--gpu-memory``, default: enough), so capacity never de
 The table at the end gives each figure per N and its change from the first N (goal:
 within 20 %), and ``dracap up``'s CPU per claim (``/proc``) of the fixed-rate run
 (``cpu@50``: the same rate at every N, so the same batching — what a claim costs the
-process, whatever the machine's load does to the latencies) and of the sustained run.
-A phase starts once the subscribers have caught up (below) and ``dracap up`` is quiet
-(:func:`quiet`: it and its audit and billing process each under 5 % of a core, no
-snapshot encoder alive): the fill's own tail — the encoding of a snapshot the fill made
-due, the last batches — is the fill's cost, not that of a claim with N live; and the
-first phase, with no fill before it, does not meet ``dracap up``'s start instead (its
-audit and billing process starting and catching up: before this wait, the first two
-seconds of the run at 50/s with 0 live took 50-110 ms a claim).
+process, whatever the machine's load does to the latencies) and of the sustained run,
+and the whole machine's (``mach@sust``, ``/proc/stat``: every process on it, the servers
+and this load generator included) of the sustained run, which says whether what grows
+is ``dracap up``'s or the servers'. A phase starts once the subscribers have caught up
+(below) and ``dracap up`` is quiet (:func:`quiet`: it and its audit and billing process
+each under 5 % of a core, no snapshot encoder alive): the fill's own tail — the encoding
+of a snapshot the fill made due, the last batches — is the fill's cost, not that of a
+claim with N live; and the first phase, with no fill before it, does not meet ``dracap
+up``'s start instead (its audit and billing process starting and catching up: before
+this wait, the first two seconds of the run at 50/s with 0 live took 50-110 ms a claim).
 Each phase also names the runs during which ``dracap up`` was encoding a snapshot of its
 state (``snapshot during``: ``rate``, ``sust``, ``half``; its forked encoder seen alive,
 sampled every 0.2 s by :class:`ForkWatch`): at 100,000 live claims an encoding takes a
@@ -755,6 +757,8 @@ class Phase(NamedTuple):
     p99_at_half: float
     cpu_at_rate: float = 0.0  #: ms of ``dracap up``'s CPU per claim of the fixed-rate run
     cpu_sustained: float = 0.0  #: the same, of the sustained run
+    #: ms of the whole machine's CPU per claim of the sustained run (every process on it)
+    machine_sustained: float = 0.0
     #: the runs (``rate``, ``sust``, ``half``) during which a snapshot was being encoded
     snapshots: tuple[str, ...] = ()
 
@@ -782,13 +786,13 @@ async def growth(
                 await quiet(pid, forks, after="the fill" if fill else "the start")
             runs: dict[str, tuple[float, float]] = {}
             step = functools.partial(_settled_run, url, args, pid, runs)
-            at, cpu_at = await step(
+            at, cpu_at, _ = await step(
                 "rate", latency(api, tracker, args.live_rate, args.seconds, f"l{n}r")
             )
-            sustained, cpu_sustained = await step(
+            sustained, cpu_sustained, machine_sustained = await step(
                 "sust", throughput(api, tracker, args.claims, args.concurrency, f"l{n}tp")
             )
-            half, cpu_half = await step(
+            half, cpu_half, _ = await step(
                 "half", latency(api, tracker, sustained / 2, args.seconds, f"l{n}h")
             )
             phase = Phase(
@@ -802,6 +806,7 @@ async def growth(
                 p99_at_half=percentile(half, 99),
                 cpu_at_rate=cpu_at * 1000 / max(1, len(at)),
                 cpu_sustained=cpu_sustained * 1000 / max(1, args.claims),
+                machine_sustained=machine_sustained * 1000 / max(1, args.claims),
                 snapshots=forks.during(runs) if forks is not None else (),
             )
             phases.append(phase)
@@ -833,15 +838,18 @@ async def _settled_run(
     runs: dict[str, tuple[float, float]],
     label: str,
     run: Awaitable[R],
-) -> tuple[R, float]:
-    """``run`` once the subscribers caught up (:func:`settled`); what it returned and the
-    CPU seconds ``dracap up`` (``pid``, 0: none) used meanwhile; its wall-clock start and
-    end go into ``runs`` under ``label`` (:meth:`ForkWatch.during`)."""
+) -> tuple[R, float, float]:
+    """``run`` once the subscribers caught up (:func:`settled`); what it returned, the
+    CPU seconds ``dracap up`` (``pid``, 0: none) used meanwhile and those of the whole
+    machine; its wall-clock start and end go into ``runs`` under ``label``
+    (:meth:`ForkWatch.during`)."""
     await settled(url, args)
     cpu, began = cpu_seconds(pid) if pid else 0.0, time.time()
+    machine = machine_cpu_seconds()
     result = await run
     runs[label] = (began, time.time())
-    return result, cpu_seconds(pid) - cpu if pid else 0.0
+    own = cpu_seconds(pid) - cpu if pid else 0.0
+    return result, own, machine_cpu_seconds() - machine
 
 
 def report_growth(phases: list[Phase], raw: float, rate: float) -> None:
@@ -851,13 +859,13 @@ def report_growth(phases: list[Phase], raw: float, rate: float) -> None:
     print(
         f"  {'live':>8} {'p50@' + format(rate, 'g'):>9} {'p99@' + format(rate, 'g'):>9} "
         f"{'claims/s':>9} {'p50@half':>9} {'p99@half':>9} {'cpu@' + format(rate, 'g'):>9} "
-        f"{'cpu@sust':>9}  snapshot during"
+        f"{'cpu@sust':>9} {'mach@sust':>9}  snapshot during"
     )
     for p in phases:
         print(
             f"  {p.live:>8,} {p.p50_at_rate:>9.1f} {p.p99_at_rate:>9.1f} {p.throughput:>9,.0f} "
             f"{p.p50_at_half:>9.1f} {p.p99_at_half:>9.1f} {p.cpu_at_rate:>9.2f} "
-            f"{p.cpu_sustained:>9.2f}  {','.join(p.snapshots) or '-'}"
+            f"{p.cpu_sustained:>9.2f} {p.machine_sustained:>9.2f}  {','.join(p.snapshots) or '-'}"
         )
     if len(phases) > 1:
         last = phases[-1]
