@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import urllib.request
 import uuid
@@ -36,6 +35,7 @@ from services.replay.logfile import LogWriter, read_end, read_rows
 from services.replay.sources import DatabaseSource
 from services.replay.verify import summary, verify
 from services.runtime.ground.settings import ServiceKind, Settings
+from services.runtime.ops.embedded import free_port
 from services.runtime.store.eventstore import EventStore, iter_rows
 from services.runtime.store.livestate import HEAD, LiveState
 from services.runtime.store.snapshots import SnapshotWriter, load_verified, write_snapshot
@@ -488,7 +488,7 @@ class SnapshotService:
 
     def __init__(self, store: EventStore, url: str, tmp: Path) -> None:
         self.store, self.url, self.tmp = store, url, tmp
-        self.port = _free_port()
+        self.port = free_port()
         self.process: asyncio.subprocess.Process | None = None
 
     async def start(self, every_events: int) -> None:
@@ -553,13 +553,6 @@ class SnapshotService:
         self.process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(60):
             return await self.process.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @pytest.fixture

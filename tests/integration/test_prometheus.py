@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import socket
 import urllib.parse
 import urllib.request
 import uuid
@@ -31,6 +30,7 @@ from services import durables
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground.metrics import start_metrics_server
 from services.runtime.ground.settings import Settings
+from services.runtime.ops.embedded import free_port
 from tests.integration.cluster import running_cluster
 from tests.integration.test_class_modes import GPU_CLASS, INVENTORY
 from tests.integration.test_policy import NAMESPACE, _ready, claim_doc, view_when
@@ -44,13 +44,6 @@ RECORDED = tuple(
     for rule in group["rules"]
     if "record" in rule
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def _query(port: int, expr: str) -> list[Any]:
@@ -85,7 +78,7 @@ async def test_prometheus_scrapes_the_stack_and_the_recording_rules_produce_seri
         ],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "prometheus.log").open("wb")
     server = await asyncio.create_subprocess_exec(
         binary, f"--config.file={tmp_path / 'prometheus.yml'}",

@@ -28,10 +28,11 @@ from nats.js.errors import NotFoundError
 from events.subjects import BusNames
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground.settings import ServiceKind, Settings
+from services.runtime.ops.embedded import free_port
 from services.runtime.store.eventstore import EventStore
 from tests.fixtures.logins import login_users
 from tests.integration.test_bus import append_burst
-from tests.integration.test_serve import Processes, _free_port
+from tests.integration.test_serve import Processes
 from tests.integration.test_two_relays import log_ids, stream_ids
 
 BURSTS = 8
@@ -84,7 +85,7 @@ async def test_a_standby_relay_takes_over_when_the_active_one_is_killed(
     # each relay as deployed: the relay's own database login, nothing else
     env = {k: v for k, v in procs.without_database().items() if k != "DRACAP_APP_ROLE"}
     env["DRACAP_DATABASE_URL_RELAY"] = relay_login
-    ports = {"first": _free_port(), "second": _free_port()}
+    ports = {"first": free_port(), "second": free_port()}
 
     def relay(name: str) -> list[str]:
         return procs.argv("serve", "relay", "--metrics-port", str(ports[name]), database=False)

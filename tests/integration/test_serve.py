@@ -22,7 +22,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -38,7 +37,7 @@ from services.exitcodes import ExitCode
 from services.runtime.bus.apiclient import ApiClient, ApiError
 from services.runtime.bus.credentials import AuthDir
 from services.runtime.ground.settings import Settings
-from services.runtime.ops.embedded import EmbeddedNats
+from services.runtime.ops.embedded import EmbeddedNats, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = "gpu.dracap.io"
@@ -162,7 +161,7 @@ async def services(
     prefix = f"t{uuid.uuid4().hex[:10]}"
     procs = Processes(settings, nats_url, prefix, tmp_path)
     await procs.start("relay", procs.argv("serve", "relay"))
-    claims = procs.argv("serve", "claims", "--insecure", "--metrics-port", str(_free_port()))
+    claims = procs.argv("serve", "claims", "--insecure", "--metrics-port", str(free_port()))
     await procs.start("claims", claims)
     await procs.start("reservation", procs.argv("serve", "reservation"))
     await procs.start("enforcement", procs.argv("serve", "enforcement", "--insecure"))
@@ -177,13 +176,6 @@ async def services(
     finally:
         codes = await procs.stop()
         assert all(code == 0 for code in codes.values()), (codes, procs.logs())
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def _scrape(argv: list[str]) -> str:
@@ -286,14 +278,14 @@ async def test_each_service_with_its_own_credential_serves_the_claim_flow(
 
     def creds(name: str) -> list[str]:  # and a metrics port of its own: health endpoints
         path = str(auth.path / "creds" / f"{name}.nk")
-        return ["--creds", path, "--metrics-port", str(_free_port())]
+        return ["--creds", path, "--metrics-port", str(free_port())]
 
     await procs.start("relay", [*procs.argv("serve", "relay"), *creds("service-relay")])
     await procs.start("claims", [*procs.argv("serve", "claims"), *creds("service-claims")])
     reservation = [*procs.argv("serve", "reservation"), *creds("service-reservation")]
     await procs.start("reservation", reservation)
     reclaim = procs.argv("reclaim", "--poll", "0.2", nats=False)
-    await procs.start("reclaim", [*reclaim, "--metrics-port", str(_free_port())])
+    await procs.start("reclaim", [*reclaim, "--metrics-port", str(free_port())])
     for name, command in LEDGERS[ledger]:
         await procs.start(name, [*procs.argv(*command), *creds("service-ledger")])
     enforcement = [*procs.argv("serve", "enforcement"), *creds("service-enforcement")]

@@ -33,11 +33,12 @@ from services.billing import verifying as billing_verifying
 from services.replay.verify import summary, verify
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.ground.settings import Settings
+from services.runtime.ops.embedded import free_port
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, LiveState
 from tests.integration.test_db_logins import _logins
 from tests.integration.test_db_logins import prefix as login_prefix  # noqa: F401 (a fixture)
-from tests.integration.test_serve import NAMESPACE, Processes, _admin, _claim, _free_port
+from tests.integration.test_serve import NAMESPACE, Processes, _admin, _claim
 from tests.integration.test_serve import _inventory as _serve_inventory
 
 DEVICES = 8
@@ -134,7 +135,7 @@ async def test_two_reservation_processes_share_the_work_and_never_oversubscribe(
 ) -> None:
     prefix = f"t{uuid.uuid4().hex[:10]}"
     procs = Deployed(settings, nats_url, prefix, tmp_path)
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     await procs.start("relay", procs.argv("serve", "relay"))
     await procs.start("claims", procs.argv("serve", "claims", "--insecure"))
     for i, port in enumerate(ports):

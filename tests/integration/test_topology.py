@@ -33,7 +33,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import urllib.request
 import uuid
@@ -49,7 +48,7 @@ from services.exitcodes import CommandError
 from services.runtime.bus.apiclient import ApiClient, ApiError
 from services.runtime.bus.credentials import AuthDir
 from services.runtime.bus.endpoints import EndpointError
-from services.runtime.ops.embedded import EmbeddedNats
+from services.runtime.ops.embedded import EmbeddedNats, free_port
 from services.runtime.store.provisioning import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,13 +87,6 @@ def _compose() -> dict[str, dict[str, Any]]:
     return services
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 class Topology:
     """The compose file's processes on this machine."""
 
@@ -114,7 +106,7 @@ class Topology:
             for w in self.compose[name]["command"]
         ]
         if "--metrics-port" in words:
-            port = self.ports.setdefault(name, _free_port())
+            port = self.ports.setdefault(name, free_port())
             words[words.index("--metrics-port") + 1] = str(port)
         if "--metrics-addr" in words:
             words[words.index("--metrics-addr") + 1] = "127.0.0.1"
