@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
+import nats.js.errors
 import yaml
 
 from events.subjects import BusNames
@@ -106,8 +108,30 @@ async def running_cluster(
             await _load_once_answered(api, manifests)
             flags = ["--nats", nats_url, "--prefix", names.prefix]
             yield Cluster(api=api, flags=flags, stack=stack)
+    await _delete_stream(nats_url, names.stream)
+
+
+async def _delete_stream(nats_url: str, stream: str) -> None:
+    """Delete ``stream``, asking again while the servers do not answer in time: right
+    after a test killed or hung a clustered server, the meta group may still be electing
+    or catching up (CI, 2026-12-06: the delete's 5 s ran out in a teardown). A delete
+    asked again after one that was not answered may find the stream gone: done."""
+    deadline = time.monotonic() + ANSWERED_WITHIN_S
     nc, js = await connect_bus(nats_url)
     try:
-        await js.delete_stream(names.stream)
+        while True:
+            try:
+                await js.delete_stream(stream)
+                return
+            except nats.js.errors.NotFoundError:
+                return
+            except (
+                nats.errors.TimeoutError,
+                nats.errors.NoRespondersError,
+                nats.js.errors.ServiceUnavailableError,
+            ):
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.2)
     finally:
         await nc.close()
