@@ -38,7 +38,8 @@ within 20 %), and ``dracap up``'s CPU per claim (``/proc``) of the fixed-rate ru
 process, whatever the machine's load does to the latencies) and of the sustained run,
 and the whole machine's (``mach@sust``, ``/proc/stat``: every process on it, the servers
 and this load generator included) of the sustained run, which says whether what grows
-is ``dracap up``'s or the servers'. A phase starts once the subscribers have caught up
+is ``dracap up``'s or the servers' (a second table splits ``mach@sust`` by process, as
+below). A phase starts once the subscribers have caught up
 (below) and ``dracap up`` is quiet (:func:`quiet`: it and its audit and billing process
 each under 5 % of a core, no snapshot encoder alive): the fill's own tail — the encoding
 of a snapshot the fill made due, the last batches — is the fill's cost, not that of a
@@ -66,7 +67,11 @@ figures before this step).
 per claim during it (every process: ``dracap up``, its nats-server, PostgreSQL, this
 load generator; ``/proc/stat``), ``dracap up``'s share and its audit and billing
 process's (``dracap serve ledger``, its child; it trails the log by a second, so part
-of what it spends on a run's claims falls after the run); the ratios end with what the
+of what it spends on a run's claims falls after the run), and the same split over every
+process on the machine (``by process``: ``dracap up`` with its forked snapshot
+encoders, its ledger process, PostgreSQL's processes, nats-server's, this load
+generator, the rest; each process's ``/proc/<pid>/stat`` read before and after the run,
+one born meanwhile counted whole); the ratios end with what the
 machine's cores could sustain at that cost if every one of them were busy with it
 (cores / CPU per claim), and what ``dracap up``'s one thread could sustain at its own
 CPU per claim, each against the raw commit rate: a ratio goal above either bound is out
@@ -611,6 +616,55 @@ def ledger_cpu_seconds(parent: int) -> float:
     return 0.0 if pid is None else cpu_seconds(pid)
 
 
+#: the groups of :func:`cpu_by_process`, in the order they are printed
+CPU_GROUPS = ("up", "ledger", "postgres", "nats", "bench", "other")
+
+
+def cpu_by_process(up: int) -> dict[int, tuple[str, float]]:
+    """Each process's group and CPU seconds so far (``/proc``): ``up`` (``dracap up``,
+    ``up``, and its forked snapshot encoders), ``ledger`` (its audit and billing child),
+    ``postgres``, ``nats`` (nats-server), ``bench`` (this process) or ``other``."""
+    out: dict[int, tuple[str, float]] = {}
+    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm, rest = (entry / "stat").read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        pid, fields = int(entry.name), rest.split()
+        name, ppid = comm.split("(", 1)[1], int(fields[1])
+        if name.startswith("postgres"):
+            group = "postgres"
+        elif name.startswith("nats-server"):
+            group = "nats"
+        elif pid == up:
+            group = "up"
+        elif ppid == up:
+            try:
+                ledger = b"ledger" in (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            group = "ledger" if ledger else "up"
+        else:
+            group = "bench" if pid == me else "other"
+        out[pid] = (group, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_split(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> dict[str, float]:
+    """CPU seconds each group of :func:`cpu_by_process` spent between two readings (a
+    process born meanwhile counts whole; one that ended meanwhile is lost)."""
+    split = dict.fromkeys(CPU_GROUPS, 0.0)
+    for pid, (group, cpu) in after.items():
+        earlier = before.get(pid)
+        split[group] += cpu - (earlier[1] if earlier is not None and earlier[0] == group else 0.0)
+    return split
+
+
 def machine_cpu_seconds() -> float:
     """CPU time all cores of the machine have spent busy so far (``/proc/stat``: user,
     nice, system, irq, softirq, steal); 0.0 when unknown."""
@@ -759,6 +813,8 @@ class Phase(NamedTuple):
     cpu_sustained: float = 0.0  #: the same, of the sustained run
     #: ms of the whole machine's CPU per claim of the sustained run (every process on it)
     machine_sustained: float = 0.0
+    #: the same per group of processes (:func:`cpu_split`)
+    split_sustained: dict[str, float] = {}
     #: the runs (``rate``, ``sust``, ``half``) during which a snapshot was being encoded
     snapshots: tuple[str, ...] = ()
 
@@ -785,7 +841,8 @@ async def growth(
             if pid:  # the phase is measured all the same
                 await quiet(pid, forks, after="the fill" if fill else "the start")
             runs: dict[str, tuple[float, float]] = {}
-            step = functools.partial(_settled_run, url, args, pid, runs)
+            splits: dict[str, dict[str, float]] = {}
+            step = functools.partial(_settled_run, url, args, pid, runs, splits)
             at, cpu_at, _ = await step(
                 "rate", latency(api, tracker, args.live_rate, args.seconds, f"l{n}r")
             )
@@ -807,6 +864,9 @@ async def growth(
                 cpu_at_rate=cpu_at * 1000 / max(1, len(at)),
                 cpu_sustained=cpu_sustained * 1000 / max(1, args.claims),
                 machine_sustained=machine_sustained * 1000 / max(1, args.claims),
+                split_sustained={
+                    group: cpu * 1000 / max(1, args.claims) for group, cpu in splits["sust"].items()
+                },
                 snapshots=forks.during(runs) if forks is not None else (),
             )
             phases.append(phase)
@@ -836,19 +896,22 @@ async def _settled_run(
     args: argparse.Namespace,
     pid: int,
     runs: dict[str, tuple[float, float]],
+    splits: dict[str, dict[str, float]],
     label: str,
     run: Awaitable[R],
 ) -> tuple[R, float, float]:
     """``run`` once the subscribers caught up (:func:`settled`); what it returned, the
     CPU seconds ``dracap up`` (``pid``, 0: none) used meanwhile and those of the whole
     machine; its wall-clock start and end go into ``runs`` under ``label``
-    (:meth:`ForkWatch.during`)."""
+    (:meth:`ForkWatch.during`), the CPU seconds of each group of processes
+    (:func:`cpu_split`) into ``splits``."""
     await settled(url, args)
     cpu, began = cpu_seconds(pid) if pid else 0.0, time.time()
-    machine = machine_cpu_seconds()
+    machine, processes = machine_cpu_seconds(), cpu_by_process(pid)
     result = await run
     runs[label] = (began, time.time())
     own = cpu_seconds(pid) - cpu if pid else 0.0
+    splits[label] = cpu_split(processes, cpu_by_process(pid))
     return result, own, machine_cpu_seconds() - machine
 
 
@@ -867,6 +930,11 @@ def report_growth(phases: list[Phase], raw: float, rate: float) -> None:
             f"{p.p50_at_half:>9.1f} {p.p99_at_half:>9.1f} {p.cpu_at_rate:>9.2f} "
             f"{p.cpu_sustained:>9.2f} {p.machine_sustained:>9.2f}  {','.join(p.snapshots) or '-'}"
         )
+    print("  the sustained run's CPU per claim by process (ms):")
+    print(f"  {'live':>8} " + " ".join(f"{group:>8}" for group in CPU_GROUPS))
+    for p in phases:
+        cells = " ".join(f"{p.split_sustained.get(group, 0.0):>8.3f}" for group in CPU_GROUPS)
+        print(f"  {p.live:>8,} {cells}")
     if len(phases) > 1:
         last = phases[-1]
         for label, before, after in (
@@ -908,9 +976,11 @@ async def _measure_pipeline(
                     await settled(url, args)
                     machine, own = machine_cpu_seconds(), cpu_seconds(reach.pid)
                     ledger = ledger_cpu_seconds(reach.pid)
+                    processes = cpu_by_process(reach.pid)
                     out["throughput"] = await throughput(
                         api, tracker, args.claims, args.concurrency
                     )
+                    split = cpu_split(processes, cpu_by_process(reach.pid))
                     out["machine_ms"] = (machine_cpu_seconds() - machine) * 1000 / args.claims
                     out["own_ms"] = (cpu_seconds(reach.pid) - own) * 1000 / args.claims
                     ledger = ledger_cpu_seconds(reach.pid) - ledger
@@ -925,6 +995,10 @@ async def _measure_pipeline(
                         f"{out['ledger_ms']:.2f} ms)",
                         flush=True,
                     )
+                    cells = ", ".join(
+                        f"{group} {cpu * 1000 / args.claims:.3f}" for group, cpu in split.items()
+                    )
+                    print(f"  (by process, ms per claim: {cells})", flush=True)
                     await settled(url, args)
                     cpu = cpu_seconds(reach.pid)
                     lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)

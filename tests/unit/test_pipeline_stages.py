@@ -25,6 +25,8 @@ from benchmarks.pipeline import (
     RunError,
     claim,
     cli,
+    cpu_by_process,
+    cpu_split,
     ledger_cpu_seconds,
     ledger_pid,
     machine_cpu_seconds,
@@ -117,6 +119,35 @@ def test_the_ledger_process_is_found_among_the_children_and_its_cpu_counted() ->
             assert up_resident_bytes(process.pid)[1] == 0
         finally:
             process.kill()
+
+
+def test_the_cpu_split_charges_each_child_to_its_group_and_counts_a_new_one_whole() -> None:
+    """``cpu_by_process`` / ``cpu_split``: a child ``serve ledger`` of ``up`` is the
+    ledger's, any other child is ``up``'s (a forked encoder), born between the two
+    readings it counts whole; ``bench`` is this process only when it is not ``up``."""
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    code = f"{busy}\nimport sys\nsys.stdout.write('done\\n'); sys.stdout.flush()\ntime.sleep(60)"
+    before = cpu_by_process(os.getpid())
+    assert before[os.getpid()][0] == "up"
+    assert cpu_by_process(1)[os.getpid()][0] == "bench"
+    children = [
+        subprocess.Popen([sys.executable, "-c", code, *words], stdout=subprocess.PIPE, text=True)
+        for words in (("serve", "ledger"), ("encode",))
+    ]
+    with children[0], children[1]:
+        try:
+            for child in children:
+                assert child.stdout is not None and child.stdout.readline() == "done\n"
+            after = cpu_by_process(os.getpid())
+            assert [after[child.pid][0] for child in children] == ["ledger", "up"]
+            split = cpu_split(before, after)
+            assert split["ledger"] >= 0.25 and split["up"] >= 0.25
+            assert all(cpu >= 0.0 for cpu in split.values())
+            # seen by both readings, a child counts only what it spent between them
+            assert cpu_split(after, cpu_by_process(os.getpid()))["ledger"] < 0.25
+        finally:
+            for child in children:
+                child.kill()
 
 
 def test_the_fork_watch_sees_a_forked_child_and_names_the_runs_it_was_in() -> None:
