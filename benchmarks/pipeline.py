@@ -97,6 +97,11 @@ inventory is synthetic (an inventory file handed to ``dracap up``): ``--nodes`` 
 for 1Gi of memory. Goals (issue 25): throughput >= 0.5x the raw commit rate, p99 <= 35 ms
 at 50 claims/s, p99 <= 50 ms at half the max rate.
 
+Ctrl-C or SIGTERM (a ``timeout`` around it) ends a run at any point: ``dracap up`` is
+stopped and the run's database dropped (unless ``--keep``), then one line and status
+130; a server it cannot use, or a claim stuck for a minute, ends it with one line and
+status 1.
+
 Usage::
 
     .venv/bin/python -m benchmarks.pipeline --claims 4000 --seconds 10
@@ -125,7 +130,7 @@ import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 import asyncpg
 import nats.js.errors
@@ -138,6 +143,7 @@ from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import Credential, read_credential
 from services.runtime.bus.endpoints import EndpointError, reaching, read_connection
 from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground.eventloop import cancel_on_sigterm
 from services.runtime.ground.gctuning import tune_for_long_lived_state
 from services.runtime.ground.settings import Settings
 from services.runtime.ops.embedded import embedded_servers
@@ -1089,6 +1095,7 @@ def report(r: dict[str, float]) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
+    cancel_on_sigterm()  # SIGTERM (a `timeout`) stops dracap up and drops the database too
     # The load generator's own collector pauses would be charged to the system: keep
     # what the imports made out of its collections and collect as `dracap up` does.
     gc.freeze()
@@ -1175,9 +1182,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+#: the exit status of a run stopped by Ctrl-C or SIGTERM (as a shell reports SIGINT)
+INTERRUPTED: Final = 130
+
+
 def cli(argv: list[str] | None = None) -> int:
     """Run the benchmark; a server it cannot use, or a run that stalls, ends it with one
-    line on stderr and exit status 1 (no traceback)."""
+    line on stderr and exit status 1; Ctrl-C or SIGTERM with one line and
+    :data:`INTERRUPTED`, once what it started is stopped (no traceback either way)."""
     args = parse(argv)
     try:
         asyncio.run(main(args))
@@ -1186,6 +1198,9 @@ def cli(argv: list[str] | None = None) -> int:
         hint = " (--up-log FILE keeps dracap up's output)" if stalled else ""
         print(f"pipeline: {exc}{hint}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, SIGTERM
+        print("pipeline: interrupted; what it started is stopped", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 
