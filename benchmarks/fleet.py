@@ -61,7 +61,7 @@ from typing import Any
 
 import asyncpg
 
-from benchmarks import pipeline
+from benchmarks import pipeline, stopping
 from events.subjects import BusNames
 from services.brokerauth import Installation, init_auth
 from services.enforcement.agent import Agent
@@ -70,7 +70,6 @@ from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import AuthDir
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground.context import ServiceContext
-from services.runtime.ground.eventloop import cancel_on_sigterm
 from services.runtime.ground.gctuning import tune_for_long_lived_state
 from services.runtime.ground.settings import Settings
 from services.runtime.ops.embedded import EmbeddedNats, free_port
@@ -412,7 +411,6 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    cancel_on_sigterm()  # as Ctrl-C: the processes and servers started are stopped
     gc.freeze()
     tune_for_long_lived_state()
     rows = []
@@ -444,7 +442,4 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    try:
-        asyncio.run(main(parse()))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        sys.exit("fleet: interrupted; the processes it started are stopped")
+    stopping.run("fleet", main(parse()))

@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks import pipeline
+from benchmarks import pipeline, stopping
 from events.subjects import BusNames
 from services.runtime.bus.apiclient import ApiClient, ApiError
 from services.runtime.ground.gctuning import tune_for_long_lived_state
@@ -238,4 +238,4 @@ def cli() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(cli()))
+    stopping.run("isolation", main(cli()))

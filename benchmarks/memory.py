@@ -53,7 +53,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from benchmarks import pipeline
+from benchmarks import pipeline, stopping
 from benchmarks.eventlog import history
 from events.state import ClusterState
 from events.statecodec import snapshot_encode
@@ -248,4 +248,4 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    stopping.run("memory", main(parse()))

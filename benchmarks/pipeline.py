@@ -130,11 +130,12 @@ import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any, Final, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import asyncpg
 import nats.js.errors
 
+from benchmarks import stopping
 from events.subjects import BusNames
 from events.tenancy import MAX_CLAIMS
 from migrations import runner as migrating
@@ -143,7 +144,6 @@ from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import Credential, read_credential
 from services.runtime.bus.endpoints import EndpointError, reaching, read_connection
 from services.runtime.bus.jetstream import connect_bus
-from services.runtime.ground.eventloop import cancel_on_sigterm
 from services.runtime.ground.gctuning import tune_for_long_lived_state
 from services.runtime.ground.settings import Settings
 from services.runtime.ops.embedded import embedded_servers
@@ -1095,7 +1095,6 @@ def report(r: dict[str, float]) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    cancel_on_sigterm()  # SIGTERM (a `timeout`) stops dracap up and drops the database too
     # The load generator's own collector pauses would be charged to the system: keep
     # what the imports made out of its collections and collect as `dracap up` does.
     gc.freeze()
@@ -1182,25 +1181,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-#: the exit status of a run stopped by Ctrl-C or SIGTERM (as a shell reports SIGINT)
-INTERRUPTED: Final = 130
-
-
 def cli(argv: list[str] | None = None) -> int:
     """Run the benchmark; a server it cannot use, or a run that stalls, ends it with one
-    line on stderr and exit status 1; Ctrl-C or SIGTERM with one line and
-    :data:`INTERRUPTED`, once what it started is stopped (no traceback either way)."""
+    line on stderr and exit status 1; Ctrl-C or SIGTERM, once what it started is stopped,
+    with one line and status 130 (:mod:`benchmarks.stopping`); never a traceback."""
     args = parse(argv)
     try:
-        asyncio.run(main(args))
+        asyncio.run(stopping.stoppable(main(args)))
     except (EndpointError, RunError) as exc:
         stalled = isinstance(exc, RunError) and not args.up_log
         hint = " (--up-log FILE keeps dracap up's output)" if stalled else ""
         print(f"pipeline: {exc}{hint}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, SIGTERM
-        print("pipeline: interrupted; what it started is stopped", file=sys.stderr)
-        return INTERRUPTED
+        stopping.say_interrupted("pipeline")
+        return stopping.INTERRUPTED
     return 0
 
 

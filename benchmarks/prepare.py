@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import pipeline
+from benchmarks import pipeline, stopping
 from events.state import ClusterState
 from services.runtime.kubeletplugin import ClaimRef
 from tests.fixtures.k8s_standin import StandinApiServer
@@ -200,4 +200,4 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     arguments = parse()
-    report(asyncio.run(main(arguments)), arguments)
+    report(stopping.run("prepare", main(arguments)), arguments)

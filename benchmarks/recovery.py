@@ -45,7 +45,7 @@ from pathlib import Path
 
 import asyncpg
 
-from benchmarks import pipeline
+from benchmarks import pipeline, stopping
 from events.subjects import BusNames
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.ground.settings import Settings
@@ -232,4 +232,4 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    stopping.run("recovery", main(parse()))

@@ -44,6 +44,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from benchmarks import stopping
 from benchmarks.fleet import scrape
 from benchmarks.pipeline import add_server_arguments, fresh_database
 from events.subjects import BusNames
@@ -235,4 +236,4 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     os.environ.setdefault("DRACAP_LOG_LEVEL", "WARNING")
-    asyncio.run(main(parse()))
+    stopping.run("takeover", main(parse()))

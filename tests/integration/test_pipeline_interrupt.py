@@ -17,6 +17,7 @@ import asyncpg
 import pytest
 
 from tests.fixtures.polling import until
+from tests.fixtures.procstat import alive, reaped
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,15 +27,6 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
-
-
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` has ended (a zombie waiting to be reaped counts as ended)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
 
 
 @pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -48,7 +40,7 @@ async def test_an_interrupted_run_stops_dracap_up_and_drops_its_database(
         process = await asyncio.create_subprocess_exec(
             *command, cwd=ROOT, stdout=stdout, stderr=asyncio.subprocess.PIPE
         )
-    try:
+    async with reaped(process):
         # the latency run at half the sustained rate lasts 600 s: it is in it that the
         # signal arrives
         await until(
@@ -65,14 +57,10 @@ async def test_an_interrupted_run_stops_dracap_up_and_drops_its_database(
         process.send_signal(sent)
         async with asyncio.timeout(120):
             _, stderr = await process.communicate()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     err = stderr.decode()
     assert process.returncode == 130, err
     assert err == "pipeline: interrupted; what it started is stopped\n"
-    await until(lambda: all(_gone(pid) for pid in started), within=30, what="dracap up's end")
+    await until(lambda: not any(alive(pid) for pid in started), within=30, what="dracap up's end")
     connection = await asyncpg.connect(postgres_admin_url)
     try:
         left = await connection.fetchval(
