@@ -28,7 +28,9 @@ groups (more round trips per claim through the enforcement service).
 **Growth** (``--live N,N,...``, issue 25): whether a claim costs more when many are
 already live. For each N, in ascending order and on the same ``dracap up``, claims are
 applied (256 in flight) until N of them are live and left live; then the latency run at
-``--live-rate`` (default 50 claims/s) for ``--seconds``, the sustained run of
+``--live-rate`` (default 50 claims/s) for ``--live-seconds`` (default 20: 1,000 claims,
+so that its p99 is not the fourth-slowest of 400 — such a p99 swung by tens of percent
+between runs of the same code), the sustained run of
 ``--claims`` and the latency run at half its rate. The claims of earlier phases stay
 live too, so phase N starts with at least N live claims. The GPUs are sized to hold
 every claim of the run (``--gpu-memory``, default: enough), so capacity never decides.
@@ -476,7 +478,8 @@ def gpu_memory(args: argparse.Namespace) -> str:
     claims = getattr(args, "claims", 0)
     phases = len(getattr(args, "live", None) or [0])
     # per phase: the sustained run, the half-rate run (at most its claims), the live rate
-    per_phase = 100 + 2 * claims + (getattr(args, "live_rate", 50) + rates) * args_seconds(args)
+    fixed = getattr(args, "live_rate", 50) * getattr(args, "live_seconds", args_seconds(args))
+    per_phase = 100 + 2 * claims + fixed + rates * args_seconds(args)
     total = live + phases * per_phase
     gpus = max(1, getattr(args, "nodes", 1) * GPUS_PER_NODE)
     return f"{max(1000, 2 * int(total / gpus) + 1)}Gi"
@@ -850,7 +853,7 @@ async def growth(
             splits: dict[str, dict[str, float]] = {}
             step = functools.partial(_settled_run, url, args, pid, runs, splits)
             at, cpu_at, _ = await step(
-                "rate", latency(api, tracker, args.live_rate, args.seconds, f"l{n}r")
+                "rate", latency(api, tracker, args.live_rate, args.live_seconds, f"l{n}r")
             )
             sustained, cpu_sustained, machine_sustained = await step(
                 "sust", throughput(api, tracker, args.claims, args.concurrency, f"l{n}tp")
@@ -1133,6 +1136,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--live-rate", type=float, default=50.0, help="the fixed rate of a --live phase"
+    )
+    parser.add_argument(
+        "--live-seconds",
+        type=float,
+        default=20.0,
+        help="the length of a --live phase's fixed-rate run",
     )
     parser.add_argument(
         "--gpu-memory", help="each GPU's memory (default: 1000Gi, or enough for --live)"
