@@ -631,8 +631,9 @@ CPU_GROUPS = ("up", "ledger", "postgres", "nats", "bench", "other")
 
 def cpu_by_process(up: int) -> dict[int, tuple[str, float]]:
     """Each process's group and CPU seconds so far (``/proc``): ``up`` (``dracap up``,
-    ``up``, and its forked snapshot encoders), ``ledger`` (its audit and billing child),
-    ``postgres``, ``nats`` (nats-server), ``bench`` (this process) or ``other``."""
+    pid ``up``, with its forked snapshot encoders; 0: none), ``ledger`` (its audit and
+    billing child), ``postgres``, ``nats`` (nats-server), ``bench`` (this process) or
+    ``other``."""
     out: dict[int, tuple[str, float]] = {}
     me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
     for entry in Path("/proc").iterdir():
@@ -648,9 +649,9 @@ def cpu_by_process(up: int) -> dict[int, tuple[str, float]]:
             group = "postgres"
         elif name.startswith("nats-server"):
             group = "nats"
-        elif pid == up:
+        elif up and pid == up:
             group = "up"
-        elif ppid == up:
+        elif up and ppid == up:
             try:
                 ledger = b"ledger" in (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
