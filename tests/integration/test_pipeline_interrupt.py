@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 
 from tests.fixtures.polling import until
-from tests.fixtures.procstat import alive, reaped
+from tests.fixtures.procstat import alive, interruptible, reaped
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,11 @@ async def test_an_interrupted_run_stops_dracap_up_and_drops_its_database(
     command += ["--nats", nats_url, "--claims", "100", "--commits", "100", "--seconds", "600"]
     with out.open("w") as stdout:
         process = await asyncio.create_subprocess_exec(
-            *command, cwd=ROOT, stdout=stdout, stderr=asyncio.subprocess.PIPE
+            *command,
+            cwd=ROOT,
+            stdout=stdout,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=interruptible,
         )
     async with reaped(process):
         # the latency run at half the sustained rate lasts 600 s: it is in it that the
@@ -50,7 +54,10 @@ async def test_an_interrupted_run_stops_dracap_up_and_drops_its_database(
             within=180,
             what="the sustained run",
         )
-        assert process.returncode is None, out.read_text()
+        if process.returncode is not None:  # it ended before the signal: say why
+            assert process.stderr is not None
+            why = (await process.stderr.read()).decode()
+            pytest.fail(f"the benchmark ended early ({process.returncode}): {out.read_text()}{why}")
         database = out.read_text().split("\n", 1)[0].removeprefix("database ").rstrip(":")
         started = _children(process.pid)
         assert started, "dracap up runs as the benchmark's child"

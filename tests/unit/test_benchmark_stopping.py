@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.polling import until
-from tests.fixtures.procstat import alive, reaped
+from tests.fixtures.procstat import alive, interruptible, reaped
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,6 +44,7 @@ async def test_a_stopped_benchmark_stops_what_it_started_and_says_so_in_one_line
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        preexec_fn=interruptible,
     )
     async with reaped(process):
         assert process.stdout is not None
