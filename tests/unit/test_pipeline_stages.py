@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import pipeline
 from benchmarks.memory import resident_bytes, up_resident_bytes
 from benchmarks.pipeline import (
     DRIVER,
@@ -204,6 +205,21 @@ def test_a_server_it_cannot_reach_ends_the_run_with_one_line(
     assert err.startswith("pipeline: PostgreSQL at postgresql://postgres@127.0.0.1:1/postgres")
     assert "is it running?" in err and "--up-log" not in err
     assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, asyncio.CancelledError])
+def test_an_interrupted_run_ends_with_one_line_and_status_130(
+    stop: type[BaseException], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C (``KeyboardInterrupt``) or SIGTERM (the run cancelled) mid-run: no traceback
+    (``tests/integration/test_pipeline_interrupt.py`` runs it for real)."""
+
+    async def interrupted(args: object) -> None:
+        raise stop
+
+    monkeypatch.setattr(pipeline, "main", interrupted)
+    assert cli(["--admin-url", "postgresql://postgres@127.0.0.1:1/postgres"]) == 130
+    assert capsys.readouterr().err == "pipeline: interrupted; what it started is stopped\n"
 
 
 async def test_a_server_going_silent_while_dracap_up_runs_is_the_run_failing() -> None:
