@@ -47,8 +47,7 @@ from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import AuthDir, Credential, Directory, read_directory
 from services.runtime.ground.clock import SYSTEM, Clock
 from services.runtime.ground.context import ServiceContext
-from services.runtime.ground.errors import RetryableError
-from services.runtime.ground.outages import is_unreachable, one_line
+from services.runtime.ground.outages import is_outage, one_line
 from services.runtime.ground.settings import ServiceKind, Settings
 from services.runtime.ground.waiting import wait_for
 from services.runtime.store.eventstore import EventStore
@@ -171,10 +170,10 @@ class Stack:
             except Exception as exc:
                 self.restarts += 1
                 self.failing[name] = one_line(exc)
-                if isinstance(exc, RetryableError) or is_unreachable(exc):
+                if is_outage(exc):
                     # a server away or slow to answer: expected, one line (no traceback)
                     log.warning(
-                        "%s failed (%s); restarting it in %.1fs", name, one_line(exc), delay
+                        "%s failed (%s); restarting it in %.1fs", name, self.failing[name], delay
                     )
                 else:
                     log.exception("%s failed; restarting it in %.1fs", name, delay)

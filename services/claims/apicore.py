@@ -41,8 +41,8 @@ from services.claims.views import ClaimsTouched, ClaimView, claim_view
 from services.runtime.bus.credentials import Directory
 from services.runtime.bus.queries import admin_caller, error_reply, send_reply, tenant_caller
 from services.runtime.ground.context import ServiceContext
-from services.runtime.ground.errors import ConflictError, RetryableError
-from services.runtime.ground.outages import is_unreachable, one_line
+from services.runtime.ground.errors import ConflictError
+from services.runtime.ground.outages import is_outage, one_line
 from services.runtime.ops.selectorpool import SelectorPool
 from services.runtime.store import recorded
 from services.runtime.store.appends import AdmissionPremise
@@ -184,7 +184,7 @@ class ApiCore:
                 except InvalidRequestError as exc:
                     reply = invalid_reply(exc)
                 except Exception as exc:
-                    if isinstance(exc, RetryableError) or is_unreachable(exc):
+                    if is_outage(exc):
                         # a server stayed away (past a failover's deadline): the caller
                         # may try again; not a bug, so no traceback
                         log.warning("request on %s failed: %s", request.subject, one_line(exc))

@@ -135,7 +135,7 @@ from services.runtime.ground.errors import (
     map_bus_error,
 )
 from services.runtime.ground.metrics import NODE_REQUESTS
-from services.runtime.ground.outages import is_unreachable
+from services.runtime.ground.outages import is_outage
 from services.runtime.ground.settings import ServiceKind
 from services.runtime.store.appends import Batch, Cause, Metadata, Processed
 from services.runtime.store.livestate import SEEN, LiveState
@@ -634,7 +634,7 @@ def _refusal_of(exc: BaseException) -> tuple[RefusalCode, str, int]:
         return "forbidden", str(exc), 0
     if isinstance(exc, InvalidEvent):
         return "invalid", str(exc), 0
-    if isinstance(exc, RetryableError) or is_unreachable(exc):
+    if is_outage(exc):
         return "unavailable", str(exc), 0
     if isinstance(exc, PermanentError):
         return "invalid", str(exc), 0

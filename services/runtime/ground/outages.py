@@ -36,7 +36,7 @@ import asyncpg
 import nats.errors
 import nats.js.errors
 
-from services.runtime.ground.errors import RuntimeServiceError
+from services.runtime.ground.errors import RetryableError, RuntimeServiceError
 
 __all__ = ["QuietOutages", "StateLog", "is_unreachable", "one_line", "quiet_outages"]
 
@@ -82,6 +82,12 @@ def is_unreachable(exc: BaseException) -> bool:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return False
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` is a server away or slow to answer (retryable, or unreachable): an
+    expected failure, worth one line and another try, not a traceback."""
+    return isinstance(exc, RetryableError) or is_unreachable(exc)
 
 
 def one_line(exc: BaseException) -> str:
