@@ -243,7 +243,8 @@ def _ledger(
         context.health.register(subscriber.projector.name, projector_probe(subscriber.projector))
 
     async def ledger(stop: asyncio.Event) -> None:
-        await context.tailing(live, all_of(*(s.run(stop) for s in subscribers)))
+        # the subscribers ask their view for each batch: it reads then, not per commit
+        await context.tailing(live, all_of(*(s.run(stop) for s in subscribers)), on_demand=True)
 
     return ledger
 

@@ -5,18 +5,20 @@ from __future__ import annotations
 import asyncio
 import datetime
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
 from events import catalog
-from events.envelopes import stream_of
+from events.envelopes import Envelope, stream_of
 from events.eventcodec import encode_payload
+from services.runtime.delivery.projecting import Projector
 from services.runtime.ground.settings import Settings
 from services.runtime.store.appends import Batch, Metadata
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, SEEN, LiveState
 from services.runtime.store.rows import COLUMNS
+from tests.fixtures.polling import until
 from tests.integration import sample as s
 from tests.integration.scenario import put
 
@@ -125,3 +127,36 @@ async def test_a_catch_up_without_listeners_folds_as_one_with_them(store: EventS
     assert quiet.inventory_generation == listened.inventory_generation == 1
     assert quiet._versions == listened._versions
     assert await quiet.stream_version(stream_of(greedy)) == 2
+
+
+async def test_a_view_followed_on_demand_reads_the_log_only_when_asked(
+    store: EventStore, settings: Settings
+) -> None:
+    """The audit and billing subscribers' view (issue 25): commits announced while nobody
+    asks are not read (a tailer reads one per commit); a projector's batch then reads
+    them at once, on the batch's own connection, and leaves refused events out."""
+    live = LiveState(store)
+    await live.fresh(HEAD)
+    await store.wait_for_new(0, 0.01)  # listening: NOTIFY announces each commit
+    stop = asyncio.Event()
+    following = asyncio.create_task(live.follow_on_demand(stop))
+    try:
+        await until(lambda: live.tailing, 10, "the view to follow the log")
+        reads = live._reads_started
+        async with await EventStore.open(settings) as other:  # another process's commits
+            heads = [await _admit(other, f"c{i}") for i in range(5)]
+        await until(lambda: store.known_head >= heads[-1], 30, "every commit announced")
+        assert live._reads_started == reads and live.state.position < heads[0]
+
+        caught: list[int] = []
+
+        async def apply(_connection: object, envs: Sequence[Envelope]) -> None:
+            caught.extend(e.position for e in envs)
+
+        await Projector(store, "on-demand", apply, live=live).catch_up(heads[-1])
+        assert live._reads_started == reads + 1 and live.state.position >= heads[-1]
+        assert caught[-5:] == heads
+    finally:
+        stop.set()
+        await following
+    assert not live.tailing

@@ -39,7 +39,8 @@ back every :data:`CHUNK` rows.
 Refused events (:mod:`events.folding`) are left out of what ``apply`` gets, as every
 reader of the log leaves them out: a row whose payload the fold's driver does not
 decode, and, given a live view, an event the fold refused there (the view is brought
-up to the batch's end first). Each is counted and logged once per process
+up to the batch's end first, by a read on the batch's own connection when it is
+behind). Each is counted and logged once per process
 (:mod:`services.runtime.store.refusals`); the position moves past them all the same.
 
 A batch that fails (the database away, a bug) is rolled back and tried again after a
@@ -218,7 +219,11 @@ class Projector:
                 rows = await connection.fetch(_READ_ALL, done, upto)
             else:
                 rows = await connection.fetch(_READ_TYPES, done, upto, self._types)
-            refused = (await self.live.fresh(upto)).refused if self.live is not None else {}
+            refused = (
+                (await self.live.fresh(upto, connection=connection)).refused
+                if self.live is not None
+                else {}
+            )
             envs = await _decoded(rows, refused)
             committed = await self._apply(connection, envs) if envs else None
             await connection.execute(_MOVE, self.name, upto)

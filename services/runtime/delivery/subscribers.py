@@ -44,7 +44,9 @@ rules, each for a way it did not (issue 25):
 Like every reader of the log they skip the events the fold refuses
 (:mod:`events.folding`): the projector leaves out a row that does not decode, and one
 the subscriber's live view refused (the process's own view, given one, else a
-:class:`~services.runtime.store.livestate.LiveState` the subscriber keeps and tails itself).
+:class:`~services.runtime.store.livestate.LiveState` the subscriber keeps itself), brought
+to each batch's last position as the batch starts (``follow_on_demand``, unless the
+process's view is tailed anyway).
 """
 
 from __future__ import annotations
@@ -184,10 +186,10 @@ class QueryingSubscriber:
     async def run(self, stop: asyncio.Event) -> None:
         """Project (and serve queries, with ``nc``) until ``stop`` is set."""
         tail: asyncio.Task[None] | None = None
-        if self._own_live:  # nobody else tails it: its tailer lives as long as this run
+        if self._own_live:  # its own view, read as each batch asks (LiveState's docstring)
             if not self.live.state.position:
                 await self.live.load_snapshot()
-            tail = asyncio.create_task(self.live.run(asyncio.Event()))
+            tail = asyncio.create_task(self.live.follow_on_demand(asyncio.Event()))
         try:
             await serving_queries(
                 lambda: self.projector.run(stop),

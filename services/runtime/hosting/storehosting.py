@@ -45,9 +45,14 @@ class StoreProcessContext(ProcessContext):
         self.health.register("state", live_probe(live))
         return live
 
-    async def tailing(self, live: LiveState, work: Awaitable[None]) -> None:
-        """Await ``work`` while ``live`` follows the log; both end when either does."""
-        tail = asyncio.create_task(live.run(self.stop))
+    async def tailing(
+        self, live: LiveState, work: Awaitable[None], *, on_demand: bool = False
+    ) -> None:
+        """Await ``work`` while ``live`` follows the log (tails it, or ``on_demand``:
+        :meth:`~services.runtime.store.livestate.LiveState.follow_on_demand`); both end
+        when either does."""
+        follow = live.follow_on_demand if on_demand else live.run
+        tail = asyncio.create_task(follow(self.stop))
         try:
             await work
         finally:

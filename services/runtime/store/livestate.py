@@ -58,6 +58,14 @@ timeout as a safety net) and folds as events arrive; it keeps the view warm and 
 the listeners. This process's own committed appends come through the commit hand-over
 (:mod:`services.runtime.store.handover`) and are folded without reading them back.
 
+**On demand.** A view that decides nothing on its own and is only asked at moments of
+its owner's choosing — the audit and billing subscribers, which ask for each batch's
+last position once a batch is due (``dracap serve ledger``, ``dracap audit serve``,
+``dracap usage serve``) — runs :meth:`LiveState.follow_on_demand` instead: each
+``fresh`` reads what came since, in one query, and no NOTIFY wakes it. Tailing them
+read the log once per commit (three reads per claim at low rates, each folding one or
+two events), though the subscribers use what was folded once a second (issue 25).
+
 Listeners (``subscribe``) are plain callables run after each envelope is folded, with
 the envelope; they must be quick and must not raise (an exception is logged and the
 listener is kept). They let a service keep derived indexes incrementally instead of
@@ -106,7 +114,7 @@ from events.state import ClusterState
 from events.transitions import INVENTORY_CHANGES, events_meaning
 from services.runtime.ground.errors import RuntimeServiceError
 from services.runtime.ground.outages import is_unreachable
-from services.runtime.ground.waiting import first_of, wait_for
+from services.runtime.ground.waiting import all_of, first_of, wait_for
 from services.runtime.store.eventstore import ANSWER_WAIT_S, Connection, EventStore, iter_rows
 from services.runtime.store.handover import Handover
 from services.runtime.store.refusals import note
@@ -176,14 +184,16 @@ class LiveState:
         self._reads_done = 0  # the number of the latest read that completed
         self._listeners: list[Listener] = []
         self._tailing = False  # run() is tailing the log
+        self._on_demand = False  # follow_on_demand() is running
         self._position_waiters: list[tuple[int, asyncio.Future[None]]] = []
         #: this process's committed appends not folded yet (see run())
         self._handover = Handover(lambda: self.state.position, kept=_OFFERED_KEPT)
 
     @property
     def tailing(self) -> bool:
-        """Whether :meth:`run` is tailing the log (a health check's question)."""
-        return self._tailing
+        """Whether the view follows the log: :meth:`run` tails it, or
+        :meth:`follow_on_demand` has each ``fresh`` read it (a health check's question)."""
+        return self._tailing or self._on_demand
 
     # -- startup -------------------------------------------------------------------------
 
@@ -459,6 +469,19 @@ class LiveState:
                 checking.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await checking
+
+    async def follow_on_demand(self, stop: asyncio.Event) -> None:
+        """Follow the log only as far as callers ask, until ``stop`` is set: nothing is
+        read on a NOTIFY, each :meth:`fresh` behind its mark reads (module docstring);
+        a view that started from a snapshot checks it meanwhile."""
+        self._on_demand = True
+        try:
+            if self.unchecked_start is not None:
+                await all_of(check_start(self, stop), stop.wait())
+            else:
+                await stop.wait()
+        finally:
+            self._on_demand = False
 
     async def _fold_offered(self) -> int:
         """Fold the handed-over envelopes that come next (serialised with reads)."""
