@@ -73,7 +73,8 @@ of what it spends on a run's claims falls after the run), and the same split ove
 process on the machine (``by process``: ``dracap up`` with its forked snapshot
 encoders, its ledger process, PostgreSQL's processes, nats-server's, this load
 generator, the rest; each process's ``/proc/<pid>/stat`` read before and after the run,
-one born meanwhile counted whole); the ratios end with what the
+one born meanwhile counted whole; each ``--rates`` run prints the same split per claim
+of its own, the cost of a claim that comes alone); the ratios end with what the
 machine's cores could sustain at that cost if every one of them were busy with it
 (cores / CPU per claim), and what ``dracap up``'s one thread could sustain at its own
 CPU per claim, each against the raw commit rate: a ratio goal above either bound is out
@@ -675,6 +676,11 @@ def cpu_split(
     return split
 
 
+def split_cells(split: dict[str, float], claims: int) -> str:
+    """A :func:`cpu_split` as ``group ms, ...``: each group's CPU per claim of ``claims``."""
+    return ", ".join(f"{group} {cpu * 1000 / claims:.3f}" for group, cpu in split.items())
+
+
 def machine_cpu_seconds() -> float:
     """CPU time all cores of the machine have spent busy so far (``/proc/stat``: user,
     nice, system, irq, softirq, steal); 0.0 when unknown."""
@@ -1005,9 +1011,7 @@ async def _measure_pipeline(
                         f"{out['ledger_ms']:.2f} ms)",
                         flush=True,
                     )
-                    cells = ", ".join(
-                        f"{group} {cpu * 1000 / args.claims:.3f}" for group, cpu in split.items()
-                    )
+                    cells = split_cells(split, args.claims)
                     print(f"  (by process, ms per claim: {cells})", flush=True)
                     await settled(url, args)
                     cpu = cpu_seconds(reach.pid)
@@ -1018,12 +1022,15 @@ async def _measure_pipeline(
                     for rate in args.rates:  # the curve below the half rate
                         await settled(url, args)
                         cpu = cpu_seconds(reach.pid)
+                        processes = cpu_by_process(reach.pid)
                         at = await latency(api, tracker, rate, args.seconds, f"r{rate:g}")
+                        split = cpu_split(processes, cpu_by_process(reach.pid))
                         cpu = cpu_seconds(reach.pid) - cpu
                         p50, p99 = percentile(at, 50), percentile(at, 99)
                         goal = "  [p99 <= 35]" if rate == 50 else ""
                         figures = f"p50 {p50:6.1f} ms   p99 {p99:6.1f} ms"
                         print(f"  at {rate:>6g} claims/s: {figures}{goal}", flush=True)
+                        print(f"    (by process, ms per claim: {split_cells(split, len(at))})")
                         if args.stages:
                             label, title = f"r{rate:g}", f"{rate:g}/s"
                             await report_stages(url, tracker, label, title, cpu)

@@ -32,6 +32,7 @@ from benchmarks.pipeline import (
     ledger_pid,
     machine_cpu_seconds,
     quiet,
+    split_cells,
     stalls_are_run_errors,
     steps_of,
     write_inventory,
@@ -149,6 +150,10 @@ def test_the_cpu_split_charges_each_child_to_its_group_and_counts_a_new_one_whol
         finally:
             for child in children:
                 child.kill()
+
+
+def test_a_split_is_printed_as_milliseconds_per_claim_in_its_groups_order() -> None:
+    assert split_cells({"up": 0.5, "ledger": 0.0125}, 100) == "up 5.000, ledger 0.125"
 
 
 def test_the_fork_watch_sees_a_forked_child_and_names_the_runs_it_was_in() -> None:
