@@ -73,7 +73,8 @@ of what it spends on a run's claims falls after the run), and the same split ove
 process on the machine (``by process``: ``dracap up`` with its forked snapshot
 encoders, its ledger process, PostgreSQL's processes, nats-server's, this load
 generator, the rest; each process's ``/proc/<pid>/stat`` read before and after the run,
-one born meanwhile counted whole; each ``--rates`` run prints the same split per claim
+one born meanwhile counted whole, one reaped meanwhile through its parent's children's
+time; each ``--rates`` run prints the same split per claim
 of its own, the cost of a claim that comes alone); the ratios end with what the
 machine's cores could sustain at that cost if every one of them were busy with it
 (cores / CPU per claim), and what ``dracap up``'s one thread could sustain at its own
@@ -634,7 +635,9 @@ def cpu_by_process(up: int) -> dict[int, tuple[str, float]]:
     """Each process's group and CPU seconds so far (``/proc``): ``up`` (``dracap up``,
     pid ``up``, with its forked snapshot encoders; 0: none), ``ledger`` (its audit and
     billing child), ``postgres``, ``nats`` (nats-server), ``bench`` (this process) or
-    ``other``."""
+    ``other``. A process's seconds include those of the children it has reaped (a
+    snapshot encoder that ended is in ``dracap up``'s, a backend that closed in the
+    postmaster's)."""
     out: dict[int, tuple[str, float]] = {}
     me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
     for entry in Path("/proc").iterdir():
@@ -660,7 +663,8 @@ def cpu_by_process(up: int) -> dict[int, tuple[str, float]]:
             group = "ledger" if ledger else "up"
         else:
             group = "bench" if pid == me else "other"
-        out[pid] = (group, (int(fields[11]) + int(fields[12])) / tick)
+        # utime, stime, and cutime, cstime: the children it waited for
+        out[pid] = (group, sum(int(f) for f in fields[11:15]) / tick)
     return out
 
 
@@ -668,11 +672,16 @@ def cpu_split(
     before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
 ) -> dict[str, float]:
     """CPU seconds each group of :func:`cpu_by_process` spent between two readings (a
-    process born meanwhile counts whole; one that ended meanwhile is lost)."""
+    process born meanwhile counts whole; one that ended and was reaped meanwhile counts
+    in its parent's seconds, less what the first reading had of it, taken off its own
+    group: the parent's group, for a snapshot encoder or a backend)."""
     split = dict.fromkeys(CPU_GROUPS, 0.0)
     for pid, (group, cpu) in after.items():
         earlier = before.get(pid)
         split[group] += cpu - (earlier[1] if earlier is not None and earlier[0] == group else 0.0)
+    for pid, (group, cpu) in before.items():
+        if pid not in after:  # reaped: its whole time is in its parent's now
+            split[group] -= cpu
     return split
 
 

@@ -152,6 +152,37 @@ def test_the_cpu_split_charges_each_child_to_its_group_and_counts_a_new_one_whol
                 child.kill()
 
 
+def test_a_child_reaped_between_the_readings_counts_what_it_spent_between_them() -> None:
+    """A snapshot encoder alive at the first reading that ends before the second: its
+    time is in ``up``'s children's time then, and only its part after the first reading
+    counts (before: lost altogether)."""
+    burn = (
+        "import sys, time\ndef burn():\n    t = time.process_time()\n"
+        "    while time.process_time() - t < 0.3: pass\n"
+    )
+    code = f"{burn}burn()\nprint('done', flush=True)\nsys.stdin.readline()\nburn()"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, "encode"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    with child:
+        try:
+            assert child.stdout is not None and child.stdout.readline() == "done\n"
+            before = cpu_by_process(os.getpid())
+            assert before[child.pid][0] == "up" and before[child.pid][1] >= 0.25
+            assert child.stdin is not None
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.wait() == 0
+            after = cpu_by_process(os.getpid())
+            assert child.pid not in after
+            assert 0.25 <= cpu_split(before, after)["up"] < 0.55
+        finally:
+            child.kill()
+
+
 def test_a_split_is_printed_as_milliseconds_per_claim_in_its_groups_order() -> None:
     assert split_cells({"up": 0.5, "ledger": 0.0125}, 100) == "up 5.000, ledger 0.125"
 
