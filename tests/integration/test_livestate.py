@@ -134,7 +134,7 @@ async def test_a_view_followed_on_demand_reads_the_log_only_when_asked(
 ) -> None:
     """The audit and billing subscribers' view (issue 25): commits announced while nobody
     asks are not read (a tailer reads one per commit); a projector's batch then reads
-    them at once, on the batch's own connection, and leaves refused events out."""
+    them at once, in one read. (Refused events left out: test_readers.py.)"""
     live = LiveState(store)
     await live.fresh(HEAD)
     await store.wait_for_new(0, 0.01)  # listening: NOTIFY announces each commit
