@@ -49,8 +49,10 @@ not fit gets ``ClaimUnschedulable`` instead.
 Concurrency: planning rounds are serialised across all workers (in this process or
 others) by an advisory lock (:data:`PLANNER_LOCK`, the consumer's ``lock_key``) taken
 before the worker asks for a fresh state (``LiveState.fresh`` at the lock's head) and
-released after its append committed, so a worker plans on a state that includes the
-previous round's commit — several workers give availability, not parallel planning
+given back only once its append committed (a lone worker keeps it between rounds until
+another worker, or its own round without a message, asks for it:
+:mod:`services.runtime.delivery.consuming`), so a worker plans on a state that includes
+the previous round's commit — several workers give availability, not parallel planning
 (a round plans *every* pending claim; two rounds at once would only collide). If
 anything else (a release, the tenant's delete) appended to one of the streams since
 the live state read them, the store raises ``ConflictError``: nothing is written and
@@ -111,7 +113,7 @@ from services.reservation.outcomes import Allocated, Grant
 from services.reservation.rounds import PENDING_PHASES, Backlog, Round, decide_round
 from services.runtime.bus.jetstream import Durable
 from services.runtime.delivery.confirming import LogConfirmation
-from services.runtime.delivery.consuming import Consumer
+from services.runtime.delivery.consuming import Consumer, take_lock
 from services.runtime.delivery.handlers import Handled, HandlerContext
 from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RuntimeServiceError
@@ -506,7 +508,7 @@ class ReservationService:
     async def replan(self) -> None:
         """One planning round without a message, under the planner lock."""
         async with self.store.pool.acquire() as connection:
-            head = await connection.fetchval("SELECT dracap_lock($1)", PLANNER_LOCK)
+            head = await take_lock(connection, PLANNER_LOCK)  # asked of an idle holder
             try:
                 await self.live.fresh(head, connection=connection)
                 plan = await self.plan(self._deferred_cause, connection)

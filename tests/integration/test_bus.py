@@ -28,7 +28,7 @@ from events.subjects import BusNames
 from services.runtime.bus.jetstream import Durable, connect_bus, ensure_stream
 from services.runtime.delivery import relaying
 from services.runtime.delivery.confirming import LogConfirmation
-from services.runtime.delivery.consuming import Consumer
+from services.runtime.delivery.consuming import Consumer, take_lock
 from services.runtime.delivery.handlers import Handled, HandlerContext
 from services.runtime.delivery.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.delivery.projecting import Projector
@@ -37,6 +37,7 @@ from services.runtime.delivery.relaying import Relay, outgoing
 from services.runtime.ground.errors import ConflictError, InvalidEvent
 from services.runtime.ground.metrics import REGISTRY, RELAY_LAG
 from services.runtime.ground.settings import Settings
+from services.runtime.ground.waiting import wait_for
 from services.runtime.store import livestate
 from services.runtime.store.appends import Batch, Cause, Metadata
 from services.runtime.store.committing import GroupCommitter
@@ -833,11 +834,9 @@ async def test_lock_key_serialises_handlers_across_consumers(bus: Bus) -> None:
     first, second = planner("planner-a"), planner("planner-b")  # each gets every event
     async with Running(relay(bus).run), Running(first.run), Running(second.run):
         await until(lambda: first.handled == 4 and second.handled == 4)
-        for _ in range(40):  # idle consumers give the lock back, still running
-            if await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
+        async with bus.store.pool.acquire() as connection:  # asked for, it is given back
+            await wait_for(take_lock(connection, 4242), 20)
+            assert await connection.fetchval("SELECT pg_advisory_unlock(4242)")
     spans.sort()
     assert len(spans) == 8
     for (_, end), (start, _) in itertools.pairwise(spans):
@@ -869,6 +868,84 @@ async def test_a_kept_lock_tells_a_handler_at_least_its_messages_positions(bus: 
         await k.let_go()
     assert seen == [(1, [1]), (2, [2])]
     assert k.handled == 2 and await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
+
+
+async def lock_holder(bus: Bus, key: int) -> int | None:
+    """The server pid of the session holding advisory lock ``key`` (None: free)."""
+    pid: int | None = await bus.store.pool.fetchval(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objid = $1 "
+        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        key,
+    )
+    return pid
+
+
+async def test_an_idle_consumer_keeps_its_lock_until_someone_asks_for_it(bus: Bus) -> None:
+    """A lone planner takes its lock once, not once per group: idle, it keeps it (two
+    statements a claim at low rates, and a round trip on the claim's path, saved) until
+    another session asks for it (``take_lock``), which then gets it at once — long
+    before the idle bound (60 s here) — and the planner takes it again for its next
+    group, with the head of that grant."""
+    heads: list[int | None] = []
+
+    async def plans_nothing(ctx: HandlerContext, envs: list[Envelope]) -> Handled:
+        heads.append(ctx.locked_head)
+        return Handled()
+
+    k = consumer(
+        bus, None, name="planner", group_handler=plans_nothing, lock_key=4545, lock_idle=60.0
+    )
+    async with Running(relay(bus).run), Running(k.run):
+        await append_burst(bus.store, 1)
+        await until(lambda: k.handled == 1, what="the first message handled")
+        holder = await lock_holder(bus, 4545)
+        assert holder is not None  # kept after the group
+        await asyncio.sleep(0.5)  # a consumer that let go when idle would have by now
+        assert await lock_holder(bus, 4545) == holder
+        async with bus.store.pool.acquire() as connection:
+            head = await wait_for(take_lock(connection, 4545), 20)
+            assert await lock_holder(bus, 4545) == connection.get_server_pid()
+            await append_burst(bus.store, 1)  # handled only once the lock is free again
+            await asyncio.sleep(0.5)
+            assert k.handled == 1
+            assert await connection.fetchval("SELECT pg_advisory_unlock(4545)")
+        await until(lambda: k.handled == 2, what="the second message handled")
+    assert head == 1 and heads == [1, 2]
+    assert await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
+
+
+async def test_a_consumer_that_waited_for_its_lock_is_not_asked_by_its_own_request(
+    bus: Bus,
+) -> None:
+    """A consumer that found the lock taken announced that it waits; once granted, that
+    announcement (its own session's) does not make it give the lock back."""
+    k = consumer(
+        bus,
+        None,
+        name="planner",
+        group_handler=echo_group([], set()),
+        lock_key=4646,
+        lock_idle=60.0,
+    )
+    async with bus.store.pool.acquire() as other:
+        assert await other.fetchval("SELECT pg_try_advisory_lock(4646)")
+        async with Running(relay(bus).run), Running(k.run):
+            await append_burst(bus.store, 1)
+            waiting = 0
+            while not waiting:  # the consumer's session queued for the lock
+                await asyncio.sleep(0.02)
+                waiting = await bus.store.pool.fetchval(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND NOT granted AND objid = 4646"
+                )
+            assert k.handled == 0
+            assert await other.fetchval("SELECT pg_advisory_unlock(4646)")
+            await until(lambda: k.handled == 1, what="the message handled")
+            holder = await lock_holder(bus, 4646)
+            assert holder == k._lock_pid
+            await asyncio.sleep(0.5)  # its own request, heard, would have let it go
+            assert await lock_holder(bus, 4646) == holder
+    assert await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
 
 
 async def test_a_group_commits_records_and_events_together(bus: Bus) -> None:

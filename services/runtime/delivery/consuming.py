@@ -79,11 +79,23 @@ A consumer with a per-message handler uses groups of one. ``wants`` (optional) n
 the envelopes a handler acts on; the others are acknowledged without a commit.
 
 ``lock_key`` (optional) serialises the handlers of every consumer that names it,
-anywhere (the reservation planner): the lock is a session lock (``dracap_lock``) on
-a connection the consumer keeps between groups while messages keep arriving — for at
-most :data:`LOCK_HOLD_S` at a time, so other workers get their turn — and releases
-when it is idle, on a failure and on stop. ``dracap_lock`` also returns the log's
-head at the moment the lock was granted; ``HandlerContext.locked_head`` is the
+anywhere (the reservation planner): the lock is a session lock on a connection the
+consumer keeps between groups. It keeps it while messages keep arriving — for at most
+:data:`LOCK_HOLD_S` at a time, so other workers get their turn — and while it is idle,
+until someone asks for it: whoever finds the lock taken (:func:`take_lock`: another
+worker, the planner's own round without a message) announces on
+:data:`LOCK_WANTED_CHANNEL` that it waits, then waits; a consumer that hears it
+(:meth:`~services.runtime.store.eventstore.EventStore.on_notice`; not its own
+announcement, told by the session's pid) gives the lock back as soon as its group in
+hand is done (a request heard while it does not hold the lock makes it give the lock
+back after its next group: where workers take turns, they do so as before).
+Idle and unasked it lets go after ``lock_idle`` (:data:`LOCK_IDLE_S`: a bound for a
+waiter whose announcement was lost with a broken LISTEN connection). A lone worker
+thus takes the lock once, not once per message group: at low rates, where each claim
+is a group of its own, that was two statements a claim (the grant and the release)
+and a round trip on the claim's path. It lets go on a failure and on stop as well.
+The grant returns the log's head at the moment the lock was granted;
+``HandlerContext.locked_head`` is the
 position a handler's view must be folded to: that head, then the head after each of
 the consumer's own commits while it keeps the lock — and never less than the highest
 position among the messages handled, so the handler can wait for its live view to
@@ -185,7 +197,7 @@ from services.runtime.ground.metrics import (
     UNCONFIRMED_MESSAGES,
 )
 from services.runtime.ground.outages import StateLog, is_unreachable, one_line
-from services.runtime.ground.waiting import wait_for
+from services.runtime.ground.waiting import first_of, wait_for
 from services.runtime.store.appends import Batch, Metadata, Processed
 from services.runtime.store.eventstore import MARK_PROCESSED, Connection, EventStore
 from services.runtime.store.refusals import note
@@ -216,6 +228,26 @@ class _DeadLetter(msgspec.Struct, frozen=True):
 _EXCUSED_KEPT: Final = 10_000
 #: How long a consumer keeps its ``lock_key`` across groups while messages keep coming.
 LOCK_HOLD_S: Final = 0.05
+#: How long a consumer keeps its ``lock_key`` while no message comes and nobody asked.
+LOCK_IDLE_S: Final = 1.0
+#: Where a session that finds a ``lock_key`` taken says it waits for it (payload: the key).
+LOCK_WANTED_CHANNEL: Final = "dracap_lock_wanted"
+
+
+async def take_lock(connection: Connection, key: int) -> int:
+    """``key`` as a session lock on ``connection``; the log's head as of the grant.
+
+    A free lock is taken at once; a taken one is announced as wanted on
+    :data:`LOCK_WANTED_CHANNEL` (a consumer keeping it while idle gives it back), then
+    waited for (``dracap_lock``). The head is read after the grant, so it counts every
+    commit of the holder before.
+    """
+    if await connection.fetchval("SELECT pg_try_advisory_lock($1)", key):
+        head: int = await connection.fetchval("SELECT position FROM event_log_head")
+        return head
+    await connection.execute("SELECT pg_notify($1, $2)", LOCK_WANTED_CHANNEL, str(key))
+    granted: int = await connection.fetchval("SELECT dracap_lock($1)", key)
+    return granted
 
 
 @dataclasses.dataclass(slots=True)
@@ -225,6 +257,7 @@ class _HeldLock:
     connection: PoolConnectionProxy[Record]
     head: int | None  #: what a handler must see: the grant's head, then own commits, messages
     since: float  #: monotonic time of the grant
+    used: float  #: monotonic time the last group under it ended
 
 
 class _Incoming(msgspec.Struct):
@@ -250,6 +283,7 @@ class Consumer:
         group_handler: GroupHandler | None = None,
         wants: Callable[[Envelope], bool] | None = None,
         lock_key: int | None = None,
+        lock_idle: float = LOCK_IDLE_S,
         confirmation: LogConfirmation | None = None,
         max_deliver: int = 5,
         backoff: Sequence[float] = (0.1, 0.5, 2, 5),
@@ -278,6 +312,11 @@ class Consumer:
         self._lock_key = lock_key
         self._confirmation = confirmation or LogConfirmation(store)
         self._held: _HeldLock | None = None
+        self._lock_idle = lock_idle
+        self._lock_pid: int | None = None  # the server pid of the session that takes it
+        self._lock_wanted = False  # someone asked for the lock since it was last let go
+        self._lock_asked = asyncio.Event()  # wakes the task that lets an idle lock go
+        self._lock_use = asyncio.Lock()  # a group under the lock, or its release
         self._max_deliver = max_deliver
         self._backoff = tuple(backoff)
         self._batch = batch
@@ -336,6 +375,7 @@ class Consumer:
         await puller.start()
         done = asyncio.Event()
         keeper = asyncio.create_task(self._mark.run(done))
+        giver = None if self._lock_key is None else asyncio.create_task(self._give_back(done))
         self._pulling = True
         try:
             while not stop.is_set():
@@ -355,13 +395,16 @@ class Consumer:
                 elif msgs and self._durable_missing:
                     self._durable_missing = False
                     _log.info("consumer %s: its durable consumer is back", self.name)
-                if msgs:
-                    await self.process_group(msgs)
-                held = self._held
-                if held is not None and (
-                    not puller.waiting or time.monotonic() - held.since > LOCK_HOLD_S
-                ):
-                    await self.let_go()  # idle, or others' turn
+                async with self._lock_use:
+                    if msgs:
+                        await self.process_group(msgs)
+                    held, now = self._held, time.monotonic()
+                    if held is not None and (
+                        self._lock_wanted
+                        or (puller.waiting and now - held.since > LOCK_HOLD_S)
+                        or (not puller.waiting and now - held.used > self._lock_idle)
+                    ):
+                        await self.let_go()  # asked for, others' turn, or idle too long
         finally:
             self._pulling = False
             await self.let_go()
@@ -369,6 +412,32 @@ class Consumer:
                 await _quietly(msg.nak())  # another worker takes it at once
             done.set()
             await keeper
+            if giver is not None:
+                await giver
+
+    async def _give_back(self, done: asyncio.Event) -> None:
+        """Hear who asks for ``lock_key`` and let it go while no group holds it."""
+        forget: Callable[[], None] | None = None
+        try:
+            forget = await self._store.on_notice(LOCK_WANTED_CHANNEL, self._lock_request)
+        except Exception as exc:  # the database away: the idle bound lets the lock go
+            _log.debug("consumer %s: cannot hear lock requests (%r)", self.name, exc)
+        try:
+            while not done.is_set():
+                await first_of(self._lock_asked.wait(), done.wait())
+                self._lock_asked.clear()
+                async with self._lock_use:
+                    if self._lock_wanted and self._held is not None:
+                        await self.let_go()
+        finally:
+            if forget is not None:
+                forget()
+
+    def _lock_request(self, pid: int, payload: str) -> None:
+        """A NOTIFY on :data:`LOCK_WANTED_CHANNEL`: someone else waits for this key."""
+        if payload == str(self._lock_key) and pid != self._lock_pid:
+            self._lock_wanted = True
+            self._lock_asked.set()
 
     async def _ensure_consumer(self) -> None:
         await self._js.add_consumer(self._names.stream, durable_config(self.durable))
@@ -622,6 +691,7 @@ class Consumer:
             fresh, held.head = await self._commit_group(
                 held.connection, held.head, envs, deliveries
             )
+            held.used = time.monotonic()
         except AlreadyHandled:
             raise  # nothing was written; the lock stays for the next try
         except Exception:
@@ -667,14 +737,18 @@ class Consumer:
         """``lock_key`` as a session lock on a connection kept between groups."""
         if self._held is not None:
             return self._held
+        key = self._lock_key
+        assert key is not None  # only consumers with a lock_key hold one
         connection = await self._store.pool.acquire()
         try:
-            head = await connection.fetchval("SELECT dracap_lock($1)", self._lock_key)
+            self._lock_pid = connection.get_server_pid()
+            head = await take_lock(connection, key)
         except BaseException:
             connection.terminate()  # the lock may have been granted as the call failed
             await self._store.pool.release(connection)
             raise
-        self._held = _HeldLock(connection, head, time.monotonic())
+        now = time.monotonic()
+        self._held = _HeldLock(connection, head, now, now)
         return self._held
 
     async def let_go(self) -> None:
@@ -682,6 +756,7 @@ class Consumer:
         held, self._held = self._held, None
         if held is None:
             return
+        self._lock_wanted = False  # a request heard from here on is for the next grant
         try:
             await held.connection.execute("SELECT pg_advisory_unlock($1)", self._lock_key)
         except BaseException as exc:

@@ -41,6 +41,11 @@ Several stores of one process (one per database role, :mod:`services.runtime.
 servicestores`) may share their commit listeners and known head (``sharing=``), so a
 reader attached to one hears of the appends made through the others.
 
+The store's LISTEN connection carries other channels too: :meth:`EventStore.on_notice`
+calls a function for each NOTIFY on a channel (a consumer keeping a lock while idle
+hears there that someone waits for it, :mod:`services.runtime.delivery.consuming`);
+the channels are listened to again whenever the connection is opened anew.
+
 A caller that must commit other writes atomically with the events (a consumer's
 idempotency row and checkpoint) passes its own ``connection=``; the same statements
 then run inside the caller's transaction, without the store's retries.
@@ -117,6 +122,8 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 CHANNEL: Final = "dracap_events"
+#: What :meth:`EventStore.on_notice` calls: (the notifying backend's pid, the payload).
+Notice = Callable[[int, str], None]
 #: How long a reader waits for this process's appends in flight to be answered before it
 #: reads a gap from the log (:meth:`EventStore.appends_answered`): an append's answer
 #: normally follows its NOTIFY by less than a round trip; one that retries through a
@@ -262,6 +269,8 @@ class EventStore:
         self._listener_lock = asyncio.Lock()
         self._closed = False
         self._waiters: set[asyncio.Future[bool]] = set()
+        #: channel -> what to call with (sending backend's pid, payload) per NOTIFY
+        self._notices: dict[str, list[Notice]] = {}
         # listeners and the highest head announced by NOTIFY (or read at LISTEN), shared
         # with the stores this one was opened alongside
         self._commits: _Commits = _Commits() if sharing is None else sharing._commits
@@ -684,6 +693,28 @@ class EventStore:
         """
         return self._commits.head if self._listener is not None else None
 
+    async def on_notice(self, channel: str, notice: Notice) -> Callable[[], None]:
+        """Call ``notice(pid, payload)`` for every NOTIFY on ``channel`` from now on (the
+        store's LISTEN connection, opened here if need be; notifications sent while it is
+        being opened again after a failure are lost). Returns what stops the calls."""
+        first = channel not in self._notices
+        self._notices.setdefault(channel, []).append(notice)
+        async with self._listener_lock:
+            listener = self._listener
+            if first and listener is not None and not listener.is_closed():
+                await listener.add_listener(channel, self._noticed)
+        await self._listen()  # opened (again) with every channel if it was not open
+
+        def forget() -> None:
+            with contextlib.suppress(ValueError):
+                self._notices.get(channel, []).remove(notice)
+
+        return forget
+
+    def _noticed(self, _connection: object, pid: int, channel: str, payload: object) -> None:
+        for notice in list(self._notices.get(channel, ())):
+            notice(pid, str(payload))
+
     def _notified(self, _connection: object, _pid: int, _channel: str, payload: object) -> None:
         try:
             self._commits.head = max(self._commits.head, int(str(payload)))
@@ -707,6 +738,8 @@ class EventStore:
                 listener = await connect(self._settings, through_failover=True)
                 try:
                     await listener.add_listener(CHANNEL, self._notified)
+                    for channel in self._notices:
+                        await listener.add_listener(channel, self._noticed)
                     # Listening from here on: the head read now plus every NOTIFY after
                     # it is the head at any later moment.
                     position = await self._read_head(listener)
