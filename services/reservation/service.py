@@ -508,7 +508,7 @@ class ReservationService:
     async def replan(self) -> None:
         """One planning round without a message, under the planner lock."""
         async with self.store.pool.acquire() as connection:
-            head = await take_lock(connection, PLANNER_LOCK)  # asked of an idle holder
+            head, _ = await take_lock(connection, PLANNER_LOCK)  # asked of an idle holder
             try:
                 await self.live.fresh(head, connection=connection)
                 plan = await self.plan(self._deferred_cause, connection)

@@ -26,7 +26,7 @@ from events.envelopes import Envelope, stream_of
 from events.eventcodec import decode_envelope, encode_event
 from events.subjects import BusNames
 from services.runtime.bus.jetstream import Durable, connect_bus, ensure_stream
-from services.runtime.delivery import relaying
+from services.runtime.delivery import consuming, relaying
 from services.runtime.delivery.confirming import LogConfirmation
 from services.runtime.delivery.consuming import Consumer, take_lock
 from services.runtime.delivery.handlers import Handled, HandlerContext
@@ -834,8 +834,8 @@ async def test_lock_key_serialises_handlers_across_consumers(bus: Bus) -> None:
     first, second = planner("planner-a"), planner("planner-b")  # each gets every event
     async with Running(relay(bus).run), Running(first.run), Running(second.run):
         await until(lambda: first.handled == 4 and second.handled == 4)
-        async with bus.store.pool.acquire() as connection:  # asked for, it is given back
-            await wait_for(take_lock(connection, 4242), 20)
+        async with bus.store.pool.acquire() as connection:  # idle (taking turns) or asked:
+            await wait_for(take_lock(connection, 4242), 20)  # the lock is given back
             assert await connection.fetchval("SELECT pg_advisory_unlock(4242)")
     spans.sort()
     assert len(spans) == 8
@@ -903,7 +903,8 @@ async def test_an_idle_consumer_keeps_its_lock_until_someone_asks_for_it(bus: Bu
         await asyncio.sleep(0.5)  # a consumer that let go when idle would have by now
         assert await lock_holder(bus, 4545) == holder
         async with bus.store.pool.acquire() as connection:
-            head = await wait_for(take_lock(connection, 4545), 20)
+            head, waited = await wait_for(take_lock(connection, 4545), 20)
+            assert waited
             assert await lock_holder(bus, 4545) == connection.get_server_pid()
             await append_burst(bus.store, 1)  # handled only once the lock is free again
             await asyncio.sleep(0.5)
@@ -914,11 +915,15 @@ async def test_an_idle_consumer_keeps_its_lock_until_someone_asks_for_it(bus: Bu
     assert await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
 
 
-async def test_a_consumer_that_waited_for_its_lock_is_not_asked_by_its_own_request(
-    bus: Bus,
+@pytest.mark.parametrize("lock_shared", [consuming.LOCK_SHARED_S, 0.0])
+async def test_a_consumer_that_had_to_wait_for_its_lock_lets_it_go_when_idle(
+    bus: Bus, lock_shared: float
 ) -> None:
-    """A consumer that found the lock taken announced that it waits; once granted, that
-    announcement (its own session's) does not make it give the lock back."""
+    """A consumer that found the lock taken (another taker: workers that take turns)
+    lets it go whenever it is idle for ``lock_shared`` seconds after, as before: each turn
+    a grant and a release, not a request and a wait. With ``lock_shared`` 0 it keeps it:
+    its own announcement that it waits, heard once it is granted, does not count as
+    someone asking."""
     k = consumer(
         bus,
         None,
@@ -926,6 +931,7 @@ async def test_a_consumer_that_waited_for_its_lock_is_not_asked_by_its_own_reque
         group_handler=echo_group([], set()),
         lock_key=4646,
         lock_idle=60.0,
+        lock_shared=lock_shared,
     )
     async with bus.store.pool.acquire() as other:
         assert await other.fetchval("SELECT pg_try_advisory_lock(4646)")
@@ -941,10 +947,17 @@ async def test_a_consumer_that_waited_for_its_lock_is_not_asked_by_its_own_reque
             assert k.handled == 0
             assert await other.fetchval("SELECT pg_advisory_unlock(4646)")
             await until(lambda: k.handled == 1, what="the message handled")
-            holder = await lock_holder(bus, 4646)
-            assert holder == k._lock_pid
-            await asyncio.sleep(0.5)  # its own request, heard, would have let it go
-            assert await lock_holder(bus, 4646) == holder
+            if lock_shared:
+                for _ in range(400):  # idle, it lets go (the test consumer polls at 0.2 s)
+                    if await lock_holder(bus, 4646) is None:
+                        break
+                    await asyncio.sleep(0.05)
+                assert await lock_holder(bus, 4646) is None
+            else:
+                holder = await lock_holder(bus, 4646)
+                assert holder is not None and holder == k._lock_pid
+                await asyncio.sleep(0.5)  # its own request, heard, would have let it go
+                assert await lock_holder(bus, 4646) == holder
     assert await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
 
 

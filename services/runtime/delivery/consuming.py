@@ -88,12 +88,15 @@ worker, the planner's own round without a message) announces on
 (:meth:`~services.runtime.store.eventstore.EventStore.on_notice`; not its own
 announcement, told by the session's pid) gives the lock back as soon as its group in
 hand is done (a request heard while it does not hold the lock makes it give the lock
-back after its next group: where workers take turns, they do so as before).
-Idle and unasked it lets go after ``lock_idle`` (:data:`LOCK_IDLE_S`: a bound for a
-waiter whose announcement was lost with a broken LISTEN connection). A lone worker
-thus takes the lock once, not once per message group: at low rates, where each claim
-is a group of its own, that was two statements a claim (the grant and the release)
-and a round trip on the claim's path. It lets go on a failure and on stop as well.
+back after its next group). For ``lock_shared`` seconds (:data:`LOCK_SHARED_S`) after
+it last met another taker (asked, or had to ask) it lets go whenever it is idle, as
+before: where several workers take turns, each turn stays a grant and a release, not a
+request and a wait. Idle and unasked it lets go after ``lock_idle``
+(:data:`LOCK_IDLE_S`: a bound for a waiter whose announcement was lost with a broken
+LISTEN connection). A lone worker thus takes the lock once, not once per message group:
+at low rates, where each claim is a group of its own, that was two statements a claim
+(the grant and the release) and a round trip on the claim's path. It lets go on a
+failure and on stop as well.
 The grant returns the log's head at the moment the lock was granted;
 ``HandlerContext.locked_head`` is the
 position a handler's view must be folded to: that head, then the head after each of
@@ -159,6 +162,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -234,20 +238,26 @@ LOCK_IDLE_S: Final = 1.0
 LOCK_WANTED_CHANNEL: Final = "dracap_lock_wanted"
 
 
-async def take_lock(connection: Connection, key: int) -> int:
-    """``key`` as a session lock on ``connection``; the log's head as of the grant.
+#: For this long after it last met another taker of its ``lock_key`` (asked for it, or
+#: had to ask), a consumer lets the lock go whenever it is idle, as workers that take
+#: turns always did: keeping it would make every turn a request and a wait.
+LOCK_SHARED_S: Final = 10.0
 
-    A free lock is taken at once; a taken one is announced as wanted on
-    :data:`LOCK_WANTED_CHANNEL` (a consumer keeping it while idle gives it back), then
-    waited for (``dracap_lock``). The head is read after the grant, so it counts every
-    commit of the holder before.
+
+async def take_lock(connection: Connection, key: int) -> tuple[int, bool]:
+    """``key`` as a session lock on ``connection``: the log's head as of the grant, and
+    whether it was taken by someone else first.
+
+    A free lock is taken at once (``dracap_try_lock``, migration 0015); a taken one is
+    announced as wanted on :data:`LOCK_WANTED_CHANNEL` by the same statement (a consumer
+    keeping it while idle gives it back), then waited for (``dracap_lock``). Either way
+    the head is read after the grant, so it counts every commit of the holder before.
     """
-    if await connection.fetchval("SELECT pg_try_advisory_lock($1)", key):
-        head: int = await connection.fetchval("SELECT position FROM event_log_head")
-        return head
-    await connection.execute("SELECT pg_notify($1, $2)", LOCK_WANTED_CHANNEL, str(key))
+    head: int | None = await connection.fetchval("SELECT dracap_try_lock($1)", key)
+    if head is not None:
+        return head, False
     granted: int = await connection.fetchval("SELECT dracap_lock($1)", key)
-    return granted
+    return granted, True
 
 
 @dataclasses.dataclass(slots=True)
@@ -284,6 +294,7 @@ class Consumer:
         wants: Callable[[Envelope], bool] | None = None,
         lock_key: int | None = None,
         lock_idle: float = LOCK_IDLE_S,
+        lock_shared: float = LOCK_SHARED_S,
         confirmation: LogConfirmation | None = None,
         max_deliver: int = 5,
         backoff: Sequence[float] = (0.1, 0.5, 2, 5),
@@ -313,8 +324,10 @@ class Consumer:
         self._confirmation = confirmation or LogConfirmation(store)
         self._held: _HeldLock | None = None
         self._lock_idle = lock_idle
+        self._lock_shared = lock_shared
         self._lock_pid: int | None = None  # the server pid of the session that takes it
         self._lock_wanted = False  # someone asked for the lock since it was last let go
+        self._lock_shared_at = -math.inf  # when it last met another taker (monotonic)
         self._lock_asked = asyncio.Event()  # wakes the task that lets an idle lock go
         self._lock_use = asyncio.Lock()  # a group under the lock, or its release
         self._max_deliver = max_deliver
@@ -403,8 +416,9 @@ class Consumer:
                         self._lock_wanted
                         or (puller.waiting and now - held.since > LOCK_HOLD_S)
                         or (not puller.waiting and now - held.used > self._lock_idle)
+                        or (not puller.waiting and now - self._lock_shared_at < self._lock_shared)
                     ):
-                        await self.let_go()  # asked for, others' turn, or idle too long
+                        await self.let_go()  # asked for, others' turn, idle: too long or shared
         finally:
             self._pulling = False
             await self.let_go()
@@ -437,6 +451,7 @@ class Consumer:
         """A NOTIFY on :data:`LOCK_WANTED_CHANNEL`: someone else waits for this key."""
         if payload == str(self._lock_key) and pid != self._lock_pid:
             self._lock_wanted = True
+            self._lock_shared_at = time.monotonic()
             self._lock_asked.set()
 
     async def _ensure_consumer(self) -> None:
@@ -742,12 +757,14 @@ class Consumer:
         connection = await self._store.pool.acquire()
         try:
             self._lock_pid = connection.get_server_pid()
-            head = await take_lock(connection, key)
+            head, waited = await take_lock(connection, key)
         except BaseException:
             connection.terminate()  # the lock may have been granted as the call failed
             await self._store.pool.release(connection)
             raise
         now = time.monotonic()
+        if waited:
+            self._lock_shared_at = now
         self._held = _HeldLock(connection, head, now, now)
         return self._held
 
