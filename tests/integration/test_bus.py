@@ -905,6 +905,8 @@ async def test_an_idle_consumer_keeps_its_lock_until_someone_asks_for_it(bus: Bu
         async with bus.store.pool.acquire() as connection:
             head, waited = await wait_for(take_lock(connection, 4545), 20)
             assert waited
+            # the session it let go of is the pool's again: a request from it is another's
+            assert k._lock_pid is None
             assert await lock_holder(bus, 4545) == connection.get_server_pid()
             await append_burst(bus.store, 1)  # handled only once the lock is free again
             await asyncio.sleep(0.5)

@@ -774,6 +774,7 @@ class Consumer:
         if held is None:
             return
         self._lock_wanted = False  # a request heard from here on is for the next grant
+        self._lock_pid = None  # its session goes back to the pool: another taker's now
         try:
             await held.connection.execute("SELECT pg_advisory_unlock($1)", self._lock_key)
         except BaseException as exc:
