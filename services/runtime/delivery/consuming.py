@@ -426,8 +426,9 @@ class Consumer:
                 await _quietly(msg.nak())  # another worker takes it at once
             done.set()
             await keeper
-            if giver is not None:
-                await giver
+            if giver is not None:  # it may still wait for the database to listen
+                giver.cancel()
+                await asyncio.wait([giver])  # (a cancellation of run itself still comes through)
 
     async def _give_back(self, done: asyncio.Event) -> None:
         """Hear who asks for ``lock_key`` and let it go while no group holds it."""
@@ -442,7 +443,10 @@ class Consumer:
                 self._lock_asked.clear()
                 async with self._lock_use:
                     if self._lock_wanted and self._held is not None:
-                        await self.let_go()
+                        try:
+                            await self.let_go()
+                        except Exception as exc:  # its session is closed: the lock went with it
+                            _log.warning("consumer %s: %s", self.name, one_line(exc))
         finally:
             if forget is not None:
                 forget()
