@@ -940,13 +940,15 @@ async def test_a_consumer_that_had_to_wait_for_its_lock_lets_it_go_when_idle(
         async with Running(relay(bus).run), Running(k.run):
             await append_burst(bus.store, 1)
             waiting = 0
-            while not waiting:  # the consumer's session queued for the lock
-                await asyncio.sleep(0.02)
+            for _ in range(1500):  # the consumer's session queued for the lock (30 s at most)
                 waiting = await bus.store.pool.fetchval(
                     "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
                     "AND NOT granted AND objid = 4646"
                 )
-            assert k.handled == 0
+                if waiting:
+                    break
+                await asyncio.sleep(0.02)
+            assert waiting and k.handled == 0
             assert await other.fetchval("SELECT pg_advisory_unlock(4646)")
             await until(lambda: k.handled == 1, what="the message handled")
             if lock_shared:
