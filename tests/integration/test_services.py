@@ -9,6 +9,11 @@ import asyncpg
 import pytest
 
 from services import cli
+from services.runtime.ground.settings import ServiceKind
+from services.runtime.store.dbroles import group_role
+
+#: the group role of every kind of service login
+SERVICE_LOGINS = tuple(group_role(kind) for kind in ServiceKind)
 
 
 def db(argv: list[str]) -> int:
@@ -122,7 +127,14 @@ async def test_db_upgrade_then_downgrade(
     # 0015: the reservation login (only) asks for the planner lock without a wait
     assert "function:dracap_try_lock" in reservation
     assert not [p for p in await _privileges(empty_database_url, "dracap_claims") if "try" in p]
-    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0014
+    # 0016: every service login reads the schema's revision (a check at its start)
+    for role in (*SERVICE_LOGINS, "dracap_app"):
+        assert "alembic_version:SELECT" in await _privileges(empty_database_url, role), role
+    assert "alembic_version:SELECT" not in await _privileges(empty_database_url, "dracap_agent")
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0015
+    for role in (*SERVICE_LOGINS, "dracap_app"):
+        assert "alembic_version:SELECT" not in await _privileges(empty_database_url, role), role
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more: 0014
     assert "dracap_try_lock" not in await _functions(empty_database_url)
     # 0014: the same function checks every admission's premise; down to 0013 it stays
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one step: 0013
@@ -138,8 +150,9 @@ async def test_db_upgrade_then_downgrade(
     assert "function:dracap_renew_lease:definer" in agent
     assert {"node_leases:SELECT", "node_epochs:SELECT"} <= agent
     assert "dracap_node_roles" in await _append_source(empty_database_url)
-    assert await asyncio.to_thread(db, ["upgrade"]) == 0  # 0015 again, then back
+    assert await asyncio.to_thread(db, ["upgrade"]) == 0  # 0016 again, then back
     assert "dracap_node_roles" not in await _append_source(empty_database_url)
+    assert await asyncio.to_thread(db, ["downgrade"]) == 0  # 0015
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # 0014
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # 0013
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # 0012
@@ -186,7 +199,7 @@ async def test_db_upgrade_then_downgrade(
     }
     assert "events:INSERT" in await _privileges(empty_database_url, "dracap_app")
     assert await asyncio.to_thread(db, ["upgrade"]) == 0  # and up again
-    for _ in range(10):  # 0014, 0013, 0012, 0011, 0010, 0009, 0008, 0007, 0006, 0005
+    for _ in range(11):  # 0015, 0014, 0013, 0012, 0011, 0010, 0009, 0008, 0007, 0006, 0005
         assert await asyncio.to_thread(db, ["downgrade"]) == 0
     assert await asyncio.to_thread(db, ["downgrade"]) == 0  # one more step: 0004
     assert {"shares", "claims"} <= await _tables(empty_database_url)

@@ -1,12 +1,13 @@
 """A hosted service with the event store: :func:`hosting` plus the store and its fold.
 
 Every service process but the node agent's reads and appends the event log:
-:func:`serving` is :func:`services.runtime.hosting.process.hosting` with the event store opened
-first, as the service's own database login (one line and exit 1 when PostgreSQL cannot
-be reached), and closed on the way out. :meth:`StoreProcessContext.live_state` loads the fold
-(the newest snapshot, then the log up to its head) and registers the ``state`` check;
-:meth:`StoreProcessContext.tailing` keeps that fold following the log while the service
-runs, and stops both together.
+:func:`serving` is :func:`services.runtime.hosting.process.hosting` with the event store
+opened first, as the service's own database login (one line and exit 1 when PostgreSQL
+cannot be reached, or its schema is older than this release needs:
+:mod:`services.runtime.store.schema`), and closed on the way out.
+:meth:`StoreProcessContext.live_state` loads the fold (the newest snapshot, then the log
+up to its head) and registers the ``state`` check; :meth:`StoreProcessContext.tailing`
+keeps that fold following the log while the service runs, and stops both together.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-from services.runtime.bus.endpoints import endpoints_from_args, reaching
+from services.runtime.bus.endpoints import ServerUnavailable, endpoints_from_args, reaching, redact
 from services.runtime.ground.settings import ServiceKind, load_settings
 from services.runtime.hosting.process import ProcessContext, hosting
 from services.runtime.ops.health import live_probe
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, LiveState
+from services.runtime.store.schema import SchemaBehind, require_schema
 
 __all__ = ["StoreProcessContext", "serving"]
 
@@ -68,8 +70,18 @@ async def serving(
     store opened as ``login``."""
     endpoints = endpoints_from_args(args, service=login)
     # before the process's signal handlers, as NATS (see hosting)
-    with reaching("PostgreSQL", endpoints.database()):
+    url = endpoints.database()
+    with reaching("PostgreSQL", url):
         store = await EventStore.open(endpoints.settings(load_settings()))
+    try:
+        with reaching("PostgreSQL", url):
+            await require_schema(store.pool)
+    except SchemaBehind as exc:
+        await store.close()
+        raise ServerUnavailable(f"PostgreSQL at {redact(url)}: {exc}") from None
+    except BaseException:
+        await store.close()
+        raise
     try:
         async with hosting(args, service, login=login, **process) as context:
             fields = {f.name: getattr(context, f.name) for f in dataclasses.fields(context)}
