@@ -113,7 +113,7 @@ from services.reservation.outcomes import Allocated, Grant
 from services.reservation.rounds import PENDING_PHASES, Backlog, Round, decide_round
 from services.runtime.bus.jetstream import Durable
 from services.runtime.delivery.confirming import LogConfirmation
-from services.runtime.delivery.consuming import Consumer, take_lock
+from services.runtime.delivery.consuming import Consumer, close_session, take_lock
 from services.runtime.delivery.handlers import Handled, HandlerContext
 from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RuntimeServiceError
@@ -508,7 +508,11 @@ class ReservationService:
     async def replan(self) -> None:
         """One planning round without a message, under the planner lock."""
         async with self.store.pool.acquire() as connection:
-            head, _ = await take_lock(connection, PLANNER_LOCK)  # asked of an idle holder
+            try:
+                head, _ = await take_lock(connection, PLANNER_LOCK)  # asked of an idle holder
+            except BaseException:
+                close_session(connection)  # the lock may have been granted as the call failed
+                raise
             try:
                 await self.live.fresh(head, connection=connection)
                 plan = await self.plan(self._deferred_cause, connection)
@@ -521,7 +525,11 @@ class ReservationService:
                     self._counter(plan)()
                 self._record_tries(plan)()
             finally:
-                await connection.execute("SELECT pg_advisory_unlock($1)", PLANNER_LOCK)
+                try:
+                    await connection.execute("SELECT pg_advisory_unlock($1)", PLANNER_LOCK)
+                except BaseException:
+                    close_session(connection)  # the pool resets nothing: it must not get the lock
+                    raise
 
     def _deferred_cause(self, key: ClaimKey) -> Cause:
         waiting = self._deferred.get(key)

@@ -260,6 +260,14 @@ async def take_lock(connection: Connection, key: int) -> tuple[int, bool]:
     return granted, True
 
 
+def close_session(connection: Connection) -> None:
+    """Close ``connection``'s session now: the server drops its session locks with it,
+    which a release to the pool would not (the pool resets nothing). One already closed
+    is left as it is."""
+    with contextlib.suppress(InterfaceError):
+        connection.terminate()
+
+
 @dataclasses.dataclass(slots=True)
 class _HeldLock:
     """``lock_key`` held as a session lock between groups (see ``_hold_lock``)."""
@@ -718,7 +726,7 @@ class Consumer:
             raise
         except BaseException:  # cancelled: the session may be mid-statement
             self._held = None
-            held.connection.terminate()  # the server drops the lock with the session
+            close_session(held.connection)  # the server drops the lock with the session
             await self._store.pool.release(held.connection)
             raise
         return fresh
@@ -763,7 +771,7 @@ class Consumer:
             self._lock_pid = connection.get_server_pid()
             head, waited = await take_lock(connection, key)
         except BaseException:
-            connection.terminate()  # the lock may have been granted as the call failed
+            close_session(connection)  # the lock may have been granted as the call failed
             await self._store.pool.release(connection)
             raise
         now = time.monotonic()
@@ -784,8 +792,7 @@ class Consumer:
         except BaseException as exc:
             # the pool resets nothing: the lock must not stay (a session given back
             # already — its server died under a commit — holds none)
-            with contextlib.suppress(InterfaceError):
-                held.connection.terminate()
+            close_session(held.connection)
             if not is_unreachable(exc):
                 raise
             # the session died with its server (a failover): its lock went with it
