@@ -176,6 +176,7 @@ from services.enforcement.decisions import (
     Written,
     decide_bound,
     decide_retries,
+    decide_taken_up,
     decide_work,
     health_changes,
     limit_of,
@@ -207,6 +208,7 @@ from services.runtime.bus.jetstream import DEFAULT_API_PREFIX, prefix_of
 from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RetryableError
 from services.runtime.ground.metrics import CLAIMS, ENFORCEMENT_LATENCY
+from services.runtime.ground.outages import one_line
 from services.runtime.ops.slos import known_class
 
 __all__ = ["Agent", "consumer_name"]
@@ -368,7 +370,7 @@ class Agent:
             dead_letter=self.dead_letter,
             wants=self.wants,
             undecodable=self.refused_undecodable,
-            missing=self.plane.consumer,
+            missing=self._durable_made_again,
             stages=self,
             api_prefix=api_prefix,
             max_deliver=max_deliver,
@@ -840,6 +842,54 @@ class Agent:
                 self.node,
                 sum(len(t.limits) for t in done.tasks if isinstance(t, Enforce)),
             )
+
+    async def _durable_made_again(self) -> bool:
+        """Have the node's durable made again (the consumer's pulls found none); when it
+        had to be, take up what its lost messages asked (:meth:`take_up`)."""
+        created = await self.plane.consumer()
+        if created:
+            await self.take_up()
+        return created
+
+    async def take_up(self) -> None:
+        """Carry out what the log asks of this node that no message may bring any more.
+
+        A broker that lost its store lost the node's durable and every message the agent
+        had not taken yet, and the relay republishes a lost stream only from the lowest
+        position a consumer recorded (:mod:`services.runtime.delivery.rebuilding`), which
+        an agent, with no database, does not record: a binding or a release below it
+        would never come. The agent keeps its lease through such a loss, so no reconcile
+        follows either. Once its durable is made again it applies its ``bound`` shares
+        and carries out its ``releasing`` claims from the log, as their messages would
+        have (:func:`~services.enforcement.decisions.decide_taken_up`; ``apply`` and
+        ``remove`` are idempotent, and a message that does come again finds the work
+        done). A failure is logged: the next reconcile (a new lease, a restart) does it.
+        """
+        for _ in range(3):  # a delete or a fence that got in first: decide again
+            try:
+                done = await self.carry_round(
+                    ViewAsk(node=True),
+                    lambda state: decide_taken_up(state, self.node, self.enforcing),
+                )
+            except ConflictError:
+                continue
+            except Exception as exc:
+                log.warning(
+                    "node %s: its shares not taken up after its durable was lost (%s)",
+                    self.node,
+                    one_line(exc),
+                )
+                return
+            if done.tasks:
+                log.info(
+                    "node %s: %d claim(s) taken up from the log after its durable was lost",
+                    self.node,
+                    len(done.tasks),
+                )
+            return
+        log.warning(
+            "node %s: its shares not taken up after its durable was lost (conflicts)", self.node
+        )
 
     # -- inventory ---------------------------------------------------------------------------
 

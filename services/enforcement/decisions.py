@@ -90,6 +90,7 @@ __all__ = [
     "Written",
     "decide_bound",
     "decide_retries",
+    "decide_taken_up",
     "decide_work",
     "enforce_claim",
     "health_changes",
@@ -227,16 +228,33 @@ def decide_bound(state: ClusterState, node: str, enforcing: Tally) -> list[Task]
     message left to apply it, so the reconcile after a return applies it as its
     message would have (``test_a_bound_share_whose_message_was_taken_is_applied_at_reconcile``).
     """
+    return _bound(state, node, Draft(enforcing))
+
+
+def decide_taken_up(state: ClusterState, node: str, enforcing: Tally) -> list[Task]:
+    """What ``node``'s messages ask, from the log alone, when they may be lost with the
+    broker's store (the agent's durable made again): the :class:`Release` of every claim
+    being released with a share still on ``node``, as its ``ReleaseRequested`` would
+    have it, then :func:`decide_bound`'s :class:`Enforce` tasks, counted without the
+    released shares. Claims mirrored from Kubernetes are the kubelet's, as there."""
     counted = Draft(enforcing)
-    keys = sorted(
-        {
-            share.claim
-            for share_id in _live_on(state, node)
-            if (share := state.shares.get(share_id)) is not None and share.state in _APPLICABLE
-        }
-    )
     tasks: list[Task] = []
-    for key in keys:
+    for key in _claims_on(state, node, _RELEASABLE):
+        claim = state.claims.get(key)
+        if claim is None or claim.source == "kubernetes" or claim.phase != "releasing":
+            continue
+        task = _releases(state, node, f"reconcile:{key[0]}/{key[1]}", claim, _RELEASABLE)
+        if isinstance(task, Release):
+            for gone in task.released:
+                counted.discard(gone.share_id)
+            tasks.append(task)
+    return tasks + _bound(state, node, counted)
+
+
+def _bound(state: ClusterState, node: str, counted: Draft) -> list[Task]:
+    """:func:`decide_bound` on a draft shared with other decisions."""
+    tasks: list[Task] = []
+    for key in _claims_on(state, node, _APPLICABLE):
         claim = state.claims.get(key)
         if claim is None or claim.source == "kubernetes":
             continue
@@ -244,6 +262,17 @@ def decide_bound(state: ClusterState, node: str, enforcing: Tally) -> list[Task]
         if task is not None:
             tasks.append(task)
     return tasks
+
+
+def _claims_on(state: ClusterState, node: str, states: frozenset[str]) -> list[tuple[str, str]]:
+    """The claims with a live share of ``node`` in one of ``states``, in key order."""
+    return sorted(
+        {
+            share.claim
+            for share_id in _live_on(state, node)
+            if (share := state.shares.get(share_id)) is not None and share.state in states
+        }
+    )
 
 
 def _prepared_by_kubelet(state: ClusterState, event: AllocationBound) -> bool:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
+import nats.js.errors
 import pytest
 import yaml
 from nats.aio.client import Client
@@ -42,6 +43,7 @@ from events.eventcodec import encode_event
 from events.quantities import Quantity
 from events.state import ClusterState
 from events.subjects import BusNames
+from services import durables
 from services.claims.api import ClaimsApi
 from services.enforcement.agent import Agent
 from services.enforcement.consumer import Delivery
@@ -60,6 +62,7 @@ from services.replay.verify import summary, verify
 from services.reservation.service import ReservationService
 from services.runtime.bus.jetstream import connect_bus, ensure_stream
 from services.runtime.delivery.handlers import HandlerContext
+from services.runtime.delivery.rebuilding import BusKeeper
 from services.runtime.delivery.relaying import Relay
 from services.runtime.ground.clock import SYSTEM, Clock
 from services.runtime.ground.errors import ConflictError
@@ -183,7 +186,11 @@ class Pipeline:
         self.tasks.append(asyncio.ensure_future(work))
 
     async def start(self) -> None:
-        self.spawn(Relay(handed(await self.store(), self.names, js=self.js)).run(self.stop))
+        relay_store = await self.store()
+        # the relay keeps the stream and the reservation's durables, as in `dracap up`
+        keeper = BusKeeper(relay_store, self.js, self.names, durables.relay_owned(self.names))
+        await keeper.ensure(0, None)
+        self.spawn(Relay(handed(relay_store, self.names, js=self.js), keeper=keeper).run(self.stop))
         api_store = await self.store()
         api_live = LiveState(api_store)
         self.api = ClaimsApi(folded(api_store, self.names, self.nc, live=api_live), tail=True)
@@ -362,6 +369,65 @@ async def test_claim_becomes_ready_then_releases(pipeline: Pipeline, settings: S
     again = await pipeline.tenant("tenant-a", "delete", {"name": "train"})
     assert again == {"ok": True, "phase": "released"}  # the wish is done: not "not found"
     await assert_verified(settings)
+
+
+async def test_an_agent_whose_durable_was_lost_with_its_messages_takes_up_its_node(
+    pipeline: Pipeline,
+) -> None:
+    """A broker that lost its store lost the agent's durable and the messages the agent
+    had not taken; the relay publishes a lost stream again only from the lowest position
+    a consumer recorded, which an agent does not record, and the agent keeps its lease
+    (no reconcile). Here the agent is held at the moment its pulls found its durable
+    gone; a claim is bound and another deleted meanwhile; every consumer's mark passes
+    both (as the reservation's feeds' do once they handle later messages) and the stream
+    is lost. Once the durable is made again, the bound claim must go Ready and the
+    deleted one released (``Agent.take_up``; without it they stayed bound and releasing:
+    no message of theirs came again)."""
+    applied = await pipeline.tenant("tenant-a", "apply", claim_manifest("before", "tenant-a"))
+    assert applied["ok"], applied
+    await pipeline.until(phase_is("tenant-a", "before", "ready"))
+    consumer = pipeline.agents[0].consumer
+    noticed, go = asyncio.Event(), asyncio.Event()
+    make_again = consumer._missing
+    assert make_again is not None
+
+    async def held_back() -> object:
+        noticed.set()
+        await go.wait()
+        return await make_again()
+
+    consumer._missing = held_back
+    await pipeline.js.delete_consumer(pipeline.names.stream, consumer.name)
+    async with asyncio.timeout(60):  # its pulls find nobody (at the latest as they expire)
+        await noticed.wait()
+    applied = await pipeline.tenant("tenant-a", "apply", claim_manifest("during", "tenant-a"))
+    assert applied["ok"], applied
+    deleted = await pipeline.tenant("tenant-a", "delete", {"name": "before"})
+    assert deleted == {"ok": True, "phase": "releasing"}
+
+    def bound(state: ClusterState) -> bool:
+        claim = state.claim("tenant-a", "during")
+        shares = [state.shares[s] for s in claim.share_ids] if claim is not None else []
+        return bool(shares) and all(share.state == "bound" for share in shares)
+
+    await pipeline.until(bound)
+    head = await pipeline.stores[0].head()
+    await pipeline.stores[0].pool.execute("UPDATE consumer_checkpoints SET position = $1", head)
+    await pipeline.js.delete_stream(pipeline.names.stream)  # the broker lost its store
+
+    async def stream_again() -> bool:
+        try:
+            await pipeline.js.stream_info(pipeline.names.stream)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
+
+    async with asyncio.timeout(60):  # the relay makes it again, from after the marks
+        while not await stream_again():  # noqa: ASYNC110 (asks the broker)
+            await asyncio.sleep(0.1)
+    go.set()
+    await pipeline.until(phase_is("tenant-a", "during", "ready"))
+    await pipeline.until(phase_is("tenant-a", "before", "released"))
 
 
 class FailingEnforcer(NoneEnforcer):

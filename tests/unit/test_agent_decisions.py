@@ -23,9 +23,11 @@ from services.enforcement.decisions import (
     RETRY_MAX_S,
     Enforce,
     Failed,
+    Release,
     RetryState,
     decide_bound,
     decide_retries,
+    decide_taken_up,
     decide_work,
     limit_of,
     rebuilt_entries,
@@ -432,6 +434,32 @@ def test_the_reconcile_applies_each_bound_share_of_the_node_and_nothing_else() -
     lost = _tell(["reserve c1", "lost node-a"])
     assert {s.state for s in lost.state().shares.values()} == {"unknown"}
     assert decide_bound(lost.state(), NODE, Enforcing()) == []
+
+
+def test_taking_up_a_node_releases_its_releasing_claims_then_applies_its_bound_ones() -> None:
+    """What a lost stream's messages asked (the durable made again): c3's release, as its
+    ``ReleaseRequested`` would have it, and c1's apply, as ``decide_bound``'s; the ready
+    c2 and the other node's nothing."""
+    log = _tell(["reserve c1", "reserve c2", "ready c2", "reserve c3", "ready c3", "release c3"])
+    state = log.state()
+    held = [s for k in ("c2", "c3") for s in state.claims[(NAMESPACE, k)].share_ids]
+    tasks = decide_taken_up(state, NODE, _enforcing(log, held))
+    assert [type(t).__name__ for t in tasks] == ["Release", "Enforce"]
+    release, enforce = tasks
+    assert isinstance(release, Release) and isinstance(enforce, Enforce)
+    assert [r.share_id for r in release.released] == state.claims[(NAMESPACE, "c3")].share_ids
+    assert [lim.share_id for lim in enforce.limits] == state.claims[(NAMESPACE, "c1")].share_ids
+    assert [t.message for t in tasks] == [f"reconcile:{NAMESPACE}/c3", f"reconcile:{NAMESPACE}/c1"]
+    # the same apply as the reconcile's
+    assert tasks[1:] == decide_bound(state, NODE, _enforcing(log, held))
+    assert decide_taken_up(state, "node-b", Enforcing()) == []
+    # a release carried out (LimitRemoved, CapacityReleased) leaves nothing to take up
+    for share in release.released:
+        log.add(c.LimitRemoved(share_id=share.share_id, node=NODE))
+        log.add(share)
+    assert [type(t).__name__ for t in decide_taken_up(log.state(), NODE, Enforcing())] == [
+        "Enforce"
+    ]
 
 
 # --- reconcile ------------------------------------------------------------------------
