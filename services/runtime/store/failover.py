@@ -196,11 +196,45 @@ class _PoolLogLine(logging.Filter):
 _POOL_LOG_LINE: Final = _PoolLogLine()
 
 
+class _LostConnects:
+    """The running loop's exception handler, less asyncpg's leftovers of a server that
+    went away: a connect cancelled as its TCP connection came up leaves a bare future that
+    the connection's loss then fails (``connection_lost()`` during the SSL request), and
+    asyncio logged it as an error with its traceback ("Future exception was never
+    retrieved") — during a failover, an expected failure. Such a future (not a task)
+    failed with an error the store counts as retryable is one warning line; anything else
+    goes to the handler that was there."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        future = context.get("future")
+        if (
+            isinstance(future, asyncio.Future)
+            and not isinstance(future, asyncio.Task)
+            and isinstance(exc, Exception)
+            and isinstance(map_database_error(exc), RetryableError)
+        ):
+            _log.warning("a connection ended as its server went away: %s", _line(exc))
+            return
+        if self.previous is not None:
+            self.previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+
 def quiet_pool_log() -> None:
-    """Have asyncpg's pool log a failover as one line (see :class:`_PoolLogLine`)."""
+    """Have asyncpg's pool log a failover as one line (see :class:`_PoolLogLine`), and
+    the running loop its lost connects (:class:`_LostConnects`)."""
     pool_log = logging.getLogger("asyncpg.pool")
     if _POOL_LOG_LINE not in pool_log.filters:
         pool_log.addFilter(_POOL_LOG_LINE)
+    loop = asyncio.get_running_loop()
+    handler = loop.get_exception_handler()
+    if not isinstance(handler, _LostConnects):
+        loop.set_exception_handler(_LostConnects(handler))
 
 
 def _line(exc: BaseException) -> str:
