@@ -126,10 +126,12 @@ import gc
 import json
 import os
 import signal
+import socket
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable
@@ -257,6 +259,7 @@ class Reach(NamedTuple):
     nats_url: str
     credential: Credential | None
     pid: int = 0  #: the ``dracap up`` process
+    metrics: str = ""  #: its ``/metrics``
 
 
 class ReadyTracker:
@@ -701,6 +704,54 @@ def machine_cpu_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def free_port() -> int:
+    """A TCP port free on the loopback now (for ``dracap up``'s metrics)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Appends(NamedTuple):
+    """``dracap up``'s appends to the log so far (``dracap_log_append_duration_seconds``)."""
+
+    count: float = 0.0
+    seconds: float = 0.0
+
+    def since(self, before: Appends, claims: int) -> str:
+        """The appends between ``before`` and these, per claim, and their mean time."""
+        count, seconds = self.count - before.count, self.seconds - before.seconds
+        if not count or not claims:
+            return "log appends: none counted"
+        return (
+            f"log appends: {count / claims:.2f} per claim, "
+            f"{seconds * 1000 / count:.2f} ms each on average"
+        )
+
+
+async def appends_of(url: str) -> Appends:
+    """Read ``dracap up``'s append count and time from ``url`` (nothing when it does not
+    answer: the line then says none were counted)."""
+
+    def scrape() -> str:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return str(answer.read().decode())
+
+    try:
+        text = await asyncio.to_thread(scrape)
+    except OSError:
+        return Appends()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("dracap_log_append_duration_seconds_"):
+            values[name] = float(value)
+    return Appends(
+        values.get("dracap_log_append_duration_seconds_count", 0.0),
+        values.get("dracap_log_append_duration_seconds_sum", 0.0),
+    )
+
+
 async def report_stages(
     url: str, tracker: ReadyTracker, label: str, title: str, cpu_s: float = 0.0
 ) -> None:
@@ -742,6 +793,7 @@ async def dracap_up(
     on the benchmark's NATS server.
     """
     nodes = [f"node-{i}" for i in range(args.nodes)]
+    metrics_port = free_port()
     memory = getattr(args, "gpu_memory", None) or gpu_memory(args)
     spread = getattr(args, "spread", False)
     inventory = write_inventory(
@@ -756,7 +808,8 @@ async def dracap_up(
     command = [
         *(sys.executable, "-m", "services.cli", "up", "--data-dir", str(work / "data")),
         *("--inventory", str(inventory), "--workers", str(args.workers)),
-        *("--metrics-port", "0", "--prefix", names.prefix),
+        *("--metrics-port", str(metrics_port), "--ledger-metrics-port", "0"),
+        *("--prefix", names.prefix),
     ]
     if args.insecure:
         env["DRACAP_NATS_URL"] = settings.nats_url
@@ -779,7 +832,8 @@ async def dracap_up(
         connection = read_connection(work / "data")
         assert connection is not None
         credential = read_credential(connection.creds) if connection.creds else None
-        yield Reach(connection.nats_url, credential, process.pid)
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        yield Reach(connection.nats_url, credential, process.pid, metrics)
     finally:
         if process.returncode is None:
             process.send_signal(signal.SIGINT)
@@ -999,6 +1053,7 @@ async def _measure_pipeline(
                     await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
                     await quiet(reach.pid, None, after="the start")
                     await settled(url, args)
+                    appends = await appends_of(reach.metrics)
                     machine, own = machine_cpu_seconds(), cpu_seconds(reach.pid)
                     ledger = ledger_cpu_seconds(reach.pid)
                     processes = cpu_by_process(reach.pid)
@@ -1022,14 +1077,20 @@ async def _measure_pipeline(
                     )
                     cells = split_cells(split, args.claims)
                     print(f"  (by process, ms per claim: {cells})", flush=True)
+                    appended = (await appends_of(reach.metrics)).since(appends, args.claims)
+                    print(f"  ({appended})", flush=True)
                     await settled(url, args)
+                    appends = await appends_of(reach.metrics)
                     cpu = cpu_seconds(reach.pid)
                     lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
+                    appended = (await appends_of(reach.metrics)).since(appends, len(lat))
+                    print(f"  (the half-rate run's {appended})", flush=True)
                     if args.stages:
                         cpu = cpu_seconds(reach.pid) - cpu
                         await report_stages(url, tracker, "lat", "the half-rate run", cpu)
                     for rate in args.rates:  # the curve below the half rate
                         await settled(url, args)
+                        appends = await appends_of(reach.metrics)
                         cpu = cpu_seconds(reach.pid)
                         processes = cpu_by_process(reach.pid)
                         at = await latency(api, tracker, rate, args.seconds, f"r{rate:g}")
@@ -1040,6 +1101,8 @@ async def _measure_pipeline(
                         figures = f"p50 {p50:6.1f} ms   p99 {p99:6.1f} ms"
                         print(f"  at {rate:>6g} claims/s: {figures}{goal}", flush=True)
                         print(f"    (by process, ms per claim: {split_cells(split, len(at))})")
+                        appended = (await appends_of(reach.metrics)).since(appends, len(at))
+                        print(f"    ({appended})", flush=True)
                         if args.stages:
                             label, title = f"r{rate:g}", f"{rate:g}/s"
                             await report_stages(url, tracker, label, title, cpu)

@@ -28,6 +28,7 @@ from services.runtime.ground.errors import (
     InvalidEvent,
     map_database_error,
 )
+from services.runtime.ground.metrics import REGISTRY
 from services.runtime.ground.settings import Settings
 from services.runtime.store.appends import Batch, Metadata
 from services.runtime.store.eventstore import CHANNEL, EventStore, connect
@@ -75,6 +76,23 @@ class EventStoreContract:
         assert all(isinstance(r, ConflictError) for r in results if not isinstance(r, list))
         assert await _count(store) == (2, 2)  # nothing half-written
         assert await store.head() == 2
+
+    async def test_every_append_statement_is_timed_whatever_its_answer(
+        self, store: EventStore
+    ) -> None:
+        def observed() -> tuple[float, float]:
+            count = REGISTRY.get_sample_value("dracap_log_append_duration_seconds_count")
+            total = REGISTRY.get_sample_value("dracap_log_append_duration_seconds_sum")
+            return count or 0.0, total or 0.0
+
+        count, total = observed()
+        events = [s.claim_submitted("a", "timed")]
+        await store.append("claim:a/timed", 0, events, actor="t")
+        with pytest.raises(ConflictError):  # refused: still a statement answered
+            await store.append("claim:a/timed", 0, events, actor="t")
+        after_count, after_total = observed()
+        assert after_count == count + 2
+        assert after_total > total
 
     async def test_tailing_reader_sees_late_commit_in_order(self, store: EventStore) -> None:
         gate, entered = asyncio.Event(), asyncio.Event()

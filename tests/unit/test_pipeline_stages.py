@@ -16,14 +16,17 @@ import warnings
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
 from benchmarks import pipeline
 from benchmarks.memory import resident_bytes, up_resident_bytes
 from benchmarks.pipeline import (
     DRIVER,
+    Appends,
     ForkWatch,
     ReadyTracker,
     RunError,
+    appends_of,
     claim,
     cli,
     cpu_by_process,
@@ -319,3 +322,25 @@ def test_without_spread_every_node_and_claim_has_the_one_class(tmp_path: Path) -
     assert classes == [DRIVER] and drivers == {DRIVER}
     request = json.loads(claim("lat-1"))["spec"]["devices"]["requests"][0]
     assert request["exactly"]["deviceClassName"] == DRIVER
+
+
+async def test_the_appends_of_a_run_are_read_off_the_metrics_and_said_per_claim() -> None:
+    registry = CollectorRegistry()
+    appends = Histogram("dracap_log_append_duration_seconds", "appends", registry=registry)
+    port = pipeline.free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        before = await appends_of(url)
+        for seconds in (0.002, 0.004, 0.006):
+            appends.observe(seconds)
+        after = await appends_of(url)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert before == Appends(0.0, 0.0)
+    assert after.count == 3 and after.seconds == pytest.approx(0.012)
+    assert after.since(before, 2) == "log appends: 1.50 per claim, 4.00 ms each on average"
+    gone = await appends_of(url)  # nobody answers: nothing counted, said so
+    assert gone.since(before, 2) == "log appends: none counted"

@@ -55,6 +55,7 @@ __all__ = [
     "KUBELET_CALL_DURATION",
     "LEASE_RENEWALS",
     "LEASE_RENEWAL_STATEMENTS",
+    "LOG_APPEND_DURATION",
     "NODE_REQUESTS",
     "REGISTRY",
     "REJECTIONS",
@@ -129,6 +130,14 @@ ENFORCEMENT_LATENCY: Final = Histogram(
     "From an allocation being bound to its node agent reporting the limit applied, by DeviceClass.",
     ["class"],
     buckets=_SLOW_BUCKETS,
+    registry=REGISTRY,
+)
+LOG_APPEND_DURATION: Final = Histogram(
+    "dracap_log_append_duration_seconds",
+    "Time one append statement to the event log takes, from sending it to its answer, "
+    "whatever the answer (the wait for the log's head lock, the guards and the commit "
+    "included).",
+    buckets=(0.0005, *_LATENCY_BUCKETS),
     registry=REGISTRY,
 )
 RELAY_LAG: Final = Gauge(

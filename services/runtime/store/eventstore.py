@@ -96,6 +96,7 @@ from services.runtime.ground.errors import (
     StaleEpoch,
     map_database_error,
 )
+from services.runtime.ground.metrics import LOG_APPEND_DURATION
 from services.runtime.ground.settings import Settings
 from services.runtime.ground.waiting import wait_for
 from services.runtime.store.appends import (
@@ -534,23 +535,24 @@ class EventStore:
         count, processed = len(pending.events), pending.processed
         premises = [b.premise for b in batches if b.premise is not None]
         sent = time.monotonic()
-        row = await connection.fetchrow(
-            _APPEND_EXPECTING if premises else _APPEND,
-            count,
-            [b.stream for b in batches],
-            [b.expected_version for b in batches],
-            pending.event_ids,
-            pending.streams,
-            pending.types,
-            pending.schema_versions,
-            pending.namespaces,
-            pending.meta.actor,
-            pending.correlation_ids,
-            pending.causation_ids,
-            pending.payloads,
-            *((None, None) if processed is None else (processed.consumer, processed.event_ids)),
-            *((msgspec.json.encode(premises),) if premises else ()),
-        )
+        with LOG_APPEND_DURATION.time():
+            row = await connection.fetchrow(
+                _APPEND_EXPECTING if premises else _APPEND,
+                count,
+                [b.stream for b in batches],
+                [b.expected_version for b in batches],
+                pending.event_ids,
+                pending.streams,
+                pending.types,
+                pending.schema_versions,
+                pending.namespaces,
+                pending.meta.actor,
+                pending.correlation_ids,
+                pending.causation_ids,
+                pending.payloads,
+                *((None, None) if processed is None else (processed.consumer, processed.event_ids)),
+                *((msgspec.json.encode(premises),) if premises else ()),
+            )
         assert row is not None  # the function returns exactly one row
         head: int = row[0]
         recorded_at: datetime.datetime = row[3]
