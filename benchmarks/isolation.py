@@ -42,6 +42,7 @@ from typing import Any
 from benchmarks import pipeline, stopping
 from events.subjects import BusNames
 from services.runtime.bus.apiclient import ApiClient, ApiError
+from services.runtime.bus.flushing import flushed
 from services.runtime.ground.gctuning import tune_for_long_lived_state
 from services.runtime.ground.settings import Settings
 
@@ -130,7 +131,7 @@ class Verdicts:
             self.on_view(json.loads(msg.data))
 
         sub = await api.nc.subscribe(subject, cb=on_message)
-        await api.nc.flush()
+        await flushed(api.nc)
         try:
             yield
         finally:

@@ -60,6 +60,7 @@ from events.statecodec import snapshot_encode
 from events.subjects import BusNames
 from services.replay.verify import fold_rows, paused_gc
 from services.runtime.bus.apiclient import ApiClient
+from services.runtime.bus.flushing import flushed
 from services.runtime.ground.gctuning import tune_for_long_lived_state
 
 KINDS = ("small", "large", "unschedulable")
@@ -132,7 +133,7 @@ async def apply_all(
         decided.on_view(json.loads(msg.data))
 
     sub = await api.nc.subscribe(subject, cb=on_message)
-    await api.nc.flush()
+    await flushed(api.nc)
     names = iter(f"{label or kind}-{i}" for i in range(count))
 
     async def lane() -> None:

@@ -149,6 +149,7 @@ from services.commands.up import READY_LINE
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import Credential, read_credential
 from services.runtime.bus.endpoints import EndpointError, reaching, read_connection
+from services.runtime.bus.flushing import flushed
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground.gctuning import tune_for_long_lived_state
 from services.runtime.ground.settings import Settings
@@ -301,7 +302,7 @@ async def watching(api: ApiClient, tracker: ReadyTracker) -> AsyncIterator[None]
             tracker.on_view(json.loads(msg.data))
 
     sub = await api.nc.subscribe(subject, cb=on_message)
-    await api.nc.flush()
+    await flushed(api.nc)
     try:
         yield
     finally:

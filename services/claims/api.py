@@ -107,6 +107,7 @@ from services.claims.apicore import AdminOperation, TenantOperation
 from services.claims.apitenant import TenantReads
 from services.claims.apiwatch import WatchApi
 from services.claims.apiwrites import TenantWrites
+from services.runtime.bus.flushing import flushed
 from services.runtime.ground.metrics import REJECTIONS
 
 __all__ = ["ADMIN_OPS", "TENANT_OPS", "ClaimsApi"]
@@ -197,7 +198,7 @@ class ClaimsApi(TenantWrites, TenantReads, AdminApi, WatchApi):
                 subject=self.names.admin(op),
                 handler=self._admin(afn),
             )
-        await self.nc.flush()
+        await flushed(self.nc)
         self._service = service
 
     async def run(self, stop: asyncio.Event) -> None:

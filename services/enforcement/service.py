@@ -119,6 +119,7 @@ from services.enforcement.reports import (
 )
 from services.enforcement.views import Scope, decode_view, encode_view, scope
 from services.runtime.bus.credentials import Directory, Principal, principal_of
+from services.runtime.bus.flushing import flushed
 from services.runtime.bus.jetstream import durable_config, with_timeout
 from services.runtime.bus.replies import split
 from services.runtime.delivery.confirming import LogConfirmation
@@ -275,7 +276,7 @@ class EnforcementService:
         self._sub = await self.nc.subscribe(
             self.names.node_requests, queue=QUEUE_GROUP, cb=self._received
         )
-        await self.nc.flush()
+        await flushed(self.nc)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Answer requests and renew leases until ``stop`` is set."""

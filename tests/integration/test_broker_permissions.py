@@ -51,6 +51,7 @@ from services.runtime.bus.credentials import (
     principal_of,
     read_directory,
 )
+from services.runtime.bus.flushing import flushed
 from services.runtime.bus.jetstream import (
     Durable,
     connect_bus,
@@ -208,7 +209,7 @@ class Session:
             await self.nc.subscribe(sentinel)
         else:
             await self.nc.publish(sentinel, b"")
-        await self.nc.flush()
+        await flushed(self.nc)
         async with asyncio.timeout(within):
             while not self.refused(sentinel):
                 self.changed.clear()
@@ -585,7 +586,7 @@ async def _listening_on_node_subjects(broker: Broker) -> Heard:
         heard.arrived.set()
 
     await nc.subscribe(f"{broker.names.prefix}.node.*.>", cb=keep)
-    await nc.flush()
+    await flushed(nc)
     return heard
 
 

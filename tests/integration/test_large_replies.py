@@ -25,6 +25,7 @@ from events.subjects import BusNames
 from services.exitcodes import ExitCode
 from services.runtime.bus.apiclient import ApiClient, ApiError, Inbox
 from services.runtime.bus.endpoints import ServerUnavailable
+from services.runtime.bus.flushing import flushed
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.bus.replies import HEADROOM, MAX_REPLY_PARTS, split
 from services.runtime.ground.settings import Settings
@@ -153,7 +154,7 @@ async def test_one_inbox_takes_the_parts_of_many_replies_at_once(small_nats: str
                 await server.publish(msg.reply, data, headers=headers)
 
         await server.subscribe(subject, cb=echo)
-        await server.flush()
+        await flushed(server)
         inbox = Inbox(client)
         bodies = [bytes([i]) * (MAX_PAYLOAD - i) for i in range(8)]  # 5 parts each
         replies = await asyncio.gather(*(inbox.ask(subject, b, 30) for b in bodies))

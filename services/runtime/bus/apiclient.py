@@ -37,6 +37,7 @@ from events.subjects import BusNames
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus.credentials import Credential
 from services.runtime.bus.endpoints import reaching
+from services.runtime.bus.flushing import flushed
 from services.runtime.bus.jetstream import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S, server_urls
 from services.runtime.bus.replies import Assembly, ReplyPartError
 from services.runtime.ground.waiting import wait_for
@@ -313,7 +314,7 @@ class ApiClient:
 
         sub = await self.nc.subscribe(subject, cb=on_change)
         try:
-            await self.nc.flush()
+            await flushed(self.nc)
             yield queue
         finally:
             await sub.unsubscribe()

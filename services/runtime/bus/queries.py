@@ -31,6 +31,7 @@ from events.actors import Actor
 from events.model import encode_hook
 from events.subjects import BusNames
 from services.runtime.bus.credentials import Directory, caller_of
+from services.runtime.bus.flushing import flushed
 from services.runtime.bus.replies import HEADROOM, MAX_REPLY_PARTS, split
 
 __all__ = [
@@ -195,7 +196,7 @@ async def serve_queries(
         name=f"{service}-tenant", subject=names.api("*", tenant_op), handler=tenant
     )
     await micro.add_endpoint(name=f"{service}-admin", subject=names.admin(admin_op), handler=admin)
-    await nc.flush()
+    await flushed(nc)
     return micro
 
 
