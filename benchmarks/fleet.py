@@ -113,19 +113,6 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def scrape(port: int, name: str, labels: str = "") -> float:
-    """One sample of a metric from a process's metrics endpoint."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    wanted = f"{name}{labels} " if labels else f"{name} "
-    for line in text.splitlines():
-        if line.startswith(wanted):
-            return float(line.split()[-1])
-    return 0.0
-
-
 class ControlPlane:
     """The services as processes (see the module docstring)."""
 
@@ -330,8 +317,12 @@ async def steady(
 ) -> dict[str, Any]:
     """Connections and renewals over ``window`` seconds of the fleet beating."""
     port = plane.metrics_port
-    statements = await asyncio.to_thread(scrape, port, "dracap_lease_renewal_statements_total")
-    held = await asyncio.to_thread(scrape, port, "dracap_lease_renewals_total", '{outcome="held"}')
+    statements = await asyncio.to_thread(
+        pipeline.scrape, port, "dracap_lease_renewal_statements_total"
+    )
+    held = await asyncio.to_thread(
+        pipeline.scrape, port, "dracap_lease_renewals_total", '{outcome="held"}'
+    )
     started, most = time.monotonic(), 0
     while time.monotonic() - started < window:
         count = await db.fetchval(
@@ -342,10 +333,10 @@ async def steady(
         await asyncio.sleep(0.5)
     seconds = time.monotonic() - started
     statements_after = await asyncio.to_thread(
-        scrape, port, "dracap_lease_renewal_statements_total"
+        pipeline.scrape, port, "dracap_lease_renewal_statements_total"
     )
     held_after = await asyncio.to_thread(
-        scrape, port, "dracap_lease_renewals_total", '{outcome="held"}'
+        pipeline.scrape, port, "dracap_lease_renewals_total", '{outcome="held"}'
     )
     expired = await db.fetchval(
         "SELECT count(*) FROM events WHERE type = 'reclamation.node_lease_expired'"

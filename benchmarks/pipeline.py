@@ -126,7 +126,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -153,7 +152,7 @@ from services.runtime.bus.flushing import flushed
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground.gctuning import tune_for_long_lived_state
 from services.runtime.ground.settings import Settings
-from services.runtime.ops.embedded import embedded_servers
+from services.runtime.ops.embedded import embedded_servers, free_port
 
 NAMESPACE = "bench"
 DRIVER = "gpu.bench.dracap.io"
@@ -260,7 +259,7 @@ class Reach(NamedTuple):
     nats_url: str
     credential: Credential | None
     pid: int = 0  #: the ``dracap up`` process
-    metrics: str = ""  #: its ``/metrics``
+    metrics_port: int = 0  #: where it serves its metrics
 
 
 class ReadyTracker:
@@ -705,16 +704,23 @@ def machine_cpu_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback now (for ``dracap up``'s metrics)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+def scrape(port: int, name: str, labels: str = "") -> float:
+    """One sample of a metric from a process's metrics endpoint (0 when it has none)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    wanted = f"{name}{labels} " if labels else f"{name} "
+    for line in text.splitlines():
+        if line.startswith(wanted):
+            return float(line.split()[-1])
+    return 0.0
+
+
+#: the histogram every append statement is timed in
+APPENDS_METRIC = "dracap_log_append_duration_seconds"
 
 
 class Appends(NamedTuple):
-    """``dracap up``'s appends to the log so far (``dracap_log_append_duration_seconds``)."""
+    """``dracap up``'s appends to the log so far (:data:`APPENDS_METRIC`)."""
 
     count: float = 0.0
     seconds: float = 0.0
@@ -730,27 +736,19 @@ class Appends(NamedTuple):
         )
 
 
-async def appends_of(url: str) -> Appends:
-    """Read ``dracap up``'s append count and time from ``url`` (nothing when it does not
-    answer: the line then says none were counted)."""
+async def appends_of(port: int) -> Appends:
+    """Read ``dracap up``'s append count and time from its metrics on ``port`` (nothing
+    when it does not answer: the line then says none were counted)."""
 
-    def scrape() -> str:
-        with urllib.request.urlopen(url, timeout=5) as answer:
-            return str(answer.read().decode())
+    def read() -> Appends:
+        return Appends(
+            scrape(port, f"{APPENDS_METRIC}_count"), scrape(port, f"{APPENDS_METRIC}_sum")
+        )
 
     try:
-        text = await asyncio.to_thread(scrape)
+        return await asyncio.to_thread(read)
     except OSError:
         return Appends()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("dracap_log_append_duration_seconds_"):
-            values[name] = float(value)
-    return Appends(
-        values.get("dracap_log_append_duration_seconds_count", 0.0),
-        values.get("dracap_log_append_duration_seconds_sum", 0.0),
-    )
 
 
 async def report_stages(
@@ -833,8 +831,7 @@ async def dracap_up(
         connection = read_connection(work / "data")
         assert connection is not None
         credential = read_credential(connection.creds) if connection.creds else None
-        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        yield Reach(connection.nats_url, credential, process.pid, metrics)
+        yield Reach(connection.nats_url, credential, process.pid, metrics_port)
     finally:
         if process.returncode is None:
             process.send_signal(signal.SIGINT)
@@ -1054,7 +1051,7 @@ async def _measure_pipeline(
                     await throughput(api, tracker, min(100, args.claims), args.concurrency, "warm")
                     await quiet(reach.pid, None, after="the start")
                     await settled(url, args)
-                    appends = await appends_of(reach.metrics)
+                    appends = await appends_of(reach.metrics_port)
                     machine, own = machine_cpu_seconds(), cpu_seconds(reach.pid)
                     ledger = ledger_cpu_seconds(reach.pid)
                     processes = cpu_by_process(reach.pid)
@@ -1078,20 +1075,20 @@ async def _measure_pipeline(
                     )
                     cells = split_cells(split, args.claims)
                     print(f"  (by process, ms per claim: {cells})", flush=True)
-                    appended = (await appends_of(reach.metrics)).since(appends, args.claims)
+                    appended = (await appends_of(reach.metrics_port)).since(appends, args.claims)
                     print(f"  ({appended})", flush=True)
                     await settled(url, args)
-                    appends = await appends_of(reach.metrics)
+                    appends = await appends_of(reach.metrics_port)
                     cpu = cpu_seconds(reach.pid)
                     lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
-                    appended = (await appends_of(reach.metrics)).since(appends, len(lat))
+                    appended = (await appends_of(reach.metrics_port)).since(appends, len(lat))
                     print(f"  (the half-rate run's {appended})", flush=True)
                     if args.stages:
                         cpu = cpu_seconds(reach.pid) - cpu
                         await report_stages(url, tracker, "lat", "the half-rate run", cpu)
                     for rate in args.rates:  # the curve below the half rate
                         await settled(url, args)
-                        appends = await appends_of(reach.metrics)
+                        appends = await appends_of(reach.metrics_port)
                         cpu = cpu_seconds(reach.pid)
                         processes = cpu_by_process(reach.pid)
                         at = await latency(api, tracker, rate, args.seconds, f"r{rate:g}")
@@ -1102,7 +1099,7 @@ async def _measure_pipeline(
                         figures = f"p50 {p50:6.1f} ms   p99 {p99:6.1f} ms"
                         print(f"  at {rate:>6g} claims/s: {figures}{goal}", flush=True)
                         print(f"    (by process, ms per claim: {split_cells(split, len(at))})")
-                        appended = (await appends_of(reach.metrics)).since(appends, len(at))
+                        appended = (await appends_of(reach.metrics_port)).since(appends, len(at))
                         print(f"    ({appended})", flush=True)
                         if args.stages:
                             label, title = f"r{rate:g}", f"{rate:g}/s"

@@ -45,8 +45,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from benchmarks import stopping
-from benchmarks.fleet import scrape
-from benchmarks.pipeline import add_server_arguments, fresh_database
+from benchmarks.pipeline import add_server_arguments, fresh_database, scrape
 from events.subjects import BusNames
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground.settings import Settings

@@ -42,6 +42,7 @@ from benchmarks.pipeline import (
     write_timeline,
 )
 from services.runtime.bus.endpoints import ServerUnavailable
+from services.runtime.ops.embedded import free_port
 from tests.fixtures.polling import until
 
 
@@ -327,14 +328,13 @@ def test_without_spread_every_node_and_claim_has_the_one_class(tmp_path: Path) -
 async def test_the_appends_of_a_run_are_read_off_the_metrics_and_said_per_claim() -> None:
     registry = CollectorRegistry()
     appends = Histogram("dracap_log_append_duration_seconds", "appends", registry=registry)
-    port = pipeline.free_port()
+    port = free_port()
     server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
     try:
-        url = f"http://127.0.0.1:{port}/metrics"
-        before = await appends_of(url)
+        before = await appends_of(port)
         for seconds in (0.002, 0.004, 0.006):
             appends.observe(seconds)
-        after = await appends_of(url)
+        after = await appends_of(port)
     finally:
         server.shutdown()
         server.server_close()
@@ -342,5 +342,5 @@ async def test_the_appends_of_a_run_are_read_off_the_metrics_and_said_per_claim(
     assert before == Appends(0.0, 0.0)
     assert after.count == 3 and after.seconds == pytest.approx(0.012)
     assert after.since(before, 2) == "log appends: 1.50 per claim, 4.00 ms each on average"
-    gone = await appends_of(url)  # nobody answers: nothing counted, said so
+    gone = await appends_of(port)  # nobody answers: nothing counted, said so
     assert gone.since(before, 2) == "log appends: none counted"

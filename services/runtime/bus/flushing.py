@@ -7,8 +7,9 @@ queued for that task, while the PING is written to the socket at once, ahead of 
 the PONG can then come back before the server has read the ``SUB``, and a request from
 another connection, sent right after, finds nobody subscribed (``NoRespondersError``),
 or a message published right after is not delivered to the new subscription. Seen in
-``tests/integration/test_large_replies.py`` about once in ten runs of the file, and
-in 4 of 300 rounds of subscribe, flush, request (``tests/integration/test_flushing.py``).
+``tests/integration/test_large_replies.py`` about once in ten runs of the file, and in
+4 of 300 rounds of subscribe, one flush, request from another connection (the rounds of
+``tests/integration/test_flushing.py``, which failed every run with one flush).
 
 :func:`flushed` flushes twice. The flusher task is woken when the command is queued,
 before the first PING is written, so it has written the queued commands by the time
