@@ -74,8 +74,10 @@ process on the machine (``by process``: ``dracap up`` with its forked snapshot
 encoders, its ledger process, PostgreSQL's processes, nats-server's, this load
 generator, the rest; each process's ``/proc/<pid>/stat`` read before and after the run,
 one born meanwhile counted whole, one reaped meanwhile through its parent's children's
-time; each ``--rates`` run prints the same split per claim
-of its own, the cost of a claim that comes alone); the ratios end with what the
+time; the half-rate run and each ``--rates`` run print the same split per claim of
+their own, the cost of a claim at that rate), each split with the share of the
+machine's cores it kept busy over the run (``the machine N % busy``: near 100 % every
+process waits for a core after each wake-up); the ratios end with what the
 machine's cores could sustain at that cost if every one of them were busy with it
 (cores / CPU per claim), and what ``dracap up``'s one thread could sustain at its own
 CPU per claim, each against the raw commit rate: a ratio goal above either bound is out
@@ -693,6 +695,17 @@ def split_cells(split: dict[str, float], claims: int) -> str:
     return ", ".join(f"{group} {cpu * 1000 / claims:.3f}" for group, cpu in split.items())
 
 
+def busy(split: dict[str, float], seconds: float) -> str:
+    """What share of the machine's cores a :func:`cpu_split` over ``seconds`` of wall
+    time kept busy, as ``; the machine N % busy`` (nothing when ``seconds`` is 0): near
+    100 % the processes wait for a core after each wake-up, and every step's latency
+    grows with that wait, whatever the code does."""
+    if seconds <= 0:
+        return ""
+    share = sum(split.values()) / (seconds * (os.cpu_count() or 1))
+    return f"; the machine {share * 100:.0f} % busy"
+
+
 def machine_cpu_seconds() -> float:
     """CPU time all cores of the machine have spent busy so far (``/proc/stat``: user,
     nice, system, irq, softirq, steal); 0.0 when unknown."""
@@ -1054,11 +1067,12 @@ async def _measure_pipeline(
                     appends = await appends_of(reach.metrics_port)
                     machine, own = machine_cpu_seconds(), cpu_seconds(reach.pid)
                     ledger = ledger_cpu_seconds(reach.pid)
-                    processes = cpu_by_process(reach.pid)
+                    processes, began = cpu_by_process(reach.pid), time.monotonic()
                     out["throughput"] = await throughput(
                         api, tracker, args.claims, args.concurrency
                     )
                     split = cpu_split(processes, cpu_by_process(reach.pid))
+                    took = time.monotonic() - began
                     out["machine_ms"] = (machine_cpu_seconds() - machine) * 1000 / args.claims
                     out["own_ms"] = (cpu_seconds(reach.pid) - own) * 1000 / args.claims
                     ledger = ledger_cpu_seconds(reach.pid) - ledger
@@ -1073,14 +1087,18 @@ async def _measure_pipeline(
                         f"{out['ledger_ms']:.2f} ms)",
                         flush=True,
                     )
-                    cells = split_cells(split, args.claims)
+                    cells = split_cells(split, args.claims) + busy(split, took)
                     print(f"  (by process, ms per claim: {cells})", flush=True)
                     appended = (await appends_of(reach.metrics_port)).since(appends, args.claims)
                     print(f"  ({appended})", flush=True)
                     await settled(url, args)
                     appends = await appends_of(reach.metrics_port)
                     cpu = cpu_seconds(reach.pid)
+                    processes, began = cpu_by_process(reach.pid), time.monotonic()
                     lat = await latency(api, tracker, out["throughput"] / 2, args.seconds)
+                    split = cpu_split(processes, cpu_by_process(reach.pid))
+                    cells = split_cells(split, len(lat)) + busy(split, time.monotonic() - began)
+                    print(f"  (the half-rate run by process, ms per claim: {cells})", flush=True)
                     appended = (await appends_of(reach.metrics_port)).since(appends, len(lat))
                     print(f"  (the half-rate run's {appended})", flush=True)
                     if args.stages:
@@ -1090,15 +1108,17 @@ async def _measure_pipeline(
                         await settled(url, args)
                         appends = await appends_of(reach.metrics_port)
                         cpu = cpu_seconds(reach.pid)
-                        processes = cpu_by_process(reach.pid)
+                        processes, began = cpu_by_process(reach.pid), time.monotonic()
                         at = await latency(api, tracker, rate, args.seconds, f"r{rate:g}")
                         split = cpu_split(processes, cpu_by_process(reach.pid))
+                        took = time.monotonic() - began
                         cpu = cpu_seconds(reach.pid) - cpu
                         p50, p99 = percentile(at, 50), percentile(at, 99)
                         goal = "  [p99 <= 35]" if rate == 50 else ""
                         figures = f"p50 {p50:6.1f} ms   p99 {p99:6.1f} ms"
                         print(f"  at {rate:>6g} claims/s: {figures}{goal}", flush=True)
-                        print(f"    (by process, ms per claim: {split_cells(split, len(at))})")
+                        cells = split_cells(split, len(at)) + busy(split, took)
+                        print(f"    (by process, ms per claim: {cells})")
                         appended = (await appends_of(reach.metrics_port)).since(appends, len(at))
                         print(f"    ({appended})", flush=True)
                         if args.stages:

@@ -27,6 +27,7 @@ from benchmarks.pipeline import (
     ReadyTracker,
     RunError,
     appends_of,
+    busy,
     claim,
     cli,
     cpu_by_process,
@@ -195,6 +196,16 @@ def test_a_child_reaped_between_the_readings_counts_what_it_spent_between_them()
 
 def test_a_split_is_printed_as_milliseconds_per_claim_in_its_groups_order() -> None:
     assert split_cells({"up": 0.5, "ledger": 0.0125}, 100) == "up 5.000, ledger 0.125"
+
+
+def test_the_machine_is_said_busy_in_the_share_of_its_cores_the_split_kept_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    # 1.5 s of CPU in every group together over 1 s of two cores: three quarters busy
+    assert busy({"up": 0.75, "postgres": 0.5, "nats": 0.25}, 1.0) == "; the machine 75 % busy"
+    assert busy({"up": 4.0}, 2.0) == "; the machine 100 % busy"
+    assert busy({"up": 1.0}, 0.0) == ""  # no wall time measured: nothing said
 
 
 def test_the_fork_watch_sees_a_forked_child_and_names_the_runs_it_was_in() -> None:
