@@ -30,6 +30,7 @@ from services.runtime.ground.errors import (
 )
 from services.runtime.ground.metrics import REGISTRY
 from services.runtime.ground.settings import Settings
+from services.runtime.ground.waiting import Signal, wait_for
 from services.runtime.store.appends import Batch, Metadata
 from services.runtime.store.eventstore import CHANNEL, EventStore, connect
 from tests.fixtures.polling import until
@@ -197,6 +198,19 @@ class EventStoreContract:
         await asyncio.sleep(0.05)
         await put(store, s.claim_submitted())
         assert await asyncio.wait_for(waiter, 5) == 1
+
+    async def test_a_signal_ends_a_wait_for_new_without_a_notification(
+        self, store: EventStore
+    ) -> None:
+        head = await store.head()
+        offered = Signal()
+        waiter = asyncio.create_task(store.wait_for_new(head, 30, wakes=(offered,)))
+        await until(lambda: bool(store._waiters), what="the waiter to listen")
+        offered.set()  # no append, no NOTIFY: only the signal
+        assert await wait_for(waiter, 10) == head
+        assert not store._waiters and offered._futures == []
+        # set before the wait: it returns at once, whatever the timeout
+        assert await wait_for(store.wait_for_new(head, 30, wakes=(Signal(), offered)), 10) == head
 
     async def test_a_waiter_cancelled_as_its_notification_arrives_ends(
         self, store: EventStore

@@ -106,7 +106,7 @@ from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import NotFound, Unanswered
 from services.runtime.ground.metrics import RELAY_LAG, RELAY_MESSAGES
 from services.runtime.ground.outages import StateLog
-from services.runtime.ground.waiting import first_of, wait_for
+from services.runtime.ground.waiting import Signal, first_of, signalled, wait_for
 from services.runtime.store import rows
 from services.runtime.store.eventstore import ANSWER_WAIT_S, EventStore
 from services.runtime.store.handover import Handover
@@ -265,13 +265,17 @@ class Relay:
 
     async def _relay(self, stop: asyncio.Event) -> None:
         """Drain and wait until ``stop`` is set, retrying after a failure."""
+        async with signalled(stop) as stopping:
+            await self._relay_until(stop, stopping)
+
+    async def _relay_until(self, stop: asyncio.Event, stopping: Signal) -> None:
         while not stop.is_set():
             try:
                 await self._keep()
                 await self._drain(stop)
                 self._trouble.recovered()
                 if not stop.is_set():
-                    await self._wait(stop)
+                    await self._wait(stopping)
             except Exception as exc:
                 if _no_stream(exc):
                     self._check_at = 0.0  # have the keeper look at once
@@ -380,14 +384,12 @@ class Relay:
     async def _save_checkpoint(self, position: int) -> None:
         await self._store.pool.execute(SAVE_CHECKPOINT, self._checkpoint, position)
 
-    async def _wait(self, stop: asyncio.Event) -> None:
-        """Until the log moves past the checkpoint, an append is offered, ``stop`` is set,
-        or a poll passes (at most until the keeper's next check)."""
+    async def _wait(self, stopping: Signal) -> None:
+        """Until the log moves past the checkpoint, an append is offered, ``stopping`` is
+        set, or a poll passes (at most until the keeper's next check): one future."""
         poll = self._idle_poll
         if self._keeper is not None:
             poll = max(0.0, min(poll, self._check_at - time.monotonic()))
-        await first_of(
-            self._store.wait_for_new(self.position, poll),
-            self._handover.offered.wait(),
-            stop.wait(),
+        await self._store.wait_for_new(
+            self.position, poll, wakes=(self._handover.offered, stopping)
         )

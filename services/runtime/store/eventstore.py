@@ -98,7 +98,7 @@ from services.runtime.ground.errors import (
 )
 from services.runtime.ground.metrics import LOG_APPEND_DURATION
 from services.runtime.ground.settings import Settings
-from services.runtime.ground.waiting import wait_for
+from services.runtime.ground.waiting import Signal
 from services.runtime.store.appends import (
     Batch,
     Metadata,
@@ -172,6 +172,12 @@ def server_settings(settings: Settings) -> dict[str, str]:
     if settings.app_role:
         out["role"] = settings.app_role
     return out
+
+
+def _expire(waiter: asyncio.Future[object]) -> None:
+    """A wait's timer: end the wait (``None``: neither a notification nor a signal)."""
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _broken(connection: Any) -> bool:
@@ -269,7 +275,8 @@ class EventStore:
         self._listener: asyncpg.Connection | None = None
         self._listener_lock = asyncio.Lock()
         self._closed = False
-        self._waiters: set[asyncio.Future[bool]] = set()
+        #: resolved by each NOTIFY: True when it named a head, False when not
+        self._waiters: set[asyncio.Future[object]] = set()
         #: channel -> what to call with (sending backend's pid, payload) per NOTIFY
         self._notices: dict[str, list[Notice]] = {}
         # listeners and the highest head announced by NOTIFY (or read at LISTEN), shared
@@ -751,35 +758,52 @@ class EventStore:
                 self._commits.head = max(self._commits.head, position)
                 self._listener = listener
 
-    async def wait_for_new(self, after_position: int, timeout: float) -> int:  # noqa: ASYNC109
-        """Wait until the log's head passes ``after_position`` or ``timeout`` runs out.
+    async def wait_for_new(
+        self,
+        after_position: int,
+        timeout: float,  # noqa: ASYNC109
+        *,
+        wakes: Sequence[Signal] = (),
+    ) -> int:
+        """Wait until the log's head passes ``after_position``, one of ``wakes`` is set,
+        or ``timeout`` runs out.
 
-        Returns the head position (``after_position`` or less on a timeout). The head
-        comes from the NOTIFY payloads (each append announces its new head), so a
-        waiter costs no query; only a wait that times out reads the head from the
-        database, in case a notification was lost with a broken listener connection
-        (and one woken by a notification that names no head). A notification of a head
-        the caller has already reached — its own append, folded or published from the
-        commit before the NOTIFY came — is no news: the wait goes on for the time
-        left. (It used to end there and read the head: a statement for nothing, about
-        one in eight claims at 30 claims/s.)
+        Returns the head position (``after_position`` or less on a timeout, or when a
+        signal woke it). The head comes from the NOTIFY payloads (each append announces
+        its new head), so a waiter costs no query; only a wait that times out reads the
+        head from the database, in case a notification was lost with a broken listener
+        connection (and one woken by a notification that names no head). A notification
+        of a head the caller has already reached — its own append, folded or published
+        from the commit before the NOTIFY came — is no news: the wait goes on for the
+        time left. (It used to end there and read the head: a statement for nothing,
+        about one in eight claims at 30 claims/s.)
+
+        ``wakes``: the loop's other reasons to wake (an offered commit, its stop), all
+        waited for on the one future, with a timer — no task, no shield
+        (:class:`~services.runtime.ground.waiting.Signal`); a signal set already
+        returns at once.
         """
         await self._listen()
-        if self._commits.head > after_position:
+        if self._commits.head > after_position or any(s.is_set() for s in wakes):
             return self._commits.head
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while (left := deadline - loop.time()) > 0:
-            waiter: asyncio.Future[bool] = loop.create_future()
+            waiter: asyncio.Future[object] = loop.create_future()
             self._waiters.add(waiter)
+            for signal in wakes:
+                signal.wake(waiter)
+            timer = loop.call_later(left, _expire, waiter)
             try:
-                with contextlib.suppress(TimeoutError):
-                    await wait_for(asyncio.shield(waiter), left)
+                await waiter
             finally:
+                timer.cancel()
                 self._waiters.discard(waiter)
-            if self._commits.head > after_position:
+                for signal in wakes:
+                    signal.unwake(waiter)
+            if self._commits.head > after_position or any(s.is_set() for s in wakes):
                 return self._commits.head
-            if not waiter.done() or not waiter.result():
+            if waiter.result() is not True:
                 break  # the time ran out, or a notification without a head
         head = await self._read_head(self._pool)
         self._commits.head = max(self._commits.head, head)

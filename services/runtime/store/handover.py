@@ -7,7 +7,8 @@ instead of waiting for the NOTIFY and reading them back. :class:`Handover` is th
 buffer between the two, keyed by position:
 
 * :meth:`Handover.offer` (the commit listener) keeps the envelopes past the reader's
-  position and sets :attr:`Handover.offered`, which the reader's wait includes. When
+  position and sets :attr:`Handover.offered` (a :class:`~services.runtime.ground.waiting.Signal`:
+  the reader's one wait includes it without a task of its own). When
   more than ``kept`` envelopes are waiting the reader is far behind and will read the
   log anyway, so the offer is dropped — nothing is lost, the log has it.
 * :meth:`Handover.take` returns the envelopes that come *next* (position + 1, + 2, …,
@@ -24,11 +25,11 @@ it is detached. Everything here runs on the event loop's thread: no locks.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 from events.envelopes import Envelope
+from services.runtime.ground.waiting import Signal
 from services.runtime.store.eventstore import EventStore
 
 __all__ = ["Handover"]
@@ -42,7 +43,7 @@ class Handover:
         self._kept = kept
         self._waiting: dict[int, Envelope] = {}
         #: set by every offer; the reader clears it before it takes
-        self.offered = asyncio.Event()
+        self.offered = Signal()
 
     def __len__(self) -> int:
         return len(self._waiting)

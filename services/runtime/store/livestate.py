@@ -114,7 +114,7 @@ from events.state import ClusterState
 from events.transitions import INVENTORY_CHANGES, events_meaning
 from services.runtime.ground.errors import RuntimeServiceError
 from services.runtime.ground.outages import is_unreachable
-from services.runtime.ground.waiting import all_of, first_of, wait_for
+from services.runtime.ground.waiting import Signal, all_of, first_of, signalled, wait_for
 from services.runtime.store.eventstore import ANSWER_WAIT_S, Connection, EventStore, iter_rows
 from services.runtime.store.handover import Handover
 from services.runtime.store.refusals import note
@@ -437,38 +437,47 @@ class LiveState:
             else None
         )
         try:
-            with self._handover.attached(self.store):
-                read = True  # the first round reads whatever is there
-                while not stop.is_set():
-                    try:
-                        offered.clear()
-                        await self._fold_offered()
-                        if (
-                            not read
-                            and self.store.known_head > self.state.position
-                            and await self.store.appends_answered(
-                                ANSWER_WAIT_S,
-                                enough=lambda: self._handover.covers(self.store.known_head),
-                            )
-                        ):
-                            await self._fold_offered()  # the gap was an append of ours
-                        if read or self.store.known_head > self.state.position:
-                            await self._read(None)  # others' commits (or a gap): read them
-                        read = False
-                        next_commit = self.store.wait_for_new(self.state.position, poll_s)
-                        await first_of(next_commit, offered.wait(), stop.wait())
-                    except Exception as exc:
-                        if not (isinstance(exc, RuntimeServiceError) or is_unreachable(exc)):
-                            raise
-                        log.warning("live state could not read the log: %s", exc)
-                        read = True
-                        await first_of(asyncio.sleep(poll_s), stop.wait())
+            async with signalled(stop) as stopping:
+                await self._tail(stop, stopping, offered, poll_s)
         finally:
             self._tailing = False
             if checking is not None:
                 checking.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await checking
+
+    async def _tail(
+        self, stop: asyncio.Event, stopping: Signal, offered: Signal, poll_s: float
+    ) -> None:
+        """:meth:`run`'s loop: fold what was handed over, read what was not, wait on one
+        future for the next commit, an offer or the stop."""
+        with self._handover.attached(self.store):
+            read = True  # the first round reads whatever is there
+            while not stop.is_set():
+                try:
+                    offered.clear()
+                    await self._fold_offered()
+                    if (
+                        not read
+                        and self.store.known_head > self.state.position
+                        and await self.store.appends_answered(
+                            ANSWER_WAIT_S,
+                            enough=lambda: self._handover.covers(self.store.known_head),
+                        )
+                    ):
+                        await self._fold_offered()  # the gap was an append of ours
+                    if read or self.store.known_head > self.state.position:
+                        await self._read(None)  # others' commits (or a gap): read them
+                    read = False
+                    await self.store.wait_for_new(
+                        self.state.position, poll_s, wakes=(offered, stopping)
+                    )
+                except Exception as exc:
+                    if not (isinstance(exc, RuntimeServiceError) or is_unreachable(exc)):
+                        raise
+                    log.warning("live state could not read the log: %s", exc)
+                    read = True
+                    await first_of(asyncio.sleep(poll_s), stop.wait())
 
     async def follow_on_demand(self, stop: asyncio.Event) -> None:
         """Follow the log only as far as callers ask, until ``stop`` is set: nothing is
