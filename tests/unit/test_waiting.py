@@ -57,7 +57,7 @@ async def test_a_signal_wakes_its_waiters_and_the_futures_given_it() -> None:
     assert await wait_for(signal.wait(), 5) is True
     signal.clear()
     again = asyncio.create_task(signal.wait())
-    await asyncio.sleep(0)
+    await until(lambda: len(signal._futures) == 1, 5, "the wait to start")
     assert not again.done() and len(signal._futures) == 1  # waits again once cleared
     again.cancel()
     with pytest.raises(asyncio.CancelledError):
