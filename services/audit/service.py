@@ -13,7 +13,8 @@ size), :func:`write_update`
    node-wide events,
 2. builds the records with the pure :func:`services.audit.records.build`,
 3. inserts them into ``audit_records`` (keyed by log position and sequence), upserts
-   ``audit_shares`` / ``audit_nodes``: one ``executemany`` each;
+   ``audit_shares`` / ``audit_nodes``: one statement each, the rows as one array per
+   column (:func:`~services.runtime.delivery.subscribers.insert_rows`);
 
 and the projector moves its position in the same transaction. Exactly once: a crash
 before the commit leaves nothing, and a batch at or behind the position is never read
@@ -40,6 +41,8 @@ from services.runtime.bus.queries import QueryError, limited_to
 from services.runtime.delivery.subscribers import (
     QueryingSubscriber,
     decode_query,
+    insert_columns,
+    insert_rows,
     key_probe,
     planned_now,
     read_node_epochs,
@@ -75,20 +78,46 @@ _SHARES: Final = key_probe("audit_shares", _COLUMNS_OF_SHARES, ("share_id",))
 #: every row of ``audit_shares``, in :func:`share_of`'s order
 SHARES: Final = _SHARE_COLUMNS
 _NODE_SHARES: Final = f"{_SHARE_COLUMNS} WHERE live AND node = ANY($1::text[])"
-_INSERT: Final = """
-INSERT INTO audit_records (position, seq, event_id, recorded_at, type, decision, reason,
-    namespace, claim, request, share_id, device, node, amounts, policy_version, actor,
-    actor_kind, actor_name, actor_epoch)
-VALUES ($1, $2, $3::uuid, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::jsonb, $15, $16,
-    $17, $18, $19)
-ON CONFLICT DO NOTHING
-"""
-_UPSERT_SHARE: Final = """
-INSERT INTO audit_shares (share_id, namespace, claim, request, device, node, amounts,
-    policy_version, live)
-VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8, $9)
-ON CONFLICT (share_id) DO UPDATE SET live = excluded.live
-"""
+_INSERT: Final = insert_columns(
+    "audit_records",
+    (
+        ("position", "bigint"),
+        ("seq", "integer"),
+        ("event_id", "uuid"),
+        ("recorded_at", "timestamptz"),
+        ("type", "text"),
+        ("decision", "text"),
+        ("reason", "text"),
+        ("namespace", "text"),
+        ("claim", "text"),
+        ("request", "text"),
+        ("share_id", "text"),
+        ("device", "text"),
+        ("node", "text"),
+        ("amounts", "jsonb"),
+        ("policy_version", "integer"),
+        ("actor", "text"),
+        ("actor_kind", "text"),
+        ("actor_name", "text"),
+        ("actor_epoch", "bigint"),
+    ),
+    "DO NOTHING",
+)
+_UPSERT_SHARE: Final = insert_columns(
+    "audit_shares",
+    (
+        ("share_id", "text"),
+        ("namespace", "text"),
+        ("claim", "text"),
+        ("request", "text"),
+        ("device", "text"),
+        ("node", "text"),
+        ("amounts", "jsonb"),
+        ("policy_version", "integer"),
+        ("live", "boolean"),
+    ),
+    "(share_id) DO UPDATE SET live = excluded.live",
+)
 
 
 async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Update:
@@ -104,26 +133,25 @@ async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Upda
             node_shares.setdefault(info.node, []).append(info.share_id)
     epochs = await read_node_epochs(connection, "audit_nodes", nodes)
     update = build(envs, shares, node_shares, epochs)
-    if update.records:
-        await connection.executemany(_INSERT, [_row(r) for r in update.records])
-    if update.shares:
-        await connection.executemany(
-            _UPSERT_SHARE,
-            [
-                (
-                    s.share_id,
-                    s.namespace,
-                    s.claim,
-                    s.request,
-                    s.device,
-                    s.node,
-                    msgspec.json.encode(s.amounts),
-                    s.policy_version,
-                    s.live,
-                )
-                for s in update.shares.values()
-            ],
-        )
+    await insert_rows(connection, _INSERT, [_row(r) for r in update.records])
+    await insert_rows(
+        connection,
+        _UPSERT_SHARE,
+        [
+            (
+                s.share_id,
+                s.namespace,
+                s.claim,
+                s.request,
+                s.device,
+                s.node,
+                msgspec.json.encode(s.amounts),
+                s.policy_version,
+                s.live,
+            )
+            for s in update.shares.values()
+        ],
+    )
     await write_node_epochs(connection, "audit_nodes", update.nodes)
     return update
 

@@ -13,7 +13,8 @@ whatever its size), :func:`write_update`
    one statement each, only those the batch needs,
 2. applies the pure :func:`services.billing.usage.apply`,
 3. upserts those rows and *adds* the closed segments, cut per hour, to
-   ``billing_usage``: one ``executemany`` each;
+   ``billing_usage``: one statement each, the rows as one array per column
+   (:func:`~services.runtime.delivery.subscribers.insert_rows`);
 
 and the projector moves its position in the same transaction. Step 3 adds, so it
 must happen once per event: an event at or behind the projector's position is never
@@ -54,6 +55,8 @@ from services.runtime.bus.queries import limited_to
 from services.runtime.delivery.subscribers import (
     QueryingSubscriber,
     decode_query,
+    insert_columns,
+    insert_rows,
     key_probe,
     planned_now,
     read_node_epochs,
@@ -100,23 +103,41 @@ _SHARE_COLUMNS: Final = f"SELECT {_COLUMNS_OF_SHARES} FROM billing_shares"
 #: not one with an ``OR`` for the nodes' (which the planner answers with a scan)
 _SHARES: Final = key_probe("billing_shares", _COLUMNS_OF_SHARES, ("share_id",))
 _NODE_SHARES: Final = f"{_SHARE_COLUMNS} WHERE state <> 'closed' AND node = ANY($1::text[])"
-_UPSERT_CLAIM: Final = (
-    "INSERT INTO billing_claims (namespace, name, classes) VALUES ($1, $2, $3::jsonb) "
-    "ON CONFLICT (namespace, name) DO UPDATE SET classes = excluded.classes"
+_UPSERT_CLAIM: Final = insert_columns(
+    "billing_claims",
+    (("namespace", "text"), ("name", "text"), ("classes", "jsonb")),
+    "(namespace, name) DO UPDATE SET classes = excluded.classes",
 )
-_UPSERT_SHARE: Final = """
-INSERT INTO billing_shares (share_id, namespace, device_class, node, amounts, billed, state,
-    since, position)
-VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9)
-ON CONFLICT (share_id) DO UPDATE SET state = excluded.state, since = excluded.since,
-    position = excluded.position
-"""
-_ADD_USAGE: Final = """
-INSERT INTO billing_usage (namespace, device_class, capacity, hour, state, unit_seconds)
-VALUES ($1, $2, $3, $4, $5, $6)
-ON CONFLICT (namespace, device_class, capacity, hour, state)
-DO UPDATE SET unit_seconds = billing_usage.unit_seconds + excluded.unit_seconds
-"""
+_UPSERT_SHARE: Final = insert_columns(
+    "billing_shares",
+    (
+        ("share_id", "text"),
+        ("namespace", "text"),
+        ("device_class", "text"),
+        ("node", "text"),
+        ("amounts", "jsonb"),
+        ("billed", "boolean"),
+        ("state", "text"),
+        ("since", "timestamptz"),
+        ("position", "bigint"),
+    ),
+    "(share_id) DO UPDATE SET state = excluded.state, since = excluded.since, "
+    "position = excluded.position",
+)
+#: the usage rows of a batch are summed per key (:func:`services.billing.usage.usage_rows`)
+_ADD_USAGE: Final = insert_columns(
+    "billing_usage",
+    (
+        ("namespace", "text"),
+        ("device_class", "text"),
+        ("capacity", "text"),
+        ("hour", "timestamptz"),
+        ("state", "text"),
+        ("unit_seconds", "numeric"),
+    ),
+    "(namespace, device_class, capacity, hour, state) "
+    "DO UPDATE SET unit_seconds = billing_usage.unit_seconds + excluded.unit_seconds",
+)
 
 
 #: every row of ``billing_shares``, in :func:`share_of`'s order
@@ -169,39 +190,38 @@ async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Upda
     claims, shares = await read_known(connection, claim_keys, share_ids, nodes)
     epochs = await read_node_epochs(connection, "billing_nodes", nodes)
     update = apply(envs, claims, shares, epochs)
-    if update.claims:
-        await connection.executemany(
-            _UPSERT_CLAIM,
-            [(ns, name, msgspec.json.encode(c)) for (ns, name), c in update.claims.items()],
-        )
-    if update.shares:
-        await connection.executemany(
-            _UPSERT_SHARE,
-            [
-                (
-                    s.share_id,
-                    s.namespace,
-                    s.device_class,
-                    s.node,
-                    msgspec.json.encode({k: str(v) for k, v in s.amounts.items()}),
-                    s.billed,
-                    s.state,
-                    s.since,
-                    s.position,
-                )
-                for s in update.shares.values()
-            ],
-        )
+    await insert_rows(
+        connection,
+        _UPSERT_CLAIM,
+        [(ns, name, msgspec.json.encode(c)) for (ns, name), c in update.claims.items()],
+    )
+    await insert_rows(
+        connection,
+        _UPSERT_SHARE,
+        [
+            (
+                s.share_id,
+                s.namespace,
+                s.device_class,
+                s.node,
+                msgspec.json.encode({k: str(v) for k, v in s.amounts.items()}),
+                s.billed,
+                s.state,
+                s.since,
+                s.position,
+            )
+            for s in update.shares.values()
+        ],
+    )
     await write_node_epochs(connection, "billing_nodes", update.nodes)
-    rows = update.usage()
-    if rows:
-        await connection.executemany(
-            _ADD_USAGE,
-            [
-                (r.namespace, r.device_class, r.capacity, r.hour, r.state, r.unit_seconds)
-                for r in rows
-            ],
-        )
+    await insert_rows(
+        connection,
+        _ADD_USAGE,
+        [
+            (r.namespace, r.device_class, r.capacity, r.hour, r.state, r.unit_seconds)
+            for r in update.usage()
+        ],
+    )
     return update
 
 
