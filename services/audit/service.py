@@ -133,25 +133,9 @@ async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Upda
             node_shares.setdefault(info.node, []).append(info.share_id)
     epochs = await read_node_epochs(connection, "audit_nodes", nodes)
     update = build(envs, shares, node_shares, epochs)
-    await insert_rows(connection, _INSERT, [_row(r) for r in update.records])
-    await insert_rows(
-        connection,
-        _UPSERT_SHARE,
-        [
-            (
-                s.share_id,
-                s.namespace,
-                s.claim,
-                s.request,
-                s.device,
-                s.node,
-                msgspec.json.encode(s.amounts),
-                s.policy_version,
-                s.live,
-            )
-            for s in update.shares.values()
-        ],
-    )
+    # AuditRecord's and ShareInfo's fields are the tables' columns
+    await insert_rows(connection, _INSERT, update.records)
+    await insert_rows(connection, _UPSERT_SHARE, list(update.shares.values()))
     await write_node_epochs(connection, "audit_nodes", update.nodes)
     return update
 
@@ -167,30 +151,6 @@ async def read_shares(
         if nodes:
             rows += await connection.fetch(_NODE_SHARES, sorted(nodes))
     return rows
-
-
-def _row(r: AuditRecord) -> tuple[Any, ...]:
-    return (
-        r.position,
-        r.seq,
-        r.event_id,
-        r.recorded_at,
-        r.type,
-        r.decision,
-        r.reason,
-        r.namespace,
-        r.claim,
-        r.request,
-        r.share_id,
-        r.device,
-        r.node,
-        msgspec.json.encode(r.amounts),
-        r.policy_version,
-        r.actor,
-        r.actor_kind,
-        r.actor_name,
-        r.actor_epoch,
-    )
 
 
 class AuditService(QueryingSubscriber):

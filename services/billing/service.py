@@ -193,35 +193,29 @@ async def write_update(connection: Connection, envs: Sequence[Envelope]) -> Upda
     await insert_rows(
         connection,
         _UPSERT_CLAIM,
-        [(ns, name, msgspec.json.encode(c)) for (ns, name), c in update.claims.items()],
+        [{"namespace": ns, "name": name, "classes": c} for (ns, name), c in update.claims.items()],
     )
     await insert_rows(
         connection,
         _UPSERT_SHARE,
         [
-            (
-                s.share_id,
-                s.namespace,
-                s.device_class,
-                s.node,
-                msgspec.json.encode({k: str(v) for k, v in s.amounts.items()}),
-                s.billed,
-                s.state,
-                s.since,
-                s.position,
-            )
+            # the amounts as strings, as stored (nano-units outgrow a 64-bit integer)
+            {
+                "share_id": s.share_id,
+                "namespace": s.namespace,
+                "device_class": s.device_class,
+                "node": s.node,
+                "amounts": {k: str(v) for k, v in s.amounts.items()},
+                "billed": s.billed,
+                "state": s.state,
+                "since": s.since,
+                "position": s.position,
+            }
             for s in update.shares.values()
         ],
     )
     await write_node_epochs(connection, "billing_nodes", update.nodes)
-    await insert_rows(
-        connection,
-        _ADD_USAGE,
-        [
-            (r.namespace, r.device_class, r.capacity, r.hour, r.state, r.unit_seconds)
-            for r in update.usage()
-        ],
-    )
+    await insert_rows(connection, _ADD_USAGE, update.usage())  # UsageRow's fields: the columns
     return update
 
 

@@ -1,8 +1,8 @@
 """A batch of the audit and billing projectors writes each table in one statement (issue 25).
 
 :func:`services.runtime.delivery.subscribers.insert_rows`: a batch's rows of a table go
-in as one ``INSERT ... SELECT * FROM unnest(...)``, not as an ``executemany``, which
-PostgreSQL runs as one statement per row. Shown on real PostgreSQL with a
+in as one ``INSERT ... SELECT ... FROM json_to_recordset(...)``, not as an
+``executemany``, which PostgreSQL runs as one statement per row. Shown on real PostgreSQL with a
 statement-level trigger on each table the batch writes, counting the ``INSERT``
 statements that reach it: a batch of many claims' lifecycles, through the projectors'
 own :func:`~services.audit.service.write_update` and
@@ -15,6 +15,7 @@ checked against the log by the pipeline tests (``dracap audit verify`` /
 from __future__ import annotations
 
 import datetime
+import json
 
 import asyncpg
 import pytest
@@ -133,12 +134,38 @@ async def test_a_batch_writes_each_table_in_one_statement(database_url: str) -> 
             "billing_usage": len(billed.usage()),
             "billing_nodes": 1,
         }
+        # each value lands as the struct has it
+        reserved = next(r for r in audited.records if r.decision == "capacity_reserved")
+        row = await connection.fetchrow(
+            "SELECT event_id::text, recorded_at, amounts::text, policy_version, actor_epoch,"
+            " reason, namespace FROM audit_records WHERE position = $1 AND seq = $2",
+            reserved.position,
+            reserved.seq,
+        )
+        assert row is not None
+        assert (row[0], row[1], json.loads(row[2]), row[3], row[4], row[5], row[6]) == (
+            reserved.event_id,
+            reserved.recorded_at,
+            reserved.amounts,
+            reserved.policy_version,
+            reserved.actor_epoch,
+            reserved.reason,
+            reserved.namespace,
+        )
+        used = await connection.fetch("SELECT unit_seconds FROM billing_usage ORDER BY hour")
+        assert [r[0] for r in used] == [u.unit_seconds for u in billed.usage()]
+        amounts = await connection.fetch("SELECT amounts::text FROM billing_shares")
+        assert all(json.loads(a[0]) == {"memory": str(10 * 2**30 * 10**9)} for a in amounts)
         closed = await connection.fetchval(
             "SELECT count(*) FROM billing_shares WHERE state = 'closed'"
         )
         assert closed == CLAIMS
     finally:
         await connection.close()
+
+
+def _node(node: str, lease_epoch: int) -> dict[str, object]:
+    return {"node": node, "lease_epoch": lease_epoch, "fenced_epoch": 0}
 
 
 async def test_an_upsert_of_rows_updates_what_is_there_and_an_empty_batch_sends_nothing(
@@ -151,9 +178,9 @@ async def test_an_upsert_of_rows_updates_what_is_there_and_an_empty_batch_sends_
     )
     connection = await asyncpg.connect(database_url)
     try:
-        await insert_rows(connection, statement, [("n1", 1, 0), ("n2", 1, 0)])
+        await insert_rows(connection, statement, [_node("n1", 1), _node("n2", 1)])
         await _counting(connection, ("billing_nodes",))
-        await insert_rows(connection, statement, [("n2", 5, 0), ("n3", 2, 0), ("n4", 3, 0)])
+        await insert_rows(connection, statement, [_node("n2", 5), _node("n3", 2), _node("n4", 3)])
         await insert_rows(connection, statement, [])
         assert await _statements(connection) == {"billing_nodes": 1}
         rows = await connection.fetch("SELECT node, lease_epoch FROM billing_nodes ORDER BY node")
