@@ -92,6 +92,22 @@ async def test_a_namespace_of_many_claims_is_listed_whole(api: ApiClient) -> Non
     assert _size(reply) > MAX_PAYLOAD  # more than one message could carry
 
 
+async def test_an_api_client_takes_every_reply_on_one_subscription(api: ApiClient) -> None:
+    """The client's requests share one :class:`Inbox`: asking again subscribes to nothing
+    more (each request used to make a subscription of its own and drop it)."""
+    made: list[str] = []
+    subscribe = api.nc.subscribe
+
+    async def counted(subject: str, *args: Any, **kwargs: Any) -> Any:
+        made.append(subject)
+        return await subscribe(subject, *args, **kwargs)
+
+    api.nc.subscribe = counted  # type: ignore[method-assign]
+    listed = [await api.claims("tenant-a", "list") for _ in range(3)]
+    assert all(len(reply["claims"]) == CLAIMS for reply in listed)  # whole, in parts
+    assert made == []  # the fixture's requests made the one subscription already
+
+
 async def test_audit_records_beyond_one_message_arrive_whole(api: ApiClient) -> None:
     async with asyncio.timeout(60):  # the audit subscriber follows the log
         while True:

@@ -17,7 +17,8 @@ reach it. :meth:`ApiClient.claim_changes` queues what a claims ``watch`` publish
 that times out, or one larger than the server's ``max_payload`` is a
 :class:`~services.exitcodes.CommandError` with a message for a person. A reply larger
 than ``max_payload`` comes in parts and is put back together here
-(:mod:`services.runtime.bus.replies`).
+(:mod:`services.runtime.bus.replies`). Every reply of one client comes to one
+subscription (:class:`Inbox`), made at its first request.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from services.runtime.bus.jetstream import MAX_OUTSTANDING_PINGS, PING_INTERVAL_
 from services.runtime.bus.replies import Assembly, ReplyPartError
 from services.runtime.ground.waiting import wait_for
 
-__all__ = ["REQUEST_TIMEOUT_S", "ApiClient", "ApiError", "Inbox", "ask"]
+__all__ = ["REQUEST_TIMEOUT_S", "ApiClient", "ApiError", "Inbox"]
 
 REQUEST_TIMEOUT_S: Final = 10.0
 _EXIT_BY_CODE: Final = {
@@ -116,34 +117,13 @@ def _take(whole: asyncio.Future[bytes], assembly: Assembly, msg: Msg) -> None:
         whole.set_result(data)
 
 
-async def ask(nc: Client, subject: str, payload: bytes, timeout: float) -> bytes:  # noqa: ASYNC109
-    """Publish a request and wait for the whole reply, however many messages it takes
-    (:mod:`services.runtime.bus.replies`): ``nats.errors.TimeoutError`` after ``timeout``,
-    ``NoRespondersError`` when nobody listens, :class:`ReplyPartError` for a broken one."""
-    whole: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-    assembly = Assembly()
-
-    async def arrived(msg: Msg) -> None:
-        _take(whole, assembly, msg)
-
-    sub = await nc.subscribe(nc.new_inbox(), cb=arrived)
-    try:
-        await nc.publish(subject, payload, reply=sub.subject)
-        try:
-            return await wait_for(whole, timeout)
-        except TimeoutError:
-            raise nats.errors.TimeoutError from None
-    finally:
-        with contextlib.suppress(nats.errors.Error):
-            await sub.unsubscribe()
-
-
 class Inbox:
-    """:func:`ask` for a client that asks again and again: every reply comes to one
-    subscription (``<inbox>.*``, made at the first request), each request's to a token of
-    its own, instead of a subscription made and dropped per request (a ``SUB`` written
-    and flushed, a task started, an ``UNSUB``, and nats-server's bookkeeping of each).
-    The parts of one reply come in order on the one subscription, as on a private one."""
+    """Requests and their whole replies, however many messages each takes
+    (:mod:`services.runtime.bus.replies`): every reply comes to one subscription
+    (``<inbox>.*``, made at the first request), each request's to a token of its own,
+    instead of a subscription made and dropped per request (a ``SUB`` written and
+    flushed, a task started, an ``UNSUB``, and nats-server's bookkeeping of each). The
+    parts of one reply come in order on the one subscription, as on a private one."""
 
     def __init__(self, nc: Client) -> None:
         self._nc = nc
@@ -165,7 +145,9 @@ class Inbox:
             _take(*waiting, msg)
 
     async def ask(self, subject: str, payload: bytes, timeout: float) -> bytes:  # noqa: ASYNC109
-        """As :func:`ask`."""
+        """Publish a request and wait for the whole reply: ``nats.errors.TimeoutError``
+        after ``timeout``, ``NoRespondersError`` when nobody listens,
+        :class:`ReplyPartError` for a broken one."""
         return await (await self.send(subject, payload, timeout))
 
     async def send(
@@ -175,7 +157,7 @@ class Inbox:
         timeout: float,  # noqa: ASYNC109
     ) -> Coroutine[None, None, bytes]:
         """Publish a request; once this returns it is out, and the coroutine returned
-        waits for its answer (as :func:`ask`; it must be awaited, or run as a task)."""
+        waits for its answer (as :meth:`ask`; it must be awaited, or run as a task)."""
         if not self._prefix:
             await self._start()
         token = str(self._asked)
@@ -207,6 +189,10 @@ class ApiClient:
         self.names = names
         self.timeout = timeout
         self._denials = _Denials()
+        #: every reply comes to one subscription, made at the first request (a command
+        #: that asks once pays what it did; a client that asks again and again — a tenant's
+        #: ``claim apply`` of a directory, the benchmark — no SUB, task and UNSUB each time)
+        self._inbox = Inbox(nc)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -288,7 +274,7 @@ class ApiClient:
 
     async def _ask(self, subject: str, payload: bytes) -> bytes:
         try:
-            return await ask(self.nc, subject, payload, self.timeout)
+            return await self._inbox.ask(subject, payload, self.timeout)
         except ReplyPartError as exc:
             raise CommandError(f"a broken reply on {subject}: {exc}", ExitCode.ERROR) from None
 
