@@ -13,8 +13,8 @@ size), :func:`write_update`
    node-wide events,
 2. builds the records with the pure :func:`services.audit.records.build`,
 3. inserts them into ``audit_records`` (keyed by log position and sequence), upserts
-   ``audit_shares`` / ``audit_nodes``: one statement each, the rows as one array per
-   column (:func:`~services.runtime.delivery.subscribers.insert_rows`);
+   ``audit_shares`` / ``audit_nodes``: one statement each, the rows sent as one JSON
+   array (:func:`~services.runtime.delivery.subscribers.insert_rows`);
 
 and the projector moves its position in the same transaction. Exactly once: a crash
 before the commit leaves nothing, and a batch at or behind the position is never read

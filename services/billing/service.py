@@ -13,7 +13,7 @@ whatever its size), :func:`write_update`
    one statement each, only those the batch needs,
 2. applies the pure :func:`services.billing.usage.apply`,
 3. upserts those rows and *adds* the closed segments, cut per hour, to
-   ``billing_usage``: one statement each, the rows as one array per column
+   ``billing_usage``: one statement each, the rows sent as one JSON array
    (:func:`~services.runtime.delivery.subscribers.insert_rows`);
 
 and the projector moves its position in the same transaction. Step 3 adds, so it
