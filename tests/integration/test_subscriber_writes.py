@@ -26,6 +26,7 @@ from events.envelopes import Envelope, new_envelope
 from services.audit import service as audit
 from services.billing import service as billing
 from services.runtime.delivery.subscribers import insert_columns, insert_rows
+from services.runtime.store.eventstore import _init_connection
 from tests.integration import sample as s
 
 pytestmark = pytest.mark.integration
@@ -108,13 +109,7 @@ async def test_a_batch_writes_each_table_in_one_statement(database_url: str) -> 
     connection = await asyncpg.connect(database_url)
     try:
         await _counting(connection, TABLES)
-        await connection.set_type_codec(  # as the store's connections have it
-            "jsonb",
-            schema="pg_catalog",
-            format="binary",
-            encoder=lambda data: b"\x01" + data,
-            decoder=lambda data: data[1:],
-        )
+        await _init_connection(connection)  # the store's jsonb codec
         envs = _batch()
         async with connection.transaction():
             audited = await audit.write_update(connection, envs)
