@@ -79,15 +79,18 @@ from events.envelopes import Envelope
 from events.errors import SubjectError
 
 __all__ = [
+    "EVERY_EVENT",
     "NODE_EVENTS",
     "NODE_REPORTS",
     "NODE_TAGS",
     "NO_NODE",
     "BusNames",
+    "Carried",
     "SubjectError",
     "node_of",
     "node_of_token",
     "node_token",
+    "subject_matches",
 ]
 
 #: Events addressed to a node: their ``node`` field routes them to that node's subjects.
@@ -154,6 +157,34 @@ def node_of(event: Event) -> str | None:
     if isinstance(event, NODE_EVENTS):
         return event.node
     return None
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether NATS delivers ``subject`` to a subscription or filter on ``pattern``:
+    ``*`` stands for one token, a final ``>`` for one or more."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return i == len(want) - 1 and len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
+
+
+class Carried(msgspec.Struct, frozen=True):
+    """Which events the bus carries: every event addressed to a node (its agent's durable
+    reads it), and the events of ``tags`` whatever their node; ``tags`` None: every
+    event. ``services.durables.carried`` derives the tags from the durables' filters."""
+
+    tags: frozenset[str] | None = None
+
+    def __call__(self, tag: str, node: str | None) -> bool:
+        """Whether an event of ``tag`` addressed to ``node`` (None: to no node) is carried."""
+        return self.tags is None or node is not None or tag in self.tags
+
+
+#: Every event on the bus (a relay for readers it does not know; the tests').
+EVERY_EVENT: Final = Carried()
 
 
 def _token(value: str, what: str, *, wildcard: bool = False) -> str:

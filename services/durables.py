@@ -20,6 +20,11 @@ durable                                  filter          read by            owne
                                                                             missing)
 ======================================== ============== ================== ===============
 
+The bus carries what these durables read and nothing else (:func:`carried`): every event
+addressed to a node, and the events of the tags a reservation feed reads. The log holds
+every event; the relay leaves the others off the stream (an event no durable reads would
+be stored by JetStream, acknowledged to the relay and read by nobody).
+
 The relay owns the stream as well (:mod:`services.runtime.delivery.rebuilding`), and the broker's
 accounts (:mod:`services.brokerauth`) grant exactly these powers: the owner may create
 and read its durables, the reader may pull and acknowledge. The audit and billing
@@ -28,12 +33,13 @@ subscribers have none: they read the log (:mod:`services.runtime.delivery.projec
 
 from __future__ import annotations
 
-from events.subjects import BusNames
+from events.catalog import EVENT_TYPES
+from events.subjects import BusNames, Carried, subject_matches
 from services.enforcement import consumer
 from services.reservation.service import durables as reservation_durables
 from services.runtime.bus.jetstream import Durable
 
-__all__ = ["agent", "relay_owned", "reservation"]
+__all__ = ["agent", "carried", "relay_owned", "reservation"]
 
 
 def reservation(names: BusNames) -> list[Durable]:
@@ -49,3 +55,16 @@ def relay_owned(names: BusNames) -> list[Durable]:
 def agent(names: BusNames, node: str) -> Durable:
     """The durable of ``node``'s agent: the events addressed to that node."""
     return consumer.durable(names, node)
+
+
+def carried(names: BusNames) -> Carried:
+    """The events some durable reads: each tag whose subject (under no node) a reservation
+    feed's filter matches; an agent's filter matches every event addressed to its node."""
+    filters = [durable.filter_subject for durable in reservation(names)]
+    return Carried(
+        frozenset(
+            tag
+            for tag in EVENT_TYPES
+            if any(subject_matches(f, names.subject_of(tag, None)) for f in filters)
+        )
+    )

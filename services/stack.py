@@ -356,10 +356,16 @@ async def start_services(
     js, names, stop, stores = stack.js, stack.names, stack.stop, stack.stores
     relay_store = stores.of(ServiceKind.RELAY)
     # the relay owns the stream and the services' durables: in place before they pull
+    carried = durables.carried(names)  # the bus carries what some durable reads
     keeper = BusKeeper(
-        relay_store, js, names, durables.relay_owned(names), replicas=stack.stream_replicas
+        relay_store,
+        js,
+        names,
+        durables.relay_owned(names),
+        replicas=stack.stream_replicas,
+        carried=carried,
     )
-    relay = Relay(stack.context("relay", relay_store, bus="relay"), keeper=keeper)
+    relay = Relay(stack.context("relay", relay_store, bus="relay"), keeper=keeper, carried=carried)
     await keeper.ensure(await relay.load_checkpoint(), None)
     stack.spawn("relay", functools.partial(relay.run, stop))
     live = LiveState(stack.store)

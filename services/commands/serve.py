@@ -144,9 +144,19 @@ async def _service(
         from services.runtime.ops.leadership import RELAY_KEY, Leadership
 
         replicas = args.stream_replicas or context.settings.stream_replicas
-        keeper = BusKeeper(store, context.js, names, durables.relay_owned(names), replicas=replicas)
+        carried = durables.carried(names)  # the bus carries what some durable reads
+        keeper = BusKeeper(
+            store,
+            context.js,
+            names,
+            durables.relay_owned(names),
+            replicas=replicas,
+            carried=carried,
+        )
         lease = Leadership(context.settings, RELAY_KEY, "relay")
-        relay = Relay(context.service_context(store), keeper=keeper, leased=lease.check)
+        relay = Relay(
+            context.service_context(store), keeper=keeper, leased=lease.check, carried=carried
+        )
 
         async def relay_while_leased(stop: asyncio.Event) -> None:
             await lease.run(stop, relay.run)

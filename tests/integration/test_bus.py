@@ -22,10 +22,12 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from events import catalog as c
+from events.catalog import EVENT_TYPES
 from events.envelopes import Envelope, stream_of
 from events.eventcodec import decode_envelope, encode_event
-from events.subjects import BusNames
-from services.runtime.bus.jetstream import Durable, connect_bus, ensure_stream
+from events.subjects import NODE_TAGS, BusNames
+from services import durables
+from services.runtime.bus.jetstream import Durable, connect_bus, durable_config, ensure_stream
 from services.runtime.delivery import consuming, relaying
 from services.runtime.delivery.confirming import LogConfirmation
 from services.runtime.delivery.consuming import Consumer, take_lock
@@ -184,9 +186,9 @@ async def test_relay_hands_over_own_appends_and_reads_the_others(
     monkeypatch.setattr(relaying, "ANSWER_WAIT_S", 60.0)  # however slow the machine is
 
     class Slow(Relay):  # appends pile up while a window is out: gaps in the hand-over
-        async def _publish_window(self, messages: Any) -> None:
+        async def _publish_window(self, messages: Any, events: int) -> None:
             await asyncio.sleep(0.02)
-            await super()._publish_window(messages)
+            await super()._publish_window(messages, events)
 
     other = await EventStore.open(settings)  # another process, as far as the relay knows
     meta = Metadata(actor="test")
@@ -420,6 +422,76 @@ async def test_the_floor_is_the_lowest_consumer_position_within_max_age(bus: Bus
     assert await keeper(bus, durables=[Durable("new", ">")]).floor(40) == 1
     # nothing recorded within max_age: the lost stream held none of it either
     assert await keeper(bus, max_age=1e-6).floor(40) == 41
+
+
+def unread(i: int) -> c.LimitRemoved:
+    """An event no durable reads: an agent's report travels under no node."""
+    return c.LimitRemoved(share_id=f"share-{i}", node="node-a")
+
+
+def unread_messages() -> float:
+    labels = {"outcome": "unread"}
+    return REGISTRY.get_sample_value("dracap_relay_messages_total", labels) or 0.0
+
+
+async def test_the_relay_publishes_what_a_durable_reads_and_passes_over_the_rest(
+    bus: Bus,
+) -> None:
+    carried = durables.carried(bus.names)
+    owned = Durable("owned-by-relay", bus.names.events_subjects)
+    meta = Metadata(actor="test")
+    counted = unread_messages()
+    # read from the log: appended before the relay runs
+    await bus.store.append_many([Batch("mixed:1", 0, [access(0), unread(1), unread(2)])], meta)
+    r = relay(bus, carried=carried, keeper=keeper(bus, durables=[owned], carried=carried))
+    async with Running(r.run):
+        await until(lambda: r.position == 3)
+        # handed over: appended by the relay's own store while it runs
+        await bus.store.append_many([Batch("mixed:2", 0, [access(1), unread(3)])], meta)
+        await until(lambda: r.position == 5)
+    assert r.handed_over == 2
+    log = [env async for env in bus.store.read_all()]
+    messages = await stream_messages(bus, 2)
+    assert [m.headers and m.headers["Nats-Msg-Id"] for m in messages] == [
+        log[0].event_id,
+        log[3].event_id,
+    ]
+    assert (r.published, r.unread) == (2, 3)
+    assert unread_messages() - counted == 3
+    assert (
+        await bus.store.pool.fetchval(
+            "SELECT position FROM consumer_checkpoints WHERE consumer = 'relay'"
+        )
+        == 5
+    )  # the checkpoint passes the unread events too
+    # the stream's last message is at 4 and the relay at 5: nothing the bus carries lacks
+    assert await keeper(bus, durables=[owned], carried=carried).ensure(5, None) is None
+    # a broker that lost an event the bus carries after unread ones: published from it
+    await bus.store.append_many([Batch("mixed:3", 0, [unread(4), access(2)])], meta)
+    assert await keeper(bus, durables=[owned], carried=carried).ensure(7, None) == 7
+
+
+async def test_the_events_carried_are_those_a_durable_of_the_bus_is_handed(bus: Bus) -> None:
+    """Whether an event is carried agrees with what nats-server delivers to the durables."""
+    node = "node-a"
+    readers = [*durables.relay_owned(bus.names), durables.agent(bus.names, node)]
+    for durable in readers:
+        await bus.js.add_consumer(bus.names.stream, durable_config(durable))
+    kinds = [(tag, None) for tag in EVENT_TYPES] + [(tag, node) for tag in NODE_TAGS]
+    for tag, at in kinds:
+        await bus.js.publish(bus.names.subject_of(tag, at), b"{}", stream=bus.names.stream)
+    handed: set[str] = set()
+    for durable in readers:
+        sub = await bus.js.pull_subscribe_bind(durable=durable.name, stream=bus.names.stream)
+        pending = (await bus.js.consumer_info(bus.names.stream, durable.name)).num_pending
+        while pending:
+            taken = await sub.fetch(pending, timeout=5)
+            handed |= {m.subject for m in taken}
+            pending -= len(taken)
+        await sub.unsubscribe()
+    carried = durables.carried(bus.names)
+    assert {bus.names.subject_of(tag, at) for tag, at in kinds if carried(tag, at)} == handed
+    assert bus.names.subject_of("claims.submitted", None) not in handed  # some are not
 
 
 async def test_wire_form_is_the_envelope(bus: Bus) -> None:

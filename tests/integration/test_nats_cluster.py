@@ -34,6 +34,7 @@ from nats.js import JetStreamContext
 from nats.js.api import Header
 
 from events.subjects import BusNames
+from services import durables
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.endpoints import EndpointError
 from services.runtime.bus.jetstream import (
@@ -149,9 +150,10 @@ async def _consumers(cluster: Cluster, faulted: float) -> str:
 async def _log_ids(cluster: Cluster) -> list[str]:
     """The ids of the log's events the relay publishes, in position order."""
     ids = []
+    carried = durables.carried(cluster.stack.names)
     async for page in cluster.stack.store.read_rows(0):
         for row in page:
-            if outgoing(cluster.stack.names, row) is not None:
+            if outgoing(cluster.stack.names, row, carried) is not None:
                 ids.append(str(row["event_id"]))
     return ids
 

@@ -9,7 +9,17 @@ import pytest
 
 from events import catalog as c
 from events.envelopes import Envelope, new_envelope
-from events.subjects import NODE_EVENTS, NODE_REPORTS, BusNames, SubjectError, node_of, node_token
+from events.subjects import (
+    EVERY_EVENT,
+    NODE_EVENTS,
+    NODE_REPORTS,
+    BusNames,
+    Carried,
+    SubjectError,
+    node_of,
+    node_token,
+    subject_matches,
+)
 from tests.unit.test_catalog import every_event
 
 EVENTS = every_event()
@@ -26,23 +36,6 @@ def _with_node(event: c.Event, node: str | None) -> c.Event:
     return msgspec.structs.replace(event, node=node)
 
 
-def matches(filter_subject: str, subject: str) -> bool:
-    """NATS subject matching: ``*`` is one token, a final ``>`` one or more."""
-    pattern, tokens = filter_subject.split("."), subject.split(".")
-    for i, part in enumerate(pattern):
-        if part == ">":
-            return len(tokens) > i
-        if i >= len(tokens) or (part != "*" and part != tokens[i]):
-            return False
-    return len(pattern) == len(tokens)
-
-
-def test_matching_helper() -> None:
-    assert matches("a.*.c", "a.b.c") and not matches("a.*.c", "a.b.d")
-    assert matches("a.>", "a.b.c") and not matches("a.>", "a")
-    assert not matches("a.b", "a.b.c")
-
-
 @pytest.mark.parametrize("event", EVENTS, ids=IDS)
 def test_every_event_has_a_valid_subject_in_the_stream(event: c.Event) -> None:
     subject = NAMES.event_subject(_env(event))
@@ -51,11 +44,11 @@ def test_every_event_has_a_valid_subject_in_the_stream(event: c.Event) -> None:
     tag = c.tag_of(event)
     assert tokens[:3] == ["dracap", "ev", tag.split(".")[0]]
     assert subject.endswith("." + tag)
-    assert matches(NAMES.events_subjects, subject)
-    assert matches(NAMES.category_filter(tag.split(".")[0]), subject)
-    assert matches(NAMES.tag_filter(tag), subject)
+    assert subject_matches(NAMES.events_subjects, subject)
+    assert subject_matches(NAMES.category_filter(tag.split(".")[0]), subject)
+    assert subject_matches(NAMES.tag_filter(tag), subject)
     other = next(t for t in c.EVENT_TYPES if t != tag)
-    assert not matches(NAMES.tag_filter(other), subject)
+    assert not subject_matches(NAMES.tag_filter(other), subject)
 
 
 def test_every_event_with_a_node_field_is_addressed_or_a_report() -> None:
@@ -71,7 +64,7 @@ def test_every_event_with_a_node_field_is_addressed_or_a_report() -> None:
 def test_node_reports_travel_under_the_placeholder(event: c.Event) -> None:
     subject = NAMES.event_subject(_env(_with_node(event, "node-a")))
     assert subject.split(".")[3] == "_"
-    assert not matches(NAMES.node_filter("node-a"), subject)
+    assert not subject_matches(NAMES.node_filter("node-a"), subject)
 
 
 @pytest.mark.parametrize("event", [e for e in EVENTS if isinstance(e, NODE_EVENTS)], ids=str)
@@ -79,7 +72,7 @@ def test_node_events_carry_the_node_token(event: c.Event) -> None:
     for node in ("node-a", "ip-10-0-0-1.ec2.internal"):
         subject = NAMES.event_subject(_env(_with_node(event, node)))
         assert subject.split(".")[3] == node_token(node)
-        assert matches(NAMES.node_filter(node), subject)
+        assert subject_matches(NAMES.node_filter(node), subject)
 
 
 def test_events_without_node_use_the_placeholder() -> None:
@@ -97,7 +90,10 @@ def test_node_filter_matches_only_its_node() -> None:
             subject = NAMES.event_subject(env)
             for reader in nodes:
                 expected = node_of(env.event) == reader
-                assert matches(NAMES.node_filter(reader), subject) is expected, (reader, subject)
+                assert subject_matches(NAMES.node_filter(reader), subject) is expected, (
+                    reader,
+                    subject,
+                )
 
 
 def test_node_tokens_are_injective_and_single_tokens() -> None:
@@ -115,7 +111,7 @@ def test_prefix_scopes_everything() -> None:
     assert names.stream == "T1234ABCD_EVENTS"
     assert names.events_subjects == "t1234abcd.ev.>"
     env = _env(EVENTS[0])
-    assert not matches(NAMES.events_subjects, names.event_subject(env))
+    assert not subject_matches(NAMES.events_subjects, names.event_subject(env))
     assert BusNames().stream == "DRACAP_EVENTS"
 
 
@@ -128,7 +124,7 @@ def test_bad_prefixes_are_refused(prefix: str) -> None:
 def test_api_and_admin_subjects() -> None:
     assert NAMES.api("team-a", "apply") == "dracap.api.team-a.claims.apply"
     assert NAMES.api("*", "get") == "dracap.api.*.claims.get"
-    assert matches(NAMES.api("*", "get"), NAMES.api("team-a", "get"))
+    assert subject_matches(NAMES.api("*", "get"), NAMES.api("team-a", "get"))
     assert NAMES.admin("slices.apply") == "dracap.admin.slices.apply"
     assert NAMES.admin(">") == "dracap.admin.>"
     for bad in ("team.a", "", "a b", "a*"):
@@ -149,4 +145,32 @@ def test_reservation_feeds_read_their_triggers() -> None:
         for source in FEEDS.values()
     ]
     for subject in subjects:
-        assert any(matches(f, subject) for f in filters), subject
+        assert any(subject_matches(f, subject) for f in filters), subject
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "matches"),
+    [
+        ("a.b.c", "a.b.c", True),
+        ("a.b.c", "a.b", False),
+        ("a.b", "a.b.c", False),
+        ("a.*.c", "a.x.c", True),
+        ("a.*.c", "a.x.y.c", False),
+        ("a.>", "a.b", True),
+        ("a.>", "a.b.c.d", True),
+        ("a.>", "a", False),
+        ("a.*.>", "a.b", False),
+        ("x.>", "a.b", False),
+    ],
+)
+def test_a_pattern_matches_subjects_as_nats_does(pattern: str, subject: str, matches: bool) -> None:
+    assert subject_matches(pattern, subject) is matches
+
+
+def test_the_bus_carries_events_addressed_to_a_node_and_the_tags_it_names() -> None:
+    carried = Carried(frozenset({"claims.admitted"}))
+    assert carried("claims.admitted", None)
+    assert carried("reservation.allocation_bound", "node-a")  # its agent reads it
+    assert not carried("reservation.allocation_bound", None)
+    assert not carried("claims.submitted", None)
+    assert EVERY_EVENT("claims.submitted", None)

@@ -1,8 +1,9 @@
 """The JetStream side of the runtime: connecting, and the one stream of events.
 
-Every event of the Postgres log is published once (by :mod:`services.runtime.delivery.relaying`)
-to the stream :attr:`BusNames.stream <events.subjects.BusNames.stream>`, which holds
-the subjects ``{prefix}.ev.>``. The stream is the bus, not the source of truth: it can
+Every event of the Postgres log that a durable consumer reads is published once (by
+:mod:`services.runtime.delivery.relaying`) to the stream
+:attr:`BusNames.stream <events.subjects.BusNames.stream>`, which holds the subjects
+``{prefix}.ev.>``. The stream is the bus, not the source of truth: it can
 be deleted and rebuilt from the log by resetting the relay's checkpoint.
 
 Stream configuration, and why:

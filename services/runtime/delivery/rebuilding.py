@@ -42,8 +42,11 @@ What the stream lacks
 The relay remembers the stream sequence of the last message it published. When the
 stream's last sequence is lower than that (or the relay has just started and does not
 know it), the keeper looks at the stream's last message: its ``Nats-Msg-Id`` is an event
-id, and the log says at which position that event is. Everything after it is missing
-(an empty or new stream holds nothing). The relay republishes from there — but not
+id, and the log says at which position that event is. What the bus carries after it
+is missing (an empty or new stream holds nothing; the events no durable reads were
+never published, so a stream whose last message is older than the relay's position may
+lack nothing: the keeper reads the log from there to the first event the relay would
+publish, :meth:`BusKeeper._first_carried`). The relay republishes from there — but not
 from further back than the consumers need:
 
 * the **floor** is the lowest position any consumer recorded as reached
@@ -53,9 +56,12 @@ from further back than the consumers need:
   older events either (``events.recorded_at``, indexed).
 
 A stream created here starts at that position (``first_seq``, nats-server 2.10 and
-later), so stream sequence and log position agree again: an acknowledgement of a
-message received before the loss then names the same event, never another one.
-Every consumer receives again what it handled since the floor; its
+later). Stream sequences do not follow log positions (the relay passes over the events
+no durable reads), but no sequence is above its event's position. An acknowledgement of
+a message received before the loss and sent after it may therefore name a message of
+the new stream that the same durable holds unacknowledged; that message then is not
+delivered again should its consumer fail it — which the consumers absorb as they
+absorb a nak'd message below their mark (below). Every consumer receives again what it handled since the floor; its
 ``processed_messages`` rows make that a no-op. What a consumer had not acknowledged
 when the store was lost — above its own mark — comes again; a message it had nak'd for
 a later retry below its mark does not, unless another consumer's mark is lower.
@@ -63,16 +69,18 @@ a later retry below its mark does not, unless another consumer's mark is lower.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Final
 
+import msgspec
 import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import Header, StreamInfo
 from nats.js.errors import NotFoundError
 
-from events.subjects import BusNames
+from events.subjects import EVERY_EVENT, BusNames, Carried
 from services.runtime.bus.jetstream import (
     DUPLICATE_WINDOW_S,
     MAX_AGE_S,
@@ -82,6 +90,7 @@ from services.runtime.bus.jetstream import (
     with_timeout,
 )
 from services.runtime.ground.errors import Unanswered, map_bus_error
+from services.runtime.store import rows
 from services.runtime.store.eventstore import EventStore
 
 __all__ = ["ANSWER_WAIT_S", "CHECK_INTERVAL_S", "BusKeeper", "ensure_durables"]
@@ -115,8 +124,10 @@ class BusKeeper:
         duplicate_window: float = DUPLICATE_WINDOW_S,
         interval: float = CHECK_INTERVAL_S,
         replicas: int | None = None,
+        carried: Carried = EVERY_EVENT,
     ) -> None:
         self._store = store
+        self._carried = carried  #: the events the relay publishes (the same as its)
         #: the stream's replicas (its durables take the same: :mod:`services.runtime.bus.jetstream`)
         self.replicas = replicas
         self._js = js  # what changes the stream or a durable: its creation may take a while
@@ -156,9 +167,9 @@ class BusKeeper:
             if relayed:
                 log.warning(
                     "the events stream was missing: created it; publishing the log "
-                    "again from position %d (%d events)",
+                    "again from position %d to %d (what the bus carries of it)",
                     start,
-                    relayed - start + 1,
+                    relayed,
                 )
             return start if start <= relayed else None
         await ensure_stream(  # its settings, should they differ
@@ -174,17 +185,17 @@ class BusKeeper:
         held = await self._held(info)
         if held >= relayed:
             return None
-        start = max(await self.floor(relayed), held + 1)
-        if start > relayed:
+        lacking = await self._first_carried(max(await self.floor(relayed), held + 1), relayed)
+        if lacking is None:  # nothing after the last message that the bus carries
             return None
         log.warning(
             "the events stream lacks events %d..%d (it holds up to position %d): "
             "publishing them again",
-            start,
+            lacking,
             relayed,
             held,
         )
-        return start
+        return lacking
 
     async def _stream_info(self) -> StreamInfo | None:
         try:
@@ -215,6 +226,22 @@ class BusKeeper:
             log.debug("last message of the stream names no event (%r)", exc)
             return 0
         return int(position or 0)
+
+    async def _first_carried(self, first: int, last: int) -> int | None:
+        """The position of the first event of ``first``..``last`` that the bus carries."""
+        if first > last:
+            return None
+        pages = self._store.read_rows(first - 1, to_position=last)
+        async with contextlib.aclosing(pages):
+            async for page in pages:
+                for row in page:
+                    try:
+                        node = rows.addressed_node(row)
+                    except msgspec.MsgspecError:  # the relay decides what to do with it
+                        return int(row[rows.POSITION])
+                    if self._carried(row[rows.TYPE], node):
+                        return int(row[rows.POSITION])
+        return None
 
     async def floor(self, relayed: int) -> int:
         """The first position a consumer may still need (see the module docstring)."""

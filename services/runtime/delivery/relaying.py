@@ -1,8 +1,14 @@
 """The outbox relay: the Postgres event log, published in order to JetStream.
 
 Services never publish to the bus; they append to the log (the single source of
-truth) and the relay carries every committed event to the events stream, exactly
-once and in position order. The loop:
+truth) and the relay carries every committed event that some durable consumer reads to
+the events stream, exactly once and in position order (``carried``:
+:func:`services.durables.carried` in every deployment, every event when not given). The
+events no durable reads — a claim's submission, its reservation, the agents' reports:
+four of a claim's six — it passes over: its position and checkpoint move past them, and
+a window of nothing else costs no round trip (each would be stored by JetStream,
+acknowledged to the relay, and read by nobody; the log holds them, and everyone who
+needs them reads the log). The loop:
 
 1. read the log after the checkpoint, one *window* of rows at a time (keyset paging,
    the next page already being read while this one is published);
@@ -68,8 +74,9 @@ Lease: a deployed relay runs while it holds its lease (``dracap serve relay``,
 :class:`~services.runtime.ops.leadership.Leadership`), and ``leased`` raises
 :class:`~services.runtime.ground.errors.NotActive` before each window once it no longer does:
 a relay that lost its lease publishes nothing more, its run stops, and it stands by.
-Each window's messages are counted by what the stream did with them
-(``dracap_relay_messages_total{outcome="stored"|"duplicate"}``).
+Each window's events are counted by what became of them
+(``dracap_relay_messages_total{outcome="stored"|"duplicate"|"unread"}``: stored by the
+stream, recognised as stored before, or passed over).
 
 Wire form: the envelope JSON of :func:`events.eventcodec.encode_event`. For rows written
 under the current schema version the stored payload is spliced in unchanged
@@ -95,11 +102,11 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import Header, PubAck
 
-from events.catalog import SCHEMA_VERSIONS, schema_version_of
+from events.catalog import SCHEMA_VERSIONS, schema_version_of, tag_of
 from events.envelopes import Envelope
 from events.eventcodec import encode_event
 from events.folding import Refusal
-from events.subjects import NODE_TAGS, BusNames
+from events.subjects import EVERY_EVENT, BusNames, Carried, node_of
 from services.runtime.delivery.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.delivery.rebuilding import BusKeeper
 from services.runtime.ground.context import ServiceContext
@@ -135,12 +142,7 @@ def _no_stream(exc: BaseException) -> bool:
     return isinstance(exc, nats.js.errors.APIError) and exc.err_code in _NO_STREAM_CODES
 
 
-class _NodeField(msgspec.Struct):
-    node: str | None = None
-
-
 _ENCODER: Final = msgspec.json.Encoder()
-_NODE_DECODER: Final = msgspec.json.Decoder(_NodeField)
 
 
 class Outgoing(msgspec.Struct, frozen=True):
@@ -152,11 +154,14 @@ class Outgoing(msgspec.Struct, frozen=True):
     position: int
 
 
-def outgoing(names: BusNames, row: asyncpg.Record) -> Outgoing | None:
+def outgoing(
+    names: BusNames, row: asyncpg.Record, carried: Carried = EVERY_EVENT
+) -> Outgoing | None:
     """The bus message of one stored event row (see "Wire form" above); ``None`` for an
-    event the fold's driver refuses to decode whose message cannot be made (an old schema
-    version, a node that does not read): it is left off the bus, since every reader
-    skips it anyway (:mod:`events.folding`), and counted once."""
+    event the bus does not carry (``carried``: no durable reads it), and for an event the
+    fold's driver refuses to decode whose message cannot be made (an old schema version, a
+    node that does not read): it is left off the bus, since every reader skips it anyway
+    (:mod:`events.folding`), and counted once."""
     tag, version = row[rows.TYPE], row[rows.SCHEMA_VERSION]
     if version != SCHEMA_VERSIONS.get(tag):
         event = rows.decoded(row)
@@ -165,22 +170,30 @@ def outgoing(names: BusNames, row: asyncpg.Record) -> Outgoing | None:
             return None
         env = rows.envelope_with(row, event)
         env = msgspec.structs.replace(env, schema_version=schema_version_of(env.event))
-        return outgoing_envelope(names, env)
-    wire = rows.raw_envelope_of(row)
+        return outgoing_envelope(names, env, carried)
     try:
-        node = _NODE_DECODER.decode(row[rows.PAYLOAD]).node if tag in NODE_TAGS else None
+        node = rows.addressed_node(row)
         subject = names.subject_of(tag, node)
     except Exception:  # not a node name: the event does not decode (or the subject is bad)
         event = rows.decoded(row)
         if isinstance(event, Refusal):
             note(event, str(row[rows.EVENT_ID]), row[rows.ACTOR])
         return None
+    if not carried(tag, node):
+        return None
+    wire = rows.raw_envelope_of(row)
     return Outgoing(subject, _ENCODER.encode(wire), wire.event_id, wire.position)
 
 
-def outgoing_envelope(names: BusNames, env: Envelope) -> Outgoing:
-    """The bus message of an envelope this process appended (same form as from its row)."""
-    return Outgoing(names.event_subject(env), encode_event(env), env.event_id, env.position)
+def outgoing_envelope(
+    names: BusNames, env: Envelope, carried: Carried = EVERY_EVENT
+) -> Outgoing | None:
+    """The bus message of an envelope this process appended (same form as from its row);
+    ``None`` for an event the bus does not carry."""
+    tag, node = tag_of(env.event), node_of(env.event)
+    if not carried(tag, node):
+        return None
+    return Outgoing(names.subject_of(tag, node), encode_event(env), env.event_id, env.position)
 
 
 class Relay:
@@ -198,6 +211,7 @@ class Relay:
         keeper: BusKeeper | None = None,
         lag_interval: float = 1.0,
         leased: Callable[[], None] = lambda: None,
+        carried: Carried = EVERY_EVENT,
     ) -> None:
         if window < 1:
             raise ValueError("window must be at least 1")
@@ -217,10 +231,12 @@ class Relay:
         self._lag_interval = lag_interval
         #: raises NotActive when this relay may not publish (it lost its lease)
         self._leased = leased
+        self._carried = carried  #: the events published; the others are passed over
         self.position = 0  #: every event up to here is in the stream
         self._mark = HighWaterMark(store, checkpoint)
         self.published = 0  #: messages the stream stored
         self.duplicates = 0  #: messages the stream recognised as already stored
+        self.unread = 0  #: events passed over: no durable reads them (or they do not decode)
         self.windows = 0  #: windows published
         self.handed_over = 0  #: messages published from this process's appends, unread
         #: this process's committed appends not yet published
@@ -328,15 +344,16 @@ class Relay:
             ):
                 offered = self._take_offered()  # the gap was an append of ours, unanswered
             if offered:  # this process's own appends, next in line: no read
-                await self._publish_window(offered)
+                made = (outgoing_envelope(self._names, e, self._carried) for e in offered)
+                await self._publish_window([m for m in made if m is not None], len(offered))
                 self._advance(offered[-1].position)
                 self.handed_over += len(offered)
                 continue
             if self._store.known_head <= self.position:
                 break  # nothing committed past us that we heard of
             async for page in self._store.read_rows(self.position, batch_size=self._window):
-                made = (outgoing(self._names, row) for row in page)
-                await self._publish_window([m for m in made if m is not None])
+                made = (outgoing(self._names, row, self._carried) for row in page)
+                await self._publish_window([m for m in made if m is not None], len(page))
                 self._advance(page[-1][rows.POSITION])
                 if stop.is_set():
                     return
@@ -348,13 +365,19 @@ class Relay:
         self._mark.advance(position)
         RELAY_LAG.set(max(self._store.known_head, position) - position)
 
-    def _take_offered(self) -> list[Outgoing]:
+    def _take_offered(self) -> list[Envelope]:
         """The offered envelopes that come next, in order, up to a window."""
-        return [outgoing_envelope(self._names, e) for e in self._handover.take(self._window)]
+        return self._handover.take(self._window)
 
-    async def _publish_window(self, messages: Sequence[Outgoing]) -> None:
-        """Write every message, then await all acknowledgements together."""
+    async def _publish_window(self, messages: Sequence[Outgoing], events: int) -> None:
+        """Write every message of a window of ``events`` events, then await all
+        acknowledgements together (nothing to await: no round trip)."""
         self._leased()  # a relay that lost its lease publishes nothing more
+        unread = events - len(messages)
+        self.unread += unread
+        RELAY_MESSAGES.labels("unread").inc(unread)
+        if not messages:
+            return
         acks: list[asyncio.Future[PubAck]] = []
         try:
             for message in messages:

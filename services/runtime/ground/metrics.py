@@ -147,9 +147,10 @@ RELAY_LAG: Final = Gauge(
 )
 RELAY_MESSAGES: Final = Counter(
     "dracap_relay_messages_total",
-    "Messages the relay published, by what the stream did with them: stored, or "
+    "Events the relay went past, by what became of them: stored by the stream, "
     "recognised as a duplicate of one stored before (a relay taking over from the "
-    "checkpoint, or two relays publishing at once).",
+    "checkpoint, or two relays publishing at once), or unread: not published, since no "
+    "durable consumer reads them (and events the fold refuses to decode).",
     ["outcome"],
     registry=REGISTRY,
 )

@@ -77,7 +77,15 @@ import contextlib
 import datetime
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any, Final, TypeVar
 
 import asyncpg
@@ -652,7 +660,7 @@ class EventStore:
 
     async def read_rows(
         self, from_position: int = 0, batch_size: int = 1000, to_position: int | None = None
-    ) -> AsyncIterator[list[asyncpg.Record]]:
+    ) -> AsyncGenerator[list[asyncpg.Record], None]:
         """Raw rows after ``from_position`` (up to ``to_position``), one batch at a time.
 
         A failure the failover deadline covers (a lost connection, no primary yet) reads

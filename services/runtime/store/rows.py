@@ -23,6 +23,7 @@ from events.catalog import Event
 from events.envelopes import Envelope, RawEnvelope
 from events.errors import CatalogError
 from events.folding import Refusal, decode
+from events.subjects import NODE_TAGS
 
 #: The columns of ``events``, in the order every read and bulk write uses.
 COLUMNS: Final = (
@@ -54,6 +55,13 @@ SELECT: Final = (
     + ", ".join("event_id::text" if c == "event_id" else c for c in COLUMNS)
     + " FROM events"
 )
+
+
+class _NodeField(msgspec.Struct):
+    node: str | None = None
+
+
+_NODE_DECODER: Final = msgspec.json.Decoder(_NodeField)
 
 #: A stored row as asyncpg returns it (or any sequence in :data:`COLUMNS` order).
 Row = asyncpg.Record | Sequence[Any]
@@ -114,6 +122,15 @@ def envelope_of(row: Row) -> Envelope:
     """The envelope of one stored row (payload decoded tolerantly, with upcasting);
     ``CatalogError`` if the fold's driver refuses to decode it."""
     return _envelope(Envelope, row, event_of(row))
+
+
+def addressed_node(row: Row) -> str | None:
+    """The node an event row is addressed to (None: to none, or not an event of
+    :data:`~events.subjects.NODE_TAGS`), read off the stored JSON without decoding the
+    event; msgspec's error for a payload whose ``node`` does not decode."""
+    if row[TYPE] not in NODE_TAGS:
+        return None
+    return _NODE_DECODER.decode(row[PAYLOAD]).node
 
 
 def raw_envelope_of(row: Row) -> RawEnvelope:
