@@ -4,11 +4,11 @@ Services never publish to the bus; they append to the log (the single source of
 truth) and the relay carries every committed event that some durable consumer reads to
 the events stream, exactly once and in position order (``carried``:
 :func:`services.durables.carried` in every deployment, every event when not given). The
-events no durable reads — a claim's submission, its reservation, the agents' reports:
-four of a claim's six — it passes over: its position and checkpoint move past them, and
-a window of nothing else costs no round trip (each would be stored by JetStream,
-acknowledged to the relay, and read by nobody; the log holds them, and everyone who
-needs them reads the log). The loop:
+events no durable reads — a claim's submission, its reservation, the agent's report:
+three of the five a claim takes to be Ready — it passes over: its position and
+checkpoint move past them, and a window of nothing else costs no round trip (each would
+be stored by JetStream, acknowledged to the relay, and read by nobody; the log holds
+them, and everyone who needs them reads the log). The loop:
 
 1. read the log after the checkpoint, one *window* of rows at a time (keyset paging,
    the next page already being read while this one is published);
