@@ -60,11 +60,12 @@ later). Stream sequences do not follow log positions (the relay passes over the 
 no durable reads), but no sequence is above its event's position. An acknowledgement of
 a message received before the loss and sent after it may therefore name a message of
 the new stream that the same durable holds unacknowledged; that message then is not
-delivered again should its consumer fail it — which the consumers absorb as they
-absorb a nak'd message below their mark (below). Every consumer receives again what it handled since the floor; its
-``processed_messages`` rows make that a no-op. What a consumer had not acknowledged
-when the store was lost — above its own mark — comes again; a message it had nak'd for
-a later retry below its mark does not, unless another consumer's mark is lower.
+delivered again should its consumer fail it — the same loss as a nak'd message below a
+consumer's mark (below), absorbed the same way. Every consumer receives again what it
+handled since the floor; its ``processed_messages`` rows make that a no-op. What a
+consumer had not acknowledged when the store was lost — above its own mark — comes
+again; a message it had nak'd for a later retry below its mark does not, unless another
+consumer's mark is lower.
 """
 
 from __future__ import annotations
