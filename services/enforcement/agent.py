@@ -207,7 +207,7 @@ from services.enforcement.views import NodeView
 from services.runtime.bus.jetstream import DEFAULT_API_PREFIX, prefix_of
 from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RetryableError
-from services.runtime.ground.metrics import CLAIMS, ENFORCEMENT_LATENCY
+from services.runtime.ground.metrics import CLAIMS, ENFORCEMENT_LATENCY, TAKE_UP_FAILURES
 from services.runtime.ground.outages import one_line
 from services.runtime.ops.slos import known_class
 
@@ -874,6 +874,7 @@ class Agent:
             except ConflictError:
                 continue
             except Exception as exc:
+                TAKE_UP_FAILURES.inc()
                 log.warning(
                     "node %s: its shares not taken up after its durable was lost (%s)",
                     self.node,
@@ -887,6 +888,7 @@ class Agent:
                     len(done.tasks),
                 )
             return
+        TAKE_UP_FAILURES.inc()
         log.warning(
             "node %s: its shares not taken up after its durable was lost (conflicts)", self.node
         )

@@ -117,7 +117,7 @@ from services.runtime.delivery.consuming import Consumer, close_session, take_lo
 from services.runtime.delivery.handlers import Handled, HandlerContext
 from services.runtime.ground.context import ServiceContext
 from services.runtime.ground.errors import ConflictError, RuntimeServiceError
-from services.runtime.ground.metrics import CLAIMS, SELECTOR_JOBS
+from services.runtime.ground.metrics import CLAIMS, REPLAN_FAILURES, SELECTOR_JOBS
 from services.runtime.ground.waiting import all_of, first_of
 from services.runtime.ops.selectorpool import SelectorPool
 from services.runtime.store import recorded
@@ -501,6 +501,7 @@ class ReservationService:
             except ConflictError:
                 self._replan.set()  # a concurrent append: plan again on a fresh view
             except (OSError, RuntimeServiceError) as exc:
+                REPLAN_FAILURES.inc()
                 log.warning("could not plan after a selector evaluation: %s", exc)
                 await self.clock.wait(stop, REPLAN_RETRY_S)
                 self._replan.set()

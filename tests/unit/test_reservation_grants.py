@@ -18,6 +18,7 @@ from events.state import ClusterState
 from events.subjects import BusNames
 from services.reservation.deriving import live_grants
 from services.reservation.service import REPLAN_RETRY_S, ReservationService
+from services.runtime.ground.metrics import REGISTRY
 from services.runtime.store.logandfold import LogAndFold
 from tests.fixtures.clock import FakeClock
 from tests.fixtures.contexts import NO_NATS, handed
@@ -96,14 +97,17 @@ async def test_a_failed_replan_is_tried_again_once_its_pause_passed_on_the_clock
     service = _FailingReplans(clock)
     stop = asyncio.Event()
     running = asyncio.ensure_future(service._replanner(stop))
+    failed = REGISTRY.get_sample_value("dracap_reservation_replan_failures_total") or 0.0
     service._replan.set()
     await clock.advance(0)
     assert service.replans == [0.0]
+    assert REGISTRY.get_sample_value("dracap_reservation_replan_failures_total") == failed + 1
     await clock.advance(REPLAN_RETRY_S - 0.1)
     assert service.replans == [0.0]  # still pausing
     await clock.advance(0.1)
     assert service.replans == [0.0, REPLAN_RETRY_S]
     await clock.advance(30, steps=3)
     assert len(service.replans) == 2  # it succeeded: no more
+    assert REGISTRY.get_sample_value("dracap_reservation_replan_failures_total") == failed + 1
     stop.set()
     await asyncio.wait_for(running, 10)

@@ -61,6 +61,7 @@ __all__ = [
     "REJECTIONS",
     "RELAY_LAG",
     "RELAY_MESSAGES",
+    "REPLAN_FAILURES",
     "SCHEDULING_LATENCY",
     "SELECTOR_JOBS",
     "SERVICE_ACTIVE",
@@ -68,6 +69,7 @@ __all__ = [
     "SNAPSHOT_CHECKS",
     "SNAPSHOT_FAILURES",
     "SNAPSHOT_POSITION",
+    "TAKE_UP_FAILURES",
     "UNCONFIRMED_MESSAGES",
     "USAGE",
     "MetricsPortError",
@@ -242,6 +244,20 @@ KUBELET_CALLS: Final = Counter(
     "Kubelet gRPC calls on the DRA plugin sockets, by method and outcome (ok, claim_error, "
     "deadline, refused, cancelled, error).",
     ["method", "outcome"],
+    registry=REGISTRY,
+)
+REPLAN_FAILURES: Final = Counter(
+    "dracap_reservation_replan_failures_total",
+    "Planning rounds a reservation worker ran without a message (selectors evaluated in "
+    "the pool, a trigger dead-lettered) that failed, the database or the bus away; each "
+    "is tried again a second later.",
+    registry=REGISTRY,
+)
+TAKE_UP_FAILURES: Final = Counter(
+    "dracap_agent_take_up_failures_total",
+    "Times a node agent could not carry out, from the log, its bound and releasing claims "
+    "after its durable consumer was lost with their messages; the next reconcile (a new "
+    "lease, a restart) does it.",
     registry=REGISTRY,
 )
 SNAPSHOTS_WRITTEN: Final = Counter(
