@@ -67,3 +67,12 @@ def test_the_child_encodes_at_the_lowest_priority() -> None:
     body, code = asyncio.run(detached.result())
     assert code == 0
     assert int(body) == min(19, parent + snapshots.CHILD_NICENESS) > parent
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_child_encodes_under_the_idle_scheduling_policy() -> None:
+    """A service task that wakes on the child's core runs at once (SCHED_IDLE)."""
+    detached = snapshots.detach(lambda: str(os.sched_getscheduler(0)).encode())
+    body, code = asyncio.run(detached.result())
+    assert code == 0
+    assert int(body) == os.SCHED_IDLE != os.sched_getscheduler(0)

@@ -34,13 +34,17 @@ but encode, compress and write — no locks, no logging, no I/O but its pipe —
 with ``os._exit``; if it fails or the writer is cancelled, it is killed and reaped, and
 no snapshot is written. Without ``os.fork`` the state is encoded on the loop as before.
 
-The child runs at the lowest priority (``nice`` +:data:`CHILD_NICENESS`): its work
-grows with the state (~0.3 s of CPU at 40,000 live claims, every 25,000 events), and at
-the parent's priority it took a core from the services while it ran — on a 2-core
-machine, the claims in flight queued behind the encoding of all the others, a cost per
-claim that grew with the claims live (issue 25). Nobody waits for a snapshot: at the
-lowest priority it takes what the services leave, and takes longer only when they are
-busy.
+The child runs at the lowest priority (``nice`` +:data:`CHILD_NICENESS`, and Linux's
+``SCHED_IDLE`` policy): its work grows with the state (~0.3 s of CPU at 40,000 live
+claims, every 25,000 events), and at the parent's priority it took a core from the
+services while it ran — on a 2-core machine, the claims in flight queued behind the
+encoding of all the others, a cost per claim that grew with the claims live (issue 25).
+Nobody waits for a snapshot: at the lowest priority it takes what the services leave,
+and takes longer only when they are busy. ``SCHED_IDLE`` on top of the niceness: the
+scheduler then lets any other task that wakes on the child's core run at once (a niced
+task may keep its slice), and the child's share under contention is a fifth of nice 19's
+(measured beside the standard benchmark with a busy loop in each policy:
+``docs/services.md``, "The snapshot child at SCHED_IDLE").
 
 ``schema_version`` is :data:`FRAME_VERSION`. Rows written before this module (no
 frame, ``schema_version`` 1) are read as a bare body and checked by the rules that do
@@ -249,6 +253,8 @@ def _run_in_child(work: Callable[[], bytes], read_fd: int, write_fd: int) -> NoR
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's
         with contextlib.suppress(OSError):
             os.nice(CHILD_NICENESS)  # the hot path first (module docstring)
+        with contextlib.suppress(OSError, AttributeError):  # Linux: SCHED_IDLE
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         with contextlib.suppress(ValueError):
             signal.set_wakeup_fd(-1)  # the parent's loop owns that fd
         gc.disable()  # nothing to collect in a process that lives for one piece of work
