@@ -6,7 +6,9 @@ that order (:data:`SELECT`), ``dracap replay import`` copies them in that order;
 fold's driver refuses to decode (every reader skips those: :mod:`events.folding`);
 :func:`envelope_of` turns a row into the :class:`~events.envelopes.Envelope` every service
 folds (``CatalogError`` for a refused one), :func:`raw_envelope_of` into the relay's
-:class:`~events.envelopes.RawEnvelope`, which keeps the stored JSON of the event as it is.
+:class:`~events.envelopes.RawEnvelope`, which keeps the stored JSON of the event as it is,
+and :func:`addressed_node` reads the node a row's event is addressed to off that JSON
+(its bus subject: the relay's, and the stream keeper's look for what the bus carries).
 Hot loops (replay) index rows with the named positions below rather than building
 objects per row.
 """
