@@ -1,9 +1,10 @@
 """The ledger's writes: audit's and billing's batches, CPU per claim on each side.
 
-One run, one fresh database (created from an administrator URL, migrated, dropped at
-the end unless ``--keep``). Each batch is what the ledger's projectors get under load:
-``--claims`` claims' lifecycles (submitted, admitted, capacity reserved, limit applied:
-four log positions each, 1,000 a batch by default), which
+One run, one fresh database (``benchmarks.pipeline.fresh_database``: created from an
+administrator URL, migrated, dropped at the end unless ``--keep``). Each batch is what
+the ledger's projectors get under load: ``--claims`` claims' lifecycles (submitted,
+admitted, capacity reserved, limit applied: four log positions each, 1,000 a batch by
+default), which
 :func:`services.audit.service.write_update` and :func:`services.billing.service.write_update`
 write in one transaction, as the projector does (the log's read and the projector's
 position are left out: they are the same whatever the writes). It prints the CPU per
@@ -25,17 +26,15 @@ import datetime
 import math
 import os
 import time
-import uuid
 from pathlib import Path
 
 import asyncpg
 
+from benchmarks import pipeline
 from events import catalog
 from events.envelopes import Envelope, new_envelope
-from migrations import runner as migrating
 from services.audit import service as audit
 from services.billing import service as billing
-from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import _init_connection
 from tests.integration import sample as s
 
@@ -100,24 +99,17 @@ async def bench(connection: asyncpg.Connection, claims: int, batches: int) -> tu
 
 
 async def main(args: argparse.Namespace) -> None:
-    name = f"dracap_bench_{uuid.uuid4().hex[:8]}"
-    root = await asyncpg.connect(args.admin_url)
-    await root.execute(f"CREATE DATABASE {name}")
-    await root.close()
-    url = args.admin_url.rsplit("/", 1)[0] + "/" + name
-    try:
-        await migrating.upgrade_async(Settings(database_url=url))
-        connection = await asyncpg.connect(url)
+    made = argparse.Namespace(  # the pipeline's fresh database (no NATS is used)
+        admin_url=args.admin_url, nats="", embedded=False, keep=args.keep, pool=1
+    )
+    async with pipeline.fresh_database(made) as settings:
+        name = settings.database_url.rsplit("/", 1)[1]
+        connection = await asyncpg.connect(settings.database_url)
         try:
             await _init_connection(connection)  # the store's jsonb codec
             client, server = await bench(connection, args.claims, args.batches)
         finally:
             await connection.close()
-    finally:
-        if not args.keep:
-            root = await asyncpg.connect(args.admin_url)
-            await root.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-            await root.close()
     positions = 4 * args.claims
     print(
         f"database {name}: {args.batches} batches of {args.claims} claims ({positions} positions)"
