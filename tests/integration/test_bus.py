@@ -471,6 +471,38 @@ async def test_the_relay_publishes_what_a_durable_reads_and_passes_over_the_rest
     assert await keeper(bus, durables=[owned], carried=carried).ensure(7, None) == 7
 
 
+async def test_the_keeper_reads_only_what_the_log_gained_since_it_found_nothing_lacking(
+    bus: Bus,
+) -> None:
+    carried = durables.carried(bus.names)
+    meta = Metadata(actor="test")
+    await bus.store.append_many([Batch("mixed:1", 0, [access(0), unread(1), unread(2)])], meta)
+    await publish_log(bus, 1)  # the stream holds the carried event, not the two after it
+    owned = Durable("owned-by-relay", bus.names.events_subjects)
+    k = keeper(bus, durables=[owned], carried=carried)
+    reads: list[int] = []
+    read_rows = bus.store.read_rows
+
+    def recording(after: int = 0, **kwargs: Any) -> Any:
+        reads.append(after)
+        return read_rows(after, **kwargs)
+
+    bus.store.read_rows = recording  # type: ignore[method-assign]
+    assert await k.ensure(3, None) is None
+    assert await k.ensure(3, None) is None  # the same last message: nothing read again
+    assert reads == [1]
+    await bus.store.append_many([Batch("mixed:2", 0, [unread(3)])], meta)
+    assert await k.ensure(4, None) is None
+    assert reads == [1, 3]  # only what the log gained
+    await bus.store.append_many([Batch("mixed:3", 0, [access(1)])], meta)
+    assert await k.ensure(5, None) == 5
+    assert reads == [1, 3, 4]
+    await publish_log(bus, 2)  # another last message: looked at from it again
+    reads.clear()
+    assert await k.ensure(5, None) == 5
+    assert reads == [2]
+
+
 async def test_the_events_carried_are_those_a_durable_of_the_bus_is_handed(bus: Bus) -> None:
     """Whether an event is carried agrees with what nats-server delivers to the durables."""
     node = "node-a"

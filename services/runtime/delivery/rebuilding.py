@@ -46,7 +46,9 @@ id, and the log says at which position that event is. What the bus carries after
 is missing (an empty or new stream holds nothing; the events no durable reads were
 never published, so a stream whose last message is older than the relay's position may
 lack nothing: the keeper reads the log from there to the first event the relay would
-publish, :meth:`BusKeeper._first_carried`). The relay republishes from there — but not
+publish, :meth:`BusKeeper._first_carried`; the keeper remembers how far it found nothing
+carried after that message, so while the stream's last message stays the same, each
+check reads only what the log gained since). The relay republishes from there — but not
 from further back than the consumers need:
 
 * the **floor** is the lowest position any consumer recorded as reached
@@ -142,6 +144,9 @@ class BusKeeper:
         self.streams_created = 0  #: streams this keeper created
         self.durables_created = 0  #: durables this keeper created
         self._checked = False  # a first check creates what a new installation lacks
+        #: (the stream's creation, its last sequence, a position): the log up to the
+        #: position held nothing the bus carries after that last message
+        self._complete: tuple[object, int, int] | None = None
 
     async def ensure(self, relayed: int, last_seq: int | None) -> int | None:
         """Put back what is missing; the position to publish again from, or None.
@@ -183,11 +188,19 @@ class BusKeeper:
         )
         if last_seq is not None and info.state.last_seq >= last_seq:
             return None  # holds at least what was published
-        held = await self._held(info)
-        if held >= relayed:
-            return None
+        last = (info.created, info.state.last_seq)
+        complete = self._complete
+        if complete is not None and complete[:2] == last:  # the same last message
+            if complete[2] >= relayed:
+                return None
+            held = complete[2]  # what follows the message up to here was looked at
+        else:
+            held = await self._held(info)
+            if held >= relayed:
+                return None
         lacking = await self._first_carried(max(await self.floor(relayed), held + 1), relayed)
         if lacking is None:  # nothing after the last message that the bus carries
+            self._complete = (*last, relayed)
             return None
         log.warning(
             "the events stream lacks events %d..%d (it holds up to position %d): "
