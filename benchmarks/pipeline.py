@@ -55,7 +55,8 @@ core for over a second, in a forked child at the lowest priority, and any such w
 costs a 2-core machine a fifth of the sustained rate while it runs (a ``nice`` 19 or
 ``SCHED_IDLE`` busy loop did, ``docs/services.md``), so a 3,000-claim sustained run that
 meets one says as much about when the writer's interval fell as about what a claim
-costs with N live.
+costs with N live. (The writer waits for a lull in the claims coming in, so a run meets
+one only when it is twice due: ``services/runtime/store/snapshots.py``.)
 
 **Settled runs**: every run starts once the audit and billing projectors have read the
 log up to its head as of that moment (their positions in ``ledger_positions``; at most

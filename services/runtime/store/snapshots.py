@@ -77,23 +77,39 @@ that the next start begins at the head instead of folding up to an interval agai
 
 Why the interval grows with the state (issue 25). A snapshot is the whole state: a write
 costs CPU in proportion to the records it holds, ``c·R`` (measured: ~6-12 µs per record,
-encode, compress and insert — 70 ms at 5,000 live claims, 1.42 s at 100,000, 3.45 s at
-a million events' 286,000 records). At a fixed 25,000 events that was ``c·R / 25,000``
-per event, a cost per claim that grew with the claims live (at 100,000 live, ~0.3 ms a
-claim on top of the ~1 ms the services spend). With the interval at least ``k·R``
-events (``k`` = :data:`EVENTS_PER_RECORD`), each write is preceded by at least ``k·R``
-events, so the work per event is at most ``c / k`` (~12-24 µs), whatever the state —
-O(1) per event. What it trades is the start after a crash, which folds up to one
-interval: ``k·R`` events at ~6.5 µs each, against a snapshot load of ~5.5 µs per record
-(inflate, decode; measured at a million events) — at most ~0.6x the snapshot's own load
-time, a bounded multiple of it at any size (a start after a crash is at most ~1.6x a
-clean one). Below 50,000 records (~25,000 claims ever folded) the floor of 25,000
-events rules, as before: ~0.3 s to fold at most. At a million events (286,000 records:
-143,000 events) the worst start after a crash is ~2.5 s, where the fixed 25,000 kept it
-under 2 s; a clean stop still writes at the head, so a restart folds nothing. The time
-rule costs ``c·R`` per ``every_seconds``, not per event (~0.6 % of a core at a million
-events). Incremental snapshots (what changed since the last, folded onto it) would make
-both O(1) and are not done.
+encode, compress and insert — 70 ms at 5,000 live claims, 1.42 s at 100,000, 3.45 s at a
+million events' 286,000 records). At a fixed 25,000 events that was ``c·R / 25,000`` per
+event, a cost per claim that grew with the claims live (at 100,000 live, ~0.3 ms a claim
+on top of the ~1 ms the services spend). With the interval at least ``k·R`` events
+(``k`` = :data:`EVENTS_PER_RECORD`), each write is preceded by at least ``k·R`` events,
+so the work per event is at most ``c / k`` (~12-24 µs), whatever the state — O(1) per
+event. What it trades is the start after a crash, which folds up to one interval (two
+under traffic that never pauses: below): ``k·R`` events at ~6.5 µs each, against a
+snapshot load of ~5.5 µs per record (inflate, decode; measured at a million events) — at
+most ~0.6x the snapshot's own load time, a bounded multiple of it at any size (a start
+after a crash is at most ~1.6x a clean one). Below 50,000 records (~25,000 claims ever
+folded) the floor of 25,000 events rules, as before: ~0.3 s to fold at most. At a
+million events (286,000 records: 143,000 events) the worst start after a crash is ~2.5
+s, where the fixed 25,000 kept it under 2 s; a clean stop still writes at the head, so a
+restart folds nothing. The time rule costs ``c·R`` per ``every_seconds``, not per event
+(~0.6 % of a core at a million events). Incremental snapshots (what changed since the
+last, folded onto it) would make both O(1) and are not done.
+
+A due snapshot waits for a lull (issue 25). The writer checks four times a second
+(:data:`CHECK_EVERY_S`); a snapshot that is due is written at a check that finds the
+state moved by at most :data:`LULL_EVENTS` (4) events since the check before — a quarter
+of a second in which at most one claim came in — or, lull or not, once its rule has
+passed :data:`OVERDUE` (2) times over (twice the interval's events, or twice
+``every_seconds``). The write costs the same whenever it runs, but at 100,000 live
+claims it is ~1.4 s of CPU in the child: on two cores, written in the middle of a burst
+of claims it took a fifth to half of the burst's rate and doubled its tail latency, even
+at ``SCHED_IDLE`` (``docs/services.md``, "A snapshot waits for a lull"). Under traffic
+with pauses (most clusters: claims come with deployments) the write falls in the pause.
+Under traffic that never pauses it is made at twice the interval, half as often: a start
+after a crash then folds up to two intervals (at a million events up to ~286,000 events,
+~1.9 s on top of the load: ~3.4 s in the worst case; a clean stop still writes at the
+head).
+
 After each write it prunes: it **keeps the newest** :data:`KEEP` **(3) snapshots** and
 deletes older ones — three, so that one torn or unverifiable snapshot still leaves two
 to fall back on, and bounded, so the table does not grow with the log. ``dracap replay
@@ -129,10 +145,13 @@ from services.runtime.ground.clock import SYSTEM, Clock
 from services.runtime.ground.metrics import SNAPSHOT_FAILURES, SNAPSHOT_POSITION, SNAPSHOTS_WRITTEN
 
 __all__ = [
+    "CHECK_EVERY_S",
     "CHILD_NICENESS",
     "EVENTS_PER_RECORD",
     "FRAME_VERSION",
     "KEEP",
+    "LULL_EVENTS",
+    "OVERDUE",
     "RECORDS_PER_INTERVAL",
     "Detached",
     "SnapshotWriter",
@@ -165,6 +184,13 @@ EVENTS_PER_RECORD: Final = EVERY_EVENTS / RECORDS_PER_INTERVAL
 #: CPU the scheduler gives; see the module docstring).
 CHILD_NICENESS: Final = 19
 EVERY_SECONDS: Final = 600.0
+#: A snapshot that is due is written at a check that finds the state moved by at most
+#: this many events since the check before (a lull: the module docstring)...
+LULL_EVENTS: Final = 4
+#: ...or once its rule (events or time) has passed this many times over, lull or not.
+OVERDUE: Final = 2
+#: Seconds between two checks of the writer: a lull is this long.
+CHECK_EVERY_S: Final = 0.25
 _MAGIC: Final = b"dracap-snapshot 1 "
 
 Connection = asyncpg.Connection | asyncpg.Pool
@@ -422,7 +448,7 @@ class SnapshotWriter:
         every_events: int = EVERY_EVENTS,
         every_seconds: float = EVERY_SECONDS,
         keep: int = KEEP,
-        check_every_s: float = 1.0,
+        check_every_s: float = CHECK_EVERY_S,
         checked: Callable[[], bool] = lambda: True,
         clock: Clock = SYSTEM,
     ) -> None:
@@ -439,6 +465,7 @@ class SnapshotWriter:
         self.last_position = 0
         self.last_time = clock.monotonic()
         self.written = 0
+        self._seen: int | None = None  # the state's position at the check before
 
     async def start(self) -> None:
         """Learn where the newest stored snapshot is."""
@@ -447,26 +474,34 @@ class SnapshotWriter:
         self.last_time = self.clock.monotonic()
         SNAPSHOT_POSITION.set(self.last_position)
 
-    def due(self) -> bool:
+    def due(self, times: int = 1) -> bool:
         """Whether the state is far enough (events or time) past the last snapshot: an
-        :func:`interval`, which grows with the state, or ``every_seconds``."""
+        :func:`interval`, which grows with the state, or ``every_seconds`` (``times``
+        over)."""
         state = self.state()
         position = state.position
         if position <= self.last_position:
             return False
-        if position - self.last_position >= interval(snapshot_records(state), self.every_events):
+        every = interval(snapshot_records(state), self.every_events)
+        if position - self.last_position >= times * every:
             return True
-        return self.clock.monotonic() - self.last_time >= self.every_seconds
+        return self.clock.monotonic() - self.last_time >= times * self.every_seconds
+
+    def to_write(self, *, stopping: bool = False) -> bool:
+        """Whether this check writes: a snapshot due in a lull, or :data:`OVERDUE` times
+        over (``stopping``: anything folded since the last). Each call is a check."""
+        position = self.state().position
+        seen, self._seen = self._seen, position
+        if stopping:
+            return position > self.last_position
+        if not self.due():
+            return False
+        lull = seen is not None and position - seen <= LULL_EVENTS
+        return lull or self.due(OVERDUE)
 
     async def maybe_write(self, *, stopping: bool = False) -> bool:
-        """Write a snapshot if one is due (``stopping``: if anything was folded since the
-        last); True if it wrote one."""
-        if not self.checked():
-            return False
-        if stopping:
-            if self.state().position <= self.last_position:
-                return False
-        elif not self.due():
+        """Write a snapshot if :meth:`to_write` says so; True if it wrote one."""
+        if not self.checked() or not self.to_write(stopping=stopping):
             return False
         position = await write_snapshot(self.pool, self.state(), keep=self.keep)
         self.last_position, self.last_time = position, self.clock.monotonic()
