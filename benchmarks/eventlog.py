@@ -23,9 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -33,12 +31,12 @@ from typing import Any
 
 import asyncpg
 
+from benchmarks import databases, stopping
 from events import catalog, model
 from events.catalog import Event, schema_version_of, tag_of
 from events.envelopes import stream_of
 from events.eventcodec import encode_payload
 from events.state import ClusterState
-from migrations import runner as migrating
 from services.replay.verify import fold_rows, paused_gc
 from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import (
@@ -232,15 +230,9 @@ async def bench_reads(settings: Settings, n: int) -> dict[str, float]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    name = f"dracap_bench_{uuid.uuid4().hex[:8]}"
-    root = await asyncpg.connect(args.admin_url)
-    await root.execute(f"CREATE DATABASE {name}")
-    await root.close()
-    url = args.admin_url.rsplit("/", 1)[0] + "/" + name
-    settings = Settings(database_url=url, pool_max_size=4)
-    try:
-        await migrating.upgrade_async(settings)
-        admin = await asyncpg.connect(url)
+    async with databases.fresh(args.admin_url, keep=args.keep) as settings:
+        name = settings.database_url.rsplit("/", 1)[1]
+        admin = await asyncpg.connect(settings.database_url)
         try:
             print(f"database {name}; writes:")
             async with await EventStore.open(settings) as store:
@@ -250,11 +242,6 @@ async def main(args: argparse.Namespace) -> None:
             results |= await bench_reads(settings, args.events)
         finally:
             await admin.close()
-    finally:
-        if not args.keep:
-            root = await asyncpg.connect(args.admin_url)
-            await root.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-            await root.close()
     report(results)
 
 
@@ -275,15 +262,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--single", type=int, default=2_000, help="single-event appends")
     parser.add_argument("--batches", type=int, default=50, help="batched appends")
     parser.add_argument("--batch", type=int, default=1_000, help="events per batched append")
-    parser.add_argument(
-        "--admin-url",
-        default=os.environ.get(
-            "DRACAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-        ),
-    )
+    databases.add_admin_url(parser)
     parser.add_argument("--keep", action="store_true", help="keep the benchmark database")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    stopping.run("eventlog", main(parse()))

@@ -1,6 +1,6 @@
 """The ledger's writes: audit's and billing's batches, CPU per claim on each side.
 
-One run, one fresh database (``benchmarks.pipeline.fresh_database``: created from an
+One run, one fresh database (``benchmarks.databases.fresh``: created from an
 administrator URL, migrated, dropped at the end unless ``--keep``). Each batch is what
 the ledger's projectors get under load: ``--claims`` claims' lifecycles (submitted,
 admitted, capacity reserved, limit applied: four log positions each, 1,000 a batch by
@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import math
 import os
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import asyncpg
 
-from benchmarks import pipeline
+from benchmarks import databases, stopping
 from events import catalog
 from events.envelopes import Envelope, new_envelope
 from services.audit import service as audit
@@ -99,10 +98,7 @@ async def bench(connection: asyncpg.Connection, claims: int, batches: int) -> tu
 
 
 async def main(args: argparse.Namespace) -> None:
-    made = argparse.Namespace(  # the pipeline's fresh database (no NATS is used)
-        admin_url=args.admin_url, nats="", embedded=False, keep=args.keep, pool=1
-    )
-    async with pipeline.fresh_database(made) as settings:
+    async with databases.fresh(args.admin_url, pool=1, keep=args.keep) as settings:
         name = settings.database_url.rsplit("/", 1)[1]
         connection = await asyncpg.connect(settings.database_url)
         try:
@@ -123,15 +119,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--claims", type=int, default=250, help="claims a batch (4 positions each)")
     parser.add_argument("--batches", type=int, default=10, help="batches measured")
-    parser.add_argument(
-        "--admin-url",
-        default=os.environ.get(
-            "DRACAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-        ),
-    )
+    databases.add_admin_url(parser)
     parser.add_argument("--keep", action="store_true", help="keep the benchmark database")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    stopping.run("ledger", main(parse()))

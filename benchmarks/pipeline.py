@@ -143,14 +143,13 @@ from typing import Any, NamedTuple, TypeVar
 import asyncpg
 import nats.js.errors
 
-from benchmarks import stopping
+from benchmarks import databases, stopping
 from events.subjects import BusNames
 from events.tenancy import MAX_CLAIMS
-from migrations import runner as migrating
 from services.commands.up import READY_LINE
 from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import Credential, read_credential
-from services.runtime.bus.endpoints import EndpointError, reaching, read_connection
+from services.runtime.bus.endpoints import EndpointError, read_connection
 from services.runtime.bus.flushing import flushed
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground.gctuning import tune_for_long_lived_state
@@ -1132,43 +1131,21 @@ async def _measure_pipeline(
 
 @contextlib.asynccontextmanager
 async def fresh_database(args: argparse.Namespace) -> AsyncIterator[Settings]:
+    """A database of the run's own (:func:`benchmarks.databases.fresh`) on ``--admin-url``'s
+    server, or on embedded servers started for the run (``--embedded``)."""
     async with contextlib.AsyncExitStack() as stack:
         admin_url, nats_url = args.admin_url, args.nats
         if args.embedded:
             data = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dracap-bench-")))
             servers = await stack.enter_async_context(embedded_servers(data))
             admin_url, nats_url = servers.admin_url, servers.nats_url
-        name = f"dracap_bench_{uuid.uuid4().hex[:8]}"
-        with reaching("PostgreSQL", admin_url):
-            root = await asyncpg.connect(admin_url)
-        await root.execute(f"CREATE DATABASE {name}")
-        await root.close()
-        settings = Settings(
-            database_url=admin_url.rsplit("/", 1)[0] + "/" + name,
-            nats_url=nats_url,
-            pool_max_size=args.pool,
-        )
-        try:
-            await migrating.upgrade_async(settings)
-            yield settings
-        finally:
-            if not args.keep:
-                root = await asyncpg.connect(admin_url)
-                await root.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-                await root.close()
-            else:
-                print(f"kept the database: {settings.database_url}", flush=True)
+        made = databases.fresh(admin_url, pool=args.pool, nats_url=nats_url, keep=args.keep)
+        yield await stack.enter_async_context(made)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """``--admin-url`` (a fresh database is made on that server) and ``--nats``."""
-    parser.add_argument(
-        "--admin-url",
-        default=os.environ.get(
-            "DRACAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-        ),
-        help="PostgreSQL server (a fresh database is created on it)",
-    )
+    databases.add_admin_url(parser)
     parser.add_argument(
         "--nats", default=os.environ.get("DRACAP_TEST_NATS_URL", "nats://127.0.0.1:4222")
     )

@@ -65,13 +65,13 @@ from typing import Any
 import asyncpg
 import msgspec
 
+from benchmarks import databases, stopping
 from benchmarks.eventlog import history, load_history
 from events import catalog
 from events.catalog import Event, schema_version_of, tag_of
 from events.envelopes import namespace_of, stream_of
 from events.eventcodec import encode_payload
 from events.statecodec import snapshot_encode
-from migrations import runner as migrating
 from services.replay.checkpoints import EVERY as CHECKPOINT_EVERY
 from services.replay.checkpoints import CheckpointWriter
 from services.replay.history import state_at
@@ -224,59 +224,52 @@ def _fork_seconds() -> float:
 
 
 async def database_part(admin_url: str, n: int, *, full_start: bool = True) -> dict[str, float]:
-    name = f"dracap_bench_{uuid.uuid4().hex[:8]}"
-    root = await asyncpg.connect(admin_url)
-    await root.execute(f"CREATE DATABASE {name}")
-    await root.close()
-    url = admin_url.rsplit("/", 1)[0] + "/" + name
-    settings = Settings(database_url=url, pool_max_size=4)
+    async with databases.fresh(admin_url) as settings:
+        return await _database_part(settings, n, full_start=full_start)
+
+
+async def _database_part(settings: Settings, n: int, *, full_start: bool) -> dict[str, float]:
     out: dict[str, float] = {}
+    admin = await asyncpg.connect(settings.database_url)
+    await _init_connection(admin)  # payloads as bytes
     try:
-        await migrating.upgrade_async(settings)
-        admin = await asyncpg.connect(url)
-        await _init_connection(admin)  # payloads as bytes
-        try:
-            await load_history(admin, n)
-        finally:
-            await admin.close()
-        if full_start:
-            seconds, position, used = await _start(settings)
-            assert position == n and not used
-            out["start without snapshot s"] = seconds
-        connection = await connect(settings)
-        try:
+        await load_history(admin, n)
+    finally:
+        await admin.close()
+    if full_start:
+        seconds, position, used = await _start(settings)
+        assert position == n and not used
+        out["start without snapshot s"] = seconds
+    connection = await connect(settings)
+    try:
+        async with DatabaseSource(connection, snapshots=False) as source:
+            state = await state_at(source, n)
+        started = time.perf_counter()
+        await write_snapshot(connection, state)
+        out["snapshot write s"] = time.perf_counter() - started
+        out["loop stall, encoding on the loop (before) s"] = await _max_lag(_on_loop(state))
+        out["loop stall, encoding in a forked child (now) s"] = await _max_lag(
+            encode_detached(state)
+        )
+        out["fork() alone s"] = _fork_seconds()
+        out["snapshot MiB"] = (
+            await connection.fetchval("SELECT octet_length(payload) FROM snapshots") / 2**20
+        )
+        seconds, position, used = await _start(settings)
+        assert position == n and used
+        out["start from snapshot at head s"] = seconds
+        del state
+        for gap in (EVERY_EVENTS - 1, 99_999):
+            await connection.execute("DELETE FROM snapshots")
             async with DatabaseSource(connection, snapshots=False) as source:
-                state = await state_at(source, n)
-            started = time.perf_counter()
+                state = await state_at(source, max(1, n - gap))
             await write_snapshot(connection, state)
-            out["snapshot write s"] = time.perf_counter() - started
-            out["loop stall, encoding on the loop (before) s"] = await _max_lag(_on_loop(state))
-            out["loop stall, encoding in a forked child (now) s"] = await _max_lag(
-                encode_detached(state)
-            )
-            out["fork() alone s"] = _fork_seconds()
-            out["snapshot MiB"] = (
-                await connection.fetchval("SELECT octet_length(payload) FROM snapshots") / 2**20
-            )
+            del state
             seconds, position, used = await _start(settings)
             assert position == n and used
-            out["start from snapshot at head s"] = seconds
-            del state
-            for gap in (EVERY_EVENTS - 1, 99_999):
-                await connection.execute("DELETE FROM snapshots")
-                async with DatabaseSource(connection, snapshots=False) as source:
-                    state = await state_at(source, max(1, n - gap))
-                await write_snapshot(connection, state)
-                del state
-                seconds, position, used = await _start(settings)
-                assert position == n and used
-                out[f"start from snapshot {gap:,} behind s"] = seconds
-        finally:
-            await connection.close()
+            out[f"start from snapshot {gap:,} behind s"] = seconds
     finally:
-        root = await asyncpg.connect(admin_url)
-        await root.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        await root.close()
+        await connection.close()
     return out
 
 
@@ -388,12 +381,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3, help="file runs, median kept")
-    parser.add_argument(
-        "--admin-url",
-        default=os.environ.get(
-            "DRACAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-        ),
-    )
+    databases.add_admin_url(parser)
     parser.add_argument("--no-database", action="store_true", help="the file part only")
     parser.add_argument(
         "--checkpoint-every",
@@ -422,8 +410,8 @@ def main() -> None:
             results |= file_part(args.events, args.repeat, Path(directory), args.checkpoint_every)
     if not args.no_database:
         print(f"start-up part, {args.events:,} events:")
-        results |= asyncio.run(
-            database_part(args.admin_url, args.events, full_start=not args.no_full_start)
+        results |= stopping.run(
+            "replay", database_part(args.admin_url, args.events, full_start=not args.no_full_start)
         )
     report(results)
 
