@@ -10,7 +10,11 @@ write in one transaction, as the projector does (the log's read and the projecto
 position are left out: they are the same whatever the writes). It prints the CPU per
 claim of this process (building the rows and sending them) and of its PostgreSQL
 backend (read from ``/proc``: the server must run on this machine; else ``n/a``),
-averaged over ``--batches`` batches after two to warm up.
+averaged over ``--batches`` batches after two to warm up. The batches run with the
+collector tuned as the ledger process runs it
+(:func:`services.runtime.ground.gctuning.long_lived_state`): with CPython's defaults
+the figure depended on how much else this process had imported (0.048-0.060 ms with
+``benchmarks.pipeline`` imported, 0.066-0.097 without).
 
 Usage::
 
@@ -34,6 +38,7 @@ from events import catalog
 from events.envelopes import Envelope, new_envelope
 from services.audit import service as audit
 from services.billing import service as billing
+from services.runtime.ground.gctuning import long_lived_state
 from services.runtime.store.eventstore import _init_connection
 from tests.integration import sample as s
 
@@ -103,7 +108,8 @@ async def main(args: argparse.Namespace) -> None:
         connection = await asyncpg.connect(settings.database_url)
         try:
             await _init_connection(connection)  # the store's jsonb codec
-            client, server = await bench(connection, args.claims, args.batches)
+            with long_lived_state():  # the collector as the ledger process has it
+                client, server = await bench(connection, args.claims, args.batches)
         finally:
             await connection.close()
     positions = 4 * args.claims
