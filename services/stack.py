@@ -366,7 +366,8 @@ async def start_services(
         carried=carried,
     )
     relay = Relay(stack.context("relay", relay_store, bus="relay"), keeper=keeper, carried=carried)
-    await keeper.ensure(await relay.load_checkpoint(), None)
+    within = stack.settings.failover_timeout_s  # a cluster electing its leader: a failover
+    await keeper.first_check(await relay.load_checkpoint(), within=within)
     stack.spawn("relay", functools.partial(relay.run, stop))
     live = LiveState(stack.store)
     await live.load_snapshot()

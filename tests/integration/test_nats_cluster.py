@@ -46,9 +46,11 @@ from services.runtime.bus.jetstream import (
 )
 from services.runtime.delivery import pulling
 from services.runtime.delivery.pulling import MAX_EXPIRES_S, Puller
+from services.runtime.delivery.rebuilding import BusKeeper
 from services.runtime.delivery.relaying import outgoing
 from services.runtime.ground.errors import RetryableError
 from services.runtime.ground.settings import Settings
+from services.runtime.store.eventstore import EventStore
 from tests.fixtures.polling import until
 from tests.fixtures.replicas import NatsCluster, NatsNode, nats_binary, nats_cluster
 from tests.integration.cluster import Cluster, running_cluster
@@ -219,6 +221,36 @@ async def _lose_the_leader(cluster: Cluster, nats3: NatsCluster, fault: str) -> 
         await asyncio.sleep(0.2)
     assert len(set(stream_ids)) == len(stream_ids), "an event is in the stream twice"
     assert stream_ids == log_ids, "the stream holds the log, in order"
+
+
+@_NATS_PY_LEAK[0]
+@_NATS_PY_LEAK[1]
+async def test_the_first_check_asks_again_until_the_bus_answers(
+    settings: Settings, nats3: NatsCluster
+) -> None:
+    """``dracap up``'s check before its services start (:meth:`BusKeeper.first_check`)
+    waits out a server that answers nothing, as a cluster still electing its JetStream
+    leader does, and creates the stream once answered (CI saw the check fail at once)."""
+    node = nats3.nodes[0]
+    names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
+    nc, js = await connect_bus(node.url)
+    store = await EventStore.open(settings)
+    keeper = BusKeeper(store, js, names)
+    try:
+        await asyncio.to_thread(nats3.pause, node)
+        try:
+            check = asyncio.create_task(keeper.first_check(0, within=120))
+            await until(lambda: keeper.unanswered >= 2, 60, "two checks unanswered")
+            assert not check.done(), "asked again"
+        finally:
+            await asyncio.to_thread(nats3.resume, node)
+        assert await check is None, "a new stream: nothing to publish again"
+        assert keeper.streams_created == 1
+        info = await _once_answered(lambda: js.stream_info(names.stream))
+        assert info.config.name == names.stream
+    finally:
+        await nc.close()
+        await store.close()
 
 
 async def test_the_stream_keeps_its_replicas_unless_told(nats3: NatsCluster) -> None:

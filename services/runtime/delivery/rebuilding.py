@@ -7,14 +7,17 @@ before its last writes reached the disk), the stream, the durable consumers and 
 consumer's place are gone, or the stream lacks its newest messages. Nothing restarts:
 
 * the **stream's owner**, the relay, checks the stream with :meth:`BusKeeper.ensure` at
-  its start, right after a publish found no stream, and every ``interval`` seconds
-  (a ``STREAM.INFO`` and a ``CONSUMER.INFO`` per durable it owns: cheap, and each
-  given :data:`ANSWER_WAIT_S` for its answer; no answer in time raises
+  its start, right after a publish found no stream, and every ``interval`` seconds (a
+  ``STREAM.INFO`` and a ``CONSUMER.INFO`` per durable it owns: cheap, and each given
+  :data:`ANSWER_WAIT_S` for its answer; no answer in time raises
   :class:`~services.runtime.ground.errors.Unanswered`, which the relay takes as "look
-  again later", not as a failure of its round). It creates
-  what is missing (the stream as :func:`~services.runtime.bus.jetstream.stream_config` says, each
-  durable as :func:`~services.runtime.bus.jetstream.durable_config` says) and leaves what exists
-  alone;
+  again later", not as a failure of its round). ``dracap up`` makes the first check
+  before any service pulls, with :meth:`BusKeeper.first_check`: asked again while
+  nobody answers or the answer is "not now" (a cluster just started may not have
+  elected its JetStream leader yet), for up to the failover timeout. It creates what is
+  missing (the stream as :func:`~services.runtime.bus.jetstream.stream_config` says,
+  each durable as :func:`~services.runtime.bus.jetstream.durable_config` says) and
+  leaves what exists alone;
 * the **relay** then publishes again, in order, from the position
   :meth:`BusKeeper.ensure` returns, and goes on with what is new;
 * every **consumer** keeps pulling; while its durable is missing it logs that once and
@@ -72,8 +75,10 @@ consumer's mark is lower.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Final
 
@@ -92,7 +97,7 @@ from services.runtime.bus.jetstream import (
     ensure_stream,
     with_timeout,
 )
-from services.runtime.ground.errors import Unanswered, map_bus_error
+from services.runtime.ground.errors import RetryableError, Unanswered, map_bus_error
 from services.runtime.store import rows
 from services.runtime.store.eventstore import EventStore
 
@@ -104,6 +109,8 @@ log = logging.getLogger("dracap.rebuilding")
 CHECK_INTERVAL_S: Final = 5.0
 #: The longest the keeper waits for an answer to one of its JetStream API requests.
 ANSWER_WAIT_S: Final = 1.0
+#: Seconds between two tries of the first check while the bus says "not now".
+FIRST_CHECK_RETRY_S: Final = 0.25
 
 _CHECKPOINTS: Final = "SELECT consumer, position FROM consumer_checkpoints WHERE consumer <> $1"
 _OLDEST_KEPT: Final = (
@@ -144,6 +151,7 @@ class BusKeeper:
         self.streams_created = 0  #: streams this keeper created
         self.durables_created = 0  #: durables this keeper created
         self._checked = False  # a first check creates what a new installation lacks
+        self.unanswered = 0  #: checks the bus did not answer in time
         #: (the stream's creation, its last sequence, a position): the log up to the
         #: position held nothing the bus carries after that last message
         self._complete: tuple[object, int, int] | None = None
@@ -158,12 +166,26 @@ class BusKeeper:
             start = await self._ensure_stream(relayed, last_seq)
             await self._ensure_durables()
         except nats.errors.TimeoutError as exc:
+            self.unanswered += 1
             where = self._names.events_subjects
             raise Unanswered(f"the bus did not answer the keeper's check ({where})") from exc
         except (nats.errors.Error, OSError) as exc:
             raise map_bus_error(exc, subject=self._names.events_subjects) from exc
         self._checked = True
         return start
+
+    async def first_check(self, relayed: int, *, within: float) -> int | None:
+        """:meth:`ensure` before the services start, asked again while the bus does not
+        answer or answers "not now" (a retryable error), for up to ``within`` seconds."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                return await self.ensure(relayed, None)
+            except RetryableError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("%s: asking again", exc)
+            await asyncio.sleep(FIRST_CHECK_RETRY_S)
 
     async def _ensure_stream(self, relayed: int, last_seq: int | None) -> int | None:
         info = await self._stream_info()
