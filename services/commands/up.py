@@ -95,7 +95,7 @@ from services.runtime.bus.apiclient import ApiClient
 from services.runtime.bus.credentials import AUTH_DIR, AuthDir, Principal
 from services.runtime.bus.endpoints import Connection
 from services.runtime.ground import eventloop
-from services.runtime.ground.gctuning import long_lived_state
+from services.runtime.ground.gctuning import freeze_at_exit, long_lived_state
 from services.runtime.ground.metrics import add_metrics_arguments
 from services.runtime.ground.outages import quiet_outages
 from services.runtime.ground.settings import ServiceKind, Settings, SettingsError, load_settings
@@ -511,6 +511,7 @@ def run(args: argparse.Namespace) -> int:
         prefix=args.prefix,
         insecure=args.insecure,
     )
+    freeze_at_exit()  # the process's own exit: no walk of the fold (gctuning)
     try:
         return eventloop.run(_main(options))
     except (ManifestError, SettingsError) as exc:

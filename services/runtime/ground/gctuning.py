@@ -30,12 +30,13 @@ Structs: ~8 objects per claim of the fold), and a full collection walks all of i
 fold of 1,000,000 events of ``benchmarks/eventlog.py``'s history is ~1.1 million tracked
 objects, and one full collection of it paused the process for seconds
 (``benchmarks/gcpause.py``). CPython starts one after a number of middle collections
-(by default a hundred; ten here, below), once the survivors promoted since the last one
-reach a quarter of what it kept: in a process that lives for hours with a large fold, a
-pause as long as the whole walk, that lands on every claim in flight and grows with the
-cluster (issue 25). (With a hundred, in the minutes of a ``benchmarks/pipeline.py`` run
-with ``--live 0,20000``, ``dracap up`` made none before its services had stopped: one
-at exit, 0.1-2.1 s on a loaded 2-core machine; a longer run met one, below.)
+(by default a hundred; here at the first chance, below), once the survivors promoted
+since the last one reach a quarter of what it kept: in a process that lives for hours
+with a large fold, a pause as long as the whole walk, that lands on every claim in
+flight and grows with the cluster (issue 25). (With a hundred, in the minutes of a
+``benchmarks/pipeline.py`` run with ``--live 0,20000``, ``dracap up`` made none before
+its services had stopped: one at exit, 0.1-2.1 s on a loaded 2-core machine; a longer
+run met one, below.)
 
 :func:`freeze_survivors` takes the survivors out of the walk: after every full
 collection it moves what survived it to the permanent generation (``gc.freeze()``), so
@@ -48,17 +49,28 @@ everything, and the next full collection walks everything, cycles and all: one l
 pause in ten minutes at most, whatever the state does. It starts with a full
 collection of its own, at startup, whose survivors are the first frozen set.
 
-How often a full collection comes is the third threshold: one per 10 middle
-collections (~330,000 net allocations; ~10,000 claims' worth of a ``dracap up`` under
-load), where CPython's 100 let one come only after ~3 million. Each walks what survived
-since the one before, so the rarer they are the longer each pause: with 100, no full
-collection came during a whole ``--live 0,100000`` fill, and the first one after it — in
-the half-rate run at 100,000 live — walked every claim folded since the start: 1.35 s
-(``benchmarks/pipeline.py``, a ``gc.callbacks`` probe). With 10 the same work comes in
-pieces: eleven full collections in the same run, the longest 190 ms, 171 ms for the one in
-that half-rate run (``python -m benchmarks.gcpause --grow --events 700000``: the longest
-full collection during a 100,000-claim fill 316 -> 62 ms, the next one after it 192 -> 13
-ms). The walk per object is the same; it is not all paid at once.
+How often a full collection comes is the third threshold: 0 here, a full collection at
+the first young collection after a middle one (gated by CPython's rule above: the
+survivors promoted since the last full collection must be a quarter of what it kept,
+which with the survivors frozen is what that one walked). Each walks what survived
+since the one before, so the rarer they are the longer each pause. With CPython's 100,
+no full collection came during a whole ``--live 0,100000`` fill, and the first one after
+it — in the half-rate run at 100,000 live — walked every claim folded since the start:
+1.35 s (``benchmarks/pipeline.py``, a ``gc.callbacks`` probe). With 10 (one per ~330,000
+net allocations) the same work came in pieces of 130-210 ms, about every 15 s under load
+(one in a half-rate run is ~1-2 % of its claims held that long: the size of its p99).
+With 0 the pieces are ~50,000 objects: in a ``--live 0,100000`` run the longest full
+collection of ``dracap up`` 207 -> 46 ms, of the ledger process 147 -> 66 ms (78 full
+collections in the run instead of 10, 1.9 s in all instead of 1.3 s over its eight
+minutes: more objects are walked while still alive, a tenth of a percent of a core).
+
+At exit the interpreter makes a full collection of its own; with everything unfrozen on
+the way out of :func:`long_lived_state` it walked the whole fold: 2.2-2.5 s for ``dracap
+up`` at 100,000 live claims (0.6-0.8 s for its ledger process), after the services had
+stopped and before the process ended — inside a container's stop grace period, and
+growing with the fold. :func:`freeze_at_exit`, for a process's entry point, has the
+interpreter freeze everything first (an ``atexit`` entry): that collection walks
+nothing, and the operating system takes the memory back.
 
 A rule on the frozen set's size (walk everything again once it has doubled) was tried
 first: the frozen set at startup is only the imports (~106,000 objects), so it would
@@ -71,6 +83,7 @@ a service run inside another program — a test, an embedding — leaves it unto
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import time
@@ -80,13 +93,14 @@ from typing import Any, Final
 __all__ = [
     "REWALK_S",
     "THRESHOLDS",
+    "freeze_at_exit",
     "freeze_survivors",
     "long_lived_state",
     "tune_for_long_lived_state",
 ]
 
 #: (young, middle, old) generation thresholds.
-THRESHOLDS: Final = (10_000, 2, 10)
+THRESHOLDS: Final = (10_000, 2, 0)
 #: Seconds between two full collections that walk everything, frozen set and all.
 REWALK_S: Final = 600.0
 
@@ -136,6 +150,12 @@ def freeze_survivors() -> Callable[[], None]:
         gc.unfreeze()
 
     return undo
+
+
+def freeze_at_exit() -> None:
+    """Freeze everything as the interpreter exits, before its last collection, which
+    then walks nothing (module docstring). For a process's entry point only."""
+    atexit.register(gc.freeze)
 
 
 @contextlib.contextmanager

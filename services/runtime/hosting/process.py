@@ -55,7 +55,7 @@ from services.runtime.bus.endpoints import Endpoints, endpoints_from_args, reach
 from services.runtime.bus.jetstream import connect_bus
 from services.runtime.ground import eventloop
 from services.runtime.ground.context import NotConnectedError, ServiceContext
-from services.runtime.ground.gctuning import long_lived_state
+from services.runtime.ground.gctuning import freeze_at_exit, long_lived_state
 from services.runtime.ground.printable import printable
 from services.runtime.ground.settings import ServiceKind, Settings, SettingsError, load_settings
 from services.runtime.ops.children import log_tag, stop_with_parent
@@ -176,6 +176,7 @@ def run_service(
     if not stop_with_parent():  # a child of dracap up whose dracap up is gone already
         return ExitCode.OK
     eventloop.log_to_stderr(log_tag())
+    freeze_at_exit()  # the process's own exit: no walk of the fold (gctuning)
     try:
         with long_lived_state():
             return eventloop.run(main())
