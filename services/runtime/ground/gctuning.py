@@ -60,9 +60,13 @@ it — in the half-rate run at 100,000 live — walked every claim folded since 
 net allocations) the same work came in pieces of 130-210 ms, about every 15 s under load
 (one in a half-rate run is ~1-2 % of its claims held that long: the size of its p99).
 With 0 the pieces are ~50,000 objects: in a ``--live 0,100000`` run the longest full
-collection of ``dracap up`` 207 -> 46 ms, of the ledger process 147 -> 66 ms (78 full
-collections in the run instead of 10, 1.9 s in all instead of 1.3 s over its eight
-minutes: more objects are walked while still alive, a tenth of a percent of a core).
+collection of ``dracap up`` 202-219 -> 54-59 ms, of the ledger process 113-149 -> 43-49
+ms. The price is the collector's own work: ``dracap up``'s collections took 5.6-5.8 s
+in all over that run instead of 3.6-4.1 s (~0.4 % of a core over its eight minutes), and
+in a fold at full speed (``python -m benchmarks.gcpause --grow``) the collector's time
+about doubles (3.1-4.3 -> 5.6-8.2 s, the fill 12-15 -> 14-19 s): young and middle
+collections cost more too, not only the added full ones. Chosen for the pauses: a
+latency goal of 35-50 ms cannot hold with 200 ms ones.
 
 At exit the interpreter makes a full collection of its own; with everything unfrozen on
 the way out of :func:`long_lived_state` it walked the whole fold: 2.2-2.5 s for ``dracap
