@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import subprocess
 import sys
@@ -114,38 +115,6 @@ import gc
 from services.runtime.ground.gctuning import freeze_survivors, tune_for_long_lived_state
 tune_for_long_lived_state()
 freeze_survivors()
-full = []
-gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2
-                    and full.append(1))
-fold = []
-for i in range({GROWN_CLAIMS}):
-    fold.append([[i] for _ in range({TRACKED_PER_CLAIM - 1})])
-    for _ in range(30):
-        message = [i]  # short-lived, as a service's envelopes and futures
-walked_next = len(gc.get_objects())  # what the next full collection walks
-print(len(full), walked_next)
-"""
-
-
-def test_a_growing_fold_is_walked_in_pieces_not_all_at_once() -> None:
-    # The first full collection after a fill walked every claim folded since the one
-    # before (1.35 s at 100,000 claims in dracap up): full collections come often enough
-    # while the fold grows that each walks a part of it. Its own interpreter: the test
-    # process's collector state is not a service's.
-    result = subprocess.run(
-        [sys.executable, "-c", _GROW], capture_output=True, text=True, check=True, timeout=120
-    )
-    full, walked_next = (int(n) for n in result.stdout.split())
-    grown = GROWN_CLAIMS * TRACKED_PER_CLAIM
-    assert full >= 2, result.stdout
-    assert walked_next < grown // 2, (walked_next, grown)
-
-
-_PIECES = f"""
-import gc
-from services.runtime.ground.gctuning import freeze_survivors, tune_for_long_lived_state
-tune_for_long_lived_state()
-freeze_survivors()
 walks = []
 def walked(phase, info):  # what a full collection is about to walk: all but the frozen
     if phase == "start" and info["generation"] == 2:
@@ -155,22 +124,41 @@ fold = []
 for i in range({GROWN_CLAIMS}):
     fold.append([[i] for _ in range({TRACKED_PER_CLAIM - 1})])
     for _ in range(30):
-        message = [i]
-print(len(walks), max(walks))
+        message = [i]  # short-lived, as a service's envelopes and futures
+walked_next = len(gc.get_objects())  # what the next full collection walks
+print(len(walks), walked_next, max(walks))
 """
+
+
+@functools.cache
+def _grown() -> tuple[int, int, int]:
+    """The fill of ``_GROW`` in its own interpreter (the test process's collector state
+    is not a service's): full collections, what the next one walks, the longest walk."""
+    result = subprocess.run(
+        [sys.executable, "-c", _GROW], capture_output=True, text=True, check=True, timeout=120
+    )
+    full, walked_next, longest = (int(n) for n in result.stdout.split())
+    return full, walked_next, longest
+
+
+def test_a_growing_fold_is_walked_in_pieces_not_all_at_once() -> None:
+    # The first full collection after a fill walked every claim folded since the one
+    # before (1.35 s at 100,000 claims in dracap up): full collections come often enough
+    # while the fold grows that each walks a part of it.
+    full, walked_next, _ = _grown()
+    grown = GROWN_CLAIMS * TRACKED_PER_CLAIM
+    assert full >= 2, full
+    assert walked_next < grown // 2, (walked_next, grown)
 
 
 def test_each_full_collection_walks_a_few_young_collections_worth() -> None:
     # A full collection of 130-210 ms every ~15 s held every claim in flight in dracap
     # up at 100,000 live (third threshold 10: ~450,000 objects a walk in this fill);
     # with 0, one comes after each middle collection: ~50,000.
-    result = subprocess.run(
-        [sys.executable, "-c", _PIECES], capture_output=True, text=True, check=True, timeout=120
-    )
-    full, longest = (int(n) for n in result.stdout.split())
+    full, _, longest = _grown()
     young, _, _ = THRESHOLDS
-    assert full >= 20, result.stdout
-    assert longest < 6 * young, result.stdout
+    assert full >= 20, full
+    assert longest < 6 * young, longest
 
 
 _EXIT = f"""

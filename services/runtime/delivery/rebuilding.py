@@ -75,10 +75,8 @@ consumer's mark is lower.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Iterable, Sequence
 from typing import Final
 
@@ -100,6 +98,7 @@ from services.runtime.bus.jetstream import (
 from services.runtime.ground.errors import RetryableError, Unanswered, map_bus_error
 from services.runtime.store import rows
 from services.runtime.store.eventstore import EventStore
+from services.runtime.store.failover import Deadline
 
 __all__ = ["ANSWER_WAIT_S", "CHECK_INTERVAL_S", "BusKeeper", "ensure_durables"]
 
@@ -109,8 +108,6 @@ log = logging.getLogger("dracap.rebuilding")
 CHECK_INTERVAL_S: Final = 5.0
 #: The longest the keeper waits for an answer to one of its JetStream API requests.
 ANSWER_WAIT_S: Final = 1.0
-#: Seconds between two tries of the first check while the bus says "not now".
-FIRST_CHECK_RETRY_S: Final = 0.25
 
 _CHECKPOINTS: Final = "SELECT consumer, position FROM consumer_checkpoints WHERE consumer <> $1"
 _OLDEST_KEPT: Final = (
@@ -176,16 +173,16 @@ class BusKeeper:
 
     async def first_check(self, relayed: int, *, within: float) -> int | None:
         """:meth:`ensure` before the services start, asked again while the bus does not
-        answer or answers "not now" (a retryable error), for up to ``within`` seconds."""
-        deadline = time.monotonic() + within
+        answer or answers "not now" (a retryable error), for up to ``within`` seconds
+        after the first failure, with the store's back-off (:class:`Deadline`)."""
+        deadline = Deadline(within)
         while True:
             try:
                 return await self.ensure(relayed, None)
             except RetryableError as exc:
-                if time.monotonic() >= deadline:
-                    raise
                 log.warning("%s: asking again", exc)
-            await asyncio.sleep(FIRST_CHECK_RETRY_S)
+                if not await deadline.wait():
+                    raise
 
     async def _ensure_stream(self, relayed: int, last_seq: int | None) -> int | None:
         info = await self._stream_info()
