@@ -7,32 +7,65 @@ import functools
 import gc
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 
+import pytest
+
+from services.runtime.ground import gctuning
 from services.runtime.ground.gctuning import (
+    LULL_S,
+    OVERDUE_S,
+    QUIET_SHARE,
     REWALK_S,
     THRESHOLDS,
-    _SurvivorFreezer,
+    _freeze_after_full,
+    _Rewalks,
     freeze_survivors,
     long_lived_state,
     tune_for_long_lived_state,
 )
+from tests.fixtures.polling import until
 
 CPYTHON_DEFAULT = (700, 10, 10)
 
 
 @contextlib.contextmanager
-def installed(now: list[float]) -> Iterator[_SurvivorFreezer]:
-    """A freezer on the clock ``now[0]``, in ``gc.callbacks`` while inside; on the way
+def freezing() -> Iterator[None]:
+    """Survivors of full collections frozen while inside (no rewalk thread); on the way
     out everything is unfrozen, as the process found it."""
-    freezer = _SurvivorFreezer(clock=lambda: now[0])
-    gc.callbacks.append(freezer)
+    gc.callbacks.append(_freeze_after_full)
     try:
-        yield freezer
+        yield
     finally:
-        gc.callbacks.remove(freezer)
+        gc.callbacks.remove(_freeze_after_full)
         gc.unfreeze()
+
+
+class Clocks:
+    """A wall clock and a CPU clock the test moves, and the walks of everything asked."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.cpu = 0.0
+        self.walks: list[float] = []
+
+    def rewalks(self) -> _Rewalks:
+        return _Rewalks(clock=lambda: self.now, cpu_clock=lambda: self.cpu, walk=self.walk)
+
+    def walk(self) -> int:
+        self.walks.append(self.now)
+        return 0
+
+    def window(self, seconds: float, busy: float) -> None:
+        """``seconds`` pass, of which the process used ``busy`` of a core."""
+        self.now += seconds
+        self.cpu += seconds * busy
+
+
+def rewalker_running() -> bool:
+    return any(thread.name == "dracap-gc-rewalk" for thread in threading.enumerate())
 
 
 def test_tuning_sets_the_thresholds_and_returns_the_previous_ones() -> None:
@@ -59,10 +92,12 @@ def test_a_full_collection_freezes_what_survived_it_until_undone() -> None:
         frozen = gc.get_freeze_count()
         gc.collect()
         assert gc.get_freeze_count() >= frozen + len(kept)
+        assert rewalker_running()
     finally:
         undo()
     assert gc.get_freeze_count() == 0  # everything is walked again
-    assert not any(isinstance(c, _SurvivorFreezer) for c in gc.callbacks)
+    assert _freeze_after_full not in gc.callbacks
+    assert not rewalker_running()
 
 
 def test_the_long_lived_settings_are_undone_on_the_way_out() -> None:
@@ -73,7 +108,7 @@ def test_the_long_lived_settings_are_undone_on_the_way_out() -> None:
         with long_lived_state():
             assert gc.get_threshold() == THRESHOLDS
             assert gc.get_freeze_count() > 0  # the first walk's survivors
-            assert any(isinstance(c, _SurvivorFreezer) for c in gc.callbacks)
+            assert _freeze_after_full in gc.callbacks
         assert gc.get_threshold() == CPYTHON_DEFAULT
         assert gc.callbacks == callbacks
         assert gc.get_freeze_count() == 0
@@ -81,29 +116,103 @@ def test_the_long_lived_settings_are_undone_on_the_way_out() -> None:
         gc.set_threshold(*before)
 
 
-def test_frozen_cycles_are_collected_once_the_rewalk_interval_has_passed() -> None:
+def test_a_walk_of_everything_waits_until_it_is_due() -> None:
+    clocks = Clocks()
+    rewalks = clocks.rewalks()
+    assert rewalks.step() == REWALK_S  # nothing before it is due: one wait, no polling
+    clocks.window(REWALK_S - 1, busy=0.0)
+    assert rewalks.step() == 1
+    assert clocks.walks == []
+
+
+def test_a_due_walk_waits_for_a_quiet_window() -> None:
+    # Walking everything is a pause as long as the fold (0.5-2.3 s at 30,000-100,000
+    # live claims): under load it held every claim in flight.
+    clocks = Clocks()
+    rewalks = clocks.rewalks()
+    clocks.window(REWALK_S, busy=0.9)
+    assert rewalks.step() == LULL_S  # due: the first window starts
+    for _ in range(100):
+        clocks.window(LULL_S, busy=2 * QUIET_SHARE)
+        assert rewalks.step() == LULL_S
+    assert clocks.walks == []
+    clocks.window(LULL_S, busy=QUIET_SHARE / 2)
+    assert rewalks.step() == REWALK_S
+    assert clocks.walks == [clocks.now]
+    assert (rewalks.in_lulls, rewalks.overdue) == (1, 0)
+    clocks.window(1, busy=0.0)  # the next one is due a whole interval after this walk
+    assert rewalks.step() == REWALK_S - 1
+
+
+def test_a_late_step_measures_its_window_by_the_clock() -> None:
+    # The thread may get the interpreter late under load: a window is as long as the
+    # clock says, not LULL_S.
+    clocks = Clocks()
+    rewalks = clocks.rewalks()
+    clocks.window(REWALK_S, busy=0.0)
+    rewalks.step()
+    clocks.window(4 * LULL_S, busy=2 * QUIET_SHARE * LULL_S / (4 * LULL_S))
+    rewalks.step()
+    assert clocks.walks == [clocks.now]  # half the quiet share of the window it was
+
+
+def test_an_overdue_walk_comes_without_a_lull() -> None:
+    clocks = Clocks()
+    rewalks = clocks.rewalks()
+    clocks.window(REWALK_S, busy=1.0)
+    while clocks.now < OVERDUE_S:
+        assert rewalks.step() == LULL_S
+        clocks.window(LULL_S, busy=1.0)
+    assert rewalks.step() == REWALK_S
+    assert clocks.walks == [clocks.now]
+    assert (rewalks.in_lulls, rewalks.overdue) == (0, 1)
+
+
+def test_a_walk_of_everything_collects_a_frozen_cycle() -> None:
     class Node:
         def __init__(self) -> None:
             self.other: Node | None = None
 
-    now = [0.0]
-    with installed(now) as freezer:
+    clocks = Clocks()
+    rewalks = _Rewalks(clock=lambda: clocks.now, cpu_clock=lambda: clocks.cpu)
+    with freezing():
         gc.collect()  # walks everything; its survivors are frozen
         first, second = Node(), Node()
         first.other, second.other = second, first
         alive = weakref.ref(first)
         gc.collect()  # the cycle survives (still referenced): frozen
         del first, second
-        now[0] = REWALK_S - 1
         gc.collect()
         assert alive() is not None  # a frozen cycle is not walked
-        assert freezer.rewalks == 0
-        now[0] = REWALK_S
-        gc.collect()  # the interval has passed: the frozen set is handed back
-        assert freezer.rewalks == 1
-        gc.collect()
+        clocks.window(REWALK_S, busy=0.0)
+        rewalks.step()
+        clocks.window(LULL_S, busy=0.0)
+        rewalks.step()
+        assert rewalks.in_lulls == 1
         assert alive() is None  # the walk of everything collected the cycle
         assert gc.get_freeze_count() > 0  # and froze what it left
+
+
+async def test_the_rewalk_thread_walks_everything_once_due(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Node:
+        def __init__(self) -> None:
+            self.other: Node | None = None
+
+    monkeypatch.setattr(gctuning, "REWALK_S", 0.5)
+    monkeypatch.setattr(gctuning, "OVERDUE_S", 0.5)  # whether this process is quiet or not
+    undo = freeze_survivors()
+    try:
+        first, second = Node(), Node()
+        first.other, second.other = second, first
+        alive = weakref.ref(first)
+        gc.collect()  # frozen
+        del first, second
+        await until(lambda: alive() is None, within=60, what="the rewalk thread's walk")
+    finally:
+        undo()
+    assert not rewalker_running()
 
 
 #: a process tuned as a service grows a fold of this many "claims" (tracked objects each)
