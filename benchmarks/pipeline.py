@@ -17,6 +17,14 @@ run and on the same database it measures:
 3. **latency at half that rate**: claims applied open-loop at 50% of (2) for
    ``--seconds``; apply->Ready per claim, p50 / p99 / max.
 
+**The client's loop.** The benchmark itself (the raw commits, the applies, the watch)
+runs on the services' event loop (:func:`services.runtime.ground.eventloop.run`:
+uvloop, or the standard loop with ``DRACAP_EVENT_LOOP=asyncio``); on the standard loop
+until 2026-12-07 it took 18-30 % more CPU per claim at half rate on a 2-core machine
+that it shares with what it measures, and its single-connection commits ran 5-20 %
+slower, understating the raw rate (``docs/services.md``, "The benchmark's client on the
+services' loop").
+
 **Placement.** Every GPU has room for every claim of a run, and the allocator takes the
 first device that fits, so by default every claim lands on the first node's first GPU:
 one node agent does all the enforcing, in groups as large as the rate makes them, and
@@ -152,6 +160,7 @@ from services.runtime.bus.credentials import Credential, read_credential
 from services.runtime.bus.endpoints import EndpointError, read_connection
 from services.runtime.bus.flushing import flushed
 from services.runtime.bus.jetstream import connect_bus
+from services.runtime.ground import eventloop
 from services.runtime.ground.gctuning import tune_for_long_lived_state
 from services.runtime.ground.settings import Settings
 from services.runtime.ops.embedded import embedded_servers, free_port
@@ -1272,7 +1281,7 @@ def cli(argv: list[str] | None = None) -> int:
     with one line and status 130 (:mod:`benchmarks.stopping`); never a traceback."""
     args = parse(argv)
     try:
-        asyncio.run(stopping.stoppable(main(args)))
+        eventloop.run(stopping.stoppable(main(args)))  # the services' loop: uvloop
     except (EndpointError, RunError) as exc:
         stalled = isinstance(exc, RunError) and not args.up_log
         hint = " (--up-log FILE keeps dracap up's output)" if stalled else ""
