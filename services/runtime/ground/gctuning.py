@@ -59,8 +59,10 @@ under load, by construction, since full collections come from allocations; and e
 such walk measured (``REWALK_S`` shortened to 60 s in ``--live 0,100000`` runs of
 ``benchmarks/pipeline.py``) collected **nothing**: the services make no cyclic garbage
 that lives long enough to be frozen. The walk stays, for a cycle that a library may
-make, but where it costs nobody a claim. Each walk is logged (how long, in a lull or
-overdue, and what it collected).
+make, but where it costs fewest claims: in a lull few come. A lull says nothing of the
+next second, though: a walk begun in one holds what arrives while it lasts (in a
+benchmark, a 1.1 s walk begun in the pause before a run held that run's first claims).
+Each walk is logged (how long, in a lull or overdue, and what it collected).
 
 How often a full collection comes is the third threshold: 0 here, a full collection at
 the first young collection after a middle one (gated by CPython's rule above: the
