@@ -62,7 +62,10 @@ that lives long enough to be frozen. The walk stays, for a cycle that a library 
 make, but where it costs fewest claims: in a lull few come. A lull says nothing of the
 next second, though: a walk begun in one holds what arrives while it lasts (in a
 benchmark, a 1.1 s walk begun in the pause before a run held that run's first claims).
-Each walk is logged (how long, in a lull or overdue, and what it collected).
+Each walk is logged (how long, in a lull or overdue, and what it collected). A thread,
+not a task of the event loop: the service commands enter :func:`long_lived_state`
+before their loop starts (``dracap up`` inside it), and a walk holds the interpreter
+whichever thread makes it; the thread only sleeps and reads clocks between walks.
 
 How often a full collection comes is the third threshold: 0 here, a full collection at
 the first young collection after a middle one (gated by CPython's rule above: the
