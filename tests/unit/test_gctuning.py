@@ -168,20 +168,26 @@ def test_an_overdue_walk_comes_without_a_lull() -> None:
     assert (rewalks.in_lulls, rewalks.overdue) == (0, 1)
 
 
-def test_a_walk_of_everything_collects_a_frozen_cycle() -> None:
-    class Node:
-        def __init__(self) -> None:
-            self.other: Node | None = None
+class Node:
+    def __init__(self) -> None:
+        self.other: Node | None = None
 
+
+def a_frozen_dead_cycle() -> weakref.ref[Node]:
+    """A reference cycle frozen by a full collection while referenced, unreferenced
+    since (survivors must be frozen by the caller's setup); a weak reference to it."""
+    first, second = Node(), Node()
+    first.other, second.other = second, first
+    gc.collect()  # the cycle survives (still referenced): frozen
+    return weakref.ref(first)
+
+
+def test_a_walk_of_everything_collects_a_frozen_cycle() -> None:
     clocks = Clocks()
     rewalks = _Rewalks(clock=lambda: clocks.now, cpu_clock=lambda: clocks.cpu)
     with freezing():
         gc.collect()  # walks everything; its survivors are frozen
-        first, second = Node(), Node()
-        first.other, second.other = second, first
-        alive = weakref.ref(first)
-        gc.collect()  # the cycle survives (still referenced): frozen
-        del first, second
+        alive = a_frozen_dead_cycle()
         gc.collect()
         assert alive() is not None  # a frozen cycle is not walked
         clocks.window(REWALK_S, busy=0.0)
@@ -196,19 +202,11 @@ def test_a_walk_of_everything_collects_a_frozen_cycle() -> None:
 async def test_the_rewalk_thread_walks_everything_once_due(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    class Node:
-        def __init__(self) -> None:
-            self.other: Node | None = None
-
     monkeypatch.setattr(gctuning, "REWALK_S", 0.5)
     monkeypatch.setattr(gctuning, "OVERDUE_S", 0.5)  # whether this process is quiet or not
     undo = freeze_survivors()
     try:
-        first, second = Node(), Node()
-        first.other, second.other = second, first
-        alive = weakref.ref(first)
-        gc.collect()  # frozen
-        del first, second
+        alive = a_frozen_dead_cycle()
         await until(lambda: alive() is None, within=60, what="the rewalk thread's walk")
     finally:
         undo()
