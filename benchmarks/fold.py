@@ -6,15 +6,24 @@ bandwidth without policy), then builds reservations and their releases,
 interleaved so that up to 512 shares are live at a time, and times
 :func:`events.fold.fold` over them. Decoding is not timed: this measures the
 fold alone.
+
+``--history N`` folds N events of the same workload first, untimed, and times the
+``events`` that follow them: the same work per event on a state that holds more.
+The fold keeps every share it has seen, released ones too (idempotent releases and
+late confirmations are judged against them), so N events of history leave about N/2
+shares in the state however few are live; the difference between the two rates is
+what a bigger state costs each event (dicts beyond the processor's caches), not work
+that grows with it — docs/services.md, "What a bigger state costs the fold".
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
-import sys
 import time
 from collections import deque
 
+from benchmarks.stopping import INTERRUPTED, say_interrupted
 from events.catalog import (
     CapacityReleased,
     CapacityReserved,
@@ -129,17 +138,42 @@ def build(count: int) -> tuple[Envelope, list[Envelope]]:
     return _envelope(ResourceSlicePublished(slice=_slice()), 1), events
 
 
+def measure(count: int, history: int = 0, rounds: int = 3) -> tuple[float, int]:
+    """The best of ``rounds`` timed folds of ``count`` events that follow ``history``
+    untimed ones (seconds), and the shares the state holds at the end."""
+    head, events = build(history + count)
+    before, timed = events[:history], events[history:]
+    best, shares = float("inf"), 0
+    for _ in range(rounds):
+        state = apply(ClusterState(), head)
+        fold(before, state)
+        start = time.perf_counter()
+        fold(timed, state)
+        best = min(best, time.perf_counter() - start)
+        shares = len(state.shares)
+    return best, shares
+
+
 def main() -> None:
     """Build, fold (best of three) and print events/s."""
-    count = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
-    head, events = build(count)
-    best = float("inf")
-    for _ in range(3):
-        state = apply(ClusterState(), head)
-        start = time.perf_counter()
-        fold(events, state)
-        best = min(best, time.perf_counter() - start)
-    print(f"{count} events in {best:.3f}s: {count / best:,.0f} events/s")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fold", description=__doc__)
+    parser.add_argument("events", type=int, nargs="?", default=200_000, help="events timed")
+    parser.add_argument(
+        "--history", type=int, default=0, help="events folded first, untimed (default 0)"
+    )
+    args = parser.parse_args()
+    if args.events < 1 or args.history < 0:
+        parser.error("events must be at least 1 and --history at least 0")
+    try:
+        best, shares = measure(args.events, args.history)
+    except KeyboardInterrupt:
+        say_interrupted("benchmarks.fold")
+        raise SystemExit(INTERRUPTED) from None
+    after = f" after {args.history:,} events of history" if args.history else ""
+    print(
+        f"{args.events} events in {best:.3f}s: {args.events / best:,.0f} events/s{after} "
+        f"({shares:,} shares held at the end)"
+    )
 
 
 if __name__ == "__main__":
