@@ -83,7 +83,10 @@ JetStream operation and subject class with every kind of credential against it.
 Which service owns (creates) each durable consumer is :mod:`services.durables`'s.
 
 "Replies" are up to :data:`~services.runtime.bus.replies.MAX_REPLY_PARTS` messages to the
-reply subject of each request received (``allow_responses``). "Its inbox" is a prefix of
+reply subject of each request received, within
+:data:`~services.runtime.bus.replies.REPLY_WINDOW_S` of its arrival (``allow_responses``
+with ``max`` and ``expires``: without ``expires`` the server keeps a record of every
+request a service ever received; replies.py says why). "Its inbox" is a prefix of
 the user's own (:attr:`Principal.inbox_prefix`), so a reply or a pulled message meant for
 one user never reaches another. An agent can neither publish to the event subjects nor
 pull another node's consumer.
@@ -136,7 +139,7 @@ from services.runtime.bus.credentials import (
     write_private,
 )
 from services.runtime.bus.jetstream import Durable
-from services.runtime.bus.replies import MAX_REPLY_PARTS
+from services.runtime.bus.replies import MAX_REPLY_PARTS, REPLY_WINDOW_S
 from services.runtime.delivery.pulling import MAX_EXPIRES_S
 
 __all__ = [
@@ -248,8 +251,8 @@ class Permissions(msgspec.Struct, frozen=True):
             "publish": {"allow": self.publish},
             "subscribe": {"allow": self.subscribe},
         }
-        if self.allow_responses:  # a reply may come in parts (services.runtime.bus.replies)
-            config["allow_responses"] = {"max": MAX_REPLY_PARTS}
+        if self.allow_responses:  # a reply may come in parts, within a window (replies.py)
+            config["allow_responses"] = {"max": MAX_REPLY_PARTS, "expires": f"{REPLY_WINDOW_S}s"}
         return config
 
 

@@ -24,7 +24,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from events.actors import parse_actor
 from events.state import ClusterState
-from services import durables
+from services import brokerauth, durables
 from services.enforcement.protocol import consumer_name
 from services.exitcodes import CommandError, ExitCode
 from services.runtime.bus.apiclient import ApiClient
@@ -464,3 +464,39 @@ async def test_a_reply_larger_than_one_message_passes_the_broker_in_parts(
                 assert len((await api.claims("tenant-a", "audit", {"size": size}))["blob"]) == size
     finally:
         await nc.close()
+
+
+# --- the reply window ---------------------------------------------------------------------
+
+
+async def test_a_reply_is_let_through_within_the_window_and_refused_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker keeps a service's right to reply for ``REPLY_WINDOW_S`` only
+    (``allow_responses.expires``): without it, it kept a record of every request the
+    service ever received (docs/security.md). A broker of its own, its window shortened
+    to one second through the same configuration."""
+    monkeypatch.setattr(brokerauth, "REPLY_WINDOW_S", 1)
+    with secure_broker(tmp_path, users=USERS) as broker:
+        subject = broker.names.api("tenant-a", "window")
+        alice = broker.auth.tenant("tenant-a", "alice")
+        async with (
+            connected(broker, broker.auth.service("claims")) as service,
+            connected(broker, alice) as tenant,
+        ):
+            requests: asyncio.Queue[Any] = asyncio.Queue()
+            await service.subscribe(subject, cb=requests.put)
+            await service.flush()
+            in_time = asyncio.ensure_future(tenant.request(subject, b"1", timeout=30))
+            request = await requests.get()
+            await request.respond(b"in time")
+            assert (await in_time).data == b"in time"
+
+            too_late = asyncio.ensure_future(tenant.request(subject, b"2", timeout=30))
+            request = await requests.get()
+            await asyncio.sleep(2.5)  # past the broker's one-second window, on its clock
+            await request.respond(b"too late")
+            refused = await service.violations.of(request.reply)  # the broker's refusal
+            assert "publish" in refused, refused
+            assert not too_late.done()
+            too_late.cancel()

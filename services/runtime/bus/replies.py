@@ -16,8 +16,21 @@ The rule, in one place:
 * a reply of more than :data:`MAX_REPLY_PARTS` parts is not sent: the requester gets the
   ``too_large`` error instead, naming the rule (narrow the query: a namespace, a
   filter, ``--limit``). The broker's permissions let a service send at most that many
-  messages per request (``allow_responses: {max: MAX_REPLY_PARTS}``,
+  messages per request, within :data:`REPLY_WINDOW_S` of its arrival
+  (``allow_responses: {max: MAX_REPLY_PARTS, expires: "30s"}``,
   :mod:`services.brokerauth`).
+
+Why the window: nats-server keeps, per service connection, a record of every request
+it delivered there until the reply has used up ``max`` messages or ``expires`` has
+passed. A request answered in one message uses one of 64, so without ``expires`` its
+record stays for the life of the connection: the broker's memory grew by some 200
+bytes per request (the claims API's every apply, the enforcement service's every
+agent report, view and heartbeat), and its collector walked all of them. With the
+window the records are those of the last 30 s. Every requester gives up sooner (the
+API client's and the agents' 10 s), so a reply the window refuses is one nobody waits
+for. Older nats-servers (2.9.10 measured; 2.10.25 is without it) also walk all the
+records on each request once there are more than 4,096 (nats-server issue 6058): there
+the window bounds that walk, but a busy service still pays it (docs/security.md).
 
 Messages of one connection reach a subscriber in the order they were published, so
 parts arrive in order; :class:`Assembly` still checks every index and count and
@@ -35,6 +48,7 @@ __all__ = [
     "HEADROOM",
     "MAX_REPLY_PARTS",
     "PART_HEADER",
+    "REPLY_WINDOW_S",
     "Assembly",
     "ReplyPartError",
     "split",
@@ -44,6 +58,9 @@ __all__ = [
 PART_HEADER: Final = "Dracap-Reply-Part"
 #: The most parts one reply may have (and the broker lets a service send per request).
 MAX_REPLY_PARTS: Final = 64
+#: How long after a request arrives the broker lets a service reply to it (seconds):
+#: above every requester's timeout, and the bound on the broker's record of requests.
+REPLY_WINDOW_S: Final = 30
 #: Bytes of ``max_payload`` left for a part's headers.
 HEADROOM: Final = 1024
 
