@@ -52,7 +52,9 @@ failed reconnect attempt with its traceback, twice a second for as long as the s
 is away; here such errors are debug lines
 (:func:`services.runtime.ground.outages.is_unreachable`). Any other error reported to the
 callback — an exception of a subscription's handler, say — is logged with its
-traceback, as nats-py would: that one is a bug.
+traceback, as nats-py would: that one is a bug. A connection with a credential warns,
+once, of a server older than the reply window needs
+(:mod:`services.runtime.bus.serverversion`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from events.subjects import BusNames
 from services.runtime.bus.credentials import Credential
+from services.runtime.bus.serverversion import check_server
 from services.runtime.ground.errors import map_bus_error
 from services.runtime.ground.outages import is_unreachable, one_line
 
@@ -120,8 +123,9 @@ _log = logging.getLogger(__name__)
 class _ConnectionLog:
     """nats-py's callbacks for one connection: a line per change of state, no tracebacks."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, judge_version: bool) -> None:
         self._url = url
+        self._judge_version = judge_version  #: warn of a server too old for the reply window
         self.nc: Client | None = None  #: set once connected
 
     async def disconnected(self) -> None:
@@ -130,6 +134,8 @@ class _ConnectionLog:
 
     async def reconnected(self) -> None:
         _log.info("NATS %s: reconnected", self._url)
+        if self.nc is not None and self._judge_version:  # perhaps another server of a cluster
+            check_server(self.nc)
 
     async def error(self, exc: Exception) -> None:
         if is_unreachable(exc):  # a lost connection or a failed reconnect attempt
@@ -167,7 +173,7 @@ async def connect_bus(
     between pings; a server that leaves :data:`MAX_OUTSTANDING_PINGS` unanswered is
     taken as lost (one that hangs keeps its socket open: only the pings tell).
     """
-    events = _ConnectionLog(url)
+    events = _ConnectionLog(url, judge_version=credential is not None)
     login = credential.connect_options() if credential is not None else {}
     nc = await nats.connect(
         servers=server_urls(url),
@@ -183,6 +189,8 @@ async def connect_bus(
         reconnected_cb=events.reconnected,
     )
     events.nc = nc
+    if credential is not None:  # an open server has no reply permissions to judge
+        check_server(nc)
     return nc, nc.jetstream(prefix=api_prefix(credential), timeout=connect_timeout)
 
 

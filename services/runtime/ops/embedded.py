@@ -404,10 +404,16 @@ class EmbeddedNats:
     name: Final = "nats"
 
     def __init__(
-        self, data_dir: Path, *, port: int | None = None, config: Path | None = None
+        self,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        config: Path | None = None,
+        binary: Path | None = None,
     ) -> None:
         self.store = data_dir / "nats"
         self.config = config  #: a configuration file (the accounts of ``dracap auth init``)
+        self.binary = binary  #: the nats-server to run (None: :func:`nats_server_binary`)
         self.log = data_dir / "nats.log"
         self.pid_file = data_dir / "nats.pid"
         self.port = port
@@ -428,7 +434,7 @@ class EmbeddedNats:
             self._log_handle.close()
         self._log_handle = self.log.open("ab")
         command = [
-            str(nats_server_binary()),
+            str(self.binary or nats_server_binary()),
             "-js",
             "-sd",
             str(self.store),
