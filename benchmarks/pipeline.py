@@ -65,6 +65,12 @@ costs a 2-core machine a fifth of the sustained rate while it runs (a ``nice`` 1
 meets one says as much about when the writer's interval fell as about what a claim
 costs with N live. (The writer waits for a lull in the claims coming in, so a run meets
 one only when it is twice due: ``services/runtime/store/snapshots.py``.)
+And each phase records the machine's **pace** just before its runs and just after them
+(``pace``, ms, before/after: a fixed fold of 20,000 events timed in this process,
+:mod:`benchmarks.pace`), and the change of their mean from the first phase is printed
+beside the goals: on a shared machine the same code runs slower
+in some minutes than in others, and a figure that moved as much as the pace moved with
+the machine.
 
 **Settled runs**: every run starts once the audit and billing projectors have read the
 log up to its head as of that moment (their positions in ``ledger_positions``; at most
@@ -152,6 +158,7 @@ import asyncpg
 import nats.js.errors
 
 from benchmarks import databases, stopping
+from benchmarks.pace import Pace
 from events.subjects import BusNames
 from events.tenancy import MAX_CLAIMS
 from services.commands.up import READY_LINE
@@ -916,6 +923,14 @@ class Phase(NamedTuple):
     split_sustained: dict[str, float] = {}
     #: the runs (``rate``, ``sust``, ``half``) during which a snapshot was being encoded
     snapshots: tuple[str, ...] = ()
+    #: the machine's pace just before the runs and just after them (:mod:`benchmarks.pace`,
+    #: ms; 0: not taken)
+    pace_ms: float = 0.0
+    pace_after_ms: float = 0.0
+
+    def pace(self) -> float:
+        """The mean of the two paces (ms)."""
+        return (self.pace_ms + self.pace_after_ms) / 2
 
 
 async def growth(
@@ -926,6 +941,7 @@ async def growth(
     (the fixed rate's is the one to compare across N: same rate, same batching)."""
     phases: list[Phase] = []
     applied = 0  # claims of the "live" label so far
+    pace = Pace()
     forks = ForkWatch(pid) if pid else None
     watching = asyncio.create_task(forks.run()) if forks is not None else None
     try:
@@ -939,6 +955,7 @@ async def growth(
                 applied = n
             if pid:  # the phase is measured all the same
                 await quiet(pid, forks, after="the fill" if fill else "the start")
+            pace_ms = pace.measure()  # blocks this loop ~1 s: between runs, up quiet
             runs: dict[str, tuple[float, float]] = {}
             splits: dict[str, dict[str, float]] = {}
             step = functools.partial(_settled_run, url, args, pid, runs, splits)
@@ -951,6 +968,7 @@ async def growth(
             half, cpu_half, _ = await step(
                 "half", latency(api, tracker, sustained / 2, args.seconds, f"l{n}h")
             )
+            pace_after_ms = pace.measure()
             phase = Phase(
                 live=n,
                 fill_rate=fill,
@@ -967,6 +985,8 @@ async def growth(
                     group: cpu * 1000 / max(1, args.claims) for group, cpu in splits["sust"].items()
                 },
                 snapshots=forks.during(runs) if forks is not None else (),
+                pace_ms=pace_ms,
+                pace_after_ms=pace_after_ms,
             )
             phases.append(phase)
             print(
@@ -975,6 +995,7 @@ async def growth(
                 f"at {sustained / 2:,.0f}/s p50 {phase.p50_at_half:6.1f} ms "
                 f"p99 {phase.p99_at_half:6.1f} ms"
                 + (f" | filled at {fill:,.0f}/s" if fill else "")
+                + f" | pace {pace_ms:.1f} ms, after {pace_after_ms:.1f}"
                 + (f" | snapshot during: {', '.join(phase.snapshots)}" if phase.snapshots else ""),
                 flush=True,
             )
@@ -1014,6 +1035,10 @@ async def _settled_run(
     return result, own, machine_cpu_seconds() - machine
 
 
+def _pace_cell(phase: Phase) -> str:
+    return f"{phase.pace_ms:.0f}/{phase.pace_after_ms:.0f}"
+
+
 def report_growth(phases: list[Phase], raw: float, rate: float) -> None:
     """The ``--live`` table, each figure's change from the first phase, and the goals."""
     first = phases[0]
@@ -1021,13 +1046,14 @@ def report_growth(phases: list[Phase], raw: float, rate: float) -> None:
     print(
         f"  {'live':>8} {'p50@' + format(rate, 'g'):>9} {'p99@' + format(rate, 'g'):>9} "
         f"{'claims/s':>9} {'p50@half':>9} {'p99@half':>9} {'cpu@' + format(rate, 'g'):>9} "
-        f"{'cpu@sust':>9} {'mach@sust':>9}  snapshot during"
+        f"{'cpu@sust':>9} {'mach@sust':>9} {'pace':>9}  snapshot during"
     )
     for p in phases:
         print(
             f"  {p.live:>8,} {p.p50_at_rate:>9.1f} {p.p99_at_rate:>9.1f} {p.throughput:>9,.0f} "
             f"{p.p50_at_half:>9.1f} {p.p99_at_half:>9.1f} {p.cpu_at_rate:>9.2f} "
-            f"{p.cpu_sustained:>9.2f} {p.machine_sustained:>9.2f}  {','.join(p.snapshots) or '-'}"
+            f"{p.cpu_sustained:>9.2f} {p.machine_sustained:>9.2f} {_pace_cell(p):>9}  "
+            f"{','.join(p.snapshots) or '-'}"
         )
     print("  the sustained run's CPU per claim by process (ms):")
     print(f"  {'live':>8} " + " ".join(f"{group:>8}" for group in CPU_GROUPS))
@@ -1042,6 +1068,13 @@ def report_growth(phases: list[Phase], raw: float, rate: float) -> None:
             ("p99 at half rate", first.p99_at_half, last.p99_at_half),
         ):
             print(f"  {label:<24} {(after / before - 1) * 100:+6.1f} %  [within +-20 %]")
+        if first.pace() and last.pace():
+            pace = "the machine's pace"
+            print(
+                f"  {pace:<24} {(last.pace() / first.pace() - 1) * 100:+6.1f} %"
+                "  (the same fold timed before and after each phase: a figure that moved as much "
+                "moved with the machine)"
+            )
     print(f"  throughput / raw (first phase)  {first.throughput / raw:6.2f}x  [>= 0.5]")
     print(f"  p99 at {rate:g}/s (first phase)      {first.p99_at_rate:6.1f} ms [<= 35]")
     print(f"  p99 at half rate (first phase)  {first.p99_at_half:6.1f} ms [<= 50]")
