@@ -68,9 +68,8 @@ one only when it is twice due: ``services/runtime/store/snapshots.py``.)
 And each phase records the machine's **pace** just before its runs and just after them
 (``pace``, ms, before/after: a fixed fold of 20,000 events timed in this process,
 :mod:`benchmarks.pace`), and the change of their mean from the first phase is printed
-beside the goals: on a shared machine the same code runs slower
-in some minutes than in others, and a figure that moved as much as the pace moved with
-the machine.
+beside the goals: on a shared machine the same code runs slower in some minutes than in
+others, and a figure that moved as much as the pace moved with the machine.
 
 **Settled runs**: every run starts once the audit and billing projectors have read the
 log up to its head as of that moment (their positions in ``ledger_positions``; at most
