@@ -9,6 +9,7 @@ draw exactly one warning per process however many services connect.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -37,11 +38,15 @@ def _version_of(binary: Path) -> tuple[int, int, int] | None:
 
 
 def _an_old_server() -> Path | None:
-    found = shutil.which("nats-server")
-    if found is None:
-        return None
-    version = _version_of(Path(found))
-    return Path(found) if version is not None and version < OLDEST_ADVISED else None
+    """The first nats-server on ``PATH`` older than the advised one (an activated venv
+    puts the wheel's, new enough, before the system's)."""
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        found = shutil.which("nats-server", path=folder) if folder else None
+        if found is not None:
+            version = _version_of(Path(found))
+            if version is not None and version < OLDEST_ADVISED:
+                return Path(found)
+    return None
 
 
 @pytest.fixture
