@@ -108,6 +108,7 @@ async def test_an_old_server_draws_one_warning_per_process(
     said = _warnings(caplog)
     assert len(said) == 1, said
     assert "older than 2.10.25" in said[0] and "issue 6058" in said[0], said[0]
+    assert said[0].startswith(f"NATS {old.url}: nats-server 2."), said[0]
 
 
 @pytest.mark.usefixtures("fresh_warnings")

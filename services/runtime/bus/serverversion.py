@@ -59,8 +59,8 @@ def check_server(nc: Client) -> bool:
     if not too_old(version):
         return False
     assert version is not None
-    where = nc.connected_url
-    url = where.geturl() if where is not None else "?"
+    where = nc.connected_url  # host and port only: a URL may carry a user's password
+    url = f"nats://{where.hostname}:{where.port}" if where is not None else "?"
     if (url, version) not in _warned:
         _warned.add((url, version))
         _log.warning(
