@@ -69,7 +69,10 @@ And each phase records the machine's **pace** just before its runs and just afte
 (``pace``, ms, before/after: a fixed fold of 20,000 events timed in this process,
 :mod:`benchmarks.pace`), and the change of their mean from the first phase is printed
 beside the goals: on a shared machine the same code runs slower in some minutes than in
-others, and a figure that moved as much as the pace moved with the machine.
+others, and a figure that moved as much as the pace moved with the machine. The pace is
+taken between runs; what the machine did *during* them shows in the load generator's
+own CPU per claim of the sustained run (``bench`` in the second table: the same work at
+every N), whose change is printed too.
 
 **Settled runs**: every run starts once the audit and billing projectors have read the
 log up to its head as of that moment (their positions in ``ledger_positions``; at most
@@ -1073,6 +1076,13 @@ def report_growth(phases: list[Phase], raw: float, rate: float) -> None:
                 f"  {pace:<24} {(last.pace() / first.pace() - 1) * 100:+6.1f} %"
                 "  (the same fold timed before and after each phase: a figure that moved as much "
                 "moved with the machine)"
+            )
+        bench_before, bench_after = (p.split_sustained.get("bench", 0.0) for p in (first, last))
+        if bench_before and bench_after:
+            print(
+                f"  {'the load generator':<24} {(bench_after / bench_before - 1) * 100:+6.1f} %"
+                "  (its CPU per claim in the sustained run, the same work at every N: "
+                "the machine during the runs)"
             )
     print(f"  throughput / raw (first phase)  {first.throughput / raw:6.2f}x  [>= 0.5]")
     print(f"  p99 at {rate:g}/s (first phase)      {first.p99_at_rate:6.1f} ms [<= 35]")

@@ -8,7 +8,9 @@ from benchmarks import pipeline
 from benchmarks.pace import Pace
 
 
-def _phase(live: int, throughput: float, pace_ms: float, after_ms: float = 0.0) -> pipeline.Phase:
+def _phase(
+    live: int, throughput: float, pace_ms: float, after_ms: float = 0.0, bench: float = 0.0
+) -> pipeline.Phase:
     return pipeline.Phase(
         live=live,
         fill_rate=0.0,
@@ -20,6 +22,7 @@ def _phase(live: int, throughput: float, pace_ms: float, after_ms: float = 0.0) 
         p99_at_half=100.0,
         pace_ms=pace_ms,
         pace_after_ms=after_ms or pace_ms,
+        split_sustained={"bench": bench} if bench else {},
     )
 
 
@@ -35,9 +38,20 @@ def test_the_report_gives_each_phases_pace_and_its_change(
     assert "the machine's pace        +50.0 %" in out, out  # 61 -> 91.5 ms
 
 
+def test_the_report_gives_the_load_generators_change(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    phases = [_phase(0, 800.0, 60.0, bench=0.14), _phase(100_000, 500.0, 60.0, bench=0.245)]
+    pipeline.report_growth(phases, 3000.0, 50)
+    out = capsys.readouterr().out
+    assert "the load generator        +75.0 %" in out, out
+    assert "the machine's pace         +0.0 %" in out, out
+
+
 def test_no_pace_change_is_claimed_without_a_pace(capsys: pytest.CaptureFixture[str]) -> None:
     pipeline.report_growth([_phase(0, 800.0, 0.0), _phase(100_000, 600.0, 0.0)], 3000.0, 50)
-    assert "the machine's pace" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the machine's pace" not in out and "the load generator" not in out, out
 
 
 def test_the_pace_times_the_same_fold() -> None:
