@@ -406,7 +406,8 @@ class Harness:
             ran = time.monotonic() - began
             if not await self.converge(list(self.book.applied), CONVERGE_S):
                 late = unconverged(self.book, self.view)
-                self.problems.append(f"at the end, not converged: {late[:10]}")
+                told_ = "; ".join(told(self.book, self.view, n) for n in late[:10])
+                self.problems.append(f"at the end, not converged: {told_}")
             self.problems += await self.check("at the end")
             return self.report(workload, ran)
 

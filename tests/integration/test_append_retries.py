@@ -20,7 +20,7 @@ from events.envelopes import Envelope
 from services.runtime.ground.errors import ConflictError, ConnectionLost, RetryableError
 from services.runtime.ground.settings import Settings
 from services.runtime.store.appends import Batch, Pending
-from services.runtime.store.eventstore import EventStore, _broken
+from services.runtime.store.eventstore import EventStore, session_gone
 from tests.integration import sample as s
 
 
@@ -110,4 +110,4 @@ async def test_a_pooled_session_that_ended_reads_as_broken(plain: EventStore) ->
         connection.terminate()  # what a session that broke ends in
         with pytest.raises(asyncpg.InterfaceError):
             connection.is_closed()
-        assert _broken(connection)
+        assert session_gone(connection)

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, cast
 
+import asyncpg
 import msgspec
 import pytest
 from nats.aio.client import Client
@@ -43,7 +44,7 @@ from services.runtime.ground.waiting import wait_for
 from services.runtime.store import livestate
 from services.runtime.store.appends import Batch, Cause, Metadata
 from services.runtime.store.committing import GroupCommitter
-from services.runtime.store.eventstore import EventStore
+from services.runtime.store.eventstore import EventStore, session_gone
 from services.runtime.store.livestate import HEAD, LiveState
 from tests.fixtures.contexts import handed
 from tests.fixtures.polling import until
@@ -971,6 +972,34 @@ async def test_a_kept_lock_tells_a_handler_at_least_its_messages_positions(bus: 
         await k.process_group(await pulled.fetch(1, timeout=10))
         await k.let_go()
     assert seen == [(1, [1]), (2, [2])]
+    assert k.handled == 2 and await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
+
+
+async def test_a_kept_lock_whose_session_died_while_idle_is_let_go_quietly(
+    bus: Bus, db: asyncpg.Connection
+) -> None:
+    """A kept lock's session that dies while idle (its server killed: a failover) is taken
+    back by asyncpg's pool at once, which detaches the consumer's handle; letting the
+    lock go then finds nothing to unlock (the lock went with the session) and must not
+    fail — it ended a reservation worker with a traceback in the fault harness."""
+
+    async def plans_nothing(ctx: HandlerContext, envs: list[Envelope]) -> Handled:
+        return Handled()
+
+    k = consumer(bus, None, name="planner", group_handler=plans_nothing, lock_key=4545)
+    pulled = await k.subscribe()
+    async with Running(relay(bus).run):
+        await append_burst(bus.store, 1)
+        await k.process_group(await pulled.fetch(1, timeout=10))  # takes the lock, keeps it
+        holder = await lock_holder(bus, 4545)
+        assert holder is not None and k._held is not None
+        kept = k._held.connection
+        await db.execute("SELECT pg_terminate_backend($1)", holder)
+        await until(lambda: session_gone(kept), what="the pool took the dead session back")
+        await k.let_go()  # nothing to unlock, nothing raised
+        await append_burst(bus.store, 1)
+        await k.process_group(await pulled.fetch(1, timeout=10))  # takes it again
+        await k.let_go()
     assert k.handled == 2 and await bus.store.pool.fetchval(ADVISORY_LOCKS) == 0
 
 

@@ -12,24 +12,10 @@ from __future__ import annotations
 import asyncpg
 
 from benchmarks.hachecks import LogView
-from events import catalog
 from events.quantities import Quantity
 from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import EventStore
-from tests.integration.scenario import put
-
-
-async def _admit(store: EventStore, name: str) -> int:
-    [env] = await put(store, catalog.ClaimAdmitted(namespace="t", name=name))
-    return env.position
-
-
-async def _lose(db: asyncpg.Connection, position: int) -> None:
-    """Take the event at ``position`` (the last) out of the log, as a failover does."""
-    async with db.transaction():
-        await db.execute("SET LOCAL session_replication_role = replica")  # (no triggers)
-        await db.execute("DELETE FROM events WHERE position = $1", position)
-        await db.execute("UPDATE event_log_head SET position = $1", position - 1)
+from tests.fixtures.lostcommits import admit, lose_last
 
 
 async def test_a_view_that_connects_again_reads_the_log_from_the_start(
@@ -42,14 +28,14 @@ async def test_a_view_that_connects_again_reads_the_log_from_the_start(
 
 async def _play_a_failover(store: EventStore, db: asyncpg.Connection, view: LogView) -> None:
     try:
-        await _admit(store, "a")
-        ghost = await _admit(store, "ghost")
+        await admit(store, "a")
+        ghost, _ = await admit(store, "ghost")
         await view.refresh()
         assert view.submitted == {"a", "ghost"}
-        await _lose(db, ghost)
+        await lose_last(db, ghost)
         assert view._connection is not None
         await db.execute("SELECT pg_terminate_backend($1)", view._connection.get_server_pid())
-        assert await _admit(store, "b") == ghost  # the lost event's position, taken again
+        assert (await admit(store, "b"))[0] == ghost  # the lost event's position, taken again
         for _ in range(2):  # the first call may learn that its session is gone
             try:
                 await view.refresh()

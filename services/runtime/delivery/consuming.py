@@ -203,7 +203,12 @@ from services.runtime.ground.metrics import (
 from services.runtime.ground.outages import StateLog, is_unreachable, one_line
 from services.runtime.ground.waiting import first_of, wait_for
 from services.runtime.store.appends import Batch, Metadata, Processed
-from services.runtime.store.eventstore import MARK_PROCESSED, Connection, EventStore
+from services.runtime.store.eventstore import (
+    MARK_PROCESSED,
+    Connection,
+    EventStore,
+    session_gone,
+)
 from services.runtime.store.refusals import note
 
 __all__ = ["HANDLED_BEFORE", "Consumer"]
@@ -793,9 +798,11 @@ class Consumer:
             # the pool resets nothing: the lock must not stay (a session given back
             # already — its server died under a commit — holds none)
             close_session(held.connection)
-            if not is_unreachable(exc):
+            gone = is_unreachable(exc) or session_gone(held.connection)
+            if not (gone and isinstance(exc, Exception)):
                 raise
-            # the session died with its server (a failover): its lock went with it
+            # the session died with its server (a failover): its lock went with it; a
+            # session that died while idle was taken back by the pool already
         finally:
             await self._store.pool.release(held.connection)
 

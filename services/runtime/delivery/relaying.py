@@ -110,11 +110,12 @@ from events.subjects import EVERY_EVENT, BusNames, Carried, node_of
 from services.runtime.delivery.highwater import SAVE_CHECKPOINT, HighWaterMark
 from services.runtime.delivery.rebuilding import BusKeeper
 from services.runtime.ground.context import ServiceContext
-from services.runtime.ground.errors import NotFound, Unanswered
+from services.runtime.ground.errors import LogDiverged, NotFound, Unanswered
 from services.runtime.ground.metrics import RELAY_LAG, RELAY_MESSAGES
 from services.runtime.ground.outages import StateLog
 from services.runtime.ground.waiting import Signal, first_of, signalled, wait_for
 from services.runtime.store import rows
+from services.runtime.store.continuity import Continuity
 from services.runtime.store.eventstore import ANSWER_WAIT_S, EventStore
 from services.runtime.store.handover import Handover
 from services.runtime.store.refusals import note
@@ -241,6 +242,8 @@ class Relay:
         self.handed_over = 0  #: messages published from this process's appends, unread
         #: this process's committed appends not yet published
         self._handover = Handover(lambda: self.position, kept=4 * window)
+        #: the rows read last, compared with the log after a new session (a failover)
+        self._continuity = Continuity()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until ``stop`` is set; the window in flight is finished first."""
@@ -292,6 +295,9 @@ class Relay:
                 self._trouble.recovered()
                 if not stop.is_set():
                     await self._wait(stopping)
+            except LogDiverged as exc:  # a failover lost events this relay had published
+                _log.error("relay: %s; publishing again from position %d", exc, exc.position)
+                self._go_back(exc.position - 1)
             except Exception as exc:
                 if _no_stream(exc):
                     self._check_at = 0.0  # have the keeper look at once
@@ -312,10 +318,15 @@ class Relay:
             return
         self._check_at = time.monotonic() + keeper.interval
         if start is not None and start <= self.position:
-            self.position = start - 1
-            self._mark.go_back(self.position)
-            self._handover.discard_passed()
-            self._last_seq = None
+            self._go_back(start - 1)
+
+    def _go_back(self, position: int) -> None:
+        """Publish again from after ``position`` (the stream lacks what came after it, or
+        the log does not hold it any more); JetStream drops the ids it stored already."""
+        self.position = position
+        self._mark.go_back(position)
+        self._handover.discard_passed()
+        self._last_seq = None
 
     @property
     def saved(self) -> int:
@@ -333,6 +344,7 @@ class Relay:
 
     async def _drain(self, stop: asyncio.Event) -> None:
         self._handover.offered.clear()  # an offer from here on wakes the next wait at once
+        await self._store.verify(self._continuity)  # (after a new session: a failover?)
         while not stop.is_set():
             offered = self._take_offered()
             if (
@@ -351,7 +363,9 @@ class Relay:
                 continue
             if self._store.known_head <= self.position:
                 break  # nothing committed past us that we heard of
-            async for page in self._store.read_rows(self.position, batch_size=self._window):
+            async for page in self._store.read_rows(
+                self.position, batch_size=self._window, continuity=self._continuity
+            ):
                 made = (outgoing(self._names, row, self._carried) for row in page)
                 await self._publish_window([m for m in made if m is not None], len(page))
                 self._advance(page[-1][rows.POSITION])

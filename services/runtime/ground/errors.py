@@ -33,7 +33,11 @@ Callers decide what to do by type, never by message text::
         │                     hold of a dedicated device, a duplicate event id), a
         │                     JetStream publish with a wrong expected last sequence
         ├── CapacityExceeded  the ledger's CHECK (allocated <= total) refused the write
-        └── AlreadyHandled    a consumer's message was recorded as handled before
+        ├── AlreadyHandled    a consumer's message was recorded as handled before
+        └── LogDiverged       rows a reader read from the log are not the database's
+                              rows at those positions any more: events an old primary
+                              showed that the promoted standby never got
+                              (services.runtime.store.continuity)
 
 ``CapacityExceeded`` is a :class:`ConflictError` rather than a permanent error: it
 means that the decision was taken on a stale view of the ledger (the allocator never
@@ -180,6 +184,16 @@ class CapacityExceeded(ConflictError):  # noqa: N818
 
 class AlreadyHandled(ConflictError):  # noqa: N818
     """An append that records consumed messages found one recorded before; nothing written."""
+
+
+class LogDiverged(ConflictError):  # noqa: N818
+    """What a reader read of the log is not what the database holds at those positions
+    (a failover lost events an old primary had shown): read again from before
+    :attr:`position`, the first position that differs (:mod:`services.runtime.store.continuity`)."""
+
+    def __init__(self, message: str, *, position: int) -> None:
+        super().__init__(message)
+        self.position = position
 
 
 _RETRYABLE: tuple[type[BaseException], ...] = (

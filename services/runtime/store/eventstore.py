@@ -117,6 +117,7 @@ from services.runtime.store.appends import (
     pending_of,
     stored_envelopes,
 )
+from services.runtime.store.continuity import Continuity
 from services.runtime.store.dbclock import DatabaseClock
 from services.runtime.store.failover import (
     Connector,
@@ -153,6 +154,18 @@ class Snapshot(msgspec.Struct, frozen=True):
 # --- connection setup ---------------------------------------------------------------------
 
 
+class _Opened:
+    """How many sessions a store has opened (its pool's and its listener's)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def init(self, connection: asyncpg.Connection) -> None:
+        """The pool's ``init``: counted, then set up like every connection."""
+        self.count += 1
+        await _init_connection(connection)
+
+
 async def _init_connection(connection: asyncpg.Connection) -> None:
     await connection.set_type_codec(
         "jsonb",
@@ -161,6 +174,11 @@ async def _init_connection(connection: asyncpg.Connection) -> None:
         encoder=lambda data: b"\x01" + data,
         decoder=lambda data: data[1:],
     )
+
+
+async def _verified(pool: asyncpg.Pool, continuity: Continuity, store: EventStore) -> None:
+    async with pool.acquire() as connection:
+        await continuity.check(connection, store.sessions)
 
 
 async def _keep_session(connection: asyncpg.Connection) -> None:
@@ -188,7 +206,7 @@ def _expire(waiter: asyncio.Future[object]) -> None:
         waiter.set_result(None)
 
 
-def _broken(connection: Any) -> bool:
+def session_gone(connection: Any) -> bool:
     """Whether a pooled connection's session is gone. asyncpg takes a connection that
     closed back into its pool at once and detaches the caller's proxy, whose
     ``is_closed()`` then raises instead of answering."""
@@ -276,9 +294,15 @@ class EventStore:
     """Append-only event log with the database's guards (see the module docstring)."""
 
     def __init__(
-        self, pool: asyncpg.Pool, settings: Settings, *, sharing: EventStore | None = None
+        self,
+        pool: asyncpg.Pool,
+        settings: Settings,
+        *,
+        sharing: EventStore | None = None,
+        opened: _Opened | None = None,
     ) -> None:
         self._pool = pool
+        self._opened = opened or _Opened()
         self._settings = settings
         self._listener: asyncpg.Connection | None = None
         self._listener_lock = asyncio.Lock()
@@ -303,17 +327,18 @@ class EventStore:
         """
         connector = Connector(settings.failover_timeout_s)
         quiet_pool_log()
+        opened = _Opened()
         pool = await asyncpg.create_pool(
             settings.database_url,
             min_size=settings.pool_min_size,
             max_size=settings.pool_max_size,
-            init=_init_connection,
+            init=opened.init,
             reset=_keep_session,
             server_settings=server_settings(settings),
             connect=connector,
         )
         connector.opened()  # from here on a connect rides out a failover
-        return cls(pool, settings, sharing=sharing)
+        return cls(pool, settings, sharing=sharing, opened=opened)
 
     async def close(self) -> None:
         """Close the listener connection and the pool."""
@@ -503,7 +528,7 @@ class EventStore:
                 connection.terminate()  # a demoted primary: connect again, to the new one
                 raise
             except Exception as exc:
-                if _broken(connection):  # whatever asyncpg raised: the session broke
+                if session_gone(connection):  # whatever asyncpg raised: the session broke
                     raise ConnectionLost(f"connection lost during an append: {exc}") from exc
                 raise
         self._committed(stored, pending)
@@ -658,13 +683,27 @@ class EventStore:
         )
         return found
 
+    @property
+    def sessions(self) -> int:
+        """How many database sessions this store has opened (a reader compares what it
+        read last with the log after each new one: :mod:`services.runtime.store.continuity`)."""
+        return self._opened.count
+
     async def read_rows(
-        self, from_position: int = 0, batch_size: int = 1000, to_position: int | None = None
+        self,
+        from_position: int = 0,
+        batch_size: int = 1000,
+        to_position: int | None = None,
+        *,
+        continuity: Continuity | None = None,
     ) -> AsyncGenerator[list[asyncpg.Record], None]:
         """Raw rows after ``from_position`` (up to ``to_position``), one batch at a time.
 
         A failure the failover deadline covers (a lost connection, no primary yet) reads
-        on from the last row handed out, on a new connection, until the deadline."""
+        on from the last row handed out, on a new connection, until the deadline.
+        ``continuity``: what the reader read last, compared with the log first when a
+        session was opened since (:class:`~services.runtime.ground.errors.LogDiverged`
+        when it differs) and kept up to date with the rows handed out."""
         deadline = Deadline(self._settings.failover_timeout_s)
         position = from_position
         while True:
@@ -672,17 +711,27 @@ class EventStore:
             try:
                 async with self._pool.acquire() as connection:
                     try:
+                        if continuity is not None and continuity.due(self.sessions):
+                            await continuity.check(connection, self.sessions)
                         async for rows in iter_rows(connection, position, batch_size, to_position):
                             position = rows[-1][0]
+                            if continuity is not None:
+                                continuity.saw(rows)
                             yield rows
                     except Exception:  # (not GeneratorExit: a reader that stopped early)
-                        lost = _broken(connection)
+                        lost = session_gone(connection)
                         raise
                 return
             except Exception as exc:
                 retryable = lost or isinstance(map_database_error(exc), RetryableError)
                 if not retryable or not await deadline.wait():
                     raise
+
+    async def verify(self, continuity: Continuity) -> None:
+        """Compare what a reader read last with the log now, if a session was opened since
+        (:mod:`services.runtime.store.continuity`); asked again through a failover."""
+        if continuity.due(self.sessions):
+            await self.reading(lambda pool: _verified(pool, continuity, self))
 
     async def read_all(
         self, from_position: int = 0, batch_size: int = 1000, to_position: int | None = None
@@ -753,6 +802,7 @@ class EventStore:
                 self._listener = None  # the server went away with it: listen anew
             if self._listener is None:
                 listener = await connect(self._settings, through_failover=True)
+                self._opened.count += 1
                 try:
                     await listener.add_listener(CHANNEL, self._notified)
                     for channel in self._notices:

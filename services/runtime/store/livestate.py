@@ -108,13 +108,16 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Final, TypeAlias
 
+import asyncpg
+
 from events.envelopes import Envelope
 from events.folding import Refusal, fold_event, fold_stored
 from events.state import ClusterState
 from events.transitions import INVENTORY_CHANGES, events_meaning
-from services.runtime.ground.errors import RuntimeServiceError
+from services.runtime.ground.errors import LogDiverged, RuntimeServiceError
 from services.runtime.ground.outages import is_unreachable
 from services.runtime.ground.waiting import Signal, all_of, first_of, signalled, wait_for
+from services.runtime.store.continuity import Continuity
 from services.runtime.store.eventstore import ANSWER_WAIT_S, Connection, EventStore, iter_rows
 from services.runtime.store.handover import Handover
 from services.runtime.store.refusals import note
@@ -160,6 +163,8 @@ _VIOLATIONS_KEPT: Final = 100
 _OFFERED_KEPT: Final = 4096
 #: How long fresh() waits for the tailer to fold a position before it reads the log.
 TAIL_WAIT_S: Final = 0.5
+#: Rows per page when the log is folded again after a failover lost events
+REFOLD_PAGE: Final = 5000
 
 
 class LiveState:
@@ -178,6 +183,8 @@ class LiveState:
         self._replaced: list[Callable[[ClusterState], None]] = []
         self._versions: dict[str, int] = {}
         self._versions_complete = True  # False after starting from a snapshot
+        #: the rows read last, compared with the log after a new session (a failover)
+        self._continuity = Continuity()
         self._read_lock = asyncio.Lock()  # one log read at a time (callers share it)
         self._fold_lock = asyncio.Lock()  # held by frozen() and while a page is folded
         self._reads_started = 0  # log reads begun (numbered from 1)
@@ -227,8 +234,9 @@ class LiveState:
 
     def replace(self, state: ClusterState) -> None:
         """Serve ``state`` from now on (a fold that was checked: the one the snapshot this
-        view started from did not match). Call it inside :meth:`frozen`, with ``state``
-        at the view's position or past it."""
+        view started from did not match, or the log's after a failover lost events this
+        view had folded). Call it inside :meth:`frozen`, with ``state`` at the view's
+        position or past it — before it only when the log lost what the view had read."""
         self.state = state
         self.unchecked_start = None
         self.inventory_generation += 1
@@ -357,18 +365,65 @@ class LiveState:
             folded = 0
             position = self.state.position
             pages = (
-                self.store.read_rows(position, self.batch_size)
+                self.store.read_rows(position, self.batch_size, continuity=self._continuity)
                 if connection is None
-                else iter_rows(connection, position, self.batch_size)
+                else self._rows_on(connection, position)
             )
-            async for rows in pages:
-                async with self._fold_lock:  # not while a decision holds the state still
-                    self._fold_rows(rows)
-                folded += len(rows)
-                if self._position_waiters:
-                    self._wake_position_waiters()
+            try:
+                async for rows in pages:
+                    async with self._fold_lock:  # not while a decision holds the state still
+                        self._fold_rows(rows)
+                    folded += len(rows)
+                    if self._position_waiters:
+                        self._wake_position_waiters()
+            except LogDiverged as exc:
+                folded = await self._fold_again(exc)
             self._reads_done = read
         return folded
+
+    async def _rows_on(
+        self, connection: Connection, position: int
+    ) -> AsyncIterator[list[asyncpg.Record]]:
+        """The rows after ``position`` read on the caller's connection, compared and kept
+        as :meth:`EventStore.read_rows` does with the pool's."""
+        continuity = self._continuity
+        if continuity.due(self.store.sessions):
+            await continuity.check(connection, self.store.sessions)
+        async for rows in iter_rows(connection, position, self.batch_size):
+            continuity.saw(rows)
+            yield rows
+
+    async def _fold_again(self, diverged: LogDiverged) -> int:
+        """The log folded anew from position 0 and served instead of this view, which
+        folded events a failover lost (:mod:`services.runtime.store.continuity`)."""
+        while True:
+            log.error("live state: %s; folding the log again from position 0", diverged)
+            try:
+                scratch, versions, folded = await self._fold_from_start()
+                break
+            except LogDiverged as again:  # another failover while it folded
+                diverged = again
+        async with self._fold_lock:
+            self._versions, self._versions_complete = versions, True
+            self.replace(scratch)
+        if self._position_waiters:
+            self._wake_position_waiters()
+        return folded
+
+    async def _fold_from_start(self) -> tuple[ClusterState, dict[str, int], int]:
+        """A new fold of the whole log, its streams' versions and its length."""
+        scratch, versions, folded = ClusterState(), {}, 0
+        async for rows in self.store.read_rows(0, REFOLD_PAGE, continuity=self._continuity):
+            for row in rows:
+                versions[row[STREAM]] = row[STREAM_VERSION]
+                event = fold_stored(
+                    scratch, row[PAYLOAD], row[TYPE], row[SCHEMA_VERSION], row[POSITION]
+                )
+                if type(event) is Refusal:
+                    note(event, str(row[EVENT_ID]), row[ACTOR])
+            folded += len(rows)
+            await asyncio.sleep(0)  # the others run between pages
+        return scratch, versions, folded
 
     async def _tailer_reaches(self, position: int, within: float) -> bool:
         """Wait up to ``within`` seconds for the tailer to fold ``position`` (False: no tailer)."""
@@ -466,7 +521,11 @@ class LiveState:
                         )
                     ):
                         await self._fold_offered()  # the gap was an append of ours
-                    if read or self.store.known_head > self.state.position:
+                    if (
+                        read
+                        or self.store.known_head > self.state.position
+                        or self._continuity.due(self.store.sessions)  # (a failover?)
+                    ):
                         await self._read(None)  # others' commits (or a gap): read them
                     read = False
                     await self.store.wait_for_new(
