@@ -795,10 +795,11 @@ class Consumer:
         try:
             await held.connection.execute("SELECT pg_advisory_unlock($1)", self._lock_key)
         except BaseException as exc:
+            # asked before closing it here: a session closed by us is gone too
+            gone = is_unreachable(exc) or session_gone(held.connection)
             # the pool resets nothing: the lock must not stay (a session given back
             # already — its server died under a commit — holds none)
             close_session(held.connection)
-            gone = is_unreachable(exc) or session_gone(held.connection)
             if not (gone and isinstance(exc, Exception)):
                 raise
             # the session died with its server (a failover): its lock went with it; a

@@ -88,12 +88,12 @@ class Continuity:
     async def check(
         self, connection: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, sessions: int
     ) -> None:
-        """Compare the rows read last with the database's (``sessions``: the store's
-        count before this call); raise :class:`LogDiverged` at the first that differs."""
-        kept = self.last()
-        if not kept:
-            self.checked = sessions
+        """Compare the rows read last with the database's, if a session was opened since
+        (``sessions``: the store's count now; :meth:`due`); raise :class:`LogDiverged` at
+        the first that differs."""
+        if not self.due(sessions):
             return
+        kept = self.last()
         rows = await connection.fetch(_HELD, kept[0][0], kept[-1][0])
         held: dict[int, str] = {row[0]: row[1] for row in rows}
         for position, event_id in kept:

@@ -711,7 +711,7 @@ class EventStore:
             try:
                 async with self._pool.acquire() as connection:
                     try:
-                        if continuity is not None and continuity.due(self.sessions):
+                        if continuity is not None:
                             await continuity.check(connection, self.sessions)
                         async for rows in iter_rows(connection, position, batch_size, to_position):
                             position = rows[-1][0]

@@ -387,8 +387,7 @@ class LiveState:
         """The rows after ``position`` read on the caller's connection, compared and kept
         as :meth:`EventStore.read_rows` does with the pool's."""
         continuity = self._continuity
-        if continuity.due(self.store.sessions):
-            await continuity.check(connection, self.store.sessions)
+        await continuity.check(connection, self.store.sessions)
         async for rows in iter_rows(connection, position, self.batch_size):
             continuity.saw(rows)
             yield rows
