@@ -36,7 +36,7 @@ integers cannot hold the nanos of a device above ~18 GiB; JSON integers are unbo
 from __future__ import annotations
 
 import datetime
-from typing import Final, Literal, TypeAlias
+from typing import Final, Literal, TypeAlias, TypeVar
 
 import msgspec
 
@@ -63,6 +63,7 @@ __all__ = [
     "ShareChange",
     "ShareState",
     "ShareStatus",
+    "TrackedDict",
 ]
 
 DeviceKey: TypeAlias = tuple[str, str, str]
@@ -91,6 +92,31 @@ TERMINAL_PHASES: Final = frozenset({"rejected", "withdrawn", "released", "failed
 #: Terminal phases after which the claim's name may be applied again with another spec
 #: (a failed claim is deleted first: it may still hold its shares).
 REUSABLE_PHASES: Final = TERMINAL_PHASES - {"failed"}
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class TrackedDict(dict[_K, _V]):
+    """A dict the garbage collector never stops tracking, for the fold's big maps keyed
+    by tuples (claims, devices, pools).
+
+    CPython untracks a plain dict at a collection when none of its keys and values
+    needs tracking — a map of ``gc=False`` Structs under ``(namespace, name)`` keys, once
+    its key tuples have been untracked themselves — and tracks it again, in the youngest
+    generation, as soon as a fresh (still tracked) tuple is inserted as a key: the next
+    young, middle and full collections each walk the whole map (1.9 ms per young one at
+    100,000 claims), and a full collection untracks it again. A process that folds one
+    claim after another paid that at nearly every collection, a cost that grew with
+    what is live (docs/services.md, "A dict the collector walks again after every full
+    collection"). CPython only untracks exact dicts: a subclass stays tracked, so the
+    first full collection leaves it in the oldest generation and
+    ``services.runtime.ground.gctuning.freeze_survivors`` freezes it there for good;
+    inserting keys moves it nowhere. A process that freezes nothing walks it at full
+    collections only."""
+
+    __slots__ = ()
 
 
 # --- state --------------------------------------------------------------------------------
@@ -305,9 +331,11 @@ class ClusterState(msgspec.Struct, kw_only=True, eq=False):
     position: int = 0
     classes: dict[str, DeviceClassState] = {}
     slices: dict[str, ResourceSlice] = {}
-    pools: dict[tuple[str, str], PoolState] = {}
-    devices: dict[DeviceKey, DeviceState] = {}
-    claims: dict[ClaimKey, ClaimState] = {}
+    #: the maps keyed by tuples are always :class:`TrackedDict` (``__post_init__`` makes
+    #: one of whatever a caller passes; that class says why)
+    pools: dict[tuple[str, str], PoolState] = msgspec.field(default_factory=TrackedDict)
+    devices: dict[DeviceKey, DeviceState] = msgspec.field(default_factory=TrackedDict)
+    claims: dict[ClaimKey, ClaimState] = msgspec.field(default_factory=TrackedDict)
     shares: dict[str, ShareState] = {}
     nodes: dict[str, NodeState] = {}
     namespaces: dict[str, NamespaceState] = {}
@@ -330,6 +358,12 @@ class ClusterState(msgspec.Struct, kw_only=True, eq=False):
     #: another state. Kept like ``phases_before`` (``events.fold._set_share``): a share
     #: held, Unknown, known again or released is said there once. Not stored, not compared.
     shares_before: dict[str, ShareStatus | None] = {}
+
+    def __post_init__(self) -> None:
+        for name in _TRACKED:
+            mapping = getattr(self, name)
+            if type(mapping) is not TrackedDict:
+                setattr(self, name, TrackedDict(mapping))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ClusterState):
@@ -369,6 +403,8 @@ class ClusterState(msgspec.Struct, kw_only=True, eq=False):
         return self.live_claims.get(namespace, 0)
 
 
+#: the maps keyed by tuples that a state keeps as :class:`TrackedDict`
+_TRACKED: Final = ("pools", "devices", "claims")
 #: the fields :meth:`ClusterState.__eq__` compares: all but the last event's journal
 _JOURNAL: Final = frozenset({"phases_before", "shares_before"})
 _FOLDED: Final = tuple(f for f in ClusterState.__struct_fields__ if f not in _JOURNAL)

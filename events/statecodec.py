@@ -37,6 +37,7 @@ from events.state import (
     NodeState,
     PoolState,
     ShareState,
+    TrackedDict,
 )
 
 __all__ = [
@@ -169,7 +170,7 @@ def snapshot_decode(data: bytes) -> ClusterState:
         raise SnapshotError(f"snapshot does not decode: {exc}") from exc
     if snap.format != SNAPSHOT_FORMAT:
         raise SnapshotError(f"snapshot format {snap.format} is not {SNAPSHOT_FORMAT}")
-    claims = dict(snap.claims)
+    claims = TrackedDict(snap.claims)
     live: dict[str, int] = {}
     for (namespace, _), claim in claims.items():
         if claim.phase not in REUSABLE_PHASES:
@@ -178,8 +179,8 @@ def snapshot_decode(data: bytes) -> ClusterState:
         position=snap.position,
         classes=snap.classes,
         slices=snap.slices,
-        pools=dict(snap.pools),
-        devices=dict(snap.devices),
+        pools=TrackedDict(snap.pools),
+        devices=TrackedDict(snap.devices),
         claims=claims,
         shares=snap.shares,
         nodes=snap.nodes,

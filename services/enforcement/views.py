@@ -48,6 +48,7 @@ from events.state import (
     DeviceState,
     NodeState,
     ShareState,
+    TrackedDict,
 )
 
 __all__ = ["NodeView", "Scope", "decode_view", "encode_view", "scope"]
@@ -73,8 +74,8 @@ class NodeView(msgspec.Struct, kw_only=True):
             position=self.position,
             classes=self.classes,
             slices=self.slices,
-            devices=dict(self.devices),
-            claims=dict(self.claims),
+            devices=TrackedDict(self.devices),
+            claims=TrackedDict(self.claims),
             shares=self.shares,
             nodes=self.nodes,
         )
