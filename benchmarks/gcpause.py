@@ -155,7 +155,7 @@ def main() -> None:
     if args.grow:
         for run in range(args.runs):
             result = grown(args.events, args.churn)
-            cells = _cells(result, sums=False)
+            cells = _cells(result, sums=True)
             print(
                 f"run {run + 1} grown to {result['claims']:,} claims in {result['wall_s']:.1f} s: "
                 f"{cells}; the next full collection {result['full_after_s'] * 1000:.1f} ms",

@@ -13,19 +13,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import asyncpg
+from nats.js import JetStreamContext
 
 from events.subjects import BusNames
 from services.runtime.bus.jetstream import connect_bus, ensure_stream
-from services.runtime.delivery.relaying import Relay
+from services.runtime.delivery.relaying import CHECKPOINT, Outgoing, Relay
 from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, LiveState
 from tests.fixtures.contexts import handed
 from tests.fixtures.lostcommits import admit, end_sessions, lose_last
 from tests.fixtures.polling import POLL_S, until
+from tests.integration.test_bus import Running
 from tests.integration.test_two_relays import stream_ids
 
 WITHIN_S = 30.0
@@ -78,31 +81,84 @@ async def test_a_live_state_that_folded_a_lost_event_folds_the_log_again(
 async def test_a_relay_that_published_a_lost_event_publishes_what_took_its_position(
     settings: Settings, db: asyncpg.Connection, nats_url: str
 ) -> None:
+    async with (
+        _stream(nats_url) as (names, js),
+        await EventStore.open(settings) as writer,
+        await EventStore.open(settings) as own,
+    ):
+        relay = Relay(handed(own, names, js=js), window=16, idle_poll=0.2)
+        async with Running(relay.run):
+            _, first = await admit(writer, "a")
+            ghost, lost = await admit(writer, "ghost")
+            await _until_stored(nats_url, names, [first, lost])
+            await lose_last(db, ghost)
+            await end_sessions(db)
+            position, taken = await admit(writer, "b")
+            assert position == ghost
+            await _until_stored(nats_url, names, [first, lost, taken])
+            _, later = await admit(writer, "c")
+            await _until_stored(nats_url, names, [first, lost, taken, later])
+
+
+class _Held(Relay):
+    """A relay whose publishing stops for good once ``hold`` is set: a process that dies
+    before it publishes anything more."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hold = asyncio.Event()
+        self.held = asyncio.Event()
+
+    async def _publish_window(self, messages: Sequence[Outgoing], events: int) -> None:
+        if self.hold.is_set():
+            self.held.set()
+            await asyncio.Event().wait()
+        await super()._publish_window(messages, events)
+
+
+async def test_a_relay_killed_after_going_back_publishes_what_took_the_lost_position(
+    settings: Settings, db: asyncpg.Connection, nats_url: str
+) -> None:
+    """The relay's stored checkpoint had passed the lost event; going back stores the
+    earlier position before it publishes, so the next relay starts there."""
+    async with (
+        _stream(nats_url) as (names, js),
+        await EventStore.open(settings) as writer,
+        await EventStore.open(settings) as own,
+    ):
+        first_relay = _Held(handed(own, names, js=js), window=16, idle_poll=0.2)
+        task = asyncio.create_task(first_relay.run(asyncio.Event()))
+        try:
+            _, first = await admit(writer, "a")
+            ghost, lost = await admit(writer, "ghost")
+            await _until_stored(nats_url, names, [first, lost])
+            await until(lambda: first_relay.saved >= ghost, WITHIN_S, "the checkpoint")
+            first_relay.hold.set()
+            await lose_last(db, ghost)
+            await end_sessions(db)
+            position, taken = await admit(writer, "b")
+            assert position == ghost
+            await until(first_relay.held.is_set, WITHIN_S, "the relay publishing again")
+            stored = await db.fetchval(
+                "SELECT position FROM consumer_checkpoints WHERE consumer = $1", CHECKPOINT
+            )
+            assert stored == ghost - 1
+        finally:
+            task.cancel()  # the process dies before it published b
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        async with Running(Relay(handed(own, names, js=js), window=16, idle_poll=0.2).run):
+            await _until_stored(nats_url, names, [first, lost, taken])
+
+
+@contextlib.asynccontextmanager
+async def _stream(nats_url: str) -> AsyncIterator[tuple[BusNames, JetStreamContext]]:
+    """A stream of its own for the test, deleted after it."""
     names = BusNames(prefix=f"t{uuid.uuid4().hex[:8]}")
     nc, js = await connect_bus(nats_url)
     await ensure_stream(js, names)
-    stop = asyncio.Event()
     try:
-        async with (
-            await EventStore.open(settings) as writer,
-            await EventStore.open(settings) as own,
-        ):
-            relay = Relay(handed(own, names, js=js), window=16, idle_poll=0.2)
-            task = asyncio.create_task(relay.run(stop))
-            try:
-                _, first = await admit(writer, "a")
-                ghost, lost = await admit(writer, "ghost")
-                await _until_stored(nats_url, names, [first, lost])
-                await lose_last(db, ghost)
-                await end_sessions(db)
-                position, taken = await admit(writer, "b")
-                assert position == ghost
-                await _until_stored(nats_url, names, [first, lost, taken])
-                _, later = await admit(writer, "c")
-                await _until_stored(nats_url, names, [first, lost, taken, later])
-            finally:
-                stop.set()
-                await task
+        yield names, js
     finally:
         await js.delete_stream(names.stream)
         await nc.close()

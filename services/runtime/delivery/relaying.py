@@ -322,7 +322,8 @@ class Relay:
 
     def _go_back(self, position: int) -> None:
         """Publish again from after ``position`` (the stream lacks what came after it, or
-        the log does not hold it any more); JetStream drops the ids it stored already."""
+        the log does not hold it any more); JetStream drops the ids it stored already.
+        The next drain stores the go-back first where the stored row is ahead of it."""
         self.position = position
         self._mark.go_back(position)
         self._handover.discard_passed()
@@ -344,6 +345,7 @@ class Relay:
 
     async def _drain(self, stop: asyncio.Event) -> None:
         self._handover.offered.clear()  # an offer from here on wakes the next wait at once
+        await self._mark.rewound()  # a go-back behind the stored row is stored first
         await self._store.verify(self._continuity)  # (after a new session: a failover?)
         while not stop.is_set():
             offered = self._take_offered()

@@ -44,7 +44,10 @@ the next full collection walks only what survived since — a pause that grows w
 churn between two collections, not with what is live. A frozen object that dies is
 still freed by its reference count (the fold is acyclic); only a *cycle* among frozen
 objects that turns to garbage waits. It starts with a full collection of its own, at
-startup, whose survivors are the first frozen set.
+startup, whose survivors are the first frozen set. It freezes only what is tracked: a
+plain dict that a full collection untracked (nothing in it needed tracking) and the next
+insertion tracked again is young once more, and walked by every collection until the
+next full one: the fold keeps its big maps as :class:`events.state.TrackedDict` for that.
 
 So that such garbage does not pile up, everything is walked again now and then: once
 :data:`REWALK_S` (10 minutes) have passed since the last walk of everything, a thread
