@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from events.subjects import BusNames
 from services.runtime.bus.jetstream import connect_bus, ensure_stream
 from services.runtime.delivery.relaying import CHECKPOINT, Outgoing, Relay
+from services.runtime.ground.metrics import REGISTRY
 from services.runtime.ground.settings import Settings
 from services.runtime.store.eventstore import EventStore
 from services.runtime.store.livestate import HEAD, LiveState
@@ -57,13 +58,14 @@ async def test_a_live_state_that_folded_a_lost_event_folds_the_log_again(
     ):
         await admit(writer, "a")
         # sessions ended with nothing lost: the view compares, finds the log, goes on
-        sessions, state = own.sessions, live.state
+        sessions, state, counted = own.sessions, live.state, _divergences()
         await end_sessions(db)
         await until(lambda: own.sessions > sessions, WITHIN_S, "the sessions opened again")
         ghost, _ = await admit(writer, "ghost")
         await until(lambda: live.state.position == ghost, WITHIN_S, "the ghost folded")
         assert ("t", "ghost") in live.state.claims
         assert live.state is state  # not folded again
+        assert _divergences() == counted
         await lose_last(db, ghost)
         await end_sessions(db)
         assert (await admit(writer, "b"))[0] == ghost  # the lost event's position
@@ -72,6 +74,7 @@ async def test_a_live_state_that_folded_a_lost_event_folds_the_log_again(
         assert ("t", "a") in live.state.claims
         assert live.state.position == ghost
         assert await live.stream_version("claim:t/b") == 1
+        assert _divergences() == counted + 1
         # and it goes on tailing the log as it is now
         after, _ = await admit(writer, "c")
         await until(lambda: ("t", "c") in live.state.claims, WITHIN_S, "c folded")
@@ -149,6 +152,10 @@ async def test_a_relay_killed_after_going_back_publishes_what_took_the_lost_posi
                 await task
         async with Running(Relay(handed(own, names, js=js), window=16, idle_poll=0.2).run):
             await _until_stored(nats_url, names, [first, lost, taken])
+
+
+def _divergences() -> float:
+    return REGISTRY.get_sample_value("dracap_log_divergences_total") or 0.0
 
 
 @contextlib.asynccontextmanager

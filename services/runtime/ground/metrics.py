@@ -56,6 +56,7 @@ __all__ = [
     "LEASE_RENEWALS",
     "LEASE_RENEWAL_STATEMENTS",
     "LOG_APPEND_DURATION",
+    "LOG_DIVERGENCES",
     "NODE_REQUESTS",
     "REGISTRY",
     "REJECTIONS",
@@ -303,6 +304,13 @@ EVENTS_REFUSED: Final = Counter(
     "Stored events this process's readers skipped because the fold refuses them, by reason "
     "(undecodable, invariant, error); each event counted once per process.",
     ["reason"],
+    registry=REGISTRY,
+)
+LOG_DIVERGENCES: Final = Counter(
+    "dracap_log_divergences_total",
+    "Times one of this process's readers of the log (a live view, the relay) found events "
+    "it had read gone from the log (a database failover lost commits it had seen) and read "
+    "the log again from there.",
     registry=REGISTRY,
 )
 SNAPSHOT_CHECKS: Final = Counter(

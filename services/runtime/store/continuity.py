@@ -23,7 +23,9 @@ the reader takes anything more. A difference raises
 :class:`~services.runtime.ground.errors.LogDiverged` with the first position that
 differs: everything before it is the database's, and the reader reads again from
 there (the relay, :mod:`services.runtime.delivery.relaying`) or folds the log again
-(the live state, :mod:`services.runtime.store.livestate`, which cannot unfold).
+(the live state, :mod:`services.runtime.store.livestate`, which cannot unfold). Each
+difference is counted (``dracap_log_divergences_total``; the alert
+``DracapLogDiverged``): the readers recover, but the log lost commits that were seen.
 
 Cost: nothing per row read (a page is kept by reference); one query after a session
 was opened — at the start, when the pool grows, after an idle session expired, and
@@ -39,6 +41,7 @@ from typing import Final
 import asyncpg
 
 from services.runtime.ground.errors import LogDiverged
+from services.runtime.ground.metrics import LOG_DIVERGENCES
 from services.runtime.store.rows import EVENT_ID, POSITION
 
 __all__ = ["KEPT", "Continuity"]
@@ -99,6 +102,7 @@ class Continuity:
         for position, event_id in kept:
             if held.get(position) != str(event_id):  # (a row read as a UUID: the same id)
                 self.forget()
+                LOG_DIVERGENCES.inc()
                 raise LogDiverged(
                     f"the event read at position {position} ({event_id}) is not in the log "
                     f"now ({held.get(position) or 'no event there'}): a failover lost it",
