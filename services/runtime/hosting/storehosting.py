@@ -51,8 +51,10 @@ class StoreProcessContext(ProcessContext):
         self, live: LiveState, work: Awaitable[None], *, on_demand: bool = False
     ) -> None:
         """Await ``work`` while ``live`` follows the log (tails it, or ``on_demand``:
-        :meth:`~services.runtime.store.livestate.LiveState.follow_on_demand`); both end
-        when either does."""
+        :meth:`~services.runtime.store.livestate.LiveState.follow_on_demand`), stopped
+        when ``work`` ends. A tailing that fails first leaves ``work`` running: the
+        ``state`` check says the view is not tailing (the process is not ready), and the
+        tailing's error is raised once ``work`` ends."""
         follow = live.follow_on_demand if on_demand else live.run
         tail = asyncio.create_task(follow(self.stop))
         try:
