@@ -13,9 +13,9 @@ consumer it is a high-water mark for lag — exactly-once comes from
 (:meth:`HighWaterMark.advance`, no I/O) and a companion task (:meth:`HighWaterMark.run`)
 stores the newest one when it moved — one small autocommit at a time, never two at
 once, at most one per ``interval`` (under load a store per group would be a fifth of
-all the statements the services send), ``GREATEST`` so a row never goes back. On a
-clean stop the last position is stored before ``run`` returns; a crash loses at most
-what moved since the last store.
+all the statements the services send), ``GREATEST`` so a store never moves the row
+back (a go-back does: below). On a clean stop the last position is stored before
+``run`` returns; a crash loses at most what moved since the last store.
 
 The relay also goes *back* (:meth:`HighWaterMark.go_back`): the stream lost what it had
 published, or a failover lost events of the log that it had read and published (the
