@@ -70,6 +70,7 @@ from events.subjects import BusNames
 from services.replay.verify import summary, verify
 from services.runtime.bus.apiclient import ApiClient, ApiError
 from services.runtime.bus.credentials import Credential
+from services.runtime.bus.endpoints import ServerUnavailable
 from services.runtime.ground.settings import Settings
 
 KINDS: Final = (
@@ -491,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     except asyncio.CancelledError:  # SIGTERM: everything it started is stopped
         print("stopped (SIGTERM)", file=sys.stderr)
         return 130
+    except ServerUnavailable as exc:  # e.g. no API answered in time: the logs' ends above
+        print(f"FAIL: {exc}")
+        return 1
 
 
 if __name__ == "__main__":

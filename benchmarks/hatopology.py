@@ -257,11 +257,27 @@ async def running_topology(nodes: list[str], keep: bool = False) -> AsyncIterato
     try:
         async with _running(root, nodes) as topology:
             yield topology
+    except Exception:  # the logs' ends, before they go: all a test's failure can show
+        print_log_ends(root / "logs")
+        raise
     finally:
         if keep:
             print(f"logs kept in {root}", file=sys.stderr)
         else:
             shutil.rmtree(root, ignore_errors=True)
+
+
+#: lines printed from the end of each log when a run fails
+LOG_END_LINES: Final = 6
+
+
+def print_log_ends(logs: Path) -> None:
+    """The last :data:`LOG_END_LINES` lines of every log under ``logs``, on stdout."""
+    for log in sorted(logs.glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-LOG_END_LINES:]
+        print(f"--- the end of {log.name}" + ("" if lines else " (empty)"))
+        for line in lines:
+            print(f"  {line[:300]}")
 
 
 @contextlib.asynccontextmanager
