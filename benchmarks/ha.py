@@ -367,15 +367,19 @@ class Harness:
     async def run(self) -> int:
         operator = self.topology.auth.operator()
         tenant = self.topology.auth.tenant(NAMESPACE, NAMESPACE)
-        async with _client(self.topology.nats.url, operator) as admin:
-            deadline = time.monotonic() + 120
-            for op, body in _inventory():
-                await _until_acknowledged(functools.partial(admin.admin, op, body), deadline)
-            access = {"namespace": NAMESPACE, "classes": ["*"]}
-            await _until_acknowledged(lambda: admin.admin("namespaces.access", access), deadline)
         done = asyncio.Event()
+        # from the start, as a supervisor would: a process may end while the servers
+        # settle (both claims APIs did once, their first flush lost in a reconnect)
         supervisor = asyncio.create_task(self.supervise(done))
         try:
+            async with _client(self.topology.nats.url, operator) as admin:
+                deadline = time.monotonic() + 120
+                for op, body in _inventory():
+                    await _until_acknowledged(functools.partial(admin.admin, op, body), deadline)
+                access = {"namespace": NAMESPACE, "classes": ["*"]}
+                await _until_acknowledged(
+                    lambda: admin.admin("namespaces.access", access), deadline
+                )
             return await self._run(tenant)
         finally:
             done.set()
